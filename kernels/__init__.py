@@ -1,0 +1,59 @@
+"""Kernel entry points. Each op runs its Triton kernel on CUDA when one is registered for it,
+and the plain-torch reference (kernels/reference.py) everywhere else.
+
+A Triton module registers itself with ``register("op_name", fn)``; callers only ever import the
+names below, so kernels drop in without touching the models.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from kernels import reference
+from kernels.metadata import AttentionMetadata
+
+_cuda_impls: dict[str, Callable] = {}
+
+
+def register(name: str, fn: Callable) -> None:
+    _cuda_impls[name] = fn
+
+
+def _impl(name: str, x: torch.Tensor) -> Callable:
+    if x.is_cuda and name in _cuda_impls:
+        return _cuda_impls[name]
+    return getattr(reference, name)
+
+
+def write_kv(k, v, kv_cache, slot_mapping):
+    return _impl("write_kv", k)(k, v, kv_cache, slot_mapping)
+
+
+def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float, alibi_slopes=None):
+    return _impl("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return _impl("rms_norm", x)(x, weight, eps, residual)
+
+
+def layer_norm(x, weight, bias, eps):
+    return _impl("layer_norm", x)(x, weight, bias, eps)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    return _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache)
+
+
+def silu_mul(x):
+    return _impl("silu_mul", x)(x)
+
+
+def gelu(x, approximate="tanh"):
+    return _impl("gelu", x)(x, approximate)
+
+
+__all__ = [
+    "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
+    "rotary_embedding", "silu_mul", "gelu",
+]

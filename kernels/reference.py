@@ -1,0 +1,130 @@
+"""Plain-torch reference implementations of every kernel.
+
+The CPU path runs these; the Triton kernels are tested against them. Cache layout for one layer:
+``kv_cache[0]`` keys and ``kv_cache[1]`` values, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # k, v: [T, Hkv, D]; slot_mapping: [T], -1 marks a token whose KV is not stored (padding)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, N*bs, Hkv, D]
+    flat[0, slots] = k[keep].to(kv_cache.dtype)
+    flat[1, slots] = v[keep].to(kv_cache.dtype)
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block_size = kv_cache.shape[2]
+    n_blocks = (length + block_size - 1) // block_size
+    blocks = kv_cache[:, block_table[:n_blocks].long()]  # [2, n, bs, Hkv, D]
+    kv = blocks.flatten(1, 2)[:, :length]  # [2, length, Hkv, D]
+    return kv[0], kv[1]
+
+
+def _alibi_bias(slopes: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
+    # softmax is shift-invariant per row, so slope * key_position equals slope * (key - query) causally
+    pos = torch.arange(key_len, device=slopes.device, dtype=torch.float32)
+    return (slopes.float()[:, None] * pos[None, :]).to(dtype)  # [H, key_len]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # q: [T, H, D] -> out [T, H, D]; causal over each sequence's cached prefix plus its new tokens
+    if meta.decode_only:
+        return _decode_attention(q, kv_cache, meta, scale, alibi_slopes)
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        q_len = end - start
+        k, v = _gather_kv(kv_cache, meta.block_tables[i], seq_len)  # [L, Hkv, D]
+        group = num_heads // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qi = q[start:end].transpose(0, 1)  # [H, q_len, D]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, L]
+        mask = torch.zeros(q_len, seq_len, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        if alibi_slopes is not None:
+            mask = mask[None] + _alibi_bias(alibi_slopes, seq_len, q.dtype)[:, None, :]
+        o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _decode_attention(q, kv_cache, meta, scale, alibi_slopes):
+    # one query per sequence: gather every sequence's blocks at once and mask past its length
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    tables = meta.block_tables[:, :max_blocks].long()
+    kv = kv_cache[:, tables].flatten(2, 3)  # [2, S, L, Hkv, D]
+    k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", qg.float(), k.float()) * scale  # [S, Hkv, G, L]
+    if alibi_slopes is not None:
+        bias = _alibi_bias(alibi_slopes, k.shape[1], torch.float32).view(num_kv_heads, group, -1)
+        scores = scores + bias[None]
+    positions = torch.arange(k.shape[1], device=q.device)
+    valid = positions[None, :] < meta.seq_lens.to(q.device)[:, None].long()  # [S, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("skgl,slkd->skgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    # with a residual: x += residual first and return (normed, new residual), as fused kernels do
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return out if residual is None else (out, residual)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps).to(x.dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # NeoX/Llama layout: rotate the two halves of the first rot_dim channels.
+    # q: [T, H, D], k: [T, Hkv, D], cos_sin_cache: [max_pos, rot_dim] = cat(cos, sin)
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, rot_dim/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        rot_dim = cos.shape[-1] * 2
+        xr, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+        x1, x2 = xr.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+    return rotate(q), rotate(k)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2I] (gate | up) -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    return F.gelu(x, approximate=approximate)

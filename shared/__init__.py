@@ -1,0 +1,1 @@
+"""What every kvrelay process shares: config, protocol, Redis keys and the engine core."""

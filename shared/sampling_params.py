@@ -1,0 +1,105 @@
+"""Per-request sampling parameters (vLLM's names and defaults) and their validation.
+
+Validation raises ``ValueError`` naming the offending field; the gateway maps it to a 400.
+"""
+
+from dataclasses import dataclass, field, fields
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0, OpenAI-style) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per sampled token (the sampled one is always returned)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int | None = None  # defaults to n
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}")
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.temperature < 0:
+            fail("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", f"must be -1 (disabled) or at least 1, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                fail(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be non-negative, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "entries must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "entries must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.use_beam_search:
+            if self.beam_width is None:
+                self.beam_width = self.n
+            if self.beam_width < self.n:
+                fail("beam_width", f"({self.beam_width}) must be at least n ({self.n})")
+            if self.max_tokens is None:
+                fail("max_tokens", "is required with use_beam_search")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def to_dict(self) -> dict:
+        """Plain dict for msgpack; ``SamplingParams(**d)`` restores (and re-validates) it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
