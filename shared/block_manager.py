@@ -1,0 +1,199 @@
+"""Paged KV block manager with ref-counted, hash-chained prefix caching (vLLM V1 style).
+
+The scheduler deals in block ids only; the runner turns them into tensors. A block is in exactly one
+of three states:
+
+* referenced: ``ref_cnt > 0``, owned by one or more live requests (shared prefixes share blocks);
+* cached and evictable: ``ref_cnt == 0`` but still registered under its hash, so a later request
+  with the same prefix can pick it up without recomputing; it sits in the free queue;
+* plain free: ``ref_cnt == 0``, no hash; also in the free queue.
+
+The free queue is an LRU: allocation pops the head and evicts that block's cache entry if it has one.
+A block's hash chains its parent's hash, its tokens and the request's ``cache_salt``, so equal blocks
+in different contexts (or different tenants) never match; a hit is also checked token by token, so a
+hash collision degrades to a miss instead of serving another sequence's KV.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from shared.request import Request
+
+# (parent hash, tokens, salt): what a cached block was computed from, compared on every hit.
+BlockKey = tuple[int | None, tuple[int, ...], str | None]
+
+
+def hash_block_tokens(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
+    """Stable 64-bit hash of one full block in its context.
+
+    sha256 rather than ``hash()``: Python salts ``str`` hashes per process, and block hashes are
+    meant to be comparable across workers (prefix-affinity routing advertises them).
+    """
+    h = hashlib.sha256()
+    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        # Ref-0 blocks, head = next to be reused. OrderedDict: O(1) removal when a cached block is hit.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_used = 0
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[int]] = {}  # hash chain of a request's full blocks, grown lazily
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self.req_blocks.get(request_id, ()))
+
+    def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """The request's block-hash chain, extended to ``num_full_blocks`` (tokens only ever append)."""
+        chain = self.req_hashes.setdefault(req.request_id, [])
+        if len(chain) < num_full_blocks:
+            tokens = req.all_token_ids
+            bs = self.block_size
+            for i in range(len(chain), num_full_blocks):
+                parent = chain[-1] if chain else None
+                chain.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), req.cache_salt))
+        return chain
+
+    def _key(self, req: Request, chain: list[int], i: int) -> BlockKey:
+        bs = self.block_size
+        return (chain[i - 1] if i else None, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks, leaving at least one token to compute (the runner needs
+        a query to sample from). Takes no references: allocate_slots does, atomically."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        chain = self._hashes(req, max_blocks)
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block = self.cached.get(chain[i])
+            if block is None or self.block_key[block] != self._key(req, chain, i):
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def _take_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:  # evict: the block is about to be overwritten
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            self.block_key[block] = None
+        self.ref_cnt[block] = 1
+        self.num_used += 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self.ref_cnt[block] == 0:
+            del self.free_queue[block]
+            self.num_used += 1
+        self.ref_cnt[block] += 1
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make the request own blocks for ``num_computed_tokens + num_new_tokens`` tokens.
+
+        All-or-nothing: on False nothing changed, so the scheduler can try a preemption and retry.
+        """
+        rid = req.request_id
+        blocks = self.req_blocks.get(rid)
+        computed = computed_blocks or []
+        if blocks and computed:
+            raise ValueError(f"request {rid} already owns blocks; computed_blocks are for its first allocation")
+        have = len(blocks or ()) + len(computed)
+        need = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - have
+        # Hit blocks that sit in the free queue stop being allocatable once we reference them.
+        reclaimed = sum(1 for b in computed if self.ref_cnt[b] == 0)
+        if need > self.num_free_blocks - reclaimed:
+            return False
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+        for b in computed:
+            self._ref(b)
+        blocks.extend(computed)
+        blocks.extend(self._take_free() for _ in range(max(need, 0)))
+        return True
+
+    def allocate_for_tokens(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Fresh blocks for KV that arrives from elsewhere (disaggregated decode pre-allocates)."""
+        if request_id in self.req_blocks:
+            raise ValueError(f"request {request_id} already owns blocks")
+        need = cdiv(num_tokens, self.block_size)
+        if need > self.num_free_blocks:
+            return None
+        blocks = self.req_blocks[request_id] = [self._take_free() for _ in range(need)]
+        return list(blocks)
+
+    def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        chain = self._hashes(req, num_full)
+        for i in range(num_full):
+            block = blocks[i]
+            if self.block_hash[block] is not None:
+                continue  # a prefix hit, or registered on an earlier step
+            h = chain[i]
+            if h in self.cached:
+                continue  # same content computed twice concurrently, or a collision: keep the first
+            self.cached[h] = block
+            self.block_hash[block] = h
+            self.block_key[block] = self._key(req, chain, i)
+
+    def free(self, request_id: str) -> None:
+        """Drop a request's references. Freed blocks enter the free queue last-block-first, so a
+        sequence's tail is evicted before its (more shareable) head. Uncached blocks hold nothing
+        worth keeping and go to the head, to be reused before any cached block is evicted."""
+        self.req_hashes.pop(request_id, None)
+        for block in reversed(self.req_blocks.pop(request_id, [])):
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.num_used -= 1
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight swap). Refused while any block is in use,
+        since live requests' blocks could not be un-shared safely."""
+        if self.num_used:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_key = [None] * self.num_blocks
+        return True
