@@ -1,0 +1,403 @@
+"""Every message that crosses a process boundary, defined once.
+
+Messages are dataclasses encoded as msgpack maps (never pickle: a pickle on a socket is remote code
+execution). ``decode`` treats the bytes as hostile: size-bounded, every field type-checked against the
+dataclass annotations, unknown fields rejected, cross-field invariants checked by ``check()``. Any
+violation raises ``ValueError`` so a receiver can drop the message with one ``except``.
+
+Each encoded message carries a ``type`` tag so one socket can carry several kinds (``decode_any``).
+Raw KV bytes never go through msgpack: they follow a ``KVHeader`` as separate ZMQ frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+# Bounds on anything decoded. A control message this big is a bug or an attack, never a request.
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+MAX_ARRAY_LEN = 4 * 1024 * 1024  # prompt token ids are the longest arrays
+MAX_STR_LEN = 1024 * 1024
+MAX_MAP_LEN = 4096
+MAX_ID_LEN = 256  # request / worker ids, model names
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+WORKER_ROLES = ("prefill", "decode", "unified")
+
+_ID = {"max_len": MAX_ID_LEN}
+# [token_id, logprob] pairs, most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class Job:
+    """Gateway -> prefill stream ``kvrelay:prefill:{model}`` (field ``data``). Always n=1: the gateway
+    fans ``n`` out into ``{rid}-{i}`` jobs before they reach a worker."""
+
+    TAG: ClassVar[str] = "job"
+    request_id: str = field(metadata=_ID)
+    model: str = field(metadata=_ID)
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams.to_dict(); max_tokens already resolved to an int
+    tenant: str = field(metadata=_ID)
+    priority: int
+    reply_addr: str  # the gateway's ZMQ PULL address; TokenBatch messages go there
+    deadline: float  # unix seconds; a worker drops (finish_reason "abort") what is past it
+    arrival: float  # unix seconds, when the gateway accepted the request
+    cache_salt: str | None = None
+
+    def check(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("Job.prompt_token_ids must not be empty")
+        if any(t < 0 for t in self.prompt_token_ids):
+            raise ValueError("Job.prompt_token_ids must be non-negative")
+        if self.sampling.get("n", 1) != 1:
+            raise ValueError("Job.sampling.n must be 1 (the gateway fans out n)")
+
+
+@dataclass
+class TokenEvent:
+    """One request's progress in one engine step. ``logprobs[i]``/``top_logprobs[i]`` belong to
+    ``token_ids[i]``; ``prompt_logprobs`` (position 0 is None) rides on the first event only.
+
+    The first token may come from the prefill worker and the rest from a decode worker, over different
+    sockets, so arrival order is not output order: ``output_index`` (how many output tokens came before
+    this event's first one) lets the gateway put events back in order and drop duplicates."""
+
+    TAG: ClassVar[str] = "token_event"
+    request_id: str = field(metadata=_ID)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    finish_reason: str | None = field(default=None, metadata={"choices": FINISH_REASONS})
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS / length
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    output_index: int = 0
+    worker_id: str = field(default="", metadata=_ID)  # the sender, for logs
+
+    def check(self) -> None:
+        if self.output_index < 0:
+            raise ValueError("TokenEvent.output_index must be non-negative")
+        n = len(self.token_ids)
+        if self.logprobs is not None and len(self.logprobs) != n:
+            raise ValueError(f"TokenEvent.logprobs has {len(self.logprobs)} entries for {n} tokens")
+        if self.top_logprobs is not None and len(self.top_logprobs) != n:
+            raise ValueError(f"TokenEvent.top_logprobs has {len(self.top_logprobs)} entries for {n} tokens")
+        if self.error is not None and self.finish_reason != "error":
+            raise ValueError("TokenEvent.error requires finish_reason 'error'")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class TokenBatch:
+    """Worker -> gateway: every event for one gateway from one engine step, in one ZMQ message."""
+
+    TAG: ClassVar[str] = "token_batch"
+    events: list[TokenEvent]
+
+
+@dataclass
+class Abort:
+    """Gateway -> every worker, published on ``ABORT_CHANNEL``: stop these requests, free their blocks."""
+
+    TAG: ClassVar[str] = "abort"
+    request_ids: list[str]
+    reason: str = ""
+
+
+@dataclass
+class HandoffRequest:
+    """Prefill -> decode: asks the decode worker to reserve blocks for a finished prefill."""
+
+    TAG: ClassVar[str] = "handoff_request"
+    request_id: str = field(metadata=_ID)
+    model: str = field(metadata=_ID)
+    num_tokens: int
+    block_size: int
+    prefill_addr: str
+
+    def check(self) -> None:
+        if self.num_tokens < 1 or self.block_size < 1:
+            raise ValueError("HandoffRequest.num_tokens and block_size must be positive")
+
+
+@dataclass
+class HandoffGrant:
+    """Decode -> prefill: the decode side allocated ``block_ids`` (SGLang style) or refused, with why."""
+
+    TAG: ClassVar[str] = "handoff_grant"
+    request_id: str = field(metadata=_ID)
+    accepted: bool
+    block_ids: list[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass
+class KVHeader:
+    """Prefill -> decode, first frame of a KV transfer; ``num_frames`` raw frames follow. Carries what
+    the decode worker needs to continue the request without looking at the Job."""
+
+    TAG: ClassVar[str] = "kv_header"
+    request_id: str = field(metadata=_ID)
+    model: str = field(metadata=_ID)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    block_ids: list[int]  # the destination blocks from the HandoffGrant, in order
+    dtype: str  # torch dtype name without the prefix: "bfloat16", "float32", ...
+    num_frames: int
+    nbytes: int  # total over all frames
+    checksum: int  # kv_checksum(frames)
+    prompt_token_ids: list[int]
+    first_token_id: int
+    first_logprob: float | None
+    first_top_logprobs: TopLogprobs | None
+    prompt_logprobs: list[TopLogprobs | None] | None
+    num_cached_tokens: int
+    sampling: dict[str, Any]
+    tenant: str = field(metadata=_ID)
+    priority: int
+    reply_addr: str
+    deadline: float
+    arrival: float
+    cache_salt: str | None = None
+
+    def check(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.num_frames) < 1:
+            raise ValueError("KVHeader layout fields must be positive")
+        if len(self.block_ids) != self.num_blocks:
+            raise ValueError(f"KVHeader.block_ids has {len(self.block_ids)} ids for {self.num_blocks} blocks")
+        if self.num_blocks * self.block_size < len(self.prompt_token_ids):
+            raise ValueError("KVHeader: blocks cannot hold the prompt")
+        if self.nbytes < 0:
+            raise ValueError("KVHeader.nbytes must be non-negative")
+
+
+@dataclass
+class HandoffAck:
+    """Decode -> prefill: the KV landed and checked out (``ok``), so the prefill side may XACK."""
+
+    TAG: ClassVar[str] = "handoff_ack"
+    request_id: str = field(metadata=_ID)
+    ok: bool
+    reason: str = ""
+
+
+@dataclass
+class WorkerInfo:
+    """Heartbeat record at ``worker_key(worker_id)`` (TTL'd); its id is in ``WORKERS_INDEX``."""
+
+    TAG: ClassVar[str] = "worker_info"
+    worker_id: str = field(metadata=_ID)
+    role: str = field(metadata={"choices": WORKER_ROLES})
+    models: list[str]
+    zmq_addr: str
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    pid: int
+    host: str
+    started: float  # unix seconds
+    heartbeat: float  # unix seconds of this record
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "unified")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "unified")
+
+
+@dataclass
+class ModelInfo:
+    """Published by a worker that loaded a model, at ``model_key(name)``; name is in ``MODELS_INDEX``."""
+
+    TAG: ClassVar[str] = "model_info"
+    name: str = field(metadata=_ID)
+    path: str  # model directory holding the tokenizer files
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    dtype: str
+
+    def check(self) -> None:
+        if self.max_model_len < 1 or self.vocab_size < 1:
+            raise ValueError("ModelInfo.max_model_len and vocab_size must be positive")
+
+
+MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, HandoffRequest, HandoffGrant,
+                                   KVHeader, HandoffAck, WorkerInfo, ModelInfo)
+_BY_TAG = {cls.TAG: cls for cls in MESSAGE_TYPES}
+M = TypeVar("M")
+
+
+def kv_checksum(frames: Iterable[bytes | memoryview]) -> int:
+    """CRC32 over the KV frames in order; cheap next to the copy and catches truncation/reordering."""
+    crc = 0
+    for frame in frames:
+        crc = zlib.crc32(frame, crc)
+    return crc
+
+
+def encode(msg: Any) -> bytes:
+    if type(msg) not in _BY_TAG.values():
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    payload = _to_wire(msg)
+    payload["type"] = msg.TAG
+    data = msgpack.packb(payload, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"{type(msg).__name__} encodes to {len(data)} bytes, over {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes | memoryview, cls: type[M]) -> M:
+    """Decode ``data`` as a ``cls`` message; raise ValueError on anything malformed."""
+    return decode_any(data, cls)  # type: ignore[return-value]
+
+
+def decode_any(data: bytes | memoryview, *classes: type) -> Any:
+    """Decode a message whose tag is one of ``classes`` (all message types when none are given)."""
+    raw = _unpack(data)
+    tag = raw.pop("type", None)
+    cls = _BY_TAG.get(tag) if isinstance(tag, str) else None
+    if cls is None or (classes and cls not in classes):
+        expected = ", ".join(c.TAG for c in classes) if classes else "a protocol message"
+        raise ValueError(f"message type {tag!r} where {expected} was expected")
+    return _build(cls, raw, cls.__name__)
+
+
+def _unpack(data: bytes | memoryview) -> dict:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ValueError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN,
+                              max_bin_len=MAX_STR_LEN, max_array_len=MAX_ARRAY_LEN,
+                              max_map_len=MAX_MAP_LEN, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ValueError(f"malformed msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"message must be a map, got {type(obj).__name__}")
+    return obj
+
+
+def _to_wire(msg: Any) -> dict:
+    out = {}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _to_wire(value)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            value = [_to_wire(v) for v in value]
+        out[f.name] = value
+    return out
+
+
+def _build(cls: type[M], raw: Any, where: str) -> M:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a map, got {type(raw).__name__}")
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{where}: missing field {name!r}")
+            continue
+        value = _check(raw[name], hints[name], f"{where}.{name}")
+        if "choices" in f.metadata and value is not None and value not in f.metadata["choices"]:
+            raise ValueError(f"{where}.{name}: {value!r} is not one of {f.metadata['choices']}")
+        if "max_len" in f.metadata and isinstance(value, str) and len(value) > f.metadata["max_len"]:
+            raise ValueError(f"{where}.{name}: longer than {f.metadata['max_len']} characters")
+        kwargs[name] = value
+    msg = cls(**kwargs)
+    if hasattr(msg, "check"):
+        msg.check()
+    return msg
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` (tuples/floats normalized) if it matches annotation ``tp``, else raise."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _check(value, option, where)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: {type(value).__name__} does not match {tp}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            (item_tp,) = typing.get_args(tp)
+            if item_tp is int:  # the hot case (token ids): one pass, no recursion
+                if all(type(v) is int for v in value):
+                    return value
+            else:
+                return [_check(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, list | tuple) and len(value) == len(args):
+            return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    elif origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    raise ValueError(f"{where}: {type(value).__name__} {_short(value)} does not match {_name(tp)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp)

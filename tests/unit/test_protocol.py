@@ -1,0 +1,208 @@
+"""shared/protocol.py: every message round-trips; anything malformed is a ValueError, never a crash or a
+half-built message."""
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from shared import protocol as p
+from shared.sampling_params import SamplingParams
+
+
+def _job(**over) -> p.Job:
+    base = dict(request_id="r1-0", model="tiny", prompt_token_ids=[1, 2, 3],
+                sampling=SamplingParams(max_tokens=8, stop=["\n"]).to_dict(), tenant="t", priority=0,
+                reply_addr="tcp://127.0.0.1:5555", deadline=1e9, arrival=1e9 - 1, cache_salt=None)
+    return p.Job(**{**base, **over})
+
+
+def _header(**over) -> p.KVHeader:
+    base = dict(request_id="r", model="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=2,
+                block_ids=[7, 3], dtype="bfloat16", num_frames=2, nbytes=512, checksum=p.kv_checksum([b"a", b"b"]),
+                prompt_token_ids=[5, 6, 7], first_token_id=9, first_logprob=-0.25, first_top_logprobs=[(9, -0.25)],
+                prompt_logprobs=[None, [(6, -1.0)], [(7, -2.0), (1, -0.5)]], num_cached_tokens=0,
+                sampling={"n": 1}, tenant="t", priority=1, reply_addr="tcp://h:1", deadline=2.0, arrival=1.0)
+    return p.KVHeader(**{**base, **over})
+
+
+SAMPLES = [
+    _job(),
+    _job(cache_salt="tenant-a"),
+    p.TokenEvent("r1-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (8, -2.0)], [(5, -1.25)]],
+                 prompt_logprobs=[None, [(2, -3.0)]], finish_reason="stop", stop_reason=5,
+                 num_prompt_tokens=3, num_cached_tokens=2, output_index=1, worker_id="w1"),
+    p.TokenEvent("r2", finish_reason="error", error="boom"),
+    p.TokenBatch(events=[p.TokenEvent("a", [1]), p.TokenEvent("b", [2], finish_reason="length")]),
+    p.Abort(request_ids=["a-0", "a-1"], reason="client disconnected"),
+    p.HandoffRequest("r", "m", num_tokens=10, block_size=4, prefill_addr="tcp://127.0.0.1:9"),
+    p.HandoffGrant("r", accepted=True, block_ids=[1, 2, 3]),
+    p.HandoffGrant("r", accepted=False, reason="no free blocks"),
+    _header(),
+    p.HandoffAck("r", ok=False, reason="checksum mismatch"),
+    p.WorkerInfo("w1", "decode", ["tiny"], "tcp://127.0.0.1:7", 10, 20, 1, 0, 123, "host", 1.0, 2.0),
+    p.ModelInfo("tiny", "/models/tiny", 2048, 32000, [2, 32001], 16, "float32"),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    data = p.encode(msg)
+    assert isinstance(data, bytes)
+    back = p.decode(data, type(msg))
+    assert back == msg
+    assert p.decode_any(data) == msg
+
+
+def test_job_sampling_restores_sampling_params():
+    job = p.decode(p.encode(_job()), p.Job)
+    params = SamplingParams.from_dict(job.sampling)
+    assert params.max_tokens == 8 and params.stop == ["\n"]
+
+
+def test_decode_checks_the_expected_type():
+    data = p.encode(p.Abort(request_ids=["x"]))
+    with pytest.raises(ValueError, match="abort"):
+        p.decode(data, p.Job)
+    with pytest.raises(ValueError):
+        p.decode_any(data, p.HandoffGrant, p.HandoffAck)
+    assert isinstance(p.decode_any(data, p.Abort, p.Job), p.Abort)
+
+
+def _raw(msg) -> dict:
+    return msgpack.unpackb(p.encode(msg), raw=False)
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xc1", b"\x92\x01", b"\x81\xa4type",  # empty, never-used byte, truncated array, truncated map
+    _pack([1, 2, 3]), _pack("job"), _pack(None),  # valid msgpack but not a map
+    _pack({"type": "nope"}), _pack({"no": "type"}), _pack({1: 2}),
+])
+def test_rejects_malformed_bytes(data):
+    with pytest.raises(ValueError):
+        p.decode_any(data)
+
+
+def test_rejects_non_bytes():
+    with pytest.raises(ValueError):
+        p.decode("a string", p.Job)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("request_id", 5), ("prompt_token_ids", [1, "2"]), ("prompt_token_ids", "123"),
+    ("prompt_token_ids", [1, True]),  # bool is not an int on the wire
+    ("priority", 1.5), ("deadline", "soon"), ("sampling", [1]), ("sampling", {1: 2}),
+    ("cache_salt", 7), ("prompt_token_ids", []), ("prompt_token_ids", [-1]),
+    ("request_id", "x" * (p.MAX_ID_LEN + 1)),
+])
+def test_rejects_wrong_field_types(field, value):
+    raw = _raw(_job())
+    raw[field] = value
+    with pytest.raises(ValueError):
+        p.decode(_pack(raw), p.Job)
+
+
+def test_rejects_missing_and_unknown_fields():
+    raw = _raw(_job())
+    del raw["reply_addr"]
+    with pytest.raises(ValueError, match="missing field 'reply_addr'"):
+        p.decode(_pack(raw), p.Job)
+    raw = _raw(_job())
+    raw["__class__"] = "os.system"
+    with pytest.raises(ValueError, match="unknown field"):
+        p.decode(_pack(raw), p.Job)
+
+
+def test_job_with_n_above_one_is_rejected():
+    raw = _raw(_job())
+    raw["sampling"]["n"] = 2
+    with pytest.raises(ValueError, match="n must be 1"):
+        p.decode(_pack(raw), p.Job)
+
+
+def test_optional_fields_default_when_absent():
+    raw = {"type": "token_event", "request_id": "r", "token_ids": [1]}
+    event = p.decode(_pack(raw), p.TokenEvent)
+    assert event.logprobs is None and event.finish_reason is None and event.output_index == 0
+
+
+@pytest.mark.parametrize("over", [
+    {"finish_reason": "done"},  # not a finish reason
+    {"logprobs": [-1.0]},  # one logprob for two tokens
+    {"top_logprobs": [[[1, -0.1, 3]], []]},  # a triple where pairs belong
+    {"top_logprobs": [[[1, "x"]], []]},
+    {"error": "boom"},  # an error without finish_reason "error"
+    {"output_index": -1},
+    {"stop_reason": [1]},
+])
+def test_token_event_invariants(over):
+    raw = {"type": "token_event", "request_id": "r", "token_ids": [1, 2], **over}
+    with pytest.raises(ValueError):
+        p.decode(_pack(raw), p.TokenEvent)
+
+
+def test_nested_event_errors_name_their_place():
+    raw = {"type": "token_batch", "events": [{"request_id": "ok"}, {"request_id": 3}]}
+    with pytest.raises(ValueError, match=r"events\[1\]"):
+        p.decode(_pack(raw), p.TokenBatch)
+
+
+def test_worker_role_is_checked():
+    raw = _raw(SAMPLES[-2])
+    raw["role"] = "janitor"
+    with pytest.raises(ValueError, match="role"):
+        p.decode(_pack(raw), p.WorkerInfo)
+    assert p.decode(p.encode(SAMPLES[-2]), p.WorkerInfo).can_decode
+    assert not p.decode(p.encode(SAMPLES[-2]), p.WorkerInfo).can_prefill
+
+
+@pytest.mark.parametrize("over", [{"block_ids": [1]}, {"num_blocks": 0, "block_ids": []}, {"num_layers": 0},
+                                  {"num_frames": 0}])
+def test_kv_header_layout_is_checked(over):
+    raw = _raw(_header())
+    raw.update(over)
+    with pytest.raises(ValueError):
+        p.decode(_pack(raw), p.KVHeader)
+
+
+def test_ext_types_are_rejected():
+    raw = _raw(p.Abort(request_ids=["x"]))
+    raw["reason"] = msgpack.ExtType(1, b"payload")
+    with pytest.raises(ValueError):
+        p.decode(_pack(raw), p.Abort)
+
+
+def test_oversize_is_rejected_both_ways():
+    huge = b"\x00" * (p.MAX_MESSAGE_BYTES + 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        p.decode(huge, p.Job)
+    with pytest.raises(ValueError):
+        p.encode(p.Abort(request_ids=["x" * 1000] * (p.MAX_MESSAGE_BYTES // 1000 + 10)))
+    # A string over the per-string bound is refused by the unpacker itself.
+    raw = _raw(p.Abort(request_ids=["x"]))
+    raw["reason"] = "y" * (p.MAX_STR_LEN + 1)
+    with pytest.raises(ValueError):
+        p.decode(_pack(raw), p.Abort)
+
+
+def test_encode_refuses_non_messages():
+    with pytest.raises(TypeError):
+        p.encode({"type": "job"})
+
+    @dataclasses.dataclass
+    class Imposter:
+        TAG = "job"
+
+    with pytest.raises(TypeError):
+        p.encode(Imposter())
+
+
+def test_kv_checksum_detects_change_and_order():
+    frames = [b"layer0" * 10, memoryview(b"layer1" * 10)]
+    assert p.kv_checksum(frames) == p.kv_checksum([bytes(f) for f in frames])
+    assert p.kv_checksum(frames) != p.kv_checksum(frames[::-1])
+    assert p.kv_checksum(frames) != p.kv_checksum([b"layer0" * 10, b"layer1" * 9 + b"layerX"])
