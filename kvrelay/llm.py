@@ -1,0 +1,69 @@
+"""``LLM``: the offline API in vLLM's shape, a thin wrapper over ``shared.llm_engine.LLMEngine``."""
+
+from collections.abc import Iterator, Sequence
+
+from shared.beam_search import beam_search
+from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from shared.llm_engine import LLMEngine, PromptType
+from shared.model_source import resolve_model
+from shared.outputs import RequestOutput
+from shared.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        swap_space: float = 0.0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_gpu_blocks: int | None = None,
+        load_format: str = "auto",
+        tokenizer: str | None = None,
+        device: str = "auto",
+        seed: int = 0,
+    ):
+        resolved = resolve_model(model, load_format)
+        self.engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,
+                              load_format=resolved.load_format, tokenizer=tokenizer, seed=seed,
+                              served_model_name=resolved.served_name),
+            cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                              kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
+                              swap_space=swap_space, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            device=device,
+        ))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams) and params.use_beam_search:
+            return beam_search(self.engine, [prompts] if isinstance(prompts, str | dict) else prompts, params)
+        return self.engine.generate([prompts] if isinstance(prompts, str | dict) else prompts, params, use_tqdm)
+
+    def generate_stream(self, prompts: PromptType | Sequence[PromptType],
+                        sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        return self.engine.generate_stream([prompts] if isinstance(prompts, str | dict) else prompts,
+                                           sampling_params or SamplingParams())
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = self.engine.apply_chat_template(conv)
+            prompts.append({"prompt": text, "prompt_token_ids": self.engine.tokenize(text, add_special_tokens=False)[1]})
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,153 @@
+"""The engine core of one model: scheduler + block manager + model runner. Token ids in, token ids
+out; no text. The offline API, the unified worker and both disaggregated workers drive this class.
+
+Lifecycle of one request:
+  make_request (validate) -> add_request (WAITING) -> step() grants it tokens, possibly in chunks
+  (RUNNING) -> each step that reaches its last token samples one more -> a stop condition or
+  abort() finishes it and frees its blocks (unless the core holds finished KV for a handoff).
+"""
+
+import math
+
+from shared.block_manager import BlockManager
+from shared.config import EngineConfig
+from shared.model_runner import ModelRunner, to_position_logprobs
+from shared.outputs import EngineCoreOutput, Logprob, PositionLogprobs
+from shared.request import Request, RequestStatus
+from shared.sampler import SampleResult
+from shared.sampling_params import SamplingParams
+from shared.scheduler import Scheduler
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hold_finished_kv: bool = False):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size: int = self.runner.model.vocab_size
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.max_model_len,
+            num_host_blocks=self.runner.num_host_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            hold_finished_kv=hold_finished_kv,
+        )
+        self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        eos_token_id: int | None = None, priority: int = 0, cache_salt: str | None = None,
+    ) -> Request:
+        """Validate one n=1 request against this model; raises ValueError naming the problem."""
+        if params.n != 1 or params.use_beam_search:
+            raise ValueError("the engine core takes n=1 requests; fan out n and beams above it")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n_prompt} tokens long, but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        blocks_needed = math.ceil((n_prompt + max_tokens) / self.block_manager.block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({n_prompt}) plus max_tokens ({max_tokens}) needs {blocks_needed} KV blocks, "
+                f"more than the cache holds ({self.block_manager.num_blocks})"
+            )
+        return Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            eos_token_id=eos_token_id, max_tokens=max_tokens, priority=priority, cache_salt=cache_salt,
+        )
+
+    def add_request(self, req: Request) -> None:
+        if req.sampling_params.prompt_logprobs is not None:
+            # the first prompt token has no logprob; positions are filled as chunks compute (a recompute
+            # after preemption overwrites the same slots)
+            self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.scheduler.abort_request(rid)
+            if req is not None:
+                self._forget(rid)
+                aborted.append(req)
+        return aborted
+
+    def finish(self, request_id: str) -> None:
+        """Stop a request from outside (a stop string matched in the detokenizer)."""
+        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED) is not None:
+            self._forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        out = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        sampled = {rid: [s.token_id] for rid, s in result.sampled.items()}
+        for rid, (pos0, chunk) in result.prompt_logprobs.items():
+            self._prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(out, sampled)}
+        outputs = []
+        touched = [sr.request for sr in out.scheduled] + [r for r in finished.values()
+                                                          if r.request_id not in sampled]
+        seen: set[str] = set()
+        for req in touched:
+            rid = req.request_id
+            if rid in seen or (rid not in sampled and rid not in finished):
+                continue
+            seen.add(rid)
+            sample = result.sampled.get(rid)
+            out_item = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[sample.token_id] if sample else [],
+                new_logprobs=[sample_logprobs(sample)] if sample and req.sampling_params.logprobs is not None else None,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            if sample and req.num_output_tokens == 1 and rid in self._prompt_logprobs:
+                out_item.prompt_logprobs = self._prompt_logprobs[rid]
+            if rid in finished:
+                out_item.finish_reason = req.status.value
+                out_item.stop_reason = req.stop_reason
+                self._forget(rid)
+            outputs.append(out_item)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self._prompt_logprobs.pop(request_id, None)
+        self.runner.free_request(request_id)
+
+    # -- introspection for workers and metrics --------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+
+def sample_logprobs(sample: SampleResult) -> PositionLogprobs:
+    entry: PositionLogprobs = {sample.token_id: Logprob(sample.logprob)}
+    for rank, (tok, lp) in enumerate(sample.top_logprobs or [], start=1):
+        if tok == sample.token_id:
+            entry[tok].rank = rank
+        else:
+            entry[tok] = Logprob(lp, rank=rank)
+    return entry
+
+
+__all__ = ["EngineCore", "sample_logprobs", "to_position_logprobs"]

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random HF checkpoints of every supported architecture, written with
+``save_pretrained`` so they go through our real loader, plus the imported SmolLM2 directory."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+
+
+def _tiny_config(arch: str):
+    from transformers import BloomConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=512, bos_token_id=1, eos_token_id=2)
+    llama = dict(common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "llama":
+        return LlamaConfig(**llama)
+    if arch == "llama3":
+        return LlamaConfig(**llama, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if arch == "smollm2":
+        return LlamaConfig(**llama, tie_word_embeddings=True)
+    if arch == "mistral":
+        return MistralConfig(**llama)
+    if arch == "qwen2":
+        return Qwen2Config(**llama)
+    if arch == "gpt2":
+        return GPT2Config(**common, n_embd=64, n_layer=2, n_head=4, n_positions=512)
+    if arch == "bloom":
+        return BloomConfig(**common, hidden_size=64, n_layer=2, n_head=4)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama3", "smollm2", "mistral", "qwen2", "gpt2", "bloom"]
+
+
+def make_tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # a larger init than HF's 0.02 gives peaked logits, so greedy ties are unlikely
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from shared.model_source import resolve_model
+
+    return Path(resolve_model("smollm2").path)
+
+
+def random_prompts(n: int, vocab: int = 512, lo: int = 3, hi: int = 60, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
