@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front door: see gateway/app.py."""

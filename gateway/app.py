@@ -1,0 +1,72 @@
+"""The gateway application: ``create_app(config)`` builds it, ``run_gateway(config)`` serves it.
+
+Resources live in cleanup contexts, started in order and closed in reverse: Redis, then the ZMQ reply
+socket and its dispatcher task, then the set of detached background tasks.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.dispatcher import Dispatcher
+from gateway.errors import add_request_id, error_middleware
+from gateway.registry import Registry
+from gateway.routes import ROUTES
+from gateway.state import BACKGROUND, CONFIG, DISPATCHER, REDIS, REGISTRY, TOKENIZERS
+from gateway.tokenizers import TokenizerPool
+from shared.redis_conn import async_client
+
+log = logging.getLogger("kvrelay.gateway")
+
+# How long shutdown waits for in-flight abort publishes before dropping them.
+_BACKGROUND_DRAIN_S = 2.0
+
+
+async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    client = async_client(app[CONFIG].redis_url)
+    app[REDIS] = client
+    app[REGISTRY] = Registry(client, app[CONFIG].registry_cache_s)
+    yield
+    await client.aclose()
+
+
+async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    dispatcher = Dispatcher(config.zmq_host, config.zmq_port, config.reply_host)
+    await dispatcher.start()
+    log.info("token events arrive at %s", dispatcher.address)
+    app[DISPATCHER] = dispatcher
+    yield
+    await dispatcher.close()
+
+
+async def background_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[BACKGROUND] = set()
+    yield
+    tasks = set(app[BACKGROUND])
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=_BACKGROUND_DRAIN_S)
+        for task in pending:
+            task.cancel()
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    # client_max_size makes aiohttp raise 413 while reading an oversized body; the middleware shapes it.
+    app = web.Application(client_max_size=config.max_body_size, middlewares=[error_middleware])
+    app[CONFIG] = config
+    app[TOKENIZERS] = TokenizerPool()
+    # Cleanup runs in reverse: background tasks (abort publishes) drain first, while Redis is still open.
+    app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, background_ctx])
+    app.on_response_prepare.append(add_request_id)
+    app.add_routes(ROUTES)
+    return app
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    """Serve until interrupted (what ``kvrelay gateway`` calls)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its jobs.
+    web.run_app(create_app(config), host=config.host, port=config.port, handler_cancellation=True)

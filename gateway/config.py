@@ -1,0 +1,40 @@
+"""Gateway configuration; field names are the CLI flags (``--max-body-size`` is ``max_body_size``)."""
+
+from dataclasses import dataclass
+
+from shared.redis_keys import STREAM_MAXLEN
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"  # behind nginx by default; 0.0.0.0 to face clients directly
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    max_body_size: int = 1024 * 1024  # bytes; larger request bodies get 413
+    request_timeout: float = 600.0  # seconds from arrival to the last token; also the Job deadline
+    # Where workers send TokenBatches. Loopback unless configured; with a wildcard bind, workers on other
+    # hosts need zmq_advertise_host, the name under which they can reach this gateway.
+    zmq_host: str = "127.0.0.1"
+    zmq_port: int = 0  # 0: an ephemeral port
+    zmq_advertise_host: str | None = None
+    stream_maxlen: int = STREAM_MAXLEN  # XADD MAXLEN ~ for the per-model prefill streams
+    registry_cache_s: float = 0.5  # how long a Redis view of models/workers is reused across requests
+    retry_after_s: int = 5  # Retry-After on 503 when no worker can serve the model
+    default_tenant: str = "default"  # until API keys map requests to tenants
+    disconnect_poll_s: float = 1.0  # how often a waiting request checks that its client is still there
+
+    def __post_init__(self) -> None:
+        if self.max_body_size < 1:
+            raise ValueError(f"max_body_size must be positive, got {self.max_body_size}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if not 0 <= self.zmq_port < 65536 or not 0 <= self.port < 65536:
+            raise ValueError("ports must be in [0, 65535]")
+
+    @property
+    def reply_host(self) -> str:
+        if self.zmq_advertise_host:
+            return self.zmq_advertise_host
+        if self.zmq_host in ("0.0.0.0", "*", "::"):
+            raise ValueError("zmq_host is a wildcard: set zmq_advertise_host to an address workers can reach")
+        return self.zmq_host

@@ -1,0 +1,158 @@
+"""One client request in flight: fan out into jobs, queue them, turn the workers' events into deltas.
+
+    async with Generation(request, prepared) as gen:
+        async for delta in gen: ...
+
+Leaving the block early for any reason (client gone, deadline, error, handler cancelled) publishes an
+Abort for every job not yet finished, so workers free their KV blocks within a step.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import redis
+from aiohttp import web
+
+from gateway.choice import ChoiceDelta, ChoiceState
+from gateway.errors import REQUEST_ID, APIError, ClientGone
+from gateway.prompts import Prepared
+from gateway.state import CONFIG, DISPATCHER, REDIS, spawn
+from shared import redis_keys as keys
+from shared.protocol import Abort, Job, TokenEvent, encode
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+async def publish_abort(app: web.Application, job_ids: list[str], reason: str) -> None:
+    try:
+        await app[REDIS].publish(keys.ABORT_CHANNEL, encode(Abort(request_ids=job_ids, reason=reason)))
+    except redis.RedisError as exc:
+        # Workers also drop jobs past their deadline, so a lost abort costs capacity, not correctness.
+        log.warning("could not publish abort for %s: %s", job_ids, exc)
+
+
+class Generation:
+    def __init__(self, request: web.Request, prepared: Prepared):
+        self.app = app = request.app
+        self.prepared = prepared
+        # Our own id, never the client's X-Request-Id: job ids must be unique across every client.
+        self.request_id = uuid.uuid4().hex
+        self.client_request_id: str = request[REQUEST_ID]
+        self._request = request
+        config = app[CONFIG]
+        self._poll_s = config.disconnect_poll_s
+        self.arrival = time.time()
+        self.deadline = self.arrival + config.request_timeout
+        params = prepared.params
+        self.choices: list[ChoiceState] = []
+        for p, prompt in enumerate(prepared.prompts):
+            for i in range(params.n):
+                index = p * params.n + i
+                # Workers only ever see n=1; seeded requests stay reproducible yet distinct per choice.
+                child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                self.choices.append(ChoiceState(index=index, job_id=f"{self.request_id}-{index}", prompt_index=p,
+                                                prompt_token_ids=prompt, params=child,
+                                                tokenizer=prepared.tokenizer))
+        self._by_job = {c.job_id: c for c in self.choices}
+        self._queue: asyncio.Queue[TokenEvent] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prepared.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache, counted once per prompt like prompt_tokens."""
+        return sum(max((c.num_cached_tokens for c in self.choices if c.prompt_index == p), default=0)
+                   for p in range(len(self.prepared.prompts)))
+
+    def usage(self) -> dict:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+    async def __aenter__(self) -> "Generation":
+        dispatcher = self.app[DISPATCHER]
+        self._queue = dispatcher.register(list(self._by_job))
+        try:
+            await self._submit(dispatcher.address)
+        except BaseException as exc:
+            dispatcher.unregister(list(self._by_job))
+            if not isinstance(exc, APIError):  # cancelled mid-XADD: some jobs may be queued already
+                spawn(self.app, publish_abort(self.app, list(self._by_job), "client disconnected"))
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.app[DISPATCHER].unregister(list(self._by_job))
+        unfinished = [c.job_id for c in self.choices if not c.finished]
+        if unfinished:
+            gone = isinstance(exc_info[1], ClientGone | asyncio.CancelledError) or self._is_disconnected()
+            reason = "client disconnected" if gone else "gateway gave up on the request"
+            spawn(self.app, publish_abort(self.app, unfinished, reason))
+
+    def _is_disconnected(self) -> bool:
+        transport = self._request.transport
+        return transport is None or transport.is_closing()
+
+    async def _submit(self, reply_addr: str) -> None:
+        model = self.prepared.model.name
+        pipe = self.app[REDIS].pipeline(transaction=False)
+        for choice in self.choices:
+            job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
+                      sampling=choice.params.to_dict(), tenant=self.prepared.tenant,
+                      priority=self.prepared.priority, reply_addr=reply_addr, deadline=self.deadline,
+                      arrival=self.arrival, cache_salt=self.prepared.cache_salt)
+            pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)},
+                      maxlen=self.app[CONFIG].stream_maxlen, approximate=True)
+        try:
+            await pipe.execute()
+        except redis.RedisError as exc:
+            log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
+            raise APIError(503, "the request queue is unavailable", code="queue_unavailable",
+                           headers={"Retry-After": str(self.app[CONFIG].retry_after_s)}) from None
+
+    async def _next_event(self) -> TokenEvent:
+        """The next event for any choice; raises on deadline or a vanished client, never hangs."""
+        assert self._queue is not None
+        while True:
+            if not self._queue.empty():
+                return self._queue.get_nowait()
+            if self._is_disconnected():
+                raise ClientGone()
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                raise APIError(504, f"request timed out after {self.app[CONFIG].request_timeout:g}s",
+                               code="timeout")
+            try:
+                async with asyncio.timeout(min(remaining, self._poll_s)):
+                    return await self._queue.get()
+            except TimeoutError:
+                continue
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
+        pending = {c.job_id for c in self.choices}
+        while pending:
+            event = await self._next_event()
+            choice = self._by_job.get(event.request_id)
+            if choice is None or choice.finished:
+                continue  # a late event after a stop string or a duplicate delivery
+            delta = choice.receive(event)
+            if delta is None:
+                continue
+            if choice.finished:
+                pending.discard(choice.job_id)
+                self.app[DISPATCHER].unregister([choice.job_id])
+                if not choice.worker_finished:  # a stop string ended it here; the worker is still going
+                    spawn(self.app, publish_abort(self.app, [choice.job_id], "stop string"))
+                if choice.finish_reason == "error":
+                    raise APIError(500, f"worker error: {choice.error or 'unknown'}", code="worker_error")
+            yield delta

@@ -1,0 +1,128 @@
+"""From a validated request body to what the workers get: model resolved, prompt(s) tokenized, limits
+checked, sampling parameters final. Every check runs here, before anything is queued. Order: what the
+body alone tells (400), the model (404), live workers (503: the tokenizer may live only where the
+workers are), then everything that needs the tokenizer (400).
+"""
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.errors import APIError, bad_request, unavailable
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.state import CONFIG, REGISTRY, TOKENIZERS
+from gateway.tokenizers import ModelTokenizer
+from shared.protocol import ModelInfo
+from shared.sampling_params import SamplingParams
+
+# Choices (prompts x n) one request may fan out into; each is a job and a worker sequence.
+MAX_JOBS_PER_REQUEST = 1024
+
+
+@dataclass
+class Prepared:
+    model: ModelInfo
+    tokenizer: ModelTokenizer
+    prompts: list[list[int]]
+    params: SamplingParams
+    tenant: str
+    priority: int
+    cache_salt: str | None
+
+
+async def resolve_model(app: web.Application, name: str | None) -> ModelInfo:
+    models = await app[REGISTRY].models()
+    if name is None:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise bad_request("model is required" if models else "no model is registered", "model")
+    if name not in models:
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return models[name]
+
+
+async def require_capacity(app: web.Application, model: ModelInfo) -> None:
+    capacity = await app[REGISTRY].capacity(model.name)
+    if not capacity.servable:
+        missing = "prefill" if capacity.prefill == 0 else "decode"
+        raise unavailable(f"no live {missing} worker for model {model.name!r}; retry later",
+                          app[CONFIG].retry_after_s)
+
+
+def check_token_ids(ids: list[int], model: ModelInfo, param: str) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < model.vocab_size:
+            raise bad_request(f"token id {token_id} is out of vocabulary (size {model.vocab_size})", param)
+
+
+def check_length(prompt_len: int, max_tokens: int | None, model: ModelInfo, what: str, param: str) -> None:
+    limit = model.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {what} "
+                          f"has {prompt_len} tokens, leaving no room for the completion.", param,
+                          code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in "
+                          f"the completion). Please reduce the length of the {what} or completion.",
+                          "max_tokens", code="context_length_exceeded")
+
+
+def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
+    if num_prompts * params.n > MAX_JOBS_PER_REQUEST:
+        raise bad_request(f"{num_prompts} prompts x n={params.n} exceeds {MAX_JOBS_PER_REQUEST} choices", "n")
+
+
+def _finish(app: web.Application, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
+            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    check_token_ids(params.stop_token_ids, model, "stop_token_ids")
+    _check_jobs(len(prompts), params)
+    return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params,
+                    tenant=app[CONFIG].default_tenant, priority=body.priority, cache_salt=body.cache_salt)
+
+
+async def prepare_completion(app: web.Application, body: CompletionRequest) -> Prepared:
+    body.check_stream_options()
+    params = body.sampling_params()
+    model = await resolve_model(app, body.model)
+    await require_capacity(app, model)
+    tokenizer = await app[TOKENIZERS].get(model)
+    raw = body.prompt
+    if isinstance(raw, str):
+        raw = [raw]
+    elif raw and isinstance(raw[0], int):
+        raw = [raw]
+    if not raw:
+        raise bad_request("prompt must not be empty", "prompt")
+    prompts = []
+    for item in raw:
+        ids = await tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        if not ids:
+            raise bad_request("prompt must not be empty", "prompt")
+        check_token_ids(ids, model, "prompt")
+        check_length(len(ids), params.max_tokens, model, "prompt", "prompt")
+        prompts.append(ids)
+    return _finish(app, model, tokenizer, prompts, params, body)
+
+
+async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
+                      add_special_tokens: bool = False) -> list[int]:
+    messages = body.template_messages()
+    text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+    # The template already placed BOS and friends; adding them again would double them (as in vLLM).
+    return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def prepare_chat(app: web.Application, body: ChatCompletionRequest) -> Prepared:
+    body.check_stream_options()
+    body.template_messages()  # role and emptiness errors before any model lookup
+    model = await resolve_model(app, body.model)
+    await require_capacity(app, model)
+    tokenizer = await app[TOKENIZERS].get(model)
+    ids = await render_chat(tokenizer, body)
+    if not ids:
+        raise bad_request("messages rendered to an empty prompt", "messages")
+    check_length(len(ids), None, model, "messages", "messages")
+    params = body.sampling_params(remaining_context=model.max_model_len - len(ids))
+    check_length(len(ids), params.max_tokens, model, "messages", "messages")
+    return _finish(app, model, tokenizer, [ids], params, body)

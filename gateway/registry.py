@@ -1,0 +1,83 @@
+"""The gateway's read-only view of what workers published in Redis: models and live workers.
+
+Views are cached for ``registry_cache_s`` so a burst of requests costs one Redis round trip, not one
+each; registration changes show up within that delay.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio
+
+from shared import redis_keys as keys
+from shared.protocol import ModelInfo, WorkerInfo, decode
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+@dataclass
+class Capacity:
+    """How many live workers can take each half of a request for one model."""
+
+    prefill: int
+    decode: int
+
+    @property
+    def servable(self) -> bool:
+        return self.prefill > 0 and self.decode > 0
+
+
+class Registry:
+    def __init__(self, client: redis.asyncio.Redis, cache_s: float):
+        self._redis = client
+        self._cache_s = cache_s
+        self._models: tuple[float, dict[str, ModelInfo]] | None = None
+        self._workers: tuple[float, list[WorkerInfo]] | None = None
+
+    def _fresh(self, entry: tuple[float, object] | None) -> bool:
+        return entry is not None and time.monotonic() - entry[0] < self._cache_s
+
+    async def models(self) -> dict[str, ModelInfo]:
+        if self._fresh(self._models):
+            return self._models[1]
+        names = sorted(n.decode() for n in await self._redis.smembers(keys.MODELS_INDEX))
+        raw = await self._redis.mget([keys.model_key(n) for n in names]) if names else []
+        models = {}
+        for name, data in zip(names, raw, strict=True):
+            if data is None:
+                continue  # indexed but unpublished (or deleted): not servable
+            try:
+                models[name] = decode(data, ModelInfo)
+            except ValueError as exc:
+                log.warning("ignoring malformed ModelInfo for %r: %s", name, exc)
+        self._models = (time.monotonic(), models)
+        return models
+
+    async def model(self, name: str) -> ModelInfo | None:
+        return (await self.models()).get(name)
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Workers whose heartbeat record has not expired (nor gone stale, should its TTL be missing)."""
+        if self._fresh(self._workers):
+            return self._workers[1]
+        ids = sorted(w.decode() for w in await self._redis.smembers(keys.WORKERS_INDEX))
+        raw = await self._redis.mget([keys.worker_key(w) for w in ids]) if ids else []
+        now = time.time()
+        workers = []
+        for worker_id, data in zip(ids, raw, strict=True):
+            if data is None:
+                continue
+            try:
+                info = decode(data, WorkerInfo)
+            except ValueError as exc:
+                log.warning("ignoring malformed WorkerInfo for %r: %s", worker_id, exc)
+                continue
+            if now - info.heartbeat <= keys.HEARTBEAT_TTL_S:
+                workers.append(info)
+        self._workers = (time.monotonic(), workers)
+        return workers
+
+    async def capacity(self, model: str) -> Capacity:
+        serving = [w for w in await self.workers() if model in w.models]
+        return Capacity(prefill=sum(w.can_prefill for w in serving), decode=sum(w.can_decode for w in serving))

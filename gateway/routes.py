@@ -1,0 +1,18 @@
+"""Every route of the gateway, in one table."""
+
+from aiohttp import web
+
+from gateway.chat import create_chat_completion
+from gateway.completions import create_completion
+from gateway.info import health, list_models, ready
+from gateway.tokenize import detokenize, tokenize
+
+ROUTES = [
+    web.post("/v1/completions", create_completion),
+    web.post("/v1/chat/completions", create_chat_completion),
+    web.get("/v1/models", list_models),
+    web.post("/tokenize", tokenize),
+    web.post("/detokenize", detokenize),
+    web.get("/health", health),
+    web.get("/ready", ready),
+]

@@ -1,0 +1,219 @@
+"""Request bodies, with OpenAI's field names plus vLLM's sampling extras.
+
+Unknown fields are accepted and logged, as vLLM does: OpenAI clients send fields a server may not know.
+"""
+
+import json
+import logging
+import re
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from gateway.errors import bad_request
+from shared.sampling_params import SamplingParams
+
+log = logging.getLogger("kvrelay.gateway")
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+T = TypeVar("T", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Body):
+    model: str | None = None  # None: the only registered model
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    priority: int = 0
+    cache_salt: str | None = Field(default=None, max_length=256)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams' own validation names the offending field; that becomes the 400's param."""
+        try:
+            return SamplingParams(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, seed=self.seed,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:
+            message = str(exc)
+            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        # OpenAI's and vLLM's completions default: 16 tokens.
+        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str | None:
+        """Content as one string; text parts joined by newlines, as vLLM does."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content part type {part.type!r} is not supported (text only)",
+                                  f"messages.{index}.content.{j}.type")
+            pieces.append(part.text)
+        return "\n".join(pieces)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, remaining_context: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        # Chat default (vLLM): whatever context the prompt leaves.
+        return self._sampling(remaining_context if requested is None else requested, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template; role and emptiness checked."""
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        out = []
+        for i, message in enumerate(self.messages):
+            if message.role not in CHAT_ROLES:
+                raise bad_request(f"unknown role {message.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                                  f"messages.{i}.role")
+            entry: dict[str, Any] = dict(message.model_extra or {})
+            entry.update(role=message.role, content=message.text(i))
+            if message.name is not None:
+                entry["name"] = message.name
+            out.append(entry)
+        return out
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+# Pydantic names union branches in error locations ("prompt.str", "prompt.list[int].1"); a client wants
+# the field and what it accepts instead.
+_BRANCH = re.compile(r"^(str|int|float|bool|none|dict\[.*\]|list\[.*\]|[A-Z]\w*)$")
+_ACCEPTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+def _validation_error(exc: ValidationError) -> Exception:
+    first = exc.errors()[0]
+    path: list[str] = []
+    union = False
+    for part in first["loc"]:
+        if isinstance(part, str) and _BRANCH.match(part):
+            union = True
+            break
+        path.append(str(part))
+    loc = ".".join(path)
+    if union and path and path[-1] in _ACCEPTS:
+        message = f"{loc} must be {_ACCEPTS[path[-1]]}"
+    else:
+        message = f"{loc}: {first['msg']}" if loc else first["msg"]
+    return bad_request(message, param=loc or None)
+
+
+def parse(model_cls: type[T], body: Any) -> T:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        parsed = model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if parsed.model_extra:
+        log.info("ignoring unknown request field(s): %s", ", ".join(sorted(parsed.model_extra)))
+    return parsed
+
+
+def _reject_constant(name: str) -> None:
+    # Python's json accepts NaN and Infinity; JSON does not, and a NaN temperature slips past range checks.
+    raise bad_request(f"request body is not valid JSON: {name} is not a JSON value")
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON; 413 past max_body_size (aiohttp's client_max_size), 400 for bad UTF-8 or JSON."""
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None

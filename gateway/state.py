@@ -1,0 +1,27 @@
+"""Typed keys for what the app's cleanup contexts create and handlers use."""
+
+import asyncio
+
+import redis.asyncio
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.dispatcher import Dispatcher
+from gateway.registry import Registry
+from gateway.tokenizers import TokenizerPool
+
+CONFIG = web.AppKey("config", GatewayConfig)
+REDIS = web.AppKey("redis", redis.asyncio.Redis)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+REGISTRY = web.AppKey("registry", Registry)
+TOKENIZERS = web.AppKey("tokenizers", TokenizerPool)
+# Fire-and-forget work (abort publishes from finishing handlers) kept referenced until done.
+BACKGROUND = web.AppKey("background", set[asyncio.Task])
+
+
+def spawn(app: web.Application, coro) -> None:
+    """Run ``coro`` detached from the handler, so a cancelled (disconnected) handler still runs it."""
+    tasks = app[BACKGROUND]
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
