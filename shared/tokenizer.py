@@ -1,0 +1,34 @@
+"""Tokenizer loading and the set of token ids that end a generation."""
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    # local only: our machines reach no hub, and a typo must not turn into a download attempt
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, hf_config: dict,
+                  model_dir: str | Path | None) -> list[int]:
+    """Every id that ends generation, most authoritative first, without duplicates.
+
+    generation_config.json wins (Llama-3-Instruct lists <|eot_id|> only there), then config.json,
+    then the tokenizer's eos token (the only source for some converted checkpoints)."""
+    ids: list[int] = []
+    if model_dir is not None:
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            ids += _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+    ids += _as_ids(hf_config.get("eos_token_id"))
+    if tokenizer is not None:
+        ids += _as_ids(tokenizer.eos_token_id)
+    return list(dict.fromkeys(ids))

