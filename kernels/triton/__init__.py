@@ -1,0 +1,36 @@
+"""Triton implementations of the ops in kernels/__init__.py, one module per kernel.
+
+``register_all()`` installs them into the dispatcher; call it once on a CUDA machine where ``triton``
+imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
+"""
+
+import kernels
+from kernels.triton.gelu import gelu
+from kernels.triton.layer_norm import layer_norm
+from kernels.triton.paged_attention import paged_attention
+from kernels.triton.rms_norm import rms_norm
+from kernels.triton.rotary import rotary_embedding
+from kernels.triton.sampling import filter_logits, sample_from_logits
+from kernels.triton.silu_mul import silu_mul
+from kernels.triton.write_kv import write_kv
+
+OPS = {
+    "write_kv": write_kv,
+    "paged_attention": paged_attention,
+    "rms_norm": rms_norm,
+    "layer_norm": layer_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_mul": silu_mul,
+    "gelu": gelu,
+}
+
+
+def register_all() -> None:
+    for name, fn in OPS.items():
+        kernels.register(name, fn)
+
+
+__all__ = [
+    "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
+    "silu_mul", "gelu", "sample_from_logits", "filter_logits",
+]

@@ -1,0 +1,21 @@
+"""The registered ``paged_attention``: decode kernel (split-K) for pure decode steps, else prefill kernel."""
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.triton.decode_attention import decode_attention
+from kernels.triton.prefill_attention import prefill_attention
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # q: [T, H, D]; kv_cache: [2, N, bs, Hkv, D]; same contract as kernels.reference.paged_attention
+    if meta.decode_only:
+        return decode_attention(q, kv_cache, meta, scale, alibi_slopes)
+    # mixed batches (chunked prefill + decodes) take the prefill kernel: a decode row is a 1-token tile
+    return prefill_attention(q, kv_cache, meta, scale, alibi_slopes)

@@ -1,0 +1,111 @@
+"""The Triton kernels at small shapes on CPU tensors through Triton's interpreter (CI has no GPU).
+
+Run: ``TRITON_INTERPRET=1 python -m pytest tests/kernels/test_interpret.py -q``. Without the variable it
+still runs when nothing imported triton before tests/kernels/conftest.py set it. On a CUDA machine the
+module skips, since the GPU tests cover the same checks, unless TRITON_INTERPRET=1 is already set.
+The kernels are called directly, not through the ``kernels.*`` dispatcher, which would pick the
+reference on CPU.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA present: tests/kernels/test_triton_gpu.py covers these kernels", allow_module_level=True)
+# Triton decides interpreted-or-compiled when a function is decorated: its own standard library
+# (tl.zeros, tl.max, ...) at the first `import triton`, our kernels when kernels.triton is imported.
+# conftest.py sets the flag before the first; a copy of kernels.triton built without it is dropped.
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set; run with it in the environment: "
+        "TRITON_INTERPRET=1 python -m pytest tests/kernels/test_interpret.py",
+        allow_module_level=True,
+    )
+for _name in [m for m in sys.modules if m == "kernels.triton" or m.startswith("kernels.triton.")]:
+    del sys.modules[_name]
+import kernels.triton as tk  # noqa: E402
+from tests.kernels import triton_cases as cases  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEV = "cpu"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("page", [8, 16])
+def test_decode_attention(dtype, group, page):
+    cases.check_paged_attention(tk, DEV, [1] * 4, [1, 37, 130, 64], 8, 8 // group, 32, page, dtype, seed=group + page)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_decode_split_k(num_splits):
+    # 8 splits over 5 tokens leaves empty splits, which the merge must weigh as nothing
+    cases.check_paged_attention(tk, DEV, [1] * 3, [200, 5, 129], 8, 2, 32, 16, torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("page", [8, 16])
+def test_prefill_attention(dtype, group, page):
+    # plain prefill, chunked prefill over a cached prefix, and decode rows in one mixed batch
+    cases.check_paged_attention(tk, DEV, [5, 1, 40, 17], [5, 70, 100, 17], 8, 8 // group, 32, page, dtype, seed=group)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_alibi_and_odd_head_dim(decode):
+    q_lens = [1, 1] if decode else [3, 20]
+    cases.check_paged_attention(tk, DEV, q_lens, [50, 90], 4, 2, 40, 8, torch.float32, alibi=True, num_splits=2 if decode else None)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_write_kv(dtype, cache_dtype):
+    cases.check_write_kv(tk, DEV, 37, 2, 32, 8, dtype, cache_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, residual):
+    cases.check_rms_norm(tk, DEV, 5, 200, dtype, residual)
+
+
+def test_rms_norm_fp32_weight():
+    cases.check_rms_norm(tk, DEV, 3, 64, torch.bfloat16, True, weight_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_norm(dtype, bias):
+    cases.check_layer_norm(tk, DEV, 5, 200, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_rotary(dtype, rot_dim):
+    cases.check_rotary(tk, DEV, 6, 4, 2, 32, rot_dim, dtype, torch.float32)
+
+
+def test_rotary_bf16_cache():
+    cases.check_rotary(tk, DEV, 6, 4, 1, 64, 64, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    cases.check_silu_mul(tk, DEV, 3, 1100, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # numpy's exp(2z) -> inf saturates tanh to 1, as intended
+def test_gelu(dtype, approximate):
+    cases.check_gelu(tk, DEV, 2100 * 7, dtype, approximate)
+
+
+def test_sampling():
+    cases.check_sampling(tk, DEV, 12, 50)

@@ -1,0 +1,113 @@
+"""Triton kernels vs kernels/reference.py on CUDA at realistic shapes (``pytest -m gpu tests/kernels``).
+
+The same checks run at small shapes on CPU through the interpreter in test_interpret.py.
+"""
+
+import pytest
+import torch
+
+from tests.kernels import triton_cases as cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def tk():
+    pytest.importorskip("triton")
+    import kernels.triton as tk  # imported here, not at collection, so CPU runs never build it
+
+    return tk
+
+
+def _ragged(n: int, low: int, high: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (n,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode(tk, dtype, head_dim, page, group):
+    seq_lens = _ragged(7, 1, 3000, seed=head_dim + page + group) + [1]
+    cases.check_paged_attention(tk, DEV, [1] * 8, seq_lens, 4 * group, 4, head_dim, page, dtype, seed=group)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3, 64])
+def test_decode_long_context_split_k(tk, num_splits):
+    # Llama-3-8B heads; 32k + ragged others: the heuristic splits, and forced odd/large split counts
+    cases.check_paged_attention(tk, DEV, [1] * 4, [32768, 20001, 1, 777], 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill(tk, dtype, head_dim, page, group):
+    # full prefills, chunked prefill over cached prefixes, and decode rows in one mixed batch
+    q_lens = [300, 129, 1, 64, 1000, 1]
+    seq_lens = [300, 1500, 2047, 864, 1000, 1]
+    cases.check_paged_attention(tk, DEV, q_lens, seq_lens, 4 * group, 4, head_dim, page, dtype, seed=head_dim + group)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_alibi_and_head_dims(tk, decode, head_dim):
+    q_lens, seq_lens = ([1] * 3, [2000, 5, 700]) if decode else ([250, 3, 1], [900, 3, 70])
+    cases.check_paged_attention(tk, DEV, q_lens, seq_lens, 16, 2, head_dim, 16, torch.float16, alibi=True)
+
+
+def test_dispatch_through_kernels(tk):
+    import kernels
+
+    tk.register_all()
+    q, kv_cache, meta = cases.make_paged_case([1, 1], [100, 40], 8, 2, 64, 16, torch.bfloat16, DEV)
+    out = kernels.paged_attention(q, kv_cache, meta, 0.125)
+    torch.testing.assert_close(out, tk.paged_attention(q, kv_cache, meta, 0.125))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,page", [(128, 16), (64, 32)])
+def test_write_kv(tk, dtype, cache_dtype, head_dim, page):
+    cases.check_write_kv(tk, DEV, 777, 8, head_dim, page, dtype, cache_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [4096, 1000])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(tk, dtype, hidden, residual):
+    cases.check_rms_norm(tk, DEV, 300, hidden, dtype, residual)
+
+
+def test_rms_norm_fp32_weight(tk):
+    cases.check_rms_norm(tk, DEV, 64, 2048, torch.bfloat16, True, weight_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_norm(tk, dtype, bias):
+    cases.check_layer_norm(tk, DEV, 300, 768, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (64, 64), (80, 32)])
+def test_rotary(tk, dtype, head_dim, rot_dim):
+    cases.check_rotary(tk, DEV, 500, 32, 8, head_dim, rot_dim, dtype, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [14336, 1000])
+def test_silu_mul(tk, dtype, inter):
+    cases.check_silu_mul(tk, DEV, 257, inter, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu(tk, dtype, approximate):
+    cases.check_gelu(tk, DEV, 3072 * 101, dtype, approximate)
+
+
+def test_sampling(tk):
+    cases.check_sampling(tk, DEV, 64, 32000)
