@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.choice import ChoiceDelta, ChoiceState
 from gateway.errors import REQUEST_ID, APIError, ClientGone
 from gateway.prompts import Prepared
-from gateway.state import CONFIG, DISPATCHER, REDIS, spawn
+from gateway.state import CONFIG, DISPATCHER, REDIS, REGISTRY, spawn
 from shared import redis_keys as keys
 from shared.protocol import Abort, Job, TokenEvent, encode
 
@@ -59,6 +59,9 @@ class Generation:
                                                 tokenizer=prepared.tokenizer))
         self._by_job = {c.job_id: c for c in self.choices}
         self._queue: asyncio.Queue[TokenEvent] | None = None
+        # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
+        # is dead, and its requests end with an error instead of waiting out the deadline
+        self._holders: dict[str, str] = {}
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -136,7 +139,20 @@ class Generation:
                 async with asyncio.timeout(min(remaining, self._poll_s)):
                     return await self._queue.get()
             except TimeoutError:
-                continue
+                await self._check_holders()
+
+    async def _check_holders(self) -> None:
+        holders = {w for job, w in self._holders.items() if not self._by_job[job].finished}
+        if not holders:
+            return
+        try:
+            alive = {w.worker_id for w in await self.app[REGISTRY].workers()}
+        except redis.RedisError:
+            return  # Redis down says nothing about the worker; the deadline still bounds the wait
+        dead = holders - alive
+        if dead:
+            raise APIError(503, f"the worker serving this request stopped ({', '.join(sorted(dead))})",
+                           code="worker_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         pending = {c.job_id for c in self.choices}
@@ -145,6 +161,8 @@ class Generation:
             choice = self._by_job.get(event.request_id)
             if choice is None or choice.finished:
                 continue  # a late event after a stop string or a duplicate delivery
+            if event.worker_id:
+                self._holders[choice.job_id] = event.worker_id
             delta = choice.receive(event)
             if delta is None:
                 continue

@@ -10,6 +10,7 @@ import torch
 from kernels import AttentionMetadata
 from shared.config import EngineConfig
 from shared.loader import load_model
+from shared.models import max_model_len as model_max_len
 from shared.outputs import Logprob, PositionLogprobs
 from shared.request import Request
 from shared.sampler import Sampler, SampleResult, prompt_logprobs
@@ -175,13 +176,12 @@ def to_position_logprobs(entry: dict[int, float]) -> PositionLogprobs:
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
-    native = (hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
-              or hf_config.get("seq_length") or 2048)
+    native = model_max_len(hf_config)
     wanted = config.model.max_model_len
     if wanted is None:
         return native
     if wanted < 1:
         raise ValueError(f"max_model_len must be positive, got {wanted}")
-    if wanted > native and not hf_config.get("alibi", hf_config.get("model_type") == "bloom"):
-        raise ValueError(f"max_model_len ({wanted}) exceeds the model's max_position_embeddings ({native})")
+    if wanted > native and hf_config.get("model_type") != "bloom":  # ALiBi extrapolates; rope does not
+        raise ValueError(f"max_model_len ({wanted}) exceeds the model's context ({native})")
     return wanted

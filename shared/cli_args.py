@@ -1,0 +1,69 @@
+"""Command-line flags shared by every process that runs an engine, named as vLLM names them, and
+their translation into config dataclasses."""
+
+import argparse
+
+from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from shared.model_source import resolve_model
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory, .gguf file, 'smollm2' (default) or dummy:<preset> (e.g. dummy:llama-3-8b)")
+    g.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (CPU default: 1 GiB)")
+    g.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for preempted KV")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str, str]:
+    """Returns (engine config, served model name, model directory for tokenizers; '' for dummy)."""
+    resolved = resolve_model(args.model, args.load_format)
+    name = args.served_model_name or resolved.served_name
+    config = EngineConfig(
+        model=ModelConfig(model=resolved.path, dtype=args.dtype, max_model_len=args.max_model_len,
+                          load_format=resolved.load_format, tokenizer=args.tokenizer, seed=args.seed,
+                          served_model_name=name),
+        cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory=args.kv_cache_memory, num_gpu_blocks=args.num_gpu_blocks,
+                          swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling_policy),
+        device=args.device,
+    )
+    model_dir = "" if resolved.load_format == "dummy" else (args.tokenizer or resolved.path)
+    return config, name, model_dir
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    g.add_argument("--host", default="127.0.0.1", help="ZMQ bind address (loopback unless configured)")
+    g.add_argument("--port", type=int, default=0, help="ZMQ port (0: ephemeral)")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument("--handoff-timeout", type=float, default=10.0)
+    g.add_argument("--reclaim-idle-ms", type=int, default=15_000)
+    g.add_argument("--monitoring-port", type=int, default=None, help="Prometheus metrics port")
+
+
+def add_gateway_args(p: argparse.ArgumentParser, port_default: int = 8000) -> None:
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=port_default)
+    g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    g.add_argument("--max-body-size", type=int, default=1024 * 1024)
+    g.add_argument("--request-timeout", type=float, default=600.0)

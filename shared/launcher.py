@@ -1,0 +1,111 @@
+"""``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
+gateway and the workers as separate processes on loopback, supervised: if one dies the rest are
+stopped; Ctrl-C or SIGTERM stops all of them and leaves no orphan (children also get SIGTERM from the
+kernel if this process is killed outright)."""
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from shared.model_source import resolve_model
+from shared.redis_conn import EmbeddedRedis
+
+log = logging.getLogger(__name__)
+
+ENGINE_FLAGS = ["served_model_name", "tokenizer", "dtype", "max_model_len", "load_format", "device", "seed",
+                "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_gpu_blocks", "swap_space",
+                "max_num_seqs", "max_num_batched_tokens", "scheduling_policy"]
+STOP_GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a kill -9 of serve still stops the children
+
+
+def _flag(name: str) -> str:
+    return "--" + {"num_gpu_blocks": "num_gpu_blocks_override"}.get(name, name).replace("_", "-")
+
+
+def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
+    argv = ["--model", model_path]
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [_flag(name), str(value)]
+    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        argv.append(_flag(name) if getattr(args, name) else _flag(name).replace("--", "--no-", 1))
+    return argv
+
+
+def serve(args: argparse.Namespace) -> int:
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    resolved = resolve_model(args.model, args.load_format)  # import a GGUF once, before workers race to
+    if args.served_model_name is None:
+        args.served_model_name = resolved.served_name
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis())
+        cmd = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level]
+        engine = engine_argv(args, resolved.path) + ["--redis-url", redis_url]
+        roles = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
+        specs = [("gateway", cmd + ["gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
+                                    redis_url, "--max-body-size", str(args.max_body_size),
+                                    "--request-timeout", str(args.request_timeout)])]
+        specs += [(role, cmd + [role] + engine) for role in roles]
+        procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent) for name, argv in specs}
+        log.info("serving %r on http://%s:%d (redis %s, %s mode)", args.served_model_name, args.host, args.port,
+                 redis_url, args.mode)
+        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}/ready")
+        _stop_all(procs)
+        return code
+
+
+def _supervise(procs: dict[str, subprocess.Popen], stopping, ready_url: str) -> int:
+    announced = False
+    while not stopping():
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                log.error("%s exited with code %s; stopping everything", name, proc.returncode)
+                return proc.returncode or 1
+        if not announced and _ready(ready_url):
+            announced = True
+            print(f"kvrelay ready: {ready_url.removesuffix('/ready')}/v1", flush=True)
+        time.sleep(0.5)
+    return 0
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    # workers first so they unregister while Redis is still up; the gateway last
+    order = sorted(procs, key=lambda n: n == "gateway")
+    for name in order:
+        if procs[name].poll() is None:
+            procs[name].send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for name in order:
+        try:
+            procs[name].wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs; killing it", name, STOP_GRACE_S)
+            procs[name].kill()
+            procs[name].wait()

@@ -1,0 +1,113 @@
+"""A real kvrelay deployment for tests: an embedded redis-server and every role as its own process
+(``python -m kvrelay.cli ...``), exactly as production runs them, on loopback."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from shared import redis_keys as keys
+from shared.protocol import WorkerInfo, decode
+from shared.redis_conn import sync_client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, redis_url: str, model: str, engine_args: list[str], log_dir: Path):
+        self.redis_url = redis_url
+        self.model = model
+        self.engine_args = engine_args
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.port = 0
+        self.redis = sync_client(redis_url)
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        # several processes share CI's 2 cores: one math thread each avoids oversubscription stalls
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+        self.procs[name] = proc
+        return proc
+
+    def start_gateway(self, name: str = "gateway", extra: list[str] = ()) -> int:
+        port = free_port()
+        self._spawn(name, ["gateway", "--port", str(port), "--redis-url", self.redis_url, *extra])
+        if not self.port:
+            self.port = port
+        return port
+
+    def start_worker(self, role: str, name: str, extra: list[str] = ()) -> None:
+        self._spawn(name, [f"{role}-worker", "--model", self.model, "--redis-url", self.redis_url,
+                           "--worker-id", name, *self.engine_args, *extra])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def wait_ready(self, timeout: float = 120.0, port: int | None = None) -> None:
+        """Every started worker registered, and the gateway says ready."""
+        for name in self.procs:
+            if "-" not in name and name[0] in "pdu":  # worker ids in these tests: p1, d1, u1, ...
+                self.wait_worker(name, timeout)
+        url = f"http://127.0.0.1:{port or self.port}/ready"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited early:\n{self.log(name)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"not ready after {timeout}s:\n" + "\n".join(self.log(n)[-2000:] for n in self.procs))
+
+    def wait_worker(self, worker_id: str, timeout: float = 120.0) -> WorkerInfo:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.worker(worker_id)
+            if info is not None:
+                return info
+            if self.procs[worker_id].poll() is not None:
+                raise RuntimeError(f"{worker_id} exited early:\n{self.log(worker_id)}")
+            time.sleep(0.2)
+        raise TimeoutError(f"{worker_id} never registered")
+
+    def worker(self, worker_id: str) -> WorkerInfo | None:
+        raw = self.redis.get(keys.worker_key(worker_id))
+        return None if raw is None else decode(raw, WorkerInfo)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,208 @@
+"""The disaggregated path with real processes: gateway -> Redis Streams -> prefill worker -> ZMQ KV
+handoff -> decode worker -> token events, driven by the ``openai`` SDK over real HTTP."""
+
+import asyncio
+import shutil
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from shared import redis_keys as keys
+from shared.redis_conn import EmbeddedRedis
+from tests.conftest import make_tiny_model, random_prompts
+from tests.e2e.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("e2e") / "tiny", seed=3)
+    for f in smollm2_dir.iterdir():  # a real tokenizer, so the gateway can detokenize ids < 512
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as url:
+        yield url
+
+
+@pytest.fixture()
+def cluster(tiny_dir, redis_url, tmp_path):
+    c = Cluster(redis_url, str(tiny_dir), ENGINE + ["--served-model-name", MODEL], tmp_path)
+    c.redis.flushall()
+    c.start_gateway()
+    yield c
+    c.stop()
+
+
+def _client(c: Cluster, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, **kw)
+
+
+def _aclient(c: Cluster, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=c.base_url, api_key="none", max_retries=0, **kw)
+
+
+def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir):
+    cluster.start_worker("prefill", "p1")
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+    prompts = random_prompts(12, lo=5, hi=80, seed=42)
+    offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)
+    expected = [o.outputs[0].token_ids for o in offline.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=16))]
+
+    async def one(client, prompt):
+        resp = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                                               logprobs=0)
+        return resp.choices[0]
+
+    async def run():
+        client = _aclient(cluster)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    choices = asyncio.run(run())
+    tok = offline.get_tokenizer()
+    for choice, want in zip(choices, expected, strict=True):
+        assert choice.text == tok.decode(want, skip_special_tokens=True)
+        assert len(choice.logprobs.tokens) == len(want)
+
+
+def test_64_concurrent_streams_complete(cluster):
+    cluster.start_worker("prefill", "p1")
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=[5 + i, 6, 7], max_tokens=20, stream=True,
+                                                 extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        usage, finish = None, None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        return usage.completion_tokens, finish
+
+    async def run():
+        client = _aclient(cluster, timeout=120)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert asyncio.run(run()) == [(20, "length")] * 64
+
+
+def test_client_disconnect_frees_decode_blocks(cluster):
+    cluster.start_worker("prefill", "p1")
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+    total = cluster.wait_worker("d1").total_blocks
+    with httpx.Client(timeout=30) as http:
+        body = {"model": MODEL, "prompt": list(range(5, 100)), "max_tokens": 150, "stream": True, "ignore_eos": True}
+        with http.stream("POST", f"{cluster.base_url}/completions", json=body) as resp:
+            for n, _line in enumerate(resp.iter_lines()):
+                if n > 10:
+                    break  # hang up mid-stream
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        info = cluster.worker("d1")
+        if info.running == 0 and info.free_blocks == total:
+            break
+        time.sleep(0.3)
+    assert info.running == 0 and info.free_blocks == total
+
+
+def test_killed_prefill_worker_jobs_are_reclaimed(cluster):
+    cluster.start_worker("prefill", "p1", ["--reclaim-idle-ms", "1500", "--handoff-timeout", "30"])
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+    cluster.signal("d1", signal.SIGSTOP)  # p1 will prefill, then wait on a grant: jobs pending at p1
+    stream = keys.prefill_stream(MODEL)
+
+    async def one(client, i):
+        resp = await client.completions.create(model=MODEL, prompt=[9 + i, 10, 11], max_tokens=12,
+                                               temperature=0.0, extra_body={"ignore_eos": True})
+        return resp.usage.completion_tokens
+
+    async def run():
+        client = _aclient(cluster, timeout=120)
+        tasks = [asyncio.create_task(one(client, i)) for i in range(6)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pending = cluster.redis.xpending(stream, keys.PREFILL_GROUP)
+            if pending["pending"] == 6:
+                break
+            await asyncio.sleep(0.1)
+        assert pending["pending"] == 6
+        cluster.kill("p1")
+        cluster.signal("d1", signal.SIGCONT)
+        cluster.start_worker("prefill", "p2", ["--reclaim-idle-ms", "1500"])
+        return await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == [12] * 6
+    assert cluster.redis.xpending(stream, keys.PREFILL_GROUP)["pending"] == 0
+
+
+def test_killed_decode_worker_ends_streams_cleanly(cluster):
+    cluster.start_worker("prefill", "p1")
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+
+    async def one(client, i):
+        events, error = 0, None
+        try:
+            stream = await client.completions.create(model=MODEL, prompt=[20 + i, 5], max_tokens=200, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            async for _chunk in stream:
+                events += 1
+        except openai.APIError as exc:
+            error = exc
+        return events, error
+
+    async def run():
+        client = _aclient(cluster, timeout=60)
+        tasks = [asyncio.create_task(one(client, i)) for i in range(4)]
+        await asyncio.sleep(1.0)
+        cluster.kill("d1")
+        start = time.monotonic()
+        results = await asyncio.gather(*tasks)
+        return results, time.monotonic() - start
+
+    results, waited = asyncio.run(run())
+    assert waited < 30, "clients hung after the decode worker died"
+    for _events, error in results:
+        assert error is not None, "a stream cut by a dead worker must end with an error event"
+
+
+def test_bad_inputs_get_clear_errors_and_workers_keep_serving(cluster):
+    cluster.start_worker("prefill", "p1")
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+    url = f"{cluster.base_url}/completions"
+    cases = [
+        ({"model": "nope", "prompt": [1, 2]}, 404),
+        ({"model": MODEL, "prompt": [1, 2], "temperature": -1}, 400),
+        ({"model": MODEL, "prompt": list(range(5, 300))}, 400),
+        ({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}, 400),
+        ({"model": MODEL, "prompt": [1, 99999]}, 400),
+    ]
+    with httpx.Client(timeout=30) as http:
+        for body, status in cases:
+            resp = http.post(url, json=body)
+            assert resp.status_code == status, (body, resp.text)
+            assert set(resp.json()["error"]) >= {"message", "type", "param", "code"}
+        assert http.post(url, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+        assert http.post(url, content=b"x" * (2 << 20), headers={"content-type": "application/json"}).status_code == 413
+    ok = _client(cluster).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5,
+                                             extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 5

@@ -1,0 +1,85 @@
+"""``kvrelay serve``, the one command: real SmolLM2-135M-Instruct behind the gateway, driven by the
+``openai`` SDK (sync and async, streamed and not), in both disaggregated and unified mode; Ctrl-C
+stops every process and leaves no registration behind."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+
+from shared import redis_keys as keys
+from shared.redis_conn import EmbeddedRedis, sync_client
+from tests.e2e.cluster import free_port
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "unified"])
+def served(request, smollm2_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with EmbeddedRedis() as redis_url:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
+             "--max-model-len", "1024", "--mode", request.param],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            deadline = time.monotonic() + 180
+            while b"kvrelay ready" not in log.read_bytes():
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.3)
+            yield f"http://127.0.0.1:{port}/v1", proc, redis_url
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_sync_chat_answers_paris(served):
+    client = openai.OpenAI(base_url=served[0], api_key="none")
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, temperature=0.0)
+    assert "Paris" in resp.choices[0].message.content
+    assert 0 < resp.usage.completion_tokens <= 32
+    assert resp.usage.prompt_tokens > 5
+
+
+def test_async_streamed_chat_answers_paris(served):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=served[0], api_key="none")
+        model = (await client.models.list()).data[0].id
+        stream = await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=32,
+                                                      temperature=0.0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert "Paris" in asyncio.run(run())
+
+
+def test_completion_from_token_ids(served):
+    client = openai.OpenAI(base_url=served[0], api_key="none")
+    model = client.models.list().data[0].id
+    tok_ids = [1, 9690, 198]  # any in-vocabulary ids
+    resp = client.completions.create(model=model, prompt=tok_ids, max_tokens=8, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.prompt_tokens == 3 and resp.usage.completion_tokens == 8
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_ctrl_c_stops_everything_cleanly(served):
+    _url, proc, redis_url = served
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 2
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"orphans: {alive}"
+    r = sync_client(redis_url)
+    assert not any(r.exists(keys.worker_key(w.decode())) for w in r.smembers(keys.WORKERS_INDEX))
+    assert r.scard(keys.WORKERS_INDEX) == 0
