@@ -6,6 +6,7 @@ kernel if this process is killed outright)."""
 import argparse
 import contextlib
 import ctypes
+import json
 import logging
 import signal
 import subprocess
@@ -68,30 +69,34 @@ def serve(args: argparse.Namespace) -> int:
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent) for name, argv in specs}
         log.info("serving %r on http://%s:%d (redis %s, %s mode)", args.served_model_name, args.host, args.port,
                  redis_url, args.mode)
-        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}/ready")
+        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", args.served_model_name)
         _stop_all(procs)
         return code
 
 
-def _supervise(procs: dict[str, subprocess.Popen], stopping, ready_url: str) -> int:
+def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, model: str) -> int:
     announced = False
     while not stopping():
         for name, proc in procs.items():
             if proc.poll() is not None:
                 log.error("%s exited with code %s; stopping everything", name, proc.returncode)
                 return proc.returncode or 1
-        if not announced and _ready(ready_url):
+        if not announced and _ready(base_url, model):
             announced = True
-            print(f"kvrelay ready: {ready_url.removesuffix('/ready')}/v1", flush=True)
+            print(f"kvrelay ready: {base_url}/v1 serving {model!r}", flush=True)
         time.sleep(0.5)
     return 0
 
 
-def _ready(url: str) -> bool:
+def _ready(base_url: str, model: str) -> bool:
+    """The model is registered and the gateway sees live workers for both of its phases."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=1) as resp:
+            if model not in {m["id"] for m in json.load(resp)["data"]}:
+                return False
+        with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as resp:
             return resp.status == 200
-    except OSError:
+    except (OSError, ValueError, KeyError):
         return False
 
 
