@@ -39,8 +39,8 @@ def _hf_model(llm: LLM):
     device = llm.engine.config.device
     if cfg.load_format == "dummy":
         hf_cfg = AutoConfig.for_model(**llm.engine.core.runner.hf_config)
-        return AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype).to(device).eval()
-    return AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=dtype).to(device).eval()
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()

@@ -5,6 +5,7 @@ A Triton module registers itself with ``register("op_name", fn)``; callers only 
 names below, so kernels drop in without touching the models.
 """
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -57,3 +58,17 @@ __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "silu_mul", "gelu",
 ]
+
+
+def _register_triton() -> None:
+    # KVRELAY_KERNELS=reference keeps the torch references on CUDA too (the unfused baseline in benchmarks)
+    if os.environ.get("KVRELAY_KERNELS", "triton") != "triton" or not torch.cuda.is_available():
+        return
+    try:
+        from kernels.triton import register_all
+    except ImportError:  # no triton on this CUDA machine: the references still work
+        return
+    register_all()
+
+
+_register_triton()
