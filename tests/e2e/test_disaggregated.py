@@ -12,7 +12,6 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from shared import redis_keys as keys
-from shared.redis_conn import EmbeddedRedis
 from tests.conftest import make_tiny_model, random_prompts
 from tests.e2e.cluster import Cluster
 
@@ -28,12 +27,6 @@ def tiny_dir(tmp_path_factory, smollm2_dir):
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, path / f.name)
     return path
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as url:
-        yield url
 
 
 @pytest.fixture()

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from shared import redis_keys as keys
-from shared.redis_conn import EmbeddedRedis, sync_client
+from shared.redis_conn import sync_client
 from tests.e2e.cluster import free_port
 
 pytestmark = pytest.mark.slow
@@ -22,24 +22,24 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "unified"])
-def served(request, smollm2_dir, tmp_path_factory):
+def served(request, smollm2_dir, tmp_path_factory, redis_url):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with EmbeddedRedis() as redis_url:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
-             "--max-model-len", "1024", "--mode", request.param],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            deadline = time.monotonic() + 180
-            while b"kvrelay ready" not in log.read_bytes():
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.3)
-            yield f"http://127.0.0.1:{port}/v1", proc, redis_url
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    sync_client(redis_url).flushall()  # registrations left by earlier tests' killed workers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
+         "--max-model-len", "1024", "--mode", request.param],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + 180
+        while b"kvrelay ready" not in log.read_bytes():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}/v1", proc, redis_url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_sync_chat_answers_paris(served):

@@ -13,7 +13,7 @@ MAX_NEW = 12
 EOS = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 

@@ -130,3 +130,14 @@ def test_beam_search_best_beam_equals_hf(tiny_model_dirs, arch):
             ref_tokens = ref_tokens[: ref_tokens.index(2) + 1]
         ours = llm.generate(_ids([prompt]), SamplingParams(use_beam_search=True, beam_width=3, max_tokens=6))[0]
         assert ours.outputs[0].token_ids == ref_tokens
+
+
+def test_priority_policy_runs_urgent_requests_first(tiny_model_dirs):
+    llm = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, block_size=8,
+              max_num_seqs=1, scheduling_policy="priority")
+    finished_order = []
+    prompts = _ids(random_prompts(4, seed=41))
+    ids = llm.engine._add_all(prompts, SamplingParams(max_tokens=3, ignore_eos=True), priority=[5, 1, 3, 0])
+    while llm.engine.has_unfinished():
+        finished_order += [o.request_id for o in llm.engine.step() if o.finished]
+    assert finished_order == [ids[3], ids[1], ids[2], ids[0]]
