@@ -42,30 +42,34 @@ class JobQueue:
 
     def fetch(self, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
         """Up to ``count`` jobs: reclaimed ones first, then new ones (blocking up to block_ms if none)."""
-        entries = []
-        now = time.monotonic()
-        if now - self._last_reclaim >= RECLAIM_EVERY_S:
-            self._last_reclaim = now
-            entries += self._reclaim(count)
-        if len(entries) < count:
-            try:
-                # BLOCK 0 would wait forever: a busy caller (block_ms=0) must not block at all
-                block = block_ms if block_ms > 0 and not entries else None
-                got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {self.stream: ">"},
-                                            count=count - len(entries), block=block)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                self.ensure_group()  # Redis restarted empty: recreate and carry on
-                got = []
-            for _stream, items in got or []:
-                entries += items
+        try:
+            entries = self._read(count, block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_group()  # Redis restarted empty: recreate the group and carry on
+            return []
         jobs = []
         for entry_id, fields in entries:
             job = self._parse(entry_id, fields)
             if job is not None:
                 jobs.append((entry_id, job))
         return jobs
+
+    def _read(self, count: int, block_ms: int) -> list:
+        entries = []
+        now = time.monotonic()
+        if now - self._last_reclaim >= RECLAIM_EVERY_S:
+            self._last_reclaim = now
+            entries += self._reclaim(count)
+        if len(entries) < count:
+            # BLOCK 0 would wait forever: a busy caller (block_ms=0) must not block at all
+            block = block_ms if block_ms > 0 and not entries else None
+            got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {self.stream: ">"},
+                                        count=count - len(entries), block=block)
+            for _stream, items in got or []:
+                entries += items
+        return entries
 
     def _reclaim(self, count: int) -> list:
         reply = self.redis.xautoclaim(self.stream, keys.PREFILL_GROUP, self.consumer, self.reclaim_idle_ms,

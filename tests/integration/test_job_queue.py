@@ -1,0 +1,76 @@
+"""The prefill job stream against a real Redis: consumer group delivery, reclaim of a dead consumer's
+pending jobs, dead-lettering of poison and malformed jobs, and recovery from a Redis that lost its
+group."""
+
+import time
+
+import pytest
+
+from prefill_worker.job_queue import JobQueue
+from shared import redis_keys as keys
+from shared.protocol import Job, encode
+from shared.redis_conn import sync_client
+
+MODEL = "m"
+
+
+def _job(rid: str) -> Job:
+    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 4}, tenant="t",
+               priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
+
+
+@pytest.fixture()
+def r(redis_url):
+    client = sync_client(redis_url)
+    client.flushall()
+    return client
+
+
+def _queue(r, consumer: str, idle_ms: int = 0, on_dead=None) -> JobQueue:
+    q = JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead)
+    q._last_reclaim = 0.0  # reclaim on every fetch in tests
+    return q
+
+
+def test_each_job_goes_to_one_consumer_and_ack_clears_it(r):
+    a, b = _queue(r, "a", idle_ms=60_000), _queue(r, "b", idle_ms=60_000)
+    for i in range(4):
+        r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job(f"r{i}"))})
+    got_a = a.fetch(2, block_ms=10)
+    got_b = b.fetch(10, block_ms=10)
+    ids = sorted(j.request_id for _, j in got_a + got_b)
+    assert ids == ["r0", "r1", "r2", "r3"] and len(got_a) == 2
+    for entry_id, _ in got_a + got_b:
+        (a if (entry_id, _) in got_a else b).ack(entry_id)
+    assert r.xpending(keys.prefill_stream(MODEL), keys.PREFILL_GROUP)["pending"] == 0
+
+
+def test_dead_consumers_jobs_are_reclaimed_then_dead_lettered(r):
+    dead = []
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("poison"))})
+    assert [j.request_id for _, j in _queue(r, "w1").fetch(1, block_ms=10)] == ["poison"]  # delivery 1
+    for n, consumer in enumerate(["w2", "w3"], start=2):  # each "dies" without acking
+        got = _queue(r, consumer).fetch(1, block_ms=10)
+        assert [j.request_id for _, j in got] == ["poison"], f"delivery {n} not reclaimed"
+    last = _queue(r, "w4", on_dead=lambda job, why: dead.append((job.request_id, why)))
+    assert last.fetch(1, block_ms=10) == []  # delivery 4 > max_deliveries: not handed out again
+    assert [rid for rid, _ in dead] == ["poison"]
+    assert r.xlen(keys.dead_letter_stream(MODEL)) == 1
+    assert r.xpending(keys.prefill_stream(MODEL), keys.PREFILL_GROUP)["pending"] == 0
+
+
+def test_malformed_job_goes_straight_to_dead_letter(r):
+    q = _queue(r, "w", idle_ms=60_000)
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: b"\x93not a job"})
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("good"))})
+    assert [j.request_id for _, j in q.fetch(5, block_ms=10)] == ["good"]
+    entries = r.xrange(keys.dead_letter_stream(MODEL))
+    assert len(entries) == 1 and b"malformed" in entries[0][1][b"reason"]
+
+
+def test_group_is_recreated_after_redis_loses_it(r):
+    q = _queue(r, "w", idle_ms=60_000)
+    r.flushall()  # as after a Redis restart without persistence
+    assert q.fetch(1, block_ms=10) == []
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("after"))})
+    assert [j.request_id for _, j in q.fetch(1, block_ms=10)] == ["after"]
