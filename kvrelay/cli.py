@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 
 from shared.cli_args import add_engine_args, add_gateway_args, add_worker_args
@@ -18,7 +19,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
 
     run_gateway(GatewayConfig(host=args.host, port=args.port, redis_url=args.redis_url,
-                              max_body_size=args.max_body_size, request_timeout=args.request_timeout))
+                              max_body_size=args.max_body_size, request_timeout=args.request_timeout,
+                              drain_timeout=args.drain_timeout, max_queue_depth=args.max_queue_depth))
     return 0
 
 
@@ -31,6 +33,41 @@ def _worker(role: str):
     return run
 
 
+def _repo(args: argparse.Namespace):
+    from shared.model_repo import ModelRepository
+
+    return ModelRepository(args.repo)
+
+
+def _models_import(args: argparse.Namespace) -> int:
+    mv = _repo(args).import_model(args.source, args.name, args.version, dtype=args.dtype)
+    print(f"imported {mv.name} version {mv.version} -> {mv.path}")
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    print(f"{'NAME':24} {'VERSION':>7} {'DTYPE':9} {'MAX LEN':>8} {'ARCHITECTURE':24} SOURCE")
+    for mv in _repo(args).list():
+        print(f"{mv.name:24} {mv.version:>7} {mv.dtype:9} {mv.max_model_len:>8} {mv.architecture:24} {mv.source}")
+    return 0
+
+
+def _models(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser("models", help="the versioned model repository")
+    kinds = models.add_subparsers(dest="models_cmd", required=True)
+    default_repo = os.environ.get("KVRELAY_MODEL_REPO", "model_repo")
+    imp = kinds.add_parser("import", help="import an HF directory, a .gguf file, or 'smollm2' as a new version")
+    imp.add_argument("source")
+    imp.add_argument("--name", required=True)
+    imp.add_argument("--version", type=int, default=None, help="default: the next number")
+    imp.add_argument("--dtype", default="float32", help="for GGUF conversion")
+    imp.add_argument("--repo", default=default_repo)
+    imp.set_defaults(func=_models_import)
+    lst = kinds.add_parser("list", help="list models and versions")
+    lst.add_argument("--repo", default=default_repo)
+    lst.set_defaults(func=_models_list)
+
+
 def _bench(sub: argparse._SubParsersAction) -> None:
     from bench import offline
 
@@ -40,6 +77,11 @@ def _bench(sub: argparse._SubParsersAction) -> None:
         p = kinds.add_parser(name, help=f"offline {name}")
         offline.add_args(p)
         p.set_defaults(func=fn)
+    from bench import serve as serve_bench
+
+    p = kinds.add_parser("serve", help="load generator against an OpenAI-compatible server (vLLM's serving benchmark)")
+    serve_bench.add_args(p)
+    p.set_defaults(func=serve_bench.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_args(serve)
     serve.set_defaults(redis_url=None)
     serve.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
+    serve.add_argument("--config", default=None, help="YAML: model_repo + models to serve (overrides --model)")
     serve.set_defaults(func=_serve)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP front door")
@@ -64,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_worker_args(p)
         p.set_defaults(func=_worker(role))
 
+    _models(sub)
     _bench(sub)
     return parser
 

@@ -16,10 +16,11 @@ import urllib.request
 
 from shared.model_source import resolve_model
 from shared.redis_conn import EmbeddedRedis
+from shared.serve_config import ServedModel, load_serve_config
 
 log = logging.getLogger(__name__)
 
-ENGINE_FLAGS = ["served_model_name", "tokenizer", "dtype", "max_model_len", "load_format", "device", "seed",
+ENGINE_FLAGS = ["tokenizer", "max_model_len", "load_format", "seed",
                 "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_gpu_blocks", "swap_space",
                 "max_num_seqs", "max_num_batched_tokens", "scheduling_policy"]
 STOP_GRACE_S = 10.0
@@ -54,45 +55,58 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    resolved = resolve_model(args.model, args.load_format)  # import a GGUF once, before workers race to
-    if args.served_model_name is None:
-        args.served_model_name = resolved.served_name
+    models = _models_to_serve(args)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(EmbeddedRedis())
         cmd = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level]
-        engine = engine_argv(args, resolved.path) + ["--redis-url", redis_url]
         roles = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
         specs = [("gateway", cmd + ["gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
                                     redis_url, "--max-body-size", str(args.max_body_size),
                                     "--request-timeout", str(args.request_timeout)])]
-        specs += [(role, cmd + [role] + engine) for role in roles]
+        for m in models:
+            engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
+                                                  "--device", m.device, "--redis-url", redis_url]
+            specs += [(f"{role}[{m.name}]", cmd + [role] + engine) for role in roles]
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent) for name, argv in specs}
-        log.info("serving %r on http://%s:%d (redis %s, %s mode)", args.served_model_name, args.host, args.port,
-                 redis_url, args.mode)
-        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", args.served_model_name)
+        names = [m.name for m in models]
+        log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
+        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs)
         return code
 
 
-def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, model: str) -> int:
+def _models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
+    """From --config, else the one --model; GGUF files are imported here once, before workers race to."""
+    if args.config:
+        _repo, models = load_serve_config(args.config)
+    else:
+        models = [ServedModel(name=args.served_model_name or "", path=args.model or "", device=args.device,
+                              dtype=args.dtype)]
+    for m in models:
+        resolved = resolve_model(m.path or None, args.load_format)
+        m.path, m.name = resolved.path, m.name or resolved.served_name
+    return models
+
+
+def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str]) -> int:
     announced = False
     while not stopping():
         for name, proc in procs.items():
             if proc.poll() is not None:
                 log.error("%s exited with code %s; stopping everything", name, proc.returncode)
                 return proc.returncode or 1
-        if not announced and _ready(base_url, model):
+        if not announced and _ready(base_url, models):
             announced = True
-            print(f"kvrelay ready: {base_url}/v1 serving {model!r}", flush=True)
+            print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
         time.sleep(0.5)
     return 0
 
 
-def _ready(base_url: str, model: str) -> bool:
-    """The model is registered and the gateway sees live workers for both of its phases."""
+def _ready(base_url: str, models: list[str]) -> bool:
+    """Every model is registered and the gateway sees live workers for both of its phases."""
     try:
         with urllib.request.urlopen(f"{base_url}/v1/models", timeout=1) as resp:
-            if model not in {m["id"] for m in json.load(resp)["data"]}:
+            if not set(models) <= {m["id"] for m in json.load(resp)["data"]}:
                 return False
         with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as resp:
             return resp.status == 200
