@@ -67,7 +67,7 @@ class DecodeWorker:
         params = SamplingParams.from_dict(h.sampling)
         eos = self.runtime.eos_ids
         req = self.core.make_request(h.request_id, h.prompt_token_ids, params, eos[0] if eos else None,
-                                     h.priority, h.cache_salt)
+                                     h.priority, h.cache_salt, tenant=h.tenant, arrival=h.arrival)
         if not params.ignore_eos:
             req.sampling_params.stop_token_ids = params.stop_token_ids + [t for t in eos[1:]]
         req.output_token_ids = [h.first_token_id]

@@ -72,7 +72,7 @@ class UnifiedWorker:
             if not params.ignore_eos:
                 params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + eos[1:])
             req = self.core.make_request(rid, job.prompt_token_ids, params, eos[0] if eos else None,
-                                         job.priority, job.cache_salt)
+                                         job.priority, job.cache_salt, tenant=job.tenant, arrival=job.arrival)
         except (ValueError, TypeError) as exc:
             self._end(entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
             return

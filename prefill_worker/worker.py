@@ -70,7 +70,7 @@ class PrefillWorker:
             params = SamplingParams.from_dict(job.sampling)
             req = self.core.make_request(rid, job.prompt_token_ids, params,
                                          self.runtime.eos_ids[0] if self.runtime.eos_ids else None,
-                                         job.priority, job.cache_salt)
+                                         job.priority, job.cache_salt, tenant=job.tenant, arrival=job.arrival)
         except (ValueError, TypeError) as exc:
             self._finish(entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
             return
@@ -95,6 +95,7 @@ class PrefillWorker:
         event = token_event(out, output_index=0, worker_id="")
         if req_finished_for_real:
             event.finish_reason = out.finish_reason or "length"
+            self.runtime.metrics.request_done(event.finish_reason, job.arrival)
             self.core.scheduler.release_held(rid)
             self._finish(entry_id, job, event)
             return
@@ -108,6 +109,7 @@ class PrefillWorker:
         ))
 
     def _on_transfer_end(self, t: Transfer) -> None:
+        self.runtime.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE)
         if t.state is State.DONE:
             self.jobs.ack(t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,

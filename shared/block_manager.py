@@ -9,16 +9,17 @@ of three states:
 * plain free: ``ref_cnt == 0``, no hash; also in the free queue.
 
 The free queue is an LRU: allocation pops the head and evicts that block's cache entry if it has one.
-A block's hash chains its parent's hash, its tokens and the request's ``cache_salt``, so equal blocks
-in different contexts (or different tenants) never match; a hit is also checked token by token, so a
-hash collision degrades to a miss instead of serving another sequence's KV.
+A block's hash chains its parent's hash, its tokens and the request's cache namespace (its
+``cache_salt`` with its tenant folded in), so equal blocks in different contexts or different tenants
+never match; a hit is also checked token by token, so a hash collision degrades to a miss instead of
+serving another sequence's KV.
 """
 
 import hashlib
 from array import array
 from collections import OrderedDict
 
-from shared.request import Request
+from shared.request import DEFAULT_TENANT, Request
 
 # (parent hash, tokens, salt): what a cached block was computed from, compared on every hit.
 BlockKey = tuple[int | None, tuple[int, ...], str | None]
@@ -35,6 +36,22 @@ def hash_block_tokens(parent: int | None, tokens: tuple[int, ...], salt: str | N
     h.update(array("q", tokens).tobytes())
     h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
     return int.from_bytes(h.digest()[:8], "little")
+
+
+_NS_MARK = "\x1f"
+
+
+def cache_namespace(req: Request) -> str | None:
+    """The salt a request's blocks are hashed with. The gateway already gives each tenant its own salt;
+    folding the tenant in here as well means a gateway that forgets (or a client-chosen salt that
+    matches another tenant's) still cannot make two tenants share KV. The default tenant keeps its
+    salt unchanged, so single-tenant and offline hashes are what they always were, unless that salt
+    starts with the marker every folded namespace starts with; the tenant is length-prefixed, so no
+    (tenant, salt) pair can spell another one."""
+    if req.tenant == DEFAULT_TENANT and not (req.cache_salt or "").startswith(_NS_MARK):
+        return req.cache_salt
+    salt = "" if req.cache_salt is None else "=" + req.cache_salt
+    return f"{_NS_MARK}tenant:{len(req.tenant)}:{req.tenant}{salt}"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,14 +96,15 @@ class BlockManager:
         if len(chain) < num_full_blocks:
             tokens = req.all_token_ids
             bs = self.block_size
+            salt = cache_namespace(req)
             for i in range(len(chain), num_full_blocks):
                 parent = chain[-1] if chain else None
-                chain.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), req.cache_salt))
+                chain.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), salt))
         return chain
 
     def _key(self, req: Request, chain: list[int], i: int) -> BlockKey:
         bs = self.block_size
-        return (chain[i - 1] if i else None, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+        return (chain[i - 1] if i else None, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), cache_namespace(req))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute (the runner needs

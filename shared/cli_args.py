@@ -28,6 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--tenant-fairness", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit between tenants by tokens served, so one tenant's flood cannot starve another")
+    g.add_argument("--tenant-kv-quota", type=float, default=None, metavar="FRACTION",
+                   help="max share of KV blocks one tenant may hold; its further requests wait (default: none)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str, str]:
@@ -42,7 +46,8 @@ def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str
                           kv_cache_memory=args.kv_cache_memory, num_gpu_blocks=args.num_gpu_blocks,
                           swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling_policy),
+                                  enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling_policy,
+                                  tenant_fairness=args.tenant_fairness, tenant_kv_quota=args.tenant_kv_quota),
         device=args.device,
     )
     model_dir = "" if resolved.load_format == "dummy" else (args.tokenizer or resolved.path)

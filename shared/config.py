@@ -50,12 +50,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
+    # Share admission between tenants by tokens served (shared/fair_queue.py). On by default: with one
+    # tenant it orders exactly like the plain policy, so only multi-tenant traffic sees a difference.
+    tenant_fairness: bool = True
+    tenant_kv_quota: float | None = None  # max share of KV blocks one tenant may hold before it must wait
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.tenant_kv_quota is not None and not 0 < self.tenant_kv_quota <= 1:
+            raise ValueError(f"tenant_kv_quota must be in (0, 1], got {self.tenant_kv_quota}")
 
 
 @dataclass

@@ -8,15 +8,27 @@ Lifecycle of one request:
 """
 
 import math
+import time
+from typing import Protocol
 
 from shared.block_manager import BlockManager
 from shared.config import EngineConfig
 from shared.model_runner import ModelRunner, to_position_logprobs
 from shared.outputs import EngineCoreOutput, Logprob, PositionLogprobs
-from shared.request import Request, RequestStatus
+from shared.request import DEFAULT_TENANT, Request, RequestStatus
 from shared.sampler import SampleResult
 from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
+from shared.scheduler import Scheduler, SchedulerOutput
+
+
+class EngineObserver(Protocol):
+    """Watches the engine without steering it (worker metrics). Called on the engine's thread."""
+
+    def on_step(self, started: float, out: SchedulerOutput, finished: list[Request]) -> None:
+        """After every step: its unix start time, what was scheduled, and the requests it finished."""
+
+    def on_removed(self, requests: list[Request]) -> None:
+        """Requests ended from outside the step: aborts, stop strings."""
 
 
 class EngineCore:
@@ -35,13 +47,16 @@ class EngineCore:
             hold_finished_kv=hold_finished_kv,
         )
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
+        self.observer: EngineObserver | None = None
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         eos_token_id: int | None = None, priority: int = 0, cache_salt: str | None = None,
+        tenant: str = DEFAULT_TENANT, arrival: float | None = None,
     ) -> Request:
-        """Validate one n=1 request against this model; raises ValueError naming the problem."""
+        """Validate one n=1 request against this model; raises ValueError naming the problem.
+        ``arrival``: unix time it entered the system (workers pass the Job's); default now."""
         if params.n != 1 or params.use_beam_search:
             raise ValueError("the engine core takes n=1 requests; fan out n and beams above it")
         if not prompt_token_ids:
@@ -66,6 +81,7 @@ class EngineCore:
         return Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             eos_token_id=eos_token_id, max_tokens=max_tokens, priority=priority, cache_salt=cache_salt,
+            tenant=tenant, arrival_wall=time.time() if arrival is None else arrival,
         )
 
     def add_request(self, req: Request) -> None:
@@ -82,24 +98,32 @@ class EngineCore:
             if req is not None:
                 self._forget(rid)
                 aborted.append(req)
+        if aborted and self.observer is not None:
+            self.observer.on_removed(aborted)
         return aborted
 
     def finish(self, request_id: str) -> None:
         """Stop a request from outside (a stop string matched in the detokenizer)."""
-        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED) is not None:
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        if req is not None:
             self._forget(request_id)
+            if self.observer is not None:
+                self.observer.on_removed([req])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        started = time.time()
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
         sampled = {rid: [s.token_id] for rid, s in result.sampled.items()}
         for rid, (pos0, chunk) in result.prompt_logprobs.items():
             self._prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
         finished = {r.request_id: r for r in self.scheduler.update_from_output(out, sampled)}
+        if self.observer is not None:
+            self.observer.on_step(started, out, list(finished.values()))
         outputs = []
         touched = [sr.request for sr in out.scheduled] + [r for r in finished.values()
                                                           if r.request_id not in sampled]

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENGINE_FLAGS = ["tokenizer", "max_model_len", "load_format", "seed",
                 "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_gpu_blocks", "swap_space",
-                "max_num_seqs", "max_num_batched_tokens", "scheduling_policy"]
+                "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "tenant_kv_quota"]
 STOP_GRACE_S = 10.0
 
 
@@ -41,7 +41,7 @@ def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             argv += [_flag(name), str(value)]
-    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "tenant_fairness"):
         argv.append(_flag(name) if getattr(args, name) else _flag(name).replace("--", "--no-", 1))
     return argv
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from shared.sampling_params import SamplingParams
 
+DEFAULT_TENANT = "default"  # the gateway's tenant when no API keys are configured, and the offline API's
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -35,6 +37,12 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # mixed into prefix-cache hashes so tenants never share blocks
+    # Who the request is for: the scheduler shares capacity fairly between tenants, and the block manager
+    # folds the tenant into the cache namespace too, so isolation does not hinge on the salt alone.
+    tenant: str = DEFAULT_TENANT
+    # Unix time the request entered the system (the gateway's Job.arrival in workers): latency metrics
+    # (TTFT, e2e, queue time) count from it, across processes, so it cannot be a monotonic clock.
+    arrival_wall: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule

@@ -10,6 +10,14 @@ cannot get blocks, the lowest-priority running request (the list's tail) is pree
 host memory when there is room, otherwise dropped and recomputed later. The scheduler only moves block
 ids; the runner executes the copies in ``SchedulerOutput`` and the compute.
 
+Tenants (``SchedulerConfig.tenant_fairness``, on by default): admission picks between tenants by the
+tokens each has been served (``fair_queue.py``), so one tenant's flood cannot starve another; within a
+tenant the policy's order holds. With ``tenant_kv_quota`` a tenant's request is admitted only if the
+blocks of its whole known sequence fit under that share of the pool together with what the tenant
+holds; otherwise it waits, and other tenants are admitted past it. Running requests still grow by
+their decode tokens, and a tenant holding no blocks can always start one request, so a quota never
+makes a request unservable.
+
 One step of an engine: ``out = schedule()``; run ``out`` (swap_out copies, then swap_in copies, then
 the forward pass); ``update_from_output(out, sampled)``, also for an empty output.
 """
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field
 
 from shared.block_manager import BlockManager, cdiv
 from shared.config import SchedulerConfig
+from shared.fair_queue import FairWaitingQueue
 from shared.request import Request, RequestStatus
 from shared.swap import HostBlockPool
 
@@ -52,6 +61,7 @@ class SchedulerOutput:
 
 
 _DONE_OK = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+_OVER_QUOTA = -1  # _admit: the request's tenant is at its KV quota; other tenants may still be admitted
 
 
 class Scheduler:
@@ -84,7 +94,7 @@ class Scheduler:
         # Disaggregated prefill: a finished request's KV must outlive it until handed off.
         self.hold_finished_kv = hold_finished_kv
         self._running: list[Request] = []
-        self._waiting: list[Request] = []
+        self._waiting = FairWaitingQueue(config.policy, config.tenant_fairness)
         self._requests: dict[str, Request] = {}  # running + waiting
         self._held: dict[str, Request] = {}
 
@@ -96,7 +106,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> list[Request]:
-        return list(self._waiting)
+        return self._waiting.requests()
 
     @property
     def num_running(self) -> int:
@@ -118,13 +128,10 @@ class Scheduler:
         else:
             self._running.append(req)
 
-    def _insert_waiting(self, req: Request, front: bool = False) -> None:
-        if self.config.policy == "priority":
-            bisect.insort(self._waiting, req, key=self._order)
-        elif front:
-            self._waiting.insert(0, req)
-        else:
-            self._waiting.append(req)
+    @property
+    def tenant_counters(self) -> dict[str, int]:
+        """Virtual tokens served per tenant (what fair admission compares); for tests and debugging."""
+        return dict(self._waiting.counters)
 
     def _check_new(self, req: Request) -> None:
         if req.request_id in self._requests or req.request_id in self._held:
@@ -134,7 +141,8 @@ class Scheduler:
         self._check_new(req)
         req.status = RequestStatus.WAITING
         self._requests[req.request_id] = req
-        self._insert_waiting(req)
+        self._waiting.enter(req.tenant)
+        self._waiting.add(req)
 
     def add_prefilled_request(self, req: Request) -> None:
         """Admit a request whose prompt KV already sits in blocks from ``allocate_for_tokens``.
@@ -150,6 +158,7 @@ class Scheduler:
             )
         req.status = RequestStatus.RUNNING
         self._requests[req.request_id] = req
+        self._waiting.enter(req.tenant)
         self._insert_running(req)
 
     # ---- scheduling ----
@@ -183,22 +192,31 @@ class Scheduler:
             n = min(n, budget)
             if self._allocate_or_preempt(req, n, out):
                 out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
+                self._waiting.charge(req.tenant, n)
                 budget -= n
             i += 1  # if req preempted itself it was the tail, and the loop ends here
 
         # After a preemption blocks are short: admitting more would only thrash.
-        while not out.preempted and self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
-            req = self._waiting[0]
+        held = self._tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
+        over_quota: set[str] = set()
+        while not out.preempted and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting.pick(skip=over_quota)
+            if req is None:
+                break
             reason = self._never_fits(req)
             if reason:
-                self._waiting.pop(0)
+                self._waiting.remove(req)
                 self._end(req, RequestStatus.FINISHED_ABORTED, reason)
                 out.aborted.append(req)
                 continue
-            n = self._admit(req, budget, chunked, out)
+            n = self._admit(req, budget, chunked, out, held)
+            if n == _OVER_QUOTA:
+                over_quota.add(req.tenant)  # it waits; other tenants are not held up behind it
+                continue
             if not n:
                 break  # strict order: later requests never overtake the head, so long prompts don't starve
-            self._waiting.pop(0)
+            self._waiting.remove(req)
+            self._waiting.charge(req.tenant, n)
             budget -= n
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
@@ -227,10 +245,19 @@ class Scheduler:
         # The freed blocks may be handed out again this step; the runner copies swap_out first.
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
-        self._insert_waiting(req, front=True)
+        self._waiting.add(req, front=True)
 
-    def _admit(self, req: Request, budget: int, chunked: bool, out: SchedulerOutput) -> int:
-        """Give a waiting request its first blocks; the number of tokens scheduled, 0 if it must wait."""
+    def _tenant_blocks(self) -> dict[str, int]:
+        """Distinct KV blocks each tenant holds (running and held-for-handoff requests); shared prefix
+        blocks count once. O(blocks in use), and only computed when a quota is set."""
+        blocks: dict[str, set[int]] = {}
+        for req in [*self._running, *self._held.values()]:
+            blocks.setdefault(req.tenant, set()).update(self.block_manager.req_blocks.get(req.request_id, ()))
+        return {t: len(b) for t, b in blocks.items()}
+
+    def _admit(self, req: Request, budget: int, chunked: bool, out: SchedulerOutput, held: dict[str, int]) -> int:
+        """Give a waiting request its first blocks; the number of tokens scheduled, 0 if it must wait,
+        _OVER_QUOTA if its tenant may not take more blocks now (``held``: blocks per tenant, updated)."""
         swapped = req.swapped_blocks is not None
         computed: list[int] = []
         if not swapped:
@@ -243,10 +270,18 @@ class Scheduler:
         if n > budget and not chunked:
             n = 0
         n = min(n, budget)
+        # the whole known sequence, not this step's chunk: later chunks grow without another check
+        need = cdiv(req.num_tokens, self.block_manager.block_size)
+        if n and self._over_quota(held.get(req.tenant, 0), need):
+            if not swapped:
+                req.num_computed_tokens = 0
+            return _OVER_QUOTA
         if not n or not self.block_manager.allocate_slots(req, n, computed):
             if not swapped:
                 req.num_computed_tokens = 0
             return 0
+        if self.config.tenant_kv_quota is not None:
+            held[req.tenant] = held.get(req.tenant, 0) + need
         if not swapped and req.status is RequestStatus.WAITING:  # first admission only
             req.num_cached_tokens = req.num_computed_tokens
         if swapped:
@@ -260,6 +295,12 @@ class Scheduler:
         self._insert_running(req)
         out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
         return n
+
+    def _over_quota(self, tenant_blocks: int, need: int) -> bool:
+        quota = self.config.tenant_kv_quota
+        if quota is None or tenant_blocks == 0:
+            return False
+        return tenant_blocks + need > quota * self.block_manager.num_blocks
 
     # ---- results and endings ----
 
@@ -307,6 +348,7 @@ class Scheduler:
         if reason is not None:
             req.stop_reason = reason
         del self._requests[req.request_id]
+        self._waiting.leave(req.tenant)
         if req.swapped_blocks is not None:
             self.host_pool.free(req.swapped_blocks)
             req.swapped_blocks = None
@@ -326,7 +368,10 @@ class Scheduler:
                 req = self._held[request_id]
                 self.release_held(request_id)
             return req
-        (self._running if req.status is RequestStatus.RUNNING else self._waiting).remove(req)
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
         self._end(req, status)
         return req
 

@@ -21,6 +21,7 @@ import zmq
 from shared import redis_keys as keys
 from shared.config import EngineConfig
 from shared.engine_core import EngineCore
+from shared.metrics import WorkerMetrics
 from shared.outputs import EngineCoreOutput
 from shared.protocol import Abort, ModelInfo, TokenBatch, TokenEvent, WorkerInfo, decode, encode
 from shared.redis_conn import sync_client
@@ -43,6 +44,7 @@ class WorkerConfig:
     handoff_timeout_s: float = 10.0
     max_deliveries: int = keys.MAX_DELIVERIES
     reclaim_idle_ms: int = 15_000  # a pending job idle this long belongs to a dead prefill worker
+    monitoring_port: int | None = None  # Prometheus /metrics on host:port; None: not served (0: ephemeral)
 
 
 class EventSink:
@@ -80,6 +82,9 @@ class WorkerRuntime:
         self.config = config
         self.core = EngineCore(config.engine, hold_finished_kv=hold_finished_kv)
         self.eos_ids = _eos_ids(self.core, config)
+        self.metrics = WorkerMetrics(self.core, config.model_name, config.role, config.worker_id,
+                                     config.engine.device)
+        self.core.observer = self.metrics
         self.redis = sync_client(config.redis_url)
         self.ctx = zmq.Context()
         self.events = EventSink(self.ctx)
@@ -92,6 +97,8 @@ class WorkerRuntime:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, zmq_addr: str) -> None:
         self.zmq_addr = zmq_addr
+        if self.config.monitoring_port is not None:
+            self.metrics.serve(self.config.host, self.config.monitoring_port)
         self.publish_model()
         self.heartbeat()
         for target in (self._heartbeat_loop, self._abort_loop):
@@ -112,6 +119,7 @@ class WorkerRuntime:
             log.warning("could not unregister from Redis", exc_info=True)
         self.events.close()
         self.ctx.destroy(linger=500)
+        self.metrics.close()
 
     def publish_model(self) -> None:
         runner = self.core.runner

@@ -1,0 +1,166 @@
+"""WorkerMetrics driven by a real scheduler and the fake runner of test_scheduler, read back through the
+Prometheus text format: which role records what, gauges that follow the scheduler back to zero, finish
+reasons, per-tenant tokens, handoffs, and the NVML collector against a stand-in NVML."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.block_manager import BlockManager
+from shared.config import SchedulerConfig
+from shared.metrics import HostCollector, WorkerMetrics
+from shared.request import Request
+from shared.sampling_params import SamplingParams
+from shared.scheduler import Scheduler
+from tests.unit.test_scheduler import BS, FakeRunner
+
+
+def samples(registry) -> dict[tuple, float]:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(snap, name, **labels) -> float:
+    return snap.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class Engine:
+    """What WorkerMetrics reads (scheduler, block manager) and how EngineCore reports a step to it."""
+
+    def __init__(self, role: str, hold: bool = False):
+        self.block_manager = BlockManager(64, BS)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), self.block_manager, 64,
+                                   hold_finished_kv=hold)
+        self.metrics = WorkerMetrics(self, "tiny", role, "w1")
+        self.runner = FakeRunner(self.scheduler)
+
+    def step(self) -> list[Request]:
+        started = time.time()
+        out, finished = self.runner.step()
+        self.metrics.on_step(started, out, finished)
+        return finished
+
+
+def req(rid: str, tenant: str, n_prompt: int = 10, max_tokens: int = 3, age: float = 1.0) -> Request:
+    return Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(), eos_token_id=2, max_tokens=max_tokens,
+                   tenant=tenant, arrival_wall=time.time() - age)
+
+
+def test_prefill_role_records_queue_ttft_and_prompt_tokens():
+    e = Engine("prefill", hold=True)
+    m = "tiny"
+    for i, tenant in enumerate(["a", "a", "b"]):
+        r = req(f"r{i}", tenant, max_tokens=1)  # a prefill worker stops every request at its first token
+        e.scheduler.add_request(r)
+    snap = samples(e.metrics.registry)
+    assert value(snap, "vllm:num_requests_waiting", model_name=m) == 3
+    done = []
+    while e.scheduler.has_unfinished():
+        done += e.step()
+    snap = samples(e.metrics.registry)
+    assert value(snap, "vllm:time_to_first_token_seconds_count", model_name=m) == 3
+    assert value(snap, "vllm:time_to_first_token_seconds_bucket", model_name=m, le="0.75") == 0  # arrived 1 s ago
+    assert value(snap, "vllm:request_queue_time_seconds_count", model_name=m) == 3
+    assert value(snap, "vllm:prompt_tokens_total", model_name=m) == 30
+    assert value(snap, "vllm:generation_tokens_total", model_name=m) == 3
+    # r1 repeats r0's prompt: its first 8 tokens come from the prefix cache and are not computed again;
+    # b's equal prompt is another tenant's, so it misses
+    assert value(snap, "kvrelay_worker_tenant_tokens_total", model_name=m, tenant="a") == 10 + 2
+    assert value(snap, "kvrelay_worker_tenant_tokens_total", model_name=m, tenant="b") == 10
+    assert value(snap, "vllm:prefix_cache_queries_total", model_name=m) == 30
+    assert value(snap, "vllm:prefix_cache_hits_total", model_name=m) == 8
+    # the engine "finished" them at the prefill cap; only the worker knows whether they really ended
+    assert not any(k[0] == "vllm:request_success_total" for k in snap)
+    assert value(snap, "vllm:kv_cache_usage_perc", model_name=m) > 0  # KV held for the handoff
+    e.metrics.request_done("stop", done[0].arrival_wall)
+    e.metrics.handoff_done(4096, 0.002, ok=True)
+    e.metrics.handoff_done(0, 1.0, ok=False)
+    for r in done:
+        e.scheduler.release_held(r.request_id)
+    snap = samples(e.metrics.registry)
+    assert value(snap, "vllm:request_success_total", model_name=m, finished_reason="stop") == 1
+    assert value(snap, "vllm:e2e_request_latency_seconds_count", model_name=m) == 1
+    assert value(snap, "kvrelay_handoff_bytes_total", model_name=m) == 4096
+    assert value(snap, "kvrelay_handoff_seconds_count", model_name=m) == 1
+    assert value(snap, "kvrelay_handoff_failures_total", model_name=m) == 1
+    assert value(snap, "vllm:kv_cache_usage_perc", model_name=m) == 0
+    assert value(snap, "vllm:num_requests_running", model_name=m) == 0
+    assert value(snap, "vllm:num_requests_waiting", model_name=m) == 0
+
+
+def test_decode_role_records_itl_e2e_and_finish_reasons():
+    e = Engine("decode")
+    m = "tiny"
+    for i in range(2):
+        r = req(f"d{i}", "a", n_prompt=8, max_tokens=4)
+        blocks = e.block_manager.allocate_for_tokens(r.request_id, 8)
+        for p in range(8):  # the KV a prefill worker would have sent, in the fake runner's slot format
+            e.runner.dev[blocks[p // BS]][p % BS] = (None, tuple(r.prompt_token_ids[: p + 1]))
+        r.output_token_ids, r.num_computed_tokens = [5], 8  # KV and first token came from a prefill worker
+        e.scheduler.add_prefilled_request(r)
+    aborted = req("gone", "b", n_prompt=8)
+    e.scheduler.add_request(aborted)
+    assert value(samples(e.metrics.registry), "vllm:num_requests_running", model_name=m) == 2
+    e.metrics.on_removed([e.scheduler.abort_request("gone")])
+    while e.scheduler.has_unfinished():
+        e.step()
+    snap = samples(e.metrics.registry)
+    assert value(snap, "vllm:time_to_first_token_seconds_count", model_name=m) == 0  # the prefill side's
+    assert value(snap, "vllm:prompt_tokens_total", model_name=m) == 0
+    assert value(snap, "vllm:generation_tokens_total", model_name=m) == 6  # tokens 2..4 of each
+    assert value(snap, "vllm:inter_token_latency_seconds_count", model_name=m) == 4  # gaps between them
+    assert value(snap, "vllm:e2e_request_latency_seconds_count", model_name=m) == 2
+    assert value(snap, "vllm:e2e_request_latency_seconds_bucket", model_name=m, le="0.8") == 0
+    assert value(snap, "vllm:request_success_total", model_name=m, finished_reason="length") == 2
+    assert value(snap, "vllm:request_success_total", model_name=m, finished_reason="abort") == 1
+    assert value(snap, "vllm:num_requests_running", model_name=m) == 0
+
+
+def test_unified_role_records_both_sides():
+    e = Engine("unified")
+    e.scheduler.add_request(req("u", "a", max_tokens=4))
+    while e.scheduler.has_unfinished():
+        e.step()
+    snap = samples(e.metrics.registry)
+    assert value(snap, "vllm:time_to_first_token_seconds_count", model_name="tiny") == 1
+    assert value(snap, "vllm:inter_token_latency_seconds_count", model_name="tiny") == 3
+    assert value(snap, "vllm:request_success_total", model_name="tiny", finished_reason="length") == 1
+    assert value(snap, "kvrelay_worker_info", model_name="tiny", role="unified", worker_id="w1") == 1
+    assert value(snap, "process_resident_memory_bytes") > 0
+    assert "kvrelay_node_load1" in {k[0] for k in snap}
+    assert not any(k[0].startswith("kvrelay_gpu_") for k in snap)  # CPU worker: no GPU series
+
+
+class FakeNvml:
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        if self.fail:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return SimpleNamespace(gpu=85, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used=3 << 30, total=141 << 30, free=138 << 30)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_gpu_series_from_nvml(fail):
+    collected = {f.name: f for f in HostCollector(FakeNvml(fail), [("GPU-1234", object())]).collect()}
+    assert {"kvrelay_node_load1", "kvrelay_node_load5", "kvrelay_node_load15"} <= collected.keys()
+    util = collected["kvrelay_gpu_utilization_ratio"].samples
+    if fail:  # a failed query drops the series from this scrape instead of failing it
+        assert util == []
+        return
+    assert [(s.labels, s.value) for s in util] == [({"gpu": "GPU-1234"}, 0.85)]
+    assert collected["kvrelay_gpu_memory_used_bytes"].samples[0].value == 3 << 30
+    assert collected["kvrelay_gpu_memory_total_bytes"].samples[0].value == 141 << 30
+
+
+def test_unknown_role_is_refused():
+    with pytest.raises(ValueError, match="role"):
+        WorkerMetrics(SimpleNamespace(scheduler=None, block_manager=None), "m", "router", "w")
