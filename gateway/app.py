@@ -10,13 +10,31 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from gateway.auth import auth_middleware
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher
 from gateway.errors import add_request_id, error_middleware
+from gateway.limits import RateLimiter
+from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
+from gateway.response_cache import ResponseCache
 from gateway.routes import ROUTES
-from gateway.state import BACKGROUND, CONFIG, DISPATCHER, REDIS, REGISTRY, TOKENIZERS
+from gateway.state import (
+    BACKGROUND,
+    CONFIG,
+    DISPATCHER,
+    LIMITER,
+    METRICS,
+    REDIS,
+    REGISTRY,
+    RESPONSE_CACHE,
+    TENANTS,
+    TOKENIZERS,
+    USAGE,
+)
+from gateway.tenants import TenantStore
 from gateway.tokenizers import TokenizerPool
+from gateway.usage import UsageLedger
 from shared.redis_conn import async_client
 
 log = logging.getLogger("kvrelay.gateway")
@@ -28,6 +46,11 @@ _BACKGROUND_DRAIN_S = 2.0
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     client = async_client(app[CONFIG].redis_url)
     app[REDIS] = client
+    config = app[CONFIG]
+    app[TENANTS] = TenantStore(client)
+    app[LIMITER] = RateLimiter(client)
+    app[USAGE] = UsageLedger(client, config.usage_retention_s)
+    app[RESPONSE_CACHE] = ResponseCache(client, config.response_cache_ttl, config.response_cache_max_bytes)
     app[REGISTRY] = Registry(client, app[CONFIG].registry_cache_s)
     yield
     await client.aclose()
@@ -57,6 +80,11 @@ def create_app(config: GatewayConfig) -> web.Application:
     # client_max_size makes aiohttp raise 413 while reading an oversized body; the middleware shapes it.
     app = web.Application(client_max_size=config.max_body_size, middlewares=[error_middleware])
     app[CONFIG] = config
+    metrics = app[METRICS] = GatewayMetrics(config.queue_metrics_cache_s)
+    # Outermost, metrics count what the client got (error bodies included); innermost, auth raises
+    # into error_middleware so 401/403 come out in OpenAI's shape.
+    app.middlewares.insert(0, metrics.middleware)
+    app.middlewares.append(auth_middleware)
     app[TOKENIZERS] = TokenizerPool()
     # Cleanup runs in reverse: background tasks (abort publishes) drain first, while Redis is still open.
     app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, background_ctx])

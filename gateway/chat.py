@@ -3,32 +3,38 @@
 from aiohttp import web
 
 from gateway import sse
+from gateway.auth import TENANT
 from gateway.choice import ChoiceDelta
 from gateway.generation import Generation
 from gateway.logprobs import chat_logprobs, prompt_logprobs
+from gateway.metering import Meter
 from gateway.prompts import prepare_chat
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = parse(ChatCompletionRequest, await read_json(request))
-    prepared = await prepare_chat(request.app, body)
-    async with Generation(request, prepared) as gen:
-        base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model.name}
-        if body.stream:
-            return await _stream(request, gen, base, body.include_usage)
-        async for _ in gen:
-            pass
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        } for c in gen.choices]
-        response = {**base, "object": "chat.completion", "choices": choices, "usage": gen.usage(),
-                    "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs)}
-        return web.json_response(response, dumps=sse.dumps)
+    prepared = await prepare_chat(request.app, body, request[TENANT])
+    async with Meter(request, prepared, body, "chat.completions") as meter:
+        if meter.cached is not None:
+            return meter.cached
+        async with Generation(request, prepared) as gen:
+            meter.generation = gen
+            base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model.name}
+            if body.stream:
+                return await _stream(request, gen, base, body.include_usage)
+            async for _ in gen:
+                pass
+            choices = [{
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            } for c in gen.choices]
+            response = {**base, "object": "chat.completion", "choices": choices, "usage": gen.usage(),
+                        "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs)}
+            return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
 async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool) -> web.StreamResponse:

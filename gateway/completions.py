@@ -3,33 +3,40 @@
 from aiohttp import web
 
 from gateway import sse
+from gateway.auth import TENANT
 from gateway.choice import ChoiceDelta
 from gateway.generation import Generation
 from gateway.logprobs import completion_logprobs, prompt_logprobs
+from gateway.metering import Meter
 from gateway.prompts import prepare_completion
 from gateway.schemas import CompletionRequest, parse, read_json
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     body = parse(CompletionRequest, await read_json(request))
-    prepared = await prepare_completion(request.app, body)
-    async with Generation(request, prepared) as gen:
-        base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(gen.arrival),
-                "model": prepared.model.name}
-        if body.stream:
-            return await _stream(request, gen, base, body.include_usage)
-        async for _ in gen:
-            pass
-        tokenizer = prepared.tokenizer
-        choices = [{
-            "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(c.logprobs) if c.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs),
-        } for c in gen.choices]
-        return web.json_response({**base, "choices": choices, "usage": gen.usage()}, dumps=sse.dumps)
+    prepared = await prepare_completion(request.app, body, request[TENANT])
+    async with Meter(request, prepared, body, "completions") as meter:
+        if meter.cached is not None:
+            return meter.cached
+        async with Generation(request, prepared) as gen:
+            meter.generation = gen
+            base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(gen.arrival),
+                    "model": prepared.model.name}
+            if body.stream:
+                return await _stream(request, gen, base, body.include_usage)
+            async for _ in gen:
+                pass
+            tokenizer = prepared.tokenizer
+            choices = [{
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs),
+            } for c in gen.choices]
+            response = {**base, "choices": choices, "usage": gen.usage()}
+            return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
 async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool) -> web.StreamResponse:

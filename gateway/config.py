@@ -1,6 +1,6 @@
 """Gateway configuration; field names are the CLI flags (``--max-body-size`` is ``max_body_size``)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.redis_keys import STREAM_MAXLEN
 
@@ -19,8 +19,15 @@ class GatewayConfig:
     zmq_advertise_host: str | None = None
     stream_maxlen: int = STREAM_MAXLEN  # XADD MAXLEN ~ for the per-model prefill streams
     registry_cache_s: float = 0.5  # how long a Redis view of models/workers is reused across requests
+    # Bearer key of the /admin API (tenants, keys, usage). Setting it also makes /v1 require API keys.
+    # repr=False: a logged config must not show it.
+    admin_key: str | None = field(default=None, repr=False)
+    response_cache_ttl: float = 0.0  # seconds deterministic responses are reused; 0: no response cache
+    response_cache_max_bytes: int = 1024 * 1024  # larger responses are not cached
+    usage_retention_s: int = 35 * 86400  # how long per-minute usage buckets are kept
+    queue_metrics_cache_s: float = 1.0  # /metrics reads the queues from Redis at most this often
     retry_after_s: int = 5  # Retry-After on 503 when no worker can serve the model
-    default_tenant: str = "default"  # until API keys map requests to tenants
+    default_tenant: str = "default"  # whose requests these are while no tenant exists (open mode)
     disconnect_poll_s: float = 1.0  # how often a waiting request checks that its client is still there
 
     def __post_init__(self) -> None:
@@ -30,6 +37,10 @@ class GatewayConfig:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
         if not 0 <= self.zmq_port < 65536 or not 0 <= self.port < 65536:
             raise ValueError("ports must be in [0, 65535]")
+        if self.admin_key is not None and len(self.admin_key) < 16:
+            raise ValueError("admin_key must be at least 16 characters")
+        if self.response_cache_ttl < 0 or self.usage_retention_s < 60:
+            raise ValueError("response_cache_ttl must not be negative, usage_retention_s at least 60")
 
     @property
     def reply_host(self) -> str:

@@ -47,6 +47,7 @@ class Generation:
         self._poll_s = config.disconnect_poll_s
         self.arrival = time.time()
         self.deadline = self.arrival + config.request_timeout
+        self.first_token_at: float | None = None  # unix seconds; arrival to here is the client's TTFT
         params = prepared.params
         self.choices: list[ChoiceState] = []
         for p, prompt in enumerate(prepared.prompts):
@@ -166,6 +167,8 @@ class Generation:
             delta = choice.receive(event)
             if delta is None:
                 continue
+            if self.first_token_at is None and delta.token_ids:
+                self.first_token_at = time.time()
             if choice.finished:
                 pending.discard(choice.job_id)
                 self.app[DISPATCHER].unregister([choice.job_id])

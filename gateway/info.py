@@ -5,6 +5,7 @@ import logging
 import redis
 from aiohttp import web
 
+from gateway.auth import TENANT
 from gateway.errors import APIError
 from gateway.state import CONFIG, REDIS, REGISTRY
 
@@ -17,8 +18,9 @@ async def list_models(request: web.Request) -> web.Response:
         models = await registry.models()
     except redis.RedisError as exc:
         raise APIError(503, f"model registry unavailable: {exc}", code="registry_unavailable") from None
+    tenant = request[TENANT]
     data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "kvrelay", "root": m.name,
-             "parent": None, "max_model_len": m.max_model_len} for m in models.values()]
+             "parent": None, "max_model_len": m.max_model_len} for m in models.values() if tenant.may_use(m.name)]
     return web.json_response({"object": "list", "data": data})
 
 

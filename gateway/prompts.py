@@ -1,7 +1,7 @@
 """From a validated request body to what the workers get: model resolved, prompt(s) tokenized, limits
 checked, sampling parameters final. Every check runs here, before anything is queued. Order: what the
-body alone tells (400), the model (404), live workers (503: the tokenizer may live only where the
-workers are), then everything that needs the tokenizer (400).
+body alone tells (400), the model (404, or 403 when the tenant may not use it), live workers (503: the
+tokenizer may live only where the workers are), then everything that needs the tokenizer (400).
 """
 
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ from aiohttp import web
 from gateway.errors import APIError, bad_request, unavailable
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import CONFIG, REGISTRY, TOKENIZERS
+from gateway.tenants import Tenant
 from gateway.tokenizers import ModelTokenizer
 from shared.protocol import ModelInfo
 from shared.sampling_params import SamplingParams
@@ -30,14 +31,19 @@ class Prepared:
     cache_salt: str | None
 
 
-async def resolve_model(app: web.Application, name: str | None) -> ModelInfo:
+async def resolve_model(app: web.Application, name: str | None, tenant: Tenant) -> ModelInfo:
     models = await app[REGISTRY].models()
     if name is None:
-        if len(models) == 1:
-            return next(iter(models.values()))
-        raise bad_request("model is required" if models else "no model is registered", "model")
+        # "the only model" means the only one this tenant may use: others' models are not its business
+        usable = [m for m in models.values() if tenant.may_use(m.name)]
+        if len(usable) == 1:
+            return usable[0]
+        raise bad_request("model is required" if usable else "no model is registered", "model")
     if name not in models:
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    if not tenant.may_use(name):
+        raise APIError(403, f"Your API key may not use the model `{name}`.", param="model",
+                       code="model_not_allowed")
     return models[name]
 
 
@@ -73,18 +79,18 @@ def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
         raise bad_request(f"{num_prompts} prompts x n={params.n} exceeds {MAX_JOBS_PER_REQUEST} choices", "n")
 
 
-def _finish(app: web.Application, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
-            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
+def _finish(model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]], params: SamplingParams,
+            body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
     check_token_ids(params.stop_token_ids, model, "stop_token_ids")
     _check_jobs(len(prompts), params)
-    return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params,
-                    tenant=app[CONFIG].default_tenant, priority=body.priority, cache_salt=body.cache_salt)
+    return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
+                    priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt))
 
 
-async def prepare_completion(app: web.Application, body: CompletionRequest) -> Prepared:
+async def prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     params = body.sampling_params()
-    model = await resolve_model(app, body.model)
+    model = await resolve_model(app, body.model, tenant)
     await require_capacity(app, model)
     tokenizer = await app[TOKENIZERS].get(model)
     raw = body.prompt
@@ -102,7 +108,7 @@ async def prepare_completion(app: web.Application, body: CompletionRequest) -> P
         check_token_ids(ids, model, "prompt")
         check_length(len(ids), params.max_tokens, model, "prompt", "prompt")
         prompts.append(ids)
-    return _finish(app, model, tokenizer, prompts, params, body)
+    return _finish(model, tokenizer, prompts, params, body, tenant)
 
 
 async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
@@ -113,10 +119,10 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def prepare_chat(app: web.Application, body: ChatCompletionRequest) -> Prepared:
+async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     body.template_messages()  # role and emptiness errors before any model lookup
-    model = await resolve_model(app, body.model)
+    model = await resolve_model(app, body.model, tenant)
     await require_capacity(app, model)
     tokenizer = await app[TOKENIZERS].get(model)
     ids = await render_chat(tokenizer, body)
@@ -125,4 +131,4 @@ async def prepare_chat(app: web.Application, body: ChatCompletionRequest) -> Pre
     check_length(len(ids), None, model, "messages", "messages")
     params = body.sampling_params(remaining_context=model.max_model_len - len(ids))
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
-    return _finish(app, model, tokenizer, [ids], params, body)
+    return _finish(model, tokenizer, [ids], params, body, tenant)

@@ -2,9 +2,11 @@
 
 from aiohttp import web
 
+from gateway import admin
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.info import health, list_models, ready
+from gateway.metrics_route import scrape
 from gateway.tokenize import detokenize, tokenize
 
 ROUTES = [
@@ -15,4 +17,11 @@ ROUTES = [
     web.post("/detokenize", detokenize),
     web.get("/health", health),
     web.get("/ready", ready),
+    web.get("/metrics", scrape),
+    web.post("/admin/tenants", admin.put_tenant),
+    web.get("/admin/tenants", admin.list_tenants),
+    web.post("/admin/keys", admin.create_key),
+    web.get("/admin/keys", admin.list_keys),
+    web.delete("/admin/keys/{id}", admin.delete_key),
+    web.get("/admin/usage", admin.usage),
 ]

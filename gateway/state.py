@@ -7,21 +7,32 @@ from aiohttp import web
 
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher
+from gateway.limits import RateLimiter
+from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
+from gateway.response_cache import ResponseCache
+from gateway.tenants import TenantStore
 from gateway.tokenizers import TokenizerPool
+from gateway.usage import UsageLedger
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REDIS = web.AppKey("redis", redis.asyncio.Redis)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 REGISTRY = web.AppKey("registry", Registry)
 TOKENIZERS = web.AppKey("tokenizers", TokenizerPool)
+TENANTS = web.AppKey("tenants", TenantStore)
+LIMITER = web.AppKey("limiter", RateLimiter)
+USAGE = web.AppKey("usage", UsageLedger)
+RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
+METRICS = web.AppKey("metrics", GatewayMetrics)
 # Fire-and-forget work (abort publishes from finishing handlers) kept referenced until done.
 BACKGROUND = web.AppKey("background", set[asyncio.Task])
 
 
-def spawn(app: web.Application, coro) -> None:
+def spawn(app: web.Application, coro) -> asyncio.Task:
     """Run ``coro`` detached from the handler, so a cancelled (disconnected) handler still runs it."""
     tasks = app[BACKGROUND]
     task = asyncio.get_running_loop().create_task(coro)
     tasks.add(task)
     task.add_done_callback(tasks.discard)
+    return task

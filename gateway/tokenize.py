@@ -2,6 +2,7 @@
 
 from aiohttp import web
 
+from gateway.auth import TENANT
 from gateway.errors import bad_request
 from gateway.prompts import check_token_ids, render_chat, resolve_model
 from gateway.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse, read_json
@@ -12,7 +13,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = parse(TokenizeRequest, await read_json(request))
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
-    model = await resolve_model(request.app, body.model)
+    model = await resolve_model(request.app, body.model, request[TENANT])
     tokenizer = await request.app[TOKENIZERS].get(model)
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -25,7 +26,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     body = parse(DetokenizeRequest, await read_json(request))
-    model = await resolve_model(request.app, body.model)
+    model = await resolve_model(request.app, body.model, request[TENANT])
     check_token_ids(body.tokens, model, "tokens")
     tokenizer = await request.app[TOKENIZERS].get(model)
     return web.json_response({"prompt": tokenizer.decode(body.tokens)})

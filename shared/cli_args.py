@@ -2,6 +2,7 @@
 their translation into config dataclasses."""
 
 import argparse
+import os
 
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from shared.model_source import resolve_model
@@ -65,10 +66,19 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--monitoring-port", type=int, default=None, help="Prometheus metrics port")
 
 
+ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
+
+
 def add_gateway_args(p: argparse.ArgumentParser, port_default: int = 8000) -> None:
     g = p.add_argument_group("gateway")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=port_default)
     g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    # The environment is the better place for it: argv shows in `ps` to every local user.
+    g.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                   help=f"bearer key of the /admin API; also makes the API require tenant keys "
+                        f"(default: ${ADMIN_KEY_ENV})")
+    g.add_argument("--response-cache-ttl", type=float, default=0.0,
+                   help="seconds a deterministic (temperature 0 or seeded) response is reused (0: off)")
     g.add_argument("--max-body-size", type=int, default=1024 * 1024)
     g.add_argument("--request-timeout", type=float, default=600.0)

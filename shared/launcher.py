@@ -8,12 +8,14 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
+from shared.cli_args import ADMIN_KEY_ENV
 from shared.model_source import resolve_model
 from shared.redis_conn import EmbeddedRedis
 from shared.serve_config import ServedModel, load_serve_config
@@ -62,12 +64,14 @@ def serve(args: argparse.Namespace) -> int:
         roles = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
         specs = [("gateway", cmd + ["gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
                                     redis_url, "--max-body-size", str(args.max_body_size),
-                                    "--request-timeout", str(args.request_timeout)])]
+                                    "--request-timeout", str(args.request_timeout),
+                                    "--response-cache-ttl", str(args.response_cache_ttl)])]
         for m in models:
             engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
                                                   "--device", m.device, "--redis-url", redis_url]
             specs += [(f"{role}[{m.name}]", cmd + [role] + engine) for role in roles]
-        procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent) for name, argv in specs}
+        procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent, env=_env(name, args.admin_key))
+                 for name, argv in specs}
         names = [m.name for m in models]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
         code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
@@ -86,6 +90,15 @@ def _models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
         resolved = resolve_model(m.path or None, args.load_format)
         m.path, m.name = resolved.path, m.name or resolved.served_name
     return models
+
+
+def _env(name: str, admin_key: str | None) -> dict[str, str]:
+    """The admin key reaches the gateway through its environment (argv shows in `ps`), and no other
+    process: workers have no use for it."""
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
+    if name == "gateway" and admin_key:
+        env[ADMIN_KEY_ENV] = admin_key
+    return env
 
 
 def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str]) -> int:

@@ -9,6 +9,19 @@ with them. Values stored under these keys are ``shared.protocol`` messages (msgp
                               HEARTBEAT_INTERVAL_S; the id is also SADDed to WORKERS_INDEX
     model_key(name)           string, encode(ModelInfo), no TTL; the name is SADDed to MODELS_INDEX
     ABORT_CHANNEL             pub/sub; gateway PUBLISHes encode(Abort); every worker subscribes
+
+Tenants (gateway only; plain hash fields, not protocol messages, so operators can read them):
+    TENANTS_INDEX             set of tenant names; non-empty means every API request needs a key
+    tenant_key(name)          hash: models (JSON list, [] = all), rpm, tpm, quota_tokens, quota_period_s,
+                              priority, cache_salt, created; an absent limit field means unlimited
+    API_KEYS_INDEX            hash: key id -> sha256 hex of the key (to revoke and list by id)
+    api_key_key(digest)       hash: id, tenant, digest, created. The key itself is never stored
+    limit_key(tenant, kind)   kind "rpm"/"tpm": hash unix second -> requests/tokens admitted in it,
+                              a 60 s sliding window; kind "quota": hash period index -> tokens. The
+                              {tenant} hash tag keeps one tenant's limit keys in one cluster slot
+    usage_key(t, model, min)  hash: requests, prompt_tokens, completion_tokens, cache_hits of one unix
+                              minute, TTL'd; USAGE_TENANTS and usage_models_key(t) index them
+    response_cache_key(t, h)  string: a cached response body for request hash h, TTL'd
 """
 
 PREFIX = "kvrelay"
@@ -43,3 +56,32 @@ def worker_key(worker_id: str) -> str:
 
 def model_key(name: str) -> str:
     return f"{PREFIX}:model:{name}"
+
+
+TENANTS_INDEX = f"{PREFIX}:tenants"
+API_KEYS_INDEX = f"{PREFIX}:apikeys"
+USAGE_TENANTS = f"{PREFIX}:usage-tenants"
+
+
+def tenant_key(name: str) -> str:
+    return f"{PREFIX}:tenant:{name}"
+
+
+def api_key_key(digest: str) -> str:
+    return f"{PREFIX}:apikey:{digest}"
+
+
+def limit_key(tenant: str, kind: str) -> str:
+    return f"{PREFIX}:limit:{{{tenant}}}:{kind}"
+
+
+def usage_key(tenant: str, model: str, minute: int) -> str:
+    return f"{PREFIX}:usage:{tenant}:{model}:{minute}"
+
+
+def usage_models_key(tenant: str) -> str:
+    return f"{PREFIX}:usage-models:{tenant}"
+
+
+def response_cache_key(tenant: str, digest: str) -> str:
+    return f"{PREFIX}:respcache:{tenant}:{digest}"

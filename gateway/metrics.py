@@ -1,0 +1,73 @@
+"""The gateway's Prometheus metrics, in a registry of its own per app (two apps in one process, as the
+tests run them, never share counters), served at ``GET /metrics``.
+
+Engine-side metrics with vLLM's names (``vllm:...``) come from the workers; these are the ``kvrelay_*``
+ones only the front door sees: HTTP traffic, time to first token as the client experiences it (queueing
+included), rate-limit rejections, tokens per tenant, response-cache hits, requests in flight, and the
+queues (``queue_stats.py``).
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from gateway.queue_stats import QueueStats
+
+# vLLM's TTFT buckets, so dashboards can put the gateway's view next to the engine's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+UNMATCHED_ROUTE = "unmatched"  # 404s keep their own label: raw paths would make label values unbounded
+
+
+class GatewayMetrics:
+    def __init__(self, queue_cache_s: float = 1.0):
+        self.registry = registry = CollectorRegistry()
+        self.http_requests = Counter("kvrelay_http_requests", "HTTP requests by route template and status",
+                                     ["route", "status"], registry=registry)
+        self.http_latency = Histogram("kvrelay_http_request_duration_seconds", "Time from request to the last "
+                                      "byte of the response (whole stream for SSE)", ["route"],
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("kvrelay_ttft_seconds", "Time from a request's arrival at the gateway to its "
+                              "first generated token", ["model"], buckets=TTFT_BUCKETS, registry=registry)
+        self.rate_limited = Counter("kvrelay_rate_limited", "Requests refused with 429 by a tenant limit",
+                                    ["tenant", "reason"], registry=registry)
+        self.tenant_tokens = Counter("kvrelay_tenant_tokens", "Tokens served per tenant and model, by kind "
+                                     "(prompt or completion)", ["tenant", "model", "kind"], registry=registry)
+        self.cache_hits = Counter("kvrelay_response_cache_hits", "Requests answered from the response cache",
+                                  ["tenant"], registry=registry)
+        self.cache_misses = Counter("kvrelay_response_cache_misses", "Cacheable requests the response cache "
+                                    "could not answer", ["tenant"], registry=registry)
+        self.in_flight = Gauge("kvrelay_requests_in_flight", "Generation requests admitted and not finished",
+                               ["model"], registry=registry)
+        self.queues = QueueStats(queue_cache_s)
+        registry.register(self.queues)
+        ProcessCollector(registry=registry)  # process_* (CPU, RSS, open fds), as the default registry has
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Outermost, so it sees the status the client got, error responses included."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else UNMATCHED_ROUTE
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:  # what the error middleware lets through (redirects)
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code)
+            raise
+        finally:
+            self.http_requests.labels(route, str(status)).inc()
+            self.http_latency.labels(route).observe(time.perf_counter() - start)

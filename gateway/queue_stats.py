@@ -1,0 +1,101 @@
+"""Per-model queue gauges for ``/metrics``, read from the Redis streams when scraped (cached briefly, so
+several scrapers or a dashboard refresh cost one round of Redis reads).
+
+A prefill stream keeps entries after they are acknowledged (until ``MAXLEN`` trims them), so ``XLEN``
+is not the backlog. What is still owed to clients is what the consumer group has not delivered yet
+plus what it delivered and nobody acknowledged (``XPENDING``). Redis 7 reports the undelivered count
+as the group's ``lag``; on Redis 6.2 it is counted with ``XRANGE`` after the group's last-delivered id,
+up to ``_COUNT_CAP`` (the gauge then reads "at least that many"). The oldest such entry's age comes
+from its id, which is the Redis server's clock at ``XADD``, compared with the same clock's ``TIME``.
+"""
+
+import time
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared import redis_keys as keys
+
+_COUNT_CAP = 1000
+
+
+@dataclass
+class QueueSnapshot:
+    depth: int  # jobs not yet acknowledged: waiting for a worker, or being prefilled
+    pending: int  # delivered to a worker and not acknowledged yet
+    oldest_age_s: float  # of the oldest job in ``depth``; 0 when there is none
+    dead_letters: int  # entries in the dead-letter stream
+
+
+def _id_ms(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-", 1)[0])
+
+
+class QueueStats:
+    """A prometheus collector over the last snapshot; ``refresh`` renews it from Redis."""
+
+    def __init__(self, cache_s: float):
+        self._cache_s = cache_s
+        self._at = float("-inf")
+        self.snapshot: dict[str, QueueSnapshot] = {}
+
+    async def refresh(self, client: redis.asyncio.Redis, models: list[str]) -> None:
+        if time.monotonic() - self._at < self._cache_s and set(models) == set(self.snapshot):
+            return
+        self.snapshot = {model: await self._read(client, model) for model in models}
+        self._at = time.monotonic()
+
+    async def _read(self, client: redis.asyncio.Redis, model: str) -> QueueSnapshot:
+        stream = keys.prefill_stream(model)
+        pipe = client.pipeline(transaction=False)
+        pipe.time()
+        pipe.xlen(stream)
+        pipe.xlen(keys.dead_letter_stream(model))
+        pipe.xinfo_groups(stream)
+        pipe.xpending(stream, keys.PREFILL_GROUP)
+        (now_s, now_us), length, dead, groups, pending = await pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception) or isinstance(dead, Exception):
+            raise length if isinstance(length, Exception) else dead
+        group = None
+        if not isinstance(groups, Exception):
+            group = next((g for g in groups if g["name"] == keys.PREFILL_GROUP.encode()), None)
+        oldest: list[int] = []
+        if group is None:  # no worker made the group yet: every entry is still waiting
+            undelivered, pending_count = length, 0
+            first = await client.xrange(stream, count=1)
+        else:
+            pending_count = 0 if isinstance(pending, Exception) else pending["pending"]
+            if pending_count:
+                oldest.append(_id_ms(pending["min"]))
+            after = b"(" + group["last-delivered-id"]
+            lag = group.get("lag")
+            if lag is not None:
+                undelivered = lag
+                first = await client.xrange(stream, min=after, count=1) if lag else []
+            else:
+                entries = await client.xrange(stream, min=after, count=_COUNT_CAP)
+                undelivered, first = len(entries), entries[:1]
+        if first:
+            oldest.append(_id_ms(first[0][0]))
+        now_ms = now_s * 1000 + now_us // 1000
+        age = max(now_ms - min(oldest), 0) / 1000 if oldest and undelivered + pending_count else 0.0
+        return QueueSnapshot(depth=undelivered + pending_count, pending=pending_count, oldest_age_s=age,
+                             dead_letters=dead)
+
+    def collect(self):
+        depth = GaugeMetricFamily("kvrelay_queue_depth", "Jobs queued for a model and not yet acknowledged "
+                                  "by a prefill worker (waiting plus in progress)", labels=["model"])
+        pending = GaugeMetricFamily("kvrelay_queue_pending", "Jobs delivered to a prefill worker and not yet "
+                                    "acknowledged", labels=["model"])
+        age = GaugeMetricFamily("kvrelay_queue_oldest_age_seconds", "Age of the oldest job not yet "
+                                "acknowledged", labels=["model"])
+        dead = CounterMetricFamily("kvrelay_dead_letter", "Jobs in the model's dead-letter stream",
+                                   labels=["model"])
+        for model, snap in sorted(self.snapshot.items()):
+            depth.add_metric([model], snap.depth)
+            pending.add_metric([model], snap.pending)
+            age.add_metric([model], snap.oldest_age_s)
+            dead.add_metric([model], snap.dead_letters)
+        return [depth, pending, age, dead]

@@ -1,0 +1,104 @@
+"""``GET /metrics`` scraped over HTTP and parsed with prometheus_client's own parser: the counters,
+histograms and gauges move as requests flow, and the queue gauges read what is in Redis."""
+
+import threading
+import time
+
+import pytest
+import requests
+
+from shared import redis_keys as keys
+from shared.protocol import ModelInfo, decode, encode
+from shared.redis_conn import sync_client
+from tests.integration.gateway_harness import MODEL, running_stack
+from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer, sample, scrape
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("metrics"), admin_key=ADMIN_KEY, queue_metrics_cache_s=0.0) as s:
+        yield s
+
+
+def _delta(after: dict, before: dict, name: str, **labels: str) -> float:
+    return sample(after, name, **labels) - sample(before, name, **labels)
+
+
+def test_request_metrics_move(stack):
+    name, key = Admin(stack.url).tenant_with_key()
+    before = scrape(stack.url)
+    out = requests.post(f"{stack.url}/v1/completions", headers=bearer(key),
+                        json={"model": MODEL, "prompt": "hello there", "max_tokens": 64}).json()
+    requests.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})  # 401
+    requests.get(f"{stack.url}/v1/no-such-route", headers=bearer(key))  # 404
+    after = scrape(stack.url)
+    route = "/v1/completions"
+    assert _delta(after, before, "kvrelay_http_requests_total", route=route, status="200") == 1
+    assert _delta(after, before, "kvrelay_http_requests_total", route=route, status="401") == 1
+    assert _delta(after, before, "kvrelay_http_requests_total", route="unmatched", status="404") == 1
+    assert _delta(after, before, "kvrelay_http_request_duration_seconds_count", route=route) == 2
+    assert _delta(after, before, "kvrelay_ttft_seconds_count", model=MODEL) == 1
+    assert _delta(after, before, "kvrelay_ttft_seconds_sum", model=MODEL) > 0
+    usage = out["usage"]
+    assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=name, model=MODEL,
+                  kind="prompt") == usage["prompt_tokens"]
+    assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=name, model=MODEL,
+                  kind="completion") == usage["completion_tokens"]
+    assert sample(after, "kvrelay_requests_in_flight", model=MODEL) == 0
+
+
+def test_in_flight_requests(stack):
+    _, key = Admin(stack.url).tenant_with_key()
+    body = {"model": MODEL, "prompt": "[slow] please", "max_tokens": 30}
+    thread = threading.Thread(target=requests.post, args=(f"{stack.url}/v1/completions",),
+                              kwargs={"json": body, "headers": bearer(key), "timeout": 60})
+    thread.start()
+    seen = 0.0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and seen == 0:
+        seen = sample(scrape(stack.url), "kvrelay_requests_in_flight", model=MODEL)
+    thread.join(60)
+    assert seen == 1
+    assert sample(scrape(stack.url), "kvrelay_requests_in_flight", model=MODEL) == 0
+
+
+def test_queue_gauges_read_redis(stack):
+    model = "queued-model"
+    r = sync_client(stack.redis_url)
+    info = decode(r.get(keys.model_key(MODEL)), ModelInfo)
+    info.name = model
+    r.set(keys.model_key(model), encode(info))
+    r.sadd(keys.MODELS_INDEX, model)
+    stream = keys.prefill_stream(model)
+    now_ms = int(r.time()[0]) * 1000
+    try:
+        assert sample(scrape(stack.url), "kvrelay_queue_depth", model=model) == 0
+        # three jobs queued before any worker existed, the first of them 30 s ago
+        for i, age_ms in enumerate((30_000, 2_000, 1_000)):
+            r.xadd(stream, {keys.JOB_FIELD: b"x"}, id=f"{now_ms - age_ms}-{i}")
+        samples = scrape(stack.url)
+        assert sample(samples, "kvrelay_queue_depth", model=model) == 3
+        assert sample(samples, "kvrelay_queue_pending", model=model) == 0
+        assert 30 <= sample(samples, "kvrelay_queue_oldest_age_seconds", model=model) < 300
+        # a worker takes two and acknowledges one; one more is dead-lettered
+        r.xgroup_create(stream, keys.PREFILL_GROUP, id="0")
+        (_, taken), = r.xreadgroup(keys.PREFILL_GROUP, "w", {stream: ">"}, count=2)
+        r.xack(stream, keys.PREFILL_GROUP, taken[0][0])
+        r.xadd(keys.dead_letter_stream(model), {keys.JOB_FIELD: b"x", "reason": "poison"})
+        samples = scrape(stack.url)
+        assert sample(samples, "kvrelay_queue_depth", model=model) == 2  # one pending, one undelivered
+        assert sample(samples, "kvrelay_queue_pending", model=model) == 1
+        assert 2 <= sample(samples, "kvrelay_queue_oldest_age_seconds", model=model) < 30
+        assert sample(samples, "kvrelay_dead_letter_total", model=model) == 1
+        r.xack(stream, keys.PREFILL_GROUP, taken[1][0])
+        r.xreadgroup(keys.PREFILL_GROUP, "w", {stream: ">"}, count=1)
+        r.xack(stream, keys.PREFILL_GROUP, *[e for e, _ in r.xrange(stream)])
+        samples = scrape(stack.url)
+        assert sample(samples, "kvrelay_queue_depth", model=model) == 0
+        assert sample(samples, "kvrelay_queue_oldest_age_seconds", model=model) == 0
+    finally:
+        r.delete(keys.model_key(model), stream, keys.dead_letter_stream(model))
+        r.srem(keys.MODELS_INDEX, model)
+        r.close()
