@@ -8,6 +8,10 @@ Lifecycle of one request here:
      one TokenBatch per gateway carries them.
   4. A stop condition, an abort published by the gateway, or the job's deadline ends it and frees
      its blocks within that step.
+
+SIGTERM drains: no new grants (prefill workers go elsewhere), KV already granted is still taken, the
+running batch finishes (up to the drain timeout), and what is left ends with an error event so no
+client waits on a worker that is gone (``_abandon``).
 """
 
 import logging
@@ -39,11 +43,13 @@ class DecodeWorker:
     def run(self) -> None:
         self.runtime.start(self.addr)
         try:
-            self.runtime.serve_forever(self.step)
+            self.runtime.serve_forever(self.step, busy=lambda: bool(self.requests or self.receiver.grants),
+                                       abandon=self._abandon)
         finally:
             self.sock.close(linger=0)
 
     def step(self) -> None:
+        self.receiver.accepting = not self.runtime.draining
         busy = self.core.has_unfinished()
         self.receiver.poll(0 if busy else 20, self._admit)
         self._abort(self.runtime.drain_aborts(), reason=None)
@@ -76,16 +82,25 @@ class DecodeWorker:
         self.core.scheduler.add_prefilled_request(req)
         self.requests[h.request_id] = (h.reply_addr, h.deadline, 1)
 
-    def _abort(self, request_ids: list[str], reason: str | None) -> None:
+    def _abort(self, request_ids: list[str], reason: str | None, finish_reason: str = "abort") -> None:
         for rid in request_ids:
             entry = self.requests.pop(rid, None)
             if entry is None:
                 continue
             self.core.abort([rid])
             if reason:  # an abort the gateway asked for needs no answer: its client is gone
-                self.runtime.events.add(entry[0], TokenEvent(request_id=rid, finish_reason="abort",
-                                                             output_index=entry[2],
+                error = reason if finish_reason == "error" else None
+                self.runtime.events.add(entry[0], TokenEvent(request_id=rid, finish_reason=finish_reason,
+                                                             error=error, output_index=entry[2],
                                                              worker_id=self.runtime.config.worker_id))
+
+
+    def _abandon(self) -> None:
+        self._abort(list(self.requests), reason="decode worker shut down before the request finished",
+                    finish_reason="error")
+        for rid in list(self.receiver.grants):
+            self.core.block_manager.free(rid)  # KV never came; its prefill worker times the handoff out
+        self.receiver.grants.clear()
 
 
 def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int) -> tuple[zmq.Socket, str]:

@@ -1,7 +1,8 @@
 """The gateway application: ``create_app(config)`` builds it, ``run_gateway(config)`` serves it.
 
-Resources live in cleanup contexts, started in order and closed in reverse: Redis, then the ZMQ reply
-socket and its dispatcher task, then the set of detached background tasks.
+Resources live in cleanup contexts, started in order and closed in reverse: Redis (and the task that
+watches it for restarts), then the ZMQ reply socket and its dispatcher task, then the set of detached
+background tasks. SIGTERM drains the gateway before it exits (``drain.py``).
 """
 
 import asyncio
@@ -13,9 +14,11 @@ from aiohttp import web
 from gateway.auth import auth_middleware
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher
+from gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from gateway.errors import add_request_id, error_middleware
 from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.redis_watch import REDIS_WATCH, RedisWatch
 from gateway.registry import Registry
 from gateway.response_cache import ResponseCache
 from gateway.routes import ROUTES
@@ -52,7 +55,10 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[USAGE] = UsageLedger(client, config.usage_retention_s)
     app[RESPONSE_CACHE] = ResponseCache(client, config.response_cache_ttl, config.response_cache_max_bytes)
     app[REGISTRY] = Registry(client, app[CONFIG].registry_cache_s)
+    watch = app[REDIS_WATCH] = RedisWatch(client, app[CONFIG].redis_watch_s, app[CONFIG].redis_outage_s)
+    watch.start()
     yield
+    await watch.close()
     await client.aclose()
 
 
@@ -78,13 +84,16 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: GatewayConfig) -> web.Application:
     # client_max_size makes aiohttp raise 413 while reading an oversized body; the middleware shapes it.
-    app = web.Application(client_max_size=config.max_body_size, middlewares=[error_middleware])
+    # The drain check sits inside error_middleware so its 503 gets the same OpenAI shape as every error.
+    app = web.Application(client_max_size=config.max_body_size,
+                          middlewares=[error_middleware, make_drain_middleware(config.retry_after_s)])
     app[CONFIG] = config
     metrics = app[METRICS] = GatewayMetrics(config.queue_metrics_cache_s)
     # Outermost, metrics count what the client got (error bodies included); innermost, auth raises
     # into error_middleware so 401/403 come out in OpenAI's shape.
     app.middlewares.insert(0, metrics.middleware)
     app.middlewares.append(auth_middleware)
+    app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()
     # Cleanup runs in reverse: background tasks (abort publishes) drain first, while Redis is still open.
     app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, background_ctx])
@@ -94,7 +103,6 @@ def create_app(config: GatewayConfig) -> web.Application:
 
 
 def run_gateway(config: GatewayConfig) -> None:
-    """Serve until interrupted (what ``kvrelay gateway`` calls)."""
+    """Serve until SIGTERM/SIGINT, then drain (what ``kvrelay gateway`` calls)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its jobs.
-    web.run_app(create_app(config), host=config.host, port=config.port, handler_cancellation=True)
+    asyncio.run(serve(create_app(config), config.host, config.port, config.drain_timeout))

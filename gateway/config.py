@@ -29,12 +29,20 @@ class GatewayConfig:
     retry_after_s: int = 5  # Retry-After on 503 when no worker can serve the model
     default_tenant: str = "default"  # whose requests these are while no tenant exists (open mode)
     disconnect_poll_s: float = 1.0  # how often a waiting request checks that its client is still there
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    # Jobs queued or being prefilled per model (the stream's length: workers delete what they ACK); past
+    # it new requests get 429 + Retry-After instead of joining an ever longer wait. 0: unbounded.
+    max_queue_depth: int = 4096
+    redis_watch_s: float = 0.5  # how often the gateway checks that Redis is the same server
+    redis_outage_s: float = 3.0  # Redis unreachable this long: jobs queued there count as lost
 
     def __post_init__(self) -> None:
         if self.max_body_size < 1:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if self.drain_timeout < 0 or self.max_queue_depth < 0:
+            raise ValueError("drain_timeout and max_queue_depth must not be negative")
         if not 0 <= self.zmq_port < 65536 or not 0 <= self.port < 65536:
             raise ValueError("ports must be in [0, 65535]")
         if self.admin_key is not None and len(self.admin_key) < 16:

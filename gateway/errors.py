@@ -7,6 +7,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable
 
+import redis
 from aiohttp import web
 
 log = logging.getLogger("kvrelay.gateway")
@@ -87,6 +88,11 @@ async def error_middleware(request: web.Request,
         if exc.status < 400:  # redirects and the like pass through untouched
             raise
         return _from_http_exception(exc).response()
+    except redis.RedisError as exc:
+        # Redis down or restarting (the registry, the queue): retryable, and it must not look like a bug
+        log.warning("redis unavailable on %s %s: %s", request.method, request.path, exc)
+        return APIError(503, "the request queue is unavailable; retry later", code="queue_unavailable",
+                        headers={"Retry-After": "1"}).response()
     except (ConnectionResetError, web.RequestPayloadError) as exc:
         # The client went away mid-body; nobody will read an answer, but keep the log quiet.
         log.info("client connection lost: %s", exc)

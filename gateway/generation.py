@@ -18,8 +18,10 @@ import redis
 from aiohttp import web
 
 from gateway.choice import ChoiceDelta, ChoiceState
+from gateway.drain import DRAIN, draining_error
 from gateway.errors import REQUEST_ID, APIError, ClientGone
 from gateway.prompts import Prepared
+from gateway.redis_watch import REDIS_WATCH
 from gateway.state import CONFIG, DISPATCHER, REDIS, REGISTRY, spawn
 from shared import redis_keys as keys
 from shared.protocol import Abort, Job, TokenEvent, encode
@@ -63,6 +65,8 @@ class Generation:
         # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
         # is dead, and its requests end with an error instead of waiting out the deadline
         self._holders: dict[str, str] = {}
+        self._epoch = app[REDIS_WATCH].epoch  # a later epoch: Redis lost what was queued (redis_watch.py)
+        self._heard: set[str] = set()  # job ids some worker answered for: they are out of Redis
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,6 +113,20 @@ class Generation:
 
     async def _submit(self, reply_addr: str) -> None:
         model = self.prepared.model.name
+        config = self.app[CONFIG]
+        retry = {"Retry-After": str(config.retry_after_s)}
+        if config.max_queue_depth:
+            # Workers delete the entries they ACK, so the length is what is queued or being prefilled.
+            # Checked before the XADD, not atomically with it: several gateways may overshoot by a few
+            # requests each, which a soft bound tolerates.
+            try:
+                depth = await self.app[REDIS].xlen(keys.prefill_stream(model))
+            except redis.RedisError:
+                raise APIError(503, "the request queue is unavailable", code="queue_unavailable",
+                               headers=retry) from None
+            if depth + len(self.choices) > config.max_queue_depth:
+                raise APIError(429, f"{depth} requests are queued for model {model!r} (limit "
+                                    f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
         pipe = self.app[REDIS].pipeline(transaction=False)
         for choice in self.choices:
             job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
@@ -122,7 +140,7 @@ class Generation:
         except redis.RedisError as exc:
             log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise APIError(503, "the request queue is unavailable", code="queue_unavailable",
-                           headers={"Retry-After": str(self.app[CONFIG].retry_after_s)}) from None
+                           headers=retry) from None
 
     async def _next_event(self) -> TokenEvent:
         """The next event for any choice; raises on deadline or a vanished client, never hangs."""
@@ -132,6 +150,12 @@ class Generation:
                 return self._queue.get_nowait()
             if self._is_disconnected():
                 raise ClientGone()
+            if self.app[DRAIN].expired:  # the gateway's drain deadline passed: end cleanly, now
+                raise draining_error(self.app[CONFIG].retry_after_s)
+            if self.app[REDIS_WATCH].epoch != self._epoch and any(
+                    c.job_id not in self._heard and not c.finished for c in self.choices):
+                raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
+                               code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
             remaining = self.deadline - time.time()
             if remaining <= 0:
                 raise APIError(504, f"request timed out after {self.app[CONFIG].request_timeout:g}s",
@@ -144,7 +168,7 @@ class Generation:
 
     async def _check_holders(self) -> None:
         holders = {w for job, w in self._holders.items() if not self._by_job[job].finished}
-        if not holders:
+        if not holders or self.app[REDIS_WATCH].settling:  # just restarted: workers re-registering
             return
         try:
             alive = {w.worker_id for w in await self.app[REGISTRY].workers()}
@@ -159,6 +183,7 @@ class Generation:
         pending = {c.job_id for c in self.choices}
         while pending:
             event = await self._next_event()
+            self._heard.add(event.request_id)
             choice = self._by_job.get(event.request_id)
             if choice is None or choice.finished:
                 continue  # a late event after a stop string or a duplicate delivery

@@ -6,6 +6,7 @@ import redis
 from aiohttp import web
 
 from gateway.auth import TENANT
+from gateway.drain import DRAIN
 from gateway.errors import APIError
 from gateway.state import CONFIG, REDIS, REGISTRY
 
@@ -35,6 +36,8 @@ async def ready(request: web.Request) -> web.Response:
     decode-capable worker. The body says which part is missing."""
     registry = request.app[REGISTRY]
     retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
+    if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
+        return web.json_response({"status": "draining"}, status=503, headers=retry)
     try:
         await request.app[REDIS].ping()
         models = await registry.models()

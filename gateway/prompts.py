@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.errors import APIError, bad_request, unavailable
+from gateway.redis_watch import REDIS_WATCH
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import CONFIG, REGISTRY, TOKENIZERS
 from gateway.tenants import Tenant
@@ -39,6 +40,11 @@ async def resolve_model(app: web.Application, name: str | None, tenant: Tenant) 
         if len(usable) == 1:
             return usable[0]
         raise bad_request("model is required" if usable else "no model is registered", "model")
+    if name not in models and app[REDIS_WATCH].settling:
+        # Redis just restarted empty: workers re-publish their models within a heartbeat, so this is
+        # "retry shortly", not "no such model"
+        raise unavailable(f"model `{name}` is not registered yet (Redis restarted); retry later",
+                          app[CONFIG].retry_after_s)
     if name not in models:
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
     if not tenant.may_use(name):

@@ -24,6 +24,7 @@ from shared.protocol import (HandoffAck, HandoffGrant, HandoffRequest, Job, KVHe
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask looks again
 WORKER_CACHE_S = 0.5
 
 
@@ -89,7 +90,9 @@ class HandoffManager:
                     self._on_reply(frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
-            if t.state in (State.GRANT_WAIT, State.ACK_WAIT) and now > t.deadline:
+            if t.state is State.GRANT_WAIT and not t.target and now > t.deadline:
+                self._send_request(t)  # waiting for a decode worker to register (see _send_request)
+            elif t.state in (State.GRANT_WAIT, State.ACK_WAIT) and now > t.deadline:
                 self._retry(t, f"decode worker {t.target} did not answer within {self.timeout_s}s")
         ended = [t for t in self.transfers.values() if t.state in (State.DONE, State.FAILED)]
         for t in ended:
@@ -99,6 +102,11 @@ class HandoffManager:
     # -- transitions ----------------------------------------------------------------------------
     def _send_request(self, t: Transfer) -> None:
         target = self._pick_decode_worker(t.tried)
+        if target is None and not t.tried and time.perf_counter() - t.started < self.timeout_s:
+            # None registered yet (Redis just restarted, or the only decode worker is being replaced):
+            # look again shortly, within the handoff timeout, rather than fail a request that can wait
+            t.target, t.state, t.deadline = "", State.GRANT_WAIT, time.monotonic() + NO_WORKER_RETRY_S
+            return
         if target is None:
             self._fail(t, "no decode worker available for this model")
             return

@@ -3,7 +3,12 @@ through ``XAUTOCLAIM``, poison and malformed jobs to the dead-letter stream.
 
 A job stays pending (un-ACKed) until the caller says it is done, which for a prefill worker means the
 decode side confirmed it holds the KV: a worker killed at any point before that leaves the job to be
-reclaimed by a peer once it has been idle ``reclaim_idle_ms``.
+reclaimed by a peer once it has been idle ``reclaim_idle_ms``. A draining worker need not wait for
+that: ``hand_back`` makes its unfinished jobs reclaimable at once.
+
+An ACKed entry is also deleted, so the stream's length is what is queued or in progress: the gateway
+bounds it (``--max-queue-depth``). An ACK that fails (Redis restarting) is retried on the next fetch
+rather than raised into the middle of an engine step, whose other outputs would then be lost.
 """
 
 import logging
@@ -18,6 +23,16 @@ from shared.protocol import Job, decode
 log = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 1.0
+# Idle time given to handed-back jobs: past any worker's reclaim_idle_ms, so the next XAUTOCLAIM of any
+# consumer takes them.
+HAND_BACK_IDLE_MS = 24 * 3600 * 1000
+
+
+def replayable(job: Job) -> bool:
+    """Would a peer re-running this job from scratch produce the same tokens (greedy, or seeded)? Only
+    then may a job whose first tokens already reached the client be handed back: the gateway keeps the
+    tokens it has and takes the rest from the peer, which must continue the same text."""
+    return job.sampling.get("temperature", 1.0) == 0.0 or job.sampling.get("seed") is not None
 
 
 class JobQueue:
@@ -31,6 +46,7 @@ class JobQueue:
         self.max_deliveries = max_deliveries
         self.on_dead = on_dead  # tells the job's client why it will get no answer
         self._last_reclaim = 0.0
+        self._unacked: list[bytes] = []  # ACKs that failed; retried before the next read
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -42,6 +58,9 @@ class JobQueue:
 
     def fetch(self, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
         """Up to ``count`` jobs: reclaimed ones first, then new ones (blocking up to block_ms if none)."""
+        if self._unacked:
+            entries, self._unacked = self._unacked, []
+            self.ack(*entries)
         try:
             entries = self._read(count, block_ms)
         except redis.ResponseError as exc:
@@ -100,8 +119,23 @@ class JobQueue:
             self.dead_letter(entry_id, fields, f"malformed job: {exc}")
             return None
 
-    def ack(self, entry_id: bytes) -> None:
-        self.redis.xack(self.stream, keys.PREFILL_GROUP, entry_id)
+    def ack(self, *entry_ids: bytes) -> None:
+        pipe = self.redis.pipeline()
+        pipe.xack(self.stream, keys.PREFILL_GROUP, *entry_ids)
+        pipe.xdel(self.stream, *entry_ids)
+        try:
+            pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("ACK of %d job(s) failed (%s); retrying later", len(entry_ids), exc)
+            self._unacked.extend(entry_ids)
+
+    def hand_back(self, entry_ids: list[bytes]) -> None:
+        """Give our pending jobs up without finishing them: they stay pending (nothing is lost if we die
+        here) but look idle for a day, so the next reclaim pass of any worker takes them. JUSTID keeps
+        their delivery count, so a hand-back does not push a job toward the dead-letter stream."""
+        if entry_ids:
+            self.redis.xclaim(self.stream, keys.PREFILL_GROUP, self.consumer, 0, entry_ids,
+                              idle=HAND_BACK_IDLE_MS, justid=True)
 
     def dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
         log.warning("job %s -> dead letter: %s", entry_id, reason)
@@ -109,4 +143,5 @@ class JobQueue:
         pipe.xadd(self.dead, {**fields, b"reason": reason.encode(), b"entry": entry_id}, maxlen=keys.STREAM_MAXLEN,
                   approximate=True)
         pipe.xack(self.stream, keys.PREFILL_GROUP, entry_id)
+        pipe.xdel(self.stream, entry_id)
         pipe.execute()

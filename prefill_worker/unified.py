@@ -4,13 +4,15 @@ the disaggregated path and for small setups (`kvrelay serve --mode unified`).
 Lifecycle of one job here: XREADGROUP/XAUTOCLAIM -> validate -> engine (continuous batching, chunked
 prefill) -> token events to the gateway every step -> finished, aborted or past its deadline -> XACK.
 The job is ACKed only when the request ends, so a killed worker's jobs are reclaimed by a peer.
+SIGTERM drains: no new jobs are read, running ones finish (up to the drain timeout), the rest are handed
+back to the stream or, when a peer could not continue their text exactly, ended (``_abandon``).
 """
 
 import dataclasses
 import logging
 import time
 
-from prefill_worker.job_queue import JobQueue
+from prefill_worker.job_queue import JobQueue, replayable
 from shared.protocol import Job, TokenEvent
 from shared.sampling_params import SamplingParams
 from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
@@ -28,7 +30,7 @@ class UnifiedWorker:
 
     def run(self) -> None:
         self.runtime.start(zmq_addr="")
-        self.runtime.serve_forever(self.step)
+        self.runtime.serve_forever(self.step, busy=lambda: bool(self.active), abandon=self._abandon)
 
     def step(self) -> None:
         aborted = self.runtime.drain_aborts()
@@ -40,7 +42,7 @@ class UnifiedWorker:
                 self.core.abort([rid])
                 self._end(entry_id, job, TokenEvent(request_id=rid, finish_reason="abort", output_index=sent))
         room = self.core.config.scheduler.max_num_seqs - len(self.active)
-        if room > 0:
+        if room > 0 and not self.runtime.draining:
             busy = self.core.has_unfinished()
             for entry_id, job in self.jobs.fetch(room, block_ms=0 if busy else 50):
                 self._admit(entry_id, job)
@@ -82,6 +84,22 @@ class UnifiedWorker:
     def _end(self, entry_id: bytes, job: Job, event: TokenEvent) -> None:
         self.runtime.events.add(job.reply_addr, event)
         self.jobs.ack(entry_id)
+
+    def _abandon(self) -> None:
+        """Drain timeout. A job with no token sent yet, or a greedy/seeded one (a peer re-running it
+        repeats the tokens the client has, which the gateway drops as duplicates), goes back to the
+        stream; any other ends with an error event, since a peer would continue a different text."""
+        back = []
+        for rid, (entry_id, job, sent) in list(self.active.items()):
+            self.core.abort([rid])
+            if sent == 0 or replayable(job):
+                back.append(entry_id)
+            else:
+                self._end(entry_id, job, TokenEvent(request_id=rid, finish_reason="error", output_index=sent,
+                                                    error="worker shut down before the request finished"))
+        self.active.clear()
+        self.jobs.hand_back(back)
+        log.info("handed %d job(s) back to the stream", len(back))
 
     def _dead_job(self, job: Job, reason: str) -> None:
         self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",

@@ -11,6 +11,9 @@ Lifecycle of one job here:
      side holds the request, and only then is the job XACKed.
 A worker killed anywhere before the XACK leaves the job pending for a peer to reclaim; the decode side
 refuses a request id it already holds, so a reclaimed job never yields two streams.
+
+SIGTERM drains: no new jobs are read, those in the engine and in handoff finish (up to the drain
+timeout), and what is left is handed back to the stream for a peer (``_abandon``).
 """
 
 import dataclasses
@@ -18,10 +21,9 @@ import logging
 import time
 
 from prefill_worker.handoff import HandoffManager, State, Transfer
-from prefill_worker.job_queue import JobQueue
+from prefill_worker.job_queue import JobQueue, replayable
 from shared.outputs import EngineCoreOutput
 from shared.protocol import Job, TokenEvent
-from shared.request import RequestStatus
 from shared.sampling_params import SamplingParams
 from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
 
@@ -42,13 +44,14 @@ class PrefillWorker:
 
     def run(self) -> None:
         self.runtime.start(zmq_addr="")  # prefill binds nothing: it dials decode workers
-        self.runtime.serve_forever(self.step)
+        self.runtime.serve_forever(self.step, busy=lambda: bool(self.active) or self.handoff.busy,
+                                   abandon=self._abandon)
 
     def step(self) -> None:
         self._handle_aborts()
         room = self.core.config.scheduler.max_num_seqs - len(self.active)
         busy = self.core.has_unfinished() or self.handoff.busy
-        if room > 0:
+        if room > 0 and not self.runtime.draining:
             for entry_id, job in self.jobs.fetch(room, block_ms=0 if busy else IDLE_BLOCK_MS):
                 self._admit(entry_id, job)
         if self.core.has_unfinished():
@@ -125,6 +128,28 @@ class PrefillWorker:
     def _dead_job(self, job: Job, reason: str) -> None:
         self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",
                                                            error=f"request failed repeatedly: {reason}"))
+
+    def _abandon(self) -> None:
+        """Drain timeout: jobs not yet prefilled go back to the stream. So do those waiting for a decode
+        grant when a peer would repeat their first token exactly; the others end with an error, since
+        their client already has a first token a peer might not repeat. Jobs whose KV already left wait
+        for the decode side's ack, which a peer's reclaim covers if it never comes."""
+        back = []
+        for rid, (entry_id, _job) in list(self.active.items()):
+            self.core.abort([rid])
+            back.append(entry_id)
+        self.active.clear()
+        for rid, t in list(self.handoff.transfers.items()):
+            if t.state is not State.GRANT_WAIT:
+                continue
+            self.handoff.cancel(rid)
+            if replayable(t.job):
+                back.append(t.entry_id)
+            else:
+                self._finish(t.entry_id, t.job, TokenEvent(request_id=rid, finish_reason="error", output_index=1,
+                                                           error="prefill worker shut down during the handoff"))
+        self.jobs.hand_back(back)
+        log.info("handed %d job(s) back to the stream", len(back))
 
     def _handle_aborts(self) -> None:
         for rid in self.runtime.drain_aborts():

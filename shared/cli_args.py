@@ -65,6 +65,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reclaim-idle-ms", type=int, default=15_000)
     g.add_argument("--monitoring-port", type=int, default=None, help="Prometheus metrics port")
 
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish before the rest are handed back or ended")
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
 
@@ -82,3 +84,7 @@ def add_gateway_args(p: argparse.ArgumentParser, port_default: int = 8000) -> No
                    help="seconds a deterministic (temperature 0 or seeded) response is reused (0: off)")
     g.add_argument("--max-body-size", type=int, default=1024 * 1024)
     g.add_argument("--request-timeout", type=float, default=600.0)
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets in-flight requests finish (new ones get 503) before exiting")
+    g.add_argument("--max-queue-depth", type=int, default=4096,
+                   help="jobs queued per model past which new requests get 429 (0: unbounded)")

@@ -3,6 +3,10 @@ subscription, the ZMQ sockets that carry token events back to gateways, and a cl
 
 Threads: the heartbeat and the abort listener only talk to Redis and hand ids to the main loop through
 a queue; the engine, its tensors and every ZMQ socket belong to the main loop alone.
+
+Shutdown: the first SIGTERM/SIGINT starts a drain (the role stops taking new work and its loop runs
+until nothing is in flight or ``drain_timeout_s`` passed, then the role hands back or ends what is
+left); a second signal stops at once. Either way the worker unregisters before it exits.
 """
 
 import logging
@@ -29,6 +33,7 @@ from shared.redis_conn import sync_client
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000
+REREGISTER_RETRY_S = 0.2
 
 
 @dataclass
@@ -45,6 +50,7 @@ class WorkerConfig:
     max_deliveries: int = keys.MAX_DELIVERIES
     reclaim_idle_ms: int = 15_000  # a pending job idle this long belongs to a dead prefill worker
     monitoring_port: int | None = None  # Prometheus /metrics on host:port; None: not served (0: ephemeral)
+    drain_timeout_s: float = 30.0  # after SIGTERM, how long running requests get to finish
 
 
 class EventSink:
@@ -91,6 +97,8 @@ class WorkerRuntime:
         self.aborts: queue.Queue[str] = queue.Queue()
         self.stop = threading.Event()
         self.started = time.time()
+        self.draining = False  # set by the first SIGTERM; roles stop taking new work
+        self.drain_deadline = 0.0
         self.zmq_addr = ""  # set by the role once it binds its socket
         self._threads: list[threading.Thread] = []
 
@@ -106,9 +114,17 @@ class WorkerRuntime:
             t.start()
             self._threads.append(t)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop.set())
+            signal.signal(sig, self._on_signal)
         log.info("%s worker %s serving %r at %s", self.config.role, self.config.worker_id,
                  self.config.model_name, zmq_addr)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.draining:
+            self.stop.set()  # asked twice: stop now
+            return
+        self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        self.draining = True
+        log.info("signal %d: draining (up to %gs)", signum, self.config.drain_timeout_s)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -132,8 +148,10 @@ class WorkerRuntime:
 
     def heartbeat(self) -> None:
         sched = self.core.scheduler
+        # A draining worker advertises no free blocks, so prefill workers pick other decode workers first.
+        free = 0 if self.draining else self.core.num_free_blocks
         info = WorkerInfo(worker_id=self.config.worker_id, role=self.config.role, models=[self.config.model_name],
-                          zmq_addr=self.zmq_addr, free_blocks=self.core.num_free_blocks,
+                          zmq_addr=self.zmq_addr, free_blocks=free,
                           total_blocks=self.core.num_total_blocks, running=sched.num_running,
                           waiting=sched.num_waiting, pid=os.getpid(), host=socket.gethostname(),
                           started=self.started, heartbeat=time.time())
@@ -143,11 +161,18 @@ class WorkerRuntime:
         pipe.execute()
 
     def _heartbeat_loop(self) -> None:
-        while not self.stop.wait(keys.HEARTBEAT_INTERVAL_S):
+        delay = keys.HEARTBEAT_INTERVAL_S
+        while not self.stop.wait(delay):
             try:
                 self.heartbeat()
-            except Exception:  # Redis restarting: keep serving, re-register when it is back
+                if not self.redis.exists(keys.model_key(self.config.model_name)):
+                    self.publish_model()  # Redis restarted empty: gateways must see the model again
+                delay = keys.HEARTBEAT_INTERVAL_S
+            except Exception:  # Redis restarting: keep serving, re-register as soon as it is back
                 log.warning("heartbeat failed", exc_info=True)
+                # Retry quickly: after a Redis restart the gateway queues nothing for this model until
+                # its workers are registered again, and a prefill worker finds no decode worker before.
+                delay = REREGISTER_RETRY_S
 
     def _abort_loop(self) -> None:
         while not self.stop.is_set():
@@ -166,16 +191,33 @@ class WorkerRuntime:
                 log.warning("abort subscription lost; retrying", exc_info=True)
                 self.stop.wait(1.0)
 
-    def serve_forever(self, step) -> None:
-        """Run ``step`` until stopped. Redis outages are waited out, not fatal: the engine keeps its
-        running requests and the loop resumes pulling jobs when Redis is back."""
+    def serve_forever(self, step, busy=lambda: False, abandon=lambda: None) -> None:
+        """Run ``step`` until stopped, or, once draining, until ``busy()`` is false or the drain deadline
+        passed; then ``abandon()`` whatever is still in flight. Redis outages are waited out, not fatal:
+        the engine keeps its running requests and the loop resumes pulling jobs when Redis is back."""
+        announced = False
         try:
             while not self.stop.is_set():
+                if self.draining and (not busy() or time.monotonic() >= self.drain_deadline):
+                    break
                 try:
+                    if self.draining and not announced:
+                        # tell placement now, not at the next beat (a draining worker advertises no room);
+                        # here rather than in the signal handler, which must not take Redis's pool lock
+                        announced = True
+                        self.heartbeat()
                     step()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     log.warning("Redis unavailable (%s); retrying", exc)
                     self.stop.wait(0.5)
+            if self.draining and busy():
+                log.warning("drain timeout: handing back or ending what is still in flight")
+                try:
+                    abandon()
+                except redis.RedisError as exc:  # un-ACKed jobs are reclaimed by a peer anyway
+                    log.warning("could not hand jobs back (%s); peers will reclaim them", exc)
+                self.events.flush()
+            log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
         finally:
             self.shutdown()
 

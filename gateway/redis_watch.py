@@ -1,0 +1,88 @@
+"""Tells waiting requests when their queued jobs may be gone because Redis restarted or went away.
+
+A job sits in the Redis stream until a worker reads it. Our Redis keeps no data across a restart, so a
+job queued before the restart and not yet read is lost, and the request waiting for it would only end at
+its deadline (minutes). This task notices, at most ``interval`` late, either:
+  * a new Redis ``run_id`` (the server restarted), or
+  * Redis unreachable for longer than ``outage_s``,
+and bumps ``epoch``. A request whose jobs were queued in an earlier epoch and which has heard nothing
+from any worker then ends with 503 + Retry-After (``Generation``): a fast, retryable answer instead of a
+hang. A request a worker already answers is unaffected: the worker holds it, not Redis.
+"""
+
+import asyncio
+import logging
+import time
+
+import redis
+import redis.asyncio
+from aiohttp import web
+
+from shared import redis_keys as keys
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+class RedisWatch:
+    def __init__(self, client: redis.asyncio.Redis, interval: float, outage_s: float):
+        self._redis = client
+        self._interval = interval
+        self._outage_s = outage_s
+        self.epoch = 0
+        self._changed_at = float("-inf")  # monotonic time of the last epoch change
+        self._run_id: str | None = None
+        self._down_since: float | None = None
+        self._outage_counted = False
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-redis-watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def _bump(self) -> None:
+        self.epoch += 1
+        self._changed_at = time.monotonic()
+
+    @property
+    def settling(self) -> bool:
+        """Shortly after a restart or outage, a worker missing from Redis may just not have re-registered
+        yet (they retry within a fraction of a second, but a heartbeat TTL is the safe bound)."""
+        return time.monotonic() - self._changed_at < keys.HEARTBEAT_TTL_S
+
+    async def check(self) -> None:
+        """One probe; public so tests can step it."""
+        try:
+            run_id = (await self._redis.info("server")).get("run_id")
+        except (redis.RedisError, OSError) as exc:
+            now = time.monotonic()
+            if self._down_since is None:
+                self._down_since = now
+                log.warning("redis unreachable: %s", exc)
+            if not self._outage_counted and now - self._down_since >= self._outage_s:
+                self._outage_counted = True
+                self._bump()
+                log.warning("redis down for %.1fs: failing requests still queued there", now - self._down_since)
+            return
+        self._down_since = None
+        self._outage_counted = False
+        if isinstance(run_id, bytes):
+            run_id = run_id.decode()
+        if self._run_id is not None and run_id != self._run_id:
+            self._bump()
+            log.warning("redis restarted (run_id %s -> %s): queued jobs are gone", self._run_id, run_id)
+        self._run_id = run_id
+
+    async def _run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(self._interval)
+
+
+REDIS_WATCH = web.AppKey("redis_watch", RedisWatch)
