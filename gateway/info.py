@@ -1,8 +1,12 @@
-"""``GET /v1/models``, ``GET /health`` (liveness) and ``GET /ready`` (can requests be served)."""
+"""``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (can requests be served) and
+``GET /openapi.json`` (the API description, from openapi.yaml beside this file)."""
 
+import functools
 import logging
+from pathlib import Path
 
 import redis
+import yaml
 from aiohttp import web
 
 from gateway.auth import TENANT
@@ -53,3 +57,12 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response(body)
     body["status"] = "unavailable"
     return web.json_response(body, status=503, headers=retry)
+
+
+@functools.cache
+def _openapi() -> dict:
+    return yaml.safe_load((Path(__file__).parent / "openapi.yaml").read_text())
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(_openapi())

@@ -135,6 +135,9 @@ async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     check_length(len(ids), None, model, "messages", "messages")
+    # The tokenizer may know more ids than the model embeds (a mismatched deployment): refuse here,
+    # not as a worker error after queueing
+    check_token_ids(ids, model, "messages")
     params = body.sampling_params(remaining_context=model.max_model_len - len(ids))
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
     return _finish(model, tokenizer, [ids], params, body, tenant)

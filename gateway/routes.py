@@ -5,7 +5,7 @@ from aiohttp import web
 from gateway import admin
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
-from gateway.info import health, list_models, ready
+from gateway.info import health, list_models, openapi, ready
 from gateway.metrics_route import scrape
 from gateway.tokenize import detokenize, tokenize
 
@@ -17,6 +17,7 @@ ROUTES = [
     web.post("/detokenize", detokenize),
     web.get("/health", health),
     web.get("/ready", ready),
+    web.get("/openapi.json", openapi),
     web.get("/metrics", scrape),
     web.post("/admin/tenants", admin.put_tenant),
     web.get("/admin/tenants", admin.list_tenants),

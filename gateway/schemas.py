@@ -9,7 +9,7 @@ import re
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
 
 from gateway.errors import bad_request
 from shared.sampling_params import SamplingParams
@@ -17,11 +17,23 @@ from shared.sampling_params import SamplingParams
 log = logging.getLogger("kvrelay.gateway")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
+MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
 T = TypeVar("T", bound=BaseModel)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1; a client sending max_tokens=true has a bug worth a 400
+        if isinstance(value, bool):
+            annotation = str(cls.model_fields[info.field_name].annotation).lower()
+            if "bool" not in annotation and ("int" in annotation or "float" in annotation):
+                raise ValueError("must be a number, not a boolean")
+        return value
 
 
 class StreamOptions(_Body):
@@ -37,7 +49,7 @@ class _SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -51,7 +63,7 @@ class _SamplingRequest(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-INT64, lt=INT64)
     cache_salt: str | None = Field(default=None, max_length=256)
 
     def check_stream_options(self) -> None:
@@ -64,6 +76,9 @@ class _SamplingRequest(_Body):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
         try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -206,6 +221,24 @@ def _reject_constant(name: str) -> None:
     raise bad_request(f"request body is not valid JSON: {name} is not a JSON value")
 
 
+# A \uD800-\uDFFF escape: JSON lets a string hold a lone surrogate, which no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
+
+
 async def read_json(request: web.Request) -> Any:
     """The body as JSON; 413 past max_body_size (aiohttp's client_max_size), 400 for bad UTF-8 or JSON."""
     raw = await request.read()
@@ -214,6 +247,17 @@ async def read_json(request: web.Request) -> Any:
     except UnicodeDecodeError as exc:
         raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:  # [[[[...]]]]: nesting deeper than Python's parser goes
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer literal past Python's digit limit
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    try:
+        lone = _SURROGATE_ESCAPE.search(text) is not None and _has_lone_surrogate(body)
+    except RecursionError:
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    if lone:
+        raise bad_request("request body is not valid JSON: a string holds an unpaired UTF-16 surrogate")
+    return body

@@ -1,13 +1,15 @@
-"""Fixtures the production-readiness e2e tests share: one tiny model directory per session (random
-Llama weights with SmolLM2's real tokenizer, so gateways can detokenize), and the engine flags that
-keep every worker small on CI's two cores."""
+"""Fixtures the production-readiness e2e tests share: one tiny model per session, random Llama weights
+sized to SmolLM2's real tokenizer (whose files, chat template included, sit beside them), so string
+prompts and chat requests run end to end, plus the engine flags that keep every worker small on CI's
+two cores."""
 
+import json
 import shutil
 
 import pytest
+import torch
 
-from tests.conftest import make_tiny_model
-
+TINY_VOCAB = 49152  # SmolLM2's tokenizer
 # 4096 blocks (16 MiB of KV here) rather than the 1 GiB CPU default: a worker starts in a fraction of the time
 TINY_ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--served-model-name", "tiny",
                "--num-gpu-blocks-override", "4096"]
@@ -15,8 +17,21 @@ TINY_ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_dir):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("e2e-tiny") / "tiny", seed=3)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("e2e-tiny") / "tiny"
+    eos = json.loads((smollm2_dir / "config.json").read_text()).get("eos_token_id", 2)
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=eos, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # peaked logits (see tests/conftest.py): greedy ties are unlikely
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
     for f in smollm2_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, path / f.name)
     return path
