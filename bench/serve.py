@@ -1,0 +1,207 @@
+"""``kvrelay bench serve``: a load generator for any OpenAI-compatible server, reporting in vLLM
+benchmark_serving's layout; optionally it launches ``kvrelay serve`` itself (one or both modes, one after
+the other) and replays the same workload through the offline engine for a same-run baseline.
+
+    kvrelay bench serve --base-url http://127.0.0.1:8000/v1 --num-prompts 32 --max-concurrency 8
+    kvrelay bench serve --launch disaggregated unified --compare-offline -- --model smollm2
+"""
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlparse
+
+READY_TIMEOUT_S = 600.0  # a first run imports SmolLM2's GGUF before the workers start
+STOP_GRACE_S = 30.0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None, help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1 "
+                   "(default: that, unless --launch starts a server)")
+    p.add_argument("--model", default=None, help="model name in requests (default: the first of /v1/models)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--dataset", choices=["random", "text"], default="random",
+                   help="random: token-id prompts of --input-len (completions only); text: built-in prompts")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--random-token-range", type=int, nargs=2, default=[100, 500], metavar=("LO", "HI"),
+                   help="random prompt ids come from [LO, HI); the default fits every model's vocabulary")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --output-len tokens per request")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    p.add_argument("--cold-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="send a fresh cache_salt per run, so a rerun against the same server misses its prefix cache")
+    p.add_argument("--launch", nargs="+", choices=["disaggregated", "unified"], default=None,
+                   help="start `kvrelay serve --mode M` with the engine args after --, run, stop; modes run in turn")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="also run the prompts through kvrelay.LLM with the engine args after -- and print ratios")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --base-url that is not a loopback address (the default refuses, so a typo "
+                        "cannot aim a load test at someone else's server)")
+    p.add_argument("--save-result", default=None, metavar="FILE", help="write every metric and per-request data as JSON")
+    p.add_argument("engine_args", nargs="*", help="after --: engine flags for --launch and --compare-offline")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.dataset == "random" and args.endpoint == "chat":
+        raise SystemExit("--dataset random sends token ids, which only --endpoint completions accepts")
+    if args.num_prompts < 1 or args.output_len < 1 or (args.dataset == "random" and args.input_len < 1):
+        raise SystemExit("--num-prompts, --input-len and --output-len must be positive")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise SystemExit("--max-concurrency must be positive")
+    if args.request_rate <= 0:
+        raise SystemExit("--request-rate must be positive (inf: all at once)")
+    if args.launch and args.base_url:
+        raise SystemExit("--launch starts its own server; drop --base-url")
+
+
+def _check_loopback(base_url: str) -> None:
+    host = urlparse(base_url).hostname or ""
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as exc:
+        raise SystemExit(f"cannot resolve {host!r}: {exc}") from None
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise SystemExit(f"{base_url} is not a loopback address ({', '.join(sorted(addrs))}); "
+                         "pass --allow-remote to load-test it anyway")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/models", timeout=2) as resp:
+            if not json.load(resp)["data"]:
+                return False
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/ready", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+@contextlib.contextmanager
+def launched(mode: str, engine_args: list[str], log_dir: Path) -> Iterator[str]:
+    """``kvrelay serve --mode MODE`` on a free loopback port until the block ends; yields its base URL."""
+    port = _free_port()
+    log_path = log_dir / f"serve-{mode}.log"
+    # host and port last: they must win over anything in the pass-through args
+    argv = [sys.executable, "-m", "kvrelay.cli", "serve", "--mode", mode, *engine_args,
+            "--host", "127.0.0.1", "--port", str(port)]
+    base_url = f"http://127.0.0.1:{port}/v1"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _ready(base_url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"kvrelay serve --mode {mode} did not become ready (log {log_path}):\n{tail}")
+            time.sleep(0.5)
+        print(f"launched kvrelay serve --mode {mode} at {base_url} (log {log_path})", flush=True)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # serve stops its workers and Redis on SIGINT
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+async def _bench_server(args: argparse.Namespace, base_url: str, label: str, prompts: list, warmup,
+                        offsets: list[float]) -> dict:
+    from bench.serve_client import RequestSpec, first_model, run_load
+    from bench.serve_metrics import summarize
+
+    model = args.model or await first_model(base_url)
+    url = f"{base_url}/chat/completions" if args.endpoint == "chat" else f"{base_url}/completions"
+    salt = uuid.uuid4().hex if args.cold_cache else None
+    spec = RequestSpec(url=url, endpoint=args.endpoint, model=model, output_len=args.output_len,
+                       ignore_eos=args.ignore_eos, cache_salt=salt)
+    warm, _ = await run_load(base_url, spec, [warmup], [0.0], 1, args.request_timeout)
+    if not warm[0].success:  # a server that cannot answer one request would only produce N failures
+        raise SystemExit(f"warm-up request to {url} failed: {warm[0].error}")
+    load_before = _load()
+    results, duration = await run_load(base_url, spec, prompts, offsets, args.max_concurrency, args.request_timeout)
+    m = summarize(label, results, duration)
+    m.update(base_url=base_url, model_id=model, load_avg_1m_before=load_before, load_avg_1m_after=_load())
+    return m
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.serve_client import arrival_offsets, make_prompts
+    from bench.serve_metrics import compare, print_comparison, print_result
+
+    _check_args(args)
+    prompts = make_prompts(args.dataset, args.num_prompts, args.input_len, args.seed, tuple(args.random_token_range))
+    # its own seed: a warm-up identical to a benchmark prompt would hand that prompt a prefix-cache hit
+    warmup = make_prompts(args.dataset, 1, args.input_len, args.seed + 1_000_003, tuple(args.random_token_range))[0]
+    offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+    print(f"{args.num_prompts} prompts ({args.dataset}, {args.input_len if args.dataset == 'random' else 'text'} in / "
+          f"{args.output_len} out), request rate {args.request_rate}, max concurrency {args.max_concurrency}, "
+          f"endpoint {args.endpoint}; load average {os.getloadavg()}", flush=True)
+
+    served: list[dict] = []
+    if args.launch:
+        log_dir = Path(tempfile.mkdtemp(prefix="kvrelay-bench-serve-"))
+        for mode in args.launch:
+            with launched(mode, args.engine_args, log_dir) as base_url:
+                served.append(asyncio.run(_bench_server(args, base_url, mode, prompts, warmup, offsets)))
+            print_result(served[-1], f"Serving Benchmark Result ({mode})")
+    else:
+        base_url = (args.base_url or "http://127.0.0.1:8000/v1").rstrip("/")
+        if not args.allow_remote:
+            _check_loopback(base_url)
+        served.append(asyncio.run(_bench_server(args, base_url, "served", prompts, warmup, offsets)))
+        print_result(served[-1])
+
+    offline: dict[str, dict] = {}
+    rows: list[dict] = []
+    if args.compare_offline:
+        from bench.serve_metrics import summarize
+        from bench.serve_offline import run_offline
+
+        # after the servers are gone, so the engine has the machine to itself as each server had
+        passes = run_offline(args.engine_args, prompts, warmup, args.endpoint, args.output_len, args.ignore_eos,
+                             offsets, args.max_concurrency)
+        for name, (results, duration) in passes.items():
+            offline[name] = summarize(name, results, duration)
+            print_result(offline[name], f"Offline engine ({name.removeprefix('offline, ')})")
+        rows = compare(served, offline)
+        print_comparison(served, offline, rows)
+
+    if args.save_result:
+        doc = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": sys.argv,
+               # inf is not JSON: strict parsers (jq, JavaScript) would reject the whole file
+               "config": {k: str(v) if v == float("inf") else v for k, v in vars(args).items() if k != "func"},
+               "cpu_count": os.cpu_count(), "runs": served, "offline": offline, "comparison": rows}
+        Path(args.save_result).write_text(json.dumps(doc, indent=1, default=str))
+        print(f"results written to {args.save_result}")
+    return 0 if all(m["failed"] == 0 for m in served) else 1
