@@ -78,6 +78,11 @@ def _bench(sub: argparse._SubParsersAction) -> None:
         p = kinds.add_parser(name, help=f"offline {name}")
         offline.add_args(p)
         p.set_defaults(func=fn)
+    from bench import gpu as gpu_bench
+
+    p = kinds.add_parser("gpu", help="one GPU: decode/prefill against measured floors and HF, fused vs unfused, graphs vs eager")
+    gpu_bench.add_args(p)
+    p.set_defaults(func=gpu_bench.run)
     from bench import serve as serve_bench
 
     p = kinds.add_parser("serve", help="load generator against an OpenAI-compatible server (vLLM's serving benchmark)")

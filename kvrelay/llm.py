@@ -30,12 +30,13 @@ class LLM:
         device: str = "auto",
         seed: int = 0,
         scheduling_policy: str = "fcfs",
+        enforce_eager: bool = False,
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,
                               load_format=resolved.load_format, tokenizer=tokenizer, seed=seed,
-                              served_model_name=resolved.served_name),
+                              served_model_name=resolved.served_name, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
                               swap_space=swap_space, enable_prefix_caching=enable_prefix_caching),

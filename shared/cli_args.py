@@ -29,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
     g.add_argument("--tenant-fairness", action=argparse.BooleanOptionalAction, default=True,
                    help="admit between tenants by tokens served, so one tenant's flood cannot starve another")
     g.add_argument("--tenant-kv-quota", type=float, default=None, metavar="FRACTION",
@@ -42,7 +43,7 @@ def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str
     config = EngineConfig(
         model=ModelConfig(model=resolved.path, dtype=args.dtype, max_model_len=args.max_model_len,
                           load_format=resolved.load_format, tokenizer=args.tokenizer, seed=args.seed,
-                          served_model_name=name),
+                          served_model_name=name, enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory=args.kv_cache_memory, num_gpu_blocks=args.num_gpu_blocks,
                           swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching),

@@ -17,6 +17,7 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to the model directory
     seed: int = 0
     served_model_name: str | None = None
+    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (debugging, comparison benchmarks)
 
     def torch_dtype(self, device: str) -> torch.dtype:
         if self.dtype == "auto":

@@ -1,5 +1,11 @@
 """Turns a scheduler decision (request ids, token counts, block ids) into tensors, runs the model and
-the sampler, and owns the paged KV cache (plus the host swap space) of one model."""
+the sampler, and owns the paged KV cache (plus the host swap space) of one model.
+
+On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
+(shared/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
+step's integer inputs travel in one pinned non-blocking copy (shared/step_inputs.py) and the only
+host sync is the sampler reading back the sampled ids.
+"""
 
 import logging
 import math
@@ -9,12 +15,14 @@ import torch
 
 from kernels import AttentionMetadata
 from shared.config import EngineConfig
+from shared.cuda_graphs import DecodeGraphs
 from shared.loader import load_model
 from shared.models import max_model_len as model_max_len
 from shared.outputs import Logprob, PositionLogprobs
 from shared.request import Request
 from shared.sampler import Sampler, SampleResult, prompt_logprobs
 from shared.scheduler import SchedulerOutput
+from shared.step_inputs import BlockTableCache, StepBatch, to_device
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,15 @@ class ModelRunner:
             self.host_cache = torch.zeros(self.kv_shape(self.num_host_blocks), dtype=self.dtype, pin_memory=pin)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB); swap: %d blocks", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20, self.num_host_blocks)
+        self._tables = BlockTableCache()
+        # read every step, so a benchmark may flip it to time eager decode on the same loaded model
+        self.enforce_eager = config.model.enforce_eager
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not self.enforce_eager:
+            graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
+                                  self.block_size)
+            if graphs.capture():
+                self.graphs = graphs
 
     # -- sizing ---------------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -106,57 +123,72 @@ class ModelRunner:
         self._swap(out)
         if not out.scheduled:
             return StepResult({}, {})
-        ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
-        sample_rows: list[int] = []  # flat row of the last token of each request that samples
+        batch, sample_reqs, prompt_rows = self._build(out)
+        graphs = self.graphs
+        if graphs is not None and not self.enforce_eager and graphs.fits(batch):
+            all_logits, rows = graphs.run(batch)  # [S, V]: one token per sequence
+
+            def logits_of(start: int, count: int) -> torch.Tensor:
+                return all_logits[start:start + count]
+
+            sample_logits = all_logits if batch.samples_every_row else all_logits.index_select(0, rows)
+        else:
+            t = to_device(batch, self.device)
+            meta = AttentionMetadata(
+                slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
+                block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
+                seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
+            )
+            hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)  # [T, hidden]
+
+            def logits_of(start: int, count: int) -> torch.Tensor:
+                return self.model.compute_logits(hidden[start:start + count])
+
+            sample_logits = None
+            if sample_reqs:
+                chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
+                sample_logits = self.model.compute_logits(chosen)  # [R, V]
+        result = StepResult({}, {})
+        if sample_reqs:
+            for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs), strict=True):
+                result.sampled[req.request_id] = sample
+        for req, (row0, count, pos0) in prompt_rows:
+            targets = req.prompt_token_ids[pos0 + 1:pos0 + 1 + count]
+            k = req.sampling_params.prompt_logprobs
+            entries = prompt_logprobs(logits_of(row0, count), targets, k)
+            result.prompt_logprobs[req.request_id] = (pos0, [to_position_logprobs(d) for d in entries])
+        return result
+
+    def _build(self, out: SchedulerOutput) -> tuple[StepBatch, list[Request], list[tuple[Request, tuple[int, int, int]]]]:
+        """The step's flat batch on the host, the requests that sample (in row order), and the prompt
+        logprob rows: (request, (first row, count, first position))."""
+        bs = self.block_size
+        batch = StepBatch([], [], [], [0], [], [], [])
         sample_reqs: list[Request] = []
-        prompt_rows: dict[str, tuple[int, int, int]] = {}  # id -> (first row, count, first position)
+        prompt_rows: list[tuple[Request, tuple[int, int, int]]] = []
         for sr in out.scheduled:
             req, start, n = sr.request, sr.request.num_computed_tokens, sr.num_new_tokens
-            tokens = req.all_token_ids
-            row0 = len(ids)
-            ids.extend(tokens[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(sr.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(start, start + n))
-            starts.append(len(ids))
-            seq_lens.append(start + n)
-            tables.append(sr.block_ids)
+            blocks = sr.block_ids
+            row0 = batch.num_tokens
+            if n == 1:  # decode: no ranges, no list copies of the whole sequence
+                batch.input_ids.append(token_at(req, start))
+                batch.positions.append(start)
+                batch.slot_mapping.append(blocks[start // bs] * bs + start % bs)
+            else:
+                batch.input_ids.extend(token_slice(req, start, n))
+                batch.positions.extend(range(start, start + n))
+                batch.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            batch.query_start_loc.append(batch.num_tokens)
+            batch.seq_lens.append(start + n)
+            batch.block_tables.append(self._tables.get(req.request_id, blocks))
             if start + n == req.num_tokens:
-                sample_rows.append(len(ids) - 1)
+                batch.sample_rows.append(batch.num_tokens - 1)
                 sample_reqs.append(req)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                 count = min(start + n, req.num_prompt_tokens - 1) - start  # positions predicting a prompt token
                 if count > 0:
-                    prompt_rows[req.request_id] = (row0, count, start)
-        meta = self._metadata(slots, starts, seq_lens, tables)
-        dev = self.device
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_cache, meta)
-        result = StepResult({}, {})
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-            for req, sample in zip(sample_reqs, self.sampler(logits, sample_reqs), strict=True):
-                result.sampled[req.request_id] = sample
-        for rid, (row0, count, pos0) in prompt_rows.items():
-            req = next(sr.request for sr in out.scheduled if sr.request.request_id == rid)
-            logits = self.model.compute_logits(hidden[row0:row0 + count])
-            targets = req.prompt_token_ids[pos0 + 1:pos0 + 1 + count]
-            k = req.sampling_params.prompt_logprobs
-            result.prompt_logprobs[rid] = (pos0, [to_position_logprobs(d) for d in prompt_logprobs(logits, targets, k)])
-        return result
-
-    def _metadata(self, slots, starts, seq_lens, tables) -> AttentionMetadata:
-        dev = self.device
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)),
-            max_seq_len=max(seq_lens),
-        )
+                    prompt_rows.append((req, (row0, count, start)))
+        return batch, sample_reqs, prompt_rows
 
     def _swap(self, out: SchedulerOutput) -> None:
         # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step
@@ -169,6 +201,23 @@ class ModelRunner:
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)
+        self._tables.drop(request_id)
+
+
+def token_at(req: Request, pos: int) -> int:
+    n_prompt = req.num_prompt_tokens
+    return req.prompt_token_ids[pos] if pos < n_prompt else req.output_token_ids[pos - n_prompt]
+
+
+def token_slice(req: Request, start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of prompt + output without concatenating the two."""
+    prompt, output = req.prompt_token_ids, req.output_token_ids
+    p = len(prompt)
+    if start >= p:
+        return output[start - p:start - p + n]
+    if start + n <= p:
+        return prompt[start:start + n]
+    return prompt[start:] + output[:start + n - p]
 
 
 def to_position_logprobs(entry: dict[int, float]) -> PositionLogprobs:

@@ -12,7 +12,10 @@ Everything runs batched on the logits' device with per-row parameter tensors; th
 draws noise for seeded rows, each from its own generator, so a seeded request's tokens do not depend on
 which other requests share its batch or on its row position. Results reach the host in one transfer.
 Returned logprobs are those of the raw model distribution (``log_softmax`` of the unmodified logits),
-as vLLM returns by default.
+as vLLM returns by default, computed only in steps where some row asked for them.
+
+On CUDA, sampled rows go through ``kernels.triton.sampling.sample_from_logits`` (same filters, same
+noise, a sort-free top-k), with every row's parameters in one host -> device copy.
 """
 
 from collections.abc import Sequence
@@ -31,7 +34,8 @@ _PROMPT_LOGPROBS_CHUNK_ELEMENTS = 1 << 26
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float  # of token_id under the raw model distribution
+    logprob: float | None  # of token_id under the raw model distribution; None when no row of the step
+    # asked for logprobs (computing them costs a full pass over the logits)
     top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
 
 
@@ -197,17 +201,24 @@ class Sampler:
             return []
         device = logits.device
         params = [r.sampling_params for r in requests]
-        raw_logprobs = logits.float().log_softmax(dim=-1)  # [S, V] reported distribution
+        wanted = [p.logprobs for p in params]
+        need_logprobs = any(w is not None for w in wanted)
+        # the reported distribution; skipped (a full [S, V] pass) when no row asked for logprobs
+        raw_logprobs = logits.float().log_softmax(dim=-1) if need_logprobs else None  # [S, V]
 
         logits = self._penalize(logits.float(), requests)
         greedy = [p.greedy for p in params]
-        chosen = logits.argmax(dim=-1)  # [S]
-        if not all(greedy):
+        if all(greedy):
+            chosen = logits.argmax(dim=-1)  # [S]
+        elif device.type == "cuda":
+            chosen = self._sample_on_gpu(logits, requests, greedy)
+        else:
             sampled = self._sample(logits, requests, greedy)  # [S]
             is_greedy = _to_device(greedy, torch.bool, device)  # [S]
-            chosen = torch.where(is_greedy, chosen, sampled)
+            chosen = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
-        wanted = [p.logprobs for p in params]
+        if not need_logprobs:
+            return [SampleResult(token_id=t, logprob=None, top_logprobs=None) for t in chosen.tolist()]
         k = max((w for w in wanted if w is not None), default=0)
         packed = _pack_topk(raw_logprobs, chosen, k).tolist()  # the single device -> host transfer
         results = []
@@ -246,6 +257,18 @@ class Sampler:
             )
         return logits
 
+    def _noise(self, requests: list[Request], greedy: list[bool], shape: torch.Size, device: torch.device) -> Tensor:
+        """Exp(1) draws [S, V] for the exponential race: the shared generator's, except that each seeded
+        sampled row takes V draws from its own generator (so its stream ignores its batch-mates)."""
+        vocab = shape[1]
+        noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(
+            generator=self._shared_generator(device))
+        for i, (r, g) in enumerate(zip(requests, greedy, strict=True)):
+            if r.sampling_params.seed is not None and not g:
+                gen = self._request_generator(r, device)
+                noise[i] = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
+        return noise
+
     def _sample(self, logits: Tensor, requests: list[Request], greedy: list[bool]) -> Tensor:
         """Temperature, filters and the exponential race for all rows; greedy rows' values are unused."""
         num_rows, vocab = logits.shape
@@ -267,15 +290,37 @@ class Sampler:
         probs = logits.softmax(dim=-1)  # [S, V]
 
         # argmax(probs / q) with q ~ Exp(1) i.i.d. is an exact draw from probs (exponential race) and
-        # needs no host sync. Seeded rows overwrite their noise with V draws from their own generator.
-        noise = torch.empty_like(probs).exponential_(generator=self._shared_generator(device))  # [S, V]
-        for i, (r, g) in enumerate(zip(requests, greedy, strict=True)):
-            if r.sampling_params.seed is not None and not g:
-                gen = self._request_generator(r, device)
-                noise[i] = torch.empty(vocab, dtype=probs.dtype, device=device).exponential_(generator=gen)
+        # needs no host sync.
+        noise = self._noise(requests, greedy, probs.shape, device)
         # exponential_ may return exactly 0 on some backends; 0/0 would be NaN and win argmax.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+    def _sample_on_gpu(self, logits: Tensor, requests: list[Request], greedy: list[bool]) -> Tensor:
+        """The CUDA path of steps 4+: the same draw as ``_sample`` (same filters, same noise streams)
+        through kernels.triton.sampling, whose top-k avoids the full sort when no row uses top-p.
+        Greedy rows come back as the argmax. All parameters travel in one host -> device copy."""
+        try:
+            from kernels.triton.sampling import sample_from_logits
+        except ImportError:  # a CUDA machine without triton: the portable path
+            sampled = self._sample(logits, requests, greedy)
+            return torch.where(_to_device(greedy, torch.bool, logits.device), logits.argmax(dim=-1), sampled)
+        vocab = logits.shape[1]
+        params = [r.sampling_params for r in requests]
+        table = [[0.0 if g else p.temperature, float(p.top_k), p.top_p, p.min_p]
+                 for p, g in zip(params, greedy, strict=True)]
+        temperature, top_k, top_p, min_p = _to_device(table, torch.float32, logits.device).unbind(1)  # 4 x [S]
+        ks = [p.top_k for p in params if 0 < p.top_k < vocab]
+        use_top_p = any(p.top_p < 1 for p in params)
+        noise = self._noise(requests, greedy, logits.shape, logits.device)
+        return sample_from_logits(
+            logits, temperature,
+            top_k=top_k.long() if ks else None,  # exact: k < 2**24
+            top_p=top_p if use_top_p else None,
+            min_p=min_p if any(p.min_p > 0 for p in params) else None,
+            noise=noise,
+            top_k_bound=max(ks) if ks and not use_top_p else None,
+        )
 
 
 def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:

@@ -1,0 +1,267 @@
+"""Measurements behind ``kvrelay bench gpu``: device ceilings, engine step times, HF baselines.
+
+Each function measures one thing on the current CUDA device and returns plain numbers; bench/gpu.py
+runs them in order and prints the table.
+"""
+
+import random
+import statistics
+import time
+
+import torch
+
+from kvrelay import LLM, SamplingParams
+
+
+# -- ceilings ---------------------------------------------------------------------------------------
+def copy_bandwidth(gib: float = 1.0, reps: int = 20) -> float:
+    """Bytes read + written per second by a large device-to-device copy, timed with CUDA events and
+    launched eagerly (inside a graph the memcpy becomes a copy node that ran slower on an H200)."""
+    src = torch.randn(int(gib * (1 << 29)), device="cuda").to(torch.bfloat16)  # gib GiB of bf16
+    dst = torch.empty_like(src)
+    for _ in range(5):  # warm up, let the clocks ramp
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def matmul_flops(n: int = 8192, reps: int = 10) -> float:
+    """bf16 FLOP/s of an n x n x n product on random data (zeros run faster and would flatter it)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3)
+
+
+# -- our engine ---------------------------------------------------------------------------------------
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+_uid = 0
+
+
+def decode_step_ms(llm: LLM, batch: int, input_len: int, steps: int, warm: int = 5, seed: int = 0,
+                   before_timing=None) -> float:
+    """Mean wall ms of one engine-core step with ``batch`` requests all decoding (scheduler, inputs,
+    forward, sampling, outputs: everything a step does), after their prefill and ``warm`` steps."""
+    global _uid
+    core = llm.engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warm + 8, ignore_eos=True)
+    ids = []
+    for p in random_prompts(batch, input_len, core.vocab_size, seed):
+        _uid += 1
+        ids.append(f"bench-{_uid}")
+        core.add_request(core.make_request(ids[-1], p, params))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (possibly over several chunked steps)
+        started.update(o.request_id for o in core.step() if o.new_token_ids)
+    for _ in range(warm):
+        core.step()
+    if before_timing is not None:
+        before_timing()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    elapsed = time.perf_counter() - t0
+    core.abort(ids)
+    return elapsed / steps * 1e3
+
+
+class _Timed:
+    """Stands in for a method or callable object: adds its host seconds to ``host[key]`` and, with
+    ``spans``, brackets it with CUDA events; other attributes pass through (``sampler.free``)."""
+
+    def __init__(self, fn, key: str, host: dict[str, float], spans: list | None) -> None:
+        self._fn, self._key, self._host, self._spans = fn, key, host, spans
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        if self._spans is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        out = self._fn(*args, **kwargs)
+        if self._spans is not None:
+            end.record()
+            self._spans.append((start, end))
+        self._host[self._key] = self._host.get(self._key, 0.0) + time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._fn, name)
+
+
+def decode_step_breakdown(llm: LLM, batch: int, input_len: int, steps: int) -> dict[str, float]:
+    """``decode_step_ms`` with the step taken apart: host ms per step in the scheduler, the runner's
+    input building, the replay launch, the sampler (which includes waiting for the GPU) and the rest;
+    and the GPU ms of the copy + replay as it ran inside the real steps (CUDA events around it)."""
+    core = llm.engine.core
+    runner, sched = core.runner, core.scheduler
+    graphs = runner.graphs
+    host: dict[str, float] = {}
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    originals = {}
+
+    def wrap(obj, name: str, key: str, events: bool = False) -> None:
+        fn = getattr(obj, name)
+        originals[obj, name] = vars(obj).get(name)  # an instance attribute (the sampler) or None (a method)
+        setattr(obj, name, _Timed(fn, key, host, spans if events else None))
+
+    wrap(sched, "schedule", "schedule")
+    wrap(sched, "update_from_output", "update")
+    wrap(runner, "_build", "build inputs")
+    wrap(runner, "sampler", "sampler + wait for GPU")
+    if graphs is not None:
+        wrap(graphs, "run", "copy + replay launch", events=True)
+    def reset() -> None:
+        torch.cuda.synchronize()
+        host.clear()
+        spans.clear()
+
+    try:
+        wall = decode_step_ms(llm, batch, input_len, steps, before_timing=reset)
+    finally:
+        for (obj, name), original in originals.items():
+            if original is None:
+                delattr(obj, name)  # the instance attribute shadowed the method
+            else:
+                setattr(obj, name, original)
+    torch.cuda.synchronize()
+    out = {"wall_ms": wall}
+    out.update({key: secs / steps * 1e3 for key, secs in host.items()})
+    out["other host"] = wall - sum(out[k] for k in host)
+    if spans:
+        gpu = sorted(s.elapsed_time(e) for s, e in spans)
+        out["replay_gpu_ms"] = gpu[len(gpu) // 2]
+    return out
+
+
+def replay_ms(llm: LLM, max_len: int | None = None, reps: int = 50) -> float | None:
+    """GPU time of one bare decode-graph replay (CUDA events): the step minus all host work.
+
+    Replays the bucket of the latest step, with that step's inputs still in the static buffers (it
+    rewrites that step's KV slots with the values they already hold); ``max_len`` picks the length
+    class (default: the one the step used; any class is exact for contexts up to it)."""
+    graphs = llm.engine.core.runner.graphs
+    if graphs is None or graphs.last_replayed is None:
+        return None
+    bucket, used = graphs.last_replayed
+    graph = graphs.graph(bucket, max_len or used)
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def prefill_attention(num_seqs: int, length: int, heads: int, kv_heads: int, head_dim: int,
+                      block_size: int = 16, reps: int = 10) -> tuple[float, float]:
+    """(ms of our paged prefill attention, ms of torch SDPA) for ``num_seqs`` causal prompts of
+    ``length`` tokens, one layer, bf16. SDPA (flash) gets contiguous, head-expanded K/V: its best case."""
+    import torch.nn.functional as F
+
+    import kernels
+
+    blocks = num_seqs * length // block_size
+    kv = torch.randn(2, blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(num_seqs * length, heads, head_dim, device="cuda", dtype=torch.bfloat16)  # [T, H, D]
+    per_seq = length // block_size
+    meta = kernels.AttentionMetadata(
+        slot_mapping=torch.arange(num_seqs * length, device="cuda"),
+        query_start_loc=torch.arange(0, num_seqs * length + 1, length, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((num_seqs,), length, dtype=torch.int32, device="cuda"),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device="cuda").view(num_seqs, per_seq),
+        query_start_loc_cpu=list(range(0, num_seqs * length + 1, length)), seq_lens_cpu=[length] * num_seqs,
+        max_query_len=length, max_seq_len=length,
+    )
+    qs = q.view(num_seqs, length, heads, head_dim).transpose(1, 2)  # [S, H, L, D]
+    ks, vs = (kv[i].view(num_seqs, length, kv_heads, head_dim).transpose(1, 2)
+              .repeat_interleave(heads // kv_heads, dim=1).contiguous() for i in (0, 1))
+
+    def timed(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    ours = timed(lambda: kernels.paged_attention(q, kv, meta, head_dim ** -0.5))
+    sdpa = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    return ours, sdpa
+
+
+def generate_seconds(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return elapsed
+
+
+# -- HF transformers baseline -------------------------------------------------------------------------
+def hf_model(hf_config: dict):
+    """HF's model of the same config, random init (its own N(0, initializer_range)), bf16, built on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**hf_config)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.to("cuda").eval()
+
+
+@torch.inference_mode()
+def hf_decode_step_ms(model, batch: int, input_len: int, short: int = 4, long: int = 20) -> float:
+    """ms per generated token of HF ``generate`` at ``batch``: the difference of two generation lengths,
+    so the prefill cancels out (min_new_tokens keeps EOS from ending it early)."""
+    vocab = model.config.vocab_size
+    ids = torch.tensor(random_prompts(batch, input_len, vocab, seed=1), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                       min_new_tokens=n, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    return (run(long) - run(short)) / (long - short) * 1e3
+
+
+@torch.inference_mode()
+def hf_prefill_tok_s(model, prompts: int, length: int, per_call: int = 2) -> float:
+    """Prompt tokens per second of HF forward passes (``per_call`` prompts each, last logits only)."""
+    vocab = model.config.vocab_size
+    ids = torch.tensor(random_prompts(per_call, length, vocab, seed=2), device="cuda")
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)  # warm-up
+    torch.cuda.synchronize()
+    calls = max(1, prompts // per_call)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize()
+    return calls * per_call * length / (time.perf_counter() - t0)
