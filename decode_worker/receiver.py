@@ -1,9 +1,17 @@
-"""The decode side of the KV handoff: grants (blocks allocated before accepting), KV frames checked
-and copied into the granted blocks, and the ack that lets the prefill side XACK the job.
+"""The decode side of the KV handoff: grants (blocks allocated before accepting), KV checked and
+written into the granted blocks, and the ack that lets the prefill side XACK the job.
 
-Per request: HandoffRequest -> GRANTED (blocks reserved, expiry armed) -> KVHeader + frames ->
-checked -> ADMITTED (in the running batch) + ack; a bad header or frames -> blocks freed + nack;
-a grant whose KV never arrives expires and its blocks return to the pool.
+Per request: HandoffRequest -> GRANTED (blocks reserved, expiry armed; a CUDA IPC handle to our KV
+cache offered when the asker shares our GPU) -> KVHeader, then by its transport:
+  "ipc"    the sender already wrote the blocks and waited for the copy; the layout is checked -> ADMITTED
+  "layers" KVLayers messages, one frame of a few layers each, CRC-checked and written by a pool thread
+           as they come;
+           all in -> ADMITTED; a bad layer, or none for the timeout -> blocks freed + nack
+  "frames" every frame in the header's message, checked at once -> ADMITTED
+ADMITTED means in the running batch, and the ack goes back. A bad header -> blocks freed + nack.
+A grant whose KV never arrives expires and its blocks return to the pool, except that blocks offered
+through IPC stay quarantined for one more TTL: the asker may write them directly, and it only does so
+within half the TTL of asking, so by the end of the quarantine no write can still land in them.
 """
 
 import logging
@@ -12,8 +20,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from shared.kv_transfer import check_frames, unpack_blocks
-from shared.protocol import HandoffAck, HandoffGrant, HandoffRequest, KVHeader, decode_any, encode
+from shared.kv_ipc import IpcExporter
+from shared.kv_transfer import LayerAssembler, Waker, check_frames, check_layout, unpack_blocks
+from shared.protocol import HandoffAck, HandoffGrant, HandoffRequest, KVHeader, KVLayers, decode_any, encode
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +32,17 @@ class Grant:
     block_ids: list[int]
     num_tokens: int
     expires: float
+    ipc: bool = False  # a CUDA IPC handle went out with it
+
+
+@dataclass
+class Incoming:
+    """A "layers" transfer whose header arrived; its layers are still coming."""
+
+    peer: bytes
+    header: KVHeader
+    assembler: LayerAssembler
+    deadline: float
 
 
 class HandoffReceiver:
@@ -32,99 +52,188 @@ class HandoffReceiver:
         self.model_name = model_name
         self.grant_ttl_s = grant_ttl_s
         self.grants: dict[str, Grant] = {}
+        self.incoming: dict[str, Incoming] = {}
+        self.quarantine: list[tuple[float, str]] = []  # (release time, block-manager owner key)
+        self._quarantined = 0
+        self.exporter = IpcExporter(core.runner.kv_cache)
+        self.waker = Waker()  # finished layer writes wake poll(), so the ack goes out at once
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.waker.fd, zmq.POLLIN)
         self.bytes_received = 0
+        self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
+
+    @property
+    def busy(self) -> bool:
+        """KV granted or arriving: a draining worker waits for it."""
+        return bool(self.grants or self.incoming)
 
     def poll(self, timeout_ms: int, admit) -> int:
         """Handle every waiting message; ``admit(header)`` adds an arrived request to the batch.
         Returns the number of messages handled."""
         handled = 0
-        if self.sock.poll(timeout_ms, zmq.POLLIN):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.waker.fd in ready:
+            self.waker.drain()
+        if self.sock in ready:
             while True:
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 handled += 1
-                self._on_message(frames[0].bytes, frames[1].bytes, frames[2:], admit)
+                self._on_message(frames, admit)
+        self._advance(admit)
         self._expire()
         return handled
 
-    def _on_message(self, peer: bytes, head: bytes, payload: list, admit) -> None:
+    def _on_message(self, frames: list, admit) -> None:
+        if len(frames) < 2:
+            log.warning("dropped a handoff message without a body")
+            return
+        peer, payload = frames[0].bytes, frames[2:]
         try:
-            msg = decode_any(head, HandoffRequest, KVHeader)
+            msg = decode_any(frames[1].bytes, HandoffRequest, KVHeader, KVLayers)
         except ValueError as exc:
             log.warning("dropped a malformed handoff message: %s", exc)
             return
         if isinstance(msg, HandoffRequest):
             self._reply(peer, self._grant(msg))
-            return
-        ok, reason = self._accept_kv(msg, payload)
-        if ok:
-            try:
-                admit(msg)
-            except ValueError as exc:  # the request itself is invalid here (e.g. a smaller context)
-                self._release(msg.request_id)
-                ok, reason = False, str(exc)
-        self._reply(peer, HandoffAck(request_id=msg.request_id, ok=ok, reason=reason))
+        elif isinstance(msg, KVLayers):
+            self._on_layer(peer, msg, payload)
+        else:
+            self._on_header(peer, msg, payload, admit)
 
     def _grant(self, req: HandoffRequest) -> HandoffGrant:
         def refuse(reason: str) -> HandoffGrant:
             return HandoffGrant(request_id=req.request_id, accepted=False, reason=reason)
 
+        if not self.accepting:
+            return refuse("decode worker is draining")
         if req.model != self.model_name:
             return refuse(f"model {req.model!r} is not served here")
         if req.block_size != self.core.block_manager.block_size:
             return refuse(f"block size {req.block_size} != {self.core.block_manager.block_size}")
         if self._holds(req.request_id):
             return refuse("duplicate request id")  # a reclaimed job must never stream twice
+        # KV never came (or stopped coming) for an earlier grant: its prefill worker died and a peer
+        # reclaimed the job. The newer asker wins; a late KV for the old grant is refused as misaddressed
+        if req.request_id in self.incoming:
+            self._abort_incoming(req.request_id, "superseded by a newer request for the same id")
         if req.request_id in self.grants:
-            # KV never came for the earlier grant (its prefill worker died and a peer reclaimed the job):
-            # the newer asker wins, and a late KV for the old grant is refused as misaddressed
-            self._release(req.request_id)
+            self._release_grant(req.request_id)
         sched = self.core.scheduler
-        if sched.num_running + len(self.grants) >= self.core.config.scheduler.max_num_seqs:
+        if sched.num_running + len(self.grants) + len(self.incoming) >= self.core.config.scheduler.max_num_seqs:
             return refuse("running batch is full (max_num_seqs)")
         if req.num_tokens >= self.core.max_model_len:
             return refuse(f"{req.num_tokens} tokens exceed max_model_len {self.core.max_model_len}")
         blocks = self.core.block_manager.allocate_for_tokens(req.request_id, req.num_tokens)
         if blocks is None:
             return refuse("no free KV blocks")
-        self.grants[req.request_id] = Grant(blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s)
-        return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks)
+        ipc = self.exporter.offer(req.requester, req.device_uuid)
+        self.grants[req.request_id] = Grant(blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
+                                            ipc=ipc is not None)
+        return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=ipc,
+                            ttl_s=self.grant_ttl_s)
 
-    def _accept_kv(self, header: KVHeader, payload: list) -> tuple[bool, str]:
-        grant = self.grants.get(header.request_id)
+    def _on_header(self, peer: bytes, header: KVHeader, payload: list, admit) -> None:
+        rid = header.request_id
+        grant = self.grants.get(rid)
         if grant is None:
-            return False, "no grant for this request (expired or never asked)"
+            return self._nack(peer, rid, "no grant for this request (expired or never asked)")
         if header.block_ids != grant.block_ids:
             # a stale sender of a superseded grant: refuse it without touching the live grant
-            return False, "KV addressed to blocks that were not granted"
-        del self.grants[header.request_id]
-        frames = [f.buffer for f in payload]
+            return self._nack(peer, rid, "KV addressed to blocks that were not granted")
+        del self.grants[rid]  # from here the sender is done writing blocks itself: free them on failure
+        kv = self.core.runner.kv_cache
         try:
             if len(header.prompt_token_ids) != grant.num_tokens:
                 raise ValueError("prompt length differs from the granted one")
-            check_frames(self.core.runner.kv_cache, header, frames)
+            if header.transport == "frames":
+                frames = [f.buffer for f in payload]
+                check_frames(kv, header, frames)
+                unpack_blocks(kv, grant.block_ids, frames)
+            elif payload:
+                raise ValueError(f"a {header.transport!r} header carries no frames")
+            elif header.transport == "layers":
+                assembler = LayerAssembler(kv, header, grant.block_ids, on_done=self.waker.wake)
+                self.incoming[rid] = Incoming(peer, header, assembler, time.monotonic() + self.grant_ttl_s)
+                return
+            else:
+                if not grant.ipc:
+                    raise ValueError("KV claims to be written through CUDA IPC, which this grant did not offer")
+                check_layout(kv, header)
         except ValueError as exc:
-            self.core.block_manager.free(header.request_id)
-            log.warning("rejected KV for %s: %s", header.request_id, exc)
-            return False, str(exc)
-        unpack_blocks(self.core.runner.kv_cache, grant.block_ids, frames)
-        self.bytes_received += header.nbytes
-        return True, ""
+            self.core.block_manager.free(rid)
+            log.warning("rejected KV for %s: %s", rid, exc)
+            return self._nack(peer, rid, str(exc))
+        self._land(peer, header, admit)
 
-    def _release(self, request_id: str) -> None:
-        self.grants.pop(request_id, None)
-        self.core.block_manager.free(request_id)
+    def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
+        inc = self.incoming.get(msg.request_id)
+        if inc is None or inc.peer != peer:
+            return  # the rest of a transfer already failed or superseded; its sender got the nack
+        try:
+            inc.assembler.add(msg, [f.buffer for f in payload])
+        except ValueError as exc:
+            self._abort_incoming(msg.request_id, str(exc))
+
+    def _advance(self, admit) -> None:
+        for rid, inc in list(self.incoming.items()):
+            error = inc.assembler.error()
+            if error is not None:
+                self._abort_incoming(rid, str(error))
+            elif inc.assembler.complete:
+                inc.assembler.finish()
+                del self.incoming[rid]
+                self._land(inc.peer, inc.header, admit)
+
+    def _land(self, peer: bytes, header: KVHeader, admit) -> None:
+        """The KV sits checked in the granted blocks: join the batch and ack."""
+        self.bytes_received += header.nbytes
+        try:
+            admit(header)
+        except ValueError as exc:  # the request itself is invalid here (e.g. a smaller context)
+            self.core.block_manager.free(header.request_id)
+            return self._nack(peer, header.request_id, str(exc))
+        self._reply(peer, HandoffAck(request_id=header.request_id, ok=True))
+
+    def _abort_incoming(self, rid: str, reason: str) -> None:
+        inc = self.incoming.pop(rid)
+        inc.assembler.abandon()  # no write may still be landing when the blocks go back
+        self.core.block_manager.free(rid)
+        log.warning("rejected KV for %s: %s", rid, reason)
+        self._nack(inc.peer, rid, reason)
+
+    def _release_grant(self, rid: str) -> None:
+        grant = self.grants.pop(rid)
+        if not grant.ipc:
+            self.core.block_manager.free(rid)
+            return
+        # the asker may still be copying into these blocks through IPC: park them under a private
+        # owner key (the request id may be granted again at once) and free them one TTL later
+        bm = self.core.block_manager
+        self._quarantined += 1
+        key = f"ipc-quarantine\x00{self._quarantined}"
+        bm.req_blocks[key] = bm.req_blocks.pop(rid, [])
+        bm.req_hashes.pop(rid, None)
+        self.quarantine.append((time.monotonic() + self.grant_ttl_s, key))
 
     def _expire(self) -> None:
         now = time.monotonic()
         for rid in [r for r, g in self.grants.items() if g.expires < now]:
             log.warning("grant for %s expired without KV; freeing its blocks", rid)
-            self._release(rid)
+            self._release_grant(rid)
+        for rid in [r for r, inc in self.incoming.items() if inc.deadline < now]:
+            self._abort_incoming(rid, f"KV layers stalled: not all arrived within {self.grant_ttl_s}s")
+        while self.quarantine and self.quarantine[0][0] < now:
+            self.core.block_manager.free(self.quarantine.pop(0)[1])
 
     def _holds(self, request_id: str) -> bool:
         return any(r.request_id == request_id for r in self.core.scheduler.running)
+
+    def _nack(self, peer: bytes, rid: str, reason: str) -> None:
+        self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason))
 
     def _reply(self, peer: bytes, msg) -> None:
         try:

@@ -21,7 +21,7 @@ import time
 import zmq
 
 from decode_worker.receiver import HandoffReceiver
-from shared.kv_transfer import frame_nbytes
+from shared.kv_transfer import max_message_bytes
 from shared.protocol import KVHeader, TokenEvent
 from shared.sampling_params import SamplingParams
 from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
@@ -34,16 +34,16 @@ class DecodeWorker:
         self.runtime = WorkerRuntime(config)
         self.core = self.runtime.core
         runner = self.core.runner
-        # one frame carries one layer of the longest possible prompt; anything bigger is hostile
-        max_frame = frame_nbytes(runner.kv_cache, math.ceil(self.core.max_model_len / runner.block_size))
-        self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, max_frame + (1 << 20))
+        # a KV frame holds at most ~4 MiB of layers, or one layer of the longest prompt; bigger is hostile
+        max_frame = max_message_bytes(runner.kv_cache, math.ceil(self.core.max_model_len / runner.block_size))
+        self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, max_frame)
         self.receiver = HandoffReceiver(self.sock, self.core, config.model_name, config.handoff_timeout_s)
         self.requests: dict[str, tuple[str, float, int]] = {}  # id -> (reply addr, deadline, tokens sent)
 
     def run(self) -> None:
         self.runtime.start(self.addr)
         try:
-            self.runtime.serve_forever(self.step, busy=lambda: bool(self.requests or self.receiver.grants),
+            self.runtime.serve_forever(self.step, busy=lambda: bool(self.requests) or self.receiver.busy,
                                        abandon=self._abandon)
         finally:
             self.sock.close(linger=0)

@@ -88,6 +88,11 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("serve", help="load generator against an OpenAI-compatible server (vLLM's serving benchmark)")
     serve_bench.add_args(p)
     p.set_defaults(func=serve_bench.run)
+    from bench import handoff as handoff_bench
+
+    p = kinds.add_parser("handoff", help="KV handoff bandwidth between two processes: frames, CUDA IPC")
+    handoff_bench.add_args(p)
+    p.set_defaults(func=handoff_bench.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,12 +1,26 @@
 """The prefill side of the KV handoff: one state machine per transfer.
 
-    GRANT_WAIT --grant(accepted)--> ACK_WAIT --ack(ok)--> DONE
-        |  refused / timeout             | nack / timeout
-        +-----> next decode worker <-----+   (up to MAX_ATTEMPTS, then FAILED)
+    GRANT_WAIT --grant(accepted)--> SENDING --header + KV out--> ACK_WAIT --ack(ok)--> DONE
+        |  refused / timeout           | stalled past the timeout      | nack / timeout
+        +-----> next decode worker     +-------------> FAILED <--------+
+                (up to MAX_ATTEMPTS)
 
 The decode side allocates before it accepts (SGLang style), so a grant names the destination blocks.
-The KV is copied out of this worker's cache when the grant arrives, after which the prefill blocks are
-free again; only the job's XACK waits for the decode side's ack.
+SENDING takes one of two paths:
+- CUDA IPC, when the grant carries a handle (the decode worker shares our GPU): the blocks are copied
+  device-to-device into the decode worker's cache on a side stream; once that copy's event completed,
+  the header ("transport": "ipc") goes out. ZMQ carries control messages only.
+- layer frames otherwise, or when mapping fails: the header, then frames of a few layers (~4 MB) as
+  soon as they are staged into host memory and CRC'd, sent without blocking; a peer that stops reading
+  fails this transfer at its deadline instead of stalling the worker's loop.
+Our blocks are released once nothing reads them any more (copy done / staged), not at the ack; the
+job's XACK waits for the decode side's ack.
+
+Layer-by-layer overlap with the prefill's own compute is not attempted: the engine runs all layers in
+one model call (shared/model_runner.py) and the grant is asked for only after the step that finished
+the prompt; over IPC the whole copy of 268 MB (2k tokens of an 8B model) is well under a millisecond,
+small next to that prefill. The frame path pipelines its own stages instead (staging, CRC, wire, the
+receiver's CRC + write).
 """
 
 import enum
@@ -17,19 +31,33 @@ from dataclasses import dataclass, field
 import zmq
 
 from shared import redis_keys as keys
-from shared.kv_transfer import layout_of, pack_blocks
-from shared.protocol import (HandoffAck, HandoffGrant, HandoffRequest, Job, KVHeader, WorkerInfo, decode,
-                             decode_any, encode, kv_checksum)
+from shared.kv_ipc import DeviceCopy, IpcError, IpcPeers
+from shared.kv_transfer import StagedKV, Waker, layout_of
+from shared.protocol import (
+    MAX_MESSAGE_BYTES,
+    HandoffAck,
+    HandoffGrant,
+    HandoffRequest,
+    Job,
+    KVHeader,
+    KVLayers,
+    WorkerInfo,
+    decode,
+    decode_any,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask looks again
+NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask (or none with room) looks again
 WORKER_CACHE_S = 0.5
+SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer can make us hold
 
 
 class State(enum.Enum):
     GRANT_WAIT = "grant_wait"
+    SENDING = "sending"
     ACK_WAIT = "ack_wait"
     DONE = "done"
     FAILED = "failed"
@@ -51,18 +79,40 @@ class Transfer:
     reason: str = ""
     nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
+    granted: float = 0.0  # perf_counter stamps of the phases, for logs and the handoff benchmark
+    sent: float = 0.0
+    ended: float = 0.0
+    asked_at: float = 0.0  # monotonic time of the last HandoffRequest
+    transport: str = ""  # "ipc" or "layers" once granted
+    sender: DeviceCopy | StagedKV | None = None
+    header: KVHeader | None = None
+    header_sent: bool = False
+    next_group: int = 0
+    holds_source: bool = False  # our prefill blocks are still held for this transfer
 
 
 class HandoffManager:
-    def __init__(self, ctx: zmq.Context, runtime, timeout_s: float):
+    def __init__(self, ctx: zmq.Context, runtime, timeout_s: float, workers=None):
+        """``workers()`` lists the candidate decode workers; by default the live ones registered in Redis."""
         self.ctx = ctx
         self.runtime = runtime
         self.timeout_s = timeout_s
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
+        self.waker = Waker()  # staged layers wake poll(), so they go out at once even when we are idle
+        self.poller.register(self.waker.fd, zmq.POLLIN)
         self.transfers: dict[str, Transfer] = {}
+        self._list_workers = workers or self._load_workers
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
+        self.ipc = IpcPeers(runtime.core.runner.kv_cache)
+        self._ipc_refused: set[str] = set()
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.waker.close()
+        self.ipc.mapped.clear()  # unmap: the decode workers' IPC reference counts drop back
 
     @property
     def busy(self) -> bool:
@@ -70,52 +120,64 @@ class HandoffManager:
 
     def start(self, t: Transfer) -> None:
         self.transfers[t.job.request_id] = t
+        t.holds_source = True
         self._send_request(t)
 
     def cancel(self, request_id: str) -> Transfer | None:
         t = self.transfers.pop(request_id, None)
-        if t is not None and t.state is State.GRANT_WAIT:
-            self.runtime.core.scheduler.release_held(request_id)
+        if t is not None:
+            self._release_source(t, wait=True)
         return t
 
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
         """Advance every transfer; return those that reached DONE or FAILED."""
-        if self.sockets:
-            for sock, _ in self.poller.poll(timeout_ms):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_reply(frames)
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock == self.waker.fd:
+                self.waker.drain()
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_reply(frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
+            if t.state is State.SENDING:
+                self._pump(t)
             if t.state is State.GRANT_WAIT and not t.target and now > t.deadline:
                 self._send_request(t)  # waiting for a decode worker to register (see _send_request)
-            elif t.state in (State.GRANT_WAIT, State.ACK_WAIT) and now > t.deadline:
-                self._retry(t, f"decode worker {t.target} did not answer within {self.timeout_s}s")
+            elif t.state in (State.GRANT_WAIT, State.SENDING, State.ACK_WAIT) and now > t.deadline:
+                what = "take the KV" if t.state is State.SENDING else "answer"
+                self._retry(t, f"decode worker {t.target} did not {what} within {self.timeout_s}s")
         ended = [t for t in self.transfers.values() if t.state in (State.DONE, State.FAILED)]
         for t in ended:
+            t.ended = time.perf_counter()
             del self.transfers[t.job.request_id]
         return ended
 
     # -- transitions ----------------------------------------------------------------------------
-    def _send_request(self, t: Transfer) -> None:
+    def _send_request(self, t: Transfer, after: str = "") -> None:
         target = self._pick_decode_worker(t.tried)
-        if target is None and not t.tried and time.perf_counter() - t.started < self.timeout_s:
-            # None registered yet (Redis just restarted, or the only decode worker is being replaced):
-            # look again shortly, within the handoff timeout, rather than fail a request that can wait
+        if target is None and self._in_budget(t):
+            # None registered (Redis just restarted, the only decode worker is being replaced) or every
+            # one refused for lack of room: that is backpressure, not failure. Keep the KV and ask them
+            # all again shortly, within the handoff timeout.
+            t.tried.clear()
             t.target, t.state, t.deadline = "", State.GRANT_WAIT, time.monotonic() + NO_WORKER_RETRY_S
             return
         if target is None:
-            self._fail(t, "no decode worker available for this model")
+            self._fail(t, f"{after}; no other decode worker to try" if after else "no decode worker for this model")
             return
         t.target, t.state = target.zmq_addr, State.GRANT_WAIT
         t.tried.add(target.worker_id)
-        t.deadline = time.monotonic() + self.timeout_s
+        t.asked_at = time.monotonic()
+        t.deadline = t.asked_at + self.timeout_s
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
-                             block_size=self.runtime.core.runner.block_size, prefill_addr=self.runtime.zmq_addr)
-        self._socket(t.target).send(encode(req))
+                             block_size=self.runtime.core.runner.block_size, prefill_addr=self.runtime.zmq_addr,
+                             device_uuid=self.ipc.uuid, requester=self.runtime.config.worker_id)
+        if not self._send(t, [encode(req)]):
+            self._retry(t, f"decode worker {t.target} is not reading its requests")
 
     def _on_reply(self, frames: list[bytes]) -> None:
         try:
@@ -128,7 +190,7 @@ class HandoffManager:
             return  # a late reply for a transfer that already timed out or was cancelled
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
             if msg.accepted:
-                self._send_kv(t, msg.block_ids)
+                self._on_grant(t, msg)
             else:
                 self._retry(t, f"decode worker refused: {msg.reason}")
         elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
@@ -137,48 +199,118 @@ class HandoffManager:
             else:
                 self._fail(t, f"decode worker rejected the KV: {msg.reason}")
 
-    def _send_kv(self, t: Transfer, dest_blocks: list[int]) -> None:
+    def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:
         core = self.runtime.core
-        rid = t.job.request_id
-        src_blocks = core.block_manager.block_ids(rid)[: len(dest_blocks)]
-        if len(src_blocks) != len(dest_blocks):
-            self._fail(t, f"grant has {len(dest_blocks)} blocks, the prompt uses {len(src_blocks)}")
+        src_blocks = core.block_manager.block_ids(t.job.request_id)[: len(grant.block_ids)]
+        if len(src_blocks) != len(grant.block_ids):
+            self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
             return
-        frames = pack_blocks(core.runner.kv_cache, src_blocks)
-        core.scheduler.release_held(rid)  # the KV is copied out; our blocks can serve others now
-        t.nbytes = sum(f.nbytes for f in frames)
+        kv = core.runner.kv_cache
+        t.granted = time.perf_counter()
+        t.state, t.deadline, t.next_group, t.header_sent = State.SENDING, time.monotonic() + self.timeout_s, 0, False
+        t.sender, t.transport = None, "layers"
+        # IPC writes straight into the decode worker's blocks, so it must land well inside the grant's
+        # lifetime (the decode side quarantines expired IPC grants for as long again)
+        if grant.ipc is not None and time.monotonic() - t.asked_at < grant.ttl_s / 2:
+            try:
+                t.sender = DeviceCopy(kv, src_blocks, self.ipc.open(t.target, grant.ipc), grant.block_ids)
+                t.transport = "ipc"
+                # the copy is device-local (~0.15 ms for 268 MB) and the compute stream is idle between
+                # steps, where grants are handled: waiting for it beats waiting for the next poll
+                t.sender.wait()
+            except (IpcError, RuntimeError) as exc:  # torch reports CUDA refusals as RuntimeError
+                if t.target not in self._ipc_refused:  # once per decode worker: it stays refused
+                    self._ipc_refused.add(t.target)
+                    log.warning("CUDA IPC to %s unavailable, sending frames: %s", t.target, exc)
+                t.sender, t.transport = None, "layers"
+        if t.sender is None:
+            t.sender = StagedKV(kv, src_blocks, on_ready=self.waker.wake)
+        t.nbytes = t.sender.nbytes if t.transport == "ipc" else t.sender.layer_nbytes * kv.shape[0]
         job = t.job
-        header = KVHeader(
-            request_id=rid, model=job.model, **layout_of(core.runner.kv_cache), num_blocks=len(dest_blocks),
-            block_ids=dest_blocks, num_frames=len(frames), nbytes=t.nbytes, checksum=kv_checksum(frames),
-            prompt_token_ids=job.prompt_token_ids, first_token_id=t.first_token, first_logprob=t.first_logprob,
-            first_top_logprobs=t.first_top, prompt_logprobs=None, num_cached_tokens=t.num_cached_tokens,
-            sampling=job.sampling, tenant=job.tenant, priority=job.priority, reply_addr=job.reply_addr,
-            deadline=job.deadline, arrival=job.arrival, cache_salt=job.cache_salt,
+        t.header = KVHeader(
+            request_id=job.request_id, model=job.model, **layout_of(kv), num_blocks=len(grant.block_ids),
+            block_ids=grant.block_ids, num_frames=0 if t.transport == "ipc" else kv.shape[0], nbytes=t.nbytes,
+            checksum=0, prompt_token_ids=job.prompt_token_ids, first_token_id=t.first_token,
+            first_logprob=t.first_logprob, first_top_logprobs=t.first_top, prompt_logprobs=None,
+            num_cached_tokens=t.num_cached_tokens, sampling=job.sampling, tenant=job.tenant, priority=job.priority,
+            reply_addr=job.reply_addr, deadline=job.deadline, arrival=job.arrival, cache_salt=job.cache_salt,
+            transport=t.transport,
         )
-        self._socket(t.target).send_multipart([encode(header), *frames], copy=False)
+        self._pump(t)
+
+    def _pump(self, t: Transfer) -> None:
+        """Move a SENDING transfer as far as it goes without blocking."""
+        if t.transport == "ipc":
+            if not t.sender.done():
+                return  # the header must not promise KV that has not landed yet
+            self._release_source(t)
+            if self._send(t, [encode(t.header)]):
+                self._sent(t)
+            return
+        if not t.header_sent:
+            t.header_sent = self._send(t, [encode(t.header)])
+            if not t.header_sent:
+                return
+        if t.holds_source and t.sender.source_free():
+            self._release_source(t)
+        while t.next_group < t.sender.num_messages and t.sender.ready(t.next_group):
+            frame, crcs = t.sender.result(t.next_group)
+            msg = KVLayers(request_id=t.job.request_id, first=t.next_group * t.sender.per_message,
+                           nbytes=t.sender.layer_nbytes, checksums=crcs)
+            if not self._send(t, [encode(msg), frame]):
+                return  # the peer's queue is full: try again on the next poll, until the deadline
+            t.next_group += 1
+        if t.next_group == t.sender.num_messages:
+            self._release_source(t)
+            self._sent(t)
+
+    def _sent(self, t: Transfer) -> None:
+        t.sent = time.perf_counter()
         t.state, t.deadline = State.ACK_WAIT, time.monotonic() + self.timeout_s
+        t.sender = None  # ZMQ keeps the frames it still has to send alive by itself
 
     def _retry(self, t: Transfer, reason: str) -> None:
-        log.warning("handoff of %s: %s", t.job.request_id, reason)
-        if t.state is State.ACK_WAIT or len(t.tried) >= MAX_ATTEMPTS:
-            # after the KV left, our copy is gone: a retry would need a recompute, so fail cleanly
+        if t.state is not State.GRANT_WAIT or (len(t.tried) >= MAX_ATTEMPTS and not self._in_budget(t)):
+            # once KV went out, the decode side may hold a half transfer: fail cleanly (it expires there)
+            log.warning("handoff of %s: %s", t.job.request_id, reason)
             self._fail(t, reason)
             return
-        self._send_request(t)
+        log.debug("handoff of %s: %s; asking again", t.job.request_id, reason)  # under load: every 0.2 s
+        self._send_request(t, after=reason)
+
+    def _in_budget(self, t: Transfer) -> bool:
+        """A transfer may keep looking for a decode worker with room until the handoff timeout."""
+        return time.perf_counter() - t.started < self.timeout_s
 
     def _fail(self, t: Transfer, reason: str) -> None:
-        if t.state is State.GRANT_WAIT:
-            self.runtime.core.scheduler.release_held(t.job.request_id)
-        t.state, t.reason = State.FAILED, reason
+        self._release_source(t, wait=True)
+        t.state, t.reason, t.sender = State.FAILED, reason, None
+
+    def _release_source(self, t: Transfer, wait: bool = False) -> None:
+        """Free our prefill blocks; with ``wait``, first let in-flight copies out of them finish."""
+        if not t.holds_source:
+            return
+        if wait and t.sender is not None:
+            t.sender.wait() if isinstance(t.sender, DeviceCopy) else t.sender.wait_source()
+        self.runtime.core.scheduler.release_held(t.job.request_id)
+        t.holds_source = False
 
     # -- plumbing -------------------------------------------------------------------------------
+    def _send(self, t: Transfer, parts: list) -> bool:
+        """Queue one message for the transfer's decode worker; False when its queue is full."""
+        try:
+            self._socket(t.target).send_multipart(parts, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
     def _socket(self, addr: str) -> zmq.Socket:
         sock = self.sockets.get(addr)
         if sock is None:
             sock = self.sockets[addr] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
             sock.connect(addr)
             self.poller.register(sock, zmq.POLLIN)
         return sock
@@ -186,7 +318,8 @@ class HandoffManager:
     def _pick_decode_worker(self, exclude: set[str]) -> WorkerInfo | None:
         now = time.monotonic()
         if now - self._workers_at > WORKER_CACHE_S:
-            self._workers_at, self._workers = now, self._load_workers()
+            self._workers_at, self._workers = now, self._list_workers()
+            self.ipc.retain({w.zmq_addr for w in self._workers})
         model = self.runtime.config.model_name
         live = [w for w in self._workers
                 if w.role == "decode" and model in w.models and w.worker_id not in exclude]

@@ -128,10 +128,42 @@ class HandoffRequest:
     num_tokens: int
     block_size: int
     prefill_addr: str
+    # CUDA IPC offer: the asker's GPU UUID ("" = no CUDA) and worker id (one IPC export per asker, so
+    # torch's per-consumer reference count on the decode's KV allocation stays exact)
+    device_uuid: str = field(default="", metadata=_ID)
+    requester: str = field(default="", metadata=_ID)
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:
             raise ValueError("HandoffRequest.num_tokens and block_size must be positive")
+
+
+@dataclass
+class KVIpcHandle:
+    """The decode worker's whole KV cache tensor, shared through CUDA IPC: the fields of torch's
+    ``UntypedStorage._share_cuda_()`` as plain bytes/ints (never torch's pickling reducers), plus the
+    tensor's view so the opener can check the layout before writing a byte. Only inside a grant."""
+
+    device_uuid: str = field(metadata=_ID)
+    handle: bytes  # cudaIpcMemHandle of the allocation holding the storage (as torch serializes it)
+    storage_size: int  # bytes
+    storage_offset: int  # bytes, of the storage inside that allocation
+    ref_counter: bytes  # name of torch's shared-memory reference-count file
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    tensor_offset: int  # elements, of the KV cache tensor inside the storage
+    shape: list[int]
+    stride: list[int]
+    dtype: str
+
+    def check(self) -> None:
+        if not 0 < len(self.handle) <= 256 or len(self.ref_counter) > 256:
+            raise ValueError("KVIpcHandle: handle sizes out of range")
+        if len(self.shape) != 6 or len(self.stride) != 6 or min(self.shape) < 1 or min(self.stride) < 1:
+            raise ValueError("KVIpcHandle: shape/stride must be 6 positive ints ([L, 2, N, bs, Hkv, D])")
+        if min(self.storage_size, self.storage_offset, self.ref_counter_offset, self.tensor_offset) < 0:
+            raise ValueError("KVIpcHandle: sizes and offsets must be non-negative")
 
 
 @dataclass
@@ -143,12 +175,20 @@ class HandoffGrant:
     accepted: bool
     block_ids: list[int] = field(default_factory=list)
     reason: str = ""
+    ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
+    ttl_s: float = 0.0  # the grant lapses this long after it was sent; IPC writes must land well inside it
+
+
+KV_TRANSPORTS = ("frames", "layers", "ipc")
 
 
 @dataclass
 class KVHeader:
-    """Prefill -> decode, first frame of a KV transfer; ``num_frames`` raw frames follow. Carries what
-    the decode worker needs to continue the request without looking at the Job."""
+    """Prefill -> decode, first frame of a KV transfer. Carries what the decode worker needs to continue
+    the request without looking at the Job. How the KV travels (``transport``):
+    "frames": ``num_frames`` raw frames follow in this message, ``checksum`` covers them all;
+    "layers": KVLayers messages follow, ``num_frames`` layers in all, with a CRC per layer;
+    "ipc": the sender already wrote the granted blocks through CUDA IPC (num_frames 0, checksum 0)."""
 
     TAG: ClassVar[str] = "kv_header"
     request_id: str = field(metadata=_ID)
@@ -176,16 +216,36 @@ class KVHeader:
     deadline: float
     arrival: float
     cache_salt: str | None = None
+    transport: str = field(default="frames", metadata={"choices": KV_TRANSPORTS})
 
     def check(self) -> None:
-        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.num_frames) < 1:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) < 1:
             raise ValueError("KVHeader layout fields must be positive")
+        if (self.num_frames == 0) != (self.transport == "ipc") or self.num_frames < 0:
+            raise ValueError(f"KVHeader: {self.num_frames} frames with transport {self.transport!r}")
         if len(self.block_ids) != self.num_blocks:
             raise ValueError(f"KVHeader.block_ids has {len(self.block_ids)} ids for {self.num_blocks} blocks")
         if self.num_blocks * self.block_size < len(self.prompt_token_ids):
             raise ValueError("KVHeader: blocks cannot hold the prompt")
         if self.nbytes < 0:
             raise ValueError("KVHeader.nbytes must be non-negative")
+
+
+@dataclass
+class KVLayers:
+    """Prefill -> decode, after a "layers" KVHeader: layers ``first`` .. ``first + len(checksums) - 1``
+    in the one raw frame that follows (``[count, 2, n_blocks, bs, Hkv, D]``, ``nbytes`` per layer), sent
+    as soon as they are staged."""
+
+    TAG: ClassVar[str] = "kv_layers"
+    request_id: str = field(metadata=_ID)
+    first: int
+    nbytes: int  # of each layer
+    checksums: list[int]  # CRC32 of each layer's bytes
+
+    def check(self) -> None:
+        if self.first < 0 or self.nbytes < 0 or not 1 <= len(self.checksums) <= MAX_MAP_LEN:
+            raise ValueError("KVLayers: first and nbytes must be non-negative, with 1..4096 checksums")
 
 
 @dataclass
@@ -244,7 +304,7 @@ class ModelInfo:
 
 
 MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, HandoffRequest, HandoffGrant,
-                                   KVHeader, HandoffAck, WorkerInfo, ModelInfo)
+                                   KVHeader, KVLayers, HandoffAck, WorkerInfo, ModelInfo)
 _BY_TAG = {cls.TAG: cls for cls in MESSAGE_TYPES}
 M = TypeVar("M")
 
@@ -373,6 +433,9 @@ def _check(value: Any, tp: Any, where: str) -> Any:
             return float(value)
     elif tp is str:
         if isinstance(value, str):
+            return value
+    elif tp is bytes:
+        if isinstance(value, bytes):
             return value
     elif origin is list:
         if isinstance(value, list):

@@ -1,0 +1,295 @@
+"""``kvrelay bench handoff``: KV handoff bandwidth between two real processes, through the real code.
+
+This process plays the prefill worker (a real ``HandoffManager``), a child process the decode worker (a
+real ``HandoffReceiver``); one transfer is timed from the HandoffRequest to the ack, so the grant and
+ack round trips count. Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16, 128 KiB a token;
+2,048 tokens = 256 MiB), blocks of 8 tokens scattered on both sides as in a long-running worker.
+
+- CPU: layer frames over loopback TCP and ipc://, against raw ZMQ PUSH/PULL of the same bytes
+  (one frame, then a one-byte ack back: no protocol, no staging, no CRC).
+- CUDA: CUDA IPC (the decode process's cache mapped in this one, device copy, ZMQ for control only)
+  against a device-to-device ``copy_`` of the same bytes inside one process; and the host-staged
+  layer frames from and to GPU caches, against raw ZMQ of the same bytes from host memory.
+Every number is the median of ``--repeats`` timed transfers after one warm-up; GB/s = 1e9 bytes/s.
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import torch
+import zmq
+
+from decode_worker.receiver import HandoffReceiver
+from prefill_worker.handoff import HandoffManager, State, Transfer
+from shared.block_manager import BlockManager
+from shared.kv_transfer import MESSAGE_TARGET, max_message_bytes
+from shared.protocol import Job, WorkerInfo
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 8
+MODEL = "bench-kv"
+
+
+# -- engine-less handoff endpoints (also used by the handoff tests) -----------------------------------
+class HeldBlocks:
+    """The slice of the scheduler a handoff touches: running requests (none) and held prefill KV."""
+
+    def __init__(self, block_manager: BlockManager):
+        self.block_manager = block_manager
+        self.num_running = 0
+        self.running: list = []
+
+    def release_held(self, request_id: str) -> None:
+        self.block_manager.free(request_id)
+
+
+def endpoint(kv_cache: torch.Tensor, worker_id: str, model: str = MODEL, scatter_seed: int | None = None):
+    """What HandoffManager and HandoffReceiver read of a worker: its KV cache, block manager and ids."""
+    num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    if scatter_seed is not None:  # a long-running worker's free list is in no particular order
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(scatter_seed)).tolist()
+        bm.free_queue = OrderedDict.fromkeys(order)
+    core = SimpleNamespace(block_manager=bm, scheduler=HeldBlocks(bm), max_model_len=num_blocks * block_size + 1,
+                           runner=SimpleNamespace(kv_cache=kv_cache, block_size=block_size),
+                           config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=1024)))
+    return SimpleNamespace(core=core, zmq_addr="", redis=None,
+                           config=SimpleNamespace(worker_id=worker_id, model_name=model))
+
+
+def decode_info(addr: str, worker_id: str = "d1", model: str = MODEL) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role="decode", models=[model], zmq_addr=addr, free_blocks=1,
+                      total_blocks=1, running=0, waiting=0, pid=0, host="", started=0.0, heartbeat=0.0)
+
+
+def transfer(rid: str, num_tokens: int, model: str = MODEL) -> Transfer:
+    job = Job(request_id=rid, model=model, prompt_token_ids=[1] * num_tokens, sampling={}, tenant="bench",
+              priority=0, reply_addr="", deadline=0.0, arrival=0.0)
+    return Transfer(job=job, entry_id=rid.encode(), first_token=2, first_logprob=None, first_top=None,
+                    prompt_logprobs=None, num_cached_tokens=0)
+
+
+def hand_off(manager: HandoffManager, runtime, rid: str, num_tokens: int, timeout_s: float = 60.0) -> Transfer:
+    """Hold prefill blocks for ``rid`` (as a finished prefill does), hand them off, wait for the end."""
+    if runtime.core.block_manager.allocate_for_tokens(rid, num_tokens) is None:
+        raise RuntimeError("bench KV cache too small")
+    manager.start(transfer(rid, num_tokens))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for t in manager.poll(timeout_ms=50):
+            if t.job.request_id == rid:
+                return t
+    raise TimeoutError(f"handoff of {rid} did not end")
+
+
+# -- the decode-side child process --------------------------------------------------------------------
+def _peer(args: argparse.Namespace) -> None:
+    kv = torch.zeros((LAYERS, 2, args.blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=args.device)
+    rt = endpoint(kv, "bench-decode", scatter_seed=1 if args.scatter else None)
+    ctx = zmq.Context()
+    frame_max = max_message_bytes(kv, args.blocks)
+    router, pull, ack = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    addrs = []
+    for i, sock in enumerate((router, pull, ack)):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, frame_max * (LAYERS if sock is pull else 1))  # pull: raw, 1 message
+        if args.transport == "tcp":
+            addrs.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+        else:
+            addrs.append(f"ipc:///tmp/kvrelay-bench-{args.tag}-{i}")
+            sock.bind(addrs[-1])
+    receiver = HandoffReceiver(router, rt.core, MODEL, grant_ttl_s=60.0)
+    stop = threading.Event()
+
+    def raw_echo():  # the baseline: take the bytes, say so, nothing else
+        while True:
+            if len(pull.recv(copy=False)) == 0:
+                stop.set()
+                return
+            ack.send(b"k")
+
+    threading.Thread(target=raw_echo, daemon=True).start()
+    print("READY", *addrs, flush=True)
+    while not stop.is_set():
+        receiver.poll(50, lambda h: rt.core.block_manager.free(h.request_id))  # the bench only moves KV
+    ctx.destroy(linger=0)
+
+
+# -- measurements -------------------------------------------------------------------------------------
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up: connections, first use of each torch kernel, pinned-memory pools, IPC mapping
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Peer:
+    def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool):
+        blocks = 2 * (max_tokens // BLOCK) + 8
+        argv = [sys.executable, "-m", "bench.handoff", "--peer", "--device", device, "--transport", transport,
+                "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}"]
+        self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise RuntimeError("handoff bench peer failed to start")
+        self.router, self.raw, self.ack = line[1:]
+        self.ctx = zmq.Context()
+        self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.push.connect(self.raw)
+        self.pull.connect(self.ack)
+
+    def close(self) -> None:
+        self.push.send(b"")
+        self.proc.wait(30)
+        self.ctx.destroy(linger=0)
+
+
+def _protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: bool,
+              scatter: bool = True) -> tuple[dict[int, float], dict[int, list[float]]]:
+    """Median seconds of one whole handoff per size, and the median of each phase (ms): request ->
+    grant, grant -> KV out (copied, or the last frame queued), -> ack."""
+    kv = torch.randn((LAYERS, 2, 2 * (max(tokens) // BLOCK) + 8, BLOCK, KV_HEADS, HEAD_DIM),
+                     dtype=torch.bfloat16, device=device)
+    rt = endpoint(kv, "bench-prefill", scatter_seed=2 if scatter else None)
+    ctx = zmq.Context()
+    manager = HandoffManager(ctx, rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router)])
+    if not ipc:
+        manager.ipc.uuid = ""  # do not ask for CUDA IPC: measure the host-staged frames
+    out, phases, n = {}, {}, 0
+    try:
+        for num_tokens in tokens:
+            seen = []
+
+            def one(num_tokens=num_tokens, seen=seen):
+                nonlocal n
+                n += 1
+                t = hand_off(manager, rt, f"r{n}", num_tokens)
+                if t.state is not State.DONE or t.transport != ("ipc" if ipc else "layers"):
+                    raise RuntimeError(f"handoff ended {t.state.value} over {t.transport!r}: {t.reason}")
+                seen.append([t.granted - t.started, t.sent - t.granted, t.ended - t.sent])
+
+            out[num_tokens] = _median_s(one, repeats)
+            phases[num_tokens] = [statistics.median(p) * 1e3 for p in zip(*seen[-repeats:], strict=True)]
+    finally:
+        manager.close()
+        ctx.destroy(linger=0)
+    return out, phases
+
+
+def _phase_table(title: str, move: str, phases: dict[int, list[float]]) -> None:
+    print(f"\n{title}: where the time goes (median ms)\n| KV size | request -> grant | {move} | -> ack |\n"
+          "| --- | --- | --- | --- |")
+    for num_tokens, (grant, out, ack) in phases.items():
+        print(f"| {_nbytes(num_tokens) / 2**20:.0f} MiB | {grant:.3f} | {out:.3f} | {ack:.3f} |", flush=True)
+
+
+def _raw(peer: Peer, tokens: list[int], repeats: int, chunk: int | None = None) -> dict[int, float]:
+    """Raw PUSH/PULL of the same bytes: one message, or ``chunk``-byte messages (each acked)."""
+    out = {}
+    for num_tokens in tokens:
+        payload = memoryview(torch.randint(0, 255, (_nbytes(num_tokens),), dtype=torch.uint8).numpy())
+        parts = [payload[i:i + chunk] for i in range(0, len(payload), chunk)] if chunk else [payload]
+
+        def one(parts=parts):
+            for part in parts:
+                peer.push.send(part, copy=False)
+            for _ in parts:
+                peer.pull.recv()
+
+        out[num_tokens] = _median_s(one, repeats)
+    return out
+
+
+def _device_copy(tokens: list[int], repeats: int) -> dict[int, float]:
+    out = {}
+    for num_tokens in tokens:
+        src = torch.empty(_nbytes(num_tokens), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+
+        def one(src=src, dst=dst):
+            dst.copy_(src)
+            torch.cuda.synchronize()
+
+        out[num_tokens] = _median_s(one, repeats)
+    return out
+
+
+def _nbytes(num_tokens: int) -> int:
+    return LAYERS * 2 * num_tokens * KV_HEADS * HEAD_DIM * 2
+
+
+def _table(title: str, ours: str, mine: dict[int, float], *baselines: tuple[str, dict[int, float]]) -> None:
+    head = " | ".join(f"{name} GB/s | ratio" for name, _ in baselines)
+    print(f"\n{title}\n| KV size | tokens | {ours} GB/s | {head} |\n|" + " --- |" * (3 + 2 * len(baselines)))
+    for num_tokens, secs in mine.items():
+        nbytes = _nbytes(num_tokens)
+        a = nbytes / secs / 1e9
+        cells = [f"{nbytes / b[num_tokens] / 1e9:,.2f} | {a * b[num_tokens] / nbytes * 1e9:.2f}" for _, b in baselines]
+        print(f"| {nbytes / 2**20:.0f} MiB | {num_tokens} | {a:,.2f} | " + " | ".join(cells) + " |", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    tokens = [int(t) for t in args.tokens.split(",")]
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"KV handoff, Llama-3-8B KV shape ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}, bf16, "
+          f"{BLOCK}-token blocks), median of {args.repeats}")
+    if "cpu" in args.sections.split(","):
+        for transport in args.transports.split(","):
+            peer = Peer("cpu", transport, max(tokens), scatter=True)
+            try:
+                ours, phases = _protocol("cpu", peer, tokens, args.repeats, ipc=False)
+                raw, raw4 = _raw(peer, tokens, args.repeats), _raw(peer, tokens, args.repeats, MESSAGE_TARGET)
+            finally:
+                peer.close()
+            _table(f"CPU caches, layer frames over {transport}", "kvrelay frames", ours, ("raw ZMQ, 1 message", raw),
+                   ("raw ZMQ, 4 MiB messages", raw4))
+            _phase_table(f"CPU caches, layer frames over {transport}", "grant -> last frame queued", phases)
+    if device == "cuda" and "cuda" in args.sections.split(","):
+        copy = _device_copy(tokens, args.repeats)
+        for scatter in (True, False):
+            peer = Peer("cuda", "tcp", max(tokens), scatter=scatter)
+            try:
+                ipc, ipc_phases = _protocol("cuda", peer, tokens, args.repeats, ipc=True, scatter=scatter)
+                staged, staged_phases = _protocol("cuda", peer, tokens, args.repeats, ipc=False) if scatter else ({}, {})
+                raw = _raw(peer, tokens, args.repeats) if scatter else {}
+                raw4 = _raw(peer, tokens, args.repeats, MESSAGE_TARGET) if scatter else {}
+            finally:
+                peer.close()
+            title = f"GPU caches, CUDA IPC between processes ({'scattered' if scatter else 'contiguous'} blocks)"
+            _table(title + "; control over tcp", "kvrelay IPC", ipc, ("in-process d2d copy_", copy))
+            copy_only = {k: ph[1] / 1e3 for k, ph in ipc_phases.items()}
+            _table(title + ", grant -> copied + header out only", "IPC copy", copy_only, ("in-process d2d copy_", copy))
+            _phase_table(title, "grant -> copied + header out", ipc_phases)
+            if scatter:
+                _table("GPU caches, host-staged layer frames over tcp", "kvrelay frames", staged,
+                       ("raw ZMQ host bytes, 1 message", raw), ("raw ZMQ, 4 MiB messages", raw4))
+                _phase_table("GPU caches, host-staged layer frames", "grant -> last frame queued", staged_phases)
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", default="8,64,256,1024,2048", help="prompt lengths (128 KiB of KV a token)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--transports", default="tcp,ipc", help="ZMQ transports for the CPU section")
+    p.add_argument("--sections", default="cpu,cuda")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="the decode-side peer of `kvrelay bench handoff`")
+    parser.add_argument("--peer", action="store_true", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ipc"])
+    parser.add_argument("--blocks", type=int, required=True)
+    parser.add_argument("--tag", default="0")
+    parser.add_argument("--scatter", action="store_true")
+    _peer(parser.parse_args())

@@ -1,0 +1,145 @@
+"""The same-GPU CUDA IPC handoff (``pytest -m gpu`` on a CUDA machine): a real prefill process writes
+its blocks straight into this process's KV cache, and when IPC is not possible the host-staged
+layer frames carry the same bytes. Both sides use the real HandoffManager / HandoffReceiver."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from bench.handoff import decode_info, endpoint, transfer
+from prefill_worker.handoff import HandoffManager, State
+from shared.kv_ipc import IpcError, IpcPeers, copy_blocks, device_uuid, export_handle
+from tests.integration.test_handoff import DecodeSide
+
+pytestmark = pytest.mark.gpu
+MODEL = "tiny"
+SHAPE = (8, 2, 96, 16, 4, 64)  # [L, 2, N, bs, Hkv, D]
+BLOCK = SHAPE[3]
+CASES = [("short", 5), ("one-block", BLOCK), ("long", 40 * BLOCK - 3)]
+
+
+def _source_cache() -> torch.Tensor:
+    # generated on the CPU from a seed, so the other process and this one agree on every byte
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
+
+
+def _hand_off(manager: HandoffManager, rt, rid: str, num_tokens: int):
+    src = rt.core.block_manager.allocate_for_tokens(rid, num_tokens)
+    manager.start(transfer(rid, num_tokens, MODEL))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for t in manager.poll(20):
+            if t.job.request_id == rid:
+                return t, src
+    raise AssertionError(f"{rid} never ended")
+
+
+def _prefill_process(addr: str) -> None:
+    """The other process: a prefill worker's handoff half, handing CASES off to ``addr``."""
+    kv = _source_cache()
+    rt = endpoint(kv, "p-gpu", MODEL, scatter_seed=3)
+    manager = HandoffManager(zmq.Context(), rt, 10.0, workers=lambda: [decode_info(addr, model=MODEL)])
+    for rid, num_tokens in CASES:
+        t, src = _hand_off(manager, rt, rid, num_tokens)
+        print(json.dumps(dict(rid=rid, state=t.state.value, transport=t.transport, src=src, reason=t.reason)),
+              flush=True)
+    manager.close()
+
+
+@pytest.fixture()
+def decode_side():
+    side = DecodeSide(torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda"))
+    yield side
+    side.close()
+
+
+def test_gpu_identity_is_known():
+    assert device_uuid("cuda") and device_uuid("cuda") == device_uuid(torch.device("cuda", 0))
+    assert device_uuid("cpu") == ""
+
+
+def test_ipc_copy_between_two_processes_equals_the_source_blocks(decode_side):
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.test_kv_ipc", decode_side.addr], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["rid"] for r in results] == [rid for rid, _ in CASES]
+    src_kv = _source_cache()
+    for r in results:
+        assert r["state"] == "done" and r["transport"] == "ipc", r
+        dst = decode_side.blocks(r["rid"])
+        assert torch.equal(decode_side.rt.core.runner.kv_cache[:, :, dst], src_kv[:, :, r["src"]])
+    untouched = sorted(set(range(SHAPE[2])) - {b for r in results for b in decode_side.blocks(r["rid"])})
+    assert not decode_side.rt.core.runner.kv_cache[:, :, untouched].any()
+
+
+def _in_process_prefill(addr: str):
+    kv = _source_cache()
+    rt = endpoint(kv, "p-local", MODEL, scatter_seed=3)
+    return rt, HandoffManager(zmq.Context.instance(), rt, 10.0, workers=lambda: [decode_info(addr, model=MODEL)])
+
+
+def _check_landed(side: DecodeSide, rt, rid: str, src: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while rid not in side.admitted:
+        assert time.monotonic() < deadline, "never admitted"
+        time.sleep(0.01)
+    dst = side.blocks(rid)
+    assert torch.equal(side.rt.core.runner.kv_cache[:, :, dst], rt.core.runner.kv_cache[:, :, src])
+
+
+def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
+    rt, manager = _in_process_prefill(decode_side.addr)
+    manager.ipc.uuid = ""  # as a prefill worker on another GPU or host: no IPC offer
+    for rid, num_tokens in CASES:
+        t, src = _hand_off(manager, rt, rid, num_tokens)
+        assert t.state is State.DONE and t.transport == "layers", t.reason
+        _check_landed(decode_side, rt, rid, src)
+    manager.close()
+
+
+def test_falls_back_to_frames_when_the_ipc_handle_cannot_be_mapped(decode_side):
+    rt, manager = _in_process_prefill(decode_side.addr)
+    real_offer = decode_side.receiver.exporter.offer
+
+    def broken_offer(requester, asker_uuid):
+        h = real_offer(requester, asker_uuid)
+        assert h is not None, "same GPU: the decode side must offer IPC"
+        return dataclasses.replace(h, handle=bytes(len(h.handle)))  # a handle the driver refuses
+
+    decode_side.receiver.exporter.offer = broken_offer
+    for rid, num_tokens in CASES:
+        t, src = _hand_off(manager, rt, rid, num_tokens)
+        assert t.state is State.DONE and t.transport == "layers", t.reason
+        _check_landed(decode_side, rt, rid, src)
+    manager.close()
+
+
+def test_opener_refuses_a_cache_of_another_layout():
+    mine = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
+    other = torch.zeros(SHAPE[:4] + (8, 64), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(IpcError, match="shape"):
+        IpcPeers(mine).open("d1", export_handle(other))
+    with pytest.raises(IpcError, match="dtype"):
+        IpcPeers(mine).open("d1", export_handle(other.float()))
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_device_copy_paths_match_indexing(scattered):
+    src = _source_cache()
+    dst = torch.zeros_like(src)
+    src_ids = list(range(0, 80, 2)) if scattered else list(range(10, 50))
+    dst_ids = list(range(95, 55, -1)) if scattered else list(range(40))
+    copy_blocks(src, src_ids, dst, dst_ids)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+
+
+if __name__ == "__main__":
+    _prefill_process(sys.argv[1])

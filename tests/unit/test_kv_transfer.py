@@ -1,0 +1,212 @@
+"""shared/kv_transfer.py and the CPU-checkable parts of shared/kv_ipc.py: KV blocks survive every wire
+form bit for bit, and every way a transfer can be wrong is refused before a byte lands in the cache."""
+
+import dataclasses
+import zlib
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from shared import kv_transfer as kt
+from shared.kv_ipc import IpcError, IpcExporter, block_runs, check_handle, copy_blocks
+from shared.protocol import HandoffGrant, KVHeader, KVIpcHandle, KVLayers, decode, encode, kv_checksum
+
+SHAPE = (3, 2, 10, 4, 2, 8)  # [L, 2, N, bs, Hkv, D]
+SRC_BLOCKS, DST_BLOCKS = [3, 7, 1], [0, 9, 5]
+
+
+def _cache(seed: int = 0, dtype=torch.float32, shape=SHAPE) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _header(kv: torch.Tensor, frames: list | None = None, **over) -> KVHeader:
+    n = len(DST_BLOCKS)
+    base = dict(request_id="r", model="m", **kt.layout_of(kv), num_blocks=n, block_ids=DST_BLOCKS,
+                num_frames=kv.shape[0], nbytes=kv.shape[0] * kt.frame_nbytes(kv, n),
+                checksum=kv_checksum(frames or []), prompt_token_ids=[1] * (n * kv.shape[3]), first_token_id=2,
+                first_logprob=None, first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0,
+                sampling={}, tenant="t", priority=0, reply_addr="", deadline=0.0, arrival=0.0)
+    return KVHeader(**{**base, **over})
+
+
+def _blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return kv[:, :, ids]
+
+
+# -- "frames" -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_check_unpack_round_trip(dtype):
+    src, dst = _cache(0, dtype), torch.zeros(SHAPE, dtype=dtype)
+    frames = kt.pack_blocks(src, SRC_BLOCKS)
+    header = decode(encode(_header(src, frames)), KVHeader)
+    kt.check_frames(dst, header, frames)
+    kt.unpack_blocks(dst, header.block_ids, frames)
+    assert torch.equal(_blocks(dst, DST_BLOCKS), _blocks(src, SRC_BLOCKS))
+    untouched = [b for b in range(SHAPE[2]) if b not in DST_BLOCKS]
+    assert not _blocks(dst, untouched).any()
+
+
+def _bad_cases(src: torch.Tensor, frames: list) -> dict:
+    flipped = bytearray(frames[1])
+    flipped[5] ^= 0x40
+    return {
+        "layout": (dict(num_kv_heads=4), frames, "layout mismatch"),
+        "dtype": (dict(dtype="float16"), frames, "layout mismatch"),
+        "frame count (header)": (dict(num_frames=2), frames[:2], "expected 3 frames"),
+        "frame count (frames)": ({}, frames[:2], "expected 3 frames, got 2"),
+        "sizes": ({}, [frames[0], bytes(frames[1])[:-4], frames[2]], "frame sizes"),
+        "total bytes": (dict(nbytes=1), frames, "promises 1 bytes"),
+        "checksum": ({}, [frames[0], bytes(flipped), frames[2]], "checksum"),
+        "block id out of range": (dict(block_ids=[0, 9, 10]), frames, "out of range"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases(_cache(), kt.pack_blocks(_cache(), SRC_BLOCKS))))
+def test_check_frames_refuses(case):
+    src, dst = _cache(), torch.zeros(SHAPE)
+    frames = kt.pack_blocks(src, SRC_BLOCKS)
+    over, sent, match = _bad_cases(src, frames)[case]
+    header = _header(src, frames, **over)
+    with pytest.raises(ValueError, match=match):
+        kt.check_frames(dst, header, sent)
+
+
+def test_header_rules_for_each_transport():
+    kv = _cache()
+    with pytest.raises(ValueError):
+        decode(encode(_header(kv, transport="ipc")), KVHeader)  # IPC carries no frames
+    with pytest.raises(ValueError):
+        decode(encode(_header(kv, num_frames=0)), KVHeader)  # frames must carry some
+    assert decode(encode(_header(kv, num_frames=0, transport="ipc")), KVHeader).transport == "ipc"
+    raw = dataclasses.asdict(_header(kv))
+    raw["transport"] = "carrier-pigeon"
+    with pytest.raises(ValueError, match="transport"):
+        decode(encode(KVHeader(**raw)), KVHeader)
+
+
+# -- "layers" -------------------------------------------------------------------------------------------
+def _stage(src: torch.Tensor, blocks=SRC_BLOCKS) -> list[tuple[KVLayers, bytes]]:
+    staged = kt.StagedKV(src, blocks)
+    msgs = []
+    for g in range(staged.num_messages):
+        frame, crcs = staged.result(g)
+        msg = KVLayers(request_id="r", first=g * staged.per_message, nbytes=staged.layer_nbytes, checksums=crcs)
+        msgs.append((decode(encode(msg), KVLayers), frame))
+    assert staged.source_free()
+    return msgs
+
+
+@pytest.mark.parametrize("shape", [SHAPE, (40, 2, 16, 16, 8, 64)], ids=["inline-one-message", "pool-many-messages"])
+@pytest.mark.parametrize("dst_blocks", [[8, 0, 1, 6], [0, 1, 2, 3]], ids=["scattered", "contiguous"])
+def test_staged_layers_round_trip(shape, dst_blocks):
+    src, dst = _cache(1, torch.bfloat16, shape), torch.zeros(shape, dtype=torch.bfloat16)
+    src_blocks = [5, 2, 9, 3]
+    msgs = _stage(src, src_blocks)
+    assert (len(msgs) > 1) == (shape != SHAPE)
+    header = _header(src, transport="layers", num_blocks=4, block_ids=dst_blocks, num_frames=shape[0],
+                     nbytes=shape[0] * kt.frame_nbytes(src, 4), prompt_token_ids=[1] * 4 * shape[3])
+    asm = kt.LayerAssembler(dst, header, dst_blocks)
+    for msg, frame in msgs:
+        assert not asm.complete
+        asm.add(msg, [frame])
+    wait(asm.futures)
+    assert asm.complete and asm.error() is None
+    asm.finish()
+    assert torch.equal(_blocks(dst, dst_blocks), _blocks(src, src_blocks))
+
+
+def _layers_header(kv):
+    return _header(kv, transport="layers")
+
+
+def test_layer_assembler_refuses_bad_layers():
+    src = _cache(2)
+    (msg, frame), = _stage(src)
+    assert len(msg.checksums) == 3 and frame.nbytes == 3 * msg.nbytes
+
+    def fresh():
+        return kt.LayerAssembler(torch.zeros(SHAPE), _layers_header(src), DST_BLOCKS)
+
+    with pytest.raises(ValueError, match="arrived where layer 0"):
+        fresh().add(dataclasses.replace(msg, first=1), [frame])
+    with pytest.raises(ValueError, match="2 frames, not 1"):
+        fresh().add(msg, [frame, frame])
+    with pytest.raises(ValueError, match="expected"):
+        fresh().add(dataclasses.replace(msg, nbytes=msg.nbytes - 1), [frame])
+    with pytest.raises(ValueError, match="expected"):
+        fresh().add(msg, [bytes(frame)[:-1]])
+    with pytest.raises(ValueError, match="of 3 was due"):
+        fresh().add(dataclasses.replace(msg, checksums=msg.checksums * 2), [bytes(frame) * 2])
+    asm = fresh()  # a corrupt layer: noticed by the writer, reported through error(), nothing read
+    corrupt = bytearray(frame)
+    corrupt[2 * msg.nbytes] ^= 1
+    asm.add(msg, [bytes(corrupt)])
+    asm.abandon()
+    assert "checksum mismatch in layer 2" in str(asm.error())
+    with pytest.raises(ValueError, match="layout"):
+        kt.LayerAssembler(torch.zeros(SHAPE, dtype=torch.float16), _layers_header(src), DST_BLOCKS)
+    with pytest.raises(ValueError, match="'layers'"):
+        kt.LayerAssembler(torch.zeros(SHAPE), _header(src), DST_BLOCKS)
+
+
+def test_layers_per_message_targets_a_few_megabytes():
+    assert kt.layers_per_message(32, 32 << 10) == 32  # 1 MiB in all: one message
+    assert kt.layers_per_message(32, 8 << 20) == 1  # 2k tokens of an 8B model: a message a layer
+    assert kt.layers_per_message(32, 1 << 20) == 4
+
+
+def test_waker_wakes_a_poller():
+    import zmq
+
+    waker = kt.Waker()
+    poller = zmq.Poller()
+    poller.register(waker.fd, zmq.POLLIN)
+    assert not poller.poll(0)
+    waker.wake()
+    waker.wake()
+    assert poller.poll(0)
+    waker.drain()
+    assert not poller.poll(0)
+    waker.close()
+
+
+# -- kv_ipc, CPU side -----------------------------------------------------------------------------------
+def test_block_runs_and_copy_blocks_match_indexing():
+    assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    src = _cache(3, shape=(3, 2, 40, 4, 2, 8))
+    for src_ids, dst_ids in [([4, 5, 6, 9], [0, 1, 2, 3]), (list(range(0, 40, 2)), list(range(39, 19, -1)))]:
+        dst = torch.zeros_like(src)
+        copy_blocks(src, src_ids, dst, dst_ids)  # a few runs: slices; many: gather + scatter
+        assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+
+
+def _handle(**over) -> KVIpcHandle:
+    base = dict(device_uuid="GPU-x", handle=b"\x01" * 64, storage_size=4 * 96 * 10, storage_offset=0,
+                ref_counter=b"/torch_1_2_3", ref_counter_offset=0, event_handle=None, event_sync_required=False,
+                tensor_offset=0, shape=[3, 2, 10, 4, 2, 8], stride=[1280, 640, 64, 16, 8, 1], dtype="float32")
+    return KVIpcHandle(**{**base, **over})
+
+
+def test_ipc_handle_travels_as_plain_fields_and_is_validated():
+    grant = HandoffGrant("r", accepted=True, block_ids=[1], ipc=_handle(), ttl_s=10.0)
+    assert decode(encode(grant), HandoffGrant) == grant
+    for bad in (dict(handle=b""), dict(shape=[3, 2, 10]), dict(stride=[0] * 6), dict(storage_offset=-1)):
+        with pytest.raises(ValueError):
+            decode(encode(HandoffGrant("r", accepted=True, ipc=_handle(**bad))), HandoffGrant)
+    raw = encode(HandoffGrant("r", accepted=True, ipc=_handle())).replace(b"\xc4\x40" + b"\x01" * 64,
+                                                                           b"\xa2ab")  # bytes -> str
+    with pytest.raises(ValueError, match="ipc"):
+        decode(raw, HandoffGrant)
+
+
+def test_ipc_is_never_offered_or_opened_off_cuda():
+    exporter = IpcExporter(torch.zeros(SHAPE))
+    assert exporter.offer("p1", "") is None and exporter.offer("p1", "GPU-x") is None
+    with pytest.raises(IpcError, match="not this worker's"):
+        check_handle(_handle(), torch.zeros(SHAPE))
+
+
+def test_crc_matches_zlib():
+    frames = kt.pack_blocks(_cache(), SRC_BLOCKS)
+    assert kv_checksum(frames) == zlib.crc32(b"".join(bytes(f) for f in frames))
