@@ -36,7 +36,8 @@ class DecodeWorker:
         runner = self.core.runner
         # a KV frame holds at most ~4 MiB of layers, or one layer of the longest prompt; bigger is hostile
         max_frame = max_message_bytes(runner.kv_cache, math.ceil(self.core.max_model_len / runner.block_size))
-        self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, max_frame)
+        self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, max_frame,
+                                           config.advertise_host)
         self.receiver = HandoffReceiver(self.sock, self.core, config.model_name, config.handoff_timeout_s)
         self.requests: dict[str, tuple[str, float, int]] = {}  # id -> (reply addr, deadline, tokens sent)
 
@@ -103,8 +104,11 @@ class DecodeWorker:
         self.receiver.grants.clear()
 
 
-def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int) -> tuple[zmq.Socket, str]:
+def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int,
+                advertise_host: str | None = None) -> tuple[zmq.Socket, str]:
     """A ROUTER socket on host:port (0 = ephemeral) and the address peers should dial."""
+    if advertise_host is None and host in ("0.0.0.0", "*", "::"):
+        raise ValueError("--host is a wildcard: set --advertise-host to an address prefill workers can reach")
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
@@ -112,4 +116,4 @@ def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int) -> tu
         sock.bind(f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
-    return sock, f"tcp://{host}:{port}"
+    return sock, f"tcp://{advertise_host or host}:{port}"

@@ -8,6 +8,11 @@ from aiohttp import web
 
 from gateway.errors import APIError, ClientGone
 
+# Set once a stream was written in full. A proxy (nginx) closes the moment the last chunk arrives, and
+# aiohttp then cancels the handler wherever it still awaits (settling usage, say): the metrics
+# middleware counts such a request by what the client got, not as a disconnect.
+STREAM_COMPLETE = web.RequestKey("stream_complete", int)
+
 
 def dumps(obj: object) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -53,6 +58,7 @@ async def stream(request: web.Request, deltas: AsyncIterable, head: Iterable[dic
         except APIError as exc:
             await send_error(response, exc)
         await send_done(response)
+        request[STREAM_COMPLETE] = response.status
     except (ClientGone, ConnectionResetError):
         pass
     return response

@@ -21,6 +21,8 @@ def _gateway(args: argparse.Namespace) -> int:
     run_gateway(GatewayConfig(host=args.host, port=args.port, redis_url=args.redis_url,
                               max_body_size=args.max_body_size, request_timeout=args.request_timeout,
                               drain_timeout=args.drain_timeout, max_queue_depth=args.max_queue_depth,
+                              zmq_host=args.zmq_host, zmq_port=args.zmq_port,
+                              zmq_advertise_host=args.zmq_advertise_host,
                               admin_key=args.admin_key, response_cache_ttl=args.response_cache_ttl))
     return 0
 

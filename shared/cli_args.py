@@ -60,14 +60,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     g.add_argument("--host", default="127.0.0.1", help="ZMQ bind address (loopback unless configured)")
+    g.add_argument("--advertise-host", default=None,
+                   help="the address peers dial to reach this worker (default: --host); set it when --host is "
+                        "a wildcard, e.g. to the pod IP or the compose service name")
     g.add_argument("--port", type=int, default=0, help="ZMQ port (0: ephemeral)")
     g.add_argument("--worker-id", default=None)
     g.add_argument("--handoff-timeout", type=float, default=10.0)
     g.add_argument("--reclaim-idle-ms", type=int, default=15_000)
     g.add_argument("--monitoring-port", type=int, default=None, help="Prometheus metrics port")
-
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets running requests finish before the rest are handed back or ended")
+
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
 
@@ -89,3 +92,7 @@ def add_gateway_args(p: argparse.ArgumentParser, port_default: int = 8000) -> No
                    help="seconds SIGTERM lets in-flight requests finish (new ones get 503) before exiting")
     g.add_argument("--max-queue-depth", type=int, default=4096,
                    help="jobs queued per model past which new requests get 429 (0: unbounded)")
+    g.add_argument("--zmq-host", default="127.0.0.1", help="where workers' token events arrive (bind address)")
+    g.add_argument("--zmq-port", type=int, default=0, help="port for token events (0: ephemeral)")
+    g.add_argument("--zmq-advertise-host", default=None,
+                   help="the address workers dial for token events; required when --zmq-host is a wildcard")

@@ -18,12 +18,27 @@ import redis
 import redis.asyncio
 
 
+# Connects fail fast (a dead Redis is an error now, not a hang); replies get longer, since the slowest
+# command we send blocks server-side for at most 50 ms (XREADGROUP BLOCK).
+CONNECT_TIMEOUT_S = 2.0
+REPLY_TIMEOUT_S = 10.0
+# The gateway's pool: every request in flight issues Redis commands concurrently. redis-py's default
+# pool raises "Too many connections" past its cap (1,000 concurrent requests on one gateway did); a
+# blocking pool makes a burst queue for a connection instead, up to POOL_WAIT_S.
+ASYNC_POOL_SIZE = 64
+POOL_WAIT_S = 10.0
+
+
 def sync_client(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url, decode_responses=False)
+    return redis.Redis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                socket_timeout=REPLY_TIMEOUT_S)
 
 
-def async_client(redis_url: str) -> redis.asyncio.Redis:
-    return redis.asyncio.Redis.from_url(redis_url, decode_responses=False)
+def async_client(redis_url: str, pool_size: int = ASYNC_POOL_SIZE) -> redis.asyncio.Redis:
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=pool_size, timeout=POOL_WAIT_S, decode_responses=False,
+        socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S)
+    return redis.asyncio.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
 
 
 def redis_server_executable() -> str:

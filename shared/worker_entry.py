@@ -9,7 +9,8 @@ from shared.worker_runtime import WorkerConfig
 def run_worker(role: str, args: argparse.Namespace) -> int:
     engine, name, model_dir = engine_config_from_args(args)
     config = WorkerConfig(role=role, engine=engine, redis_url=args.redis_url, model_name=name, host=args.host,
-                          port=args.port, model_path=model_dir, handoff_timeout_s=args.handoff_timeout,
+                          port=args.port, advertise_host=args.advertise_host, model_path=model_dir,
+                          handoff_timeout_s=args.handoff_timeout,
                           reclaim_idle_ms=args.reclaim_idle_ms, drain_timeout_s=args.drain_timeout,
                           monitoring_port=args.monitoring_port)
     if args.worker_id:

@@ -44,6 +44,7 @@ class WorkerConfig:
     model_name: str  # the name clients use (served_model_name)
     host: str = "127.0.0.1"  # ZMQ bind address: loopback unless configured
     port: int = 0  # 0: an ephemeral port
+    advertise_host: str | None = None  # what peers dial, when ``host`` is a wildcard (pod IP, service name)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     model_path: str = ""  # directory with the tokenizer, published for gateways
     handoff_timeout_s: float = 10.0

@@ -18,6 +18,7 @@ class Outcome:
     code: str | None = None  # the OpenAI error code, when the server sent one
     headers: dict = field(default_factory=dict)
     done: bool = False  # saw data: [DONE]
+    completion_tokens: int | None = None  # from the usage chunk (stream_options.include_usage) or body
 
     @property
     def ok(self) -> bool:
@@ -46,6 +47,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, fir
                 if "error" in obj:
                     out.error, out.code = obj["error"].get("message"), obj["error"].get("code")
                     continue
+                if obj.get("usage"):
+                    out.completion_tokens = obj["usage"]["completion_tokens"]
                 for choice in obj.get("choices", []):
                     out.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     out.chunks += 1
@@ -68,8 +71,10 @@ async def post_json(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
     if resp.status_code != 200:
         _error_body(out, resp.content)
     else:
-        choice = resp.json()["choices"][0]
+        data = resp.json()
+        choice = data["choices"][0]
         out.text, out.finish_reason, out.done = choice.get("text", ""), choice["finish_reason"], True
+        out.completion_tokens = data["usage"]["completion_tokens"]
     return out
 
 
