@@ -17,7 +17,6 @@ from types import TracebackType
 import redis
 import redis.asyncio
 
-
 # Connects fail fast (a dead Redis is an error now, not a hang); replies get longer, since the slowest
 # command we send blocks server-side for at most 50 ms (XREADGROUP BLOCK).
 CONNECT_TIMEOUT_S = 2.0
