@@ -23,7 +23,7 @@ from shared.serve_config import ServedModel, load_serve_config
 log = logging.getLogger(__name__)
 
 ENGINE_FLAGS = ["tokenizer", "max_model_len", "load_format", "seed",
-                "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_gpu_blocks", "swap_space",
+                "block_size", "kv_cache_memory", "num_gpu_blocks", "swap_space",
                 "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "tenant_kv_quota"]
 STOP_GRACE_S = 10.0
 
@@ -69,7 +69,8 @@ def serve(args: argparse.Namespace) -> int:
         for m in models:
             engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
                                                   "--device", m.device, "--redis-url", redis_url]
-            specs += [(f"{role}[{m.name}]", cmd + [role] + engine) for role in roles]
+            specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models)))
+                      for role in roles]
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent, env=_env(name, args.admin_key))
                  for name, argv in specs}
         names = [m.name for m in models]
@@ -77,6 +78,17 @@ def serve(args: argparse.Namespace) -> int:
         code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs)
         return code
+
+
+# Workers sharing one GPU must split --gpu-memory-utilization: each sizes its KV cache from its own
+# share, and the prefill side needs room for one batch of prompts, the decode side for every running
+# request's context.
+ROLE_MEMORY_SHARE = {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}
+
+
+def _memory_share(args: argparse.Namespace, role: str, num_models: int) -> list[str]:
+    share = args.gpu_memory_utilization * ROLE_MEMORY_SHARE[role] / num_models
+    return ["--gpu-memory-utilization", f"{share:.4f}"]
 
 
 def _models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
