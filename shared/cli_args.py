@@ -5,7 +5,7 @@ import argparse
 import os
 
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.model_source import resolve_model
+from shared.model_source import dummy_tokenizer_dir, resolve_model
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,12 @@ def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str
                                   tenant_fairness=args.tenant_fairness, tenant_kv_quota=args.tenant_kv_quota),
         device=args.device,
     )
-    model_dir = "" if resolved.load_format == "dummy" else (args.tokenizer or resolved.path)
+    if args.tokenizer:
+        model_dir = args.tokenizer
+    elif resolved.load_format == "dummy":
+        model_dir = str(dummy_tokenizer_dir(resolved.path.removeprefix("dummy:")))
+    else:
+        model_dir = resolved.path
     return config, name, model_dir
 
 

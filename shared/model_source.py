@@ -62,3 +62,26 @@ def _imported(gguf: Path) -> Path:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def dummy_tokenizer_dir(preset: str) -> Path:
+    """A synthetic word-level tokenizer (``<t0>`` ... ``<tN>``) with the preset's vocabulary size, so a
+    server of random weights speaks the OpenAI API end to end (benchmarks); built once, cached."""
+    from shared.models.presets import get_preset
+
+    vocab_size = int(get_preset(preset)["vocab_size"])
+    out = cache_root() / "dummy-tokenizers" / str(vocab_size)
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>").save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # a concurrent builder won
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
