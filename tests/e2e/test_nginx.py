@@ -15,18 +15,17 @@ import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.nginx_stack import loopback_nginx_config, nginx_command
 from shared.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import stream_completion
 
 pytestmark = pytest.mark.slow
-CONF = Path(__file__).parents[2] / "deploy" / "nginx" / "nginx.conf"
 CONCURRENT = 1000
 CLIENT_TIMEOUT_S = 120  # far above any honest answer here: reaching it means something hung
 
@@ -38,23 +37,6 @@ def nginx_binary() -> str:
             pytest.fail("nginx is missing: .ci/run installs it (apt-get install -y nginx)")
         pytest.skip("nginx is not installed (apt-get install -y nginx)")
     return found
-
-
-def loopback_config(gateway_ports: list[int], listen_port: int, workdir: Path) -> str:
-    """deploy/nginx/nginx.conf with its marked upstream and listen lines pointed at loopback, and its
-    pid, logs and temp files in ``workdir``: everything else (timeouts, failover, buffering) as shipped."""
-    text = CONF.read_text()
-    upstream = [line for line in text.splitlines() if line.strip().endswith("# kvrelay:upstream")]
-    assert len(upstream) == 2, "nginx.conf lost its marked upstream servers"
-    params = re.search(r"server \S+ (.*);", upstream[0]).group(1)
-    servers = "\n".join(f"        server 127.0.0.1:{p} {params};" for p in gateway_ports)
-    text = text.replace(upstream[0], servers).replace(upstream[1] + "\n", "")
-    text = re.sub(r"listen 80;\s*# kvrelay:listen", f"listen 127.0.0.1:{listen_port};", text)
-    text = text.replace("pid /var/run/nginx.pid;", f"pid {workdir}/nginx.pid;")
-    text = text.replace("access_log /dev/stdout kvrelay;", f"access_log {workdir}/access.log kvrelay;")
-    temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind};" for kind in
-                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return text.replace("http {\n", "http {\n" + temp + "\n", 1)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +53,12 @@ def stack(tiny_model_dir, tmp_path_factory):
         c.start_worker("decode", "d1")
         port = free_port()
         conf = workdir / "nginx.conf"
-        conf.write_text(loopback_config(ports, port, workdir))
+        conf.write_text(loopback_nginx_config(ports, port, workdir))
         check = subprocess.run([nginx, "-t", "-q", "-c", str(conf), "-p", str(workdir), "-e", "stderr"],
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
-        proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(workdir), "-e", "stderr", "-g", "daemon off;"],
-                                stdout=open(logs / "nginx.log", "wb"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(nginx_command(nginx, workdir), stdout=open(logs / "nginx.log", "wb"),
+                                stderr=subprocess.STDOUT)
         try:
             for p in ports:
                 c.wait_ready(port=p)
