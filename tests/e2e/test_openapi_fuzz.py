@@ -72,7 +72,8 @@ def test_schemathesis_finds_no_server_error(cluster, tmp_path):
          "--seed", "1", "--request-timeout", "90",
          "--generation-database", "none", "--report", "json", "--report-json-path", str(report),
          "--no-color"],
-        capture_output=True, text=True, timeout=TIME_BUDGET_S, env=dict(os.environ, NO_COLOR="1"))
+        capture_output=True, text=True, timeout=TIME_BUDGET_S, env=dict(os.environ, NO_COLOR="1"),
+        cwd=tmp_path)  # schemathesis keeps a .schemathesis/ cache in its working directory
     assert proc.returncode == 0, f"exit {proc.returncode}\n" + proc.stdout[-6000:] + proc.stderr[-2000:]
     generated = re.search(r"(\d+) generated", proc.stdout)  # it ran cases, not just loaded the schema
     assert generated and int(generated.group(1)) >= 100, proc.stdout[-2000:]
