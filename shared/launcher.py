@@ -65,18 +65,20 @@ def serve(args: argparse.Namespace) -> int:
         specs = [("gateway", cmd + ["gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
                                     redis_url, "--max-body-size", str(args.max_body_size),
                                     "--request-timeout", str(args.request_timeout),
-                                    "--response-cache-ttl", str(args.response_cache_ttl)])]
+                                    "--response-cache-ttl", str(args.response_cache_ttl),
+                                    "--drain-timeout", str(args.drain_timeout),
+                                    "--max-queue-depth", str(args.max_queue_depth)])]
         for m in models:
             engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
                                                   "--device", m.device, "--redis-url", redis_url]
-            specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models)))
-                      for role in roles]
+            specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models))
+                       + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent, env=_env(name, args.admin_key))
                  for name, argv in specs}
         names = [m.name for m in models]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
         code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
-        _stop_all(procs)
+        _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
 
 
@@ -139,17 +141,20 @@ def _ready(base_url: str, models: list[str]) -> bool:
         return False
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+def _stop_all(procs: dict[str, subprocess.Popen], grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM drains every process (in-flight requests finish, up to --drain-timeout), so they get that
+    long plus STOP_GRACE_S. Ctrl-C in a terminal reaches the children too: with this SIGTERM, their
+    second signal, they stop at once instead."""
     # workers first so they unregister while Redis is still up; the gateway last
     order = sorted(procs, key=lambda n: n == "gateway")
     for name in order:
         if procs[name].poll() is None:
             procs[name].send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace
     for name in order:
         try:
             procs[name].wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs; killing it", name, STOP_GRACE_S)
+            log.warning("%s did not stop in %.0fs; killing it", name, grace)
             procs[name].kill()
             procs[name].wait()
