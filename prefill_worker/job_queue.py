@@ -59,8 +59,7 @@ class JobQueue:
     def fetch(self, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
         """Up to ``count`` jobs: reclaimed ones first, then new ones (blocking up to block_ms if none)."""
         if self._unacked:
-            entries, self._unacked = self._unacked, []
-            self.ack(*entries)
+            self.ack()
         try:
             entries = self._read(count, block_ms)
         except redis.ResponseError as exc:
@@ -120,6 +119,11 @@ class JobQueue:
             return None
 
     def ack(self, *entry_ids: bytes) -> None:
+        """ACK and delete ``entry_ids``, and any earlier ACK that failed (even while draining, when no
+        fetch comes to retry them)."""
+        entry_ids, self._unacked = (*self._unacked, *entry_ids), []
+        if not entry_ids:
+            return
         pipe = self.redis.pipeline()
         pipe.xack(self.stream, keys.PREFILL_GROUP, *entry_ids)
         pipe.xdel(self.stream, *entry_ids)
