@@ -59,6 +59,7 @@ def test_handed_back_jobs_go_to_a_peer_at_once_with_their_delivery_count(redis_c
     taken = draining.fetch(3, block_ms=0)
     assert peer.fetch(3, block_ms=0) == []  # nothing new, nothing idle long enough
     draining.hand_back([entry for entry, _ in taken[:2]])
+    peer._last_reclaim = 0.0  # the peer's next reclaim pass (it runs one a second), without sleeping
     reclaimed = peer.fetch(3, block_ms=0)
     assert [j.request_id for _, j in reclaimed] == ["r0", "r1"]
     pending = redis_client.xpending_range(STREAM, keys.PREFILL_GROUP, "-", "+", 10)
