@@ -1,8 +1,9 @@
 """Per-model queue gauges for ``/metrics``, read from the Redis streams when scraped (cached briefly, so
 several scrapers or a dashboard refresh cost one round of Redis reads).
 
-A prefill stream keeps entries after they are acknowledged (until ``MAXLEN`` trims them), so ``XLEN``
-is not the backlog. What is still owed to clients is what the consumer group has not delivered yet
+Workers delete the entries they acknowledge, so ``XLEN`` is the backlog (the gateway's
+``--max-queue-depth`` bounds it); the depth is still counted from the group, which stays right for
+entries left by older workers that only acknowledged: what the consumer group has not delivered yet
 plus what it delivered and nobody acknowledged (``XPENDING``). Redis 7 reports the undelivered count
 as the group's ``lag``; on Redis 6.2 it is counted with ``XRANGE`` after the group's last-delivered id,
 up to ``_COUNT_CAP`` (the gauge then reads "at least that many"). The oldest such entry's age comes
