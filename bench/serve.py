@@ -47,6 +47,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    p.add_argument("--token-timing", choices=["logprobs", "text"], default="logprobs",
+                   help="logprobs: request the sampled token's logprob so every token is timed when it arrives; "
+                        "text: time only chunks with text, as a plain client sees them")
     p.add_argument("--cold-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="send a fresh cache_salt per run, so a rerun against the same server misses its prefix cache")
     p.add_argument("--launch", nargs="+", choices=["disaggregated", "unified"], default=None,
@@ -144,7 +147,7 @@ async def _bench_server(args: argparse.Namespace, base_url: str, label: str, pro
     url = f"{base_url}/chat/completions" if args.endpoint == "chat" else f"{base_url}/completions"
     salt = uuid.uuid4().hex if args.cold_cache else None
     spec = RequestSpec(url=url, endpoint=args.endpoint, model=model, output_len=args.output_len,
-                       ignore_eos=args.ignore_eos, cache_salt=salt)
+                       ignore_eos=args.ignore_eos, cache_salt=salt, token_logprobs=args.token_timing == "logprobs")
     warm, _ = await run_load(base_url, spec, [warmup], [0.0], 1, args.request_timeout)
     if not warm[0].success:  # a server that cannot answer one request would only produce N failures
         raise SystemExit(f"warm-up request to {url} failed: {warm[0].error}")
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
         # after the servers are gone, so the engine has the machine to itself as each server had
         passes = run_offline(args.engine_args, prompts, warmup, args.endpoint, args.output_len, args.ignore_eos,
-                             offsets, args.max_concurrency)
+                             offsets, args.max_concurrency, logprobs=args.token_timing == "logprobs")
         for name, (results, duration) in passes.items():
             offline[name] = summarize(name, results, duration)
             print_result(offline[name], f"Offline engine ({name.removeprefix('offline, ')})")

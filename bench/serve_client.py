@@ -43,9 +43,9 @@ class RequestResult:
     success: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0  # seconds from sending to the first chunk that carries text
+    ttft: float = 0.0  # seconds from sending to the first chunk that carries a token
     latency: float = 0.0  # seconds from sending to the end of the stream
-    itl: list[float] = field(default_factory=list)  # gaps between text-carrying chunks
+    itl: list[float] = field(default_factory=list)  # gaps between token-carrying chunks
     text: str = ""
     error: str = ""
 
@@ -79,6 +79,10 @@ class RequestSpec:
     output_len: int
     ignore_eos: bool
     cache_salt: str | None  # a fresh salt per run: a repeated run against a warm server stays cold
+    # Ask for the sampled token's logprob: a server holds back the text of a token that ends mid UTF-8
+    # character (frequent after random-id prompts), but still streams its logprob entry at once, so
+    # token times stay exact instead of shifting by a whole decode step.
+    token_logprobs: bool = True
 
     def body(self, prompt: Prompt) -> dict:
         body: dict = {"model": self.model, "temperature": 0.0, "stream": True,
@@ -87,25 +91,36 @@ class RequestSpec:
             body["cache_salt"] = self.cache_salt
         if self.endpoint == "chat":
             body.update(messages=[{"role": "user", "content": prompt.text}], max_completion_tokens=self.output_len)
+            if self.token_logprobs:
+                body.update(logprobs=True, top_logprobs=0)
         else:
             body.update(prompt=prompt.token_ids if prompt.token_ids is not None else prompt.text,
                         max_tokens=self.output_len)
+            if self.token_logprobs:
+                body["logprobs"] = 0
         return body
 
 
-def _piece(chunk: dict, endpoint: str) -> str:
+def _tokens_in(chunk: dict, endpoint: str) -> tuple[str, int]:
+    """The chunk's text and how many tokens it carries (its logprob entries; else 1 if it has text)."""
     choices = chunk.get("choices")
     if not choices:
-        return ""
+        return "", 0
+    choice = choices[0]
+    logprobs = choice.get("logprobs") or {}
     if endpoint == "chat":  # the opening chunk carries only the role: it is not a token
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        text = (choice.get("delta") or {}).get("content") or ""
+        entries = logprobs.get("content")
+    else:
+        text = choice.get("text") or ""
+        entries = logprobs.get("tokens")
+    return text, len(entries) if entries else int(bool(text))
 
 
 async def send(session: aiohttp.ClientSession, spec: RequestSpec, prompt: Prompt) -> RequestResult:
     r = RequestResult(prompt_tokens=prompt.input_len)
     pieces: list[str] = []
-    chunks = 0
+    chunks = tokens = 0
     done = False
     start = last = time.perf_counter()
     try:
@@ -128,7 +143,9 @@ async def send(session: aiohttp.ClientSession, spec: RequestSpec, prompt: Prompt
                 if usage := chunk.get("usage"):
                     r.prompt_tokens = usage.get("prompt_tokens", r.prompt_tokens)
                     r.output_tokens = usage.get("completion_tokens", 0)
-                if piece := _piece(chunk, spec.endpoint):
+                piece, n = _tokens_in(chunk, spec.endpoint)
+                pieces.append(piece)
+                if n:
                     now = time.perf_counter()
                     if chunks == 0:
                         r.ttft = now - start
@@ -136,7 +153,7 @@ async def send(session: aiohttp.ClientSession, spec: RequestSpec, prompt: Prompt
                         r.itl.append(now - last)
                     last = now
                     chunks += 1
-                    pieces.append(piece)
+                    tokens += n
         r.latency = time.perf_counter() - start
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         r.error = f"{type(exc).__name__}: {exc}"
@@ -145,10 +162,10 @@ async def send(session: aiohttp.ClientSession, spec: RequestSpec, prompt: Prompt
         r.error = "stream ended without [DONE]"
         return r
     r.text = "".join(pieces)
-    r.output_tokens = r.output_tokens or chunks  # a server without usage: one token per chunk
+    r.output_tokens = r.output_tokens or tokens  # a server that sends no usage: our own count
     r.success = chunks > 0
     if not r.success:
-        r.error = "no text in the stream"
+        r.error = "no token in the stream"
     return r
 
 

@@ -115,10 +115,12 @@ def same_schedule(llm: LLM, prompts: list, params: SamplingParams, offsets: list
 
 
 def run_offline(engine_args: list[str], prompts: list[Prompt], warmup: Prompt, endpoint: str, output_len: int,
-                ignore_eos: bool, offsets: list[float], max_concurrency: int | None
+                ignore_eos: bool, offsets: list[float], max_concurrency: int | None, logprobs: bool = True
                 ) -> dict[str, tuple[list[RequestResult], float]]:
     llm = build_llm(engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+    # the served run's sampling, logprob included, so the engine does the same work per token
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos,
+                            logprobs=0 if logprobs else None)
     batch = engine_prompts(llm, prompts, endpoint)
     llm.generate(engine_prompts(llm, [warmup], endpoint), params)  # first-call costs out of the timings
     passes = {"offline, all at once": all_at_once(llm, batch, params)}
