@@ -4,6 +4,7 @@ priority first, FCFS within a tenant, identical to the plain queue with one tena
 quotas, and prefix caches that never cross tenants."""
 
 import random
+import zlib
 
 import pytest
 
@@ -22,7 +23,8 @@ def make(fair=True, quota=None, num_blocks=256, budget=32, max_seqs=4, policy="f
 
 
 def rq(rid: str, tenant: str, n_prompt: int = 12, max_tokens: int = 4, priority: int = 0, salt=None, base=None):
-    base = hash(rid) % 200 + 10 if base is None else base  # distinct prompts: no accidental prefix hits
+    # distinct prompts, the same in every process (str hash() is salted): no accidental prefix hits
+    base = zlib.crc32(rid.encode()) % 100_000 + 10 if base is None else base
     prompt = [base + i for i in range(n_prompt)]
     return Request(rid, prompt, SamplingParams(), eos_token_id=EOS, max_tokens=max_tokens, priority=priority,
                    tenant=tenant, cache_salt=salt)
