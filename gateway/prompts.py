@@ -40,6 +40,10 @@ async def resolve_model(app: web.Application, name: str | None, tenant: Tenant) 
         if len(usable) == 1:
             return usable[0]
         raise bad_request("model is required" if usable else "no model is registered", "model")
+    if name not in models and not app[REDIS_WATCH].settling:
+        # a miss right after a restart the periodic probe has not seen yet must not become a 404:
+        # probe once now (only on this rare path)
+        await app[REDIS_WATCH].check()
     if name not in models and app[REDIS_WATCH].settling:
         # Redis just restarted empty: workers re-publish their models within a heartbeat, so this is
         # "retry shortly", not "no such model"
