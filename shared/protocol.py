@@ -30,6 +30,8 @@ MAX_ID_LEN = 256  # request / worker ids, model names
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 WORKER_ROLES = ("prefill", "decode", "unified")
+INSTANCE_STATES = ("loading", "ready", "draining", "failed")
+CONTROL_OPS = ("load", "unload")
 
 _ID = {"max_len": MAX_ID_LEN}
 # [token_id, logprob] pairs, most likely first.
@@ -259,13 +261,33 @@ class HandoffAck:
 
 
 @dataclass
+class InstanceStatus:
+    """One model instance (a model at one version) inside a worker, as its heartbeat reports it."""
+
+    TAG: ClassVar[str] = "instance_status"
+    instance: str = field(metadata=_ID)  # instance_key(name, version): the stream / handoff identity
+    name: str = field(metadata=_ID)  # what clients ask for
+    version: int  # 0: not from the repository (a path given to the worker)
+    state: str = field(metadata={"choices": INSTANCE_STATES})
+    weight_bytes: int = 0
+    kv_blocks: int = 0  # owned from the worker's shared KV pool
+    kv_free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0  # in the engine plus jobs this worker holds but has not admitted
+    idle_s: float = 0.0  # since the last request ended or arrived
+    pinned: bool = False
+    load_s: float = 0.0  # how long its load took: the reload cost eviction weighs
+    error: str = ""  # why a load failed (state "failed")
+
+
+@dataclass
 class WorkerInfo:
     """Heartbeat record at ``worker_key(worker_id)`` (TTL'd); its id is in ``WORKERS_INDEX``."""
 
     TAG: ClassVar[str] = "worker_info"
     worker_id: str = field(metadata=_ID)
     role: str = field(metadata={"choices": WORKER_ROLES})
-    models: list[str]
+    models: list[str]  # instance keys that are ready to serve
     zmq_addr: str
     free_blocks: int
     total_blocks: int
@@ -275,6 +297,12 @@ class WorkerInfo:
     host: str
     started: float  # unix seconds
     heartbeat: float  # unix seconds of this record
+    instances: list[InstanceStatus] = field(default_factory=list)
+    weights_budget: int = 0  # bytes this worker may hold in model weights (0: unknown / no loading)
+    weights_used: int = 0
+    kv_pool_bytes: int = 0
+    kv_free_bytes: int = 0  # not owned by any model, or free and above a model's floor (reclaimable)
+    can_load: bool = False  # has a model repository and takes ControlCommands
 
     @property
     def can_prefill(self) -> bool:
@@ -298,13 +326,78 @@ class ModelInfo:
     block_size: int
     dtype: str
 
+    served_name: str = field(default="", metadata=_ID)  # the client-facing name; "" = ``name``
+    version: int = 0
+
     def check(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:
             raise ValueError("ModelInfo.max_model_len and vocab_size must be positive")
 
 
+@dataclass
+class ModelSpec:
+    """A registered model: the desired state at ``registry_key(name)`` (name in ``REGISTRY_INDEX``).
+    Written by the admin API and ``kvrelay serve``; workers load and unload toward it."""
+
+    TAG: ClassVar[str] = "model_spec"
+    name: str = field(metadata=_ID)
+    version: int = 0  # the active version in the repository; 0: ``path`` names the model
+    path: str = ""  # only for version 0: a directory or .gguf the operator configured (never from the API)
+    dtype: str = "auto"
+    max_model_len: int = 0  # 0: the model's own
+    pinned: bool = False  # never evicted, loaded at registration
+    min_replicas: int = 0  # workers per role that keep it loaded even when idle
+    keep_alive_s: float = 0.0  # unload after this long idle (0: until evicted for room)
+    previous_version: int = 0  # during a swap: the version still draining
+    updated: float = 0.0
+
+    @property
+    def instance(self) -> str:
+        return instance_key(self.name, self.version)
+
+
+@dataclass
+class ControlCommand:
+    """LPUSHed to ``control_key(worker_id)``; the worker answers at ``control_result_key(command_id)``."""
+
+    TAG: ClassVar[str] = "control_command"
+    command_id: str = field(metadata=_ID)
+    op: str = field(metadata={"choices": CONTROL_OPS})
+    name: str = field(metadata=_ID)
+    version: int = 0
+    path: str = ""  # version 0 only: must be one the worker was configured with
+    dtype: str = "auto"
+    max_model_len: int = 0
+    pinned: bool = False
+    keep_alive_s: float = 0.0
+    drain: bool = True  # unload: finish what is queued and in flight first (a swap's old version)
+    evict: bool = True  # load: may unload idle unpinned models to make room
+
+    @property
+    def instance(self) -> str:
+        return instance_key(self.name, self.version)
+
+
+@dataclass
+class ControlResult:
+    TAG: ClassVar[str] = "control_result"
+    command_id: str = field(metadata=_ID)
+    worker_id: str = field(metadata=_ID)
+    instance: str = field(metadata=_ID)
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+    evicted: list[str] = field(default_factory=list)  # instances unloaded to make room
+
+
+def instance_key(name: str, version: int) -> str:
+    """The identity of one model version in streams, handoffs and heartbeats."""
+    return f"{name}@{version}" if version else name
+
+
 MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, HandoffRequest, HandoffGrant,
-                                   KVHeader, KVLayers, HandoffAck, WorkerInfo, ModelInfo)
+                                   KVHeader, KVLayers, HandoffAck, WorkerInfo, ModelInfo, InstanceStatus,
+                                   ModelSpec, ControlCommand, ControlResult)
 _BY_TAG = {cls.TAG: cls for cls in MESSAGE_TYPES}
 M = TypeVar("M")
 

@@ -10,6 +10,14 @@ with them. Values stored under these keys are ``shared.protocol`` messages (msgp
     model_key(name)           string, encode(ModelInfo), no TTL; the name is SADDed to MODELS_INDEX
     ABORT_CHANNEL             pub/sub; gateway PUBLISHes encode(Abort); every worker subscribes
 
+Models (an "instance" is one model at one version, ``protocol.instance_key``: "name@3", or "name" for a
+model given by path; streams, ModelInfo and WorkerInfo.models use instance keys):
+    registry_key(name)        string, encode(ModelSpec): the desired state; name SADDed to REGISTRY_INDEX
+    control_key(worker_id)    list; the gateway LPUSHes encode(ControlCommand), the worker RPOPs them
+    control_result_key(cid)   string, encode(ControlResult), EX CONTROL_RESULT_TTL_S
+    load_lock_key(instance)   string SET NX EX LOAD_LOCK_TTL_S by the gateway placing a load, so
+                              concurrent requests on several gateways start one load, not many
+
 Tenants (gateway only; plain hash fields, not protocol messages, so operators can read them):
     TENANTS_INDEX             set of tenant names; non-empty means every API request needs a key
     tenant_key(name)          hash: models (JSON list, [] = all), rpm, tpm, quota_tokens, quota_period_s,
@@ -40,6 +48,27 @@ HEARTBEAT_TTL_S = 10
 MAX_DELIVERIES = 3
 # Approximate cap (XADD MAXLEN ~) so an idle model's stream cannot grow without bound.
 STREAM_MAXLEN = 100_000
+
+
+REGISTRY_INDEX = f"{PREFIX}:registry"
+CONTROL_RESULT_TTL_S = 600
+LOAD_LOCK_TTL_S = 120
+
+
+def registry_key(name: str) -> str:
+    return f"{PREFIX}:registry:{name}"
+
+
+def control_key(worker_id: str) -> str:
+    return f"{PREFIX}:control:{worker_id}"
+
+
+def control_result_key(command_id: str) -> str:
+    return f"{PREFIX}:control-result:{command_id}"
+
+
+def load_lock_key(instance: str) -> str:
+    return f"{PREFIX}:load-lock:{instance}"
 
 
 def prefill_stream(model: str) -> str:
