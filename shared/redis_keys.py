@@ -4,6 +4,8 @@ with them. Values stored under these keys are ``shared.protocol`` messages (msgp
     prefill_stream(model)     stream; gateway XADDs {JOB_FIELD: encode(Job)}; prefill workers read it
                               through consumer group PREFILL_GROUP (create it with id "0" + MKSTREAM so
                               jobs queued before the first worker are not skipped)
+    prefill_worker_stream(m, w) stream; like prefill_stream but routed to one worker (prefix affinity); read
+                              by it through PREFILL_GROUP, adopted by peers once its worker_key is gone
     dead_letter_stream(model) stream; jobs delivered more than MAX_DELIVERIES times, same field
     worker_key(worker_id)     string, encode(WorkerInfo), SET with EX=HEARTBEAT_TTL_S every
                               HEARTBEAT_INTERVAL_S; the id is also SADDed to WORKERS_INDEX
@@ -73,6 +75,11 @@ def load_lock_key(instance: str) -> str:
 
 def prefill_stream(model: str) -> str:
     return f"{PREFIX}:prefill:{model}"
+
+
+def prefill_worker_stream(model: str, worker_id: str) -> str:
+    # the model's length keeps (model, worker) pairs apart when either name holds a ":"
+    return f"{PREFIX}:prefill-worker:{len(model)}:{model}:{worker_id}"
 
 
 def dead_letter_stream(model: str) -> str:
