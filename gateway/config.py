@@ -35,6 +35,11 @@ class GatewayConfig:
     max_queue_depth: int = 4096
     redis_watch_s: float = 0.5  # how often the gateway checks that Redis is the same server
     redis_outage_s: float = 3.0  # Redis unreachable this long: jobs queued there count as lost
+    # The versioned model repository (shared/model_repo.py) the admin API checks registrations against;
+    # None: registering models through the API is off. Workers read weights from their own --model-repo.
+    model_repo: str | None = None
+    model_load_timeout: float = 120.0  # how long a request for an unloaded registered model waits for it
+    reconcile_interval_s: float = 5.0  # pinned/min_replicas loads and swap cleanup; 0: off
 
     def __post_init__(self) -> None:
         if self.max_body_size < 1:
@@ -47,6 +52,8 @@ class GatewayConfig:
             raise ValueError("ports must be in [0, 65535]")
         if self.admin_key is not None and len(self.admin_key) < 16:
             raise ValueError("admin_key must be at least 16 characters")
+        if self.model_load_timeout <= 0 or self.reconcile_interval_s < 0:
+            raise ValueError("model_load_timeout must be positive, reconcile_interval_s not negative")
         if self.response_cache_ttl < 0 or self.usage_retention_s < 60:
             raise ValueError("response_cache_ttl must not be negative, usage_retention_s at least 60")
 
