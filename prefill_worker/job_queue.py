@@ -1,10 +1,23 @@
-"""A model's job stream seen by one consumer: new jobs through the consumer group, jobs of dead peers
+"""A model's job streams seen by one consumer: new jobs through the consumer group, jobs of dead peers
 through ``XAUTOCLAIM``, poison and malformed jobs to the dead-letter stream.
+
+Two streams feed a worker: the model's shared stream, which any free worker takes from, and its private
+stream, where the gateway routes jobs whose prompt prefix this worker likely has cached (prefix
+affinity, gateway/routing.py). Private jobs are read first. A worker whose heartbeat is gone leaves its
+private stream to its peers: they find it through the shared group's consumer list (every worker
+registers there as a consumer before it can be routed to) and adopt it, reading what is undelivered and
+reclaiming what is pending, so nothing routed to a dead worker is lost. A peer gone long enough has its
+empty stream and its consumer entry removed; the gateway only XADDs to a private stream that exists, so
+a job can never land in one nobody reads.
 
 A job stays pending (un-ACKed) until the caller says it is done, which for a prefill worker means the
 decode side confirmed it holds the KV: a worker killed at any point before that leaves the job to be
 reclaimed by a peer once it has been idle ``reclaim_idle_ms``. A draining worker need not wait for
-that: ``hand_back`` makes its unfinished jobs reclaimable at once.
+that: ``hand_back`` makes its unfinished jobs reclaimable at once, and moves private ones (and its
+private stream's undelivered ones) to the shared stream.
+
+Entry ids handed to the caller are the stream's ids for shared-stream entries and ``stream@id`` for the
+others, so ``ack`` and ``hand_back`` know where an entry lives without any state of ours.
 
 An ACKed entry is also deleted, so the stream's length is what is queued or in progress: the gateway
 bounds it (``--max-queue-depth``). An ACK that fails (Redis restarting) is retried on the next fetch
@@ -13,7 +26,7 @@ rather than raised into the middle of an engine step, whose other outputs would 
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import redis
 
@@ -23,6 +36,16 @@ from shared.protocol import Job, decode
 log = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 1.0
+# Peers' private streams are looked at less often: a dead peer's heartbeat takes HEARTBEAT_TTL_S to lapse.
+ADOPT_EVERY_S = keys.HEARTBEAT_INTERVAL_S
+# A peer gone this long is no gateway's routing candidate (their registry caches are far shorter), so its
+# emptied private stream and its consumer entry can go.
+FORGET_AFTER_S = 60.0
+# Deliveries before a hand-back moved the entry to the shared stream, where its count starts again.
+PRIOR_FIELD = b"deliveries"
+_SEP = b"@"
+# Deletes a private stream only while it is empty, atomically with any XADD the gateway may be making.
+_DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
 # Idle time given to handed-back jobs: past any worker's reclaim_idle_ms, so the next XAUTOCLAIM of any
 # consumer takes them.
 HAND_BACK_IDLE_MS = 24 * 3600 * 1000
@@ -35,37 +58,52 @@ def replayable(job: Job) -> bool:
     return job.sampling.get("temperature", 1.0) == 0.0 or job.sampling.get("seed") is not None
 
 
+def _lost_group(exc: redis.ResponseError) -> bool:
+    """The stream or its group is gone: Redis restarted empty (XINFO says "no such key" there)."""
+    return "NOGROUP" in str(exc) or "no such key" in str(exc)
+
+
 class JobQueue:
     def __init__(self, client: redis.Redis, model: str, consumer: str, reclaim_idle_ms: int,
                  max_deliveries: int = keys.MAX_DELIVERIES, on_dead: Callable[[Job, str], None] | None = None):
         self.redis = client
+        self.model = model
         self.stream = keys.prefill_stream(model)
+        self.private = keys.prefill_worker_stream(model, consumer)
         self.dead = keys.dead_letter_stream(model)
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_deliveries = max_deliveries
         self.on_dead = on_dead  # tells the job's client why it will get no answer
         self._last_reclaim = 0.0
+        self._last_adopt = 0.0
         self._unacked: list[bytes] = []  # ACKs that failed; retried before the next read
+        # entries a blocking read delivered beyond ``count`` (both streams answered at once); served first
+        self._surplus: list[tuple[bytes, dict]] = []
+        self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
         self.ensure_group()
 
     def ensure_group(self) -> None:
-        try:  # id "0": jobs queued before the first worker started are still delivered
-            self.redis.xgroup_create(self.stream, keys.PREFILL_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in (self.stream, self.private):
+            try:  # id "0": jobs queued before the first worker started are still delivered
+                self.redis.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        # listed in the shared group before any gateway can route to us: how peers find our private stream
+        self.redis.xgroup_createconsumer(self.stream, keys.PREFILL_GROUP, self.consumer)
 
     def fetch(self, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
-        """Up to ``count`` jobs: reclaimed ones first, then new ones (blocking up to block_ms if none)."""
+        """Up to ``count`` jobs: reclaimed and adopted ones first, then new private ones, then new shared
+        ones (blocking up to block_ms if none)."""
         if self._unacked:
             self.ack()
         try:
             entries = self._read(count, block_ms)
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not _lost_group(exc):
                 raise
-            self.ensure_group()  # Redis restarted empty: recreate the group and carry on
+            self.ensure_group()  # Redis restarted empty: recreate the groups and carry on
             return []
         jobs = []
         for entry_id, fields in entries:
@@ -75,38 +113,109 @@ class JobQueue:
         return jobs
 
     def _read(self, count: int, block_ms: int) -> list:
-        entries = []
+        entries, self._surplus = self._surplus[:count], self._surplus[count:]
         now = time.monotonic()
         if now - self._last_reclaim >= RECLAIM_EVERY_S:
             self._last_reclaim = now
-            entries += self._reclaim(count)
-        if len(entries) < count:
-            # BLOCK 0 would wait forever: a busy caller (block_ms=0) must not block at all
-            block = block_ms if block_ms > 0 and not entries else None
-            got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {self.stream: ">"},
-                                        count=count - len(entries), block=block)
-            for _stream, items in got or []:
-                entries += items
+            entries += self._reclaim(self.private, count)
+            entries += self._reclaim(self.stream, count - len(entries))
+        if now - self._last_adopt >= ADOPT_EVERY_S:
+            self._last_adopt = now
+            entries += self._adopt(count - len(entries))
+        for stream in (self.private, self.stream):  # without blocking: private first, shared for the rest
+            if len(entries) < count:
+                entries += self._new(stream, count - len(entries))
+        # BLOCK 0 would wait forever: a busy caller (block_ms=0) must not block at all
+        if not entries and block_ms > 0:
+            # one call blocks on both streams; COUNT is per stream, so a rare double answer leaves a surplus
+            got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {self.private: ">", self.stream: ">"},
+                                        count=count, block=block_ms)
+            for stream, items in got or []:
+                entries += [(self._tag(stream, eid), fields) for eid, fields in items]
+            entries, self._surplus = entries[:count], entries[count:]
         return entries
 
-    def _reclaim(self, count: int) -> list:
-        reply = self.redis.xautoclaim(self.stream, keys.PREFILL_GROUP, self.consumer, self.reclaim_idle_ms,
+    def _new(self, stream: str, count: int) -> list:
+        if count <= 0:
+            return []
+        got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {stream: ">"}, count=count)
+        return [(self._tag(stream, eid), fields) for _stream, items in got or [] for eid, fields in items]
+
+    def _tag(self, stream: str | bytes, entry_id: bytes) -> bytes:
+        stream = stream.decode() if isinstance(stream, bytes) else stream
+        return entry_id if stream == self.stream else stream.encode() + _SEP + entry_id
+
+    def _where(self, tagged: bytes) -> tuple[str, bytes]:
+        if _SEP not in tagged:
+            return self.stream, tagged
+        stream, entry_id = tagged.rsplit(_SEP, 1)
+        return stream.decode(), entry_id
+
+    def _reclaim(self, stream: str, count: int) -> list:
+        if count <= 0:
+            return []
+        reply = self.redis.xautoclaim(stream, keys.PREFILL_GROUP, self.consumer, self.reclaim_idle_ms,
                                       start_id="0-0", count=count)
-        claimed = [(eid, fields) for eid, fields in reply[1] if fields]
         kept = []
-        for entry_id, fields in claimed:
-            info = self.redis.xpending_range(self.stream, keys.PREFILL_GROUP, min=entry_id, max=entry_id, count=1)
-            deliveries = info[0]["times_delivered"] if info else 1
+        for entry_id, fields in reply[1]:
+            if not fields:
+                continue  # deleted while pending
+            tagged = self._tag(stream, entry_id)
+            info = self.redis.xpending_range(stream, keys.PREFILL_GROUP, min=entry_id, max=entry_id, count=1)
+            deliveries = (info[0]["times_delivered"] if info else 1) + int(fields.get(PRIOR_FIELD, 0))
             if deliveries > self.max_deliveries:
                 reason = f"job failed on {deliveries - 1} workers"
-                self.dead_letter(entry_id, fields, reason)
-                job = self._parse(entry_id, fields)
+                self.dead_letter(tagged, fields, reason)
+                job = self._parse(tagged, fields)
                 if job is not None and self.on_dead is not None:
                     self.on_dead(job, reason)
             else:
-                log.info("reclaimed job %s (delivery %d)", entry_id, deliveries)
-                kept.append((entry_id, fields))
+                log.info("reclaimed job %s (delivery %d)", tagged, deliveries)
+                kept.append((tagged, fields))
         return kept
+
+    def _adopt(self, count: int) -> list:
+        """Pending and undelivered jobs of peers whose heartbeat is gone, from their private streams."""
+        peers = [c for c in self.redis.xinfo_consumers(self.stream, keys.PREFILL_GROUP)
+                 if c["name"].decode() != self.consumer]
+        if not peers:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for peer in peers:
+            pipe.exists(keys.worker_key(peer["name"].decode()))
+        alive = pipe.execute()
+        entries: list = []
+        now = time.monotonic()
+        for peer, is_alive in zip(peers, alive, strict=True):
+            name = peer["name"].decode()
+            if is_alive:
+                self._gone_since.pop(name, None)
+                continue
+            stream = keys.prefill_worker_stream(self.model, name)
+            entries += self._take_from_peer(stream, count - len(entries))
+            if now - self._gone_since.setdefault(name, now) > FORGET_AFTER_S and peer["pending"] == 0:
+                self._forget(name, stream)
+        if entries:
+            log.info("adopted %d job(s) of dead peers", len(entries))
+        return entries
+
+    def _take_from_peer(self, stream: str, count: int) -> list:
+        if count <= 0:
+            return []
+        try:
+            entries = self._reclaim(stream, count)  # pending: XAUTOCLAIM counts the delivery
+            return entries + self._new(stream, count - len(entries)) if len(entries) < count else entries
+        except redis.ResponseError as exc:
+            if not _lost_group(exc):
+                raise
+            return []  # its stream is gone (forgotten by a peer, or Redis restarted): nothing routed there
+
+    def _forget(self, name: str, stream: str) -> None:
+        if self.redis.eval(_DELETE_IF_EMPTY, 1, stream) or not self.redis.exists(stream):
+            # only once nothing of its is left anywhere; a pending shared entry would die with the consumer
+            self.redis.xgroup_delconsumer(self.stream, keys.PREFILL_GROUP, name)
+            self._gone_since.pop(name, None)
+            log.info("forgot dead peer %s", name)
 
     def _parse(self, entry_id: bytes, fields: dict) -> Job | None:
         raw = fields.get(keys.JOB_FIELD.encode())
@@ -125,27 +234,67 @@ class JobQueue:
         if not entry_ids:
             return
         pipe = self.redis.pipeline()
-        pipe.xack(self.stream, keys.PREFILL_GROUP, *entry_ids)
-        pipe.xdel(self.stream, *entry_ids)
+        for stream, ids in self._by_stream(entry_ids).items():
+            pipe.xack(stream, keys.PREFILL_GROUP, *ids)
+            pipe.xdel(stream, *ids)
         try:
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("ACK of %d job(s) failed (%s); retrying later", len(entry_ids), exc)
             self._unacked.extend(entry_ids)
 
+    def _by_stream(self, tagged: Iterable[bytes]) -> dict[str, list[bytes]]:
+        groups: dict[str, list[bytes]] = {}
+        for t in tagged:
+            stream, entry_id = self._where(t)
+            groups.setdefault(stream, []).append(entry_id)
+        return groups
+
     def hand_back(self, entry_ids: list[bytes]) -> None:
-        """Give our pending jobs up without finishing them: they stay pending (nothing is lost if we die
-        here) but look idle for a day, so the next reclaim pass of any worker takes them. JUSTID keeps
-        their delivery count, so a hand-back does not push a job toward the dead-letter stream."""
-        if entry_ids:
-            self.redis.xclaim(self.stream, keys.PREFILL_GROUP, self.consumer, 0, entry_ids,
-                              idle=HAND_BACK_IDLE_MS, justid=True)
+        """Give our pending jobs up without finishing them. Shared-stream jobs stay pending (nothing is
+        lost if we die here) but look idle for a day, so the next reclaim pass of any worker takes them;
+        JUSTID keeps their delivery count, so a hand-back does not push a job toward the dead-letter
+        stream. Private ones, and whatever our private stream still holds undelivered, move to the shared
+        stream (peers do not read a live worker's private stream), their delivery count carried along."""
+        entry_ids = [*entry_ids, *(eid for eid, _ in self._surplus)]
+        self._surplus = []
+        for stream, ids in self._by_stream(entry_ids).items():
+            if stream == self.stream:
+                self.redis.xclaim(self.stream, keys.PREFILL_GROUP, self.consumer, 0, ids,
+                                  idle=HAND_BACK_IDLE_MS, justid=True)
+            else:
+                self._move_to_shared(stream, ids, delivered=True)
+        while undelivered := self._new(self.private, 100):
+            self._move_to_shared(self.private, [self._where(t)[1] for t, _ in undelivered], delivered=False)
+
+    def _move_to_shared(self, stream: str, ids: list[bytes], delivered: bool) -> None:
+        """Re-XADD our pending ``ids`` of ``stream`` to the shared stream, then ACK and delete them there.
+        A delivery that really happened still counts toward the dead letter (as JUSTID keeps it on the
+        shared stream); our read of an undelivered entry, only made to move it, does not."""
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(stream, keys.PREFILL_GROUP, min=entry_id, max=entry_id, count=1)
+        replies = pipe.execute()
+        move = self.redis.pipeline()  # MULTI: afterwards the job is in exactly one of the two streams
+        for found, pending in zip(replies[::2], replies[1::2], strict=True):
+            if not found:
+                continue  # deleted meanwhile (aborted and ACKed)
+            _entry_id, fields = found[0]
+            count = pending[0]["times_delivered"] if pending and delivered else 0
+            prior = count + int(fields.get(PRIOR_FIELD, 0))
+            move.xadd(self.stream, {**fields, PRIOR_FIELD: prior}, maxlen=keys.STREAM_MAXLEN, approximate=True)
+        move.xack(stream, keys.PREFILL_GROUP, *ids)
+        move.xdel(stream, *ids)
+        move.execute()
+        log.info("moved %d job(s) from %s to the shared stream", len(ids), stream)
 
     def dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
+        stream, raw_id = self._where(entry_id)
         log.warning("job %s -> dead letter: %s", entry_id, reason)
         pipe = self.redis.pipeline()
-        pipe.xadd(self.dead, {**fields, b"reason": reason.encode(), b"entry": entry_id}, maxlen=keys.STREAM_MAXLEN,
+        pipe.xadd(self.dead, {**fields, b"reason": reason.encode(), b"entry": raw_id}, maxlen=keys.STREAM_MAXLEN,
                   approximate=True)
-        pipe.xack(self.stream, keys.PREFILL_GROUP, entry_id)
-        pipe.xdel(self.stream, entry_id)
+        pipe.xack(stream, keys.PREFILL_GROUP, raw_id)
+        pipe.xdel(stream, raw_id)
         pipe.execute()

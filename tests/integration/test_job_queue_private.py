@@ -1,0 +1,137 @@
+"""Private (prefix-affinity) job streams against a real Redis: a worker reads its own stream before the
+shared one, peers adopt a dead worker's stream (undelivered and pending jobs alike) but leave a live
+one's alone, delivery counting still dead-letters poison, and a hand-back moves private jobs to the
+shared stream where a peer takes them."""
+
+import threading
+import time
+
+import pytest
+
+from prefill_worker import job_queue
+from prefill_worker.job_queue import JobQueue
+from shared import redis_keys as keys
+from shared.protocol import Job, encode
+from shared.redis_conn import sync_client
+
+MODEL = "m"
+SHARED = keys.prefill_stream(MODEL)
+
+
+def private(worker: str) -> str:
+    return keys.prefill_worker_stream(MODEL, worker)
+
+
+def _job(rid: str) -> Job:
+    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 4}, tenant="t",
+               priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
+
+
+def put(r, stream: str, rid: str) -> None:
+    r.xadd(stream, {keys.JOB_FIELD: encode(_job(rid))})
+
+
+@pytest.fixture()
+def r(redis_url):
+    client = sync_client(redis_url)
+    client.flushall()
+    return client
+
+
+def _queue(r, consumer: str, idle_ms: int = 0, on_dead=None) -> JobQueue:
+    q = JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead)
+    q._last_reclaim = q._last_adopt = 0.0  # reclaim and adopt on the first fetch
+    return q
+
+
+def ids(got) -> list[str]:
+    return [job.request_id for _, job in got]
+
+
+def test_private_jobs_come_first_and_count_spans_both_streams(r):
+    q = _queue(r, "a", idle_ms=60_000)
+    put(r, SHARED, "s0")
+    put(r, private("a"), "p0")
+    put(r, private("a"), "p1")
+    assert ids(q.fetch(2, block_ms=0)) == ["p0", "p1"]
+    assert ids(q.fetch(5, block_ms=0)) == ["s0"]
+
+
+def test_one_blocking_read_wakes_for_either_stream(r):
+    q = _queue(r, "a", idle_ms=60_000)
+    q.fetch(1, block_ms=0)  # the reclaim/adopt passes are done; the next fetch goes straight to the read
+    for stream, rid in ((private("a"), "p"), (SHARED, "s")):
+        timer = threading.Timer(0.2, put, (r, stream, rid))
+        timer.start()
+        assert ids(q.fetch(4, block_ms=10_000)) == [rid]
+        timer.join()
+
+
+def test_acked_private_jobs_leave_the_stream(r):
+    q = _queue(r, "a", idle_ms=60_000)
+    put(r, private("a"), "p0")
+    (entry, _), = q.fetch(1, block_ms=0)
+    q.ack(entry)
+    assert r.xlen(private("a")) == 0
+    assert r.xpending(private("a"), keys.PREFILL_GROUP)["pending"] == 0
+
+
+def test_a_dead_workers_private_jobs_are_adopted_pending_and_undelivered(r):
+    dead = _queue(r, "dead", idle_ms=60_000)
+    for rid in ("p0", "p1", "p2"):
+        put(r, private("dead"), rid)
+    assert ids(dead.fetch(1, block_ms=0)) == ["p0"]  # in progress when it dies; p1, p2 never delivered
+    r.set(keys.worker_key("dead"), b"alive")
+    peer = _queue(r, "peer")
+    assert peer.fetch(10, block_ms=0) == []  # a live worker's private stream is its own
+    r.delete(keys.worker_key("dead"))  # heartbeat gone
+    peer._last_adopt = 0.0
+    got = peer.fetch(10, block_ms=0)
+    assert sorted(ids(got)) == ["p0", "p1", "p2"]
+    peer.ack(*(entry for entry, _ in got))
+    assert r.xlen(private("dead")) == 0
+
+
+def test_poison_in_a_private_stream_is_dead_lettered_after_max_deliveries(r):
+    dead_jobs = []
+    put(r, private("w1"), "poison")
+    assert ids(_queue(r, "w1").fetch(1, block_ms=0)) == ["poison"]  # delivery 1, then w1 "dies"
+    for n, consumer in enumerate(["w2", "w3"], start=2):  # each adopts it and dies without acking
+        assert ids(_queue(r, consumer).fetch(1, block_ms=0)) == ["poison"], f"delivery {n} not adopted"
+    last = _queue(r, "w4", on_dead=lambda job, why: dead_jobs.append(job.request_id))
+    assert last.fetch(1, block_ms=0) == []
+    assert dead_jobs == ["poison"]
+    assert r.xlen(keys.dead_letter_stream(MODEL)) == 1 and r.xlen(private("w1")) == 0
+
+
+def test_hand_back_moves_private_jobs_to_the_shared_stream(r):
+    draining = _queue(r, "a", idle_ms=60_000)
+    peer = _queue(r, "b", idle_ms=60_000)
+    peer.fetch(1, block_ms=0)  # b's first adopt pass: a is alive (its private stream is not b's)
+    r.set(keys.worker_key("a"), b"alive")
+    for rid in ("p0", "p1"):
+        put(r, private("a"), rid)
+    taken = draining.fetch(1, block_ms=0)
+    assert ids(taken) == ["p0"]
+    draining.hand_back([entry for entry, _ in taken])  # p0 in progress, p1 still undelivered
+    assert r.xlen(private("a")) == 0
+    assert r.xpending(private("a"), keys.PREFILL_GROUP)["pending"] == 0
+    got = peer.fetch(5, block_ms=0)
+    assert sorted(ids(got)) == ["p0", "p1"]
+    prior = {job.request_id: int(fields_prior) for (_, job), fields_prior in zip(
+        got, (r.xrange(SHARED, min=e, max=e)[0][1][job_queue.PRIOR_FIELD] for e, _ in got), strict=True)}
+    assert prior == {"p0": 1, "p1": 0}  # the real delivery still counts; the move's read does not
+
+
+def test_a_long_gone_peers_empty_stream_and_consumer_are_forgotten(r, monkeypatch):
+    monkeypatch.setattr(job_queue, "FORGET_AFTER_S", -1.0)
+    _queue(r, "gone")  # registered, then died with nothing routed to it
+    peer = _queue(r, "peer")
+    put(r, private("gone"), "p0")
+    got = peer.fetch(5, block_ms=0)
+    assert ids(got) == ["p0"] and r.exists(private("gone"))  # a job still there: not forgotten yet
+    peer.ack(*(entry for entry, _ in got))
+    peer._last_adopt = 0.0
+    peer.fetch(5, block_ms=0)
+    assert not r.exists(private("gone"))
+    assert [c["name"] for c in r.xinfo_consumers(SHARED, keys.PREFILL_GROUP)] == [b"peer"]
