@@ -2,7 +2,8 @@
 
 Resources live in cleanup contexts, started in order and closed in reverse: Redis (and the task that
 watches it for restarts), then the ZMQ reply socket and its dispatcher task, then the set of detached
-background tasks. SIGTERM drains the gateway before it exits (``drain.py``).
+background tasks, then the model reconciler (``reconciler.py``). SIGTERM drains the gateway before it
+exits (``drain.py``).
 """
 
 import asyncio
@@ -18,6 +19,9 @@ from gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from gateway.errors import add_request_id, error_middleware
 from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.model_registry import ModelRegistry
+from gateway.placement import Placement
+from gateway.reconciler import reconciler_ctx
 from gateway.redis_watch import REDIS_WATCH, RedisWatch
 from gateway.registry import Registry
 from gateway.response_cache import ResponseCache
@@ -28,6 +32,9 @@ from gateway.state import (
     DISPATCHER,
     LIMITER,
     METRICS,
+    MODEL_REGISTRY,
+    MODEL_REPO,
+    PLACEMENT,
     REDIS,
     REGISTRY,
     RESPONSE_CACHE,
@@ -38,6 +45,7 @@ from gateway.state import (
 from gateway.tenants import TenantStore
 from gateway.tokenizers import TokenizerPool
 from gateway.usage import UsageLedger
+from shared.model_repo import ModelRepository
 from shared.redis_conn import async_client
 
 log = logging.getLogger("kvrelay.gateway")
@@ -54,7 +62,9 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[LIMITER] = RateLimiter(client)
     app[USAGE] = UsageLedger(client, config.usage_retention_s)
     app[RESPONSE_CACHE] = ResponseCache(client, config.response_cache_ttl, config.response_cache_max_bytes)
-    app[REGISTRY] = Registry(client, app[CONFIG].registry_cache_s)
+    registry = app[REGISTRY] = Registry(client, config.registry_cache_s)
+    app[MODEL_REGISTRY] = ModelRegistry(client, config.registry_cache_s)
+    app[PLACEMENT] = Placement(client, registry)
     watch = app[REDIS_WATCH] = RedisWatch(client, app[CONFIG].redis_watch_s, app[CONFIG].redis_outage_s)
     watch.start()
     yield
@@ -95,8 +105,11 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.middlewares.append(auth_middleware)
     app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()
-    # Cleanup runs in reverse: background tasks (abort publishes) drain first, while Redis is still open.
-    app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, background_ctx])
+    if config.model_repo:
+        app[MODEL_REPO] = ModelRepository(config.model_repo)
+    # Cleanup runs in reverse: the reconciler stops first, then background tasks (abort publishes, model
+    # loads) drain, while Redis is still open.
+    app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, background_ctx, reconciler_ctx])
     app.on_response_prepare.append(add_request_id)
     app.add_routes(ROUTES)
     return app

@@ -12,20 +12,35 @@ from aiohttp import web
 from gateway.auth import TENANT
 from gateway.drain import DRAIN
 from gateway.errors import APIError
-from gateway.state import CONFIG, REDIS, REGISTRY
+from gateway.model_registry import is_direct
+from gateway.state import CONFIG, MODEL_REGISTRY, REDIS, REGISTRY
 
 log = logging.getLogger("kvrelay.gateway")
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Registered models (loaded or not: a request loads them) and those workers publish directly, by
+    the name clients use; never an instance key."""
     registry = request.app[REGISTRY]
     try:
         models = await registry.models()
+        specs = await request.app[MODEL_REGISTRY].specs()
     except redis.RedisError as exc:
         raise APIError(503, f"model registry unavailable: {exc}", code="registry_unavailable") from None
     tenant = request[TENANT]
-    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "kvrelay", "root": m.name,
-             "parent": None, "max_model_len": m.max_model_len} for m in models.values() if tenant.may_use(m.name)]
+    data = []
+    for name in sorted(set(specs) | {m.name for m in models.values() if is_direct(m)}):
+        if not tenant.may_use(name):
+            continue
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "kvrelay", "root": name, "parent": None}
+        spec = specs.get(name)
+        info = models.get(spec.instance if spec else name)
+        max_len = info.max_model_len if info else spec.max_model_len if spec else 0
+        if max_len:
+            entry["max_model_len"] = max_len
+        if spec is not None and spec.version:
+            entry["version"] = spec.version
+        data.append(entry)
     return web.json_response({"object": "list", "data": data})
 
 
@@ -36,8 +51,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers and every registered model has a live prefill-capable and a live
-    decode-capable worker. The body says which part is missing."""
+    """Ready when Redis answers and every model that should be up has a live prefill-capable and a live
+    decode-capable worker: the models workers publish directly, and registered ones that are pinned or
+    keep replicas. A registered model loaded on demand is not required (its first request loads it), nor
+    is a repository instance that is no longer the active version. The body says which part is missing."""
     registry = request.app[REGISTRY]
     retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
     if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
@@ -45,7 +62,10 @@ async def ready(request: web.Request) -> web.Response:
     try:
         await request.app[REDIS].ping()
         models = await registry.models()
-        capacity = {name: await registry.capacity(name) for name in models}
+        specs = await request.app[MODEL_REGISTRY].specs()
+        required = {m.name: m.name for m in models.values() if is_direct(m) and m.name not in specs}
+        required |= {name: s.instance for name, s in specs.items() if s.pinned or s.min_replicas > 0}
+        capacity = {name: await registry.capacity(instance) for name, instance in required.items()}
     except redis.RedisError as exc:
         log.warning("not ready: redis unreachable: %s", exc)
         return web.json_response({"status": "unavailable", "redis": False, "models": {}}, status=503,

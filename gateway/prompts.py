@@ -1,7 +1,8 @@
 """From a validated request body to what the workers get: model resolved, prompt(s) tokenized, limits
 checked, sampling parameters final. Every check runs here, before anything is queued. Order: what the
 body alone tells (400), the model (404, or 403 when the tenant may not use it), live workers (503: the
-tokenizer may live only where the workers are), then everything that needs the tokenizer (400).
+tokenizer may live only where the workers are; a registered model no worker holds is loaded first,
+the request waiting), then everything that needs the tokenizer (400).
 """
 
 from dataclasses import dataclass
@@ -9,9 +10,11 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.errors import APIError, bad_request, unavailable
+from gateway.model_registry import is_direct
+from gateway.placement import LoadError
 from gateway.redis_watch import REDIS_WATCH
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.state import CONFIG, REGISTRY, TOKENIZERS
+from gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REGISTRY, TOKENIZERS
 from gateway.tenants import Tenant
 from gateway.tokenizers import ModelTokenizer
 from shared.protocol import ModelInfo
@@ -23,46 +26,85 @@ MAX_JOBS_PER_REQUEST = 1024
 
 @dataclass
 class Prepared:
-    model: ModelInfo
+    model: ModelInfo  # model.name is the instance key ("name@3"): the stream and handoff identity
     tokenizer: ModelTokenizer
     prompts: list[list[int]]
     params: SamplingParams
     tenant: str
     priority: int
     cache_salt: str | None
+    served_name: str = ""  # the client's model name, what responses show; "" = model.name
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or self.model.name
 
 
-async def resolve_model(app: web.Application, name: str | None, tenant: Tenant) -> ModelInfo:
+async def resolve_served(app: web.Application, name: str | None, tenant: Tenant) -> tuple[str, ModelInfo]:
+    """The client's model name and the ModelInfo of the instance that serves it (``model_registry.py``).
+    A registered model nobody has published yet is loaded here, the request waiting for it."""
     models = await app[REGISTRY].models()
+    specs = await app[MODEL_REGISTRY].specs()
+    direct = {n: m for n, m in models.items() if is_direct(m)}
     if name is None:
         # "the only model" means the only one this tenant may use: others' models are not its business
-        usable = [m for m in models.values() if tenant.may_use(m.name)]
+        usable = [n for n in sorted(set(specs) | set(direct)) if tenant.may_use(n)]
         if len(usable) == 1:
-            return usable[0]
-        raise bad_request("model is required" if usable else "no model is registered", "model")
-    if name not in models and not app[REDIS_WATCH].settling:
+            name = usable[0]
+        else:
+            raise bad_request("model is required" if usable else "no model is registered", "model")
+    if name not in specs and name not in direct and not app[REDIS_WATCH].settling:
         # a miss right after a restart the periodic probe has not seen yet must not become a 404:
         # probe once now (only on this rare path)
         await app[REDIS_WATCH].check()
-    if name not in models and app[REDIS_WATCH].settling:
+    if name not in specs and name not in direct and app[REDIS_WATCH].settling:
         # Redis just restarted empty: workers re-publish their models within a heartbeat, so this is
         # "retry shortly", not "no such model"
         raise unavailable(f"model `{name}` is not registered yet (Redis restarted); retry later",
                           app[CONFIG].retry_after_s)
-    if name not in models:
+    if name not in specs and name not in direct:
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
     if not tenant.may_use(name):
         raise APIError(403, f"Your API key may not use the model `{name}`.", param="model",
                        code="model_not_allowed")
-    return models[name]
+    if name in specs:
+        info = models.get(specs[name].instance)
+        return name, info if info is not None else await load_model(app, name)
+    return name, direct[name]
 
 
-async def require_capacity(app: web.Application, model: ModelInfo) -> None:
+async def resolve_model(app: web.Application, name: str | None, tenant: Tenant) -> ModelInfo:
+    return (await resolve_served(app, name, tenant))[1]
+
+
+async def load_model(app: web.Application, name: str) -> ModelInfo:
+    """Lazy load: wait (bounded by --model-load-timeout) until some workers serve the registered model's
+    active version. 503 + Retry-After naming the reason when no worker can take it or the load fails."""
+    config = app[CONFIG]
+    spec = await app[MODEL_REGISTRY].spec(name)  # from Redis, not the cache: a swap may just have moved it
+    if spec is None:
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    try:
+        await app[PLACEMENT].ensure_loaded(spec, config.model_load_timeout)
+    except LoadError as exc:
+        raise APIError(503, f"model `{name}` could not be loaded: {exc}", code="model_unavailable",
+                       headers={"Retry-After": str(config.retry_after_s)}) from None
+    info = await app[REGISTRY].model(spec.instance, fresh=True)
+    if info is None:  # unloaded again at once (evicted): rare, and retrying is the answer
+        raise unavailable(f"model `{name}` was unloaded while loading; retry later", config.retry_after_s)
+    return info
+
+
+async def require_capacity(app: web.Application, model: ModelInfo, served: str | None = None) -> ModelInfo:
+    """``model`` if live workers serve both its phases; a registered model no worker holds any more
+    (evicted, idle-unloaded, its worker restarted) is loaded again."""
     capacity = await app[REGISTRY].capacity(model.name)
-    if not capacity.servable:
-        missing = "prefill" if capacity.prefill == 0 else "decode"
-        raise unavailable(f"no live {missing} worker for model {model.name!r}; retry later",
-                          app[CONFIG].retry_after_s)
+    if capacity.servable:
+        return model
+    if served is not None and served in await app[MODEL_REGISTRY].specs():
+        return await load_model(app, served)
+    missing = "prefill" if capacity.prefill == 0 else "decode"
+    raise unavailable(f"no live {missing} worker for model {model.name!r}; retry later", app[CONFIG].retry_after_s)
 
 
 def check_token_ids(ids: list[int], model: ModelInfo, param: str) -> None:
@@ -89,19 +131,20 @@ def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
         raise bad_request(f"{num_prompts} prompts x n={params.n} exceeds {MAX_JOBS_PER_REQUEST} choices", "n")
 
 
-def _finish(model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]], params: SamplingParams,
-            body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
+def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
+            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
     check_token_ids(params.stop_token_ids, model, "stop_token_ids")
     _check_jobs(len(prompts), params)
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
-                    priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt))
+                    priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
+                    served_name=served)
 
 
 async def prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     params = body.sampling_params()
-    model = await resolve_model(app, body.model, tenant)
-    await require_capacity(app, model)
+    served, model = await resolve_served(app, body.model, tenant)
+    model = await require_capacity(app, model, served)
     tokenizer = await app[TOKENIZERS].get(model)
     raw = body.prompt
     if isinstance(raw, str):
@@ -118,7 +161,7 @@ async def prepare_completion(app: web.Application, body: CompletionRequest, tena
         check_token_ids(ids, model, "prompt")
         check_length(len(ids), params.max_tokens, model, "prompt", "prompt")
         prompts.append(ids)
-    return _finish(model, tokenizer, prompts, params, body, tenant)
+    return _finish(served, model, tokenizer, prompts, params, body, tenant)
 
 
 async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
@@ -132,8 +175,8 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
 async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     body.template_messages()  # role and emptiness errors before any model lookup
-    model = await resolve_model(app, body.model, tenant)
-    await require_capacity(app, model)
+    served, model = await resolve_served(app, body.model, tenant)
+    model = await require_capacity(app, model, served)
     tokenizer = await app[TOKENIZERS].get(model)
     ids = await render_chat(tokenizer, body)
     if not ids:
@@ -144,4 +187,4 @@ async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant
     check_token_ids(ids, model, "messages")
     params = body.sampling_params(remaining_context=model.max_model_len - len(ids))
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
-    return _finish(model, tokenizer, [ids], params, body, tenant)
+    return _finish(served, model, tokenizer, [ids], params, body, tenant)

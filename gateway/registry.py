@@ -1,7 +1,9 @@
 """The gateway's read-only view of what workers published in Redis: models and live workers.
 
 Views are cached for ``registry_cache_s`` so a burst of requests costs one Redis round trip, not one
-each; registration changes show up within that delay.
+each; registration changes show up within that delay. Whoever waits for a change it caused (a model
+load) reads with ``fresh=True``. Model names here are instance keys ("name@3"); the client-facing
+names live in ``model_registry.py``.
 """
 
 import logging
@@ -38,8 +40,11 @@ class Registry:
     def _fresh(self, entry: tuple[float, object] | None) -> bool:
         return entry is not None and time.monotonic() - entry[0] < self._cache_s
 
-    async def models(self) -> dict[str, ModelInfo]:
-        if self._fresh(self._models):
+    def invalidate(self) -> None:
+        self._models = self._workers = None
+
+    async def models(self, fresh: bool = False) -> dict[str, ModelInfo]:
+        if not fresh and self._fresh(self._models):
             return self._models[1]
         names = sorted(n.decode() for n in await self._redis.smembers(keys.MODELS_INDEX))
         raw = await self._redis.mget([keys.model_key(n) for n in names]) if names else []
@@ -54,12 +59,12 @@ class Registry:
         self._models = (time.monotonic(), models)
         return models
 
-    async def model(self, name: str) -> ModelInfo | None:
-        return (await self.models()).get(name)
+    async def model(self, name: str, fresh: bool = False) -> ModelInfo | None:
+        return (await self.models(fresh)).get(name)
 
-    async def workers(self) -> list[WorkerInfo]:
+    async def workers(self, fresh: bool = False) -> list[WorkerInfo]:
         """Workers whose heartbeat record has not expired (nor gone stale, should its TTL be missing)."""
-        if self._fresh(self._workers):
+        if not fresh and self._fresh(self._workers):
             return self._workers[1]
         ids = sorted(w.decode() for w in await self._redis.smembers(keys.WORKERS_INDEX))
         raw = await self._redis.mget([keys.worker_key(w) for w in ids]) if ids else []
@@ -78,6 +83,6 @@ class Registry:
         self._workers = (time.monotonic(), workers)
         return workers
 
-    async def capacity(self, model: str) -> Capacity:
-        serving = [w for w in await self.workers() if model in w.models]
+    async def capacity(self, model: str, fresh: bool = False) -> Capacity:
+        serving = [w for w in await self.workers(fresh) if model in w.models]
         return Capacity(prefill=sum(w.can_prefill for w in serving), decode=sum(w.can_decode for w in serving))

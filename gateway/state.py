@@ -9,11 +9,14 @@ from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher
 from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.model_registry import ModelRegistry
+from gateway.placement import Placement
 from gateway.registry import Registry
 from gateway.response_cache import ResponseCache
 from gateway.tenants import TenantStore
 from gateway.tokenizers import TokenizerPool
 from gateway.usage import UsageLedger
+from shared.model_repo import ModelRepository
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REDIS = web.AppKey("redis", redis.asyncio.Redis)
@@ -25,6 +28,10 @@ LIMITER = web.AppKey("limiter", RateLimiter)
 USAGE = web.AppKey("usage", UsageLedger)
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
 METRICS = web.AppKey("metrics", GatewayMetrics)
+MODEL_REGISTRY = web.AppKey("model_registry", ModelRegistry)
+PLACEMENT = web.AppKey("placement", Placement)
+# Only set with --model-repo: the admin API checks registrations against it (app.get(MODEL_REPO)).
+MODEL_REPO = web.AppKey("model_repo", ModelRepository)
 # Fire-and-forget work (abort publishes from finishing handlers) kept referenced until done.
 BACKGROUND = web.AppKey("background", set[asyncio.Task])
 
