@@ -1,5 +1,6 @@
 """Gateway configuration; field names are the CLI flags (``--max-body-size`` is ``max_body_size``)."""
 
+import argparse
 from dataclasses import dataclass, field
 
 from shared.redis_keys import STREAM_MAXLEN
@@ -35,6 +36,12 @@ class GatewayConfig:
     max_queue_depth: int = 4096
     redis_watch_s: float = 0.5  # how often the gateway checks that Redis is the same server
     redis_outage_s: float = 3.0  # Redis unreachable this long: jobs queued there count as lost
+    # Prefix affinity (gateway/routing.py): a prompt goes to the prefill worker that likely caches its
+    # first prefix_affinity_tokens, unless that worker has more than affinity_slack requests more than
+    # the least-loaded one; then to the shared stream, which the first free worker takes from.
+    prefix_affinity: bool = True
+    affinity_slack: int = 8
+    affinity_prefix_tokens: int = 256
     # The versioned model repository (shared/model_repo.py) the admin API checks registrations against;
     # None: registering models through the API is off. Workers read weights from their own --model-repo.
     model_repo: str | None = None
@@ -56,6 +63,8 @@ class GatewayConfig:
             raise ValueError("model_load_timeout must be positive, reconcile_interval_s not negative")
         if self.response_cache_ttl < 0 or self.usage_retention_s < 60:
             raise ValueError("response_cache_ttl must not be negative, usage_retention_s at least 60")
+        if self.affinity_slack < 0 or self.affinity_prefix_tokens < 1:
+            raise ValueError("affinity_slack must not be negative, affinity_prefix_tokens at least 1")
 
     @property
     def reply_host(self) -> str:
@@ -64,3 +73,18 @@ class GatewayConfig:
         if self.zmq_host in ("0.0.0.0", "*", "::"):
             raise ValueError("zmq_host is a wildcard: set zmq_advertise_host to an address workers can reach")
         return self.zmq_host
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing")
+    g.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=True,
+                   help="send prompts sharing a prefix to the prefill worker that has it cached")
+    g.add_argument("--affinity-slack", type=int, default=GatewayConfig.affinity_slack,
+                   help="requests more than the least-loaded prefill worker past which affinity yields")
+    g.add_argument("--affinity-prefix-tokens", type=int, default=GatewayConfig.affinity_prefix_tokens,
+                   help="leading prompt tokens (whole KV blocks) that decide a prompt's worker")
+
+
+def routing_kwargs(args: argparse.Namespace) -> dict:
+    return {"prefix_affinity": args.prefix_affinity, "affinity_slack": args.affinity_slack,
+            "affinity_prefix_tokens": args.affinity_prefix_tokens}

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import redis
 from aiohttp import web
 
+from gateway import routing
 from gateway.choice import ChoiceDelta, ChoiceState
 from gateway.drain import DRAIN, draining_error
 from gateway.errors import REQUEST_ID, APIError, ClientGone
@@ -27,6 +28,15 @@ from shared import redis_keys as keys
 from shared.protocol import Abort, Job, TokenEvent, encode
 
 log = logging.getLogger("kvrelay.gateway")
+
+# XADD to a worker's private stream only while it exists: its worker creates it (with the consumer group)
+# before it can be routed to, and a peer deletes it once the worker is long dead and it is empty, so a
+# job routed on a stale view of the workers lands on the shared stream instead of where nobody reads.
+_XADD_PRIVATE = """
+local key = KEYS[2]
+if redis.call('EXISTS', KEYS[1]) == 1 then key = KEYS[1] end
+return redis.call('XADD', key, 'MAXLEN', '~', ARGV[1], '*', ARGV[2], ARGV[3])
+"""
 
 
 async def publish_abort(app: web.Application, job_ids: list[str], reason: str) -> None:
@@ -115,32 +125,47 @@ class Generation:
         model = self.prepared.model.name
         config = self.app[CONFIG]
         retry = {"Retry-After": str(config.retry_after_s)}
-        if config.max_queue_depth:
-            # Workers delete the entries they ACK, so the length is what is queued or being prefilled.
-            # Checked before the XADD, not atomically with it: several gateways may overshoot by a few
-            # requests each, which a soft bound tolerates.
-            try:
-                depth = await self.app[REDIS].xlen(keys.prefill_stream(model))
-            except redis.RedisError:
-                raise APIError(503, "the request queue is unavailable", code="queue_unavailable",
-                               headers=retry) from None
-            if depth + len(self.choices) > config.max_queue_depth:
-                raise APIError(429, f"{depth} requests are queued for model {model!r} (limit "
-                                    f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
+        unavailable = APIError(503, "the request queue is unavailable", code="queue_unavailable", headers=retry)
+        try:
+            workers = routing.candidates(await self.app[REGISTRY].workers(), model)
+            # Workers delete the entries they ACK, so the lengths are what is queued or being prefilled,
+            # shared stream and the live workers' private ones alike; a dead worker's leftovers are its
+            # peers' to adopt within seconds and are not counted.
+            pipe = self.app[REDIS].pipeline(transaction=False)
+            for stream in [keys.prefill_stream(model)] + [keys.prefill_worker_stream(model, w.worker_id)
+                                                         for w in workers]:
+                pipe.xlen(stream)
+            shared_len, *private_lens = await pipe.execute()
+        except redis.RedisError:
+            raise unavailable from None
+        backlog = {w.worker_id: n for w, n in zip(workers, private_lens, strict=True)}
+        depth = shared_len + sum(private_lens)
+        # Checked before the XADD, not atomically with it: several gateways may overshoot by a few
+        # requests each, which a soft bound tolerates.
+        if config.max_queue_depth and depth + len(self.choices) > config.max_queue_depth:
+            raise APIError(429, f"{depth} requests are queued for model {model!r} (limit "
+                                f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
+        policy = routing.Policy(config.prefix_affinity, config.affinity_slack, config.affinity_prefix_tokens)
         pipe = self.app[REDIS].pipeline(transaction=False)
         for choice in self.choices:
             job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
                       sampling=choice.params.to_dict(), tenant=self.prepared.tenant,
                       priority=self.prepared.priority, reply_addr=reply_addr, deadline=self.deadline,
                       arrival=self.arrival, cache_salt=self.prepared.cache_salt)
-            pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)},
-                      maxlen=self.app[CONFIG].stream_maxlen, approximate=True)
+            worker = routing.route(choice.prompt_token_ids, model, self.prepared.model.block_size,
+                                   self.prepared.tenant, self.prepared.cache_salt, workers, backlog, policy)
+            if worker is None:
+                pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen,
+                          approximate=True)
+                continue
+            backlog[worker] += 1  # the next choice of this request sees it (n > 1 share a prompt)
+            pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
+                      config.stream_maxlen, keys.JOB_FIELD, encode(job))
         try:
             await pipe.execute()
         except redis.RedisError as exc:
             log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
-            raise APIError(503, "the request queue is unavailable", code="queue_unavailable",
-                           headers=retry) from None
+            raise unavailable from None
 
     async def _next_event(self) -> TokenEvent:
         """The next event for any choice; raises on deadline or a vanished client, never hangs."""

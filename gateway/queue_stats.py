@@ -8,6 +8,11 @@ plus what it delivered and nobody acknowledged (``XPENDING``). Redis 7 reports t
 as the group's ``lag``; on Redis 6.2 it is counted with ``XRANGE`` after the group's last-delivered id,
 up to ``_COUNT_CAP`` (the gauge then reads "at least that many"). The oldest such entry's age comes
 from its id, which is the Redis server's clock at ``XADD``, compared with the same clock's ``TIME``.
+
+Workers' private streams (prefix affinity, gateway/routing.py) count toward their model too. Every
+worker registers in the shared stream's group as a consumer, so that list names them, dead ones not yet
+adopted included; their entries are all queued or in progress (ACKed ones are deleted), so ``XLEN`` is
+their depth and their first entry the oldest.
 """
 
 import time
@@ -80,10 +85,37 @@ class QueueStats:
                 undelivered, first = len(entries), entries[:1]
         if first:
             oldest.append(_id_ms(first[0][0]))
+        private, private_pending = await self._read_private(client, model, oldest)
+        undelivered += private - private_pending
+        pending_count += private_pending
         now_ms = now_s * 1000 + now_us // 1000
         age = max(now_ms - min(oldest), 0) / 1000 if oldest and undelivered + pending_count else 0.0
         return QueueSnapshot(depth=undelivered + pending_count, pending=pending_count, oldest_age_s=age,
                              dead_letters=dead)
+
+    @staticmethod
+    async def _read_private(client: redis.asyncio.Redis, model: str, oldest: list[int]) -> tuple[int, int]:
+        """(entries, of which pending) over the model's private streams; their oldest ids go to ``oldest``."""
+        try:
+            consumers = await client.xinfo_consumers(keys.prefill_stream(model), keys.PREFILL_GROUP)
+        except redis.ResponseError:
+            return 0, 0  # no group yet: no worker, so no private stream either
+        streams = [keys.prefill_worker_stream(model, c["name"].decode()) for c in consumers]
+        pipe = client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, keys.PREFILL_GROUP)
+            pipe.xrange(stream, count=1)
+        replies = await pipe.execute(raise_on_error=False)
+        total = pending_total = 0
+        for length, pending, first in zip(replies[::3], replies[1::3], replies[2::3], strict=True):
+            if isinstance(length, Exception) or not length:
+                continue
+            total += length
+            pending_total += 0 if isinstance(pending, Exception) else pending["pending"]
+            if not isinstance(first, Exception) and first:
+                oldest.append(_id_ms(first[0][0]))
+        return total, pending_total
 
     def collect(self):
         depth = GaugeMetricFamily("kvrelay_queue_depth", "Jobs queued for a model and not yet acknowledged "

@@ -3,6 +3,7 @@ shared one, peers adopt a dead worker's stream (undelivered and pending jobs ali
 one's alone, delivery counting still dead-letters poison, and a hand-back moves private jobs to the
 shared stream where a peer takes them."""
 
+import asyncio
 import threading
 import time
 
@@ -135,3 +136,30 @@ def test_a_long_gone_peers_empty_stream_and_consumer_are_forgotten(r, monkeypatc
     peer.fetch(5, block_ms=0)
     assert not r.exists(private("gone"))
     assert [c["name"] for c in r.xinfo_consumers(SHARED, keys.PREFILL_GROUP)] == [b"peer"]
+
+
+def test_queue_gauges_and_depth_count_private_streams(r, redis_url):
+    from gateway.queue_stats import QueueStats
+    from shared.redis_conn import async_client
+
+    async def snapshot():
+        client = async_client(redis_url)
+        try:
+            stats = QueueStats(cache_s=0.0)
+            await stats.refresh(client, [MODEL])
+            return stats.snapshot[MODEL]
+        finally:
+            await client.aclose()
+
+    q = _queue(r, "a", idle_ms=60_000)
+    put(r, SHARED, "s0")
+    for rid in ("p0", "p1"):
+        put(r, private("a"), rid)
+    snap = asyncio.run(snapshot())
+    assert (snap.depth, snap.pending) == (3, 0)
+    got = q.fetch(2, block_ms=0)  # p0, p1: now pending
+    snap = asyncio.run(snapshot())
+    assert (snap.depth, snap.pending) == (3, 2)
+    q.ack(*(entry for entry, _ in got))
+    snap = asyncio.run(snapshot())
+    assert (snap.depth, snap.pending) == (1, 0)

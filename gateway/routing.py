@@ -1,0 +1,84 @@
+"""Which stream a job goes to: a prefill worker's private stream when its prompt's prefix is likely
+cached there (prefix affinity), else the model's shared stream, which the first free worker takes from.
+
+Prefix caching only hits on the worker that computed the prefix, so prompts sharing one should meet
+there. The affinity key is the model, the request's cache namespace and the hash chain of the prompt's
+leading full KV blocks (as shared/block_manager.py hashes them); rendezvous (highest-random-weight)
+hashing maps it onto the live prefill workers of the model, so a key keeps its worker while workers come
+and go, and only the keys of a departed worker move. Affinity yields to load: a preferred worker more
+than ``slack`` requests busier than the least-loaded candidate, or without free KV blocks for the
+prompt (a draining worker advertises none), gets nothing routed; the shared stream then balances.
+"""
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.block_manager import cache_namespace, cdiv, hash_block_tokens
+from shared.protocol import WorkerInfo
+
+
+@dataclass(frozen=True)
+class _Namespace:
+    """What ``cache_namespace`` reads of a request: the gateway has no ``Request``, only these two."""
+
+    tenant: str
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class Policy:
+    enabled: bool = True
+    slack: int = 8  # requests
+    prefix_tokens: int = 256  # leading prompt tokens (whole blocks of them) that make the key
+
+
+def candidates(workers: list[WorkerInfo], model: str) -> list[WorkerInfo]:
+    """Live workers that can prefill ``model``, in a stable order."""
+    return sorted((w for w in workers if w.can_prefill and model in w.models), key=lambda w: w.worker_id)
+
+
+def affinity_key(model: str, block_size: int, prompt: Sequence[int], tenant: str, cache_salt: str | None,
+                 prefix_tokens: int) -> bytes | None:
+    """The hash of the prompt's leading full blocks in its cache namespace; None below one full block
+    (nothing a worker could have cached)."""
+    blocks = min(len(prompt), max(prefix_tokens, block_size)) // block_size
+    if blocks == 0:
+        return None
+    salt = cache_namespace(_Namespace(tenant, cache_salt))  # type: ignore[arg-type]  # duck-typed Request
+    parent = None
+    for b in range(blocks):
+        parent = hash_block_tokens(parent, tuple(prompt[b * block_size:(b + 1) * block_size]), salt)
+    return model.encode() + b"\0" + parent.to_bytes(8, "little")
+
+
+def _weight(key: bytes, worker_id: str) -> bytes:
+    return hashlib.blake2b(key + b"\0" + worker_id.encode(), digest_size=8).digest()
+
+
+def load(worker: WorkerInfo, backlog: dict[str, int]) -> int:
+    """Requests ahead of a new one there: routed to it and not fetched yet, plus its engine's queue."""
+    return backlog.get(worker.worker_id, 0) + worker.running + worker.waiting
+
+
+def pick_worker(key: bytes | None, workers: list[WorkerInfo], backlog: dict[str, int], policy: Policy,
+                blocks_needed: int = 1) -> str | None:
+    """The worker whose private stream should get the job, or None for the shared stream."""
+    if not policy.enabled or key is None or len(workers) < 2:
+        return None  # one worker takes everything from the shared stream anyway
+    preferred = max(workers, key=lambda w: _weight(key, w.worker_id))
+    if preferred.free_blocks < max(blocks_needed, 1):
+        return None  # draining, or it would have to wait for KV: let whoever has room take it
+    least = min(load(w, backlog) for w in workers if w.free_blocks > 0)
+    if load(preferred, backlog) - least > policy.slack:
+        return None
+    return preferred.worker_id
+
+
+def route(prompt: Sequence[int], model: str, block_size: int, tenant: str, cache_salt: str | None,
+          workers: list[WorkerInfo], backlog: dict[str, int], policy: Policy) -> str | None:
+    """``pick_worker`` for one prompt; ``workers`` are the model's ``candidates``."""
+    if not policy.enabled or len(workers) < 2:
+        return None
+    key = affinity_key(model, block_size, prompt, tenant, cache_salt, policy.prefix_tokens)
+    return pick_worker(key, workers, backlog, policy, blocks_needed=cdiv(len(prompt), block_size))
