@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 
+from gateway.config import add_routing_args
 from shared.cli_args import add_engine_args, add_gateway_args, add_worker_args
 
 
@@ -16,9 +17,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _gateway(args: argparse.Namespace) -> int:
     from gateway.app import run_gateway
-    from gateway.config import GatewayConfig
+    from gateway.config import GatewayConfig, routing_kwargs
 
-    run_gateway(GatewayConfig(host=args.host, port=args.port, redis_url=args.redis_url,
+    run_gateway(GatewayConfig(**routing_kwargs(args), host=args.host, port=args.port, redis_url=args.redis_url,
                               max_body_size=args.max_body_size, request_timeout=args.request_timeout,
                               drain_timeout=args.drain_timeout, max_queue_depth=args.max_queue_depth,
                               zmq_host=args.zmq_host, zmq_port=args.zmq_port,
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP front door")
     add_gateway_args(gw)
+    add_routing_args(gw)
     gw.set_defaults(func=_gateway)
 
     for role in ("prefill", "decode", "unified"):
