@@ -85,4 +85,10 @@ def _openapi() -> dict:
 
 
 async def openapi(request: web.Request) -> web.Response:
+    """The public API; the admin paths are described only to the admin (``/admin/openapi.json``)."""
+    doc = _openapi()
+    return web.json_response({**doc, "paths": {p: ops for p, ops in doc["paths"].items() if not p.startswith("/admin")}})
+
+
+async def admin_openapi(request: web.Request) -> web.Response:
     return web.json_response(_openapi())

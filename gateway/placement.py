@@ -18,7 +18,7 @@ import uuid
 
 import redis.asyncio
 
-from gateway.model_registry import ModelRegistry
+from gateway.model_registry import ModelRegistry, SpecConflict
 from gateway.registry import Registry
 from shared import redis_keys as keys
 from shared.protocol import ControlCommand, ControlResult, ModelSpec, WorkerInfo, decode, encode, instance_key
@@ -243,12 +243,12 @@ class Placement:
 
         def flip(current: ModelSpec) -> ModelSpec:
             if current.version != old:
-                raise LoadError(f"{spec.name} changed to version {current.version} during the swap")
+                raise SpecConflict(f"{spec.name} changed to version {current.version} during the swap")
             return dataclasses.replace(current, version=version, previous_version=old)
 
         flipped = await models.update(spec.name, flip)
         if flipped is None:
-            raise LoadError(f"{spec.name} was unregistered during the swap")
+            raise SpecConflict(f"{spec.name} was unregistered during the swap")
         log.info("%s now serves version %d; draining version %d", spec.name, version, old)
         await asyncio.sleep(grace_s)
         return flipped, await self.unload(spec.name, old, drain=True)

@@ -2,10 +2,10 @@
 
 from aiohttp import web
 
-from gateway import admin
+from gateway import admin, model_admin
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
-from gateway.info import health, list_models, openapi, ready
+from gateway.info import admin_openapi, health, list_models, openapi, ready
 from gateway.metrics_route import scrape
 from gateway.tokenize import detokenize, tokenize
 
@@ -25,4 +25,11 @@ ROUTES = [
     web.get("/admin/keys", admin.list_keys),
     web.delete("/admin/keys/{id}", admin.delete_key),
     web.get("/admin/usage", admin.usage),
+    web.get("/admin/models", model_admin.list_models),
+    web.post("/admin/models", model_admin.register_model),
+    web.delete("/admin/models/{name}", model_admin.delete_model),
+    web.post("/admin/models/{name}/load", model_admin.load_model),
+    web.post("/admin/models/{name}/unload", model_admin.unload_model),
+    web.post("/admin/models/{name}/swap", model_admin.swap_model),
+    web.get("/admin/openapi.json", admin_openapi),
 ]
