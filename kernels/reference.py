@@ -14,9 +14,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     # k, v: [T, Hkv, D]; slot_mapping: [T], -1 marks a token whose KV is not stored (padding)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, N*bs, Hkv, D]
-    flat[0, slots] = k[keep].to(kv_cache.dtype)
-    flat[1, slots] = v[keep].to(kv_cache.dtype)
+    # (block, offset) indexing, not a flat [N*bs] view: a pooled cache is block-major, so one layer's
+    # blocks are strided apart (shared/kv_pool.py)
+    block, offset = slots // kv_cache.shape[2], slots % kv_cache.shape[2]
+    kv_cache[0, block, offset] = k[keep].to(kv_cache.dtype)
+    kv_cache[1, block, offset] = v[keep].to(kv_cache.dtype)
 
 
 def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

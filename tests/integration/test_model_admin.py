@@ -424,3 +424,15 @@ def test_register_pinned_loads_at_once(env, workers):
     assert r.status_code == 201 and r.json()["loading"] is True
     until(lambda: any(c.instance == "eps@2" for c in w.ops("load")), "the pinned model's load command")
     env.admin("DELETE", "/admin/models/eps")
+
+
+def test_admin_openapi_describes_every_model_route_and_only_to_the_admin(env):
+    from gateway.routes import ROUTES
+
+    public = requests.get(f"{env.url}/openapi.json", headers={"Authorization": f"Bearer {env.api_key}"}).json()
+    assert not [p for p in public["paths"] if p.startswith("/admin")]
+    assert requests.get(f"{env.url}/admin/openapi.json").status_code == 401
+    full = env.admin("GET", "/admin/openapi.json").json()
+    routes = {(r.method.lower(), r.path) for r in ROUTES if r.path.startswith("/admin/models")}
+    described = {(m, p) for p, ops in full["paths"].items() if p.startswith("/admin/models") for m in ops}
+    assert described == routes
