@@ -13,11 +13,18 @@ A block's hash chains its parent's hash, its tokens and the request's cache name
 ``cache_salt`` with its tenant folded in), so equal blocks in different contexts or different tenants
 never match; a hit is also checked token by token, so a hash collision degrades to a miss instead of
 serving another sequence's KV.
+
+A block manager may own only some ids of ``[0, num_blocks)``: models sharing one KV pool
+(shared/kv_pool.py) each view the whole pool as blocks and own those the pool granted them. It then
+has a ``grow`` hook: an allocation short of free blocks asks the pool for the shortfall before failing,
+so the scheduler preempts only when the pool is out; and the pool takes free blocks back through
+``release_free_blocks`` when another model needs them.
 """
 
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 from shared.request import DEFAULT_TENANT, Request
 
@@ -59,20 +66,31 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 owned: Iterable[int] | None = None, grow: Callable[[int], list[int]] | None = None,
+                 capacity: Callable[[], int] | None = None):
+        """``num_blocks``: the block id space. ``owned``: the ids usable now (default all of them);
+        ``grow(n)``: more ids, up to about ``n`` (possibly none); ``capacity()``: the most blocks this
+        manager could ever own (default: those it owns)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
-        self.num_blocks = num_blocks
+        self.id_space = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.grow = grow
+        self._capacity = capacity
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
+        ids = range(num_blocks) if owned is None else sorted(set(owned))
+        if ids and not 0 <= ids[0] <= ids[-1] < num_blocks:
+            raise ValueError(f"owned block ids must lie in [0, {num_blocks})")
+        self.owned: set[int] = set(ids)
         # Ref-0 blocks, head = next to be reused. OrderedDict: O(1) removal when a cached block is hit.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(ids)
         self.num_used = 0
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hash chain of a request's full blocks, grown lazily
@@ -84,8 +102,51 @@ class BlockManager:
         return len(self.free_queue)
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks owned now (all of the id space unless a pool shares it)."""
+        return len(self.owned)
+
+    @property
+    def capacity(self) -> int:
+        """The most blocks this manager could own: what a request may need before it can never fit."""
+        return self.num_blocks if self._capacity is None else max(self.num_blocks, self._capacity())
+
+    @property
     def usage(self) -> float:
-        return self.num_used / self.num_blocks
+        return self.num_used / self.num_blocks if self.owned else 0.0
+
+    # -- ownership (a shared KV pool moves blocks between models) -------------------------------
+    def add_blocks(self, ids: Iterable[int]) -> None:
+        """Own these ids too, as plain free blocks at the head of the free queue (reused before any
+        cached block is evicted)."""
+        for b in ids:
+            if not 0 <= b < self.id_space:
+                raise ValueError(f"block {b} is outside the id space [0, {self.id_space})")
+            if b in self.owned:
+                raise ValueError(f"block {b} is already owned")
+            self.owned.add(b)
+            self.free_queue[b] = None
+            self.free_queue.move_to_end(b, last=False)
+
+    def blocks_free(self, ids: Iterable[int]) -> bool:
+        """Whether no owned block among ``ids`` is referenced (ids not owned are ignored)."""
+        return all(self.ref_cnt[b] == 0 for b in ids if b in self.owned)
+
+    def release_free_blocks(self, ids: Iterable[int]) -> bool:
+        """Give up owned, unreferenced blocks, evicting their prefix-cache entries. All or nothing:
+        False (and nothing changed) if any is referenced or not owned."""
+        ids = list(ids)
+        if any(b not in self.free_queue for b in ids):
+            return False
+        for b in ids:
+            self._evict(b)
+            del self.free_queue[b]
+            self.owned.discard(b)
+        return True
+
+    def _grow(self, short: int) -> None:
+        if self.grow is not None and short > 0:
+            self.add_blocks(self.grow(short))
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.req_blocks.get(request_id, ()))
@@ -123,14 +184,17 @@ class BlockManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def _take_free(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
+    def _evict(self, block: int) -> None:
         h = self.block_hash[block]
-        if h is not None:  # evict: the block is about to be overwritten
+        if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hash[block] = None
             self.block_key[block] = None
+
+    def _take_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        self._evict(block)  # the block is about to be overwritten
         self.ref_cnt[block] = 1
         self.num_used += 1
         return block
@@ -155,6 +219,7 @@ class BlockManager:
         need = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - have
         # Hit blocks that sit in the free queue stop being allocatable once we reference them.
         reclaimed = sum(1 for b in computed if self.ref_cnt[b] == 0)
+        self._grow(need - (self.num_free_blocks - reclaimed))
         if need > self.num_free_blocks - reclaimed:
             return False
         if blocks is None:
@@ -170,6 +235,7 @@ class BlockManager:
         if request_id in self.req_blocks:
             raise ValueError(f"request {request_id} already owns blocks")
         need = cdiv(num_tokens, self.block_size)
+        self._grow(need - self.num_free_blocks)
         if need > self.num_free_blocks:
             return None
         blocks = self.req_blocks[request_id] = [self._take_free() for _ in range(need)]
@@ -212,6 +278,6 @@ class BlockManager:
         if self.num_used:
             return False
         self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
-        self.block_key = [None] * self.num_blocks
+        self.block_hash = [None] * self.id_space
+        self.block_key = [None] * self.id_space
         return True

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from shared.block_manager import BlockManager
 from shared.config import EngineConfig
+from shared.kv_pool import KVPool
 from shared.model_runner import ModelRunner, to_position_logprobs
 from shared.outputs import EngineCoreOutput, Logprob, PositionLogprobs
 from shared.request import DEFAULT_TENANT, Request, RequestStatus
@@ -32,14 +33,21 @@ class EngineObserver(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, hold_finished_kv: bool = False):
+    def __init__(self, config: EngineConfig, hold_finished_kv: bool = False, kv_pool: KVPool | None = None,
+                 kv_floor_blocks: int | None = None, kv_pool_key: str | None = None):
+        """``kv_pool``: a KV pool shared with co-resident models (shared/kv_pool.py), attached to under
+        ``kv_pool_key`` (default the model path) with a floor of ``kv_floor_blocks`` (default: one
+        max_model_len sequence). Without one the model gets a private pool sized as configured."""
         self.config = config
-        self.runner = ModelRunner(config)
-        self.max_model_len = self.runner.max_model_len
-        self.vocab_size: int = self.runner.model.vocab_size
+        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key)
+        self.max_model_len = runner.max_model_len
+        self.vocab_size: int = runner.model.vocab_size
+        pool, key = runner.kv_pool, runner.kv_pool_key
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            runner.kv_cache.shape[2], config.cache.block_size, config.cache.enable_prefix_caching,
+            owned=runner.kv_block_ids, grow=lambda n: pool.grow(key, n), capacity=lambda: pool.capacity(key),
         )
+        pool.bind(key, self.block_manager)
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.max_model_len,
             num_host_blocks=self.runner.num_host_blocks,
@@ -73,10 +81,10 @@ class EngineCore:
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         blocks_needed = math.ceil((n_prompt + max_tokens) / self.block_manager.block_size)
-        if blocks_needed > self.block_manager.num_blocks:
+        if blocks_needed > self.block_manager.capacity:
             raise ValueError(
                 f"prompt ({n_prompt}) plus max_tokens ({max_tokens}) needs {blocks_needed} KV blocks, "
-                f"more than the cache holds ({self.block_manager.num_blocks})"
+                f"more than the cache holds ({self.block_manager.capacity})"
             )
         return Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
@@ -154,13 +162,24 @@ class EngineCore:
         self._prompt_logprobs.pop(request_id, None)
         self.runner.free_request(request_id)
 
+    def release_kv(self) -> None:
+        """Give this model's KV memory back to its pool (on unload). Refused while requests are
+        unfinished or hold blocks; the core must not be stepped afterwards."""
+        bm = self.block_manager
+        if self.scheduler.has_unfinished() or bm.num_used or not bm.release_free_blocks(list(bm.owned)):
+            raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
+                               "abort or finish them before releasing the KV cache")
+        self.runner.kv_pool.detach(self.runner.kv_pool_key)
+
     # -- introspection for workers and metrics --------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Free blocks this model owns (a shared pool may hold more it could grow into)."""
         return self.block_manager.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
+        """Blocks this model owns now."""
         return self.block_manager.num_blocks
 
 

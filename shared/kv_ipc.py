@@ -73,15 +73,26 @@ def check_handle(h: KVIpcHandle, like: torch.Tensor) -> None:
         raise IpcError(f"peer KV dtype {h.dtype} != {DTYPE_NAMES[like.dtype]}")
     if h.shape[:2] != list(like.shape[:2]) or h.shape[3:] != list(like.shape[3:]):
         raise IpcError(f"peer KV shape {h.shape} does not match {list(like.shape)} outside the block dimension")
-    contiguous = [math.prod(h.shape[i + 1:]) for i in range(6)]
-    if h.stride != contiguous:
-        raise IpcError(f"peer KV strides {h.stride} are not contiguous {contiguous}")
+    if h.stride not in (kv_strides(h.shape, block_major=False), kv_strides(h.shape, block_major=True)):
+        raise IpcError(f"peer KV strides {h.stride} are neither layer- nor block-major for shape {h.shape}")
     if (h.tensor_offset + math.prod(h.shape)) * like.element_size() > h.storage_size:
         raise IpcError("peer KV tensor extends past its shared storage")
     if not _REF_COUNTER_NAME.match(h.ref_counter):
         raise IpcError("peer ref-counter name is not a plain shared-memory name")
     if h.event_handle is not None and len(h.event_handle) != 64:  # CUDA_IPC_HANDLE_SIZE
         raise IpcError("peer event handle has the wrong size")
+
+
+def kv_strides(shape: list[int], block_major: bool) -> list[int]:
+    """Strides of a dense ``[L, 2, N, bs, Hkv, D]`` cache: layer-major (a plain tensor) or block-major
+    (a view of a KV pool, shared/kv_pool.py: ``[N, L, 2, ...]`` in memory)."""
+    order = [2, 0, 1, 3, 4, 5] if block_major else list(range(6))  # dims from outermost to innermost
+    strides = [0] * 6
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return strides
 
 
 def open_handle(h: KVIpcHandle, like: torch.Tensor) -> torch.Tensor:
@@ -188,22 +199,30 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
         for s, d, n in runs:
             dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=True)
         return
-    # scattered blocks: a row gather + scatter over the caches viewed as [L * 2 * N, block elements], the
-    # access pattern torch's index kernels do best (whole contiguous rows), a few layers at a time so
-    # the temporary stays small
-    src_rows, dst_rows = src.view(-1, src[0, 0, 0].numel()), dst.view(-1, dst[0, 0, 0].numel())
+    # scattered blocks: a row gather + scatter over the caches' memory viewed as rows of one (layer, K/V,
+    # block) each, the access pattern torch's index kernels do best (whole contiguous rows), a few
+    # layers at a time so the temporary stays small
+    src_rows, dst_rows = _as_rows(src), _as_rows(dst)
     planes = src.shape[0] * src.shape[1]
     step = max(1, _CHUNK_BYTES // (len(src_blocks) * src[0, 0, 0].numel() * src.element_size()))
     for p0 in range(0, planes, step):
         p = range(p0, min(p0 + step, planes))
-        si = _rows(src_blocks, src.shape[2], p).to(src.device, non_blocking=True)
-        di = _rows(dst_blocks, dst.shape[2], p).to(dst.device, non_blocking=True)
+        si = _rows(src, src_blocks, p).to(src.device, non_blocking=True)
+        di = _rows(dst, dst_blocks, p).to(dst.device, non_blocking=True)
         dst_rows.index_copy_(0, di, src_rows.index_select(0, si))
 
 
-def _rows(blocks: list[int], num_blocks: int, planes: range) -> torch.Tensor:
-    """Row ids of ``blocks`` in each (layer, K/V) plane of a cache viewed as rows of one block."""
-    return (torch.tensor(planes)[:, None] * num_blocks + torch.tensor(blocks)[None, :]).reshape(-1)
+def _as_rows(kv: torch.Tensor) -> torch.Tensor:
+    """A dense cache of either layout (``kv_strides``) as its memory's rows: ``[L * 2 * N, row]``."""
+    row = kv[0, 0, 0].numel()
+    return kv.as_strided((kv.numel() // row, row), (row, 1))
+
+
+def _rows(kv: torch.Tensor, blocks: list[int], planes: range) -> torch.Tensor:
+    """Row ids (in ``_as_rows``) of ``blocks`` in each (layer, K/V) plane, whichever the cache's layout."""
+    row = kv[0, 0, 0].numel()
+    plane = torch.tensor([(p // kv.shape[1]) * kv.stride(0) + (p % kv.shape[1]) * kv.stride(1) for p in planes])
+    return ((plane[:, None] + torch.tensor(blocks)[None, :] * kv.stride(2)) // row).reshape(-1)
 
 
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:

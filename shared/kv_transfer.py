@@ -145,8 +145,10 @@ def wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU ``[layers, 2, n, ...]`` tensor as uint8 block rows: ``[layers, 2, n, block bytes]``."""
-    return t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], t.shape[2], -1)
+    """A CPU ``[layers, 2, n, ...]`` tensor as uint8 block rows: ``[layers, 2, n, block bytes]``. Each
+    block is contiguous, its blocks need not be (a pooled cache is block-major, shared/kv_pool.py);
+    copy=False: scatter writes through this view, so a silent copy would lose them."""
+    return t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], t.shape[2], -1, copy=False)
 
 
 def _as_bytes(frame: torch.Tensor) -> memoryview:

@@ -1,5 +1,9 @@
 """Turns a scheduler decision (request ids, token counts, block ids) into tensors, runs the model and
-the sampler, and owns the paged KV cache (plus the host swap space) of one model.
+the sampler, and holds the paged KV cache (plus the host swap space) of one model.
+
+The KV cache is this model's view of a KVPool (shared/kv_pool.py): a pool shared with co-resident
+models when the worker passes one, else a private pool of exactly the size computed here, all of it
+owned by this model (so a lone model behaves as if it owned a plain tensor).
 
 On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
 (shared/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
@@ -16,6 +20,7 @@ import torch
 from kernels import AttentionMetadata
 from shared.config import EngineConfig
 from shared.cuda_graphs import DecodeGraphs
+from shared.kv_pool import KVPool
 from shared.loader import load_model
 from shared.models import max_model_len as model_max_len
 from shared.outputs import Logprob, PositionLogprobs
@@ -37,7 +42,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
+                 kv_pool_key: str | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.model, self.hf_config = load_model(config.model, config.device)
@@ -45,15 +51,24 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
-        self.num_blocks = self._num_kv_blocks()
         max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        if self.num_blocks < max_blocks_per_seq:
-            raise ValueError(
-                f"KV cache too small: {self.num_blocks} blocks of {self.block_size} tokens hold "
-                f"{self.num_blocks * self.block_size} tokens, but one sequence of max_model_len={self.max_model_len} "
-                f"needs {max_blocks_per_seq} blocks; raise the KV memory or lower max_model_len"
-            )
-        self.kv_cache = torch.zeros(self.kv_shape(self.num_blocks), dtype=self.dtype, device=self.device)
+        if kv_pool is None:
+            num_blocks = self._num_kv_blocks()
+            if num_blocks < max_blocks_per_seq:
+                raise ValueError(
+                    f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens hold "
+                    f"{num_blocks * self.block_size} tokens, but one sequence of max_model_len={self.max_model_len} "
+                    f"needs {max_blocks_per_seq} blocks; raise the KV memory or lower max_model_len"
+                )
+            kv_pool, kv_floor_blocks = KVPool(num_blocks * self.block_bytes, self.device), num_blocks
+        self.kv_pool = kv_pool
+        self.kv_pool_key = kv_pool_key or str(config.model.model)
+        m = self.model
+        # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now
+        self.kv_cache, self.kv_block_ids = kv_pool.attach(
+            self.kv_pool_key, m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype,
+            floor_blocks=kv_floor_blocks or max_blocks_per_seq)
+        self.num_blocks = len(self.kv_block_ids)
         self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
         self.host_cache = None
         if self.num_host_blocks:

@@ -167,8 +167,8 @@ class Scheduler:
         if req.num_tokens > self.max_model_len:
             return f"request has {req.num_tokens} tokens, beyond max_model_len {self.max_model_len}"
         need = cdiv(req.num_tokens, self.block_manager.block_size)
-        if need > self.block_manager.num_blocks:
-            return f"request needs {need} KV blocks but the whole pool has {self.block_manager.num_blocks}"
+        if need > self.block_manager.capacity:
+            return f"request needs {need} KV blocks but the whole pool has {self.block_manager.capacity}"
         return None
 
     def schedule(self) -> SchedulerOutput:
