@@ -123,8 +123,10 @@ def gather_blocks(kv_cache: torch.Tensor, layers: range, index: torch.Tensor,
     if src.is_cuda:
         torch.index_select(wide(src), 2, index, out=wide(out))
         return out
-    np.take(_rows(src), index.numpy(), axis=2, out=_rows(out), mode="clip")  # ids are range-checked;
-    return out  # "clip" also spares numpy a buffered copy of ``out``
+    # fancy indexing, not np.take: take first makes a C-contiguous copy of a strided source, which for
+    # a pooled (block-major) cache is the whole pool on every transfer
+    _rows(out)[...] = _rows(src)[:, :, index.numpy()]
+    return out
 
 
 def scatter_blocks(kv_cache: torch.Tensor, first: int, index: torch.Tensor, blocks: torch.Tensor) -> None:
