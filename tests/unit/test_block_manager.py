@@ -212,3 +212,73 @@ def test_host_block_pool():
     with pytest.raises(ValueError):
         pool.free(b + b)
     assert HostBlockPool(0).allocate(0) == []
+
+
+# -- a sparse set of owned ids, as a shared KV pool grants them (shared/kv_pool.py) ---------------
+
+def test_sparse_ownership_uses_only_owned_ids():
+    bm = BlockManager(20, BS, owned=[3, 11, 17])
+    assert bm.num_blocks == 3 and bm.num_free_blocks == 3 and bm.capacity == 3
+    r = req("a", range(12))
+    assert bm.allocate_slots(r, 12)
+    assert sorted(bm.block_ids("a")) == [3, 11, 17] and bm.usage == 1.0
+    assert not bm.allocate_slots(req("b", range(1)), 1)  # no grow hook: fails as before
+    bm.free("a")
+    assert bm.num_free_blocks == 3 and bm.usage == 0
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\)"):
+        BlockManager(4, BS, owned=[4])
+
+
+def test_add_blocks_are_reused_first_and_checked():
+    bm = BlockManager(10, BS, owned=[0, 1])
+    compute(bm, req("a", range(8)))
+    bm.free("a")  # both blocks cached
+    bm.add_blocks([5, 6])
+    assert bm.num_blocks == 4 and bm.num_free_blocks == 4
+    r = req("b", range(100, 108))
+    assert bm.allocate_slots(r, 8)
+    assert sorted(bm.block_ids("b")) == [5, 6] and len(bm.cached) == 2  # plain free before evicting cached
+    with pytest.raises(ValueError, match="already owned"):
+        bm.add_blocks([5])
+    with pytest.raises(ValueError, match="outside"):
+        bm.add_blocks([10])
+
+
+def test_release_free_blocks_is_all_or_nothing_and_evicts():
+    bm = BlockManager(8, BS)
+    blocks = compute(bm, req("a", range(8)))  # 2 cached blocks, still referenced
+    assert not bm.blocks_free(blocks) and bm.blocks_free([b for b in range(8) if b not in blocks])
+    assert not bm.release_free_blocks([blocks[0], 7])  # one is referenced: nothing changes
+    assert bm.num_blocks == 8 and 7 in bm.owned
+    bm.free("a")
+    assert bm.release_free_blocks([blocks[0], 7])
+    assert bm.num_blocks == 6 and bm.num_free_blocks == 6 and blocks[0] not in bm.owned
+    assert blocks[0] not in bm.cached.values() and bm.block_hash[blocks[0]] is None
+    assert not bm.release_free_blocks([7])  # not owned any more
+    hits, _ = bm.get_computed_blocks(req("c", list(range(8)) + [9]))
+    assert hits == []  # the chain's first block is gone, so nothing after it is served either
+    r = req("d", range(24))
+    assert bm.allocate_slots(r, 24) and blocks[0] not in bm.block_ids("d") and 7 not in bm.block_ids("d")
+
+
+def test_grow_hook_covers_the_shortfall_before_failing():
+    asked: list[int] = []
+    spare = [4, 5, 6, 7]
+
+    def grow(n: int) -> list[int]:
+        asked.append(n)
+        give, spare[:] = spare[:n], spare[n:]
+        return give
+
+    bm = BlockManager(8, BS, owned=[0, 1], grow=grow, capacity=lambda: 6)
+    assert bm.capacity == 6
+    a = req("a", range(12))
+    assert bm.allocate_slots(a, 12)  # 3 blocks with 2 owned: asks for exactly 1
+    assert asked == [1] and bm.num_blocks == 3 and bm.num_free_blocks == 0
+    assert bm.allocate_for_tokens("b", 8) is not None and asked == [1, 2]
+    c = req("c", range(8))
+    assert not bm.allocate_slots(c, 8)  # one spare left, two needed: fails, the grown one stays owned
+    assert asked == [1, 2, 2] and bm.num_blocks == 6 and bm.num_free_blocks == 1
+    assert bm.block_ids("c") == []
+    bm.free("a")
+    assert bm.allocate_slots(c, 8) and asked == [1, 2, 2]  # enough free: the hook is not asked
