@@ -30,9 +30,12 @@ import torch
 # model give back memory in finer steps; large ones keep the bookkeeping (lists of chunk ids, a scan
 # per steal) short. 64 MiB on a GPU is ~0.05% of an H200 (about 2k chunks) and holds 32 blocks of an
 # 8B bf16 model (2 MiB per 16-token block); 2 MiB on CPU holds dozens of a small model's blocks. A
+# small pool gets smaller chunks (at least MIN_CHUNKS of them), or there would be nothing to share. A
 # block bigger than a chunk still works: it needs all the chunks it spans.
 CUDA_CHUNK_BYTES = 64 << 20
 CPU_CHUNK_BYTES = 2 << 20
+MIN_CHUNKS = 64
+PAGE = 4096  # chunk sizes stay page multiples
 
 
 class KVPoolFull(ValueError):
@@ -68,7 +71,8 @@ class KVPool:
     def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None):
         self.device = torch.device(device)
         if chunk_bytes is None:
-            chunk_bytes = CUDA_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES
+            default = CUDA_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES
+            chunk_bytes = min(default, max(PAGE, nbytes // MIN_CHUNKS // PAGE * PAGE))
         if nbytes < 1 or chunk_bytes < 1:
             raise ValueError(f"pool and chunk sizes must be positive, got {nbytes} and {chunk_bytes}")
         self.nbytes = nbytes

@@ -237,3 +237,9 @@ def test_reference_kernels_read_and_write_the_pooled_view():
     assert decode.decode_only
     assert torch.equal(reference.paged_attention(q[-1:], layer, decode, 0.3),
                        reference.paged_attention(q[-1:], plain, decode, 0.3))
+
+
+def test_default_chunk_size():
+    assert KVPool(1 << 30, "cpu").chunk_bytes == 2 << 20
+    assert KVPool(2 << 20, "cpu").chunk_bytes == 32 << 10  # a small pool still has 64 chunks to share
+    assert KVPool(1000, "cpu").chunk_bytes == 4096 and KVPool(1000, "cpu").num_chunks == 1
