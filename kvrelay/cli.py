@@ -96,6 +96,11 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("handoff", help="KV handoff bandwidth between two processes: frames, CUDA IPC")
     handoff_bench.add_args(p)
     p.set_defaults(func=handoff_bench.run)
+    from bench import kv_arbitration
+
+    p = kinds.add_parser("arbitration", help="two co-resident models: one KV pool arbitrated by demand vs a static split")
+    kv_arbitration.add_args(p)
+    p.set_defaults(func=kv_arbitration.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
