@@ -163,7 +163,7 @@ def _protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: boo
     ctx = zmq.Context()
     manager = HandoffManager(ctx, rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router)])
     if not ipc:
-        manager.ipc.uuid = ""  # do not ask for CUDA IPC: measure the host-staged frames
+        manager.device_uuid = ""  # do not ask for CUDA IPC: measure the host-staged frames
     out, phases, n = {}, {}, 0
     try:
         for num_tokens in tokens:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Grant:
+    model: str
     block_ids: list[int]
     num_tokens: int
     expires: float
@@ -46,16 +47,17 @@ class Incoming:
 
 
 class HandoffReceiver:
-    def __init__(self, sock: zmq.Socket, core, model_name: str, grant_ttl_s: float):
+    def __init__(self, sock: zmq.Socket, core, model_name: str, grant_ttl_s: float, core_for=None):
+        """``core_for(model)``: the engine serving that model instance here, or None (default: ``core``
+        serves ``model_name``). A worker hosting several models routes each request by its model."""
         self.sock = sock
-        self.core = core
-        self.model_name = model_name
+        self.core_for = core_for or (lambda model: core if model == model_name else None)
         self.grant_ttl_s = grant_ttl_s
         self.grants: dict[str, Grant] = {}
         self.incoming: dict[str, Incoming] = {}
-        self.quarantine: list[tuple[float, str]] = []  # (release time, block-manager owner key)
+        self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, block-manager owner key)
         self._quarantined = 0
-        self.exporter = IpcExporter(core.runner.kv_cache)
+        self.exporters: dict[str, IpcExporter] = {}  # model -> the handle to its KV cache
         self.waker = Waker()  # finished layer writes wake poll(), so the ack goes out at once
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -67,6 +69,14 @@ class HandoffReceiver:
     def busy(self) -> bool:
         """KV granted or arriving: a draining worker waits for it."""
         return bool(self.grants or self.incoming)
+
+    def has_model(self, model: str) -> bool:
+        return (any(g.model == model for g in self.grants.values())
+                or any(i.header.model == model for i in self.incoming.values())
+                or any(q[1] == model for q in self.quarantine))
+
+    def forget_model(self, model: str) -> None:
+        self.exporters.pop(model, None)
 
     def poll(self, timeout_ms: int, admit) -> int:
         """Handle every waiting message; ``admit(header)`` adds an arrived request to the batch.
@@ -110,11 +120,12 @@ class HandoffReceiver:
 
         if not self.accepting:
             return refuse("decode worker is draining")
-        if req.model != self.model_name:
+        core = self.core_for(req.model)
+        if core is None:
             return refuse(f"model {req.model!r} is not served here")
-        if req.block_size != self.core.block_manager.block_size:
-            return refuse(f"block size {req.block_size} != {self.core.block_manager.block_size}")
-        if self._holds(req.request_id):
+        if req.block_size != core.block_manager.block_size:
+            return refuse(f"block size {req.block_size} != {core.block_manager.block_size}")
+        if self._holds(core, req.request_id):
             return refuse("duplicate request id")  # a reclaimed job must never stream twice
         # KV never came (or stopped coming) for an earlier grant: its prefill worker died and a peer
         # reclaimed the job. The newer asker wins; a late KV for the old grant is refused as misaddressed
@@ -122,16 +133,21 @@ class HandoffReceiver:
             self._abort_incoming(req.request_id, "superseded by a newer request for the same id")
         if req.request_id in self.grants:
             self._release_grant(req.request_id)
-        sched = self.core.scheduler
-        if sched.num_running + len(self.grants) + len(self.incoming) >= self.core.config.scheduler.max_num_seqs:
+        sched = core.scheduler
+        pending = sum(1 for g in self.grants.values() if g.model == req.model) + sum(
+            1 for i in self.incoming.values() if i.header.model == req.model)
+        if sched.num_running + pending >= core.config.scheduler.max_num_seqs:
             return refuse("running batch is full (max_num_seqs)")
-        if req.num_tokens >= self.core.max_model_len:
-            return refuse(f"{req.num_tokens} tokens exceed max_model_len {self.core.max_model_len}")
-        blocks = self.core.block_manager.allocate_for_tokens(req.request_id, req.num_tokens)
+        if req.num_tokens >= core.max_model_len:
+            return refuse(f"{req.num_tokens} tokens exceed max_model_len {core.max_model_len}")
+        blocks = core.block_manager.allocate_for_tokens(req.request_id, req.num_tokens)
         if blocks is None:
             return refuse("no free KV blocks")
-        ipc = self.exporter.offer(req.requester, req.device_uuid)
-        self.grants[req.request_id] = Grant(blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
+        exporter = self.exporters.get(req.model)
+        if exporter is None:
+            exporter = self.exporters[req.model] = IpcExporter(core.runner.kv_cache)
+        ipc = exporter.offer(req.requester, req.device_uuid)
+        self.grants[req.request_id] = Grant(req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
                                             ipc=ipc is not None)
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=ipc,
                             ttl_s=self.grant_ttl_s)
@@ -141,11 +157,12 @@ class HandoffReceiver:
         grant = self.grants.get(rid)
         if grant is None:
             return self._nack(peer, rid, "no grant for this request (expired or never asked)")
-        if header.block_ids != grant.block_ids:
+        if header.block_ids != grant.block_ids or header.model != grant.model:
             # a stale sender of a superseded grant: refuse it without touching the live grant
             return self._nack(peer, rid, "KV addressed to blocks that were not granted")
         del self.grants[rid]  # from here the sender is done writing blocks itself: free them on failure
-        kv = self.core.runner.kv_cache
+        core = self.core_for(grant.model)
+        kv = core.runner.kv_cache
         try:
             if len(header.prompt_token_ids) != grant.num_tokens:
                 raise ValueError("prompt length differs from the granted one")
@@ -164,7 +181,7 @@ class HandoffReceiver:
                     raise ValueError("KV claims to be written through CUDA IPC, which this grant did not offer")
                 check_layout(kv, header)
         except ValueError as exc:
-            self.core.block_manager.free(rid)
+            core.block_manager.free(rid)
             log.warning("rejected KV for %s: %s", rid, exc)
             return self._nack(peer, rid, str(exc))
         self._land(peer, header, admit)
@@ -194,30 +211,30 @@ class HandoffReceiver:
         try:
             admit(header)
         except ValueError as exc:  # the request itself is invalid here (e.g. a smaller context)
-            self.core.block_manager.free(header.request_id)
+            self.core_for(header.model).block_manager.free(header.request_id)
             return self._nack(peer, header.request_id, str(exc))
         self._reply(peer, HandoffAck(request_id=header.request_id, ok=True))
 
     def _abort_incoming(self, rid: str, reason: str) -> None:
         inc = self.incoming.pop(rid)
         inc.assembler.abandon()  # no write may still be landing when the blocks go back
-        self.core.block_manager.free(rid)
+        self.core_for(inc.header.model).block_manager.free(rid)
         log.warning("rejected KV for %s: %s", rid, reason)
         self._nack(inc.peer, rid, reason)
 
     def _release_grant(self, rid: str) -> None:
         grant = self.grants.pop(rid)
+        bm = self.core_for(grant.model).block_manager
         if not grant.ipc:
-            self.core.block_manager.free(rid)
+            bm.free(rid)
             return
         # the asker may still be copying into these blocks through IPC: park them under a private
         # owner key (the request id may be granted again at once) and free them one TTL later
-        bm = self.core.block_manager
         self._quarantined += 1
         key = f"ipc-quarantine\x00{self._quarantined}"
         bm.req_blocks[key] = bm.req_blocks.pop(rid, [])
         bm.req_hashes.pop(rid, None)
-        self.quarantine.append((time.monotonic() + self.grant_ttl_s, key))
+        self.quarantine.append((time.monotonic() + self.grant_ttl_s, grant.model, key))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -227,10 +244,12 @@ class HandoffReceiver:
         for rid in [r for r, inc in self.incoming.items() if inc.deadline < now]:
             self._abort_incoming(rid, f"KV layers stalled: not all arrived within {self.grant_ttl_s}s")
         while self.quarantine and self.quarantine[0][0] < now:
-            self.core.block_manager.free(self.quarantine.pop(0)[1])
+            _, model, key = self.quarantine.pop(0)
+            self.core_for(model).block_manager.free(key)
 
-    def _holds(self, request_id: str) -> bool:
-        return any(r.request_id == request_id for r in self.core.scheduler.running)
+    @staticmethod
+    def _holds(core, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in core.scheduler.running)
 
     def _nack(self, peer: bytes, rid: str, reason: str) -> None:
         self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason))

@@ -12,17 +12,24 @@ Lifecycle of one request here:
 SIGTERM drains: no new grants (prefill workers go elsewhere), KV already granted is still taken, the
 running batch finishes (up to the drain timeout), and what is left ends with an error event so no
 client waits on a worker that is gone (``_abandon``).
+
+Several models: one ROUTER socket takes every instance's handoffs (the header names the instance) and
+one step runs each instance's engine in turn. A draining instance (a swap's old version) keeps taking
+KV until no prefill worker holds it any more, then finishes its running requests and leaves.
 """
 
 import logging
 import math
 import time
 
+import redis
 import zmq
 
 from decode_worker.receiver import HandoffReceiver
+from shared import redis_keys as keys
 from shared.kv_transfer import max_message_bytes
-from shared.protocol import KVHeader, TokenEvent
+from shared.model_host import ModelSlot
+from shared.protocol import KVHeader, TokenEvent, WorkerInfo, decode
 from shared.sampling_params import SamplingParams
 from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
 
@@ -31,76 +38,135 @@ log = logging.getLogger(__name__)
 
 class DecodeWorker:
     def __init__(self, config: WorkerConfig):
+        self.config = config
         self.runtime = WorkerRuntime(config)
-        self.core = self.runtime.core
-        runner = self.core.runner
-        # a KV frame holds at most ~4 MiB of layers, or one layer of the longest prompt; bigger is hostile
-        max_frame = max_message_bytes(runner.kv_cache, math.ceil(self.core.max_model_len / runner.block_size))
-        self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, max_frame,
+        self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
                                            config.advertise_host)
-        self.receiver = HandoffReceiver(self.sock, self.core, config.model_name, config.handoff_timeout_s)
-        self.requests: dict[str, tuple[str, float, int]] = {}  # id -> (reply addr, deadline, tokens sent)
+        self.receiver = HandoffReceiver(self.sock, None, "", config.handoff_timeout_s, core_for=self._core_for)
+        # id -> (instance, reply addr, deadline, tokens sent)
+        self.requests: dict[str, tuple[str, str, float, int]] = {}
+
+    def _max_frame(self) -> int:
+        """A KV frame holds at most ~4 MiB of layers, or one layer of the longest prompt; bigger is hostile.
+        Models loaded later are bounded by the worker's KV pool: no prompt can need more than all of it."""
+        pool = self.runtime.host.pool
+        bound = pool.nbytes + (1 << 20) if pool is not None else 0
+        for slot in self.runtime.slots.values():
+            runner = slot.core.runner
+            bound = max(bound, max_message_bytes(runner.kv_cache,
+                                                 math.ceil(slot.core.max_model_len / runner.block_size)))
+        return bound
+
+    def _core_for(self, instance: str):
+        slot = self.runtime.slots.get(instance)
+        if slot is None or (slot.state == "draining" and not self._prefill_holds(instance)):
+            return None  # a draining instance takes KV only while some prefill worker may still send it
+        return slot.core
 
     def run(self) -> None:
-        self.runtime.start(self.addr)
+        self.runtime.start(self.addr, hooks=self)
         try:
             self.runtime.serve_forever(self.step, busy=lambda: bool(self.requests) or self.receiver.busy,
                                        abandon=self._abandon)
         finally:
             self.sock.close(linger=0)
 
+    # -- RoleHooks ----------------------------------------------------------------------------------
+    def attach(self, slot: ModelSlot) -> None:
+        slot.role = self
+
+    def detach(self, slot: ModelSlot) -> None:
+        self.receiver.forget_model(slot.instance)
+
+    def idle(self, slot: ModelSlot) -> bool:
+        return not slot.core.has_unfinished() and not self.receiver.has_model(slot.instance) and not any(
+            r[0] == slot.instance for r in self.requests.values())
+
+    def may_unload(self, slot: ModelSlot) -> bool:
+        return self.idle(slot) and not self._prefill_holds(slot.instance)
+
+    def _prefill_holds(self, instance: str) -> bool:
+        """Does a live prefill worker still hold this instance (and so may hand its KV to us)?"""
+        try:
+            ids = self.runtime.redis.smembers(keys.WORKERS_INDEX)
+            raws = self.runtime.redis.mget([keys.worker_key(i.decode()) for i in ids]) if ids else []
+        except redis.RedisError:
+            return True  # cannot tell: keep it
+        for raw in raws:
+            if raw is None:
+                continue
+            try:
+                w = decode(raw, WorkerInfo)
+            except ValueError:
+                continue
+            if w.role == "prefill" and instance in w.models:
+                return True
+        return False
+
+    # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:
         self.receiver.accepting = not self.runtime.draining
-        busy = self.core.has_unfinished()
+        slots = list(self.runtime.slots.values())
+        busy = any(s.core.has_unfinished() for s in slots)
         self.receiver.poll(0 if busy else 20, self._admit)
         self._abort(self.runtime.drain_aborts(), reason=None)
         now = time.time()
-        self._abort([rid for rid, (_, deadline, _) in self.requests.items() if deadline and now > deadline],
+        self._abort([rid for rid, (_, _, deadline, _) in self.requests.items() if deadline and now > deadline],
                     reason="deadline exceeded")
-        if self.core.has_unfinished():
-            for out in self.core.step():
+        for slot in slots:
+            if not slot.core.has_unfinished():
+                continue
+            slot.touch()
+            for out in slot.core.step():
                 entry = self.requests.get(out.request_id)
                 if entry is None:
                     continue
-                addr, deadline, sent = entry
-                self.runtime.events.add(addr, token_event(out, sent, self.runtime.config.worker_id))
+                instance, addr, deadline, sent = entry
+                self.runtime.events.add(addr, token_event(out, sent, self.config.worker_id))
                 if out.finished:
                     del self.requests[out.request_id]
                 else:
-                    self.requests[out.request_id] = (addr, deadline, sent + len(out.new_token_ids))
+                    self.requests[out.request_id] = (instance, addr, deadline, sent + len(out.new_token_ids))
         self.runtime.events.flush()
 
     def _admit(self, h: KVHeader) -> None:
+        slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold
+        slot.touch()
+        core = slot.core
         params = SamplingParams.from_dict(h.sampling)
-        eos = self.runtime.eos_ids
-        req = self.core.make_request(h.request_id, h.prompt_token_ids, params, eos[0] if eos else None,
-                                     h.priority, h.cache_salt, tenant=h.tenant, arrival=h.arrival)
+        eos = slot.eos_ids
+        req = core.make_request(h.request_id, h.prompt_token_ids, params, eos[0] if eos else None,
+                                h.priority, h.cache_salt, tenant=h.tenant, arrival=h.arrival)
         if not params.ignore_eos:
             req.sampling_params.stop_token_ids = params.stop_token_ids + [t for t in eos[1:]]
         req.output_token_ids = [h.first_token_id]
         req.num_computed_tokens = len(h.prompt_token_ids)
         req.num_cached_tokens = h.num_cached_tokens
-        self.core.scheduler.add_prefilled_request(req)
-        self.requests[h.request_id] = (h.reply_addr, h.deadline, 1)
+        core.scheduler.add_prefilled_request(req)
+        self.requests[h.request_id] = (h.model, h.reply_addr, h.deadline, 1)
 
     def _abort(self, request_ids: list[str], reason: str | None, finish_reason: str = "abort") -> None:
         for rid in request_ids:
             entry = self.requests.pop(rid, None)
             if entry is None:
                 continue
-            self.core.abort([rid])
+            instance, addr, _, sent = entry
+            slot = self.runtime.slots.get(instance)
+            if slot is not None:
+                slot.core.abort([rid])
             if reason:  # an abort the gateway asked for needs no answer: its client is gone
                 error = reason if finish_reason == "error" else None
-                self.runtime.events.add(entry[0], TokenEvent(request_id=rid, finish_reason=finish_reason,
-                                                             error=error, output_index=entry[2],
-                                                             worker_id=self.runtime.config.worker_id))
-
+                self.runtime.events.add(addr, TokenEvent(request_id=rid, finish_reason=finish_reason,
+                                                         error=error, output_index=sent,
+                                                         worker_id=self.config.worker_id))
 
     def _abandon(self) -> None:
         self._abort(list(self.requests), reason="decode worker shut down before the request finished",
                     finish_reason="error")
-        for rid in list(self.receiver.grants):
-            self.core.block_manager.free(rid)  # KV never came; its prefill worker times the handoff out
+        for rid, grant in list(self.receiver.grants.items()):
+            slot = self.runtime.slots.get(grant.model)
+            if slot is not None:
+                slot.core.block_manager.free(rid)  # KV never came; its prefill worker times the handoff out
         self.receiver.grants.clear()
 
 

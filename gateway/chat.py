@@ -20,7 +20,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             return meter.cached
         async with Generation(request, prepared) as gen:
             meter.generation = gen
-            base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model.name}
+            base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
             if body.stream:
                 return await _stream(request, gen, base, body.include_usage)
             async for _ in gen:

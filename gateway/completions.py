@@ -21,7 +21,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         async with Generation(request, prepared) as gen:
             meter.generation = gen
             base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(gen.arrival),
-                    "model": prepared.model.name}
+                    "model": prepared.model_name}
             if body.stream:
                 return await _stream(request, gen, base, body.include_usage)
             async for _ in gen:

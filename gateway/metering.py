@@ -40,7 +40,7 @@ class Meter:
         self.app = request.app
         self.tenant = request[TENANT]
         self.prepared = prepared
-        self.model = prepared.model.name
+        self.model = prepared.model_name
         self.cached: web.Response | None = None
         self.generation: Generation | None = None
         self._reservation: Reservation | None = None

@@ -27,8 +27,7 @@ from shared.protocol import ModelSpec, instance_key
 
 log = logging.getLogger("kvrelay.gateway")
 
-# TODO(shared/redis_keys.py): belongs beside load_lock_key; kept here until the contract has it
-RECONCILE_LOCK = f"{keys.PREFIX}:reconcile-lock"
+RECONCILE_LOCK = keys.RECONCILE_LOCK
 
 
 class Reconciler:

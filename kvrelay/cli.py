@@ -24,7 +24,9 @@ def _gateway(args: argparse.Namespace) -> int:
                               drain_timeout=args.drain_timeout, max_queue_depth=args.max_queue_depth,
                               zmq_host=args.zmq_host, zmq_port=args.zmq_port,
                               zmq_advertise_host=args.zmq_advertise_host,
-                              admin_key=args.admin_key, response_cache_ttl=args.response_cache_ttl))
+                              admin_key=args.admin_key, response_cache_ttl=args.response_cache_ttl,
+                              model_repo=args.model_repo, model_load_timeout=args.model_load_timeout,
+                              reconcile_interval_s=args.reconcile_interval_s))
     return 0
 
 

@@ -92,10 +92,12 @@ class Transfer:
 
 
 class HandoffManager:
-    def __init__(self, ctx: zmq.Context, runtime, timeout_s: float, workers=None):
-        """``workers()`` lists the candidate decode workers; by default the live ones registered in Redis."""
+    def __init__(self, ctx: zmq.Context, runtime, timeout_s: float, workers=None, core_for=None):
+        """``workers()`` lists the candidate decode workers; by default the live ones registered in Redis.
+        ``core_for(model)`` is the engine holding that model instance's KV (default: ``runtime.core``)."""
         self.ctx = ctx
         self.runtime = runtime
+        self.core_for = core_for or (lambda model: runtime.core)
         self.timeout_s = timeout_s
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
@@ -105,18 +107,37 @@ class HandoffManager:
         self._list_workers = workers or self._load_workers
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
-        self.ipc = IpcPeers(runtime.core.runner.kv_cache)
+        self.device_uuid: str | None = None  # of the GPU our KV lives on, once known; "" turns IPC off
+        self._ipc: dict[str, IpcPeers] = {}  # model instance -> its mappings of decode workers' caches
         self._ipc_refused: set[str] = set()
 
     def close(self) -> None:
         for sock in self.sockets.values():
             sock.close(linger=0)
         self.waker.close()
-        self.ipc.mapped.clear()  # unmap: the decode workers' IPC reference counts drop back
+        for peers in self._ipc.values():
+            peers.mapped.clear()  # unmap: the decode workers' IPC reference counts drop back
 
     @property
     def busy(self) -> bool:
         return bool(self.transfers)
+
+    def has_model(self, model: str) -> bool:
+        return any(t.job.model == model for t in self.transfers.values())
+
+    def forget_model(self, model: str) -> None:
+        """The instance was unloaded here: drop our mappings of decode workers' caches for it."""
+        peers = self._ipc.pop(model, None)
+        if peers is not None:
+            peers.mapped.clear()
+
+    def _peers(self, model: str, kv) -> IpcPeers:
+        peers = self._ipc.get(model)
+        if peers is None:
+            peers = self._ipc[model] = IpcPeers(kv)
+            if self.device_uuid is None:
+                self.device_uuid = peers.uuid
+        return peers
 
     def start(self, t: Transfer) -> None:
         self.transfers[t.job.request_id] = t
@@ -158,7 +179,7 @@ class HandoffManager:
 
     # -- transitions ----------------------------------------------------------------------------
     def _send_request(self, t: Transfer, after: str = "") -> None:
-        target = self._pick_decode_worker(t.tried)
+        target = self._pick_decode_worker(t.tried, t.job.model)
         if target is None and self._in_budget(t):
             # None registered (Redis just restarted, the only decode worker is being replaced) or every
             # one refused for lack of room: that is backpressure, not failure. Keep the KV and ask them
@@ -173,9 +194,11 @@ class HandoffManager:
         t.tried.add(target.worker_id)
         t.asked_at = time.monotonic()
         t.deadline = t.asked_at + self.timeout_s
+        core = self.core_for(t.job.model)
+        self._peers(t.job.model, core.runner.kv_cache)  # learn our GPU's uuid before offering it
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
-                             block_size=self.runtime.core.runner.block_size, prefill_addr=self.runtime.zmq_addr,
-                             device_uuid=self.ipc.uuid, requester=self.runtime.config.worker_id)
+                             block_size=core.runner.block_size, prefill_addr=self.runtime.zmq_addr,
+                             device_uuid=self.device_uuid or "", requester=self.runtime.config.worker_id)
         if not self._send(t, [encode(req)]):
             self._retry(t, f"decode worker {t.target} is not reading its requests")
 
@@ -200,7 +223,7 @@ class HandoffManager:
                 self._fail(t, f"decode worker rejected the KV: {msg.reason}")
 
     def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:
-        core = self.runtime.core
+        core = self.core_for(t.job.model)
         src_blocks = core.block_manager.block_ids(t.job.request_id)[: len(grant.block_ids)]
         if len(src_blocks) != len(grant.block_ids):
             self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
@@ -211,9 +234,10 @@ class HandoffManager:
         t.sender, t.transport = None, "layers"
         # IPC writes straight into the decode worker's blocks, so it must land well inside the grant's
         # lifetime (the decode side quarantines expired IPC grants for as long again)
-        if grant.ipc is not None and time.monotonic() - t.asked_at < grant.ttl_s / 2:
+        if grant.ipc is not None and self.device_uuid and time.monotonic() - t.asked_at < grant.ttl_s / 2:
             try:
-                t.sender = DeviceCopy(kv, src_blocks, self.ipc.open(t.target, grant.ipc), grant.block_ids)
+                dst = self._peers(t.job.model, kv).open(t.target, grant.ipc)
+                t.sender = DeviceCopy(kv, src_blocks, dst, grant.block_ids)
                 t.transport = "ipc"
                 # the copy is device-local (~0.15 ms for 268 MB) and the compute stream is idle between
                 # steps, where grants are handled: waiting for it beats waiting for the next poll
@@ -292,7 +316,9 @@ class HandoffManager:
             return
         if wait and t.sender is not None:
             t.sender.wait() if isinstance(t.sender, DeviceCopy) else t.sender.wait_source()
-        self.runtime.core.scheduler.release_held(t.job.request_id)
+        core = self.core_for(t.job.model)
+        if core is not None:
+            core.scheduler.release_held(t.job.request_id)
         t.holds_source = False
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -315,16 +341,16 @@ class HandoffManager:
             self.poller.register(sock, zmq.POLLIN)
         return sock
 
-    def _pick_decode_worker(self, exclude: set[str]) -> WorkerInfo | None:
+    def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
         now = time.monotonic()
         if now - self._workers_at > WORKER_CACHE_S:
             self._workers_at, self._workers = now, self._list_workers()
-            self.ipc.retain({w.zmq_addr for w in self._workers})
-        model = self.runtime.config.model_name
+            for peers in self._ipc.values():
+                peers.retain({w.zmq_addr for w in self._workers})
         live = [w for w in self._workers
                 if w.role == "decode" and model in w.models and w.worker_id not in exclude]
         # most free KV first, then the lightest batch: spreads load and avoids a grant refusal
-        live.sort(key=lambda w: (-w.free_blocks, w.running + w.waiting))
+        live.sort(key=lambda w: (-_free_kv(w, model), _load(w, model)))
         return live[0] if live else None
 
     def _load_workers(self) -> list[WorkerInfo]:
@@ -340,3 +366,14 @@ class HandoffManager:
             except ValueError:
                 continue
         return workers
+
+
+def _free_kv(w: WorkerInfo, model: str) -> int:
+    """Blocks the worker could give ``model`` now (its free ones plus what its shared pool could lend)."""
+    inst = next((i for i in w.instances if i.instance == model), None)
+    return w.free_blocks if inst is None else inst.kv_free_blocks
+
+
+def _load(w: WorkerInfo, model: str) -> int:
+    inst = next((i for i in w.instances if i.instance == model), None)
+    return w.running + w.waiting if inst is None else inst.running + inst.waiting

@@ -14,14 +14,21 @@ refuses a request id it already holds, so a reclaimed job never yields two strea
 
 SIGTERM drains: no new jobs are read, those in the engine and in handoff finish (up to the drain
 timeout), and what is left is handed back to the stream for a peer (``_abandon``).
+
+Several models: each instance the worker hosts (shared/model_host.py) has its own stream, JobQueue and
+engine; one step serves each in turn, and one HandoffManager carries all their KV. A draining instance
+(a swap's old version) keeps reading its stream until it is empty and nothing of it is in flight.
 """
 
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass, field
 
 from prefill_worker.handoff import HandoffManager, State, Transfer
 from prefill_worker.job_queue import JobQueue, replayable
+from shared import redis_keys as keys
+from shared.model_host import ModelSlot
 from shared.outputs import EngineCoreOutput
 from shared.protocol import Job, TokenEvent
 from shared.sampling_params import SamplingParams
@@ -30,77 +37,129 @@ from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 50
+IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
+
+
+@dataclass
+class _PrefillModel:
+    """One hosted instance's queue and the requests of it in the engine."""
+
+    jobs: JobQueue
+    active: dict[str, tuple[bytes, Job]] = field(default_factory=dict)  # id -> (stream entry, job)
+    real_max_tokens: dict[str, int] = field(default_factory=dict)  # the engine stops each after one token
 
 
 class PrefillWorker:
     def __init__(self, config: WorkerConfig):
+        self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
-        self.core = self.runtime.core
-        self.jobs = JobQueue(self.runtime.redis, config.model_name, config.worker_id, config.reclaim_idle_ms,
-                             config.max_deliveries, on_dead=self._dead_job)
-        self.handoff = HandoffManager(self.runtime.ctx, self.runtime, config.handoff_timeout_s)
-        self.active: dict[str, tuple[bytes, Job]] = {}  # request id -> (stream entry, job) in the engine
-        self.real_max_tokens: dict[str, int] = {}  # the engine here stops every request after one token
+        self.handoff = HandoffManager(self.runtime.ctx, self.runtime, config.handoff_timeout_s,
+                                      core_for=self._core_for)
 
     def run(self) -> None:
-        self.runtime.start(zmq_addr="")  # prefill binds nothing: it dials decode workers
-        self.runtime.serve_forever(self.step, busy=lambda: bool(self.active) or self.handoff.busy,
-                                   abandon=self._abandon)
+        self.runtime.start(zmq_addr="", hooks=self)  # prefill binds nothing: it dials decode workers
+        self.runtime.serve_forever(self.step, busy=self._busy, abandon=self._abandon)
 
+    def _core_for(self, instance: str):
+        slot = self.runtime.slots.get(instance)
+        return None if slot is None else slot.core
+
+    def _busy(self) -> bool:
+        return self.handoff.busy or any(s.role.active for s in self.runtime.slots.values())
+
+    # -- RoleHooks: the host's models come and go ---------------------------------------------------
+    def attach(self, slot: ModelSlot) -> None:
+        c = self.config
+        slot.role = _PrefillModel(JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
+                                           c.max_deliveries, on_dead=self._dead_job))
+
+    def detach(self, slot: ModelSlot) -> None:
+        self.handoff.forget_model(slot.instance)
+
+    def idle(self, slot: ModelSlot) -> bool:
+        return (not slot.role.active and not self.handoff.has_model(slot.instance)
+                and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
+
+    def may_unload(self, slot: ModelSlot) -> bool:
+        return self.idle(slot)
+
+    # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:
         self._handle_aborts()
-        room = self.core.config.scheduler.max_num_seqs - len(self.active)
-        busy = self.core.has_unfinished() or self.handoff.busy
-        if room > 0 and not self.runtime.draining:
-            for entry_id, job in self.jobs.fetch(room, block_ms=0 if busy else IDLE_BLOCK_MS):
-                self._admit(entry_id, job)
-        if self.core.has_unfinished():
-            for out in self.core.step():
-                self._on_output(out)
-        for t in self.handoff.poll(timeout_ms=0 if self.core.has_unfinished() else 5):
+        slots = list(self.runtime.slots.values())
+        busy = self.handoff.busy or any(s.core.has_unfinished() for s in slots)
+        block_ms = 0 if busy or len(slots) != 1 else IDLE_BLOCK_MS
+        fetched = 0
+        for slot in slots:
+            fetched += self._fetch(slot, block_ms)
+        stepped = False
+        for slot in slots:
+            if slot.core.has_unfinished():
+                stepped = True
+                for out in slot.core.step():
+                    self._on_output(slot, out)
+        for t in self.handoff.poll(timeout_ms=0 if stepped else 5):
             self._on_transfer_end(t)
         self.runtime.events.flush()
+        if not slots:
+            self.runtime.stop.wait(0.02)  # nothing loaded yet: wait for a load command
+        elif len(slots) > 1 and not (busy or fetched or stepped):
+            time.sleep(IDLE_SLEEP_S)
 
     # -- intake ---------------------------------------------------------------------------------
-    def _admit(self, entry_id: bytes, job: Job) -> None:
+    def _fetch(self, slot: ModelSlot, block_ms: int) -> int:
+        pm: _PrefillModel = slot.role
+        room = slot.core.config.scheduler.max_num_seqs - len(pm.active)
+        if room <= 0 or self.runtime.draining:
+            return 0
+        jobs = pm.jobs.fetch(room, block_ms=block_ms)
+        for entry_id, job in jobs:
+            self._admit(slot, entry_id, job)
+        return len(jobs)
+
+    def _admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> None:
+        pm: _PrefillModel = slot.role
         rid = job.request_id
-        if rid in self.active or rid in self.handoff.transfers:
+        slot.touch()
+        if rid in pm.active or rid in self.handoff.transfers:
             return  # our own pending job reclaimed back to us: it is still in progress here
         if job.deadline and time.time() > job.deadline:
-            self._finish(entry_id, job, TokenEvent(request_id=rid, finish_reason="abort"))
+            self._finish(pm, entry_id, job, TokenEvent(request_id=rid, finish_reason="abort"))
             return
         try:
             params = SamplingParams.from_dict(job.sampling)
-            req = self.core.make_request(rid, job.prompt_token_ids, params,
-                                         self.runtime.eos_ids[0] if self.runtime.eos_ids else None,
+            req = slot.core.make_request(rid, job.prompt_token_ids, params,
+                                         slot.eos_ids[0] if slot.eos_ids else None,
                                          job.priority, job.cache_salt, tenant=job.tenant, arrival=job.arrival)
         except (ValueError, TypeError) as exc:
-            self._finish(entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
+            self._finish(pm, entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
             return
         req.sampling_params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + [
-            t for t in self.runtime.eos_ids[1:] if not params.ignore_eos])
-        self.real_max_tokens[rid] = req.max_tokens
+            t for t in slot.eos_ids[1:] if not params.ignore_eos])
+        pm.real_max_tokens[rid] = req.max_tokens
         req.max_tokens = 1  # this worker only produces the first token
-        self.active[rid] = (entry_id, job)
-        self.core.add_request(req)
+        pm.active[rid] = (entry_id, job)
+        slot.core.add_request(req)
 
     # -- results --------------------------------------------------------------------------------
-    def _on_output(self, out: EngineCoreOutput) -> None:
+    def _on_output(self, slot: ModelSlot, out: EngineCoreOutput) -> None:
+        pm: _PrefillModel = slot.role
         rid = out.request_id
-        entry_id, job = self.active.pop(rid, (None, None))
+        entry_id, job = pm.active.pop(rid, (None, None))
         if job is None:
             return
-        real_max = self.real_max_tokens.pop(rid, 1)
+        slot.touch()
+        real_max = pm.real_max_tokens.pop(rid, 1)
         req_finished_for_real = out.finish_reason in ("stop", "abort") or real_max <= 1 or (
-            len(job.prompt_token_ids) + 1 >= self.core.max_model_len)
+            len(job.prompt_token_ids) + 1 >= slot.core.max_model_len)
         # no worker_id: after the handoff this worker no longer holds the request, and if it dies
         # first the job is reclaimed by a peer rather than failed at the gateway
         event = token_event(out, output_index=0, worker_id="")
         if req_finished_for_real:
             event.finish_reason = out.finish_reason or "length"
-            self.runtime.metrics.request_done(event.finish_reason, job.arrival)
-            self.core.scheduler.release_held(rid)
-            self._finish(entry_id, job, event)
+            slot.metrics.request_done(event.finish_reason, job.arrival)
+            slot.core.scheduler.release_held(rid)
+            self._finish(pm, entry_id, job, event)
             return
         event.finish_reason = None  # the prefill cap is ours, not the request's
         self.runtime.events.add(job.reply_addr, event)
@@ -112,18 +171,24 @@ class PrefillWorker:
         ))
 
     def _on_transfer_end(self, t: Transfer) -> None:
-        self.runtime.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE)
+        slot = self.runtime.slots.get(t.job.model)
+        if slot is None:
+            log.error("transfer of %s ended after its model %s left", t.job.request_id, t.job.model)
+            return
+        slot.touch()
+        slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE)
         if t.state is State.DONE:
-            self.jobs.ack(t.entry_id)
+            slot.role.jobs.ack(t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,
                       (time.perf_counter() - t.started) * 1000)
             return
-        self._finish(t.entry_id, t.job, TokenEvent(request_id=t.job.request_id, finish_reason="error",
-                                                   error=f"KV handoff failed: {t.reason}", output_index=1))
+        self._finish(slot.role, t.entry_id, t.job, TokenEvent(
+            request_id=t.job.request_id, finish_reason="error", error=f"KV handoff failed: {t.reason}",
+            output_index=1))
 
-    def _finish(self, entry_id: bytes, job: Job, event: TokenEvent) -> None:
+    def _finish(self, pm: _PrefillModel, entry_id: bytes, job: Job, event: TokenEvent) -> None:
         self.runtime.events.add(job.reply_addr, event)
-        self.jobs.ack(entry_id)
+        pm.jobs.ack(entry_id)
 
     def _dead_job(self, job: Job, reason: str) -> None:
         self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",
@@ -134,30 +199,47 @@ class PrefillWorker:
         grant when a peer would repeat their first token exactly; the others end with an error, since
         their client already has a first token a peer might not repeat. Jobs whose KV already left wait
         for the decode side's ack, which a peer's reclaim covers if it never comes."""
-        back = []
-        for rid, (entry_id, _job) in list(self.active.items()):
-            self.core.abort([rid])
-            back.append(entry_id)
-        self.active.clear()
+        back: dict[str, list[bytes]] = {}
+        for slot in self.runtime.slots.values():
+            pm: _PrefillModel = slot.role
+            for rid, (entry_id, _job) in list(pm.active.items()):
+                slot.core.abort([rid])
+                back.setdefault(slot.instance, []).append(entry_id)
+            pm.active.clear()
         for rid, t in list(self.handoff.transfers.items()):
             if t.state is not State.GRANT_WAIT:
                 continue
             self.handoff.cancel(rid)
+            slot = self.runtime.slots.get(t.job.model)
+            if slot is None:
+                continue
             if replayable(t.job):
-                back.append(t.entry_id)
+                back.setdefault(slot.instance, []).append(t.entry_id)
             else:
-                self._finish(t.entry_id, t.job, TokenEvent(request_id=rid, finish_reason="error", output_index=1,
-                                                           error="prefill worker shut down during the handoff"))
-        self.jobs.hand_back(back)
-        log.info("handed %d job(s) back to the stream", len(back))
+                self._finish(slot.role, t.entry_id, t.job, TokenEvent(
+                    request_id=rid, finish_reason="error", output_index=1,
+                    error="prefill worker shut down during the handoff"))
+        for instance, entries in back.items():
+            self.runtime.slots[instance].role.jobs.hand_back(entries)
+        log.info("handed %d job(s) back to the stream", sum(map(len, back.values())))
 
     def _handle_aborts(self) -> None:
         for rid in self.runtime.drain_aborts():
-            if rid in self.active:
-                entry_id, _ = self.active.pop(rid)
-                self.core.abort([rid])
-                self.jobs.ack(entry_id)
+            for slot in self.runtime.slots.values():
+                pm: _PrefillModel = slot.role
+                if rid in pm.active:
+                    entry_id, _ = pm.active.pop(rid)
+                    slot.core.abort([rid])
+                    pm.jobs.ack(entry_id)
             t = self.handoff.cancel(rid)
-            if t is not None:
-                self.jobs.ack(t.entry_id)
+            if t is not None and t.job.model in self.runtime.slots:
+                self.runtime.slots[t.job.model].role.jobs.ack(t.entry_id)
 
+
+def queued(r, instance: str, worker_id: str) -> int:
+    """Jobs of ``instance`` still in Redis that this worker could be the one to serve: its shared stream
+    and this worker's private stream (entries are deleted when ACKed, so pending ones count too)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(keys.prefill_stream(instance))
+    pipe.xlen(keys.prefill_worker_stream(instance, worker_id))
+    return sum(pipe.execute())

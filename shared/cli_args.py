@@ -75,6 +75,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--monitoring-port", type=int, default=None, help="Prometheus metrics port")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets running requests finish before the rest are handed back or ended")
+    m = p.add_argument_group("several models")
+    m.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML listing the models this worker loads at startup (kvrelay serve --config's form)")
+    m.add_argument("--model-repo", default=None, metavar="DIR",
+                   help="model repository: the worker then takes load/unload commands (admin API, lazy load)")
+    m.add_argument("--weights-memory", type=int, default=None, metavar="BYTES",
+                   help="bytes of model weights this worker may hold at once; loads beyond it evict idle models "
+                        "(default: CPU 8 GiB; CUDA what --gpu-memory-utilization leaves after the KV pool)")
+    m.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                   help="hash a repository model's files against its manifest before loading it")
 
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
@@ -101,3 +111,10 @@ def add_gateway_args(p: argparse.ArgumentParser, port_default: int = 8000) -> No
     g.add_argument("--zmq-port", type=int, default=0, help="port for token events (0: ephemeral)")
     g.add_argument("--zmq-advertise-host", default=None,
                    help="the address workers dial for token events; required when --zmq-host is a wildcard")
+    m = p.add_argument_group("models")
+    m.add_argument("--model-repo", default=None, metavar="DIR",
+                   help="model repository the admin API registers models from (workers load from their own)")
+    m.add_argument("--model-load-timeout", type=float, default=120.0,
+                   help="seconds a request for a registered but unloaded model waits for its load")
+    m.add_argument("--reconcile-interval-s", type=float, default=5.0,
+                   help="how often one gateway loads missing pinned/min-replica models and ends finished swaps")

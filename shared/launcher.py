@@ -37,8 +37,8 @@ def _flag(name: str) -> str:
     return "--" + {"num_gpu_blocks": "num_gpu_blocks_override"}.get(name, name).replace("_", "-")
 
 
-def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
-    argv = ["--model", model_path]
+def engine_argv(args: argparse.Namespace, model_path: str | None) -> list[str]:
+    argv = ["--model", model_path] if model_path else []
     for name in ENGINE_FLAGS:
         value = getattr(args, name)
         if value is not None:
@@ -68,15 +68,28 @@ def serve(args: argparse.Namespace) -> int:
                                     "--response-cache-ttl", str(args.response_cache_ttl),
                                     "--drain-timeout", str(args.drain_timeout),
                                     "--max-queue-depth", str(args.max_queue_depth)])]
-        for m in models:
-            engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
-                                                  "--device", m.device, "--redis-url", redis_url]
-            specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models))
+        repo = args.model_repo or (_config_repo(args.config) if args.config else None)
+        repo_argv = ["--model-repo", str(repo)] if repo else []
+        specs[0][1].extend(repo_argv + ["--model-load-timeout", str(args.model_load_timeout)])
+        if args.config or repo:
+            # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and
+            # its weights budget, and models load, unload and swap without restarting anything
+            models_argv = ["--config", str(args.config)] if args.config else ["--model", models[0].path,
+                                                                               "--served-model-name", models[0].name]
+            engine = engine_argv(args, None) + models_argv + ["--dtype", args.dtype, "--device", args.device,
+                                                              "--redis-url", redis_url] + repo_argv
+            specs += [(role, cmd + [role] + engine + _memory_share(args, role, 1)
                        + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
+        else:
+            for m in models:
+                engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
+                                                      "--device", m.device, "--redis-url", redis_url]
+                specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models))
+                           + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
         threads = _cpu_threads_per_worker(args, len(specs) - 1)
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent,
                                         env=_env(name, args.admin_key, threads)) for name, argv in specs}
-        names = [m.name for m in models]
+        names = [m.name for m in models if not m.lazy]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
         code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
@@ -105,6 +118,11 @@ def _models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
         resolved = resolve_model(m.path or None, args.load_format)
         m.path, m.name = resolved.path, m.name or resolved.served_name
     return models
+
+
+def _config_repo(config: str) -> str | None:
+    repo, _ = load_serve_config(config)
+    return str(repo.root) if repo is not None else None
 
 
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:

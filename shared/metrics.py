@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.request import Request
 from shared.scheduler import SchedulerOutput
@@ -47,7 +47,10 @@ class _Seen:
 
 
 class WorkerMetrics:
-    def __init__(self, core, model_name: str, role: str, worker_id: str, device: str = "cpu"):
+    def __init__(self, core, model_name: str, role: str, worker_id: str, device: str = "cpu",
+                 process_collectors: bool = True):
+        """One model's metrics. A worker hosting several models makes one per model and serves them all
+        through ``MergedMetrics``; only one of them carries the process and host collectors."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.core = core
@@ -96,8 +99,9 @@ class WorkerMetrics:
         self.handoff_failures = Counter("kvrelay_handoff_failures", "Handoffs that failed (request ended in error)",
                                         m, registry=r).labels(model_name)
         r.register(_PrefixCacheCollector(bm, model_name))
-        r.register(HostCollector(*nvml_for(device)))
-        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
+        if process_collectors:
+            r.register(HostCollector(*nvml_for(device)))
+            ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
 
     # -- serving --------------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> int:
@@ -166,6 +170,44 @@ class WorkerMetrics:
             self.handoff_seconds.observe(seconds)
         else:
             self.handoff_failures.inc()
+
+
+class MergedMetrics:
+    """Serves the registries of every model a worker hosts as one /metrics: families of the same name
+    (one per model, told apart by ``model_name``) are merged, as the exposition format requires.
+    Models come and go with loads and unloads; a scrape sees the ones present at that moment."""
+
+    def __init__(self):
+        self.registries: dict[str, CollectorRegistry] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server = None
+
+    def describe(self):
+        return []  # dynamic: never let registration call collect()
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for registry in list(self.registries.values()):
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type,
+                                                        family.unit)
+                into.samples.extend(family.samples)
+        yield from merged.values()
+
+    def serve(self, host: str, port: int) -> int:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        port = self._server.server_port
+        log.info("metrics on http://%s:%d/metrics", host, port)
+        return port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
 
 class _PrefixCacheCollector:

@@ -19,6 +19,7 @@ model given by path; streams, ModelInfo and WorkerInfo.models use instance keys)
     control_result_key(cid)   string, encode(ControlResult), EX CONTROL_RESULT_TTL_S
     load_lock_key(instance)   string SET NX EX LOAD_LOCK_TTL_S by the gateway placing a load, so
                               concurrent requests on several gateways start one load, not many
+    RECONCILE_LOCK            string SET NX EX: the one gateway reconciling the registry this round
 
 Tenants (gateway only; plain hash fields, not protocol messages, so operators can read them):
     TENANTS_INDEX             set of tenant names; non-empty means every API request needs a key
@@ -53,6 +54,7 @@ STREAM_MAXLEN = 100_000
 
 
 REGISTRY_INDEX = f"{PREFIX}:registry"
+RECONCILE_LOCK = f"{PREFIX}:reconcile-lock"
 CONTROL_RESULT_TTL_S = 600
 LOAD_LOCK_TTL_S = 120
 

@@ -2,8 +2,13 @@
 
     model_repo: {type: local, path: ./model_repo, versioning: numbered}
     models:
-      - {name: smollm2, version: 1, device: auto, precision: auto}   # from the repository
+      - {name: smollm2, version: 1, device: auto, precision: auto, pinned: true}   # from the repository
       - {name: tiny, path: /models/tiny-hf-dir, precision: float32}  # an HF dir or .gguf, as --model takes
+      - {name: big, version: 2, load: lazy, keep_alive_s: 600}  # registered; loaded on its first request
+
+Per model, optional: ``pinned`` (never evicted), ``min_replicas``, ``keep_alive_s`` (unload after that
+long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
+lazy models must come from the repository).
 """
 
 from dataclasses import dataclass
@@ -21,6 +26,11 @@ class ServedModel:
     path: str  # what --model receives
     device: str = "auto"
     dtype: str = "auto"
+    version: int = 0  # from the repository; 0 for a path
+    pinned: bool = False
+    min_replicas: int = 0
+    keep_alive_s: float = 0.0
+    lazy: bool = False
 
 
 def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[ServedModel]]:
@@ -44,14 +54,23 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
         precision = entry.get("precision", "auto")
         if precision != "auto" and precision not in DTYPES:
             raise ValueError(f"{where}: precision must be auto or one of {', '.join(DTYPES)}")
+        version = 0
         if entry.get("path"):
             path = str(entry["path"])
         elif repo is not None:
-            path = repo.get(entry["name"], entry.get("version")).path
+            mv = repo.get(entry["name"], entry.get("version"))
+            path, version = mv.path, mv.version
         else:
             raise ValueError(f"{where}: give a path, or a model_repo to take {entry['name']!r} from")
+        load = entry.get("load", "startup")
+        if load not in ("startup", "lazy"):
+            raise ValueError(f"{where}: load must be startup or lazy")
+        if load == "lazy" and not version:
+            raise ValueError(f"{where}: a lazily loaded model must come from the model_repo")
         models.append(ServedModel(name=entry["name"], path=path, device=entry.get("device", "auto"),
-                                  dtype=precision))
+                                  dtype=precision, version=version, pinned=bool(entry.get("pinned", False)),
+                                  min_replicas=int(entry.get("min_replicas", 0)),
+                                  keep_alive_s=float(entry.get("keep_alive_s", 0)), lazy=load == "lazy"))
     if not models:
         raise ValueError(f"{file}: no models listed")
     if len({m.name for m in models}) != len(models):

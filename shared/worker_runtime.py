@@ -1,8 +1,10 @@
-"""What every worker process shares: its engine core, its Redis registration and heartbeat, the abort
-subscription, the ZMQ sockets that carry token events back to gateways, and a clean shutdown.
+"""What every worker process shares: the models it hosts (``shared/model_host.py``: one engine core per
+model instance over one KV pool), its Redis registration and heartbeat, the control and abort
+listeners, the ZMQ sockets that carry token events back to gateways, and a clean shutdown.
 
-Threads: the heartbeat and the abort listener only talk to Redis and hand ids to the main loop through
-a queue; the engine, its tensors and every ZMQ socket belong to the main loop alone.
+Threads: the heartbeat, the control listener and the abort listener only talk to Redis and hand
+commands and ids to the main loop through queues; the engines, their tensors and every ZMQ socket
+belong to the main loop alone (model loads build a new engine on their own thread, see model_host).
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (the role stops taking new work and its loop runs
 until nothing is in flight or ``drain_timeout_s`` passed, then the role hands back or ends what is
@@ -20,28 +22,59 @@ import uuid
 from dataclasses import dataclass, field
 
 import redis
+import torch
 import zmq
 
 from shared import redis_keys as keys
 from shared.config import EngineConfig
 from shared.engine_core import EngineCore
-from shared.metrics import WorkerMetrics
+from shared.kv_pool import KVPool
+from shared.metrics import MergedMetrics, WorkerMetrics
+from shared.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
+from shared.model_repo import ModelRepository
 from shared.outputs import EngineCoreOutput
-from shared.protocol import Abort, ModelInfo, TokenBatch, TokenEvent, WorkerInfo, decode, encode
+from shared.protocol import (
+    Abort,
+    ControlCommand,
+    ControlResult,
+    ModelInfo,
+    ModelSpec,
+    TokenBatch,
+    TokenEvent,
+    WorkerInfo,
+    decode,
+    encode,
+    instance_key,
+)
 from shared.redis_conn import sync_client
 
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000
 REREGISTER_RETRY_S = 0.2
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_WEIGHTS_BYTES = 8 << 30
+ACTIVATION_RESERVE = 4 << 30  # CUDA: peak activations of a prefill step, CUDA graphs, allocator slack
+
+
+@dataclass
+class StartupModel:
+    """A model a worker loads before it starts serving (``--model``, or each model of ``--config``)."""
+
+    name: str
+    engine: EngineConfig
+    tokenizer_dir: str = ""
+    version: int = 0
+    pinned: bool = False
+    keep_alive_s: float = 0.0
 
 
 @dataclass
 class WorkerConfig:
     role: str  # prefill | decode | unified
-    engine: EngineConfig
+    engine: EngineConfig  # the engine flags every model gets; with --model, also the first model
     redis_url: str
-    model_name: str  # the name clients use (served_model_name)
+    model_name: str  # the name clients use (served_model_name) of ``engine``'s model; "" for none
     host: str = "127.0.0.1"  # ZMQ bind address: loopback unless configured
     port: int = 0  # 0: an ephemeral port
     advertise_host: str | None = None  # what peers dial, when ``host`` is a wildcard (pod IP, service name)
@@ -52,6 +85,20 @@ class WorkerConfig:
     reclaim_idle_ms: int = 15_000  # a pending job idle this long belongs to a dead prefill worker
     monitoring_port: int | None = None  # Prometheus /metrics on host:port; None: not served (0: ephemeral)
     drain_timeout_s: float = 30.0  # after SIGTERM, how long running requests get to finish
+    more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
+    model_repo: str | None = None  # with it the worker takes load/unload commands for repository models
+    weights_memory: int | None = None  # bytes of model weights it may hold at once (default: see host_budget)
+    verify_checksums: bool = True  # hash a repository model's files against its manifest before loading
+    register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
+
+    def startup_models(self) -> list[StartupModel]:
+        first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []
+        return first + self.more_models
+
+    @property
+    def multi_model(self) -> bool:
+        """Several models, now or later: they share one KV pool and a weights budget."""
+        return bool(self.model_repo) or len(self.startup_models()) > 1
 
 
 class EventSink:
@@ -87,12 +134,16 @@ class EventSink:
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, hold_finished_kv: bool = False):
         self.config = config
-        self.core = EngineCore(config.engine, hold_finished_kv=hold_finished_kv)
-        self.eos_ids = _eos_ids(self.core, config)
-        self.metrics = WorkerMetrics(self.core, config.model_name, config.role, config.worker_id,
-                                     config.engine.device)
-        self.core.observer = self.metrics
         self.redis = sync_client(config.redis_url)
+        self.metrics = MergedMetrics()
+        pool, budget = host_budget(config)
+        self.host = ModelHost(
+            config.engine, hold_finished_kv=hold_finished_kv, pool=pool, weights_budget=budget,
+            repo=ModelRepository(config.model_repo) if config.model_repo else None,
+            configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
+            verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self._report,
+            min_replicas=self._min_replicas)
+        self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self.ctx = zmq.Context()
         self.events = EventSink(self.ctx)
         self.aborts: queue.Queue[str] = queue.Queue()
@@ -102,22 +153,45 @@ class WorkerRuntime:
         self.drain_deadline = 0.0
         self.zmq_addr = ""  # set by the role once it binds its socket
         self._threads: list[threading.Thread] = []
+        self._beat_now = threading.Event()
+        for m in config.startup_models():
+            self.tokenizer_dirs[instance_key(m.name, m.version)] = m.tokenizer_dir or m.engine.model.model
+            plan = ModelPlan(name=m.name, version=m.version, path=m.engine.model.model, engine=m.engine,
+                             pinned=m.pinned, keep_alive_s=m.keep_alive_s)
+            self.host.load_now(plan)
+
+    @property
+    def core(self):
+        """The engine of a single-model worker (tests and benchmarks drive one directly)."""
+        (slot,) = self.host.slots.values()
+        return slot.core
+
+    @property
+    def slots(self):
+        return self.host.slots
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, zmq_addr: str) -> None:
+    def start(self, zmq_addr: str, hooks: RoleHooks) -> None:
         self.zmq_addr = zmq_addr
+        self.hooks = hooks
+        self.host.hooks = _PublishingHooks(self, hooks)
+        for slot in self.host.slots.values():  # loaded before the role existed
+            self.host.hooks.attach(slot)
         if self.config.monitoring_port is not None:
             self.metrics.serve(self.config.host, self.config.monitoring_port)
-        self.publish_model()
+        for spec in self.config.register:
+            if self.redis.set(keys.registry_key(spec.name), encode(spec), nx=True):
+                self.redis.sadd(keys.REGISTRY_INDEX, spec.name)
         self.heartbeat()
-        for target in (self._heartbeat_loop, self._abort_loop):
+        loops = [self._heartbeat_loop, self._abort_loop] + ([self._control_loop] if self.config.model_repo else [])
+        for target in loops:
             t = threading.Thread(target=target, daemon=True, name=target.__name__)
             t.start()
             self._threads.append(t)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        log.info("%s worker %s serving %r at %s", self.config.role, self.config.worker_id,
-                 self.config.model_name, zmq_addr)
+        log.info("%s worker %s serving %s at %s", self.config.role, self.config.worker_id,
+                 ", ".join(self.host.slots) or "no model yet", zmq_addr)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.draining:
@@ -137,43 +211,100 @@ class WorkerRuntime:
         self.events.close()
         self.ctx.destroy(linger=500)
         self.metrics.close()
+        if self.config.model_repo:  # commands nobody will read: placement must not wait on them
+            try:
+                self.redis.delete(keys.control_key(self.config.worker_id))
+            except redis.RedisError:
+                pass
 
-    def publish_model(self) -> None:
-        runner = self.core.runner
-        info = ModelInfo(name=self.config.model_name, path=self.config.model_path,
-                         max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
-                         eos_token_ids=self.eos_ids, block_size=runner.block_size,
-                         dtype=str(runner.dtype).removeprefix("torch."))
+    def publish_model(self, slot: ModelSlot) -> None:
+        runner = slot.core.runner
+        info = ModelInfo(name=slot.instance, path=self.tokenizer_dirs.get(slot.instance, slot.path),
+                         max_model_len=slot.core.max_model_len, vocab_size=slot.core.vocab_size,
+                         eos_token_ids=slot.eos_ids, block_size=runner.block_size,
+                         dtype=str(runner.dtype).removeprefix("torch."), served_name=slot.name,
+                         version=slot.version)
         self.redis.set(keys.model_key(info.name), encode(info))
         self.redis.sadd(keys.MODELS_INDEX, info.name)
 
     def heartbeat(self) -> None:
-        sched = self.core.scheduler
+        slots = list(self.host.slots.values())
+        pool = self.host.pool
         # A draining worker advertises no free blocks, so prefill workers pick other decode workers first.
-        free = 0 if self.draining else self.core.num_free_blocks
-        info = WorkerInfo(worker_id=self.config.worker_id, role=self.config.role, models=[self.config.model_name],
-                          zmq_addr=self.zmq_addr, free_blocks=free,
-                          total_blocks=self.core.num_total_blocks, running=sched.num_running,
-                          waiting=sched.num_waiting, pid=os.getpid(), host=socket.gethostname(),
-                          started=self.started, heartbeat=time.time())
+        free = 0 if self.draining else sum(s.core.num_free_blocks for s in slots)
+        info = WorkerInfo(worker_id=self.config.worker_id, role=self.config.role,
+                          models=[s.instance for s in slots], zmq_addr=self.zmq_addr, free_blocks=free,
+                          total_blocks=sum(s.core.num_total_blocks for s in slots),
+                          running=sum(s.core.scheduler.num_running for s in slots),
+                          waiting=sum(s.core.scheduler.num_waiting for s in slots), pid=os.getpid(),
+                          host=socket.gethostname(), started=self.started, heartbeat=time.time(),
+                          instances=self.host.status(), weights_budget=self.host.weights_budget,
+                          weights_used=self.host.weights_used,
+                          kv_pool_bytes=pool.nbytes if pool is not None else 0,
+                          kv_free_bytes=0 if pool is None or self.draining else pool.reclaimable_bytes(),
+                          can_load=bool(self.config.model_repo) and not self.draining)
         pipe = self.redis.pipeline()
         pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
         pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
         pipe.execute()
 
+    def beat_soon(self) -> None:
+        """What we advertise changed (a model loaded or left): tell placement now, not in 2 s."""
+        self._beat_now.set()
+
     def _heartbeat_loop(self) -> None:
         delay = keys.HEARTBEAT_INTERVAL_S
-        while not self.stop.wait(delay):
+        while not self.stop.is_set():
+            self._beat_now.wait(delay)
+            self._beat_now.clear()
+            if self.stop.is_set():
+                return
             try:
-                self.heartbeat()
-                if not self.redis.exists(keys.model_key(self.config.model_name)):
-                    self.publish_model()  # Redis restarted empty: gateways must see the model again
+                with self.host.lock:  # the loop may be adding or removing a model
+                    self.heartbeat()
+                    published = [s for s in self.host.slots.values() if not self.redis.exists(
+                        keys.model_key(s.instance))]
+                for slot in published:
+                    self.publish_model(slot)  # Redis restarted empty: gateways must see the model again
                 delay = keys.HEARTBEAT_INTERVAL_S
             except Exception:  # Redis restarting: keep serving, re-register as soon as it is back
                 log.warning("heartbeat failed", exc_info=True)
                 # Retry quickly: after a Redis restart the gateway queues nothing for this model until
                 # its workers are registered again, and a prefill worker finds no decode worker before.
                 delay = REREGISTER_RETRY_S
+
+    def _control_loop(self) -> None:
+        """Load/unload commands from ``control_key(worker_id)`` into the host's queue."""
+        key = keys.control_key(self.config.worker_id)
+        while not self.stop.is_set():
+            try:
+                item = self.redis.brpop([key], timeout=1)
+            except Exception:
+                log.warning("control listener lost Redis; retrying", exc_info=True)
+                self.stop.wait(1.0)
+                continue
+            if item is None:
+                continue
+            try:
+                self.host.commands.put(decode(item[1], ControlCommand))
+            except ValueError as exc:
+                log.warning("dropped a malformed control command: %s", exc)
+
+    def _report(self, result: ControlResult) -> None:
+        result.worker_id = self.config.worker_id
+        try:
+            self.redis.set(keys.control_result_key(result.command_id), encode(result),
+                           ex=keys.CONTROL_RESULT_TTL_S)
+        except redis.RedisError:
+            log.warning("could not report the result of command %s", result.command_id, exc_info=True)
+        self.beat_soon()
+
+    def _min_replicas(self, name: str) -> int:
+        try:
+            raw = self.redis.get(keys.registry_key(name))
+            return decode(raw, ModelSpec).min_replicas if raw else 0
+        except (redis.RedisError, ValueError):
+            return 1  # unknown: do not unload on a guess
 
     def _abort_loop(self) -> None:
         while not self.stop.is_set():
@@ -207,7 +338,10 @@ class WorkerRuntime:
                         # here rather than in the signal handler, which must not take Redis's pool lock
                         announced = True
                         self.heartbeat()
-                    step()
+                    with self.host.lock:
+                        if self.host.tick():
+                            self.beat_soon()
+                        step()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     log.warning("Redis unavailable (%s); retrying", exc)
                     self.stop.wait(0.5)
@@ -249,7 +383,58 @@ def token_event(out: EngineCoreOutput, output_index: int, worker_id: str) -> Tok
                       output_index=output_index, worker_id=worker_id)
 
 
-def _eos_ids(core: EngineCore, config: WorkerConfig) -> list[int]:
+def _eos_ids(core: EngineCore, model_path: str) -> list[int]:
     from shared.tokenizer import eos_token_ids
 
-    return eos_token_ids(None, core.runner.hf_config, config.model_path or None)
+    return eos_token_ids(None, core.runner.hf_config, model_path if model_path and not model_path.startswith(
+        "dummy:") else None)
+
+
+def host_budget(config: WorkerConfig) -> tuple[KVPool | None, int]:
+    """(the KV pool several models share, the bytes of weights they may hold together).
+
+    One model and no repository: no shared pool (the engine sizes its own KV exactly as a single-model
+    server does) and no budget to enforce. Otherwise the pool is ``--kv-cache-memory`` bytes (CPU
+    default 1 GiB); weights get ``--weights-memory`` (CPU default 8 GiB; CUDA default: what
+    ``--gpu-memory-utilization`` leaves after the pool, less ACTIVATION_RESERVE)."""
+    if not config.multi_model:
+        return None, 0
+    engine = config.engine
+    device = torch.device(engine.device)
+    if device.type == "cuda":
+        usable = int(torch.cuda.get_device_properties(device).total_memory * engine.cache.gpu_memory_utilization)
+        kv = engine.cache.kv_cache_memory or usable // 2
+        weights = config.weights_memory or max(0, usable - kv - ACTIVATION_RESERVE)
+    else:
+        kv = engine.cache.kv_cache_memory or CPU_DEFAULT_KV_BYTES
+        weights = config.weights_memory or CPU_DEFAULT_WEIGHTS_BYTES
+    return KVPool(kv, device), weights
+
+
+class _PublishingHooks:
+    """The role's hooks, plus what the runtime does around them: publish, metrics, heartbeat."""
+
+    def __init__(self, runtime: WorkerRuntime, role: RoleHooks):
+        self.runtime, self.role = runtime, role
+
+    def attach(self, slot: ModelSlot) -> None:
+        rt = self.runtime
+        metrics = WorkerMetrics(slot.core, slot.instance, rt.config.role, rt.config.worker_id,
+                                rt.config.engine.device, process_collectors=not rt.metrics.registries)
+        slot.core.observer = metrics
+        slot.metrics = metrics
+        rt.metrics.registries[slot.instance] = metrics.registry
+        self.role.attach(slot)
+        rt.publish_model(slot)
+        rt.beat_soon()
+
+    def detach(self, slot: ModelSlot) -> None:
+        self.role.detach(slot)
+        self.runtime.metrics.registries.pop(slot.instance, None)
+        self.runtime.beat_soon()
+
+    def idle(self, slot: ModelSlot) -> bool:
+        return self.role.idle(slot)
+
+    def may_unload(self, slot: ModelSlot) -> bool:
+        return self.role.may_unload(slot)

@@ -96,7 +96,7 @@ def _check_landed(side: DecodeSide, rt, rid: str, src: list[int]) -> None:
 
 def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
     rt, manager = _in_process_prefill(decode_side.addr)
-    manager.ipc.uuid = ""  # as a prefill worker on another GPU or host: no IPC offer
+    manager.device_uuid = ""  # as a prefill worker on another GPU or host: no IPC offer
     for rid, num_tokens in CASES:
         t, src = _hand_off(manager, rt, rid, num_tokens)
         assert t.state is State.DONE and t.transport == "layers", t.reason

@@ -277,7 +277,8 @@ def test_blocks_offered_through_ipc_stay_parked_one_more_ttl(monkeypatch):
                          ref_counter=b"/torch_1", ref_counter_offset=0, event_handle=None,
                          event_sync_required=False, tensor_offset=0, shape=list(SHAPE), stride=[1] * 6,
                          dtype="float32")
-    receiver.exporter.offer = lambda requester, uuid: handle  # as if the asker shared our GPU
+    exporter = SimpleNamespace(offer=lambda requester, uuid: handle)  # as if the asker shared our GPU
+    receiver.exporters[MODEL] = exporter
 
     def ask() -> HandoffGrant:
         asker.send(encode(HandoffRequest("r", MODEL, num_tokens=4 * BLOCK, block_size=BLOCK, prefill_addr="",

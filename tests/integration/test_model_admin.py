@@ -322,8 +322,6 @@ def test_lazy_load_on_first_request(env, workers):
     assert {(x["worker_id"], x["state"]) for x in inst["workers"]} >= {("loader-1", "ready")}
 
 
-@pytest.mark.xfail(strict=True, reason="completions.py/chat.py still answer prepared.model.name (the instance "
-                                       "key); they should use prepared.model_name")
 def test_responses_show_the_clients_model_name(env, workers):
     workers("loader-2")
     env.admin("POST", "/admin/models", json={"name": "alpha"})

@@ -1,0 +1,243 @@
+"""Many models on one worker pair (issue #5), with real processes, Redis, HTTP and the openai SDK:
+three models served at once by one prefill and one decode worker; lazy loading and eviction under a
+weights budget (never the pinned model); a version swap under continuous load with zero failed
+requests; corrupt weights refused while the other models keep serving."""
+
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvrelay import LLM, SamplingParams
+from shared import redis_keys as keys
+from shared.model_repo import ModelRepository
+from tests.e2e.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+ADMIN_KEY = "admin-key-for-multi-model-tests"
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--kv-cache-memory", str(48 << 20)]
+PROMPT = [5, 17, 99, 203, 7, 311, 42]  # inside every test model's vocabulary (tiny gpt2: 512)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def variant(src: Path, dst: Path, seed: int) -> Path:
+    """``src`` with every matrix re-drawn from ``seed``: the same shapes and tokenizer, other weights."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        g = torch.Generator().manual_seed(seed)
+        for name, t in tensors.items():
+            if t.dim() > 1:
+                tensors[name] = torch.randn(t.shape, generator=g) * 0.15
+        save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+def offline_text(path: Path, prompt=PROMPT) -> str:
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    return llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].text
+
+
+def admin(port: int, method: str, path: str, body: dict | None = None, key: str | None = ADMIN_KEY):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def complete(client: openai.OpenAI, model: str, prompt=PROMPT) -> str:
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert got.model == model and got.usage.completion_tokens == 8
+    return got.choices[0].text
+
+
+@pytest.fixture()
+def repo(tmp_path, tiny_model_dir):
+    return ModelRepository(tmp_path / "repo")
+
+
+def start(cluster: Cluster, repo: ModelRepository, config: Path | None, extra: list[str] = ()) -> openai.OpenAI:
+    cluster.redis.flushall()
+    common = ["--redis-url", cluster.redis_url, "--model-repo", str(repo.root), *ENGINE, *extra]
+    for role, wid in (("prefill", "p1"), ("decode", "d1")):
+        argv = [f"{role}-worker", "--worker-id", wid, *common] + (["--config", str(config)] if config else [])
+        cluster._spawn(wid, argv)
+    cluster.start_gateway(extra=["--model-repo", str(repo.root), "--admin-key", ADMIN_KEY,
+                                 "--model-load-timeout", "120"])
+    cluster.wait_ready()
+    # with an admin key the API wants tenant keys: one tenant for the tests' requests
+    assert admin(cluster.port, "POST", "/admin/tenants", {"name": "tests"})[0] in (200, 201)
+    status, body = admin(cluster.port, "POST", "/admin/keys", {"tenant": "tests"})
+    assert status == 201, body
+    return openai.OpenAI(base_url=cluster.base_url, api_key=body["key"], max_retries=0, timeout=180)
+
+
+@pytest.fixture()
+def cluster(redis_url, tmp_path):
+    c = Cluster(redis_url, "", [], tmp_path)
+    yield c
+    c.stop()
+
+
+def test_three_models_in_one_prefill_and_one_decode_worker(cluster, repo, tmp_path, tiny_model_dir,
+                                                          tiny_model_dirs, smollm2_dir):
+    gpt2 = tmp_path / "tiny-gpt2"
+    shutil.copytree(tiny_model_dirs["gpt2"], gpt2)
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, gpt2 / f.name)
+    repo.import_model(str(tiny_model_dir), "tiny-llama", progress=False)
+    repo.import_model(str(gpt2), "tiny-gpt2", progress=False)
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(f"""
+model_repo: {{type: local, path: {repo.root}}}
+models:
+  - {{name: tiny-llama, version: 1, precision: float32}}
+  - {{name: tiny-gpt2, version: 1, precision: float32}}
+  - {{name: smollm2, path: {smollm2_dir}, precision: float32, pinned: true}}
+""")
+    client = start(cluster, repo, cfg)
+    for wid in ("p1", "d1"):
+        info = cluster.worker(wid)
+        assert sorted(info.models) == ["smollm2", "tiny-gpt2@1", "tiny-llama@1"]
+        assert all(i.state == "ready" and i.kv_blocks > 0 for i in info.instances)
+    deadline = time.monotonic() + 5  # the gateway's registry view is cached for half a second
+    while {m.id for m in client.models.list().data} < {"tiny-llama", "tiny-gpt2", "smollm2"}:
+        assert time.monotonic() < deadline, client.models.list()
+        time.sleep(0.2)
+    want = {"tiny-llama": offline_text(tiny_model_dir), "tiny-gpt2": offline_text(gpt2),
+            "smollm2": offline_text(smollm2_dir)}
+    results: dict[str, list[str]] = {m: [] for m in want}
+
+    def ask(model: str) -> None:
+        results[model].append(complete(client, model))
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in want for _ in range(3)]  # interleaved
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for model, text in want.items():
+        assert results[model] == [text] * 3, model
+    status, body = admin(cluster.port, "GET", "/admin/models")
+    assert status == 200, body
+
+
+def test_lazy_load_evicts_the_idle_model_never_the_pinned_one(cluster, repo, tmp_path, tiny_model_dir):
+    for name, seed in (("pinned", 0), ("idle", 1), ("lazy", 2)):
+        repo.import_model(str(variant(tiny_model_dir, tmp_path / name, seed)), name, progress=False)
+    weights = sum(f.stat().st_size for f in (tmp_path / "pinned").glob("*.safetensors"))
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(f"""
+model_repo: {{type: local, path: {repo.root}}}
+models:
+  - {{name: pinned, version: 1, precision: float32, pinned: true}}
+  - {{name: idle, version: 1, precision: float32}}
+  - {{name: lazy, version: 1, precision: float32, load: lazy}}
+""")
+    # room for the weights of two models, not three
+    client = start(cluster, repo, cfg, extra=["--weights-memory", str(int(weights * 2.5))])
+    assert sorted(cluster.worker("p1").models) == ["idle@1", "pinned@1"]
+    want = {n: offline_text(tmp_path / n) for n in ("pinned", "idle", "lazy")}
+    assert complete(client, "idle") == want["idle"]
+    time.sleep(1.5)  # "idle" now idle past the grace period; "pinned" was never used
+    assert complete(client, "lazy") == want["lazy"]  # waits for the load, which evicts "idle"
+    for wid in ("p1", "d1"):
+        assert sorted(cluster.worker(wid).models) == ["lazy@1", "pinned@1"]
+    assert complete(client, "pinned") == want["pinned"]
+    time.sleep(1.5)
+    assert complete(client, "idle") == want["idle"]  # loaded again, evicting "lazy", not "pinned"
+    assert sorted(cluster.worker("p1").models) == ["idle@1", "pinned@1"]
+
+
+def test_version_swap_under_load_fails_no_request(cluster, repo, tmp_path, tiny_model_dir):
+    repo.import_model(str(tiny_model_dir), "chat", progress=False)
+    repo.import_model(str(variant(tiny_model_dir, tmp_path / "v2", 5)), "chat", progress=False)
+    v1, v2 = offline_text(tiny_model_dir), offline_text(tmp_path / "v2")
+    assert v1 != v2
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(f"""
+model_repo: {{type: local, path: {repo.root}}}
+models:
+  - {{name: chat, version: 1, precision: float32}}
+""")
+    client = start(cluster, repo, cfg)
+    seen: list[tuple[float, str]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                seen.append((time.monotonic(), complete(client, "chat")))
+            except BaseException as exc:  # every failure counts
+                errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    status, body = admin(cluster.port, "POST", "/admin/models/chat/swap", {"version": 2})
+    swapped = time.monotonic()
+    assert status == 200, body
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    texts = [text for _, text in seen]
+    assert set(texts) <= {v1, v2}
+    assert v1 in texts and texts[-1] == v2
+    assert all(text == v2 for at, text in seen if at > swapped + 1.0)  # requests sent after the flip
+    deadline = time.monotonic() + 60  # the old version drains, then leaves both workers
+    while time.monotonic() < deadline and any("chat@1" in cluster.worker(w).models for w in ("p1", "d1")):
+        time.sleep(0.3)
+    assert [cluster.worker(w).models for w in ("p1", "d1")] == [["chat@2"], ["chat@2"]]
+
+
+def test_corrupt_weights_fail_the_load_and_nothing_else(cluster, repo, tmp_path, tiny_model_dir):
+    repo.import_model(str(tiny_model_dir), "good", progress=False)
+    mv = repo.import_model(str(variant(tiny_model_dir, tmp_path / "bad", 9)), "bad", progress=False)
+    weights = next(Path(mv.path).glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-100:] = b"\x00" * 100  # flipped bytes: a corrupt copy, same size
+    weights.write_bytes(bytes(data))
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(f"""
+model_repo: {{type: local, path: {repo.root}}}
+models:
+  - {{name: good, version: 1, precision: float32}}
+""")
+    client = start(cluster, repo, cfg)
+    status, body = admin(cluster.port, "POST", "/admin/models", {"name": "bad", "version": 1})
+    assert status in (200, 201), body
+    status, body = admin(cluster.port, "POST", "/admin/models/bad/load")
+    assert status >= 400 and "corrupt" in json.dumps(body), body
+    with pytest.raises(openai.APIStatusError) as err:
+        complete(client, "bad")
+    assert err.value.status_code == 503 and "corrupt" in str(err.value)
+    assert complete(client, "good") == offline_text(tiny_model_dir)
+    for wid in ("p1", "d1"):
+        info = cluster.worker(wid)
+        assert info.models == ["good@1"]
+        assert any(i.instance == "bad@1" and i.state == "failed" and "corrupt" in i.error for i in info.instances)
+    # and the admin API refuses what could reach outside the repository
+    for bad in ({"name": "../etc", "version": 1}, {"name": "good", "version": 1, "path": "/etc"}):
+        assert admin(cluster.port, "POST", "/admin/models", bad)[0] == 400
+    assert admin(cluster.port, "GET", "/admin/models", key=None)[0] == 401
+    assert cluster.redis.exists(keys.registry_key("good"))
