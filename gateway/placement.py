@@ -192,7 +192,9 @@ class Placement:
         for role in ("prefill", "decode"):
             while True:
                 workers = [w for w in await self._registry.workers(fresh=True) if serves_role(w, role)]
-                held = {w.worker_id for w in workers if w.worker_id in placed or instance_state(w, instance) in HOLDING}
+                # a worker that just refused may still advertise "loading" until its next heartbeat
+                held = {w.worker_id for w in workers if w.worker_id in placed or (
+                    w.worker_id not in tried and instance_state(w, instance) in HOLDING)}
                 if len(held) >= replicas:
                     break
                 candidates = sorted((w for w in workers if w.can_load and w.worker_id not in tried | held),
