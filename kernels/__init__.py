@@ -30,8 +30,10 @@ def write_kv(k, v, kv_cache, slot_mapping):
     return _impl("write_kv", k)(k, v, kv_cache, slot_mapping)
 
 
-def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float, alibi_slopes=None):
-    return _impl("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes)
+def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float, alibi_slopes=None, k=None, v=None):
+    # k, v (optional): this step's keys/values, already written to kv_cache; a kernel may read them
+    # from there instead of through the block table (the reference ignores them)
+    return _impl("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes, k=k, v=v)
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -46,6 +48,11 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache)
 
 
+def rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping):
+    # rotary on q and k, then k and v into the paged cache; returns the rotated (q, k). One kernel on GPU
+    return _impl("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+
+
 def silu_mul(x):
     return _impl("silu_mul", x)(x)
 
@@ -56,7 +63,7 @@ def gelu(x, approximate="tanh"):
 
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
-    "rotary_embedding", "silu_mul", "gelu",
+    "rotary_embedding", "rotary_write_kv", "silu_mul", "gelu",
 ]
 
 

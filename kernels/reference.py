@@ -41,8 +41,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q: [T, H, D] -> out [T, H, D]; causal over each sequence's cached prefix plus its new tokens
+    # q: [T, H, D] -> out [T, H, D]; causal over each sequence's cached prefix plus its new tokens.
+    # k, v (this step's keys/values, already in the cache) are accepted and unused: the cache is read
     if meta.decode_only:
         return _decode_attention(q, kv_cache, meta, scale, alibi_slopes)
     out = torch.empty_like(q)
@@ -120,6 +123,16 @@ def rotary_embedding(
         return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
 
     return rotate(q), rotate(k)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # rotary_embedding then write_kv of the rotated k and v; returns the rotated (q, k)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    write_kv(k, v, kv_cache, slot_mapping)
+    return q, k
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

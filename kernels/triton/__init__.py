@@ -9,7 +9,7 @@ from kernels.triton.gelu import gelu
 from kernels.triton.layer_norm import layer_norm
 from kernels.triton.paged_attention import paged_attention
 from kernels.triton.rms_norm import rms_norm
-from kernels.triton.rotary import rotary_embedding
+from kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kernels.triton.sampling import filter_logits, sample_from_logits
 from kernels.triton.silu_mul import silu_mul
 from kernels.triton.write_kv import write_kv
@@ -20,6 +20,7 @@ OPS = {
     "rms_norm": rms_norm,
     "layer_norm": layer_norm,
     "rotary_embedding": rotary_embedding,
+    "rotary_write_kv": rotary_write_kv,
     "silu_mul": silu_mul,
     "gelu": gelu,
 }
@@ -32,5 +33,5 @@ def register_all() -> None:
 
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
-    "silu_mul", "gelu", "sample_from_logits", "filter_logits",
+    "rotary_write_kv", "silu_mul", "gelu", "sample_from_logits", "filter_logits",
 ]

@@ -13,9 +13,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q: [T, H, D]; kv_cache: [2, N, bs, Hkv, D]; same contract as kernels.reference.paged_attention
+    # q: [T, H, D]; kv_cache: [2, N, bs, Hkv, D]; same contract as kernels.reference.paged_attention.
+    # k, v: this step's keys/values (already in the cache); the prefill kernel reads them contiguously
     if meta.decode_only:
         return decode_attention(q, kv_cache, meta, scale, alibi_slopes)
     # mixed batches (chunked prefill + decodes) take the prefill kernel: a decode row is a 1-token tile
-    return prefill_attention(q, kv_cache, meta, scale, alibi_slopes)
+    return prefill_attention(q, kv_cache, meta, scale, alibi_slopes, k, v)

@@ -33,9 +33,10 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_cache, meta, self.scale)  # [T, H, D]
+        # one kernel rotates q and k and stores k and v in the cache; the prefill kernel then reads
+        # this step's keys from the contiguous k/v rather than back through the block table
+        q, k = kernels.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_cache, meta, self.scale, k=k, v=v)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

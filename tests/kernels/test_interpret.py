@@ -58,6 +58,13 @@ def test_prefill_attention(dtype, group, page):
     cases.check_paged_attention(tk, DEV, [5, 1, 40, 17], [5, 70, 100, 17], 8, 8 // group, 32, page, dtype, seed=group)
 
 
+def test_prefill_tilings():
+    # key tiles wider than a page and than the diagonal, small query tiles: every loop of the kernel
+    # (prefix, prefix tail, unmasked and diagonal fresh tiles) runs at several (M, N)
+    cases.check_paged_attention(tk, DEV, [70, 1, 33], [70, 90, 140], 4, 2, 32, 8, torch.float32,
+                                configs=[(16, 32, 4, 2), (32, 16, 4, 2), (16, 64, 4, 2)])
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_attention_alibi_and_odd_head_dim(decode):
     q_lens = [1, 1] if decode else [3, 20]
@@ -93,6 +100,11 @@ def test_rotary(dtype, rot_dim):
 
 def test_rotary_bf16_cache():
     cases.check_rotary(tk, DEV, 6, 4, 1, 64, 64, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_rotary_write_kv(dtype, cache_dtype):
+    cases.check_rotary_write_kv(tk, DEV, 13, 4, 2, 32, 8, dtype, cache_dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

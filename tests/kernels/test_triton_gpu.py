@@ -52,6 +52,13 @@ def test_prefill(tk, dtype, head_dim, page, group):
     cases.check_paged_attention(tk, DEV, q_lens, seq_lens, 4 * group, 4, head_dim, page, dtype, seed=head_dim + group)
 
 
+@pytest.mark.parametrize("config", [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 2)])
+def test_prefill_tilings(tk, config):
+    # the tilings bench/kernels_bench.py sweeps; Llama-3-8B heads, long prompts with and without a prefix
+    cases.check_paged_attention(tk, DEV, [1000, 700, 1, 257], [1000, 2000, 900, 300], 32, 8, 128, 16,
+                                torch.bfloat16, seed=config[1], configs=[config])
+
+
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("head_dim", [96, 128])
 def test_alibi_and_head_dims(tk, decode, head_dim):
@@ -72,6 +79,12 @@ def test_dispatch_through_kernels(tk):
 @pytest.mark.parametrize("head_dim,page", [(128, 16), (64, 32)])
 def test_write_kv(tk, dtype, cache_dtype, head_dim, page):
     cases.check_write_kv(tk, DEV, 777, 8, head_dim, page, dtype, cache_dtype)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,page", [(128, 16), (64, 32)])
+def test_rotary_write_kv(tk, dtype, cache_dtype, head_dim, page):
+    cases.check_rotary_write_kv(tk, DEV, 777, 32, 8, head_dim, page, dtype, cache_dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -39,7 +39,10 @@ def make_paged_case(
     for i, n in enumerate(blocks_per_seq):
         tables[i, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
         used += n
-    kv_cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # one layer of a block-major pool ([N, L, 2, bs, Hkv, D] storage): the kernels must follow the
+    # view's real strides, as they do for the shared KV pool
+    pool = torch.randn(num_blocks, 2, 2, page, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = pool.to(device)[:, 1].permute(1, 0, 2, 3, 4)  # [2, N, bs, Hkv, D]
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     qsl = [0]
     for n in q_lens:
@@ -56,7 +59,7 @@ def make_paged_case(
         query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens),
         max_query_len=max(q_lens), max_seq_len=max(seq_lens),
     )
-    return q.to(device), kv_cache.to(device), meta
+    return q.to(device), kv_cache, meta
 
 
 def alibi_slopes(num_heads: int, device: str) -> torch.Tensor:
@@ -66,7 +69,7 @@ def alibi_slopes(num_heads: int, device: str) -> torch.Tensor:
 def check_paged_attention(
     tk, device: str, q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
     head_dim: int, page: int, dtype: torch.dtype, alibi: bool = False, num_splits: int | None = None,
-    seed: int = 0,
+    seed: int = 0, configs: tuple = (),
 ) -> None:
     q, kv_cache, meta = make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, page, dtype, device, seed)
     slopes = alibi_slopes(num_heads, device) if alibi else None
@@ -79,6 +82,25 @@ def check_paged_attention(
     expected = reference.paged_attention(q.float(), kv_cache.float(), meta, scale, slopes)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_close(out, expected, dtype)
+    if num_splits is None and not meta.decode_only:
+        # this step's keys read from their own contiguous k/v (as the models pass them), not the cache
+        k, v = fresh_kv(kv_cache, meta)
+        assert_close(tk.paged_attention(q, kv_cache, meta, scale, slopes, k=k, v=v), expected, dtype)
+    for config in configs:  # explicit prefill tilings (bench sweeps them; each must stay exact)
+        prefill = import_module("kernels.triton.prefill_attention").prefill_attention
+        k, v = fresh_kv(kv_cache, meta)
+        assert_close(prefill(q, kv_cache, meta, scale, slopes, k, v, config=config), expected, dtype)
+
+
+def fresh_kv(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, Hkv, D] keys and values of the step's tokens, gathered from their slots (strided views of a
+    wider buffer, the way they come out of a fused qkv projection)."""
+    page = kv_cache.shape[2]
+    slots = meta.slot_mapping.long()
+    kv = kv_cache[:, slots // page, slots % page]  # [2, T, Hkv, D]
+    wide = torch.cat([kv[0], kv[1], kv[0]], dim=-1)  # [T, Hkv, 3D]
+    d = kv_cache.shape[-1]
+    return wide[..., :d], wide[..., d:2 * d]
 
 
 def check_write_kv(tk, device: str, num_tokens: int, num_kv_heads: int, head_dim: int, page: int,
@@ -96,6 +118,44 @@ def check_write_kv(tk, device: str, num_tokens: int, num_kv_heads: int, head_dim
     tk.write_kv(k, v, cache, slots)
     reference.write_kv(k, v, expected, slots)
     assert torch.equal(cache, expected)
+
+
+def check_rotary_write_kv(tk, device: str, tokens: int, heads: int, kv_heads: int, head_dim: int, page: int,
+                          dtype: torch.dtype, cache_dtype: torch.dtype, layers: int = 3) -> None:
+    """The fused rotary + KV write against rotary_embedding then write_kv, into one layer of a
+    block-major pool ([N, L, 2, bs, Hkv, D] storage viewed as [L, 2, N, bs, Hkv, D]): every KV stride
+    is non-contiguous, as the shared pool makes them, and the other layers must stay untouched."""
+    max_pos = 4096
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    num_blocks = -(-tokens // page) + 2
+    slots = torch.randperm(num_blocks * page)[:tokens]
+    slots[torch.rand(tokens) < 0.2] = -1
+    slots = slots.to(device)
+    positions = torch.randint(0, max_pos, (tokens,), device=device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    pool = torch.randn(num_blocks, layers, 2, page, kv_heads, head_dim, device=device).to(cache_dtype)
+    caches = pool.permute(1, 2, 0, 3, 4, 5)  # [L, 2, N, bs, Hkv, D], strided
+    expected = caches.clone()
+    got_q, got_k = tk.rotary_write_kv(positions, q, k, v, cs, caches[1], slots)
+    want_q, want_k = reference.rotary_write_kv(positions, q, k, v, cs, expected[1], slots)
+    assert_close(got_q, want_q, dtype, scale=0.5)
+    assert_close(got_k, want_k, dtype, scale=0.5)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[2], expected[2])
+    # the stored k is the kernel's own rotated k, bit for bit; v is a plain copy
+    keep = slots >= 0
+    blocks, offs = slots[keep] // page, slots[keep] % page
+    assert torch.equal(caches[1, 0, blocks, offs], got_k[keep].to(cache_dtype))
+    assert torch.equal(caches[1, 1, blocks, offs], v[keep].to(cache_dtype))
+    untouched = torch.ones(num_blocks * page, dtype=torch.bool, device=device)
+    untouched[slots[keep]] = False
+    flat = caches[1].reshape(2, num_blocks * page, kv_heads, head_dim)
+    assert torch.equal(flat[:, untouched], expected[1].reshape(2, num_blocks * page, kv_heads, head_dim)[:, untouched])
 
 
 def check_rms_norm(tk, device: str, rows: int, hidden: int, dtype: torch.dtype, residual: bool,
