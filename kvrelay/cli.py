@@ -103,6 +103,11 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("arbitration", help="two co-resident models: one KV pool arbitrated by demand vs a static split")
     kv_arbitration.add_args(p)
     p.set_defaults(func=kv_arbitration.run)
+    from bench import hot_swap
+
+    p = kinds.add_parser("swap", help="hot-swap a model version under load: swap time, failures, co-residents' p99")
+    hot_swap.add_args(p)
+    p.set_defaults(func=hot_swap.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(redis_url=None)
     serve.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
     serve.add_argument("--config", default=None, help="YAML: model_repo + models to serve (overrides --model)")
+    serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                       help="workers hash a repository model's files against its manifest before loading it")
+    serve.add_argument("--weights-memory", type=int, default=None, metavar="BYTES",
+                       help="bytes of model weights each worker may hold at once (see the worker flag)")
     serve.set_defaults(func=_serve)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP front door")

@@ -34,12 +34,12 @@ class EngineObserver(Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, hold_finished_kv: bool = False, kv_pool: KVPool | None = None,
-                 kv_floor_blocks: int | None = None, kv_pool_key: str | None = None):
+                 kv_floor_blocks: int | None = None, kv_pool_key: str | None = None, loaded: tuple | None = None):
         """``kv_pool``: a KV pool shared with co-resident models (shared/kv_pool.py), attached to under
         ``kv_pool_key`` (default the model path) with a floor of ``kv_floor_blocks`` (default: one
         max_model_len sequence). Without one the model gets a private pool sized as configured."""
         self.config = config
-        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key)
+        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded)
         self.max_model_len = runner.max_model_len
         self.vocab_size: int = runner.model.vocab_size
         pool, key = runner.kv_pool, runner.kv_pool_key

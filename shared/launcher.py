@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from shared.cli_args import ADMIN_KEY_ENV
@@ -78,6 +79,9 @@ def serve(args: argparse.Namespace) -> int:
                                                                                "--served-model-name", models[0].name]
             engine = engine_argv(args, None) + models_argv + ["--dtype", args.dtype, "--device", args.device,
                                                               "--redis-url", redis_url] + repo_argv
+            engine.append("--verify-checksums" if args.verify_checksums else "--no-verify-checksums")
+            if args.weights_memory:
+                engine += ["--weights-memory", str(args.weights_memory)]
             specs += [(role, cmd + [role] + engine + _memory_share(args, role, 1)
                        + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
         else:
@@ -164,8 +168,12 @@ def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, mode
 def _ready(base_url: str, models: list[str]) -> bool:
     """Every model is registered and the gateway sees live workers for both of its phases."""
     try:
-        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=1) as resp:
-            if not set(models) <= {m["id"] for m in json.load(resp)["data"]}:
+        try:
+            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=1) as resp:
+                if not set(models) <= {m["id"] for m in json.load(resp)["data"]}:
+                    return False
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401:  # with an admin key the list wants a tenant key: /ready alone decides
                 return False
         with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as resp:
             return resp.status == 200

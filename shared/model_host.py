@@ -36,6 +36,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine_core import EngineCore
 from shared.kv_pool import KVPool
+from shared.loader import load_model
 from shared.model_repo import ModelRepository, RepositoryError, sha256_file
 from shared.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
 
@@ -225,12 +226,14 @@ class ModelHost:
         if plan.verify is not None:
             plan.verify()
         log.info("loading %s from %s", plan.instance, plan.path)
-        # CUDA graph capture must not race another thread's kernels: on CUDA the whole build holds the
-        # lock (the other models pause for the load); on CPU only the pool attach does
+        # weights are read here while the other models keep serving; the engine around them is built
+        # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
+        # race another thread's kernels. On CPU only the pool attach takes the lock (_LockedPool).
+        loaded = load_model(plan.engine.model, plan.engine.device)
         with self.lock if plan.engine.device.startswith("cuda") else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=_LockedPool(self.pool, self.lock) if self.pool is not None else None,
-                              kv_pool_key=plan.instance)
+                              kv_pool_key=plan.instance, loaded=loaded)
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,

@@ -43,10 +43,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
-                 kv_pool_key: str | None = None):
+                 kv_pool_key: str | None = None, loaded: tuple | None = None):
+        """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
+        that reads weights while its other models keep serving."""
         self.config = config
         self.device = torch.device(config.device)
-        self.model, self.hf_config = load_model(config.model, config.device)
+        self.model, self.hf_config = loaded or load_model(config.model, config.device)
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
