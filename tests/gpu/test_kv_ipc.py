@@ -14,7 +14,7 @@ import zmq
 
 from bench.handoff import decode_info, endpoint, transfer
 from prefill_worker.handoff import HandoffManager, State
-from shared.kv_ipc import IpcError, IpcPeers, copy_blocks, device_uuid, export_handle
+from shared.kv_ipc import IpcError, IpcExporter, IpcPeers, copy_blocks, device_uuid, export_handle
 from tests.integration.test_handoff import DecodeSide
 
 pytestmark = pytest.mark.gpu
@@ -106,14 +106,15 @@ def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
 
 def test_falls_back_to_frames_when_the_ipc_handle_cannot_be_mapped(decode_side):
     rt, manager = _in_process_prefill(decode_side.addr)
-    real_offer = decode_side.receiver.exporter.offer
+    exporter = decode_side.receiver.exporters[MODEL] = IpcExporter(decode_side.rt.core.runner.kv_cache)
+    real_offer = exporter.offer
 
     def broken_offer(requester, asker_uuid):
         h = real_offer(requester, asker_uuid)
         assert h is not None, "same GPU: the decode side must offer IPC"
         return dataclasses.replace(h, handle=bytes(len(h.handle)))  # a handle the driver refuses
 
-    decode_side.receiver.exporter.offer = broken_offer
+    exporter.offer = broken_offer
     for rid, num_tokens in CASES:
         t, src = _hand_off(manager, rt, rid, num_tokens)
         assert t.state is State.DONE and t.transport == "layers", t.reason
