@@ -18,6 +18,7 @@ import urllib.request
 
 from shared.cli_args import ADMIN_KEY_ENV
 from shared.model_source import resolve_model
+from shared.protocol import instance_key
 from shared.redis_conn import EmbeddedRedis
 from shared.serve_config import ServedModel, load_serve_config
 
@@ -95,7 +96,9 @@ def serve(args: argparse.Namespace) -> int:
                                         env=_env(name, args.admin_key, threads)) for name, argv in specs}
         names = [m.name for m in models if not m.lazy]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
-        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
+        instances = [instance_key(m.name, m.version) for m in models if not m.lazy]
+        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names,
+                          lambda: _workers_hold(redis_url, instances))
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
 
@@ -151,18 +154,39 @@ def _env(name: str, admin_key: str | None, threads: int | None) -> dict[str, str
     return env
 
 
-def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str]) -> int:
+def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str],
+               workers_ready=lambda: True) -> int:
     announced = False
     while not stopping():
         for name, proc in procs.items():
             if proc.poll() is not None:
                 log.error("%s exited with code %s; stopping everything", name, proc.returncode)
                 return proc.returncode or 1
-        if not announced and _ready(base_url, models):
+        if not announced and workers_ready() and _ready(base_url, models):
             announced = True
             print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
         time.sleep(0.5)
     return 0
+
+
+def _workers_hold(redis_url: str, instances: list[str]) -> bool:
+    """Every model we started is held by a live prefill-capable and a live decode-capable worker. The
+    gateway's /ready does not say so by itself for registered models, which it may load on demand."""
+    from shared import redis_keys as keys
+    from shared.protocol import WorkerInfo, decode
+    from shared.redis_conn import sync_client
+
+    r = sync_client(redis_url)
+    try:
+        ids = r.smembers(keys.WORKERS_INDEX)
+        workers = [decode(raw, WorkerInfo) for raw in r.mget([keys.worker_key(i.decode()) for i in ids])
+                   if raw is not None] if ids else []
+    except Exception:  # Redis still starting: not ready yet
+        return False
+    finally:
+        r.close()
+    return all(any(i in w.models and w.can_prefill for w in workers)
+               and any(i in w.models and w.can_decode for w in workers) for i in instances)
 
 
 def _ready(base_url: str, models: list[str]) -> bool:
