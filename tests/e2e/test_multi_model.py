@@ -136,6 +136,12 @@ models:
         assert results[model] == [text] * 3, model
     status, body = admin(cluster.port, "GET", "/admin/models")
     assert status == 200, body
+    by_name = {m["name"]: m for m in body["data"]}
+    llama = by_name["tiny-llama"]["instances"][0]
+    assert llama["instance"] == "tiny-llama@1" and llama["active"] and llama["queue_depth"] == 0
+    assert sorted(w["role"] for w in llama["workers"]) == ["decode", "prefill"]
+    assert all(w["state"] == "ready" and w["weight_bytes"] > 0 and w["kv_blocks"] > 0 for w in llama["workers"])
+    assert all(w["weights_used"] > 0 and w["kv_pool_bytes"] == 48 << 20 for w in body["workers"])
 
 
 def test_lazy_load_evicts_the_idle_model_never_the_pinned_one(cluster, repo, tmp_path, tiny_model_dir):
