@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="YAML: model_repo + models to serve (overrides --model)")
     serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
                        help="workers hash a repository model's files against its manifest before loading it")
+    serve.add_argument("--worker-monitoring-port", type=int, default=None, metavar="PORT",
+                       help="serve each worker's Prometheus /metrics on PORT, PORT+1, ... (gateway: /metrics)")
     serve.add_argument("--weights-memory", type=int, default=None, metavar="BYTES",
                        help="bytes of model weights each worker may hold at once (see the worker flag)")
     serve.set_defaults(func=_serve)

@@ -91,6 +91,9 @@ def serve(args: argparse.Namespace) -> int:
                                                       "--device", m.device, "--redis-url", redis_url]
                 specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models))
                            + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
+        if args.worker_monitoring_port is not None:  # workers' /metrics on consecutive ports
+            for i, (_, argv) in enumerate(specs[1:]):
+                argv += ["--monitoring-port", str(args.worker_monitoring_port + i)]
         threads = _cpu_threads_per_worker(args, len(specs) - 1)
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent,
                                         env=_env(name, args.admin_key, threads)) for name, argv in specs}
