@@ -164,3 +164,27 @@ def test_gpu_series_from_nvml(fail):
 def test_unknown_role_is_refused():
     with pytest.raises(ValueError, match="role"):
         WorkerMetrics(SimpleNamespace(scheduler=None, block_manager=None), "m", "router", "w")
+
+
+def test_merged_metrics_serve_every_hosted_model_in_one_exposition():
+    from shared.metrics import MergedMetrics
+
+    merged = MergedMetrics()
+    engines = {}
+    for name in ("a@1", "b@2"):
+        e = Engine("unified")
+        metrics = WorkerMetrics(e, name, "unified", "w1", process_collectors=not merged.registries)
+        merged.registries[name] = metrics.registry
+        engines[name] = (e, metrics)
+    engines["a@1"][1].request_done("stop", time.time() - 1)
+    text = generate_latest(merged.registry).decode()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # one family per name, as the text format requires
+    snap = samples(merged.registry)
+    assert value(snap, "vllm:request_success_total", model_name="a@1", finished_reason="stop") == 1
+    assert value(snap, "vllm:request_success_total", model_name="b@2", finished_reason="stop") == 0
+    assert ("vllm:num_requests_running", (("model_name", "b@2"),)) in snap
+    assert sum(1 for key in snap if key[0] == "process_resident_memory_bytes") == 1
+    del merged.registries["b@2"]  # unloaded: gone from the next scrape
+    assert ("vllm:num_requests_running", (("model_name", "b@2"),)) not in samples(merged.registry)
