@@ -58,10 +58,10 @@ def _preference(worker: WorkerInfo) -> tuple[int, int]:
     return -(worker.weights_budget - worker.weights_used), len(worker.instances) or len(worker.models)
 
 
-def load_command(spec: ModelSpec) -> ControlCommand:
+def load_command(spec: ModelSpec, prefer_evict: list[str] = ()) -> ControlCommand:
     return ControlCommand(command_id=uuid.uuid4().hex, op="load", name=spec.name, version=spec.version,
                           path=spec.path, dtype=spec.dtype, max_model_len=spec.max_model_len, pinned=spec.pinned,
-                          keep_alive_s=spec.keep_alive_s)
+                          keep_alive_s=spec.keep_alive_s, prefer_evict=list(prefer_evict))
 
 
 class Placement:
@@ -189,6 +189,7 @@ class Placement:
         placed: set[str] = set()  # answered ok; their heartbeat may not show it yet
         tried: set[str] = set()
         reasons: list[str] = []
+        evicted: list[str] = []  # by the prefill side: the decode side evicts the same, if it must
         for role in ("prefill", "decode"):
             while True:
                 workers = [w for w in await self._registry.workers(fresh=True) if serves_role(w, role)]
@@ -207,9 +208,10 @@ class Placement:
                 worker = candidates[0]
                 tried.add(worker.worker_id)
                 log.info("loading %s on %s", instance, worker.worker_id)
-                result = await self.command(worker.worker_id, load_command(spec), deadline)
+                result = await self.command(worker.worker_id, load_command(spec, evicted), deadline)
                 if result.ok:
                     placed.add(worker.worker_id)
+                    evicted += result.evicted
                     if result.evicted:
                         log.info("%s evicted %s to make room for %s", worker.worker_id, result.evicted, instance)
                 else:

@@ -170,7 +170,7 @@ class ModelHost:
         return (sum(s.weight_bytes for s in self.slots.values())
                 + sum(ld.plan.weight_bytes for ld in self.loading.values()))
 
-    def make_room(self, plan: ModelPlan, evict: bool) -> list[str]:
+    def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = ()) -> list[str]:
         """Unload idle unpinned instances until ``plan`` fits; the evicted instance keys. Raises
         ValueError (nothing evicted) when even evicting every candidate would not be enough."""
         need = plan.weight_bytes - (self.weights_budget - self.weights_used)
@@ -179,7 +179,7 @@ class ModelHost:
         if need <= 0 and kv_short <= 0:
             return []
         victims = sorted((s for s in self.slots.values() if self._evictable(s)),
-                         key=lambda s: -s.idle_s / max(s.load_s, 0.1))
+                         key=lambda s: (s.instance not in prefer, -s.idle_s / max(s.load_s, 0.1)))
         chosen, freed_w, freed_kv = [], 0, 0
         for s in victims:
             if freed_w >= need and freed_kv >= kv_short:
@@ -262,7 +262,7 @@ class ModelHost:
         t0 = time.perf_counter()
         try:
             plan = self.plan(cmd)
-            evicted = self.make_room(plan, cmd.evict)
+            evicted = self.make_room(plan, cmd.evict, cmd.prefer_evict)
         except (RepositoryError, ValueError, OSError) as exc:
             self.failed[inst] = (str(exc), cmd.name, cmd.version, time.time())
             return self._answer(cmd, False, str(exc), time.perf_counter() - t0)

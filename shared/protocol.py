@@ -372,6 +372,8 @@ class ControlCommand:
     keep_alive_s: float = 0.0
     drain: bool = True  # unload: finish what is queued and in flight first (a swap's old version)
     evict: bool = True  # load: may unload idle unpinned models to make room
+    prefer_evict: list[str] = field(default_factory=list)  # instances to evict first: what the other role
+    # evicted for this load, so both roles drop the same model instead of half-serving two
 
     @property
     def instance(self) -> str:

@@ -167,3 +167,13 @@ def test_corrupt_or_unknown_models_fail_cleanly(repo, tmp_path):
     assert sorted(host.slots) == ["a@1"] and generate(host, "a@1")  # the loaded model is untouched
     failed = {s.instance: s.error for s in host.status() if s.state == "failed"}
     assert "corrupt" in failed["bad@1"]
+
+
+def test_eviction_prefers_what_the_other_role_evicted(repo):
+    host, results = make_host(repo)
+    run(host, load("a"), load("b"))
+    host.slots["a@1"].last_used -= 100  # the idlest: evicted by default ...
+    host.slots["b@1"].last_used -= 10
+    run(host, load("c", prefer_evict=["b@1"]))  # ... but the prefill side dropped b for this load
+    assert results[-1].ok and results[-1].evicted == ["b@1"]
+    assert sorted(host.slots) == ["a@1", "c@1"]
