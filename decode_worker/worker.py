@@ -26,11 +26,11 @@ import redis
 import zmq
 
 from decode_worker.receiver import HandoffReceiver
-from shared import redis_keys as keys
 from shared.kv_transfer import max_message_bytes
 from shared.model_host import ModelSlot
-from shared.protocol import KVHeader, TokenEvent, WorkerInfo, decode
+from shared.protocol import KVHeader, TokenEvent
 from shared.sampling_params import SamplingParams
+from shared.worker_directory import live_workers
 from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
 
 log = logging.getLogger(__name__)
@@ -88,20 +88,10 @@ class DecodeWorker:
     def _prefill_holds(self, instance: str) -> bool:
         """Does a live prefill worker still hold this instance (and so may hand its KV to us)?"""
         try:
-            ids = self.runtime.redis.smembers(keys.WORKERS_INDEX)
-            raws = self.runtime.redis.mget([keys.worker_key(i.decode()) for i in ids]) if ids else []
+            workers = live_workers(self.runtime.redis)
         except redis.RedisError:
             return True  # cannot tell: keep it
-        for raw in raws:
-            if raw is None:
-                continue
-            try:
-                w = decode(raw, WorkerInfo)
-            except ValueError:
-                continue
-            if w.role == "prefill" and instance in w.models:
-                return True
-        return False
+        return any(w.role == "prefill" and instance in w.models for w in workers)
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import redis
 import redis.asyncio
 
+from gateway.registry import read_indexed
 from shared import redis_keys as keys
 from shared.protocol import ModelInfo, ModelSpec, decode, encode
 
@@ -50,16 +51,7 @@ class ModelRegistry:
         # cache before draining the old version (placement.py), so a stale read still finds it serving.
         if not fresh and self._specs is not None and time.monotonic() - self._specs[0] < self._cache_s:
             return self._specs[1]
-        names = sorted(n.decode() for n in await self._redis.smembers(keys.REGISTRY_INDEX))
-        raw = await self._redis.mget([keys.registry_key(n) for n in names]) if names else []
-        specs = {}
-        for name, data in zip(names, raw, strict=True):
-            if data is None:
-                continue
-            try:
-                specs[name] = decode(data, ModelSpec)
-            except ValueError as exc:
-                log.warning("ignoring malformed ModelSpec for %r: %s", name, exc)
+        specs = await read_indexed(self._redis, keys.REGISTRY_INDEX, keys.registry_key, ModelSpec)
         self._specs = (time.monotonic(), specs)
         return specs
 

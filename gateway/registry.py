@@ -30,6 +30,22 @@ class Capacity:
         return self.prefill > 0 and self.decode > 0
 
 
+async def read_indexed(client: redis.asyncio.Redis, index: str, key_of, cls) -> dict:
+    """Every record named in the set ``index`` (one SMEMBERS, one MGET), decoded as ``cls``; missing
+    records are skipped, malformed ones logged and skipped."""
+    names = sorted(n.decode() for n in await client.smembers(index))
+    raw = await client.mget([key_of(n) for n in names]) if names else []
+    out = {}
+    for name, data in zip(names, raw, strict=True):
+        if data is None:
+            continue
+        try:
+            out[name] = decode(data, cls)
+        except ValueError as exc:
+            log.warning("ignoring malformed %s for %r: %s", cls.__name__, name, exc)
+    return out
+
+
 class Registry:
     def __init__(self, client: redis.asyncio.Redis, cache_s: float):
         self._redis = client
@@ -46,16 +62,8 @@ class Registry:
     async def models(self, fresh: bool = False) -> dict[str, ModelInfo]:
         if not fresh and self._fresh(self._models):
             return self._models[1]
-        names = sorted(n.decode() for n in await self._redis.smembers(keys.MODELS_INDEX))
-        raw = await self._redis.mget([keys.model_key(n) for n in names]) if names else []
-        models = {}
-        for name, data in zip(names, raw, strict=True):
-            if data is None:
-                continue  # indexed but unpublished (or deleted): not servable
-            try:
-                models[name] = decode(data, ModelInfo)
-            except ValueError as exc:
-                log.warning("ignoring malformed ModelInfo for %r: %s", name, exc)
+        # indexed but unpublished (or deleted): not servable
+        models = await read_indexed(self._redis, keys.MODELS_INDEX, keys.model_key, ModelInfo)
         self._models = (time.monotonic(), models)
         return models
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from shared import redis_keys as keys
 from shared.kv_ipc import DeviceCopy, IpcError, IpcPeers
 from shared.kv_transfer import StagedKV, Waker, layout_of
 from shared.protocol import (
@@ -42,10 +41,10 @@ from shared.protocol import (
     KVHeader,
     KVLayers,
     WorkerInfo,
-    decode,
     decode_any,
     encode,
 )
+from shared.worker_directory import live_workers
 
 log = logging.getLogger(__name__)
 
@@ -354,19 +353,7 @@ class HandoffManager:
         return live[0] if live else None
 
     def _load_workers(self) -> list[WorkerInfo]:
-        r = self.runtime.redis
-        ids = r.smembers(keys.WORKERS_INDEX)
-        raws = r.mget([keys.worker_key(i.decode()) for i in ids]) if ids else []
-        workers = []
-        for raw in raws:
-            if raw is None:
-                continue  # heartbeat expired: dead
-            try:
-                workers.append(decode(raw, WorkerInfo))
-            except ValueError:
-                continue
-        return workers
-
+        return live_workers(self.runtime.redis)
 
 def _free_kv(w: WorkerInfo, model: str) -> int:
     """Blocks the worker could give ``model`` now (its free ones plus what its shared pool could lend)."""

@@ -175,15 +175,12 @@ def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, mode
 def _workers_hold(redis_url: str, instances: list[str]) -> bool:
     """Every model we started is held by a live prefill-capable and a live decode-capable worker. The
     gateway's /ready does not say so by itself for registered models, which it may load on demand."""
-    from shared import redis_keys as keys
-    from shared.protocol import WorkerInfo, decode
     from shared.redis_conn import sync_client
+    from shared.worker_directory import live_workers
 
     r = sync_client(redis_url)
     try:
-        ids = r.smembers(keys.WORKERS_INDEX)
-        workers = [decode(raw, WorkerInfo) for raw in r.mget([keys.worker_key(i.decode()) for i in ids])
-                   if raw is not None] if ids else []
+        workers = live_workers(r)
     except Exception:  # Redis still starting: not ready yet
         return False
     finally:

@@ -61,7 +61,6 @@ class WorkerMetrics:
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
         self._seen: dict[str, _Seen] = {}
-        self._server = None
 
         Gauge("kvrelay_worker_info", "This worker's role and id (always 1), for joins",
               m + ["role", "worker_id"], registry=r).labels(model_name, role, worker_id).set(1)
@@ -102,20 +101,6 @@ class WorkerMetrics:
         if process_collectors:
             r.register(HostCollector(*nvml_for(device)))
             ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
-
-    # -- serving --------------------------------------------------------------------------------
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0: ephemeral) from a daemon thread; returns the port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        port = self._server.server_port
-        log.info("metrics on http://%s:%d/metrics", host, port)
-        return port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
     # -- EngineObserver -------------------------------------------------------------------------
     def on_step(self, started: float, out: SchedulerOutput, finished: list[Request]) -> None:
@@ -198,6 +183,7 @@ class MergedMetrics:
         yield from merged.values()
 
     def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0: ephemeral) from a daemon thread; returns the port."""
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", host, port)
