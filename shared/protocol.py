@@ -455,15 +455,36 @@ def _unpack(data: bytes | memoryview) -> dict:
     return obj
 
 
+_PLAIN, _MESSAGE, _MESSAGES = 0, 1, 2
+_WIRE: dict[type, tuple[tuple[str, int], ...]] = {}
+
+
+def _wire_fields(cls: type) -> tuple[tuple[str, int], ...]:
+    """(field name, whether it holds a message / a list of messages) per field, from the annotations,
+    worked out once per class: encoding runs once per decode step for every gateway (a TokenBatch of
+    up to max_num_seqs events), where asking each value whether it is a dataclass cost ~5 µs an event."""
+    spec, hints = [], _hints(cls)
+    for f in dataclasses.fields(cls):
+        name, tp = f.name, hints[f.name]
+        options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        kind = _PLAIN
+        for option in options:
+            if isinstance(option, type) and dataclasses.is_dataclass(option):
+                kind = _MESSAGE
+            elif typing.get_origin(option) is list and dataclasses.is_dataclass(typing.get_args(option)[0]):
+                kind = _MESSAGES
+        spec.append((name, kind))
+    _WIRE[cls] = spec = tuple(spec)
+    return spec
+
+
 def _to_wire(msg: Any) -> dict:
     out = {}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if dataclasses.is_dataclass(value):
-            value = _to_wire(value)
-        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            value = [_to_wire(v) for v in value]
-        out[f.name] = value
+    for name, kind in _WIRE.get(type(msg)) or _wire_fields(type(msg)):
+        value = getattr(msg, name)
+        if kind and value is not None:
+            value = _to_wire(value) if kind == _MESSAGE else [_to_wire(v) for v in value]
+        out[name] = value
     return out
 
 

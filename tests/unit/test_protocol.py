@@ -206,3 +206,31 @@ def test_kv_checksum_detects_change_and_order():
     assert p.kv_checksum(frames) == p.kv_checksum([bytes(f) for f in frames])
     assert p.kv_checksum(frames) != p.kv_checksum(frames[::-1])
     assert p.kv_checksum(frames) != p.kv_checksum([b"layer0" * 10, b"layer1" * 9 + b"layerX"])
+
+
+def test_multi_model_messages_round_trip_with_nested_messages():
+    from shared.protocol import (
+        ControlCommand,
+        ControlResult,
+        InstanceStatus,
+        ModelSpec,
+        WorkerInfo,
+        decode,
+        encode,
+        instance_key,
+    )
+
+    status = InstanceStatus(instance="m@2", name="m", version=2, state="draining", kv_blocks=7, error="")
+    info = WorkerInfo(worker_id="w", role="decode", models=["m@2"], zmq_addr="tcp://h:1", free_blocks=1,
+                      total_blocks=2, running=0, waiting=0, pid=1, host="h", started=0.0, heartbeat=1.0,
+                      instances=[status], weights_budget=10, weights_used=5, kv_pool_bytes=8, can_load=True)
+    assert decode(encode(info), WorkerInfo) == info
+    cmd = ControlCommand(command_id="c", op="load", name="m", version=2, prefer_evict=["x@1"])
+    assert decode(encode(cmd), ControlCommand) == cmd and cmd.instance == "m@2"
+    res = ControlResult(command_id="c", worker_id="w", instance="m@2", ok=False, error="no room", evicted=["a"])
+    assert decode(encode(res), ControlResult) == res
+    spec = ModelSpec(name="m", version=3, pinned=True, previous_version=2)
+    assert decode(encode(spec), ModelSpec) == spec and spec.instance == instance_key("m", 3) == "m@3"
+    assert instance_key("m", 0) == "m"
+    with pytest.raises(ValueError):
+        decode(encode(ControlCommand(command_id="c", op="load", name="m")).replace(b"load", b"nuke"), ControlCommand)
