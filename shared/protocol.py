@@ -489,31 +489,29 @@ def _to_wire(msg: Any) -> dict:
 
 
 def _build(cls: type[M], raw: Any, where: str) -> M:
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a map, got {type(raw).__name__}")
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(raw) - set(known)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-    kwargs = {}
-    for name, f in known.items():
-        if name not in raw:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{where}: missing field {name!r}")
-            continue
-        value = _check(raw[name], hints[name], f"{where}.{name}")
-        if "choices" in f.metadata and value is not None and value not in f.metadata["choices"]:
-            raise ValueError(f"{where}.{name}: {value!r} is not one of {f.metadata['choices']}")
-        if "max_len" in f.metadata and isinstance(value, str) and len(value) > f.metadata["max_len"]:
-            raise ValueError(f"{where}.{name}: longer than {f.metadata['max_len']} characters")
-        kwargs[name] = value
-    msg = cls(**kwargs)
-    if hasattr(msg, "check"):
-        msg.check()
-    return msg
+    try:
+        return _checker(cls)(raw)
+    except _Mismatch as exc:
+        raise ValueError(exc.message(where)) from None
 
 
+class _Mismatch(Exception):
+    """A value that does not fit its annotation. Carries the path from the failing value up, joined only
+    when reported: the happy path builds no location strings (decoding runs for every token batch)."""
+
+    def __init__(self, text: str, path: str = "", value: Any = None, tp: Any = None):
+        self.text, self.path, self.value, self.tp = text, path, value, tp
+
+    def at(self, part: str) -> _Mismatch:
+        self.path = part + self.path
+        return self
+
+    def message(self, where: str) -> str:
+        text = self.text or f"{type(self.value).__name__} {_short(self.value)} does not match {_name(self.tp)}"
+        return f"{where}{self.path}: {text}"
+
+
+_CHECKERS: dict[Any, Any] = {}
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
@@ -523,54 +521,146 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` (tuples/floats normalized) if it matches annotation ``tp``, else raise."""
+def _checker(tp: Any):
+    """``f(value)`` -> the value (tuples and floats normalized) if it matches annotation ``tp``, else
+    raises _Mismatch. Compiled once per annotation."""
+    f = _CHECKERS.get(tp)
+    if f is None:
+        f = _CHECKERS[tp] = _compile(tp)
+    return f
+
+
+def _mismatch(value: Any, tp: Any) -> _Mismatch:
+    return _Mismatch("", value=value, tp=tp)  # the text is only made if the error is reported
+
+
+def _compile(tp: Any):
     origin = typing.get_origin(tp)
     if tp is Any:
-        return value
+        return lambda value: value
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return _check(value, option, where)
-            except ValueError:
-                continue
-        raise ValueError(f"{where}: {type(value).__name__} does not match {tp}")
+        optional = type(None) in typing.get_args(tp)
+        options = [_checker(o) for o in typing.get_args(tp) if o is not type(None)]
+
+        def union(value):
+            if value is None and optional:  # most optional fields are None: no failed attempt first
+                return None
+            for option in options:
+                try:
+                    return option(value)
+                except _Mismatch:
+                    continue
+            raise _Mismatch(f"{type(value).__name__} does not match {tp}")
+        return union
     if tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is bytes:
-        if isinstance(value, bytes):
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            (item_tp,) = typing.get_args(tp)
-            if item_tp is int:  # the hot case (token ids): one pass, no recursion
-                if all(type(v) is int for v in value):
+        def none(value):
+            if value is None:
+                return None
+            raise _mismatch(value, tp)
+        return none
+    if tp in (bool, int, str, bytes):
+        def exact(value):  # bool is no int here, and no int a bool
+            if type(value) is tp or (tp is not bool and tp is not int and isinstance(value, tp)):
+                return value
+            raise _mismatch(value, tp)
+        return exact
+    if tp is float:
+        def real(value):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+            raise _mismatch(value, tp)
+        return real
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if item_tp is int:  # the hot case (token ids): one pass, no calls
+            def ints(value):
+                if isinstance(value, list) and all(type(v) is int for v in value):
                     return value
-            else:
-                return [_check(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif origin is tuple:
-        args = typing.get_args(tp)
-        if isinstance(value, list | tuple) and len(value) == len(args):
-            return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
-    elif origin is dict:
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return value
-    elif dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    raise ValueError(f"{where}: {type(value).__name__} {_short(value)} does not match {_name(tp)}")
+                raise _mismatch(value, tp)
+            return ints
+        item = _checker(item_tp)
+
+        def items(value):
+            if not isinstance(value, list):
+                raise _mismatch(value, tp)
+            out = []
+            for i, v in enumerate(value):
+                try:
+                    out.append(item(v))
+                except _Mismatch as exc:
+                    raise exc.at(f"[{i}]") from None
+            return out
+        return items
+    if origin is tuple:
+        parts = [_checker(a) for a in typing.get_args(tp)]
+
+        def fixed(value):
+            if not isinstance(value, list | tuple) or len(value) != len(parts):
+                raise _mismatch(value, tp)
+            out = []
+            for i, (check, v) in enumerate(zip(parts, value, strict=True)):
+                try:
+                    out.append(check(v))
+                except _Mismatch as exc:
+                    raise exc.at(f"[{i}]") from None
+            return tuple(out)
+        return fixed
+    if origin is dict:
+        def mapping(value):
+            if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+                return value
+            raise _mismatch(value, tp)
+        return mapping
+    if dataclasses.is_dataclass(tp):
+        return _compile_message(tp)
+
+    def never(value):
+        raise _mismatch(value, tp)
+    return never
+
+
+def _compile_message(cls: type):
+    hints = _hints(cls)
+    fields = []  # (name, checker, required, choices, max_len)
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        fields.append((f.name, None, required, f.metadata.get("choices"), f.metadata.get("max_len")))
+    known = frozenset(f[0] for f in fields)
+    checkers: dict[str, Any] = {}
+    has_check = hasattr(cls, "check")
+
+    def build(raw):
+        if not isinstance(raw, dict):
+            raise _Mismatch(f"expected a map, got {type(raw).__name__}")
+        if not known.issuperset(raw):
+            unknown = set(raw) - known
+            raise _Mismatch(f"unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+        kwargs = {}
+        for name, _, required, choices, max_len in fields:
+            if name not in raw:
+                if required:
+                    raise _Mismatch(f"missing field {name!r}")
+                continue
+            check = checkers.get(name)
+            if check is None:  # resolved lazily: messages may refer to classes defined after them
+                check = checkers[name] = _checker(hints[name])
+            try:
+                value = check(raw[name])
+            except _Mismatch as exc:
+                raise exc.at(f".{name}") from None
+            if choices is not None and value is not None and value not in choices:
+                raise _Mismatch(f"{value!r} is not one of {choices}", f".{name}")
+            if max_len is not None and isinstance(value, str) and len(value) > max_len:
+                raise _Mismatch(f"longer than {max_len} characters", f".{name}")
+            kwargs[name] = value
+        msg = cls(**kwargs)
+        if has_check:
+            try:
+                msg.check()
+            except ValueError as exc:
+                raise _Mismatch(str(exc)) from None
+        return msg
+    return build
 
 
 def _short(value: Any) -> str:
