@@ -118,4 +118,4 @@ def create_app(config: GatewayConfig) -> web.Application:
 def run_gateway(config: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain (what ``kvrelay gateway`` calls)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(create_app(config), config.host, config.port, config.drain_timeout))
+    asyncio.run(serve(create_app(config), config.host, config.port, config.drain_timeout, config.reuse_port))

@@ -31,6 +31,7 @@ class GatewayConfig:
     default_tenant: str = "default"  # whose requests these are while no tenant exists (open mode)
     disconnect_poll_s: float = 1.0  # how often a waiting request checks that its client is still there
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    reuse_port: bool = False  # SO_REUSEPORT: several gateway processes share the port (--api-server-count)
     # Jobs queued or being prefilled per model (the stream's length: workers delete what they ACK); past
     # it new requests get 429 + Retry-After instead of joining an ever longer wait. 0: unbounded.
     max_queue_depth: int = 4096

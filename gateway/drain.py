@@ -94,14 +94,15 @@ def make_drain_middleware(retry_after: int):
     return drain_middleware
 
 
-async def serve(app: web.Application, host: str, port: int, drain_timeout: float) -> None:
+async def serve(app: web.Application, host: str, port: int, drain_timeout: float, reuse_port: bool = False) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain it as described above."""
     # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its jobs.
     # shutdown_timeout is short because the drain already waited for handlers.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_FINISH_GRACE_S)
     await runner.setup()
     # a deep backlog: behind nginx a burst of new upstream connections must queue, not be refused
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    # reuse_port: the kernel spreads new connections over every gateway process bound to the port
+    site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=reuse_port or None)
     await site.start()
     log.info("gateway listening on http://%s:%d", host, port)
     stop = asyncio.Event()

@@ -26,7 +26,7 @@ def _gateway(args: argparse.Namespace) -> int:
                               zmq_advertise_host=args.zmq_advertise_host,
                               admin_key=args.admin_key, response_cache_ttl=args.response_cache_ttl,
                               model_repo=args.model_repo, model_load_timeout=args.model_load_timeout,
-                              reconcile_interval_s=args.reconcile_interval_s))
+                              reconcile_interval_s=args.reconcile_interval_s, reuse_port=args.reuse_port))
     return 0
 
 
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="YAML: model_repo + models to serve (overrides --model)")
     serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
                        help="workers hash a repository model's files against its manifest before loading it")
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="gateway processes sharing --port (SO_REUSEPORT): one Python process tops out near "
+                            "10k streamed tokens/s")
     serve.add_argument("--worker-monitoring-port", type=int, default=None, metavar="PORT",
                        help="serve each worker's Prometheus /metrics on PORT, PORT+1, ... (gateway: /metrics)")
     serve.add_argument("--weights-memory", type=int, default=None, metavar="BYTES",

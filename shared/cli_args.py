@@ -101,6 +101,8 @@ def add_gateway_args(p: argparse.ArgumentParser, port_default: int = 8000) -> No
                         f"(default: ${ADMIN_KEY_ENV})")
     g.add_argument("--response-cache-ttl", type=float, default=0.0,
                    help="seconds a deterministic (temperature 0 or seeded) response is reused (0: off)")
+    g.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT, so several gateway processes serve one port")
     g.add_argument("--max-body-size", type=int, default=1024 * 1024)
     g.add_argument("--request-timeout", type=float, default=600.0)
     g.add_argument("--drain-timeout", type=float, default=30.0,

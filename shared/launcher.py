@@ -94,7 +94,14 @@ def serve(args: argparse.Namespace) -> int:
         if args.worker_monitoring_port is not None:  # workers' /metrics on consecutive ports
             for i, (_, argv) in enumerate(specs[1:]):
                 argv += ["--monitoring-port", str(args.worker_monitoring_port + i)]
-        threads = _cpu_threads_per_worker(args, len(specs) - 1)
+        if args.api_server_count > 1:
+            # like vLLM's --api-server-count: one gateway process streams ~10k tokens/s at most, so
+            # several share the port and the kernel spreads connections over them; everything they share
+            # (limits, usage, registry) already lives in Redis, and each has its own token-event socket
+            gateway_argv = specs[0][1] + ["--reuse-port"]
+            specs[0] = ("gateway", gateway_argv)
+            specs[1:1] = [(f"gateway-{i}", list(gateway_argv)) for i in range(1, args.api_server_count)]
+        threads = _cpu_threads_per_worker(args, sum(not _is_gateway(n) for n, _ in specs))
         procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent,
                                         env=_env(name, args.admin_key, threads)) for name, argv in specs}
         names = [m.name for m in models if not m.lazy]
@@ -130,6 +137,10 @@ def _models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
     return models
 
 
+def _is_gateway(name: str) -> bool:
+    return name == "gateway" or name.startswith("gateway-")
+
+
 def _config_repo(config: str) -> str | None:
     repo, _ = load_serve_config(config)
     return str(repo.root) if repo is not None else None
@@ -150,9 +161,9 @@ def _env(name: str, admin_key: str | None, threads: int | None) -> dict[str, str
     """The admin key reaches the gateway through its environment (argv shows in `ps`), and no other
     process: workers have no use for it."""
     env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
-    if name == "gateway" and admin_key:
+    if _is_gateway(name) and admin_key:
         env[ADMIN_KEY_ENV] = admin_key
-    if threads is not None and name != "gateway":
+    if threads is not None and not _is_gateway(name):
         env["OMP_NUM_THREADS"] = str(threads)
     return env
 
@@ -210,7 +221,7 @@ def _stop_all(procs: dict[str, subprocess.Popen], grace: float = STOP_GRACE_S) -
     long plus STOP_GRACE_S. Ctrl-C in a terminal reaches the children too: with this SIGTERM, their
     second signal, they stop at once instead."""
     # workers first so they unregister while Redis is still up; the gateway last
-    order = sorted(procs, key=lambda n: n == "gateway")
+    order = sorted(procs, key=_is_gateway)
     for name in order:
         if procs[name].poll() is None:
             procs[name].send_signal(signal.SIGTERM)

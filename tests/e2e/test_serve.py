@@ -83,3 +83,43 @@ def test_ctrl_c_stops_everything_cleanly(served):
     r = sync_client(redis_url)
     assert not any(r.exists(keys.worker_key(w.decode())) for w in r.smembers(keys.WORKERS_INDEX))
     assert r.scard(keys.WORKERS_INDEX) == 0
+
+
+def test_api_server_count_runs_gateways_that_share_the_port(tmp_path, redis_url):
+    import json
+    import re
+    import urllib.request
+
+    port, log = free_port(), tmp_path / "serve.log"
+    sync_client(redis_url).flushall()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
+         "--model", "dummy:tiny-llama", "--max-model-len", "256", "--kv-cache-memory", str(16 << 20),
+         "--api-server-count", "2"],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + 180
+        while b"kvrelay ready" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        gateways = [c for c in psutil.Process(proc.pid).children() if "gateway" in c.cmdline()]
+        assert len(gateways) == 2
+        started = set()
+        for _ in range(40):  # a new connection each time: the kernel picks a gateway per connection
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                started |= set(re.findall(r"^process_start_time_seconds (\S+)$", resp.read().decode(), re.M))
+        assert len(started) == 2, started
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+            model = json.load(resp)["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).encode()
+        texts = set()
+        for _ in range(8):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                texts.add(json.load(resp)["choices"][0]["text"])
+        assert len(texts) == 1  # greedy: the same answer whichever gateway took it
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert not any(p.is_running() for p in gateways)
