@@ -566,7 +566,10 @@ def _compile(tp: Any):
         return exact
     if tp is float:
         def real(value):
-            if isinstance(value, int | float) and not isinstance(value, bool):
+            kind = type(value)
+            if kind is float:
+                return value
+            if kind is int:
                 return float(value)
             raise _mismatch(value, tp)
         return real
@@ -592,6 +595,16 @@ def _compile(tp: Any):
             return out
         return items
     if origin is tuple:
+        if typing.get_args(tp) == (int, float):  # a (token id, logprob) pair: the hot case of logprobs
+            def pair(value):
+                if type(value) in (list, tuple) and len(value) == 2 and type(value[0]) is int:
+                    lp = value[1]
+                    if type(lp) is float:
+                        return (value[0], lp)
+                    if type(lp) is int:
+                        return (value[0], float(lp))
+                raise _mismatch(value, tp)
+            return pair
         parts = [_checker(a) for a in typing.get_args(tp)]
 
         def fixed(value):
