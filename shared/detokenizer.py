@@ -40,6 +40,14 @@ class IncrementalDetokenizer:
         self._decode_kwargs: dict[str, bool] = {"skip_special_tokens": skip_special_tokens}
         if hasattr(tokenizer, "clean_up_tokenization_spaces"):
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
+        # A fast transformers tokenizer decodes through its Rust ``tokenizers`` backend; with the clean-up
+        # off, calling that directly gives the same text without ~5 µs of wrapper per call (two calls per
+        # streamed token, in the gateway's hot loop).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "is_fast", False):
+            self._tokenizer = backend
+            self._decode_kwargs = {"skip_special_tokens": skip_special_tokens}
+        self._prefix_text: str | None = None  # the decoded window [prefix_offset:read_offset], until it moves
         # Only the window [prefix_offset:] of this list is ever decoded again; older ids are dropped.
         self._ids: list[int] = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + 2) :])
         self._read_offset = len(self._ids)  # ids before this are already reflected in .text
@@ -67,7 +75,9 @@ class IncrementalDetokenizer:
         return "".join(delta)
 
     def _step(self) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
+        if prefix_text is None:  # the window only moves when text is emitted: decode it once per move
+            prefix_text = self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token) or a UTF-8 sequence still incomplete.
@@ -78,6 +88,7 @@ class IncrementalDetokenizer:
         self._chunks.append(piece)
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        self._prefix_text = None
         # Trim ids that will never be decoded again so long generations do not grow the list.
         if self._prefix_offset > 0:
             del self._ids[: self._prefix_offset]
