@@ -134,6 +134,12 @@ class DecodeWorker:
         req.num_cached_tokens = h.num_cached_tokens
         core.scheduler.add_prefilled_request(req)
         self.requests[h.request_id] = (h.model, h.reply_addr, h.deadline, 1)
+        # Tell the gateway who holds the request now, before the ack lets the prefill side drop the job:
+        # if this worker dies after the ack but before its first token event, the gateway still knows
+        # whose heartbeat to watch and fails the stream instead of waiting out the request's deadline.
+        self.runtime.events.add(h.reply_addr, TokenEvent(request_id=h.request_id, output_index=1,
+                                                         worker_id=self.config.worker_id))
+        self.runtime.events.flush()
 
     def _abort(self, request_ids: list[str], reason: str | None, finish_reason: str = "abort") -> None:
         for rid in request_ids:

@@ -214,6 +214,8 @@ class Generation:
                 continue  # a late event after a stop string or a duplicate delivery
             if event.worker_id:
                 self._holders[choice.job_id] = event.worker_id
+            if not (event.token_ids or event.finish_reason or event.error or event.prompt_logprobs):
+                continue  # a decode worker announcing it holds the request: nothing to stream
             delta = choice.receive(event)
             if delta is None:
                 continue

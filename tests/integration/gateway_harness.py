@@ -149,7 +149,8 @@ class FakeWorker:
 
     def _plan(self, job: Job) -> _Seq:
         prompt = self.tokenizer.decode(job.prompt_token_ids)
-        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup") if f"[{m}]" in prompt), "normal")
+        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan") if f"[{m}]" in prompt),
+                    "normal")
         reply = self.tokenizer.encode(REPLY, add_special_tokens=False)
         plan = reply * 20 if mode == "slow" else reply + [self.eos]
         return _Seq(job=job, plan=plan, mode=mode)
@@ -166,6 +167,11 @@ class FakeWorker:
                       num_prompt_tokens=num_prompt if first else 0, num_cached_tokens=num_prompt // 2 if first else 0)
         if seq.mode == "error":
             return TokenEvent(**common, finish_reason="error", error="fake worker exploded")
+        if seq.mode == "orphan":  # handed off to a decode worker that announced itself and then died
+            if seq.sent == 1:
+                return None if seq.steps > 2 else TokenEvent(request_id=seq.job.request_id, output_index=1,
+                                                              worker_id=ORPHAN_HOLDER)
+            common["worker_id"] = ""  # the first token comes from the prefill side, which names no holder
         token = seq.plan[seq.sent]
         seq.sent += 1
         finish = stop_reason = None
@@ -233,6 +239,9 @@ class FakeWorker:
                 sock.close(linger=0)
             ctx.term()
             r.close()
+
+
+ORPHAN_HOLDER = "decode-that-died"  # never registered: its heartbeat is as gone as a killed worker's
 
 
 def free_port() -> int:

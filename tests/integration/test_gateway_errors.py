@@ -189,6 +189,20 @@ def test_worker_error_non_stream_and_stream(stack):
     assert events[-2:] == ["data: [DONE]", ""] and '"error"' in events[-3]
 
 
+def test_a_dead_holder_announced_before_any_decode_token_fails_the_stream(stack):
+    """The decode side names itself (an event with no tokens) before the prefill side drops the job; if it
+    dies before its first token, the gateway must fail the stream within its poll, not hang, and the
+    announcement itself must not reach the client as an empty chunk."""
+    started = time.monotonic()
+    raw = _post(stack, "/v1/completions", {"model": MODEL, "prompt": "[orphan] go", "stream": True,
+                                           "max_tokens": 5}).text
+    assert time.monotonic() - started < 15
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and "stopped" in events[-2] and '"error"' in events[-2]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert [c["choices"][0]["text"] for c in chunks] and all(c["choices"][0]["text"] for c in chunks)
+
+
 def test_malformed_token_batches_are_dropped(stack):
     """Garbage on the reply socket must not break the dispatcher for everyone else."""
     address = stack.server.app[DISPATCHER].address
