@@ -26,6 +26,7 @@ from gateway.redis_watch import REDIS_WATCH, RedisWatch
 from gateway.registry import Registry
 from gateway.response_cache import ResponseCache
 from gateway.routes import ROUTES
+from gateway.routing import PrefixIndex
 from gateway.state import (
     BACKGROUND,
     CONFIG,
@@ -35,6 +36,7 @@ from gateway.state import (
     MODEL_REGISTRY,
     MODEL_REPO,
     PLACEMENT,
+    PREFIX_INDEX,
     REDIS,
     REGISTRY,
     RESPONSE_CACHE,
@@ -105,6 +107,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.middlewares.append(auth_middleware)
     app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()
+    app[PREFIX_INDEX] = PrefixIndex()
     if config.model_repo:
         app[MODEL_REPO] = ModelRepository(config.model_repo)
     # Cleanup runs in reverse: the reconciler stops first, then background tasks (abort publishes, model

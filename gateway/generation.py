@@ -23,7 +23,7 @@ from gateway.drain import DRAIN, draining_error
 from gateway.errors import REQUEST_ID, APIError, ClientGone
 from gateway.prompts import Prepared
 from gateway.redis_watch import REDIS_WATCH
-from gateway.state import CONFIG, DISPATCHER, REDIS, REGISTRY, spawn
+from gateway.state import CONFIG, DISPATCHER, PREFIX_INDEX, REDIS, REGISTRY, spawn
 from shared import redis_keys as keys
 from shared.protocol import Abort, Job, TokenEvent, encode
 
@@ -153,7 +153,8 @@ class Generation:
                       priority=self.prepared.priority, reply_addr=reply_addr, deadline=self.deadline,
                       arrival=self.arrival, cache_salt=self.prepared.cache_salt)
             worker = routing.route(choice.prompt_token_ids, model, self.prepared.model.block_size,
-                                   self.prepared.tenant, self.prepared.cache_salt, workers, backlog, policy)
+                                   self.prepared.tenant, self.prepared.cache_salt, workers, backlog, policy,
+                                   self.app[PREFIX_INDEX])
             if worker is None:
                 pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen,
                           approximate=True)

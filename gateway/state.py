@@ -13,6 +13,7 @@ from gateway.model_registry import ModelRegistry
 from gateway.placement import Placement
 from gateway.registry import Registry
 from gateway.response_cache import ResponseCache
+from gateway.routing import PrefixIndex
 from gateway.tenants import TenantStore
 from gateway.tokenizers import TokenizerPool
 from gateway.usage import UsageLedger
@@ -30,6 +31,7 @@ RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 MODEL_REGISTRY = web.AppKey("model_registry", ModelRegistry)
 PLACEMENT = web.AppKey("placement", Placement)
+PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
 # Only set with --model-repo: the admin API checks registrations against it (app.get(MODEL_REPO)).
 MODEL_REPO = web.AppKey("model_repo", ModelRepository)
 # Fire-and-forget work (abort publishes from finishing handlers) kept referenced until done.

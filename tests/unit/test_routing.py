@@ -99,3 +99,37 @@ def test_short_prompts_a_lone_worker_and_a_disabled_policy_use_the_shared_stream
     assert pick(prompt(1, n=BS), WORKERS) is not None
     assert pick(prompt(1), WORKERS[:1]) is None
     assert pick(prompt(1), WORKERS, policy=Policy(enabled=False)) is None
+
+
+def test_the_index_sends_a_short_shared_prefix_where_it_went_before():
+    """A shared 3-block document (48 tokens, shorter than the 64-token key) followed by different
+    questions: the rendezvous key differs per question, the index still sends every one to the worker
+    that computed the document."""
+    from gateway.routing import PrefixIndex
+
+    index, doc = PrefixIndex(), prompt(7, 48)
+    first = route(doc + prompt(500, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)
+    assert first is not None
+    without = {pick(doc + prompt(600 + i, 40), WORKERS) for i in range(30)}
+    assert len(without) > 1  # what the key alone does
+    with_index = {route(doc + prompt(600 + i, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)
+                  for i in range(30)}
+    assert with_index == {first}
+
+
+def test_the_index_yields_to_load_dead_workers_tenants_and_its_capacity():
+    from gateway.routing import PrefixIndex, block_chain
+
+    index, doc = PrefixIndex(capacity=64), prompt(8, 48)
+    first = route(doc + prompt(1, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)
+    busy = {first: POLICY.slack + 1}
+    assert route(doc + prompt(2, 40), "m", BS, "default", None, WORKERS, busy, POLICY, index) is None
+    alive = [w for w in WORKERS if w.worker_id != first]
+    moved = route(doc + prompt(3, 40), "m", BS, "default", None, alive, {}, POLICY, index)
+    assert moved not in (None, first)
+    assert route(doc + prompt(4, 40), "m", BS, "default", None, alive, {}, POLICY, index) == moved  # re-learned
+    other = block_chain(BS, doc, "tenant-b", None, 8)
+    assert index.lookup("m", other, {w.worker_id for w in WORKERS}) is None  # namespaces never share
+    for i in range(40):
+        route(prompt(1000 + i, 80), "m", BS, "default", None, WORKERS, {}, POLICY, index)
+    assert len(index) <= 64
