@@ -5,7 +5,7 @@ import argparse
 import os
 
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.model_source import dummy_tokenizer_dir, resolve_model
+from shared.model_source import ResolvedModel, dummy_tokenizer_dir, resolve_model
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="max share of KV blocks one tenant may hold; its further requests wait (default: none)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str, str]:
-    """Returns (engine config, served model name, model directory for tokenizers; '' for dummy)."""
-    resolved = resolve_model(args.model, args.load_format)
+def engine_config_from_args(args: argparse.Namespace, with_model: bool = True) -> tuple[EngineConfig, str, str]:
+    """Returns (engine config, served model name, model directory for tokenizers; '' for dummy).
+    ``with_model=False`` gives only the engine settings (no ``--model`` resolved, not even the default):
+    for a worker whose models come from ``--config`` or the repository."""
+    resolved = resolve_model(args.model, args.load_format) if with_model else ResolvedModel("", "auto", "")
     name = args.served_model_name or resolved.served_name
     config = EngineConfig(
         model=ModelConfig(model=resolved.path, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -52,7 +54,9 @@ def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, str
                                   tenant_fairness=args.tenant_fairness, tenant_kv_quota=args.tenant_kv_quota),
         device=args.device,
     )
-    if args.tokenizer:
+    if not with_model:
+        model_dir = ""
+    elif args.tokenizer:
         model_dir = args.tokenizer
     elif resolved.load_format == "dummy":
         model_dir = str(dummy_tokenizer_dir(resolved.path.removeprefix("dummy:")))

@@ -27,11 +27,11 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
 def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
     """``--model`` (default SmolLM2) is the worker's one model, unless ``--config`` lists its models or
     ``--model-repo`` alone starts it empty, to be loaded through the admin API."""
-    engine, name, model_dir = engine_config_from_args(args)
+    # no --model: the flags only give every model its engine settings
+    engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
+                                                                            (args.model_repo and not args.model)))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
-    if args.config or (args.model_repo and not args.model):
-        name = model_dir = ""  # no --model: the flags only give every model its engine settings
     model_repo = args.model_repo
     if args.config:
         repo, served = load_serve_config(args.config)

