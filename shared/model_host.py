@@ -39,6 +39,7 @@ from shared.kv_pool import KVPool
 from shared.loader import load_model
 from shared.model_repo import ModelRepository, RepositoryError, sha256_file
 from shared.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
+from shared.step_lock import StepLock
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class ModelHost:
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, tuple[str, str, int, float]] = {}  # instance -> (error, name, version, when)
         self.commands: queue.Queue[ControlCommand] = queue.Queue()
-        self.lock = threading.RLock()
+        self.lock = StepLock()
         self.hooks: RoleHooks | None = None
         self._checked_keep_alive = 0.0
 
@@ -448,7 +449,7 @@ def verify_parallel(mv) -> None:
 class _LockedPool:
     """The pool as a loading thread sees it: attach and detach wait for the worker loop's step to end."""
 
-    def __init__(self, pool: KVPool, lock: threading.RLock):
+    def __init__(self, pool: KVPool, lock: StepLock):
         self._pool, self._lock = pool, lock
 
     def __getattr__(self, name: str):

@@ -228,6 +228,9 @@ class WorkerRuntime:
         self.redis.sadd(keys.MODELS_INDEX, info.name)
 
     def heartbeat(self) -> None:
+        self._publish_heartbeat(self._worker_info())
+
+    def _worker_info(self) -> WorkerInfo:
         slots = list(self.host.slots.values())
         pool = self.host.pool
         # A draining worker advertises no free blocks, so prefill workers pick other decode workers first.
@@ -243,6 +246,9 @@ class WorkerRuntime:
                           kv_pool_bytes=pool.nbytes if pool is not None else 0,
                           kv_free_bytes=0 if pool is None or self.draining else pool.reclaimable_bytes(),
                           can_load=bool(self.config.model_repo) and not self.draining)
+        return info
+
+    def _publish_heartbeat(self, info: WorkerInfo) -> None:
         pipe = self.redis.pipeline()
         pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
         pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
@@ -260,12 +266,15 @@ class WorkerRuntime:
             if self.stop.is_set():
                 return
             try:
-                with self.host.lock:  # the loop may be adding or removing a model
-                    self.heartbeat()
-                    published = [s for s in self.host.slots.values() if not self.redis.exists(
-                        keys.model_key(s.instance))]
-                for slot in published:
-                    self.publish_model(slot)  # Redis restarted empty: gateways must see the model again
+                with self.host.lock:  # the loop may be adding or removing a model; Redis waits outside
+                    info, slots = self._worker_info(), list(self.host.slots.values())
+                self._publish_heartbeat(info)
+                missing = [s for s in slots if not self.redis.exists(keys.model_key(s.instance))]
+                if missing:  # Redis restarted empty: gateways must see the models again
+                    with self.host.lock:
+                        for slot in missing:
+                            if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
+                                self.publish_model(slot)
                 delay = keys.HEARTBEAT_INTERVAL_S
             except Exception:  # Redis restarting: keep serving, re-register as soon as it is back
                 log.warning("heartbeat failed", exc_info=True)
@@ -338,7 +347,7 @@ class WorkerRuntime:
                         # here rather than in the signal handler, which must not take Redis's pool lock
                         announced = True
                         self.heartbeat()
-                    with self.host.lock:
+                    with self.host.lock.turn():
                         if self.host.tick():
                             self.beat_soon()
                         step()

@@ -1,0 +1,67 @@
+"""The lock a worker's engine loop holds around each step, which other threads (the heartbeat, a model
+load) still get between steps.
+
+A plain lock is not enough: the loop releases it and takes it again a few hundred nanoseconds later,
+and whichever thread the kernel runs first wins. On the H200 host the loop won every time, so the
+heartbeat thread never published again and the gateway declared a busy prefill worker dead ten seconds
+after it started ("no live prefill worker"). Here a waiting thread makes the loop's next ``turn()``
+wait until that thread holds the lock, so it gets in after at most the step in progress.
+"""
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+
+class StepLock:
+    """Re-entrant. ``with lock:`` is for other threads, ``with lock.turn():`` for the engine loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0  # threads other than the loop queued for the lock
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self) -> bool:
+        if self._owner == threading.get_ident():
+            self._take()
+            return True
+        with self._cond:
+            self._waiting += 1
+        try:
+            self._take()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
+        return True
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """The loop's hold for one step: first lets every thread already waiting have the lock."""
+        if self._owner != threading.get_ident():
+            with self._cond:
+                self._cond.wait_for(lambda: self._waiting == 0)
+        self._take()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _take(self) -> None:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        self._depth += 1

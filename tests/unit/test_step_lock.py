@@ -1,0 +1,54 @@
+"""The engine loop's step lock: a waiting heartbeat or loader gets in after at most the step in progress."""
+
+import threading
+import time
+
+from shared.step_lock import StepLock
+
+
+def test_a_waiting_thread_gets_the_lock_after_at_most_one_step():
+    lock = StepLock()
+    steps = 0
+    stop = threading.Event()
+    started = threading.Event()
+
+    def loop():
+        nonlocal steps
+        while not stop.is_set():
+            with lock.turn():  # released and taken again at once, as the worker loop does
+                started.set()
+                time.sleep(0.002)
+                steps += 1
+
+    t = threading.Thread(target=loop)
+    t.start()
+    started.wait(5)
+    waited = []
+    for _ in range(50):
+        before = steps
+        with lock:
+            waited.append(steps - before)
+    stop.set()
+    t.join(5)
+    assert max(waited) <= 1, waited
+
+
+def test_reentrant_in_the_loop_and_in_other_threads():
+    lock = StepLock()
+    with lock.turn():
+        with lock:  # the step itself takes it again (a model's pool attach)
+            with lock.turn():
+                pass
+    box = []
+
+    def other():
+        with lock:
+            with lock:
+                box.append(1)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(5)
+    assert box == [1]
+    with lock.turn():  # fully released by both
+        pass
