@@ -3,7 +3,8 @@
 One ``kvrelay serve --config`` (embedded Redis, gateway, one worker per role hosting every model) serves
 ``main`` (versions 1 and 2 in a fresh repository) and ``other``. Closed-loop clients keep both busy; after
 ``--before`` seconds ``POST /admin/models/main/swap {"version": 2}`` runs while they go on. Printed: the
-swap's duration (load of v2 on every role, readiness, the flip, the old version's drain order), failed
+swap's duration (load of v2 on every role, readiness, the flip, the old version's drain order), the time
+until new requests went to v2 (the flip; ``serving_new_version_after_s``), failed
 requests (the target is zero), and the latency percentiles of ``other``'s requests before, during and
 after the swap, the ratio during/before being what co-residents pay for a hot swap.
 
@@ -106,12 +107,16 @@ def measure(args: argparse.Namespace, port: int, key: str) -> dict:
                 print(f"{model} request failed: {exc}", flush=True)
                 records.append((model, start, time.monotonic() - start, False))
 
+    for model in ("main", "other"):  # first requests compile kernels (Triton JIT): not the swap's cost
+        for _ in range(2):
+            client.completions.create(model=model, prompt=prompt, max_tokens=args.output_len, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
     threads = [threading.Thread(target=loop, args=(m,), daemon=True)
                for m in ("main", "other") for _ in range(args.concurrency)]
     for t in threads:
         t.start()
     time.sleep(args.before)
-    swap_start = time.monotonic()
+    swap_start, swap_start_wall = time.monotonic(), time.time()
     status, body = _admin(port, "POST", "/admin/models/main/swap", {"version": 2}, timeout=args.timeout)
     swap_end = time.monotonic()
     time.sleep(args.after)
@@ -132,7 +137,10 @@ def measure(args: argparse.Namespace, port: int, key: str) -> dict:
     ratio = None
     if other["during"].get("n") and other["before"].get("n"):
         ratio = round(other["during"]["p99_ms"] / other["before"]["p99_ms"], 2)
-    return {"swap_s": round(swap_end - swap_start, 2), "swap_status": status, "swap_body": body,
+    # the registry's "updated" stamp is the flip: from then on new requests go to version 2
+    flip = body.get("updated") if isinstance(body, dict) else None
+    return {"swap_s": round(swap_end - swap_start, 2), "swap_status": status,
+            "serving_new_version_after_s": round(flip - swap_start_wall, 2) if flip else None, "swap_body": body,
             "failed": sum(1 for r in records if not r[3]), "requests": len(records),
             "other_latency": other, "main_latency": main, "other_p99_during_over_before": ratio}
 

@@ -231,11 +231,14 @@ class ModelHost:
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
         # race another thread's kernels. On CPU only the pool attach takes the lock (_LockedPool).
         loaded = load_model(plan.engine.model, plan.engine.device)
+        t_weights = time.perf_counter()
         with self.lock if plan.engine.device.startswith("cuda") else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=_LockedPool(self.pool, self.lock) if self.pool is not None else None,
                               kv_pool_key=plan.instance, loaded=loaded)
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+        log.info("%s: weights in %.2fs, engine (KV attach, graphs) in %.2fs", plan.instance, t_weights - t0,
+                 time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from shared.weight_upload import WeightUploader
 
 _MISSING = object()
 
@@ -108,6 +109,18 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         expected = set(self.checkpoint_names())
         seen: set[str] = set()
+        upload = WeightUploader(next(self.parameters()).device)
+        try:
+            self._load_tensors(weights, seen, upload)
+        finally:
+            upload.finish()
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing tensor(s) for {type(self).__name__}: {shown}")
+
+    def _load_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], seen: set[str],
+                      upload: WeightUploader) -> None:
         for original, tensor in weights:
             name = self.normalize_name(original)
             if self.ignored_names.search(name):
@@ -129,9 +142,5 @@ class CausalLM(nn.Module, ABC):
                 raise ValueError(f"shape mismatch for tensor {original!r}: checkpoint has {tuple(tensor.shape)}, "
                                  f"model expects {tuple(dst.shape)}")
             # cast on the host first so a GPU never holds an fp32 copy of a bf16 weight
-            dst.copy_(tensor.to(dst.dtype))
+            upload.copy(dst, tensor.to(dst.dtype))
             seen.add(name)
-        missing = sorted(expected - seen)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint is missing tensor(s) for {type(self).__name__}: {shown}")
