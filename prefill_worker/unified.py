@@ -75,7 +75,11 @@ class UnifiedWorker:
             room = slot.core.config.scheduler.max_num_seqs - len(um.active)
             if room > 0 and not self.runtime.draining:
                 block_ms = 0 if busy or len(slots) != 1 else 50
-                for entry_id, job in um.jobs.fetch(room, block_ms=block_ms):
+                jobs = um.jobs.fetch(room, block_ms=block_ms)
+                if jobs and self.runtime.draining:  # SIGTERM landed during the read: a peer starts these
+                    um.jobs.hand_back([entry_id for entry_id, _ in jobs])
+                    continue
+                for entry_id, job in jobs:
                     fetched += 1
                     self._admit(slot, entry_id, job)
         for slot in slots:

@@ -113,6 +113,9 @@ class PrefillWorker:
         if room <= 0 or self.runtime.draining:
             return 0
         jobs = pm.jobs.fetch(room, block_ms=block_ms)
+        if jobs and self.runtime.draining:  # SIGTERM landed during the read: a peer starts these
+            pm.jobs.hand_back([entry_id for entry_id, _ in jobs])
+            return 0
         for entry_id, job in jobs:
             self._admit(slot, entry_id, job)
         return len(jobs)

@@ -213,7 +213,9 @@ def test_unified_drain_finishes_running_and_leaves_queue_to_successor(cluster):
     for r in results:
         assert r.ok and r.finish_reason == "length", r
     assert code == 0
-    assert left == (1, 0)  # the late job waited in the stream, untaken by the draining worker
+    # the draining worker never started the late job: it waited in the stream, or, when SIGTERM landed
+    # during the read that fetched it, was handed back (still pending, claimable by the successor)
+    assert left in ((1, 0), (1, 1)), left
     assert late.ok, late
 
 
