@@ -19,6 +19,9 @@ from safetensors.torch import load_file, save_file
 from kvrelay import LLM, SamplingParams
 from shared import redis_keys as keys
 from shared.model_repo import ModelRepository
+from shared.protocol import instance_key
+from shared.serve_config import load_serve_config
+from shared.worker_directory import live_workers
 from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow
@@ -84,7 +87,26 @@ def start(cluster: Cluster, repo: ModelRepository, config: Path | None, extra: l
     assert admin(cluster.port, "POST", "/admin/tenants", {"name": "tests"})[0] in (200, 201)
     status, body = admin(cluster.port, "POST", "/admin/keys", {"tenant": "tests"})
     assert status == 201, body
+    if config is not None:
+        _await_startup_models(cluster, config)
     return openai.OpenAI(base_url=cluster.base_url, api_key=body["key"], max_retries=0, timeout=180)
+
+
+def _await_startup_models(cluster: Cluster, config: Path) -> None:
+    """/ready only waits for models it knows should be up; the config's models are registered by the
+    workers as they start (kvrelay serve waits the same way before it announces itself ready)."""
+    _, models = load_serve_config(config)
+    wanted = [instance_key(m.name, m.version) for m in models if not m.lazy]
+    deadline = time.monotonic() + 120
+    while True:
+        workers = live_workers(cluster.redis)
+        registered = {n.decode() for n in cluster.redis.smembers(keys.REGISTRY_INDEX)}
+        if {m.name for m in models} <= registered and all(
+                any(i in w.models and w.can_prefill for w in workers)
+                and any(i in w.models and w.can_decode for w in workers) for i in wanted):
+            return
+        assert time.monotonic() < deadline, f"startup models {wanted} not served"
+        time.sleep(0.2)
 
 
 @pytest.fixture()
