@@ -94,6 +94,9 @@ class BlockManager:
         self.num_used = 0
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hash chain of a request's full blocks, grown lazily
+        # leading blocks of a request cache_blocks has dealt with: each step looks at the new ones only,
+        # not at the whole sequence (O(blocks) per request per step was ~0.3 ms a step at batch 128 x 2k)
+        self.req_cache_done: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -155,17 +158,25 @@ class BlockManager:
         """The request's block-hash chain, extended to ``num_full_blocks`` (tokens only ever append)."""
         chain = self.req_hashes.setdefault(req.request_id, [])
         if len(chain) < num_full_blocks:
-            tokens = req.all_token_ids
-            bs = self.block_size
             salt = cache_namespace(req)
             for i in range(len(chain), num_full_blocks):
                 parent = chain[-1] if chain else None
-                chain.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), salt))
+                chain.append(hash_block_tokens(parent, self._block_tokens(req, i), salt))
         return chain
 
     def _key(self, req: Request, chain: list[int], i: int) -> BlockKey:
-        bs = self.block_size
-        return (chain[i - 1] if i else None, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), cache_namespace(req))
+        return (chain[i - 1] if i else None, self._block_tokens(req, i), cache_namespace(req))
+
+    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        """Block ``i``'s tokens, without concatenating prompt and output (all_token_ids copies both)."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        p = len(prompt)
+        if end <= p:
+            return tuple(prompt[start:end])
+        if start >= p:
+            return tuple(output[start - p:end - p])
+        return tuple(prompt[start:]) + tuple(output[:end - p])
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute (the runner needs
@@ -212,6 +223,10 @@ class BlockManager:
         """
         rid = req.request_id
         blocks = self.req_blocks.get(rid)
+        if blocks is not None and not computed_blocks:
+            need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+            if need <= 0:
+                return True  # most decode steps: the last block still has room
         computed = computed_blocks or []
         if blocks and computed:
             raise ValueError(f"request {rid} already owns blocks; computed_blocks are for its first allocation")
@@ -247,8 +262,12 @@ class BlockManager:
             return
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        done = self.req_cache_done.get(req.request_id, 0)
+        if num_full <= done:
+            return
         chain = self._hashes(req, num_full)
-        for i in range(num_full):
+        self.req_cache_done[req.request_id] = num_full
+        for i in range(done, num_full):
             block = blocks[i]
             if self.block_hash[block] is not None:
                 continue  # a prefix hit, or registered on an earlier step
@@ -264,6 +283,7 @@ class BlockManager:
         sequence's tail is evicted before its (more shareable) head. Uncached blocks hold nothing
         worth keeping and go to the head, to be reused before any cached block is evicted."""
         self.req_hashes.pop(request_id, None)
+        self.req_cache_done.pop(request_id, None)
         for block in reversed(self.req_blocks.pop(request_id, [])):
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:

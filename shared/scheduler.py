@@ -163,12 +163,15 @@ class Scheduler:
 
     # ---- scheduling ----
 
-    def _never_fits(self, req: Request) -> str | None:
-        if req.num_tokens > self.max_model_len:
-            return f"request has {req.num_tokens} tokens, beyond max_model_len {self.max_model_len}"
-        need = cdiv(req.num_tokens, self.block_manager.block_size)
-        if need > self.block_manager.capacity:
-            return f"request needs {need} KV blocks but the whole pool has {self.block_manager.capacity}"
+    def _never_fits(self, req: Request, capacity: int | None = None) -> str | None:
+        """``capacity``: the block manager's, when the caller already asked (it costs a pool lookup)."""
+        num_tokens = req.num_tokens
+        if num_tokens > self.max_model_len:
+            return f"request has {num_tokens} tokens, beyond max_model_len {self.max_model_len}"
+        need = cdiv(num_tokens, self.block_manager.block_size)
+        capacity = self.block_manager.capacity if capacity is None else capacity
+        if need > capacity:
+            return f"request needs {need} KV blocks but the whole pool has {capacity}"
         return None
 
     def schedule(self) -> SchedulerOutput:
@@ -176,10 +179,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
 
+        # a pool can only shrink between steps (a co-resident model takes chunks back), not during one
+        capacity = self.block_manager.capacity
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
-            reason = self._never_fits(req)
+            reason = self._never_fits(req, capacity)
             if reason:
                 self._running.pop(i)
                 self._end(req, RequestStatus.FINISHED_ABORTED, reason)

@@ -282,3 +282,25 @@ def test_grow_hook_covers_the_shortfall_before_failing():
     assert bm.block_ids("c") == []
     bm.free("a")
     assert bm.allocate_slots(c, 8) and asked == [1, 2, 2]  # enough free: the hook is not asked
+
+
+def test_decoded_blocks_are_cached_as_they_fill_across_prompt_and_output():
+    """Token by token, as decode steps call it: every block registers when it fills (once), and the
+    key of a block straddling prompt and output holds exactly its tokens."""
+    bm = BlockManager(16, BS)
+    r = req("a", range(6))  # block 1 straddles the prompt (4, 5) and the first outputs
+    compute(bm, r)
+    assert len(bm.cached) == 1
+    for t in range(10):
+        r.output_token_ids.append(100 + t)
+        assert bm.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        bm.cache_blocks(r, r.num_computed_tokens)
+        assert len(bm.cached) == r.num_computed_tokens // BS
+    blocks = bm.block_ids("a")
+    assert bm.block_key[blocks[1]][1] == (4, 5, 100, 101)
+    assert bm.block_key[blocks[3]][1] == (106, 107, 108, 109)
+    # a new request with the same 16 tokens hits all four full blocks, three of them made by decoding
+    twin = req("b", list(range(6)) + [100 + t for t in range(10)] + [7])
+    hits, n = bm.get_computed_blocks(twin)
+    assert hits == blocks[:4] and n == 16
