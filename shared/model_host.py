@@ -37,9 +37,10 @@ from shared.config import EngineConfig
 from shared.engine_core import EngineCore
 from shared.kv_pool import KVPool
 from shared.loader import load_model
-from shared.model_repo import ModelRepository, RepositoryError, sha256_file
+from shared.model_repo import ModelRepository, RepositoryError
 from shared.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
 from shared.step_lock import StepLock
+from shared.verified_files import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +434,8 @@ def _hf_config(engine: EngineConfig) -> dict:
 
 
 def verify_parallel(mv) -> None:
-    """The manifest's sha256 per file, hashed on several threads (hashlib releases the GIL)."""
+    """The manifest's sha256 per file, hashed on several threads (hashlib releases the GIL), once per file
+    version on this host (shared/verified_files.py)."""
     folder = Path(mv.path)
     files = list(mv.files.items())
 
@@ -442,7 +444,7 @@ def verify_parallel(mv) -> None:
         path = folder / fname
         if not path.is_file():
             raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
-        if sha256_file(path) != digest:
+        if file_digest(path) != digest:
             raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
 
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
