@@ -88,7 +88,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of model weights this worker may hold at once; loads beyond it evict idle models "
                         "(default: CPU 8 GiB; CUDA what --gpu-memory-utilization leaves after the KV pool)")
     m.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
-                   help="hash a repository model's files against its manifest before loading it")
+                   help="hash a repository model's files against its manifest before loading it (once per file "
+                        "version per host: shared/verified_files.py)")
 
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
