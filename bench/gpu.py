@@ -23,6 +23,7 @@ import sys
 import torch
 
 from bench import gpu_measure as m
+from shared.gc_freeze import freeze_long_lived
 
 CHILD_TAG = "CHILD_RESULT "
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace, **kw) -> "m.LLM":
-    return m.LLM(model=args.model, load_format="dummy", **kw)
+    llm = m.LLM(model=args.model, load_format="dummy", **kw)
+    freeze_long_lived()  # as a worker process does once its model is loaded (shared/gc_freeze.py)
+    return llm
 
 
 def run_child(args: argparse.Namespace) -> dict:

@@ -17,6 +17,7 @@ from collections import deque
 from bench.serve_client import Prompt, RequestResult
 from kvrelay import LLM, SamplingParams
 from shared.cli_args import add_engine_args
+from shared.gc_freeze import freeze_long_lived
 
 
 def build_llm(engine_args: list[str]) -> LLM:
@@ -25,7 +26,9 @@ def build_llm(engine_args: list[str]) -> LLM:
     # serve's gateway flags (--port, --host, ...) may sit among the engine flags; they do not shape the engine
     ns, _ = p.parse_known_args(engine_args)
     accepted = inspect.signature(LLM).parameters
-    return LLM(**{k: v for k, v in vars(ns).items() if k in accepted})
+    llm = LLM(**{k: v for k, v in vars(ns).items() if k in accepted})
+    freeze_long_lived()  # as the served path's workers do (shared/gc_freeze.py): the same footing
+    return llm
 
 
 def engine_prompts(llm: LLM, prompts: list[Prompt], endpoint: str) -> list:

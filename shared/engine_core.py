@@ -133,30 +133,38 @@ class EngineCore:
         if self.observer is not None:
             self.observer.on_step(started, out, list(finished.values()))
         outputs = []
-        touched = [sr.request for sr in out.scheduled] + [r for r in finished.values()
-                                                          if r.request_id not in sampled]
-        seen: set[str] = set()
-        for req in touched:
+        emitted_done: list[str] = []  # finished requests already reported from the scheduled pass
+        for sr in out.scheduled:
+            req = sr.request
             rid = req.request_id
-            if rid in seen or (rid not in sampled and rid not in finished):
-                continue
-            seen.add(rid)
             sample = result.sampled.get(rid)
-            out_item = EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=[sample.token_id] if sample else [],
-                new_logprobs=[sample_logprobs(sample)] if sample and req.sampling_params.logprobs is not None else None,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            )
-            if sample and req.num_output_tokens == 1 and rid in self._prompt_logprobs:
-                out_item.prompt_logprobs = self._prompt_logprobs[rid]
-            if rid in finished:
-                out_item.finish_reason = req.status.value
-                out_item.stop_reason = req.stop_reason
-                self._forget(rid)
-            outputs.append(out_item)
+            done = rid in finished
+            if sample is None and not done:
+                continue  # mid-prompt chunk: nothing to report yet
+            outputs.append(self._output(req, sample, done))
+            if done:
+                emitted_done.append(rid)
+        for rid, req in finished.items():  # aborted, or ended without a sample this step
+            if rid not in result.sampled and rid not in emitted_done:
+                outputs.append(self._output(req, None, True))
         return outputs
+
+    def _output(self, req: Request, sample, done: bool) -> EngineCoreOutput:
+        rid = req.request_id
+        item = EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=[sample.token_id] if sample else [],
+            new_logprobs=[sample_logprobs(sample)] if sample and req.sampling_params.logprobs is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if sample and req.num_output_tokens == 1 and rid in self._prompt_logprobs:
+            item.prompt_logprobs = self._prompt_logprobs[rid]
+        if done:
+            item.finish_reason = req.status.value
+            item.stop_reason = req.stop_reason
+            self._forget(rid)
+        return item
 
     def _forget(self, request_id: str) -> None:
         self._prompt_logprobs.pop(request_id, None)

@@ -35,6 +35,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine_core import EngineCore
+from shared.gc_freeze import collect_all, freeze_long_lived
 from shared.kv_pool import KVPool
 from shared.loader import load_model
 from shared.model_repo import ModelRepository, RepositoryError
@@ -123,9 +124,11 @@ class ModelHost:
     def __init__(self, base: EngineConfig, *, hold_finished_kv: bool, pool: KVPool | None,
                  weights_budget: int, repo: ModelRepository | None = None,
                  configured_paths: dict[str, str] | None = None, verify_checksums: bool = True,
-                 eos_ids=None, report=None, min_replicas=None):
+                 eos_ids=None, report=None, min_replicas=None, freeze_gc: bool = False):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
-        ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum)."""
+        ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
+        ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
+        (shared/gc_freeze.py); never in a process that is not ours alone."""
         self.base = base
         self.hold_finished_kv = hold_finished_kv
         self.pool = pool
@@ -133,6 +136,7 @@ class ModelHost:
         self.repo = repo
         self.configured_paths = dict(configured_paths or {})  # name -> path the operator configured
         self.verify_checksums = verify_checksums
+        self.freeze_gc = freeze_gc
         self._eos_ids = eos_ids or (lambda core, path: [])
         self._report = report or (lambda result: None)
         self._min_replicas = min_replicas or (lambda name: 0)
@@ -246,6 +250,8 @@ class ModelHost:
                          weight_bytes=weight_bytes)
 
     def _ready(self, slot: ModelSlot) -> None:
+        if self.freeze_gc:
+            freeze_long_lived()  # the new model's objects live until its unload
         self.slots[slot.instance] = slot
         self.failed.pop(slot.instance, None)
         if self.hooks is not None:
@@ -470,6 +476,6 @@ class _LockedPool:
 
 
 def _release_memory() -> None:
-    gc.collect()
+    collect_all()  # the unloaded model's objects may have been frozen with everything else
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

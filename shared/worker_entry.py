@@ -54,7 +54,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
                           reclaim_idle_ms=args.reclaim_idle_ms, drain_timeout_s=args.drain_timeout,
                           monitoring_port=args.monitoring_port, more_models=more, model_repo=model_repo,
                           weights_memory=args.weights_memory, verify_checksums=args.verify_checksums,
-                          register=specs)
+                          register=specs, freeze_gc=True)
     if args.worker_id:
         config.worker_id = args.worker_id
     return config

@@ -90,6 +90,7 @@ class WorkerConfig:
     weights_memory: int | None = None  # bytes of model weights it may hold at once (default: see host_budget)
     verify_checksums: bool = True  # hash a repository model's files against its manifest before loading
     register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
+    freeze_gc: bool = False  # a worker process of its own: see shared/gc_freeze.py
 
     def startup_models(self) -> list[StartupModel]:
         first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []
@@ -142,7 +143,7 @@ class WorkerRuntime:
             repo=ModelRepository(config.model_repo) if config.model_repo else None,
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self._report,
-            min_replicas=self._min_replicas)
+            min_replicas=self._min_replicas, freeze_gc=config.freeze_gc)
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self.ctx = zmq.Context()
         self.events = EventSink(self.ctx)
