@@ -77,6 +77,11 @@ class WorkerMetrics:
                                          registry=r).labels(model_name)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (swap or recompute)", m,
                                    registry=r).labels(model_name)
+        # decode: one new token per sequence (what a CUDA graph replays); a step holding any prefill chunk
+        # runs the whole batch eagerly, so a high mixed share explains a slow TPOT
+        steps = Counter("kvrelay_engine_steps", "Engine steps by kind: decode (one token per sequence), "
+                        "prefill (prompt chunks only) or mixed", m + ["kind"], registry=r)
+        self._steps = {kind: steps.labels(model_name, kind) for kind in ("decode", "prefill", "mixed")}
         self._success = Counter("vllm:request_success", "Requests ended here, by finish reason",
                                 m + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "From the request's arrival to its first token",
@@ -107,6 +112,10 @@ class WorkerMetrics:
         now = time.time()
         if out.preempted:
             self.preemptions.inc(len(out.preempted))
+        if out.scheduled:
+            single = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+            kind = "decode" if single == len(out.scheduled) else "prefill" if not single else "mixed"
+            self._steps[kind].inc()
         per_tenant: dict[str, int] = {}
         for s in out.scheduled:
             req = s.request

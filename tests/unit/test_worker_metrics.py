@@ -130,6 +130,10 @@ def test_unified_role_records_both_sides():
     assert value(snap, "vllm:inter_token_latency_seconds_count", model_name="tiny") == 3
     assert value(snap, "vllm:request_success_total", model_name="tiny", finished_reason="length") == 1
     assert value(snap, "kvrelay_worker_info", model_name="tiny", role="unified", worker_id="w1") == 1
+    # the 10-token prompt in one chunk, then three one-token steps
+    assert value(snap, "kvrelay_engine_steps_total", model_name="tiny", kind="prefill") == 1
+    assert value(snap, "kvrelay_engine_steps_total", model_name="tiny", kind="decode") == 3
+    assert value(snap, "kvrelay_engine_steps_total", model_name="tiny", kind="mixed") == 0
     assert value(snap, "process_resident_memory_bytes") > 0
     assert "kvrelay_node_load1" in {k[0] for k in snap}
     assert not any(k[0].startswith("kvrelay_gpu_") for k in snap)  # CPU worker: no GPU series
@@ -146,6 +150,17 @@ class FakeNvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle):
         return SimpleNamespace(used=3 << 30, total=141 << 30, free=138 << 30)
+
+
+def test_steps_that_mix_prefill_and_decode_are_counted_as_mixed():
+    e = Engine("unified")
+    e.scheduler.add_request(req("a", "t", max_tokens=5))
+    e.step()  # a's prompt
+    e.scheduler.add_request(req("b", "t", max_tokens=2))
+    e.step()  # a decodes while b's prompt goes in: mixed
+    snap = samples(e.metrics.registry)
+    assert value(snap, "kvrelay_engine_steps_total", model_name="tiny", kind="prefill") == 1
+    assert value(snap, "kvrelay_engine_steps_total", model_name="tiny", kind="mixed") == 1
 
 
 @pytest.mark.parametrize("fail", [False, True])
