@@ -17,7 +17,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REGISTRY, TOKENIZERS
 from gateway.tenants import Tenant
 from gateway.tokenizers import ModelTokenizer
-from shared.protocol import ModelInfo
+from shared.protocol import ModelInfo, ModelSpec
 from shared.sampling_params import SamplingParams
 
 # Choices (prompts x n) one request may fan out into; each is a job and a worker sequence.
@@ -40,12 +40,17 @@ class Prepared:
         return self.served_name or self.model.name
 
 
+async def _served_view(app: web.Application, fresh: bool = False
+                       ) -> tuple[dict[str, ModelInfo], dict[str, ModelSpec], dict[str, ModelInfo]]:
+    models = await app[REGISTRY].models(fresh)
+    specs = await app[MODEL_REGISTRY].specs(fresh)
+    return models, specs, {n: m for n, m in models.items() if is_direct(m)}
+
+
 async def resolve_served(app: web.Application, name: str | None, tenant: Tenant) -> tuple[str, ModelInfo]:
     """The client's model name and the ModelInfo of the instance that serves it (``model_registry.py``).
     A registered model nobody has published yet is loaded here, the request waiting for it."""
-    models = await app[REGISTRY].models()
-    specs = await app[MODEL_REGISTRY].specs()
-    direct = {n: m for n, m in models.items() if is_direct(m)}
+    models, specs, direct = await _served_view(app)
     if name is None:
         # "the only model" means the only one this tenant may use: others' models are not its business
         usable = [n for n in sorted(set(specs) | set(direct)) if tenant.may_use(n)]
@@ -53,6 +58,10 @@ async def resolve_served(app: web.Application, name: str | None, tenant: Tenant)
             name = usable[0]
         else:
             raise bad_request("model is required" if usable else "no model is registered", "model")
+    if name is not None and name not in specs and name not in direct:
+        # the cached view may predate the model's registration (another gateway's admin call, a worker
+        # registering its --config models): a miss is read again from Redis before it becomes a 404
+        models, specs, direct = await _served_view(app, fresh=True)
     if name not in specs and name not in direct and not app[REDIS_WATCH].settling:
         # a miss right after a restart the periodic probe has not seen yet must not become a 404:
         # probe once now (only on this rare path)

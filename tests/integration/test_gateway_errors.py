@@ -281,3 +281,17 @@ def test_redis_down_is_503(tmp_path):
         _error(requests.get(f"{server.url}/v1/models"), 503, "service_unavailable_error")
     finally:
         server.stop()
+
+
+def test_a_model_registered_after_the_cached_view_is_no_404(tmp_path):
+    """The gateway reuses its Redis view of the models for registry_cache_s; a model registered inside
+    that window (by a worker's --config, or the admin API of another gateway) must not be a 404."""
+    with running_stack(tmp_path, registry_cache_s=300.0) as stack:
+        r = sync_client(stack.redis_url)
+        try:
+            _error(_post(stack, "/v1/completions", {"model": "late", "prompt": [1, 2]}), 404, "not_found_error")
+            _register(r, "late", heartbeat_age=None)  # the view cached by the 404 above lacks it
+            resp = _post(stack, "/v1/completions", {"model": "late", "prompt": [1, 2]})
+            assert "late" in _error(resp, 503, "service_unavailable_error")["message"]  # known, no worker yet
+        finally:
+            r.close()
