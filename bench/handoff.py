@@ -28,7 +28,7 @@ import zmq
 from decode_worker.receiver import HandoffReceiver
 from prefill_worker.handoff import HandoffManager, State, Transfer
 from shared.block_manager import BlockManager
-from shared.kv_transfer import MESSAGE_TARGET, max_message_bytes
+from shared.kv_transfer import DTYPE_NAMES, DTYPES, MESSAGE_TARGET, frame_nbytes, max_message_bytes
 from shared.protocol import Job, WorkerInfo
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 8
@@ -89,7 +89,8 @@ def hand_off(manager: HandoffManager, runtime, rid: str, num_tokens: int, timeou
 
 # -- the decode-side child process --------------------------------------------------------------------
 def _peer(args: argparse.Namespace) -> None:
-    kv = torch.zeros((LAYERS, 2, args.blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=args.device)
+    layers, heads, head_dim = (int(x) for x in args.kv_shape.split(","))
+    kv = torch.zeros((layers, 2, args.blocks, BLOCK, heads, head_dim), dtype=DTYPES[args.dtype], device=args.device)
     rt = endpoint(kv, "bench-decode", scatter_seed=1 if args.scatter else None)
     ctx = zmq.Context()
     frame_max = max_message_bytes(kv, args.blocks)
@@ -133,10 +134,12 @@ def _median_s(fn, repeats: int) -> float:
 
 
 class Peer:
-    def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool):
+    def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool,
+                 kv_shape: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM), dtype: str = "bfloat16"):
         blocks = 2 * (max_tokens // BLOCK) + 8
         argv = [sys.executable, "-m", "bench.handoff", "--peer", "--device", device, "--transport", transport,
-                "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}"]
+                "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}",
+                "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype]
         self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().split()
         if not line or line[0] != "READY":
@@ -183,6 +186,82 @@ def _protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: boo
         manager.close()
         ctx.destroy(linger=0)
     return out, phases
+
+
+def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[int, dict[bool, list[float]]]:
+    """A real prefill engine hands each prompt's KV to a decode-side process, plain (asked for after the
+    prefill) or streamed (early grant; groups of layers staged and sent as the forward writes them).
+    Per prompt length and mode, the medians (ms) of: the prefill step, step end (first token) -> ack,
+    step start -> ack. Modes alternate so drift hits both alike."""
+    from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from shared.engine_core import EngineCore
+    from shared.sampling_params import SamplingParams
+
+    top = max(tokens) + BLOCK
+    engine = EngineCore(EngineConfig(
+        model=ModelConfig(model, dtype="auto", max_model_len=top, load_format="dummy"),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=2 * (top // BLOCK) + 8),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=top), device=device), hold_finished_kv=True)
+    kv = engine.runner.kv_cache
+    peer = Peer(device, "tcp", top, scatter=False, kv_shape=(kv.shape[0], kv.shape[4], kv.shape[5]),
+                dtype=DTYPE_NAMES[kv.dtype])
+    runtime = SimpleNamespace(core=engine, zmq_addr="", redis=None, config=SimpleNamespace(worker_id="bench-prefill"))
+    ctx = zmq.Context()
+    manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router)])
+    engine.runner.set_kv_stream(manager.stream_for(MODEL))
+    gen = torch.Generator().manual_seed(0)
+    n = 0
+
+    def one(num_tokens: int, streamed: bool) -> list[float]:
+        nonlocal n
+        n += 1
+        rid = f"o{n}"
+        prompt = torch.randint(3, 500, (num_tokens,), generator=gen).tolist()
+        engine.add_request(engine.make_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+        job = transfer(rid, num_tokens).job
+        if streamed:  # as the prefill worker does two steps ahead: the grant is there by the forward
+            manager.start_early(job, rid.encode())
+            while manager.transfers[rid].state is not State.GRANTED:
+                manager.poll(timeout_ms=5)
+        t0 = time.perf_counter()
+        out, = engine.step()
+        t1 = time.perf_counter()
+        if not manager.complete(rid, out.new_token_ids[0], None, None, 0):
+            manager.start(Transfer(job=job, entry_id=rid.encode(), first_token=out.new_token_ids[0]))
+        while True:
+            ended = manager.poll(timeout_ms=1)
+            if ended:
+                break
+        t2 = time.perf_counter()
+        t, = ended
+        if t.state is not State.DONE or t.streamed != streamed:
+            raise RuntimeError(f"handoff ended {t.state.value} (streamed {t.streamed}): {t.reason}")
+        return [(t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3]
+
+    out: dict[int, dict[bool, list[float]]] = {}
+    try:
+        for num_tokens in tokens:
+            seen: dict[bool, list[list[float]]] = {False: [], True: []}
+            for i in range(repeats + 1):  # the first round warms both paths up
+                for streamed in (False, True):
+                    result = one(num_tokens, streamed)
+                    if i:
+                        seen[streamed].append(result)
+            out[num_tokens] = {m: [statistics.median(c) for c in zip(*runs, strict=True)] for m, runs in seen.items()}
+    finally:
+        manager.close()
+        peer.close()
+        ctx.destroy(linger=0)
+    print(f"\nKV streamed layer by layer during the last chunk vs sent after the prefill: {model} on {device}, "
+          f"{kv.shape[0]} layers, {DTYPE_NAMES[kv.dtype]}, {'CUDA IPC' if manager.device_uuid else 'layer frames over tcp'}"
+          f"; median ms of {repeats}\n| prompt | KV MiB | prefill step, plain | streamed | first token -> ack, plain | "
+          "streamed | ratio | step start -> ack, plain | streamed | ratio |\n|" + " --- |" * 10)
+    for num_tokens, m in out.items():
+        mib = frame_nbytes(kv, -(-num_tokens // BLOCK)) * kv.shape[0] / 2**20
+        print(f"| {num_tokens} | {mib:.0f} | {m[False][0]:.1f} | {m[True][0]:.1f} | {m[False][1]:.1f} | {m[True][1]:.1f} | "
+              f"{m[True][1] / m[False][1]:.2f} | {m[False][2]:.1f} | {m[True][2]:.1f} | {m[True][2] / m[False][2]:.2f} |",
+              flush=True)
+    return out
 
 
 def _phase_table(title: str, move: str, phases: dict[int, list[float]]) -> None:
@@ -253,6 +332,9 @@ def run(args: argparse.Namespace) -> int:
             _table(f"CPU caches, layer frames over {transport}", "kvrelay frames", ours, ("raw ZMQ, 1 message", raw),
                    ("raw ZMQ, 4 MiB messages", raw4))
             _phase_table(f"CPU caches, layer frames over {transport}", "grant -> last frame queued", phases)
+    if "overlap" in args.sections.split(","):
+        model = args.overlap_model or ("dummy:llama-3-8b" if device == "cuda" else "dummy:smollm2-135m")
+        _overlap(device, model, [int(t) for t in args.overlap_tokens.split(",")], args.repeats)
     if device == "cuda" and "cuda" in args.sections.split(","):
         copy = _device_copy(tokens, args.repeats)
         for scatter in (True, False):
@@ -280,7 +362,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="8,64,256,1024,2048", help="prompt lengths (128 KiB of KV a token)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--transports", default="tcp,ipc", help="ZMQ transports for the CPU section")
-    p.add_argument("--sections", default="cpu,cuda")
+    p.add_argument("--sections", default="cpu,cuda,overlap")
+    p.add_argument("--overlap-model", default=None,
+                   help="dummy model of the overlap section (default: CUDA Llama-3-8B, CPU SmolLM2-135M shapes)")
+    p.add_argument("--overlap-tokens", default="256,1024,2048", help="prompt lengths of the overlap section")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
@@ -292,4 +377,6 @@ if __name__ == "__main__":
     parser.add_argument("--blocks", type=int, required=True)
     parser.add_argument("--tag", default="0")
     parser.add_argument("--scatter", action="store_true")
+    parser.add_argument("--kv-shape", default=f"{LAYERS},{KV_HEADS},{HEAD_DIM}", help="layers,KV heads,head dim")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     _peer(parser.parse_args())

@@ -8,7 +8,11 @@ cache offered when the asker shares our GPU) -> KVHeader, then by its transport:
            as they come;
            all in -> ADMITTED; a bad layer, or none for the timeout -> blocks freed + nack
   "frames" every frame in the header's message, checked at once -> ADMITTED
+A streamed "layers" transfer (the sender's prefill still computing) sends KVLayers first: GRANTED ->
+RECEIVING on the first layer, sized against our own layout, and the header, which carries the first
+token, comes last and must match that layout and the grant.
 ADMITTED means in the running batch, and the ack goes back. A bad header -> blocks freed + nack.
+HandoffCancel frees a grant (or a transfer's blocks) the sender gave up on.
 A grant whose KV never arrives expires and its blocks return to the pool, except that blocks offered
 through IPC stay quarantined for one more TTL: the asker may write them directly, and it only does so
 within half the TTL of asking, so by the end of the quarantine no write can still land in them.
@@ -22,7 +26,16 @@ import zmq
 
 from shared.kv_ipc import IpcExporter
 from shared.kv_transfer import LayerAssembler, Waker, check_frames, check_layout, unpack_blocks
-from shared.protocol import HandoffAck, HandoffGrant, HandoffRequest, KVHeader, KVLayers, decode_any, encode
+from shared.protocol import (
+    HandoffAck,
+    HandoffCancel,
+    HandoffGrant,
+    HandoffRequest,
+    KVHeader,
+    KVLayers,
+    decode_any,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +54,10 @@ class Incoming:
     """A "layers" transfer whose header arrived; its layers are still coming."""
 
     peer: bytes
-    header: KVHeader
+    model: str
+    block_ids: list[int]
+    num_tokens: int
+    header: KVHeader | None  # None while streamed layers come ahead of it
     assembler: LayerAssembler
     deadline: float
 
@@ -72,7 +88,7 @@ class HandoffReceiver:
 
     def has_model(self, model: str) -> bool:
         return (any(g.model == model for g in self.grants.values())
-                or any(i.header.model == model for i in self.incoming.values())
+                or any(i.model == model for i in self.incoming.values())
                 or any(q[1] == model for q in self.quarantine))
 
     def forget_model(self, model: str) -> None:
@@ -103,12 +119,14 @@ class HandoffReceiver:
             return
         peer, payload = frames[0].bytes, frames[2:]
         try:
-            msg = decode_any(frames[1].bytes, HandoffRequest, KVHeader, KVLayers)
+            msg = decode_any(frames[1].bytes, HandoffRequest, KVHeader, KVLayers, HandoffCancel)
         except ValueError as exc:
             log.warning("dropped a malformed handoff message: %s", exc)
             return
         if isinstance(msg, HandoffRequest):
             self._reply(peer, self._grant(msg))
+        elif isinstance(msg, HandoffCancel):
+            self._on_cancel(peer, msg)
         elif isinstance(msg, KVLayers):
             self._on_layer(peer, msg, payload)
         else:
@@ -135,7 +153,7 @@ class HandoffReceiver:
             self._release_grant(req.request_id)
         sched = core.scheduler
         pending = sum(1 for g in self.grants.values() if g.model == req.model) + sum(
-            1 for i in self.incoming.values() if i.header.model == req.model)
+            1 for i in self.incoming.values() if i.model == req.model)
         if sched.num_running + pending >= core.config.scheduler.max_num_seqs:
             return refuse("running batch is full (max_num_seqs)")
         if req.num_tokens >= core.max_model_len:
@@ -154,6 +172,9 @@ class HandoffReceiver:
 
     def _on_header(self, peer: bytes, header: KVHeader, payload: list, admit) -> None:
         rid = header.request_id
+        inc = self.incoming.get(rid)
+        if inc is not None and inc.header is None and inc.peer == peer:
+            return self._on_late_header(inc, header, payload)
         grant = self.grants.get(rid)
         if grant is None:
             return self._nack(peer, rid, "no grant for this request (expired or never asked)")
@@ -173,8 +194,8 @@ class HandoffReceiver:
             elif payload:
                 raise ValueError(f"a {header.transport!r} header carries no frames")
             elif header.transport == "layers":
-                assembler = LayerAssembler(kv, header, grant.block_ids, on_done=self.waker.wake)
-                self.incoming[rid] = Incoming(peer, header, assembler, time.monotonic() + self.grant_ttl_s)
+                check_layout(kv, header)
+                self._receive(peer, rid, grant, header)
                 return
             else:
                 if not grant.ipc:
@@ -186,8 +207,46 @@ class HandoffReceiver:
             return self._nack(peer, rid, str(exc))
         self._land(peer, header, admit)
 
+    def _receive(self, peer: bytes, rid: str, grant: Grant, header: KVHeader | None) -> Incoming:
+        kv = self.core_for(grant.model).runner.kv_cache
+        inc = self.incoming[rid] = Incoming(peer, grant.model, grant.block_ids, grant.num_tokens, header,
+                                            LayerAssembler(kv, grant.block_ids, on_done=self.waker.wake),
+                                            time.monotonic() + self.grant_ttl_s)
+        return inc
+
+    def _on_late_header(self, inc: Incoming, header: KVHeader, payload: list) -> None:
+        """The header of a transfer whose layers streamed ahead of it."""
+        rid = header.request_id
+        try:
+            if header.block_ids != inc.block_ids or header.model != inc.model:
+                raise ValueError("KV addressed to blocks that were not granted")
+            if header.transport != "layers" or payload:
+                raise ValueError(f"a {header.transport!r} header after streamed layers")
+            if len(header.prompt_token_ids) != inc.num_tokens:
+                raise ValueError("prompt length differs from the granted one")
+            check_layout(self.core_for(inc.model).runner.kv_cache, header)
+        except ValueError as exc:
+            return self._abort_incoming(rid, str(exc))
+        inc.header = header  # _advance lands it once every layer is written
+
+    def _on_cancel(self, peer: bytes, msg: HandoffCancel) -> None:
+        rid = msg.request_id
+        inc = self.incoming.get(rid)
+        if inc is not None and inc.peer == peer:
+            inc = self.incoming.pop(rid)
+            inc.assembler.abandon()
+            self.core_for(inc.model).block_manager.free(rid)
+        elif rid in self.grants:
+            self._release_grant(rid)
+        log.debug("handoff of %s cancelled by its sender: %s", rid, msg.reason)
+
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
         inc = self.incoming.get(msg.request_id)
+        grant = self.grants.get(msg.request_id)
+        if inc is None and grant is not None:
+            # streamed ahead of the header: the blocks are the sender's to fill from here on
+            del self.grants[msg.request_id]
+            inc = self._receive(peer, msg.request_id, grant, None)
         if inc is None or inc.peer != peer:
             return  # the rest of a transfer already failed or superseded; its sender got the nack
         try:
@@ -200,7 +259,7 @@ class HandoffReceiver:
             error = inc.assembler.error()
             if error is not None:
                 self._abort_incoming(rid, str(error))
-            elif inc.assembler.complete:
+            elif inc.assembler.complete and inc.header is not None:
                 inc.assembler.finish()
                 del self.incoming[rid]
                 self._land(inc.peer, inc.header, admit)
@@ -218,7 +277,7 @@ class HandoffReceiver:
     def _abort_incoming(self, rid: str, reason: str) -> None:
         inc = self.incoming.pop(rid)
         inc.assembler.abandon()  # no write may still be landing when the blocks go back
-        self.core_for(inc.header.model).block_manager.free(rid)
+        self.core_for(inc.model).block_manager.free(rid)
         log.warning("rejected KV for %s: %s", rid, reason)
         self._nack(inc.peer, rid, reason)
 

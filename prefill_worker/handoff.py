@@ -5,22 +5,28 @@
         +-----> next decode worker     +-------------> FAILED <--------+
                 (up to MAX_ATTEMPTS)
 
+Early grants (SGLang-style pre-allocation): a prompt about to be prefilled asks before its KV exists,
+so the KV can leave layer by layer while the prompt's last chunk is still computing:
+
+    GRANT_WAIT --grant--> GRANTED --last chunk's forward--> STREAMING --first token--> SENDING -> ...
+        | refused / no answer   | grant half its TTL old: HandoffCancel
+        +------> PARKED <-------+     (asks again, as above, once the prompt is computed)
+
+A grant that came too late for the forward is used as it would have been after the prefill.
+
 The decode side allocates before it accepts (SGLang style), so a grant names the destination blocks.
-SENDING takes one of two paths:
+SENDING (and STREAMING) take one of two paths:
 - CUDA IPC, when the grant carries a handle (the decode worker shares our GPU): the blocks are copied
   device-to-device into the decode worker's cache on a side stream; once that copy's event completed,
   the header ("transport": "ipc") goes out. ZMQ carries control messages only.
-- layer frames otherwise, or when mapping fails: the header, then frames of a few layers (~4 MB) as
-  soon as they are staged into host memory and CRC'd, sent without blocking; a peer that stops reading
+- layer frames otherwise, or when mapping fails: frames of a few layers (~4 MB) as soon as they are
+  staged into host memory and CRC'd, sent without blocking, and the header; a peer that stops reading
   fails this transfer at its deadline instead of stalling the worker's loop.
-Our blocks are released once nothing reads them any more (copy done / staged), not at the ack; the
-job's XACK waits for the decode side's ack.
-
-Layer-by-layer overlap with the prefill's own compute is not attempted: the engine runs all layers in
-one model call (shared/model_runner.py) and the grant is asked for only after the step that finished
-the prompt; over IPC the whole copy of 268 MB (2k tokens of an 8B model) is well under a millisecond,
-small next to that prefill. The frame path pipelines its own stages instead (staging, CRC, wire, the
-receiver's CRC + write).
+Streaming, the model's forward calls ``LayerStream`` after each decoder layer (shared/model_runner.py),
+and each group of layers is copied or staged on the side stream behind the compute stream as of that
+layer, so those copies run while later layers compute; the header, which carries the first token,
+goes out once it is sampled. Our blocks are released once nothing reads them any more (copy done /
+staged), not at the ack; the job's XACK waits for the decode side's ack.
 """
 
 import enum
@@ -35,6 +41,7 @@ from shared.kv_transfer import StagedKV, Waker, layout_of
 from shared.protocol import (
     MAX_MESSAGE_BYTES,
     HandoffAck,
+    HandoffCancel,
     HandoffGrant,
     HandoffRequest,
     Job,
@@ -56,6 +63,9 @@ SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer 
 
 class State(enum.Enum):
     GRANT_WAIT = "grant_wait"
+    GRANTED = "granted"  # early: blocks reserved on the decode side, the prompt not computed yet
+    PARKED = "parked"  # early ask refused, unanswered or stale: asks again once computed
+    STREAMING = "streaming"  # KV leaving while the last chunk computes; no first token yet
     SENDING = "sending"
     ACK_WAIT = "ack_wait"
     DONE = "done"
@@ -66,11 +76,13 @@ class State(enum.Enum):
 class Transfer:
     job: Job
     entry_id: bytes
-    first_token: int
-    first_logprob: float | None
-    first_top: list | None
-    prompt_logprobs: list | None
-    num_cached_tokens: int
+    first_token: int = -1
+    first_logprob: float | None = None
+    first_top: list | None = None
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    computed: bool = True  # the prompt's KV and first token exist (False: an early ask)
+    grant: HandoffGrant | None = None  # held while GRANTED
     state: State = State.GRANT_WAIT
     target: str = ""
     tried: set[str] = field(default_factory=set)
@@ -83,6 +95,7 @@ class Transfer:
     ended: float = 0.0
     asked_at: float = 0.0  # monotonic time of the last HandoffRequest
     transport: str = ""  # "ipc" or "layers" once granted
+    streamed: bool = False  # the KV left layer by layer during the prompt's last chunk
     sender: DeviceCopy | StagedKV | None = None
     header: KVHeader | None = None
     header_sent: bool = False
@@ -139,15 +152,54 @@ class HandoffManager:
         return peers
 
     def start(self, t: Transfer) -> None:
+        """Hand off a prompt whose prefill finished (its blocks held by the engine)."""
         self.transfers[t.job.request_id] = t
-        t.holds_source = True
+        t.holds_source = t.computed
         self._send_request(t)
+
+    def start_early(self, job: Job, entry_id: bytes) -> None:
+        """Ask for a grant before the prompt is prefilled, so its KV can stream during the last chunk."""
+        self.start(Transfer(job=job, entry_id=entry_id, computed=False))
+
+    def complete(self, request_id: str, first_token: int, first_logprob: float | None, first_top: list | None,
+                 num_cached_tokens: int) -> bool:
+        """The prefill of an early transfer's prompt finished: send the rest. False if there is none."""
+        t = self.transfers.get(request_id)
+        if t is None or t.computed:
+            return False
+        t.first_token, t.first_logprob, t.first_top = first_token, first_logprob, first_top
+        t.num_cached_tokens, t.computed, t.holds_source = num_cached_tokens, True, True
+        t.started = time.perf_counter()  # the handoff's budget and its measured time start now
+        if t.state is State.STREAMING:
+            t.header = self._header(t, self.core_for(t.job.model).runner.kv_cache, t.grant.block_ids)
+            t.state = State.SENDING
+            self._pump(t)
+        elif t.state is State.GRANTED:
+            if self._fresh(t):
+                self._on_grant(t, t.grant)
+            else:
+                self._cancel_grant(t, "the grant went stale while the prompt waited")
+                self._send_request(t)
+        elif t.state is State.PARKED:
+            t.tried.clear()
+            self._send_request(t)
+        return True  # GRANT_WAIT: the grant, when it comes, is used at once
 
     def cancel(self, request_id: str) -> Transfer | None:
         t = self.transfers.pop(request_id, None)
         if t is not None:
+            if t.target and t.state in (State.GRANT_WAIT, State.GRANTED, State.STREAMING, State.SENDING):
+                self._cancel_grant(t, "cancelled by the prefill worker")
             self._release_source(t, wait=True)
         return t
+
+    def pump_streaming(self) -> None:
+        for t in self.transfers.values():
+            if t.state is State.STREAMING:
+                self._pump(t)
+
+    def stream_for(self, instance: str) -> "LayerStream":
+        return LayerStream(self, instance)
 
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
         """Advance every transfer; return those that reached DONE or FAILED."""
@@ -163,12 +215,19 @@ class HandoffManager:
                 self._on_reply(frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
-            if t.state is State.SENDING:
+            if t.state in (State.SENDING, State.STREAMING):
                 self._pump(t)
+            if not t.computed and t.state in (State.GRANT_WAIT, State.GRANTED):
+                if t.state is State.GRANTED and not self._fresh(t):  # the prompt is still queued
+                    self._cancel_grant(t, "the prompt is still waiting for its prefill")
+                    t.state = State.PARKED
+                elif t.state is State.GRANT_WAIT and now > t.deadline:
+                    t.state = State.PARKED  # no answer: not worth more asks before the prefill
+                continue
             if t.state is State.GRANT_WAIT and not t.target and now > t.deadline:
                 self._send_request(t)  # waiting for a decode worker to register (see _send_request)
-            elif t.state in (State.GRANT_WAIT, State.SENDING, State.ACK_WAIT) and now > t.deadline:
-                what = "take the KV" if t.state is State.SENDING else "answer"
+            elif t.state in (State.GRANT_WAIT, State.STREAMING, State.SENDING, State.ACK_WAIT) and now > t.deadline:
+                what = "take the KV" if t.state in (State.SENDING, State.STREAMING) else "answer"
                 self._retry(t, f"decode worker {t.target} did not {what} within {self.timeout_s}s")
         ended = [t for t in self.transfers.values() if t.state in (State.DONE, State.FAILED)]
         for t in ended:
@@ -179,6 +238,9 @@ class HandoffManager:
     # -- transitions ----------------------------------------------------------------------------
     def _send_request(self, t: Transfer, after: str = "") -> None:
         target = self._pick_decode_worker(t.tried, t.job.model)
+        if target is None and not t.computed:
+            t.target, t.state = "", State.PARKED
+            return
         if target is None and self._in_budget(t):
             # None registered (Redis just restarted, the only decode worker is being replaced) or every
             # one refused for lack of room: that is backpressure, not failure. Keep the KV and ask them
@@ -211,8 +273,12 @@ class HandoffManager:
         if t is None:
             return  # a late reply for a transfer that already timed out or was cancelled
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
-            if msg.accepted:
+            if msg.accepted and not t.computed:
+                t.grant, t.state = msg, State.GRANTED
+            elif msg.accepted:
                 self._on_grant(t, msg)
+            elif not t.computed:
+                t.state = State.PARKED  # e.g. its batch is full now; by the time we are done it may not be
             else:
                 self._retry(t, f"decode worker refused: {msg.reason}")
         elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
@@ -242,27 +308,69 @@ class HandoffManager:
                 # steps, where grants are handled: waiting for it beats waiting for the next poll
                 t.sender.wait()
             except (IpcError, RuntimeError) as exc:  # torch reports CUDA refusals as RuntimeError
-                if t.target not in self._ipc_refused:  # once per decode worker: it stays refused
-                    self._ipc_refused.add(t.target)
-                    log.warning("CUDA IPC to %s unavailable, sending frames: %s", t.target, exc)
-                t.sender, t.transport = None, "layers"
+                self._ipc_unavailable(t, exc)
         if t.sender is None:
             t.sender = StagedKV(kv, src_blocks, on_ready=self.waker.wake)
+        t.header = self._header(t, kv, grant.block_ids)
+        self._pump(t)
+
+    def _header(self, t: Transfer, kv, block_ids: list[int]) -> KVHeader:
         t.nbytes = t.sender.nbytes if t.transport == "ipc" else t.sender.layer_nbytes * kv.shape[0]
         job = t.job
-        t.header = KVHeader(
-            request_id=job.request_id, model=job.model, **layout_of(kv), num_blocks=len(grant.block_ids),
-            block_ids=grant.block_ids, num_frames=0 if t.transport == "ipc" else kv.shape[0], nbytes=t.nbytes,
+        return KVHeader(
+            request_id=job.request_id, model=job.model, **layout_of(kv), num_blocks=len(block_ids),
+            block_ids=block_ids, num_frames=0 if t.transport == "ipc" else kv.shape[0], nbytes=t.nbytes,
             checksum=0, prompt_token_ids=job.prompt_token_ids, first_token_id=t.first_token,
             first_logprob=t.first_logprob, first_top_logprobs=t.first_top, prompt_logprobs=None,
             num_cached_tokens=t.num_cached_tokens, sampling=job.sampling, tenant=job.tenant, priority=job.priority,
             reply_addr=job.reply_addr, deadline=job.deadline, arrival=job.arrival, cache_salt=job.cache_salt,
             transport=t.transport,
         )
-        self._pump(t)
+
+    def _begin_stream(self, request_id: str, instance: str, blocks: list[int]):
+        """The forward about to run computes the last chunk of ``request_id``'s prompt: if it holds a
+        fresh grant, return the sender its layers are staged or copied by as they are written."""
+        t = self.transfers.get(request_id)
+        if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
+            return None
+        grant, kv = t.grant, self.core_for(instance).runner.kv_cache
+        src = blocks[: len(grant.block_ids)]
+        if len(src) != len(grant.block_ids):
+            return None  # complete() sends it the plain way, which reports the mismatch
+        t.sender, t.transport = None, "layers"
+        if grant.ipc is not None and self.device_uuid:
+            try:
+                dst = self._peers(instance, kv).open(t.target, grant.ipc)
+                t.sender, t.transport = DeviceCopy(kv, src, dst, grant.block_ids, deferred=True), "ipc"
+            except (IpcError, RuntimeError) as exc:
+                self._ipc_unavailable(t, exc)
+        if t.sender is None:
+            t.sender = StagedKV(kv, src, on_ready=self.waker.wake, deferred=True)
+        t.granted, t.next_group, t.header_sent = time.perf_counter(), 0, False
+        t.state, t.deadline, t.streamed = State.STREAMING, time.monotonic() + self.timeout_s, True
+        return t.sender
+
+    def _ipc_unavailable(self, t: Transfer, exc: Exception) -> None:
+        if t.target not in self._ipc_refused:  # once per decode worker: it stays refused
+            self._ipc_refused.add(t.target)
+            log.warning("CUDA IPC to %s unavailable, sending frames: %s", t.target, exc)
+        t.sender, t.transport = None, "layers"
+
+    def _fresh(self, t: Transfer) -> bool:
+        """IPC writes, and streamed layers, must land well inside the grant's lifetime (the decode side
+        quarantines expired IPC grants for as long again)."""
+        return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
+
+    def _cancel_grant(self, t: Transfer, reason: str) -> None:
+        self._send(t, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
+        t.grant = None
 
     def _pump(self, t: Transfer) -> None:
-        """Move a SENDING transfer as far as it goes without blocking."""
+        """Move a SENDING (or STREAMING) transfer as far as it goes without blocking."""
+        if t.state is State.STREAMING:
+            if t.transport == "layers":
+                self._send_groups(t)
+            return  # no header before the first token is sampled
         if t.transport == "ipc":
             if not t.sender.done():
                 return  # the header must not promise KV that has not landed yet
@@ -276,16 +384,20 @@ class HandoffManager:
                 return
         if t.holds_source and t.sender.source_free():
             self._release_source(t)
+        if self._send_groups(t):
+            self._release_source(t)
+            self._sent(t)
+
+    def _send_groups(self, t: Transfer) -> bool:
+        """Send the staged groups of layers not sent yet; True once all are out."""
         while t.next_group < t.sender.num_messages and t.sender.ready(t.next_group):
             frame, crcs = t.sender.result(t.next_group)
             msg = KVLayers(request_id=t.job.request_id, first=t.next_group * t.sender.per_message,
                            nbytes=t.sender.layer_nbytes, checksums=crcs)
             if not self._send(t, [encode(msg), frame]):
-                return  # the peer's queue is full: try again on the next poll, until the deadline
+                return False  # the peer's queue is full: try again on the next poll, until the deadline
             t.next_group += 1
-        if t.next_group == t.sender.num_messages:
-            self._release_source(t)
-            self._sent(t)
+        return t.next_group == t.sender.num_messages
 
     def _sent(self, t: Transfer) -> None:
         t.sent = time.perf_counter()
@@ -310,11 +422,12 @@ class HandoffManager:
         t.state, t.reason, t.sender = State.FAILED, reason, None
 
     def _release_source(self, t: Transfer, wait: bool = False) -> None:
-        """Free our prefill blocks; with ``wait``, first let in-flight copies out of them finish."""
-        if not t.holds_source:
-            return
+        """Free our prefill blocks; with ``wait``, first let in-flight copies out of them finish (also
+        when the engine, not us, frees them: a streamed prompt that ended at its first token)."""
         if wait and t.sender is not None:
             t.sender.wait() if isinstance(t.sender, DeviceCopy) else t.sender.wait_source()
+        if not t.holds_source:
+            return
         core = self.core_for(t.job.model)
         if core is not None:
             core.scheduler.release_held(t.job.request_id)
@@ -354,6 +467,34 @@ class HandoffManager:
 
     def _load_workers(self) -> list[WorkerInfo]:
         return live_workers(self.runtime.redis)
+
+class LayerStream:
+    """What one model's runner calls around each forward (``ModelRunner.kv_stream``): ``begin`` with
+    the requests whose prompt's last chunk the forward computes, ``layer_done`` after each decoder
+    layer, ``end`` once the forward is queued. Transfers holding a fresh early grant stage or copy each
+    group of layers as soon as the forward has written it."""
+
+    def __init__(self, manager: HandoffManager, instance: str):
+        self.manager, self.instance = manager, instance
+        self.senders: list = []
+
+    def begin(self, finishing: list[tuple[str, list[int]]]) -> bool:
+        """``finishing``: (request id, its block ids). True when any layer is worth reporting."""
+        self.senders = [s for rid, blocks in finishing
+                        if (s := self.manager._begin_stream(rid, self.instance, blocks)) is not None]
+        return bool(self.senders)
+
+    def layer_done(self, layer: int) -> None:
+        for sender in self.senders:
+            sender.stage_through(layer)
+        self.manager.pump_streaming()  # on the CPU the forward is synchronous: send what is staged now
+
+    def end(self) -> None:
+        """Whatever the forward wrote and no hook reported (a model without per-layer hooks)."""
+        for sender in self.senders:
+            sender.stage_through(sender.num_layers - 1)
+        self.senders = []
+
 
 def _free_kv(w: WorkerInfo, model: str) -> int:
     """Blocks the worker could give ``model`` now (its free ones plus what its shared pool could lend)."""

@@ -3,12 +3,16 @@
 Lifecycle of one job here:
   1. XREADGROUP (or XAUTOCLAIM of a dead peer's pending job) -> decode + validate the Job; a job past
      its deadline or aborted is answered "abort" and ACKed; an invalid one gets an error event.
-  2. The engine core prefills it with other prompts under the token budget (chunked prefill) and
+  2. Once it is within two steps' token budget of being prefilled, it asks a decode worker for
+     blocks early (a HandoffManager transfer), so that when its last chunk runs the KV leaves layer by
+     layer as the forward writes it.
+  3. The engine core prefills it with other prompts under the token budget (chunked prefill) and
      samples the first token; the core keeps its KV blocks (hold_finished_kv).
-  3. The first token goes straight to the gateway (TTFT does not wait for the handoff).
-  4. Finished already (EOS, a stop id, max_tokens=1, context full): XACK, free the blocks.
-     Otherwise a HandoffManager transfer moves the KV to a decode worker; its ack means the decode
-     side holds the request, and only then is the job XACKed.
+  4. The first token goes straight to the gateway (TTFT does not wait for the handoff).
+  5. Finished already (EOS, a stop id, max_tokens=1, context full): the early grant is cancelled,
+     XACK, free the blocks. Otherwise the transfer completes (or starts, without an early grant) and
+     moves the KV to a decode worker; its ack means the decode side holds the request, and only then
+     is the job XACKed.
 A worker killed anywhere before the XACK leaves the job pending for a peer to reclaim; the decode side
 refuses a request id it already holds, so a reclaimed job never yields two streams.
 
@@ -37,6 +41,7 @@ from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 50
+EARLY_GRANT_STEPS = 2  # ask a decode worker for blocks once a prompt is this many steps' tokens away
 IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
 
 
@@ -72,6 +77,8 @@ class PrefillWorker:
         c = self.config
         slot.role = _PrefillModel(JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
                                            c.max_deliveries, on_dead=self._dead_job))
+        if c.stream_kv_layers:
+            slot.core.runner.set_kv_stream(self.handoff.stream_for(slot.instance))
 
     def detach(self, slot: ModelSlot) -> None:
         self.handoff.forget_model(slot.instance)
@@ -92,6 +99,11 @@ class PrefillWorker:
         fetched = 0
         for slot in slots:
             fetched += self._fetch(slot, block_ms)
+            if self.config.stream_kv_layers:
+                self._ask_early(slot)
+        if self.handoff.busy:  # grants that came during the last step, so this step's forward can stream
+            for t in self.handoff.poll(timeout_ms=0):
+                self._on_transfer_end(t)
         stepped = False
         for slot in slots:
             if slot.core.has_unfinished():
@@ -144,6 +156,25 @@ class PrefillWorker:
         pm.active[rid] = (entry_id, job)
         slot.core.add_request(req)
 
+    def _ask_early(self, slot: ModelSlot) -> None:
+        """Early grants for the prompts the next steps will finish: in scheduling order (running first,
+        then waiting), while the prompt tokens ahead fit EARLY_GRANT_STEPS steps. Asking earlier would
+        hold decode blocks idle while prompts wait; later, the grant would miss the last chunk."""
+        pm: _PrefillModel = slot.role
+        sched = slot.core.scheduler
+        budget = EARLY_GRANT_STEPS * sched.max_num_batched_tokens
+        for req in (*sched.running, *sched.waiting):
+            budget -= req.num_prompt_tokens - req.num_computed_tokens
+            if budget < 0:
+                return
+            rid = req.request_id
+            if rid in self.handoff.transfers or rid not in pm.active or pm.real_max_tokens.get(rid, 1) <= 1:
+                continue
+            if req.num_prompt_tokens + 1 >= slot.core.max_model_len:
+                continue  # ends at its first token: nothing to hand off
+            entry_id, job = pm.active[rid]
+            self.handoff.start_early(job, entry_id)
+
     # -- results --------------------------------------------------------------------------------
     def _on_output(self, slot: ModelSlot, out: EngineCoreOutput) -> None:
         pm: _PrefillModel = slot.role
@@ -161,17 +192,17 @@ class PrefillWorker:
         if req_finished_for_real:
             event.finish_reason = out.finish_reason or "length"
             slot.metrics.request_done(event.finish_reason, job.arrival)
+            self.handoff.cancel(rid)  # an early grant's blocks go back; streamed copies finish first
             slot.core.scheduler.release_held(rid)
             self._finish(pm, entry_id, job, event)
             return
         event.finish_reason = None  # the prefill cap is ours, not the request's
         self.runtime.events.add(job.reply_addr, event)
-        self.handoff.start(Transfer(
-            job=job, entry_id=entry_id, first_token=out.new_token_ids[0],
-            first_logprob=event.logprobs[0] if event.logprobs else None,
-            first_top=event.top_logprobs[0] if event.top_logprobs else None,
-            prompt_logprobs=None, num_cached_tokens=out.num_cached_tokens,
-        ))
+        first = (out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
+                 event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens)
+        if not self.handoff.complete(rid, *first):
+            self.handoff.start(Transfer(job=job, entry_id=entry_id, first_token=first[0], first_logprob=first[1],
+                                        first_top=first[2], num_cached_tokens=first[3]))
 
     def _on_transfer_end(self, t: Transfer) -> None:
         slot = self.runtime.slots.get(t.job.model)
@@ -179,7 +210,8 @@ class PrefillWorker:
             log.error("transfer of %s ended after its model %s left", t.job.request_id, t.job.model)
             return
         slot.touch()
-        slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE)
+        slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE, t.transport,
+                                  t.streamed)
         if t.state is State.DONE:
             slot.role.jobs.ack(t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,
@@ -210,6 +242,9 @@ class PrefillWorker:
                 back.setdefault(slot.instance, []).append(entry_id)
             pm.active.clear()
         for rid, t in list(self.handoff.transfers.items()):
+            if not t.computed:  # an early ask: its job went back above
+                self.handoff.cancel(rid)
+                continue
             if t.state is not State.GRANT_WAIT:
                 continue
             self.handoff.cancel(rid)

@@ -75,6 +75,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="ZMQ port (0: ephemeral)")
     g.add_argument("--worker-id", default=None)
     g.add_argument("--handoff-timeout", type=float, default=10.0)
+    g.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill workers ask decode workers for blocks just before a prompt's last chunk and "
+                        "send its KV layer by layer while that chunk computes (off: after the prefill)")
     g.add_argument("--reclaim-idle-ms", type=int, default=15_000)
     g.add_argument("--monitoring-port", type=int, default=None, help="Prometheus metrics port")
     g.add_argument("--drain-timeout", type=float, default=30.0,

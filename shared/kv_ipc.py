@@ -169,44 +169,64 @@ class IpcPeers:
 
 
 class DeviceCopy:
-    """Prefill side: one transfer's blocks copied into a mapped peer cache on the side stream."""
+    """Prefill side: one transfer's blocks copied into a mapped peer cache on the side stream, all
+    layers at once, or with ``deferred`` layer range by layer range as ``stage_through(layer)`` says
+    the prefill has written them (each range's copy waits for the compute stream as of that call)."""
 
-    def __init__(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]):
+    def __init__(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
+                 deferred: bool = False):
         if len(src_blocks) != len(dst_blocks):
             raise IpcError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
         if any(not 0 <= b < dst.shape[2] for b in dst_blocks):
             raise IpcError("destination block id out of the peer's range")
+        self.src, self.src_blocks, self.dst, self.dst_blocks = src, src_blocks, dst, dst_blocks
         self.nbytes = src[:, :, :1].numel() * src.element_size() * len(src_blocks)
-        stream = side_stream(src.device)
-        stream.wait_stream(torch.cuda.current_stream(src.device))  # the compute stream wrote this KV
+        self.num_layers = src.shape[0]
+        self.copied = 0  # layers queued so far
+        self.event = None
+        if not deferred:
+            self.stage_through(self.num_layers - 1)
+
+    def stage_through(self, layer: int) -> None:
+        if layer < self.copied:
+            return
+        stream = side_stream(self.src.device)
+        stream.wait_stream(torch.cuda.current_stream(self.src.device))  # the compute stream wrote this KV
         with torch.cuda.stream(stream):
-            copy_blocks(src, src_blocks, dst, dst_blocks)
+            copy_blocks(self.src, self.src_blocks, self.dst, self.dst_blocks, range(self.copied, layer + 1))
             self.event = torch.cuda.Event()
             self.event.record(stream)
+        self.copied = layer + 1
 
     def done(self) -> bool:
-        return self.event.query()
+        """Every layer copied (the side stream runs in order, so the last event covers them all)."""
+        return self.copied == self.num_layers and self.event.query()
 
     def wait(self) -> None:
-        self.event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
 
 
-def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> None:
-    """``dst[:, :, dst_blocks] = src[:, :, src_blocks]`` on the current stream, all layers at once."""
+def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
+                layers: range | None = None) -> None:
+    """``dst[layers][:, dst_blocks] = src[layers][:, src_blocks]`` on the current stream (all layers by
+    default)."""
+    layers = range(src.shape[0]) if layers is None else layers
     src, dst = wide(src), wide(dst)
     runs = block_runs(src_blocks, dst_blocks)
     if len(runs) <= _RUNS_AS_SLICES:
         for s, d, n in runs:
-            dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=True)
+            dst[layers.start:layers.stop, :, d:d + n].copy_(src[layers.start:layers.stop, :, s:s + n],
+                                                            non_blocking=True)
         return
     # scattered blocks: a row gather + scatter over the caches' memory viewed as rows of one (layer, K/V,
     # block) each, the access pattern torch's index kernels do best (whole contiguous rows), a few
     # layers at a time so the temporary stays small
     src_rows, dst_rows = _as_rows(src), _as_rows(dst)
-    planes = src.shape[0] * src.shape[1]
+    planes = range(layers.start * src.shape[1], layers.stop * src.shape[1])
     step = max(1, _CHUNK_BYTES // (len(src_blocks) * src[0, 0, 0].numel() * src.element_size()))
-    for p0 in range(0, planes, step):
-        p = range(p0, min(p0 + step, planes))
+    for p0 in range(planes.start, planes.stop, step):
+        p = range(p0, min(p0 + step, planes.stop))
         si = _rows(src, src_blocks, p).to(src.device, non_blocking=True)
         di = _rows(dst, dst_blocks, p).to(dst.device, non_blocking=True)
         dst_rows.index_copy_(0, di, src_rows.index_select(0, si))

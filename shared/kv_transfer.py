@@ -205,57 +205,75 @@ class StagedKV:
     """One transfer's layers staged out of the sender's cache into host memory, in the background, in
     groups of ``layers_per_message`` (group ``g`` = layers ``g * per .. g * per + per - 1``).
 
-    On CUDA every group's gather and device-to-host copy is queued at once on the side stream (after
-    the compute stream, which wrote the KV), into one pinned buffer, with an event per group; pool
-    threads wait for a group's event and CRC its layers. On CPU the pool threads gather and CRC.
+    On CUDA a group's gather and device-to-host copy is queued on the side stream (after the compute
+    stream, which wrote the KV), into one pinned buffer, with an event per group; pool threads wait for
+    a group's event and CRC its layers. On CPU the pool threads gather and CRC.
+    All groups are staged at once, or with ``deferred`` group by group as ``stage_through(layer)`` says
+    the prefill has written that layer (the layer-by-layer overlap with the prompt's last chunk).
     Group ``g`` can be sent once ``ready(g)``; the source blocks may be reused once ``source_free()``."""
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_ready=None):
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_ready=None, deferred: bool = False):
+        self.kv_cache = kv_cache
         self.num_layers = kv_cache.shape[0]
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
         self.per_message = layers_per_message(self.num_layers, self.layer_nbytes)
-        groups = [range(g, min(g + self.per_message, self.num_layers))
-                  for g in range(0, self.num_layers, self.per_message)]
-        inline = self.layer_nbytes * self.num_layers <= INLINE_BYTES
+        self.groups = [range(g, min(g + self.per_message, self.num_layers))
+                       for g in range(0, self.num_layers, self.per_message)]
+        self.inline = self.layer_nbytes * self.num_layers <= INLINE_BYTES
+        self.on_ready = on_ready
         self._events: list = []
+        self._futures: list[Future] = []  # one per staged group, in order
+        self._host = None
         if kv_cache.is_cuda:
-            stream = side_stream(kv_cache.device)
-            stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
-            host = torch.empty((self.num_layers, 2, len(block_ids)) + tuple(kv_cache.shape[3:]),
-                               dtype=kv_cache.dtype, pin_memory=True)
-            with torch.cuda.stream(stream):
-                index = torch.tensor(block_ids, dtype=torch.long).to(kv_cache.device, non_blocking=True)
-                for g in groups:
-                    host[g.start:g.stop].copy_(gather_blocks(kv_cache, g, index), non_blocking=True)
+            self._host = torch.empty((self.num_layers, 2, len(block_ids)) + tuple(kv_cache.shape[3:]),
+                                     dtype=kv_cache.dtype, pin_memory=True)
+            with torch.cuda.stream(side_stream(kv_cache.device)):
+                self.index = torch.tensor(block_ids, dtype=torch.long).to(kv_cache.device, non_blocking=True)
+        else:
+            self.index = torch.tensor(block_ids, dtype=torch.long)
+        if not deferred:
+            self.stage_through(self.num_layers - 1)
+
+    def stage_through(self, layer: int) -> None:
+        """Stage every group whose layers are all at or below ``layer`` (written by the compute stream
+        as of now)."""
+        while len(self._futures) < len(self.groups) and self.groups[len(self._futures)].stop - 1 <= layer:
+            g = self.groups[len(self._futures)]
+            if self._host is not None:
+                stream = side_stream(self.kv_cache.device)
+                stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+                with torch.cuda.stream(stream):
+                    self._host[g.start:g.stop].copy_(gather_blocks(self.kv_cache, g, self.index), non_blocking=True)
                     self._events.append(torch.cuda.Event())
                     self._events[-1].record(stream)
-            self._futures = [_submit(inline, _crc_after, host[g.start:g.stop], ev)
-                             for g, ev in zip(groups, self._events, strict=True)]
-        else:
-            index = torch.tensor(block_ids, dtype=torch.long)
-            self._futures = [_submit(inline, _gather_crc, kv_cache, index, g) for g in groups]
-        if on_ready is not None:
-            for f in self._futures:
-                f.add_done_callback(on_ready)
+                future = _submit(self.inline, _crc_after, self._host[g.start:g.stop], self._events[-1])
+            else:
+                future = _submit(self.inline, _gather_crc, self.kv_cache, self.index, g)
+            self._futures.append(future)
+            if self.on_ready is not None:
+                future.add_done_callback(self.on_ready)
 
     @property
     def num_messages(self) -> int:
-        return len(self._futures)
+        return len(self.groups)
 
     def ready(self, group: int) -> bool:
-        return self._futures[group].done()
+        return group < len(self._futures) and self._futures[group].done()
 
     def result(self, group: int) -> tuple[memoryview, list[int]]:
-        """(frame, CRC32 of each layer in it) of a group of layers; blocks until it is staged."""
+        """(frame, CRC32 of each layer in it) of a staged group of layers; blocks until it is staged."""
         return self._futures[group].result()
 
     def source_free(self) -> bool:
+        if len(self._futures) < len(self.groups):
+            return False
         if self._events:
             return all(ev.query() for ev in self._events)
         return all(f.done() for f in self._futures)
 
     def wait_source(self) -> None:
-        """Block until nothing reads the source blocks any more (before freeing them on a failure)."""
+        """Block until nothing reads the source blocks any more (before freeing them on a failure);
+        groups never staged never read them."""
         for ev in self._events:
             ev.synchronize()
         wait(self._futures)
@@ -293,12 +311,11 @@ class LayerAssembler:
     written, and nobody reads them before ``finish()``, so a transfer that fails half-way harms nothing
     once ``abandon()`` has waited out its writes and the blocks are freed."""
 
-    def __init__(self, kv_cache: torch.Tensor, header: KVHeader, block_ids: list[int], on_done=None):
-        check_layout(kv_cache, header)
-        if header.transport != "layers":
-            raise ValueError(f"transport {header.transport!r} is not 'layers'")
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_done=None):
+        """Layers may come before the header (streamed while the sender's prefill runs), so the layout is
+        this cache's; the header, whenever it comes, must match it (``check_layout``)."""
         self.kv_cache = kv_cache
-        self.num_layers = header.num_layers
+        self.num_layers = kv_cache.shape[0]
         self.num_blocks = len(block_ids)
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
         self.stream = side_stream(kv_cache.device) if kv_cache.is_cuda else None

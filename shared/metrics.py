@@ -102,6 +102,9 @@ class WorkerMetrics:
                                          m, buckets=HANDOFF_BUCKETS, registry=r).labels(model_name)
         self.handoff_failures = Counter("kvrelay_handoff_failures", "Handoffs that failed (request ended in error)",
                                         m, registry=r).labels(model_name)
+        self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers) and by "
+                                 "whether the KV streamed out layer by layer during the prompt's last chunk",
+                                 m + ["transport", "streamed"], registry=r)
         r.register(_PrefixCacheCollector(bm, model_name))
         if process_collectors:
             r.register(HostCollector(*nvml_for(device)))
@@ -158,10 +161,12 @@ class WorkerMetrics:
         if finish_reason in ("stop", "length"):
             self.e2e.observe(max(0.0, (now or time.time()) - arrival))
 
-    def handoff_done(self, nbytes: int, seconds: float, ok: bool) -> None:
+    def handoff_done(self, nbytes: int, seconds: float, ok: bool, transport: str = "layers",
+                     streamed: bool = False) -> None:
         if ok:
             self.handoff_bytes.inc(nbytes)
             self.handoff_seconds.observe(seconds)
+            self._handoffs.labels(self.model, transport, str(streamed).lower()).inc()
         else:
             self.handoff_failures.inc()
 

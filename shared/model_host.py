@@ -20,7 +20,6 @@ tensors and the pool's bookkeeping are only ever changed by one thread at a time
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import math
 import queue

@@ -81,6 +81,8 @@ class ModelRunner:
         self._tables = BlockTableCache()
         # read every step, so a benchmark may flip it to time eager decode on the same loaded model
         self.enforce_eager = config.model.enforce_eager
+        self.kv_stream = None  # see set_kv_stream
+        self._streaming = self._hooked = False
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not self.enforce_eager:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
@@ -134,6 +136,34 @@ class ModelRunner:
             self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
         del kv, hidden
 
+    def set_kv_stream(self, stream) -> None:
+        """A prefill worker's layer-by-layer handoff (prefill_worker/handoff.py ``LayerStream``): told
+        before each eager forward which prompts it finishes, and after each decoder layer that the layer's
+        KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
+        if self.kv_stream is None and not self._hooked:
+            self._hooked = True
+            for i, layer in enumerate(self.model.decoder_layers()):
+                layer.register_forward_hook(lambda _mod, _args, _out, i=i: self._layer_done(i))
+        self.kv_stream = stream
+
+    def _layer_done(self, layer: int) -> None:
+        if self._streaming:
+            self.kv_stream.layer_done(layer)
+
+    def _forward(self, out: SchedulerOutput, t, meta: AttentionMetadata) -> torch.Tensor:
+        """The eager forward, reporting layers to ``kv_stream`` when this step finishes a prompt it wants."""
+        if self.kv_stream is not None:
+            finishing = [(sr.request.request_id, sr.block_ids) for sr in out.scheduled
+                         if sr.request.num_computed_tokens < sr.request.num_prompt_tokens
+                         and sr.request.num_computed_tokens + sr.num_new_tokens == sr.request.num_tokens]
+            self._streaming = bool(finishing) and self.kv_stream.begin(finishing)
+        try:
+            return self.model(t.input_ids, t.positions, self.kv_cache, meta)  # [T, hidden]
+        finally:
+            if self._streaming:
+                self._streaming = False
+                self.kv_stream.end()
+
     # -- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -156,7 +186,7 @@ class ModelRunner:
                 block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
                 seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
             )
-            hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)  # [T, hidden]
+            hidden = self._forward(out, t, meta)  # [T, hidden]
 
             def logits_of(start: int, count: int) -> torch.Tensor:
                 return self.model.compute_logits(hidden[start:start + count])

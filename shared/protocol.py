@@ -122,7 +122,8 @@ class Abort:
 
 @dataclass
 class HandoffRequest:
-    """Prefill -> decode: asks the decode worker to reserve blocks for a finished prefill."""
+    """Prefill -> decode: asks the decode worker to reserve blocks for a prompt's KV, once its prefill
+    finished or, early, before it runs (so its layers can stream while the last chunk computes)."""
 
     TAG: ClassVar[str] = "handoff_request"
     request_id: str = field(metadata=_ID)
@@ -235,9 +236,10 @@ class KVHeader:
 
 @dataclass
 class KVLayers:
-    """Prefill -> decode, after a "layers" KVHeader: layers ``first`` .. ``first + len(checksums) - 1``
-    in the one raw frame that follows (``[count, 2, n_blocks, bs, Hkv, D]``, ``nbytes`` per layer), sent
-    as soon as they are staged."""
+    """Prefill -> decode, for a "layers" transfer: layers ``first`` .. ``first + len(checksums) - 1`` in
+    the one raw frame that follows (``[count, 2, n_blocks, bs, Hkv, D]``, ``nbytes`` per layer), sent as
+    soon as they are staged: after the KVHeader, or before it when streamed while the prompt's last chunk
+    is still computing (the header, which carries the first token, then comes last)."""
 
     TAG: ClassVar[str] = "kv_layers"
     request_id: str = field(metadata=_ID)
@@ -248,6 +250,17 @@ class KVLayers:
     def check(self) -> None:
         if self.first < 0 or self.nbytes < 0 or not 1 <= len(self.checksums) <= MAX_MAP_LEN:
             raise ValueError("KVLayers: first and nbytes must be non-negative, with 1..4096 checksums")
+
+
+@dataclass
+class HandoffCancel:
+    """Prefill -> decode: the asker will not send the KV of a grant (the request ended at its first
+    token, was aborted, or waited so long in the prefill queue that its early grant went stale): free
+    the blocks now instead of at the grant's expiry. Any layers already sent are dropped."""
+
+    TAG: ClassVar[str] = "handoff_cancel"
+    request_id: str = field(metadata=_ID)
+    reason: str = ""
 
 
 @dataclass
@@ -398,7 +411,7 @@ def instance_key(name: str, version: int) -> str:
 
 
 MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, HandoffRequest, HandoffGrant,
-                                   KVHeader, KVLayers, HandoffAck, WorkerInfo, ModelInfo, InstanceStatus,
+                                   KVHeader, KVLayers, HandoffCancel, HandoffAck, WorkerInfo, ModelInfo, InstanceStatus,
                                    ModelSpec, ControlCommand, ControlResult)
 _BY_TAG = {cls.TAG: cls for cls in MESSAGE_TYPES}
 M = TypeVar("M")

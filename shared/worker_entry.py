@@ -50,7 +50,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
     config = WorkerConfig(role=role, engine=engine, redis_url=args.redis_url, model_name=name, host=args.host,
                           port=args.port, advertise_host=args.advertise_host, model_path=model_dir,
-                          handoff_timeout_s=args.handoff_timeout,
+                          handoff_timeout_s=args.handoff_timeout, stream_kv_layers=args.kv_stream_layers,
                           reclaim_idle_ms=args.reclaim_idle_ms, drain_timeout_s=args.drain_timeout,
                           monitoring_port=args.monitoring_port, more_models=more, model_repo=model_repo,
                           weights_memory=args.weights_memory, verify_checksums=args.verify_checksums,

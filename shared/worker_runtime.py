@@ -81,6 +81,7 @@ class WorkerConfig:
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     model_path: str = ""  # directory with the tokenizer, published for gateways
     handoff_timeout_s: float = 10.0
+    stream_kv_layers: bool = True  # prefill: early grants, KV sent layer by layer during the last chunk
     max_deliveries: int = keys.MAX_DELIVERIES
     reclaim_idle_ms: int = 15_000  # a pending job idle this long belongs to a dead prefill worker
     monitoring_port: int | None = None  # Prometheus /metrics on host:port; None: not served (0: ephemeral)

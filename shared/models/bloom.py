@@ -118,6 +118,9 @@ class BloomForCausalLM(CausalLM):
             x = block(x, kv_caches[i], meta, self.alibi_slopes)
         return self.transformer.ln_f(x)
 
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.transformer.h
+
     def output_embedding(self) -> torch.Tensor:
         return self.transformer.word_embeddings.weight if self.tie_word_embeddings else self.lm_head.weight
 

@@ -108,6 +108,9 @@ class GPT2LMHeadModel(CausalLM):
             x = block(x, kv_caches[i], meta)
         return self.transformer.ln_f(x)
 
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.transformer.h
+
     def output_embedding(self) -> torch.Tensor:
         return self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
 

@@ -91,6 +91,10 @@ class CausalLM(nn.Module, ABC):
         """Every tensor name (after ``normalize_name``) a complete checkpoint provides."""
 
     @abstractmethod
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder blocks in order; each writes its layer's KV during its forward."""
+
+    @abstractmethod
     def output_embedding(self) -> torch.Tensor:
         """The [vocab, hidden] matrix the logits are computed against (the embedding when tied)."""
 

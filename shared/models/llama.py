@@ -135,6 +135,9 @@ class LlamaForCausalLM(CausalLM):
         x, _ = self.model.norm(x, residual)
         return x
 
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
     def output_embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 

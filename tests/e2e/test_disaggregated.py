@@ -5,6 +5,7 @@ import asyncio
 import shutil
 import signal
 import time
+import urllib.request
 
 import httpx
 import openai
@@ -13,7 +14,7 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from shared import redis_keys as keys
 from tests.conftest import make_tiny_model, random_prompts
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, free_port
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
@@ -69,6 +70,42 @@ def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir):
     for choice, want in zip(choices, expected, strict=True):
         assert choice.text == tok.decode(want, skip_special_tokens=True)
         assert len(choice.logprobs.tokens) == len(want)
+
+
+def _handoffs(port: int) -> dict[str, float]:
+    """kvrelay_handoffs_total by its ``streamed`` label, from a prefill worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvrelay_handoffs_total{"):
+            streamed = line.split('streamed="', 1)[1].split('"', 1)[0]
+            out[streamed] = out.get(streamed, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
+    """Prompts of several chunks: the prefill worker holds an early grant by the time its last chunk
+    runs, so its KV leaves layer by layer during that forward (kvrelay_handoffs_total{streamed="true"});
+    greedy tokens still equal the offline engine's."""
+    port = free_port()
+    cluster.start_worker("prefill", "p1", extra=["--max-num-batched-tokens", "32", "--monitoring-port", str(port)])
+    cluster.start_worker("decode", "d1")
+    cluster.wait_ready()
+    prompts = random_prompts(6, lo=100, hi=200, seed=7)
+    offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)
+    tok = offline.get_tokenizer()
+    expected = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in offline.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8))]
+
+    async def run():
+        client = _aclient(cluster)
+        return await asyncio.gather(*(client.completions.create(model=MODEL, prompt=p, max_tokens=8,
+                                                                temperature=0.0) for p in prompts))
+
+    assert [r.choices[0].text for r in asyncio.run(run())] == expected
+    counts = _handoffs(port)
+    assert counts.get("true", 0) >= 1 and sum(counts.values()) == len(prompts), counts
 
 
 def test_64_concurrent_streams_complete(cluster):

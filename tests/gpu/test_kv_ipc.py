@@ -142,5 +142,36 @@ def test_device_copy_paths_match_indexing(scattered):
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
 
 
+
+@pytest.mark.parametrize("sender", ["ipc-copy", "staged"])
+def test_layer_by_layer_senders_follow_the_compute_stream(sender):
+    """Deferred (streamed) senders on CUDA: each layer range is copied / staged behind the compute
+    stream as of its ``stage_through``, so a layer written by kernels still queued when it is called
+    (the forward runs ahead of the GPU) arrives in full."""
+    from shared.kv_ipc import DeviceCopy
+    from shared.kv_transfer import StagedKV
+
+    final = _source_cache()
+    src = torch.zeros_like(final)
+    blocks, dst_blocks = list(range(3, 40, 2)), list(range(60, 79))
+    if sender == "ipc-copy":
+        dst = torch.zeros_like(final)
+        s = DeviceCopy(src, blocks, dst, dst_blocks, deferred=True)
+    else:
+        s = StagedKV(src, blocks, deferred=True)
+    for layer in range(SHAPE[0]):
+        torch.cuda._sleep(2_000_000)  # the compute stream is busy when the copy is queued behind it
+        src[layer].copy_(final[layer])
+        s.stage_through(layer)
+    if sender == "ipc-copy":
+        s.wait()
+        assert s.done()
+        assert torch.equal(dst[:, :, dst_blocks], final[:, :, blocks])
+    else:
+        got = torch.cat([torch.frombuffer(bytearray(s.result(g)[0]), dtype=torch.bfloat16)
+                         for g in range(s.num_messages)])
+        assert torch.equal(got.view_as(final[:, :, blocks].cpu()), final[:, :, blocks].cpu())
+
+
 if __name__ == "__main__":
     _prefill_process(sys.argv[1])

@@ -300,3 +300,115 @@ def test_blocks_offered_through_ipc_stay_parked_one_more_ttl(monkeypatch):
     receiver.poll(0, admit=None)
     assert bm.num_free_blocks == total
     ctx.destroy(linger=0)
+
+
+# -- early grants and layers streamed during the prompt's last chunk --------------------------------------
+def _poll_until(manager: HandoffManager, cond, what: str) -> list:
+    ended: list = []
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        ended += manager.poll(20)
+    return ended
+
+
+def _early(manager: HandoffManager, rid: str, num_tokens: int):
+    manager.start_early(transfer(rid, num_tokens, MODEL).job, rid.encode())
+    return manager.transfers[rid]
+
+
+def test_layers_streamed_during_the_last_chunk_land_before_their_header(prefill, decode_side):
+    """An early grant, then the forward writes the prompt's KV layer by layer: each group of layers is
+    staged and sent as soon as its last layer is written, before the first token (and so the header)
+    exists; the header comes last and the KV lands bit-exact."""
+    rt, make = prefill
+    side = decode_side()
+    manager = make(side.addr)
+    kv = rt.core.runner.kv_cache
+    final = kv.clone()
+    num_tokens = 40 * BLOCK - 3  # 10 MiB: several messages of a few layers
+    src = rt.core.block_manager.allocate_for_tokens("s", num_tokens)
+    kv[:, :, src] = 0  # not computed yet
+    t = _early(manager, "s", num_tokens)
+    _poll_until(manager, lambda: t.state is State.GRANTED, "the early grant")
+    assert not t.holds_source and len(side.blocks("s")) == len(src)  # the decode side reserved them
+    stream = manager.stream_for(MODEL)
+    assert stream.begin([("s", src), ("unknown", src)])  # only transfers holding a grant stream
+    assert t.state is State.STREAMING and len(stream.senders) == 1
+    per = t.sender.per_message
+    assert 1 < t.sender.num_messages < SHAPE[0]
+    for layer in range(SHAPE[0]):  # the forward
+        kv[layer, :, src] = final[layer, :, src]
+        stream.layer_done(layer)
+    stream.end()
+    _poll_until(manager, lambda: t.next_group == t.sender.num_messages, "every group sent")
+    _wait_for(lambda: "s" in side.receiver.incoming and side.receiver.incoming["s"].assembler.complete,
+              "the layers written on the decode side")
+    assert side.receiver.incoming["s"].header is None and "s" not in side.admitted  # no first token yet
+    assert manager.complete("s", first_token=7, first_logprob=-0.5, first_top=None, num_cached_tokens=0)
+    ended = _poll_until(manager, lambda: "s" not in manager.transfers, "the ack")
+    assert [e.state for e in ended] == [State.DONE] and ended[0].streamed and per
+    _wait_for(lambda: "s" in side.admitted, "admission")
+    assert side.admitted["s"].first_token_id == 7 and side.admitted["s"].first_logprob == -0.5
+    assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks("s")], final[:, :, src])
+    assert not rt.core.block_manager.block_ids("s")  # our blocks went back once staged
+
+
+def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, decode_side):
+    """A prompt that ends at its first token, or one aborted mid-stream, cancels its grant (the decode
+    side frees the blocks at once); one refused early, or whose grant went stale while it waited, asks
+    again once computed and lands."""
+    rt, make = prefill
+    side = decode_side(ttl_s=1.0)
+    manager = make(side.addr)
+    bm = side.rt.core.block_manager
+    total = bm.num_free_blocks
+    t = _early(manager, "eos", 4 * BLOCK)
+    _poll_until(manager, lambda: t.state is State.GRANTED, "a grant")
+    assert bm.num_free_blocks == total - 4
+    manager.cancel("eos")  # it ended at its first token
+    _wait_for(lambda: bm.num_free_blocks == total, "the cancelled grant's blocks")
+
+    src = rt.core.block_manager.allocate_for_tokens("aborted", 40 * BLOCK)
+    t = _early(manager, "aborted", 40 * BLOCK)
+    _poll_until(manager, lambda: t.state is State.GRANTED, "a grant")
+    stream = manager.stream_for(MODEL)
+    assert stream.begin([("aborted", src)])
+    stream.layer_done(t.sender.per_message - 1)  # the first group of layers is written
+    _poll_until(manager, lambda: "aborted" in side.receiver.incoming, "the first streamed layers")
+    assert t.next_group == 1
+    stream.end()
+    manager.cancel("aborted")  # the client went away: the half-received KV is dropped
+    _wait_for(lambda: bm.num_free_blocks == total and not side.receiver.incoming, "the dropped transfer")
+    rt.core.block_manager.free("aborted")
+
+    hog = bm.allocate_for_tokens("hog", (total - 2) * BLOCK)  # the decode side is nearly full
+    src = rt.core.block_manager.allocate_for_tokens("refused", 4 * BLOCK)
+    t = _early(manager, "refused", 4 * BLOCK)
+    _poll_until(manager, lambda: t.state is State.PARKED, "the refusal")
+    bm.free("hog")
+    assert hog
+    stale = _early(manager, "stale", 4 * BLOCK)
+    stale_src = rt.core.block_manager.allocate_for_tokens("stale", 4 * BLOCK)
+    _poll_until(manager, lambda: stale.state is State.GRANTED, "a grant")
+    time.sleep(0.6)  # half the grant's TTL: the prompt is still queued, so the grant goes back
+    _poll_until(manager, lambda: stale.state is State.PARKED, "the stale grant cancelled")
+    _wait_for(lambda: bm.num_free_blocks == total, "the stale grant's blocks")
+    for rid in ("refused", "stale"):
+        assert manager.complete(rid, first_token=3, first_logprob=None, first_top=None, num_cached_tokens=0)
+    ended = _poll_until(manager, lambda: not manager.transfers, "both handoffs")
+    assert sorted((e.job.request_id, e.state, e.streamed) for e in ended) == [
+        ("refused", State.DONE, False), ("stale", State.DONE, False)]
+    _wait_for(lambda: {"refused", "stale"} <= set(side.admitted), "admission")
+    for rid, blocks in (("refused", src), ("stale", stale_src)):
+        assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks(rid)], rt.core.runner.kv_cache[:, :, blocks])
+
+
+def test_overlap_benchmark_runs_both_paths_through_a_real_engine():
+    """``kvrelay bench handoff --sections overlap`` at a toy size: a real prefill engine, a decode-side
+    process, each prompt handed off both ways (it raises unless each ended DONE the way it was meant to)."""
+    from bench.handoff import _overlap
+
+    result = _overlap("cpu", "dummy:tiny-llama", [40, 100], repeats=1)
+    assert sorted(result) == [40, 100]
+    assert all(len(m[False]) == len(m[True]) == 3 for m in result.values())

@@ -212,6 +212,13 @@ def test_copy_paths_work_on_the_block_major_view():
     before = kv[:, :, src2].clone()
     copy_blocks(kv, src2, kv, dst2)
     assert torch.equal(kv[:, :, dst2], before)
+    # layer ranges, as the layer-by-layer handoff copies them: each range touches its layers only
+    for a, b in ((0, 1), (1, kv.shape[0])):
+        for pair in ((src, dst), (dst[:3], src[:3])):  # the row gather path, then slices
+            plain.zero_()
+            copy_blocks(kv, pair[0], plain, pair[1], range(a, b))
+            assert torch.equal(plain[a:b][:, :, pair[1]], kv[a:b][:, :, pair[0]])
+            assert not plain[:a].any() and not plain[b:].any()
 
 
 def test_reference_kernels_read_and_write_the_pooled_view():

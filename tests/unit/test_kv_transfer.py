@@ -104,9 +104,7 @@ def test_staged_layers_round_trip(shape, dst_blocks):
     src_blocks = [5, 2, 9, 3]
     msgs = _stage(src, src_blocks)
     assert (len(msgs) > 1) == (shape != SHAPE)
-    header = _header(src, transport="layers", num_blocks=4, block_ids=dst_blocks, num_frames=shape[0],
-                     nbytes=shape[0] * kt.frame_nbytes(src, 4), prompt_token_ids=[1] * 4 * shape[3])
-    asm = kt.LayerAssembler(dst, header, dst_blocks)
+    asm = kt.LayerAssembler(dst, dst_blocks)
     for msg, frame in msgs:
         assert not asm.complete
         asm.add(msg, [frame])
@@ -116,17 +114,13 @@ def test_staged_layers_round_trip(shape, dst_blocks):
     assert torch.equal(_blocks(dst, dst_blocks), _blocks(src, src_blocks))
 
 
-def _layers_header(kv):
-    return _header(kv, transport="layers")
-
-
 def test_layer_assembler_refuses_bad_layers():
     src = _cache(2)
     (msg, frame), = _stage(src)
     assert len(msg.checksums) == 3 and frame.nbytes == 3 * msg.nbytes
 
     def fresh():
-        return kt.LayerAssembler(torch.zeros(SHAPE), _layers_header(src), DST_BLOCKS)
+        return kt.LayerAssembler(torch.zeros(SHAPE), DST_BLOCKS)
 
     with pytest.raises(ValueError, match="arrived where layer 0"):
         fresh().add(dataclasses.replace(msg, first=1), [frame])
@@ -144,10 +138,34 @@ def test_layer_assembler_refuses_bad_layers():
     asm.add(msg, [bytes(corrupt)])
     asm.abandon()
     assert "checksum mismatch in layer 2" in str(asm.error())
-    with pytest.raises(ValueError, match="layout"):
-        kt.LayerAssembler(torch.zeros(SHAPE, dtype=torch.float16), _layers_header(src), DST_BLOCKS)
-    with pytest.raises(ValueError, match="'layers'"):
-        kt.LayerAssembler(torch.zeros(SHAPE), _header(src), DST_BLOCKS)
+    with pytest.raises(ValueError, match="expected"):  # layers of another dtype: sizes differ
+        kt.LayerAssembler(torch.zeros(SHAPE, dtype=torch.float16), DST_BLOCKS).add(msg, [frame])
+
+
+def test_deferred_staging_follows_the_layers_written():
+    """The layer-by-layer overlap: a group is staged only once ``stage_through`` says the prefill wrote
+    its last layer, and what it stages is the cache as of then (later writes to other layers are not
+    in it, this layer's are)."""
+    shape = (40, 2, 16, 16, 8, 64)  # 64 KiB a layer of 4 blocks: messages of several layers
+    src, dst = _cache(3, torch.bfloat16, shape), torch.zeros(shape, dtype=torch.bfloat16)
+    src_blocks = [5, 2, 9, 3]
+    final = src.clone()
+    src.zero_()  # nothing computed yet
+    staged = kt.StagedKV(src, src_blocks, deferred=True)
+    per = staged.per_message
+    assert 1 < per < shape[0] and not staged.ready(0) and not staged.source_free()
+    asm = kt.LayerAssembler(dst, [8, 0, 1, 6])
+    for layer in range(shape[0]):  # the forward writes layer after layer; the sender stages behind it
+        src[layer] = final[layer]
+        staged.stage_through(layer)
+        assert len(staged._futures) == (layer + 1) // per + (layer == shape[0] - 1 and shape[0] % per != 0)
+    for g in range(staged.num_messages):
+        frame, crcs = staged.result(g)
+        asm.add(KVLayers(request_id="r", first=g * per, nbytes=staged.layer_nbytes, checksums=crcs), [frame])
+    wait(asm.futures)
+    staged.wait_source()
+    assert staged.source_free() and asm.complete and asm.error() is None
+    assert torch.equal(_blocks(dst, [8, 0, 1, 6]), _blocks(final, src_blocks))
 
 
 def test_layers_per_message_targets_a_few_megabytes():
