@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve each worker's Prometheus /metrics on PORT, PORT+1, ... (gateway: /metrics)")
     serve.add_argument("--weights-memory", type=int, default=None, metavar="BYTES",
                        help="bytes of model weights each worker may hold at once (see the worker flag)")
+    serve.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction, default=True,
+                       help="the prefill worker sends a prompt's KV layer by layer during its last chunk "
+                            "(see the worker flag)")
     serve.set_defaults(func=_serve)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP front door")

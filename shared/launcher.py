@@ -91,6 +91,10 @@ def serve(args: argparse.Namespace) -> int:
                                                       "--device", m.device, "--redis-url", redis_url]
                 specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models))
                            + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
+        if not getattr(args, "kv_stream_layers", True):
+            for name, argv in specs:
+                if name.startswith("prefill-worker"):
+                    argv.append("--no-kv-stream-layers")
         if args.worker_monitoring_port is not None:  # workers' /metrics on consecutive ports
             for i, (_, argv) in enumerate(specs[1:]):
                 argv += ["--monitoring-port", str(args.worker_monitoring_port + i)]
