@@ -234,3 +234,15 @@ def test_multi_model_messages_round_trip_with_nested_messages():
     assert instance_key("m", 0) == "m"
     with pytest.raises(ValueError):
         decode(encode(ControlCommand(command_id="c", op="load", name="m")).replace(b"load", b"nuke"), ControlCommand)
+
+
+def test_none_defaults_stay_off_the_wire():
+    """A None that is the field's default is not sent (the decoder's default restores it): most of a
+    TokenEvent is None, and each entry cost both ends. A required field that is None is still sent."""
+    event = p.TokenEvent(request_id="r", token_ids=[5], output_index=3)
+    raw = msgpack.unpackb(p.encode(event))
+    assert {"logprobs", "top_logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "error"}.isdisjoint(raw)
+    assert p.decode(p.encode(event), p.TokenEvent) == event
+    header = _header(first_logprob=None)
+    assert msgpack.unpackb(p.encode(header))["first_logprob"] is None
+    assert p.decode(p.encode(header), p.KVHeader) == header
