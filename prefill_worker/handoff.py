@@ -193,11 +193,6 @@ class HandoffManager:
             self._release_source(t, wait=True)
         return t
 
-    def pump_streaming(self) -> None:
-        for t in self.transfers.values():
-            if t.state is State.STREAMING:
-                self._pump(t)
-
     def stream_for(self, instance: str) -> "LayerStream":
         return LayerStream(self, instance)
 
@@ -329,7 +324,7 @@ class HandoffManager:
 
     def _begin_stream(self, request_id: str, instance: str, blocks: list[int]):
         """The forward about to run computes the last chunk of ``request_id``'s prompt: if it holds a
-        fresh grant, return the sender its layers are staged or copied by as they are written."""
+        fresh grant, start streaming it and return it (its sender stages or copies layers as written)."""
         t = self.transfers.get(request_id)
         if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
             return None
@@ -348,7 +343,7 @@ class HandoffManager:
             t.sender = StagedKV(kv, src, on_ready=self.waker.wake, deferred=True)
         t.granted, t.next_group, t.header_sent = time.perf_counter(), 0, False
         t.state, t.deadline, t.streamed = State.STREAMING, time.monotonic() + self.timeout_s, True
-        return t.sender
+        return t
 
     def _ipc_unavailable(self, t: Transfer, exc: Exception) -> None:
         if t.target not in self._ipc_refused:  # once per decode worker: it stays refused
@@ -476,24 +471,26 @@ class LayerStream:
 
     def __init__(self, manager: HandoffManager, instance: str):
         self.manager, self.instance = manager, instance
-        self.senders: list = []
+        self.streaming: list[Transfer] = []  # this forward's
 
     def begin(self, finishing: list[tuple[str, list[int]]]) -> bool:
         """``finishing``: (request id, its block ids). True when any layer is worth reporting."""
-        self.senders = [s for rid, blocks in finishing
-                        if (s := self.manager._begin_stream(rid, self.instance, blocks)) is not None]
-        return bool(self.senders)
+        self.streaming = [t for rid, blocks in finishing
+                          if (t := self.manager._begin_stream(rid, self.instance, blocks)) is not None]
+        return bool(self.streaming)
 
     def layer_done(self, layer: int) -> None:
-        for sender in self.senders:
-            sender.stage_through(layer)
-        self.manager.pump_streaming()  # on the CPU the forward is synchronous: send what is staged now
+        for t in self.streaming:
+            if t.state is State.STREAMING:
+                t.sender.stage_through(layer)
+                self.manager._pump(t)  # on the CPU the forward is synchronous: send what is staged now
 
     def end(self) -> None:
         """Whatever the forward wrote and no hook reported (a model without per-layer hooks)."""
-        for sender in self.senders:
-            sender.stage_through(sender.num_layers - 1)
-        self.senders = []
+        for t in self.streaming:
+            if t.state is State.STREAMING:
+                t.sender.stage_through(t.sender.num_layers - 1)
+        self.streaming = []
 
 
 def _free_kv(w: WorkerInfo, model: str) -> int:

@@ -334,7 +334,7 @@ def test_layers_streamed_during_the_last_chunk_land_before_their_header(prefill,
     assert not t.holds_source and len(side.blocks("s")) == len(src)  # the decode side reserved them
     stream = manager.stream_for(MODEL)
     assert stream.begin([("s", src), ("unknown", src)])  # only transfers holding a grant stream
-    assert t.state is State.STREAMING and len(stream.senders) == 1
+    assert t.state is State.STREAMING and stream.streaming == [t]
     per = t.sender.per_message
     assert 1 < t.sender.num_messages < SHAPE[0]
     for layer in range(SHAPE[0]):  # the forward
