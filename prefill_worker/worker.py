@@ -3,9 +3,9 @@
 Lifecycle of one job here:
   1. XREADGROUP (or XAUTOCLAIM of a dead peer's pending job) -> decode + validate the Job; a job past
      its deadline or aborted is answered "abort" and ACKed; an invalid one gets an error event.
-  2. Once it is within two steps' token budget of being prefilled, it asks a decode worker for
-     blocks early (a HandoffManager transfer), so that when its last chunk runs the KV leaves layer by
-     layer as the forward writes it.
+  2. Once its last chunk is due within two steps, it asks a decode worker for blocks early (a
+     HandoffManager transfer), so that when that chunk runs the KV leaves layer by layer as the
+     forward writes it.
   3. The engine core prefills it with other prompts under the token budget (chunked prefill) and
      samples the first token; the core keeps its KV blocks (hold_finished_kv).
   4. The first token goes straight to the gateway (TTFT does not wait for the handoff).
@@ -41,7 +41,7 @@ from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 50
-EARLY_GRANT_STEPS = 2  # ask a decode worker for blocks once a prompt is this many steps' tokens away
+EARLY_GRANT_STEPS = 2  # ask a decode worker for blocks once a prompt's last chunk is this many steps away
 IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
 
 
@@ -157,16 +157,19 @@ class PrefillWorker:
         slot.core.add_request(req)
 
     def _ask_early(self, slot: ModelSlot) -> None:
-        """Early grants for the prompts the next steps will finish: in scheduling order (running first,
-        then waiting), while the prompt tokens ahead fit EARLY_GRANT_STEPS steps. Asking earlier would
-        hold decode blocks idle while prompts wait; later, the grant would miss the last chunk."""
+        """Early grants for the prompts whose last chunk is due within EARLY_GRANT_STEPS steps: in
+        scheduling order (running first, then waiting), counting the prompt tokens computed before each
+        one's last chunk. Asking earlier would hold decode blocks idle while prompts wait; later, the
+        grant (a round trip through the decode worker's loop) would miss the last chunk."""
         pm: _PrefillModel = slot.role
         sched = slot.core.scheduler
-        budget = EARLY_GRANT_STEPS * sched.max_num_batched_tokens
+        step = sched.max_num_batched_tokens
+        ahead = 0  # prompt tokens scheduled before this request's
         for req in (*sched.running, *sched.waiting):
-            budget -= req.num_prompt_tokens - req.num_computed_tokens
-            if budget < 0:
+            remaining = req.num_prompt_tokens - req.num_computed_tokens
+            if ahead + max(0, remaining - step) > EARLY_GRANT_STEPS * step:
                 return
+            ahead += remaining
             rid = req.request_id
             if rid in self.handoff.transfers or rid not in pm.active or pm.real_max_tokens.get(rid, 1) <= 1:
                 continue
