@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
-from shared.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster
 
 

@@ -4,7 +4,7 @@ decode with full validation (gateway): a TokenBatch of ``--events`` one-token To
 import argparse
 import time
 
-from shared.protocol import TokenBatch, TokenEvent, decode, encode
+from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent, decode, encode
 
 
 def main() -> None:

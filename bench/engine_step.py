@@ -1,5 +1,5 @@
 """``python -m bench.engine_step``: where a decode step's time goes on the host, and what freezing the
-garbage collector's view of long-lived objects (shared/gc_freeze.py) saves, in the same process.
+garbage collector's view of long-lived objects (shared/worker/gc_freeze.py) saves, in the same process.
 
 One EngineCore (no tokenizer, no output processing) decodes ``--batch`` requests; each step's time is split
 into the runner (model + sampling), the scheduler (schedule + update) and the rest (output assembly and,
@@ -13,11 +13,10 @@ import sys
 import time
 
 import torch
-
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.engine_core import EngineCore
-from shared.gc_freeze import freeze_long_lived
-from shared.sampling_params import SamplingParams
+from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
 
 def timed(core: EngineCore, steps: int) -> dict[str, float]:
@@ -84,7 +83,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"as-is": [], "frozen": []}
     for _ in range(2):
         for mode in runs:
-            argv = [sys.executable, "-m", "bench.engine_step", "--child", mode, *sys.argv[1:]]
+            argv = [sys.executable, "-m", "kvrelay.bench.engine_step", "--child", mode, *sys.argv[1:]]
             out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             runs[mode].append(r)

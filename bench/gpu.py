@@ -21,9 +21,8 @@ import subprocess
 import sys
 
 import torch
-
-from bench import gpu_measure as m
-from shared.gc_freeze import freeze_long_lived
+from kvrelay.bench import gpu_measure as m
+from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
 CHILD_TAG = "CHILD_RESULT "
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _engine(args: argparse.Namespace, **kw) -> "m.LLM":
     llm = m.LLM(model=args.model, load_format="dummy", **kw)
-    freeze_long_lived()  # as a worker process does once its model is loaded (shared/gc_freeze.py)
+    freeze_long_lived()  # as a worker process does once its model is loaded (shared/worker/gc_freeze.py)
     return llm
 
 
@@ -73,7 +72,7 @@ def _variants(args: argparse.Namespace) -> list[dict]:
     results = []
     for kernels in ("triton", "reference"):
         env = dict(os.environ, KVRELAY_KERNELS=kernels, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "bench.gpu", "--child", "--model", args.model,
+        cmd = [sys.executable, "-m", "kvrelay.bench.gpu", "--child", "--model", args.model,
                "--variant-batches", args.variant_batches]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]

@@ -179,8 +179,7 @@ def prefill_attention(num_seqs: int, length: int, heads: int, kv_heads: int, hea
     ``length`` tokens, one layer, bf16. SDPA (flash) gets contiguous, head-expanded K/V: its best case."""
     import torch.nn.functional as F
 
-    import kernels
-
+    from kvrelay import kernels
     blocks = num_seqs * length // block_size
     kv = torch.randn(2, blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(num_seqs * length, heads, head_dim, device="cuda", dtype=torch.bfloat16)  # [T, H, D]

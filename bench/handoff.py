@@ -24,12 +24,11 @@ from types import SimpleNamespace
 
 import torch
 import zmq
-
-from decode_worker.receiver import HandoffReceiver
-from prefill_worker.handoff import HandoffManager, State, Transfer
-from shared.block_manager import BlockManager
-from shared.kv_transfer import DTYPE_NAMES, DTYPES, MESSAGE_TARGET, frame_nbytes, max_message_bytes
-from shared.protocol import Job, WorkerInfo
+from kvrelay.decode_worker.receiver import HandoffReceiver
+from kvrelay.prefill_worker.handoff import HandoffManager, State, Transfer
+from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.handoff.frames import DTYPE_NAMES, DTYPES, MESSAGE_TARGET, frame_nbytes, max_message_bytes
+from kvrelay.shared.wire.protocol import Job, WorkerInfo
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 8
 MODEL = "bench-kv"
@@ -137,7 +136,7 @@ class Peer:
     def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool,
                  kv_shape: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM), dtype: str = "bfloat16"):
         blocks = 2 * (max_tokens // BLOCK) + 8
-        argv = [sys.executable, "-m", "bench.handoff", "--peer", "--device", device, "--transport", transport,
+        argv = [sys.executable, "-m", "kvrelay.bench.handoff", "--peer", "--device", device, "--transport", transport,
                 "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}",
                 "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype]
         self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True)
@@ -193,9 +192,9 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
     prefill) or streamed (early grant; groups of layers staged and sent as the forward writes them).
     Per prompt length and mode, the medians (ms) of: the prefill step, step end (first token) -> ack,
     step start -> ack. Modes alternate so drift hits both alike."""
-    from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from shared.engine_core import EngineCore
-    from shared.sampling_params import SamplingParams
+    from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from kvrelay.shared.engine.engine_core import EngineCore
+    from kvrelay.shared.wire.sampling_params import SamplingParams
 
     top = max(tokens) + BLOCK
     engine = EngineCore(EngineConfig(

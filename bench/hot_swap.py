@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shared.model_repo import MANIFEST, ModelRepository
+from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository
 
 ADMIN_KEY = "bench-swap-admin-key-0123456789"
 
@@ -150,7 +150,7 @@ def materialize(model: str, work: Path) -> Path:
     """A model directory for ``model`` (HF dir, smollm2, dummy:<preset>)."""
     if model.startswith("dummy:"):
         return write_dummy(model.removeprefix("dummy:"), work / "weights" / model.removeprefix("dummy:"))
-    from shared.model_source import resolve_model
+    from kvrelay.shared.repo.model_source import resolve_model
 
     return Path(resolve_model(model).path)
 
@@ -160,11 +160,10 @@ def write_dummy(preset: str, out: Path, shard_bytes: int = 4 << 30) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
+    from kvrelay.shared.engine.models.presets import get_preset
+    from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from shared.model_source import dummy_tokenizer_dir
-    from shared.models.presets import get_preset
 
     config = get_preset(preset)
     hf = AutoConfig.for_model(**config)

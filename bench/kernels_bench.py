@@ -29,11 +29,11 @@ if OPTS.smoke:
 
 from importlib import import_module  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
+from kvrelay.kernels import reference  # noqa: E402
+from kvrelay.kernels.metadata import AttentionMetadata  # noqa: E402
 
-tk = import_module("kernels.triton")
-da = import_module("kernels.triton.decode_attention")
+tk = import_module("kvrelay.kernels.triton")
+da = import_module("kvrelay.kernels.triton.decode_attention")
 DEV = "cpu" if OPTS.smoke else "cuda"
 ROTATE_BYTES = (1 << 30) if DEV == "cuda" else 1 << 12  # each graph touches >= 1 GiB (17x the L2) unless one call alone is larger
 
@@ -206,7 +206,7 @@ def bench_prefill() -> None:
 
     import torch.nn.functional as F
 
-    pa = import_module("kernels.triton.prefill_attention")
+    pa = import_module("kvrelay.kernels.triton.prefill_attention")
     old = None
     if OPTS.old_prefill:
         spec = importlib.util.spec_from_file_location("old_prefill", OPTS.old_prefill)

@@ -1,5 +1,5 @@
 """``kvrelay bench arbitration``: two co-resident models in one process, one KV pool arbitrated by
-demand (shared/kv_pool.py) against a static half/half split of the same bytes, same run.
+demand (shared/engine/kv_pool.py) against a static half/half split of the same bytes, same run.
 
 The load is skewed: most requests go to model A (long outputs), a few to B. Both engines are stepped
 in turn on one thread, as a worker hosting both does. Static: each engine gets a private cache of
@@ -14,12 +14,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.engine_core import EngineCore
-from shared.kv_pool import KVPool
-from shared.model_source import resolve_model
-from shared.sampling_params import SamplingParams
+from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -56,9 +56,8 @@ def nginx_command(binary: str, workdir: Path) -> list[str]:
 def tiny_model(out: Path) -> Path:
     """A random 2-layer Llama sized to SmolLM2's tokenizer, whose files are copied beside it."""
     import torch
+    from kvrelay.shared.repo.model_source import resolve_model
     from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from shared.model_source import resolve_model
 
     if (out / "config.json").is_file():
         return out
@@ -99,7 +98,7 @@ def _wait(url: str, timeout: float = 180.0) -> None:
 def stack(model: str, engine: list[str], log_dir: Path):
     """Yields (nginx base URL, {name: Popen}, {worker role: metrics port}) with everything up and ready;
     stops it all afterwards."""
-    from shared.redis_conn import EmbeddedRedis
+    from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     procs: dict[str, subprocess.Popen] = {}

@@ -10,11 +10,11 @@ of schedule() + update_from_output() per step at a few context lengths.
 import argparse
 import time
 
-from shared.block_manager import BlockManager
-from shared.config import SchedulerConfig
-from shared.request import Request
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
+from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.scheduler import Scheduler
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
 def measure(batch: int, prompt_len: int, steps: int, block_size: int = 16) -> list[tuple[int, float]]:

@@ -140,8 +140,8 @@ def _load() -> float:
 
 async def _bench_server(args: argparse.Namespace, base_url: str, label: str, prompts: list, warmup,
                         offsets: list[float]) -> dict:
-    from bench.serve_client import RequestSpec, first_model, run_load
-    from bench.serve_metrics import summarize
+    from kvrelay.bench.serve_client import RequestSpec, first_model, run_load
+    from kvrelay.bench.serve_metrics import summarize
 
     model = args.model or await first_model(base_url)
     url = f"{base_url}/chat/completions" if args.endpoint == "chat" else f"{base_url}/completions"
@@ -159,8 +159,8 @@ async def _bench_server(args: argparse.Namespace, base_url: str, label: str, pro
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.serve_client import arrival_offsets, make_prompts
-    from bench.serve_metrics import compare, print_comparison, print_result
+    from kvrelay.bench.serve_client import arrival_offsets, make_prompts
+    from kvrelay.bench.serve_metrics import compare, print_comparison, print_result
 
     _check_args(args)
     prompts = make_prompts(args.dataset, args.num_prompts, args.input_len, args.seed, tuple(args.random_token_range))
@@ -188,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
     offline: dict[str, dict] = {}
     rows: list[dict] = []
     if args.compare_offline:
-        from bench.serve_metrics import summarize
-        from bench.serve_offline import run_offline
+        from kvrelay.bench.serve_metrics import summarize
+        from kvrelay.bench.serve_offline import run_offline
 
         # after the servers are gone, so the engine has the machine to itself as each server had
         passes = run_offline(args.engine_args, prompts, warmup, args.endpoint, args.output_len, args.ignore_eos,

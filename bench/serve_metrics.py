@@ -3,8 +3,7 @@ numbers read side by side with vLLM's: TTFT to the first token, TPOT = (E2E - TT
 request, ITL = every gap between streamed chunks, E2E latency per request."""
 
 import numpy as np
-
-from bench.serve_client import RequestResult
+from kvrelay.bench.serve_client import RequestResult
 
 WIDTH = 50
 METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),

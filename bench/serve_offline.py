@@ -14,10 +14,11 @@ import inspect
 import time
 from collections import deque
 
-from bench.serve_client import Prompt, RequestResult
+from kvrelay.bench.serve_client import Prompt, RequestResult
+from kvrelay.shared.config.cli_args import add_engine_args
+from kvrelay.shared.worker.gc_freeze import freeze_long_lived
+
 from kvrelay import LLM, SamplingParams
-from shared.cli_args import add_engine_args
-from shared.gc_freeze import freeze_long_lived
 
 
 def build_llm(engine_args: list[str]) -> LLM:
@@ -27,7 +28,7 @@ def build_llm(engine_args: list[str]) -> LLM:
     ns, _ = p.parse_known_args(engine_args)
     accepted = inspect.signature(LLM).parameters
     llm = LLM(**{k: v for k, v in vars(ns).items() if k in accepted})
-    freeze_long_lived()  # as the served path's workers do (shared/gc_freeze.py): the same footing
+    freeze_long_lived()  # as the served path's workers do (shared/worker/gc_freeze.py): the same footing
     return llm
 
 

@@ -23,10 +23,9 @@ import time
 from dataclasses import dataclass
 
 import zmq
-
-from shared.kv_ipc import IpcExporter
-from shared.kv_transfer import LayerAssembler, Waker, check_frames, check_layout, unpack_blocks
-from shared.protocol import (
+from kvrelay.shared.handoff.cuda_ipc import IpcExporter
+from kvrelay.shared.handoff.frames import LayerAssembler, Waker, check_frames, check_layout, unpack_blocks
+from kvrelay.shared.wire.protocol import (
     HandoffAck,
     HandoffCancel,
     HandoffGrant,

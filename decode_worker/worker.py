@@ -24,14 +24,13 @@ import time
 
 import redis
 import zmq
-
-from decode_worker.receiver import HandoffReceiver
-from shared.kv_transfer import max_message_bytes
-from shared.model_host import ModelSlot
-from shared.protocol import KVHeader, TokenEvent
-from shared.sampling_params import SamplingParams
-from shared.worker_directory import live_workers
-from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
+from kvrelay.decode_worker.receiver import HandoffReceiver
+from kvrelay.shared.handoff.frames import max_message_bytes
+from kvrelay.shared.wire.protocol import KVHeader, TokenEvent
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.directory import live_workers
+from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
 
 log = logging.getLogger(__name__)
 

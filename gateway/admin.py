@@ -16,12 +16,11 @@ import time
 
 import redis
 from aiohttp import web
+from kvrelay.gateway.errors import APIError, bad_request
+from kvrelay.gateway.schemas import parse, read_json
+from kvrelay.gateway.state import CONFIG, TENANTS, USAGE
+from kvrelay.gateway.tenants import NAME_RE, Tenant
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
-
-from gateway.errors import APIError, bad_request
-from gateway.schemas import parse, read_json
-from gateway.state import CONFIG, TENANTS, USAGE
-from gateway.tenants import NAME_RE, Tenant
 
 log = logging.getLogger("kvrelay.gateway")
 

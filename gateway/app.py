@@ -11,23 +11,22 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-
-from gateway.auth import auth_middleware
-from gateway.config import GatewayConfig
-from gateway.dispatcher import Dispatcher
-from gateway.drain import DRAIN, Drain, make_drain_middleware, serve
-from gateway.errors import add_request_id, error_middleware
-from gateway.limits import RateLimiter
-from gateway.metrics import GatewayMetrics
-from gateway.model_registry import ModelRegistry
-from gateway.placement import Placement
-from gateway.reconciler import reconciler_ctx
-from gateway.redis_watch import REDIS_WATCH, RedisWatch
-from gateway.registry import Registry
-from gateway.response_cache import ResponseCache
-from gateway.routes import ROUTES
-from gateway.routing import PrefixIndex
-from gateway.state import (
+from kvrelay.gateway.auth import auth_middleware
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.dispatcher import Dispatcher
+from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
+from kvrelay.gateway.errors import add_request_id, error_middleware
+from kvrelay.gateway.limits import RateLimiter
+from kvrelay.gateway.metrics import GatewayMetrics
+from kvrelay.gateway.model_registry import ModelRegistry
+from kvrelay.gateway.placement import Placement
+from kvrelay.gateway.reconciler import reconciler_ctx
+from kvrelay.gateway.redis_watch import REDIS_WATCH, RedisWatch
+from kvrelay.gateway.registry import Registry
+from kvrelay.gateway.response_cache import ResponseCache
+from kvrelay.gateway.routes import ROUTES
+from kvrelay.gateway.routing import PrefixIndex
+from kvrelay.gateway.state import (
     BACKGROUND,
     CONFIG,
     DISPATCHER,
@@ -44,11 +43,11 @@ from gateway.state import (
     TOKENIZERS,
     USAGE,
 )
-from gateway.tenants import TenantStore
-from gateway.tokenizers import TokenizerPool
-from gateway.usage import UsageLedger
-from shared.model_repo import ModelRepository
-from shared.redis_conn import async_client
+from kvrelay.gateway.tenants import TenantStore
+from kvrelay.gateway.tokenizers import TokenizerPool
+from kvrelay.gateway.usage import UsageLedger
+from kvrelay.shared.repo.model_repo import ModelRepository
+from kvrelay.shared.wire.redis_conn import async_client
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -17,10 +17,9 @@ from collections.abc import Awaitable, Callable
 
 import redis
 from aiohttp import web
-
-from gateway.errors import APIError
-from gateway.state import CONFIG, TENANTS
-from gateway.tenants import Tenant
+from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.state import CONFIG, TENANTS
+from kvrelay.gateway.tenants import Tenant
 
 TENANT = web.RequestKey("tenant", Tenant)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})

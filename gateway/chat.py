@@ -1,15 +1,14 @@
 """``POST /v1/chat/completions``: the model's chat template, then the same path as completions."""
 
 from aiohttp import web
-
-from gateway import sse
-from gateway.auth import TENANT
-from gateway.choice import ChoiceDelta
-from gateway.generation import Generation
-from gateway.logprobs import chat_logprobs, prompt_logprobs
-from gateway.metering import Meter
-from gateway.prompts import prepare_chat
-from gateway.schemas import ChatCompletionRequest, parse, read_json
+from kvrelay.gateway import sse
+from kvrelay.gateway.auth import TENANT
+from kvrelay.gateway.choice import ChoiceDelta
+from kvrelay.gateway.generation import Generation
+from kvrelay.gateway.logprobs import chat_logprobs, prompt_logprobs
+from kvrelay.gateway.metering import Meter
+from kvrelay.gateway.prompts import prepare_chat
+from kvrelay.gateway.schemas import ChatCompletionRequest, parse, read_json
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

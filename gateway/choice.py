@@ -11,10 +11,10 @@ the job). Token ids and logprobs are reported up to and including the token that
 import dataclasses
 from dataclasses import dataclass, field
 
-from gateway.tokenizers import ModelTokenizer
-from shared.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from shared.protocol import TokenEvent
-from shared.sampling_params import SamplingParams
+from kvrelay.gateway.tokenizers import ModelTokenizer
+from kvrelay.shared.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvrelay.shared.wire.protocol import TokenEvent
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 # JSON has no -inf; vLLM reports impossible tokens as -9999.0 as well.
 _MIN_LOGPROB = -9999.0

@@ -1,15 +1,14 @@
 """``POST /v1/completions``: OpenAI's text completions, vLLM's extras."""
 
 from aiohttp import web
-
-from gateway import sse
-from gateway.auth import TENANT
-from gateway.choice import ChoiceDelta
-from gateway.generation import Generation
-from gateway.logprobs import completion_logprobs, prompt_logprobs
-from gateway.metering import Meter
-from gateway.prompts import prepare_completion
-from gateway.schemas import CompletionRequest, parse, read_json
+from kvrelay.gateway import sse
+from kvrelay.gateway.auth import TENANT
+from kvrelay.gateway.choice import ChoiceDelta
+from kvrelay.gateway.generation import Generation
+from kvrelay.gateway.logprobs import completion_logprobs, prompt_logprobs
+from kvrelay.gateway.metering import Meter
+from kvrelay.gateway.prompts import prepare_completion
+from kvrelay.gateway.schemas import CompletionRequest, parse, read_json
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

@@ -3,7 +3,7 @@
 import argparse
 from dataclasses import dataclass, field
 
-from shared.redis_keys import STREAM_MAXLEN
+from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
 
 
 @dataclass
@@ -43,7 +43,7 @@ class GatewayConfig:
     prefix_affinity: bool = True
     affinity_slack: int = 8
     affinity_prefix_tokens: int = 256
-    # The versioned model repository (shared/model_repo.py) the admin API checks registrations against;
+    # The versioned model repository (shared/repo/model_repo.py) the admin API checks registrations against;
     # None: registering models through the API is off. Workers read weights from their own --model-repo.
     model_repo: str | None = None
     model_load_timeout: float = 120.0  # how long a request for an unloaded registered model waits for it

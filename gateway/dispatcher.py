@@ -10,8 +10,7 @@ import logging
 
 import zmq
 import zmq.asyncio
-
-from shared.protocol import MAX_MESSAGE_BYTES, TokenBatch, TokenEvent, decode
+from kvrelay.shared.wire.protocol import MAX_MESSAGE_BYTES, TokenBatch, TokenEvent, decode
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -20,8 +20,7 @@ import signal
 import time
 
 from aiohttp import web
-
-from gateway.errors import APIError
+from kvrelay.gateway.errors import APIError
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -16,16 +16,15 @@ from collections.abc import AsyncIterator
 
 import redis
 from aiohttp import web
-
-from gateway import routing
-from gateway.choice import ChoiceDelta, ChoiceState
-from gateway.drain import DRAIN, draining_error
-from gateway.errors import REQUEST_ID, APIError, ClientGone
-from gateway.prompts import Prepared
-from gateway.redis_watch import REDIS_WATCH
-from gateway.state import CONFIG, DISPATCHER, PREFIX_INDEX, REDIS, REGISTRY, spawn
-from shared import redis_keys as keys
-from shared.protocol import Abort, Job, TokenEvent, encode
+from kvrelay.gateway import routing
+from kvrelay.gateway.choice import ChoiceDelta, ChoiceState
+from kvrelay.gateway.drain import DRAIN, draining_error
+from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
+from kvrelay.gateway.prompts import Prepared
+from kvrelay.gateway.redis_watch import REDIS_WATCH
+from kvrelay.gateway.state import CONFIG, DISPATCHER, PREFIX_INDEX, REDIS, REGISTRY, spawn
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent, encode
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -8,12 +8,11 @@ from pathlib import Path
 import redis
 import yaml
 from aiohttp import web
-
-from gateway.auth import TENANT
-from gateway.drain import DRAIN
-from gateway.errors import APIError
-from gateway.model_registry import is_direct
-from gateway.state import CONFIG, MODEL_REGISTRY, REDIS, REGISTRY
+from kvrelay.gateway.auth import TENANT
+from kvrelay.gateway.drain import DRAIN
+from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.model_registry import is_direct
+from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, REDIS, REGISTRY
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -21,10 +21,9 @@ waiting would not help; a smaller ``max_tokens`` would.
 from dataclasses import dataclass
 
 import redis.asyncio
-
-from gateway.errors import APIError
-from gateway.tenants import Tenant
-from shared import redis_keys as keys
+from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.tenants import Tenant
+from kvrelay.shared.wire import redis_keys as keys
 
 WINDOW_S = 60
 

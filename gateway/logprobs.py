@@ -1,9 +1,9 @@
 """Logprobs in the two OpenAI shapes (completions: parallel lists; chat: one object per token) and
 vLLM's prompt_logprobs shape."""
 
-from gateway.choice import TokenLogprob
-from gateway.tokenizers import ModelTokenizer
-from shared.protocol import TopLogprobs
+from kvrelay.gateway.choice import TokenLogprob
+from kvrelay.gateway.tokenizers import ModelTokenizer
+from kvrelay.shared.wire.protocol import TopLogprobs
 
 
 def completion_logprobs(entries: list[TokenLogprob]) -> dict:

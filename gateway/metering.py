@@ -20,15 +20,14 @@ import logging
 
 import redis
 from aiohttp import web
+from kvrelay.gateway.auth import TENANT
+from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.generation import Generation
+from kvrelay.gateway.limits import LimitExceeded, Reservation
+from kvrelay.gateway.prompts import Prepared
+from kvrelay.gateway.response_cache import cacheable, request_key
+from kvrelay.gateway.state import LIMITER, METRICS, RESPONSE_CACHE, USAGE, spawn
 from pydantic import BaseModel
-
-from gateway.auth import TENANT
-from gateway.errors import APIError
-from gateway.generation import Generation
-from gateway.limits import LimitExceeded, Reservation
-from gateway.prompts import Prepared
-from gateway.response_cache import cacheable, request_key
-from gateway.state import LIMITER, METRICS, RESPONSE_CACHE, USAGE, spawn
 
 log = logging.getLogger("kvrelay.gateway")
 

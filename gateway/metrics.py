@@ -12,10 +12,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from kvrelay.gateway.queue_stats import QueueStats
+from kvrelay.gateway.sse import STREAM_COMPLETE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-
-from gateway.queue_stats import QueueStats
-from gateway.sse import STREAM_COMPLETE
 
 # vLLM's TTFT buckets, so dashboards can put the gateway's view next to the engine's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -21,16 +21,15 @@ import logging
 from typing import Literal
 
 from aiohttp import web
+from kvrelay.gateway.errors import APIError, bad_request
+from kvrelay.gateway.model_registry import SpecConflict, served_name
+from kvrelay.gateway.placement import LoadError, instance_state
+from kvrelay.gateway.schemas import parse, read_json
+from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, MODEL_REPO, PLACEMENT, REDIS, REGISTRY, spawn
+from kvrelay.shared.repo.model_repo import NAME_RE, ModelVersion, RepositoryError
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import InstanceStatus, ModelSpec, WorkerInfo, instance_key
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
-
-from gateway.errors import APIError, bad_request
-from gateway.model_registry import SpecConflict, served_name
-from gateway.placement import LoadError, instance_state
-from gateway.schemas import parse, read_json
-from gateway.state import CONFIG, MODEL_REGISTRY, MODEL_REPO, PLACEMENT, REDIS, REGISTRY, spawn
-from shared import redis_keys as keys
-from shared.model_repo import NAME_RE, ModelVersion, RepositoryError
-from shared.protocol import InstanceStatus, ModelSpec, WorkerInfo, instance_key
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 import redis
 import redis.asyncio
-
-from gateway.registry import read_indexed
-from shared import redis_keys as keys
-from shared.protocol import ModelInfo, ModelSpec, decode, encode
+from kvrelay.gateway.registry import read_indexed
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec, decode, encode
 
 log = logging.getLogger("kvrelay.gateway")
 

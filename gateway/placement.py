@@ -17,11 +17,18 @@ import time
 import uuid
 
 import redis.asyncio
-
-from gateway.model_registry import ModelRegistry, SpecConflict
-from gateway.registry import Registry
-from shared import redis_keys as keys
-from shared.protocol import ControlCommand, ControlResult, ModelSpec, WorkerInfo, decode, encode, instance_key
+from kvrelay.gateway.model_registry import ModelRegistry, SpecConflict
+from kvrelay.gateway.registry import Registry
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import (
+    ControlCommand,
+    ControlResult,
+    ModelSpec,
+    WorkerInfo,
+    decode,
+    encode,
+    instance_key,
+)
 
 log = logging.getLogger("kvrelay.gateway")
 

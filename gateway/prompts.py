@@ -8,17 +8,16 @@ the request waiting), then everything that needs the tokenizer (400).
 from dataclasses import dataclass
 
 from aiohttp import web
-
-from gateway.errors import APIError, bad_request, unavailable
-from gateway.model_registry import is_direct
-from gateway.placement import LoadError
-from gateway.redis_watch import REDIS_WATCH
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REGISTRY, TOKENIZERS
-from gateway.tenants import Tenant
-from gateway.tokenizers import ModelTokenizer
-from shared.protocol import ModelInfo, ModelSpec
-from shared.sampling_params import SamplingParams
+from kvrelay.gateway.errors import APIError, bad_request, unavailable
+from kvrelay.gateway.model_registry import is_direct
+from kvrelay.gateway.placement import LoadError
+from kvrelay.gateway.redis_watch import REDIS_WATCH
+from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REGISTRY, TOKENIZERS
+from kvrelay.gateway.tenants import Tenant
+from kvrelay.gateway.tokenizers import ModelTokenizer
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 # Choices (prompts x n) one request may fan out into; each is a job and a worker sequence.
 MAX_JOBS_PER_REQUEST = 1024

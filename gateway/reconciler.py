@@ -17,13 +17,12 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio
 from aiohttp import web
-
-from gateway.model_registry import ModelRegistry, SpecConflict
-from gateway.placement import LoadError, Placement, instance_state
-from gateway.registry import Registry
-from gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REDIS, REGISTRY
-from shared import redis_keys as keys
-from shared.protocol import ModelSpec, instance_key
+from kvrelay.gateway.model_registry import ModelRegistry, SpecConflict
+from kvrelay.gateway.placement import LoadError, Placement, instance_state
+from kvrelay.gateway.registry import Registry
+from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REDIS, REGISTRY
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelSpec, instance_key
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -11,9 +11,8 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio
-
-from shared import redis_keys as keys
-from shared.protocol import ModelInfo, WorkerInfo, decode
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo, decode
 
 log = logging.getLogger("kvrelay.gateway")
 

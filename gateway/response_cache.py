@@ -17,10 +17,9 @@ import logging
 
 import redis
 import redis.asyncio
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelInfo
 from pydantic import BaseModel
-
-from shared import redis_keys as keys
-from shared.protocol import ModelInfo
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -1,13 +1,12 @@
 """Every route of the gateway, in one table."""
 
 from aiohttp import web
-
-from gateway import admin, model_admin
-from gateway.chat import create_chat_completion
-from gateway.completions import create_completion
-from gateway.info import admin_openapi, health, list_models, openapi, ready
-from gateway.metrics_route import scrape
-from gateway.tokenize import detokenize, tokenize
+from kvrelay.gateway import admin, model_admin
+from kvrelay.gateway.chat import create_chat_completion
+from kvrelay.gateway.completions import create_completion
+from kvrelay.gateway.info import admin_openapi, health, list_models, openapi, ready
+from kvrelay.gateway.metrics_route import scrape
+from kvrelay.gateway.tokenize import detokenize, tokenize
 
 ROUTES = [
     web.post("/v1/completions", create_completion),

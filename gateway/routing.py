@@ -3,7 +3,7 @@ cached there (prefix affinity), else the model's shared stream, which the first 
 
 Prefix caching only hits on the worker that computed the prefix, so prompts sharing one should meet
 there. The affinity key is the model, the request's cache namespace and the hash chain of the prompt's
-leading full KV blocks (as shared/block_manager.py hashes them); rendezvous (highest-random-weight)
+leading full KV blocks (as shared/engine/block_manager.py hashes them); rendezvous (highest-random-weight)
 hashing maps it onto the live prefill workers of the model, so a key keeps its worker while workers come
 and go, and only the keys of a departed worker move. Affinity yields to load: a preferred worker more
 than ``slack`` requests busier than the least-loaded candidate, or without free KV blocks for the
@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.block_manager import cache_namespace, cdiv, hash_block_tokens
-from shared.protocol import WorkerInfo
+from kvrelay.shared.engine.block_manager import cache_namespace, cdiv, hash_block_tokens
+from kvrelay.shared.wire.protocol import WorkerInfo
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ import re
 from typing import Any, TypeVar
 
 from aiohttp import web
+from kvrelay.gateway.errors import bad_request
+from kvrelay.shared.wire.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
-
-from gateway.errors import bad_request
-from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -4,20 +4,19 @@ import asyncio
 
 import redis.asyncio
 from aiohttp import web
-
-from gateway.config import GatewayConfig
-from gateway.dispatcher import Dispatcher
-from gateway.limits import RateLimiter
-from gateway.metrics import GatewayMetrics
-from gateway.model_registry import ModelRegistry
-from gateway.placement import Placement
-from gateway.registry import Registry
-from gateway.response_cache import ResponseCache
-from gateway.routing import PrefixIndex
-from gateway.tenants import TenantStore
-from gateway.tokenizers import TokenizerPool
-from gateway.usage import UsageLedger
-from shared.model_repo import ModelRepository
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.dispatcher import Dispatcher
+from kvrelay.gateway.limits import RateLimiter
+from kvrelay.gateway.metrics import GatewayMetrics
+from kvrelay.gateway.model_registry import ModelRegistry
+from kvrelay.gateway.placement import Placement
+from kvrelay.gateway.registry import Registry
+from kvrelay.gateway.response_cache import ResponseCache
+from kvrelay.gateway.routing import PrefixIndex
+from kvrelay.gateway.tenants import TenantStore
+from kvrelay.gateway.tokenizers import TokenizerPool
+from kvrelay.gateway.usage import UsageLedger
+from kvrelay.shared.repo.model_repo import ModelRepository
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REDIS = web.AppKey("redis", redis.asyncio.Redis)

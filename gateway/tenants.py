@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio
-
-from shared import redis_keys as keys
+from kvrelay.shared.wire import redis_keys as keys
 
 KEY_PREFIX = "kvr-"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # no ':' or braces: names go into key names

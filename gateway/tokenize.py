@@ -1,12 +1,11 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes); they need the tokenizer, not a worker."""
 
 from aiohttp import web
-
-from gateway.auth import TENANT
-from gateway.errors import bad_request
-from gateway.prompts import check_token_ids, render_chat, resolve_model
-from gateway.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse, read_json
-from gateway.state import TOKENIZERS
+from kvrelay.gateway.auth import TENANT
+from kvrelay.gateway.errors import bad_request
+from kvrelay.gateway.prompts import check_token_ids, render_chat, resolve_model
+from kvrelay.gateway.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse, read_json
+from kvrelay.gateway.state import TOKENIZERS
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -7,11 +7,11 @@ import asyncio
 import functools
 from typing import Any
 
-from gateway.errors import APIError, bad_request
-from shared.protocol import ModelInfo
+from kvrelay.gateway.errors import APIError, bad_request
+from kvrelay.shared.wire.protocol import ModelInfo
 
 try:  # the engine's loader knows model-repository layouts (GGUF imports etc.); prefer it when present
-    from shared.tokenizer import load_tokenizer as _engine_loader
+    from kvrelay.shared.text.tokenizer import load_tokenizer as _engine_loader
 except ImportError:
     _engine_loader = None
 

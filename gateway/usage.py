@@ -10,8 +10,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio
-
-from shared import redis_keys as keys
+from kvrelay.shared.wire import redis_keys as keys
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cache_hits")
 _PIPELINE_CHUNK = 1000  # HGETALLs per round trip when a query spans many minutes

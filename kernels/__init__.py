@@ -9,9 +9,8 @@ import os
 from collections.abc import Callable
 
 import torch
-
-from kernels import reference
-from kernels.metadata import AttentionMetadata
+from kvrelay.kernels import reference
+from kvrelay.kernels.metadata import AttentionMetadata
 
 _cuda_impls: dict[str, Callable] = {}
 
@@ -72,7 +71,7 @@ def _register_triton() -> None:
     if os.environ.get("KVRELAY_KERNELS", "triton") != "triton" or not torch.cuda.is_available():
         return
     try:
-        from kernels.triton import register_all
+        from kvrelay.kernels.triton import register_all
     except ImportError:  # no triton on this CUDA machine: the references still work
         return
     register_all()

@@ -6,8 +6,7 @@ The CPU path runs these; the Triton kernels are tested against them. Cache layou
 
 import torch
 import torch.nn.functional as F
-
-from kernels.metadata import AttentionMetadata
+from kvrelay.kernels.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -15,7 +14,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     # (block, offset) indexing, not a flat [N*bs] view: a pooled cache is block-major, so one layer's
-    # blocks are strided apart (shared/kv_pool.py)
+    # blocks are strided apart (shared/engine/kv_pool.py)
     block, offset = slots // kv_cache.shape[2], slots % kv_cache.shape[2]
     kv_cache[0, block, offset] = k[keep].to(kv_cache.dtype)
     kv_cache[1, block, offset] = v[keep].to(kv_cache.dtype)

@@ -5,19 +5,19 @@ import logging
 import os
 import sys
 
-from gateway.config import add_routing_args
-from shared.cli_args import add_engine_args, add_gateway_args, add_worker_args
+from kvrelay.gateway.config import add_routing_args
+from kvrelay.shared.config.cli_args import add_engine_args, add_gateway_args, add_worker_args
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from shared.launcher import serve
+    from kvrelay.serve import serve
 
     return serve(args)
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from gateway.app import run_gateway
-    from gateway.config import GatewayConfig, routing_kwargs
+    from kvrelay.gateway.app import run_gateway
+    from kvrelay.gateway.config import GatewayConfig, routing_kwargs
 
     run_gateway(GatewayConfig(**routing_kwargs(args), host=args.host, port=args.port, redis_url=args.redis_url,
                               max_body_size=args.max_body_size, request_timeout=args.request_timeout,
@@ -32,7 +32,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _worker(role: str):
     def run(args: argparse.Namespace) -> int:
-        from shared.worker_entry import run_worker
+        from kvrelay.shared.worker.entry import run_worker
 
         return run_worker(role, args)
 
@@ -40,7 +40,7 @@ def _worker(role: str):
 
 
 def _repo(args: argparse.Namespace):
-    from shared.model_repo import ModelRepository
+    from kvrelay.shared.repo.model_repo import ModelRepository
 
     return ModelRepository(args.repo)
 
@@ -75,7 +75,7 @@ def _models(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(sub: argparse._SubParsersAction) -> None:
-    from bench import offline
+    from kvrelay.bench import offline
 
     bench = sub.add_parser("bench", help="benchmarks (each prints a same-run baseline and the ratio)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
@@ -83,27 +83,27 @@ def _bench(sub: argparse._SubParsersAction) -> None:
         p = kinds.add_parser(name, help=f"offline {name}")
         offline.add_args(p)
         p.set_defaults(func=fn)
-    from bench import gpu as gpu_bench
+    from kvrelay.bench import gpu as gpu_bench
 
     p = kinds.add_parser("gpu", help="one GPU: decode/prefill against measured floors and HF, fused vs unfused, graphs vs eager")
     gpu_bench.add_args(p)
     p.set_defaults(func=gpu_bench.run)
-    from bench import serve as serve_bench
+    from kvrelay.bench import serve as serve_bench
 
     p = kinds.add_parser("serve", help="load generator against an OpenAI-compatible server (vLLM's serving benchmark)")
     serve_bench.add_args(p)
     p.set_defaults(func=serve_bench.run)
-    from bench import handoff as handoff_bench
+    from kvrelay.bench import handoff as handoff_bench
 
     p = kinds.add_parser("handoff", help="KV handoff bandwidth between two processes: frames, CUDA IPC")
     handoff_bench.add_args(p)
     p.set_defaults(func=handoff_bench.run)
-    from bench import kv_arbitration
+    from kvrelay.bench import kv_arbitration
 
     p = kinds.add_parser("arbitration", help="two co-resident models: one KV pool arbitrated by demand vs a static split")
     kv_arbitration.add_args(p)
     p.set_defaults(func=kv_arbitration.run)
-    from bench import hot_swap
+    from kvrelay.bench import hot_swap
 
     p = kinds.add_parser("swap", help="hot-swap a model version under load: swap time, failures, co-residents' p99")
     hot_swap.add_args(p)

@@ -2,12 +2,12 @@
 
 from collections.abc import Iterator, Sequence
 
-from shared.beam_search import beam_search
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.llm_engine import LLMEngine, PromptType
-from shared.model_source import resolve_model
-from shared.outputs import RequestOutput
-from shared.sampling_params import SamplingParams
+from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.engine.beam_search import beam_search
+from kvrelay.shared.engine.llm_engine import LLMEngine, PromptType
+from kvrelay.shared.engine.outputs import RequestOutput
+from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
 class LLM:

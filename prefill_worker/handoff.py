@@ -22,7 +22,7 @@ SENDING (and STREAMING) take one of two paths:
 - layer frames otherwise, or when mapping fails: frames of a few layers (~4 MB) as soon as they are
   staged into host memory and CRC'd, sent without blocking, and the header; a peer that stops reading
   fails this transfer at its deadline instead of stalling the worker's loop.
-Streaming, the model's forward calls ``LayerStream`` after each decoder layer (shared/model_runner.py),
+Streaming, the model's forward calls ``LayerStream`` after each decoder layer (shared/engine/model_runner.py),
 and each group of layers is copied or staged on the side stream behind the compute stream as of that
 layer, so those copies run while later layers compute; the header, which carries the first token,
 goes out once it is sampled. Our blocks are released once nothing reads them any more (copy done /
@@ -35,10 +35,9 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-
-from shared.kv_ipc import DeviceCopy, IpcError, IpcPeers
-from shared.kv_transfer import StagedKV, Waker, layout_of
-from shared.protocol import (
+from kvrelay.shared.handoff.cuda_ipc import DeviceCopy, IpcError, IpcPeers
+from kvrelay.shared.handoff.frames import StagedKV, Waker, layout_of
+from kvrelay.shared.wire.protocol import (
     MAX_MESSAGE_BYTES,
     HandoffAck,
     HandoffCancel,
@@ -51,7 +50,7 @@ from shared.protocol import (
     decode_any,
     encode,
 )
-from shared.worker_directory import live_workers
+from kvrelay.shared.worker.directory import live_workers
 
 log = logging.getLogger(__name__)
 

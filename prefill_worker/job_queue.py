@@ -29,9 +29,8 @@ import time
 from collections.abc import Callable, Iterable
 
 import redis
-
-from shared import redis_keys as keys
-from shared.protocol import Job, decode
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, decode
 
 log = logging.getLogger(__name__)
 

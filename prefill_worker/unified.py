@@ -14,12 +14,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prefill_worker.job_queue import JobQueue, replayable
-from prefill_worker.worker import IDLE_SLEEP_S, queued
-from shared.model_host import ModelSlot
-from shared.protocol import Job, TokenEvent
-from shared.sampling_params import SamplingParams
-from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
+from kvrelay.prefill_worker.job_queue import JobQueue, replayable
+from kvrelay.prefill_worker.worker import IDLE_SLEEP_S, queued
+from kvrelay.shared.wire.protocol import Job, TokenEvent
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
 
 log = logging.getLogger(__name__)
 

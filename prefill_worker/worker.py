@@ -19,7 +19,7 @@ refuses a request id it already holds, so a reclaimed job never yields two strea
 SIGTERM drains: no new jobs are read, those in the engine and in handoff finish (up to the drain
 timeout), and what is left is handed back to the stream for a peer (``_abandon``).
 
-Several models: each instance the worker hosts (shared/model_host.py) has its own stream, JobQueue and
+Several models: each instance the worker hosts (shared/worker/model_host.py) has its own stream, JobQueue and
 engine; one step serves each in turn, and one HandoffManager carries all their KV. A draining instance
 (a swap's old version) keeps reading its stream until it is empty and nothing of it is in flight.
 """
@@ -29,14 +29,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prefill_worker.handoff import HandoffManager, State, Transfer
-from prefill_worker.job_queue import JobQueue, replayable
-from shared import redis_keys as keys
-from shared.model_host import ModelSlot
-from shared.outputs import EngineCoreOutput
-from shared.protocol import Job, TokenEvent
-from shared.sampling_params import SamplingParams
-from shared.worker_runtime import WorkerConfig, WorkerRuntime, token_event
+from kvrelay.prefill_worker.handoff import HandoffManager, State, Transfer
+from kvrelay.prefill_worker.job_queue import JobQueue, replayable
+from kvrelay.shared.engine.outputs import EngineCoreOutput
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, TokenEvent
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from shared.model_source import resolve_model
+    from kvrelay.shared.repo.model_source import resolve_model
 
     return Path(resolve_model("smollm2").path)
 
@@ -89,7 +89,7 @@ def redis_url():
             host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
             yield f"redis://{host}:{port}/0"
     else:
-        from shared.redis_conn import EmbeddedRedis
+        from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
         with EmbeddedRedis() as url:
             yield url

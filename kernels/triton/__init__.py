@@ -4,15 +4,16 @@
 imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
 """
 
-import kernels
-from kernels.triton.gelu import gelu
-from kernels.triton.layer_norm import layer_norm
-from kernels.triton.paged_attention import paged_attention
-from kernels.triton.rms_norm import rms_norm
-from kernels.triton.rotary import rotary_embedding, rotary_write_kv
-from kernels.triton.sampling import filter_logits, sample_from_logits
-from kernels.triton.silu_mul import silu_mul
-from kernels.triton.write_kv import write_kv
+from kvrelay.kernels.triton.gelu import gelu
+from kvrelay.kernels.triton.layer_norm import layer_norm
+from kvrelay.kernels.triton.paged_attention import paged_attention
+from kvrelay.kernels.triton.rms_norm import rms_norm
+from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
+from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
+from kvrelay.kernels.triton.silu_mul import silu_mul
+from kvrelay.kernels.triton.write_kv import write_kv
+
+from kvrelay import kernels
 
 OPS = {
     "write_kv": write_kv,

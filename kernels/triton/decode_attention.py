@@ -14,9 +14,8 @@ CUDA-graph capturable: capture with ``max_seq_len`` set to the largest length th
 import torch
 import triton
 import triton.language as tl
-
-from kernels.metadata import AttentionMetadata
-from kernels.triton.utils import interpreting, num_sms, pow2
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.triton.utils import interpreting, num_sms, pow2
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner-loop tile

@@ -1,10 +1,9 @@
 """The registered ``paged_attention``: decode kernel (split-K) for pure decode steps, else prefill kernel."""
 
 import torch
-
-from kernels.metadata import AttentionMetadata
-from kernels.triton.decode_attention import decode_attention
-from kernels.triton.prefill_attention import prefill_attention
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.triton.decode_attention import decode_attention
+from kvrelay.kernels.triton.prefill_attention import prefill_attention
 
 
 def paged_attention(

@@ -22,10 +22,9 @@ diagonal) pay for masks; every other tile runs unmasked.
 import torch
 import triton
 import triton.language as tl
-
-from kernels.metadata import AttentionMetadata
-from kernels.triton.decode_attention import _dot
-from kernels.triton.utils import interpreting, pow2
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.triton.decode_attention import _dot
+from kvrelay.kernels.triton.utils import interpreting, pow2
 
 _LOG2E = 1.4426950408889634
 

@@ -3,8 +3,7 @@
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton.utils import pow2
+from kvrelay.kernels.triton.utils import pow2
 
 
 @triton.jit
@@ -24,7 +23,7 @@ def _write_kv_kernel(
     mask = (h[:, None] < num_heads) & (d[None, :] < head_dim) & ((h[:, None] * 0 + slot) >= 0)
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    # block and offset strided separately: a pooled cache is block-major (shared/kv_pool.py); a
+    # block and offset strided separately: a pooled cache is block-major (shared/engine/kv_pool.py); a
     # padding slot (-1) computes a negative address that the mask never touches
     dst = cache_ptr + (slot // PAGE) * stride_c_block + (slot % PAGE) * stride_c_slot + h[:, None] * stride_c_h + d[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)

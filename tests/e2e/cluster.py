@@ -10,9 +10,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from shared import redis_keys as keys
-from shared.protocol import WorkerInfo, decode
-from shared.redis_conn import sync_client
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import WorkerInfo, decode
+from kvrelay.shared.wire.redis_conn import sync_client
 
 
 def free_port() -> int:

@@ -8,10 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-
-from shared import redis_keys as keys
-from shared.protocol import Job, TokenBatch, decode, encode
-from shared.sampling_params import SamplingParams
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, TokenBatch, decode, encode
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
 @dataclass

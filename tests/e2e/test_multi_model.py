@@ -14,14 +14,14 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from kvrelay.shared.config.serve_config import load_serve_config
+from kvrelay.shared.repo.model_repo import ModelRepository
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import instance_key
+from kvrelay.shared.worker.directory import live_workers
 from safetensors.torch import load_file, save_file
 
 from kvrelay import LLM, SamplingParams
-from shared import redis_keys as keys
-from shared.model_repo import ModelRepository
-from shared.protocol import instance_key
-from shared.serve_config import load_serve_config
-from shared.worker_directory import live_workers
 from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow

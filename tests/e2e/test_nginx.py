@@ -18,9 +18,9 @@ import time
 
 import httpx
 import pytest
+from kvrelay.bench.nginx_stack import loopback_nginx_config, nginx_command
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
-from bench.nginx_stack import loopback_nginx_config, nginx_command
-from shared.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import stream_completion

@@ -14,8 +14,8 @@ import sys
 import httpx
 import pytest
 import yaml
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
-from shared.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE, TINY_VOCAB
 
@@ -45,7 +45,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
 def test_served_openapi_matches_the_routes(cluster):
     spec = httpx.get(f"http://127.0.0.1:{cluster.port}/openapi.json").json()
     assert spec["openapi"].startswith("3.")
-    from gateway.routes import ROUTES
+    from kvrelay.gateway.routes import ROUTES
 
     served = {(r.method.lower(), r.path) for r in ROUTES if not r.path.startswith(("/admin", "/metrics", "/openapi"))}
     described = {(m, p) for p, ops in spec["paths"].items() for m in ops}

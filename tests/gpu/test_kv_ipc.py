@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 import zmq
+from kvrelay.bench.handoff import decode_info, endpoint, transfer
+from kvrelay.prefill_worker.handoff import HandoffManager, State
+from kvrelay.shared.handoff.cuda_ipc import IpcError, IpcExporter, IpcPeers, copy_blocks, device_uuid, export_handle
 
-from bench.handoff import decode_info, endpoint, transfer
-from prefill_worker.handoff import HandoffManager, State
-from shared.kv_ipc import IpcError, IpcExporter, IpcPeers, copy_blocks, device_uuid, export_handle
 from tests.integration.test_handoff import DecodeSide
 
 pytestmark = pytest.mark.gpu
@@ -148,8 +148,8 @@ def test_layer_by_layer_senders_follow_the_compute_stream(sender):
     """Deferred (streamed) senders on CUDA: each layer range is copied / staged behind the compute
     stream as of its ``stage_through``, so a layer written by kernels still queued when it is called
     (the forward runs ahead of the GPU) arrives in full."""
-    from shared.kv_ipc import DeviceCopy
-    from shared.kv_transfer import StagedKV
+    from kvrelay.shared.handoff.cuda_ipc import DeviceCopy
+    from kvrelay.shared.handoff.frames import StagedKV
 
     final = _source_cache()
     src = torch.zeros_like(final)

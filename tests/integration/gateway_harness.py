@@ -21,13 +21,12 @@ from pathlib import Path
 
 import zmq
 from aiohttp import web
-
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from shared import redis_keys as keys
-from shared.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo, decode, encode
-from shared.redis_conn import EmbeddedRedis, sync_client
-from shared.sampling_params import SamplingParams
+from kvrelay.gateway.app import create_app
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo, decode, encode
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 96

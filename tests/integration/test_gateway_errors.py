@@ -11,11 +11,11 @@ import openai
 import pytest
 import requests
 import zmq
+from kvrelay.gateway.state import DISPATCHER
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Abort, ModelInfo, WorkerInfo, decode, encode
+from kvrelay.shared.wire.redis_conn import async_client, sync_client
 
-from gateway.state import DISPATCHER
-from shared import redis_keys as keys
-from shared.protocol import Abort, ModelInfo, WorkerInfo, decode, encode
-from shared.redis_conn import async_client, sync_client
 from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, GatewayServer, gateway_config, running_stack
 
 pytestmark = pytest.mark.timeout(120)

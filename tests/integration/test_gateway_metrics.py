@@ -6,10 +6,10 @@ import time
 
 import pytest
 import requests
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelInfo, decode, encode
+from kvrelay.shared.wire.redis_conn import sync_client
 
-from shared import redis_keys as keys
-from shared.protocol import ModelInfo, decode, encode
-from shared.redis_conn import sync_client
 from tests.integration.gateway_harness import MODEL, running_stack
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer, sample, scrape
 

@@ -10,13 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
-
-from bench.handoff import decode_info, endpoint, transfer
-from decode_worker import receiver as receiver_module
-from decode_worker.receiver import HandoffReceiver
-from prefill_worker.handoff import HandoffManager, State
-from shared.kv_transfer import StagedKV, layout_of, max_message_bytes, pack_blocks
-from shared.protocol import (
+from kvrelay.bench.handoff import decode_info, endpoint, transfer
+from kvrelay.decode_worker import receiver as receiver_module
+from kvrelay.decode_worker.receiver import HandoffReceiver
+from kvrelay.prefill_worker.handoff import HandoffManager, State
+from kvrelay.shared.handoff.frames import StagedKV, layout_of, max_message_bytes, pack_blocks
+from kvrelay.shared.wire.protocol import (
     HandoffAck,
     HandoffGrant,
     HandoffRequest,
@@ -407,7 +406,7 @@ def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, deco
 def test_overlap_benchmark_runs_both_paths_through_a_real_engine():
     """``kvrelay bench handoff --sections overlap`` at a toy size: a real prefill engine, a decode-side
     process, each prompt handed off both ways (it raises unless each ended DONE the way it was meant to)."""
-    from bench.handoff import _overlap
+    from kvrelay.bench.handoff import _overlap
 
     result = _overlap("cpu", "dummy:tiny-llama", [40, 100], repeats=1)
     assert sorted(result) == [40, 100]

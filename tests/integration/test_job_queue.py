@@ -5,11 +5,10 @@ group."""
 import time
 
 import pytest
-
-from prefill_worker.job_queue import JobQueue
-from shared import redis_keys as keys
-from shared.protocol import Job, encode
-from shared.redis_conn import sync_client
+from kvrelay.prefill_worker.job_queue import JobQueue
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, encode
+from kvrelay.shared.wire.redis_conn import sync_client
 
 MODEL = "m"
 

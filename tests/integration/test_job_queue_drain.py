@@ -3,11 +3,10 @@ stream (its length is the backlog the gateway bounds), a failed ACK is retried b
 handed-back job is taken by a peer's very next reclaim with its delivery count unchanged."""
 
 import pytest
-
-from prefill_worker.job_queue import JobQueue, replayable
-from shared import redis_keys as keys
-from shared.protocol import Job, encode
-from shared.redis_conn import EmbeddedRedis, sync_client
+from kvrelay.prefill_worker.job_queue import JobQueue, replayable
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, encode
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 
 MODEL = "m"
 STREAM = keys.prefill_stream(MODEL)

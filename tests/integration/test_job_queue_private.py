@@ -8,12 +8,11 @@ import threading
 import time
 
 import pytest
-
-from prefill_worker import job_queue
-from prefill_worker.job_queue import JobQueue
-from shared import redis_keys as keys
-from shared.protocol import Job, encode
-from shared.redis_conn import sync_client
+from kvrelay.prefill_worker import job_queue
+from kvrelay.prefill_worker.job_queue import JobQueue
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, encode
+from kvrelay.shared.wire.redis_conn import sync_client
 
 MODEL = "m"
 SHARED = keys.prefill_stream(MODEL)
@@ -139,8 +138,8 @@ def test_a_long_gone_peers_empty_stream_and_consumer_are_forgotten(r, monkeypatc
 
 
 def test_queue_gauges_and_depth_count_private_streams(r, redis_url):
-    from gateway.queue_stats import QueueStats
-    from shared.redis_conn import async_client
+    from kvrelay.gateway.queue_stats import QueueStats
+    from kvrelay.shared.wire.redis_conn import async_client
 
     async def snapshot():
         client = async_client(redis_url)

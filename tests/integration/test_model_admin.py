@@ -17,12 +17,20 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import requests
+from kvrelay.gateway.reconciler import RECONCILER
+from kvrelay.shared.repo.model_repo import MANIFEST
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import (
+    ControlCommand,
+    ControlResult,
+    InstanceStatus,
+    ModelSpec,
+    WorkerInfo,
+    decode,
+    encode,
+)
+from kvrelay.shared.wire.redis_conn import sync_client
 
-from gateway.reconciler import RECONCILER
-from shared import redis_keys as keys
-from shared.model_repo import MANIFEST
-from shared.protocol import ControlCommand, ControlResult, InstanceStatus, ModelSpec, WorkerInfo, decode, encode
-from shared.redis_conn import sync_client
 from tests.integration.gateway_harness import REPLY, FakeWorker, GatewayServer, build_tokenizer, gateway_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -425,7 +433,7 @@ def test_register_pinned_loads_at_once(env, workers):
 
 
 def test_admin_openapi_describes_every_model_route_and_only_to_the_admin(env):
-    from gateway.routes import ROUTES
+    from kvrelay.gateway.routes import ROUTES
 
     public = requests.get(f"{env.url}/openapi.json", headers={"Authorization": f"Bearer {env.api_key}"}).json()
     assert not [p for p in public["paths"] if p.startswith("/admin")]

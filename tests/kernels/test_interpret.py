@@ -28,9 +28,10 @@ if not isinstance(triton.language.standard.zeros, InterpretedFunction):
         "TRITON_INTERPRET=1 python -m pytest tests/kernels/test_interpret.py",
         allow_module_level=True,
     )
-for _name in [m for m in sys.modules if m == "kernels.triton" or m.startswith("kernels.triton.")]:
+for _name in [m for m in sys.modules if m == "kvrelay.kernels.triton" or m.startswith("kvrelay.kernels.triton.")]:
     del sys.modules[_name]
-import kernels.triton as tk  # noqa: E402
+import kvrelay.kernels.triton as tk  # noqa: E402
+
 from tests.kernels import triton_cases as cases  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

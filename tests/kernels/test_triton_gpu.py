@@ -16,7 +16,7 @@ DEV = "cuda"
 @pytest.fixture(scope="module")
 def tk():
     pytest.importorskip("triton")
-    import kernels.triton as tk  # imported here, not at collection, so CPU runs never build it
+    import kvrelay.kernels.triton as tk  # imported here, not at collection, so CPU runs never build it
 
     return tk
 
@@ -67,8 +67,7 @@ def test_alibi_and_head_dims(tk, decode, head_dim):
 
 
 def test_dispatch_through_kernels(tk):
-    import kernels
-
+    from kvrelay import kernels
     tk.register_all()
     q, kv_cache, meta = cases.make_paged_case([1, 1], [100, 40], 8, 2, 64, 16, torch.bfloat16, DEV)
     out = kernels.paged_attention(q, kv_cache, meta, 0.125)

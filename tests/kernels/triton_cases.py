@@ -10,9 +10,8 @@ import random
 from importlib import import_module
 
 import torch
-
-from kernels import reference
-from kernels.metadata import AttentionMetadata
+from kvrelay.kernels import reference
+from kvrelay.kernels.metadata import AttentionMetadata
 
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # atol = rtol per dtype
 
@@ -75,7 +74,7 @@ def check_paged_attention(
     slopes = alibi_slopes(num_heads, device) if alibi else None
     scale = head_dim ** -0.5
     if num_splits is not None:  # force the split-K + merge path regardless of the heuristic
-        decode = import_module("kernels.triton.decode_attention").decode_attention
+        decode = import_module("kvrelay.kernels.triton.decode_attention").decode_attention
         out = decode(q, kv_cache, meta, scale, slopes, num_splits=num_splits)
     else:
         out = tk.paged_attention(q, kv_cache, meta, scale, slopes)
@@ -87,7 +86,7 @@ def check_paged_attention(
         k, v = fresh_kv(kv_cache, meta)
         assert_close(tk.paged_attention(q, kv_cache, meta, scale, slopes, k=k, v=v), expected, dtype)
     for config in configs:  # explicit prefill tilings (bench sweeps them; each must stay exact)
-        prefill = import_module("kernels.triton.prefill_attention").prefill_attention
+        prefill = import_module("kvrelay.kernels.triton.prefill_attention").prefill_attention
         k, v = fresh_kv(kv_cache, meta)
         assert_close(prefill(q, kv_cache, meta, scale, slopes, k, v, config=config), expected, dtype)
 

@@ -1,12 +1,11 @@
 """BlockManager and HostBlockPool: ref counts, prefix cache hits/misses, eviction order, atomicity."""
 
+import kvrelay.shared.engine.block_manager as bm_mod
 import pytest
-
-import shared.block_manager as bm_mod
-from shared.block_manager import BlockManager
-from shared.request import Request
-from shared.sampling_params import SamplingParams
-from shared.swap import HostBlockPool
+from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.swap import HostBlockPool
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 BS = 4
 
@@ -214,7 +213,7 @@ def test_host_block_pool():
     assert HostBlockPool(0).allocate(0) == []
 
 
-# -- a sparse set of owned ids, as a shared KV pool grants them (shared/kv_pool.py) ---------------
+# -- a sparse set of owned ids, as a shared KV pool grants them (shared/engine/kv_pool.py) ---------------
 
 def test_sparse_ownership_uses_only_owned_ids():
     bm = BlockManager(20, BS, owned=[3, 11, 17])

@@ -1,14 +1,14 @@
 """The decode-graph machinery without a GPU: buckets, the packed input layout and its padding rows,
-the block-table cache, and the whole static-buffer decode path (shared/cuda_graphs.py with
+the block-table cache, and the whole static-buffer decode path (shared/engine/cuda_graphs.py with
 ``record=False``) against HF greedy tokens. tests/gpu/ covers capture and replay on CUDA."""
 
 import numpy as np
 import pytest
 import torch
+from kvrelay.shared.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
+from kvrelay.shared.engine.step_inputs import BlockTableCache, Layout, StepBatch, host_buffer, to_device, views, write
 
 from kvrelay import LLM
-from shared.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
-from shared.step_inputs import BlockTableCache, Layout, StepBatch, host_buffer, to_device, views, write
 from tests.conftest import random_prompts
 from tests.parity import engine_greedy, hf_greedy
 

@@ -64,7 +64,8 @@ def exposed_names(text: str) -> set[str]:
 
 
 def worker_names() -> set[str]:
-    from shared.metrics import HostCollector
+    from kvrelay.shared.worker.metrics import HostCollector
+
     from tests.unit.test_worker_metrics import Engine, FakeNvml
 
     worker = generate_latest(Engine("unified").metrics.registry).decode()
@@ -75,7 +76,7 @@ def worker_names() -> set[str]:
 def gateway_names() -> set[str] | None:
     """None while the gateway has no metrics module (it is written separately from the workers')."""
     try:
-        from gateway.metrics import GatewayMetrics
+        from kvrelay.gateway.metrics import GatewayMetrics
     except ImportError:
         return None
     return exposed_names(generate_latest(GatewayMetrics().registry).decode())

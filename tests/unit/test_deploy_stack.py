@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.routes import ROUTES
 
-from gateway.config import GatewayConfig
-from gateway.routes import ROUTES
 from kvrelay.cli import build_parser
 
 ROOT = Path(__file__).parents[2]
@@ -248,7 +248,7 @@ def test_k8s_hpas_target_deployments_with_adapter_metrics(k8s):
 
 def test_k8s_metric_names_in_adapter_rules_are_the_ones_the_code_exports():
     rules = (K8S / "prometheus-adapter-rules.yaml").read_text()
-    sources = (ROOT / "gateway" / "metrics.py").read_text() + (ROOT / "shared" / "metrics.py").read_text()
+    sources = (ROOT / "gateway" / "metrics.py").read_text() + (ROOT / "shared" / "worker" / "metrics.py").read_text()
     for series in ("kvrelay_http_requests", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
         assert series in rules and f'"{series}"' in sources, series
 

@@ -7,12 +7,12 @@ import random
 import zlib
 
 import pytest
+from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.engine.block_manager import BlockManager, cache_namespace
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.scheduler import Scheduler
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
-from shared.block_manager import BlockManager, cache_namespace
-from shared.config import SchedulerConfig
-from shared.request import Request
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
 from tests.unit.test_scheduler import BS, EOS, FakeRunner, assert_clean
 
 

@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from shared.gc_freeze import collect_all, freeze_long_lived
+from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 
 
 class Node:
@@ -37,11 +37,12 @@ def test_without_a_freeze_it_is_a_plain_collection():
 
 
 def test_workers_freeze_and_library_engines_do_not(tmp_path):
+    from kvrelay.shared.worker.entry import worker_config
+
     from kvrelay.cli import build_parser
-    from shared.worker_entry import worker_config
 
     args = build_parser().parse_args(["decode-worker", "--model", "dummy:tiny-llama", "--device", "cpu"])
     assert worker_config("decode", args).freeze_gc
-    from shared.worker_runtime import WorkerConfig
+    from kvrelay.shared.worker.runtime import WorkerConfig
 
     assert WorkerConfig.__dataclass_fields__["freeze_gc"].default is False

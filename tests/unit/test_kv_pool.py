@@ -3,15 +3,14 @@ victim's cached prefixes), detach, and the block-major view working with the KV 
 
 import pytest
 import torch
-
-from kernels import reference
-from kernels.metadata import AttentionMetadata
-from shared.block_manager import BlockManager
-from shared.kv_ipc import block_runs, copy_blocks, kv_strides
-from shared.kv_pool import KVPool, KVPoolFull
-from shared.kv_transfer import gather_blocks, scatter_blocks
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from kvrelay.kernels import reference
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.kv_pool import KVPool, KVPoolFull
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.handoff.cuda_ipc import block_runs, copy_blocks, kv_strides
+from kvrelay.shared.handoff.frames import gather_blocks, scatter_blocks
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 CHUNK = 1024
 # (num_layers, block_size, num_kv_heads, head_dim) in float32: 256 bytes a block (4 per chunk, never

@@ -1,4 +1,4 @@
-"""shared/kv_transfer.py and the CPU-checkable parts of shared/kv_ipc.py: KV blocks survive every wire
+"""shared/handoff/frames.py and the CPU-checkable parts of shared/handoff/cuda_ipc.py: KV blocks survive every wire
 form bit for bit, and every way a transfer can be wrong is refused before a byte lands in the cache."""
 
 import dataclasses
@@ -7,10 +7,9 @@ from concurrent.futures import wait
 
 import pytest
 import torch
-
-from shared import kv_transfer as kt
-from shared.kv_ipc import IpcError, IpcExporter, block_runs, check_handle, copy_blocks
-from shared.protocol import HandoffGrant, KVHeader, KVIpcHandle, KVLayers, decode, encode, kv_checksum
+from kvrelay.shared.handoff import frames as kt
+from kvrelay.shared.handoff.cuda_ipc import IpcError, IpcExporter, block_runs, check_handle, copy_blocks
+from kvrelay.shared.wire.protocol import HandoffGrant, KVHeader, KVIpcHandle, KVLayers, decode, encode, kv_checksum
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [L, 2, N, bs, Hkv, D]
 SRC_BLOCKS, DST_BLOCKS = [3, 7, 1], [0, 9, 5]

@@ -6,13 +6,13 @@ import time
 from pathlib import Path
 
 import pytest
+from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
+from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.repo.model_repo import ModelRepository
+from kvrelay.shared.wire.protocol import ControlCommand
+from kvrelay.shared.worker.model_host import ModelHost, estimate_weight_bytes
 
 from kvrelay import SamplingParams
-from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.kv_pool import KVPool
-from shared.model_host import ModelHost, estimate_weight_bytes
-from shared.model_repo import ModelRepository
-from shared.protocol import ControlCommand
 from tests.conftest import make_tiny_model
 
 

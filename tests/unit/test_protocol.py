@@ -1,13 +1,12 @@
-"""shared/protocol.py: every message round-trips; anything malformed is a ValueError, never a crash or a
+"""shared/wire/protocol.py: every message round-trips; anything malformed is a ValueError, never a crash or a
 half-built message."""
 
 import dataclasses
 
 import msgpack
 import pytest
-
-from shared import protocol as p
-from shared.sampling_params import SamplingParams
+from kvrelay.shared.wire import protocol as p
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
 def _job(**over) -> p.Job:
@@ -209,7 +208,7 @@ def test_kv_checksum_detects_change_and_order():
 
 
 def test_multi_model_messages_round_trip_with_nested_messages():
-    from shared.protocol import (
+    from kvrelay.shared.wire.protocol import (
         ControlCommand,
         ControlResult,
         InstanceStatus,

@@ -2,19 +2,18 @@
 
 import math
 
+import kvrelay.shared.engine.sampler as sampler_module
 import pytest
 import torch
-
-import shared.sampler as sampler_module
-from shared.request import Request
-from shared.sampler import (
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.sampler import (
     Sampler,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p_min_p,
     prompt_logprobs,
 )
-from shared.sampling_params import SamplingParams
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

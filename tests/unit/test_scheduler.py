@@ -9,12 +9,11 @@ request's block table, so a wrong prefix hit, a bad swap pair or a reused live b
 import random
 
 import pytest
-
-from shared.block_manager import BlockManager, cdiv
-from shared.config import SchedulerConfig
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler, SchedulerOutput
+from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.engine.block_manager import BlockManager, cdiv
+from kvrelay.shared.engine.request import Request, RequestStatus
+from kvrelay.shared.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 BS = 4
 EOS = 2

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from shared.step_lock import StepLock
+from kvrelay.shared.worker.step_lock import StepLock
 
 
 def test_a_waiting_thread_gets_the_lock_after_at_most_one_step():

@@ -5,9 +5,8 @@ import os
 import threading
 import time
 
+import kvrelay.shared.repo.verified_files as vf
 import pytest
-
-import shared.verified_files as vf
 
 
 @pytest.fixture()

@@ -6,15 +6,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.scheduler import Scheduler
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.metrics import HostCollector, WorkerMetrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.block_manager import BlockManager
-from shared.config import SchedulerConfig
-from shared.metrics import HostCollector, WorkerMetrics
-from shared.request import Request
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
 from tests.unit.test_scheduler import BS, FakeRunner
 
 
@@ -182,7 +182,7 @@ def test_unknown_role_is_refused():
 
 
 def test_merged_metrics_serve_every_hosted_model_in_one_exposition():
-    from shared.metrics import MergedMetrics
+    from kvrelay.shared.worker.metrics import MergedMetrics
 
     merged = MergedMetrics()
     engines = {}

@@ -1,0 +1,1 @@
+"""The decode role: admits handed-off requests, decodes them, streams tokens back."""

@@ -1,0 +1,1 @@
+"""The offline engine: scheduler, block manager, model runner, sampler, models."""

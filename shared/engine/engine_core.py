@@ -1,0 +1,204 @@
+"""The engine core of one model: scheduler + block manager + model runner. Token ids in, token ids
+out; no text. The offline API, the unified worker and both disaggregated workers drive this class.
+
+Lifecycle of one request:
+  make_request (validate) -> add_request (WAITING) -> step() grants it tokens, possibly in chunks
+  (RUNNING) -> each step that reaches its last token samples one more -> a stop condition or
+  abort() finishes it and frees its blocks (unless the core holds finished KV for a handoff).
+"""
+
+import math
+import time
+from typing import Protocol
+
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.engine.model_runner import ModelRunner, to_position_logprobs
+from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
+from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
+from kvrelay.shared.engine.sampler import SampleResult
+from kvrelay.shared.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.shared.wire.sampling_params import SamplingParams
+
+
+class EngineObserver(Protocol):
+    """Watches the engine without steering it (worker metrics). Called on the engine's thread."""
+
+    def on_step(self, started: float, out: SchedulerOutput, finished: list[Request]) -> None:
+        """After every step: its unix start time, what was scheduled, and the requests it finished."""
+
+    def on_removed(self, requests: list[Request]) -> None:
+        """Requests ended from outside the step: aborts, stop strings."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hold_finished_kv: bool = False, kv_pool: KVPool | None = None,
+                 kv_floor_blocks: int | None = None, kv_pool_key: str | None = None, loaded: tuple | None = None):
+        """``kv_pool``: a KV pool shared with co-resident models (shared/engine/kv_pool.py), attached to under
+        ``kv_pool_key`` (default the model path) with a floor of ``kv_floor_blocks`` (default: one
+        max_model_len sequence). Without one the model gets a private pool sized as configured."""
+        self.config = config
+        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded)
+        self.max_model_len = runner.max_model_len
+        self.vocab_size: int = runner.model.vocab_size
+        pool, key = runner.kv_pool, runner.kv_pool_key
+        self.block_manager = BlockManager(
+            runner.kv_cache.shape[2], config.cache.block_size, config.cache.enable_prefix_caching,
+            owned=runner.kv_block_ids, grow=lambda n: pool.grow(key, n), capacity=lambda: pool.capacity(key),
+        )
+        pool.bind(key, self.block_manager)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.max_model_len,
+            num_host_blocks=self.runner.num_host_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            hold_finished_kv=hold_finished_kv,
+        )
+        self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
+        self.observer: EngineObserver | None = None
+
+    # -- requests -------------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        eos_token_id: int | None = None, priority: int = 0, cache_salt: str | None = None,
+        tenant: str = DEFAULT_TENANT, arrival: float | None = None,
+    ) -> Request:
+        """Validate one n=1 request against this model; raises ValueError naming the problem.
+        ``arrival``: unix time it entered the system (workers pass the Job's); default now."""
+        if params.n != 1 or params.use_beam_search:
+            raise ValueError("the engine core takes n=1 requests; fan out n and beams above it")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n_prompt} tokens long, but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        blocks_needed = math.ceil((n_prompt + max_tokens) / self.block_manager.block_size)
+        if blocks_needed > self.block_manager.capacity:
+            raise ValueError(
+                f"prompt ({n_prompt}) plus max_tokens ({max_tokens}) needs {blocks_needed} KV blocks, "
+                f"more than the cache holds ({self.block_manager.capacity})"
+            )
+        return Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            eos_token_id=eos_token_id, max_tokens=max_tokens, priority=priority, cache_salt=cache_salt,
+            tenant=tenant, arrival_wall=time.time() if arrival is None else arrival,
+        )
+
+    def add_request(self, req: Request) -> None:
+        if req.sampling_params.prompt_logprobs is not None:
+            # the first prompt token has no logprob; positions are filled as chunks compute (a recompute
+            # after preemption overwrites the same slots)
+            self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.scheduler.abort_request(rid)
+            if req is not None:
+                self._forget(rid)
+                aborted.append(req)
+        if aborted and self.observer is not None:
+            self.observer.on_removed(aborted)
+        return aborted
+
+    def finish(self, request_id: str) -> None:
+        """Stop a request from outside (a stop string matched in the detokenizer)."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        if req is not None:
+            self._forget(request_id)
+            if self.observer is not None:
+                self.observer.on_removed([req])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        started = time.time()
+        out = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        sampled = {rid: [s.token_id] for rid, s in result.sampled.items()}
+        for rid, (pos0, chunk) in result.prompt_logprobs.items():
+            self._prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(out, sampled)}
+        if self.observer is not None:
+            self.observer.on_step(started, out, list(finished.values()))
+        outputs = []
+        emitted_done: list[str] = []  # finished requests already reported from the scheduled pass
+        for sr in out.scheduled:
+            req = sr.request
+            rid = req.request_id
+            sample = result.sampled.get(rid)
+            done = rid in finished
+            if sample is None and not done:
+                continue  # mid-prompt chunk: nothing to report yet
+            outputs.append(self._output(req, sample, done))
+            if done:
+                emitted_done.append(rid)
+        for rid, req in finished.items():  # aborted, or ended without a sample this step
+            if rid not in result.sampled and rid not in emitted_done:
+                outputs.append(self._output(req, None, True))
+        return outputs
+
+    def _output(self, req: Request, sample, done: bool) -> EngineCoreOutput:
+        rid = req.request_id
+        item = EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=[sample.token_id] if sample else [],
+            new_logprobs=[sample_logprobs(sample)] if sample and req.sampling_params.logprobs is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if sample and req.num_output_tokens == 1 and rid in self._prompt_logprobs:
+            item.prompt_logprobs = self._prompt_logprobs[rid]
+        if done:
+            item.finish_reason = req.status.value
+            item.stop_reason = req.stop_reason
+            self._forget(rid)
+        return item
+
+    def _forget(self, request_id: str) -> None:
+        self._prompt_logprobs.pop(request_id, None)
+        self.runner.free_request(request_id)
+
+    def release_kv(self) -> None:
+        """Give this model's KV memory back to its pool (on unload). Refused while requests are
+        unfinished or hold blocks; the core must not be stepped afterwards."""
+        bm = self.block_manager
+        if self.scheduler.has_unfinished() or bm.num_used or not bm.release_free_blocks(list(bm.owned)):
+            raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
+                               "abort or finish them before releasing the KV cache")
+        self.runner.kv_pool.detach(self.runner.kv_pool_key)
+
+    # -- introspection for workers and metrics --------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks this model owns (a shared pool may hold more it could grow into)."""
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks this model owns now."""
+        return self.block_manager.num_blocks
+
+
+def sample_logprobs(sample: SampleResult) -> PositionLogprobs:
+    entry: PositionLogprobs = {sample.token_id: Logprob(sample.logprob)}
+    for rank, (tok, lp) in enumerate(sample.top_logprobs or [], start=1):
+        if tok == sample.token_id:
+            entry[tok].rank = rank
+        else:
+            entry[tok] = Logprob(lp, rank=rank)
+    return entry
+
+
+__all__ = ["EngineCore", "sample_logprobs", "to_position_logprobs"]

@@ -1,0 +1,250 @@
+"""One KV memory pool shared by the models of one worker process, arbitrated by demand.
+
+The pool is one byte buffer cut into fixed chunks. Every attached model views the *whole* buffer as
+its own block array, block-major: block ``i`` of a model is bytes ``[i * block_bytes, (i + 1) *
+block_bytes)``, all its layers and K/V together, and the view is permuted back to the
+``[L, 2, N, bs, Hkv, D]`` shape the kernels index (they step blocks by ``stride(1)``). Models of
+different geometry therefore number the same bytes differently; what keeps them apart is chunk
+ownership: a model may use block ``i`` only while it owns every chunk that block touches (a block that
+straddles into another model's chunk is simply unusable for it).
+
+A model attaches with a floor (its guaranteed minimum of blocks). When its BlockManager runs out of
+free blocks it calls ``grow``: the pool hands over unowned chunks first, then steals chunks from other
+models, but only chunks whose blocks are all free in the victim (cached prefix blocks in them are
+evicted from the victim's cache), and only while the victim keeps its floor. Victims with the most
+free blocks and the least recent demand go first. So an idle co-resident model lends its memory to a
+busy one, and gets it back the moment it needs it and the busy one has any free chunk.
+
+Everything here runs on the worker's one engine thread, synchronously. That is also what makes a
+steal safe on CUDA: each engine's step (schedule, then its kernels on the same stream) is issued
+before the next engine's, so the grower's writes queue behind the victim's last reads.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+# A chunk is the unit of arbitration. Small chunks waste less at block-straddling boundaries and let a
+# model give back memory in finer steps; large ones keep the bookkeeping (lists of chunk ids, a scan
+# per steal) short. 64 MiB on a GPU is ~0.05% of an H200 (about 2k chunks) and holds 32 blocks of an
+# 8B bf16 model (2 MiB per 16-token block); 2 MiB on CPU holds dozens of a small model's blocks. A
+# small pool gets smaller chunks (at least MIN_CHUNKS of them), or there would be nothing to share. A
+# block bigger than a chunk still works: it needs all the chunks it spans.
+CUDA_CHUNK_BYTES = 64 << 20
+CPU_CHUNK_BYTES = 2 << 20
+MIN_CHUNKS = 64
+PAGE = 4096  # chunk sizes stay page multiples
+
+
+class KVPoolFull(ValueError):
+    pass
+
+
+class PoolClient(Protocol):
+    """What the pool needs from a model's block manager to take blocks back (shared/engine/block_manager.py)."""
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def blocks_free(self, ids: list[int]) -> bool:
+        """Whether every owned block among ``ids`` has ref count 0 (ids it does not own are ignored)."""
+
+    def release_free_blocks(self, ids: list[int]) -> bool:
+        """Give up these owned blocks, all or none; only ref-0 ones, evicting their cache entries."""
+
+
+@dataclass
+class Member:
+    key: str
+    block_bytes: int
+    num_blocks: int  # N: the length of this model's view of the buffer
+    floor_blocks: int
+    chunks: set[int] = field(default_factory=set)
+    blocks: set[int] = field(default_factory=set)  # usable: every chunk they touch is owned
+    client: PoolClient | None = None
+    last_demand: int = 0  # pool tick of its latest attach/grow; older = idler = stolen from first
+
+
+class KVPool:
+    def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None):
+        self.device = torch.device(device)
+        if chunk_bytes is None:
+            default = CUDA_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES
+            chunk_bytes = min(default, max(PAGE, nbytes // MIN_CHUNKS // PAGE * PAGE))
+        if nbytes < 1 or chunk_bytes < 1:
+            raise ValueError(f"pool and chunk sizes must be positive, got {nbytes} and {chunk_bytes}")
+        self.nbytes = nbytes
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = math.ceil(nbytes / chunk_bytes)  # the last one may be short
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.owner: list[str | None] = [None] * self.num_chunks
+        self.members: dict[str, Member] = {}
+        self._tick = 0
+
+    # -- geometry ---------------------------------------------------------------------------------
+    def _chunk_size(self, c: int) -> int:
+        return min(self.chunk_bytes, self.nbytes - c * self.chunk_bytes)
+
+    def _chunks_of(self, m: Member, block: int) -> range:
+        start = block * m.block_bytes
+        return range(start // self.chunk_bytes, (start + m.block_bytes - 1) // self.chunk_bytes + 1)
+
+    def _blocks_in(self, m: Member, chunk: int) -> range:
+        """The blocks of ``m`` that touch ``chunk``."""
+        start = chunk * self.chunk_bytes
+        end = start + self._chunk_size(chunk)
+        return range(start // m.block_bytes, min(m.num_blocks, (end - 1) // m.block_bytes + 1))
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self._chunk_size(c) for c, o in enumerate(self.owner) if o is None)
+
+    # -- attach / detach --------------------------------------------------------------------------
+    def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, floor_blocks: int) -> tuple[torch.Tensor, list[int]]:
+        """This model's ``[L, 2, N, bs, Hkv, D]`` view of the whole pool and the block ids it may use
+        now (at least ``floor_blocks``). Raises KVPoolFull when even reclaiming cannot cover the floor."""
+        if key in self.members:
+            raise ValueError(f"{key!r} is already attached to this KV pool")
+        if floor_blocks < 1:
+            raise ValueError(f"floor_blocks must be at least 1, got {floor_blocks}")
+        block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+        m = Member(key, block_bytes, self.nbytes // block_bytes, floor_blocks)
+        if m.num_blocks < floor_blocks:
+            raise KVPoolFull(f"{key}: a floor of {floor_blocks} KV blocks needs {floor_blocks * block_bytes} bytes, "
+                             f"the whole pool is {self.nbytes}")
+        plan = self._plan(m, floor_blocks, dry_run=True)
+        if plan is None:
+            raise KVPoolFull(
+                f"{key}: a floor of {floor_blocks} KV blocks ({block_bytes} bytes each) needs at least "
+                f"{floor_blocks * block_bytes} bytes, but only {self.reclaimable_bytes()} of the pool's "
+                f"{self.nbytes} bytes are unowned or reclaimable from other models above their floors")
+        self.members[key] = m
+        self._take(m, self._plan(m, floor_blocks, dry_run=False) or [])
+        kv = self.buffer[:m.num_blocks * block_bytes].view(dtype)
+        kv = kv.view(m.num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim).permute(1, 2, 0, 3, 4, 5)
+        return kv, sorted(m.blocks)  # kv: [L, 2, N, bs, Hkv, D]
+
+    def bind(self, key: str, client: PoolClient) -> None:
+        """Register the block manager the pool takes ``key``'s blocks back through. Until then none are."""
+        self.members[key].client = client
+
+    def detach(self, key: str) -> None:
+        """Return all of ``key``'s chunks. The caller has stopped using its blocks."""
+        m = self.members.pop(key)
+        for c in m.chunks:
+            self.owner[c] = None
+
+    # -- growth -----------------------------------------------------------------------------------
+    def grow(self, key: str, n_blocks: int) -> list[int]:
+        """Up to (and, as chunks come whole, possibly more than) ``n_blocks`` new usable block ids for
+        ``key``, fewer or none when the pool is out. The caller adds them to its block manager."""
+        m = self.members[key]
+        self._tick += 1
+        m.last_demand = self._tick
+        if n_blocks < 1:
+            return []
+        before = set(m.blocks)
+        self._take(m, self._plan(m, len(m.blocks) + n_blocks, dry_run=False) or [])
+        return sorted(m.blocks - before)
+
+    def _plan(self, m: Member, want: int, dry_run: bool) -> list[int] | None:
+        """Chunks that bring ``m`` to ``want`` usable blocks: unowned ones, then ones stolen from others.
+
+        Dry run: nothing changes, and None means ``want`` is out of reach. Otherwise the steals happen
+        (victims release their blocks) and the chunks gathered so far come back even if short."""
+        have = set(m.chunks)
+        usable = len(m.blocks)
+        got: list[int] = []
+        for c in self._candidates(m, [c for c, o in enumerate(self.owner) if o is None]):
+            if usable >= want:
+                break
+            got.append(c)
+            usable += self._gain(m, have, c)
+        others = sorted((v for v in self.members.values() if v is not m and v.client is not None),
+                        key=lambda v: (-v.client.num_free_blocks, v.last_demand))
+        for v in others:
+            if usable >= want:
+                break
+            kept = set(v.blocks)
+            for c in self._candidates(m, sorted(v.chunks, reverse=True)):
+                if usable >= want:
+                    break
+                lost = self._stealable(v, kept, c)
+                if lost is None:
+                    continue
+                if not dry_run:
+                    self._release(v, c, lost)
+                got.append(c)
+                usable += self._gain(m, have, c)
+        if dry_run:
+            return got if usable >= want else None
+        return got
+
+    def _gain(self, m: Member, have: set[int], c: int) -> int:
+        """Add chunk ``c`` to ``have``; the number of ``m``'s blocks that become usable by it."""
+        have.add(c)
+        return sum(1 for b in self._blocks_in(m, c) if all(x in have for x in self._chunks_of(m, b)))
+
+    def _candidates(self, m: Member, chunks: list[int]) -> list[int]:
+        """``chunks`` with those next to ``m``'s own first: they complete blocks straddling its edge."""
+        return sorted(chunks, key=lambda c: (c - 1 not in m.chunks and c + 1 not in m.chunks))
+
+    def _stealable(self, v: Member, kept: set[int], c: int) -> list[int] | None:
+        """The blocks ``v`` loses with chunk ``c`` (dropped from ``kept``), or None if it cannot give
+        ``c`` up now: some block there is in use, or the blocks left would fall below its floor."""
+        lost = [b for b in self._blocks_in(v, c) if b in kept]
+        if len(kept) - len(lost) < v.floor_blocks or not v.client.blocks_free(lost):
+            return None
+        kept.difference_update(lost)
+        return lost
+
+    def _release(self, v: Member, c: int, lost: list[int]) -> None:
+        if lost and not v.client.release_free_blocks(lost):
+            raise RuntimeError(f"{v.key} refused to release blocks it reported free")  # a client bug
+        v.blocks.difference_update(lost)
+        v.chunks.discard(c)
+        self.owner[c] = None
+
+    def _take(self, m: Member, chunks: list[int]) -> None:
+        for c in chunks:
+            self.owner[c] = m.key
+            m.chunks.add(c)
+        for c in chunks:
+            m.blocks.update(b for b in self._blocks_in(m, c) if all(x in m.chunks for x in self._chunks_of(m, b)))
+        # chunks that complete no block (a straddling block whose other chunk could not be had) go back
+        for c in [c for c in chunks if not any(b in m.blocks for b in self._blocks_in(m, c))]:
+            m.chunks.discard(c)
+            self.owner[c] = None
+
+    # -- introspection ----------------------------------------------------------------------------
+    def reclaimable_bytes(self) -> int:
+        """Unowned bytes plus the chunks other models could give up now (all free, above their floors),
+        each victim taken chunk by chunk from its high end, as grow would."""
+        total = self.free_bytes
+        for v in self.members.values():
+            if v.client is not None:
+                kept = set(v.blocks)
+                total += sum(self._chunk_size(c) for c in sorted(v.chunks, reverse=True)
+                             if self._stealable(v, kept, c) is not None)
+        return total
+
+    def capacity(self, key: str) -> int:
+        """The most blocks ``key`` could own if every other model shrank to its floor (a slight over-
+        estimate where blocks straddle chunks): requests needing more can never run."""
+        m = self.members[key]
+        reserved = sum(math.ceil(v.floor_blocks * v.block_bytes / self.chunk_bytes) * self.chunk_bytes
+                       for v in self.members.values() if v is not m)
+        return max(0, min(m.num_blocks, (self.nbytes - reserved) // m.block_bytes))
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per model: owned (usable) blocks, floor, free blocks, owned bytes: for heartbeats and metrics."""
+        return {
+            k: {"owned_blocks": len(m.blocks), "floor_blocks": m.floor_blocks,
+                "free_blocks": m.client.num_free_blocks if m.client is not None else len(m.blocks),
+                "owned_bytes": sum(self._chunk_size(c) for c in m.chunks), "block_bytes": m.block_bytes}
+            for k, m in self.members.items()
+        }
+

@@ -1,0 +1,282 @@
+"""Turns a scheduler decision (request ids, token counts, block ids) into tensors, runs the model and
+the sampler, and holds the paged KV cache (plus the host swap space) of one model.
+
+The KV cache is this model's view of a KVPool (shared/engine/kv_pool.py): a pool shared with co-resident
+models when the worker passes one, else a private pool of exactly the size computed here, all of it
+owned by this model (so a lone model behaves as if it owned a plain tensor).
+
+On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
+(shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
+step's integer inputs travel in one pinned non-blocking copy (shared/engine/step_inputs.py) and the only
+host sync is the sampler reading back the sampled ids.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from kvrelay.kernels import AttentionMetadata
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
+from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.engine.models import max_model_len as model_max_len
+from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.sampler import Sampler, SampleResult, prompt_logprobs
+from kvrelay.shared.engine.scheduler import SchedulerOutput
+from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device
+from kvrelay.shared.repo.loader import load_model
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampleResult]  # request id -> the token sampled this step
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]]  # id -> (first position, logprobs of
+    # the prompt tokens after it): a chunk covering positions p.. predicts prompt tokens p+1..
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
+                 kv_pool_key: str | None = None, loaded: tuple | None = None):
+        """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
+        that reads weights while its other models keep serving."""
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model, self.hf_config = loaded or load_model(config.model, config.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.max_model_len = resolve_max_model_len(config, self.hf_config)
+        self.block_size = config.cache.block_size
+        self.sampler = Sampler()
+        max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        if kv_pool is None:
+            num_blocks = self._num_kv_blocks()
+            if num_blocks < max_blocks_per_seq:
+                raise ValueError(
+                    f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens hold "
+                    f"{num_blocks * self.block_size} tokens, but one sequence of max_model_len={self.max_model_len} "
+                    f"needs {max_blocks_per_seq} blocks; raise the KV memory or lower max_model_len"
+                )
+            kv_pool, kv_floor_blocks = KVPool(num_blocks * self.block_bytes, self.device), num_blocks
+        self.kv_pool = kv_pool
+        self.kv_pool_key = kv_pool_key or str(config.model.model)
+        m = self.model
+        # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now
+        self.kv_cache, self.kv_block_ids = kv_pool.attach(
+            self.kv_pool_key, m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype,
+            floor_blocks=kv_floor_blocks or max_blocks_per_seq)
+        self.num_blocks = len(self.kv_block_ids)
+        self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
+        self.host_cache = None
+        if self.num_host_blocks:
+            pin = self.device.type == "cuda"
+            self.host_cache = torch.zeros(self.kv_shape(self.num_host_blocks), dtype=self.dtype, pin_memory=pin)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB); swap: %d blocks", self.num_blocks, self.block_size,
+                 self.num_blocks * self.block_bytes / 2**20, self.num_host_blocks)
+        self._tables = BlockTableCache()
+        # read every step, so a benchmark may flip it to time eager decode on the same loaded model
+        self.enforce_eager = config.model.enforce_eager
+        self.kv_stream = None  # see set_kv_stream
+        self._streaming = self._hooked = False
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not self.enforce_eager:
+            graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
+                                  self.block_size)
+            if graphs.capture():
+                self.graphs = graphs
+
+    # -- sizing ---------------------------------------------------------------------------------
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.model
+        return (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        m = self.model
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory // self.block_bytes
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES // self.block_bytes
+        # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_for_kv = total * cache.gpu_memory_utilization - peak
+        return max(0, int(free_for_kv // self.block_bytes))
+
+    def _profile_run(self) -> None:
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
+        blocks = math.ceil(num_tokens / self.block_size)
+        kv = torch.zeros(self.kv_shape(blocks), dtype=self.dtype, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), kv, meta)
+            self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
+        del kv, hidden
+
+    def set_kv_stream(self, stream) -> None:
+        """A prefill worker's layer-by-layer handoff (prefill_worker/handoff.py ``LayerStream``): told
+        before each eager forward which prompts it finishes, and after each decoder layer that the layer's
+        KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
+        if self.kv_stream is None and not self._hooked:
+            self._hooked = True
+            for i, layer in enumerate(self.model.decoder_layers()):
+                layer.register_forward_hook(lambda _mod, _args, _out, i=i: self._layer_done(i))
+        self.kv_stream = stream
+
+    def _layer_done(self, layer: int) -> None:
+        if self._streaming:
+            self.kv_stream.layer_done(layer)
+
+    def _forward(self, out: SchedulerOutput, t, meta: AttentionMetadata) -> torch.Tensor:
+        """The eager forward, reporting layers to ``kv_stream`` when this step finishes a prompt it wants."""
+        if self.kv_stream is not None:
+            finishing = [(sr.request.request_id, sr.block_ids) for sr in out.scheduled
+                         if sr.request.num_computed_tokens < sr.request.num_prompt_tokens
+                         and sr.request.num_computed_tokens + sr.num_new_tokens == sr.request.num_tokens]
+            self._streaming = bool(finishing) and self.kv_stream.begin(finishing)
+        try:
+            return self.model(t.input_ids, t.positions, self.kv_cache, meta)  # [T, hidden]
+        finally:
+            if self._streaming:
+                self._streaming = False
+                self.kv_stream.end()
+
+    # -- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self._swap(out)
+        if not out.scheduled:
+            return StepResult({}, {})
+        batch, sample_reqs, prompt_rows = self._build(out)
+        graphs = self.graphs
+        if graphs is not None and not self.enforce_eager and graphs.fits(batch):
+            all_logits, rows = graphs.run(batch)  # [S, V]: one token per sequence
+
+            def logits_of(start: int, count: int) -> torch.Tensor:
+                return all_logits[start:start + count]
+
+            sample_logits = all_logits if batch.samples_every_row else all_logits.index_select(0, rows)
+        else:
+            t = to_device(batch, self.device)
+            meta = AttentionMetadata(
+                slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
+                block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
+                seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
+            )
+            hidden = self._forward(out, t, meta)  # [T, hidden]
+
+            def logits_of(start: int, count: int) -> torch.Tensor:
+                return self.model.compute_logits(hidden[start:start + count])
+
+            sample_logits = None
+            if sample_reqs:
+                chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
+                sample_logits = self.model.compute_logits(chosen)  # [R, V]
+        result = StepResult({}, {})
+        if sample_reqs:
+            for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs), strict=True):
+                result.sampled[req.request_id] = sample
+        for req, (row0, count, pos0) in prompt_rows:
+            targets = req.prompt_token_ids[pos0 + 1:pos0 + 1 + count]
+            k = req.sampling_params.prompt_logprobs
+            entries = prompt_logprobs(logits_of(row0, count), targets, k)
+            result.prompt_logprobs[req.request_id] = (pos0, [to_position_logprobs(d) for d in entries])
+        return result
+
+    def _build(self, out: SchedulerOutput) -> tuple[StepBatch, list[Request], list[tuple[Request, tuple[int, int, int]]]]:
+        """The step's flat batch on the host, the requests that sample (in row order), and the prompt
+        logprob rows: (request, (first row, count, first position))."""
+        bs = self.block_size
+        batch = StepBatch([], [], [], [0], [], [], [])
+        sample_reqs: list[Request] = []
+        prompt_rows: list[tuple[Request, tuple[int, int, int]]] = []
+        for sr in out.scheduled:
+            req, start, n = sr.request, sr.request.num_computed_tokens, sr.num_new_tokens
+            blocks = sr.block_ids
+            row0 = batch.num_tokens
+            if n == 1:  # decode: no ranges, no list copies of the whole sequence
+                batch.input_ids.append(token_at(req, start))
+                batch.positions.append(start)
+                batch.slot_mapping.append(blocks[start // bs] * bs + start % bs)
+            else:
+                batch.input_ids.extend(token_slice(req, start, n))
+                batch.positions.extend(range(start, start + n))
+                batch.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            batch.query_start_loc.append(batch.num_tokens)
+            batch.seq_lens.append(start + n)
+            batch.block_tables.append(self._tables.get(req.request_id, blocks))
+            if start + n == req.num_tokens:
+                batch.sample_rows.append(batch.num_tokens - 1)
+                sample_reqs.append(req)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                count = min(start + n, req.num_prompt_tokens - 1) - start  # positions predicting a prompt token
+                if count > 0:
+                    prompt_rows.append((req, (row0, count, start)))
+        return batch, sample_reqs, prompt_rows
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step
+        if out.swap_out:
+            dev_ids, host_ids = zip(*out.swap_out, strict=True)
+            self.host_cache[:, :, list(host_ids)] = self.kv_cache[:, :, list(dev_ids)].to("cpu")
+        if out.swap_in:
+            host_ids, dev_ids = zip(*out.swap_in, strict=True)
+            self.kv_cache[:, :, list(dev_ids)] = self.host_cache[:, :, list(host_ids)].to(self.device)
+
+    def free_request(self, request_id: str) -> None:
+        self.sampler.free(request_id)
+        self._tables.drop(request_id)
+
+
+def token_at(req: Request, pos: int) -> int:
+    n_prompt = req.num_prompt_tokens
+    return req.prompt_token_ids[pos] if pos < n_prompt else req.output_token_ids[pos - n_prompt]
+
+
+def token_slice(req: Request, start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of prompt + output without concatenating the two."""
+    prompt, output = req.prompt_token_ids, req.output_token_ids
+    p = len(prompt)
+    if start >= p:
+        return output[start - p:start - p + n]
+    if start + n <= p:
+        return prompt[start:start + n]
+    return prompt[start:] + output[:start + n - p]
+
+
+def to_position_logprobs(entry: dict[int, float]) -> PositionLogprobs:
+    return {tok: Logprob(lp) for tok, lp in sorted(entry.items(), key=lambda kv: -kv[1])}
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
+    native = model_max_len(hf_config)
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return native
+    if wanted < 1:
+        raise ValueError(f"max_model_len must be positive, got {wanted}")
+    if wanted > native and hf_config.get("model_type") != "bloom":  # ALiBi extrapolates; rope does not
+        raise ValueError(f"max_model_len ({wanted}) exceeds the model's context ({native})")
+    return wanted

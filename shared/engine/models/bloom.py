@@ -1,0 +1,146 @@
+"""BLOOM: ALiBi instead of positions, LayerNorm after the embedding, tanh GELU, tied lm_head.
+
+HF's fused ``query_key_value`` interleaves heads (its output viewed as [num_heads, 3, head_dim]);
+it is regrouped at load to [3, num_heads, head_dim] (q | k | v), the fused layout every model
+here shares, so the forward splits it the same way Llama does.
+"""
+
+import math
+import re
+
+import torch
+from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
+from torch import nn
+
+from kvrelay import kernels
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-head ALiBi slopes [H] float32, the same arithmetic as HF's BLOOM (incl. non-power-of-2 H)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32, device=device)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32, device=device))
+    if closest != num_heads:
+        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, device=device)
+        remaining = min(closest, num_heads - closest)
+        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, device=device))
+        slopes = torch.cat([slopes, extra])
+    return slopes
+
+
+def _regroup_qkv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # [H * 3 * D, ...] (HF: per head q, k, v) -> [3 * H * D, ...] (q of all heads | k | v)
+    head_dim = t.shape[0] // (3 * num_heads)
+    return t.reshape(num_heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
+        self.scale = self.head_dim ** -0.5
+        self.query_key_value = Linear(hidden, 3 * hidden, bias=True, dtype=dtype)  # rows: q | k | v after load
+        self.dense = Linear(hidden, hidden, bias=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
+                slopes: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.query_key_value(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D]
+        kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_cache, meta, self.scale, slopes)  # [T, H, D]
+        return self.dense(out.reshape(num_tokens, self.hidden))
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense_h_to_4h = Linear(hidden, 4 * hidden, bias=True, dtype=dtype)
+        self.dense_4h_to_h = Linear(4 * hidden, hidden, bias=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(kernels.gelu(self.dense_h_to_4h(x), "tanh"))
+
+
+class BloomBlock(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, eps: float, post_ln_residual: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNorm(hidden, eps, dtype)
+        self.self_attention = BloomAttention(hidden, num_heads, dtype)
+        self.post_attention_layernorm = LayerNorm(hidden, eps, dtype)
+        self.mlp = BloomMLP(hidden, dtype)
+        self.post_ln_residual = post_ln_residual  # apply_residual_connection_post_layernorm
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
+                slopes: torch.Tensor) -> torch.Tensor:
+        normed = self.input_layernorm(x)
+        residual = normed if self.post_ln_residual else x
+        x = self.self_attention(normed, kv_cache, meta, slopes) + residual
+        normed = self.post_attention_layernorm(x)
+        residual = normed if self.post_ln_residual else x
+        return self.mlp(normed) + residual
+
+
+class BloomModel(nn.Module):
+    def __init__(self, blocks: list[BloomBlock], vocab: int, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.word_embeddings = Embedding(vocab, hidden, dtype=dtype)
+        self.word_embeddings_layernorm = LayerNorm(hidden, eps, dtype)
+        self.h = nn.ModuleList(blocks)
+        self.ln_f = LayerNorm(hidden, eps, dtype)
+
+
+class BloomForCausalLM(CausalLM):
+    has_position_limit = False
+    _qkv = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        hidden = cfg_get(hf_config, "hidden_size", "n_embed")
+        self.num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
+        self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
+        self.num_kv_heads = self.num_heads
+        self.head_dim = hidden // self.num_heads
+        self.vocab_size = cfg_get(hf_config, "vocab_size")
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
+        eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
+        post_ln = bool(hf_config.get("apply_residual_connection_post_layernorm", False))
+        blocks = [BloomBlock(hidden, self.num_heads, eps, post_ln, dtype) for _ in range(self.num_layers)]
+        self.transformer = BloomModel(blocks, self.vocab_size, hidden, eps, dtype)
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
+        self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads), persistent=False)  # [H] fp32
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: kernels.AttentionMetadata) -> torch.Tensor:
+        # positions are unused: ALiBi biases by key position, which the kernel derives from the cache
+        x = self.transformer.word_embeddings_layernorm(self.transformer.word_embeddings(input_ids))  # [T, hidden]
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i], meta, self.alibi_slopes)
+        return self.transformer.ln_f(x)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.transformer.word_embeddings.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def normalize_name(self, name: str) -> str:
+        # bigscience checkpoints were saved from BloomModel, without the prefix
+        return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+
+    def route(self, name: str) -> Route | None:
+        target = super().route(name)
+        if target is not None and self._qkv.search(name):
+            return target[0], None, lambda t: _regroup_qkv(t, self.num_heads)
+        return target
+
+    def checkpoint_names(self) -> list[str]:
+        names = ["transformer.word_embeddings.weight"]
+        names += [f"transformer.{m}.{k}" for m in ("word_embeddings_layernorm", "ln_f") for k in ("weight", "bias")]
+        if not self.tie_word_embeddings:
+            names.append("lm_head.weight")
+        modules = ("input_layernorm", "self_attention.query_key_value", "self_attention.dense",
+                   "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+        for i in range(self.num_layers):
+            names += [f"transformer.h.{i}.{m}.{k}" for m in modules for k in ("weight", "bias")]
+        return names

@@ -1,0 +1,135 @@
+"""GPT-2: learned absolute positions, pre-LayerNorm blocks, tanh GELU, lm_head tied to wte.
+
+HF stores GPT-2's projections as Conv1D, whose weight is [in, out] (the transpose of a Linear);
+they are transposed once at load so the forward is plain Linear. ``c_attn`` is already q|k|v
+stacked along its output, which is exactly the fused layout.
+"""
+
+import re
+
+import torch
+from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
+from torch import nn
+
+from kvrelay import kernels
+
+# HF activation name -> torch gelu `approximate`; gelu_new is the tanh form
+_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, scale: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
+        self.scale = scale
+        self.c_attn = Linear(hidden, 3 * hidden, bias=True, dtype=dtype)  # rows: q | k | v
+        self.c_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.c_attn(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+        kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_cache, meta, self.scale)  # [T, H, D]
+        return self.c_proj(out.reshape(num_tokens, self.hidden))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, approximate: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.c_fc = Linear(hidden, inner, bias=True, dtype=dtype)
+        self.c_proj = Linear(inner, hidden, bias=True, dtype=dtype)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(kernels.gelu(self.c_fc(x), self.approximate))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, attn: GPT2Attention, mlp: GPT2MLP, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(hidden, eps, dtype)
+        self.attn = attn
+        self.ln_2 = LayerNorm(hidden, eps, dtype)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, blocks: list[GPT2Block], vocab: int, positions: int, hidden: int, eps: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.wte = Embedding(vocab, hidden, dtype=dtype)
+        self.wpe = Embedding(positions, hidden, dtype=dtype)
+        self.h = nn.ModuleList(blocks)
+        self.ln_f = LayerNorm(hidden, eps, dtype)
+
+
+class GPT2LMHeadModel(CausalLM):
+    # causal-mask buffers older checkpoints saved next to the weights
+    ignored_names = re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
+    _conv1d = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        act = cfg_get(hf_config, "activation_function", default="gelu_new")
+        if act not in _GELU:
+            raise ValueError(f"GPT2LMHeadModel supports activation_function in {sorted(_GELU)}, got {act!r}")
+        if hf_config.get("add_cross_attention"):
+            raise ValueError("GPT2LMHeadModel with cross-attention is not supported")
+        hidden = cfg_get(hf_config, "n_embd", "hidden_size")
+        num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
+        self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
+        self.num_kv_heads = num_heads
+        self.head_dim = hidden // num_heads
+        self.vocab_size = cfg_get(hf_config, "vocab_size")
+        self.max_positions = cfg_get(hf_config, "n_positions", "max_position_embeddings")
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
+        inner = cfg_get(hf_config, "n_inner", default=4 * hidden)
+        eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
+        blocks = []
+        for i in range(self.num_layers):
+            scale = self.head_dim ** -0.5 if hf_config.get("scale_attn_weights", True) else 1.0
+            if hf_config.get("scale_attn_by_inverse_layer_idx", False):
+                scale /= i + 1
+            blocks.append(GPT2Block(GPT2Attention(hidden, num_heads, scale, dtype),
+                                    GPT2MLP(hidden, inner, _GELU[act], dtype), hidden, eps, dtype))
+        self.transformer = GPT2Model(blocks, self.vocab_size, self.max_positions, hidden, eps, dtype)
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: kernels.AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> [T, hidden]
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i], meta)
+        return self.transformer.ln_f(x)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def normalize_name(self, name: str) -> str:
+        # the original openai-community checkpoints were saved from GPT2Model, without the prefix
+        return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+
+    def route(self, name: str) -> Route | None:
+        target = super().route(name)
+        if target is not None and self._conv1d.search(name):
+            return target[0], None, lambda w: w.t()  # Conv1D [in, out] -> Linear [out, in]
+        return target
+
+    def checkpoint_names(self) -> list[str]:
+        names = ["transformer.wte.weight", "transformer.wpe.weight",
+                 "transformer.ln_f.weight", "transformer.ln_f.bias"]
+        if not self.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(self.num_layers):
+            for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+                names += [f"transformer.h.{i}.{module}.weight", f"transformer.h.{i}.{module}.bias"]
+        return names

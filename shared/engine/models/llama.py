@@ -1,0 +1,199 @@
+"""Llama family: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, Qwen2 (qkv bias), SmolLM2 (tied
+embeddings). Attends through kernels/ over the paged KV cache.
+
+q/k/v live in one ``qkv_proj`` and gate/up in one ``gate_up_proj`` (stacked at load time), so a
+step runs two matmuls per block instead of five, which the GPU path depends on.
+"""
+
+import re
+
+import torch
+from kvrelay.shared.engine.models.layers import CausalLM, Embedding, Linear, RMSNorm, Route, cfg_get
+from kvrelay.shared.engine.models.rope import build_cos_sin_cache
+from torch import nn
+
+from kvrelay import kernels
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim ** -0.5
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: kernels.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; kv_cache: [2, num_blocks, block_size, Hkv, D]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # one kernel rotates q and k and stores k and v in the cache; the prefill kernel then reads
+        # this step's keys from the contiguous k/v rather than back through the block table
+        q, k = kernels.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_cache, meta, self.scale, k=k, v=v)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype)  # rows: gate | up
+        self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, attn: LlamaAttention, mlp: LlamaMLP, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
+                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the residual stream is carried separately so each norm fuses the preceding add
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, layers: list[LlamaDecoderLayer], vocab: int, hidden: int, eps: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(vocab, hidden, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps, dtype)
+
+
+class LlamaForCausalLM(CausalLM):
+    ignored_names = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        act = hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, got {act!r}")
+        hidden = cfg_get(hf_config, "hidden_size")
+        num_heads = cfg_get(hf_config, "num_attention_heads")
+        self.num_layers = cfg_get(hf_config, "num_hidden_layers")
+        self.num_heads = num_heads
+        self.num_kv_heads = cfg_get(hf_config, "num_key_value_heads", default=num_heads)
+        self.head_dim = cfg_get(hf_config, "head_dim", default=hidden // num_heads)
+        self.vocab_size = cfg_get(hf_config, "vocab_size")
+        self.intermediate_size = cfg_get(hf_config, "intermediate_size")
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        # Mistral v0.1 attends over a 4096-token window; the kernels attend over everything, so the
+        # engine must cap max_model_len at this to stay exact
+        self.sliding_window: int | None = (
+            hf_config.get("sliding_window") if self._uses_sliding_window(hf_config) else None)
+        eps = cfg_get(hf_config, "rms_norm_eps", default=1e-6)
+        qkv_bias, o_bias = self._attention_biases(hf_config)
+        mlp_bias = bool(hf_config.get("mlp_bias", False))
+        layers = [
+            LlamaDecoderLayer(
+                LlamaAttention(hidden, num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias, dtype),
+                LlamaMLP(hidden, self.intermediate_size, mlp_bias, dtype), hidden, eps, dtype)
+            for _ in range(self.num_layers)
+        ]
+        self.model = LlamaModel(layers, self.vocab_size, hidden, eps, dtype)
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
+        max_positions = cfg_get(hf_config, "max_position_embeddings", default=2048)
+        cache = build_cos_sin_cache(hf_config, self.head_dim, max_positions)  # [max_pos, rot_dim] fp32
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _attention_biases(self, hf_config: dict) -> tuple[bool, bool]:
+        bias = bool(hf_config.get("attention_bias", False))
+        return bias, bias
+
+    def _uses_sliding_window(self, hf_config: dict) -> bool:
+        return hf_config.get("sliding_window") is not None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: kernels.AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T]; kv_caches: [L, 2, num_blocks, block_size, Hkv, D] -> [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(positions, x, residual, kv_caches[i], meta, self.cos_sin_cache)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    _stacked = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkv]|mlp\.gate|mlp\.up)_proj\.(weight|bias)$")
+
+    def route(self, name: str) -> Route | None:
+        match = self._stacked.match(name)
+        if match is None:
+            return super().route(name)
+        index, which, kind = int(match[1]), match[2], match[3]
+        if index >= self.num_layers:
+            return None
+        layer = self.model.layers[index]
+        q, kv, inter = layer.self_attn.q_size, layer.self_attn.kv_size, self.intermediate_size
+        fused, rows = {
+            "self_attn.q": (layer.self_attn.qkv_proj, slice(0, q)),
+            "self_attn.k": (layer.self_attn.qkv_proj, slice(q, q + kv)),
+            "self_attn.v": (layer.self_attn.qkv_proj, slice(q + kv, q + 2 * kv)),
+            "mlp.gate": (layer.mlp.gate_up_proj, slice(0, inter)),
+            "mlp.up": (layer.mlp.gate_up_proj, slice(inter, 2 * inter)),
+        }[which]
+        param = getattr(fused, kind)
+        return None if param is None else (param, rows, None)
+
+    def checkpoint_names(self) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += _names(p + "self_attn.o_proj", attn.o_proj) + _names(p + "mlp.down_proj", mlp.down_proj)
+            for proj in ("q", "k", "v"):
+                names += _names(f"{p}self_attn.{proj}_proj", attn.qkv_proj)
+            for proj in ("gate", "up"):
+                names += _names(f"{p}mlp.{proj}_proj", mlp.gate_up_proj)
+        return names
+
+
+def _names(prefix: str, linear: nn.Linear) -> list[str]:
+    return [prefix + ".weight"] + ([prefix + ".bias"] if linear.bias is not None else [])
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same blocks as Llama, no biases; differs only in config (sliding_window)."""
+
+    def _attention_biases(self, hf_config: dict) -> tuple[bool, bool]:
+        return False, False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama blocks with a bias on q/k/v (always, per the Qwen2 architecture) and none on o."""
+
+    def _attention_biases(self, hf_config: dict) -> tuple[bool, bool]:
+        return True, False
+
+    def _uses_sliding_window(self, hf_config: dict) -> bool:
+        return bool(hf_config.get("use_sliding_window", False)) and hf_config.get("sliding_window") is not None

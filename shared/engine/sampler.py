@@ -1,0 +1,360 @@
+"""Batched next-token sampling for the engine core: penalties, filtering, seeded draws, logprobs.
+
+One call handles one decode/prefill step for ``S`` sequences. Processing order follows vLLM/HF:
+
+1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
+2. repetition penalty (HF, over prompt + output tokens);
+3. frequency and presence penalties (OpenAI, over output tokens only);
+4. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
+   and one draw through the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
+
+Everything runs batched on the logits' device with per-row parameter tensors; the only per-row loop
+draws noise for seeded rows, each from its own generator, so a seeded request's tokens do not depend on
+which other requests share its batch or on its row position. Results reach the host in one transfer.
+Returned logprobs are those of the raw model distribution (``log_softmax`` of the unmodified logits),
+as vLLM returns by default, computed only in steps where some row asked for them.
+
+On CUDA, sampled rows go through ``kernels.triton.sampling.sample_from_logits`` (same filters, same
+noise, a sort-free top-k), with every row's parameters in one host -> device copy.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from kvrelay.shared.engine.request import Request
+from torch import Tensor
+
+# Bound for the [rows, V] float32 working set of prompt_logprobs (2**26 elements = 256 MiB), so a long
+# prompt over a large vocabulary does not materialise its whole log-softmax at once.
+_PROMPT_LOGPROBS_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # of token_id under the raw model distribution; None when no row of the step
+    # asked for logprobs (computing them costs a full pass over the logits)
+    top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host list -> device tensor without stalling the host on the device's queue (pinned + async)."""
+    cpu = torch.tensor(data, dtype=dtype)
+    if device.type == "cpu":
+        return cpu
+    return cpu.pin_memory().to(device, non_blocking=True)
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int) -> list[list[int]]:
+    """Rectangular copy of ragged token lists; ``pad`` marks unused slots (at least one column)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    return [list(r) + [pad] * (width - len(r)) for r in rows]
+
+
+def apply_min_tokens(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
+    """Set ``logits[i, t] = -inf`` for every ``t`` in ``banned[i]`` (out-of-range ids are ignored).
+
+    logits: [S, V]; returns a new tensor. The caller fills ``banned[i]`` with eos + stop ids only for
+    rows still below their ``min_tokens``.
+    """
+    num_rows, vocab = logits.shape
+    # Column V is a sink for padding and for ids outside the vocabulary, dropped after the scatter.
+    cleaned = [[t if 0 <= t < vocab else vocab for t in row] for row in banned]
+    index = _to_device(_padded(cleaned, vocab), torch.int64, logits.device)  # [S, L]
+    mask = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    mask.scatter_(1, index, True)
+    return logits.masked_fill(mask[:, :vocab], float("-inf"))
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalty: Tensor,
+    frequency_penalty: Tensor,
+    presence_penalty: Tensor,
+) -> Tensor:
+    """Repetition (HF) then frequency/presence (OpenAI) penalties; returns a new tensor.
+
+    logits: [S, V]; penalties: [S] float on the logits' device (1.0 / 0.0 / 0.0 leave a row unchanged).
+    Repetition: every token seen in prompt or output has a positive logit divided by the penalty and a
+    negative one multiplied by it. Frequency/presence: ``logit -= freq * count + presence * (count > 0)``
+    with counts over the output tokens only.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    # Column V absorbs padding so ragged rows scatter in one call; it is sliced off afterwards.
+    out_index = _to_device(_padded(output_token_ids, vocab), torch.int64, device)  # [S, Lo]
+    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, out_index, torch.ones_like(out_index, dtype=logits.dtype))
+    counts = counts[:, :vocab]  # [S, V] occurrences in the output
+
+    prompt_index = _to_device(_padded(prompt_token_ids, vocab), torch.int64, device)  # [S, Lp]
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, prompt_index, True)
+    seen = seen[:, :vocab] | (counts > 0)  # [S, V] in prompt or output
+
+    rep = repetition_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    freq = frequency_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
+    presence = presence_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
+    return logits - freq * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None) -> Tensor:
+    """Mask (to ``-inf``) tokens outside top-k, then outside top-p, then below min-p; returns a new tensor.
+
+    logits: [S, V] (already temperature-scaled); top_k: [S] int (<= 0 or >= V: off); top_p: [S] float
+    (>= 1: off); min_p: [S] float (<= 0: off). ``None`` switches a filter off for every row.
+    Semantics, per row:
+      top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are all kept);
+      top-p keeps the smallest highest-probability set whose mass (renormalised after top-k) reaches p,
+        again keeping every token tied with the least probable member;
+      min-p keeps tokens whose probability is >= min_p * the largest probability.
+    The most likely token always survives, so every row keeps at least one token.
+    """
+    vocab = logits.shape[1]
+    if top_k is not None or top_p is not None:
+        # One ascending sort serves both filters: each removes a prefix of the sorted row, so the
+        # union is a prefix too and becomes a single per-row threshold on the original logits.
+        sorted_logits, _ = logits.sort(dim=-1)  # [S, V] ascending
+        removed = torch.zeros_like(sorted_logits, dtype=torch.bool)  # [S, V]
+        if top_k is not None:
+            k = top_k.to(device=logits.device, dtype=torch.int64)
+            k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)  # [S]
+            kth_largest = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [S, 1]
+            removed |= sorted_logits < kth_largest
+        if top_p is not None:
+            p = top_p.to(device=logits.device, dtype=logits.dtype).unsqueeze(1)  # [S, 1]
+            probs = sorted_logits.masked_fill(removed, float("-inf")).softmax(dim=-1)  # [S, V]
+            # Ascending cumulative mass: a token goes when everything at or below it sums to <= 1 - p,
+            # i.e. the tokens above it already reach p.
+            cumulative = probs.cumsum(dim=-1)  # [S, V]
+            removed |= (cumulative <= 1 - p) & (p < 1)
+        removed[:, -1] = False  # rounding in the cumsum must never remove the top token
+        first_kept = removed.sum(dim=-1, keepdim=True)  # [S, 1] length of the removed prefix
+        threshold = sorted_logits.gather(1, first_kept)  # [S, 1] smallest kept logit
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if min_p is not None:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf keeps everything.
+        mp = min_p.to(device=logits.device, dtype=logits.dtype).clamp(min=0).unsqueeze(1)  # [S, 1]
+        max_logit = logits.max(dim=-1, keepdim=True).values  # [S, 1]
+        logits = logits.masked_fill(logits < max_logit + mp.log(), float("-inf"))
+    return logits
+
+
+def _pack_topk(logprobs: Tensor, chosen: Tensor, k: int) -> Tensor:
+    """[R, 2 + 2k] float64 rows: chosen id, its logprob, k best ids, their logprobs.
+
+    Ids ride as float64 (exact below 2**53) so ids and logprobs leave the device in one transfer.
+    logprobs: [R, V]; chosen: [R] int64.
+    """
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [R, 1]
+    parts = [chosen.unsqueeze(1).double(), chosen_lp.double()]
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)  # [R, k] each, highest first
+        parts += [top_ids.double(), top_lp.double()]
+    return torch.cat(parts, dim=1)
+
+
+class Sampler:
+    """Samples one token per row. Holds one ``torch.Generator`` per seeded request until ``free``."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed  # seeds the shared generator(s) of unseeded rows; None: nondeterministic
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[str, torch.Generator] = {}
+
+    def free(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._shared[device] = gen
+        return gen
+
+    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+        # Seeded once per request id: later steps continue the same stream, which is what makes a
+        # seeded request reproducible (and survive preemption by recompute, since its id is kept).
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(request.sampling_params.seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def __call__(self, logits: Tensor, requests: list[Request]) -> list[SampleResult]:
+        """logits: [S, V] float32, row i for requests[i]. Returns one SampleResult per row."""
+        num_rows, vocab = logits.shape
+        if num_rows != len(requests):
+            raise ValueError(f"logits have {num_rows} rows for {len(requests)} requests")
+        if num_rows == 0:
+            return []
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        wanted = [p.logprobs for p in params]
+        need_logprobs = any(w is not None for w in wanted)
+        # the reported distribution; skipped (a full [S, V] pass) when no row asked for logprobs
+        raw_logprobs = logits.float().log_softmax(dim=-1) if need_logprobs else None  # [S, V]
+
+        logits = self._penalize(logits.float(), requests)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            chosen = logits.argmax(dim=-1)  # [S]
+        elif device.type == "cuda":
+            chosen = self._sample_on_gpu(logits, requests, greedy)
+        else:
+            sampled = self._sample(logits, requests, greedy)  # [S]
+            is_greedy = _to_device(greedy, torch.bool, device)  # [S]
+            chosen = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+        if not need_logprobs:
+            return [SampleResult(token_id=t, logprob=None, top_logprobs=None) for t in chosen.tolist()]
+        k = max((w for w in wanted if w is not None), default=0)
+        packed = _pack_topk(raw_logprobs, chosen, k).tolist()  # the single device -> host transfer
+        results = []
+        for row, want in zip(packed, wanted, strict=True):
+            top = None
+            if want is not None:
+                ids, lps = row[2 : 2 + k], row[2 + k :]
+                top = [(int(ids[j]), lps[j]) for j in range(want)]
+            results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
+        return results
+
+    def _penalize(self, logits: Tensor, requests: list[Request]) -> Tensor:
+        """Steps 1-3 of the module docstring, each skipped when no row in the batch uses it."""
+        device = logits.device
+        banned: list[list[int]] = []
+        for r in requests:
+            p = r.sampling_params
+            ids: list[int] = []
+            if len(r.output_token_ids) < p.min_tokens:
+                ids = list(p.stop_token_ids)
+                if r.eos_token_id is not None:
+                    ids.append(r.eos_token_id)
+            banned.append(ids)
+        if any(banned):
+            logits = apply_min_tokens(logits, banned)
+
+        params = [r.sampling_params for r in requests]
+        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+            logits = apply_penalties(
+                logits,
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+                _to_device([p.repetition_penalty for p in params], torch.float32, device),
+                _to_device([p.frequency_penalty for p in params], torch.float32, device),
+                _to_device([p.presence_penalty for p in params], torch.float32, device),
+            )
+        return logits
+
+    def _noise(self, requests: list[Request], greedy: list[bool], shape: torch.Size, device: torch.device) -> Tensor:
+        """Exp(1) draws [S, V] for the exponential race: the shared generator's, except that each seeded
+        sampled row takes V draws from its own generator (so its stream ignores its batch-mates)."""
+        vocab = shape[1]
+        noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(
+            generator=self._shared_generator(device))
+        for i, (r, g) in enumerate(zip(requests, greedy, strict=True)):
+            if r.sampling_params.seed is not None and not g:
+                gen = self._request_generator(r, device)
+                noise[i] = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
+        return noise
+
+    def _sample(self, logits: Tensor, requests: list[Request], greedy: list[bool]) -> Tensor:
+        """Temperature, filters and the exponential race for all rows; greedy rows' values are unused."""
+        num_rows, vocab = logits.shape
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        # Greedy rows divide by 1 so they stay finite; their draw is discarded by the caller.
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        logits = logits / _to_device(temps, torch.float32, device).unsqueeze(1)  # [S, V]
+
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        logits = apply_top_k_top_p_min_p(
+            logits,
+            _to_device(top_k, torch.int64, device) if any(0 < k < vocab for k in top_k) else None,
+            _to_device(top_p, torch.float32, device) if any(p < 1 for p in top_p) else None,
+            _to_device(min_p, torch.float32, device) if any(p > 0 for p in min_p) else None,
+        )
+        probs = logits.softmax(dim=-1)  # [S, V]
+
+        # argmax(probs / q) with q ~ Exp(1) i.i.d. is an exact draw from probs (exponential race) and
+        # needs no host sync.
+        noise = self._noise(requests, greedy, probs.shape, device)
+        # exponential_ may return exactly 0 on some backends; 0/0 would be NaN and win argmax.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _sample_on_gpu(self, logits: Tensor, requests: list[Request], greedy: list[bool]) -> Tensor:
+        """The CUDA path of steps 4+: the same draw as ``_sample`` (same filters, same noise streams)
+        through kernels.triton.sampling, whose top-k avoids the full sort when no row uses top-p.
+        Greedy rows come back as the argmax. All parameters travel in one host -> device copy."""
+        try:
+            from kvrelay.kernels.triton.sampling import sample_from_logits
+        except ImportError:  # a CUDA machine without triton: the portable path
+            sampled = self._sample(logits, requests, greedy)
+            return torch.where(_to_device(greedy, torch.bool, logits.device), logits.argmax(dim=-1), sampled)
+        vocab = logits.shape[1]
+        params = [r.sampling_params for r in requests]
+        table = [[0.0 if g else p.temperature, float(p.top_k), p.top_p, p.min_p]
+                 for p, g in zip(params, greedy, strict=True)]
+        temperature, top_k, top_p, min_p = _to_device(table, torch.float32, logits.device).unbind(1)  # 4 x [S]
+        ks = [p.top_k for p in params if 0 < p.top_k < vocab]
+        use_top_p = any(p.top_p < 1 for p in params)
+        noise = self._noise(requests, greedy, logits.shape, logits.device)
+        return sample_from_logits(
+            logits, temperature,
+            top_k=top_k.long() if ks else None,  # exact: k < 2**24
+            top_p=top_p if use_top_p else None,
+            min_p=min_p if any(p.min_p > 0 for p in params) else None,
+            noise=noise,
+            top_k_bound=max(ks) if ks and not use_top_p else None,
+        )
+
+
+def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:
+    """Per prompt position: {actual next token: logprob, then the k best alternatives, highest first}.
+
+    logits: [q, V], row j predicting ``next_token_ids[j]``. Each dict holds k or k + 1 entries (the
+    actual token first, as vLLM orders them). Raw distribution, like the sampled-token logprobs.
+    """
+    num_rows, vocab = logits.shape
+    if num_rows != len(next_token_ids):
+        raise ValueError(f"{num_rows} logit rows for {len(next_token_ids)} next tokens")
+    if num_rows == 0:
+        return []
+    k = min(k, vocab)
+    targets = _to_device(next_token_ids, torch.int64, logits.device)  # [q]
+    chunk = max(1, _PROMPT_LOGPROBS_CHUNK_ELEMENTS // vocab)
+    packed_chunks = []
+    for start in range(0, num_rows, chunk):
+        lp = logits[start : start + chunk].float().log_softmax(dim=-1)  # [c, V]
+        packed_chunks.append(_pack_topk(lp, targets[start : start + chunk], k))
+    packed = torch.cat(packed_chunks).tolist()  # one transfer for the whole prompt
+    out = []
+    for row in packed:
+        entry = {int(row[0]): row[1]}
+        for j in range(k):
+            entry.setdefault(int(row[2 + j]), row[2 + k + j])
+        out.append(entry)
+    return out
+
+
+__all__ = [
+    "SampleResult",
+    "Sampler",
+    "apply_min_tokens",
+    "apply_penalties",
+    "apply_top_k_top_p_min_p",
+    "prompt_logprobs",
+]

@@ -1,0 +1,1 @@
+"""The model repository: versioned folders, imports (HF directory, GGUF), checksums, loading."""

@@ -1,0 +1,143 @@
+"""Weight loading: an HF directory (config.json + model.safetensors, or a sharded
+model.safetensors.index.json) or dummy random weights of a preset shape, into our own model on
+the target device in the target dtype.
+
+Every safetensors header is checked against its file size before a byte is loaded, so a
+truncated download fails with the file's name rather than deep inside a memory map.
+"""
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from kvrelay.shared.config.engine import ModelConfig
+from kvrelay.shared.engine.models import build_model, get_model_class, max_model_len
+from kvrelay.shared.engine.models.presets import get_preset
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+DUMMY_PREFIX = "dummy:"
+DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model stay finite in bf16
+
+
+def load_model(model_config: ModelConfig, device: str | torch.device,
+               progress: bool = True) -> tuple[nn.Module, dict]:
+    """(model in eval mode on ``device`` in the resolved dtype, the HF config dict)."""
+    device = torch.device(device)
+    dtype = model_config.torch_dtype(device.type)
+    dummy = model_config.load_format == "dummy" or model_config.model.startswith(DUMMY_PREFIX)
+    if model_config.load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be auto, safetensors or dummy; got {model_config.load_format!r}")
+    if model_config.model.startswith(DUMMY_PREFIX):
+        hf_config = get_preset(model_config.model[len(DUMMY_PREFIX):])
+    else:
+        hf_config = read_hf_config(Path(model_config.model))
+    limit = max_model_len(hf_config)
+    wanted = model_config.max_model_len
+    if wanted is not None and wanted > limit and get_model_class(hf_config).has_position_limit:
+        raise ValueError(f"max_model_len {wanted} exceeds what {model_config.model} serves exactly "
+                         f"({limit} tokens: its position limit, or its sliding attention window)")
+
+    # built directly on the device in the dtype: no fp32 staging copy, no default-init pass
+    model = build_model(hf_config, dtype, device)
+    if dummy:
+        init_dummy_weights(model, model_config.seed)
+    else:
+        files = safetensors_files(Path(model_config.model))
+        model.load_weights(iter_safetensors(files, progress))
+    model.eval().requires_grad_(False)
+    return model, hf_config
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights, reproducible for one (seed, device): matrices N(0, 0.02), norm scales 1, biases 0.
+
+    Sampled in place in the parameter's own dtype, so nothing larger than the model is allocated."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+        else:
+            param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files, after checking that the index (if sharded) and the files agree."""
+    index_path = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index_path.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        headers = {}
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file.name} named in {index_path.name} is missing from {model_dir}")
+            headers[file.name] = read_safetensors_header(file)
+        for tensor, file_name in weight_map.items():
+            if tensor not in headers[file_name]:
+                raise ValueError(f"tensor {tensor!r} is listed in {index_path.name} under {file_name}, "
+                                 f"but that shard does not contain it")
+        return files
+    if single.is_file():
+        read_safetensors_header(single)
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir} "
+                            "(PyTorch .bin checkpoints are refused: they are pickle)")
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Tensor name -> {dtype, shape, data_offsets}; raises if the file is shorter than it claims."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path} is not a safetensors file (only {size} bytes; truncated?)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise ValueError(f"{path} is truncated or corrupt: header claims {header_len} bytes, "
+                             f"file has {size - 8} after the length prefix")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} has a corrupt safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    data_size = size - 8 - header_len
+    for name, info in header.items():
+        end = info.get("data_offsets", [0, 0])[1]
+        if end > data_size:
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {end} of the data section, "
+                             f"which holds only {data_size} bytes")
+    return header
+
+
+def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every file, with a progress bar over tensors."""
+    total = sum(len(read_safetensors_header(f)) for f in files)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for file in files:
+            bar.set_postfix_str(file.name)
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as reader:
+                    for name in reader.keys():
+                        yield name, reader.get_tensor(name)
+                        bar.update(1)
+            except SafetensorError as e:
+                raise ValueError(f"cannot read {file}: {e} (truncated or corrupt checkpoint?)") from e

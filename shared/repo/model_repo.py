@@ -1,0 +1,163 @@
+"""The versioned model repository: a local directory, one folder per model, numbered versions.
+
+    <repo>/<name>/<version>/config.json, *.safetensors, tokenizer files, kvrelay-manifest.json
+
+A version folder appears only when complete (written under a hidden temp name, then renamed), and
+its manifest records dtype, max_model_len and a sha256 per file so a corrupt or truncated copy is
+caught before loading. Every path that comes from a user (names, versions, admin API bodies) goes
+through ``confined`` first: no ``..``, no absolute paths, no symlink that leads out of the repository.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+MANIFEST = "kvrelay-manifest.json"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+WEIGHT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
+
+
+class RepositoryError(ValueError):
+    """A bad name, path or version; the admin API answers these with 400."""
+
+
+@dataclass
+class ModelVersion:
+    name: str
+    version: int
+    path: str
+    dtype: str
+    max_model_len: int
+    architecture: str
+    files: dict[str, str]  # file name -> sha256
+    source: str
+    created: float
+
+
+def confined(root: Path, *parts: str) -> Path:
+    """``root/parts...`` resolved, or RepositoryError if it would leave ``root``."""
+    for part in parts:
+        if not part or os.path.isabs(part) or any(p in ("..", "") for p in Path(part).parts) or "\\" in part:
+            raise RepositoryError(f"path component {part!r} is not allowed")
+    target = root.joinpath(*parts).resolve()
+    if not target.is_relative_to(root.resolve()):
+        raise RepositoryError(f"{'/'.join(parts)!r} resolves outside the model repository")
+    return target
+
+
+def _check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise RepositoryError(f"model name {name!r} must match {NAME_RE.pattern}")
+    return name
+
+
+def sha256_file(path: Path, bar: tqdm | None = None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+class ModelRepository:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def versions(self, name: str) -> list[int]:
+        folder = confined(self.root, _check_name(name))
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file())
+
+    def get(self, name: str, version: int | None = None) -> ModelVersion:
+        versions = self.versions(name)
+        if not versions:
+            raise RepositoryError(f"model {name!r} is not in the repository")
+        version = versions[-1] if version is None else int(version)
+        if version not in versions:
+            raise RepositoryError(f"model {name!r} has no version {version} (has {versions})")
+        folder = confined(self.root, name, str(version))
+        data = json.loads((folder / MANIFEST).read_text())
+        return ModelVersion(**{**data, "path": str(folder)})
+
+    def list(self) -> list[ModelVersion]:
+        out = []
+        for folder in sorted(p for p in self.root.iterdir() if p.is_dir() and NAME_RE.match(p.name)):
+            out += [self.get(folder.name, v) for v in self.versions(folder.name)]
+        return out
+
+    def verify(self, mv: ModelVersion) -> None:
+        """Raise RepositoryError naming the first file whose bytes differ from the manifest."""
+        folder = Path(mv.path)
+        for fname, digest in mv.files.items():
+            path = confined(folder, fname)
+            if not path.is_file():
+                raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
+            if sha256_file(path) != digest:
+                raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
+
+    def import_model(self, source: str, name: str, version: int | None = None, progress: bool = True,
+                     dtype: str = "float32") -> ModelVersion:
+        """Copy an HF directory, a GGUF file (converted once), or 'smollm2' into a new version."""
+        from kvrelay.shared.repo.model_source import DEFAULT_MODEL
+
+        _check_name(name)
+        existing = self.versions(name)
+        version = (existing[-1] + 1 if existing else 1) if version is None else int(version)
+        if version < 1 or version in existing:
+            raise RepositoryError(f"{name} version {version} exists already (or is not a positive number)")
+        final = confined(self.root, name, str(version))
+        staging = confined(self.root, name, f".importing-{version}-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            if source == DEFAULT_MODEL or source.endswith(".gguf"):
+                from kvrelay.shared.repo.gguf_import import import_gguf, smollm2_gguf_path
+
+                gguf = smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source)
+                import_gguf(gguf, staging, dtype=dtype, progress=progress)
+            else:
+                self._copy_hf_dir(Path(source), staging, progress)
+            manifest = self._manifest(staging, name, version, source, progress)
+            (staging / MANIFEST).write_text(json.dumps({k: v for k, v in asdict(manifest).items() if k != "path"},
+                                                       indent=2))
+            staging.rename(final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return self.get(name, version)
+
+    @staticmethod
+    def _copy_hf_dir(src: Path, dst: Path, progress: bool) -> None:
+        if not (src / "config.json").is_file():
+            raise RepositoryError(f"{src} is not an HF model directory (no config.json)")
+        files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+        dst.mkdir(parents=True)
+        total = sum(p.stat().st_size for p in files)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {src.name}", disable=not progress) as bar:
+            for p in files:
+                shutil.copyfile(p, dst / p.name)  # copies bytes, never a symlink out of the repository
+                bar.update(p.stat().st_size)
+
+    @staticmethod
+    def _manifest(folder: Path, name: str, version: int, source: str, progress: bool) -> ModelVersion:
+        from kvrelay.shared.engine.models import max_model_len
+
+        config = json.loads((folder / "config.json").read_text())
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        total = sum(p.stat().st_size for p in files)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress) as bar:
+            digests = {p.name: sha256_file(p, bar) for p in files}
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        return ModelVersion(name=name, version=version, path=str(folder), dtype=dtype,
+                            max_model_len=max_model_len(config),
+                            architecture=(config.get("architectures") or ["?"])[0], files=digests,
+                            source=str(source), created=time.time())

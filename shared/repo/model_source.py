@@ -1,0 +1,87 @@
+"""Resolves what a user names as a model (`--model`) into something the loader reads:
+an HF-style directory, a GGUF file (imported once into a cache directory), the shipped SmolLM2
+default, or a ``dummy:<preset>`` shape with random weights."""
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ResolvedModel:
+    path: str  # directory with config.json (+ tokenizer), or "dummy:<preset>"
+    load_format: str  # auto | dummy
+    served_name: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVRELAY_CACHE", Path.home() / ".cache" / "kvrelay"))
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel:
+    model = model or DEFAULT_MODEL
+    if model.startswith("dummy:") or load_format == "dummy":
+        preset = model.removeprefix("dummy:")
+        return ResolvedModel(f"dummy:{preset}", "dummy", f"dummy-{preset}")
+    if model == DEFAULT_MODEL:
+        from kvrelay.shared.repo.gguf_import import smollm2_gguf_path
+
+        return ResolvedModel(str(_imported(smollm2_gguf_path())), "auto", DEFAULT_SERVED_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedModel(str(_imported(path)), "auto", path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ResolvedModel(str(path.resolve()), "auto", path.name)
+    raise ValueError(
+        f"model {model!r} is neither an HF model directory (with config.json), a .gguf file, "
+        f"'{DEFAULT_MODEL}', nor 'dummy:<preset>'; kvrelay never downloads from a hub"
+    )
+
+
+def _imported(gguf: Path) -> Path:
+    """GGUF -> safetensors directory, once per file content identity (name, size, mtime)."""
+    from kvrelay.shared.repo.gguf_import import import_gguf
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if not (out / "config.json").is_file():
+        log.info("importing %s into %s (once)", gguf, out)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        import_gguf(gguf, tmp)
+        try:
+            tmp.rename(out)  # atomic: a concurrent importer that won the race leaves its copy in place
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def dummy_tokenizer_dir(preset: str) -> Path:
+    """A synthetic word-level tokenizer (``<t0>`` ... ``<tN>``) with the preset's vocabulary size, so a
+    server of random weights speaks the OpenAI API end to end (benchmarks); built once, cached."""
+    from kvrelay.shared.engine.models.presets import get_preset
+
+    vocab_size = int(get_preset(preset)["vocab_size"])
+    out = cache_root() / "dummy-tokenizers" / str(vocab_size)
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>").save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # a concurrent builder won
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

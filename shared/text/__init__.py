@@ -1,0 +1,2 @@
+"""Tokenizer loading and incremental detokenization: what the gateway and the offline engine
+need of text. No torch."""

@@ -1,0 +1,136 @@
+"""Every Redis key, stream, group and channel name kvrelay uses, and the timing constants that go
+with them. Values stored under these keys are ``shared.wire.protocol`` messages (msgpack bytes).
+
+    prefill_stream(model)     stream; gateway XADDs {JOB_FIELD: encode(Job)}; prefill workers read it
+                              through consumer group PREFILL_GROUP (create it with id "0" + MKSTREAM so
+                              jobs queued before the first worker are not skipped)
+    prefill_worker_stream(m, w) stream; like prefill_stream but routed to one worker (prefix affinity); read
+                              by it through PREFILL_GROUP, adopted by peers once its worker_key is gone
+    dead_letter_stream(model) stream; jobs delivered more than MAX_DELIVERIES times, same field
+    worker_key(worker_id)     string, encode(WorkerInfo), SET with EX=HEARTBEAT_TTL_S every
+                              HEARTBEAT_INTERVAL_S; the id is also SADDed to WORKERS_INDEX
+    model_key(name)           string, encode(ModelInfo), no TTL; the name is SADDed to MODELS_INDEX
+    ABORT_CHANNEL             pub/sub; gateway PUBLISHes encode(Abort); every worker subscribes
+    gateway_key(reply_addr)   string, the gateway's id, SET with EX=GATEWAY_TTL_S every
+                              GATEWAY_HEARTBEAT_S by each gateway, keyed by the ZMQ PULL address its Jobs
+                              carry as reply_addr; a worker aborts the requests whose gateway's key lapsed
+
+Models (an "instance" is one model at one version, ``protocol.instance_key``: "name@3", or "name" for a
+model given by path; streams, ModelInfo and WorkerInfo.models use instance keys):
+    registry_key(name)        string, encode(ModelSpec): the desired state; name SADDed to REGISTRY_INDEX
+    control_key(worker_id)    list; the gateway LPUSHes encode(ControlCommand), the worker RPOPs them
+    control_result_key(cid)   string, encode(ControlResult), EX CONTROL_RESULT_TTL_S
+    load_lock_key(instance)   string SET NX EX LOAD_LOCK_TTL_S by the gateway placing a load, so
+                              concurrent requests on several gateways start one load, not many
+    RECONCILE_LOCK            string SET NX EX: the one gateway reconciling the registry this round
+
+Tenants (gateway only; plain hash fields, not protocol messages, so operators can read them):
+    TENANTS_INDEX             set of tenant names; non-empty means every API request needs a key
+    tenant_key(name)          hash: models (JSON list, [] = all), rpm, tpm, quota_tokens, quota_period_s,
+                              priority, cache_salt, created; an absent limit field means unlimited
+    API_KEYS_INDEX            hash: key id -> sha256 hex of the key (to revoke and list by id)
+    api_key_key(digest)       hash: id, tenant, digest, created. The key itself is never stored
+    limit_key(tenant, kind)   kind "rpm"/"tpm": hash unix second -> requests/tokens admitted in it,
+                              a 60 s sliding window; kind "quota": hash period index -> tokens. The
+                              {tenant} hash tag keeps one tenant's limit keys in one cluster slot
+    usage_key(t, model, min)  hash: requests, prompt_tokens, completion_tokens, cache_hits of one unix
+                              minute, TTL'd; USAGE_TENANTS and usage_models_key(t) index them
+    response_cache_key(t, h)  string: a cached response body for request hash h, TTL'd
+"""
+
+PREFIX = "kvrelay"
+
+PREFILL_GROUP = f"{PREFIX}-prefill"
+JOB_FIELD = "data"
+WORKERS_INDEX = f"{PREFIX}:workers"
+MODELS_INDEX = f"{PREFIX}:models"
+ABORT_CHANNEL = f"{PREFIX}:abort"
+
+HEARTBEAT_INTERVAL_S = 2.0
+# Several missed heartbeats before a worker counts as dead: a GC pause or a long prefill step must not
+# make the gateway answer 503.
+HEARTBEAT_TTL_S = 10
+# Gateways beat as workers do: a gateway killed with -9 stops beating, and within GATEWAY_TTL_S the
+# workers free its requests' decode seats and KV instead of decoding for nobody until max_tokens.
+GATEWAY_HEARTBEAT_S = 1.0
+GATEWAY_TTL_S = 5
+# A job that made this many workers fail is poison; it goes to the dead-letter stream, not round again.
+MAX_DELIVERIES = 3
+# Approximate cap (XADD MAXLEN ~) so an idle model's stream cannot grow without bound.
+STREAM_MAXLEN = 100_000
+
+
+REGISTRY_INDEX = f"{PREFIX}:registry"
+RECONCILE_LOCK = f"{PREFIX}:reconcile-lock"
+CONTROL_RESULT_TTL_S = 600
+LOAD_LOCK_TTL_S = 120
+
+
+def registry_key(name: str) -> str:
+    return f"{PREFIX}:registry:{name}"
+
+
+def control_key(worker_id: str) -> str:
+    return f"{PREFIX}:control:{worker_id}"
+
+
+def control_result_key(command_id: str) -> str:
+    return f"{PREFIX}:control-result:{command_id}"
+
+
+def load_lock_key(instance: str) -> str:
+    return f"{PREFIX}:load-lock:{instance}"
+
+
+def prefill_stream(model: str) -> str:
+    return f"{PREFIX}:prefill:{model}"
+
+
+def prefill_worker_stream(model: str, worker_id: str) -> str:
+    # the model's length keeps (model, worker) pairs apart when either name holds a ":"
+    return f"{PREFIX}:prefill-worker:{len(model)}:{model}:{worker_id}"
+
+
+def dead_letter_stream(model: str) -> str:
+    return f"{PREFIX}:deadletter:{model}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def gateway_key(reply_addr: str) -> str:
+    return f"{PREFIX}:gateway:{reply_addr}"
+
+
+def model_key(name: str) -> str:
+    return f"{PREFIX}:model:{name}"
+
+
+TENANTS_INDEX = f"{PREFIX}:tenants"
+API_KEYS_INDEX = f"{PREFIX}:apikeys"
+USAGE_TENANTS = f"{PREFIX}:usage-tenants"
+
+
+def tenant_key(name: str) -> str:
+    return f"{PREFIX}:tenant:{name}"
+
+
+def api_key_key(digest: str) -> str:
+    return f"{PREFIX}:apikey:{digest}"
+
+
+def limit_key(tenant: str, kind: str) -> str:
+    return f"{PREFIX}:limit:{{{tenant}}}:{kind}"
+
+
+def usage_key(tenant: str, model: str, minute: int) -> str:
+    return f"{PREFIX}:usage:{tenant}:{model}:{minute}"
+
+
+def usage_models_key(tenant: str) -> str:
+    return f"{PREFIX}:usage-models:{tenant}"
+
+
+def response_cache_key(tenant: str, digest: str) -> str:
+    return f"{PREFIX}:respcache:{tenant}:{digest}"

@@ -1,0 +1,1 @@
+"""The process runtime every worker role shares: hosted models, heartbeats, metrics, events."""

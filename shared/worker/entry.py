@@ -1,0 +1,68 @@
+"""Runs one worker process of a given role from parsed command-line flags."""
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from kvrelay.shared.config.cli_args import engine_config_from_args
+from kvrelay.shared.config.serve_config import load_serve_config
+from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.wire.protocol import ModelSpec
+from kvrelay.shared.worker.runtime import StartupModel, WorkerConfig
+
+
+def run_worker(role: str, args: argparse.Namespace) -> int:
+    config = worker_config(role, args)
+    if role == "prefill":
+        from kvrelay.prefill_worker.worker import PrefillWorker as cls
+    elif role == "decode":
+        from kvrelay.decode_worker.worker import DecodeWorker as cls
+    else:
+        from kvrelay.prefill_worker.unified import UnifiedWorker as cls
+    cls(config).run()
+    return 0
+
+
+def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
+    """``--model`` (default SmolLM2) is the worker's one model, unless ``--config`` lists its models or
+    ``--model-repo`` alone starts it empty, to be loaded through the admin API."""
+    # no --model: the flags only give every model its engine settings
+    engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
+                                                                            (args.model_repo and not args.model)))
+    more: list[StartupModel] = []
+    specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
+    model_repo = args.model_repo
+    if args.config:
+        repo, served = load_serve_config(args.config)
+        model_repo = model_repo or (str(repo.root) if repo is not None else None)
+        for m in served:
+            specs.append(ModelSpec(name=m.name, version=m.version, path="" if m.version else m.path,
+                                   dtype=m.dtype, pinned=m.pinned, min_replicas=m.min_replicas,
+                                   keep_alive_s=m.keep_alive_s, updated=time.time()))
+            if m.lazy:
+                continue
+            m.path = m.path if m.version else resolve_model(m.path, "auto").path
+            model = dataclasses.replace(engine.model, model=m.path, served_model_name=m.name,
+                                        dtype=m.dtype if m.dtype != "auto" else engine.model.dtype,
+                                        load_format="dummy" if m.path.startswith("dummy:") else "auto")
+            more.append(StartupModel(m.name, dataclasses.replace(engine, model=model), _tokenizer_dir(m.path),
+                                     version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
+    config = WorkerConfig(role=role, engine=engine, redis_url=args.redis_url, model_name=name, host=args.host,
+                          port=args.port, advertise_host=args.advertise_host, model_path=model_dir,
+                          handoff_timeout_s=args.handoff_timeout, stream_kv_layers=args.kv_stream_layers,
+                          reclaim_idle_ms=args.reclaim_idle_ms, drain_timeout_s=args.drain_timeout,
+                          monitoring_port=args.monitoring_port, more_models=more, model_repo=model_repo,
+                          weights_memory=args.weights_memory, verify_checksums=args.verify_checksums,
+                          register=specs, freeze_gc=True)
+    if args.worker_id:
+        config.worker_id = args.worker_id
+    return config
+
+
+def _tokenizer_dir(path: str) -> str:
+    if path.startswith("dummy:"):
+        from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
+
+        return str(dummy_tokenizer_dir(path.removeprefix("dummy:")))
+    return str(Path(path))

@@ -1,0 +1,287 @@
+"""A worker's Prometheus metrics, served on ``--monitoring-port``.
+
+Names and the ``model_name`` label are vLLM's, so dashboards built for vLLM work unchanged; kvrelay's
+own (handoff, tenants, host) are ``kvrelay_*``. The engine reports through ``EngineObserver`` (one call
+per step, on the engine's thread); gauges are read when scraped, so they are never stale and fall back
+to zero by themselves when the worker is idle.
+
+Which worker sees what, so that sums across workers count each thing once:
+* prefill: queue time, TTFT, prompt tokens, the first generated token, handoffs, and the requests that
+  end at their first token (EOS, max_tokens=1);
+* decode: every later token, inter-token latency, e2e latency and finish reasons. Its first ITL sample
+  is the gap between its first two decode steps: the prefill->decode gap is the handoff, measured
+  by the prefill worker as ``kvrelay_handoff_seconds``;
+* unified: all of the above.
+Latencies count from the Job's ``arrival`` (the gateway's clock), so they include the time in the Redis
+queue and assume hosts' clocks agree (NTP).
+"""
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.scheduler import SchedulerOutput
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+# vLLM's buckets, with finer steps below 10 ms for GPU decode and around the 500 ms e2e alert threshold.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+ROLES = ("prefill", "decode", "unified")
+
+
+@dataclass
+class _Seen:
+    last_token: float | None = None  # unix time of this request's latest token on this worker
+
+
+class WorkerMetrics:
+    def __init__(self, core, model_name: str, role: str, worker_id: str, device: str = "cpu",
+                 process_collectors: bool = True):
+        """One model's metrics. A worker hosting several models makes one per model and serves them all
+        through ``MergedMetrics``; only one of them carries the process and host collectors."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.core = core
+        self.model = model_name
+        self.first_token_here = role in ("prefill", "unified")
+        self.later_tokens_here = role in ("decode", "unified")
+        self.role = role
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+        self._seen: dict[str, _Seen] = {}
+
+        Gauge("kvrelay_worker_info", "This worker's role and id (always 1), for joins",
+              m + ["role", "worker_id"], registry=r).labels(model_name, role, worker_id).set(1)
+        sched, bm = core.scheduler, core.block_manager
+        Gauge("vllm:num_requests_running", "Requests in the running batch", m,
+              registry=r).labels(model_name).set_function(lambda: sched.num_running)
+        Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m,
+              registry=r).labels(model_name).set_function(lambda: sched.num_waiting)
+        Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)", m,
+              registry=r).labels(model_name).set_function(lambda: bm.usage)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests prefilled here", m,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated here", m,
+                                         registry=r).labels(model_name)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (swap or recompute)", m,
+                                   registry=r).labels(model_name)
+        # decode: one new token per sequence (what a CUDA graph replays); a step holding any prefill chunk
+        # runs the whole batch eagerly, so a high mixed share explains a slow TPOT
+        steps = Counter("kvrelay_engine_steps", "Engine steps by kind: decode (one token per sequence), "
+                        "prefill (prompt chunks only) or mixed", m + ["kind"], registry=r)
+        self._steps = {kind: steps.labels(model_name, kind) for kind in ("decode", "prefill", "mixed")}
+        self._success = Counter("vllm:request_success", "Requests ended here, by finish reason",
+                                m + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "From the request's arrival to its first token",
+                              m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Between consecutive output tokens", m,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From the request's arrival to its last token",
+                             m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "From the request's arrival (Redis queue included) to its first scheduling",
+                                    m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        self._tenant_tokens = Counter("kvrelay_worker_tenant_tokens", "Tokens computed per tenant (prefill "
+                                      "chunks and decode steps; what fair scheduling counts)", m + ["tenant"],
+                                      registry=r)
+        self.handoff_bytes = Counter("kvrelay_handoff_bytes", "KV bytes handed off to decode workers", m,
+                                     registry=r).labels(model_name)
+        self.handoff_seconds = Histogram("kvrelay_handoff_seconds", "From the first token to the decode side's ack",
+                                         m, buckets=HANDOFF_BUCKETS, registry=r).labels(model_name)
+        self.handoff_failures = Counter("kvrelay_handoff_failures", "Handoffs that failed (request ended in error)",
+                                        m, registry=r).labels(model_name)
+        self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers) and by "
+                                 "whether the KV streamed out layer by layer during the prompt's last chunk",
+                                 m + ["transport", "streamed"], registry=r)
+        r.register(_PrefixCacheCollector(bm, model_name))
+        if process_collectors:
+            r.register(HostCollector(*nvml_for(device)))
+            ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
+
+    # -- EngineObserver -------------------------------------------------------------------------
+    def on_step(self, started: float, out: SchedulerOutput, finished: list[Request]) -> None:
+        now = time.time()
+        if out.preempted:
+            self.preemptions.inc(len(out.preempted))
+        if out.scheduled:
+            single = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+            kind = "decode" if single == len(out.scheduled) else "prefill" if not single else "mixed"
+            self._steps[kind].inc()
+        per_tenant: dict[str, int] = {}
+        for s in out.scheduled:
+            req = s.request
+            per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + s.num_new_tokens
+            seen = self._seen.get(req.request_id)
+            if seen is None:
+                seen = self._seen[req.request_id] = _Seen()
+                if self.first_token_here:
+                    self.queue_time.observe(max(0.0, started - req.arrival_wall))
+            if not s.sample:
+                continue
+            self.generation_tokens.inc()
+            if seen.last_token is None:
+                if self.first_token_here and req.num_output_tokens == 1:
+                    self.ttft.observe(max(0.0, now - req.arrival_wall))
+                    self.prompt_tokens.inc(req.num_prompt_tokens)
+            elif self.later_tokens_here:
+                self.itl.observe(now - seen.last_token)
+            seen.last_token = now
+        for tenant, n in per_tenant.items():
+            self._tenant_tokens.labels(self.model, tenant).inc(n)
+        for req in finished:
+            self._seen.pop(req.request_id, None)
+            # a prefill worker's engine ends every request at its first token; whether the request
+            # really ended there is the worker's call (request_done)
+            if self.role != "prefill":
+                self.request_done(req.status.value, req.arrival_wall, now)
+
+    def on_removed(self, requests: list[Request]) -> None:
+        now = time.time()
+        for req in requests:
+            self._seen.pop(req.request_id, None)
+            self.request_done(req.status.value, req.arrival_wall, now)
+
+    # -- called by the worker loops -------------------------------------------------------------
+    def request_done(self, finish_reason: str, arrival: float, now: float | None = None) -> None:
+        """A request ended on this worker. Only completed ones (stop, length) enter the latency
+        histogram: an abort's duration says when the client gave up, not how fast we served."""
+        self._success.labels(self.model, finish_reason).inc()
+        if finish_reason in ("stop", "length"):
+            self.e2e.observe(max(0.0, (now or time.time()) - arrival))
+
+    def handoff_done(self, nbytes: int, seconds: float, ok: bool, transport: str = "layers",
+                     streamed: bool = False) -> None:
+        if ok:
+            self.handoff_bytes.inc(nbytes)
+            self.handoff_seconds.observe(seconds)
+            self._handoffs.labels(self.model, transport, str(streamed).lower()).inc()
+        else:
+            self.handoff_failures.inc()
+
+
+class MergedMetrics:
+    """Serves the registries of every model a worker hosts as one /metrics: families of the same name
+    (one per model, told apart by ``model_name``) are merged, as the exposition format requires.
+    Models come and go with loads and unloads; a scrape sees the ones present at that moment."""
+
+    def __init__(self):
+        self.registries: dict[str, CollectorRegistry] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server = None
+
+    def describe(self):
+        return []  # dynamic: never let registration call collect()
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for registry in list(self.registries.values()):
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type,
+                                                        family.unit)
+                into.samples.extend(family.samples)
+        yield from merged.values()
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0: ephemeral) from a daemon thread; returns the port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        port = self._server.server_port
+        log.info("metrics on http://%s:%d/metrics", host, port)
+        return port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _PrefixCacheCollector:
+    """The block manager's lifetime prefix-cache counts (tokens), read at scrape time."""
+
+    def __init__(self, block_manager, model_name: str):
+        self.bm = block_manager
+        self.model = model_name
+
+    def collect(self):
+        for name, value, doc in (("vllm:prefix_cache_queries", self.bm.prefix_queries, "Prompt tokens looked up"),
+                                 ("vllm:prefix_cache_hits", self.bm.prefix_hits, "Prompt tokens found cached")):
+            family = CounterMetricFamily(name, doc + " in the prefix cache", labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
+
+
+class HostCollector:
+    """Node load and, when NVML imports and the worker runs on a GPU, that GPU's utilisation and memory.
+    Read at scrape time; an NVML error drops the GPU series from that scrape rather than failing it."""
+
+    def __init__(self, nvml=None, gpus: list[tuple[str, object]] = ()):
+        self.nvml = nvml  # the pynvml module (or a stand-in with its functions)
+        self.gpus = list(gpus) if nvml is not None else []  # (uuid, NVML handle)
+
+    def collect(self):
+        load = os.getloadavg()
+        for minutes, value in zip((1, 5, 15), load, strict=True):
+            yield GaugeMetricFamily(f"kvrelay_node_load{minutes}", f"Host load average over {minutes} min",
+                                    value=value)
+        if not self.gpus:
+            return
+        util = GaugeMetricFamily("kvrelay_gpu_utilization_ratio", "GPU busy fraction (NVML, last sample period)",
+                                 labels=["gpu"])
+        used = GaugeMetricFamily("kvrelay_gpu_memory_used_bytes", "GPU memory in use (NVML)", labels=["gpu"])
+        total = GaugeMetricFamily("kvrelay_gpu_memory_total_bytes", "GPU memory (NVML)", labels=["gpu"])
+        for uuid, handle in self.gpus:
+            try:
+                rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception:  # a driver hiccup must not take the whole scrape down
+                log.debug("NVML query failed for %s", uuid, exc_info=True)
+                continue
+            util.add_metric([uuid], rates.gpu / 100.0)
+            used.add_metric([uuid], mem.used)
+            total.add_metric([uuid], mem.total)
+        yield from (util, used, total)
+
+
+def _import_nvml():
+    try:
+        import pynvml  # the nvidia-ml-py package
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # not installed, or no driver: GPU metrics are simply absent
+        return None
+
+
+def nvml_for(device: str) -> tuple[object, list[tuple[str, object]]]:
+    """NVML and the handle of the GPU this worker computes on, matched by UUID (CUDA and NVML number
+    devices differently under CUDA_VISIBLE_DEVICES); (None, []) when not on CUDA or without NVML."""
+    if not device.startswith("cuda"):
+        return None, []
+    nvml = _import_nvml()
+    if nvml is None:
+        return None, []
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    try:
+        return nvml, [(uuid, nvml.nvmlDeviceGetHandleByUUID(uuid))]
+    except Exception:
+        log.warning("NVML does not know GPU %s; GPU metrics disabled", uuid, exc_info=True)
+        return None, []

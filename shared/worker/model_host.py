@@ -1,0 +1,479 @@
+"""Several models in one worker process: loading, unloading, eviction and keep-alive, over one KV pool.
+
+Lifecycle of one model instance (a model at one version) here:
+  ControlCommand "load" (or a model configured at startup)
+    -> the path is resolved inside the repository (``confined``) and the weights are estimated from the
+       safetensors headers; what does not fit the weights budget or the KV pool's floor evicts idle,
+       unpinned instances (the longest idle per second of reload cost first), or the load is refused
+    -> LOADING: a thread verifies the manifest checksums and builds the EngineCore; its KV comes from
+       the shared pool (``shared/engine/kv_pool.py``), which lends idle co-resident models' blocks to busy ones
+    -> READY: published; the role serves its stream / handoffs
+    -> "unload" (drain=True, a swap's old version), keep-alive expiry, or eviction for room
+    -> DRAINING: the role finishes what is queued and in flight (``RoleHooks.may_unload``)
+    -> gone: KV chunks back to the pool, weights freed.
+A failed load leaves the instance in state "failed" with the error for the admin API, for FAILED_KEEP_S.
+
+Threads: the control listener only moves commands into ``commands``; loads run on their own thread and
+touch the pool only under ``lock``, which the worker's loop holds around each step, so the engine's
+tensors and the pool's bookkeeping are only ever changed by one thread at a time.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.repo.loader import load_model
+from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
+from kvrelay.shared.repo.verified_files import file_digest
+from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
+from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
+from kvrelay.shared.worker.step_lock import StepLock
+
+log = logging.getLogger(__name__)
+
+FAILED_KEEP_S = 300.0
+KEEP_ALIVE_CHECK_S = 1.0
+IDLE_GRACE_S = 1.0  # an instance used this recently is never "idle", whatever its queues say
+
+
+class RoleHooks(Protocol):
+    """What a worker role tells the host about one instance."""
+
+    def attach(self, slot: "ModelSlot") -> None:
+        """The instance is ready: start serving it (queues, sockets, per-instance state)."""
+
+    def detach(self, slot: "ModelSlot") -> None:
+        """The instance is about to be unloaded; nothing is in flight for it any more."""
+
+    def idle(self, slot: "ModelSlot") -> bool:
+        """Nothing queued for it, nothing in flight here: unloading it loses no request."""
+
+    def may_unload(self, slot: "ModelSlot") -> bool:
+        """A draining instance finished everything it must (its peers included)."""
+
+
+@dataclass
+class ModelSlot:
+    instance: str
+    name: str
+    version: int
+    path: str  # model directory (tokenizer files too)
+    core: EngineCore
+    eos_ids: list[int]
+    pinned: bool = False
+    keep_alive_s: float = 0.0
+    load_s: float = 0.0
+    weight_bytes: int = 0
+    state: str = "ready"  # ready | draining
+    last_used: float = field(default_factory=time.monotonic)
+    role: Any = None  # the role's per-instance state
+    metrics: Any = None  # its WorkerMetrics
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    @property
+    def idle_s(self) -> float:
+        return time.monotonic() - self.last_used
+
+
+@dataclass
+class ModelPlan:
+    """Everything needed to build one instance, resolved and checked before any memory is touched."""
+
+    name: str
+    version: int
+    path: str
+    engine: EngineConfig
+    pinned: bool = False
+    keep_alive_s: float = 0.0
+    weight_bytes: int = 0  # the estimate
+    verify: Any = None  # callable raising RepositoryError on a corrupt copy, run on the loading thread
+
+    @property
+    def instance(self) -> str:
+        return instance_key(self.name, self.version)
+
+
+@dataclass
+class _Loading:
+    plan: ModelPlan
+    command_ids: list[str]
+    started: float
+    thread: threading.Thread | None = None
+    slot: ModelSlot | None = None
+    error: str = ""
+    evicted: list[str] = field(default_factory=list)
+
+
+class ModelHost:
+    def __init__(self, base: EngineConfig, *, hold_finished_kv: bool, pool: KVPool | None,
+                 weights_budget: int, repo: ModelRepository | None = None,
+                 configured_paths: dict[str, str] | None = None, verify_checksums: bool = True,
+                 eos_ids=None, report=None, min_replicas=None, freeze_gc: bool = False):
+        """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
+        ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
+        ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
+        (shared/worker/gc_freeze.py); never in a process that is not ours alone."""
+        self.base = base
+        self.hold_finished_kv = hold_finished_kv
+        self.pool = pool
+        self.weights_budget = weights_budget
+        self.repo = repo
+        self.configured_paths = dict(configured_paths or {})  # name -> path the operator configured
+        self.verify_checksums = verify_checksums
+        self.freeze_gc = freeze_gc
+        self._eos_ids = eos_ids or (lambda core, path: [])
+        self._report = report or (lambda result: None)
+        self._min_replicas = min_replicas or (lambda name: 0)
+        self.slots: dict[str, ModelSlot] = {}
+        self.loading: dict[str, _Loading] = {}
+        self.failed: dict[str, tuple[str, str, int, float]] = {}  # instance -> (error, name, version, when)
+        self.commands: queue.Queue[ControlCommand] = queue.Queue()
+        self.lock = StepLock()
+        self.hooks: RoleHooks | None = None
+        self._checked_keep_alive = 0.0
+
+    # -- planning -------------------------------------------------------------------------------
+    def plan(self, cmd: ControlCommand) -> ModelPlan:
+        """Resolve and check a load command; RepositoryError/ValueError say why it cannot be loaded."""
+        if cmd.version:
+            if self.repo is None:
+                raise RepositoryError("this worker has no model repository (start it with --model-repo)")
+            mv = self.repo.get(cmd.name, cmd.version)  # confined: no "..", absolute path or escaping link
+            path = mv.path
+            verify = (lambda: verify_parallel(mv)) if self.verify_checksums else None
+        else:
+            path = self.configured_paths.get(cmd.name, "")
+            if not path or (cmd.path and cmd.path != path):
+                raise RepositoryError(f"model {cmd.name!r} has no version and no path configured on this worker")
+            verify = None
+        model = dataclasses.replace(self.base.model, model=path, served_model_name=cmd.name,
+                                    dtype=cmd.dtype or self.base.model.dtype,
+                                    max_model_len=cmd.max_model_len or self.base.model.max_model_len,
+                                    load_format="dummy" if path.startswith("dummy:") else "auto")
+        engine = dataclasses.replace(self.base, model=model)
+        return ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
+                         keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine),
+                         verify=verify)
+
+    @property
+    def weights_used(self) -> int:
+        return (sum(s.weight_bytes for s in self.slots.values())
+                + sum(ld.plan.weight_bytes for ld in self.loading.values()))
+
+    def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = ()) -> list[str]:
+        """Unload idle unpinned instances until ``plan`` fits; the evicted instance keys. Raises
+        ValueError (nothing evicted) when even evicting every candidate would not be enough."""
+        need = plan.weight_bytes - (self.weights_budget - self.weights_used)
+        floor = self._floor_bytes(plan)
+        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes()
+        if need <= 0 and kv_short <= 0:
+            return []
+        victims = sorted((s for s in self.slots.values() if self._evictable(s)),
+                         key=lambda s: (s.instance not in prefer, -s.idle_s / max(s.load_s, 0.1)))
+        chosen, freed_w, freed_kv = [], 0, 0
+        for s in victims:
+            if freed_w >= need and freed_kv >= kv_short:
+                break
+            chosen.append(s)
+            freed_w += s.weight_bytes
+            freed_kv += self._owned_bytes(s)
+        if freed_w < need or freed_kv < kv_short or (chosen and not evict):
+            gib = 2**30
+            raise ValueError(
+                f"not enough memory to load {plan.instance}: needs {plan.weight_bytes / gib:.2f} GiB of weights "
+                f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
+                + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
+                   f"{self.pool.reclaimable_bytes() / gib:.3f} GiB)")
+                + (f"; evicting every idle unpinned model would free {freed_w / gib:.2f} GiB"
+                   if evict else "; eviction not allowed"))
+        for s in chosen:
+            log.info("evicting %s (idle %.0fs, reload cost %.1fs) to make room for %s",
+                     s.instance, s.idle_s, s.load_s, plan.instance)
+            self.unload_now(s.instance)
+        return [s.instance for s in chosen]
+
+    def _evictable(self, s: ModelSlot) -> bool:
+        return (not s.pinned and s.state == "ready" and s.idle_s > IDLE_GRACE_S
+                and (self.hooks is None or self.hooks.idle(s)))
+
+    def _floor_bytes(self, plan: ModelPlan) -> int:
+        if self.pool is None:
+            return 0
+        return kv_floor_bytes(plan.engine)
+
+    def _owned_bytes(self, s: ModelSlot) -> int:
+        return s.core.num_total_blocks * s.core.runner.block_bytes
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_now(self, plan: ModelPlan) -> ModelSlot:
+        """Synchronous load (models configured at startup); raises on failure."""
+        slot = self._build(plan)
+        self._ready(slot)
+        return slot
+
+    def _build(self, plan: ModelPlan) -> ModelSlot:
+        t0 = time.perf_counter()
+        if plan.verify is not None:
+            plan.verify()
+        log.info("loading %s from %s", plan.instance, plan.path)
+        # weights are read here while the other models keep serving; the engine around them is built
+        # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
+        # race another thread's kernels. On CPU only the pool attach takes the lock (_LockedPool).
+        loaded = load_model(plan.engine.model, plan.engine.device)
+        t_weights = time.perf_counter()
+        with self.lock if plan.engine.device.startswith("cuda") else contextlib.nullcontext():
+            core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
+                              kv_pool=_LockedPool(self.pool, self.lock) if self.pool is not None else None,
+                              kv_pool_key=plan.instance, loaded=loaded)
+        weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+        log.info("%s: weights in %.2fs, engine (KV attach, graphs) in %.2fs", plan.instance, t_weights - t0,
+                 time.perf_counter() - t_weights)
+        return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
+                         eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
+                         keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,
+                         weight_bytes=weight_bytes)
+
+    def _ready(self, slot: ModelSlot) -> None:
+        if self.freeze_gc:
+            freeze_long_lived()  # the new model's objects live until its unload
+        self.slots[slot.instance] = slot
+        self.failed.pop(slot.instance, None)
+        if self.hooks is not None:
+            self.hooks.attach(slot)
+        log.info("%s ready (%.1f GiB of weights, loaded in %.2fs)", slot.instance, slot.weight_bytes / 2**30,
+                 slot.load_s)
+
+    def _start_load(self, cmd: ControlCommand) -> None:
+        inst = cmd.instance
+        if inst in self.slots:
+            slot = self.slots[inst]
+            if slot.state == "draining":  # asked back before it left: keep serving it
+                slot.state = "ready"
+            slot.pinned = slot.pinned or cmd.pinned
+            return self._answer(cmd, True)
+        if inst in self.loading:
+            self.loading[inst].command_ids.append(cmd.command_id)
+            return None
+        t0 = time.perf_counter()
+        try:
+            plan = self.plan(cmd)
+            evicted = self.make_room(plan, cmd.evict, cmd.prefer_evict)
+        except (RepositoryError, ValueError, OSError) as exc:
+            self.failed[inst] = (str(exc), cmd.name, cmd.version, time.time())
+            return self._answer(cmd, False, str(exc), time.perf_counter() - t0)
+        ld = self.loading[inst] = _Loading(plan, [cmd.command_id], time.perf_counter(), evicted=evicted)
+        ld.thread = threading.Thread(target=self._load_thread, args=(ld,), daemon=True, name=f"load-{inst}")
+        ld.thread.start()
+
+    def _load_thread(self, ld: _Loading) -> None:
+        try:
+            ld.slot = self._build(ld.plan)
+        except Exception as exc:  # any failure to load is this instance's, never the worker's
+            log.warning("loading %s failed: %s", ld.plan.instance, exc, exc_info=True)
+            ld.error = f"loading {ld.plan.instance} failed: {exc}"
+
+    def _finish_loads(self) -> bool:
+        changed = False
+        for inst, ld in list(self.loading.items()):
+            if ld.thread is not None and ld.thread.is_alive():
+                continue
+            del self.loading[inst]
+            changed = True
+            seconds = time.perf_counter() - ld.started
+            if ld.slot is not None:
+                self._ready(ld.slot)
+            else:
+                self.failed[inst] = (ld.error, ld.plan.name, ld.plan.version, time.time())
+                _release_memory()
+            for cid in ld.command_ids:
+                self._report(ControlResult(command_id=cid, worker_id="", instance=inst, ok=ld.slot is not None,
+                                           error=ld.error, seconds=seconds, evicted=ld.evicted))
+        return changed
+
+    # -- unloading ------------------------------------------------------------------------------
+    def unload_now(self, instance: str) -> None:
+        slot = self.slots.pop(instance)
+        if self.hooks is not None:
+            self.hooks.detach(slot)
+        slot.core.release_kv()
+        slot.core = None  # drop the last reference before collecting
+        _release_memory()
+        log.info("unloaded %s", instance)
+
+    def _unload(self, cmd: ControlCommand) -> None:
+        inst = cmd.instance
+        slot = self.slots.get(inst)
+        if slot is None:
+            self.failed.pop(inst, None)
+            return self._answer(cmd, True)  # idempotent: not here
+        if cmd.drain or (self.hooks is not None and not self.hooks.idle(slot)):
+            slot.state = "draining"  # tick() unloads it once nothing is queued or in flight for it
+            return self._answer(cmd, True)
+        self.unload_now(inst)
+        return self._answer(cmd, True)
+
+    # -- the loop's hook ------------------------------------------------------------------------
+    def tick(self) -> bool:
+        """Commands, finished loads, completed drains, keep-alive. True when what we advertise changed."""
+        changed = False
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            if cmd.op == "load":
+                self._start_load(cmd)
+            else:
+                self._unload(cmd)
+        changed |= self._finish_loads()
+        for slot in list(self.slots.values()):
+            if slot.state == "draining" and (self.hooks is None or self.hooks.may_unload(slot)):
+                self.unload_now(slot.instance)
+                changed = True
+        now = time.monotonic()
+        if now - self._checked_keep_alive > KEEP_ALIVE_CHECK_S:
+            self._checked_keep_alive = now
+            changed |= self._keep_alive()
+        for inst in [i for i, f in self.failed.items() if time.time() - f[3] > FAILED_KEEP_S]:
+            del self.failed[inst]
+        return changed
+
+    def _keep_alive(self) -> bool:
+        expired = [s for s in self.slots.values() if s.keep_alive_s > 0 and s.idle_s > s.keep_alive_s
+                   and self._evictable(s)]
+        for s in expired:
+            if self._min_replicas(s.name) > 0:
+                continue
+            log.info("%s idle for %.0fs (keep-alive %.0fs): unloading", s.instance, s.idle_s, s.keep_alive_s)
+            self.unload_now(s.instance)
+        return bool(expired)
+
+    def _answer(self, cmd: ControlCommand, ok: bool, error: str = "", seconds: float = 0.0) -> None:
+        self._report(ControlResult(command_id=cmd.command_id, worker_id="", instance=cmd.instance, ok=ok,
+                                   error=error, seconds=seconds))
+
+    # -- what the heartbeat says ----------------------------------------------------------------
+    def status(self) -> list[InstanceStatus]:
+        out = []
+        lendable = self.pool.reclaimable_bytes() if self.pool is not None else 0  # what the pool could add
+        for s in self.slots.values():
+            sched = s.core.scheduler
+            out.append(InstanceStatus(instance=s.instance, name=s.name, version=s.version, state=s.state,
+                                      weight_bytes=s.weight_bytes, kv_blocks=s.core.num_total_blocks,
+                                      kv_free_blocks=s.core.num_free_blocks + lendable // s.core.runner.block_bytes,
+                                      running=sched.num_running,
+                                      waiting=sched.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
+                                      load_s=round(s.load_s, 3)))
+        for inst, ld in self.loading.items():
+            out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
+                                      weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned))
+        for inst, (error, name, version, _) in self.failed.items():
+            if inst not in self.slots and inst not in self.loading:
+                out.append(InstanceStatus(instance=inst, name=name, version=version, state="failed",
+                                          error=error[:2000]))
+        return out
+
+
+def estimate_weight_bytes(engine: EngineConfig) -> int:
+    """Weights in the dtype they will be loaded in, from the safetensors headers (or, for a dummy preset,
+    its parameter count on the meta device), without reading any tensor data."""
+    from kvrelay.shared.engine.models import build_model
+    from kvrelay.shared.repo.loader import read_safetensors_header, safetensors_files
+
+    dtype = engine.model.torch_dtype(torch.device(engine.device).type)
+    config = _hf_config(engine)  # a folder without a config is not a model: fail before estimating
+    if engine.model.model.startswith("dummy:"):
+        model = build_model(config, dtype, torch.device("meta"))
+        return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    path = Path(engine.model.model)
+    if path.suffix == ".gguf":
+        return path.stat().st_size * max(1, dtype.itemsize // 2)  # converted once; a rough upper bound
+    numel = 0
+    for f in safetensors_files(path):
+        for name, meta in read_safetensors_header(f).items():
+            if name != "__metadata__":
+                numel += math.prod(meta["shape"])
+    return numel * dtype.itemsize
+
+
+def kv_floor_bytes(engine: EngineConfig) -> int:
+    """KV one sequence of the model's max length needs: the floor a co-resident model keeps."""
+    from kvrelay.shared.engine.models import max_model_len
+
+    cfg = _hf_config(engine)
+    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads
+    max_len = engine.model.max_model_len or max_model_len(cfg)
+    bs = engine.cache.block_size
+    itemsize = engine.model.torch_dtype(torch.device(engine.device).type).itemsize
+    return -(-max_len // bs) * layers * 2 * bs * kv_heads * head_dim * itemsize
+
+
+def _hf_config(engine: EngineConfig) -> dict:
+    from kvrelay.shared.engine.models.presets import get_preset
+    from kvrelay.shared.repo.loader import read_hf_config
+
+    if engine.model.model.startswith("dummy:"):
+        return get_preset(engine.model.model.removeprefix("dummy:"))
+    if engine.model.model.endswith(".gguf"):
+        return {}
+    return read_hf_config(Path(engine.model.model))
+
+
+def verify_parallel(mv) -> None:
+    """The manifest's sha256 per file, hashed on several threads (hashlib releases the GIL), once per file
+    version on this host (shared/repo/verified_files.py)."""
+    folder = Path(mv.path)
+    files = list(mv.files.items())
+
+    def check(item: tuple[str, str]) -> None:
+        fname, digest = item
+        path = folder / fname
+        if not path.is_file():
+            raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
+        if file_digest(path) != digest:
+            raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
+        list(pool.map(check, files))
+
+
+class _LockedPool:
+    """The pool as a loading thread sees it: attach and detach wait for the worker loop's step to end."""
+
+    def __init__(self, pool: KVPool, lock: StepLock):
+        self._pool, self._lock = pool, lock
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._pool, name)
+        if name not in ("attach", "detach", "grow"):
+            return attr
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return locked
+
+
+def _release_memory() -> None:
+    collect_all()  # the unloaded model's objects may have been frozen with everything else
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
