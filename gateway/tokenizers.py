@@ -8,23 +8,11 @@ import functools
 from typing import Any
 
 from kvrelay.gateway.errors import APIError, bad_request
+from kvrelay.shared.text.tokenizer import load_tokenizer
 from kvrelay.shared.wire.protocol import ModelInfo
-
-try:  # the engine's loader knows model-repository layouts (GGUF imports etc.); prefer it when present
-    from kvrelay.shared.text.tokenizer import load_tokenizer as _engine_loader
-except ImportError:
-    _engine_loader = None
 
 # Below this many characters encoding inline is cheaper than a hop to a thread.
 _INLINE_CHARS = 2048
-
-
-def _load(path: str) -> Any:
-    if _engine_loader is not None:
-        return _engine_loader(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class ModelTokenizer:
@@ -71,7 +59,7 @@ class TokenizerPool:
             return self._loaded[key]
         task = self._loading.get(key)
         if task is None:  # one load per key, however many requests arrive while it runs
-            task = asyncio.create_task(asyncio.to_thread(_load, model.path))
+            task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model.path))
             self._loading[key] = task
         try:
             tokenizer = await asyncio.shield(task)
