@@ -93,6 +93,10 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
 
 
+async def close_tokenizers(app: web.Application) -> None:
+    app[TOKENIZERS].close()
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     # client_max_size makes aiohttp raise 413 while reading an oversized body; the middleware shapes it.
     # The drain check sits inside error_middleware so its 503 gets the same OpenAI shape as every error.
@@ -106,6 +110,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.middlewares.append(auth_middleware)
     app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()
+    app.on_cleanup.append(close_tokenizers)  # runs after cleanup_ctx: no request tokenizes any more
     app[PREFIX_INDEX] = PrefixIndex()
     if config.model_repo:
         app[MODEL_REPO] = ModelRepository(config.model_repo)
