@@ -5,6 +5,7 @@ imports torch or transformers' model code (~200 MB resident it does not need).""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
@@ -15,13 +16,13 @@ import asyncio, json, sys
 import aiohttp
 from aiohttp import web
 from kvrelay.gateway.app import create_app
-from kvrelay.gateway.config import GatewayConfig
+from tests.integration.gateway_harness import gateway_config  # what it imports, the gateway imports too
 
 HEAVY = ("torch", "transformers.configuration_utils", "transformers.modeling_utils", "kvrelay.shared.engine")
 
 async def main(redis_url, port, model):
     imported = [m for m in HEAVY if m in sys.modules]
-    runner = web.AppRunner(create_app(GatewayConfig(port=port, redis_url=redis_url, registry_cache_s=0.0)))
+    runner = web.AppRunner(create_app(gateway_config(redis_url, port=port)))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     url = f"http://127.0.0.1:{port}/v1"
@@ -49,7 +50,7 @@ def test_gateway_process_never_imports_torch(tmp_path):
         worker = FakeWorker(url, tokenizer_dir).start()
         try:
             out = subprocess.run([sys.executable, "-c", _GATEWAY, url, str(free_port()), MODEL], capture_output=True,
-                                 text=True, timeout=120)
+                                 text=True, timeout=120, cwd=Path(__file__).parents[2])
         finally:
             worker.stop()
     assert out.returncode == 0, out.stderr[-3000:]
