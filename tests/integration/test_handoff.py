@@ -118,6 +118,15 @@ def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, deco
     evil.close()
     evil = _dealer(side.addr)
 
+    grant = _ask(evil, "switched", num_tokens)  # layers sent, then a header saying they were written directly
+    for parts in _layer_messages(kv, "switched", src):
+        evil.send_multipart(parts)
+    evil.send(encode(_header(kv, "switched", grant, num_tokens, transport="ipc")))
+    ack = decode(evil.recv(), HandoffAck)
+    assert not ack.ok and "'ipc' header after 'layers' KV" in ack.reason
+    evil.close()
+    evil = _dealer(side.addr)
+
     grant = _ask(evil, "lying", num_tokens)  # claims an IPC write this grant never offered
     evil.send(encode(_header(kv, "lying", grant, num_tokens, transport="ipc")))
     ack = decode(evil.recv(), HandoffAck)
