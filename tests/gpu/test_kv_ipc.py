@@ -144,7 +144,6 @@ def test_layer_by_layer_senders_follow_the_compute_stream(sender):
     """Deferred (streamed) senders on CUDA: each layer range is copied / staged behind the compute
     stream as of its ``stage_through``, so a layer written by kernels still queued when it is called
     (the forward runs ahead of the GPU) arrives in full."""
-
     final = _source_cache()
     src = torch.zeros_like(final)
     blocks, dst_blocks = list(range(3, 40, 2)), list(range(60, 79))
