@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.prefill_worker.handoff import HandoffManager, State, Transfer
+from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
 from kvrelay.prefill_worker.job_queue import JobQueue, replayable
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.wire import redis_keys as keys
@@ -201,11 +201,9 @@ class PrefillWorker:
             return
         event.finish_reason = None  # the prefill cap is ours, not the request's
         self.runtime.events.add(job.reply_addr, event)
-        first = (out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
-                 event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens)
-        if not self.handoff.complete(rid, *first):
-            self.handoff.start(Transfer(job=job, entry_id=entry_id, first_token=first[0], first_logprob=first[1],
-                                        first_top=first[2], num_cached_tokens=first[3]))
+        self.handoff.prefilled(job, entry_id, FirstToken(out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
+                                                         event.top_logprobs[0] if event.top_logprobs else None,
+                                                         out.num_cached_tokens))
 
     def _on_transfer_end(self, t: Transfer) -> None:
         slot = self.runtime.slots.get(t.job.model)

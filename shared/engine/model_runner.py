@@ -136,7 +136,7 @@ class ModelRunner:
         del kv, hidden
 
     def set_kv_stream(self, stream) -> None:
-        """A prefill worker's layer-by-layer handoff (prefill_worker/handoff.py ``LayerStream``): told
+        """A prefill worker's layer-by-layer handoff (shared/handoff/sender.py ``LayerStream``): told
         before each eager forward which prompts it finishes, and after each decoder layer that the layer's
         KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
         if self.kv_stream is None and not self._hooked:
