@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, so the line names the command
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "config_from_stdin", False):
         _only_hidden_flags(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -168,13 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+
+
 def _only_hidden_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A config handed over on stdin is the whole config: a flag beside it would be ignored, so it is refused."""
     defaults = vars(parser.parse_args([args.command]))
     given = [k for k, v in vars(args).items() if k not in ("config_from_stdin", "print_config", "log_level")
              and defaults.get(k) != v]
     if given:
-        parser.error(f"{CONFIG_FROM_STDIN} takes the whole config; remove --{given[0].replace('_', '-')}")
+        _subparser(parser, args.command).error(
+            f"{CONFIG_FROM_STDIN} takes the whole config; remove --{given[0].replace('_', '-')}")
 
 
 if __name__ == "__main__":

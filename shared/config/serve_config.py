@@ -104,9 +104,13 @@ def _parse(file: str | Path) -> ServeFile:
     try:
         return ServeFile.model_validate(raw if raw is not None else {})
     except ValidationError as exc:
-        err = exc.errors()[0]
+        # a misspelt key first: it is why the rightly spelt one is "missing"
+        err = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
         key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
         message = err["msg"].removeprefix("Value error, ")
-        message = "unknown key" if err["type"] == "extra_forbidden" else \
-            f"{message[0].lower()}{message[1:]} (got {err['input']!r})"
+        message = f"{message[0].lower()}{message[1:]}"
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] != "missing":
+            message += f" (got {err['input']!r})"
         raise ConfigError(f"{file}: {key}: {message}" if key else f"{file}: {message}") from None
