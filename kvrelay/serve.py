@@ -6,6 +6,7 @@ kernel if this process is killed outright)."""
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
-# --print-config starts no Redis: the URL an embedded one gets is only known once it runs
+# Until the embedded Redis runs (--print-config starts none), its URL is unknown
 EMBEDDED_REDIS_PLACEHOLDER = "redis://embedded-redis-started-at-launch"
 
 
@@ -69,12 +70,15 @@ def serve(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
-    models = models_to_serve(args)  # config mistakes surface here, before Redis or any process starts
+    # every config mistake surfaces here, before Redis or any process starts
+    models = models_to_serve(args)
+    children = plan(args, models, args.redis_url or EMBEDDED_REDIS_PLACEHOLDER)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(EmbeddedRedis())
-        children = plan(args, models, redis_url)
+        for child in children:
+            child.config = dataclasses.replace(child.config, redis_url=redis_url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
         procs = {c.name: _start(c, args, threads, print_config=False) for c in children}
         names = [m.name for m in models if not m.lazy]
