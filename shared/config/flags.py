@@ -71,7 +71,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
             if parser._option_string_actions[flag.option].dest != flag.dest or not flag.meta("shared"):
                 raise ValueError(f"{flag.option} is declared twice with different meanings")
             continue
-        group = groups.get(flag.group) or groups.setdefault(flag.group, parser.add_argument_group(titles[flag.group]))
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(titles[flag.group])
+        group = groups[flag.group]
         default = (defaults or {}).get(flag.dest, flag.default)
         kw: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.info.description}
         if flag.info.annotation is bool:
@@ -86,7 +88,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
         if choices:
             group.add_argument(flag.option, choices=choices, **kw)
         else:
-            group.add_argument(flag.option, type=_checker(flag), metavar=flag.dest.upper(), **kw)
+            group.add_argument(flag.option, type=_checker(flag), **kw)
 
 
 def read(flags: Iterable[Flag], args: argparse.Namespace) -> dict[str, Any]:
