@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from kvrelay.gateway.auth import auth_middleware
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from kvrelay.gateway.errors import add_request_id, error_middleware
@@ -46,6 +45,7 @@ from kvrelay.gateway.state import (
 from kvrelay.gateway.tenants import TenantStore
 from kvrelay.gateway.tokenizers import TokenizerPool
 from kvrelay.gateway.usage import UsageLedger
+from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import async_client
 
