@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from kvrelay.shared.config.cli_args import add_gateway_args, add_serve_args, add_worker_args
+from kvrelay.cli_args import add_gateway_args, add_serve_args, add_worker_args
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
@@ -29,13 +29,13 @@ def _role(args: argparse.Namespace) -> int:
 
     role = ROLES[args.command]
     if role == "gateway":
-        from kvrelay.shared.config.cli_args import gateway_config_from_args
+        from kvrelay.cli_args import gateway_config_from_args
         from kvrelay.shared.config.gateway import GatewayConfig
 
         config = handover.receive(GatewayConfig) if args.config_from_stdin else gateway_config_from_args(args)
     else:
         from kvrelay.shared.config.worker import WorkerConfig
-        from kvrelay.shared.worker.entry import worker_config
+        from kvrelay.workers import worker_config
 
         config = handover.receive(WorkerConfig) if args.config_from_stdin else worker_config(role, args)
     if args.print_config:
@@ -46,7 +46,7 @@ def _role(args: argparse.Namespace) -> int:
 
         run_gateway(config)
         return 0
-    from kvrelay.shared.worker.entry import run_worker
+    from kvrelay.workers import run_worker
 
     return run_worker(config)
 
