@@ -187,30 +187,37 @@ def test_killed_decode_worker_ends_streams_cleanly(cluster):
     cluster.start_worker("prefill", "p1")
     cluster.start_worker("decode", "d1")
     cluster.wait_ready()
+    events = [0] * 4
 
     async def one(client, i):
-        events, error = 0, None
+        error = None
         try:
             stream = await client.completions.create(model=MODEL, prompt=[20 + i, 5], max_tokens=200, stream=True,
                                                      extra_body={"ignore_eos": True})
             async for _chunk in stream:
-                events += 1
+                events[i] += 1
         except openai.APIError as exc:
             error = exc
-        return events, error
+        return error
 
     async def run():
         client = _aclient(cluster, timeout=60)
         tasks = [asyncio.create_task(one(client, i)) for i in range(4)]
-        await asyncio.sleep(1.0)
+        # Frozen once every stream is under way, then killed: the tiny model can decode 200 tokens in
+        # well under a second, so a kill after a fixed sleep may find the streams already finished.
+        deadline = time.monotonic() + 30
+        while min(events) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        cluster.signal("d1", signal.SIGSTOP)
+        assert min(events) > 0
         cluster.kill("d1")
         start = time.monotonic()
-        results = await asyncio.gather(*tasks)
-        return results, time.monotonic() - start
+        errors = await asyncio.gather(*tasks)
+        return errors, time.monotonic() - start
 
-    results, waited = asyncio.run(run())
+    errors, waited = asyncio.run(run())
     assert waited < 30, "clients hung after the decode worker died"
-    for _events, error in results:
+    for error in errors:
         assert error is not None, "a stream cut by a dead worker must end with an error event"
 
 
