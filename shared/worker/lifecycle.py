@@ -4,8 +4,9 @@ Lifecycle of one request on any worker (prefill, decode, unified):
   1. The role takes it (a Job from the stream, or a KV handoff's header), builds its engine request
      (``engine_request``: the model's extra EOS ids become stop ids) and ``track``s an ``InFlight``.
   2. Each step, before the engine runs, ``sweep`` ends what must not run again: ids the gateway aborted
-     (no answer: its client is gone) and requests past their deadline (an "abort" event), so their KV
-     blocks are free within that step.
+     (no answer: its client is gone), requests past their deadline (an "abort" event), and the requests
+     of a gateway that stopped reading its events (no answer: nobody reads it), so their KV blocks are
+     free within that step.
   3. The role sends its tokens (``send``: the next ``output_index`` is counted here) and ``finish``es it
      when the engine does.
   4. At the end of a drain ``abandon`` takes every request out of its engine and hands the records to the
@@ -133,7 +134,18 @@ class Lifecycle:
         now = time.time()
         for rec in [r for r in self.requests.values() if r.deadline and now > r.deadline]:
             self.abort(rec.request_id, "abort")
+        for addr in self.runtime.events.take_stalled():
+            self._orphan(addr, "stopped reading its events", lambda rec: True)
         return elsewhere
+
+    def _orphan(self, addr: str, why: str, due: Callable[[InFlight], bool]) -> None:
+        orphans = [r.request_id for r in self.requests.values() if r.reply_addr == addr and due(r)]
+        for rid in orphans:
+            self.abort(rid)
+        if not any(r.reply_addr == addr for r in self.requests.values()):
+            self.runtime.events.forget(addr)  # what it has not read yet is for requests that are gone
+        if orphans:
+            log.warning("gateway %s %s: aborted its %d request(s)", addr, why, len(orphans))
 
     def abandon(self) -> list[InFlight]:
         """Drain timeout: every request leaves its engine; the role decides what each record becomes."""

@@ -36,7 +36,6 @@ from kvrelay.shared.wire.protocol import (
     ControlResult,
     ModelInfo,
     ModelSpec,
-    TokenBatch,
     TokenEvent,
     WorkerInfo,
     decode,
@@ -44,12 +43,12 @@ from kvrelay.shared.wire.protocol import (
     instance_key,
 )
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.worker.event_sink import EventSink
 from kvrelay.shared.worker.metrics import MergedMetrics, WorkerMetrics
 from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
 
 log = logging.getLogger(__name__)
 
-SEND_TIMEOUT_MS = 2000
 REREGISTER_RETRY_S = 0.2
 CPU_DEFAULT_KV_BYTES = 1 << 30
 CPU_DEFAULT_WEIGHTS_BYTES = 8 << 30
@@ -100,36 +99,6 @@ class WorkerConfig:
     def multi_model(self) -> bool:
         """Several models, now or later: they share one KV pool and a weights budget."""
         return bool(self.model_repo) or len(self.startup_models()) > 1
-
-
-class EventSink:
-    """Batches TokenEvents per gateway address and sends one TokenBatch per gateway per step."""
-
-    def __init__(self, ctx: zmq.Context):
-        self.ctx = ctx
-        self.sockets: dict[str, zmq.Socket] = {}
-        self.pending: dict[str, list[TokenEvent]] = {}
-
-    def add(self, reply_addr: str, event: TokenEvent) -> None:
-        self.pending.setdefault(reply_addr, []).append(event)
-
-    def flush(self) -> None:
-        for addr, events in self.pending.items():
-            sock = self.sockets.get(addr)
-            if sock is None:
-                sock = self.sockets[addr] = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-                sock.connect(addr)
-            try:
-                sock.send(encode(TokenBatch(events=events)))
-            except zmq.Again:  # a gateway that stopped reading loses its events, nobody else's
-                log.warning("gateway %s is not reading; dropped %d events", addr, len(events))
-        self.pending.clear()
-
-    def close(self) -> None:
-        for sock in self.sockets.values():
-            sock.close()
 
 
 class WorkerRuntime:
