@@ -7,8 +7,8 @@ Lifecycle of one request here:
   3. Every step (continuous batching with everything else running) produces one token per request;
      one TokenBatch per gateway carries them.
   4. A stop condition ends it; so does the worker's Lifecycle (shared/worker/lifecycle.py) on an abort
-     published by the gateway, the job's deadline, or a gateway that stopped reading its events; either
-     way its blocks are free within that step.
+     published by the gateway, the job's deadline, or the death of its gateway (its liveness key lapsed,
+     or it stopped reading its events); either way its blocks are free within that step.
 
 SIGTERM drains: no new grants (prefill workers go elsewhere), KV already granted is still taken, the
 running batch finishes (up to the drain timeout), and what is left ends with an error event so no

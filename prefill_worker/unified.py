@@ -3,7 +3,7 @@ the disaggregated path and for small setups (`kvrelay serve --mode unified`).
 
 Lifecycle of one job here: XREADGROUP/XAUTOCLAIM -> validate -> engine (continuous batching, chunked
 prefill) -> token events to the gateway every step -> finished, or ended by the worker's Lifecycle
-(shared/worker/lifecycle.py: a gateway's abort, the deadline) -> XACK. The job is ACKed
+(shared/worker/lifecycle.py: a gateway's abort, the deadline, a dead gateway) -> XACK. The job is ACKed
 only when the request ends, so a killed worker's jobs are reclaimed by a peer.
 SIGTERM drains: no new jobs are read, running ones finish (up to the drain timeout), the rest are handed
 back to the stream or, when a peer could not continue their text exactly, ended (``_abandon``).

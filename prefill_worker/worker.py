@@ -14,8 +14,8 @@ Lifecycle of one job here:
      moves the KV to a decode worker; its ack means the decode side holds the request, and only then
      is the job XACKed.
 Until its first token a job is an InFlight of the worker's Lifecycle (shared/worker/lifecycle.py), which
-ends it on a gateway's abort or its deadline; from then on its Transfer holds it, and a gateway's abort
-cancels that.
+ends it on a gateway's abort, its deadline, or its gateway's death; from then on its Transfer holds it,
+and a gateway's abort cancels that.
 A worker killed anywhere before the XACK leaves the job pending for a peer to reclaim; the decode side
 refuses a request id it already holds, so a reclaimed job never yields two streams.
 

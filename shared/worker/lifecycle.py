@@ -5,8 +5,8 @@ Lifecycle of one request on any worker (prefill, decode, unified):
      (``engine_request``: the model's extra EOS ids become stop ids) and ``track``s an ``InFlight``.
   2. Each step, before the engine runs, ``sweep`` ends what must not run again: ids the gateway aborted
      (no answer: its client is gone), requests past their deadline (an "abort" event), and the requests
-     of a gateway that stopped reading its events (no answer: nobody reads it), so their KV blocks are
-     free within that step.
+     of a gateway that stopped reading its events or whose liveness key lapsed (no answer: nobody reads
+     it), so their KV blocks are free within that step.
   3. The role sends its tokens (``send``: the next ``output_index`` is counted here) and ``finish``es it
      when the engine does.
   4. At the end of a drain ``abandon`` takes every request out of its engine and hands the records to the
@@ -18,11 +18,13 @@ engine state: a prefill or unified worker ACKs its stream entry.
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.protocol import Job, KVHeader, TokenEvent
+from kvrelay.shared.wire.redis_keys import GATEWAY_TTL_S
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.model_host import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
@@ -69,6 +71,7 @@ class Lifecycle:
         self.worker_id = worker_id
         self._release = release
         self.requests: dict[str, InFlight] = {}
+        self._gateways: Counter[str] = Counter()  # reply address -> requests of it here
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -87,9 +90,18 @@ class Lifecycle:
 
     def track(self, rec: InFlight) -> None:
         self.requests[rec.request_id] = rec
+        self._gateways[rec.reply_addr] += 1
+        if self._gateways[rec.reply_addr] == 1:
+            self.runtime.gateways.watch(set(self._gateways))
 
     def _pop(self, request_id: str) -> InFlight | None:
-        return self.requests.pop(request_id, None)
+        rec = self.requests.pop(request_id, None)
+        if rec is not None:
+            self._gateways[rec.reply_addr] -= 1
+            if self._gateways[rec.reply_addr] == 0:
+                del self._gateways[rec.reply_addr]
+                self.runtime.gateways.watch(set(self._gateways))
+        return rec
 
     # -- events ---------------------------------------------------------------------------------
     def send(self, rec: InFlight, event: TokenEvent) -> None:
@@ -136,14 +148,17 @@ class Lifecycle:
             self.abort(rec.request_id, "abort")
         for addr in self.runtime.events.take_stalled():
             self._orphan(addr, "stopped reading its events", lambda rec: True)
+        for addr in self.runtime.gateways.take_gone():
+            # a slow first beat never kills live work: a request gets GATEWAY_TTL_S from its arrival
+            self._orphan(addr, "stopped beating", lambda rec: now > rec.arrival + GATEWAY_TTL_S)
         return elsewhere
 
     def _orphan(self, addr: str, why: str, due: Callable[[InFlight], bool]) -> None:
         orphans = [r.request_id for r in self.requests.values() if r.reply_addr == addr and due(r)]
         for rid in orphans:
             self.abort(rid)
-        if not any(r.reply_addr == addr for r in self.requests.values()):
-            self.runtime.events.forget(addr)  # what it has not read yet is for requests that are gone
+        if addr not in self._gateways:  # what it has not read yet is for requests that are gone
+            self.runtime.events.forget(addr)
         if orphans:
             log.warning("gateway %s %s: aborted its %d request(s)", addr, why, len(orphans))
 
@@ -155,4 +170,6 @@ class Lifecycle:
             if slot is not None:
                 slot.core.abort([rec.request_id])
         self.requests.clear()
+        self._gateways.clear()
+        self.runtime.gateways.watch(set())
         return recs

@@ -2,9 +2,10 @@
 model instance over one KV pool), its Redis registration and heartbeat, the control and abort
 listeners, the ZMQ sockets that carry token events back to gateways, and a clean shutdown.
 
-Threads: the heartbeat, the control listener and the abort listener only talk to Redis and hand
-commands and ids to the main loop through queues; the engines, their tensors and every ZMQ socket
-belong to the main loop alone (model loads build a new engine on their own thread, see model_host).
+Threads: the heartbeat, the control listener, the abort listener and the gateway watch only talk to
+Redis and hand commands, ids and dead gateways to the main loop through queues; the engines, their
+tensors and every ZMQ socket belong to the main loop alone (model loads build a new engine on their own
+thread, see model_host).
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (the role stops taking new work and its loop runs
 until nothing is in flight or ``drain_timeout_s`` passed, then the role hands back or ends what is
@@ -44,6 +45,7 @@ from kvrelay.shared.wire.protocol import (
 )
 from kvrelay.shared.wire.redis_conn import sync_client
 from kvrelay.shared.worker.event_sink import EventSink
+from kvrelay.shared.worker.gateway_watch import GatewayWatch
 from kvrelay.shared.worker.metrics import MergedMetrics, WorkerMetrics
 from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
 
@@ -117,6 +119,7 @@ class WorkerRuntime:
         self.ctx = zmq.Context()
         self.events = EventSink(self.ctx)
         self.aborts: queue.Queue[str] = queue.Queue()
+        self.gateways = GatewayWatch(self.redis)
         self.stop = threading.Event()
         self.started = time.time()
         self.draining = False  # set by the first SIGTERM; roles stop taking new work
@@ -153,8 +156,8 @@ class WorkerRuntime:
             if self.redis.set(keys.registry_key(spec.name), encode(spec), nx=True):
                 self.redis.sadd(keys.REGISTRY_INDEX, spec.name)
         self.heartbeat()
-        loops = [self._heartbeat_loop, self._abort_loop] + ([self._control_loop] if self.config.model_repo else [])
-        for target in loops:
+        loops = [self._heartbeat_loop, self._abort_loop, self._gateway_loop]
+        for target in loops + ([self._control_loop] if self.config.model_repo else []):
             t = threading.Thread(target=target, daemon=True, name=target.__name__)
             t.start()
             self._threads.append(t)
@@ -162,6 +165,9 @@ class WorkerRuntime:
             signal.signal(sig, self._on_signal)
         log.info("%s worker %s serving %s at %s", self.config.role, self.config.worker_id,
                  ", ".join(self.host.slots) or "no model yet", zmq_addr)
+
+    def _gateway_loop(self) -> None:
+        self.gateways.run(self.stop)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.draining:
