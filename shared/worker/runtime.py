@@ -5,7 +5,8 @@ listeners, the ZMQ sockets that carry token events back to gateways, and a clean
 Threads: the heartbeat, the control listener, the abort listener and the gateway watch only talk to
 Redis and hand commands, ids and dead gateways to the main loop through queues; the engines, their
 tensors and every ZMQ socket belong to the main loop alone (model loads build a new engine on their own
-thread, see model_host).
+thread, see model_host). A thread rides out Redis errors only: anything else is a bug, which stops the
+worker with a non-zero exit for its supervisor to restart, rather than a warning a second for ever.
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (the role stops taking new work and its loop runs
 until nothing is in flight or ``drain_timeout_s`` passed, then the role hands back or ends what is
@@ -20,6 +21,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -121,6 +123,7 @@ class WorkerRuntime:
         self.aborts: queue.Queue[str] = queue.Queue()
         self.gateways = GatewayWatch(self.redis)
         self.stop = threading.Event()
+        self.crashed: BaseException | None = None  # what killed one of our threads
         self.started = time.time()
         self.draining = False  # set by the first SIGTERM; roles stop taking new work
         self.drain_deadline = 0.0
@@ -158,13 +161,21 @@ class WorkerRuntime:
         self.heartbeat()
         loops = [self._heartbeat_loop, self._abort_loop, self._gateway_loop]
         for target in loops + ([self._control_loop] if self.config.model_repo else []):
-            t = threading.Thread(target=target, daemon=True, name=target.__name__)
+            t = threading.Thread(target=self._fatal_on_error, args=(target,), daemon=True, name=target.__name__)
             t.start()
             self._threads.append(t)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("%s worker %s serving %s at %s", self.config.role, self.config.worker_id,
                  ", ".join(self.host.slots) or "no model yet", zmq_addr)
+
+    def _fatal_on_error(self, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except BaseException as exc:
+            log.critical("%s crashed: stopping the worker", loop.__name__, exc_info=True)
+            self.crashed = self.crashed or exc
+            self.stop.set()
 
     def _gateway_loop(self) -> None:
         self.gateways.run(self.stop)
@@ -182,7 +193,7 @@ class WorkerRuntime:
         try:
             self.redis.delete(keys.worker_key(self.config.worker_id))
             self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
-        except Exception:  # Redis gone: the TTL removes the registration anyway
+        except redis.RedisError:  # Redis gone: the TTL removes the registration anyway
             log.warning("could not unregister from Redis", exc_info=True)
         self.events.close()
         self.ctx.destroy(linger=500)
@@ -252,7 +263,7 @@ class WorkerRuntime:
                             if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
                                 self.publish_model(slot)
                 delay = keys.HEARTBEAT_INTERVAL_S
-            except Exception:  # Redis restarting: keep serving, re-register as soon as it is back
+            except redis.RedisError:  # Redis restarting: keep serving, re-register as soon as it is back
                 log.warning("heartbeat failed", exc_info=True)
                 # Retry quickly: after a Redis restart the gateway queues nothing for this model until
                 # its workers are registered again, and a prefill worker finds no decode worker before.
@@ -264,7 +275,7 @@ class WorkerRuntime:
         while not self.stop.is_set():
             try:
                 item = self.redis.brpop([key], timeout=1)
-            except Exception:
+            except redis.RedisError:
                 log.warning("control listener lost Redis; retrying", exc_info=True)
                 self.stop.wait(1.0)
                 continue
@@ -304,7 +315,7 @@ class WorkerRuntime:
                                 self.aborts.put(rid)
                         except ValueError:
                             log.warning("dropped a malformed abort message")
-            except Exception:
+            except redis.RedisError:
                 log.warning("abort subscription lost; retrying", exc_info=True)
                 self.stop.wait(1.0)
 
@@ -340,6 +351,9 @@ class WorkerRuntime:
             log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
         finally:
             self.shutdown()
+        if self.crashed is not None:
+            raise RuntimeError(f"a thread of {self.config.role} worker {self.config.worker_id} crashed") \
+                from self.crashed
 
     def drain_aborts(self) -> list[str]:
         ids = []
