@@ -4,10 +4,10 @@ so that a group's requests are spread out in time as in real traffic. Reports th
 (cached / prompt tokens, as the gateway's usage reports them) and the latency of one-token completions,
 which is the time to first token plus the handoff.
 
-    python -m bench.affinity [--model smollm2] [--groups 8] [--per-group 4] [--concurrency 4]
+    python -m kvrelay.bench.affinity [--model smollm2] [--groups 8] [--per-group 4] [--concurrency 4]
 
-Each mode gets a fresh stack (fresh caches, flushed Redis). Uses the e2e test harness's process
-launcher (tests/e2e/cluster.py): every role its own process, as in production.
+Each mode gets a fresh stack (fresh caches, flushed Redis): every role its own process, as in production
+(kvrelay/local_cluster.py).
 """
 
 import argparse
@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 
-from tests.e2e.cluster import Cluster
+from kvrelay.local_cluster import LocalCluster
 
 
 def workload(groups: int, per_group: int, prefix_len: int, suffix_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -32,15 +32,17 @@ def workload(groups: int, per_group: int, prefix_len: int, suffix_len: int, voca
 
 
 def run_mode(args: argparse.Namespace, affinity: bool, redis_url: str, log_dir: Path) -> dict:
-    c = Cluster(redis_url, args.model, args.engine_args, log_dir)
-    c.redis.flushall()
+    redis = sync_client(redis_url)
+    redis.flushall()
+    redis.close()
+    c = LocalCluster(redis_url, log_dir)
     try:
         c.start_gateway(extra=[] if affinity else ["--no-prefix-affinity"])
         for name in ("p1", "p2"):
-            c.start_worker("prefill", name)
-        c.start_worker("decode", "d1")
+            c.start_worker("prefill", name, args.model, args.engine_args)
+        c.start_worker("decode", "d1", args.model, args.engine_args)
         c.wait_ready(timeout=300)
-        client = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=c.base_url(), api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         prompts = workload(args.groups, args.per_group, args.prefix_len, args.suffix_len, args.vocab, args.seed)
 

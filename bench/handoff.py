@@ -19,78 +19,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import torch
 import zmq
 from kvrelay.decode_worker.receiver import HandoffReceiver
-from kvrelay.prefill_worker.handoff import HandoffManager, State, Transfer
-from kvrelay.shared.engine.block_manager import BlockManager
-from kvrelay.shared.handoff.frames import DTYPE_NAMES, DTYPES, MESSAGE_TARGET, frame_nbytes, max_message_bytes
-from kvrelay.shared.wire.protocol import Job, WorkerInfo
+from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
+from kvrelay.shared.handoff.blocks import DTYPE_NAMES, DTYPES, frame_nbytes
+from kvrelay.shared.handoff.frames import MESSAGE_TARGET, Frames, max_message_bytes
+from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 8
 MODEL = "bench-kv"
-
-
-# -- engine-less handoff endpoints (also used by the handoff tests) -----------------------------------
-class HeldBlocks:
-    """The slice of the scheduler a handoff touches: running requests (none) and held prefill KV."""
-
-    def __init__(self, block_manager: BlockManager):
-        self.block_manager = block_manager
-        self.num_running = 0
-        self.running: list = []
-
-    def release_held(self, request_id: str) -> None:
-        self.block_manager.free(request_id)
-
-
-def endpoint(kv_cache: torch.Tensor, worker_id: str, model: str = MODEL, scatter_seed: int | None = None):
-    """What HandoffManager and HandoffReceiver read of a worker: its KV cache, block manager and ids."""
-    num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-    if scatter_seed is not None:  # a long-running worker's free list is in no particular order
-        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(scatter_seed)).tolist()
-        bm.free_queue = OrderedDict.fromkeys(order)
-    core = SimpleNamespace(block_manager=bm, scheduler=HeldBlocks(bm), max_model_len=num_blocks * block_size + 1,
-                           runner=SimpleNamespace(kv_cache=kv_cache, block_size=block_size),
-                           config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=1024)))
-    return SimpleNamespace(core=core, zmq_addr="", redis=None,
-                           config=SimpleNamespace(worker_id=worker_id, model_name=model))
-
-
-def decode_info(addr: str, worker_id: str = "d1", model: str = MODEL) -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role="decode", models=[model], zmq_addr=addr, free_blocks=1,
-                      total_blocks=1, running=0, waiting=0, pid=0, host="", started=0.0, heartbeat=0.0)
-
-
-def transfer(rid: str, num_tokens: int, model: str = MODEL) -> Transfer:
-    job = Job(request_id=rid, model=model, prompt_token_ids=[1] * num_tokens, sampling={}, tenant="bench",
-              priority=0, reply_addr="", deadline=0.0, arrival=0.0)
-    return Transfer(job=job, entry_id=rid.encode(), first_token=2, first_logprob=None, first_top=None,
-                    prompt_logprobs=None, num_cached_tokens=0)
-
-
-def hand_off(manager: HandoffManager, runtime, rid: str, num_tokens: int, timeout_s: float = 60.0) -> Transfer:
-    """Hold prefill blocks for ``rid`` (as a finished prefill does), hand them off, wait for the end."""
-    if runtime.core.block_manager.allocate_for_tokens(rid, num_tokens) is None:
-        raise RuntimeError("bench KV cache too small")
-    manager.start(transfer(rid, num_tokens))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for t in manager.poll(timeout_ms=50):
-            if t.job.request_id == rid:
-                return t
-    raise TimeoutError(f"handoff of {rid} did not end")
 
 
 # -- the decode-side child process --------------------------------------------------------------------
 def _peer(args: argparse.Namespace) -> None:
     layers, heads, head_dim = (int(x) for x in args.kv_shape.split(","))
     kv = torch.zeros((layers, 2, args.blocks, BLOCK, heads, head_dim), dtype=DTYPES[args.dtype], device=args.device)
-    rt = endpoint(kv, "bench-decode", scatter_seed=1 if args.scatter else None)
+    rt = endpoint(kv, "bench-decode", MODEL, scatter_seed=1 if args.scatter else None)
     ctx = zmq.Context()
     frame_max = max_message_bytes(kv, args.blocks)
     router, pull, ack = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -161,11 +108,11 @@ def _protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: boo
     grant, grant -> KV out (copied, or the last frame queued), -> ack."""
     kv = torch.randn((LAYERS, 2, 2 * (max(tokens) // BLOCK) + 8, BLOCK, KV_HEADS, HEAD_DIM),
                      dtype=torch.bfloat16, device=device)
-    rt = endpoint(kv, "bench-prefill", scatter_seed=2 if scatter else None)
+    rt = endpoint(kv, "bench-prefill", MODEL, scatter_seed=2 if scatter else None)
     ctx = zmq.Context()
-    manager = HandoffManager(ctx, rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router)])
-    if not ipc:
-        manager.device_uuid = ""  # do not ask for CUDA IPC: measure the host-staged frames
+    # without CUDA IPC among its transports the sender offers nothing to map: the host-staged frames
+    manager = HandoffManager(ctx, rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
+                             transports=None if ipc else [Frames()])
     out, phases, n = {}, {}, 0
     try:
         for num_tokens in tokens:
@@ -174,7 +121,7 @@ def _protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: boo
             def one(num_tokens=num_tokens, seen=seen):
                 nonlocal n
                 n += 1
-                t = hand_off(manager, rt, f"r{n}", num_tokens)
+                t, _ = hand_off(manager, rt, f"r{n}", num_tokens, MODEL)
                 if t.state is not State.DONE or t.transport != ("ipc" if ipc else "layers"):
                     raise RuntimeError(f"handoff ended {t.state.value} over {t.transport!r}: {t.reason}")
                 seen.append([t.granted - t.started, t.sent - t.granted, t.ended - t.sent])
@@ -206,7 +153,7 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
                 dtype=DTYPE_NAMES[kv.dtype])
     runtime = SimpleNamespace(core=engine, zmq_addr="", redis=None, config=SimpleNamespace(worker_id="bench-prefill"))
     ctx = zmq.Context()
-    manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router)])
+    manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)])
     engine.runner.set_kv_stream(manager.stream_for(MODEL))
     gen = torch.Generator().manual_seed(0)
     n = 0
@@ -217,7 +164,7 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
         rid = f"o{n}"
         prompt = torch.randint(3, 500, (num_tokens,), generator=gen).tolist()
         engine.add_request(engine.make_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0)))
-        job = transfer(rid, num_tokens).job
+        job = synthetic_job(rid, num_tokens, MODEL)
         if streamed:  # as the prefill worker does two steps ahead: the grant is there by the forward
             manager.start_early(job, rid.encode())
             while manager.transfers[rid].state is not State.GRANTED:
@@ -225,8 +172,7 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
         t0 = time.perf_counter()
         out, = engine.step()
         t1 = time.perf_counter()
-        if not manager.complete(rid, out.new_token_ids[0], None, None, 0):
-            manager.start(Transfer(job=job, entry_id=rid.encode(), first_token=out.new_token_ids[0]))
+        manager.prefilled(job, rid.encode(), FirstToken(out.new_token_ids[0]))
         while True:
             ended = manager.poll(timeout_ms=1)
             if ended:
@@ -235,15 +181,17 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
         t, = ended
         if t.state is not State.DONE or t.streamed != streamed:
             raise RuntimeError(f"handoff ended {t.state.value} (streamed {t.streamed}): {t.reason}")
-        return [(t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3]
+        return [(t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3], t.transport
 
     out: dict[int, dict[bool, list[float]]] = {}
+    transports = set()
     try:
         for num_tokens in tokens:
             seen: dict[bool, list[list[float]]] = {False: [], True: []}
             for i in range(repeats + 1):  # the first round warms both paths up
                 for streamed in (False, True):
-                    result = one(num_tokens, streamed)
+                    result, transport = one(num_tokens, streamed)
+                    transports.add(transport)
                     if i:
                         seen[streamed].append(result)
             out[num_tokens] = {m: [statistics.median(c) for c in zip(*runs, strict=True)] for m, runs in seen.items()}
@@ -252,7 +200,7 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
         peer.close()
         ctx.destroy(linger=0)
     print(f"\nKV streamed layer by layer during the last chunk vs sent after the prefill: {model} on {device}, "
-          f"{kv.shape[0]} layers, {DTYPE_NAMES[kv.dtype]}, {'CUDA IPC' if manager.device_uuid else 'layer frames over tcp'}"
+          f"{kv.shape[0]} layers, {DTYPE_NAMES[kv.dtype]}, {'CUDA IPC' if transports == {'ipc'} else 'layer frames over tcp'}"
           f"; median ms of {repeats}\n| prompt | KV MiB | prefill step, plain | streamed | first token -> ack, plain | "
           "streamed | ratio | step start -> ack, plain | streamed | ratio |\n|" + " --- |" * 10)
     for num_tokens, m in out.items():
@@ -368,7 +316,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
-if __name__ == "__main__":
+def _peer_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="the decode-side peer of `kvrelay bench handoff`")
     parser.add_argument("--peer", action="store_true", required=True)
     parser.add_argument("--device", default="cpu")
@@ -378,4 +326,13 @@ if __name__ == "__main__":
     parser.add_argument("--scatter", action="store_true")
     parser.add_argument("--kv-shape", default=f"{LAYERS},{KV_HEADS},{HEAD_DIM}", help="layers,KV heads,head dim")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    _peer(parser.parse_args())
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # `kvrelay bench handoff`, or with --peer the decode-side process it starts
+    if "--peer" in sys.argv[1:]:
+        _peer(_peer_args(sys.argv[1:]))
+    else:
+        bench = argparse.ArgumentParser(prog="python -m kvrelay.bench.handoff", description=__doc__.split("\n")[0])
+        add_args(bench)
+        sys.exit(run(bench.parse_args()))

@@ -3,7 +3,7 @@ upstreams, listen address and file paths rewritten for loopback) in front of two
 and a decode worker and an embedded Redis, all as separate processes. Then ``kvrelay bench serve``
 drives it, while each process's CPU time is sampled: the answer to "where does the time go".
 
-    python -m bench.nginx_stack --request-rate 200 --num-prompts 4000 [--model DIR] [-- engine flags]
+    python -m kvrelay.bench.nginx_stack --request-rate 200 --num-prompts 4000 [--model DIR] [-- engine flags]
 
 Without --model it builds a tiny random Llama with SmolLM2's tokenizer (the engine then costs almost
 nothing, so what is measured is the serving path itself).
@@ -15,42 +15,17 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
-NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
+from kvrelay.local_cluster import LocalCluster, free_port
+from kvrelay.nginx import loopback_nginx
+
 TINY_ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--served-model-name", "tiny",
                "--num-gpu-blocks-override", "8192"]
-
-
-def loopback_nginx_config(gateway_ports: list[int], listen_port: int, workdir: Path) -> str:
-    """deploy/nginx/nginx.conf with its marked upstream and listen lines pointed at loopback and its pid,
-    logs and temp files in ``workdir``; timeouts, failover and buffering stay as shipped."""
-    text = NGINX_CONF.read_text()
-    upstream = [line for line in text.splitlines() if line.strip().endswith("# kvrelay:upstream")]
-    if not upstream:
-        raise ValueError("nginx.conf has no line marked '# kvrelay:upstream'")
-    params = re.search(r"server \S+ (.*);", upstream[0]).group(1)
-    servers = "\n".join(f"        server 127.0.0.1:{p} {params};" for p in gateway_ports)
-    text = text.replace(upstream[0], servers)
-    for line in upstream[1:]:
-        text = text.replace(line + "\n", "")
-    text = re.sub(r"listen 80;\s*# kvrelay:listen", f"listen 127.0.0.1:{listen_port};", text)
-    text = text.replace("pid /var/run/nginx.pid;", f"pid {workdir}/nginx.pid;")
-    text = text.replace("access_log /dev/stdout kvrelay;", f"access_log {workdir}/access.log kvrelay;")
-    temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind};" for kind in
-                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return text.replace("http {\n", "http {\n" + temp + "\n", 1)
-
-
-def nginx_command(binary: str, workdir: Path) -> list[str]:
-    return [binary, "-c", str(workdir / "nginx.conf"), "-p", str(workdir), "-e", "stderr", "-g", "daemon off;"]
 
 
 def tiny_model(out: Path) -> Path:
@@ -73,14 +48,6 @@ def tiny_model(out: Path) -> Path:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(url: str, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -96,51 +63,27 @@ def _wait(url: str, timeout: float = 180.0) -> None:
 
 @contextlib.contextmanager
 def stack(model: str, engine: list[str], log_dir: Path):
-    """Yields (nginx base URL, {name: Popen}, {worker role: metrics port}) with everything up and ready;
+    """Yields (nginx base URL, {name: process}, {worker role: metrics port}) with everything up and ready;
     stops it all afterwards."""
     from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    procs: dict[str, subprocess.Popen] = {}
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-
-    def spawn(name: str, argv: list[str]) -> None:
-        procs[name] = subprocess.Popen(argv, stdout=open(log_dir / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
-                                       env=env)
-
     with EmbeddedRedis() as redis_url:
-        cli = [sys.executable, "-m", "kvrelay.cli", "--log-level", "WARNING"]
-        ports = [_free_port(), _free_port()]
+        cluster = LocalCluster(redis_url, log_dir, cli_flags=["--log-level", "WARNING"])
         try:
-            for i, port in enumerate(ports):
-                spawn(f"gateway{i + 1}", cli + ["gateway", "--port", str(port), "--redis-url", redis_url])
+            ports = [cluster.start_gateway(f"gateway{i}") for i in (1, 2)]
             metrics = {}
             for role in ("prefill", "decode"):
-                metrics[role] = _free_port()
-                spawn(role, cli + [f"{role}-worker", "--model", model, "--redis-url", redis_url, "--monitoring-port",
-                                   str(metrics[role]), *engine])
-            listen = _free_port()
-            workdir = log_dir / "nginx"
-            workdir.mkdir(mode=0o777, exist_ok=True)
-            os.chmod(workdir, 0o777)  # nginx workers run as nobody under a root master
-            (workdir / "nginx.conf").write_text(loopback_nginx_config(ports, listen, workdir))
-            procs["nginx"] = subprocess.Popen(nginx_command(nginx, workdir), stdout=open(log_dir / "nginx.log", "wb"),
-                                              stderr=subprocess.STDOUT)
-            for port in ports:
-                _wait(f"http://127.0.0.1:{port}/ready")
-            _wait(f"http://127.0.0.1:{listen}/nginx-health")
-            procs["redis"] = _redis_process(redis_url)
-            yield f"http://127.0.0.1:{listen}/v1", procs, metrics
+                metrics[role] = free_port()
+                cluster.start_worker(role, role, model, [*engine, "--monitoring-port", str(metrics[role])])
+            listen = free_port()
+            with loopback_nginx(nginx, ports, listen, log_dir / "nginx", log_dir / "nginx.log") as proc:
+                cluster.wait_ready()
+                _wait(f"http://127.0.0.1:{listen}/nginx-health")
+                procs = {**cluster.procs, "nginx": proc, "redis": _redis_process(redis_url)}
+                yield f"http://127.0.0.1:{listen}/v1", procs, metrics
         finally:
-            for name, proc in procs.items():
-                if name != "redis" and proc.poll() is None:
-                    proc.send_signal(signal.SIGQUIT if name == "nginx" else signal.SIGTERM)
-            for name, proc in procs.items():
-                if name != "redis":
-                    try:
-                        proc.wait(20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+            cluster.stop()
 
 
 class _Pid:

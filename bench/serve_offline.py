@@ -27,7 +27,8 @@ def build_llm(engine_args: list[str]) -> LLM:
     # serve's gateway flags (--port, --host, ...) may sit among the engine flags; they do not shape the engine
     ns, _ = p.parse_known_args(engine_args)
     accepted = inspect.signature(LLM).parameters
-    llm = LLM(**{k: v for k, v in vars(ns).items() if k in accepted})
+    given = vars(ns) | {"num_gpu_blocks": ns.num_gpu_blocks_override}
+    llm = LLM(**{k: v for k, v in given.items() if k in accepted})
     freeze_long_lived()  # as the served path's workers do (shared/worker/gc_freeze.py): the same footing
     return llm
 

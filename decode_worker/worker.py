@@ -26,7 +26,8 @@ import redis
 import zmq
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.shared.handoff.frames import max_message_bytes
-from kvrelay.shared.wire.protocol import KVHeader, TokenEvent
+from kvrelay.shared.wire.handoff import KVHeader
+from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.worker.directory import live_workers
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_host import ModelSlot

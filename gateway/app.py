@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from kvrelay.gateway.auth import auth_middleware
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from kvrelay.gateway.errors import add_request_id, error_middleware
@@ -48,6 +47,7 @@ from kvrelay.gateway.state import (
 from kvrelay.gateway.tenants import TenantStore
 from kvrelay.gateway.tokenizers import TokenizerPool
 from kvrelay.gateway.usage import UsageLedger
+from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import async_client
 
@@ -95,6 +95,10 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
 
 
+async def close_tokenizers(app: web.Application) -> None:
+    app[TOKENIZERS].close()
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     # client_max_size makes aiohttp raise 413 while reading an oversized body; the middleware shapes it.
     # The drain check sits inside error_middleware so its 503 gets the same OpenAI shape as every error.
@@ -108,6 +112,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.middlewares.append(auth_middleware)
     app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()
+    app.on_cleanup.append(close_tokenizers)  # runs after cleanup_ctx: no request tokenizes any more
     app[PREFIX_INDEX] = PrefixIndex()
     if config.model_repo:
         app[MODEL_REPO] = ModelRepository(config.model_repo)

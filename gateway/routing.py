@@ -3,11 +3,12 @@ cached there (prefix affinity), else the model's shared stream, which the first 
 
 Prefix caching only hits on the worker that computed the prefix, so prompts sharing one should meet
 there. The affinity key is the model, the request's cache namespace and the hash chain of the prompt's
-leading full KV blocks (as shared/engine/block_manager.py hashes them); rendezvous (highest-random-weight)
-hashing maps it onto the live prefill workers of the model, so a key keeps its worker while workers come
-and go, and only the keys of a departed worker move. Affinity yields to load: a preferred worker more
-than ``slack`` requests busier than the least-loaded candidate, or without free KV blocks for the
-prompt (a draining worker advertises none), gets nothing routed; the shared stream then balances.
+leading full KV blocks (shared/wire/block_hash.py, which the workers' block managers hash with);
+rendezvous (highest-random-weight) hashing maps it onto the live prefill workers of the model, so a key
+keeps its worker while workers come and go, and only the keys of a departed worker move. Affinity yields
+to load: a preferred worker more than ``slack`` requests busier than the least-loaded candidate, or
+without free KV blocks for the prompt (a draining worker advertises none), gets nothing routed; the
+shared stream then balances.
 Each gateway also remembers where it routed every prefix block (PrefixIndex): a prompt whose leading
 blocks it has seen goes where the longest of them went, even when the rest of its key differs.
 """
@@ -17,16 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrelay.shared.engine.block_manager import cache_namespace, cdiv, hash_block_tokens
+from kvrelay.shared.wire.block_hash import block_hash_chain, cache_namespace
 from kvrelay.shared.wire.protocol import WorkerInfo
-
-
-@dataclass(frozen=True)
-class _Namespace:
-    """What ``cache_namespace`` reads of a request: the gateway has no ``Request``, only these two."""
-
-    tenant: str
-    cache_salt: str | None
 
 
 @dataclass(frozen=True)
@@ -45,13 +38,7 @@ def block_chain(block_size: int, prompt: Sequence[int], tenant: str, cache_salt:
                 max_blocks: int) -> list[int]:
     """The hash chain of the prompt's leading full blocks (at most ``max_blocks``) in its cache namespace,
     exactly as the workers' block managers hash them."""
-    salt = cache_namespace(_Namespace(tenant, cache_salt))  # type: ignore[arg-type]  # duck-typed Request
-    chain: list[int] = []
-    parent = None
-    for b in range(min(len(prompt) // block_size, max_blocks)):
-        parent = hash_block_tokens(parent, tuple(prompt[b * block_size:(b + 1) * block_size]), salt)
-        chain.append(parent)
-    return chain
+    return block_hash_chain(prompt, block_size, cache_namespace(tenant, cache_salt), max_blocks)
 
 
 def affinity_key(model: str, block_size: int, prompt: Sequence[int], tenant: str, cache_salt: str | None,
@@ -105,7 +92,7 @@ def route(prompt: Sequence[int], model: str, block_size: int, tenant: str, cache
     chain = block_chain(block_size, prompt, tenant, cache_salt, limit)
     key = affinity_key(model, block_size, prompt, tenant, cache_salt, policy.prefix_tokens, chain)
     known = index.lookup(model, chain, {w.worker_id for w in workers}) if index is not None else None
-    worker = pick_worker(key, workers, backlog, policy, blocks_needed=cdiv(len(prompt), block_size), known=known)
+    worker = pick_worker(key, workers, backlog, policy, blocks_needed=-(-len(prompt) // block_size), known=known)
     if worker is not None and index is not None:
         index.record(model, chain, worker)
     return worker

@@ -4,7 +4,6 @@ import asyncio
 
 import redis.asyncio
 from aiohttp import web
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.limits import RateLimiter
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -16,6 +15,7 @@ from kvrelay.gateway.routing import PrefixIndex
 from kvrelay.gateway.tenants import TenantStore
 from kvrelay.gateway.tokenizers import TokenizerPool
 from kvrelay.gateway.usage import UsageLedger
+from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.repo.model_repo import ModelRepository
 
 CONFIG = web.AppKey("config", GatewayConfig)

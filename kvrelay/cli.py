@@ -1,12 +1,18 @@
-"""The ``kvrelay`` command. Argument parsing only: each subcommand hands off to the module that owns it."""
+"""The ``kvrelay`` command. Argument parsing only: each subcommand hands off to the module that owns it.
+Every role's flags are generated from its config declaration (shared/config/); a role started by
+``kvrelay serve`` gets its config as JSON on stdin instead (shared/config/handover.py)."""
 
 import argparse
 import logging
 import os
 import sys
 
-from kvrelay.gateway.config import add_routing_args
-from kvrelay.shared.config.cli_args import add_engine_args, add_gateway_args, add_worker_args
+from kvrelay.shared.config.cli_args import add_gateway_args, add_serve_args, add_worker_args
+from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.flags import Parser
+from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
+
+ROLES = {"gateway": "gateway", "prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -15,28 +21,38 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def _gateway(args: argparse.Namespace) -> int:
-    from kvrelay.gateway.app import run_gateway
-    from kvrelay.gateway.config import GatewayConfig, routing_kwargs
+def _role(args: argparse.Namespace) -> int:
+    """Builds the role's config (from flags, or from the parent's JSON), then prints it (--print-config)
+    or runs the role."""
+    from kvrelay.shared.config import handover
 
-    run_gateway(GatewayConfig(**routing_kwargs(args), host=args.host, port=args.port, redis_url=args.redis_url,
-                              max_body_size=args.max_body_size, request_timeout=args.request_timeout,
-                              drain_timeout=args.drain_timeout, max_queue_depth=args.max_queue_depth,
-                              zmq_host=args.zmq_host, zmq_port=args.zmq_port,
-                              zmq_advertise_host=args.zmq_advertise_host,
-                              admin_key=args.admin_key, response_cache_ttl=args.response_cache_ttl,
-                              model_repo=args.model_repo, model_load_timeout=args.model_load_timeout,
-                              reconcile_interval_s=args.reconcile_interval_s, reuse_port=args.reuse_port))
-    return 0
+    role = ROLES[args.command]
+    if role == "gateway":
+        from kvrelay.shared.config.cli_args import gateway_config_from_args
+        from kvrelay.shared.config.gateway import GatewayConfig
+
+        config = handover.receive(GatewayConfig) if args.config_from_stdin else gateway_config_from_args(args)
+    else:
+        from kvrelay.shared.config.worker import WorkerConfig
+        from kvrelay.shared.worker.entry import worker_config
+
+        config = handover.receive(WorkerConfig) if args.config_from_stdin else worker_config(role, args)
+    if args.print_config:
+        print(handover.printable(config), flush=True)
+        return 0
+    if role == "gateway":
+        from kvrelay.gateway.app import run_gateway
+
+        run_gateway(config)
+        return 0
+    from kvrelay.shared.worker.entry import run_worker
+
+    return run_worker(config)
 
 
-def _worker(role: str):
-    def run(args: argparse.Namespace) -> int:
-        from kvrelay.shared.worker.entry import run_worker
-
-        return run_worker(role, args)
-
-    return run
+def _add_print_config(p: argparse.ArgumentParser) -> None:
+    # hidden: for checking what a process resolved (tests, debugging a deployment), not for operators' help
+    p.add_argument("--print-config", action="store_true", help=argparse.SUPPRESS)
 
 
 def _repo(args: argparse.Namespace):
@@ -111,40 +127,27 @@ def _bench(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: disaggregated multi-model LLM serving")
+    parser = Parser(prog="kvrelay", description="kvrelay: disaggregated multi-model LLM serving")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="Redis (embedded unless --redis-url), gateway and workers on one machine")
-    add_engine_args(serve)
-    add_gateway_args(serve)
-    serve.set_defaults(redis_url=None)
-    serve.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
-    serve.add_argument("--config", default=None, help="YAML: model_repo + models to serve (overrides --model)")
-    serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
-                       help="workers hash a repository model's files against its manifest before loading it")
-    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                       help="gateway processes sharing --port (SO_REUSEPORT): one Python process tops out near "
-                            "10k streamed tokens/s")
-    serve.add_argument("--worker-monitoring-port", type=int, default=None, metavar="PORT",
-                       help="serve each worker's Prometheus /metrics on PORT, PORT+1, ... (gateway: /metrics)")
-    serve.add_argument("--weights-memory", type=int, default=None, metavar="BYTES",
-                       help="bytes of model weights each worker may hold at once (see the worker flag)")
-    serve.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction, default=True,
-                       help="the prefill worker sends a prompt's KV layer by layer during its last chunk "
-                            "(see the worker flag)")
+    serve = sub.add_parser("serve", help="Redis (embedded unless --redis-url), gateway and workers on one machine",
+                           usage="%(prog)s [flags]", description="Takes every flag of every role it starts, "
+                           "listed here by role.")
+    add_serve_args(serve)
+    _add_print_config(serve)
     serve.set_defaults(func=_serve)
 
-    gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP front door")
-    add_gateway_args(gw)
-    add_routing_args(gw)
-    gw.set_defaults(func=_gateway)
-
-    for role in ("prefill", "decode", "unified"):
-        p = sub.add_parser(f"{role}-worker", help=f"a {role} worker")
-        add_engine_args(p)
-        add_worker_args(p)
-        p.set_defaults(func=_worker(role))
+    for command, role in ROLES.items():
+        p = sub.add_parser(command, usage="%(prog)s [flags]", help="the OpenAI-compatible HTTP front door"
+                           if role == "gateway" else f"a {role} worker")
+        if role == "gateway":
+            add_gateway_args(p)
+        else:
+            add_worker_args(p)
+        _add_print_config(p)
+        p.add_argument(CONFIG_FROM_STDIN, action="store_true", help=argparse.SUPPRESS)
+        p.set_defaults(func=_role)
 
     _models(sub)
     _bench(sub)
@@ -152,10 +155,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, so the line names the command
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "config_from_stdin", False):
+        _only_hidden_flags(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except ConfigError as exc:  # one line naming the flag or the file and key, before anything loads
+        print(f"kvrelay {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return result if isinstance(result, int) else 0
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+
+
+def _only_hidden_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A config handed over on stdin is the whole config: a flag beside it would be ignored, so it is refused."""
+    defaults = vars(parser.parse_args([args.command]))
+    given = [k for k, v in vars(args).items() if k not in ("config_from_stdin", "print_config", "log_level")
+             and defaults.get(k) != v]
+    if given:
+        _subparser(parser, args.command).error(
+            f"{CONFIG_FROM_STDIN} takes the whole config; remove --{given[0].replace('_', '-')}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ kernel if this process is killed outright)."""
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -16,18 +17,17 @@ import time
 import urllib.error
 import urllib.request
 
-from kvrelay.shared.config.cli_args import ADMIN_KEY_ENV
-from kvrelay.shared.config.serve_config import ServedModel, load_serve_config
-from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.serve_plan import Child, models_to_serve, plan
+from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
+from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
-ENGINE_FLAGS = ["tokenizer", "max_model_len", "load_format", "seed",
-                "block_size", "kv_cache_memory", "num_gpu_blocks", "swap_space",
-                "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "tenant_kv_quota"]
 STOP_GRACE_S = 10.0
+# Until the embedded Redis runs (--print-config starts none), its URL is unknown
+EMBEDDED_REDIS_PLACEHOLDER = "redis://embedded-redis-started-at-launch"
 
 
 def _die_with_parent() -> None:
@@ -35,79 +35,52 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a kill -9 of serve still stops the children
 
 
-def _flag(name: str) -> str:
-    return "--" + {"num_gpu_blocks": "num_gpu_blocks_override"}.get(name, name).replace("_", "-")
+def _start(child: Child, args: argparse.Namespace, threads: int | None, print_config: bool) -> subprocess.Popen:
+    """The child reads its whole config from stdin; with --print-config it prints what it resolved."""
+    argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level, child.command, CONFIG_FROM_STDIN]
+    proc = subprocess.Popen(argv + (["--print-config"] if print_config else []), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE if print_config else None, preexec_fn=_die_with_parent,
+                            env=_env(child, threads))
+    proc.stdin.write(encode(child.config, exclude=child.generated))
+    proc.stdin.close()
+    return proc
 
 
-def engine_argv(args: argparse.Namespace, model_path: str | None) -> list[str]:
-    argv = ["--model", model_path] if model_path else []
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [_flag(name), str(value)]
-    for name in ("enable_prefix_caching", "enable_chunked_prefill", "tenant_fairness"):
-        argv.append(_flag(name) if getattr(args, name) else _flag(name).replace("--", "--no-", 1))
-    return argv
+def print_config(args: argparse.Namespace) -> int:
+    """Each child, started as serve would start it, prints the config it resolved; nothing is served."""
+    children = plan(args, models_to_serve(args), args.redis_url or EMBEDDED_REDIS_PLACEHOLDER)
+    procs = [(child, _start(child, args, None, print_config=True)) for child in children]
+    resolved = {}
+    for child, proc in procs:
+        out = proc.stdout.read()
+        proc.wait()
+        if proc.returncode:
+            return proc.returncode
+        resolved[child.name] = {"command": child.command, "config": json.loads(out)}
+    print(json.dumps(resolved, indent=1, sort_keys=True))
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.print_config:
+        return print_config(args)
     stopping = False
 
     def on_signal(signum, _frame):
         nonlocal stopping
         stopping = True
 
+    # every config mistake surfaces here, before Redis or any process starts
+    models = models_to_serve(args)
+    children = plan(args, models, args.redis_url or EMBEDDED_REDIS_PLACEHOLDER)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    models = _models_to_serve(args)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(EmbeddedRedis())
-        cmd = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level]
-        roles = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
-        specs = [("gateway", cmd + ["gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
-                                    redis_url, "--max-body-size", str(args.max_body_size),
-                                    "--request-timeout", str(args.request_timeout),
-                                    "--response-cache-ttl", str(args.response_cache_ttl),
-                                    "--drain-timeout", str(args.drain_timeout),
-                                    "--max-queue-depth", str(args.max_queue_depth)])]
-        repo = args.model_repo or (_config_repo(args.config) if args.config else None)
-        repo_argv = ["--model-repo", str(repo)] if repo else []
-        specs[0][1].extend(repo_argv + ["--model-load-timeout", str(args.model_load_timeout)])
-        if args.config or repo:
-            # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and
-            # its weights budget, and models load, unload and swap without restarting anything
-            models_argv = ["--config", str(args.config)] if args.config else ["--model", models[0].path,
-                                                                               "--served-model-name", models[0].name]
-            engine = engine_argv(args, None) + models_argv + ["--dtype", args.dtype, "--device", args.device,
-                                                              "--redis-url", redis_url] + repo_argv
-            engine.append("--verify-checksums" if args.verify_checksums else "--no-verify-checksums")
-            if args.weights_memory:
-                engine += ["--weights-memory", str(args.weights_memory)]
-            specs += [(role, cmd + [role] + engine + _memory_share(args, role, 1)
-                       + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
-        else:
-            for m in models:
-                engine = engine_argv(args, m.path) + ["--served-model-name", m.name, "--dtype", m.dtype,
-                                                      "--device", m.device, "--redis-url", redis_url]
-                specs += [(f"{role}[{m.name}]", cmd + [role] + engine + _memory_share(args, role, len(models))
-                           + ["--drain-timeout", str(args.drain_timeout)]) for role in roles]
-        if not getattr(args, "kv_stream_layers", True):
-            for name, argv in specs:
-                if name.startswith("prefill-worker"):
-                    argv.append("--no-kv-stream-layers")
-        if args.worker_monitoring_port is not None:  # workers' /metrics on consecutive ports
-            for i, (_, argv) in enumerate(specs[1:]):
-                argv += ["--monitoring-port", str(args.worker_monitoring_port + i)]
-        if args.api_server_count > 1:
-            # like vLLM's --api-server-count: one gateway process streams ~10k tokens/s at most, so
-            # several share the port and the kernel spreads connections over them; everything they share
-            # (limits, usage, registry) already lives in Redis, and each has its own token-event socket
-            gateway_argv = specs[0][1] + ["--reuse-port"]
-            specs[0] = ("gateway", gateway_argv)
-            specs[1:1] = [(f"gateway-{i}", list(gateway_argv)) for i in range(1, args.api_server_count)]
-        threads = _cpu_threads_per_worker(args, sum(not _is_gateway(n) for n, _ in specs))
-        procs = {name: subprocess.Popen(argv, preexec_fn=_die_with_parent,
-                                        env=_env(name, args.admin_key, threads)) for name, argv in specs}
+        for child in children:
+            child.config = dataclasses.replace(child.config, redis_url=redis_url)
+        threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
+        procs = {c.name: _start(c, args, threads, print_config=False) for c in children}
         names = [m.name for m in models if not m.lazy]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
         instances = [instance_key(m.name, m.version) for m in models if not m.lazy]
@@ -117,37 +90,8 @@ def serve(args: argparse.Namespace) -> int:
         return code
 
 
-# Workers sharing one GPU must split --gpu-memory-utilization: each sizes its KV cache from its own
-# share, and the prefill side needs room for one batch of prompts, the decode side for every running
-# request's context.
-ROLE_MEMORY_SHARE = {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}
-
-
-def _memory_share(args: argparse.Namespace, role: str, num_models: int) -> list[str]:
-    share = args.gpu_memory_utilization * ROLE_MEMORY_SHARE[role] / num_models
-    return ["--gpu-memory-utilization", f"{share:.4f}"]
-
-
-def _models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
-    """From --config, else the one --model; GGUF files are imported here once, before workers race to."""
-    if args.config:
-        _repo, models = load_serve_config(args.config)
-    else:
-        models = [ServedModel(name=args.served_model_name or "", path=args.model or "", device=args.device,
-                              dtype=args.dtype)]
-    for m in models:
-        resolved = resolve_model(m.path or None, args.load_format)
-        m.path, m.name = resolved.path, m.name or resolved.served_name
-    return models
-
-
 def _is_gateway(name: str) -> bool:
     return name == "gateway" or name.startswith("gateway-")
-
-
-def _config_repo(config: str) -> str | None:
-    repo, _ = load_serve_config(config)
-    return str(repo.root) if repo is not None else None
 
 
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:
@@ -161,13 +105,10 @@ def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int |
     return max(1, (os.cpu_count() or 1) // num_workers)
 
 
-def _env(name: str, admin_key: str | None, threads: int | None) -> dict[str, str]:
-    """The admin key reaches the gateway through its environment (argv shows in `ps`), and no other
-    process: workers have no use for it."""
+def _env(child: Child, threads: int | None) -> dict[str, str]:
+    """The admin key reaches the gateway inside its config, and no other process: workers have no use for it."""
     env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
-    if _is_gateway(name) and admin_key:
-        env[ADMIN_KEY_ENV] = admin_key
-    if threads is not None and not _is_gateway(name):
+    if threads is not None and not child.is_gateway:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
 

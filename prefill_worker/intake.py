@@ -6,12 +6,13 @@ output is its own (prefill_worker/worker.py, prefill_worker/unified.py)."""
 import time
 
 from kvrelay.prefill_worker.job_queue import JobQueue
+from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_host import ModelSlot
-from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime
+from kvrelay.shared.worker.runtime import WorkerRuntime
 
 IDLE_BLOCK_MS = 50  # one model and nothing running: the read blocks this long for a job
 IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap

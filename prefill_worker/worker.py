@@ -30,7 +30,7 @@ engine; one step serves each in turn, and one HandoffManager carries all their K
 import logging
 import time
 
-from kvrelay.prefill_worker.handoff import HandoffManager, State, Transfer
+from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
 from kvrelay.prefill_worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
 from kvrelay.prefill_worker.job_queue import replayable
 from kvrelay.shared.engine.outputs import EngineCoreOutput
@@ -168,11 +168,9 @@ class PrefillWorker:
         event.finish_reason = None  # the prefill cap is ours, not the request's
         self.inflight.send(rec, event)
         self.inflight.hand_over(rid)
-        first = (out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
-                 event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens)
-        if not self.handoff.complete(rid, *first):
-            self.handoff.start(Transfer(job=job, entry_id=rec.entry_id, first_token=first[0], first_logprob=first[1],
-                                        first_top=first[2], num_cached_tokens=first[3]))
+        self.handoff.prefilled(job, rec.entry_id, FirstToken(
+            out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
+            event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens))
 
     def _on_transfer_end(self, t: Transfer) -> None:
         slot = self.runtime.slots.get(t.job.model)

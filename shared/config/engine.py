@@ -1,77 +1,78 @@
 """Engine configuration as dataclasses; field names follow vLLM's CLI flags (``--max-num-seqs`` is
-``max_num_seqs``)."""
+``max_num_seqs``). Importing it needs no torch: the gateway's CLI shares the parser."""
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from kvrelay.shared.config.declare import CONFIG, Device, DType, PowerOfTwo, setting
+from pydantic.dataclasses import dataclass
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class ModelConfig:
-    model: str  # HF-style directory, or "dummy:<preset>" together with load_format="dummy"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    max_model_len: int | None = None  # None: the model's own max_position_embeddings
-    load_format: str = "auto"  # auto | dummy
-    tokenizer: str | None = None  # defaults to the model directory
-    seed: int = 0
-    served_model_name: str | None = None
-    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (debugging, comparison benchmarks)
+    model: str = setting(help="HF model directory, .gguf file, 'smollm2' (default) or dummy:<preset> "
+                              "(e.g. dummy:llama-3-8b)")
+    dtype: DType = setting("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: the model's own)",
+                                        ge=1)
+    load_format: Literal["auto", "dummy"] = setting("auto", "dummy: random weights of the model's shape")
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)")
+    seed: int = setting(0, "seed of the sampler's generator and of dummy weights")
+    served_model_name: str | None = setting(None, "the name clients use (default: from --model)")
+    enforce_eager: bool = setting(False, "CUDA: run decode eagerly, without CUDA graphs (debugging, comparisons)")
 
-    def torch_dtype(self, device: str) -> torch.dtype:
+    def torch_dtype(self, device: str) -> "torch.dtype":
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if device == "cpu" else torch.bfloat16
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for weights + KV
-    kv_cache_memory: int | None = None  # bytes; on CPU the default is 1 GiB
-    num_gpu_blocks: int | None = None  # overrides both of the above ("gpu" = the device cache, as in vLLM)
-    swap_space: float = 0.0  # GiB of host memory for preempted requests' KV; 0 = preempt by recompute
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
+    block_size: PowerOfTwo = setting(16, "tokens per KV cache block")
+    gpu_memory_utilization: float = setting(0.9, "CUDA: fraction of device memory for weights + KV cache",
+                                            gt=0, le=1)
+    kv_cache_memory: int | None = setting(None, "bytes of KV cache (CPU default: 1 GiB)", ge=1)
+    # "gpu" = the device cache, as in vLLM
+    num_gpu_blocks: int | None = setting(None, "KV blocks, overriding both of the above",
+                                         flag="--num-gpu-blocks-override", ge=1)
+    swap_space: float = setting(0.0, "GiB of host memory for preempted requests' KV (0: preempt by recompute)",
+                                ge=0)
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a prompt's already computed prefix")
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
-    # Share admission between tenants by tokens served (shared/engine/fair_queue.py). On by default: with one
-    # tenant it orders exactly like the plain policy, so only multi-tenant traffic sees a difference.
-    tenant_fairness: bool = True
-    tenant_kv_quota: float | None = None  # max share of KV blocks one tenant may hold before it must wait
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
-        if self.tenant_kv_quota is not None and not 0 < self.tenant_kv_quota <= 1:
-            raise ValueError(f"tenant_kv_quota must be in (0, 1], got {self.tenant_kv_quota}")
+    max_num_seqs: int = setting(256, "requests in the running batch at most", ge=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per step at most (default: 2048 with chunked prefill, else --max-model-len)", ge=1)
+    enable_chunked_prefill: bool = setting(True, "split long prompts across steps, mixed with decodes")
+    policy: Literal["fcfs", "priority"] = setting("fcfs", "admission order (priority: lower value first, then "
+                                                  "arrival)", flag="--scheduling-policy")
+    # On by default: with one tenant it orders exactly like the plain policy, so only multi-tenant traffic
+    # sees a difference (shared/engine/fair_queue.py).
+    tenant_fairness: bool = setting(True, "admit between tenants by tokens served, so one tenant's flood "
+                                    "cannot starve another")
+    tenant_kv_quota: float | None = setting(None, "max share of KV blocks one tenant may hold; its further "
+                                            "requests wait (default: none)", gt=0, le=1)
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "auto"  # auto | cpu | cuda[:N]
+    device: Device = setting("auto", "auto | cpu | cuda[:N] (auto: CUDA when present)")
 
     def __post_init__(self) -> None:
         if self.device == "auto":
+            import torch
+
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,15 +8,50 @@
 
 Per model, optional: ``pinned`` (never evicted), ``min_replicas``, ``keep_alive_s`` (unload after that
 long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
-lazy models must come from the repository).
+lazy models must come from the repository). Keys are checked strictly: an unknown key or a value of the
+wrong type (``pinned: "no"``, ``version: 2.7``) is an error naming the file and key, never a default.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from kvrelay.shared.config.engine import DTYPES
-from kvrelay.shared.repo.model_repo import ModelRepository
+from kvrelay.shared.config.declare import ConfigError, Device, DType
+from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class RepositorySection(BaseModel):
+    model_config = STRICT
+    type: Literal["local"] = "local"
+    path: str = "model_repo"  # relative to the file's folder
+    versioning: Literal["numbered"] = "numbered"
+
+
+class ModelEntry(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    version: int | None = Field(None, ge=1)  # from the repository (default: its latest)
+    path: str | None = Field(None, min_length=1)  # an HF directory, a .gguf file or dummy:<preset>
+    device: Device = "auto"
+    precision: DType = "auto"
+    pinned: bool = False
+    min_replicas: int = Field(0, ge=0)
+    keep_alive_s: float = Field(0.0, ge=0)
+    load: Literal["startup", "lazy"] = "startup"
+
+
+class ServeFile(BaseModel):
+    model_config = STRICT
+    model_repo: RepositorySection | None = None
+    models: list[ModelEntry] = Field(min_length=1)
+
+
+class RepositoryConfigError(ConfigError, RepositoryError):
+    """A model the file names that the repository does not hold."""
 
 
 @dataclass
@@ -33,45 +68,49 @@ class ServedModel:
 
 
 def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[ServedModel]]:
-    raw = yaml.safe_load(Path(file).read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file}: expected a mapping at the top level")
+    spec = _parse(file)
     repo = None
-    repo_cfg = raw.get("model_repo")
-    if repo_cfg is not None:
-        if repo_cfg.get("type", "local") != "local":
-            raise ValueError(f"model_repo.type {repo_cfg.get('type')!r}: only 'local' is supported")
-        if repo_cfg.get("versioning", "numbered") != "numbered":
-            raise ValueError("model_repo.versioning: only 'numbered' is supported")
-        base = Path(file).parent
-        repo = ModelRepository(base / Path(repo_cfg.get("path", "model_repo")).expanduser())
+    if spec.model_repo is not None:
+        repo = ModelRepository(Path(file).parent / Path(spec.model_repo.path).expanduser())
     models = []
-    for i, entry in enumerate(raw.get("models") or []):
+    for i, entry in enumerate(spec.models):
         where = f"{file}: models[{i}]"
-        if not isinstance(entry, dict) or not entry.get("name"):
-            raise ValueError(f"{where}: needs a name")
-        precision = entry.get("precision", "auto")
-        if precision != "auto" and precision not in DTYPES:
-            raise ValueError(f"{where}: precision must be auto or one of {', '.join(DTYPES)}")
         version = 0
-        if entry.get("path"):
-            path = str(entry["path"])
+        if entry.path:
+            path = entry.path
         elif repo is not None:
-            mv = repo.get(entry["name"], entry.get("version"))
+            try:
+                mv = repo.get(entry.name, entry.version)
+            except RepositoryError as exc:
+                raise RepositoryConfigError(f"{where}.name: {exc}") from None
             path, version = mv.path, mv.version
         else:
-            raise ValueError(f"{where}: give a path, or a model_repo to take {entry['name']!r} from")
-        load = entry.get("load", "startup")
-        if load not in ("startup", "lazy"):
-            raise ValueError(f"{where}: load must be startup or lazy")
-        if load == "lazy" and not version:
-            raise ValueError(f"{where}: a lazily loaded model must come from the model_repo")
-        models.append(ServedModel(name=entry["name"], path=path, device=entry.get("device", "auto"),
-                                  dtype=precision, version=version, pinned=bool(entry.get("pinned", False)),
-                                  min_replicas=int(entry.get("min_replicas", 0)),
-                                  keep_alive_s=float(entry.get("keep_alive_s", 0)), lazy=load == "lazy"))
-    if not models:
-        raise ValueError(f"{file}: no models listed")
+            raise ConfigError(f"{where}: give a path, or a model_repo to take {entry.name!r} from")
+        if entry.load == "lazy" and not version:
+            raise ConfigError(f"{where}.load: a lazily loaded model must come from the model_repo")
+        models.append(ServedModel(name=entry.name, path=path, device=entry.device, dtype=entry.precision,
+                                  version=version, pinned=entry.pinned, min_replicas=entry.min_replicas,
+                                  keep_alive_s=entry.keep_alive_s, lazy=entry.load == "lazy"))
     if len({m.name for m in models}) != len(models):
-        raise ValueError(f"{file}: model names must be unique")
+        raise ConfigError(f"{file}: models: names must be unique")
     return repo, models
+
+
+def _parse(file: str | Path) -> ServeFile:
+    try:
+        raw = yaml.safe_load(Path(file).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{file}: {' '.join(str(exc).split())}") from None
+    try:
+        return ServeFile.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        # a misspelt key first: it is why the rightly spelt one is "missing"
+        err = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        message = err["msg"].removeprefix("Value error, ")
+        message = f"{message[0].lower()}{message[1:]}"
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] != "missing":
+            message += f" (got {err['input']!r})"
+        raise ConfigError(f"{file}: {key}: {message}" if key else f"{file}: {message}") from None

@@ -1,1 +1,1 @@
-"""The offline engine: scheduler, block manager, model runner, sampler, models."""
+"""The offline engine: scheduler, block manager, model runner, sampler, models and their weight loader."""

@@ -9,10 +9,10 @@ of three states:
 * plain free: ``ref_cnt == 0``, no hash; also in the free queue.
 
 The free queue is an LRU: allocation pops the head and evicts that block's cache entry if it has one.
-A block's hash chains its parent's hash, its tokens and the request's cache namespace (its
-``cache_salt`` with its tenant folded in), so equal blocks in different contexts or different tenants
-never match; a hit is also checked token by token, so a hash collision degrades to a miss instead of
-serving another sequence's KV.
+A block's hash (shared/wire/block_hash.py, shared with the gateway's routing) chains its parent's hash,
+its tokens and the request's cache namespace (its ``cache_salt`` with its tenant folded in), so equal
+blocks in different contexts or different tenants never match; a hit is also checked token by token, so
+a hash collision degrades to a miss instead of serving another sequence's KV.
 
 A block manager may own only some ids of ``[0, num_blocks)``: models sharing one KV pool
 (shared/engine/kv_pool.py) each view the whole pool as blocks and own those the pool granted them. It then
@@ -21,44 +21,14 @@ so the scheduler preempts only when the pool is out; and the pool takes free blo
 ``release_free_blocks`` when another model needs them.
 """
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from kvrelay.shared.engine.request import DEFAULT_TENANT, Request
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.wire.block_hash import cache_namespace, hash_block_tokens
 
 # (parent hash, tokens, salt): what a cached block was computed from, compared on every hit.
 BlockKey = tuple[int | None, tuple[int, ...], str | None]
-
-
-def hash_block_tokens(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
-    """Stable 64-bit hash of one full block in its context.
-
-    sha256 rather than ``hash()``: Python salts ``str`` hashes per process, and block hashes are
-    meant to be comparable across workers (prefix-affinity routing advertises them).
-    """
-    h = hashlib.sha256()
-    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-    h.update(array("q", tokens).tobytes())
-    h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
-    return int.from_bytes(h.digest()[:8], "little")
-
-
-_NS_MARK = "\x1f"
-
-
-def cache_namespace(req: Request) -> str | None:
-    """The salt a request's blocks are hashed with. The gateway already gives each tenant its own salt;
-    folding the tenant in here as well means a gateway that forgets (or a client-chosen salt that
-    matches another tenant's) still cannot make two tenants share KV. The default tenant keeps its
-    salt unchanged, so single-tenant and offline hashes are what they always were, unless that salt
-    starts with the marker every folded namespace starts with; the tenant is length-prefixed, so no
-    (tenant, salt) pair can spell another one."""
-    if req.tenant == DEFAULT_TENANT and not (req.cache_salt or "").startswith(_NS_MARK):
-        return req.cache_salt
-    salt = "" if req.cache_salt is None else "=" + req.cache_salt
-    return f"{_NS_MARK}tenant:{len(req.tenant)}:{req.tenant}{salt}"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -158,14 +128,15 @@ class BlockManager:
         """The request's block-hash chain, extended to ``num_full_blocks`` (tokens only ever append)."""
         chain = self.req_hashes.setdefault(req.request_id, [])
         if len(chain) < num_full_blocks:
-            salt = cache_namespace(req)
+            salt = cache_namespace(req.tenant, req.cache_salt)
             for i in range(len(chain), num_full_blocks):
                 parent = chain[-1] if chain else None
                 chain.append(hash_block_tokens(parent, self._block_tokens(req, i), salt))
         return chain
 
     def _key(self, req: Request, chain: list[int], i: int) -> BlockKey:
-        return (chain[i - 1] if i else None, self._block_tokens(req, i), cache_namespace(req))
+        return (chain[i - 1] if i else None, self._block_tokens(req, i),
+                cache_namespace(req.tenant, req.cache_salt))
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         """Block ``i``'s tokens, without concatenating prompt and output (all_token_ids copies both)."""

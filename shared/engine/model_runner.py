@@ -20,13 +20,13 @@ from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.models import max_model_len as model_max_len
 from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import Sampler, SampleResult, prompt_logprobs
 from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device
-from kvrelay.shared.repo.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ModelRunner:
         del kv, hidden
 
     def set_kv_stream(self, stream) -> None:
-        """A prefill worker's layer-by-layer handoff (prefill_worker/handoff.py ``LayerStream``): told
+        """A prefill worker's layer-by-layer handoff (shared/handoff/sender.py ``LayerStream``): told
         before each eager forward which prompts it finishes, and after each decoder layer that the layer's
         KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
         if self.kv_stream is None and not self._hooked:

@@ -9,9 +9,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvrelay.shared.wire.block_hash import DEFAULT_TENANT
 from kvrelay.shared.wire.sampling_params import SamplingParams
-
-DEFAULT_TENANT = "default"  # the gateway's tenant when no API keys are configured, and the offline API's
 
 
 class RequestStatus(enum.Enum):

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 
 import torch
-from kvrelay.shared.config.engine import DTYPES
+from kvrelay.shared.config.engine import DTYPE_NAMES
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,15 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {dtype!r}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} already exists and is not empty")
     staging = out_dir.parent / f".{out_dir.name}.importing-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        _convert(gguf_path, staging, DTYPES[dtype], progress)
+        _convert(gguf_path, staging, getattr(torch, dtype), progress)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)

@@ -1,13 +1,25 @@
-"""Tokenizer loading and the set of token ids that end a generation."""
+"""Tokenizer loading and the set of token ids that end a generation.
+
+No torch: transformers' ``AutoTokenizer`` imports it (its model-type lookup goes through the model
+configuration code), and the gateway, which only tokenizes, would pay ~200 MB for it. A directory with a
+``tokenizer.json`` holds the whole fast tokenizer (normalizer, pre-tokenizer, model, post-processor,
+decoder; special tokens and chat template beside it), so it loads as that, without the model-specific
+class ``AutoTokenizer`` would look up. Only a directory without one (a slow, SentencePiece-only
+tokenizer) goes through ``AutoTokenizer``.
+"""
 
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     # local only: our machines reach no hub, and a typo must not turn into a download attempt
+    if (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

@@ -6,7 +6,7 @@ dataclass annotations, unknown fields rejected, cross-field invariants checked b
 violation raises ``ValueError`` so a receiver can drop the message with one ``except``.
 
 Each encoded message carries a ``type`` tag so one socket can carry several kinds (``decode_any``).
-Raw KV bytes never go through msgpack: they follow a ``KVHeader`` as separate ZMQ frames.
+The KV handoff's messages live in shared/wire/handoff.py and join the codec through ``register``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -117,159 +115,6 @@ class Abort:
 
     TAG: ClassVar[str] = "abort"
     request_ids: list[str]
-    reason: str = ""
-
-
-@dataclass
-class HandoffRequest:
-    """Prefill -> decode: asks the decode worker to reserve blocks for a prompt's KV, once its prefill
-    finished or, early, before it runs (so its layers can stream while the last chunk computes)."""
-
-    TAG: ClassVar[str] = "handoff_request"
-    request_id: str = field(metadata=_ID)
-    model: str = field(metadata=_ID)
-    num_tokens: int
-    block_size: int
-    prefill_addr: str
-    # CUDA IPC offer: the asker's GPU UUID ("" = no CUDA) and worker id (one IPC export per asker, so
-    # torch's per-consumer reference count on the decode's KV allocation stays exact)
-    device_uuid: str = field(default="", metadata=_ID)
-    requester: str = field(default="", metadata=_ID)
-
-    def check(self) -> None:
-        if self.num_tokens < 1 or self.block_size < 1:
-            raise ValueError("HandoffRequest.num_tokens and block_size must be positive")
-
-
-@dataclass
-class KVIpcHandle:
-    """The decode worker's whole KV cache tensor, shared through CUDA IPC: the fields of torch's
-    ``UntypedStorage._share_cuda_()`` as plain bytes/ints (never torch's pickling reducers), plus the
-    tensor's view so the opener can check the layout before writing a byte. Only inside a grant."""
-
-    device_uuid: str = field(metadata=_ID)
-    handle: bytes  # cudaIpcMemHandle of the allocation holding the storage (as torch serializes it)
-    storage_size: int  # bytes
-    storage_offset: int  # bytes, of the storage inside that allocation
-    ref_counter: bytes  # name of torch's shared-memory reference-count file
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-    tensor_offset: int  # elements, of the KV cache tensor inside the storage
-    shape: list[int]
-    stride: list[int]
-    dtype: str
-
-    def check(self) -> None:
-        if not 0 < len(self.handle) <= 256 or len(self.ref_counter) > 256:
-            raise ValueError("KVIpcHandle: handle sizes out of range")
-        if len(self.shape) != 6 or len(self.stride) != 6 or min(self.shape) < 1 or min(self.stride) < 1:
-            raise ValueError("KVIpcHandle: shape/stride must be 6 positive ints ([L, 2, N, bs, Hkv, D])")
-        if min(self.storage_size, self.storage_offset, self.ref_counter_offset, self.tensor_offset) < 0:
-            raise ValueError("KVIpcHandle: sizes and offsets must be non-negative")
-
-
-@dataclass
-class HandoffGrant:
-    """Decode -> prefill: the decode side allocated ``block_ids`` (SGLang style) or refused, with why."""
-
-    TAG: ClassVar[str] = "handoff_grant"
-    request_id: str = field(metadata=_ID)
-    accepted: bool
-    block_ids: list[int] = field(default_factory=list)
-    reason: str = ""
-    ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
-    ttl_s: float = 0.0  # the grant lapses this long after it was sent; IPC writes must land well inside it
-
-
-KV_TRANSPORTS = ("frames", "layers", "ipc")
-
-
-@dataclass
-class KVHeader:
-    """Prefill -> decode, first frame of a KV transfer. Carries what the decode worker needs to continue
-    the request without looking at the Job. How the KV travels (``transport``):
-    "frames": ``num_frames`` raw frames follow in this message, ``checksum`` covers them all;
-    "layers": KVLayers messages follow, ``num_frames`` layers in all, with a CRC per layer;
-    "ipc": the sender already wrote the granted blocks through CUDA IPC (num_frames 0, checksum 0)."""
-
-    TAG: ClassVar[str] = "kv_header"
-    request_id: str = field(metadata=_ID)
-    model: str = field(metadata=_ID)
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    num_blocks: int
-    block_ids: list[int]  # the destination blocks from the HandoffGrant, in order
-    dtype: str  # torch dtype name without the prefix: "bfloat16", "float32", ...
-    num_frames: int
-    nbytes: int  # total over all frames
-    checksum: int  # kv_checksum(frames)
-    prompt_token_ids: list[int]
-    first_token_id: int
-    first_logprob: float | None
-    first_top_logprobs: TopLogprobs | None
-    prompt_logprobs: list[TopLogprobs | None] | None
-    num_cached_tokens: int
-    sampling: dict[str, Any]
-    tenant: str = field(metadata=_ID)
-    priority: int
-    reply_addr: str
-    deadline: float
-    arrival: float
-    cache_salt: str | None = None
-    transport: str = field(default="frames", metadata={"choices": KV_TRANSPORTS})
-
-    def check(self) -> None:
-        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) < 1:
-            raise ValueError("KVHeader layout fields must be positive")
-        if (self.num_frames == 0) != (self.transport == "ipc") or self.num_frames < 0:
-            raise ValueError(f"KVHeader: {self.num_frames} frames with transport {self.transport!r}")
-        if len(self.block_ids) != self.num_blocks:
-            raise ValueError(f"KVHeader.block_ids has {len(self.block_ids)} ids for {self.num_blocks} blocks")
-        if self.num_blocks * self.block_size < len(self.prompt_token_ids):
-            raise ValueError("KVHeader: blocks cannot hold the prompt")
-        if self.nbytes < 0:
-            raise ValueError("KVHeader.nbytes must be non-negative")
-
-
-@dataclass
-class KVLayers:
-    """Prefill -> decode, for a "layers" transfer: layers ``first`` .. ``first + len(checksums) - 1`` in
-    the one raw frame that follows (``[count, 2, n_blocks, bs, Hkv, D]``, ``nbytes`` per layer), sent as
-    soon as they are staged: after the KVHeader, or before it when streamed while the prompt's last chunk
-    is still computing (the header, which carries the first token, then comes last)."""
-
-    TAG: ClassVar[str] = "kv_layers"
-    request_id: str = field(metadata=_ID)
-    first: int
-    nbytes: int  # of each layer
-    checksums: list[int]  # CRC32 of each layer's bytes
-
-    def check(self) -> None:
-        if self.first < 0 or self.nbytes < 0 or not 1 <= len(self.checksums) <= MAX_MAP_LEN:
-            raise ValueError("KVLayers: first and nbytes must be non-negative, with 1..4096 checksums")
-
-
-@dataclass
-class HandoffCancel:
-    """Prefill -> decode: the asker will not send the KV of a grant (the request ended at its first
-    token, was aborted, or waited so long in the prefill queue that its early grant went stale): free
-    the blocks now instead of at the grant's expiry. Any layers already sent are dropped."""
-
-    TAG: ClassVar[str] = "handoff_cancel"
-    request_id: str = field(metadata=_ID)
-    reason: str = ""
-
-
-@dataclass
-class HandoffAck:
-    """Decode -> prefill: the KV landed and checked out (``ok``), so the prefill side may XACK."""
-
-    TAG: ClassVar[str] = "handoff_ack"
-    request_id: str = field(metadata=_ID)
-    ok: bool
     reason: str = ""
 
 
@@ -410,19 +255,17 @@ def instance_key(name: str, version: int) -> str:
     return f"{name}@{version}" if version else name
 
 
-MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, HandoffRequest, HandoffGrant,
-                                   KVHeader, KVLayers, HandoffCancel, HandoffAck, WorkerInfo, ModelInfo, InstanceStatus,
+MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, WorkerInfo, ModelInfo, InstanceStatus,
                                    ModelSpec, ControlCommand, ControlResult)
 _BY_TAG = {cls.TAG: cls for cls in MESSAGE_TYPES}
 M = TypeVar("M")
 
 
-def kv_checksum(frames: Iterable[bytes | memoryview]) -> int:
-    """CRC32 over the KV frames in order; cheap next to the copy and catches truncation/reordering."""
-    crc = 0
-    for frame in frames:
-        crc = zlib.crc32(frame, crc)
-    return crc
+def register(*classes: type) -> None:
+    """Add messages defined next to their layer (shared/wire/handoff.py) to the codec."""
+    for cls in classes:
+        if _BY_TAG.setdefault(cls.TAG, cls) is not cls:
+            raise ValueError(f"message tag {cls.TAG!r} is taken by {_BY_TAG[cls.TAG].__name__}")
 
 
 def encode(msg: Any) -> bytes:

@@ -1,22 +1,23 @@
-"""Runs one worker process of a given role from parsed command-line flags."""
+"""Runs one worker process of a given role from its config: built from the command line's flags, or
+handed over by ``kvrelay serve`` (shared/config/handover.py)."""
 
 import argparse
 import dataclasses
 import time
 from pathlib import Path
 
-from kvrelay.shared.config.cli_args import engine_config_from_args
+from kvrelay.shared.config.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values
+from kvrelay.shared.config.flags import Flag, build
 from kvrelay.shared.config.serve_config import load_serve_config
+from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.protocol import ModelSpec
-from kvrelay.shared.worker.runtime import StartupModel, WorkerConfig
 
 
-def run_worker(role: str, args: argparse.Namespace) -> int:
-    config = worker_config(role, args)
-    if role == "prefill":
+def run_worker(config: WorkerConfig) -> int:
+    if config.role == "prefill":
         from kvrelay.prefill_worker.worker import PrefillWorker as cls
-    elif role == "decode":
+    elif config.role == "decode":
         from kvrelay.decode_worker.worker import DecodeWorker as cls
     else:
         from kvrelay.prefill_worker.unified import UnifiedWorker as cls
@@ -24,9 +25,10 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
+def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS) -> WorkerConfig:
     """``--model`` (default SmolLM2) is the worker's one model, unless ``--config`` lists its models or
-    ``--model-repo`` alone starts it empty, to be loaded through the admin API."""
+    ``--model-repo`` alone starts it empty, to be loaded through the admin API. ``flags``: the command
+    line's names for the worker's settings (kvrelay serve renames some)."""
     # no --model: the flags only give every model its engine settings
     engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
                                                                             (args.model_repo and not args.model)))
@@ -48,16 +50,10 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
             more.append(StartupModel(m.name, dataclasses.replace(engine, model=model), _tokenizer_dir(m.path),
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
-    config = WorkerConfig(role=role, engine=engine, redis_url=args.redis_url, model_name=name, host=args.host,
-                          port=args.port, advertise_host=args.advertise_host, model_path=model_dir,
-                          handoff_timeout_s=args.handoff_timeout, stream_kv_layers=args.kv_stream_layers,
-                          reclaim_idle_ms=args.reclaim_idle_ms, drain_timeout_s=args.drain_timeout,
-                          monitoring_port=args.monitoring_port, more_models=more, model_repo=model_repo,
-                          weights_memory=args.weights_memory, verify_checksums=args.verify_checksums,
-                          register=specs, freeze_gc=True)
-    if args.worker_id:
-        config.worker_id = args.worker_id
-    return config
+    values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
+              "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
+              "freeze_gc": True}
+    return build(WorkerConfig, values, flags)
 
 
 def _tokenizer_dir(path: str) -> str:

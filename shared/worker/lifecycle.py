@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.wire.protocol import Job, KVHeader, TokenEvent
+from kvrelay.shared.wire.handoff import KVHeader
+from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.wire.redis_keys import GATEWAY_TTL_S
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.model_host import ModelSlot

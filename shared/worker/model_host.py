@@ -35,7 +35,7 @@ import torch
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool
-from kvrelay.shared.repo.loader import load_model
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import file_digest
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
@@ -395,8 +395,8 @@ class ModelHost:
 def estimate_weight_bytes(engine: EngineConfig) -> int:
     """Weights in the dtype they will be loaded in, from the safetensors headers (or, for a dummy preset,
     its parameter count on the meta device), without reading any tensor data."""
+    from kvrelay.shared.engine.loader import read_safetensors_header, safetensors_files
     from kvrelay.shared.engine.models import build_model
-    from kvrelay.shared.repo.loader import read_safetensors_header, safetensors_files
 
     dtype = engine.model.torch_dtype(torch.device(engine.device).type)
     config = _hf_config(engine)  # a folder without a config is not a model: fail before estimating
@@ -430,8 +430,8 @@ def kv_floor_bytes(engine: EngineConfig) -> int:
 
 
 def _hf_config(engine: EngineConfig) -> dict:
+    from kvrelay.shared.engine.loader import read_hf_config
     from kvrelay.shared.engine.models.presets import get_preset
-    from kvrelay.shared.repo.loader import read_hf_config
 
     if engine.model.model.startswith("dummy:"):
         return get_preset(engine.model.model.removeprefix("dummy:"))

@@ -20,14 +20,12 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import redis
 import torch
 import zmq
-from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.outputs import EngineCoreOutput
@@ -59,50 +57,6 @@ CPU_DEFAULT_WEIGHTS_BYTES = 8 << 30
 ACTIVATION_RESERVE = 4 << 30  # CUDA: peak activations of a prefill step, CUDA graphs, allocator slack
 
 
-@dataclass
-class StartupModel:
-    """A model a worker loads before it starts serving (``--model``, or each model of ``--config``)."""
-
-    name: str
-    engine: EngineConfig
-    tokenizer_dir: str = ""
-    version: int = 0
-    pinned: bool = False
-    keep_alive_s: float = 0.0
-
-
-@dataclass
-class WorkerConfig:
-    role: str  # prefill | decode | unified
-    engine: EngineConfig  # the engine flags every model gets; with --model, also the first model
-    redis_url: str
-    model_name: str  # the name clients use (served_model_name) of ``engine``'s model; "" for none
-    host: str = "127.0.0.1"  # ZMQ bind address: loopback unless configured
-    port: int = 0  # 0: an ephemeral port
-    advertise_host: str | None = None  # what peers dial, when ``host`` is a wildcard (pod IP, service name)
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    model_path: str = ""  # directory with the tokenizer, published for gateways
-    handoff_timeout_s: float = 10.0
-    stream_kv_layers: bool = True  # prefill: early grants, KV sent layer by layer during the last chunk
-    max_deliveries: int = keys.MAX_DELIVERIES
-    reclaim_idle_ms: int = 15_000  # a pending job idle this long belongs to a dead prefill worker
-    monitoring_port: int | None = None  # Prometheus /metrics on host:port; None: not served (0: ephemeral)
-    drain_timeout_s: float = 30.0  # after SIGTERM, how long running requests get to finish
-    more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
-    model_repo: str | None = None  # with it the worker takes load/unload commands for repository models
-    weights_memory: int | None = None  # bytes of model weights it may hold at once (default: see host_budget)
-    verify_checksums: bool = True  # hash a repository model's files against its manifest before loading
-    register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
-    freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
-
-    def startup_models(self) -> list[StartupModel]:
-        first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []
-        return first + self.more_models
-
-    @property
-    def multi_model(self) -> bool:
-        """Several models, now or later: they share one KV pool and a weights budget."""
-        return bool(self.model_repo) or len(self.startup_models()) > 1
 
 
 class WorkerRuntime:

@@ -12,15 +12,13 @@ import asyncio
 import os
 import re
 import shutil
-import signal
-import subprocess
 import time
 
 import httpx
 import pytest
-from kvrelay.bench.nginx_stack import loopback_nginx_config, nginx_command
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
+from kvrelay.nginx import loopback_nginx
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import stream_completion
@@ -43,33 +41,19 @@ def nginx_binary() -> str:
 def stack(tiny_model_dir, tmp_path_factory):
     nginx = nginx_binary()
     logs = tmp_path_factory.mktemp("nginx")
-    workdir = logs / "nginx-run"
-    workdir.mkdir(mode=0o777)
-    os.chmod(workdir, 0o777)  # nginx workers run as nobody when the master is root
     with EmbeddedRedis() as redis_url:
         c = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, logs)
-        ports = [c.start_gateway("g1"), c.start_gateway("g2")]
-        c.start_worker("prefill", "p1")
-        c.start_worker("decode", "d1")
-        port = free_port()
-        conf = workdir / "nginx.conf"
-        conf.write_text(loopback_nginx_config(ports, port, workdir))
-        check = subprocess.run([nginx, "-t", "-q", "-c", str(conf), "-p", str(workdir), "-e", "stderr"],
-                               capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
-        proc = subprocess.Popen(nginx_command(nginx, workdir), stdout=open(logs / "nginx.log", "wb"),
-                                stderr=subprocess.STDOUT)
         try:
-            for p in ports:
-                c.wait_ready(port=p)
-            _wait_http(f"http://127.0.0.1:{port}/nginx-health")
-            yield c, f"http://127.0.0.1:{port}", ports
+            ports = [c.start_gateway("g1"), c.start_gateway("g2")]
+            c.start_worker("prefill", "p1")
+            c.start_worker("decode", "d1")
+            port = free_port()
+            with loopback_nginx(nginx, ports, port, logs / "nginx-run", logs / "nginx.log"):
+                for p in ports:
+                    c.wait_ready(port=p)
+                _wait_http(f"http://127.0.0.1:{port}/nginx-health")
+                yield c, f"http://127.0.0.1:{port}", ports
         finally:
-            proc.send_signal(signal.SIGQUIT)  # graceful nginx stop
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
             c.stop()
 
 

@@ -86,16 +86,29 @@ def test_ctrl_c_stops_everything_cleanly(served):
     assert r.scard(keys.WORKERS_INDEX) == 0
 
 
+def two_free_ports() -> int:
+    """A port whose next one is free too (serve gives gateway i the token-event port --zmq-port + i)."""
+    for _ in range(50):
+        first = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", first + 1))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError("no two consecutive free ports")
+
+
 def test_api_server_count_runs_gateways_that_share_the_port(tmp_path, redis_url):
     import json
     import urllib.request
 
-    port, log = free_port(), tmp_path / "serve.log"
+    port, log, zmq_port = free_port(), tmp_path / "serve.log", two_free_ports()
     sync_client(redis_url).flushall()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
          "--model", "dummy:tiny-llama", "--max-model-len", "256", "--kv-cache-memory", str(16 << 20),
-         "--api-server-count", "2"],
+         "--api-server-count", "2", "--zmq-port", str(zmq_port)],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 180
@@ -104,6 +117,10 @@ def test_api_server_count_runs_gateways_that_share_the_port(tmp_path, redis_url)
             time.sleep(0.3)
         gateways = [c for c in psutil.Process(proc.pid).children() if "gateway" in c.cmdline()]
         assert len(gateways) == 2
+        # --zmq-port reached the gateways (it was once accepted by serve and dropped): one port each
+        token_ports = {c.laddr.port for g in gateways for c in g.net_connections(kind="tcp")
+                       if c.status == psutil.CONN_LISTEN and c.laddr.port != port}
+        assert token_ports == {zmq_port, zmq_port + 1}
         # the kernel hands each new connection to one of the listeners: with 40 open, both gateways hold some
         # (all on one has odds 2**-39); a gateway owns a connection's socket once it accepted it
         conns = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]

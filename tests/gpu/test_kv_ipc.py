@@ -11,11 +11,14 @@ import time
 import pytest
 import torch
 import zmq
-from kvrelay.bench.handoff import decode_info, endpoint, transfer
 from kvrelay.prefill_worker.handoff import HandoffManager, State
-from kvrelay.shared.handoff.cuda_ipc import IpcError, IpcExporter, IpcPeers, copy_blocks, device_uuid, export_handle
+from kvrelay.shared.handoff.blocks import copy_blocks
+from kvrelay.shared.handoff.cuda_ipc import CudaIpc, device_uuid, export_handle
+from kvrelay.shared.handoff.direct import DeviceCopy, Exporter, IpcError, Peers
+from kvrelay.shared.handoff.frames import Frames, StagedKV
+from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off
 
-from tests.integration.test_handoff import DecodeSide
+from tests.integration.handoff_harness import DecodeSide
 
 pytestmark = pytest.mark.gpu
 MODEL = "tiny"
@@ -30,21 +33,14 @@ def _source_cache() -> torch.Tensor:
 
 
 def _hand_off(manager: HandoffManager, rt, rid: str, num_tokens: int):
-    src = rt.core.block_manager.allocate_for_tokens(rid, num_tokens)
-    manager.start(transfer(rid, num_tokens, MODEL))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for t in manager.poll(20):
-            if t.job.request_id == rid:
-                return t, src
-    raise AssertionError(f"{rid} never ended")
+    return hand_off(manager, rt, rid, num_tokens, MODEL, timeout_s=60)
 
 
 def _prefill_process(addr: str) -> None:
     """The other process: a prefill worker's handoff half, handing CASES off to ``addr``."""
     kv = _source_cache()
     rt = endpoint(kv, "p-gpu", MODEL, scatter_seed=3)
-    manager = HandoffManager(zmq.Context(), rt, 10.0, workers=lambda: [decode_info(addr, model=MODEL)])
+    manager = HandoffManager(zmq.Context(), rt, 10.0, workers=lambda: [decode_info(addr, MODEL)])
     for rid, num_tokens in CASES:
         t, src = _hand_off(manager, rt, rid, num_tokens)
         print(json.dumps(dict(rid=rid, state=t.state.value, transport=t.transport, src=src, reason=t.reason)),
@@ -79,10 +75,11 @@ def test_ipc_copy_between_two_processes_equals_the_source_blocks(decode_side):
     assert not decode_side.rt.core.runner.kv_cache[:, :, untouched].any()
 
 
-def _in_process_prefill(addr: str):
+def _in_process_prefill(addr: str, transports=None):
     kv = _source_cache()
     rt = endpoint(kv, "p-local", MODEL, scatter_seed=3)
-    return rt, HandoffManager(zmq.Context.instance(), rt, 10.0, workers=lambda: [decode_info(addr, model=MODEL)])
+    return rt, HandoffManager(zmq.Context.instance(), rt, 10.0, workers=lambda: [decode_info(addr, MODEL)],
+                              transports=transports)
 
 
 def _check_landed(side: DecodeSide, rt, rid: str, src: list[int]) -> None:
@@ -95,8 +92,7 @@ def _check_landed(side: DecodeSide, rt, rid: str, src: list[int]) -> None:
 
 
 def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
-    rt, manager = _in_process_prefill(decode_side.addr)
-    manager.device_uuid = ""  # as a prefill worker on another GPU or host: no IPC offer
+    rt, manager = _in_process_prefill(decode_side.addr, transports=[Frames()])  # as from another GPU or host
     for rid, num_tokens in CASES:
         t, src = _hand_off(manager, rt, rid, num_tokens)
         assert t.state is State.DONE and t.transport == "layers", t.reason
@@ -106,7 +102,8 @@ def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
 
 def test_falls_back_to_frames_when_the_ipc_handle_cannot_be_mapped(decode_side):
     rt, manager = _in_process_prefill(decode_side.addr)
-    exporter = decode_side.receiver.exporters[MODEL] = IpcExporter(decode_side.rt.core.runner.kv_cache)
+    direct = decode_side.receiver.transports[0]
+    exporter = direct.exporters[MODEL] = Exporter(decode_side.rt.core.runner.kv_cache, CudaIpc())
     real_offer = exporter.offer
 
     def broken_offer(requester, asker_uuid):
@@ -126,9 +123,9 @@ def test_opener_refuses_a_cache_of_another_layout():
     mine = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
     other = torch.zeros(SHAPE[:4] + (8, 64), dtype=torch.bfloat16, device="cuda")
     with pytest.raises(IpcError, match="shape"):
-        IpcPeers(mine).open("d1", export_handle(other))
+        Peers(mine, CudaIpc()).open("d1", export_handle(other))
     with pytest.raises(IpcError, match="dtype"):
-        IpcPeers(mine).open("d1", export_handle(other.float()))
+        Peers(mine, CudaIpc()).open("d1", export_handle(other.float()))
 
 
 @pytest.mark.parametrize("scattered", [False, True])
@@ -142,15 +139,11 @@ def test_device_copy_paths_match_indexing(scattered):
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
 
 
-
 @pytest.mark.parametrize("sender", ["ipc-copy", "staged"])
 def test_layer_by_layer_senders_follow_the_compute_stream(sender):
     """Deferred (streamed) senders on CUDA: each layer range is copied / staged behind the compute
     stream as of its ``stage_through``, so a layer written by kernels still queued when it is called
     (the forward runs ahead of the GPU) arrives in full."""
-    from kvrelay.shared.handoff.cuda_ipc import DeviceCopy
-    from kvrelay.shared.handoff.frames import StagedKV
-
     final = _source_cache()
     src = torch.zeros_like(final)
     blocks, dst_blocks = list(range(3, 40, 2)), list(range(60, 79))

@@ -22,7 +22,7 @@ from pathlib import Path
 import zmq
 from aiohttp import web
 from kvrelay.gateway.app import create_app
-from kvrelay.gateway.config import GatewayConfig
+from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo, decode, encode
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client

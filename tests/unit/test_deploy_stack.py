@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.routes import ROUTES
+from kvrelay.shared.config.gateway import GatewayConfig
 
 from kvrelay.cli import build_parser
 

@@ -8,9 +8,10 @@ import zlib
 
 import pytest
 from kvrelay.shared.config.engine import SchedulerConfig
-from kvrelay.shared.engine.block_manager import BlockManager, cache_namespace
+from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
+from kvrelay.shared.wire.block_hash import cache_namespace
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 from tests.unit.test_scheduler import BS, EOS, FakeRunner, assert_clean
@@ -245,7 +246,7 @@ def test_prefix_cache_is_never_shared_across_tenants():
         owners: dict[int, set] = {}
         for req in s.running:
             for b in s.block_manager.block_ids(req.request_id):
-                owners.setdefault(b, set()).add(cache_namespace(req))
+                owners.setdefault(b, set()).add(cache_namespace(req.tenant, req.cache_salt))
         assert all(len(ns) == 1 for ns in owners.values())
         for x in out.scheduled:
             hits[x.request.tenant] = hits.get(x.request.tenant, 0) + x.request.num_cached_tokens
@@ -255,9 +256,7 @@ def test_prefix_cache_is_never_shared_across_tenants():
 
 
 def test_cache_namespaces_cannot_be_forged():
-    def ns(tenant, salt):
-        return cache_namespace(Request("x", [1], SamplingParams(), tenant=tenant, cache_salt=salt))
-
+    ns = cache_namespace
     assert ns("default", None) is None and ns("default", "s") == "s"  # single-tenant hashes unchanged
     spaces = [ns("a", None), ns("a", "s"), ns("b", "s"), ns("default", "s"), ns("a", ""),
               ns("default", ns("a", "s")), ns("a:1", None), ns("a", ":1")]

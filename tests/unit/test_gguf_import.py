@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 from kvrelay.shared.config.engine import ModelConfig
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.repo.gguf_import import SMOLLM2_GGUF, gguf_chat_template, import_gguf, smollm2_gguf_path
-from kvrelay.shared.repo.loader import load_model
 from kvrelay.shared.text.tokenizer import eos_token_ids, load_tokenizer
 from transformers import AutoModelForCausalLM
 

@@ -8,8 +8,7 @@ from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.kv_pool import KVPool, KVPoolFull
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.handoff.cuda_ipc import block_runs, copy_blocks, kv_strides
-from kvrelay.shared.handoff.frames import gather_blocks, scatter_blocks
+from kvrelay.shared.handoff.blocks import block_runs, copy_blocks, gather_blocks, kv_strides, scatter_blocks
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 CHUNK = 1024

@@ -2,14 +2,17 @@
 form bit for bit, and every way a transfer can be wrong is refused before a byte lands in the cache."""
 
 import dataclasses
-import zlib
 from concurrent.futures import wait
 
 import pytest
 import torch
 from kvrelay.shared.handoff import frames as kt
-from kvrelay.shared.handoff.cuda_ipc import IpcError, IpcExporter, block_runs, check_handle, copy_blocks
-from kvrelay.shared.wire.protocol import HandoffGrant, KVHeader, KVIpcHandle, KVLayers, decode, encode, kv_checksum
+from kvrelay.shared.handoff.blocks import block_runs, check_layout, copy_blocks, frame_nbytes, layout_of
+from kvrelay.shared.handoff.cuda_ipc import CudaIpc, check_handle
+from kvrelay.shared.handoff.direct import Exporter, IpcError
+from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader, KVIpcHandle, KVLayers
+from kvrelay.shared.wire.protocol import decode, encode
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [L, 2, N, bs, Hkv, D]
 SRC_BLOCKS, DST_BLOCKS = [3, 7, 1], [0, 9, 5]
@@ -19,11 +22,10 @@ def _cache(seed: int = 0, dtype=torch.float32, shape=SHAPE) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _header(kv: torch.Tensor, frames: list | None = None, **over) -> KVHeader:
+def _header(kv: torch.Tensor, **over) -> KVHeader:
     n = len(DST_BLOCKS)
-    base = dict(request_id="r", model="m", **kt.layout_of(kv), num_blocks=n, block_ids=DST_BLOCKS,
-                num_frames=kv.shape[0], nbytes=kv.shape[0] * kt.frame_nbytes(kv, n),
-                checksum=kv_checksum(frames or []), prompt_token_ids=[1] * (n * kv.shape[3]), first_token_id=2,
+    base = dict(request_id="r", model="m", **layout_of(kv), num_blocks=n, block_ids=DST_BLOCKS, transport="layers",
+                nbytes=kv.shape[0] * frame_nbytes(kv, n), prompt_token_ids=[1] * (n * kv.shape[3]), first_token_id=2,
                 first_logprob=None, first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0,
                 sampling={}, tenant="t", priority=0, reply_addr="", deadline=0.0, arrival=0.0)
     return KVHeader(**{**base, **over})
@@ -33,55 +35,29 @@ def _blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
     return kv[:, :, ids]
 
 
-# -- "frames" -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_pack_check_unpack_round_trip(dtype):
-    src, dst = _cache(0, dtype), torch.zeros(SHAPE, dtype=dtype)
-    frames = kt.pack_blocks(src, SRC_BLOCKS)
-    header = decode(encode(_header(src, frames)), KVHeader)
-    kt.check_frames(dst, header, frames)
-    kt.unpack_blocks(dst, header.block_ids, frames)
-    assert torch.equal(_blocks(dst, DST_BLOCKS), _blocks(src, SRC_BLOCKS))
-    untouched = [b for b in range(SHAPE[2]) if b not in DST_BLOCKS]
-    assert not _blocks(dst, untouched).any()
-
-
-def _bad_cases(src: torch.Tensor, frames: list) -> dict:
-    flipped = bytearray(frames[1])
-    flipped[5] ^= 0x40
-    return {
-        "layout": (dict(num_kv_heads=4), frames, "layout mismatch"),
-        "dtype": (dict(dtype="float16"), frames, "layout mismatch"),
-        "frame count (header)": (dict(num_frames=2), frames[:2], "expected 3 frames"),
-        "frame count (frames)": ({}, frames[:2], "expected 3 frames, got 2"),
-        "sizes": ({}, [frames[0], bytes(frames[1])[:-4], frames[2]], "frame sizes"),
-        "total bytes": (dict(nbytes=1), frames, "promises 1 bytes"),
-        "checksum": ({}, [frames[0], bytes(flipped), frames[2]], "checksum"),
-        "block id out of range": (dict(block_ids=[0, 9, 10]), frames, "out of range"),
-    }
-
-
-@pytest.mark.parametrize("case", list(_bad_cases(_cache(), kt.pack_blocks(_cache(), SRC_BLOCKS))))
-def test_check_frames_refuses(case):
-    src, dst = _cache(), torch.zeros(SHAPE)
-    frames = kt.pack_blocks(src, SRC_BLOCKS)
-    over, sent, match = _bad_cases(src, frames)[case]
-    header = _header(src, frames, **over)
-    with pytest.raises(ValueError, match=match):
-        kt.check_frames(dst, header, sent)
-
-
-def test_header_rules_for_each_transport():
+@pytest.mark.parametrize(("over", "match"), [
+    (dict(num_kv_heads=4), "layout mismatch"),
+    (dict(dtype="float16"), "layout mismatch"),
+    (dict(num_layers=2), "layout mismatch"),
+    (dict(nbytes=1), "promises 1 bytes"),
+    (dict(block_ids=[0, 9, 10]), "out of range"),
+], ids=["heads", "dtype", "layers", "total bytes", "block id"])
+def test_check_layout_refuses_a_header_that_does_not_fit(over, match):
     kv = _cache()
-    with pytest.raises(ValueError):
-        decode(encode(_header(kv, transport="ipc")), KVHeader)  # IPC carries no frames
-    with pytest.raises(ValueError):
-        decode(encode(_header(kv, num_frames=0)), KVHeader)  # frames must carry some
-    assert decode(encode(_header(kv, num_frames=0, transport="ipc")), KVHeader).transport == "ipc"
-    raw = dataclasses.asdict(_header(kv))
-    raw["transport"] = "carrier-pigeon"
-    with pytest.raises(ValueError, match="transport"):
-        decode(encode(KVHeader(**raw)), KVHeader)
+    check_layout(kv, _header(kv))
+    with pytest.raises(ValueError, match=match):
+        check_layout(kv, _header(kv, **over))
+
+
+def test_header_names_one_of_the_live_transports():
+    kv = _cache()
+    for transport in ("layers", "ipc"):
+        assert decode(encode(_header(kv, transport=transport)), KVHeader).transport == transport
+    for dead in ("frames", "carrier-pigeon"):  # "frames", the one-message form, went with its last sender
+        raw = dataclasses.asdict(_header(kv))
+        raw["transport"] = dead
+        with pytest.raises(ValueError, match="transport"):
+            decode(encode(KVHeader(**raw)), KVHeader)
 
 
 # -- "layers" -------------------------------------------------------------------------------------------
@@ -89,9 +65,8 @@ def _stage(src: torch.Tensor, blocks=SRC_BLOCKS) -> list[tuple[KVLayers, bytes]]
     staged = kt.StagedKV(src, blocks)
     msgs = []
     for g in range(staged.num_messages):
-        frame, crcs = staged.result(g)
-        msg = KVLayers(request_id="r", first=g * staged.per_message, nbytes=staged.layer_nbytes, checksums=crcs)
-        msgs.append((decode(encode(msg), KVLayers), frame))
+        msg, frame = staged.message("r", g)
+        msgs.append((decode(msg, KVLayers), frame))
     assert staged.source_free()
     return msgs
 
@@ -176,7 +151,7 @@ def test_layers_per_message_targets_a_few_megabytes():
 def test_waker_wakes_a_poller():
     import zmq
 
-    waker = kt.Waker()
+    waker = Waker()
     poller = zmq.Poller()
     poller.register(waker.fd, zmq.POLLIN)
     assert not poller.poll(0)
@@ -218,12 +193,7 @@ def test_ipc_handle_travels_as_plain_fields_and_is_validated():
 
 
 def test_ipc_is_never_offered_or_opened_off_cuda():
-    exporter = IpcExporter(torch.zeros(SHAPE))
+    exporter = Exporter(torch.zeros(SHAPE), CudaIpc())
     assert exporter.offer("p1", "") is None and exporter.offer("p1", "GPU-x") is None
     with pytest.raises(IpcError, match="not this worker's"):
         check_handle(_handle(), torch.zeros(SHAPE))
-
-
-def test_crc_matches_zlib():
-    frames = kt.pack_blocks(_cache(), SRC_BLOCKS)
-    assert kv_checksum(frames) == zlib.crc32(b"".join(bytes(f) for f in frames))

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 from kvrelay.shared.config.engine import ModelConfig
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.models import build_model, max_model_len
 from kvrelay.shared.engine.models.presets import PRESETS, get_preset
-from kvrelay.shared.repo.loader import load_model
 from kvrelay.shared.text.tokenizer import eos_token_ids
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig

@@ -5,6 +5,7 @@ import dataclasses
 
 import msgpack
 import pytest
+from kvrelay.shared.wire import handoff as h
 from kvrelay.shared.wire import protocol as p
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -16,13 +17,13 @@ def _job(**over) -> p.Job:
     return p.Job(**{**base, **over})
 
 
-def _header(**over) -> p.KVHeader:
+def _header(**over) -> h.KVHeader:
     base = dict(request_id="r", model="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=2,
-                block_ids=[7, 3], dtype="bfloat16", num_frames=2, nbytes=512, checksum=p.kv_checksum([b"a", b"b"]),
+                block_ids=[7, 3], dtype="bfloat16", transport="layers", nbytes=512,
                 prompt_token_ids=[5, 6, 7], first_token_id=9, first_logprob=-0.25, first_top_logprobs=[(9, -0.25)],
                 prompt_logprobs=[None, [(6, -1.0)], [(7, -2.0), (1, -0.5)]], num_cached_tokens=0,
                 sampling={"n": 1}, tenant="t", priority=1, reply_addr="tcp://h:1", deadline=2.0, arrival=1.0)
-    return p.KVHeader(**{**base, **over})
+    return h.KVHeader(**{**base, **over})
 
 
 SAMPLES = [
@@ -34,11 +35,14 @@ SAMPLES = [
     p.TokenEvent("r2", finish_reason="error", error="boom"),
     p.TokenBatch(events=[p.TokenEvent("a", [1]), p.TokenEvent("b", [2], finish_reason="length")]),
     p.Abort(request_ids=["a-0", "a-1"], reason="client disconnected"),
-    p.HandoffRequest("r", "m", num_tokens=10, block_size=4, prefill_addr="tcp://127.0.0.1:9"),
-    p.HandoffGrant("r", accepted=True, block_ids=[1, 2, 3]),
-    p.HandoffGrant("r", accepted=False, reason="no free blocks"),
+    h.HandoffRequest("r", "m", num_tokens=10, block_size=4, device_uuid="GPU-1", requester="p1"),
+    h.HandoffGrant("r", accepted=True, block_ids=[1, 2, 3], ttl_s=5.0),
+    h.HandoffGrant("r", accepted=False, reason="no free blocks"),
+    h.KVLayers("r", first=4, nbytes=1024, checksums=[1, 2]),
     _header(),
-    p.HandoffAck("r", ok=False, reason="checksum mismatch"),
+    _header(transport="ipc"),
+    h.HandoffCancel("r", reason="ended at its first token"),
+    h.HandoffAck("r", ok=False, reason="checksum mismatch"),
     p.WorkerInfo("w1", "decode", ["tiny"], "tcp://127.0.0.1:7", 10, 20, 1, 0, 123, "host", 1.0, 2.0),
     p.ModelInfo("tiny", "/models/tiny", 2048, 32000, [2, 32001], 16, "float32"),
 ]
@@ -64,7 +68,7 @@ def test_decode_checks_the_expected_type():
     with pytest.raises(ValueError, match="abort"):
         p.decode(data, p.Job)
     with pytest.raises(ValueError):
-        p.decode_any(data, p.HandoffGrant, p.HandoffAck)
+        p.decode_any(data, h.HandoffGrant, h.HandoffAck)
     assert isinstance(p.decode_any(data, p.Abort, p.Job), p.Abort)
 
 
@@ -160,12 +164,12 @@ def test_worker_role_is_checked():
 
 
 @pytest.mark.parametrize("over", [{"block_ids": [1]}, {"num_blocks": 0, "block_ids": []}, {"num_layers": 0},
-                                  {"num_frames": 0}])
+                                  {"transport": "frames"}, {"nbytes": -1}])
 def test_kv_header_layout_is_checked(over):
     raw = _raw(_header())
     raw.update(over)
     with pytest.raises(ValueError):
-        p.decode(_pack(raw), p.KVHeader)
+        p.decode(_pack(raw), h.KVHeader)
 
 
 def test_ext_types_are_rejected():
@@ -200,11 +204,11 @@ def test_encode_refuses_non_messages():
         p.encode(Imposter())
 
 
-def test_kv_checksum_detects_change_and_order():
-    frames = [b"layer0" * 10, memoryview(b"layer1" * 10)]
-    assert p.kv_checksum(frames) == p.kv_checksum([bytes(f) for f in frames])
-    assert p.kv_checksum(frames) != p.kv_checksum(frames[::-1])
-    assert p.kv_checksum(frames) != p.kv_checksum([b"layer0" * 10, b"layer1" * 9 + b"layerX"])
+def test_handoff_messages_join_the_codec_once():
+    assert p.decode_any(p.encode(h.HandoffCancel("r"))) == h.HandoffCancel("r")
+    with pytest.raises(ValueError, match="taken"):
+        p.register(dataclasses.make_dataclass("Impostor", [], namespace={"TAG": "handoff_ack"}))
+    p.register(h.HandoffAck)  # the same class again is no conflict
 
 
 def test_multi_model_messages_round_trip_with_nested_messages():
@@ -244,4 +248,4 @@ def test_none_defaults_stay_off_the_wire():
     assert p.decode(p.encode(event), p.TokenEvent) == event
     header = _header(first_logprob=None)
     assert msgpack.unpackb(p.encode(header))["first_logprob"] is None
-    assert p.decode(p.encode(header), p.KVHeader) == header
+    assert p.decode(p.encode(header), h.KVHeader) == header

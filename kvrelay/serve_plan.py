@@ -1,0 +1,79 @@
+"""What ``kvrelay serve`` starts: each child process's name, role command and complete typed config,
+built in this process from serve's flags (every role's flags, shared/config/cli_args.py) and handed to
+the child whole (shared/config/handover.py), so no flag is lost between serve and the process using it."""
+
+import argparse
+import dataclasses
+
+from kvrelay.shared.config.cli_args import SERVE_WORKER_FLAGS, gateway_config_from_args
+from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.gateway import GatewayConfig
+from kvrelay.shared.config.serve_config import ServedModel, load_serve_config
+from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.worker.entry import worker_config
+
+# Workers sharing one GPU must split --gpu-memory-utilization: each sizes its KV cache from its own
+# share, and the prefill side needs room for one batch of prompts, the decode side for every running
+# request's context.
+ROLE_MEMORY_SHARE = {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}
+ROLE_OF = {"prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
+
+
+@dataclasses.dataclass
+class Child:
+    name: str  # gateway, gateway-1, prefill-worker[SmolLM2-135M-Instruct], ...
+    command: str  # the kvrelay subcommand: gateway | prefill-worker | decode-worker | unified-worker
+    config: GatewayConfig | WorkerConfig
+    generated: set[str] = dataclasses.field(default_factory=set)  # fields the child generates (its worker id)
+
+    @property
+    def is_gateway(self) -> bool:
+        return self.command == "gateway"
+
+
+def models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
+    """From --config, else the one --model; GGUF files are imported here once, before workers race to."""
+    if args.config:
+        _repo, models = load_serve_config(args.config)
+    else:
+        models = [ServedModel(name=args.served_model_name or "", path=args.model or "", device=args.device,
+                              dtype=args.dtype)]
+    for m in models:
+        try:
+            resolved = resolve_model(m.path or None, args.load_format)
+        except ValueError as exc:
+            raise ConfigError(f"argument --model: {exc}") from None
+        m.path, m.name = resolved.path, m.name or resolved.served_name
+    return models
+
+
+def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) -> list[Child]:
+    repo = args.model_repo
+    if args.config and not repo:
+        config_repo, _ = load_serve_config(args.config)
+        repo = str(config_repo.root) if config_repo is not None else None
+    gateway = gateway_config_from_args(args, redis_url=redis_url, model_repo=repo,
+                                       reuse_port=args.reuse_port or args.api_server_count > 1)
+    # like vLLM's --api-server-count: one gateway process streams ~10k tokens/s at most, so several share
+    # the port and the kernel spreads connections over them; everything they share (limits, usage,
+    # registry) lives in Redis, and each has its own token-event socket
+    children = [Child("gateway" if i == 0 else f"gateway-{i}", "gateway",
+                      dataclasses.replace(gateway, zmq_port=gateway.zmq_port + i if gateway.zmq_port else 0))
+                for i in range(args.api_server_count)]
+    commands = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
+    for i, command in enumerate(commands):
+        # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
+        # weights budget, and models load, unload and swap without restarting anything
+        name = command if (args.config or repo) else f"{command}[{models[0].name}]"
+        given = vars(args) | {
+            "redis_url": redis_url,
+            "gpu_memory_utilization": round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4),
+            "worker_port": args.worker_port + i if args.worker_port else 0,
+            "worker_monitoring_port": None if args.worker_monitoring_port is None else args.worker_monitoring_port + i,
+            "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
+        if not args.config:
+            given |= {"model": models[0].path, "served_model_name": models[0].name}
+        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS)
+        children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"}))
+    return children

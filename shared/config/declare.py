@@ -1,0 +1,55 @@
+"""How a setting is declared: one typed dataclass field with its default, help and constraints. The CLI
+flags (``flags.py``), YAML validation (``serve_config.py``) and the JSON a child process receives
+(``handover.py``) are all built from these declarations, so a setting is written down once."""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field
+from pydantic_core import PydanticUndefined
+
+# A misspelt key is an error, never a silently ignored setting; NaN and infinity are no one's value.
+CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _device(name: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError("must be auto, cpu, cuda or cuda:N")
+    return name
+
+
+def _redis_url(url: str) -> str:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    return url
+
+
+def _power_of_two(n: int) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError("must be a power of two")
+    return n
+
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]  # auto: float32 on CPU, bfloat16 on CUDA
+Device = Annotated[str, AfterValidator(_device)]  # auto: CUDA when present
+Port = Annotated[int, Field(ge=0, le=65535)]  # 0: an ephemeral port
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
+
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, said in one line that names the flag or the file and key."""
+
+
+def setting(default: Any = PydanticUndefined, help: str = "", *, flag: str | None = None, shared: bool = False,
+            secret: bool = False, env: str | None = None, default_factory=None, **constraints) -> Any:
+    """A config field with a flag. ``flag`` overrides the generated ``--field-name``; ``shared`` marks a setting
+    two roles have with the same meaning, which ``kvrelay serve`` takes once for both; ``secret`` is masked
+    when printed; ``env`` names an environment variable that gives the flag's default. A field declared
+    without ``setting`` has no flag: its launcher derives it (the model's name, the role) or it is internal."""
+    extra = {"flag": flag, "shared": shared, "secret": secret, "env": env}
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=help, json_schema_extra=extra,
+                     repr=not secret, **constraints)
+    return Field(default, description=help, json_schema_extra=extra, repr=not secret, **constraints)

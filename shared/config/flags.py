@@ -1,0 +1,142 @@
+"""CLI flags generated from config declarations (the idea of vLLM's ``EngineArgs.add_cli_args``): one flag
+per declared field, named after it (``max_num_seqs`` -> ``--max-num-seqs``) unless the field names its
+own, booleans as ``--x/--no-x``, choices from ``Literal`` types, and each value checked against the
+field's type and constraints as it is parsed, so a bad value is one line naming the flag (exit 2)."""
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any
+
+from kvrelay.shared.config.declare import CONFIG, ConfigError
+from pydantic import TypeAdapter, ValidationError
+from pydantic.dataclasses import is_pydantic_dataclass
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (``kvrelay serve: error: argument --max-num-seqs: ...``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    path: tuple[str, ...]  # field names from the config class down to this field
+    option: str  # --max-num-seqs
+    info: FieldInfo
+    group: str  # the declaring class, for --help: model, cache, scheduler, engine, worker, gateway, serve
+
+    @property
+    def dest(self) -> str:
+        return self.option.removeprefix("--").replace("-", "_")
+
+    def meta(self, key: str) -> Any:
+        return (self.info.json_schema_extra or {}).get(key)
+
+    @property
+    def default(self) -> Any:
+        env = self.meta("env")
+        if env and os.environ.get(env):
+            return os.environ[env]
+        return None if self.info.default is PydanticUndefined else self.info.default
+
+
+def flags_of(cls: type, rename: Mapping[str, str] | None = None, _path: tuple[str, ...] = ()) -> list[Flag]:
+    """The flags of ``cls``'s declared fields, nested config dataclasses included; ``rename`` maps a field
+    name to another option (``kvrelay serve`` says ``--worker-port`` for a worker's ``port``)."""
+    flags: list[Flag] = []
+    for name, info in cls.__pydantic_fields__.items():
+        if is_pydantic_dataclass(info.annotation):
+            flags += flags_of(info.annotation, rename, _path + (name,))
+        elif info.description:
+            option = (rename or {}).get(name) or (info.json_schema_extra or {}).get("flag") or \
+                "--" + name.replace("_", "-")
+            flags.append(Flag(_path + (name,), option, info, cls.__name__.removesuffix("Config").lower()))
+    return flags
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Mapping[str, str],
+              defaults: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None) -> None:
+    """Adds each flag to its group (``titles``: group -> title shown by --help); a flag already present
+    with the same destination is a shared setting and stays as it is. ``defaults`` and ``notes`` (said in
+    the help) are per destination, for a launcher whose default differs (kvrelay serve's Redis)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in flags:
+        if flag.option in parser._option_string_actions:
+            if parser._option_string_actions[flag.option].dest != flag.dest or not flag.meta("shared"):
+                raise ValueError(f"{flag.option} is declared twice with different meanings")
+            continue
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(titles[flag.group])
+        group = groups[flag.group]
+        default = (defaults or {}).get(flag.dest, flag.default)
+        kw: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.info.description}
+        if flag.info.annotation is bool:
+            kw["help"] += " (default: on)" if default else " (default: off)"
+            group.add_argument(flag.option, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if flag.dest in (notes or {}):
+            kw["help"] += f" ({notes[flag.dest]})"
+        elif default is not None and not flag.meta("secret"):
+            kw["help"] += " (default: %(default)s)"
+        choices = _literal_choices(flag.info.annotation)
+        if choices:
+            group.add_argument(flag.option, choices=choices, **kw)
+        else:
+            group.add_argument(flag.option, type=_checker(flag), **kw)
+
+
+def read(flags: Iterable[Flag], args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed values as nested keyword arguments of the config class the flags came from. A field
+    with a default factory (a worker's generated id) is left to it when its flag is not given."""
+    values: dict[str, Any] = {}
+    for flag in flags:
+        value = getattr(args, flag.dest)
+        if value is None and flag.info.default_factory is not None:
+            continue
+        node = values
+        for name in flag.path[:-1]:
+            node = node.setdefault(name, {})
+        node[flag.path[-1]] = value
+    return values
+
+
+def build(cls: type, values: Mapping[str, Any], flags: Iterable[Flag]) -> Any:
+    """``cls`` from ``read``'s values (plus what the launcher derived); a value a field rejects becomes a
+    ConfigError naming its flag."""
+    try:
+        return TypeAdapter(cls).validate_python(values)
+    except ValidationError as exc:
+        raise flag_error(exc, flags) from None
+
+
+def flag_error(exc: ValidationError, flags: Iterable[Flag]) -> ConfigError:
+    err = exc.errors()[0]
+    loc = tuple(str(p) for p in err["loc"])
+    where = next((f"argument {f.option}" for f in flags if loc[:len(f.path)] == f.path), ".".join(loc))
+    message = err["msg"].removeprefix("Value error, ")
+    return ConfigError(f"{where}: {message}" if where else message)
+
+
+def _literal_choices(annotation: Any) -> list[str] | None:
+    return list(typing.get_args(annotation)) if typing.get_origin(annotation) is typing.Literal else None
+
+
+def _checker(flag: Flag):
+    info = flag.info
+    adapter = TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation,
+                          config=CONFIG)
+
+    def check(text: str) -> Any:
+        try:
+            return adapter.validate_python(text)
+        except ValidationError as exc:
+            message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise argparse.ArgumentTypeError(f"{message} (got {text!r})") from None
+
+    return check

@@ -1,0 +1,70 @@
+"""Gateway configuration; field names are the CLI flags (``--max-body-size`` is ``max_body_size``).
+Imports no torch: the gateway never does."""
+
+from kvrelay.shared.config import common
+from kvrelay.shared.config.declare import CONFIG, Port, RedisUrl, setting
+from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
+from pydantic.dataclasses import dataclass
+
+ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
+WILDCARDS = ("0.0.0.0", "*", "::")
+
+
+@dataclass(config=CONFIG)
+class GatewayConfig:
+    host: str = setting("127.0.0.1", "HTTP bind address (behind nginx by default; 0.0.0.0 to face clients)")
+    port: Port = setting(8000, "HTTP port")
+    redis_url: RedisUrl = common.redis_url()
+    max_body_size: int = setting(1024 * 1024, "bytes; larger request bodies get 413", ge=1)
+    request_timeout: float = setting(600.0, "seconds from arrival to the last token; also the job's deadline", gt=0)
+    # Where workers send TokenBatches. Loopback unless configured; with a wildcard bind, workers on other
+    # hosts need zmq_advertise_host, the name under which they can reach this gateway.
+    zmq_host: str = setting("127.0.0.1", "where workers' token events arrive (bind address)")
+    zmq_port: Port = setting(0, "port for token events (0: ephemeral)")
+    zmq_advertise_host: str | None = setting(None, "the address workers dial for token events; required when "
+                                             "--zmq-host is a wildcard")
+    stream_maxlen: int = setting(STREAM_MAXLEN, "XADD MAXLEN ~ of the per-model prefill streams", ge=1)
+    registry_cache_s: float = setting(0.5, "seconds a Redis view of models and workers is reused across requests",
+                                      ge=0)
+    # The environment is the better place for it: argv shows in `ps` to every local user.
+    admin_key: str | None = setting(None, f"bearer key of the /admin API; also makes the API require tenant keys "
+                                    f"(default: ${ADMIN_KEY_ENV})", secret=True, env=ADMIN_KEY_ENV, min_length=16)
+    response_cache_ttl: float = setting(0.0, "seconds a deterministic (temperature 0 or seeded) response is "
+                                        "reused (0: off)", ge=0)
+    response_cache_max_bytes: int = setting(1024 * 1024, "larger responses are not cached", ge=0)
+    usage_retention_s: int = setting(35 * 86400, "seconds per-minute usage buckets are kept", ge=60)
+    queue_metrics_cache_s: float = setting(1.0, "/metrics reads the queues from Redis at most this often", ge=0)
+    retry_after_s: int = setting(5, "Retry-After on 503 when no worker can serve the model", ge=0)
+    default_tenant: str = setting("default", "whose requests these are while no tenant exists (open mode)",
+                                  min_length=1)
+    disconnect_poll_s: float = setting(1.0, "how often a waiting request checks that its client is still there",
+                                       gt=0)
+    drain_timeout: float = common.drain_timeout()
+    reuse_port: bool = setting(False, "bind with SO_REUSEPORT, so several gateway processes serve one port")
+    # The stream's length is the backlog: workers delete what they ACK.
+    max_queue_depth: int = setting(4096, "jobs queued per model past which new requests get 429 + Retry-After "
+                                   "(0: unbounded)", ge=0)
+    redis_watch_s: float = setting(0.5, "how often the gateway checks that Redis is the same server", gt=0)
+    redis_outage_s: float = setting(3.0, "seconds Redis is unreachable before jobs queued there count as lost", gt=0)
+    # Prefix affinity (gateway/routing.py): a prompt goes to the prefill worker that likely caches its
+    # first affinity_prefix_tokens, unless that worker has more than affinity_slack requests more than
+    # the least-loaded one; then to the shared stream, which the first free worker takes from.
+    prefix_affinity: bool = setting(True, "send prompts sharing a prefix to the prefill worker that has it cached")
+    affinity_slack: int = setting(8, "requests more than the least-loaded prefill worker past which affinity "
+                                  "yields", ge=0)
+    affinity_prefix_tokens: int = setting(256, "leading prompt tokens (whole KV blocks) that decide a prompt's "
+                                          "worker", ge=1)
+    # None: registering models through the API is off. Workers read weights from their own --model-repo.
+    model_repo: str | None = common.model_repo()
+    model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
+                                        "its load", gt=0)
+    reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "
+                                          "ends finished swaps (0: off)", ge=0)
+
+    @property
+    def reply_host(self) -> str:
+        if self.zmq_advertise_host:
+            return self.zmq_advertise_host
+        if self.zmq_host in WILDCARDS:
+            raise ValueError("zmq_host is a wildcard: set zmq_advertise_host to an address workers can reach")
+        return self.zmq_host

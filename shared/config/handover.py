@@ -1,0 +1,35 @@
+"""A child process's configuration, handed over by the process that starts it: the typed config as JSON
+on the child's stdin, validated on arrival, strictly, by the same declaration. Not argv: flags rebuilt
+from a parent's namespace are where settings used to be dropped, and ``ps`` shows argv to every local
+user (the admin key travels in the config). Never pickle."""
+
+import json
+import sys
+from typing import IO, Any
+
+from kvrelay.shared.config.declare import ConfigError
+from pydantic import TypeAdapter, ValidationError
+
+CONFIG_FROM_STDIN = "--config-from-stdin"
+
+
+def encode(config: Any, exclude: set[str] | None = None) -> bytes:
+    return TypeAdapter(type(config)).dump_json(config, exclude=exclude)
+
+
+def receive(cls: type, stream: IO[str] | None = None) -> Any:
+    text = (stream or sys.stdin).read()
+    try:
+        return TypeAdapter(cls).validate_json(text, strict=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"config from the parent: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def printable(config: Any) -> str:
+    """The resolved config as JSON (``--print-config``), secrets masked."""
+    data = TypeAdapter(type(config)).dump_python(config, mode="json")
+    for name, info in type(config).__pydantic_fields__.items():
+        if (info.json_schema_extra or {}).get("secret") and data.get(name) is not None:
+            data[name] = "<set>"
+    return json.dumps(data, indent=1, sort_keys=True)

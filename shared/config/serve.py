@@ -1,0 +1,28 @@
+"""``kvrelay serve``'s own settings, and the names its command line gives the flags of the roles it starts."""
+
+from typing import Literal
+
+from kvrelay.shared.config.declare import CONFIG, setting
+from pydantic.dataclasses import dataclass
+
+
+@dataclass(config=CONFIG)
+class ModelsConfig:
+    """Where a worker's models are listed; ``kvrelay serve --config`` takes the same file."""
+
+    config: str | None = setting(None, "YAML listing the models to load at startup (model_repo + models, see "
+                                 "shared/config/serve_config.py); instead of --model", shared=True)
+
+
+@dataclass(config=CONFIG)
+class ServeConfig:
+    mode: Literal["disaggregated", "unified"] = setting(
+        "disaggregated", "a prefill and a decode worker handing KV over, or one unified worker (no handoff)")
+    api_server_count: int = setting(1, "gateway processes sharing --port (SO_REUSEPORT): one Python process tops "
+                                    "out near 10k streamed tokens/s", ge=1)
+
+
+# A worker's flags that are the gateway's on serve's command line (--host, --port) or that serve counts up,
+# one value per worker: the worker's side gets a --worker- prefix there.
+WORKER_RENAMES = {"host": "--worker-host", "port": "--worker-port", "advertise_host": "--worker-advertise-host",
+                  "monitoring_port": "--worker-monitoring-port"}

@@ -1,0 +1,75 @@
+"""A worker process's configuration (prefill, decode or unified): its engine settings, where it
+registers and listens, how it drains, and the models it hosts."""
+
+import os
+import socket
+import uuid
+from dataclasses import field
+from typing import Literal
+
+from kvrelay.shared.config import common
+from kvrelay.shared.config.declare import CONFIG, Port, RedisUrl, setting
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelSpec
+from pydantic.dataclasses import dataclass
+
+
+def _worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(config=CONFIG)
+class StartupModel:
+    """A model a worker loads before it starts serving (``--model``, or each model of ``--config``)."""
+
+    name: str
+    engine: EngineConfig
+    tokenizer_dir: str = ""
+    version: int = 0
+    pinned: bool = False
+    keep_alive_s: float = 0.0
+
+
+@dataclass(config=CONFIG)
+class WorkerConfig:
+    role: Literal["prefill", "decode", "unified"]
+    engine: EngineConfig  # the engine flags every model gets; with --model, also the first model
+    redis_url: RedisUrl = common.redis_url()
+    model_name: str = ""  # the name clients use (served_model_name) of ``engine``'s model; "" for none
+    host: str = setting("127.0.0.1", "ZMQ bind address (loopback unless configured)")
+    port: Port = setting(0, "ZMQ port (0: ephemeral)")
+    advertise_host: str | None = setting(None, "the address peers dial to reach this worker (default: --host); "
+                                         "set it when --host is a wildcard, e.g. to the pod IP or service name")
+    worker_id: str = setting(help="this worker's name in Redis (default: host-pid-random)", default_factory=_worker_id)
+    model_path: str = ""  # directory with the tokenizer, published for gateways
+    handoff_timeout_s: float = setting(10.0, "seconds a prefill worker waits for a decode worker to take a KV "
+                                       "handoff (a full decode batch makes it wait, not fail)",
+                                       flag="--handoff-timeout", gt=0)
+    stream_kv_layers: bool = setting(True, "prefill workers ask decode workers for blocks just before a prompt's "
+                                     "last chunk and send its KV layer by layer while that chunk computes (off: "
+                                     "after the prefill)", flag="--kv-stream-layers")
+    max_deliveries: int = setting(keys.MAX_DELIVERIES, "deliveries of a job before it goes to the dead-letter "
+                                  "stream", ge=1)
+    reclaim_idle_ms: int = setting(15_000, "a pending job idle this long belongs to a dead prefill worker and is "
+                                   "claimed", ge=1)
+    monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
+    drain_timeout_s: float = common.drain_timeout()
+    more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
+    model_repo: str | None = common.model_repo()
+    weights_memory: int | None = setting(None, "bytes of model weights this worker may hold at once; loads beyond "
+                                         "it evict idle models (default: CPU 8 GiB; CUDA what "
+                                         "--gpu-memory-utilization leaves after the KV pool)", ge=1)
+    verify_checksums: bool = setting(True, "hash a repository model's files against its manifest before loading "
+                                     "it (once per file version per host: shared/repo/verified_files.py)")
+    register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
+    freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
+
+    def startup_models(self) -> list[StartupModel]:
+        first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []
+        return first + self.more_models
+
+    @property
+    def multi_model(self) -> bool:
+        """Several models, now or later: they share one KV pool and a weights budget."""
+        return bool(self.model_repo) or len(self.startup_models()) > 1

@@ -1,0 +1,154 @@
+"""Paged KV blocks as the handoff sees them: the cache layout a transfer must agree on, and block
+gathers, scatters and copies that every transport uses.
+
+A cache is ``[L, 2, N, bs, Hkv, D]`` (layer-major, or a block-major view of a KV pool,
+shared/engine/kv_pool.py); a layer's bytes in a transfer are its blocks, ``kv_cache[layer][:, block_ids]``
+made contiguous: ``[2, n_blocks, bs, Hkv, D]``.
+"""
+
+import torch
+from kvrelay.shared.wire.handoff import KVHeader
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+_RUNS_AS_SLICES = 8  # up to this many contiguous runs, plain strided copies beat a gather + scatter
+_CHUNK_BYTES = 64 << 20  # bound on the gather's temporary when blocks are scattered
+_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One copy stream per device, so handoff copies never queue behind (or block) engine kernels."""
+    device = torch.device(device)
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def layout_of(kv_cache: torch.Tensor) -> dict:
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                dtype=DTYPE_NAMES[kv_cache.dtype])
+
+
+def frame_nbytes(kv_cache: torch.Tensor, num_blocks: int) -> int:
+    """Bytes of one layer of ``num_blocks`` blocks."""
+    _, two, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return two * num_blocks * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+
+
+def check_layout(kv_cache: torch.Tensor, header: KVHeader) -> None:
+    """Raise ValueError unless ``header`` describes this cache's layout and blocks that exist here."""
+    mine = layout_of(kv_cache)
+    theirs = dict(num_layers=header.num_layers, block_size=header.block_size, num_kv_heads=header.num_kv_heads,
+                  head_dim=header.head_dim, dtype=header.dtype)
+    if mine != theirs:
+        diff = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
+        raise ValueError(f"KV layout mismatch (sent, expected): {diff}")
+    if any(not 0 <= b < kv_cache.shape[2] for b in header.block_ids):
+        raise ValueError("KV destination block id out of range")
+    if header.nbytes != header.num_layers * frame_nbytes(kv_cache, header.num_blocks):
+        raise ValueError(f"KV header promises {header.nbytes} bytes, {header.num_blocks} blocks are "
+                         f"{header.num_layers * frame_nbytes(kv_cache, header.num_blocks)}")
+
+
+def gather_blocks(kv_cache: torch.Tensor, layers: range, index: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``kv_cache[layers][:, :, index]`` -> ``[len(layers), 2, n, bs, Hkv, D]``, into ``out`` if given, in
+    one call per group of layers: per-call overhead, not bytes, dominated layer-at-a-time copies. On
+    CPU through numpy: single-threaded and free of the GIL, where torch's index ops fan out to OpenMP
+    and were measured stalling ~30 ms a call when the cores are busy."""
+    src = kv_cache[layers.start:layers.stop]
+    if out is None:
+        out = src.new_empty(src.shape[:2] + (len(index),) + src.shape[3:])
+    if src.is_cuda:
+        torch.index_select(wide(src), 2, index, out=wide(out))
+        return out
+    # fancy indexing, not np.take: take first makes a C-contiguous copy of a strided source, which for
+    # a pooled (block-major) cache is the whole pool on every transfer
+    _block_rows(out)[...] = _block_rows(src)[:, :, index.numpy()]
+    return out
+
+
+def scatter_blocks(kv_cache: torch.Tensor, first: int, index: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``kv_cache[first:first + len(blocks)][:, :, index] = blocks`` (numpy on CPU, as ``gather_blocks``)."""
+    dst = kv_cache[first:first + blocks.shape[0]]
+    if dst.is_cuda:
+        wide(dst).index_copy_(2, index, wide(blocks))
+        return
+    _block_rows(dst)[:, :, index.numpy()] = _block_rows(blocks)
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte elements where the last dimension allows: strided copies and index
+    kernels cost per element, so bf16 moved as int64 is 4x fewer elements for the same bytes."""
+    if t.element_size() < 8 and t.shape[-1] * t.element_size() % 8 == 0 and t.stride(-1) == 1:
+        return t.view(torch.int64)
+    return t
+
+
+def _block_rows(t: torch.Tensor):
+    """A CPU ``[layers, 2, n, ...]`` tensor as uint8 block rows: ``[layers, 2, n, block bytes]``. Each
+    block is contiguous, its blocks need not be (a pooled cache is block-major); copy=False: scatter
+    writes through this view, so a silent copy would lose them."""
+    return t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], t.shape[2], -1, copy=False)
+
+
+def kv_strides(shape: list[int], block_major: bool) -> list[int]:
+    """Strides of a dense ``[L, 2, N, bs, Hkv, D]`` cache: layer-major (a plain tensor) or block-major
+    (a view of a KV pool: ``[N, L, 2, ...]`` in memory)."""
+    order = [2, 0, 1, 3, 4, 5] if block_major else list(range(6))  # dims from outermost to innermost
+    strides = [0] * 6
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return strides
+
+
+def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
+                layers: range | None = None) -> None:
+    """``dst[layers][:, dst_blocks] = src[layers][:, src_blocks]`` on the current stream (all layers by
+    default), between two caches of one device."""
+    layers = range(src.shape[0]) if layers is None else layers
+    src, dst = wide(src), wide(dst)
+    runs = block_runs(src_blocks, dst_blocks)
+    if len(runs) <= _RUNS_AS_SLICES:
+        for s, d, n in runs:
+            dst[layers.start:layers.stop, :, d:d + n].copy_(src[layers.start:layers.stop, :, s:s + n],
+                                                            non_blocking=True)
+        return
+    # scattered blocks: a row gather + scatter over the caches' memory viewed as rows of one (layer, K/V,
+    # block) each, the access pattern torch's index kernels do best (whole contiguous rows), a few
+    # layers at a time so the temporary stays small
+    src_rows, dst_rows = _as_rows(src), _as_rows(dst)
+    planes = range(layers.start * src.shape[1], layers.stop * src.shape[1])
+    step = max(1, _CHUNK_BYTES // (len(src_blocks) * src[0, 0, 0].numel() * src.element_size()))
+    for p0 in range(planes.start, planes.stop, step):
+        p = range(p0, min(p0 + step, planes.stop))
+        si = _row_ids(src, src_blocks, p).to(src.device, non_blocking=True)
+        di = _row_ids(dst, dst_blocks, p).to(dst.device, non_blocking=True)
+        dst_rows.index_copy_(0, di, src_rows.index_select(0, si))
+
+
+def _as_rows(kv: torch.Tensor) -> torch.Tensor:
+    """A dense cache of either layout (``kv_strides``) as its memory's rows: ``[L * 2 * N, row]``."""
+    row = kv[0, 0, 0].numel()
+    return kv.as_strided((kv.numel() // row, row), (row, 1))
+
+
+def _row_ids(kv: torch.Tensor, blocks: list[int], planes: range) -> torch.Tensor:
+    """Row ids (in ``_as_rows``) of ``blocks`` in each (layer, K/V) plane, whichever the cache's layout."""
+    row = kv[0, 0, 0].numel()
+    plane = torch.tensor([(p // kv.shape[1]) * kv.stride(0) + (p % kv.shape[1]) * kv.stride(1) for p in planes])
+    return ((plane[:, None] + torch.tensor(blocks)[None, :] * kv.stride(2)) // row).reshape(-1)
+
+
+def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

@@ -1,0 +1,282 @@
+"""The decode side's handoff mechanics: grants recorded and offered, KV received into the granted
+blocks by the transport the sender chose, the header checked against the grant, admission, and the
+ack that lets the prefill side XACK the job. Which requests get blocks is the decode role's
+(``reserve``, decode_worker/receiver.py).
+
+Per request: HandoffRequest -> granted (blocks reserved, expiry armed; a direct-write offer when the
+asker shares our device) -> the transfer's first KVLayers message, or a header saying the KV was
+written directly, opens a ``KVReceiver`` (base.py) -> the header, which comes last and carries the
+first token, must match the grant and our layout -> once the receiver is complete: admitted and
+acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks and nacks.
+HandoffCancel frees a grant (or a transfer's blocks) the sender gave up on. A grant whose KV never
+arrives expires and its blocks return to the pool, except that blocks offered for direct writes stay
+quarantined for one more TTL: the asker writes them only within half the TTL of asking, so by the
+end of the quarantine no write can still land in them.
+"""
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import zmq
+from kvrelay.shared.handoff.base import KVReceiver, Transport
+from kvrelay.shared.handoff.blocks import check_layout
+from kvrelay.shared.handoff.frames import Frames
+from kvrelay.shared.handoff.transports import default_transports
+from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.handoff import (
+    HandoffAck,
+    HandoffCancel,
+    HandoffGrant,
+    HandoffRequest,
+    KVHeader,
+    KVLayers,
+)
+from kvrelay.shared.wire.protocol import decode_any, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Grant:
+    model: str
+    block_ids: list[int]
+    num_tokens: int
+    expires: float
+    offered: bool = False  # a direct-write handle went out with it
+
+
+@dataclass
+class Incoming:
+    """A transfer whose KV is arriving (or, written directly, has arrived) in granted blocks."""
+
+    peer: bytes
+    model: str
+    block_ids: list[int]
+    num_tokens: int
+    transport: str
+    receiver: KVReceiver
+    deadline: float
+    header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
+
+
+class KVInbox(ABC):
+    def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None):
+        """``core_for(model)``: the engine serving that model instance here, or None."""
+        self.sock, self.core_for, self.grant_ttl_s = sock, core_for, grant_ttl_s
+        self.transports = default_transports() if transports is None else transports
+        self._by_name = {t.name: t for t in self.transports}
+        self.grants: dict[str, Grant] = {}
+        self.incoming: dict[str, Incoming] = {}
+        self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, block-manager owner key)
+        self._quarantined = 0
+        self.waker = Waker()  # finished layer writes wake poll(), so the ack goes out at once
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.waker.fd, zmq.POLLIN)
+        self.bytes_received = 0
+
+    @abstractmethod
+    def reserve(self, req: HandoffRequest, pending: int) -> list[int] | str:
+        """The decode role's admission: the blocks allocated for ``req``, or why not. ``pending``:
+        transfers of its model granted or arriving here, which will join the batch."""
+
+    @property
+    def busy(self) -> bool:
+        """KV granted or arriving: a draining worker waits for it."""
+        return bool(self.grants or self.incoming)
+
+    def has_model(self, model: str) -> bool:
+        return (any(g.model == model for g in self.grants.values())
+                or any(i.model == model for i in self.incoming.values())
+                or any(q[1] == model for q in self.quarantine))
+
+    def forget_model(self, model: str) -> None:
+        for transport in self.transports:
+            transport.forget(model)
+
+    def poll(self, timeout_ms: int, admit) -> int:
+        """Handle every waiting message; ``admit(header)`` adds an arrived request to the batch.
+        Returns the number of messages handled."""
+        handled = 0
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.waker.fd in ready:
+            self.waker.drain()
+        if self.sock in ready:
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                handled += 1
+                self._on_message(frames)
+        self._advance(admit)
+        self._expire()
+        return handled
+
+    def _on_message(self, frames: list) -> None:
+        if len(frames) < 2:
+            log.warning("dropped a handoff message without a body")
+            return
+        peer, payload = frames[0].bytes, frames[2:]
+        try:
+            msg = decode_any(frames[1].bytes, HandoffRequest, KVHeader, KVLayers, HandoffCancel)
+        except ValueError as exc:
+            log.warning("dropped a malformed handoff message: %s", exc)
+            return
+        if isinstance(msg, HandoffRequest):
+            self._reply(peer, self._grant(msg))
+        elif isinstance(msg, HandoffCancel):
+            self._on_cancel(peer, msg)
+        elif isinstance(msg, KVLayers):
+            self._on_layer(peer, msg, payload)
+        else:
+            self._on_header(peer, msg, payload)
+
+    def _grant(self, req: HandoffRequest) -> HandoffGrant:
+        rid = req.request_id
+        # KV never came (or stopped coming) for an earlier grant: its prefill worker died and a peer
+        # reclaimed the job. The newer asker wins; a late KV for the old grant is refused as misaddressed
+        if rid in self.incoming:
+            self._abort_incoming(rid, "superseded by a newer request for the same id")
+        if rid in self.grants:
+            self._release_grant(rid)
+        pending = sum(1 for g in self.grants.values() if g.model == req.model) + sum(
+            1 for i in self.incoming.values() if i.model == req.model)
+        blocks = self.reserve(req, pending)
+        if isinstance(blocks, str):
+            return HandoffGrant(request_id=rid, accepted=False, reason=blocks)
+        kv = self.core_for(req.model).runner.kv_cache
+        offer = next((o for t in self.transports if (o := t.offer(req.model, kv, req)) is not None), None)
+        self.grants[rid] = Grant(req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
+                                 offered=offer is not None)
+        return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=self.grant_ttl_s)
+
+    def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:
+        """The grant's KV starts arriving: from here the sender is done writing blocks itself, so a
+        failure frees them at once. None (and a nack) when the transport cannot take it."""
+        grant = self.grants.pop(rid)
+        core = self.core_for(grant.model)
+        try:
+            if transport not in self._by_name:
+                raise ValueError(f"KV over {transport!r}, which this worker does not take")
+            receiver = self._by_name[transport].receiver(core.runner.kv_cache, grant.block_ids, grant.offered,
+                                                         self.waker.wake)
+        except ValueError as exc:
+            core.block_manager.free(rid)
+            log.warning("rejected KV for %s: %s", rid, exc)
+            self._nack(peer, rid, str(exc))
+            return None
+        inc = self.incoming[rid] = Incoming(peer, grant.model, grant.block_ids, grant.num_tokens, transport,
+                                            receiver, time.monotonic() + self.grant_ttl_s)
+        return inc
+
+    def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
+        rid = msg.request_id
+        inc = self.incoming.get(rid)
+        if inc is None and rid in self.grants:
+            inc = self._open(peer, rid, Frames.name)
+        if inc is None or inc.peer != peer:
+            return  # the rest of a transfer already failed or superseded; its sender got the nack
+        try:
+            inc.receiver.add(msg, [f.buffer for f in payload])
+        except ValueError as exc:
+            self._abort_incoming(rid, str(exc))
+
+    def _on_header(self, peer: bytes, header: KVHeader, payload: list) -> None:
+        rid = header.request_id
+        inc = self.incoming.get(rid)
+        if inc is None or inc.peer != peer or inc.header is not None:
+            grant = self.grants.get(rid)
+            if grant is None:
+                return self._nack(peer, rid, "no grant for this request (expired or never asked)")
+            if header.block_ids != grant.block_ids or header.model != grant.model:
+                # a stale sender of a superseded grant: refuse it without touching the live grant
+                return self._nack(peer, rid, "KV addressed to blocks that were not granted")
+            inc = self._open(peer, rid, header.transport)
+            if inc is None:
+                return
+        try:
+            if header.block_ids != inc.block_ids or header.model != inc.model:
+                raise ValueError("KV addressed to blocks that were not granted")
+            if header.transport != inc.transport or payload:
+                raise ValueError(f"a {header.transport!r} header after {inc.transport!r} KV")
+            if len(header.prompt_token_ids) != inc.num_tokens:
+                raise ValueError("prompt length differs from the granted one")
+            check_layout(self.core_for(inc.model).runner.kv_cache, header)
+        except ValueError as exc:
+            return self._abort_incoming(rid, str(exc))
+        inc.header = header  # _advance lands it once all its KV is written
+
+    def _on_cancel(self, peer: bytes, msg: HandoffCancel) -> None:
+        rid = msg.request_id
+        inc = self.incoming.get(rid)
+        if inc is not None and inc.peer == peer:
+            inc = self.incoming.pop(rid)
+            inc.receiver.abandon()
+            self.core_for(inc.model).block_manager.free(rid)
+        elif rid in self.grants:
+            self._release_grant(rid)
+        log.debug("handoff of %s cancelled by its sender: %s", rid, msg.reason)
+
+    def _advance(self, admit) -> None:
+        for rid, inc in list(self.incoming.items()):
+            error = inc.receiver.error()
+            if error is not None:
+                self._abort_incoming(rid, str(error))
+            elif inc.receiver.complete and inc.header is not None:
+                inc.receiver.finish()
+                del self.incoming[rid]
+                self._land(inc.peer, inc.header, admit)
+
+    def _land(self, peer: bytes, header: KVHeader, admit) -> None:
+        """The KV sits checked in the granted blocks: join the batch and ack."""
+        self.bytes_received += header.nbytes
+        try:
+            admit(header)
+        except ValueError as exc:  # the request itself is invalid here (e.g. a smaller context)
+            self.core_for(header.model).block_manager.free(header.request_id)
+            return self._nack(peer, header.request_id, str(exc))
+        self._reply(peer, HandoffAck(request_id=header.request_id, ok=True))
+
+    def _abort_incoming(self, rid: str, reason: str) -> None:
+        inc = self.incoming.pop(rid)
+        inc.receiver.abandon()  # no write may still be landing when the blocks go back
+        self.core_for(inc.model).block_manager.free(rid)
+        log.warning("rejected KV for %s: %s", rid, reason)
+        self._nack(inc.peer, rid, reason)
+
+    def _release_grant(self, rid: str) -> None:
+        grant = self.grants.pop(rid)
+        bm = self.core_for(grant.model).block_manager
+        if not grant.offered:
+            bm.free(rid)
+            return
+        # the asker may still be writing these blocks directly: park them under a private owner key
+        # (the request id may be granted again at once) and free them one TTL later
+        self._quarantined += 1
+        key = f"ipc-quarantine\x00{self._quarantined}"
+        bm.req_blocks[key] = bm.req_blocks.pop(rid, [])
+        bm.req_hashes.pop(rid, None)
+        self.quarantine.append((time.monotonic() + self.grant_ttl_s, grant.model, key))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, g in self.grants.items() if g.expires < now]:
+            log.warning("grant for %s expired without KV; freeing its blocks", rid)
+            self._release_grant(rid)
+        for rid in [r for r, inc in self.incoming.items() if inc.deadline < now]:
+            self._abort_incoming(rid, f"KV layers stalled: not all arrived within {self.grant_ttl_s}s")
+        while self.quarantine and self.quarantine[0][0] < now:
+            _, model, key = self.quarantine.pop(0)
+            self.core_for(model).block_manager.free(key)
+
+    def _nack(self, peer: bytes, rid: str, reason: str) -> None:
+        self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason))
+
+    def _reply(self, peer: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([peer, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not reply to a prefill worker (its queue is full)")

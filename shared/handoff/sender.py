@@ -1,0 +1,397 @@
+"""The prefill side's handoff mechanics: one state machine per transfer (states.py), driven by the
+decode side's replies, the transfers' deadlines and, while a prompt's last chunk computes, the
+forward's layers (``LayerStream``).
+
+A transfer asks a decode worker for blocks (HandoffRequest) once its prefill finished, or early,
+before the prompt's last chunk runs (SGLang-style pre-allocation), so the KV can leave layer by layer
+while that chunk computes. The grant names the destination blocks; the first transport that can serve
+it (base.py: direct writes on one GPU, else frames) gives the transfer a ``KVSender``; once the sender
+reports all the KV out, the header (which carries the first token) follows, and the decode side's ack
+ends the transfer. Our blocks are released once nothing reads them any more (copied / staged), not at
+the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. A peer that
+stops answering or reading fails its transfer at the deadline instead of stalling the worker's loop.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+from kvrelay.shared.handoff.base import KVSender, Transport
+from kvrelay.shared.handoff.blocks import layout_of
+from kvrelay.shared.handoff.states import Event, State, next_state
+from kvrelay.shared.handoff.transports import default_transports
+from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.handoff import HandoffAck, HandoffCancel, HandoffGrant, HandoffRequest, KVHeader
+from kvrelay.shared.wire.protocol import MAX_MESSAGE_BYTES, Job, WorkerInfo, decode_any, encode
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask (or none with room) looks again
+SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer can make us hold
+
+
+@dataclass
+class FirstToken:
+    """What the prefill sampled, carried to the decode side in the header."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Transfer:
+    job: Job
+    entry_id: bytes
+    first: FirstToken | None = None  # None while an early ask's prompt is not computed yet
+    state: State = State.NEW
+    target: str = ""  # the decode worker's address
+    tried: set[str] = field(default_factory=set)
+    grant: HandoffGrant | None = None
+    asked_at: float = 0.0  # monotonic time of the last HandoffRequest
+    deadline: float = 0.0
+    sender: KVSender | None = None  # while the KV moves
+    header: KVHeader | None = None  # once the first token is known and the KV moves
+    holds_source: bool = False  # our prefill blocks are still held for this transfer
+    streamed: bool = False  # the KV left layer by layer during the prompt's last chunk
+    transport: str = ""  # the sender's, for metrics
+    nbytes: int = 0
+    reason: str = ""  # why it failed
+    started: float = field(default_factory=time.perf_counter)  # perf_counter stamps, for logs and the benchmark
+    granted: float = 0.0
+    sent: float = 0.0
+    ended: float = 0.0
+
+    @property
+    def computed(self) -> bool:
+        return self.first is not None
+
+    def to(self, event: Event) -> None:
+        self.state = next_state(self.state, event)
+
+
+Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model) -> a decode worker to ask
+
+
+class HandoffSender:
+    def __init__(self, ctx: zmq.Context, worker_id: str, timeout_s: float, core_for, pick: Pick,
+                 transports: list[Transport] | None = None):
+        """``core_for(model)``: the engine holding that model instance's KV; ``pick``: whom to ask next."""
+        self.ctx, self.worker_id, self.timeout_s = ctx, worker_id, timeout_s
+        self.core_for, self.pick = core_for, pick
+        self.transports = default_transports() if transports is None else transports
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.poller = zmq.Poller()
+        self.waker = Waker()  # staged layers wake poll(), so they go out at once even when we are idle
+        self.poller.register(self.waker.fd, zmq.POLLIN)
+        self.transfers: dict[str, Transfer] = {}
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.waker.close()
+        for transport in self.transports:
+            transport.close()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.transfers)
+
+    def has_model(self, model: str) -> bool:
+        return any(t.job.model == model for t in self.transfers.values())
+
+    def forget_model(self, model: str) -> None:
+        for transport in self.transports:
+            transport.forget(model)
+
+    def retain_peers(self, live_addrs: set[str]) -> None:
+        for transport in self.transports:
+            transport.retain(live_addrs)
+
+    def start(self, job: Job, entry_id: bytes, first: FirstToken | None = None) -> Transfer:
+        """Hand off a prompt whose prefill finished (its blocks held by the engine), or with no
+        ``first`` ask early, before it is prefilled, so its KV can stream during the last chunk."""
+        t = self.transfers[job.request_id] = Transfer(job=job, entry_id=entry_id, first=first,
+                                                      holds_source=first is not None)
+        self._send_request(t)
+        return t
+
+    def complete(self, request_id: str, first: FirstToken) -> bool:
+        """The prefill of an early transfer's prompt finished: send the rest. False if there is none."""
+        t = self.transfers.get(request_id)
+        if t is None or t.computed or t.state is State.FAILED:
+            return False
+        t.first, t.holds_source = first, True
+        t.started = time.perf_counter()  # the handoff's budget and its measured time start now
+        if t.state is State.STREAMING:
+            t.header = self._header(t)
+            t.to(Event.SEND)
+            self._pump(t)
+        elif t.state is State.GRANTED:
+            if self._fresh(t):
+                self._on_grant(t, t.grant)
+            else:
+                self._cancel_grant(t, "the grant went stale while the prompt waited")
+                self._send_request(t)
+        elif t.state is State.PARKED:
+            t.tried.clear()
+            self._send_request(t)
+        return True  # GRANT_WAIT: the grant, when it comes, is used at once
+
+    def cancel(self, request_id: str) -> Transfer | None:
+        t = self.transfers.pop(request_id, None)
+        if t is None:
+            return None
+        if t.target and t.state in (State.GRANT_WAIT, State.GRANTED, State.STREAMING, State.SENDING):
+            self._cancel_grant(t, "cancelled by the prefill worker")
+        if t.state not in (State.DONE, State.FAILED):
+            self._fail(t, "cancelled by the prefill worker")
+        return t
+
+    def stream_for(self, instance: str) -> "LayerStream":
+        return LayerStream(self, instance)
+
+    def poll(self, timeout_ms: int = 0) -> list[Transfer]:
+        """Advance every transfer; return those that reached DONE or FAILED."""
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock == self.waker.fd:
+                self.waker.drain()
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_reply(frames)
+        now = time.monotonic()
+        for t in list(self.transfers.values()):
+            if t.state in (State.SENDING, State.STREAMING):
+                self._pump(t)
+            if not t.computed and t.state in (State.GRANT_WAIT, State.GRANTED):
+                if t.state is State.GRANTED and not self._fresh(t):  # the prompt is still queued
+                    self._cancel_grant(t, "the prompt is still waiting for its prefill")
+                    t.to(Event.PARK)
+                elif t.state is State.GRANT_WAIT and now > t.deadline:
+                    t.to(Event.PARK)  # no answer: not worth more asks before the prefill
+                continue
+            if t.state is State.GRANT_WAIT and not t.target and now > t.deadline:
+                self._send_request(t)  # waiting for a decode worker to register (see _send_request)
+            elif t.state in (State.GRANT_WAIT, State.STREAMING, State.SENDING, State.ACK_WAIT) and now > t.deadline:
+                what = "take the KV" if t.state in (State.SENDING, State.STREAMING) else "answer"
+                self._retry(t, f"decode worker {t.target} did not {what} within {self.timeout_s}s")
+        ended = [t for t in self.transfers.values() if t.state in (State.DONE, State.FAILED)]
+        for t in ended:
+            t.ended = time.perf_counter()
+            del self.transfers[t.job.request_id]
+        return ended
+
+    # -- transitions ----------------------------------------------------------------------------
+    def _send_request(self, t: Transfer, after: str = "") -> None:
+        target = self.pick(t.tried, t.job.model)
+        if target is None and not t.computed:
+            t.target = ""
+            t.to(Event.PARK)
+            return
+        if target is None and self._in_budget(t):
+            # None registered (Redis just restarted, the only decode worker is being replaced) or every
+            # one refused for lack of room: that is backpressure, not failure. Keep the KV and ask them
+            # all again shortly, within the handoff timeout.
+            t.tried.clear()
+            t.target, t.deadline = "", time.monotonic() + NO_WORKER_RETRY_S
+            t.to(Event.ASK)
+            return
+        if target is None:
+            self._fail(t, f"{after}; no other decode worker to try" if after else "no decode worker for this model")
+            return
+        t.target = target.zmq_addr
+        t.to(Event.ASK)
+        t.tried.add(target.worker_id)
+        t.asked_at = time.monotonic()
+        t.deadline = t.asked_at + self.timeout_s
+        core = self.core_for(t.job.model)
+        kv = core.runner.kv_cache
+        locality = next((place for tr in self.transports if (place := tr.locality(kv))), "")
+        req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
+                             block_size=core.runner.block_size, device_uuid=locality,
+                             requester=self.worker_id)
+        if not self._send(t, [encode(req)]):
+            self._retry(t, f"decode worker {t.target} is not reading its requests")
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode_any(frames[0], HandoffGrant, HandoffAck)
+        except ValueError as exc:
+            log.warning("dropped a malformed handoff reply: %s", exc)
+            return
+        t = self.transfers.get(msg.request_id)
+        if t is None:
+            return  # a late reply for a transfer that already timed out or was cancelled
+        if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
+            if msg.accepted and not t.computed:
+                t.grant = msg
+                t.to(Event.GRANTED)
+            elif msg.accepted:
+                self._on_grant(t, msg)
+            elif not t.computed:
+                t.to(Event.PARK)  # e.g. its batch is full now; by the time we are done it may not be
+            else:
+                self._retry(t, f"decode worker refused: {msg.reason}")
+        elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
+            if msg.ok:
+                t.to(Event.ACK)
+            else:
+                self._fail(t, f"decode worker rejected the KV: {msg.reason}")
+
+    def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:
+        core = self.core_for(t.job.model)
+        src_blocks = core.block_manager.block_ids(t.job.request_id)[: len(grant.block_ids)]
+        if len(src_blocks) != len(grant.block_ids):
+            self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
+            return
+        t.grant, t.granted = grant, time.perf_counter()
+        if not self._open_sender(t, src_blocks, deferred=False):
+            return
+        t.header = self._header(t)
+        t.deadline = time.monotonic() + self.timeout_s
+        t.to(Event.SEND)
+        self._pump(t)
+
+    def _begin_stream(self, request_id: str, instance: str, blocks: list[int]) -> Transfer | None:
+        """The forward about to run computes the last chunk of ``request_id``'s prompt: if it holds a
+        fresh grant, start streaming it and return it (its sender moves layers as they are written)."""
+        t = self.transfers.get(request_id)
+        if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
+            return None
+        src = blocks[: len(t.grant.block_ids)]
+        if len(src) != len(t.grant.block_ids):
+            return None  # complete() sends it the plain way, which reports the mismatch
+        if not self._open_sender(t, src, deferred=True):
+            return None
+        t.granted, t.deadline, t.streamed = time.perf_counter(), time.monotonic() + self.timeout_s, True
+        t.to(Event.STREAM)
+        return t
+
+    def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
+        kv, age = self.core_for(t.job.model).runner.kv_cache, time.monotonic() - t.asked_at
+        for transport in self.transports:
+            sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.waker.wake)
+            if sender is not None:
+                t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
+                return True
+        self._fail(t, "no transport can serve the grant")
+        return False
+
+    def _header(self, t: Transfer) -> KVHeader:
+        job, first, kv = t.job, t.first, self.core_for(t.job.model).runner.kv_cache
+        return KVHeader(
+            request_id=job.request_id, model=job.model, **layout_of(kv), transport=t.transport,
+            num_blocks=len(t.grant.block_ids), block_ids=t.grant.block_ids, nbytes=t.nbytes,
+            prompt_token_ids=job.prompt_token_ids, first_token_id=first.token_id, first_logprob=first.logprob,
+            first_top_logprobs=first.top_logprobs, prompt_logprobs=None, num_cached_tokens=first.num_cached_tokens,
+            sampling=job.sampling, tenant=job.tenant, priority=job.priority, reply_addr=job.reply_addr,
+            deadline=job.deadline, arrival=job.arrival, cache_salt=job.cache_salt,
+        )
+
+    def _fresh(self, t: Transfer) -> bool:
+        """Direct writes, and streamed layers, must land well inside the grant's lifetime (the decode
+        side quarantines lapsed direct-write grants for as long again)."""
+        return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
+
+    def _cancel_grant(self, t: Transfer, reason: str) -> None:
+        self._send(t, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
+        t.grant = None
+
+    def _pump(self, t: Transfer) -> None:
+        """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which
+        carries the first token, follows the KV (never before it: it must not promise KV not there)."""
+        out = t.sender.pump(t.job.request_id, lambda parts: self._send(t, parts))
+        if t.holds_source and t.sender.source_free():
+            self._release_source(t)
+        if out and t.state is State.SENDING and self._send(t, [encode(t.header)]):
+            t.sent, t.deadline = time.perf_counter(), time.monotonic() + self.timeout_s
+            t.to(Event.KV_OUT)
+            t.sender = None  # ZMQ keeps the frames it still has to send alive by itself
+
+    def _retry(self, t: Transfer, reason: str) -> None:
+        if t.state is not State.GRANT_WAIT or (len(t.tried) >= MAX_ATTEMPTS and not self._in_budget(t)):
+            # once KV went out, the decode side may hold a half transfer: fail cleanly (it expires there)
+            log.warning("handoff of %s: %s", t.job.request_id, reason)
+            self._fail(t, reason)
+            return
+        log.debug("handoff of %s: %s; asking again", t.job.request_id, reason)  # under load: every 0.2 s
+        self._send_request(t, after=reason)
+
+    def _in_budget(self, t: Transfer) -> bool:
+        """A transfer may keep looking for a decode worker with room until the handoff timeout."""
+        return time.perf_counter() - t.started < self.timeout_s
+
+    def _fail(self, t: Transfer, reason: str) -> None:
+        self._release_source(t, wait=True)
+        t.reason, t.sender = reason, None
+        t.to(Event.FAIL)
+
+    def _release_source(self, t: Transfer, wait: bool = False) -> None:
+        """Free our prefill blocks; with ``wait``, first let in-flight copies out of them finish (also
+        when the engine, not us, frees them: a streamed prompt that ended at its first token)."""
+        if wait and t.sender is not None:
+            t.sender.wait_source()
+        if not t.holds_source:
+            return
+        core = self.core_for(t.job.model)
+        if core is not None:
+            core.scheduler.release_held(t.job.request_id)
+        t.holds_source = False
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _send(self, t: Transfer, parts: list) -> bool:
+        """Queue one message for the transfer's decode worker; False when its queue is full."""
+        try:
+            self._socket(t.target).send_multipart(parts, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def _socket(self, addr: str) -> zmq.Socket:
+        sock = self.sockets.get(addr)
+        if sock is None:
+            sock = self.sockets[addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
+            sock.connect(addr)
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+
+class LayerStream:
+    """What one model's runner calls around each forward (``ModelRunner.set_kv_stream``): ``begin`` with
+    the requests whose prompt's last chunk the forward computes, ``layer_done`` after each decoder
+    layer, ``end`` once the forward is queued. Transfers holding a fresh early grant move each group of
+    layers as soon as the forward has written it."""
+
+    def __init__(self, sender: HandoffSender, instance: str):
+        self.sender, self.instance = sender, instance
+        self.streaming: list[Transfer] = []  # this forward's
+
+    def begin(self, finishing: list[tuple[str, list[int]]]) -> bool:
+        """``finishing``: (request id, its block ids). True when any layer is worth reporting."""
+        self.streaming = [t for rid, blocks in finishing
+                          if (t := self.sender._begin_stream(rid, self.instance, blocks)) is not None]
+        return bool(self.streaming)
+
+    def layer_done(self, layer: int) -> None:
+        for t in self.streaming:
+            if t.state is State.STREAMING:
+                t.sender.stage_through(layer)
+                self.sender._pump(t)  # on the CPU the forward is synchronous: send what is staged now
+
+    def end(self) -> None:
+        """Whatever the forward wrote and no hook reported (a model without per-layer hooks)."""
+        for t in self.streaming:
+            if t.state is State.STREAMING:
+                t.sender.stage_through(t.sender.num_layers - 1)
+        self.streaming = []

@@ -1,0 +1,105 @@
+"""The two halves of the KV handoff without an engine, over real ZMQ sockets, for the handoff tests:
+a decode side (a real HandoffReceiver on its own thread) and a prefill side (real HandoffManagers in
+the test's thread)."""
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import zmq
+from kvrelay.decode_worker.receiver import HandoffReceiver
+from kvrelay.prefill_worker.handoff import HandoffManager, Transfer
+from kvrelay.shared.handoff.frames import max_message_bytes
+from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
+from kvrelay.shared.wire.handoff import KVHeader
+
+MODEL = "tiny"
+SHAPE = (8, 2, 96, 16, 4, 64)  # fp32: 256 KiB a block, so 10 MiB transfers go through the thread pool
+BLOCK = SHAPE[3]
+
+
+class DecodeSide:
+    """A decode worker's handoff half on its own thread; admitted requests keep their blocks."""
+
+    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))  # as the decode worker
+        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.rt = endpoint(kv, "d1", MODEL)
+        self.receiver = HandoffReceiver(self.sock, self.rt.core, MODEL, ttl_s, transports=transports)
+        self.admitted: dict[str, KVHeader] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.receiver.poll(20, lambda h: self.admitted.setdefault(h.request_id, h))
+
+    def blocks(self, rid: str) -> list[int]:
+        return self.rt.core.block_manager.block_ids(rid)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.ctx.destroy(linger=0)
+
+
+def prefill_side() -> Iterator:
+    """For a fixture: (the prefill endpoint, ``make(addr, timeout_s, transports)`` of managers sending
+    to the decode worker at ``addr``); closes them after."""
+    kv = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+    rt = endpoint(kv, "p1", MODEL, scatter_seed=3)
+    ctx = zmq.Context()
+    managers = []
+
+    def make(addr: str, timeout_s: float = 5.0, transports=None) -> HandoffManager:
+        managers.append(HandoffManager(ctx, rt, timeout_s, workers=lambda: [decode_info(addr, MODEL)],
+                                       transports=transports))
+        return managers[-1]
+
+    yield rt, make
+    for m in managers:
+        m.close()
+    ctx.destroy(linger=0)
+
+
+def decode_sides() -> Iterator:
+    """For a fixture: ``make(dtype, ttl_s=, transports=)`` of DecodeSides; closes them after."""
+    sides = []
+
+    def make(dtype=torch.float32, **kw) -> DecodeSide:
+        sides.append(DecodeSide(torch.zeros(SHAPE, dtype=dtype), **kw))
+        return sides[-1]
+
+    yield make
+    for side in sides:
+        side.close()
+
+
+def hand_off_tiny(manager: HandoffManager, rt, rid: str, num_tokens: int) -> tuple[Transfer, list[int]]:
+    return hand_off(manager, rt, rid, num_tokens, MODEL, timeout_s=30)
+
+
+def wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def poll_until(manager: HandoffManager, cond, what: str) -> list:
+    ended: list = []
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        ended += manager.poll(20)
+    return ended
+
+
+def early(manager: HandoffManager, rid: str, num_tokens: int) -> Transfer:
+    return manager.start_early(synthetic_job(rid, num_tokens, MODEL), rid.encode())

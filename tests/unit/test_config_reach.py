@@ -1,0 +1,132 @@
+"""Every flag of every role reaches the process that uses it. Each flag gets a value other than its
+default; ``kvrelay serve --print-config`` starts every child as it would to serve (config as JSON on
+stdin), each child prints the config it resolved, and the test finds each value where the child keeps
+it. The roles started on their own (``kvrelay gateway --print-config ...``) are walked the same way."""
+
+import json
+import subprocess
+import sys
+import typing
+
+import pytest
+from kvrelay.shared.config.cli_args import GATEWAY_FLAGS, SERVE_FLAGS, WORKER_FLAGS
+from kvrelay.shared.config.flags import Flag
+from kvrelay.shared.config.serve import WORKER_RENAMES
+
+pytestmark = pytest.mark.slow
+
+# Values a generic rule would get wrong (a constraint, a format, a path that must resolve).
+CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "redis://127.0.0.1:6390/3",
+          "--gpu-memory-utilization": 0.5, "--admin-key": "0123456789abcdef-admin", "--block-size": 32,
+          "--tenant-kv-quota": 0.25, "--api-server-count": 2, "--mode": "unified"}
+SKIPPED = {"--config"}  # the models file: tests/unit/test_config_yaml.py and the e2e serve_config test
+
+
+def types(annotation: typing.Any) -> set:
+    """int for int, int | None and Annotated[int, ...] | None alike."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return types(typing.get_args(annotation)[0])
+    args = typing.get_args(annotation)
+    return set().union(*map(types, args)) if args else {annotation}
+
+
+def other_value(flag: Flag) -> typing.Any:
+    """A value that is not the flag's default, so finding it proves the flag arrived."""
+    annotation = flag.info.annotation
+    if flag.option in CHOSEN:
+        value = CHOSEN[flag.option]
+    elif annotation is bool:
+        value = not flag.default
+    elif typing.get_origin(annotation) is typing.Literal:
+        value = next(c for c in typing.get_args(annotation) if c != flag.default)
+    elif int in types(annotation):
+        value = (flag.default or 0) + 7
+    elif float in types(annotation):
+        value = (flag.default or 0) + 0.25
+    else:
+        value = f"x-{flag.dest}"
+    assert value != flag.default, flag.option
+    return value
+
+
+def argv_for(flags: list[Flag]) -> tuple[list[str], dict[str, typing.Any]]:
+    argv, given = [], {}
+    for flag in flags:
+        if flag.option in SKIPPED or flag.option in given:
+            continue
+        given[flag.option] = value = other_value(flag)
+        if isinstance(value, bool):
+            argv.append(flag.option if value else "--no-" + flag.option[2:])
+        else:
+            argv += [flag.option, str(value)]
+    return argv, given
+
+
+def resolved(path: tuple[str, ...], config: dict) -> typing.Any:
+    for name in path:
+        config = config[name]
+    return config
+
+
+def expected(option: str, value: typing.Any, child: str, command: str, index: int) -> typing.Any:
+    """What serve makes of a value for one of its children (index: the child's number among its kind)."""
+    if option in ("--worker-port", "--worker-monitoring-port", "--zmq-port"):
+        return value + index  # one port per process
+    if option == "--worker-id":
+        return f"{value}-{child}"
+    if option == "--admin-key":
+        return "<set>"  # masked when printed
+    if option == "--gpu-memory-utilization":  # workers sharing a GPU split it: prefill 30%, decode 70%
+        return round(value * {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}[command], 4)
+    return value
+
+
+def print_config(argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.cli", *argv, "--print-config"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def check(config: dict, flags: list[Flag], given: dict, child: str, command: str, index: int,
+          rename: dict[str, str]) -> set[str]:
+    seen = set()
+    for flag in flags:
+        option = rename.get(flag.path[-1], flag.option)
+        want, got = expected(option, given[option], child, command, index), resolved(flag.path, config)
+        assert got == want, f"{child}: {option} {given[option]!r} arrived as {got!r}"
+        seen.add(option)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["unified", "disaggregated"])
+def test_every_serve_flag_reaches_the_child_that_uses_it(mode):
+    argv, given = argv_for(SERVE_FLAGS)
+    given["--mode"] = mode
+    argv[argv.index("--mode") + 1] = mode
+    children = print_config(["serve", *argv])
+    workers = ["unified-worker"] if mode == "unified" else ["prefill-worker", "decode-worker"]
+    # with a --model-repo one worker per role hosts every model, named after its role alone
+    assert {n: c["command"] for n, c in children.items()} == {"gateway": "gateway", "gateway-1": "gateway",
+                                                             **{w: w for w in workers}}
+    seen = {"--mode", "--api-server-count"}  # serve's own: the children above
+    worker_flags = [f for f in WORKER_FLAGS if f.option not in SKIPPED]
+    for name, child in children.items():
+        command, config = child["command"], child["config"]
+        if command == "gateway":
+            seen |= check(config, GATEWAY_FLAGS, given, name, command, int(name[len("gateway-"):] or 0), {})
+            assert config["reuse_port"]  # two gateways share the port
+        else:
+            seen |= check(config, worker_flags, given, name, command, workers.index(command), WORKER_RENAMES)
+            assert config["role"] == command.removesuffix("-worker") and config["model_name"] == "x-served_model_name"
+    assert seen == set(given)  # every flag serve took was found in a child
+
+
+@pytest.mark.parametrize("command", ["gateway", "prefill-worker", "decode-worker", "unified-worker"])
+def test_every_role_flag_reaches_its_config(command):
+    flags = GATEWAY_FLAGS if command == "gateway" else [f for f in WORKER_FLAGS if f.option not in SKIPPED]
+    argv, given = argv_for(flags)
+    config = print_config([command, *argv])
+    for flag in flags:
+        want = "<set>" if flag.option == "--admin-key" else given[flag.option]
+        assert resolved(flag.path, config) == want, f"{command}: {flag.option}"
