@@ -15,10 +15,10 @@ import time
 from collections import deque
 
 from kvrelay.bench.serve_client import Prompt, RequestResult
-from kvrelay.shared.config.cli_args import add_engine_args
 from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.cli_args import add_engine_args
 
 
 def build_llm(engine_args: list[str]) -> LLM:

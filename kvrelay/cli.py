@@ -3,11 +3,12 @@ Every role's flags are generated from its config declaration (shared/config/); a
 ``kvrelay serve`` gets its config as JSON on stdin instead (shared/config/handover.py)."""
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 
-from kvrelay.shared.config.cli_args import add_gateway_args, add_serve_args, add_worker_args
+from kvrelay.cli_args import add_gateway_args, add_serve_args, add_worker_args
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
@@ -28,13 +29,13 @@ def _role(args: argparse.Namespace) -> int:
 
     role = ROLES[args.command]
     if role == "gateway":
-        from kvrelay.shared.config.cli_args import gateway_config_from_args
+        from kvrelay.cli_args import gateway_config_from_args
         from kvrelay.shared.config.gateway import GatewayConfig
 
         config = handover.receive(GatewayConfig) if args.config_from_stdin else gateway_config_from_args(args)
     else:
         from kvrelay.shared.config.worker import WorkerConfig
-        from kvrelay.shared.worker.entry import worker_config
+        from kvrelay.workers import worker_config
 
         config = handover.receive(WorkerConfig) if args.config_from_stdin else worker_config(role, args)
     if args.print_config:
@@ -45,7 +46,7 @@ def _role(args: argparse.Namespace) -> int:
 
         run_gateway(config)
         return 0
-    from kvrelay.shared.worker.entry import run_worker
+    from kvrelay.workers import run_worker
 
     return run_worker(config)
 
@@ -90,40 +91,38 @@ def _models(sub: argparse._SubParsersAction) -> None:
     lst.set_defaults(func=_models_list)
 
 
+# kind -> (module, function, help). Each benchmark's module declares its own flags and is imported only
+# when it runs: the benchmarks import torch, which `kvrelay gateway` must not load to parse its flags.
+BENCHES = {
+    "throughput": ("kvrelay.bench.offline", "run_throughput", "offline throughput"),
+    "latency": ("kvrelay.bench.offline", "run_latency", "offline latency"),
+    "gpu": ("kvrelay.bench.gpu", "run", "one GPU: decode/prefill against measured floors and HF, fused vs unfused, "
+            "graphs vs eager"),
+    "serve": ("kvrelay.bench.serve", "run", "load generator against an OpenAI-compatible server (vLLM's serving "
+              "benchmark)"),
+    "handoff": ("kvrelay.bench.handoff", "run", "KV handoff bandwidth between two processes: frames, CUDA IPC"),
+    "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: one KV pool arbitrated by "
+                    "demand vs a static split"),
+    "swap": ("kvrelay.bench.hot_swap", "run", "hot-swap a model version under load: swap time, failures, "
+             "co-residents' p99"),
+}
+
+
 def _bench(sub: argparse._SubParsersAction) -> None:
-    from kvrelay.bench import offline
+    bench = sub.add_parser("bench", help="benchmarks (each prints a same-run baseline and the ratio)",
+                           description="\n".join(f"{kind}: {help}" for kind, (_, _, help) in BENCHES.items()),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("bench_kind", choices=BENCHES, metavar="KIND", help="one of: " + ", ".join(BENCHES))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's flags (KIND --help)")
+    bench.set_defaults(func=_run_bench)
 
-    bench = sub.add_parser("bench", help="benchmarks (each prints a same-run baseline and the ratio)")
-    kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    for name, fn in (("throughput", offline.run_throughput), ("latency", offline.run_latency)):
-        p = kinds.add_parser(name, help=f"offline {name}")
-        offline.add_args(p)
-        p.set_defaults(func=fn)
-    from kvrelay.bench import gpu as gpu_bench
 
-    p = kinds.add_parser("gpu", help="one GPU: decode/prefill against measured floors and HF, fused vs unfused, graphs vs eager")
-    gpu_bench.add_args(p)
-    p.set_defaults(func=gpu_bench.run)
-    from kvrelay.bench import serve as serve_bench
-
-    p = kinds.add_parser("serve", help="load generator against an OpenAI-compatible server (vLLM's serving benchmark)")
-    serve_bench.add_args(p)
-    p.set_defaults(func=serve_bench.run)
-    from kvrelay.bench import handoff as handoff_bench
-
-    p = kinds.add_parser("handoff", help="KV handoff bandwidth between two processes: frames, CUDA IPC")
-    handoff_bench.add_args(p)
-    p.set_defaults(func=handoff_bench.run)
-    from kvrelay.bench import kv_arbitration
-
-    p = kinds.add_parser("arbitration", help="two co-resident models: one KV pool arbitrated by demand vs a static split")
-    kv_arbitration.add_args(p)
-    p.set_defaults(func=kv_arbitration.run)
-    from kvrelay.bench import hot_swap
-
-    p = kinds.add_parser("swap", help="hot-swap a model version under load: swap time, failures, co-residents' p99")
-    hot_swap.add_args(p)
-    p.set_defaults(func=hot_swap.run)
+def _run_bench(args: argparse.Namespace) -> int:
+    module_name, function, help = BENCHES[args.bench_kind]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"kvrelay bench {args.bench_kind}", description=help)
+    module.add_args(parser)
+    return getattr(module, function)(parser.parse_args(args.bench_args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,17 +1,17 @@
 """What ``kvrelay serve`` starts: each child process's name, role command and complete typed config,
-built in this process from serve's flags (every role's flags, shared/config/cli_args.py) and handed to
+built in this process from serve's flags (every role's flags, kvrelay/cli_args.py) and handed to
 the child whole (shared/config/handover.py), so no flag is lost between serve and the process using it."""
 
 import argparse
 import dataclasses
 
-from kvrelay.shared.config.cli_args import SERVE_WORKER_FLAGS, gateway_config_from_args
+from kvrelay.cli_args import SERVE_WORKER_FLAGS, gateway_config_from_args
+from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.gateway import GatewayConfig
-from kvrelay.shared.config.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
-from kvrelay.shared.worker.entry import worker_config
+from kvrelay.workers import worker_config
 
 # Workers sharing one GPU must split --gpu-memory-utilization: each sizes its KV cache from its own
 # share, and the prefill side needs room for one batch of prompts, the decode side for every running

@@ -11,7 +11,7 @@ class ModelsConfig:
     """Where a worker's models are listed; ``kvrelay serve --config`` takes the same file."""
 
     config: str | None = setting(None, "YAML listing the models to load at startup (model_repo + models, see "
-                                 "shared/config/serve_config.py); instead of --model", shared=True)
+                                 "kvrelay/serve_config.py); instead of --model", shared=True)
 
 
 @dataclass(config=CONFIG)

@@ -14,7 +14,6 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from kvrelay.shared.config.serve_config import load_serve_config
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import instance_key
@@ -22,6 +21,7 @@ from kvrelay.shared.worker.directory import live_workers
 from safetensors.torch import load_file, save_file
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.serve_config import load_serve_config
 from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow

@@ -57,3 +57,14 @@ def test_gateway_process_never_imports_torch(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["texts"] == [REPLY, REPLY]  # it really served: tokenized, queued, detokenized
     assert report["at_import"] == [] and report["after_serving"] == []
+
+
+def test_the_gateway_command_loads_no_torch_to_parse_its_flags():
+    # `kvrelay gateway` goes through the CLI, which also knows the benchmarks (they import torch): they
+    # must load only when a benchmark runs.
+    probe = ("import sys; from kvrelay.cli import main; code = main(['gateway', '--port', '8123', '--print-config']);"
+             "print(code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "0 False"
+    assert '"port": 8123' in out.stdout

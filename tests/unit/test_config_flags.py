@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from kvrelay.shared.config import handover
-from kvrelay.shared.config.cli_args import ENGINE_FLAGS, GATEWAY_FLAGS, WORKER_FLAGS
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
 from kvrelay.shared.config.gateway import GatewayConfig
@@ -17,6 +16,7 @@ from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 from kvrelay.shared.wire.protocol import ModelSpec
 
 from kvrelay.cli import ROLES, build_parser, main
+from kvrelay.cli_args import ENGINE_FLAGS, GATEWAY_FLAGS, WORKER_FLAGS
 
 ROOT = Path(__file__).parents[2]
 

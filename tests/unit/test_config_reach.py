@@ -9,9 +9,10 @@ import sys
 import typing
 
 import pytest
-from kvrelay.shared.config.cli_args import GATEWAY_FLAGS, SERVE_FLAGS, WORKER_FLAGS
 from kvrelay.shared.config.flags import Flag
 from kvrelay.shared.config.serve import WORKER_RENAMES
+
+from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_FLAGS, WORKER_FLAGS
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.config.serve_config import load_serve_config
 
 from kvrelay.cli import main
+from kvrelay.serve_config import load_serve_config
 
 BAD = [
     ("pinnned: true", "models[0].pinnned: unknown key"),

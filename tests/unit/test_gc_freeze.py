@@ -37,9 +37,8 @@ def test_without_a_freeze_it_is_a_plain_collection():
 
 
 def test_workers_freeze_and_library_engines_do_not(tmp_path):
-    from kvrelay.shared.worker.entry import worker_config
-
     from kvrelay.cli import build_parser
+    from kvrelay.workers import worker_config
 
     args = build_parser().parse_args(["decode-worker", "--model", "dummy:tiny-llama", "--device", "cpu"])
     assert worker_config("decode", args).freeze_gc

@@ -6,9 +6,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from kvrelay.shared.config.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values
+from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values
+from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.config.flags import Flag, build
-from kvrelay.shared.config.serve_config import load_serve_config
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.protocol import ModelSpec

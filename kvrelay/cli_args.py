@@ -1,5 +1,7 @@
 """The command lines of the roles: which declared settings each role's flags come from, and the configs
-built back from the parsed flags. The flags themselves are generated (``flags.py``)."""
+built back from the parsed flags. The flags themselves are generated from the declarations
+(``shared/config/flags.py``); resolving ``--model`` against the model repository is why this lives in the
+CLI, above the config layer."""
 
 import argparse
 

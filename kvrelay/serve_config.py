@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from kvrelay.shared.config.declare import ConfigError, Device, DType
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
