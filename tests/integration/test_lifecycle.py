@@ -17,9 +17,8 @@ BEATING, SILENT = "tcp://127.0.0.1:11", "tcp://127.0.0.1:12"
 
 @pytest.fixture()
 def runtime(redis_url):
-    from kvrelay.shared.worker.entry import worker_config
-
     from kvrelay.cli import build_parser
+    from kvrelay.workers import worker_config
 
     args = build_parser().parse_args(["decode-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
                                       "--redis-url", redis_url, "--num-gpu-blocks-override", "64"])
