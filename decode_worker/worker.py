@@ -6,8 +6,9 @@ Lifecycle of one request here:
      with its prompt already computed and the prefill's first token as output 0; the ack goes back.
   3. Every step (continuous batching with everything else running) produces one token per request;
      one TokenBatch per gateway carries them.
-  4. A stop condition, an abort published by the gateway, or the job's deadline ends it and frees
-     its blocks within that step.
+  4. A stop condition ends it; so does the worker's Lifecycle (shared/worker/lifecycle.py) on an abort
+     published by the gateway, the job's deadline, or the death of its gateway (its liveness key lapsed,
+     or it stopped reading its events); either way its blocks are free within that step.
 
 SIGTERM drains: no new grants (prefill workers go elsewhere), KV already granted is still taken, the
 running batch finishes (up to the drain timeout), and what is left ends with an error event so no
@@ -20,7 +21,6 @@ KV until no prefill worker holds it any more, then finishes its running requests
 
 import logging
 import math
-import time
 
 import redis
 import zmq
@@ -28,8 +28,8 @@ from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.wire.handoff import KVHeader
 from kvrelay.shared.wire.protocol import TokenEvent
-from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.directory import live_workers
+from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_host import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
 
@@ -43,8 +43,7 @@ class DecodeWorker:
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
                                            config.advertise_host)
         self.receiver = HandoffReceiver(self.sock, None, "", config.handoff_timeout_s, core_for=self._core_for)
-        # id -> (instance, reply addr, deadline, tokens sent)
-        self.requests: dict[str, tuple[str, str, float, int]] = {}
+        self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 
     def _max_frame(self) -> int:
         """A KV frame holds at most ~4 MiB of layers, or one layer of the longest prompt; bigger is hostile.
@@ -66,21 +65,21 @@ class DecodeWorker:
     def run(self) -> None:
         self.runtime.start(self.addr, hooks=self)
         try:
-            self.runtime.serve_forever(self.step, busy=lambda: bool(self.requests) or self.receiver.busy,
+            self.runtime.serve_forever(self.step, busy=lambda: bool(self.inflight) or self.receiver.busy,
                                        abandon=self._abandon)
         finally:
             self.sock.close(linger=0)
 
     # -- RoleHooks ----------------------------------------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
-        slot.role = self
+        pass
 
     def detach(self, slot: ModelSlot) -> None:
         self.receiver.forget_model(slot.instance)
 
     def idle(self, slot: ModelSlot) -> bool:
-        return not slot.core.has_unfinished() and not self.receiver.has_model(slot.instance) and not any(
-            r[0] == slot.instance for r in self.requests.values())
+        return (not slot.core.has_unfinished() and not self.receiver.has_model(slot.instance)
+                and not self.inflight.holds(slot.instance))
 
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.idle(slot) and not self._prefill_holds(slot.instance)
@@ -99,41 +98,32 @@ class DecodeWorker:
         slots = list(self.runtime.slots.values())
         busy = any(s.core.has_unfinished() for s in slots)
         self.receiver.poll(0 if busy else 20, self._admit)
-        self._abort(self.runtime.drain_aborts(), reason=None)
-        now = time.time()
-        self._abort([rid for rid, (_, _, deadline, _) in self.requests.items() if deadline and now > deadline],
-                    reason="deadline exceeded")
+        self.inflight.sweep()
         for slot in slots:
             if not slot.core.has_unfinished():
                 continue
             slot.touch()
             for out in slot.core.step():
-                entry = self.requests.get(out.request_id)
-                if entry is None:
+                rec = self.inflight.get(out.request_id)
+                if rec is None:
                     continue
-                instance, addr, deadline, sent = entry
-                self.runtime.events.add(addr, token_event(out, sent, self.config.worker_id))
+                event = token_event(out, rec.sent, self.config.worker_id)
                 if out.finished:
-                    del self.requests[out.request_id]
+                    self.inflight.finish(rec.request_id, event)
                 else:
-                    self.requests[out.request_id] = (instance, addr, deadline, sent + len(out.new_token_ids))
+                    self.inflight.send(rec, event)
         self.runtime.events.flush()
 
     def _admit(self, h: KVHeader) -> None:
         slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold
         slot.touch()
-        core = slot.core
-        params = SamplingParams.from_dict(h.sampling)
-        eos = slot.eos_ids
-        req = core.make_request(h.request_id, h.prompt_token_ids, params, eos[0] if eos else None,
-                                h.priority, h.cache_salt, tenant=h.tenant, arrival=h.arrival)
-        if not params.ignore_eos:
-            req.sampling_params.stop_token_ids = params.stop_token_ids + [t for t in eos[1:]]
+        req = engine_request(slot, h)
         req.output_token_ids = [h.first_token_id]
         req.num_computed_tokens = len(h.prompt_token_ids)
         req.num_cached_tokens = h.num_cached_tokens
-        core.scheduler.add_prefilled_request(req)
-        self.requests[h.request_id] = (h.model, h.reply_addr, h.deadline, 1)
+        slot.core.scheduler.add_prefilled_request(req)
+        self.inflight.track(InFlight(request_id=h.request_id, instance=h.model, reply_addr=h.reply_addr,
+                                     deadline=h.deadline, arrival=h.arrival, max_tokens=req.max_tokens, sent=1))
         # Tell the gateway who holds the request now, before the ack lets the prefill side drop the job:
         # if this worker dies after the ack but before its first token event, the gateway still knows
         # whose heartbeat to watch and fails the stream instead of waiting out the request's deadline.
@@ -141,24 +131,10 @@ class DecodeWorker:
                                                          worker_id=self.config.worker_id))
         self.runtime.events.flush()
 
-    def _abort(self, request_ids: list[str], reason: str | None, finish_reason: str = "abort") -> None:
-        for rid in request_ids:
-            entry = self.requests.pop(rid, None)
-            if entry is None:
-                continue
-            instance, addr, _, sent = entry
-            slot = self.runtime.slots.get(instance)
-            if slot is not None:
-                slot.core.abort([rid])
-            if reason:  # an abort the gateway asked for needs no answer: its client is gone
-                error = reason if finish_reason == "error" else None
-                self.runtime.events.add(addr, TokenEvent(request_id=rid, finish_reason=finish_reason,
-                                                         error=error, output_index=sent,
-                                                         worker_id=self.config.worker_id))
-
     def _abandon(self) -> None:
-        self._abort(list(self.requests), reason="decode worker shut down before the request finished",
-                    finish_reason="error")
+        for rec in self.inflight.abandon():
+            self.inflight.send(rec, self.inflight.end_event(rec, "error",
+                                                            "decode worker shut down before the request finished"))
         for rid, grant in list(self.receiver.grants.items()):
             slot = self.runtime.slots.get(grant.model)
             if slot is not None:

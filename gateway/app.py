@@ -1,7 +1,8 @@
 """The gateway application: ``create_app(config)`` builds it, ``run_gateway(config)`` serves it.
 
 Resources live in cleanup contexts, started in order and closed in reverse: Redis (and the task that
-watches it for restarts), then the ZMQ reply socket and its dispatcher task, then the set of detached
+watches it for restarts), then the ZMQ reply socket and its dispatcher task, then the liveness key
+workers watch for that socket's address (``heartbeat.py``), then the set of detached
 background tasks, then the model reconciler (``reconciler.py``). SIGTERM drains the gateway before it
 exits (``drain.py``).
 """
@@ -15,6 +16,7 @@ from kvrelay.gateway.auth import auth_middleware
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from kvrelay.gateway.errors import add_request_id, error_middleware
+from kvrelay.gateway.heartbeat import heartbeat_ctx
 from kvrelay.gateway.limits import RateLimiter
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.model_registry import ModelRegistry
@@ -116,7 +118,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         app[MODEL_REPO] = ModelRepository(config.model_repo)
     # Cleanup runs in reverse: the reconciler stops first, then background tasks (abort publishes, model
     # loads) drain, while Redis is still open.
-    app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, background_ctx, reconciler_ctx])
+    app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, heartbeat_ctx, background_ctx, reconciler_ctx])
     app.on_response_prepare.append(add_request_id)
     app.add_routes(ROUTES)
     return app

@@ -13,6 +13,9 @@ Lifecycle of one job here:
      XACK, free the blocks. Otherwise the transfer completes (or starts, without an early grant) and
      moves the KV to a decode worker; its ack means the decode side holds the request, and only then
      is the job XACKed.
+Until its first token a job is an InFlight of the worker's Lifecycle (shared/worker/lifecycle.py), which
+ends it on a gateway's abort, its deadline, or its gateway's death; from then on its Transfer holds it,
+and a gateway's abort cancels that.
 A worker killed anywhere before the XACK leaves the job pending for a peer to reclaim; the decode side
 refuses a request id it already holds, so a reclaimed job never yields two streams.
 
@@ -24,40 +27,28 @@ engine; one step serves each in turn, and one HandoffManager carries all their K
 (a swap's old version) keeps reading its stream until it is empty and nothing of it is in flight.
 """
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
-from kvrelay.prefill_worker.job_queue import JobQueue, replayable
+from kvrelay.prefill_worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
+from kvrelay.prefill_worker.job_queue import replayable
 from kvrelay.shared.engine.outputs import EngineCoreOutput
-from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import Job, TokenEvent
-from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.worker.model_host import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
 
 log = logging.getLogger(__name__)
 
-IDLE_BLOCK_MS = 50
 EARLY_GRANT_STEPS = 2  # ask a decode worker for blocks once a prompt's last chunk is this many steps away
-IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
-
-
-@dataclass
-class _PrefillModel:
-    """One hosted instance's queue and the requests of it in the engine."""
-
-    jobs: JobQueue
-    active: dict[str, tuple[bytes, Job]] = field(default_factory=dict)  # id -> (stream entry, job)
-    real_max_tokens: dict[str, int] = field(default_factory=dict)  # the engine stops each after one token
 
 
 class PrefillWorker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
+        self.intake = JobIntake(self.runtime, config)
+        self.inflight = self.intake.inflight
         self.handoff = HandoffManager(self.runtime.ctx, self.runtime, config.handoff_timeout_s,
                                       core_for=self._core_for)
 
@@ -70,29 +61,30 @@ class PrefillWorker:
         return None if slot is None else slot.core
 
     def _busy(self) -> bool:
-        return self.handoff.busy or any(s.role.active for s in self.runtime.slots.values())
+        return self.handoff.busy or bool(self.inflight)
 
     # -- RoleHooks: the host's models come and go ---------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
-        c = self.config
-        slot.role = _PrefillModel(JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
-                                           c.max_deliveries, on_dead=self._dead_job))
-        if c.stream_kv_layers:
+        self.intake.attach(slot)
+        if self.config.stream_kv_layers:
             slot.core.runner.set_kv_stream(self.handoff.stream_for(slot.instance))
 
     def detach(self, slot: ModelSlot) -> None:
         self.handoff.forget_model(slot.instance)
+        self.intake.detach(slot)
 
     def idle(self, slot: ModelSlot) -> bool:
-        return (not slot.role.active and not self.handoff.has_model(slot.instance)
-                and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
+        return not self.handoff.has_model(slot.instance) and self.intake.idle(slot)
 
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.idle(slot)
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:
-        self._handle_aborts()
+        for rid in self.inflight.sweep():  # aborted after its first token: its handoff holds it
+            t = self.handoff.cancel(rid)
+            if t is not None:
+                self.intake.ack(t.job.model, t.entry_id)
         slots = list(self.runtime.slots.values())
         busy = self.handoff.busy or any(s.core.has_unfinished() for s in slots)
         block_ms = 0 if busy or len(slots) != 1 else IDLE_BLOCK_MS
@@ -120,48 +112,22 @@ class PrefillWorker:
 
     # -- intake ---------------------------------------------------------------------------------
     def _fetch(self, slot: ModelSlot, block_ms: int) -> int:
-        pm: _PrefillModel = slot.role
-        room = slot.core.config.scheduler.max_num_seqs - len(pm.active)
-        if room <= 0 or self.runtime.draining:
-            return 0
-        jobs = pm.jobs.fetch(room, block_ms=block_ms)
-        if jobs and self.runtime.draining:  # SIGTERM landed during the read: a peer starts these
-            pm.jobs.hand_back([entry_id for entry_id, _ in jobs])
-            return 0
+        jobs = self.intake.fetch(slot, block_ms)
         for entry_id, job in jobs:
-            self._admit(slot, entry_id, job)
+            if job.request_id in self.handoff.transfers:
+                continue  # our own pending job reclaimed back to us: it is still in progress here
+            admitted = self.intake.admit(slot, entry_id, job)
+            if admitted is not None:
+                _rec, req = admitted
+                req.max_tokens = 1  # this worker only produces the first token
+                slot.core.add_request(req)
         return len(jobs)
-
-    def _admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> None:
-        pm: _PrefillModel = slot.role
-        rid = job.request_id
-        slot.touch()
-        if rid in pm.active or rid in self.handoff.transfers:
-            return  # our own pending job reclaimed back to us: it is still in progress here
-        if job.deadline and time.time() > job.deadline:
-            self._finish(pm, entry_id, job, TokenEvent(request_id=rid, finish_reason="abort"))
-            return
-        try:
-            params = SamplingParams.from_dict(job.sampling)
-            req = slot.core.make_request(rid, job.prompt_token_ids, params,
-                                         slot.eos_ids[0] if slot.eos_ids else None,
-                                         job.priority, job.cache_salt, tenant=job.tenant, arrival=job.arrival)
-        except (ValueError, TypeError) as exc:
-            self._finish(pm, entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
-            return
-        req.sampling_params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + [
-            t for t in slot.eos_ids[1:] if not params.ignore_eos])
-        pm.real_max_tokens[rid] = req.max_tokens
-        req.max_tokens = 1  # this worker only produces the first token
-        pm.active[rid] = (entry_id, job)
-        slot.core.add_request(req)
 
     def _ask_early(self, slot: ModelSlot) -> None:
         """Early grants for the prompts whose last chunk is due within EARLY_GRANT_STEPS steps: in
         scheduling order (running first, then waiting), counting the prompt tokens computed before each
         one's last chunk. Asking earlier would hold decode blocks idle while prompts wait; later, the
         grant (a round trip through the decode worker's loop) would miss the last chunk."""
-        pm: _PrefillModel = slot.role
         sched = slot.core.scheduler
         step = sched.max_num_batched_tokens
         ahead = 0  # prompt tokens scheduled before this request's
@@ -171,39 +137,40 @@ class PrefillWorker:
                 return
             ahead += remaining
             rid = req.request_id
-            if rid in self.handoff.transfers or rid not in pm.active or pm.real_max_tokens.get(rid, 1) <= 1:
+            rec = self.inflight.get(rid)
+            if rid in self.handoff.transfers or rec is None or rec.job is None or rec.max_tokens <= 1:
                 continue
             if req.num_prompt_tokens + 1 >= slot.core.max_model_len:
                 continue  # ends at its first token: nothing to hand off
-            entry_id, job = pm.active[rid]
-            self.handoff.start_early(job, entry_id)
+            self.handoff.start_early(rec.job, rec.entry_id)
 
     # -- results --------------------------------------------------------------------------------
     def _on_output(self, slot: ModelSlot, out: EngineCoreOutput) -> None:
-        pm: _PrefillModel = slot.role
         rid = out.request_id
-        entry_id, job = pm.active.pop(rid, (None, None))
-        if job is None:
+        rec = self.inflight.get(rid)
+        if rec is None or rec.job is None:
             return
+        job = rec.job
         slot.touch()
-        real_max = pm.real_max_tokens.pop(rid, 1)
-        req_finished_for_real = out.finish_reason in ("stop", "abort") or real_max <= 1 or (
+        finished_for_real = out.finish_reason in ("stop", "abort") or rec.max_tokens <= 1 or (
             len(job.prompt_token_ids) + 1 >= slot.core.max_model_len)
         # no worker_id: after the handoff this worker no longer holds the request, and if it dies
         # first the job is reclaimed by a peer rather than failed at the gateway
         event = token_event(out, output_index=0, worker_id="")
-        if req_finished_for_real:
+        if finished_for_real:
             event.finish_reason = out.finish_reason or "length"
-            slot.metrics.request_done(event.finish_reason, job.arrival)
+            if slot.metrics is not None:
+                slot.metrics.request_done(event.finish_reason, job.arrival)
             self.handoff.cancel(rid)  # an early grant's blocks go back; streamed copies finish first
             slot.core.scheduler.release_held(rid)
-            self._finish(pm, entry_id, job, event)
+            self.inflight.finish(rid, event)
             return
         event.finish_reason = None  # the prefill cap is ours, not the request's
-        self.runtime.events.add(job.reply_addr, event)
-        self.handoff.prefilled(job, entry_id, FirstToken(out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
-                                                         event.top_logprobs[0] if event.top_logprobs else None,
-                                                         out.num_cached_tokens))
+        self.inflight.send(rec, event)
+        self.inflight.hand_over(rid)
+        self.handoff.prefilled(job, rec.entry_id, FirstToken(
+            out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
+            event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens))
 
     def _on_transfer_end(self, t: Transfer) -> None:
         slot = self.runtime.slots.get(t.job.model)
@@ -211,37 +178,24 @@ class PrefillWorker:
             log.error("transfer of %s ended after its model %s left", t.job.request_id, t.job.model)
             return
         slot.touch()
-        slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE, t.transport,
-                                  t.streamed)
+        if slot.metrics is not None:
+            slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE,
+                                      t.transport, t.streamed)
         if t.state is State.DONE:
-            slot.role.jobs.ack(t.entry_id)
+            self.intake.ack(slot.instance, t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,
                       (time.perf_counter() - t.started) * 1000)
             return
-        self._finish(slot.role, t.entry_id, t.job, TokenEvent(
+        self.intake.answer(slot.instance, t.entry_id, t.job, TokenEvent(
             request_id=t.job.request_id, finish_reason="error", error=f"KV handoff failed: {t.reason}",
             output_index=1))
-
-    def _finish(self, pm: _PrefillModel, entry_id: bytes, job: Job, event: TokenEvent) -> None:
-        self.runtime.events.add(job.reply_addr, event)
-        pm.jobs.ack(entry_id)
-
-    def _dead_job(self, job: Job, reason: str) -> None:
-        self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",
-                                                           error=f"request failed repeatedly: {reason}"))
 
     def _abandon(self) -> None:
         """Drain timeout: jobs not yet prefilled go back to the stream. So do those waiting for a decode
         grant when a peer would repeat their first token exactly; the others end with an error, since
         their client already has a first token a peer might not repeat. Jobs whose KV already left wait
         for the decode side's ack, which a peer's reclaim covers if it never comes."""
-        back: dict[str, list[bytes]] = {}
-        for slot in self.runtime.slots.values():
-            pm: _PrefillModel = slot.role
-            for rid, (entry_id, _job) in list(pm.active.items()):
-                slot.core.abort([rid])
-                back.setdefault(slot.instance, []).append(entry_id)
-            pm.active.clear()
+        back = [(rec.instance, rec.entry_id) for rec in self.inflight.abandon()]
         for rid, t in list(self.handoff.transfers.items()):
             if not t.computed:  # an early ask: its job went back above
                 self.handoff.cancel(rid)
@@ -253,32 +207,10 @@ class PrefillWorker:
             if slot is None:
                 continue
             if replayable(t.job):
-                back.setdefault(slot.instance, []).append(t.entry_id)
+                back.append((slot.instance, t.entry_id))
             else:
-                self._finish(slot.role, t.entry_id, t.job, TokenEvent(
+                self.intake.answer(slot.instance, t.entry_id, t.job, TokenEvent(
                     request_id=rid, finish_reason="error", output_index=1,
                     error="prefill worker shut down during the handoff"))
-        for instance, entries in back.items():
-            self.runtime.slots[instance].role.jobs.hand_back(entries)
-        log.info("handed %d job(s) back to the stream", sum(map(len, back.values())))
-
-    def _handle_aborts(self) -> None:
-        for rid in self.runtime.drain_aborts():
-            for slot in self.runtime.slots.values():
-                pm: _PrefillModel = slot.role
-                if rid in pm.active:
-                    entry_id, _ = pm.active.pop(rid)
-                    slot.core.abort([rid])
-                    pm.jobs.ack(entry_id)
-            t = self.handoff.cancel(rid)
-            if t is not None and t.job.model in self.runtime.slots:
-                self.runtime.slots[t.job.model].role.jobs.ack(t.entry_id)
-
-
-def queued(r, instance: str, worker_id: str) -> int:
-    """Jobs of ``instance`` still in Redis that this worker could be the one to serve: its shared stream
-    and this worker's private stream (entries are deleted when ACKed, so pending ones count too)."""
-    pipe = r.pipeline(transaction=False)
-    pipe.xlen(keys.prefill_stream(instance))
-    pipe.xlen(keys.prefill_worker_stream(instance, worker_id))
-    return sum(pipe.execute())
+        self.intake.hand_back(back)
+        log.info("handed %d job(s) back to the stream", len(back))

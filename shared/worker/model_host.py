@@ -25,10 +25,11 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from kvrelay.shared.config.engine import EngineConfig
@@ -39,6 +40,7 @@ from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import file_digest
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
+from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.step_lock import StepLock
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,7 @@ class ModelSlot:
     weight_bytes: int = 0
     state: str = "ready"  # ready | draining
     last_used: float = field(default_factory=time.monotonic)
-    role: Any = None  # the role's per-instance state
-    metrics: Any = None  # its WorkerMetrics
+    metrics: WorkerMetrics | None = None  # set once the worker serves it
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -100,7 +101,7 @@ class ModelPlan:
     pinned: bool = False
     keep_alive_s: float = 0.0
     weight_bytes: int = 0  # the estimate
-    verify: Any = None  # callable raising RepositoryError on a corrupt copy, run on the loading thread
+    verify: Callable[[], None] | None = None  # raises RepositoryError on a corrupt copy; runs on the loading thread
 
     @property
     def instance(self) -> str:
@@ -122,7 +123,9 @@ class ModelHost:
     def __init__(self, base: EngineConfig, *, hold_finished_kv: bool, pool: KVPool | None,
                  weights_budget: int, repo: ModelRepository | None = None,
                  configured_paths: dict[str, str] | None = None, verify_checksums: bool = True,
-                 eos_ids=None, report=None, min_replicas=None, freeze_gc: bool = False):
+                 eos_ids: Callable[[EngineCore, str], list[int]] | None = None,
+                 report: Callable[[ControlResult], None] | None = None,
+                 min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view

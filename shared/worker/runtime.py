@@ -2,9 +2,11 @@
 model instance over one KV pool), its Redis registration and heartbeat, the control and abort
 listeners, the ZMQ sockets that carry token events back to gateways, and a clean shutdown.
 
-Threads: the heartbeat, the control listener and the abort listener only talk to Redis and hand
-commands and ids to the main loop through queues; the engines, their tensors and every ZMQ socket
-belong to the main loop alone (model loads build a new engine on their own thread, see model_host).
+Threads: the heartbeat, the control listener, the abort listener and the gateway watch only talk to
+Redis and hand commands, ids and dead gateways to the main loop through queues; the engines, their
+tensors and every ZMQ socket belong to the main loop alone (model loads build a new engine on their own
+thread, see model_host). A thread rides out Redis errors only: anything else is a bug, which stops the
+worker with a non-zero exit for its supervisor to restart, rather than a warning a second for ever.
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (the role stops taking new work and its loop runs
 until nothing is in flight or ``drain_timeout_s`` passed, then the role hands back or ends what is
@@ -18,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 import torch
@@ -34,7 +37,6 @@ from kvrelay.shared.wire.protocol import (
     ControlResult,
     ModelInfo,
     ModelSpec,
-    TokenBatch,
     TokenEvent,
     WorkerInfo,
     decode,
@@ -42,46 +44,19 @@ from kvrelay.shared.wire.protocol import (
     instance_key,
 )
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.worker.event_sink import EventSink
+from kvrelay.shared.worker.gateway_watch import GatewayWatch
 from kvrelay.shared.worker.metrics import MergedMetrics, WorkerMetrics
 from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
 
 log = logging.getLogger(__name__)
 
-SEND_TIMEOUT_MS = 2000
 REREGISTER_RETRY_S = 0.2
 CPU_DEFAULT_KV_BYTES = 1 << 30
 CPU_DEFAULT_WEIGHTS_BYTES = 8 << 30
 ACTIVATION_RESERVE = 4 << 30  # CUDA: peak activations of a prefill step, CUDA graphs, allocator slack
 
 
-class EventSink:
-    """Batches TokenEvents per gateway address and sends one TokenBatch per gateway per step."""
-
-    def __init__(self, ctx: zmq.Context):
-        self.ctx = ctx
-        self.sockets: dict[str, zmq.Socket] = {}
-        self.pending: dict[str, list[TokenEvent]] = {}
-
-    def add(self, reply_addr: str, event: TokenEvent) -> None:
-        self.pending.setdefault(reply_addr, []).append(event)
-
-    def flush(self) -> None:
-        for addr, events in self.pending.items():
-            sock = self.sockets.get(addr)
-            if sock is None:
-                sock = self.sockets[addr] = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-                sock.connect(addr)
-            try:
-                sock.send(encode(TokenBatch(events=events)))
-            except zmq.Again:  # a gateway that stopped reading loses its events, nobody else's
-                log.warning("gateway %s is not reading; dropped %d events", addr, len(events))
-        self.pending.clear()
-
-    def close(self) -> None:
-        for sock in self.sockets.values():
-            sock.close()
 
 
 class WorkerRuntime:
@@ -100,7 +75,9 @@ class WorkerRuntime:
         self.ctx = zmq.Context()
         self.events = EventSink(self.ctx)
         self.aborts: queue.Queue[str] = queue.Queue()
+        self.gateways = GatewayWatch(self.redis)
         self.stop = threading.Event()
+        self.crashed: BaseException | None = None  # what killed one of our threads
         self.started = time.time()
         self.draining = False  # set by the first SIGTERM; roles stop taking new work
         self.drain_deadline = 0.0
@@ -136,15 +113,26 @@ class WorkerRuntime:
             if self.redis.set(keys.registry_key(spec.name), encode(spec), nx=True):
                 self.redis.sadd(keys.REGISTRY_INDEX, spec.name)
         self.heartbeat()
-        loops = [self._heartbeat_loop, self._abort_loop] + ([self._control_loop] if self.config.model_repo else [])
-        for target in loops:
-            t = threading.Thread(target=target, daemon=True, name=target.__name__)
+        loops = [self._heartbeat_loop, self._abort_loop, self._gateway_loop]
+        for target in loops + ([self._control_loop] if self.config.model_repo else []):
+            t = threading.Thread(target=self._fatal_on_error, args=(target,), daemon=True, name=target.__name__)
             t.start()
             self._threads.append(t)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("%s worker %s serving %s at %s", self.config.role, self.config.worker_id,
                  ", ".join(self.host.slots) or "no model yet", zmq_addr)
+
+    def _fatal_on_error(self, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except BaseException as exc:
+            log.critical("%s crashed: stopping the worker", loop.__name__, exc_info=True)
+            self.crashed = self.crashed or exc
+            self.stop.set()
+
+    def _gateway_loop(self) -> None:
+        self.gateways.run(self.stop)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.draining:
@@ -159,7 +147,7 @@ class WorkerRuntime:
         try:
             self.redis.delete(keys.worker_key(self.config.worker_id))
             self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
-        except Exception:  # Redis gone: the TTL removes the registration anyway
+        except redis.RedisError:  # Redis gone: the TTL removes the registration anyway
             log.warning("could not unregister from Redis", exc_info=True)
         self.events.close()
         self.ctx.destroy(linger=500)
@@ -229,7 +217,7 @@ class WorkerRuntime:
                             if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
                                 self.publish_model(slot)
                 delay = keys.HEARTBEAT_INTERVAL_S
-            except Exception:  # Redis restarting: keep serving, re-register as soon as it is back
+            except redis.RedisError:  # Redis restarting: keep serving, re-register as soon as it is back
                 log.warning("heartbeat failed", exc_info=True)
                 # Retry quickly: after a Redis restart the gateway queues nothing for this model until
                 # its workers are registered again, and a prefill worker finds no decode worker before.
@@ -241,7 +229,7 @@ class WorkerRuntime:
         while not self.stop.is_set():
             try:
                 item = self.redis.brpop([key], timeout=1)
-            except Exception:
+            except redis.RedisError:
                 log.warning("control listener lost Redis; retrying", exc_info=True)
                 self.stop.wait(1.0)
                 continue
@@ -281,7 +269,7 @@ class WorkerRuntime:
                                 self.aborts.put(rid)
                         except ValueError:
                             log.warning("dropped a malformed abort message")
-            except Exception:
+            except redis.RedisError:
                 log.warning("abort subscription lost; retrying", exc_info=True)
                 self.stop.wait(1.0)
 
@@ -317,6 +305,9 @@ class WorkerRuntime:
             log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
         finally:
             self.shutdown()
+        if self.crashed is not None:
+            raise RuntimeError(f"a thread of {self.config.role} worker {self.config.worker_id} crashed") \
+                from self.crashed
 
     def drain_aborts(self) -> list[str]:
         ids = []

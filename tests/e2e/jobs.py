@@ -1,7 +1,8 @@
 """Talks to workers the way a gateway does, without one: XADDs ``Job``s (any tenant, salt and arrival)
 to a model's stream and collects the ``TokenBatch``es that come back on its own ZMQ PULL socket, stamping
 each request's first token and its end. For tests that need tenants and exact timings the HTTP front
-door would hide."""
+door would hide. It beats as a gateway does (``gateway_key`` of its address), or workers would abort its
+requests as a dead gateway's."""
 
 import threading
 import time
@@ -39,6 +40,8 @@ class JobClient:
         self.seen: dict[str, Seen] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._beat()
+        self._last_beat = time.monotonic()
         # Receiving on its own thread stamps a token when it arrives, not when the test gets round to it.
         self._thread = threading.Thread(target=self._receive, daemon=True)
         self._thread.start()
@@ -81,6 +84,7 @@ class JobClient:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.redis.delete(keys.gateway_key(self.addr))
         self.sock.close()
         self.ctx.term()
 
@@ -88,6 +92,9 @@ class JobClient:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():
+            if time.monotonic() - self._last_beat >= keys.GATEWAY_HEARTBEAT_S:
+                self._beat()
+                self._last_beat = time.monotonic()
             if not poller.poll(50):
                 continue
             now = time.time()
@@ -103,3 +110,6 @@ class JobClient:
                     s.tokens += ev.token_ids
                     if ev.finish_reason is not None:
                         s.end, s.finish_reason = now, ev.finish_reason
+
+    def _beat(self) -> None:
+        self.redis.set(keys.gateway_key(self.addr), "jobs-client", ex=keys.GATEWAY_TTL_S)

@@ -1,0 +1,65 @@
+"""The gateway's liveness, for the workers: ``gateway_key(reply_addr)`` SET with EX=GATEWAY_TTL_S every
+GATEWAY_HEARTBEAT_S, keyed by the ZMQ address its Jobs carry as ``reply_addr``. A worker whose in-flight
+requests reply to an address whose key lapsed aborts them (shared/worker/gateway_watch.py), so a gateway
+killed with -9 leaves no request decoding for nobody.
+
+The first beat lands before the gateway serves (this context starts before the site does) and the last
+after its drain (contexts close after it); a clean shutdown deletes the key, so workers need not wait
+for its TTL to free what a drain timeout left behind.
+"""
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+
+import redis
+import redis.asyncio
+from aiohttp import web
+from kvrelay.gateway.state import DISPATCHER, REDIS
+from kvrelay.shared.wire import redis_keys as keys
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+class GatewayHeartbeat:
+    def __init__(self, client: redis.asyncio.Redis, reply_addr: str):
+        self._redis = client
+        self._key = keys.gateway_key(reply_addr)
+        self._value = f"{socket.gethostname()}-{os.getpid()}"
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._beat()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-gateway-heartbeat")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self._redis.delete(self._key)
+        except redis.RedisError as exc:  # the key's TTL ends it anyway
+            log.warning("could not delete the gateway's liveness key (%s)", exc)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(keys.GATEWAY_HEARTBEAT_S)
+            await self._beat()
+
+    async def _beat(self) -> None:
+        try:
+            await self._redis.set(self._key, self._value, ex=keys.GATEWAY_TTL_S)
+        except redis.RedisError as exc:  # Redis restarting: the next beat writes the key again
+            log.warning("gateway heartbeat failed (%s)", exc)
+
+
+async def heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
+    beat = GatewayHeartbeat(app[REDIS], app[DISPATCHER].address)
+    await beat.start()
+    yield
+    await beat.close()

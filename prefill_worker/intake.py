@@ -1,0 +1,105 @@
+"""Jobs in, for the roles that read the model streams (prefill, unified): one JobQueue per hosted
+instance, read up to what the engine has room for, checked, and tracked in the worker's Lifecycle until
+the request leaves, when its entry is ACKed (``release``). What each role then does with the engine's
+output is its own (prefill_worker/worker.py, prefill_worker/unified.py)."""
+
+import time
+
+from kvrelay.prefill_worker.job_queue import JobQueue
+from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import Job, TokenEvent
+from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
+from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.runtime import WorkerRuntime
+
+IDLE_BLOCK_MS = 50  # one model and nothing running: the read blocks this long for a job
+IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
+
+
+class JobIntake:
+    def __init__(self, runtime: WorkerRuntime, config: WorkerConfig):
+        self.runtime = runtime
+        self.config = config
+        self.queues: dict[str, JobQueue] = {}
+        # no worker_id on events: a dead stream worker's jobs are reclaimed by a peer, not failed
+        self.inflight = Lifecycle(runtime, release=self._release)
+
+    def attach(self, slot: ModelSlot) -> None:
+        c = self.config
+        self.queues[slot.instance] = JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
+                                              c.max_deliveries, on_dead=self._dead_job)
+
+    def detach(self, slot: ModelSlot) -> None:
+        self.queues.pop(slot.instance, None)
+
+    def idle(self, slot: ModelSlot) -> bool:
+        return (not self.inflight.holds(slot.instance)
+                and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
+
+    def fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
+        room = slot.core.config.scheduler.max_num_seqs - self.inflight.count(slot.instance)
+        if room <= 0 or self.runtime.draining:
+            return []
+        jobs = self.queues[slot.instance].fetch(room, block_ms=block_ms)
+        if jobs and self.runtime.draining:  # SIGTERM landed during the read: a peer starts these
+            self.queues[slot.instance].hand_back([entry_id for entry_id, _ in jobs])
+            return []
+        return jobs
+
+    def admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> tuple[InFlight, Request] | None:
+        """The tracked record and engine request of a fetched job; None for one that is ours already (our
+        own pending job reclaimed back to us), past its deadline or invalid (those two are answered and
+        ACKed here)."""
+        slot.touch()
+        rid = job.request_id
+        if rid in self.inflight:
+            return None
+        if job.deadline and time.time() > job.deadline:
+            self.answer(slot.instance, entry_id, job, TokenEvent(request_id=rid, finish_reason="abort"))
+            return None
+        try:
+            req = engine_request(slot, job)
+        except (ValueError, TypeError) as exc:
+            self.answer(slot.instance, entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
+            return None
+        rec = InFlight(request_id=rid, instance=slot.instance, reply_addr=job.reply_addr, deadline=job.deadline,
+                       arrival=job.arrival, max_tokens=req.max_tokens, job=job, entry_id=entry_id)
+        self.inflight.track(rec)
+        return rec, req
+
+    def answer(self, instance: str, entry_id: bytes, job: Job, event: TokenEvent) -> None:
+        """End a job no record tracks (any more): its last event, then its ACK."""
+        self.runtime.events.add(job.reply_addr, event)
+        self.ack(instance, entry_id)
+
+    def ack(self, instance: str, entry_id: bytes) -> None:
+        q = self.queues.get(instance)
+        if q is not None:
+            q.ack(entry_id)
+
+    def hand_back(self, entries: list[tuple[str, bytes]]) -> None:
+        """(instance, entry id) each: back to the stream for a peer."""
+        by_instance: dict[str, list[bytes]] = {}
+        for instance, entry_id in entries:
+            by_instance.setdefault(instance, []).append(entry_id)
+        for instance, ids in by_instance.items():
+            if instance in self.queues:
+                self.queues[instance].hand_back(ids)
+
+    def _release(self, rec: InFlight) -> None:
+        self.ack(rec.instance, rec.entry_id)
+
+    def _dead_job(self, job: Job, reason: str) -> None:
+        self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",
+                                                           error=f"request failed repeatedly: {reason}"))
+
+
+def queued(r, instance: str, worker_id: str) -> int:
+    """Jobs of ``instance`` still in Redis that this worker could be the one to serve: its shared stream
+    and this worker's private stream (entries are deleted when ACKed, so pending ones count too)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(keys.prefill_stream(instance))
+    pipe.xlen(keys.prefill_worker_stream(instance, worker_id))
+    return sum(pipe.execute())

@@ -1,0 +1,62 @@
+"""Token events back to the gateways: one TokenBatch per gateway per step, over one ZMQ PUSH socket per
+gateway address, sent without ever blocking the engine loop."""
+
+import logging
+
+import zmq
+from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent, encode
+
+log = logging.getLogger(__name__)
+
+EVENT_HWM = 1000  # TokenBatches a gateway may be behind before it counts as not reading
+
+
+class EventSink:
+    """Batches TokenEvents per gateway address and sends one TokenBatch per gateway per step, never
+    blocking the step: a gateway that does not take its batch (dead, or EVENT_HWM batches behind) loses
+    it, and ``take_stalled`` names it so that its requests, whose streams now have a gap, are aborted.
+    Nobody else waits for it."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.ctx = ctx
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.pending: dict[str, list[TokenEvent]] = {}
+        self._stalled: set[str] = set()
+
+    def add(self, reply_addr: str, event: TokenEvent) -> None:
+        self.pending.setdefault(reply_addr, []).append(event)
+
+    def flush(self) -> None:
+        for addr, events in self.pending.items():
+            try:
+                self._socket(addr).send(encode(TokenBatch(events=events)), zmq.NOBLOCK)
+            except zmq.Again:
+                if addr not in self._stalled:
+                    log.warning("gateway %s is not reading; dropped %d events", addr, len(events))
+                self._stalled.add(addr)
+        self.pending.clear()
+
+    def _socket(self, addr: str) -> zmq.Socket:
+        sock = self.sockets.get(addr)
+        if sock is None:
+            sock = self.sockets[addr] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, EVENT_HWM)
+            sock.connect(addr)
+        return sock
+
+    def take_stalled(self) -> list[str]:
+        stalled, self._stalled = list(self._stalled), set()
+        return stalled
+
+    def forget(self, addr: str) -> None:
+        """Its requests are gone: drop what it has not taken and the connection (a new one is made if
+        events for it come again)."""
+        self.pending.pop(addr, None)
+        sock = self.sockets.pop(addr, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close()
