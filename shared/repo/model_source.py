@@ -3,6 +3,7 @@ an HF-style directory, a GGUF file (imported once into a cache directory), the s
 default, or a ``dummy:<preset>`` shape with random weights."""
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -39,11 +40,23 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(str(_imported(path)), "auto", path.stem)
     if path.is_dir() and (path / "config.json").is_file():
-        return ResolvedModel(str(path.resolve()), "auto", path.name)
+        return ResolvedModel(str(path.resolve()), "auto", served_name_of(path))
     raise ValueError(
         f"model {model!r} is neither an HF model directory (with config.json), a .gguf file, "
         f"'{DEFAULT_MODEL}', nor 'dummy:<preset>'; kvrelay never downloads from a hub"
     )
+
+
+def served_name_of(model_dir: Path) -> str:
+    """The name a directory is served under: a repository version (``<repo>/<name>/<version>/``, even
+    copied elsewhere) is served as the name in its manifest, any other folder named by a number as
+    its parent, the rest under their own name. A version number is never a model's name."""
+    from kvrelay.shared.repo.model_repo import MANIFEST
+
+    model_dir = Path(os.path.abspath(model_dir))
+    if (model_dir / MANIFEST).is_file():
+        return json.loads((model_dir / MANIFEST).read_text())["name"]
+    return model_dir.parent.name if model_dir.name.isdigit() else model_dir.name
 
 
 def _imported(gguf: Path) -> Path:
