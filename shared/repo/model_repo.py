@@ -139,7 +139,9 @@ class ModelRepository:
     def _copy_hf_dir(src: Path, dst: Path, progress: bool) -> None:
         if not (src / "config.json").is_file():
             raise RepositoryError(f"{src} is not an HF model directory (no config.json)")
-        files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+        # a repository version's manifest describes that version: the new one gets its own
+        files = [p for p in sorted(src.iterdir())
+                 if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and p.name != MANIFEST]
         dst.mkdir(parents=True)
         total = sum(p.stat().st_size for p in files)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {src.name}", disable=not progress) as bar:

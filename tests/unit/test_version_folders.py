@@ -1,5 +1,5 @@
-"""The name a model directory is served under: a repository version is served under its repository name
-(``--model model_repo/x/1`` serves "x"), never under its version number."""
+"""A repository version folder used as a model of its own: served under its repository name
+(``--model model_repo/x/1`` serves "x", never "1"), and importable as another model."""
 
 import json
 import shutil
@@ -41,3 +41,11 @@ def test_a_worker_given_a_version_folder_serves_the_repository_name(repo, tmp_pa
     config = json.loads(proc.stdout)
     assert config["model_name"] == "x"
     assert config["engine"]["model"]["served_model_name"] == "x"
+
+
+def test_a_repository_version_imports_as_another_model(repo):
+    """The walkthrough's second model is a copy of the first's version folder: its manifest is the new
+    version's own, not the copied one, so the copy verifies."""
+    copy = repo.import_model(str(repo.root / "x" / "1"), "y", progress=False)
+    repo.verify(copy)
+    assert copy.name == "y" and resolve_model(copy.path).served_name == "y"
