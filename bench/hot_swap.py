@@ -10,7 +10,9 @@ after the swap, the ratio during/before being what co-residents pay for a hot sw
 
 Weights: an HF directory, ``smollm2``, or ``dummy:<preset>``, which writes that preset's shapes with random
 bf16 weights as sharded safetensors once (cached under ``--work-dir``). Both versions of ``main`` are the
-same files hard-linked, so v2 loads from the page cache, as a just-imported version does.
+same files hard-linked, so v2 loads from the page cache, as a just-imported version does. Without
+``--work-dir`` everything goes to a temporary folder that is removed however the run ends (failure,
+Ctrl-C, SIGTERM).
 """
 
 import argparse
@@ -37,19 +39,35 @@ ADMIN_KEY = "bench-swap-admin-key-0123456789"
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="main's weights: HF dir, smollm2, or dummy:<preset>")
     p.add_argument("--other", default=None, help="the co-resident model (default: the same as --model)")
-    p.add_argument("--work-dir", default=None, help="where the repository and generated weights go")
+    p.add_argument("--work-dir", default=None, help="where the repository, generated weights and serve's log go, "
+                   "kept (default: a temporary folder, removed however the run ends)")
     p.add_argument("--concurrency", type=int, default=2, help="closed-loop clients per model")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--before", type=float, default=10.0, help="seconds of load before the swap")
     p.add_argument("--after", type=float, default=10.0, help="seconds of load after it")
+    p.add_argument("--max-model-len", type=int, default=1024,
+                   help="every model's context, passed to serve unless given after --: during the swap a worker holds "
+                   "three instances (main v1 and v2, other), each reserving one full-length sequence of KV, and at "
+                   "SmolLM2's own 8,192 the CPU default pool (1 GiB) holds two")
     p.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
     p.add_argument("--timeout", type=float, default=600.0, help="startup and swap limit")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for kvrelay serve")
 
 
 def run(args: argparse.Namespace) -> int:
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvrelay-swap-"))
+    if args.input_len + args.output_len > args.max_model_len:
+        raise SystemExit(f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds "
+                         f"--max-model-len ({args.max_model_len})")
+    # a SIGTERM ends the run like Ctrl-C does: through the finally blocks that stop serve and remove the folder
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if args.work_dir:
+        return _run(args, Path(args.work_dir))
+    with tempfile.TemporaryDirectory(prefix="kvrelay-swap-") as work:  # removed however the run ends
+        return _run(args, Path(work))
+
+
+def _run(args: argparse.Namespace, work: Path) -> int:
     repo = ModelRepository(work / "repo")
     main_src = materialize(args.model, work)
     other_src = materialize(args.other or args.model, work)
@@ -63,13 +81,16 @@ def run(args: argparse.Namespace) -> int:
                    "  - {name: main, version: 1}\n  - {name: other, version: 1}\n")
     port = _free_port()
     serve_args = [a for a in args.serve_args if a != "--"]
-    log = open(work / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--log-level", "INFO", "serve", "--config",
-                             str(cfg), "--port", str(port), "--mode", args.mode, *serve_args],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, KVRELAY_ADMIN_KEY=ADMIN_KEY, PYTHONUNBUFFERED="1"))
+    if "--max-model-len" not in serve_args:
+        serve_args += ["--max-model-len", str(args.max_model_len)]
+    log_path = work / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--log-level", "INFO", "serve", "--config",
+                                 str(cfg), "--port", str(port), "--mode", args.mode, *serve_args],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, KVRELAY_ADMIN_KEY=ADMIN_KEY, PYTHONUNBUFFERED="1"))
     try:
-        _wait_ready(port, proc, work / "serve.log", args.timeout)
+        _wait_ready(port, proc, log_path, args.timeout)
         _admin(port, "POST", "/admin/tenants", {"name": "bench"})
         key = _admin(port, "POST", "/admin/keys", {"tenant": "bench"})[1]["key"]
         result = measure(args, port, key)
@@ -79,8 +100,13 @@ def run(args: argparse.Namespace) -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
     print(json.dumps(result, indent=2))
-    return 0 if result["failed"] == 0 and result["swap_status"] == 200 else 1
+    if result["failed"] == 0 and result["swap_status"] == 200:
+        return 0
+    if not args.work_dir:  # the folder goes with the log in it: its end is the failure's story
+        print("kvrelay serve's log, last lines:\n" + log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+    return 1
 
 
 def measure(args: argparse.Namespace, port: int, key: str) -> dict:
