@@ -13,41 +13,19 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.worker.directory import live_workers
-from safetensors.torch import load_file, save_file
 
-from kvrelay import LLM, SamplingParams
 from kvrelay.serve_config import load_serve_config
 from tests.e2e.cluster import Cluster
+from tests.e2e.model_variants import PROMPT, offline_text, variant
 
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "admin-key-for-multi-model-tests"
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--kv-cache-memory", str(48 << 20)]
-PROMPT = [5, 17, 99, 203, 7, 311, 42]  # inside every test model's vocabulary (tiny gpt2: 512)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def variant(src: Path, dst: Path, seed: int) -> Path:
-    """``src`` with every matrix re-drawn from ``seed``: the same shapes and tokenizer, other weights."""
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        tensors = load_file(f)
-        g = torch.Generator().manual_seed(seed)
-        for name, t in tensors.items():
-            if t.dim() > 1:
-                tensors[name] = torch.randn(t.shape, generator=g) * 0.15
-        save_file(tensors, f, metadata={"format": "pt"})
-    return dst
-
-
-def offline_text(path: Path, prompt=PROMPT) -> str:
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
-    return llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].text
 
 
 def admin(port: int, method: str, path: str, body: dict | None = None, key: str | None = ADMIN_KEY):

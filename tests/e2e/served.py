@@ -1,0 +1,77 @@
+"""``kvrelay serve`` started as a user starts it, for tests: one real process tree (its own embedded Redis
+unless the flags name one), up once it prints its ready line, stopped with Ctrl-C's signal; plus the
+admin API and a tenant's openai client against it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from tests.e2e.cluster import free_port
+
+ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
+
+
+class Served:
+    """``kvrelay serve *argv --port P`` with ``KVRELAY_ADMIN_KEY`` set; a context manager."""
+
+    def __init__(self, argv: list[str], log: Path, cwd: Path | None = None, timeout: float = 180.0):
+        self.argv, self.log, self.cwd, self.timeout = argv, log, cwd, timeout
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Served":
+        env = dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", *self.argv,
+                                          "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=self.cwd, env=env)
+        deadline = time.monotonic() + self.timeout
+        while b"kvrelay ready" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"kvrelay serve did not come up:\n{self.log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.3)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def admin(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {ADMIN_KEY}"})
+        try:
+            with urllib.request.urlopen(req, timeout=180) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def client(self) -> openai.OpenAI:
+        """An openai client with a tenant's key: with an admin key set, the API wants one."""
+        status, body = self.admin("POST", "/admin/tenants", {"name": "tests"})
+        assert status == 201, body
+        status, body = self.admin("POST", "/admin/keys", {"tenant": "tests"})
+        assert status == 201, body
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=body["key"], max_retries=0,
+                             timeout=180)
+
+    def models(self) -> dict[str, dict]:
+        """``GET /admin/models`` by name."""
+        status, body = self.admin("GET", "/admin/models")
+        assert status == 200, body
+        return {m["name"]: m for m in body["data"]}
