@@ -43,7 +43,14 @@ def dashboard() -> dict:
 
 
 def panel_exprs() -> list[str]:
-    return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    """The panels' queries, with the job variables at their defaults (an operator whose Prometheus names
+    the jobs otherwise sets them in the dashboard)."""
+    d = dashboard()
+    defaults = {v["name"]: v["query"] for v in d["templating"]["list"] if v["type"] == "textbox"}
+    exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+    for name, value in defaults.items():
+        exprs = [e.replace(f"${name}", value) for e in exprs]
+    return exprs
 
 
 def dashboard_exprs() -> list[str]:
