@@ -1,7 +1,9 @@
 """``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
 gateway and the workers as separate processes on loopback, supervised: if one dies the rest are
-stopped; Ctrl-C or SIGTERM stops all of them and leaves no orphan (children also get SIGTERM from the
-kernel if this process is killed outright)."""
+stopped. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
+Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
+embedded Redis stop; a second Ctrl-C stops them at once. Nothing is left behind (children also get
+SIGTERM from the kernel if this process is killed outright)."""
 
 import argparse
 import contextlib
@@ -40,7 +42,7 @@ def _start(child: Child, args: argparse.Namespace, threads: int | None, print_co
     argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level, child.command, CONFIG_FROM_STDIN]
     proc = subprocess.Popen(argv + (["--print-config"] if print_config else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE if print_config else None, preexec_fn=_die_with_parent,
-                            env=_env(child, threads))
+                            start_new_session=True, env=_env(child, threads))
     proc.stdin.write(encode(child.config, exclude=child.generated))
     proc.stdin.close()
     return proc
@@ -65,9 +67,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(args)
     stopping = False
+    procs: dict[str, subprocess.Popen] = {}
 
     def on_signal(signum, _frame):
         nonlocal stopping
+        if stopping:  # asked twice: the children's second SIGTERM stops them without waiting for a drain
+            _signal_all(procs)
         stopping = True
 
     # every config mistake surfaces here, before Redis or any process starts
@@ -76,11 +81,12 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis())
+        # entered first, left last: Redis stops after every process that talks to it
+        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis(preexec_fn=_die_with_parent))
         for child in children:
             child.config = dataclasses.replace(child.config, redis_url=redis_url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
-        procs = {c.name: _start(c, args, threads, print_config=False) for c in children}
+        procs.update((c.name, _start(c, args, threads, print_config=False)) for c in children)
         names = [m.name for m in models if not m.lazy]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
         instances = [instance_key(m.name, m.version) for m in models if not m.lazy]
@@ -88,10 +94,6 @@ def serve(args: argparse.Namespace) -> int:
                           lambda: _workers_hold(redis_url, instances))
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
-
-
-def _is_gateway(name: str) -> bool:
-    return name == "gateway" or name.startswith("gateway-")
 
 
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:
@@ -161,20 +163,21 @@ def _ready(base_url: str, models: list[str]) -> bool:
         return False
 
 
+def _signal_all(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
 def _stop_all(procs: dict[str, subprocess.Popen], grace: float = STOP_GRACE_S) -> None:
     """SIGTERM drains every process (in-flight requests finish, up to --drain-timeout), so they get that
-    long plus STOP_GRACE_S. Ctrl-C in a terminal reaches the children too: with this SIGTERM, their
-    second signal, they stop at once instead."""
-    # workers first so they unregister while Redis is still up; the gateway last
-    order = sorted(procs, key=_is_gateway)
-    for name in order:
-        if procs[name].poll() is None:
-            procs[name].send_signal(signal.SIGTERM)
+    long plus STOP_GRACE_S; workers unregister from Redis on their way out."""
+    _signal_all(procs)
     deadline = time.monotonic() + grace
-    for name in order:
+    for name, proc in procs.items():
         try:
-            procs[name].wait(max(0.1, deadline - time.monotonic()))
+            proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop in %.0fs; killing it", name, grace)
-            procs[name].kill()
-            procs[name].wait()
+            proc.kill()
+            proc.wait()
