@@ -107,6 +107,10 @@ async def require_capacity(app: web.Application, model: ModelInfo, served: str |
     """``model`` if live workers serve both its phases; a registered model no worker holds any more
     (evicted, idle-unloaded, its worker restarted) is loaded again."""
     capacity = await app[REGISTRY].capacity(model.name)
+    if not capacity.servable:
+        # the cached view may predate the workers' registration (another gateway's /ready saw them):
+        # a miss is read again from Redis before it becomes a 503
+        capacity = await app[REGISTRY].capacity(model.name, fresh=True)
     if capacity.servable:
         return model
     if served is not None and served in await app[MODEL_REGISTRY].specs():

@@ -16,18 +16,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
-from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
+READY_POLL_S = 0.1  # the ready line comes within this of the gateway's /ready turning 200
 # Until the embedded Redis runs (--print-config starts none), its URL is unknown
 EMBEDDED_REDIS_PLACEHOLDER = "redis://embedded-redis-started-at-launch"
 
@@ -87,11 +86,9 @@ def serve(args: argparse.Namespace) -> int:
             child.config = dataclasses.replace(child.config, redis_url=redis_url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
         procs.update((c.name, _start(c, args, threads, print_config=False)) for c in children)
-        names = [m.name for m in models if not m.lazy]
+        names = [m.name for m in models]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
-        instances = [instance_key(m.name, m.version) for m in models if not m.lazy]
-        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names,
-                          lambda: _workers_hold(redis_url, instances))
+        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
 
@@ -115,51 +112,27 @@ def _env(child: Child, threads: int | None) -> dict[str, str]:
     return env
 
 
-def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str],
-               workers_ready=lambda: True) -> int:
+def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str]) -> int:
     announced = False
     while not stopping():
         for name, proc in procs.items():
             if proc.poll() is not None:
                 log.error("%s exited with code %s; stopping everything", name, proc.returncode)
                 return proc.returncode or 1
-        if not announced and workers_ready() and _ready(base_url, models):
+        if not announced and _ready(base_url):
             announced = True
             print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
-        time.sleep(0.5)
+        time.sleep(READY_POLL_S if not announced else 0.5)
     return 0
 
 
-def _workers_hold(redis_url: str, instances: list[str]) -> bool:
-    """Every model we started is held by a live prefill-capable and a live decode-capable worker. The
-    gateway's /ready does not say so by itself for registered models, which it may load on demand."""
-    from kvrelay.shared.wire.redis_conn import sync_client
-    from kvrelay.shared.worker.directory import live_workers
-
-    r = sync_client(redis_url)
+def _ready(base_url: str) -> bool:
+    """The gateway was given the models serve started (its config's startup_models and lazy_models):
+    its /ready says 200 only once a request for each would be served."""
     try:
-        workers = live_workers(r)
-    except Exception:  # Redis still starting: not ready yet
-        return False
-    finally:
-        r.close()
-    return all(any(i in w.models and w.can_prefill for w in workers)
-               and any(i in w.models and w.can_decode for w in workers) for i in instances)
-
-
-def _ready(base_url: str, models: list[str]) -> bool:
-    """Every model is registered and the gateway sees live workers for both of its phases."""
-    try:
-        try:
-            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=1) as resp:
-                if not set(models) <= {m["id"] for m in json.load(resp)["data"]}:
-                    return False
-        except urllib.error.HTTPError as exc:
-            if exc.code != 401:  # with an admin key the list wants a tenant key: /ready alone decides
-                return False
         with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as resp:
             return resp.status == 200
-    except (OSError, ValueError, KeyError):
+    except OSError:  # refused while the gateway starts, 503 (HTTPError) until the models are up
         return False
 
 

@@ -1,6 +1,8 @@
 """Gateway configuration; field names are the CLI flags (``--max-body-size`` is ``max_body_size``).
 Imports no torch: the gateway never does."""
 
+from dataclasses import field
+
 from kvrelay.shared.config import common
 from kvrelay.shared.config.declare import CONFIG, Port, RedisUrl, setting
 from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
@@ -60,6 +62,10 @@ class GatewayConfig:
                                         "its load", gt=0)
     reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "
                                           "ends finished swaps (0: off)", ge=0)
+    # No flags: kvrelay serve fills them in from --model or --config, so /ready knows what to wait for before
+    # any worker registers (served names; startup ones need live workers, lazy ones a registration).
+    startup_models: list[str] = field(default_factory=list)
+    lazy_models: list[str] = field(default_factory=list)
 
     @property
     def reply_host(self) -> str:
