@@ -2,7 +2,7 @@
 gateway and the workers as separate processes on loopback, supervised: if one dies the rest are
 stopped. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
 Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
-embedded Redis stop; a second Ctrl-C stops them at once. Nothing is left behind (children also get
+embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left behind (children also get
 SIGTERM from the kernel if this process is killed outright)."""
 
 import argparse
@@ -70,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def on_signal(signum, _frame):
         nonlocal stopping
-        if stopping:  # asked twice: the children's second SIGTERM stops them without waiting for a drain
+        if stopping:  # asked twice: a worker's second SIGTERM ends its drain at once
             _signal_all(procs)
         stopping = True
 
