@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvrelay.shared.wire.protocol import _ID, MAX_MAP_LEN, TopLogprobs, register
+from kvrelay.shared.wire.codec import MAX_MAP_LEN, register
+from kvrelay.shared.wire.protocol import _ID, TopLogprobs
 
 
 @dataclass
