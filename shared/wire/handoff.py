@@ -8,7 +8,7 @@
                     <-----------------     HandoffAck (the prefill side may XACK)
     HandoffCancel: a grant the asker will not use.
 
-Encoded by shared/wire/protocol.py's codec, like every other message; raw KV bytes never go through
+Encoded by shared/wire/codec.py, like every other message; raw KV bytes never go through
 msgpack, they follow a KVLayers message as their own ZMQ frame.
 """
 
