@@ -24,7 +24,8 @@ from kvrelay.gateway.prompts import Prepared
 from kvrelay.gateway.redis_watch import REDIS_WATCH
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, PREFIX_INDEX, REDIS, REGISTRY, spawn
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent, encode
+from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -31,6 +31,7 @@ from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import (
     Abort,
     ControlCommand,
@@ -39,8 +40,6 @@ from kvrelay.shared.wire.protocol import (
     ModelSpec,
     TokenEvent,
     WorkerInfo,
-    decode,
-    encode,
     instance_key,
 )
 from kvrelay.shared.wire.redis_conn import sync_client

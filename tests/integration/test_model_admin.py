@@ -20,15 +20,8 @@ import requests
 from kvrelay.gateway.reconciler import RECONCILER
 from kvrelay.shared.repo.model_repo import MANIFEST
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import (
-    ControlCommand,
-    ControlResult,
-    InstanceStatus,
-    ModelSpec,
-    WorkerInfo,
-    decode,
-    encode,
-)
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, ModelSpec, WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 
 from tests.integration.gateway_harness import REPLY, FakeWorker, GatewayServer, build_tokenizer, gateway_config
