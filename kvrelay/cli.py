@@ -10,6 +10,7 @@ import sys
 
 from kvrelay.cli_args import add_gateway_args, add_serve_args, add_worker_args
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.engine import DTYPE_NAMES
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
 
@@ -83,7 +84,9 @@ def _models(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("source")
     imp.add_argument("--name", required=True)
     imp.add_argument("--version", type=int, default=None, help="default: the next number")
-    imp.add_argument("--dtype", default="float32", help="for GGUF conversion")
+    imp.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
+                     help="a GGUF file's weights as written (auto: the file's float type; bfloat16 for a quantized "
+                     "file); the engine converts to its --dtype at load")
     imp.add_argument("--repo", default=default_repo)
     imp.set_defaults(func=_models_import)
     lst = kinds.add_parser("list", help="list models and versions")

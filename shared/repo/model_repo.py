@@ -107,7 +107,7 @@ class ModelRepository:
                 raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
 
     def import_model(self, source: str, name: str, version: int | None = None, progress: bool = True,
-                     dtype: str = "float32") -> ModelVersion:
+                     dtype: str = "auto") -> ModelVersion:
         """Copy an HF directory, a GGUF file (converted once), or 'smollm2' into a new version."""
         from kvrelay.shared.repo.model_source import DEFAULT_MODEL
 
