@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from kvrelay.shared.config.engine import DTYPE_NAMES
-from tqdm.auto import tqdm
+from kvrelay.shared.engine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
-    steps = tqdm(total=4, desc=f"Importing {gguf_path.name}", unit="step", disable=not progress)
+    steps = progress_bar(f"Importing {gguf_path.name}", total=4, unit="step", disable=not progress)
     try:
         steps.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvrelay.shared.engine.progress import progress_bar
 from tqdm import tqdm
 
 MANIFEST = "kvrelay-manifest.json"
@@ -142,7 +143,8 @@ class ModelRepository:
         files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
         dst.mkdir(parents=True)
         total = sum(p.stat().st_size for p in files)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {src.name}", disable=not progress) as bar:
+        with progress_bar(f"copying {src.name}", total=total, unit="B", unit_scale=True,
+                          disable=not progress) as bar:
             for p in files:
                 shutil.copyfile(p, dst / p.name)  # copies bytes, never a symlink out of the repository
                 bar.update(p.stat().st_size)
@@ -154,7 +156,7 @@ class ModelRepository:
         config = json.loads((folder / "config.json").read_text())
         files = sorted(p for p in folder.iterdir() if p.is_file())
         total = sum(p.stat().st_size for p in files)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress) as bar:
+        with progress_bar("checksums", total=total, unit="B", unit_scale=True, disable=not progress) as bar:
             digests = {p.name: sha256_file(p, bar) for p in files}
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
         return ModelVersion(name=name, version=version, path=str(folder), dtype=dtype,
