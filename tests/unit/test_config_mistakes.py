@@ -34,6 +34,12 @@ def test_a_short_admin_key_from_the_environment(tmp_path):
     assert serve(tmp_path, [], {"KVRELAY_ADMIN_KEY": "short"}) == f"kvrelay serve: error: {KEY} (got 'short')"
 
 
+@pytest.mark.parametrize("flag", ["--model-repo", "--tokenizer"])
+def test_a_missing_folder_flag(tmp_path, flag):
+    assert serve(tmp_path, [flag, "models"]) == \
+        f"kvrelay serve: error: argument {flag}: no directory {tmp_path}/elsewhere/models (got 'models')"
+
+
 @pytest.mark.parametrize("text,message", [
     ("model_repo: {path: repo, versioning: true}\nmodels:\n  - {name: a}\n",
      "model_repo.versioning: input should be 'numbered' (got True)"),
