@@ -187,11 +187,11 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
 
 
 def _usual_modes(folder: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
+    # the folder was made with 0777 & ~umask: its files get 0666 & ~umask (reading the umask would set it)
+    mode = folder.stat().st_mode & 0o666
     for path in folder.iterdir():
         if path.is_file():
-            path.chmod(0o666 & ~umask)
+            path.chmod(mode)
 
 
 def _drop_quantizer(model: torch.nn.Module) -> None:
