@@ -17,7 +17,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvrelay.shared.engine.progress import progress_bar
 from tqdm import tqdm
 
 MANIFEST = "kvrelay-manifest.json"
@@ -138,6 +137,9 @@ class ModelRepository:
 
     @staticmethod
     def _copy_hf_dir(src: Path, dst: Path, progress: bool) -> None:
+        # imported here, not above: the gateway imports this module and must not import the engine
+        from kvrelay.shared.engine.progress import progress_bar
+
         if not (src / "config.json").is_file():
             raise RepositoryError(f"{src} is not an HF model directory (no config.json)")
         files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
@@ -152,6 +154,7 @@ class ModelRepository:
     @staticmethod
     def _manifest(folder: Path, name: str, version: int, source: str, progress: bool) -> ModelVersion:
         from kvrelay.shared.engine.models import max_model_len
+        from kvrelay.shared.engine.progress import progress_bar
 
         config = json.loads((folder / "config.json").read_text())
         files = sorted(p for p in folder.iterdir() if p.is_file())
