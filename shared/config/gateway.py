@@ -5,7 +5,7 @@ from dataclasses import field
 from typing import Literal
 
 from kvrelay.shared.config import common
-from kvrelay.shared.config.declare import CONFIG, Port, RedisUrl, setting
+from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
 from pydantic.dataclasses import dataclass
 
@@ -59,7 +59,7 @@ class GatewayConfig:
     affinity_prefix_tokens: int = setting(256, "leading prompt tokens (whole KV blocks) that decide a prompt's "
                                           "worker", ge=1)
     # None: registering models through the API is off. Workers read weights from their own --model-repo.
-    model_repo: str | None = common.model_repo()
+    model_repo: ExistingDir | None = common.model_repo()
     model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
                                         "its load", gt=0)
     reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "

@@ -119,8 +119,10 @@ class WorkerRuntime:
             self._threads.append(t)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        log.info("%s worker %s serving %s at %s", self.config.role, self.config.worker_id,
-                 ", ".join(self.host.slots) or "no model yet", zmq_addr)
+        # prefill and unified workers bind no socket: their jobs come from the model's Redis stream
+        log.info("%s worker %s serving %s %s", self.config.role, self.config.worker_id,
+                 ", ".join(self.host.slots) or "no model yet",
+                 f"at {zmq_addr}" if zmq_addr else "from its Redis streams")
 
     def _fatal_on_error(self, loop: Callable[[], None]) -> None:
         try:
