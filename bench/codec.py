@@ -4,7 +4,8 @@ decode with full validation (gateway): a TokenBatch of ``--events`` one-token To
 import argparse
 import time
 
-from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent, decode, encode
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=3, help="latency: timed iterations")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also time HF transformers generate on the same prompts and print the ratio")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
 

@@ -10,7 +10,8 @@ import logging
 
 import zmq
 import zmq.asyncio
-from kvrelay.shared.wire.protocol import MAX_MESSAGE_BYTES, TokenBatch, TokenEvent, decode
+from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode
+from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -22,9 +22,10 @@ from kvrelay.gateway.drain import DRAIN, draining_error
 from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
 from kvrelay.gateway.prompts import Prepared
 from kvrelay.gateway.redis_watch import REDIS_WATCH
-from kvrelay.gateway.state import CONFIG, DISPATCHER, PREFIX_INDEX, REDIS, REGISTRY, spawn
+from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, PREFIX_INDEX, REDIS, REGISTRY, spawn
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent, encode
+from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -106,10 +107,12 @@ class Generation:
             if not isinstance(exc, APIError):  # cancelled mid-XADD: some jobs may be queued already
                 spawn(self.app, publish_abort(self.app, list(self._by_job), "client disconnected"))
             raise
+        self.app[METRICS].vllm.start(self)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.app[DISPATCHER].unregister(list(self._by_job))
+        self.app[METRICS].vllm.finish(self)
         unfinished = [c.job_id for c in self.choices if not c.finished]
         if unfinished:
             gone = isinstance(exc_info[1], ClientGone | asyncio.CancelledError) or self._is_disconnected()
@@ -221,6 +224,7 @@ class Generation:
                 continue
             if self.first_token_at is None and delta.token_ids:
                 self.first_token_at = time.time()
+            self.app[METRICS].vllm.delta(self, choice, delta)
             if choice.finished:
                 pending.discard(choice.job_id)
                 self.app[DISPATCHER].unregister([choice.job_id])

@@ -3,6 +3,7 @@
 
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -12,28 +13,53 @@ from kvrelay.gateway.auth import TENANT
 from kvrelay.gateway.drain import DRAIN
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.model_registry import is_direct
+from kvrelay.gateway.registry import Capacity
 from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, REDIS, REGISTRY
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
 
 log = logging.getLogger("kvrelay.gateway")
 
 
+@dataclass
+class Served:
+    """What this gateway can serve now, by the names clients use."""
+
+    known: set[str]  # registered or published directly by a worker
+    capacity: dict[str, Capacity]  # the known names that need loaded workers, and the workers they have
+    specs: dict[str, ModelSpec]
+    models: dict[str, ModelInfo]
+
+    def servable(self, name: str) -> bool:
+        """A request for it succeeds now: its workers are up, or it is registered and its request loads it."""
+        return name in self.known and (name not in self.capacity or self.capacity[name].servable)
+
+
+async def served(app: web.Application) -> Served:
+    """Which names need live workers: those published directly, the registered ones that are pinned or keep
+    replicas, and those kvrelay serve started; a registered model loaded on demand does not (its first
+    request loads it), nor a repository instance that is no longer the active version."""
+    registry, startup = app[REGISTRY], set(app[CONFIG].startup_models)
+    models = await registry.models()
+    specs = await app[MODEL_REGISTRY].specs()
+    loaded = {m.name: m.name for m in models.values() if is_direct(m) and m.name not in specs}
+    loaded |= {name: s.instance for name, s in specs.items() if s.pinned or s.min_replicas > 0 or name in startup}
+    capacity = {name: await registry.capacity(instance) for name, instance in loaded.items()}
+    return Served(set(loaded) | set(specs), capacity, specs, models)
+
+
 async def list_models(request: web.Request) -> web.Response:
-    """Registered models (loaded or not: a request loads them) and those workers publish directly, by
-    the name clients use; never an instance key."""
-    registry = request.app[REGISTRY]
+    """The models a request can be served by now (loaded, or registered and loaded by their first
+    request), by the name clients use; never an instance key."""
     try:
-        models = await registry.models()
-        specs = await request.app[MODEL_REGISTRY].specs()
+        view = await served(request.app)
     except redis.RedisError as exc:
         raise APIError(503, f"model registry unavailable: {exc}", code="registry_unavailable") from None
     tenant = request[TENANT]
     data = []
-    for name in sorted(set(specs) | {m.name for m in models.values() if is_direct(m)}):
-        if not tenant.may_use(name):
-            continue
+    for name in sorted(n for n in view.known if view.servable(n) and tenant.may_use(n)):
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "kvrelay", "root": name, "parent": None}
-        spec = specs.get(name)
-        info = models.get(spec.instance if spec else name)
+        spec = view.specs.get(name)
+        info = view.models.get(spec.instance if spec else name)
         max_len = info.max_model_len if info else spec.max_model_len if spec else 0
         if max_len:
             entry["max_model_len"] = max_len
@@ -50,29 +76,28 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers and every model that should be up has a live prefill-capable and a live
-    decode-capable worker: the models workers publish directly, and registered ones that are pinned or
-    keep replicas. A registered model loaded on demand is not required (its first request loads it), nor
-    is a repository instance that is no longer the active version. The body says which part is missing."""
-    registry = request.app[REGISTRY]
+    """Ready when Redis answers, every model this deployment was started with (``startup_models``,
+    ``lazy_models``) is known, and every model that needs live workers (``served``) has a live
+    prefill-capable and a live decode-capable worker: a request sent the moment this says 200 is
+    served. Before any worker registers, a deployment started with a model is not ready. The body says
+    which part is missing."""
     retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
+    config = request.app[CONFIG]
     if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
         return web.json_response({"status": "draining"}, status=503, headers=retry)
     try:
         await request.app[REDIS].ping()
-        models = await registry.models()
-        specs = await request.app[MODEL_REGISTRY].specs()
-        required = {m.name: m.name for m in models.values() if is_direct(m) and m.name not in specs}
-        required |= {name: s.instance for name, s in specs.items() if s.pinned or s.min_replicas > 0}
-        capacity = {name: await registry.capacity(instance) for name, instance in required.items()}
+        view = await served(request.app)
     except redis.RedisError as exc:
         log.warning("not ready: redis unreachable: %s", exc)
         return web.json_response({"status": "unavailable", "redis": False, "models": {}}, status=503,
                                  headers=retry)
+    missing = {name: {"prefill_workers": 0, "decode_workers": 0}
+               for name in [*config.startup_models, *config.lazy_models] if name not in view.known}
     body = {"status": "ready", "redis": True,
-            "models": {name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
-                       for name, c in capacity.items()}}
-    if all(c.servable for c in capacity.values()):
+            "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
+                          for name, c in view.capacity.items()}, **missing}}
+    if not missing and all(c.servable for c in view.capacity.values()):
         return web.json_response(body)
     body["status"] = "unavailable"
     return web.json_response(body, status=503, headers=retry)

@@ -18,7 +18,8 @@ import redis
 import redis.asyncio
 from kvrelay.gateway.registry import read_indexed
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec, decode, encode
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -20,15 +20,8 @@ import redis.asyncio
 from kvrelay.gateway.model_registry import ModelRegistry, SpecConflict
 from kvrelay.gateway.registry import Registry
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import (
-    ControlCommand,
-    ControlResult,
-    ModelSpec,
-    WorkerInfo,
-    decode,
-    encode,
-    instance_key,
-)
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, ModelSpec, WorkerInfo, instance_key
 
 log = logging.getLogger("kvrelay.gateway")
 

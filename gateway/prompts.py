@@ -12,6 +12,7 @@ from kvrelay.gateway.errors import APIError, bad_request, unavailable
 from kvrelay.gateway.model_registry import is_direct
 from kvrelay.gateway.placement import LoadError
 from kvrelay.gateway.redis_watch import REDIS_WATCH
+from kvrelay.gateway.sampling_defaults import apply_defaults, default_chat_max_tokens
 from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REGISTRY, TOKENIZERS
 from kvrelay.gateway.tenants import Tenant
@@ -107,6 +108,10 @@ async def require_capacity(app: web.Application, model: ModelInfo, served: str |
     """``model`` if live workers serve both its phases; a registered model no worker holds any more
     (evicted, idle-unloaded, its worker restarted) is loaded again."""
     capacity = await app[REGISTRY].capacity(model.name)
+    if not capacity.servable:
+        # the cached view may predate the workers' registration (another gateway's /ready saw them):
+        # a miss is read again from Redis before it becomes a 503
+        capacity = await app[REGISTRY].capacity(model.name, fresh=True)
     if capacity.servable:
         return model
     if served is not None and served in await app[MODEL_REGISTRY].specs():
@@ -150,9 +155,11 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
 
 async def prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
-    params = body.sampling_params()
+    body.sampling_params()  # what the body alone gets wrong is a 400 before any model lookup
     served, model = await resolve_served(app, body.model, tenant)
     model = await require_capacity(app, model, served)
+    apply_defaults(body, model, app[CONFIG])
+    params = body.sampling_params()
     tokenizer = await app[TOKENIZERS].get(model)
     raw = body.prompt
     if isinstance(raw, str):
@@ -193,6 +200,10 @@ async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant
     # The tokenizer may know more ids than the model embeds (a mismatched deployment): refuse here,
     # not as a worker error after queueing
     check_token_ids(ids, model, "messages")
-    params = body.sampling_params(remaining_context=model.max_model_len - len(ids))
+    apply_defaults(body, model, app[CONFIG])
+    remaining = model.max_model_len - len(ids)
+    if body.max_tokens is None and body.max_completion_tokens is None:
+        body.max_tokens = default_chat_max_tokens(model, app[CONFIG], remaining)
+    params = body.sampling_params(remaining_context=remaining)
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
     return _finish(served, model, tokenizer, [ids], params, body, tenant)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import redis.asyncio
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo, decode
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
 
 log = logging.getLogger("kvrelay.gateway")
 

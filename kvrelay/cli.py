@@ -4,12 +4,14 @@ Every role's flags are generated from its config declaration (shared/config/); a
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
 
 from kvrelay.cli_args import add_gateway_args, add_serve_args, add_worker_args
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.engine import DTYPE_NAMES
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
 
@@ -83,7 +85,9 @@ def _models(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("source")
     imp.add_argument("--name", required=True)
     imp.add_argument("--version", type=int, default=None, help="default: the next number")
-    imp.add_argument("--dtype", default="float32", help="for GGUF conversion")
+    imp.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
+                     help="a GGUF file's weights as written (auto: the file's float type; bfloat16 for a quantized "
+                     "file); the engine converts to its --dtype at load")
     imp.add_argument("--repo", default=default_repo)
     imp.set_defaults(func=_models_import)
     lst = kinds.add_parser("list", help="list models and versions")
@@ -93,23 +97,28 @@ def _models(sub: argparse._SubParsersAction) -> None:
 
 # kind -> (module, function, help). Each benchmark's module declares its own flags and is imported only
 # when it runs: the benchmarks import torch, which `kvrelay gateway` must not load to parse its flags.
+# Each help says what the benchmark prints, and what it compares against in the same run.
 BENCHES = {
-    "throughput": ("kvrelay.bench.offline", "run_throughput", "offline throughput"),
-    "latency": ("kvrelay.bench.offline", "run_latency", "offline latency"),
-    "gpu": ("kvrelay.bench.gpu", "run", "one GPU: decode/prefill against measured floors and HF, fused vs unfused, "
-            "graphs vs eager"),
-    "serve": ("kvrelay.bench.serve", "run", "load generator against an OpenAI-compatible server (vLLM's serving "
-              "benchmark)"),
-    "handoff": ("kvrelay.bench.handoff", "run", "KV handoff bandwidth between two processes: frames, CUDA IPC"),
-    "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: one KV pool arbitrated by "
-                    "demand vs a static split"),
-    "swap": ("kvrelay.bench.hot_swap", "run", "hot-swap a model version under load: swap time, failures, "
-             "co-residents' p99"),
+    "throughput": ("kvrelay.bench.offline", "run_throughput", "offline engine: output and total tok/s; with "
+                   "--baseline hf also HF generate, one prompt at a time, and the ratio (default: no baseline)"),
+    "latency": ("kvrelay.bench.offline", "run_latency", "offline engine: median ms per batch and per token; with "
+                "--baseline hf also HF generate on the same batch and the speed-up (default: no baseline)"),
+    "gpu": ("kvrelay.bench.gpu", "run", "one GPU: decode and prefill against the floors measured in the same run "
+            "and HF generate, fused vs unfused kernels, CUDA graphs vs eager"),
+    "serve": ("kvrelay.bench.serve", "run", "load generator against an OpenAI-compatible server: vLLM's serving "
+              "metrics (TTFT, TPOT, ITL, throughput); --compare-offline adds the offline engine on the same "
+              "prompts and the ratio"),
+    "handoff": ("kvrelay.bench.handoff", "run", "KV handoff between two processes: GB/s of frames against raw "
+                "ZMQ, and of CUDA IPC against an in-process device copy, with where the time goes"),
+    "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: tok/s of one KV pool "
+                    "arbitrated by demand and of a static split, and the ratio"),
+    "swap": ("kvrelay.bench.hot_swap", "run", "a version swap under load: swap time, failed requests, and the "
+             "other model's latency before, during and after it"),
 }
 
 
 def _bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (each prints a same-run baseline and the ratio)",
+    bench = sub.add_parser("bench", help="benchmarks (KIND --help: what each prints)",
                            description="\n".join(f"{kind}: {help}" for kind, (_, _, help) in BENCHES.items()),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("bench_kind", choices=BENCHES, metavar="KIND", help="one of: " + ", ".join(BENCHES))
@@ -127,6 +136,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvrelay", description="kvrelay: disaggregated multi-model LLM serving")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('kvrelay')}")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 

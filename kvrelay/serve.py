@@ -1,7 +1,9 @@
 """``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
 gateway and the workers as separate processes on loopback, supervised: if one dies the rest are
-stopped; Ctrl-C or SIGTERM stops all of them and leaves no orphan (children also get SIGTERM from the
-kernel if this process is killed outright)."""
+stopped. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
+Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
+embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left behind (children also get
+SIGTERM from the kernel if this process is killed outright)."""
 
 import argparse
 import contextlib
@@ -14,18 +16,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
-from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
+READY_POLL_S = 0.1  # the ready line comes within this of the gateway's /ready turning 200
 # Until the embedded Redis runs (--print-config starts none), its URL is unknown
 EMBEDDED_REDIS_PLACEHOLDER = "redis://embedded-redis-started-at-launch"
 
@@ -40,7 +41,7 @@ def _start(child: Child, args: argparse.Namespace, threads: int | None, print_co
     argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level, child.command, CONFIG_FROM_STDIN]
     proc = subprocess.Popen(argv + (["--print-config"] if print_config else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE if print_config else None, preexec_fn=_die_with_parent,
-                            env=_env(child, threads))
+                            start_new_session=True, env=_env(child, threads))
     proc.stdin.write(encode(child.config, exclude=child.generated))
     proc.stdin.close()
     return proc
@@ -65,9 +66,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(args)
     stopping = False
+    procs: dict[str, subprocess.Popen] = {}
 
     def on_signal(signum, _frame):
         nonlocal stopping
+        if stopping:  # asked twice: a worker's second SIGTERM ends its drain at once
+            _signal_all(procs)
         stopping = True
 
     # every config mistake surfaces here, before Redis or any process starts
@@ -76,22 +80,17 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis())
+        # entered first, left last: Redis stops after every process that talks to it
+        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis(preexec_fn=_die_with_parent))
         for child in children:
             child.config = dataclasses.replace(child.config, redis_url=redis_url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
-        procs = {c.name: _start(c, args, threads, print_config=False) for c in children}
-        names = [m.name for m in models if not m.lazy]
+        procs.update((c.name, _start(c, args, threads, print_config=False)) for c in children)
+        names = [m.name for m in models]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
-        instances = [instance_key(m.name, m.version) for m in models if not m.lazy]
-        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names,
-                          lambda: _workers_hold(redis_url, instances))
+        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
-
-
-def _is_gateway(name: str) -> bool:
-    return name == "gateway" or name.startswith("gateway-")
 
 
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:
@@ -113,68 +112,45 @@ def _env(child: Child, threads: int | None) -> dict[str, str]:
     return env
 
 
-def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str],
-               workers_ready=lambda: True) -> int:
+def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str]) -> int:
     announced = False
     while not stopping():
         for name, proc in procs.items():
             if proc.poll() is not None:
                 log.error("%s exited with code %s; stopping everything", name, proc.returncode)
                 return proc.returncode or 1
-        if not announced and workers_ready() and _ready(base_url, models):
+        if not announced and _ready(base_url):
             announced = True
             print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
-        time.sleep(0.5)
+        time.sleep(READY_POLL_S if not announced else 0.5)
     return 0
 
 
-def _workers_hold(redis_url: str, instances: list[str]) -> bool:
-    """Every model we started is held by a live prefill-capable and a live decode-capable worker. The
-    gateway's /ready does not say so by itself for registered models, which it may load on demand."""
-    from kvrelay.shared.wire.redis_conn import sync_client
-    from kvrelay.shared.worker.directory import live_workers
-
-    r = sync_client(redis_url)
+def _ready(base_url: str) -> bool:
+    """The gateway was given the models serve started (its config's startup_models and lazy_models):
+    its /ready says 200 only once a request for each would be served."""
     try:
-        workers = live_workers(r)
-    except Exception:  # Redis still starting: not ready yet
-        return False
-    finally:
-        r.close()
-    return all(any(i in w.models and w.can_prefill for w in workers)
-               and any(i in w.models and w.can_decode for w in workers) for i in instances)
-
-
-def _ready(base_url: str, models: list[str]) -> bool:
-    """Every model is registered and the gateway sees live workers for both of its phases."""
-    try:
-        try:
-            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=1) as resp:
-                if not set(models) <= {m["id"] for m in json.load(resp)["data"]}:
-                    return False
-        except urllib.error.HTTPError as exc:
-            if exc.code != 401:  # with an admin key the list wants a tenant key: /ready alone decides
-                return False
         with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as resp:
             return resp.status == 200
-    except (OSError, ValueError, KeyError):
+    except OSError:  # refused while the gateway starts, 503 (HTTPError) until the models are up
         return False
+
+
+def _signal_all(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
 
 
 def _stop_all(procs: dict[str, subprocess.Popen], grace: float = STOP_GRACE_S) -> None:
     """SIGTERM drains every process (in-flight requests finish, up to --drain-timeout), so they get that
-    long plus STOP_GRACE_S. Ctrl-C in a terminal reaches the children too: with this SIGTERM, their
-    second signal, they stop at once instead."""
-    # workers first so they unregister while Redis is still up; the gateway last
-    order = sorted(procs, key=_is_gateway)
-    for name in order:
-        if procs[name].poll() is None:
-            procs[name].send_signal(signal.SIGTERM)
+    long plus STOP_GRACE_S; workers unregister from Redis on their way out."""
+    _signal_all(procs)
     deadline = time.monotonic() + grace
-    for name in order:
+    for name, proc in procs.items():
         try:
-            procs[name].wait(max(0.1, deadline - time.monotonic()))
+            proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop in %.0fs; killing it", name, grace)
-            procs[name].kill()
-            procs[name].wait()
+            proc.kill()
+            proc.wait()

@@ -10,6 +10,8 @@ Per model, optional: ``pinned`` (never evicted), ``min_replicas``, ``keep_alive_
 long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
 lazy models must come from the repository). Keys are checked strictly: an unknown key or a value of the
 wrong type (``pinned: "no"``, ``version: 2.7``) is an error naming the file and key, never a default.
+A relative ``path`` (of the repository or of a model) is taken from the file's folder, so the file means
+the same from any working directory; a path that is not there is an error naming the path checked.
 """
 
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrelay.shared.config.declare import ConfigError, Device, DType
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
+from kvrelay.shared.repo.model_source import DEFAULT_MODEL
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -28,7 +31,7 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 class RepositorySection(BaseModel):
     model_config = STRICT
     type: Literal["local"] = "local"
-    path: str = "model_repo"  # relative to the file's folder
+    path: str = "model_repo"
     versioning: Literal["numbered"] = "numbered"
 
 
@@ -70,31 +73,52 @@ class ServedModel:
 
 def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[ServedModel]]:
     spec = _parse(file)
+    folder = Path(file).absolute().parent
+    names = [entry.name for entry in spec.models]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{file}: models: names must be unique")
     repo = None
     if spec.model_repo is not None:
-        repo = ModelRepository(Path(file).parent / Path(spec.model_repo.path).expanduser())
+        root = folder / Path(spec.model_repo.path).expanduser()
+        if not root.is_dir():
+            raise ConfigError(f"{file}: model_repo.path: no directory {root}{_relative_note(spec.model_repo.path)}")
+        repo = ModelRepository(root)
     models = []
     for i, entry in enumerate(spec.models):
         where = f"{file}: models[{i}]"
         version = 0
+        if entry.path and entry.load == "lazy":
+            raise ConfigError(f"{where}.load: a lazily loaded model must come from the model_repo")
         if entry.path:
-            path = entry.path
+            path = _model_path(entry.path, folder, f"{where}.path")
         elif repo is not None:
             try:
                 mv = repo.get(entry.name, entry.version)
             except RepositoryError as exc:
-                raise RepositoryConfigError(f"{where}.name: {exc}") from None
+                raise RepositoryConfigError(f"{where}.name: {exc} ({repo.root})") from None
             path, version = mv.path, mv.version
         else:
             raise ConfigError(f"{where}: give a path, or a model_repo to take {entry.name!r} from")
-        if entry.load == "lazy" and not version:
-            raise ConfigError(f"{where}.load: a lazily loaded model must come from the model_repo")
         models.append(ServedModel(name=entry.name, path=path, device=entry.device, dtype=entry.precision,
                                   version=version, pinned=entry.pinned, min_replicas=entry.min_replicas,
                                   keep_alive_s=entry.keep_alive_s, lazy=entry.load == "lazy"))
-    if len({m.name for m in models}) != len(models):
-        raise ConfigError(f"{file}: models: names must be unique")
     return repo, models
+
+
+def _model_path(given: str, folder: Path, where: str) -> str:
+    """An HF directory or a .gguf file, from the file's folder when relative; the shipped default and
+    ``dummy:<preset>`` as they are."""
+    if given == DEFAULT_MODEL or given.startswith("dummy:"):
+        return given
+    path = folder / Path(given).expanduser()
+    if not (path / "config.json").is_file() and not (path.is_file() and path.suffix == ".gguf"):
+        raise ConfigError(f"{where}: {path} is neither an HF model directory (with config.json) nor a .gguf "
+                          f"file{_relative_note(given)}")
+    return str(path)
+
+
+def _relative_note(given: str) -> str:
+    return "" if Path(given).expanduser().is_absolute() else " (a relative path is taken from the file's folder)"
 
 
 def _parse(file: str | Path) -> ServeFile:

@@ -54,7 +54,9 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         config_repo, _ = load_serve_config(args.config)
         repo = str(config_repo.root) if config_repo is not None else None
     gateway = gateway_config_from_args(args, redis_url=redis_url, model_repo=repo,
-                                       reuse_port=args.reuse_port or args.api_server_count > 1)
+                                       reuse_port=args.reuse_port or args.api_server_count > 1,
+                                       startup_models=[m.name for m in models if not m.lazy],
+                                       lazy_models=[m.name for m in models if m.lazy])
     # like vLLM's --api-server-count: one gateway process streams ~10k tokens/s at most, so several share
     # the port and the kernel spreads connections over them; everything they share (limits, usage,
     # registry) lives in Redis, and each has its own token-event socket

@@ -10,11 +10,13 @@ from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_value
 from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.config.flags import Flag, build
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
+from kvrelay.shared.engine.progress import label_process
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.protocol import ModelSpec
 
 
 def run_worker(config: WorkerConfig) -> int:
+    label_process(f"{config.role} worker", line=1 if config.role == "decode" else 0)  # kvrelay serve's order
     if config.role == "prefill":
         from kvrelay.prefill_worker.worker import PrefillWorker as cls
     elif config.role == "decode":

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable
 
 import redis
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import Job, decode
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.protocol import Job
 
 log = logging.getLogger(__name__)
 

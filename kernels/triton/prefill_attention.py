@@ -229,7 +229,9 @@ def prefill_attention(
     interp = interpreting()
     bd = pow2(head_dim, 16)
     if config is None:
-        long = meta.max_query_len * group >= 512 and bd <= 128 and not interp
+        # the long tilings were sized for 2-byte K/V: in fp32 their stages need 262 KB of shared memory
+        # against the H200's 227 KB (OutOfResources at launch), so fp32 (the correctness runs) tiles short
+        long = meta.max_query_len * group >= 512 and bd <= 128 and q.element_size() <= 2 and not interp
         prefix = meta.max_seq_len >= 2 * meta.max_query_len
         config = (PREFIX_CONFIG if prefix else LONG_CONFIG) if long else SHORT_CONFIG
         if bd > 128:

@@ -3,6 +3,7 @@ flags (``flags.py``), YAML validation (``serve_config.py``) and the JSON a child
 (``handover.py``) are all built from these declarations, so a setting is written down once."""
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field
@@ -24,6 +25,14 @@ def _redis_url(url: str) -> str:
     return url
 
 
+def _existing_dir(path: str) -> str:
+    # checked where it is given, before anything loads: a mistyped folder was an empty repository (or a
+    # tokenizer that failed) minutes later
+    if not Path(path).expanduser().is_dir():
+        raise ValueError(f"no directory {Path(path).expanduser().absolute()}")
+    return path
+
+
 def _power_of_two(n: int) -> int:
     if n < 1 or n & (n - 1):
         raise ValueError("must be a power of two")
@@ -35,6 +44,7 @@ Device = Annotated[str, AfterValidator(_device)]  # auto: CUDA when present
 Port = Annotated[int, Field(ge=0, le=65535)]  # 0: an ephemeral port
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
+ExistingDir = Annotated[str, AfterValidator(_existing_dir)]
 
 
 

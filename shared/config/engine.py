@@ -4,7 +4,7 @@
 from dataclasses import field
 from typing import TYPE_CHECKING, Literal
 
-from kvrelay.shared.config.declare import CONFIG, Device, DType, PowerOfTwo, setting
+from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, PowerOfTwo, setting
 from pydantic.dataclasses import dataclass
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ class ModelConfig:
     max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: the model's own)",
                                         ge=1)
     load_format: Literal["auto", "dummy"] = setting("auto", "dummy: random weights of the model's shape")
-    tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)")
+    tokenizer: ExistingDir | None = setting(None, "tokenizer directory (default: the model's)")
     seed: int = setting(0, "seed of the sampler's generator and of dummy weights")
     served_model_name: str | None = setting(None, "the name clients use (default: from --model)")
     enforce_eager: bool = setting(False, "CUDA: run decode eagerly, without CUDA graphs (debugging, comparisons)")

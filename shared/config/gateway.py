@@ -1,12 +1,16 @@
 """Gateway configuration; field names are the CLI flags (``--max-body-size`` is ``max_body_size``).
 Imports no torch: the gateway never does."""
 
+from dataclasses import field
+from typing import Literal
+
 from kvrelay.shared.config import common
-from kvrelay.shared.config.declare import CONFIG, Port, RedisUrl, setting
+from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
 from pydantic.dataclasses import dataclass
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
+MAX_TOKENS_DEFAULT = 1024
 WILDCARDS = ("0.0.0.0", "*", "::")
 
 
@@ -55,11 +59,23 @@ class GatewayConfig:
     affinity_prefix_tokens: int = setting(256, "leading prompt tokens (whole KV blocks) that decide a prompt's "
                                           "worker", ge=1)
     # None: registering models through the API is off. Workers read weights from their own --model-repo.
-    model_repo: str | None = common.model_repo()
+    model_repo: ExistingDir | None = common.model_repo()
     model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
                                         "its load", gt=0)
     reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "
                                           "ends finished swaps (0: off)", ge=0)
+    generation_config: Literal["auto", "vllm"] = setting(
+        "auto", "defaults of what a request leaves out: auto takes temperature, top_p, top_k, min_p, "
+        "repetition_penalty and max_new_tokens (as max_tokens) from the model's generation_config.json where it "
+        "sets them; vllm ignores the file (temperature 1, top_p 1, ...)")
+    max_tokens_default: int = setting(
+        MAX_TOKENS_DEFAULT, "the most tokens a chat completion that sets no max_tokens generates (lower: the "
+        "model's max_new_tokens, or the context the prompt leaves); 0: the rest of the context, as vLLM, which "
+        "a small model sampled at temperature 1 may ramble to for minutes", ge=0)
+    # No flags: kvrelay serve fills them in from --model or --config, so /ready knows what to wait for before
+    # any worker registers (served names; startup ones need live workers, lazy ones a registration).
+    startup_models: list[str] = field(default_factory=list)
+    lazy_models: list[str] = field(default_factory=list)
 
     @property
     def reply_host(self) -> str:

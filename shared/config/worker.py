@@ -8,7 +8,7 @@ from dataclasses import field
 from typing import Literal
 
 from kvrelay.shared.config import common
-from kvrelay.shared.config.declare import CONFIG, Port, RedisUrl, setting
+from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec
@@ -56,7 +56,7 @@ class WorkerConfig:
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
     drain_timeout_s: float = common.drain_timeout()
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
-    model_repo: str | None = common.model_repo()
+    model_repo: ExistingDir | None = common.model_repo()
     weights_memory: int | None = setting(None, "bytes of model weights this worker may hold at once; loads beyond "
                                          "it evict idle models (default: CPU 8 GiB; CUDA what "
                                          "--gpu-memory-utilization leaves after the KV pool)", ge=1)

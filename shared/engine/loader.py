@@ -15,9 +15,9 @@ import torch
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.models import build_model, get_model_class, max_model_len
 from kvrelay.shared.engine.models.presets import get_preset
+from kvrelay.shared.engine.progress import progress_bar
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from tqdm.auto import tqdm
 
 DUMMY_PREFIX = "dummy:"
 DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model stay finite in bf16
@@ -131,7 +131,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of every file, with a progress bar over tensors."""
     total = sum(len(read_safetensors_header(f)) for f in files)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+    with progress_bar("Loading weights", total=total, unit="tensor", disable=not progress) as bar:
         for file in files:
             bar.set_postfix_str(file.name)
             try:

@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
 from kvrelay.shared.handoff.blocks import frame_nbytes, gather_blocks, scatter_blocks, side_stream
+from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.handoff import HandoffGrant, KVLayers
-from kvrelay.shared.wire.protocol import encode
 
 # enough threads to keep CRC (~3.5 GB/s per core) off the critical path, few enough to leave the
 # engine's own threads alone

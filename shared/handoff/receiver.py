@@ -25,6 +25,7 @@ from kvrelay.shared.handoff.blocks import check_layout
 from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.codec import decode_any, encode
 from kvrelay.shared.wire.handoff import (
     HandoffAck,
     HandoffCancel,
@@ -33,7 +34,6 @@ from kvrelay.shared.wire.handoff import (
     KVHeader,
     KVLayers,
 )
-from kvrelay.shared.wire.protocol import decode_any, encode
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.states import Event, State, next_state
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode_any, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffCancel, HandoffGrant, HandoffRequest, KVHeader
-from kvrelay.shared.wire.protocol import MAX_MESSAGE_BYTES, Job, WorkerInfo, decode_any, encode
+from kvrelay.shared.wire.protocol import Job, WorkerInfo
 
 log = logging.getLogger(__name__)
 

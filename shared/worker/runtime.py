@@ -31,6 +31,7 @@ from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import (
     Abort,
     ControlCommand,
@@ -39,8 +40,6 @@ from kvrelay.shared.wire.protocol import (
     ModelSpec,
     TokenEvent,
     WorkerInfo,
-    decode,
-    encode,
     instance_key,
 )
 from kvrelay.shared.wire.redis_conn import sync_client
@@ -120,8 +119,10 @@ class WorkerRuntime:
             self._threads.append(t)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        log.info("%s worker %s serving %s at %s", self.config.role, self.config.worker_id,
-                 ", ".join(self.host.slots) or "no model yet", zmq_addr)
+        # prefill and unified workers bind no socket: their jobs come from the model's Redis stream
+        log.info("%s worker %s serving %s %s", self.config.role, self.config.worker_id,
+                 ", ".join(self.host.slots) or "no model yet",
+                 f"at {zmq_addr}" if zmq_addr else "from its Redis streams")
 
     def _fatal_on_error(self, loop: Callable[[], None]) -> None:
         try:

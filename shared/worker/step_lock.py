@@ -65,3 +65,21 @@ class StepLock:
         self._lock.acquire()
         self._owner = threading.get_ident()
         self._depth += 1
+
+
+class LockedPool:
+    """The pool as a loading thread sees it: attach and detach wait for the worker loop's step to end."""
+
+    def __init__(self, pool, lock: StepLock):
+        self._pool, self._lock = pool, lock
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._pool, name)
+        if name not in ("attach", "detach", "grow"):
+            return attr
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return locked

@@ -11,7 +11,8 @@ import urllib.request
 from pathlib import Path
 
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import WorkerInfo, decode
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.protocol import WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import zmq
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import Job, TokenBatch, decode, encode
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import Job, TokenBatch
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 

@@ -24,7 +24,8 @@ from aiohttp import web
 from kvrelay.gateway.app import create_app
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo, decode, encode
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from kvrelay.shared.wire.sampling_params import SamplingParams
 

@@ -17,8 +17,8 @@ from kvrelay.shared.handoff.direct import DirectWrite, IpcError
 from kvrelay.shared.handoff.fake import InProcess, in_process
 from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.standalone import endpoint
+from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest
-from kvrelay.shared.wire.protocol import decode, encode
 
 from tests.integration.handoff_harness import (
     BLOCK,

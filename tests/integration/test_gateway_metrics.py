@@ -1,13 +1,16 @@
 """``GET /metrics`` scraped over HTTP and parsed with prometheus_client's own parser: the counters,
-histograms and gauges move as requests flow, and the queue gauges read what is in Redis."""
+histograms and gauges move as requests flow, vLLM's request-level series among them, and the queue
+gauges read what is in Redis. (tests/e2e/test_api_metrics.py checks the vLLM series with real workers.)"""
 
+import contextlib
 import threading
 import time
 
 import pytest
 import requests
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import ModelInfo, decode, encode
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ModelInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 
 from tests.integration.gateway_harness import MODEL, running_stack
@@ -47,6 +50,73 @@ def test_request_metrics_move(stack):
     assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=name, model=MODEL,
                   kind="completion") == usage["completion_tokens"]
     assert sample(after, "kvrelay_requests_in_flight", model=MODEL) == 0
+
+
+def test_vllm_request_series_count_each_choice_once(stack):
+    _, key = Admin(stack.url).tenant_with_key()
+    before = scrape(stack.url)
+    outs = [requests.post(f"{stack.url}/v1/completions", headers=bearer(key),
+                          json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 64, "n": 1 + i}).json()
+            for i in range(3)]  # 1 + 2 + 3 choices
+    after = scrape(stack.url)
+    choices = [c for out in outs for c in out["choices"]]
+    assert len(choices) == 6 and {c["finish_reason"] for c in choices} == {"stop"}
+    prompt = sum(out["usage"]["prompt_tokens"] * len(out["choices"]) for out in outs)  # each choice is a request
+    completion = sum(out["usage"]["completion_tokens"] for out in outs)
+    m = {"model_name": MODEL}
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert _delta(after, before, f"{histogram}_count", **m) == 6, histogram
+    assert _delta(after, before, "vllm:request_success_total", finished_reason="stop", **m) == 6
+    assert _delta(after, before, "vllm:prompt_tokens_total", **m) == prompt
+    assert _delta(after, before, "vllm:request_prompt_tokens_sum", **m) == prompt
+    assert _delta(after, before, "vllm:generation_tokens_total", **m) == completion
+    assert _delta(after, before, "vllm:request_generation_tokens_sum", **m) == completion
+    # the fake worker sends one batch per step: every batch after a choice's first is one ITL sample
+    assert 0 < _delta(after, before, "vllm:inter_token_latency_seconds_count", **m) <= completion - 6
+    # vLLM's buckets: TTFT's first bound is 1 ms, e2e's 0.3 s, the token counts' 1-2-5 series
+    assert ("vllm:time_to_first_token_seconds_bucket", frozenset({**m, "le": "0.001"}.items())) in after
+    assert ("vllm:e2e_request_latency_seconds_bucket", frozenset({**m, "le": "0.3"}.items())) in after
+    assert ("vllm:request_prompt_tokens_bucket", frozenset({**m, "le": "5000.0"}.items())) in after
+    assert sample(after, "vllm:num_requests_running", **m) == 0
+    assert sample(after, "vllm:num_requests_waiting", **m) == 0
+
+
+def test_vllm_running_waiting_and_abort(stack):
+    _, key = Admin(stack.url).tenant_with_key()
+    m = {"model_name": MODEL}
+    before = scrape(stack.url)
+
+    def poll(name: str) -> float:
+        deadline, seen = time.monotonic() + 10, 0.0
+        while time.monotonic() < deadline and seen == 0:
+            seen = sample(scrape(stack.url), name, **m)
+        return seen
+
+    # never answered: waiting until the client gives up, then an abort
+    silent = threading.Thread(target=_post_until_timeout, args=(stack.url, key, "[silent] anyone?", 3.0))
+    silent.start()
+    assert poll("vllm:num_requests_waiting") == 1
+    assert sample(scrape(stack.url), "vllm:num_requests_running", **m) == 0
+    silent.join(30)
+    # answered slowly: running once its first token is in
+    slow = threading.Thread(target=requests.post, args=(f"{stack.url}/v1/completions",),
+                            kwargs={"json": {"model": MODEL, "prompt": "[slow] please", "max_tokens": 30},
+                                    "headers": bearer(key), "timeout": 60})
+    slow.start()
+    assert poll("vllm:num_requests_running") == 1
+    slow.join(60)
+    after = scrape(stack.url)
+    assert sample(after, "vllm:num_requests_running", **m) == sample(after, "vllm:num_requests_waiting", **m) == 0
+    assert _delta(after, before, "vllm:request_success_total", finished_reason="abort", **m) == 1
+    assert _delta(after, before, "vllm:request_success_total", finished_reason="length", **m) == 1
+    assert _delta(after, before, "vllm:e2e_request_latency_seconds_count", **m) == 1  # aborts have no latency
+
+
+def _post_until_timeout(url: str, key: str, prompt: str, timeout: float) -> None:
+    with contextlib.suppress(requests.exceptions.Timeout):
+        requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8},
+                      headers=bearer(key), timeout=timeout)
 
 
 def test_in_flight_requests(stack):

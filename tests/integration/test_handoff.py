@@ -14,8 +14,8 @@ from kvrelay.prefill_worker.handoff import FirstToken, State
 from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.handoff.standalone import synthetic_job
+from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant, HandoffRequest, KVHeader
-from kvrelay.shared.wire.protocol import decode, encode
 
 from tests.integration.handoff_harness import (
     BLOCK,

@@ -3,12 +3,14 @@ own key, keys shown once and stored only as hashes, 401/403/404 in OpenAI's shap
 lists, what each Job carries for its tenant, and the open mode while no tenant exists."""
 
 import hashlib
+import time
 
 import openai
 import pytest
 import requests
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.protocol import ModelInfo, decode, encode
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 
 from tests.integration.gateway_harness import MODEL, REPLY, running_stack
@@ -120,6 +122,13 @@ def test_models_a_tenant_may_not_use(stack, admin):
     info.name = "secret-model"
     r.set(keys.model_key(info.name), encode(info))
     r.sadd(keys.MODELS_INDEX, info.name)
+    # a live worker holds it: /v1/models lists only what can be served
+    now = time.time()
+    worker = WorkerInfo(worker_id="secret-w", role="unified", models=[info.name], zmq_addr="tcp://127.0.0.1:1",
+                        free_blocks=1, total_blocks=1, running=0, waiting=0, pid=1, host="h", started=now,
+                        heartbeat=now)
+    r.set(keys.worker_key(worker.worker_id), encode(worker), ex=60)
+    r.sadd(keys.WORKERS_INDEX, worker.worker_id)
     try:
         _, limited = admin.tenant_with_key(models=[MODEL])
         _, everything = admin.tenant_with_key()
@@ -139,8 +148,9 @@ def test_models_a_tenant_may_not_use(stack, admin):
         tok = requests.post(f"{stack.url}/tokenize", json={"model": info.name, "prompt": "hi"}, headers=bearer(limited))
         assert_openai_error(tok, 403)
     finally:
-        r.delete(keys.model_key(info.name))
+        r.delete(keys.model_key(info.name), keys.worker_key(worker.worker_id))
         r.srem(keys.MODELS_INDEX, info.name)
+        r.srem(keys.WORKERS_INDEX, worker.worker_id)
         r.close()
 
 

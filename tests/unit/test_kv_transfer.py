@@ -11,8 +11,8 @@ from kvrelay.shared.handoff.blocks import block_runs, check_layout, copy_blocks,
 from kvrelay.shared.handoff.cuda_ipc import CudaIpc, check_handle
 from kvrelay.shared.handoff.direct import Exporter, IpcError
 from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader, KVIpcHandle, KVLayers
-from kvrelay.shared.wire.protocol import decode, encode
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [L, 2, N, bs, Hkv, D]
 SRC_BLOCKS, DST_BLOCKS = [3, 7, 1], [0, 9, 5]

@@ -10,7 +10,8 @@ from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand
-from kvrelay.shared.worker.model_host import ModelHost, estimate_weight_bytes
+from kvrelay.shared.worker.model_host import ModelHost
+from kvrelay.shared.worker.model_memory import estimate_weight_bytes
 
 from kvrelay import SamplingParams
 from tests.conftest import make_tiny_model

@@ -1,10 +1,11 @@
-"""shared/wire/protocol.py: every message round-trips; anything malformed is a ValueError, never a crash or a
+"""shared/wire/codec.py, protocol.py, handoff.py: every message round-trips; anything malformed is a ValueError, never a crash or a
 half-built message."""
 
 import dataclasses
 
 import msgpack
 import pytest
+from kvrelay.shared.wire import codec
 from kvrelay.shared.wire import handoff as h
 from kvrelay.shared.wire import protocol as p
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -50,30 +51,30 @@ SAMPLES = [
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg):
-    data = p.encode(msg)
+    data = codec.encode(msg)
     assert isinstance(data, bytes)
-    back = p.decode(data, type(msg))
+    back = codec.decode(data, type(msg))
     assert back == msg
-    assert p.decode_any(data) == msg
+    assert codec.decode_any(data) == msg
 
 
 def test_job_sampling_restores_sampling_params():
-    job = p.decode(p.encode(_job()), p.Job)
+    job = codec.decode(codec.encode(_job()), p.Job)
     params = SamplingParams.from_dict(job.sampling)
     assert params.max_tokens == 8 and params.stop == ["\n"]
 
 
 def test_decode_checks_the_expected_type():
-    data = p.encode(p.Abort(request_ids=["x"]))
+    data = codec.encode(p.Abort(request_ids=["x"]))
     with pytest.raises(ValueError, match="abort"):
-        p.decode(data, p.Job)
+        codec.decode(data, p.Job)
     with pytest.raises(ValueError):
-        p.decode_any(data, h.HandoffGrant, h.HandoffAck)
-    assert isinstance(p.decode_any(data, p.Abort, p.Job), p.Abort)
+        codec.decode_any(data, h.HandoffGrant, h.HandoffAck)
+    assert isinstance(codec.decode_any(data, p.Abort, p.Job), p.Abort)
 
 
 def _raw(msg) -> dict:
-    return msgpack.unpackb(p.encode(msg), raw=False)
+    return msgpack.unpackb(codec.encode(msg), raw=False)
 
 
 def _pack(obj) -> bytes:
@@ -87,12 +88,12 @@ def _pack(obj) -> bytes:
 ])
 def test_rejects_malformed_bytes(data):
     with pytest.raises(ValueError):
-        p.decode_any(data)
+        codec.decode_any(data)
 
 
 def test_rejects_non_bytes():
     with pytest.raises(ValueError):
-        p.decode("a string", p.Job)  # type: ignore[arg-type]
+        codec.decode("a string", p.Job)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("field,value", [
@@ -100,36 +101,36 @@ def test_rejects_non_bytes():
     ("prompt_token_ids", [1, True]),  # bool is not an int on the wire
     ("priority", 1.5), ("deadline", "soon"), ("sampling", [1]), ("sampling", {1: 2}),
     ("cache_salt", 7), ("prompt_token_ids", []), ("prompt_token_ids", [-1]),
-    ("request_id", "x" * (p.MAX_ID_LEN + 1)),
+    ("request_id", "x" * (codec.MAX_ID_LEN + 1)),
 ])
 def test_rejects_wrong_field_types(field, value):
     raw = _raw(_job())
     raw[field] = value
     with pytest.raises(ValueError):
-        p.decode(_pack(raw), p.Job)
+        codec.decode(_pack(raw), p.Job)
 
 
 def test_rejects_missing_and_unknown_fields():
     raw = _raw(_job())
     del raw["reply_addr"]
     with pytest.raises(ValueError, match="missing field 'reply_addr'"):
-        p.decode(_pack(raw), p.Job)
+        codec.decode(_pack(raw), p.Job)
     raw = _raw(_job())
     raw["__class__"] = "os.system"
     with pytest.raises(ValueError, match="unknown field"):
-        p.decode(_pack(raw), p.Job)
+        codec.decode(_pack(raw), p.Job)
 
 
 def test_job_with_n_above_one_is_rejected():
     raw = _raw(_job())
     raw["sampling"]["n"] = 2
     with pytest.raises(ValueError, match="n must be 1"):
-        p.decode(_pack(raw), p.Job)
+        codec.decode(_pack(raw), p.Job)
 
 
 def test_optional_fields_default_when_absent():
     raw = {"type": "token_event", "request_id": "r", "token_ids": [1]}
-    event = p.decode(_pack(raw), p.TokenEvent)
+    event = codec.decode(_pack(raw), p.TokenEvent)
     assert event.logprobs is None and event.finish_reason is None and event.output_index == 0
 
 
@@ -145,22 +146,22 @@ def test_optional_fields_default_when_absent():
 def test_token_event_invariants(over):
     raw = {"type": "token_event", "request_id": "r", "token_ids": [1, 2], **over}
     with pytest.raises(ValueError):
-        p.decode(_pack(raw), p.TokenEvent)
+        codec.decode(_pack(raw), p.TokenEvent)
 
 
 def test_nested_event_errors_name_their_place():
     raw = {"type": "token_batch", "events": [{"request_id": "ok"}, {"request_id": 3}]}
     with pytest.raises(ValueError, match=r"events\[1\]"):
-        p.decode(_pack(raw), p.TokenBatch)
+        codec.decode(_pack(raw), p.TokenBatch)
 
 
 def test_worker_role_is_checked():
     raw = _raw(SAMPLES[-2])
     raw["role"] = "janitor"
     with pytest.raises(ValueError, match="role"):
-        p.decode(_pack(raw), p.WorkerInfo)
-    assert p.decode(p.encode(SAMPLES[-2]), p.WorkerInfo).can_decode
-    assert not p.decode(p.encode(SAMPLES[-2]), p.WorkerInfo).can_prefill
+        codec.decode(_pack(raw), p.WorkerInfo)
+    assert codec.decode(codec.encode(SAMPLES[-2]), p.WorkerInfo).can_decode
+    assert not codec.decode(codec.encode(SAMPLES[-2]), p.WorkerInfo).can_prefill
 
 
 @pytest.mark.parametrize("over", [{"block_ids": [1]}, {"num_blocks": 0, "block_ids": []}, {"num_layers": 0},
@@ -169,57 +170,56 @@ def test_kv_header_layout_is_checked(over):
     raw = _raw(_header())
     raw.update(over)
     with pytest.raises(ValueError):
-        p.decode(_pack(raw), h.KVHeader)
+        codec.decode(_pack(raw), h.KVHeader)
 
 
 def test_ext_types_are_rejected():
     raw = _raw(p.Abort(request_ids=["x"]))
     raw["reason"] = msgpack.ExtType(1, b"payload")
     with pytest.raises(ValueError):
-        p.decode(_pack(raw), p.Abort)
+        codec.decode(_pack(raw), p.Abort)
 
 
 def test_oversize_is_rejected_both_ways():
-    huge = b"\x00" * (p.MAX_MESSAGE_BYTES + 1)
+    huge = b"\x00" * (codec.MAX_MESSAGE_BYTES + 1)
     with pytest.raises(ValueError, match="exceeds"):
-        p.decode(huge, p.Job)
+        codec.decode(huge, p.Job)
     with pytest.raises(ValueError):
-        p.encode(p.Abort(request_ids=["x" * 1000] * (p.MAX_MESSAGE_BYTES // 1000 + 10)))
+        codec.encode(p.Abort(request_ids=["x" * 1000] * (codec.MAX_MESSAGE_BYTES // 1000 + 10)))
     # A string over the per-string bound is refused by the unpacker itself.
     raw = _raw(p.Abort(request_ids=["x"]))
-    raw["reason"] = "y" * (p.MAX_STR_LEN + 1)
+    raw["reason"] = "y" * (codec.MAX_STR_LEN + 1)
     with pytest.raises(ValueError):
-        p.decode(_pack(raw), p.Abort)
+        codec.decode(_pack(raw), p.Abort)
 
 
 def test_encode_refuses_non_messages():
     with pytest.raises(TypeError):
-        p.encode({"type": "job"})
+        codec.encode({"type": "job"})
 
     @dataclasses.dataclass
     class Imposter:
         TAG = "job"
 
     with pytest.raises(TypeError):
-        p.encode(Imposter())
+        codec.encode(Imposter())
 
 
 def test_handoff_messages_join_the_codec_once():
-    assert p.decode_any(p.encode(h.HandoffCancel("r"))) == h.HandoffCancel("r")
+    assert codec.decode_any(codec.encode(h.HandoffCancel("r"))) == h.HandoffCancel("r")
     with pytest.raises(ValueError, match="taken"):
-        p.register(dataclasses.make_dataclass("Impostor", [], namespace={"TAG": "handoff_ack"}))
-    p.register(h.HandoffAck)  # the same class again is no conflict
+        codec.register(dataclasses.make_dataclass("Impostor", [], namespace={"TAG": "handoff_ack"}))
+    codec.register(h.HandoffAck)  # the same class again is no conflict
 
 
 def test_multi_model_messages_round_trip_with_nested_messages():
+    from kvrelay.shared.wire.codec import decode, encode
     from kvrelay.shared.wire.protocol import (
         ControlCommand,
         ControlResult,
         InstanceStatus,
         ModelSpec,
         WorkerInfo,
-        decode,
-        encode,
         instance_key,
     )
 
@@ -243,9 +243,9 @@ def test_none_defaults_stay_off_the_wire():
     """A None that is the field's default is not sent (the decoder's default restores it): most of a
     TokenEvent is None, and each entry cost both ends. A required field that is None is still sent."""
     event = p.TokenEvent(request_id="r", token_ids=[5], output_index=3)
-    raw = msgpack.unpackb(p.encode(event))
+    raw = msgpack.unpackb(codec.encode(event))
     assert {"logprobs", "top_logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "error"}.isdisjoint(raw)
-    assert p.decode(p.encode(event), p.TokenEvent) == event
+    assert codec.decode(codec.encode(event), p.TokenEvent) == event
     header = _header(first_logprob=None)
-    assert msgpack.unpackb(p.encode(header))["first_logprob"] is None
-    assert p.decode(p.encode(header), h.KVHeader) == header
+    assert msgpack.unpackb(codec.encode(header))["first_logprob"] is None
+    assert codec.decode(codec.encode(header), h.KVHeader) == header

@@ -1,0 +1,33 @@
+"""What a worker says on its console, from real worker processes: its progress bar names its role (two
+workers share kvrelay serve's terminal), and its "serving" line names a real address or where its jobs
+come from, never an empty one."""
+
+import re
+
+import pytest
+
+from tests.conftest import make_tiny_model
+from tests.e2e.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+
+def test_each_worker_names_its_role_and_where_it_serves(tmp_path, redis_url, smollm2_dir):
+    model = make_tiny_model("llama", tmp_path / "tiny")
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            (model / f.name).write_bytes(f.read_bytes())
+    cluster = Cluster(redis_url, str(model), ["--dtype", "float32", "--served-model-name", "tiny"], tmp_path)
+    cluster.redis.flushall()
+    try:
+        cluster.start_gateway()
+        cluster.start_worker("prefill", "p1")
+        cluster.start_worker("decode", "d1")
+        cluster.wait_ready()
+        prefill, decode = cluster.log("p1"), cluster.log("d1")
+    finally:
+        cluster.stop()
+    assert "prefill worker: Loading weights" in prefill and "decode worker: Loading weights" in decode
+    assert "prefill worker p1 serving tiny from its Redis streams" in prefill, prefill[-2000:]
+    assert re.search(r"decode worker d1 serving tiny at tcp://127\.0\.0\.1:\d+\n", decode), decode[-2000:]
+    assert not re.search(r"serving .* at \n", prefill + decode)
