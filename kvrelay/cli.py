@@ -165,7 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    bench_args = None
+    if "bench" in argv and argv.index("bench") + 1 < len(argv) and argv[argv.index("bench") + 1] in BENCHES:
+        # a benchmark's flags go to its own parser verbatim: argparse's remainder drops a `--` that
+        # follows KIND, which `bench serve -- --max-num-seqs 8` uses to pass engine flags through
+        cut = argv.index("bench") + 2
+        argv, bench_args = argv[:cut], argv[cut:]
     args, unknown = parser.parse_known_args(argv)
+    if bench_args is not None:
+        args.bench_args = bench_args
     if unknown:  # said by the subcommand's parser, so the line names the command
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "config_from_stdin", False):

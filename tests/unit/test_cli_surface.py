@@ -32,3 +32,15 @@ def test_bench_help_says_what_each_prints_and_which_flag_adds_a_baseline():
             assert flags["--baseline"].default == "none" and "with --baseline hf" in help, kind
         if "--compare-offline" in flags:
             assert flags["--compare-offline"].default is False and "--compare-offline adds" in help, kind
+
+
+def test_a_benchmarks_flags_reach_it_verbatim_dashes_included(monkeypatch):
+    # `kvrelay bench serve -- --max-num-seqs 8`: after `--` come engine flags for the servers it
+    # launches; argparse's remainder would drop that `--` and hand the flags to the bench's own parser
+    from kvrelay import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run_bench", lambda args: seen.append((args.bench_kind, args.bench_args)) or 0)
+    assert cli.main(["--log-level", "WARNING", "bench", "serve", "--", "--max-num-seqs", "8"]) == 0
+    assert cli.main(["bench", "swap", "--after", "1", "--", "--max-num-seqs", "0"]) == 0
+    assert seen == [("serve", ["--", "--max-num-seqs", "8"]), ("swap", ["--after", "1", "--", "--max-num-seqs", "0"])]
