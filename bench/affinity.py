@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 
 from kvrelay.local_cluster import LocalCluster
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 
 
 def workload(groups: int, per_group: int, prefix_len: int, suffix_len: int, vocab: int, seed: int) -> list[list[int]]:

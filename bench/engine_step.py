@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.wire.sampling_params import SamplingParams

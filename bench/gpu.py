@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import torch
+
 from kvrelay.bench import gpu_measure as m
 from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import torch
 import zmq
+
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, DTYPES, frame_nbytes

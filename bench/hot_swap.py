@@ -186,10 +186,11 @@ def write_dummy(preset: str, out: Path, shard_bytes: int = 4 << 30) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-    from kvrelay.shared.engine.models.presets import get_preset
-    from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvrelay.shared.engine.models.presets import get_preset
+    from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
 
     config = get_preset(preset)
     hf = AutoConfig.for_model(**config)

@@ -31,8 +31,9 @@ TINY_ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "
 def tiny_model(out: Path) -> Path:
     """A random 2-layer Llama sized to SmolLM2's tokenizer, whose files are copied beside it."""
     import torch
-    from kvrelay.shared.repo.model_source import resolve_model
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvrelay.shared.repo.model_source import resolve_model
 
     if (out / "config.json").is_file():
         return out

@@ -3,6 +3,7 @@ numbers read side by side with vLLM's: TTFT to the first token, TPOT = (E2E - TT
 request, ITL = every gap between streamed chunks, E2E latency per request."""
 
 import numpy as np
+
 from kvrelay.bench.serve_client import RequestResult
 
 WIDTH = 50

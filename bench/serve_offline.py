@@ -14,11 +14,10 @@ import inspect
 import time
 from collections import deque
 
-from kvrelay.bench.serve_client import Prompt, RequestResult
-from kvrelay.shared.worker.gc_freeze import freeze_long_lived
-
 from kvrelay import LLM, SamplingParams
+from kvrelay.bench.serve_client import Prompt, RequestResult
 from kvrelay.cli_args import add_engine_args
+from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
 
 def build_llm(engine_args: list[str]) -> LLM:

@@ -24,6 +24,7 @@ import math
 
 import redis
 import zmq
+
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.wire.handoff import KVHeader

@@ -16,11 +16,12 @@ import time
 
 import redis
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
 from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.gateway.schemas import parse, read_json
 from kvrelay.gateway.state import CONFIG, TENANTS, USAGE
 from kvrelay.gateway.tenants import NAME_RE, Tenant
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 log = logging.getLogger("kvrelay.gateway")
 

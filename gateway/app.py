@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+
 from kvrelay.gateway.auth import auth_middleware
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve

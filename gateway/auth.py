@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 from aiohttp import web
+
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.state import CONFIG, TENANTS
 from kvrelay.gateway.tenants import Tenant

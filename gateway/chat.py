@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: the model's chat template, then the same path as completions."""
 
 from aiohttp import web
+
 from kvrelay.gateway import sse
 from kvrelay.gateway.auth import TENANT
 from kvrelay.gateway.choice import ChoiceDelta

@@ -1,6 +1,7 @@
 """``POST /v1/completions``: OpenAI's text completions, vLLM's extras."""
 
 from aiohttp import web
+
 from kvrelay.gateway import sse
 from kvrelay.gateway.auth import TENANT
 from kvrelay.gateway.choice import ChoiceDelta

@@ -10,6 +10,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+
 from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 

@@ -20,6 +20,7 @@ import signal
 import time
 
 from aiohttp import web
+
 from kvrelay.gateway.errors import APIError
 
 log = logging.getLogger("kvrelay.gateway")

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import redis
 from aiohttp import web
+
 from kvrelay.gateway import routing
 from kvrelay.gateway.choice import ChoiceDelta, ChoiceState
 from kvrelay.gateway.drain import DRAIN, draining_error

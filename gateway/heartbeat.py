@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio
 from aiohttp import web
+
 from kvrelay.gateway.state import DISPATCHER, REDIS
 from kvrelay.shared.wire import redis_keys as keys
 

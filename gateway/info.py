@@ -9,6 +9,7 @@ from pathlib import Path
 import redis
 import yaml
 from aiohttp import web
+
 from kvrelay.gateway.auth import TENANT
 from kvrelay.gateway.drain import DRAIN
 from kvrelay.gateway.errors import APIError

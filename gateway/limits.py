@@ -21,6 +21,7 @@ waiting would not help; a smaller ``max_tokens`` would.
 from dataclasses import dataclass
 
 import redis.asyncio
+
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.tenants import Tenant
 from kvrelay.shared.wire import redis_keys as keys

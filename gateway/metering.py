@@ -20,6 +20,8 @@ import logging
 
 import redis
 from aiohttp import web
+from pydantic import BaseModel
+
 from kvrelay.gateway.auth import TENANT
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.generation import Generation
@@ -27,7 +29,6 @@ from kvrelay.gateway.limits import LimitExceeded, Reservation
 from kvrelay.gateway.prompts import Prepared
 from kvrelay.gateway.response_cache import cacheable, request_key
 from kvrelay.gateway.state import LIMITER, METRICS, RESPONSE_CACHE, USAGE, spawn
-from pydantic import BaseModel
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
 from kvrelay.gateway.choice import ChoiceDelta, ChoiceState
 from kvrelay.gateway.queue_stats import QueueStats
 from kvrelay.gateway.sse import STREAM_COMPLETE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:  # generation.py reaches the metrics through state.py, which imports this module
     from kvrelay.gateway.generation import Generation

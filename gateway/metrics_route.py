@@ -4,8 +4,9 @@ import logging
 
 import redis
 from aiohttp import web
-from kvrelay.gateway.state import METRICS, REDIS, REGISTRY
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvrelay.gateway.state import METRICS, REDIS, REGISTRY
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -21,6 +21,8 @@ import logging
 from typing import Literal
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
 from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.gateway.model_registry import SpecConflict, served_name
 from kvrelay.gateway.placement import LoadError, instance_state
@@ -29,7 +31,6 @@ from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, MODEL_REPO, PLACEMENT,
 from kvrelay.shared.repo.model_repo import NAME_RE, ModelVersion, RepositoryError
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import InstanceStatus, ModelSpec, WorkerInfo, instance_key
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 log = logging.getLogger("kvrelay.gateway")
 

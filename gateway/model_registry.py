@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import redis
 import redis.asyncio
+
 from kvrelay.gateway.registry import read_indexed
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode

@@ -17,6 +17,7 @@ import time
 import uuid
 
 import redis.asyncio
+
 from kvrelay.gateway.model_registry import ModelRegistry, SpecConflict
 from kvrelay.gateway.registry import Registry
 from kvrelay.shared.wire import redis_keys as keys

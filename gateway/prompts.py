@@ -8,6 +8,7 @@ the request waiting), then everything that needs the tokenizer (400).
 from dataclasses import dataclass
 
 from aiohttp import web
+
 from kvrelay.gateway.errors import APIError, bad_request, unavailable
 from kvrelay.gateway.model_registry import is_direct
 from kvrelay.gateway.placement import LoadError

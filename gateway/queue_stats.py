@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio
-from kvrelay.shared.wire import redis_keys as keys
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvrelay.shared.wire import redis_keys as keys
 
 _COUNT_CAP = 1000
 

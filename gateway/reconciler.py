@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio
 from aiohttp import web
+
 from kvrelay.gateway.model_registry import ModelRegistry, SpecConflict
 from kvrelay.gateway.placement import LoadError, Placement, instance_state
 from kvrelay.gateway.registry import Registry

@@ -17,6 +17,7 @@ import time
 import redis
 import redis.asyncio
 from aiohttp import web
+
 from kvrelay.shared.wire import redis_keys as keys
 
 log = logging.getLogger("kvrelay.gateway")

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo

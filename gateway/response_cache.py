@@ -17,9 +17,10 @@ import logging
 
 import redis
 import redis.asyncio
+from pydantic import BaseModel
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelInfo
-from pydantic import BaseModel
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -1,6 +1,7 @@
 """Every route of the gateway, in one table."""
 
 from aiohttp import web
+
 from kvrelay.gateway import admin, model_admin
 from kvrelay.gateway.chat import create_chat_completion
 from kvrelay.gateway.completions import create_completion

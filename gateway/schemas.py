@@ -9,9 +9,10 @@ import re
 from typing import Any, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
+
 from kvrelay.gateway.errors import bad_request
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
 
 log = logging.getLogger("kvrelay.gateway")
 

@@ -5,6 +5,7 @@ import json
 from collections.abc import AsyncIterable, Callable, Iterable
 
 from aiohttp import web
+
 from kvrelay.gateway.errors import APIError, ClientGone
 
 # Set once a stream was written in full. A proxy (nginx) closes the moment the last chunk arrives, and

@@ -4,6 +4,7 @@ import asyncio
 
 import redis.asyncio
 from aiohttp import web
+
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.limits import RateLimiter
 from kvrelay.gateway.metrics import GatewayMetrics

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio
+
 from kvrelay.shared.wire import redis_keys as keys
 
 KEY_PREFIX = "kvr-"

@@ -1,6 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes); they need the tokenizer, not a worker."""
 
 from aiohttp import web
+
 from kvrelay.gateway.auth import TENANT
 from kvrelay.gateway.errors import bad_request
 from kvrelay.gateway.prompts import check_token_ids, render_chat, resolve_model

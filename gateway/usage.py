@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio
+
 from kvrelay.shared.wire import redis_keys as keys
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cache_hits")

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 
 import torch
+
 from kvrelay.kernels import reference
 from kvrelay.kernels.metadata import AttentionMetadata
 

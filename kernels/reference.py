@@ -6,6 +6,7 @@ The CPU path runs these; the Triton kernels are tested against them. Cache layou
 
 import torch
 import torch.nn.functional as F
+
 from kvrelay.kernels.metadata import AttentionMetadata
 
 

@@ -11,6 +11,7 @@ allows: a full decode batch is backpressure, not failure).
 import time
 
 import zmq
+
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.sender import FirstToken, HandoffSender, Transfer
 from kvrelay.shared.handoff.states import State

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import redis
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import Job

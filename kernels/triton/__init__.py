@@ -4,6 +4,7 @@
 imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
 """
 
+from kvrelay import kernels
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
 from kvrelay.kernels.triton.paged_attention import paged_attention
@@ -12,8 +13,6 @@ from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
 from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.triton.write_kv import write_kv
-
-from kvrelay import kernels
 
 OPS = {
     "write_kv": write_kv,

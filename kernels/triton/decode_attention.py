@@ -14,6 +14,7 @@ CUDA-graph capturable: capture with ``max_seq_len`` set to the largest length th
 import torch
 import triton
 import triton.language as tl
+
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.utils import interpreting, num_sms, pow2
 

@@ -1,6 +1,7 @@
 """The registered ``paged_attention``: decode kernel (split-K) for pure decode steps, else prefill kernel."""
 
 import torch
+
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.decode_attention import decode_attention
 from kvrelay.kernels.triton.prefill_attention import prefill_attention

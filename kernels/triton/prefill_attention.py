@@ -22,6 +22,7 @@ diagonal) pay for masks; every other tile runs unmasked.
 import torch
 import triton
 import triton.language as tl
+
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.decode_attention import _dot
 from kvrelay.kernels.triton.utils import interpreting, pow2

@@ -3,6 +3,7 @@
 import torch
 import triton
 import triton.language as tl
+
 from kvrelay.kernels.triton.utils import pow2, row_warps, rows_view
 
 

@@ -3,6 +3,7 @@
 import torch
 import triton
 import triton.language as tl
+
 from kvrelay.kernels.triton.utils import rows_view
 
 _BLOCK = 1024

@@ -4,8 +4,9 @@
 from dataclasses import field
 from typing import TYPE_CHECKING, Literal
 
-from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, PowerOfTwo, setting
 from pydantic.dataclasses import dataclass
+
+from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, PowerOfTwo, setting
 
 if TYPE_CHECKING:
     import torch

@@ -10,11 +10,12 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
-from kvrelay.shared.config.declare import CONFIG, ConfigError
 from pydantic import TypeAdapter, ValidationError
 from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+from kvrelay.shared.config.declare import CONFIG, ConfigError
 
 
 class Parser(argparse.ArgumentParser):

@@ -4,10 +4,11 @@ Imports no torch: the gateway never does."""
 from dataclasses import field
 from typing import Literal
 
+from pydantic.dataclasses import dataclass
+
 from kvrelay.shared.config import common
 from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
-from pydantic.dataclasses import dataclass
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
 MAX_TOKENS_DEFAULT = 1024

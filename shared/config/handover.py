@@ -7,8 +7,9 @@ import json
 import sys
 from typing import IO, Any
 
-from kvrelay.shared.config.declare import ConfigError
 from pydantic import TypeAdapter, ValidationError
+
+from kvrelay.shared.config.declare import ConfigError
 
 CONFIG_FROM_STDIN = "--config-from-stdin"
 

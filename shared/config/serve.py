@@ -2,8 +2,9 @@
 
 from typing import Literal
 
-from kvrelay.shared.config.declare import CONFIG, setting
 from pydantic.dataclasses import dataclass
+
+from kvrelay.shared.config.declare import CONFIG, setting
 
 
 @dataclass(config=CONFIG)

@@ -7,12 +7,13 @@ import uuid
 from dataclasses import field
 from typing import Literal
 
+from pydantic.dataclasses import dataclass
+
 from kvrelay.shared.config import common
 from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec
-from pydantic.dataclasses import dataclass
 
 
 def _worker_id() -> str:

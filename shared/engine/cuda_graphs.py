@@ -29,9 +29,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
+
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.engine.step_inputs import Layout, StepBatch, host_buffer, views, write
-from torch import nn
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs

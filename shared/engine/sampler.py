@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvrelay.shared.engine.request import Request
 from torch import Tensor
+
+from kvrelay.shared.engine.request import Request
 
 # Bound for the [rows, V] float32 working set of prompt_logprobs (2**26 elements = 256 MiB), so a long
 # prompt over a large vocabulary does not materialise its whole log-softmax at once.

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest, KVIpcHandle, KVLayers
 
 Send = Callable[[list], bool]  # queue one multipart message to the transfer's peer; False when its queue is full

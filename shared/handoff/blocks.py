@@ -7,6 +7,7 @@ made contiguous: ``[2, n_blocks, bs, Hkv, D]``.
 """
 
 import torch
+
 from kvrelay.shared.wire.handoff import KVHeader
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -12,6 +12,7 @@ processes whatever their CUDA_VISIBLE_DEVICES.
 import re
 
 import torch
+
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES
 from kvrelay.shared.handoff.direct import DirectWrite, IpcError, Sharing, check_handle_layout
 from kvrelay.shared.wire.handoff import KVIpcHandle

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
+
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, copy_blocks, kv_strides, side_stream
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest, KVIpcHandle, KVLayers

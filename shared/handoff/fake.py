@@ -10,6 +10,7 @@ import secrets
 import weakref
 
 import torch
+
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES
 from kvrelay.shared.handoff.direct import DirectWrite, IpcError, Sharing
 from kvrelay.shared.wire.handoff import KVIpcHandle

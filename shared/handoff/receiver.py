@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import zmq
+
 from kvrelay.shared.handoff.base import KVReceiver, Transport
 from kvrelay.shared.handoff.blocks import check_layout
 from kvrelay.shared.handoff.frames import Frames

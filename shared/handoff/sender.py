@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+
 from kvrelay.shared.handoff.base import KVSender, Transport
 from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.states import Event, State, next_state

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 import torch
+
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.handoff.sender import FirstToken, HandoffSender, Transfer
 from kvrelay.shared.wire.protocol import Job, WorkerInfo

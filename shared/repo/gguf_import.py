@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 
 import torch
+
 from kvrelay.shared.config.engine import DTYPE_NAMES
 from kvrelay.shared.engine.progress import progress_bar
 

@@ -2,6 +2,7 @@
 gateway's cached, asynchronous view is gateway/registry.py."""
 
 import redis
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import WorkerInfo

@@ -4,6 +4,7 @@ gateway address, sent without ever blocking the engine loop."""
 import logging
 
 import zmq
+
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 

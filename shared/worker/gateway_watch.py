@@ -16,6 +16,7 @@ import threading
 import time
 
 import redis
+
 from kvrelay.shared.wire import redis_keys as keys
 
 log = logging.getLogger(__name__)

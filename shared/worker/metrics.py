@@ -21,10 +21,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.scheduler import SchedulerOutput
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool

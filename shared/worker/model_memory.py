@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import torch
+
 from kvrelay.shared.config.engine import EngineConfig
 
 

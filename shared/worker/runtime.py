@@ -25,6 +25,7 @@ from collections.abc import Callable
 import redis
 import torch
 import zmq
+
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool

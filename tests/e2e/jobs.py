@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Job, TokenBatch

@@ -7,8 +7,8 @@ import json
 
 import httpx
 import pytest
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
 

@@ -6,9 +6,9 @@ import json
 import shutil
 
 import pytest
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
 from kvrelay.cli import main
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.conftest import make_tiny_model
 from tests.e2e.cluster import Cluster
 

@@ -10,9 +10,9 @@ import urllib.request
 import httpx
 import openai
 import pytest
-from kvrelay.shared.wire import redis_keys as keys
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import make_tiny_model, random_prompts
 from tests.e2e.cluster import Cluster, free_port
 

@@ -9,9 +9,9 @@ import signal
 
 import httpx
 import pytest
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
-
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import post_json, stream_completion

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvrelay.shared.repo.model_repo import ModelRepository
 
+from kvrelay.shared.repo.model_repo import ModelRepository
 from tests.e2e.model_variants import PROMPT, offline_text, variant
 from tests.e2e.served import Served
 

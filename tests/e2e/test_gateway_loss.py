@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import post_json

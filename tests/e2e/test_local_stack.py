@@ -6,10 +6,10 @@ import shutil
 
 import openai
 import pytest
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
 from kvrelay.local_cluster import LocalCluster, free_port
 from kvrelay.nginx import loopback_nginx
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.conftest import TINY_ENGINE
 
 pytestmark = pytest.mark.slow

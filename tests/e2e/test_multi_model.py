@@ -13,12 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.worker.directory import live_workers
-
-from kvrelay.serve_config import load_serve_config
 from tests.e2e.cluster import Cluster
 from tests.e2e.model_variants import PROMPT, offline_text, variant
 

@@ -16,9 +16,9 @@ import time
 
 import httpx
 import pytest
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
 from kvrelay.nginx import loopback_nginx
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import stream_completion

@@ -14,8 +14,8 @@ import sys
 import httpx
 import pytest
 import yaml
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE, TINY_VOCAB
 

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 import redis
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import redis_server_executable, sync_client
-
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sse_client import post_json, stream_completion

@@ -13,9 +13,9 @@ import time
 import openai
 import psutil
 import pytest
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
-
 from tests.e2e.cluster import free_port
 
 pytestmark = pytest.mark.slow

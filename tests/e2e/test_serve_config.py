@@ -10,10 +10,10 @@ import time
 
 import openai
 import pytest
-from kvrelay.shared.repo.model_repo import ModelRepository
-from kvrelay.shared.wire.redis_conn import sync_client
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.shared.repo.model_repo import ModelRepository
+from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.cluster import free_port
 
 pytestmark = pytest.mark.slow

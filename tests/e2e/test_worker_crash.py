@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.conftest import TINY_ENGINE
 
 pytestmark = pytest.mark.slow

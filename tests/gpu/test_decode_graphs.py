@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from tests.conftest import random_prompts
 from tests.parity import engine_greedy, hf_greedy
 

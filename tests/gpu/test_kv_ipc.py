@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 import zmq
+
 from kvrelay.prefill_worker.handoff import HandoffManager, State
 from kvrelay.shared.handoff.blocks import copy_blocks
 from kvrelay.shared.handoff.cuda_ipc import CudaIpc, device_uuid, export_handle
 from kvrelay.shared.handoff.direct import DeviceCopy, Exporter, IpcError, Peers
 from kvrelay.shared.handoff.frames import Frames, StagedKV
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off
-
 from tests.integration.handoff_harness import DecodeSide
 
 pytestmark = pytest.mark.gpu

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import zmq
 from aiohttp import web
+
 from kvrelay.gateway.app import create_app
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.wire import redis_keys as keys

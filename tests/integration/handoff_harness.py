@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 import zmq
+
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import HandoffManager, Transfer
 from kvrelay.shared.handoff.frames import max_message_bytes

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
+
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, State
 from kvrelay.shared.handoff import receiver as receiver_module
@@ -19,7 +20,6 @@ from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.standalone import endpoint
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest
-
 from tests.integration.handoff_harness import (
     BLOCK,
     MODEL,

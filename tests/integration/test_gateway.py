@@ -7,11 +7,11 @@ import time
 import openai
 import pytest
 import requests
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
-
 from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, REPLY, running_stack
 
 pytestmark = pytest.mark.timeout(120)

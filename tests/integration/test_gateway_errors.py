@@ -11,12 +11,12 @@ import openai
 import pytest
 import requests
 import zmq
+
 from kvrelay.gateway.state import DISPATCHER
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Abort, ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_conn import async_client, sync_client
-
 from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, GatewayServer, gateway_config, running_stack
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,7 +7,6 @@ import time
 from kvrelay.gateway.state import DISPATCHER
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
-
 from tests.integration.gateway_harness import GatewayServer, gateway_config
 
 

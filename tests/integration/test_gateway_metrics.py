@@ -8,11 +8,11 @@ import time
 
 import pytest
 import requests
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ModelInfo
 from kvrelay.shared.wire.redis_conn import sync_client
-
 from tests.integration.gateway_harness import MODEL, running_stack
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer, sample, scrape
 

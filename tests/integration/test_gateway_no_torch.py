@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
-
 from tests.integration.gateway_harness import MODEL, REPLY, FakeWorker, build_tokenizer, free_port
 
 _GATEWAY = """

@@ -12,10 +12,10 @@ import threading
 import aiohttp
 import pytest
 from aiohttp import web
+
 from kvrelay.gateway import tokenizers
 from kvrelay.gateway.state import REGISTRY, TOKENIZERS
 from kvrelay.gateway.tokenizers import ModelTokenizer
-
 from tests.integration.gateway_harness import MODEL, running_stack
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,6 +5,7 @@ Redis restart's empty moment is no death."""
 import time
 
 import pytest
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
 from kvrelay.shared.worker import gateway_watch

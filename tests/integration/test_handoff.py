@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 import zmq
+
 from kvrelay.prefill_worker.handoff import FirstToken, State
 from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.handoff.standalone import synthetic_job
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant, HandoffRequest, KVHeader
-
 from tests.integration.handoff_harness import (
     BLOCK,
     MODEL,

@@ -5,6 +5,7 @@ group."""
 import time
 
 import pytest
+
 from kvrelay.prefill_worker.job_queue import JobQueue
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode

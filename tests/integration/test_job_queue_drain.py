@@ -3,6 +3,7 @@ stream (its length is the backlog the gateway bounds), a failed ACK is retried b
 handed-back job is taken by a peer's very next reclaim with its delivery count unchanged."""
 
 import pytest
+
 from kvrelay.prefill_worker.job_queue import JobQueue, replayable
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode

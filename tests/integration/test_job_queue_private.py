@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from kvrelay.prefill_worker import job_queue
 from kvrelay.prefill_worker.job_queue import JobQueue
 from kvrelay.shared.wire import redis_keys as keys

@@ -5,6 +5,7 @@ gateway never seen beating gets GATEWAY_TTL_S from each request's arrival before
 import time
 
 import pytest
+
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.sampling_params import SamplingParams

@@ -17,13 +17,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import requests
+
 from kvrelay.gateway.reconciler import RECONCILER
 from kvrelay.shared.repo.model_repo import MANIFEST
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, ModelSpec, WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
-
 from tests.integration.gateway_harness import REPLY, FakeWorker, GatewayServer, build_tokenizer, gateway_config
 
 pytestmark = pytest.mark.timeout(120)

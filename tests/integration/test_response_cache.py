@@ -3,8 +3,8 @@ worker, are counted (metrics and usage), and are never served to another tenant.
 
 import pytest
 import requests
-from kvrelay.shared.wire.redis_conn import sync_client
 
+from kvrelay.shared.wire.redis_conn import sync_client
 from tests.integration.gateway_harness import MODEL, REPLY, running_stack
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer, sample, scrape, unique
 

@@ -31,7 +31,6 @@ if not isinstance(triton.language.standard.zeros, InterpretedFunction):
 for _name in [m for m in sys.modules if m == "kvrelay.kernels.triton" or m.startswith("kvrelay.kernels.triton.")]:
     del sys.modules[_name]
 import kvrelay.kernels.triton as tk  # noqa: E402
-
 from tests.kernels import triton_cases as cases  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

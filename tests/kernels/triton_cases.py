@@ -10,6 +10,7 @@ import random
 from importlib import import_module
 
 import torch
+
 from kvrelay.kernels import reference
 from kvrelay.kernels.metadata import AttentionMetadata
 

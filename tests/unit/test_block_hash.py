@@ -5,6 +5,7 @@ for every tenant and salt."""
 import random
 
 import pytest
+
 from kvrelay.gateway.routing import block_chain
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request

@@ -1,7 +1,8 @@
 """BlockManager and HostBlockPool: ref counts, prefix cache hits/misses, eviction order, atomicity."""
 
-import kvrelay.shared.engine.block_manager as bm_mod
 import pytest
+
+import kvrelay.shared.engine.block_manager as bm_mod
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.swap import HostBlockPool

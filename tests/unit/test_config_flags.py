@@ -7,6 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+
+from kvrelay.cli import ROLES, build_parser, main
+from kvrelay.cli_args import ENGINE_FLAGS, GATEWAY_FLAGS, WORKER_FLAGS
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
@@ -14,9 +17,6 @@ from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.serve import WORKER_RENAMES
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 from kvrelay.shared.wire.protocol import ModelSpec
-
-from kvrelay.cli import ROLES, build_parser, main
-from kvrelay.cli_args import ENGINE_FLAGS, GATEWAY_FLAGS, WORKER_FLAGS
 
 ROOT = Path(__file__).parents[2]
 

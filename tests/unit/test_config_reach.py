@@ -10,10 +10,10 @@ import typing
 from pathlib import Path
 
 import pytest
-from kvrelay.shared.config.flags import Flag
-from kvrelay.shared.config.serve import WORKER_RENAMES
 
 from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_FLAGS, WORKER_FLAGS
+from kvrelay.shared.config.flags import Flag
+from kvrelay.shared.config.serve import WORKER_RENAMES
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from kvrelay.shared.config.declare import ConfigError
 
 from kvrelay.cli import main
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.config.declare import ConfigError
 
 BAD = [
     ("pinnned: true", "models[0].pinnned: unknown key"),

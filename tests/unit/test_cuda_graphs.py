@@ -5,10 +5,10 @@ the block-table cache, and the whole static-buffer decode path (shared/engine/cu
 import numpy as np
 import pytest
 import torch
-from kvrelay.shared.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
-from kvrelay.shared.engine.step_inputs import BlockTableCache, Layout, StepBatch, host_buffer, to_device, views, write
 
 from kvrelay import LLM
+from kvrelay.shared.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
+from kvrelay.shared.engine.step_inputs import BlockTableCache, Layout, StepBatch, host_buffer, to_device, views, write
 from tests.conftest import random_prompts
 from tests.parity import engine_greedy, hf_greedy
 

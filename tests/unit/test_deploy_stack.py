@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvrelay.gateway.routes import ROUTES
-from kvrelay.shared.config.gateway import GatewayConfig
 
 from kvrelay.cli import build_parser
+from kvrelay.gateway.routes import ROUTES
+from kvrelay.shared.config.gateway import GatewayConfig
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

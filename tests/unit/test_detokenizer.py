@@ -4,10 +4,11 @@ import json
 import random
 
 import pytest
-from kvrelay.shared.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, OutputText, StopStringMatcher
-from kvrelay.shared.wire.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from kvrelay.shared.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, OutputText, StopStringMatcher
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",

@@ -4,6 +4,7 @@ is named, so its requests can be aborted); every other gateway still gets all of
 import time
 
 import zmq
+
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 from kvrelay.shared.worker.event_sink import EventSink

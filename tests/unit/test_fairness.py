@@ -7,13 +7,13 @@ import random
 import zlib
 
 import pytest
+
 from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
 from kvrelay.shared.wire.block_hash import cache_namespace
 from kvrelay.shared.wire.sampling_params import SamplingParams
-
 from tests.unit.test_scheduler import BS, EOS, FakeRunner, assert_clean
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.repo.gguf_import import (
@@ -21,9 +24,6 @@ from kvrelay.shared.repo.gguf_import import (
 )
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.text.tokenizer import eos_token_ids, load_tokenizer
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM
-
 from tests.unit.test_models import greedy
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+
 from kvrelay.shared.handoff.states import TRANSITIONS, Event, IllegalTransition, State, next_state
 
 LEGAL = {

@@ -3,11 +3,11 @@ its standalone greedy tokens while the other grows into and is robbed of pool me
 skewed load the busy model runs more sequences at once than a static half split would allow."""
 
 import pytest
+
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.wire.sampling_params import SamplingParams
-
 from tests.conftest import random_prompts
 
 MAX_LEN = 64

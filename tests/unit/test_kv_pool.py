@@ -3,6 +3,7 @@ victim's cached prefixes), detach, and the block-major view working with the KV 
 
 import pytest
 import torch
+
 from kvrelay.kernels import reference
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.shared.engine.block_manager import BlockManager

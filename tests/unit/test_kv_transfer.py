@@ -6,6 +6,7 @@ from concurrent.futures import wait
 
 import pytest
 import torch
+
 from kvrelay.shared.handoff import frames as kt
 from kvrelay.shared.handoff.blocks import block_runs, check_layout, copy_blocks, frame_nbytes, layout_of
 from kvrelay.shared.handoff.cuda_ipc import CudaIpc, check_handle

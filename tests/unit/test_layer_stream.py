@@ -3,6 +3,7 @@ only in the forward that computes its last chunk, then once per decoder layer, a
 is in the cache and before the next layer's is, for every architecture; tokens are unchanged."""
 
 import pytest
+
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.wire.sampling_params import SamplingParams

@@ -6,14 +6,14 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.models import build_model, max_model_len
 from kvrelay.shared.engine.models.presets import PRESETS, get_preset
 from kvrelay.shared.text.tokenizer import eos_token_ids
-from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
-
 from tests.unit.test_models import PagedBatch, hf_logits, make_hf_model, random_tokens
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -6,14 +6,14 @@ import time
 from pathlib import Path
 
 import pytest
+
+from kvrelay import SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes
-
-from kvrelay import SamplingParams
 from tests.conftest import make_tiny_model
 
 

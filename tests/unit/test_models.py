@@ -8,14 +8,14 @@ in one step, chunked prefill against the cached prefix, batched decode, and gree
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from kvrelay import kernels
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.models import build_model, get_model_class
 from kvrelay.shared.engine.models.bloom import alibi_slopes
 from kvrelay.shared.engine.models.rope import build_cos_sin_cache
-from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
-
-from kvrelay import kernels
 
 ATOL = RTOL = 1e-4
 _LLAMA_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

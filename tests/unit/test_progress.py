@@ -5,6 +5,7 @@ movement is written."""
 import os
 
 import pytest
+
 from kvrelay.shared.engine import progress
 from kvrelay.shared.engine.loader import iter_safetensors
 

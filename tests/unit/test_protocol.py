@@ -5,6 +5,7 @@ import dataclasses
 
 import msgpack
 import pytest
+
 from kvrelay.shared.wire import codec
 from kvrelay.shared.wire import handoff as h
 from kvrelay.shared.wire import protocol as p

@@ -2,9 +2,10 @@
 
 import math
 
-import kvrelay.shared.engine.sampler as sampler_module
 import pytest
 import torch
+
+import kvrelay.shared.engine.sampler as sampler_module
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import (
     Sampler,

@@ -9,6 +9,7 @@ request's block table, so a wrong prefix hit, a bad swap pair or a reused live b
 import random
 
 import pytest
+
 from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager, cdiv
 from kvrelay.shared.engine.request import Request, RequestStatus

@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
-from kvrelay.shared.text.tokenizer import load_tokenizer
 from transformers import AutoTokenizer
 
+from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
+from kvrelay.shared.text.tokenizer import load_tokenizer
 from tests.integration.gateway_harness import build_tokenizer
 
 TEXTS = ["Hello world! The quick brown fox jumps over the lazy dog.", "  leading spaces, trailing  ",

@@ -5,8 +5,9 @@ import os
 import threading
 import time
 
-import kvrelay.shared.repo.verified_files as vf
 import pytest
+
+import kvrelay.shared.repo.verified_files as vf
 
 
 @pytest.fixture()

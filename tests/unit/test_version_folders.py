@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.repo.model_source import resolve_model
 

@@ -6,15 +6,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.metrics import HostCollector, WorkerMetrics
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.unit.test_scheduler import BS, FakeRunner
 
 

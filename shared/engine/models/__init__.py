@@ -9,11 +9,12 @@ positions, kv_caches, meta) -> hidden``, ``compute_logits(hidden) -> fp32 logits
 from contextlib import nullcontext
 
 import torch
+from torch import nn
+
 from kvrelay.shared.engine.models.bloom import BloomForCausalLM
 from kvrelay.shared.engine.models.gpt2 import GPT2LMHeadModel
 from kvrelay.shared.engine.models.layers import CausalLM
 from kvrelay.shared.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from torch import nn
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -9,10 +9,10 @@ import math
 import re
 
 import torch
-from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:

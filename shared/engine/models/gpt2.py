@@ -8,10 +8,10 @@ stacked along its output, which is exactly the fused layout.
 import re
 
 import torch
-from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
 
 # HF activation name -> torch gelu `approximate`; gelu_new is the tanh form
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}

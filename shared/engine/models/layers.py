@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kvrelay.shared.engine.weight_upload import WeightUploader
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.weight_upload import WeightUploader
 
 _MISSING = object()
 

@@ -8,11 +8,11 @@ step runs two matmuls per block instead of five, which the GPU path depends on.
 import re
 
 import torch
-from kvrelay.shared.engine.models.layers import CausalLM, Embedding, Linear, RMSNorm, Route, cfg_get
-from kvrelay.shared.engine.models.rope import build_cos_sin_cache
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.models.layers import CausalLM, Embedding, Linear, RMSNorm, Route, cfg_get
+from kvrelay.shared.engine.models.rope import build_cos_sin_cache
 
 
 class LlamaAttention(nn.Module):

@@ -8,6 +8,7 @@ transformers >= 5 writes one ``rope_parameters`` dict; both are read.
 import math
 
 import torch
+
 from kvrelay.shared.engine.models.layers import cfg_get
 
 
