@@ -65,14 +65,27 @@ def _repo(args: argparse.Namespace):
 
 
 def _models_import(args: argparse.Namespace) -> int:
-    mv = _repo(args).import_model(args.source, args.name, args.version, dtype=args.dtype)
+    from kvrelay.shared.repo.model_repo import RepositoryError
+
+    try:
+        mv = _repo(args).import_model(args.source, args.name, args.version, dtype=args.dtype)
+    except RepositoryError as exc:  # a version that exists, a name out of bounds: one line, not a traceback
+        print(f"kvrelay models import: error: {exc}", file=sys.stderr)
+        return 1
     print(f"imported {mv.name} version {mv.version} -> {mv.path}")
     return 0
 
 
 def _models_list(args: argparse.Namespace) -> int:
+    from kvrelay.shared.repo.model_repo import RepositoryError
+
+    try:
+        versions = _repo(args).list()
+    except RepositoryError as exc:  # a version with a file linked out of the repository, a manifest of another
+        print(f"kvrelay models list: error: {exc}", file=sys.stderr)
+        return 1
     print(f"{'NAME':24} {'VERSION':>7} {'DTYPE':9} {'MAX LEN':>8} {'ARCHITECTURE':24} SOURCE")
-    for mv in _repo(args).list():
+    for mv in versions:
         print(f"{mv.name:24} {mv.version:>7} {mv.dtype:9} {mv.max_model_len:>8} {mv.architecture:24} {mv.source}")
     return 0
 

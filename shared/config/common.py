@@ -22,3 +22,9 @@ def drain_timeout() -> Any:
 def model_repo() -> Any:
     return setting(None, "model repository (shared/repo/model_repo.py): the gateway checks admin registrations "
                    "against it, workers load from it and take load/unload commands", shared=True)
+
+
+def metrics_tenant_labels() -> Any:
+    return setting(False, "show tenant names in /metrics' tenant label (default: a 12-hex-digit hash of the name "
+                   "under a per-deployment salt, since /metrics needs no key: shared/wire/tenant_label.py)",
+                   shared=True)

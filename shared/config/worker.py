@@ -55,6 +55,7 @@ class WorkerConfig:
     reclaim_idle_ms: int = setting(15_000, "a pending job idle this long belongs to a dead prefill worker and is "
                                    "claimed", ge=1)
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
+    metrics_tenant_labels: bool = common.metrics_tenant_labels()
     drain_timeout_s: float = common.drain_timeout()
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
     model_repo: ExistingDir | None = common.model_repo()
