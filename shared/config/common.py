@@ -4,6 +4,7 @@ config, so ``kvrelay serve`` takes each as one flag and hands it to every proces
 from typing import Any
 
 from kvrelay.shared.config.declare import setting
+from kvrelay.shared.config.zmq_secret import SECRET_PATTERN, ZMQ_SECRET_ENV
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DRAIN_TIMEOUT_S = 30.0
@@ -22,3 +23,21 @@ def drain_timeout() -> Any:
 def model_repo() -> Any:
     return setting(None, "model repository (shared/repo/model_repo.py): the gateway checks admin registrations "
                    "against it, workers load from it and take load/unload commands", shared=True)
+
+
+def zmq_secret_file() -> Any:
+    return setting(None, "file holding the deployment's ZMQ secret (64 hex digits, mode 0600; e.g. from 'openssl "
+                   "rand -hex 32'), the same for every process: it authenticates every internal socket (CURVE) "
+                   f"(default: ${ZMQ_SECRET_ENV}; kvrelay serve generates one)", shared=True)
+
+
+def insecure_zmq() -> Any:
+    return setting(False, "internal ZMQ sockets without authentication: any process that reaches them can forge "
+                   "KV handoffs and token events", shared=True)
+
+
+def zmq_secret() -> Any:
+    # no flag (argv is visible to every local user): resolved from the two above (shared/config/zmq_secret.py)
+    # or handed over by kvrelay serve; masked in --print-config
+    return setting(None, secret=True, pattern=SECRET_PATTERN)
+
