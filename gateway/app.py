@@ -54,6 +54,7 @@ from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import async_client
 from kvrelay.shared.wire.tenant_label import metrics_salt_async, tenant_labeler
+from kvrelay.shared.wire.zmq_auth import keys_from_secret
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -101,7 +102,8 @@ async def _tenant_salt(metrics: GatewayMetrics, client) -> None:
 
 async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    dispatcher = Dispatcher(config.zmq_host, config.zmq_port, config.reply_host)
+    dispatcher = Dispatcher(config.zmq_host, config.zmq_port, config.reply_host,
+                            curve=keys_from_secret(config.zmq_secret, config.insecure_zmq))
     await dispatcher.start()
     log.info("token events arrive at %s", dispatcher.address)
     app[DISPATCHER] = dispatcher

@@ -5,6 +5,7 @@ CLI, above the config layer."""
 
 import argparse
 
+from kvrelay.shared.config import zmq_secret as zmq_secrets
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.config.flags import Flag, add_flags, build, flags_of, read
@@ -45,7 +46,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def gateway_config_from_args(args: argparse.Namespace, **derived) -> GatewayConfig:
+    if "zmq_secret" not in derived:
+        derived["zmq_secret"] = zmq_secret(args)
     return build(GatewayConfig, {**read(GATEWAY_FLAGS, args), **derived}, GATEWAY_FLAGS)
+
+
+def zmq_secret(args: argparse.Namespace, generate_if_none: bool = False) -> str | None:
+    """The deployment's ZMQ secret from --zmq-secret-file or the environment (shared/config/zmq_secret.py)."""
+    return zmq_secrets.resolve(args.zmq_secret_file, args.insecure_zmq, generate_if_none)
 
 
 def engine_config_from_args(args: argparse.Namespace, with_model: bool = True) -> tuple[EngineConfig, str, str]:

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
 
@@ -32,10 +33,12 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.gateway_ports: dict[str, int] = {}
         self.workers: list[str] = []
+        # one deployment: its processes admit each other's ZMQ sockets and nobody else's
+        self.zmq_secret = os.environ.get(ZMQ_SECRET_ENV) or generate()
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # processes sharing a few cores: one math thread each avoids oversubscription stalls
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{ZMQ_SECRET_ENV: self.zmq_secret})
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.cli_flags, *argv],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -28,6 +28,9 @@ class GatewayConfig:
     zmq_port: Port = setting(0, "port for token events (0: ephemeral)")
     zmq_advertise_host: str | None = setting(None, "the address workers dial for token events; required when "
                                              "--zmq-host is a wildcard")
+    zmq_secret_file: str | None = common.zmq_secret_file()
+    insecure_zmq: bool = common.insecure_zmq()
+    zmq_secret: str | None = common.zmq_secret()
     stream_maxlen: int = setting(STREAM_MAXLEN, "XADD MAXLEN ~ of the per-model prefill streams", ge=1)
     registry_cache_s: float = setting(0.5, "seconds a Redis view of models and workers is reused across requests",
                                       ge=0)

@@ -42,6 +42,13 @@ class WorkerConfig:
     port: Port = setting(0, "ZMQ port (0: ephemeral)")
     advertise_host: str | None = setting(None, "the address peers dial to reach this worker (default: --host); "
                                          "set it when --host is a wildcard, e.g. to the pod IP or service name")
+    zmq_secret_file: str | None = common.zmq_secret_file()
+    insecure_zmq: bool = common.insecure_zmq()
+    zmq_secret: str | None = common.zmq_secret()
+    max_handoffs_per_peer: int | None = setting(
+        None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
+        "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",
+        ge=1)
     worker_id: str = setting(help="this worker's name in Redis (default: host-pid-random)", default_factory=_worker_id)
     model_path: str = ""  # directory with the tokenizer, published for gateways
     handoff_timeout_s: float = setting(10.0, "seconds a prefill worker waits for a decode worker to take a KV "

@@ -45,6 +45,7 @@ from kvrelay.shared.wire.protocol import (
 )
 from kvrelay.shared.wire.redis_conn import sync_client
 from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_labeler
+from kvrelay.shared.wire.zmq_auth import keys_from_secret
 from kvrelay.shared.worker.event_sink import EventSink
 from kvrelay.shared.worker.gateway_watch import GatewayWatch
 from kvrelay.shared.worker.metrics import MergedMetrics, WorkerMetrics
@@ -74,7 +75,8 @@ class WorkerRuntime:
             min_replicas=self._min_replicas, freeze_gc=config.freeze_gc)
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self.ctx = zmq.Context()
-        self.events = EventSink(self.ctx)
+        self.curve = keys_from_secret(config.zmq_secret, config.insecure_zmq)  # every socket of ours authenticates with it
+        self.events = EventSink(self.ctx, curve=self.curve)
         self.aborts: queue.Queue[str] = queue.Queue()
         self.gateways = GatewayWatch(self.redis)
         self.stop = threading.Event()
