@@ -30,11 +30,12 @@ def _embedded_redis(serve: psutil.Process) -> tuple[psutil.Process, dict[str, st
     return server, users
 
 
-def test_children_use_their_roles_users_and_no_password_leaks(tmp_path):
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+def test_children_use_their_roles_users_and_no_password_leaks(tmp_path, mode):
     port, log = free_port(), tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "KVRELAY_REDIS_URL"} | {"PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--model",
-                             "dummy:tiny-llama", "--served-model-name", "tiny", *TINY],
+                             "dummy:tiny-llama", "--served-model-name", "tiny", "--mode", mode, *TINY],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 180
@@ -49,7 +50,7 @@ def test_children_use_their_roles_users_and_no_password_leaks(tmp_path):
         server, passwords = _embedded_redis(serve)
         assert set(passwords) == {"default", "gateway", "worker"} and all(len(p) >= 32 for p in passwords.values())
         processes = [serve, *serve.children(recursive=True)]
-        assert len(processes) >= 5  # serve, redis-server, gateway, prefill and decode workers
+        assert len(processes) >= (5 if mode == "disaggregated" else 4)  # serve, redis-server, gateway, workers
         for p in processes:
             seen = " ".join(p.cmdline()) + " ".join(f"{k}={v}" for k, v in p.environ().items())
             assert not [user for user, pw in passwords.items() if pw in seen], p.cmdline()
