@@ -114,7 +114,9 @@ def test_a_bad_redis_url_flag_is_one_line_without_the_password():
 
 def test_the_url_comes_from_the_environment_and_is_printed_redacted():
     env = {"PATH": "/usr/bin:/bin", "KVRELAY_REDIS_URL": "redis://gateway:s3cret-pw@redis:6379/0"}
-    for argv in (["gateway", "--print-config"], ["gateway", "--help"]):
+    for argv in (["gateway", "--print-config"], ["gateway", "--help"],
+                 ["serve", "--model", "dummy:tiny-llama", "--print-config"]):  # serve: every child's config
         out = subprocess.run([sys.executable, "-m", "kvrelay.cli", *argv], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert "redis://gateway:***@redis:6379/0" in out.stdout and "s3cret-pw" not in out.stdout + out.stderr
+        assert out.stdout.count("redis://gateway:***@") == (3 if argv[0] == "serve" else 1)
