@@ -14,6 +14,7 @@ from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import DTYPE_NAMES
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
+from kvrelay.shared.wire import redis_acl
 
 ROLES = {"gateway": "gateway", "prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
 
@@ -173,7 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     _models(sub)
     _bench(sub)
+    acl = sub.add_parser("redis-acl", help="print the aclfile of an external Redis: one least-privilege user per "
+                         f"role, passwords from ${redis_acl.PASSWORD_ENV['gateway']} and "
+                         f"${redis_acl.PASSWORD_ENV['worker']} (stored hashed)")
+    acl.set_defaults(func=_redis_acl)
     return parser
+
+
+def _redis_acl(args: argparse.Namespace) -> int:
+    passwords = {role: os.environ.get(env, "") for role, env in redis_acl.PASSWORD_ENV.items()}
+    for role, password in passwords.items():
+        if len(password) < 16:
+            raise ConfigError(f"${redis_acl.PASSWORD_ENV[role]}: the {role} user's password, at least 16 characters")
+    sys.stdout.write(redis_acl.aclfile(passwords))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

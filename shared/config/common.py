@@ -7,12 +7,17 @@ from kvrelay.shared.config.declare import setting
 from kvrelay.shared.config.zmq_secret import SECRET_PATTERN, ZMQ_SECRET_ENV
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# A URL with a password in argv is readable by every local user (``ps``): the environment is where
+# an orchestrator puts it (a Kubernetes Secret as env, compose's env_file), as with the admin key.
+REDIS_URL_ENV = "KVRELAY_REDIS_URL"
 DRAIN_TIMEOUT_S = 30.0
 
 
 def redis_url() -> Any:
-    return setting(DEFAULT_REDIS_URL, "the Redis server every process shares (queues, registry, heartbeats)",
-                   shared=True)
+    return setting(DEFAULT_REDIS_URL, "the Redis server every process shares (queues, registry, heartbeats): "
+                   "redis://USER:PASSWORD@HOST:PORT/DB, rediss:// for TLS (?ssl_ca_certs=FILE&ssl_certfile=FILE"
+                   f"&ssl_keyfile=FILE), or unix://; default ${REDIS_URL_ENV}, which keeps the password out of argv",
+                   shared=True, env=REDIS_URL_ENV)
 
 
 def drain_timeout() -> Any:
