@@ -17,11 +17,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.models import build_model, get_model_class, max_model_len
 from kvrelay.shared.engine.models.presets import get_preset
 from kvrelay.shared.engine.progress import progress_bar
-from kvrelay.shared.repo.model_repo import inside, joined
 
 DUMMY_PREFIX = "dummy:"
 DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model stay finite in bf16

@@ -25,13 +25,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvrelay.shared.config.confined import RepositoryError, inside, joined
+
 MANIFEST = "kvrelay-manifest.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 WEIGHT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
-
-
-class RepositoryError(ValueError):
-    """A bad name, path or version; the admin API answers these with 400."""
 
 
 @dataclass
@@ -50,23 +48,6 @@ class ModelVersion:
 def confined(root: Path, *parts: str) -> Path:
     """``root/parts...`` resolved, or RepositoryError if it would leave ``root``."""
     return inside(root, joined(root, *parts), repr("/".join(parts)))
-
-
-def joined(folder: Path, *parts: str) -> Path:
-    """``folder/parts...`` when no part is empty, absolute, ``..`` or a Windows path; not yet resolved."""
-    for part in parts:
-        if not part or os.path.isabs(part) or any(p in ("..", "") for p in Path(part).parts) or "\\" in part:
-            raise RepositoryError(f"path component {part!r} is not allowed")
-    return folder.joinpath(*parts)
-
-
-def inside(root: Path, path: Path, what: str) -> Path:
-    """``path`` with every symlink resolved, or RepositoryError naming ``what`` if that is not in ``root``.
-    Open the returned path, not ``path``: a link swapped after this check is then not followed."""
-    real = Path(os.path.realpath(path))
-    if not real.is_relative_to(os.path.realpath(root)):
-        raise RepositoryError(f"{what} resolves outside the model repository")
-    return real
 
 
 def check_version_files(root: Path, folder: Path, label: str) -> None:
