@@ -112,6 +112,13 @@ class ChoiceState:
             return []
         if index < self._next_index:
             overlap = self._next_index - index
+            seen = min(overlap, len(event.token_ids))
+            if event.token_ids[:seen] != self.token_ids[index:index + seen]:
+                # a replacement worker re-ran the job from its start (its worker died) and sampled another
+                # text: what the client already has cannot be continued
+                return [TokenEvent(self.job_id, finish_reason="error", output_index=self._next_index,
+                                   error="the worker serving this request was lost and its replacement "
+                                         "generated a different text; retry the request")]
             if overlap >= len(event.token_ids):
                 return []
             event = dataclasses.replace(

@@ -41,3 +41,13 @@ def test_a_duplicate_behind_the_index_is_still_trimmed(tokenizer):
     delta = choice.receive(TokenEvent("j-0", token_ids=[504, 505, 506], output_index=0, finish_reason="length"))
     assert delta.token_ids == [506] and delta.finish_reason == "length"
     assert choice.token_ids == [504, 505, 506]
+
+
+def test_a_replay_that_diverges_ends_the_choice_with_an_error(tokenizer):
+    """A unified worker restarted after a crash re-runs an unfinished job from its start; sampled without a
+    seed it may pick other tokens. Trimming the overlap would splice two different texts together."""
+    choice = _choice(tokenizer)
+    choice.receive(TokenEvent("j-0", token_ids=[504, 505], output_index=0))
+    delta = choice.receive(TokenEvent("j-0", token_ids=[504, 999, 506], output_index=0))
+    assert delta is not None and delta.finish_reason == "error" and "different text" in choice.error
+    assert choice.token_ids == [504, 505]
