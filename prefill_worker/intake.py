@@ -4,6 +4,7 @@ the request leaves, when its entry is ACKed (``release``). What each role then d
 output is its own (prefill_worker/worker.py, prefill_worker/unified.py)."""
 
 import time
+from collections.abc import Callable
 
 from kvrelay.prefill_worker.job_queue import JobQueue
 from kvrelay.shared.config.worker import WorkerConfig
@@ -26,6 +27,8 @@ class JobIntake:
         # no worker_id on events: a dead stream worker's jobs are reclaimed by a peer, not failed
         self.inflight = Lifecycle(runtime, release=self._release)
         self._kept_at: dict[str, float] = {}  # instance -> when its in-flight jobs were last kept
+        # instance -> entry ids of our jobs held past the engine (a prefill worker's awaiting their handoff)
+        self.held_elsewhere: Callable[[str], list[bytes]] = lambda instance: []
 
     def attach(self, slot: ModelSlot) -> None:
         c = self.config
@@ -58,6 +61,7 @@ class JobIntake:
             return
         self._kept_at[instance] = now
         ids = [r.entry_id for r in self.inflight.requests.values() if r.instance == instance and r.entry_id]
+        ids += self.held_elsewhere(instance)
         if ids and instance in self.queues:
             self.queues[instance].keep(ids)
 

@@ -51,6 +51,10 @@ class PrefillWorker:
         self.inflight = self.intake.inflight
         self.handoff = HandoffManager(self.runtime.ctx, self.runtime, config.handoff_timeout_s,
                                       core_for=self._core_for, curve=self.runtime.curve)
+        # a prefilled job waiting for a decode grant (none while its decode worker restarts) is still ours:
+        # reclaimed as abandoned, each XAUTOCLAIM would count a delivery until it was dead-lettered
+        self.intake.held_elsewhere = lambda instance: [
+            t.entry_id for t in self.handoff.transfers.values() if t.job.model == instance and t.entry_id]
 
     def run(self) -> None:
         self.runtime.start(zmq_addr="", hooks=self)  # prefill binds nothing: it dials decode workers

@@ -42,10 +42,12 @@ def _wait(condition, served: Served):
     return found
 
 
-def _stream(client: openai.OpenAI, model: str, started: threading.Semaphore, outcomes: list) -> None:
+def _stream(client: openai.OpenAI, model: str, started: threading.Semaphore, outcomes: list,
+            temperature: float | None) -> None:
     chunks = 0
     try:
         stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=200, stream=True,
+                                                temperature=openai.NOT_GIVEN if temperature is None else temperature,
                                                 extra_body={"ignore_eos": True})
         for _chunk in stream:
             chunks += 1
@@ -59,12 +61,13 @@ def _stream(client: openai.OpenAI, model: str, started: threading.Semaphore, out
             started.release()
 
 
-def _kill_under_load(served: Served, client: openai.OpenAI, model: str, command: str):
-    """Kill ``command``'s process with -9 while three clients stream; returns a function that waits for
-    the clients (within the bound: none may hang) and gives their outcomes."""
+def _kill_under_load(served: Served, client: openai.OpenAI, model: str, command: str, temperatures=(None,) * 3):
+    """Kill ``command``'s process with -9 while three clients stream (one per temperature; None: the
+    model's default); returns a function that waits for the clients (within the bound: none may hang) and
+    gives their outcomes."""
     outcomes: list[str] = []
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream, args=(client, model, started, outcomes)) for _ in range(3)]
+    threads = [threading.Thread(target=_stream, args=(client, model, started, outcomes, t)) for t in temperatures]
     for t in threads:
         t.start()
     for _ in threads:
@@ -86,29 +89,28 @@ def _kill_under_load(served: Served, client: openai.OpenAI, model: str, command:
 
 
 def _until_503_then_served(served: Served, client: openai.OpenAI, model: str) -> None:
-    """While the model has no worker: 503 + Retry-After, promptly; then, once it is back, an answer."""
+    """While the model's worker restarts, every request is answered promptly: 503 + Retry-After (OpenAI
+    error JSON) once the gateway sees the worker gone, or served by its successor (a request queued before
+    that, or a lazy load the gateway waits on); nothing else. Then, once it is back, an answer.
+
+    Which of the two a request meets is a race with the restart (1 s backoff, a second of load): the
+    gateway's 503 for a model without live workers is pinned by tests/integration/test_gateway_errors.py."""
     deadline = time.monotonic() + BOUND_S
-    while True:
-        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
-        try:
-            client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, timeout=30)
-        except openai.APITimeoutError:
-            continue  # queued before the gateway's view of the workers (cached for 0.5 s) caught up
-        except openai.APIStatusError as exc:
-            assert exc.status_code == 503, exc
-            assert int(exc.response.headers["Retry-After"]) > 0
-            assert exc.body["type"] == "service_unavailable_error" and exc.body["message"], exc.body
-            break
-        time.sleep(0.2)  # answered: the registration's removal not seen yet
+    restarts = served.log.read_text().count("started again")
     while True:
         assert time.monotonic() < deadline, served.log.read_text()[-3000:]
         try:
             resp = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, timeout=60)
-            assert resp.choices[0].message.content
-            break
         except openai.APIStatusError as exc:
             assert exc.status_code == 503, exc
-            time.sleep(0.5)
+            assert int(exc.response.headers["Retry-After"]) > 0
+            assert exc.body["type"] == "service_unavailable_error" and exc.body["message"], exc.body
+            time.sleep(0.2)
+            continue
+        assert resp.choices[0].message.content
+        if served.log.read_text().count("started again") > restarts:
+            break  # answered by the successor
+        time.sleep(0.2)  # answered before the gateway saw the worker gone: ask again
     assert served.proc.poll() is None
 
 
@@ -149,11 +151,14 @@ def test_the_unified_worker_and_the_gateway_come_back(tiny_model_dir, tmp_path):
     with Served(_serve(tiny_model_dir, "--mode", "unified"), tmp_path / "serve.log", timeout=300) as served:
         client = served.client()
         model = client.models.list().data[0].id
-        answers = _kill_under_load(served, client, model, "unified-worker")
+        answers = _kill_under_load(served, client, model, "unified-worker", temperatures=(0.0, 0.0, 1.0))
         _until_503_then_served(served, client, model)
-        # the streams' jobs were never ACKed: the restarted worker reclaims them and the gateway takes
-        # from it the tokens its clients do not have yet
-        assert answers() == ["answered"] * 3, answers()
+        # the streams' jobs were never ACKed: the restarted worker reclaims them and runs them again; the
+        # gateway takes from it the tokens its clients do not have yet when the replay repeats what they
+        # have (greedy), and ends a stream whose replay sampled another text with an error, never a splice
+        outcomes = sorted(answers())
+        assert outcomes[:2] == ["answered"] * 2, outcomes
+        assert outcomes[2] == "answered" or "generated a different text" in outcomes[2], outcomes
         os.kill(_wait(lambda: _pid(served, "gateway"), served), signal.SIGKILL)
         deadline = time.monotonic() + BOUND_S
         while True:  # refused while the gateway restarts, then served again
