@@ -3,16 +3,21 @@
 One call handles one decode/prefill step for ``S`` sequences. Processing order follows vLLM/HF:
 
 1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
-2. repetition penalty (HF, over prompt + output tokens);
-3. frequency and presence penalties (OpenAI, over output tokens only);
-4. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
+2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch;
+3. repetition penalty (HF, over prompt + output tokens);
+4. frequency and presence penalties (OpenAI, over output tokens only);
+5. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
    and one draw through the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
 
 Everything runs batched on the logits' device with per-row parameter tensors; the only per-row loop
 draws noise for seeded rows, each from its own generator, so a seeded request's tokens do not depend on
 which other requests share its batch or on its row position. Results reach the host in one transfer.
-Returned logprobs are those of the raw model distribution (``log_softmax`` of the unmodified logits),
-as vLLM returns by default, computed only in steps where some row asked for them.
+Returned logprobs are those of the raw model distribution (``log_softmax`` of the unmodified logits,
+before min_tokens, logit_bias and penalties), as vLLM returns by default (``logprobs_mode=raw_logprobs``),
+computed only in steps where some row asked for them.
+
+Steps 1-4 run before greedy and sampled rows part ways, so the CPU path, the CUDA path and the all-greedy
+argmax all see the same processed logits.
 
 On CUDA, sampled rows go through ``kernels.triton.sampling.sample_from_logits`` (same filters, same
 noise, a sort-free top-k), with every row's parameters in one host -> device copy.
@@ -39,9 +44,9 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _to_device(data: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Host list -> device tensor without stalling the host on the device's queue (pinned + async)."""
-    cpu = torch.tensor(data, dtype=dtype)
+    cpu = data.to(dtype) if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
     if device.type == "cpu":
         return cpu
     return cpu.pin_memory().to(device, non_blocking=True)
@@ -66,6 +71,30 @@ def apply_min_tokens(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
     mask = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
     mask.scatter_(1, index, True)
     return logits.masked_fill(mask[:, :vocab], float("-inf"))
+
+
+def apply_logit_bias(logits: Tensor, biases: Sequence[dict[int, float] | None]) -> Tensor:
+    """Add ``biases[i][t]`` to ``logits[i, t]``; returns a new tensor. logits: [S, V].
+
+    The batch's entries become one flat index (``row * V + id``) and one value list, built on the host
+    (dict views extend in C, no per-token Python), then a single ``index_add`` on the device. Ids outside
+    the vocabulary are dropped: the engine core refuses them, this only keeps a bad id from crashing a step.
+    """
+    num_rows, vocab = logits.shape
+    ids: list[int] = []
+    values: list[float] = []
+    counts: list[int] = []
+    for bias in biases:
+        if bias:
+            ids.extend(bias)
+            values.extend(bias.values())
+        counts.append(len(bias) if bias else 0)
+    token = torch.tensor(ids, dtype=torch.int64)  # [N]
+    row = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))  # [N]
+    keep = (token >= 0) & (token < vocab)
+    flat = _to_device((row * vocab + token)[keep], torch.int64, logits.device)  # [N']
+    bias_values = _to_device(torch.tensor(values, dtype=torch.float32)[keep], logits.dtype, logits.device)
+    return logits.reshape(-1).index_add(0, flat, bias_values).view(num_rows, vocab)
 
 
 def apply_penalties(
@@ -231,7 +260,7 @@ class Sampler:
         return results
 
     def _penalize(self, logits: Tensor, requests: list[Request]) -> Tensor:
-        """Steps 1-3 of the module docstring, each skipped when no row in the batch uses it."""
+        """Steps 1-4 of the module docstring, each skipped when no row in the batch uses it."""
         device = logits.device
         banned: list[list[int]] = []
         for r in requests:
@@ -246,6 +275,8 @@ class Sampler:
             logits = apply_min_tokens(logits, banned)
 
         params = [r.sampling_params for r in requests]
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             logits = apply_penalties(
                 logits,
@@ -354,6 +385,7 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[d
 __all__ = [
     "SampleResult",
     "Sampler",
+    "apply_logit_bias",
     "apply_min_tokens",
     "apply_penalties",
     "apply_top_k_top_p_min_p",
