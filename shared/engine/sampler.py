@@ -3,7 +3,8 @@
 One call handles one decode/prefill step for ``S`` sequences. Processing order follows vLLM/HF:
 
 1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
-2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch;
+2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch
+   (each request's bias becomes host tensors once, kept until ``free``);
 3. repetition penalty (HF, over prompt + output tokens);
 4. frequency and presence penalties (OpenAI, over output tokens only);
 5. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
@@ -73,28 +74,32 @@ def apply_min_tokens(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
     return logits.masked_fill(mask[:, :vocab], float("-inf"))
 
 
-def apply_logit_bias(logits: Tensor, biases: Sequence[dict[int, float] | None]) -> Tensor:
-    """Add ``biases[i][t]`` to ``logits[i, t]``; returns a new tensor. logits: [S, V].
+def logit_bias_tensors(bias: dict[int, float]) -> tuple[Tensor, Tensor]:
+    """One request's {token id: bias} as host tensors (ids int64, biases float32): built once per request,
+    since ``torch.tensor`` of a Python list costs about a microsecond an element."""
+    return torch.tensor(list(bias), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32)
 
-    The batch's entries become one flat index (``row * V + id``) and one value list, built on the host
-    (dict views extend in C, no per-token Python), then a single ``index_add`` on the device. Ids outside
-    the vocabulary are dropped: the engine core refuses them, this only keeps a bad id from crashing a step.
+
+def apply_logit_bias(logits: Tensor, biases: Sequence[tuple[Tensor, Tensor] | None]) -> Tensor:
+    """Add each row's biases to its logits; returns a new tensor. logits: [S, V]; ``biases[i]`` is row i's
+    ``logit_bias_tensors`` or None.
+
+    The batch's entries become one flat index (``row * V + id``) and one value tensor on the host, then a
+    single ``index_add`` on the device. Ids outside the vocabulary are dropped: the engine core refuses
+    them, this only keeps a bad id from crashing a step or landing in another row.
     """
     num_rows, vocab = logits.shape
-    ids: list[int] = []
-    values: list[float] = []
-    counts: list[int] = []
-    for bias in biases:
-        if bias:
-            ids.extend(bias)
-            values.extend(bias.values())
-        counts.append(len(bias) if bias else 0)
-    token = torch.tensor(ids, dtype=torch.int64)  # [N]
-    row = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))  # [N]
+    rows = [i for i, b in enumerate(biases) if b is not None]
+    if not rows:
+        return logits
+    token = torch.cat([biases[i][0] for i in rows])  # [N]
+    values = torch.cat([biases[i][1] for i in rows])  # [N]
+    counts = torch.tensor([biases[i][0].numel() for i in rows])
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)  # [N]
     keep = (token >= 0) & (token < vocab)
     flat = _to_device((row * vocab + token)[keep], torch.int64, logits.device)  # [N']
-    bias_values = _to_device(torch.tensor(values, dtype=torch.float32)[keep], logits.dtype, logits.device)
-    return logits.reshape(-1).index_add(0, flat, bias_values).view(num_rows, vocab)
+    added = _to_device(values[keep], logits.dtype, logits.device)
+    return logits.reshape(-1).index_add(0, flat, added).view(num_rows, vocab)
 
 
 def apply_penalties(
@@ -196,9 +201,21 @@ class Sampler:
         self._seed = seed  # seeds the shared generator(s) of unseeded rows; None: nondeterministic
         self._shared: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
+        # request id -> (its logit_bias dict, that dict as host tensors), until ``free``
+        self._biases: dict[str, tuple[dict[int, float], tuple[Tensor, Tensor]]] = {}
 
     def free(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._biases.pop(request_id, None)
+
+    def _bias_tensors(self, request: Request) -> tuple[Tensor, Tensor] | None:
+        bias = request.sampling_params.logit_bias
+        if not bias:
+            return None
+        cached = self._biases.get(request.request_id)
+        if cached is None or cached[0] is not bias:  # "is": a reused id with other params is rebuilt
+            cached = self._biases[request.request_id] = (bias, logit_bias_tensors(bias))
+        return cached[1]
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
@@ -276,7 +293,7 @@ class Sampler:
 
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
-            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+            logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             logits = apply_penalties(
                 logits,
@@ -389,5 +406,6 @@ __all__ = [
     "apply_min_tokens",
     "apply_penalties",
     "apply_top_k_top_p_min_p",
+    "logit_bias_tensors",
     "prompt_logprobs",
 ]

@@ -13,6 +13,7 @@ from kvrelay.shared.engine.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    logit_bias_tensors,
     prompt_logprobs,
 )
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -183,7 +184,8 @@ def test_penalties_change_greedy_choice() -> None:
 
 def test_apply_logit_bias_hand_computed() -> None:
     logits = torch.arange(12, dtype=torch.float32).view(3, 4)  # [3, 4]
-    got = apply_logit_bias(logits, [{1: -100.0, 3: 0.5}, None, {0: 100.0, 7: 5.0, -1: 5.0}])
+    got = apply_logit_bias(logits, [logit_bias_tensors({1: -100.0, 3: 0.5}), None,
+                                    logit_bias_tensors({0: 100.0, 7: 5.0, -1: 5.0})])
     want = torch.tensor([[0.0, -99.0, 2.0, 3.5], [4.0, 5.0, 6.0, 7.0], [108.0, 9.0, 10.0, 11.0]])
     torch.testing.assert_close(got, want)  # ids outside [0, V) are dropped, never wrapped into another row
     assert logits[0, 1] == 1.0  # a new tensor: the model's logits are left alone
@@ -206,6 +208,19 @@ def test_logit_bias_bans_and_forces_in_greedy_and_sampled_rows(device: str) -> N
     ]
     out = [r.token_id for r in Sampler(seed=0)(logits, requests)]
     assert out == [second[0], weakest[1], top[2], weakest[3], second[4], weakest[5]]
+
+
+def test_logit_bias_tensors_are_kept_per_request_until_free() -> None:
+    logits = torch.zeros(1, 4)
+    sampler = Sampler(seed=0)
+    first = make_request("a", temperature=0.0, logit_bias={2: 1.0})
+    assert sampler(logits, [first])[0].token_id == 2
+    kept = sampler._biases["a"]
+    assert sampler(logits, [first])[0].token_id == 2 and sampler._biases["a"] is kept
+    reused = make_request("a", temperature=0.0, logit_bias={3: 1.0})  # same id, other params
+    assert sampler(logits, [reused])[0].token_id == 3
+    sampler.free("a")
+    assert "a" not in sampler._biases
 
 
 def test_logprobs_stay_raw_under_logit_bias() -> None:
