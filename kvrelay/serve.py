@@ -21,7 +21,8 @@ import urllib.request
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
+from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +82,16 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
         # entered first, left last: Redis stops after every process that talks to it
-        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis(preexec_fn=_die_with_parent))
-        for child in children:
-            child.config = dataclasses.replace(child.config, redis_url=redis_url)
+        embedded = None if args.redis_url else EmbeddedRedis(preexec_fn=_die_with_parent)
+        redis_url = args.redis_url or stack.enter_context(embedded)
+        for child in children:  # on the embedded Redis, each child gets its role's least-privilege user
+            url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
+            child.config = dataclasses.replace(child.config, redis_url=url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
         procs.update((c.name, _start(c, args, threads, print_config=False)) for c in children)
         names = [m.name for m in models]
-        log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
+        log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redact(redis_url),
+                 args.mode)
         code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
