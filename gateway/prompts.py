@@ -148,6 +148,7 @@ def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
 def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
             params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
     check_token_ids(params.stop_token_ids, model, "stop_token_ids")
+    check_token_ids(list(params.logit_bias or ()), model, "logit_bias")
     _check_jobs(len(prompts), params)
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
@@ -184,8 +185,33 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
                       add_special_tokens: bool = False) -> list[int]:
     messages = body.template_messages()
     text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+    await _check_template_uses(tokenizer, body, messages, text)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# Distinct message fields besides role and content one request may carry: each costs a render below.
+MAX_MESSAGE_FIELDS = 8
+
+
+async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
+                               text: str) -> None:
+    """The model's chat template decides which message fields (name, tool_call_id, ...) and which
+    chat_template_kwargs it renders. One it ignores would be accepted and ignored: a 400 naming it, found by
+    rendering again without it (only when a request carries such fields, which most do not)."""
+    if body.chat_template_kwargs and \
+            await tokenizer.render_chat(messages, body.add_generation_prompt, None) == text:
+        raise bad_request("chat_template_kwargs have no effect on this model's chat template", "chat_template_kwargs")
+    extra = sorted({k for m in messages for k in m} - {"role", "content"})
+    if len(extra) > MAX_MESSAGE_FIELDS:
+        raise bad_request(f"messages use {len(extra)} distinct fields besides role and content; at most "
+                          f"{MAX_MESSAGE_FIELDS} are accepted", "messages")
+    for key in extra:
+        without = [{k: v for k, v in m.items() if k != key} for m in messages]
+        if await tokenizer.render_chat(without, body.add_generation_prompt, body.chat_template_kwargs) == text:
+            first = next(i for i, m in enumerate(messages) if key in m)
+            raise bad_request(f"messages.{first}.{key} has no effect on this model's chat template",
+                              f"messages.{first}.{key}")
 
 
 async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:

@@ -1,6 +1,8 @@
 """Request bodies, with OpenAI's field names plus vLLM's sampling extras.
 
 Unknown fields are accepted and logged, as vLLM does: OpenAI clients send fields a server may not know.
+Fields OpenAI or vLLM define and kvrelay does not implement (UNSUPPORTED_FIELDS) are a 400 unless they ask
+for nothing: every field a request may set either takes effect or is refused (tests/e2e/test_request_fields.py).
 """
 
 import json
@@ -12,13 +14,14 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
 
 from kvrelay.gateway.errors import bad_request
-from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 log = logging.getLogger("kvrelay.gateway")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key; ten digits cover any vocabulary
 T = TypeVar("T", bound=BaseModel)
 
 
@@ -38,6 +41,21 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+# Fields of OpenAI's or vLLM's request that kvrelay does not implement, each with the values that ask for
+# nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
+# client something else than it asked for, so it is a 400 naming the field. Names no API defines stay
+# accepted and logged, as vLLM does (clients send fields a server may not know).
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+}
 
 
 class _SamplingRequest(_Body):
@@ -65,6 +83,17 @@ class _SamplingRequest(_Body):
     prompt_logprobs: int | None = None
     priority: int = Field(default=0, ge=-INT64, lt=INT64)
     cache_salt: str | None = Field(default=None, max_length=256)
+    # OpenAI's: token id (a string, as JSON keys are) -> bias; limits in SamplingParams, ids checked
+    # against the model's vocabulary in prompts.py
+    logit_bias: dict[str, Any] | None = None  # values checked in _logit_bias: pydantic's float takes true
+
+    def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            noop = UNSUPPORTED_FIELDS.get(name)
+            # true == 1 in Python: a bool only matches a bool
+            if noop is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                            for v in noop):
+                raise bad_request(f"{name} is not supported by this server", name)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -74,11 +103,28 @@ class _SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:  # before parsing every key of a huge map
+            raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                              "logit_bias")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            # the key is the token id in decimal, as OpenAI documents; int() would also take " 7", "+7", "7_0"
+            if not _TOKEN_ID.fullmatch(key):
+                raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise bad_request(f"logit_bias values must be numbers, got {value!r} for token {key}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -89,6 +135,7 @@ class _SamplingRequest(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                logit_bias=logit_bias,
             )
         except ValueError as exc:
             message = str(exc)
@@ -211,6 +258,8 @@ def parse(model_cls: type[T], body: Any) -> T:
         parsed = model_cls.model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    if isinstance(parsed, _SamplingRequest):
+        parsed.check_unsupported()
     if parsed.model_extra:
         log.info("ignoring unknown request field(s): %s", ", ".join(sorted(parsed.model_extra)))
     return parsed

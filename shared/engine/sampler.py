@@ -3,16 +3,22 @@
 One call handles one decode/prefill step for ``S`` sequences. Processing order follows vLLM/HF:
 
 1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
-2. repetition penalty (HF, over prompt + output tokens);
-3. frequency and presence penalties (OpenAI, over output tokens only);
-4. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
+2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch
+   (each request's bias becomes host tensors once, kept until ``free``);
+3. repetition penalty (HF, over prompt + output tokens);
+4. frequency and presence penalties (OpenAI, over output tokens only);
+5. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
    and one draw through the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
 
 Everything runs batched on the logits' device with per-row parameter tensors; the only per-row loop
 draws noise for seeded rows, each from its own generator, so a seeded request's tokens do not depend on
 which other requests share its batch or on its row position. Results reach the host in one transfer.
-Returned logprobs are those of the raw model distribution (``log_softmax`` of the unmodified logits),
-as vLLM returns by default, computed only in steps where some row asked for them.
+Returned logprobs are those of the raw model distribution (``log_softmax`` of the unmodified logits,
+before min_tokens, logit_bias and penalties), as vLLM returns by default (``logprobs_mode=raw_logprobs``),
+computed only in steps where some row asked for them.
+
+Steps 1-4 run before greedy and sampled rows part ways, so the CPU path, the CUDA path and the all-greedy
+argmax all see the same processed logits.
 
 On CUDA, sampled rows go through ``kernels.triton.sampling.sample_from_logits`` (same filters, same
 noise, a sort-free top-k), with every row's parameters in one host -> device copy.
@@ -39,9 +45,9 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _to_device(data: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Host list -> device tensor without stalling the host on the device's queue (pinned + async)."""
-    cpu = torch.tensor(data, dtype=dtype)
+    cpu = data.to(dtype) if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
     if device.type == "cpu":
         return cpu
     return cpu.pin_memory().to(device, non_blocking=True)
@@ -66,6 +72,34 @@ def apply_min_tokens(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
     mask = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
     mask.scatter_(1, index, True)
     return logits.masked_fill(mask[:, :vocab], float("-inf"))
+
+
+def logit_bias_tensors(bias: dict[int, float]) -> tuple[Tensor, Tensor]:
+    """One request's {token id: bias} as host tensors (ids int64, biases float32): built once per request,
+    since ``torch.tensor`` of a Python list costs about a microsecond an element."""
+    return torch.tensor(list(bias), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32)
+
+
+def apply_logit_bias(logits: Tensor, biases: Sequence[tuple[Tensor, Tensor] | None]) -> Tensor:
+    """Add each row's biases to its logits; returns a new tensor. logits: [S, V]; ``biases[i]`` is row i's
+    ``logit_bias_tensors`` or None.
+
+    The batch's entries become one flat index (``row * V + id``) and one value tensor on the host, then a
+    single ``index_add`` on the device. Ids outside the vocabulary are dropped: the engine core refuses
+    them, this only keeps a bad id from crashing a step or landing in another row.
+    """
+    num_rows, vocab = logits.shape
+    rows = [i for i, b in enumerate(biases) if b is not None]
+    if not rows:
+        return logits
+    token = torch.cat([biases[i][0] for i in rows])  # [N]
+    values = torch.cat([biases[i][1] for i in rows])  # [N]
+    counts = torch.tensor([biases[i][0].numel() for i in rows])
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)  # [N]
+    keep = (token >= 0) & (token < vocab)
+    flat = _to_device((row * vocab + token)[keep], torch.int64, logits.device)  # [N']
+    added = _to_device(values[keep], logits.dtype, logits.device)
+    return logits.reshape(-1).index_add(0, flat, added).view(num_rows, vocab)
 
 
 def apply_penalties(
@@ -167,9 +201,21 @@ class Sampler:
         self._seed = seed  # seeds the shared generator(s) of unseeded rows; None: nondeterministic
         self._shared: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
+        # request id -> (its logit_bias dict, that dict as host tensors), until ``free``
+        self._biases: dict[str, tuple[dict[int, float], tuple[Tensor, Tensor]]] = {}
 
     def free(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._biases.pop(request_id, None)
+
+    def _bias_tensors(self, request: Request) -> tuple[Tensor, Tensor] | None:
+        bias = request.sampling_params.logit_bias
+        if not bias:
+            return None
+        cached = self._biases.get(request.request_id)
+        if cached is None or cached[0] is not bias:  # "is": a reused id with other params is rebuilt
+            cached = self._biases[request.request_id] = (bias, logit_bias_tensors(bias))
+        return cached[1]
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
@@ -231,7 +277,7 @@ class Sampler:
         return results
 
     def _penalize(self, logits: Tensor, requests: list[Request]) -> Tensor:
-        """Steps 1-3 of the module docstring, each skipped when no row in the batch uses it."""
+        """Steps 1-4 of the module docstring, each skipped when no row in the batch uses it."""
         device = logits.device
         banned: list[list[int]] = []
         for r in requests:
@@ -246,6 +292,8 @@ class Sampler:
             logits = apply_min_tokens(logits, banned)
 
         params = [r.sampling_params for r in requests]
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             logits = apply_penalties(
                 logits,
@@ -354,8 +402,10 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[d
 __all__ = [
     "SampleResult",
     "Sampler",
+    "apply_logit_bias",
     "apply_min_tokens",
     "apply_penalties",
     "apply_top_k_top_p_min_p",
+    "logit_bias_tensors",
     "prompt_logprobs",
 ]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64
+MAX_LOGIT_BIAS = 300  # entries per request, OpenAI's limit
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, OpenAI's limit: -100 bans a token, +100 forces it
 
 
 @dataclass
@@ -33,6 +35,9 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None  # defaults to n
     length_penalty: float = 1.0
+    # token id -> added to its logit before sampling (and before greedy's argmax); ids are checked
+    # against the vocabulary where it is known (gateway, engine core), not here
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +46,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None  # {} means no bias: one representation
         self.validate()
 
     def validate(self) -> None:
@@ -80,7 +87,13 @@ class SamplingParams:
             fail("stop_token_ids", "entries must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.logit_bias is not None:
+            self._validate_logit_bias(fail)
         if self.use_beam_search:
+            if self.logit_bias is not None:
+                # beam search ranks beams by the raw logprobs the engine reports, so a bias would change
+                # neither the candidates nor their scores: refused rather than silently ignored
+                fail("logit_bias", "is not supported with use_beam_search")
             if self.beam_width is None:
                 self.beam_width = self.n
             if self.beam_width < self.n:
@@ -88,13 +101,30 @@ class SamplingParams:
             if self.max_tokens is None:
                 fail("max_tokens", "is required with use_beam_search")
 
+    def _validate_logit_bias(self, fail) -> None:
+        bias = self.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            fail("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token_id, value in bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                fail("logit_bias", f"keys must be non-negative token ids, got {token_id!r}")
+            if not isinstance(value, int | float) or isinstance(value, bool) \
+                    or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                fail("logit_bias", f"values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                                   f"got {value!r} for token {token_id}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
     def to_dict(self) -> dict:
-        """Plain dict for msgpack; ``SamplingParams(**d)`` restores (and re-validates) it."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain dict for msgpack; ``from_dict`` restores (and re-validates) it. ``logit_bias`` travels as
+        two parallel lists ``[ids, biases]``: msgpack maps take string keys only here (the codec's
+        ``strict_map_key``), and two arrays are smaller than a map."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.logit_bias is not None:
+            data["logit_bias"] = [list(self.logit_bias), [float(v) for v in self.logit_bias.values()]]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":
@@ -102,4 +132,24 @@ class SamplingParams:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        data = dict(data)
+        if data.get("logit_bias") is not None:
+            data["logit_bias"] = _bias_from_lists(data["logit_bias"])
         return cls(**data)
+
+
+def _bias_from_lists(pair) -> dict[int, float]:
+    """``[ids, biases]`` from the wire (hostile input: shapes checked before use) -> {id: bias}."""
+    if not isinstance(pair, list | tuple) or len(pair) != 2 or not all(isinstance(x, list | tuple) for x in pair):
+        raise ValueError("logit_bias must travel as [token ids, biases]")
+    ids, biases = pair
+    if len(ids) != len(biases):
+        raise ValueError(f"logit_bias has {len(ids)} token ids for {len(biases)} biases")
+    if len(ids) > MAX_LOGIT_BIAS:  # checked before building a dict of an arbitrary size
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(ids)}")
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        raise ValueError("logit_bias keys must be non-negative token ids")
+    bias = dict(zip(ids, biases, strict=True))
+    if len(bias) != len(ids):
+        raise ValueError("logit_bias repeats a token id")
+    return bias

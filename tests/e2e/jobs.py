@@ -52,8 +52,8 @@ class JobClient:
         self._thread.start()
 
     def submit(self, rid: str, prompt: list[int], tenant: str = "default", max_tokens: int = 4,
-               cache_salt: str | None = None, priority: int = 0) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+               cache_salt: str | None = None, priority: int = 0, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         now = time.time()
         job = Job(request_id=rid, model=self.model, prompt_token_ids=prompt, sampling=params.to_dict(),
                   tenant=tenant, priority=priority, reply_addr=self.addr, deadline=now + 120, arrival=now,

@@ -121,3 +121,7 @@ def test_gelu(dtype, approximate):
 
 def test_sampling():
     cases.check_sampling(tk, DEV, 12, 50)
+
+
+def test_sampling_with_logit_bias():
+    cases.check_sampling_with_logit_bias(tk, DEV, 12, 50)

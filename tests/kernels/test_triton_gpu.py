@@ -123,3 +123,7 @@ def test_gelu(tk, dtype, approximate):
 
 def test_sampling(tk):
     cases.check_sampling(tk, DEV, 64, 32000)
+
+
+def test_sampling_with_logit_bias(tk):
+    cases.check_sampling_with_logit_bias(tk, DEV, 64, 32000)

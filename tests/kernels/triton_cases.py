@@ -264,3 +264,59 @@ def check_sampling(tk, device: str, rows: int, vocab: int, seed: int = 0) -> Non
                                   generator=torch.Generator(device=device).manual_seed(seed))
     freq = torch.bincount(draws, minlength=4).float() / 20000
     torch.testing.assert_close(freq.cpu(), torch.tensor([4 / 7, 2 / 7, 1 / 7, 0.0]), atol=0.02, rtol=0)
+
+
+def check_sampling_with_logit_bias(tk, device: str, rows: int, vocab: int, seed: int = 0) -> None:
+    """logit_bias through the engine's Sampler: its torch path and its GPU path (``tk.sample_from_logits``)
+    draw the same tokens from the same noise, and both equal a dense per-row oracle."""
+    from kvrelay.shared.engine.request import Request
+    from kvrelay.shared.engine.sampler import Sampler
+    from kvrelay.shared.wire.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(device)
+    top = logits.argmax(-1).tolist()
+    biases: list[dict[int, float] | None] = []
+    for i in range(rows):
+        bias = {t: rng.uniform(-5, 5) for t in rng.sample(range(vocab), 4)}
+        if i % 3 == 1:
+            bias[top[i]] = -100.0  # banned: the argmax moves
+        elif i % 3 == 2:
+            bias[rng.randrange(vocab)] = 100.0  # forced, whatever the filters
+        biases.append(bias if i % 5 else None)
+    temps = [0.0 if i % 4 == 0 else 0.5 + 0.25 * (i % 3) for i in range(rows)]
+    top_k = [[-1, 1, 5, vocab, 3][i % 5] for i in range(rows)]
+    top_p = [[1.0, 0.9, 0.5, 1.0][i % 4] for i in range(rows)]
+    min_p = [[0.0, 0.0, 0.1][i % 3] for i in range(rows)]
+    requests = [Request(f"r{i}", [0], SamplingParams(temperature=temps[i], top_k=top_k[i], top_p=top_p[i],
+                                                     min_p=min_p[i], seed=i, logit_bias=biases[i]))
+                for i in range(rows)]
+    greedy = [t == 0 for t in temps]
+
+    dense = logits.float().clone()
+    for i, bias in enumerate(biases):
+        for t, v in (bias or {}).items():
+            dense[i, t] += v
+    torch_sampler, gpu_sampler = Sampler(seed=seed), Sampler(seed=seed)
+    biased = torch_sampler._penalize(logits.float(), requests)
+    assert torch.equal(biased, dense)
+
+    sampled = torch_sampler._sample(biased, requests, greedy)
+    torch_ids = torch.where(torch.tensor(greedy, device=device), biased.argmax(-1), sampled)
+    gpu_ids = gpu_sampler._sample_on_gpu(gpu_sampler._penalize(logits.float(), requests), requests, greedy)
+    assert torch.equal(torch_ids, gpu_ids)
+
+    noise = Sampler(seed=seed)._noise(requests, greedy, logits.shape, logits.device).clamp(min=torch.finfo().tiny)
+    scaled = dense / torch.tensor([t if t > 0 else 1.0 for t in temps], device=device)[:, None]
+    want = (naive_filter(scaled, top_k, top_p, min_p).softmax(-1) / noise).argmax(-1)
+    want = torch.where(torch.tensor(greedy, device=device), dense.argmax(-1), want)
+    assert torch.equal(gpu_ids, want)
+    assert torch.equal(tk.sample_from_logits(dense, torch.tensor(temps, device=device), torch.tensor(top_k, device=device),
+                                             torch.tensor(top_p, device=device), torch.tensor(min_p, device=device),
+                                             noise=noise), want)
+    for i, bias in enumerate(biases):
+        if bias and i % 3 == 1 and greedy[i]:
+            assert want[i] != top[i]
+        if bias and i % 3 == 2:
+            assert want[i] == max(bias, key=bias.get)

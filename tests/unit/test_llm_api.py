@@ -30,6 +30,15 @@ def test_n_and_seed_reproducible_whatever_the_batch(llm):
     assert [o.token_ids for o in other_seed.outputs] != [o.token_ids for o in alone.outputs]
 
 
+def test_logit_bias_reaches_every_child_of_n(llm):
+    prompt = random_prompts(1, seed=13)[0]
+    plain = llm.generate(_ids([prompt]), SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True))
+    forced = llm.generate(_ids([prompt]), SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True,
+                                                         logit_bias={300: 100.0}))
+    assert [o.token_ids for o in forced[0].outputs] == [[300] * 4] * 2
+    assert all(o.token_ids != [300] * 4 for o in plain[0].outputs)
+
+
 def test_logprobs_and_prompt_logprobs_match_hf(llm, tiny_model_dirs):
     from transformers import AutoModelForCausalLM
 
@@ -88,6 +97,10 @@ def test_generate_stream_yields_deltas(llm):
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(logit_bias={5: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={t: 1.0 for t in range(301)}), "logit_bias"),
+    # beam search ranks beams by raw logprobs, which a bias does not touch: refused, not ignored
+    (dict(use_beam_search=True, max_tokens=4, logit_bias={5: 1.0}), "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -104,6 +117,8 @@ def test_bad_prompts_leave_engine_healthy(llm):
         llm.generate(_ids([[5, 6], [-1]]), SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         llm.generate(_ids([[]]), SamplingParams())
+    with pytest.raises(ValueError, match="logit_bias token id 512 is outside the vocabulary"):
+        llm.generate(_ids([[5, 6]]), SamplingParams(logit_bias={3: 1.0, 512: -100.0}))
     assert not core.has_unfinished() and core.num_free_blocks == core.num_total_blocks
     ok = llm.generate(_ids([[5, 6, 7]]), SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert len(ok.outputs[0].token_ids) == 3

@@ -65,6 +65,25 @@ def test_job_sampling_restores_sampling_params():
     assert params.max_tokens == 8 and params.stop == ["\n"]
 
 
+def test_logit_bias_crosses_the_wire_as_two_lists():
+    bias = {7042: -100.0, 0: 100, 49151: 0.5}
+    job = codec.decode(codec.encode(_job(sampling=SamplingParams(logit_bias=bias).to_dict())), p.Job)
+    assert job.sampling["logit_bias"] == [[7042, 0, 49151], [-100.0, 100.0, 0.5]]
+    assert SamplingParams.from_dict(job.sampling).logit_bias == bias
+    assert SamplingParams(logit_bias={}).to_dict()["logit_bias"] is None  # {} is no bias
+
+
+@pytest.mark.parametrize("wire, why", [
+    ({7: 1.0}, "travel as"), ([[1, 2], [1.0]], "2 token ids for 1"), ([[1, 1], [1.0, 2.0]], "repeats"),
+    ([["1"], [1.0]], "token ids"), ([[[1]], [1.0]], "token ids"), ([[-1], [1.0]], "non-negative"),
+    ([[1], [101.0]], r"\[-100, 100\]"), ([[1], ["x"]], "numbers"), ([list(range(301)), [0.0] * 301], "at most 300"),
+])
+def test_hostile_logit_bias_is_a_value_error(wire, why):
+    # a worker turns a ValueError into that request's error event; anything else would take it down
+    with pytest.raises(ValueError, match=why):
+        SamplingParams.from_dict({**SamplingParams().to_dict(), "logit_bias": wire})
+
+
 def test_decode_checks_the_expected_type():
     data = codec.encode(p.Abort(request_ids=["x"]))
     with pytest.raises(ValueError, match="abort"):

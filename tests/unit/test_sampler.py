@@ -9,9 +9,11 @@ import kvrelay.shared.engine.sampler as sampler_module
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import (
     Sampler,
+    apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    logit_bias_tensors,
     prompt_logprobs,
 )
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -178,6 +180,57 @@ def test_penalties_change_greedy_choice() -> None:
     repetition = make_request("c", prompt=[1], temperature=0.0, repetition_penalty=1.2)
     out = Sampler(seed=0)(logits.repeat(3, 1), [plain, presence, repetition])
     assert [r.token_id for r in out] == [1, 2, 2]
+
+
+def test_apply_logit_bias_hand_computed() -> None:
+    logits = torch.arange(12, dtype=torch.float32).view(3, 4)  # [3, 4]
+    got = apply_logit_bias(logits, [logit_bias_tensors({1: -100.0, 3: 0.5}), None,
+                                    logit_bias_tensors({0: 100.0, 7: 5.0, -1: 5.0})])
+    want = torch.tensor([[0.0, -99.0, 2.0, 3.5], [4.0, 5.0, 6.0, 7.0], [108.0, 9.0, 10.0, 11.0]])
+    torch.testing.assert_close(got, want)  # ids outside [0, V) are dropped, never wrapped into another row
+    assert logits[0, 1] == 1.0  # a new tensor: the model's logits are left alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_bans_and_forces_in_greedy_and_sampled_rows(device: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=gen).to(device)  # [6, 50]
+    top = logits.argmax(dim=-1).tolist()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    weakest = logits.argmin(dim=-1).tolist()
+    requests = [
+        make_request("ban-greedy", temperature=0.0, logit_bias={top[0]: -100}),
+        make_request("force-greedy", temperature=0.0, logit_bias={weakest[1]: 100}),
+        make_request("plain-greedy", temperature=0.0),
+        make_request("force-sampled", temperature=1.0, seed=1, logit_bias={weakest[3]: 100}),
+        make_request("ban-top-k", temperature=1.0, top_k=1, seed=2, logit_bias={top[4]: -100}),
+        make_request("force-top-p", temperature=0.7, top_p=0.5, logit_bias={weakest[5]: 100.0}),
+    ]
+    out = [r.token_id for r in Sampler(seed=0)(logits, requests)]
+    assert out == [second[0], weakest[1], top[2], weakest[3], second[4], weakest[5]]
+
+
+def test_logit_bias_tensors_are_kept_per_request_until_free() -> None:
+    logits = torch.zeros(1, 4)
+    sampler = Sampler(seed=0)
+    first = make_request("a", temperature=0.0, logit_bias={2: 1.0})
+    assert sampler(logits, [first])[0].token_id == 2
+    kept = sampler._biases["a"]
+    assert sampler(logits, [first])[0].token_id == 2 and sampler._biases["a"] is kept
+    reused = make_request("a", temperature=0.0, logit_bias={3: 1.0})  # same id, other params
+    assert sampler(logits, [reused])[0].token_id == 3
+    sampler.free("a")
+    assert "a" not in sampler._biases
+
+
+def test_logprobs_stay_raw_under_logit_bias() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    biased = make_request(temperature=0.0, logprobs=1, logit_bias={0: 100})
+    res = Sampler(seed=0)(logits, [biased])[0]
+    raw = logits.log_softmax(dim=-1)[0]
+    assert res.token_id == 0  # the bias chose it ...
+    assert res.logprob == pytest.approx(raw[0].item())  # ... its logprob is the model's, as for penalties
+    assert res.top_logprobs[0][0] == 1
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,324 @@
+"""Every request field either changes what a real model answers or is a 400 (issue #13, item 4).
+
+FIELDS is the one table. For each endpoint it holds every field of its schema (gateway/schemas.py; nested
+fields as ``parent.child``, list items as ``parent[].child``) and every field of UNSUPPORTED_FIELDS, each
+mapped to how it is covered:
+  Effect     a request with the field set answers differently from one without it, on SmolLM2 served by a
+             real gateway and worker (test_effect runs both and compares what ``observe`` reads);
+  Rejected   a request with it is a 400 whose param names it (test_rejected);
+  Elsewhere  the effect is not in one answer (scheduling order, which model answers): the test named covers
+             it, and test_every_schema_field_is_in_the_table checks that the test exists;
+  Justified  accepted, and cannot change an answer by definition: why.
+A field added to a schema without an entry here fails test_every_schema_field_is_in_the_table.
+"""
+
+import json
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from kvrelay.gateway.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from tests.e2e.cluster import Cluster
+from tests.e2e.jobs import JobClient
+
+MODEL = "smollm2"
+ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--block-size", "4", "--served-model-name", MODEL,
+          "--num-gpu-blocks-override", "2048"]
+PARIS = 7042  # " Paris" in SmolLM2's vocabulary (the fixture checks it through /tokenize)
+EOS = 2  # <|im_end|>, SmolLM2's end of sequence (the fixture checks it too)
+VOCAB = 49152
+BASE = {
+    "completions": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0},
+    "chat": {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+             "max_tokens": 6, "temperature": 0},
+}
+SAMPLED = {"temperature": 1.5, "seed": 1}  # a baseline that samples: filters and seeds change it
+EOS_FIRST = {"logit_bias": {str(EOS): 100}, "max_tokens": 3}  # a baseline that ends at its first token
+
+
+def text(r: httpx.Response) -> str:
+    choice = r.json()["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def tokens(r: httpx.Response) -> int:
+    return r.json()["usage"]["completion_tokens"]
+
+
+def cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def logprobs(r: httpx.Response) -> Any:
+    return r.json()["choices"][0]["logprobs"]
+
+
+def prompt_logprobs(r: httpx.Response) -> Any:
+    body = r.json()
+    return body.get("prompt_logprobs", body["choices"][0].get("prompt_logprobs"))
+
+
+def choices(r: httpx.Response) -> int:
+    return len(r.json()["choices"])
+
+
+def content_type(r: httpx.Response) -> str:
+    return r.headers["Content-Type"].split(";")[0]
+
+
+def usage_chunk(r: httpx.Response) -> bool:
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return any(e.get("usage") for e in events)
+
+
+@dataclass(frozen=True)
+class Effect:
+    change: dict
+    observe: Callable[[httpx.Response], Any]
+    base: dict = field(default_factory=dict)  # on top of BASE, for both requests
+
+
+@dataclass(frozen=True)
+class Rejected:
+    body: dict  # on top of BASE
+    param: str | None = None  # the 400's param, when not the field's own name
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    test: str  # path::function
+    why: str
+
+
+@dataclass(frozen=True)
+class Justified:
+    why: str
+
+
+Coverage = Effect | Rejected | Elsewhere | Justified
+
+SHARED: dict[str, Coverage] = {
+    "model": Elsewhere("tests/e2e/test_multi_model.py::test_three_models_in_one_prefill_and_one_decode_worker",
+                       "picks which model answers: needs two models (an unknown name is a 404)"),
+    "max_tokens": Effect({"max_tokens": 2}, tokens),
+    "temperature": Effect({"temperature": 1.5, "seed": 1}, text),
+    "top_p": Effect({"top_p": 0.01}, text, base=SAMPLED),
+    "top_k": Effect({"top_k": 1}, text, base=SAMPLED),
+    "min_p": Effect({"min_p": 1.0}, text, base=SAMPLED),
+    "seed": Effect({"seed": 2}, text, base=SAMPLED),
+    "n": Effect({"n": 2}, choices),
+    "stream": Effect({"stream": True}, content_type),
+    "stream_options": Effect({"stream_options": {"include_usage": True}}, usage_chunk, base={"stream": True}),
+    "stream_options.include_usage": Effect({"stream_options": {"include_usage": True}}, usage_chunk,
+                                           base={"stream": True}),
+    "stop": Effect({"stop": "Paris"}, text),
+    # past EOS the answer repeats itself: penalties on output tokens have something to act on
+    "presence_penalty": Effect({"presence_penalty": 2.0}, text, base={"max_tokens": 16, "ignore_eos": True}),
+    "frequency_penalty": Effect({"frequency_penalty": 2.0}, text, base={"max_tokens": 16, "ignore_eos": True}),
+    "repetition_penalty": Effect({"repetition_penalty": 1.5}, text),
+    "user": Justified("OpenAI's end-user id for the provider's abuse monitoring: it cannot change an answer, "
+                      "and kvrelay keeps no per-user record; accepted because OpenAI SDKs send it"),
+    "ignore_eos": Effect({"ignore_eos": True}, tokens, base=EOS_FIRST),
+    "min_tokens": Effect({"min_tokens": 2}, tokens, base=EOS_FIRST),
+    "stop_token_ids": Effect({"stop_token_ids": [PARIS]}, text),
+    "skip_special_tokens": Effect({"skip_special_tokens": False}, text, base={**EOS_FIRST, "ignore_eos": True}),
+    "include_stop_str_in_output": Effect({"include_stop_str_in_output": True}, text, base={"stop": "Paris"}),
+    "prompt_logprobs": Effect({"prompt_logprobs": 1}, prompt_logprobs),
+    "priority": Elsewhere("tests/unit/test_llm_api.py::test_priority_policy_runs_urgent_requests_first",
+                          "orders requests under --scheduling-policy priority; one answer's text cannot show it"),
+    # the fixture sends BASE once, so the base request finds its prompt cached and a new salt does not
+    "cache_salt": Effect({"cache_salt": "audit-salt"}, cached),
+    "logit_bias": Effect({"logit_bias": {str(PARIS): -100}}, text),
+}
+
+GERMANY = "What is the capital of Germany?"
+FIELDS: dict[str, dict[str, Coverage]] = {
+    "completions": {
+        **SHARED,
+        "prompt": Effect({"prompt": "The capital of Germany is"}, text),
+        "logprobs": Effect({"logprobs": 1}, logprobs),
+        "echo": Rejected({"echo": True}),
+    },
+    "chat": {
+        **SHARED,
+        "messages": Effect({"messages": [{"role": "user", "content": GERMANY}]}, text),
+        "messages[].role": Effect({"messages": [{"role": "assistant", "content": "What is the capital of France?"}]},
+                                  text),
+        "messages[].content": Effect({"messages": [{"role": "user", "content": GERMANY}]}, text),
+        "messages[].content[].type": Rejected({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                              "messages.0.content.0.type"),
+        "messages[].content[].text": Effect({"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                          "text": GERMANY}]}]}, text),
+        # SmolLM2's chat template renders neither: the gateway finds that by rendering without them
+        "messages[].name": Rejected({"messages": [{"role": "user", "content": "Hi", "name": "bob"}]},
+                                    "messages.0.name"),
+        "chat_template_kwargs": Rejected({"chat_template_kwargs": {"enable_thinking": False}}),
+        "logprobs": Effect({"logprobs": True}, logprobs),
+        "top_logprobs": Effect({"top_logprobs": 3}, logprobs, base={"logprobs": True}),
+        "max_completion_tokens": Effect({"max_completion_tokens": 2}, tokens),
+        "add_generation_prompt": Effect({"add_generation_prompt": False}, text),
+    },
+}
+UNSUPPORTED_SAMPLES = {
+    "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
+    "function_call": "auto", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"}, "allowed_token_ids": [PARIS],
+    "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
+    "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
+    "modalities": ["audio"], "reasoning_effort": "low",
+}
+for _endpoint in FIELDS.values():
+    _endpoint.update({name: Rejected({name: value}) for name, value in UNSUPPORTED_SAMPLES.items()})
+SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+def schema_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
+    out = set()
+    for name, info in model.model_fields.items():
+        out.add(prefix + name)
+        for nested, many in _nested(info.annotation):
+            out |= schema_fields(nested, f"{prefix}{name}{'[]' if many else ''}.")
+    return out
+
+
+def _nested(tp: Any, many: bool = False):
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        yield tp, many
+        return
+    for arg in typing.get_args(tp):
+        yield from _nested(arg, many or typing.get_origin(tp) is list)
+
+
+def _cases(kind: type) -> list:
+    return [pytest.param(endpoint, name, cov, id=f"{endpoint}:{name}")
+            for endpoint, table in FIELDS.items() for name, cov in table.items() if isinstance(cov, kind)]
+
+
+@pytest.mark.parametrize("endpoint", list(SCHEMAS))
+def test_every_schema_field_is_in_the_table(endpoint):
+    want = schema_fields(SCHEMAS[endpoint]) | set(UNSUPPORTED_FIELDS)
+    have = set(FIELDS[endpoint])
+    assert not want - have, f"{endpoint}: fields with no coverage entry in FIELDS: {sorted(want - have)}"
+    assert not have - want, f"{endpoint}: FIELDS names fields the schema lacks: {sorted(have - want)}"
+    root = Path(__file__).parents[2]
+    for name, cov in FIELDS[endpoint].items():
+        if isinstance(cov, Elsewhere):
+            path, func = cov.test.split("::")
+            assert re.search(rf"^def {func}\(", (root / path).read_text(), re.M), f"{name}: {cov.test} is gone"
+
+
+@pytest.fixture(scope="module")
+def http(smollm2_dir, tmp_path_factory):
+    with EmbeddedRedis() as redis_url:
+        cluster = Cluster(redis_url, str(smollm2_dir), ENGINE, tmp_path_factory.mktemp("request-fields"))
+        cluster.start_gateway()
+        cluster.start_worker("unified", "u1")
+        try:
+            cluster.wait_ready(timeout=300)
+            with httpx.Client(base_url=f"http://127.0.0.1:{cluster.port}", timeout=120) as client:
+                client.cluster = cluster
+                ids = client.post("/tokenize", json={"model": MODEL, "prompt": " Paris<|im_end|>",
+                                                     "add_special_tokens": False}).json()["tokens"]
+                assert ids == [PARIS, EOS]
+                for base in BASE.values():  # the prefix cache holds each base prompt from here on
+                    post(client, base)
+                yield client
+        finally:
+            cluster.stop()
+
+
+def post(client: httpx.Client, body: dict) -> httpx.Response:
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    return client.post(path, json=body)
+
+
+def ok(client: httpx.Client, body: dict) -> httpx.Response:
+    r = post(client, body)
+    assert r.status_code == 200, r.text
+    return r
+
+
+@pytest.mark.parametrize("endpoint, name, cov", _cases(Effect))
+def test_effect(http, endpoint, name, cov: Effect):
+    base = {**BASE[endpoint], **cov.base}
+    without = cov.observe(ok(http, base))
+    with_field = cov.observe(ok(http, {**base, **cov.change}))
+    assert with_field != without, f"{name} set or not, the answer reads {without!r}"
+
+
+@pytest.mark.parametrize("endpoint, name, cov", _cases(Rejected))
+def test_rejected(http, endpoint, name, cov: Rejected):
+    r = post(http, {**BASE[endpoint], **cov.body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == (cov.param or name), error
+
+
+def test_unsupported_fields_at_their_off_value_are_accepted(http):
+    off = {"response_format": {"type": "text"}, "tools": [], "best_of": 1, "use_beam_search": False}
+    assert text(ok(http, {**BASE["completions"], **off})) == text(ok(http, BASE["completions"]))
+
+
+# --- logit_bias, item 3 of the part: its effect and its limits --------------------------------------------
+
+def test_logit_bias_bans_paris_and_forces_a_token(http):
+    assert text(ok(http, BASE["completions"])).startswith(" Paris")
+    banned = text(ok(http, {**BASE["completions"], "logit_bias": {str(PARIS): -100}}))
+    assert not banned.startswith(" Paris") and banned
+    forced = ok(http, {**BASE["completions"], "max_tokens": 3, "logit_bias": {"1010": 100}, "logprobs": 0})
+    assert forced.json()["usage"]["completion_tokens"] == 3
+    tokens_text = forced.json()["choices"][0]["logprobs"]["tokens"]
+    single = http.post("/detokenize", json={"model": MODEL, "tokens": [1010]}).json()["prompt"]
+    assert tokens_text == [single] * 3
+    chat = text(ok(http, {**BASE["chat"], "max_tokens": 16}))
+    assert "Paris" in chat
+    assert "Paris" not in text(ok(http, {**BASE["chat"], "max_tokens": 16, "logit_bias": {str(PARIS): -100}}))
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+@pytest.mark.parametrize("bias, why", [
+    ({str(i): 1 for i in range(301)}, "at most 300"),
+    ({str(PARIS): 100.5}, r"\[-100, 100\]"),
+    ({str(PARIS): -101}, r"\[-100, 100\]"),
+    ({str(VOCAB): -100}, "out of vocabulary"),
+    ({"-1": 5}, "token ids"),
+    ({"Paris": 5}, "token ids"),
+    ({"7042.0": 5}, "token ids"),
+    ({" 7042": 5}, "token ids"),
+    ({str(PARIS): "5"}, "numbers"),
+    ({str(PARIS): True}, "numbers"),
+    ([PARIS], "logit_bias"),
+])
+def test_logit_bias_limits_are_400s(http, endpoint, bias, why):
+    r = post(http, {**BASE[endpoint], "logit_bias": bias})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "logit_bias", error
+    assert re.search(why, error["message"]), error
+
+
+def test_worker_refuses_an_out_of_vocabulary_bias_and_keeps_serving(http):
+    """A job that skipped the gateway's checks (another gateway version, a forged job) errors that request
+    alone: the worker answers the next one."""
+    cluster = http.cluster
+    client = JobClient(cluster.redis, MODEL)
+    try:
+        client.submit("bad-bias", [1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=2,
+                                                                   logit_bias={VOCAB + 5: 1.0}))
+        assert client.wait(["bad-bias"])[0].finish_reason == "error"
+        client.submit("good", [1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=2,
+                                                               logit_bias={PARIS: 100.0}))
+        assert client.wait(["good"])[0].tokens == [PARIS, PARIS]
+    finally:
+        client.close()
+    assert cluster.procs["u1"].poll() is None
