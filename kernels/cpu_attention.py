@@ -4,9 +4,9 @@ The reference is written to be read (and to check the Triton kernels against); o
 the engine ran, and a decode step spent about a fifth of its time there: every layer gathered every
 sequence's whole blocks, then two einsums copied K and V again into batched-matmul layout. Here:
 
-- decode: the blocks to read and the length mask are computed once per step and kept on the
-  metadata; each layer copies those blocks with one index_select each for K and V and torch's fused
-  SDPA reads them in place (GQA without repeating heads, a boolean length mask);
+- decode: each layer copies every sequence's blocks up to max_seq_len with one index_select each for
+  K and V, and torch's fused SDPA reads them in place (GQA without repeating heads, a boolean length
+  mask);
 - prefill with no cached prefix (``q_len == seq_len``): the step's own contiguous k/v, causal SDPA,
   nothing read back through the block table.
 ALiBi and chunks that extend a cached prefix take the reference (kept exact, rarely hot on CPU).
@@ -50,16 +50,15 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
 
 
 def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per step, shared by every layer: the blocks to read ([S * nb], each sequence's first nb blocks,
-    nb enough for max_seq_len) and the mask [S, 1, 1, nb * block_size] of the positions each has."""
-    cached = meta.cpu_scratch.get("decode_index")
-    if cached is None:
-        num_blocks = -(-meta.max_seq_len // block_size)
-        blocks = meta.block_tables[:, :num_blocks].reshape(-1)
-        pos = torch.arange(num_blocks * block_size, device=blocks.device)
-        mask = (pos[None, :] < meta.seq_lens.long()[:, None])[:, None, None, :]
-        cached = meta.cpu_scratch["decode_index"] = (blocks, mask)
-    return cached
+    """The blocks to read ([S * nb], each sequence's first nb blocks, nb enough for max_seq_len) and
+    the mask [S, 1, 1, nb * block_size] of the positions each sequence has. Recomputed by every layer
+    (a few small ops): decode-graph metadata is refilled in place between steps, so nothing derived
+    from it may outlive one call."""
+    num_blocks = -(-meta.max_seq_len // block_size)
+    blocks = meta.block_tables[:, :num_blocks].reshape(-1)
+    pos = torch.arange(num_blocks * block_size, device=blocks.device)
+    mask = (pos[None, :] < meta.seq_lens.long()[:, None])[:, None, None, :]
+    return blocks, mask
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -7,7 +7,7 @@ rows are the *last* ``q_len`` tokens of a sequence whose KV length after this st
 ``q_len < seq_len``, a plain prefill is ``q_len == seq_len``.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,9 +22,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # tensors a CPU kernel derives from the fields above once per step and every layer then reuses
-    # (kernels/cpu_attention.py); one metadata object lives exactly one step
-    cpu_scratch: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

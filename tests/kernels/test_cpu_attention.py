@@ -31,16 +31,6 @@ def test_decode(heads, page):
     _check([1] * 5, [1, 7, 16, 33, 64], heads, page)
 
 
-def test_decode_metadata_reused_across_layers():
-    # the second layer of a step reads the index the first one left on the metadata, over its own cache
-    q, kv_a, meta = make_paged_case([1] * 3, [5, 9, 20], 4, 2, 16, 4, torch.float32, "cpu")
-    cpu_attention.paged_attention(q, kv_a, meta, 0.25)
-    assert "decode_index" in meta.cpu_scratch
-    kv_b = torch.randn_like(kv_a)
-    assert_close(cpu_attention.paged_attention(q, kv_b, meta, 0.25),
-                 reference.paged_attention(q, kv_b, meta, 0.25), torch.float32)
-
-
 def test_prefill_without_prefix():
     _check([5, 16, 1, 30], [5, 16, 1, 30])
 
