@@ -11,9 +11,12 @@ ack round trips count. Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf1
   against a device-to-device ``copy_`` of the same bytes inside one process; and the host-staged
   layer frames from and to GPU caches, against raw ZMQ of the same bytes from host memory.
 Every number is the median of ``--repeats`` timed transfers after one warm-up; GB/s = 1e9 bytes/s.
+Our sockets authenticate and encrypt (CURVE) as a deployment's do, with a secret generated per run;
+``--insecure-zmq`` measures them without. The raw ZMQ baselines are plain sockets either way.
 """
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -26,9 +29,12 @@ import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
+from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, DTYPES, frame_nbytes
 from kvrelay.shared.handoff.frames import MESSAGE_TARGET, Frames, max_message_bytes
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
+from kvrelay.shared.wire import zmq_auth
+from kvrelay.shared.wire.zmq_auth import CurveKeys, keys_from_secret
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 8
 MODEL = "bench-kv"
@@ -43,6 +49,7 @@ def _peer(args: argparse.Namespace) -> None:
     frame_max = max_message_bytes(kv, args.blocks)
     router, pull, ack = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     addrs = []
+    zmq_auth.serve(router, _curve())
     for i, sock in enumerate((router, pull, ack)):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, frame_max * (LAYERS if sock is pull else 1))  # pull: raw, 1 message
@@ -66,6 +73,12 @@ def _peer(args: argparse.Namespace) -> None:
     while not stop.is_set():
         receiver.poll(50, lambda h: rt.core.block_manager.free(h.request_id))  # the bench only moves KV
     ctx.destroy(linger=0)
+
+
+def _curve() -> CurveKeys | None:
+    """The run's keys (run() puts its secret in the environment, which the peer process inherits)."""
+    secret = os.environ.get(ZMQ_SECRET_ENV)
+    return keys_from_secret(secret, insecure=secret is None)
 
 
 # -- measurements -------------------------------------------------------------------------------------
@@ -113,7 +126,7 @@ def _protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: boo
     ctx = zmq.Context()
     # without CUDA IPC among its transports the sender offers nothing to map: the host-staged frames
     manager = HandoffManager(ctx, rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
-                             transports=None if ipc else [Frames()])
+                             transports=None if ipc else [Frames()], curve=_curve())
     out, phases, n = {}, {}, 0
     try:
         for num_tokens in tokens:
@@ -154,7 +167,8 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
                 dtype=DTYPE_NAMES[kv.dtype])
     runtime = SimpleNamespace(core=engine, zmq_addr="", redis=None, config=SimpleNamespace(worker_id="bench-prefill"))
     ctx = zmq.Context()
-    manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)])
+    manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
+                             curve=_curve())
     engine.runner.set_kv_stream(manager.stream_for(MODEL))
     gen = torch.Generator().manual_seed(0)
     n = 0
@@ -266,6 +280,9 @@ def _table(title: str, ours: str, mine: dict[int, float], *baselines: tuple[str,
 
 def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
+    os.environ.pop(ZMQ_SECRET_ENV, None)
+    if not args.insecure_zmq:
+        os.environ[ZMQ_SECRET_ENV] = generate()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"KV handoff, Llama-3-8B KV shape ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}, bf16, "
           f"{BLOCK}-token blocks), median of {args.repeats}")
@@ -315,6 +332,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="dummy model of the overlap section (default: CUDA Llama-3-8B, CPU SmolLM2-135M shapes)")
     p.add_argument("--overlap-tokens", default="256,1024,2048", help="prompt lengths of the overlap section")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--insecure-zmq", action="store_true", help="our sockets without CURVE (default: with, as served)")
 
 
 def _peer_args(argv: list[str]) -> argparse.Namespace:

@@ -10,14 +10,17 @@ from kvrelay.shared.wire.handoff import HandoffRequest
 
 class HandoffReceiver(KVInbox):
     def __init__(self, sock, core, model_name: str, grant_ttl_s: float, core_for=None,
-                 transports: list[Transport] | None = None):
+                 transports: list[Transport] | None = None, max_per_peer: int | None = None):
         """``core_for(model)``: the engine serving that model instance here, or None (default: ``core``
-        serves ``model_name``). A worker hosting several models routes each request by its model."""
+        serves ``model_name``). A worker hosting several models routes each request by its model.
+        ``max_per_peer``: handoffs of one model one asker may hold granted or arriving (default: half the
+        model's max_num_seqs), so a peer that asks and never sends cannot take every seat."""
         super().__init__(sock, core_for or (lambda model: core if model == model_name else None), grant_ttl_s,
                          transports)
+        self.max_per_peer = max_per_peer
         self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
 
-    def reserve(self, req: HandoffRequest, pending: int) -> list[int] | str:
+    def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
         if not self.accepting:
             return "decode worker is draining"
         core = self.core_for(req.model)
@@ -27,6 +30,9 @@ class HandoffReceiver(KVInbox):
             return f"block size {req.block_size} != {core.block_manager.block_size}"
         if any(r.request_id == req.request_id for r in core.scheduler.running):
             return "duplicate request id"  # a reclaimed job must never stream twice
+        cap = self.max_per_peer or max(1, core.config.scheduler.max_num_seqs // 2)
+        if from_peer >= cap:  # refused like a full batch: the asker parks and asks again
+            return f"this prefill worker already holds {from_peer} handoffs here (--max-handoffs-per-peer)"
         if core.scheduler.num_running + pending >= core.config.scheduler.max_num_seqs:
             return "running batch is full (max_num_seqs)"
         if req.num_tokens >= core.max_model_len:

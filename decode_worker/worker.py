@@ -27,8 +27,10 @@ import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.shared.handoff.frames import max_message_bytes
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.handoff import KVHeader
 from kvrelay.shared.wire.protocol import TokenEvent
+from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_host import ModelSlot
@@ -42,8 +44,9 @@ class DecodeWorker:
         self.config = config
         self.runtime = WorkerRuntime(config)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
-                                           config.advertise_host)
-        self.receiver = HandoffReceiver(self.sock, None, "", config.handoff_timeout_s, core_for=self._core_for)
+                                           config.advertise_host, curve=self.runtime.curve)
+        self.receiver = HandoffReceiver(self.sock, None, "", config.handoff_timeout_s, core_for=self._core_for,
+                                        max_per_peer=config.max_handoffs_per_peer)
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 
     def _max_frame(self) -> int:
@@ -143,14 +146,16 @@ class DecodeWorker:
         self.receiver.grants.clear()
 
 
-def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int,
-                advertise_host: str | None = None) -> tuple[zmq.Socket, str]:
-    """A ROUTER socket on host:port (0 = ephemeral) and the address peers should dial."""
+def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int, advertise_host: str | None = None, *,
+                curve: CurveKeys | None) -> tuple[zmq.Socket, str]:
+    """A ROUTER socket on host:port (0 = ephemeral) and the address peers should dial; with ``curve``,
+    only the deployment's processes get through its handshake."""
     if advertise_host is None and host in ("0.0.0.0", "*", "::"):
         raise ValueError("--host is a wildcard: set --advertise-host to an address prefill workers can reach")
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
+    zmq_auth.serve(sock, curve)
     if port:
         sock.bind(f"tcp://{host}:{port}")
     else:

@@ -11,9 +11,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+import redis
 from aiohttp import web
 
 from kvrelay.gateway.auth import auth_middleware
+from kvrelay.gateway.connection_guard import CONNECTION_GUARD, ConnectionGuard
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from kvrelay.gateway.errors import add_request_id, error_middleware
@@ -51,11 +53,14 @@ from kvrelay.gateway.usage import UsageLedger
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import async_client
+from kvrelay.shared.wire.tenant_label import metrics_salt_async, tenant_labeler
+from kvrelay.shared.wire.zmq_auth import keys_from_secret
 
 log = logging.getLogger("kvrelay.gateway")
 
 # How long shutdown waits for in-flight abort publishes before dropping them.
 _BACKGROUND_DRAIN_S = 2.0
+TENANT_PENDING = "pending"  # the tenant label until the metrics salt is known
 
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -63,6 +68,10 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[REDIS] = client
     config = app[CONFIG]
     app[TENANTS] = TenantStore(client)
+    salt_task = None
+    if not config.metrics_tenant_labels:
+        app[METRICS].tenant = lambda tenant: TENANT_PENDING
+        salt_task = asyncio.create_task(_tenant_salt(app[METRICS], client))
     app[LIMITER] = RateLimiter(client)
     app[USAGE] = UsageLedger(client, config.usage_retention_s)
     app[RESPONSE_CACHE] = ResponseCache(client, config.response_cache_ttl, config.response_cache_max_bytes)
@@ -72,13 +81,29 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     watch = app[REDIS_WATCH] = RedisWatch(client, app[CONFIG].redis_watch_s, app[CONFIG].redis_outage_s)
     watch.start()
     yield
+    if salt_task is not None:
+        salt_task.cancel()
     await watch.close()
     await client.aclose()
 
 
+async def _tenant_salt(metrics: GatewayMetrics, client) -> None:
+    """Tenants are shown hashed under the deployment's salt (shared/wire/tenant_label.py); while Redis
+    cannot give it (the gateway starts without Redis, as it serves without it) they are shown as a
+    placeholder, never by name."""
+    while True:
+        try:
+            metrics.tenant = tenant_labeler(await metrics_salt_async(client))
+            return
+        except redis.RedisError as exc:
+            log.warning("no metrics salt from Redis yet (%s); tenants show as %r", exc, TENANT_PENDING)
+            await asyncio.sleep(1.0)
+
+
 async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    dispatcher = Dispatcher(config.zmq_host, config.zmq_port, config.reply_host)
+    dispatcher = Dispatcher(config.zmq_host, config.zmq_port, config.reply_host,
+                            curve=keys_from_secret(config.zmq_secret, config.insecure_zmq))
     await dispatcher.start()
     log.info("token events arrive at %s", dispatcher.address)
     app[DISPATCHER] = dispatcher
@@ -110,6 +135,10 @@ def create_app(config: GatewayConfig) -> web.Application:
     # Outermost, metrics count what the client got (error bodies included); innermost, auth raises
     # into error_middleware so 401/403 come out in OpenAI's shape.
     app.middlewares.insert(0, metrics.middleware)
+    # outermost of all: a connection is busy from its handler's start until its response is written
+    guard = app[CONNECTION_GUARD] = ConnectionGuard(config.timeout_header_read, config.limit_idle_connections,
+                                                    lambda reason: metrics.connections_closed.labels(reason).inc())
+    app.middlewares.insert(0, guard.middleware)
     app.middlewares.append(auth_middleware)
     app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()

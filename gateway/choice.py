@@ -98,8 +98,12 @@ class ChoiceState:
     def _in_order(self, event: TokenEvent) -> list[TokenEvent]:
         """Events in output order. Ahead of the expected index: buffer. Behind it: a duplicate (a job
         delivered twice, a late message from a worker that handed the request on), so keep only tokens
-        not seen yet."""
+        not seen yet; but a worker's verdict that the request failed ends it wherever it stands: one
+        that never ran it (a dead-lettered job after its worker died) sends it as of output index 0."""
         index = event.output_index
+        if index < self._next_index and not event.token_ids and event.finish_reason == "error":
+            event = dataclasses.replace(event, output_index=self._next_index)
+            index = self._next_index
         if index > self._next_index:
             if len(self._pending) >= _MAX_PENDING_EVENTS:
                 return [TokenEvent(self.job_id, finish_reason="error", output_index=self._next_index,

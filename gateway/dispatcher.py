@@ -11,14 +11,17 @@ import logging
 import zmq
 import zmq.asyncio
 
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
+from kvrelay.shared.wire.zmq_auth import CurveKeys
 
 log = logging.getLogger("kvrelay.gateway")
 
 
 class Dispatcher:
-    def __init__(self, bind_host: str, port: int, advertise_host: str):
+    def __init__(self, bind_host: str, port: int, advertise_host: str, *, curve: CurveKeys | None):
+        self._curve = curve  # workers present the deployment's keys; nobody else gets a message in
         self._bind_host = bind_host
         self._port = port
         self._advertise_host = advertise_host
@@ -36,6 +39,7 @@ class Dispatcher:
         sock.setsockopt(zmq.LINGER, 0)
         # Oversized messages are cut off by libzmq before they reach Python.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        zmq_auth.serve(sock, self._curve)
         host = "*" if self._bind_host in ("0.0.0.0", "*") else self._bind_host
         if self._port:
             sock.bind(f"tcp://{host}:{self._port}")

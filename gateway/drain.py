@@ -21,7 +21,9 @@ import time
 
 from aiohttp import web
 
+from kvrelay.gateway.connection_guard import CONNECTION_GUARD, GuardedSite
 from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.state import CONFIG
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -98,11 +100,12 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
     """Serve ``app`` until SIGTERM/SIGINT, then drain it as described above."""
     # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its jobs.
     # shutdown_timeout is short because the drain already waited for handlers.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_FINISH_GRACE_S)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_FINISH_GRACE_S,
+                           keepalive_timeout=app[CONFIG].timeout_keep_alive)
     await runner.setup()
     # a deep backlog: behind nginx a burst of new upstream connections must queue, not be refused
     # reuse_port: the kernel spreads new connections over every gateway process bound to the port
-    site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=reuse_port or None)
+    site = GuardedSite(runner, app[CONNECTION_GUARD], host, port, backlog=2048, reuse_port=reuse_port)
     await site.start()
     log.info("gateway listening on http://%s:%d", host, port)
     stop = asyncio.Event()

@@ -60,7 +60,7 @@ class Meter:
         try:
             self._reservation = await self.app[LIMITER].admit(self.tenant, 0 if hit is not None else self.reserved_tokens)
         except LimitExceeded as exc:
-            metrics.rate_limited.labels(self.tenant.name, exc.reason).inc()
+            metrics.rate_limited.labels(metrics.tenant(self.tenant.name), exc.reason).inc()
             raise exc.api_error() from None
         except redis.RedisError as exc:
             # Fail closed: without Redis the limits cannot hold, and the queue is down as well anyway.
@@ -68,7 +68,8 @@ class Meter:
             raise APIError(503, "the rate limiter is unavailable; retry later", code="limiter_unavailable",
                            headers={"Retry-After": "1"}) from None
         if self._cache_key is not None:
-            (metrics.cache_hits if hit is not None else metrics.cache_misses).labels(self.tenant.name).inc()
+            (metrics.cache_hits if hit is not None else metrics.cache_misses).labels(
+                metrics.tenant(self.tenant.name)).inc()
         if hit is not None:
             self.cached = web.Response(body=hit, content_type="application/json", charset="utf-8",
                                        headers={CACHE_HEADER: "hit"})
@@ -101,8 +102,8 @@ class Meter:
         except redis.RedisError as exc:
             log.warning("could not settle usage of tenant %s: %s", tenant, exc)
         if prompt:
-            metrics.tenant_tokens.labels(tenant, self.model, "prompt").inc(prompt)
+            metrics.tenant_tokens.labels(metrics.tenant(tenant), self.model, "prompt").inc(prompt)
         if completion:
-            metrics.tenant_tokens.labels(tenant, self.model, "completion").inc(completion)
+            metrics.tenant_tokens.labels(metrics.tenant(tenant), self.model, "completion").inc(completion)
         if gen is not None and gen.first_token_at is not None:
             metrics.ttft.labels(self.model).observe(max(gen.first_token_at - gen.arrival, 0.0))

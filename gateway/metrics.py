@@ -42,6 +42,8 @@ UNMATCHED_ROUTE = "unmatched"  # 404s keep their own label: raw paths would make
 class GatewayMetrics:
     def __init__(self, queue_cache_s: float = 1.0):
         self.registry = registry = CollectorRegistry()
+        # how a tenant label shows a tenant: redis_ctx sets a hash unless --metrics-tenant-labels
+        self.tenant: Callable[[str], str] = str
         self.http_requests = Counter("kvrelay_http_requests", "HTTP requests by route template and status",
                                      ["route", "status"], registry=registry)
         self.http_latency = Histogram("kvrelay_http_request_duration_seconds", "Time from request to the last "
@@ -57,6 +59,9 @@ class GatewayMetrics:
                                   ["tenant"], registry=registry)
         self.cache_misses = Counter("kvrelay_response_cache_misses", "Cacheable requests the response cache "
                                     "could not answer", ["tenant"], registry=registry)
+        self.connections_closed = Counter("kvrelay_connections_closed", "Connections the gateway closed: "
+                                          "header_timeout (headers not complete within --timeout-header-read), "
+                                          "idle_limit (past --limit-idle-connections)", ["reason"], registry=registry)
         self.in_flight = Gauge("kvrelay_requests_in_flight", "Generation requests admitted and not finished",
                                ["model"], registry=registry)
         self.queues = QueueStats(queue_cache_s)

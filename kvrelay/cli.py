@@ -14,6 +14,7 @@ from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import DTYPE_NAMES
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
+from kvrelay.shared.wire import redis_acl
 
 ROLES = {"gateway": "gateway", "prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
 
@@ -65,14 +66,27 @@ def _repo(args: argparse.Namespace):
 
 
 def _models_import(args: argparse.Namespace) -> int:
-    mv = _repo(args).import_model(args.source, args.name, args.version, dtype=args.dtype)
+    from kvrelay.shared.repo.model_repo import RepositoryError
+
+    try:
+        mv = _repo(args).import_model(args.source, args.name, args.version, dtype=args.dtype)
+    except RepositoryError as exc:  # a version that exists, a name out of bounds: one line, not a traceback
+        print(f"kvrelay models import: error: {exc}", file=sys.stderr)
+        return 1
     print(f"imported {mv.name} version {mv.version} -> {mv.path}")
     return 0
 
 
 def _models_list(args: argparse.Namespace) -> int:
+    from kvrelay.shared.repo.model_repo import RepositoryError
+
+    try:
+        versions = _repo(args).list()
+    except RepositoryError as exc:  # a version with a file linked out of the repository, a manifest of another
+        print(f"kvrelay models list: error: {exc}", file=sys.stderr)
+        return 1
     print(f"{'NAME':24} {'VERSION':>7} {'DTYPE':9} {'MAX LEN':>8} {'ARCHITECTURE':24} SOURCE")
-    for mv in _repo(args).list():
+    for mv in versions:
         print(f"{mv.name:24} {mv.version:>7} {mv.dtype:9} {mv.max_model_len:>8} {mv.architecture:24} {mv.source}")
     return 0
 
@@ -161,7 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     _models(sub)
     _bench(sub)
+    acl = sub.add_parser("redis-acl", help="print the aclfile of an external Redis: one least-privilege user per "
+                         f"role, passwords from ${redis_acl.PASSWORD_ENV['gateway']} and "
+                         f"${redis_acl.PASSWORD_ENV['worker']} (stored hashed)")
+    acl.set_defaults(func=_redis_acl)
     return parser
+
+
+def _redis_acl(args: argparse.Namespace) -> int:
+    passwords = {role: os.environ.get(env, "") for role, env in redis_acl.PASSWORD_ENV.items()}
+    for role, password in passwords.items():
+        if len(password) < 16:
+            raise ConfigError(f"${redis_acl.PASSWORD_ENV[role]}: the {role} user's password, at least 16 characters")
+    sys.stdout.write(redis_acl.aclfile(passwords))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,10 @@ built back from the parsed flags. The flags themselves are generated from the de
 CLI, above the config layer."""
 
 import argparse
+import os
 
+from kvrelay.shared.config import zmq_secret as zmq_secrets
+from kvrelay.shared.config.common import REDIS_URL_ENV
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.config.flags import Flag, add_flags, build, flags_of, read
@@ -40,12 +43,19 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    add_flags(p, SERVE_FLAGS, SERVE_TITLES, defaults={"redis_url": None},
-              notes={"redis_url": "default: an embedded one, started by kvrelay serve"})
+    add_flags(p, SERVE_FLAGS, SERVE_TITLES, defaults={"redis_url": os.environ.get(REDIS_URL_ENV) or None},
+              notes={"redis_url": f"default: ${REDIS_URL_ENV}, else an embedded one, started by kvrelay serve"})
 
 
 def gateway_config_from_args(args: argparse.Namespace, **derived) -> GatewayConfig:
+    if "zmq_secret" not in derived:
+        derived["zmq_secret"] = zmq_secret(args)
     return build(GatewayConfig, {**read(GATEWAY_FLAGS, args), **derived}, GATEWAY_FLAGS)
+
+
+def zmq_secret(args: argparse.Namespace, generate_if_none: bool = False) -> str | None:
+    """The deployment's ZMQ secret from --zmq-secret-file or the environment (shared/config/zmq_secret.py)."""
+    return zmq_secrets.resolve(args.zmq_secret_file, args.insecure_zmq, generate_if_none)
 
 
 def engine_config_from_args(args: argparse.Namespace, with_model: bool = True) -> tuple[EngineConfig, str, str]:

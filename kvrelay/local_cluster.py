@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
 
@@ -32,23 +33,27 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.gateway_ports: dict[str, int] = {}
         self.workers: list[str] = []
+        # one deployment: its processes admit each other's ZMQ sockets and nobody else's
+        self.zmq_secret = os.environ.get(ZMQ_SECRET_ENV) or generate()
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # processes sharing a few cores: one math thread each avoids oversubscription stalls
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # the URL holds a password: the environment, not argv, which every local user can read
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=self.redis_url,
+                   **{ZMQ_SECRET_ENV: self.zmq_secret})
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.cli_flags, *argv],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def start_gateway(self, name: str = "gateway", extra: Sequence[str] = ()) -> int:
         port = free_port()
-        self._spawn(name, ["gateway", "--port", str(port), "--redis-url", self.redis_url, *extra])
+        self._spawn(name, ["gateway", "--port", str(port), *extra])
         self.gateway_ports[name] = port
         return port
 
     def start_worker(self, role: str, name: str, model: str, extra: Sequence[str] = ()) -> None:
         """``role``: prefill, decode or unified; ``name`` is its worker id."""
-        self._spawn(name, [f"{role}-worker", "--model", model, "--redis-url", self.redis_url, "--worker-id", name,
+        self._spawn(name, [f"{role}-worker", "--model", model, "--worker-id", name,
                            *extra])
         self.workers.append(name)
 

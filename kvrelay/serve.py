@@ -1,6 +1,7 @@
 """``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
-gateway and the workers as separate processes on loopback, supervised: if one dies the rest are
-stopped. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
+gateway and the workers as separate processes on loopback, supervised (kvrelay/supervisor.py): a child
+that dies is started again with backoff, and one that keeps dying stops everything with the reason and
+exit code 1. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
 Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
 embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left behind (children also get
 SIGTERM from the kernel if this process is killed outright)."""
@@ -13,15 +14,22 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+import redis
+
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
+from kvrelay.shared.worker.directory import live_workers
+from kvrelay.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +89,21 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
         # entered first, left last: Redis stops after every process that talks to it
-        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis(preexec_fn=_die_with_parent))
-        for child in children:
-            child.config = dataclasses.replace(child.config, redis_url=redis_url)
+        embedded = None if args.redis_url else EmbeddedRedis(preexec_fn=_die_with_parent)
+        redis_url = args.redis_url or stack.enter_context(embedded)
+        for child in children:  # on the embedded Redis, each child gets its role's least-privilege user
+            url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
+            child.config = dataclasses.replace(child.config, redis_url=url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
-        procs.update((c.name, _start(c, args, threads, print_config=False)) for c in children)
+        supervisor = Supervisor({c.name: lambda c=c: _start(c, args, threads, print_config=False) for c in children},
+                                args.max_crashes, args.crash_window,
+                                on_exit=lambda name, proc: _unregister_worker(redis_url, proc.pid))
+        procs = supervisor.procs
+        supervisor.start_all()
         names = [m.name for m in models]
-        log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redis_url, args.mode)
-        code = _supervise(procs, lambda: stopping, f"http://{args.host}:{args.port}", names)
+        log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redact(redis_url),
+                 args.mode)
+        code = _supervise(supervisor, lambda: stopping, f"http://{args.host}:{args.port}", names)
         _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
         return code
 
@@ -112,18 +127,34 @@ def _env(child: Child, threads: int | None) -> dict[str, str]:
     return env
 
 
-def _supervise(procs: dict[str, subprocess.Popen], stopping, base_url: str, models: list[str]) -> int:
+def _supervise(supervisor: Supervisor, stopping, base_url: str, models: list[str]) -> int:
     announced = False
     while not stopping():
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                log.error("%s exited with code %s; stopping everything", name, proc.returncode)
-                return proc.returncode or 1
+        if reason := supervisor.check():
+            log.error("%s", reason)
+            return 1
         if not announced and _ready(base_url):
             announced = True
             print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
         time.sleep(READY_POLL_S if not announced else 0.5)
     return 0
+
+
+def _unregister_worker(redis_url: str, pid: int) -> None:
+    """A worker killed outright cannot unregister itself; until its heartbeat's TTL lapsed, gateways would
+    queue its models' requests and wait on the requests it held, and prefill workers would hand it KV.
+    Removing its registration at once turns that into a prompt 503 + Retry-After."""
+    client = sync_client(redis_url)
+    try:
+        for w in live_workers(client):
+            if w.pid == pid and w.host == socket.gethostname():
+                client.delete(keys.worker_key(w.worker_id))
+                client.srem(keys.WORKERS_INDEX, w.worker_id)
+                log.info("unregistered %s worker %s (pid %d)", w.role, w.worker_id, pid)
+    except redis.RedisError as exc:  # its TTL removes it anyway
+        log.warning("could not unregister the worker of pid %d: %s", pid, exc)
+    finally:
+        client.close()
 
 
 def _ready(base_url: str) -> bool:

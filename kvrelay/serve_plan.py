@@ -5,7 +5,7 @@ the child whole (shared/config/handover.py), so no flag is lost between serve an
 import argparse
 import dataclasses
 
-from kvrelay.cli_args import SERVE_WORKER_FLAGS, gateway_config_from_args
+from kvrelay.cli_args import SERVE_WORKER_FLAGS, gateway_config_from_args, zmq_secret
 from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.gateway import GatewayConfig
@@ -53,7 +53,9 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     if args.config and not repo:
         config_repo, _ = load_serve_config(args.config)
         repo = str(config_repo.root) if config_repo is not None else None
-    gateway = gateway_config_from_args(args, redis_url=redis_url, model_repo=repo,
+    # one secret per start, in every child's config (stdin): the deployment's processes admit only each other
+    secret = zmq_secret(args, generate_if_none=True)
+    gateway = gateway_config_from_args(args, redis_url=redis_url, model_repo=repo, zmq_secret=secret,
                                        reuse_port=args.reuse_port or args.api_server_count > 1,
                                        startup_models=[m.name for m in models if not m.lazy],
                                        lazy_models=[m.name for m in models if m.lazy])
@@ -76,6 +78,6 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
-        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS)
+        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"}))
     return children

@@ -6,7 +6,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values
+from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values, zmq_secret
 from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.config.flags import Flag, build
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
@@ -27,10 +27,13 @@ def run_worker(config: WorkerConfig) -> int:
     return 0
 
 
-def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS) -> WorkerConfig:
+def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS, **derived) -> WorkerConfig:
     """``--model`` (default SmolLM2) is the worker's one model, unless ``--config`` lists its models or
     ``--model-repo`` alone starts it empty, to be loaded through the admin API. ``flags``: the command
-    line's names for the worker's settings (kvrelay serve renames some)."""
+    line's names for the worker's settings (kvrelay serve renames some); ``derived``: what the launcher
+    decided (kvrelay serve's ZMQ secret)."""
+    if "zmq_secret" not in derived:  # first: a missing secret is said before any model is resolved
+        derived["zmq_secret"] = zmq_secret(args)
     # no --model: the flags only give every model its engine settings
     engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
                                                                             (args.model_repo and not args.model)))
@@ -54,7 +57,7 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
-              "freeze_gc": True}
+              "freeze_gc": True, **derived}
     return build(WorkerConfig, values, flags)
 
 

@@ -16,6 +16,7 @@ from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.sender import FirstToken, HandoffSender, Transfer
 from kvrelay.shared.handoff.states import State
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
+from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers
 
 __all__ = ["FirstToken", "HandoffManager", "State", "Transfer"]
@@ -25,11 +26,11 @@ WORKER_CACHE_S = 0.5
 
 class HandoffManager(HandoffSender):
     def __init__(self, ctx: zmq.Context, runtime, timeout_s: float, workers=None, core_for=None,
-                 transports: list[Transport] | None = None):
+                 transports: list[Transport] | None = None, *, curve: CurveKeys | None):
         """``workers()`` lists the candidate decode workers; by default the live ones registered in Redis.
         ``core_for(model)`` is the engine holding that model instance's KV (default: ``runtime.core``)."""
         super().__init__(ctx, runtime.config.worker_id, timeout_s, core_for or (lambda model: runtime.core),
-                         self._pick_decode_worker, transports)
+                         self._pick_decode_worker, transports, curve=curve)
         self._list_workers = workers or (lambda: live_workers(runtime.redis))
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0

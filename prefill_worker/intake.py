@@ -25,6 +25,7 @@ class JobIntake:
         self.queues: dict[str, JobQueue] = {}
         # no worker_id on events: a dead stream worker's jobs are reclaimed by a peer, not failed
         self.inflight = Lifecycle(runtime, release=self._release)
+        self._kept_at: dict[str, float] = {}  # instance -> when its in-flight jobs were last kept
 
     def attach(self, slot: ModelSlot) -> None:
         c = self.config
@@ -39,6 +40,7 @@ class JobIntake:
                 and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
 
     def fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
+        self._keep_in_flight(slot.instance)
         room = slot.core.config.scheduler.max_num_seqs - self.inflight.count(slot.instance)
         if room <= 0 or self.runtime.draining:
             return []
@@ -47,6 +49,17 @@ class JobIntake:
             self.queues[slot.instance].hand_back([entry_id for entry_id, _ in jobs])
             return []
         return jobs
+
+    def _keep_in_flight(self, instance: str) -> None:
+        """Our jobs still running must not look abandoned to XAUTOCLAIM (JobQueue.keep): refreshed three
+        times per reclaim_idle_ms."""
+        now = time.monotonic()
+        if now - self._kept_at.get(instance, 0.0) < self.config.reclaim_idle_ms / 3000:
+            return
+        self._kept_at[instance] = now
+        ids = [r.entry_id for r in self.inflight.requests.values() if r.instance == instance and r.entry_id]
+        if ids and instance in self.queues:
+            self.queues[instance].keep(ids)
 
     def admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> tuple[InFlight, Request] | None:
         """The tracked record and engine request of a fetched job; None for one that is ours already (our

@@ -244,6 +244,17 @@ class JobQueue:
             log.warning("ACK of %d job(s) failed (%s); retrying later", len(entry_ids), exc)
             self._unacked.extend(entry_ids)
 
+    def keep(self, entry_ids: Iterable[bytes]) -> None:
+        """Mark our pending ``entry_ids`` as still being worked on: a job running longer than
+        ``reclaim_idle_ms`` (a long generation on a unified worker) otherwise looks abandoned, and
+        XAUTOCLAIM, ours or a peer's, delivers it again, counting a failure each time until a crash of
+        ours dead-letters it instead of letting our successor resume it. XCLAIM with JUSTID resets the
+        idle time without counting a delivery."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, ids in self._by_stream(entry_ids).items():
+            pipe.xclaim(stream, keys.PREFILL_GROUP, self.consumer, 0, ids, justid=True)
+        pipe.execute()
+
     def _by_stream(self, tagged: Iterable[bytes]) -> dict[str, list[bytes]]:
         groups: dict[str, list[bytes]] = {}
         for t in tagged:

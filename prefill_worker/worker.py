@@ -50,7 +50,7 @@ class PrefillWorker:
         self.intake = JobIntake(self.runtime, config)
         self.inflight = self.intake.inflight
         self.handoff = HandoffManager(self.runtime.ctx, self.runtime, config.handoff_timeout_s,
-                                      core_for=self._core_for)
+                                      core_for=self._core_for, curve=self.runtime.curve)
 
     def run(self) -> None:
         self.runtime.start(zmq_addr="", hooks=self)  # prefill binds nothing: it dials decode workers

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.zmq_secret  # noqa: F401  (sets $KVRELAY_ZMQ_SECRET before any process starts)
+
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 
 

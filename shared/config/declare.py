@@ -5,6 +5,7 @@ flags (``flags.py``), YAML validation (``serve_config.py``) and the JSON a child
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticUndefined
@@ -19,9 +20,24 @@ def _device(name: str) -> str:
     return name
 
 
+# The query parameters of a rediss:// URL that redis-py hands to its TLS connection (file paths and
+# checks); anything else there would reach redis-py as an unknown keyword, or be a typo ignored.
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+_TLS_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required"), "ssl_check_hostname": ("true", "false")}
+
+
 def _redis_url(url: str) -> str:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    for name, values in parse_qs(urlsplit(url).query, keep_blank_values=True).items():
+        value = values[-1]
+        if not url.startswith("rediss://") or name not in (*_TLS_FILES, *_TLS_CHOICES):
+            raise ValueError(f"unknown URL parameter {name!r} (rediss:// takes "
+                             f"{', '.join((*_TLS_FILES, *_TLS_CHOICES))})")
+        if name in _TLS_CHOICES and value.lower() not in _TLS_CHOICES[name]:
+            raise ValueError(f"{name} must be one of {', '.join(_TLS_CHOICES[name])} (got {value!r})")
+        if name in _TLS_FILES and not Path(value).exists():
+            raise ValueError(f"{name}: no file {value}")
     return url
 
 

@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvrelay.shared.config.declare import CONFIG, ConfigError
+from kvrelay.shared.wire.redis_conn import redact
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,8 +84,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
             continue
         if flag.dest in (notes or {}):
             kw["help"] += f" ({notes[flag.dest]})"
-        elif default is not None and not flag.meta("secret"):
-            kw["help"] += " (default: %(default)s)"
+        elif default is not None and not flag.meta("secret"):  # a default from the environment may be a URL
+            kw["help"] += f" (default: {redact(str(default))})".replace("%", "%%")
         choices = _literal_choices(flag.info.annotation)
         if choices:
             group.add_argument(flag.option, choices=choices, **kw)
@@ -138,6 +139,7 @@ def _checker(flag: Flag):
             return adapter.validate_python(text)
         except ValidationError as exc:
             message = exc.errors()[0]["msg"].removeprefix("Value error, ")
-            raise argparse.ArgumentTypeError(f"{message} (got {text!r})") from None
+            # stderr may end up in a log: a URL's password does not
+            raise argparse.ArgumentTypeError(f"{message} (got {redact(text)!r})") from None
 
     return check

@@ -28,6 +28,9 @@ class GatewayConfig:
     zmq_port: Port = setting(0, "port for token events (0: ephemeral)")
     zmq_advertise_host: str | None = setting(None, "the address workers dial for token events; required when "
                                              "--zmq-host is a wildcard")
+    zmq_secret_file: str | None = common.zmq_secret_file()
+    insecure_zmq: bool = common.insecure_zmq()
+    zmq_secret: str | None = common.zmq_secret()
     stream_maxlen: int = setting(STREAM_MAXLEN, "XADD MAXLEN ~ of the per-model prefill streams", ge=1)
     registry_cache_s: float = setting(0.5, "seconds a Redis view of models and workers is reused across requests",
                                       ge=0)
@@ -39,6 +42,7 @@ class GatewayConfig:
     response_cache_max_bytes: int = setting(1024 * 1024, "larger responses are not cached", ge=0)
     usage_retention_s: int = setting(35 * 86400, "seconds per-minute usage buckets are kept", ge=60)
     queue_metrics_cache_s: float = setting(1.0, "/metrics reads the queues from Redis at most this often", ge=0)
+    metrics_tenant_labels: bool = common.metrics_tenant_labels()
     retry_after_s: int = setting(5, "Retry-After on 503 when no worker can serve the model", ge=0)
     default_tenant: str = setting("default", "whose requests these are while no tenant exists (open mode)",
                                   min_length=1)
@@ -46,6 +50,13 @@ class GatewayConfig:
                                        gt=0)
     drain_timeout: float = common.drain_timeout()
     reuse_port: bool = setting(False, "bind with SO_REUSEPORT, so several gateway processes serve one port")
+    # Slow clients (gateway/connection_guard.py). The keep-alive default outlasts clients' pools (httpx 5 s,
+    # nginx 60 s), so a reused connection is not closed under a request already on its way.
+    timeout_keep_alive: float = setting(75.0, "seconds an idle keep-alive connection stays open", gt=0)
+    timeout_header_read: float = setting(10.0, "seconds a client has to send a request's headers (from connecting, "
+                                         "or from the request's first byte); slower ones are disconnected", gt=0)
+    limit_idle_connections: int = setting(512, "connections with no request being handled (idle, or sending "
+                                          "headers) past which the longest idle are closed", ge=1)
     # The stream's length is the backlog: workers delete what they ACK.
     max_queue_depth: int = setting(4096, "jobs queued per model past which new requests get 429 + Retry-After "
                                    "(0: unbounded)", ge=0)

@@ -10,6 +10,7 @@ from typing import IO, Any
 from pydantic import TypeAdapter, ValidationError
 
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.wire.redis_conn import redact
 
 CONFIG_FROM_STDIN = "--config-from-stdin"
 
@@ -28,9 +29,11 @@ def receive(cls: type, stream: IO[str] | None = None) -> Any:
 
 
 def printable(config: Any) -> str:
-    """The resolved config as JSON (``--print-config``), secrets masked."""
+    """The resolved config as JSON (``--print-config``), secrets masked, URLs without their passwords."""
     data = TypeAdapter(type(config)).dump_python(config, mode="json")
     for name, info in type(config).__pydantic_fields__.items():
         if (info.json_schema_extra or {}).get("secret") and data.get(name) is not None:
             data[name] = "<set>"
+        elif isinstance(data.get(name), str):
+            data[name] = redact(data[name])
     return json.dumps(data, indent=1, sort_keys=True)

@@ -21,6 +21,11 @@ class ServeConfig:
         "disaggregated", "a prefill and a decode worker handing KV over, or one unified worker (no handoff)")
     api_server_count: int = setting(1, "gateway processes sharing --port (SO_REUSEPORT): one Python process tops "
                                     "out near 10k streamed tokens/s", ge=1)
+    # A crashed child is restarted with backoff (kvrelay/supervisor.py); one that keeps crashing is a fault
+    # a restart will not cure, and saying so beats restarting it for ever.
+    max_crashes: int = setting(5, "exits of one child (gateway or worker) within --crash-window that stop serve "
+                               "(exit 1) instead of another restart; 1: the first crash stops everything", ge=1)
+    crash_window: float = setting(300.0, "seconds over which --max-crashes counts a child's exits", gt=0)
 
 
 # A worker's flags that are the gateway's on serve's command line (--host, --port) or that serve counts up,

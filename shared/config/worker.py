@@ -42,6 +42,13 @@ class WorkerConfig:
     port: Port = setting(0, "ZMQ port (0: ephemeral)")
     advertise_host: str | None = setting(None, "the address peers dial to reach this worker (default: --host); "
                                          "set it when --host is a wildcard, e.g. to the pod IP or service name")
+    zmq_secret_file: str | None = common.zmq_secret_file()
+    insecure_zmq: bool = common.insecure_zmq()
+    zmq_secret: str | None = common.zmq_secret()
+    max_handoffs_per_peer: int | None = setting(
+        None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
+        "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",
+        ge=1)
     worker_id: str = setting(help="this worker's name in Redis (default: host-pid-random)", default_factory=_worker_id)
     model_path: str = ""  # directory with the tokenizer, published for gateways
     handoff_timeout_s: float = setting(10.0, "seconds a prefill worker waits for a decode worker to take a KV "
@@ -55,6 +62,7 @@ class WorkerConfig:
     reclaim_idle_ms: int = setting(15_000, "a pending job idle this long belongs to a dead prefill worker and is "
                                    "claimed", ge=1)
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
+    metrics_tenant_labels: bool = common.metrics_tenant_labels()
     drain_timeout_s: float = common.drain_timeout()
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
     model_repo: ExistingDir | None = common.model_repo()

@@ -3,7 +3,9 @@ model.safetensors.index.json) or dummy random weights of a preset shape, into ou
 the target device in the target dtype.
 
 Every safetensors header is checked against its file size before a byte is loaded, so a
-truncated download fails with the file's name rather than deep inside a memory map.
+truncated download fails with the file's name rather than deep inside a memory map. A model from the
+repository (``root`` given) has each file resolved and confined to the repository just before it is
+opened, and is opened by that resolved path (shared/repo/model_repo.py).
 """
 
 import json
@@ -15,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.engine.models import build_model, get_model_class, max_model_len
 from kvrelay.shared.engine.models.presets import get_preset
@@ -24,9 +27,10 @@ DUMMY_PREFIX = "dummy:"
 DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model stay finite in bf16
 
 
-def load_model(model_config: ModelConfig, device: str | torch.device,
-               progress: bool = True) -> tuple[nn.Module, dict]:
-    """(model in eval mode on ``device`` in the resolved dtype, the HF config dict)."""
+def load_model(model_config: ModelConfig, device: str | torch.device, progress: bool = True,
+               root: Path | None = None) -> tuple[nn.Module, dict]:
+    """(model in eval mode on ``device`` in the resolved dtype, the HF config dict). ``root``: the model
+    repository the model's files must resolve inside."""
     device = torch.device(device)
     dtype = model_config.torch_dtype(device.type)
     dummy = model_config.load_format == "dummy" or model_config.model.startswith(DUMMY_PREFIX)
@@ -35,7 +39,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device,
     if model_config.model.startswith(DUMMY_PREFIX):
         hf_config = get_preset(model_config.model[len(DUMMY_PREFIX):])
     else:
-        hf_config = read_hf_config(Path(model_config.model))
+        hf_config = read_hf_config(Path(model_config.model), root)
     limit = max_model_len(hf_config)
     wanted = model_config.max_model_len
     if wanted is not None and wanted > limit and get_model_class(hf_config).has_position_limit:
@@ -47,14 +51,22 @@ def load_model(model_config: ModelConfig, device: str | torch.device,
     if dummy:
         init_dummy_weights(model, model_config.seed)
     else:
-        files = safetensors_files(Path(model_config.model))
+        files = safetensors_files(Path(model_config.model), root)
         model.load_weights(iter_safetensors(files, progress))
     model.eval().requires_grad_(False)
     return model, hf_config
 
 
-def read_hf_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
+def model_file(model_dir: Path, name: str, root: Path | None = None) -> Path:
+    """``model_dir/name``; for a repository model (``root``) resolved, and refused unless inside ``root``."""
+    if root is None:
+        return model_dir / name
+    # a repository version is <root>/<name>/<version>: named as the repository names it
+    return inside(root, joined(model_dir, name), f"{model_dir.parent.name} v{model_dir.name}: {name}")
+
+
+def read_hf_config(model_dir: Path, root: Path | None = None) -> dict:
+    path = model_file(model_dir, "config.json", root)
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
     try:
@@ -77,21 +89,22 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path, root: Path | None = None) -> list[Path]:
     """The checkpoint's files, after checking that the index (if sharded) and the files agree."""
-    index_path = model_dir / "model.safetensors.index.json"
-    single = model_dir / "model.safetensors"
+    index_path = model_file(model_dir, "model.safetensors.index.json", root)
+    single = model_file(model_dir, "model.safetensors", root)
     if index_path.is_file():
         try:
             weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise ValueError(f"{index_path} is not a valid safetensors index: {e}") from e
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        files = [model_file(model_dir, name, root) for name in names]
         headers = {}
-        for file in files:
+        for name, file in zip(names, files, strict=True):
             if not file.is_file():
-                raise FileNotFoundError(f"shard {file.name} named in {index_path.name} is missing from {model_dir}")
-            headers[file.name] = read_safetensors_header(file)
+                raise FileNotFoundError(f"shard {name} named in {index_path.name} is missing from {model_dir}")
+            headers[name] = read_safetensors_header(file)
         for tensor, file_name in weight_map.items():
             if tensor not in headers[file_name]:
                 raise ValueError(f"tensor {tensor!r} is listed in {index_path.name} under {file_name}, "

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Grant:
+    peer: bytes  # the asker's ZMQ identity
     model: str
     block_ids: list[int]
     num_tokens: int
@@ -79,9 +80,10 @@ class KVInbox(ABC):
         self.bytes_received = 0
 
     @abstractmethod
-    def reserve(self, req: HandoffRequest, pending: int) -> list[int] | str:
+    def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
         """The decode role's admission: the blocks allocated for ``req``, or why not. ``pending``:
-        transfers of its model granted or arriving here, which will join the batch."""
+        transfers of its model granted or arriving here, which will join the batch; ``from_peer``: those
+        of them its asker holds."""
 
     @property
     def busy(self) -> bool:
@@ -127,7 +129,7 @@ class KVInbox(ABC):
             log.warning("dropped a malformed handoff message: %s", exc)
             return
         if isinstance(msg, HandoffRequest):
-            self._reply(peer, self._grant(msg))
+            self._reply(peer, self._grant(peer, msg))
         elif isinstance(msg, HandoffCancel):
             self._on_cancel(peer, msg)
         elif isinstance(msg, KVLayers):
@@ -135,7 +137,7 @@ class KVInbox(ABC):
         else:
             self._on_header(peer, msg, payload)
 
-    def _grant(self, req: HandoffRequest) -> HandoffGrant:
+    def _grant(self, peer: bytes, req: HandoffRequest) -> HandoffGrant:
         rid = req.request_id
         # KV never came (or stopped coming) for an earlier grant: its prefill worker died and a peer
         # reclaimed the job. The newer asker wins; a late KV for the old grant is refused as misaddressed
@@ -143,14 +145,14 @@ class KVInbox(ABC):
             self._abort_incoming(rid, "superseded by a newer request for the same id")
         if rid in self.grants:
             self._release_grant(rid)
-        pending = sum(1 for g in self.grants.values() if g.model == req.model) + sum(
-            1 for i in self.incoming.values() if i.model == req.model)
-        blocks = self.reserve(req, pending)
+        mine = [(g.peer, g.model) for g in self.grants.values()] + [(i.peer, i.model) for i in self.incoming.values()]
+        pending = sum(1 for _, model in mine if model == req.model)
+        blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
             return HandoffGrant(request_id=rid, accepted=False, reason=blocks)
         kv = self.core_for(req.model).runner.kv_cache
         offer = next((o for t in self.transports if (o := t.offer(req.model, kv, req)) is not None), None)
-        self.grants[rid] = Grant(req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
+        self.grants[rid] = Grant(peer, req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
                                  offered=offer is not None)
         return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=self.grant_ttl_s)
 

@@ -24,9 +24,11 @@ from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.states import Event, State, next_state
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode_any, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffCancel, HandoffGrant, HandoffRequest, KVHeader
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
+from kvrelay.shared.wire.zmq_auth import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +83,10 @@ Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model)
 
 class HandoffSender:
     def __init__(self, ctx: zmq.Context, worker_id: str, timeout_s: float, core_for, pick: Pick,
-                 transports: list[Transport] | None = None):
-        """``core_for(model)``: the engine holding that model instance's KV; ``pick``: whom to ask next."""
-        self.ctx, self.worker_id, self.timeout_s = ctx, worker_id, timeout_s
+                 transports: list[Transport] | None = None, *, curve: CurveKeys | None):
+        """``core_for(model)``: the engine holding that model instance's KV; ``pick``: whom to ask next;
+        ``curve``: the deployment's keys, without which decode workers do not let us in."""
+        self.ctx, self.worker_id, self.timeout_s, self.curve = ctx, worker_id, timeout_s, curve
         self.core_for, self.pick = core_for, pick
         self.transports = default_transports() if transports is None else transports
         self.sockets: dict[str, zmq.Socket] = {}
@@ -364,6 +367,7 @@ class HandoffSender:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
+            zmq_auth.dial(sock, self.curve)
             sock.connect(addr)
             self.poller.register(sock, zmq.POLLIN)
         return sock

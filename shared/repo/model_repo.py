@@ -6,6 +6,12 @@ A version folder appears only when complete (written under a hidden temp name, t
 its manifest records dtype, max_model_len and a sha256 per file so a corrupt or truncated copy is
 caught before loading. Every path that comes from a user (names, versions, admin API bodies) goes
 through ``confined`` first: no ``..``, no absolute paths, no symlink that leads out of the repository.
+
+The files of a version are confined too, not only its folder: ``get`` refuses a version any of whose
+entries resolves outside the repository (a ``config.json`` linked to ``/etc/...`` was registered and
+loaded), and whose manifest names another model or version than its folder. A link that stays inside
+the repository (a shard shared with a sibling version) is allowed. Loading checks again and opens each
+file by its resolved path (``inside``), since a link can be swapped in between.
 """
 
 import hashlib
@@ -19,13 +25,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvrelay.shared.config.confined import RepositoryError, inside, joined
+
 MANIFEST = "kvrelay-manifest.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 WEIGHT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
-
-
-class RepositoryError(ValueError):
-    """A bad name, path or version; the admin API answers these with 400."""
 
 
 @dataclass
@@ -43,13 +47,17 @@ class ModelVersion:
 
 def confined(root: Path, *parts: str) -> Path:
     """``root/parts...`` resolved, or RepositoryError if it would leave ``root``."""
-    for part in parts:
-        if not part or os.path.isabs(part) or any(p in ("..", "") for p in Path(part).parts) or "\\" in part:
-            raise RepositoryError(f"path component {part!r} is not allowed")
-    target = root.joinpath(*parts).resolve()
-    if not target.is_relative_to(root.resolve()):
-        raise RepositoryError(f"{'/'.join(parts)!r} resolves outside the model repository")
-    return target
+    return inside(root, joined(root, *parts), repr("/".join(parts)))
+
+
+def check_version_files(root: Path, folder: Path, label: str) -> None:
+    """Every entry under a version folder resolves inside ``root``: the loader, the tokenizer and the
+    verifier open files by name (config.json, generation_config.json, shards an index names), so no entry
+    may lead out, listed in the manifest or not."""
+    for dirpath, dirnames, filenames in os.walk(folder):  # never follows a linked folder, only checks it
+        for entry in dirnames + filenames:
+            path = Path(dirpath, entry)
+            inside(root, path, f"{label}: {path.relative_to(folder)}")
 
 
 def _check_name(name: str) -> str:
@@ -87,7 +95,13 @@ class ModelRepository:
         if version not in versions:
             raise RepositoryError(f"model {name!r} has no version {version} (has {versions})")
         folder = confined(self.root, name, str(version))
-        data = json.loads((folder / MANIFEST).read_text())
+        label = f"{name} v{version}"
+        check_version_files(self.root, folder, label)
+        data = json.loads(inside(self.root, folder / MANIFEST, f"{label}: {MANIFEST}").read_text())
+        if not isinstance(data, dict) or data.get("name") != name or data.get("version") != version:
+            found = (data.get("name"), data.get("version")) if isinstance(data, dict) else (None, None)
+            raise RepositoryError(f"{name}/{version}/{MANIFEST} describes {found[0]!r} version {found[1]!r}, "
+                                  f"not the folder it is in")
         return ModelVersion(**{**data, "path": str(folder)})
 
     def list(self) -> list[ModelVersion]:
@@ -98,13 +112,16 @@ class ModelRepository:
 
     def verify(self, mv: ModelVersion) -> None:
         """Raise RepositoryError naming the first file whose bytes differ from the manifest."""
-        folder = Path(mv.path)
         for fname, digest in mv.files.items():
-            path = confined(folder, fname)
+            path = self.file(mv, fname)
             if not path.is_file():
                 raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
             if sha256_file(path) != digest:
                 raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is corrupt (checksum mismatch)")
+
+    def file(self, mv: ModelVersion, fname: str) -> Path:
+        """A file the manifest names, resolved inside the repository (a sibling version's shard is fine)."""
+        return inside(self.root, joined(Path(mv.path), fname), f"{mv.name} v{mv.version}: {fname}")
 
     def import_model(self, source: str, name: str, version: int | None = None, progress: bool = True,
                      dtype: str = "auto") -> ModelVersion:

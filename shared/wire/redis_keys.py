@@ -36,6 +36,10 @@ Tenants (gateway only; plain hash fields, not protocol messages, so operators ca
     usage_key(t, model, min)  hash: requests, prompt_tokens, completion_tokens, cache_hits of one unix
                               minute, TTL'd; USAGE_TENANTS and usage_models_key(t) index them
     response_cache_key(t, h)  string: a cached response body for request hash h, TTL'd
+
+Metrics:
+    METRICS_SALT              string, random hex SET NX by the first gateway or worker to start: what a
+                              tenant's name is hashed with in /metrics (shared/wire/tenant_label.py)
 """
 
 PREFIX = "kvrelay"
@@ -45,6 +49,7 @@ JOB_FIELD = "data"
 WORKERS_INDEX = f"{PREFIX}:workers"
 MODELS_INDEX = f"{PREFIX}:models"
 ABORT_CHANNEL = f"{PREFIX}:abort"
+METRICS_SALT = f"{PREFIX}:metrics-salt"
 
 HEARTBEAT_INTERVAL_S = 2.0
 # Several missed heartbeats before a worker counts as dead: a GC pause or a long prefill step must not

@@ -5,8 +5,10 @@ import logging
 
 import zmq
 
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
+from kvrelay.shared.wire.zmq_auth import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +21,8 @@ class EventSink:
     it, and ``take_stalled`` names it so that its requests, whose streams now have a gap, are aborted.
     Nobody else waits for it."""
 
-    def __init__(self, ctx: zmq.Context):
-        self.ctx = ctx
+    def __init__(self, ctx: zmq.Context, *, curve: CurveKeys | None):
+        self.ctx, self.curve = ctx, curve
         self.sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, list[TokenEvent]] = {}
         self._stalled: set[str] = set()
@@ -44,6 +46,7 @@ class EventSink:
             sock = self.sockets[addr] = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, EVENT_HWM)
+            zmq_auth.dial(sock, self.curve)
             sock.connect(addr)
         return sock
 

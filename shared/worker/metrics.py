@@ -18,11 +18,16 @@ queue and assume hosts' clocks agree (NTP).
 
 import logging
 import os
+import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import SchedulerOutput
@@ -39,6 +44,7 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 2.5,
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 ROLES = ("prefill", "decode", "unified")
+SCRAPE_TIMEOUT_S = 10.0  # a scraper sends its request at once; a slow one must not hold a thread
 
 
 @dataclass
@@ -48,9 +54,10 @@ class _Seen:
 
 class WorkerMetrics:
     def __init__(self, core, model_name: str, role: str, worker_id: str, device: str = "cpu",
-                 process_collectors: bool = True):
+                 process_collectors: bool = True, tenant_label: Callable[[str], str] = str):
         """One model's metrics. A worker hosting several models makes one per model and serves them all
-        through ``MergedMetrics``; only one of them carries the process and host collectors."""
+        through ``MergedMetrics``; only one of them carries the process and host collectors.
+        ``tenant_label``: how a tenant is shown (shared/wire/tenant_label.py: a hash unless names are asked for)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.core = core
@@ -58,6 +65,7 @@ class WorkerMetrics:
         self.first_token_here = role in ("prefill", "unified")
         self.later_tokens_here = role in ("decode", "unified")
         self.role = role
+        self.tenant_label = tenant_label
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
         self._seen: dict[str, _Seen] = {}
@@ -139,7 +147,7 @@ class WorkerMetrics:
                 self.itl.observe(now - seen.last_token)
             seen.last_token = now
         for tenant, n in per_tenant.items():
-            self._tenant_tokens.labels(self.model, tenant).inc(n)
+            self._tenant_tokens.labels(self.model, self.tenant_label(tenant)).inc(n)
         for req in finished:
             self._seen.pop(req.request_id, None)
             # a prefill worker's engine ends every request at its first token; whether the request
@@ -198,7 +206,11 @@ class MergedMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0: ephemeral) from a daemon thread; returns the port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        self._server = make_server(host, port, make_wsgi_app(self.registry), server_class,
+                                   handler_class=_ScrapeHandler)
+        threading.Thread(target=self._server.serve_forever, name="kvrelay-metrics", daemon=True).start()
         port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", host, port)
         return port
@@ -208,6 +220,16 @@ class MergedMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    """One scrape: a client that sends partial headers and then nothing (prometheus_client's server waits
+    forever, a thread per connection) is cut after SCRAPE_TIMEOUT_S; no access log per scrape."""
+
+    timeout = SCRAPE_TIMEOUT_S
+
+    def log_message(self, format: str, *args) -> None:
+        pass
 
 
 class _PrefixCacheCollector:

@@ -2,8 +2,9 @@
 
 Lifecycle of one model instance (a model at one version) here:
   ControlCommand "load" (or a model configured at startup)
-    -> the path is resolved inside the repository (``confined``) and the weights are estimated from the
-       safetensors headers; what does not fit the weights budget or the KV pool's floor evicts idle,
+    -> the path and every file of the version are resolved inside the repository (``confined``, checked
+       again when the load starts, each file opened by its resolved path) and the weights are estimated
+       from the safetensors headers; what does not fit the weights budget or the KV pool's floor evicts idle,
        unpinned instances (the longest idle per second of reload cost first), or the load is refused
     -> LOADING: a thread verifies the manifest checksums and builds the EngineCore; its KV comes from
        the shared pool (``shared/engine/kv_pool.py``), which lends idle co-resident models' blocks to busy ones
@@ -26,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -101,6 +103,7 @@ class ModelPlan:
     keep_alive_s: float = 0.0
     weight_bytes: int = 0  # the estimate
     verify: Callable[[], None] | None = None  # raises RepositoryError on a corrupt copy; runs on the loading thread
+    root: Path | None = None  # a repository version's: every file it opens must resolve inside
 
     @property
     def instance(self) -> str:
@@ -155,21 +158,21 @@ class ModelHost:
             if self.repo is None:
                 raise RepositoryError("this worker has no model repository (start it with --model-repo)")
             mv = self.repo.get(cmd.name, cmd.version)  # confined: no "..", absolute path or escaping link
-            path = mv.path
-            verify = (lambda: verify_parallel(mv)) if self.verify_checksums else None
+            path, root = mv.path, self.repo.root
+            verify = (lambda: verify_parallel(mv, self.repo)) if self.verify_checksums else None
         else:
             path = self.configured_paths.get(cmd.name, "")
             if not path or (cmd.path and cmd.path != path):
                 raise RepositoryError(f"model {cmd.name!r} has no version and no path configured on this worker")
-            verify = None
+            verify, root = None, None
         model = dataclasses.replace(self.base.model, model=path, served_model_name=cmd.name,
                                     dtype=cmd.dtype or self.base.model.dtype,
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
         engine = dataclasses.replace(self.base, model=model)
         return ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
-                         keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine),
-                         verify=verify)
+                         keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine, root),
+                         verify=verify, root=root)
 
     @property
     def weights_used(self) -> int:
@@ -215,7 +218,7 @@ class ModelHost:
     def _floor_bytes(self, plan: ModelPlan) -> int:
         if self.pool is None:
             return 0
-        return kv_floor_bytes(plan.engine)
+        return kv_floor_bytes(plan.engine, plan.root)
 
     def _owned_bytes(self, s: ModelSlot) -> int:
         return s.core.num_total_blocks * s.core.runner.block_bytes
@@ -229,13 +232,15 @@ class ModelHost:
 
     def _build(self, plan: ModelPlan) -> ModelSlot:
         t0 = time.perf_counter()
+        if plan.root is not None and self.repo is not None:
+            self.repo.get(plan.name, plan.version)  # again: a file may have become a link since the plan
         if plan.verify is not None:
             plan.verify()
         log.info("loading %s from %s", plan.instance, plan.path)
         # weights are read here while the other models keep serving; the engine around them is built
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
         # race another thread's kernels. On CPU only the pool attach takes the lock (LockedPool).
-        loaded = load_model(plan.engine.model, plan.engine.device)
+        loaded = load_model(plan.engine.model, plan.engine.device, root=plan.root)
         t_weights = time.perf_counter()
         with self.lock if plan.engine.device.startswith("cuda") else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,

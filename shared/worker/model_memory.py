@@ -9,14 +9,15 @@ import torch
 from kvrelay.shared.config.engine import EngineConfig
 
 
-def estimate_weight_bytes(engine: EngineConfig) -> int:
+def estimate_weight_bytes(engine: EngineConfig, root: Path | None = None) -> int:
     """Weights in the dtype they will be loaded in, from the safetensors headers (or, for a dummy preset,
-    its parameter count on the meta device), without reading any tensor data."""
+    its parameter count on the meta device), without reading any tensor data. ``root``: the model
+    repository its files must resolve inside (shared/engine/loader.py)."""
     from kvrelay.shared.engine.loader import read_safetensors_header, safetensors_files
     from kvrelay.shared.engine.models import build_model
 
     dtype = engine.model.torch_dtype(torch.device(engine.device).type)
-    config = _hf_config(engine)  # a folder without a config is not a model: fail before estimating
+    config = _hf_config(engine, root)  # a folder without a config is not a model: fail before estimating
     if engine.model.model.startswith("dummy:"):
         model = build_model(config, dtype, torch.device("meta"))
         return sum(p.numel() for p in model.parameters()) * dtype.itemsize
@@ -24,18 +25,18 @@ def estimate_weight_bytes(engine: EngineConfig) -> int:
     if path.suffix == ".gguf":
         return path.stat().st_size * max(1, dtype.itemsize // 2)  # converted once; a rough upper bound
     numel = 0
-    for f in safetensors_files(path):
+    for f in safetensors_files(path, root):
         for name, meta in read_safetensors_header(f).items():
             if name != "__metadata__":
                 numel += math.prod(meta["shape"])
     return numel * dtype.itemsize
 
 
-def kv_floor_bytes(engine: EngineConfig) -> int:
+def kv_floor_bytes(engine: EngineConfig, root: Path | None = None) -> int:
     """KV one sequence of the model's max length needs: the floor a co-resident model keeps."""
     from kvrelay.shared.engine.models import max_model_len
 
-    cfg = _hf_config(engine)
+    cfg = _hf_config(engine, root)
     layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0
     heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -46,7 +47,7 @@ def kv_floor_bytes(engine: EngineConfig) -> int:
     return -(-max_len // bs) * layers * 2 * bs * kv_heads * head_dim * itemsize
 
 
-def _hf_config(engine: EngineConfig) -> dict:
+def _hf_config(engine: EngineConfig, root: Path | None) -> dict:
     from kvrelay.shared.engine.loader import read_hf_config
     from kvrelay.shared.engine.models.presets import get_preset
 
@@ -54,4 +55,4 @@ def _hf_config(engine: EngineConfig) -> dict:
         return get_preset(engine.model.model.removeprefix("dummy:"))
     if engine.model.model.endswith(".gguf"):
         return {}
-    return read_hf_config(Path(engine.model.model))
+    return read_hf_config(Path(engine.model.model), root)

@@ -44,6 +44,8 @@ from kvrelay.shared.wire.protocol import (
     instance_key,
 )
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_labeler
+from kvrelay.shared.wire.zmq_auth import keys_from_secret
 from kvrelay.shared.worker.event_sink import EventSink
 from kvrelay.shared.worker.gateway_watch import GatewayWatch
 from kvrelay.shared.worker.metrics import MergedMetrics, WorkerMetrics
@@ -73,7 +75,8 @@ class WorkerRuntime:
             min_replicas=self._min_replicas, freeze_gc=config.freeze_gc)
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self.ctx = zmq.Context()
-        self.events = EventSink(self.ctx)
+        self.curve = keys_from_secret(config.zmq_secret, config.insecure_zmq)  # every socket of ours authenticates with it
+        self.events = EventSink(self.ctx, curve=self.curve)
         self.aborts: queue.Queue[str] = queue.Queue()
         self.gateways = GatewayWatch(self.redis)
         self.stop = threading.Event()
@@ -86,8 +89,9 @@ class WorkerRuntime:
         self._beat_now = threading.Event()
         for m in config.startup_models():
             self.tokenizer_dirs[instance_key(m.name, m.version)] = m.tokenizer_dir or m.engine.model.model
+            root = self.host.repo.root if m.version and self.host.repo is not None else None
             plan = ModelPlan(name=m.name, version=m.version, path=m.engine.model.model, engine=m.engine,
-                             pinned=m.pinned, keep_alive_s=m.keep_alive_s)
+                             pinned=m.pinned, keep_alive_s=m.keep_alive_s, root=root)
             self.host.load_now(plan)
 
     @property
@@ -104,6 +108,7 @@ class WorkerRuntime:
     def start(self, zmq_addr: str, hooks: RoleHooks) -> None:
         self.zmq_addr = zmq_addr
         self.hooks = hooks
+        self.tenant_label = tenant_labeler(None if self.config.metrics_tenant_labels else metrics_salt(self.redis))
         self.host.hooks = _PublishingHooks(self, hooks)
         for slot in self.host.slots.values():  # loaded before the role existed
             self.host.hooks.attach(slot)
@@ -375,7 +380,8 @@ class _PublishingHooks:
     def attach(self, slot: ModelSlot) -> None:
         rt = self.runtime
         metrics = WorkerMetrics(slot.core, slot.instance, rt.config.role, rt.config.worker_id,
-                                rt.config.engine.device, process_collectors=not rt.metrics.registries)
+                                rt.config.engine.device, process_collectors=not rt.metrics.registries,
+                                tenant_label=rt.tenant_label)
         slot.core.observer = metrics
         slot.metrics = metrics
         rt.metrics.registries[slot.instance] = metrics.registry

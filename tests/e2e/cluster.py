@@ -35,7 +35,8 @@ class Cluster:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
         # several processes share CI's 2 cores: one math thread each avoids oversubscription stalls
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # the URL holds a password: the environment, not argv, which every local user can read
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=self.redis_url)
         proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
         self.procs[name] = proc
@@ -43,14 +44,13 @@ class Cluster:
 
     def start_gateway(self, name: str = "gateway", extra: list[str] = ()) -> int:
         port = free_port()
-        self._spawn(name, ["gateway", "--port", str(port), "--redis-url", self.redis_url, *extra])
+        self._spawn(name, ["gateway", "--port", str(port), *extra])
         if not self.port:
             self.port = port
         return port
 
     def start_worker(self, role: str, name: str, extra: list[str] = ()) -> None:
-        self._spawn(name, [f"{role}-worker", "--model", self.model, "--redis-url", self.redis_url,
-                           "--worker-id", name, *self.engine_args, *extra])
+        self._spawn(name, [f"{role}-worker", "--model", self.model, "--worker-id", name, *self.engine_args, *extra])
 
     @property
     def base_url(self) -> str:

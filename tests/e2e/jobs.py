@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Job, TokenBatch
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from tests.zmq_secret import CURVE
 
 
 @dataclass
@@ -38,6 +40,7 @@ class JobClient:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        zmq_auth.serve(self.sock, CURVE)  # workers dial with the test deployment's keys, as a gateway's
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.seen: dict[str, Seen] = {}
         self._lock = threading.Lock()

@@ -16,6 +16,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_hash
 from tests.conftest import make_tiny_model
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.jobs import JobClient
@@ -167,9 +169,10 @@ def test_worker_metrics_move_and_settle(cluster, jobs):
     assert moved("vllm:prefix_cache_queries_total", p) >= 6 * 30
     assert moved("kvrelay_handoff_bytes_total", p) > 0 and moved("kvrelay_handoff_seconds_count", p) == 7
     assert moved("kvrelay_handoff_failures_total", p) == 0
+    salt = metrics_salt(sync_client(cluster.redis_url))  # tenants show hashed: /metrics needs no key
     for w in (p, d):
-        assert moved("kvrelay_worker_tenant_tokens_total", w, tenant="metrics-a") > 0
-        assert moved("kvrelay_worker_tenant_tokens_total", w, tenant="metrics-b") > 0
+        assert moved("kvrelay_worker_tenant_tokens_total", w, tenant=tenant_hash(salt, "metrics-a")) > 0
+        assert moved("kvrelay_worker_tenant_tokens_total", w, tenant=tenant_hash(salt, "metrics-b")) > 0
         assert total(after[w], "process_resident_memory_bytes") > 0
         assert ("kvrelay_node_load1", ()) in after[w]
     assert total(after[p], "kvrelay_worker_info", role="prefill", model_name=MODEL) == 1

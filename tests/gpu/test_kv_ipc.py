@@ -19,6 +19,7 @@ from kvrelay.shared.handoff.direct import DeviceCopy, Exporter, IpcError, Peers
 from kvrelay.shared.handoff.frames import Frames, StagedKV
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off
 from tests.integration.handoff_harness import DecodeSide
+from tests.zmq_secret import CURVE
 
 pytestmark = pytest.mark.gpu
 MODEL = "tiny"
@@ -40,7 +41,7 @@ def _prefill_process(addr: str) -> None:
     """The other process: a prefill worker's handoff half, handing CASES off to ``addr``."""
     kv = _source_cache()
     rt = endpoint(kv, "p-gpu", MODEL, scatter_seed=3)
-    manager = HandoffManager(zmq.Context(), rt, 10.0, workers=lambda: [decode_info(addr, MODEL)])
+    manager = HandoffManager(zmq.Context(), rt, 10.0, workers=lambda: [decode_info(addr, MODEL)], curve=CURVE)
     for rid, num_tokens in CASES:
         t, src = _hand_off(manager, rt, rid, num_tokens)
         print(json.dumps(dict(rid=rid, state=t.state.value, transport=t.transport, src=src, reason=t.reason)),
@@ -79,7 +80,7 @@ def _in_process_prefill(addr: str, transports=None):
     kv = _source_cache()
     rt = endpoint(kv, "p-local", MODEL, scatter_seed=3)
     return rt, HandoffManager(zmq.Context.instance(), rt, 10.0, workers=lambda: [decode_info(addr, MODEL)],
-                              transports=transports)
+                              transports=transports, curve=CURVE)
 
 
 def _check_landed(side: DecodeSide, rt, rid: str, src: list[int]) -> None:

@@ -25,10 +25,12 @@ from aiohttp import web
 from kvrelay.gateway.app import create_app
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from tests.zmq_secret import CURVE, SECRET
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 96
@@ -231,6 +233,7 @@ class FakeWorker:
                     if addr not in sockets:
                         sockets[addr] = ctx.socket(zmq.PUSH)
                         sockets[addr].setsockopt(zmq.LINGER, 0)
+                        zmq_auth.dial(sockets[addr], CURVE)
                         sockets[addr].connect(addr)
                     if events:  # one message per step per gateway
                         sockets[addr].send(encode(TokenBatch(events=events)))
@@ -285,7 +288,7 @@ class GatewayServer:
 
 
 def gateway_config(redis_url: str, **over) -> GatewayConfig:
-    return GatewayConfig(**{"port": free_port(), "redis_url": redis_url, "registry_cache_s": 0.0,
+    return GatewayConfig(**{"port": free_port(), "redis_url": redis_url, "registry_cache_s": 0.0, "zmq_secret": SECRET,
                             "request_timeout": 30.0, "disconnect_poll_s": 0.1, **over})
 
 

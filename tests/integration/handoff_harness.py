@@ -13,7 +13,9 @@ from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import HandoffManager, Transfer
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.handoff import KVHeader
+from tests.zmq_secret import CURVE
 
 MODEL = "tiny"
 SHAPE = (8, 2, 96, 16, 4, 64)  # fp32: 256 KiB a block, so 10 MiB transfers go through the thread pool
@@ -28,6 +30,7 @@ class DecodeSide:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))  # as the decode worker
+        zmq_auth.serve(self.sock, CURVE)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.rt = endpoint(kv, "d1", MODEL)
         self.receiver = HandoffReceiver(self.sock, self.rt.core, MODEL, ttl_s, transports=transports)
@@ -59,7 +62,7 @@ def prefill_side() -> Iterator:
 
     def make(addr: str, timeout_s: float = 5.0, transports=None) -> HandoffManager:
         managers.append(HandoffManager(ctx, rt, timeout_s, workers=lambda: [decode_info(addr, MODEL)],
-                                       transports=transports))
+                                       transports=transports, curve=CURVE))
         return managers[-1]
 
     yield rt, make

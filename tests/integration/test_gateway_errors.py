@@ -14,10 +14,12 @@ import zmq
 
 from kvrelay.gateway.state import DISPATCHER
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Abort, ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_conn import async_client, sync_client
 from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, GatewayServer, gateway_config, running_stack
+from tests.zmq_secret import CURVE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,6 +212,7 @@ def test_malformed_token_batches_are_dropped(stack):
     address = stack.server.app[DISPATCHER].address
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
+    zmq_auth.dial(push, CURVE)  # a worker of the deployment with a bug: its messages do arrive
     push.connect(address)
     for junk in (b"", b"\xc1garbage", encode(Abort(request_ids=["x"]))):
         push.send(junk)

@@ -13,6 +13,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ModelInfo
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_hash
 from tests.integration.gateway_harness import MODEL, running_stack
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer, sample, scrape
 
@@ -45,11 +46,22 @@ def test_request_metrics_move(stack):
     assert _delta(after, before, "kvrelay_ttft_seconds_count", model=MODEL) == 1
     assert _delta(after, before, "kvrelay_ttft_seconds_sum", model=MODEL) > 0
     usage = out["usage"]
-    assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=name, model=MODEL,
+    # /metrics is open: the tenant shows as its hash under the deployment's salt, never by name
+    label = tenant_hash(metrics_salt(sync_client(stack.redis_url)), name)
+    assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=label, model=MODEL,
                   kind="prompt") == usage["prompt_tokens"]
-    assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=name, model=MODEL,
+    assert _delta(after, before, "kvrelay_tenant_tokens_total", tenant=label, model=MODEL,
                   kind="completion") == usage["completion_tokens"]
+    assert name not in requests.get(f"{stack.url}/metrics").text
     assert sample(after, "kvrelay_requests_in_flight", model=MODEL) == 0
+
+
+def test_tenant_names_show_only_with_metrics_tenant_labels(tmp_path):
+    with running_stack(tmp_path, admin_key=ADMIN_KEY, metrics_tenant_labels=True) as named:
+        name, key = Admin(named.url).tenant_with_key()
+        requests.post(f"{named.url}/v1/completions", headers=bearer(key),
+                      json={"model": MODEL, "prompt": "hello there", "max_tokens": 8})
+        assert sample(scrape(named.url), "kvrelay_tenant_tokens_total", tenant=name, model=MODEL, kind="prompt") > 0
 
 
 def test_vllm_request_series_count_each_choice_once(stack):

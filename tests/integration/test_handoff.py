@@ -15,6 +15,7 @@ from kvrelay.prefill_worker.handoff import FirstToken, State
 from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.handoff.standalone import synthetic_job
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant, HandoffRequest, KVHeader
 from tests.integration.handoff_harness import (
@@ -28,6 +29,7 @@ from tests.integration.handoff_harness import (
     prefill_side,
     wait_for,
 )
+from tests.zmq_secret import CURVE
 
 
 @pytest.fixture()
@@ -60,9 +62,10 @@ def test_handoffs_land_bit_exact(prefill, decode_side, dtype):
 
 
 def _dealer(addr: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = zmq.Context.instance().socket(zmq.DEALER)  # a peer of the deployment, misbehaving
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 15_000)
+    zmq_auth.dial(sock, CURVE)
     sock.connect(addr)
     return sock
 
@@ -146,6 +149,7 @@ def test_decode_peer_that_never_answers_fails_the_transfer(prefill):
     ctx = zmq.Context.instance()
     silent = ctx.socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
+    zmq_auth.serve(silent, CURVE)
     addr = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
     total = rt.core.block_manager.num_free_blocks
     t, _ = hand_off_tiny(make(addr, timeout_s=0.3), rt, "r1", 20)
@@ -158,6 +162,7 @@ def test_decode_peer_that_stalls_after_granting_fails_the_transfer(prefill):
     rt, make = prefill
     granter = zmq.Context.instance().socket(zmq.ROUTER)
     granter.setsockopt(zmq.LINGER, 0)
+    zmq_auth.serve(granter, CURVE)
     addr = f"tcp://127.0.0.1:{granter.bind_to_random_port('tcp://127.0.0.1')}"
     manager = make(addr, timeout_s=0.3)
     total = rt.core.block_manager.num_free_blocks

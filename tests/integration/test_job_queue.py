@@ -75,3 +75,20 @@ def test_group_is_recreated_after_redis_loses_it(r):
     assert q.fetch(1, block_ms=10) == []
     r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("after"))})
     assert [j.request_id for _, j in q.fetch(1, block_ms=10)] == ["after"]
+
+
+def test_a_job_kept_by_its_worker_is_not_reclaimed_however_long_it_runs(r):
+    """A unified worker generating for longer than reclaim_idle_ms: without ``keep`` its job is taken by
+    XAUTOCLAIM (a peer's, or its own), a delivery counted each time, so a crash later dead-lettered it
+    instead of letting the restarted worker resume it."""
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("long"))})
+    a, b = _queue(r, "a", idle_ms=1000), _queue(r, "b", idle_ms=1000)
+    ((entry_id, _),) = a.fetch(1, block_ms=10)
+    for _ in range(4):  # 1.6 s in all: past reclaim_idle_ms, though never idle that long at once
+        time.sleep(0.4)
+        a.keep([entry_id])
+        b._last_reclaim = 0.0
+        assert b.fetch(1, block_ms=0) == []
+    (pending,) = r.xpending_range(keys.prefill_stream(MODEL), keys.PREFILL_GROUP, min=entry_id, max=entry_id,
+                                  count=1)
+    assert pending["consumer"] == b"a" and pending["times_delivered"] == 1

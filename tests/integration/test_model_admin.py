@@ -207,6 +207,17 @@ def env(redis_url, tmp_path_factory) -> Iterator[Env]:
             _add_version(repo, name, v)
     _add_version(tmp / "outside", "secret", 1)
     (repo / "evil").symlink_to(tmp / "outside" / "secret")  # evil/1/manifest exists, but outside the repo
+    _add_version(repo, "linked", 1)  # a file of the version is a link out of the repository
+    (repo / "linked" / "1" / "config.json").symlink_to(tmp / "outside" / "secret" / "1" / MANIFEST)
+    _add_version(repo, "renamed", 1)  # a manifest describing another model, or another version
+    _add_version(repo, "renumbered", 2)
+    for name, version, other in (("renamed", 1, {"name": "alpha"}), ("renumbered", 2, {"version": 1})):
+        manifest = repo / name / str(version) / MANIFEST
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), **other}))
+    _add_version(repo, "shared", 1)  # a link to a sibling version's file stays inside: allowed
+    (repo / "shared" / "1" / "model.safetensors").write_bytes(b"weights")
+    _add_version(repo, "shared", 2)
+    (repo / "shared" / "2" / "model.safetensors").symlink_to(Path("..") / "1" / "model.safetensors")
     server = GatewayServer(gateway_config(url, admin_key=ADMIN_KEY, model_repo=str(repo), model_load_timeout=15.0,
                                           reconcile_interval_s=0.0)).start()
     try:
@@ -275,6 +286,9 @@ def test_register_list_delete(env):
     {"name": "/etc/passwd"},
     {"name": "alpha/../../x"},
     {"name": "evil"},  # a symlink out of the repository
+    {"name": "linked"},  # its config.json links out of the repository
+    {"name": "renamed"},  # its manifest names another model
+    {"name": "renumbered", "version": 2},  # its manifest names another version
     {"name": "nosuch"},
     {"name": "alpha", "version": 9},
     {"name": "alpha", "path": "/tmp/weights"},  # the API never loads from a path
@@ -285,6 +299,22 @@ def test_register_rejects_what_is_not_a_repository_version(env, body):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert env.model(body["name"]) is None
+
+
+def test_the_refusal_names_the_file(env):
+    r = env.admin("POST", "/admin/models", json={"name": "linked"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "linked v1: config.json resolves outside the model repository"
+    r = env.admin("POST", "/admin/models", json={"name": "renumbered", "version": 2})
+    assert r.status_code == 400 and f"renumbered/2/{MANIFEST} describes 'renumbered' version 1" in r.text
+
+
+def test_a_link_to_a_sibling_version_is_allowed(env):
+    r = env.admin("POST", "/admin/models", json={"name": "shared", "version": 2})
+    try:
+        assert r.status_code == 201, r.text
+    finally:
+        env.admin("DELETE", "/admin/models/shared")
 
 
 def test_admin_paths_with_bad_names_or_versions(env):

@@ -17,6 +17,7 @@ import yaml
 from kvrelay.cli import build_parser
 from kvrelay.gateway.routes import ROUTES
 from kvrelay.shared.config.gateway import GatewayConfig
+from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -58,7 +59,10 @@ def test_compose_kvrelay_services_build_one_image_and_parse_as_cli_commands(comp
         assert (ROOT / build["context"] / build["dockerfile"]).is_file()
         args = parse(svc["command"])
         roles[name] = args.command
-        assert args.redis_url == "redis://redis:6379/0"
+        assert "--redis-url" not in svc["command"]  # argv is readable by every local user: the URL is in env
+        user = "gateway" if args.command == "gateway" else "worker"
+        password = f"${{KVRELAY_REDIS_{user.upper()}_PASSWORD:?see the top of docker-compose.yml}}"
+        assert svc["environment"]["KVRELAY_REDIS_URL"] == f"redis://{user}:{password}@redis:6379/0"
         assert int(re.search(r"(\d+)s$", svc["stop_grace_period"]).group(1)) > args.drain_timeout
     assert roles == {"gateway": "gateway", "gateway-2": "gateway", "prefill-worker": "prefill-worker",
                      "decode-worker": "decode-worker"}
@@ -91,6 +95,18 @@ def test_compose_mounted_files_exist(compose):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
             else:
                 assert source in compose["volumes"], f"{name} uses undeclared volume {source}"
+
+
+def test_redis_takes_its_users_from_the_aclfile_kvrelay_redis_acl_writes(compose, k8s):
+    redis = compose["services"]["redis"]
+    assert flag(redis["command"], "--aclfile") == "/run/secrets/redis-users.acl"
+    assert redis["secrets"] == ["redis-users.acl"]
+    assert compose["secrets"]["redis-users.acl"]["file"] == "./deploy/compose/redis-users.acl"
+    assert "/deploy/compose/redis-users.acl" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "kvrelay redis-acl > deploy/compose/redis-users.acl" in COMPOSE.read_text()
+    [container] = of_kind(k8s, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"]
+    assert flag(container["args"], "--aclfile") == "/etc/redis/users.acl"
+    assert "kvrelay redis-acl" in (K8S / "redis.yaml").read_text()
 
 
 def test_compose_dependencies_wait_on_healthchecks(compose):
@@ -182,7 +198,9 @@ def test_k8s_deployments_select_their_pods_and_roll_safely(k8s):
         assert dep["spec"]["strategy"]["type"] == "RollingUpdate" and rolling["maxUnavailable"] == 0
         [container] = dep["spec"]["template"]["spec"]["containers"]
         args = parse(expand(container["args"], env))
-        assert args.command == name and args.redis_url == config["REDIS_URL"]
+        assert args.command == name and "--redis-url" not in container["args"]
+        url = next(e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == "KVRELAY_REDIS_URL")
+        assert url == {"name": "kvrelay-redis", "key": f"{ROLE_OF_COMMAND[name]}-url"}
         grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > args.drain_timeout + 5  # preStop sleep + drain fit in the grace period
         env_names = {e["name"] for e in container.get("env", [])}

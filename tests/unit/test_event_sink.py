@@ -5,9 +5,11 @@ import time
 
 import zmq
 
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 from kvrelay.shared.worker.event_sink import EventSink
+from tests.zmq_secret import CURVE
 
 STEPS = 4000  # far past what the send queue and the kernel's socket buffers of the stuck gateway hold
 FLUSH_LIVENESS_S = 1.0  # a send that blocked would take this long; a non-blocking flush takes microseconds
@@ -17,6 +19,7 @@ def pull(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 1)
+    zmq_auth.serve(sock, CURVE)  # as the gateway's
     return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
 
 
@@ -24,7 +27,7 @@ def test_a_gateway_that_never_reads_blocks_no_flush_and_others_get_every_event()
     ctx = zmq.Context()
     stuck, stuck_addr = pull(ctx)  # never read
     live, live_addr = pull(ctx)
-    sink = EventSink(ctx)
+    sink = EventSink(ctx, curve=CURVE)
     payload = list(range(128, 2128))  # a few kB a batch, so the stuck gateway's buffers fill in ~1k steps
     received: list[int] = []
     stalled: list[str] = []

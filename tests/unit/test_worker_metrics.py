@@ -14,7 +14,7 @@ from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from kvrelay.shared.worker.metrics import HostCollector, WorkerMetrics
+from kvrelay.shared.worker.metrics import HostCollector, MergedMetrics, WorkerMetrics
 from tests.unit.test_scheduler import BS, FakeRunner
 
 
@@ -203,3 +203,57 @@ def test_merged_metrics_serve_every_hosted_model_in_one_exposition():
     assert sum(1 for key in snap if key[0] == "process_resident_memory_bytes") == 1
     del merged.registries["b@2"]  # unloaded: gone from the next scrape
     assert ("vllm:num_requests_running", (("model_name", "b@2"),)) not in samples(merged.registry)
+
+
+@pytest.mark.parametrize("names", [False, True])
+def test_tenants_are_hashed_in_a_real_scrape_unless_names_are_asked_for(names):
+    """What ``--metrics-tenant-labels`` chooses in the worker runtime: the tenant's name, or its hash."""
+    import requests
+
+    from kvrelay.shared.wire.tenant_label import tenant_hash, tenant_labeler
+
+    salt = "deployment-salt"
+    e = Engine("unified")
+    e.metrics.tenant_label = tenant_labeler(None if names else salt)
+    e.scheduler.add_request(req("r0", "acme-corp"))
+    while e.scheduler.has_unfinished():
+        e.step()
+    served = MergedMetrics()  # what the worker serves on --monitoring-port
+    served.registries["tiny"] = e.metrics.registry
+    port = served.serve("127.0.0.1", 0)
+    try:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        served.close()
+    tokens = {s.labels["tenant"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "kvrelay_worker_tenant_tokens_total"}
+    label = "acme-corp" if names else tenant_hash(salt, "acme-corp")
+    assert tokens == {label: 10 + 2}  # the prompt, then two decode steps
+    assert ("acme-corp" in text) == names
+    assert len(tenant_hash(salt, "acme-corp")) == 12 and tenant_hash(salt, "acme-corp") != tenant_hash("x", "acme-corp")
+
+
+def test_the_scrape_server_cuts_a_client_that_stops_mid_headers(monkeypatch):
+    import socket
+
+    import requests
+
+    from kvrelay.shared.worker import metrics as worker_metrics
+
+    monkeypatch.setattr(worker_metrics._ScrapeHandler, "timeout", 1.0)
+    served = MergedMetrics()
+    served.registries["tiny"] = Engine("unified").metrics.registry
+    port = served.serve("127.0.0.1", 0)
+    try:
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in range(20)]
+        for sock in slow:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: w\r\nX-Slow: ")
+        assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
+        for sock in slow:  # the bound proves "not held forever" (it would block until the 15 s socket timeout)
+            try:
+                assert sock.recv(1024) == b""
+            except ConnectionResetError:
+                pass
+            sock.close()
+    finally:
+        served.close()

@@ -1,0 +1,66 @@
+"""Least privilege in Redis: the ACL user of each role, written once here for the embedded Redis
+(``EmbeddedRedis``) and an external one (``kvrelay redis-acl`` prints an aclfile).
+
+The gateway owns tenants, API keys, limits, usage and the response cache, and does what the admin API
+does; a worker only reaches the key families it uses (``WORKER_KEYS``), so stolen worker credentials
+cannot mint an API key, create a tenant or read a tenant's ``cache_salt``. Neither role may run an
+administrative command (CONFIG, DEBUG, MODULE, ACL, SHUTDOWN, REPLICAOF, FLUSHALL, KEYS, ...). Rules need
+Redis >= 6.2 (channel patterns); Lua scripts are held to the same rules, command by command, key by key.
+``tests/unit/test_redis_acl.py`` checks every key family of ``redis_keys.py`` against these patterns.
+"""
+
+import hashlib
+
+from kvrelay.shared.wire import redis_keys as keys
+
+ROLES = ("gateway", "worker")
+# ``kvrelay redis-acl`` reads each user's password from here, so it never sits in argv
+PASSWORD_ENV = {"gateway": "KVRELAY_REDIS_GATEWAY_PASSWORD", "worker": "KVRELAY_REDIS_WORKER_PASSWORD"}
+ROLE_OF_COMMAND = {"gateway": "gateway", "prefill-worker": "worker", "decode-worker": "worker",
+                   "unified-worker": "worker"}
+
+# What every client sends: redis-py's housekeeping (SELECT for a db in the URL, EVALSHA falling back to
+# SCRIPT LOAD, WATCH/MULTI/EXEC for transactions) and INFO, whose run_id tells a restarted Redis apart.
+_COMMON = ("ping", "select", "info", "time", "multi", "exec", "discard", "watch", "unwatch",
+           "eval", "evalsha", "script|load", "script|exists")
+COMMANDS = {
+    "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire",
+                          "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
+                          "sadd", "srem", "smembers", "scard", "lpush",
+                          "xadd", "xlen", "xrange", "xinfo", "xpending", "publish"),
+    "worker": _COMMON + ("get", "set", "mget", "del", "exists", "sadd", "srem", "smembers", "brpop",
+                         "xadd", "xlen", "xrange", "xreadgroup", "xack", "xdel", "xautoclaim", "xclaim",
+                         "xgroup", "xinfo", "xpending", "subscribe", "unsubscribe"),
+}
+
+# Globs over redis_keys.py's names. A worker: the job streams (it reads, acks, dead-letters and moves
+# jobs), its registration and its models', the registry (a worker registers the model it was started
+# with), its control queue and results, the gateways' liveness keys, and the salt its /metrics hashes
+# tenant names with (shared/wire/tenant_label.py: whichever process starts first sets it).
+WORKER_KEYS = (keys.prefill_stream("*"), f"{keys.PREFIX}:prefill-worker:*", keys.dead_letter_stream("*"),
+               keys.worker_key("*"), keys.WORKERS_INDEX, keys.model_key("*"), keys.MODELS_INDEX,
+               keys.registry_key("*"), keys.REGISTRY_INDEX, keys.control_key("*"), keys.control_result_key("*"),
+               keys.gateway_key("*"), keys.METRICS_SALT)
+KEYS = {"gateway": (f"{keys.PREFIX}:*",), "worker": WORKER_KEYS}
+CHANNELS = {"gateway": (keys.ABORT_CHANNEL,), "worker": (keys.ABORT_CHANNEL,)}
+
+
+def rules(role: str) -> str:
+    """The role's ACL rules after ``user NAME on <password>``: nothing but what is listed."""
+    return " ".join(["resetkeys", *(f"~{k}" for k in KEYS[role]), "resetchannels", *(f"&{c}" for c in CHANNELS[role]),
+                     "-@all", *(f"+{c}" for c in COMMANDS[role])])
+
+
+def user_line(role: str, password: str, hashed: bool = False) -> str:
+    """One ``user`` line of an aclfile or redis.conf; ``hashed`` writes the password's SHA-256 (``#hex``),
+    so the file holds no password."""
+    secret = f"#{hashlib.sha256(password.encode()).hexdigest()}" if hashed else f">{password}"
+    return f"user {role} on resetpass {secret} {rules(role)}"
+
+
+def aclfile(passwords: dict[str, str]) -> str:
+    """An aclfile for an external Redis: the roles' users, and ``default`` switched off (every client
+    must name its user)."""
+    lines = ["user default off resetpass resetkeys resetchannels -@all"]
+    lines += [user_line(role, passwords[role], hashed=True) for role in ROLES]
+    return "\n".join(lines) + "\n"

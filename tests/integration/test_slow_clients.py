@@ -1,0 +1,131 @@
+"""Slow and idle clients against a real `kvrelay gateway` process over real sockets: partial headers are
+cut after --timeout-header-read, idle connections past --limit-idle-connections are closed (longest idle
+first), and neither touches a normal request nor a slow but steady stream (gateway/connection_guard.py).
+
+Every bound below is a "does not hang" bound, never a timing assertion."""
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from tests.integration.gateway_harness import MODEL, FakeWorker, build_tokenizer, free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+PARTIAL = b"GET /health HTTP/1.1\r\nHost: gateway\r\nX-Slow: "  # and then nothing
+HEADER_TIMEOUT_S = 1.0
+SLACK_S = 15.0  # a loaded CI machine: generous, it only proves the socket is not held forever
+
+
+def start_gateway(redis_url: str, *flags: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "gateway", "--redis-url", redis_url, "--port",
+                             str(port), "--registry-cache-s", "0", *flags])
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, "the gateway exited"
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "the gateway never answered /health"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_url) -> Iterator[int]:
+    proc, port = start_gateway(redis_url, "--timeout-header-read", str(HEADER_TIMEOUT_S))
+    yield port
+    proc.terminate()
+    proc.wait(30)
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=SLACK_S)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Blocks until the server closes the connection (True) or SLACK_S passes with it open (False)."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def closed_count(port: int, reason: str) -> float:
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    line = next((ln for ln in text.splitlines()
+                 if ln.startswith(f'kvrelay_connections_closed_total{{reason="{reason}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_partial_headers_are_cut_and_a_normal_request_meanwhile_succeeds(gateway):
+    before = closed_count(gateway, "header_timeout")
+    slow = [connect(gateway) for _ in range(50)]
+    for sock in slow:
+        sock.sendall(PARTIAL)
+    r = requests.get(f"http://127.0.0.1:{gateway}/v1/models", timeout=10)
+    assert r.status_code == 200
+    assert all(closed_by_server(sock) for sock in slow)
+    assert closed_count(gateway, "header_timeout") - before >= 50
+    for sock in slow:
+        sock.close()
+
+
+def test_idle_connections_past_the_limit_are_closed_longest_idle_first(redis_url):
+    proc, port = start_gateway(redis_url, "--limit-idle-connections", "10", "--timeout-header-read", "300")
+    try:
+        socks = []
+        for _ in range(30):  # one by one, so "longest idle" is the order they were opened in
+            socks.append(connect(port))
+            socks[-1].sendall(PARTIAL[:10])
+        assert all(closed_by_server(sock) for sock in socks[:20])
+        for sock in socks[20:]:  # the 10 newest are still open and still serve their request
+            sock.sendall(PARTIAL[10:].removesuffix(b"X-Slow: ") + b"\r\n")
+            reply = sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:100]
+        assert closed_count(port, "idle_limit") >= 20
+        for sock in socks:
+            sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_slow_but_steady_client_is_not_cut(gateway, redis_url, tmp_path):
+    """Headers trickled in within the timeout, then a stream lasting many header timeouts, then a second
+    request on the same connection: nothing is cut."""
+    worker = FakeWorker(redis_url, build_tokenizer(tmp_path / "tok")).start()
+    try:
+        sock = connect(gateway)
+        body = json.dumps({"model": MODEL, "prompt": "[slow] hi", "max_tokens": 64, "stream": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        for i in range(0, len(head), 16):  # a few bytes at a time, all within the timeout
+            sock.sendall(head[i:i + 16])
+            time.sleep(HEADER_TIMEOUT_S / 40)
+        sock.sendall(body)
+        received = b""
+        # to the chunked body's last chunk; [slow]: a token every 10 fake steps, some 5 s in all
+        while not (b"data: [DONE]" in received and received.endswith(b"0\r\n\r\n")):
+            chunk = sock.recv(65536)
+            assert chunk, f"the gateway cut a streaming response: {received[:600]!r}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"finish_reason" in received
+        conn = http.client.HTTPConnection("127.0.0.1", gateway, timeout=SLACK_S)
+        conn.sock = sock  # the same connection, kept alive: its header timer restarts with the request
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().status == 200
+        sock.close()
+    finally:
+        worker.stop()
