@@ -1,5 +1,6 @@
-"""Kernel entry points. Each op runs its Triton kernel on CUDA when one is registered for it,
-and the plain-torch reference (kernels/reference.py) everywhere else.
+"""Kernel entry points. Each op runs its Triton kernel on CUDA when one is registered for it, its
+CPU kernel on the CPU when there is one (kernels/cpu_attention.py), and the plain-torch reference
+(kernels/reference.py) everywhere else.
 
 A Triton module registers itself with ``register("op_name", fn)``; callers only ever import the
 names below, so kernels drop in without touching the models.
@@ -10,10 +11,14 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.kernels import reference
+from kvrelay.kernels import cpu_attention, reference
 from kvrelay.kernels.metadata import AttentionMetadata
 
 _cuda_impls: dict[str, Callable] = {}
+# KVRELAY_KERNELS=reference runs the references on the CPU too (the baseline the CPU kernels are timed against)
+_cpu_impls: dict[str, Callable] = (
+    {} if os.environ.get("KVRELAY_KERNELS", "triton") == "reference"
+    else {"paged_attention": cpu_attention.paged_attention})
 
 
 def register(name: str, fn: Callable) -> None:
@@ -23,6 +28,8 @@ def register(name: str, fn: Callable) -> None:
 def _impl(name: str, x: torch.Tensor) -> Callable:
     if x.is_cuda and name in _cuda_impls:
         return _cuda_impls[name]
+    if x.device.type == "cpu" and name in _cpu_impls:
+        return _cpu_impls[name]
     return getattr(reference, name)
 
 

@@ -114,7 +114,8 @@ def _models(sub: argparse._SubParsersAction) -> None:
 # Each help says what the benchmark prints, and what it compares against in the same run.
 BENCHES = {
     "throughput": ("kvrelay.bench.offline", "run_throughput", "offline engine: output and total tok/s; with "
-                   "--baseline hf also HF generate, one prompt at a time, and the ratio (default: no baseline)"),
+                   "--baseline hf also HF generate as one padded batch and one prompt at a time, and the ratios "
+                   "(default: no baseline)"),
     "latency": ("kvrelay.bench.offline", "run_latency", "offline engine: median ms per batch and per token; with "
                 "--baseline hf also HF generate on the same batch and the speed-up (default: no baseline)"),
     "gpu": ("kvrelay.bench.gpu", "run", "one GPU: decode and prefill against the floors measured in the same run "
