@@ -1,8 +1,10 @@
 """Request bodies, with OpenAI's field names plus vLLM's sampling extras.
 
-Unknown fields are accepted and logged, as vLLM does: OpenAI clients send fields a server may not know.
-Fields OpenAI or vLLM define and kvrelay does not implement (UNSUPPORTED_FIELDS) are a 400 unless they ask
-for nothing: every field a request may set either takes effect or is refused (tests/e2e/test_request_fields.py).
+Every field a request may set either takes effect or is refused (tests/e2e/test_request_fields.py): an
+unknown field is a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied"), since a
+misspelt ``temprature`` accepted and ignored hands the client something else than it asked for. Fields
+OpenAI or vLLM define and kvrelay does not implement (UNSUPPORTED_FIELDS) are a 400 unless they ask for
+nothing (``tools: []``, what some clients always send).
 """
 
 import json
@@ -45,8 +47,7 @@ class StreamOptions(_Body):
 
 # Fields of OpenAI's or vLLM's request that kvrelay does not implement, each with the values that ask for
 # nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
-# client something else than it asked for, so it is a 400 naming the field. Names no API defines stay
-# accepted and logged, as vLLM does (clients send fields a server may not know).
+# client something else than it asked for, so it is a 400 naming the field, as is a name no API defines.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -260,8 +261,9 @@ def parse(model_cls: type[T], body: Any) -> T:
         raise _validation_error(exc) from None
     if isinstance(parsed, _SamplingRequest):
         parsed.check_unsupported()
-    if parsed.model_extra:
-        log.info("ignoring unknown request field(s): %s", ", ".join(sorted(parsed.model_extra)))
+    for name in sorted(parsed.model_extra or {}):
+        if not (isinstance(parsed, _SamplingRequest) and name in UNSUPPORTED_FIELDS):  # those: checked above
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
     return parsed
 
 

@@ -234,9 +234,14 @@ def test_sse_framing(stack):
     assert all(p["object"] == "text_completion" for p in payloads)
 
 
-def test_unknown_fields_are_ignored(stack):
+def test_an_unknown_field_is_a_400_naming_it(stack):
+    """Accepted and ignored, a misspelt field would hand the client another answer than it asked for."""
     r = requests.post(f"{stack.url}/v1/completions",
-                      json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "logit_bias": {}, "frobnicate": 1})
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "logit_bias": {}, "temprature": 0})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "temprature" and "temprature" in r.json()["error"]["message"]
+    r = requests.post(f"{stack.url}/v1/completions",  # a field kvrelay lacks, sent as "off": accepted
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "tools": []})
     assert r.status_code == 200, r.text
 
 
