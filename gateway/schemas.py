@@ -255,6 +255,9 @@ def parse(model_cls: type[T], body: Any) -> T:
     """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    # OpenAI's fields are "number or null" and friends, null meaning "the default": the openai SDK sends a
+    # None it is given as null. Dropped, the field is unset, so the model's generation_config still applies.
+    body = {k: v for k, v in body.items() if v is not None or k not in model_cls.model_fields}
     try:
         parsed = model_cls.model_validate(body)
     except ValidationError as exc:

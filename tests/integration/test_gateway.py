@@ -234,6 +234,15 @@ def test_sse_framing(stack):
     assert all(p["object"] == "text_completion" for p in payloads)
 
 
+def test_a_null_field_means_its_default(stack):
+    """OpenAI's schema types most fields "X or null"; the openai SDK sends a None it is given as null."""
+    r = requests.post(f"{stack.url}/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
+        "stop": None, "seed": None, "logit_bias": None, "stream": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
 def test_an_unknown_field_is_a_400_naming_it(stack):
     """Accepted and ignored, a misspelt field would hand the client another answer than it asked for."""
     r = requests.post(f"{stack.url}/v1/completions",
