@@ -5,6 +5,7 @@ import pytest
 import requests
 
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_hash
 from tests.integration.gateway_harness import MODEL, REPLY, running_stack
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer, sample, scrape, unique
 
@@ -48,10 +49,11 @@ def test_hit_returns_the_identical_response_without_a_worker(stack, admin):
     assert again.headers["Content-Type"] == first.headers["Content-Type"]
     assert _jobs(stack, marker) == 1
     after = scrape(stack.url)
-    assert sample(after, "kvrelay_response_cache_hits_total", tenant=name) - \
-        sample(before, "kvrelay_response_cache_hits_total", tenant=name) == 1
-    assert sample(after, "kvrelay_response_cache_misses_total", tenant=name) - \
-        sample(before, "kvrelay_response_cache_misses_total", tenant=name) == 1
+    label = tenant_hash(metrics_salt(sync_client(stack.redis_url)), name)  # /metrics shows tenants hashed
+    assert sample(after, "kvrelay_response_cache_hits_total", tenant=label) - \
+        sample(before, "kvrelay_response_cache_hits_total", tenant=label) == 1
+    assert sample(after, "kvrelay_response_cache_misses_total", tenant=label) - \
+        sample(before, "kvrelay_response_cache_misses_total", tenant=label) == 1
     (usage,) = admin.usage(tenant=name)
     served = first.json()["usage"]
     # a hit is a request, not tokens: no worker computed anything for it

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_hash
 from tests.integration.gateway_harness import MODEL, GatewayServer, gateway_config, running_stack
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, assert_openai_error, bearer, sample, scrape
 
@@ -61,7 +63,7 @@ def test_rpm_is_shared_by_two_gateways(gateways, admin):
         error = assert_openai_error(resp, 429, "rate_limit_exceeded")
         assert error["type"] == "rate_limit_error" and "RPM" in error["message"]
         assert 1 <= int(resp.headers["Retry-After"]) <= 60
-    labels = {"tenant": name, "reason": "rpm"}
+    labels = {"tenant": tenant_hash(metrics_salt(sync_client(stack.redis_url)), name), "reason": "rpm"}
     after = [scrape(u) for u in urls]
     assert sum(sample(a, "kvrelay_rate_limited_total", **labels) - sample(b, "kvrelay_rate_limited_total", **labels)
                for a, b in zip(after, before, strict=True)) == 6
