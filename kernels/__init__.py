@@ -60,6 +60,11 @@ def rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping):
     return _impl("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
 
 
+def copy_blocks(src, src_ids, dst, dst_ids, layers):
+    # dst[layers][:, :, dst_ids] = src[layers][:, :, src_ids] between two [L, 2, N, bs, Hkv, D] caches
+    return _impl("copy_blocks", src)(src, src_ids, dst, dst_ids, layers)
+
+
 def silu_mul(x):
     return _impl("silu_mul", x)(x)
 
@@ -70,7 +75,7 @@ def gelu(x, approximate="tanh"):
 
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
-    "rotary_embedding", "rotary_write_kv", "silu_mul", "gelu",
+    "rotary_embedding", "rotary_write_kv", "copy_blocks", "silu_mul", "gelu",
 ]
 
 

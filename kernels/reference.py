@@ -143,3 +143,23 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     return F.gelu(x, approximate=approximate)
+
+
+def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor,
+                layers: range) -> None:
+    # dst[layers][:, :, dst_ids] = src[layers][:, :, src_ids] between [L, 2, N, bs, Hkv, D] caches of any
+    # layout (layer-major or a block-major pool view) and block counts. Each cache's memory as rows of one
+    # (layer, K/V, block): a row gather then a row scatter, whole contiguous rows being what torch's index
+    # kernels do best; the temporary holds every copied byte
+    row = src[0, 0, 0].numel()
+    planes = torch.arange(2 * layers.start, 2 * layers.stop, device=src_ids.device)
+    src_rows, dst_rows = (kv.as_strided((kv.numel() // row, row), (row, 1)) for kv in (src, dst))
+    if all(row * r.element_size() % 8 == 0 and r.storage_offset() * r.element_size() % 8 == 0
+           for r in (src_rows, dst_rows)):  # index kernels cost per element: move 8-byte words
+        src_rows, dst_rows = src_rows.view(torch.int64), dst_rows.view(torch.int64)
+
+    def row_ids(kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        start = (planes // 2) * kv.stride(0) + (planes % 2) * kv.stride(1)
+        return ((start[:, None] + ids.long()[None, :] * kv.stride(2)) // row).reshape(-1)
+
+    dst_rows.index_copy_(0, row_ids(dst, dst_ids), src_rows.index_select(0, row_ids(src, src_ids)))

@@ -5,6 +5,7 @@ imports. Tests call the module functions directly (also on CPU under ``TRITON_IN
 """
 
 from kvrelay import kernels
+from kvrelay.kernels.triton.copy_blocks import copy_blocks
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
 from kvrelay.kernels.triton.paged_attention import paged_attention
@@ -23,6 +24,7 @@ OPS = {
     "rotary_write_kv": rotary_write_kv,
     "silu_mul": silu_mul,
     "gelu": gelu,
+    "copy_blocks": copy_blocks,
 }
 
 
@@ -33,5 +35,5 @@ def register_all() -> None:
 
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
-    "rotary_write_kv", "silu_mul", "gelu", "sample_from_logits", "filter_logits",
+    "rotary_write_kv", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits",
 ]
