@@ -8,12 +8,12 @@ made contiguous: ``[2, n_blocks, bs, Hkv, D]``.
 
 import torch
 
+from kvrelay import kernels
 from kvrelay.shared.wire.handoff import KVHeader
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-_RUNS_AS_SLICES = 8  # up to this many contiguous runs, plain strided copies beat a gather + scatter
-_CHUNK_BYTES = 64 << 20  # bound on the gather's temporary when blocks are scattered
+_RUNS_AS_SLICES = 8  # up to this many contiguous runs, plain strided copies beat the block copy kernel
 _STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
@@ -106,42 +106,40 @@ def kv_strides(shape: list[int], block_major: bool) -> list[int]:
     return strides
 
 
+class BlockCopy:
+    """One transfer's blocks from ``src`` to ``dst`` (two caches of one device), planned once and run
+    per layer range on the current stream: plain strided copies for a few contiguous runs, else the
+    block copy kernel (one launch per range) over id tensors sent to the device once per transfer."""
+
+    def __init__(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]):
+        for blocks, kv in ((src_blocks, src), (dst_blocks, dst)):  # the kernel trusts its ids
+            if blocks and not 0 <= min(blocks) <= max(blocks) < kv.shape[2]:
+                raise ValueError("KV block id out of range")
+        self.src, self.dst = src, dst
+        self.runs = block_runs(src_blocks, dst_blocks)
+        self.ids = None
+        if len(self.runs) > _RUNS_AS_SLICES:
+            ids = torch.tensor([src_blocks, dst_blocks], dtype=torch.int32)
+            # pinned, so the copy is queued on the stream instead of waiting for the device
+            self.ids = ids.pin_memory().to(src.device, non_blocking=True) if src.is_cuda else ids
+
+    def __call__(self, layers: range) -> None:
+        if self.ids is None:
+            src, dst = wide(self.src), wide(self.dst)
+            for s, d, n in self.runs:
+                dst[layers.start:layers.stop, :, d:d + n].copy_(src[layers.start:layers.stop, :, s:s + n],
+                                                                non_blocking=True)
+            return
+        if self.ids.is_cuda:  # the ids were queued on the stream current at planning: not freed before use here
+            self.ids.record_stream(torch.cuda.current_stream(self.ids.device))
+        kernels.copy_blocks(self.src, self.ids[0], self.dst, self.ids[1], layers)
+
+
 def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
                 layers: range | None = None) -> None:
     """``dst[layers][:, dst_blocks] = src[layers][:, src_blocks]`` on the current stream (all layers by
     default), between two caches of one device."""
-    layers = range(src.shape[0]) if layers is None else layers
-    src, dst = wide(src), wide(dst)
-    runs = block_runs(src_blocks, dst_blocks)
-    if len(runs) <= _RUNS_AS_SLICES:
-        for s, d, n in runs:
-            dst[layers.start:layers.stop, :, d:d + n].copy_(src[layers.start:layers.stop, :, s:s + n],
-                                                            non_blocking=True)
-        return
-    # scattered blocks: a row gather + scatter over the caches' memory viewed as rows of one (layer, K/V,
-    # block) each, the access pattern torch's index kernels do best (whole contiguous rows), a few
-    # layers at a time so the temporary stays small
-    src_rows, dst_rows = _as_rows(src), _as_rows(dst)
-    planes = range(layers.start * src.shape[1], layers.stop * src.shape[1])
-    step = max(1, _CHUNK_BYTES // (len(src_blocks) * src[0, 0, 0].numel() * src.element_size()))
-    for p0 in range(planes.start, planes.stop, step):
-        p = range(p0, min(p0 + step, planes.stop))
-        si = _row_ids(src, src_blocks, p).to(src.device, non_blocking=True)
-        di = _row_ids(dst, dst_blocks, p).to(dst.device, non_blocking=True)
-        dst_rows.index_copy_(0, di, src_rows.index_select(0, si))
-
-
-def _as_rows(kv: torch.Tensor) -> torch.Tensor:
-    """A dense cache of either layout (``kv_strides``) as its memory's rows: ``[L * 2 * N, row]``."""
-    row = kv[0, 0, 0].numel()
-    return kv.as_strided((kv.numel() // row, row), (row, 1))
-
-
-def _row_ids(kv: torch.Tensor, blocks: list[int], planes: range) -> torch.Tensor:
-    """Row ids (in ``_as_rows``) of ``blocks`` in each (layer, K/V) plane, whichever the cache's layout."""
-    row = kv[0, 0, 0].numel()
-    plane = torch.tensor([(p // kv.shape[1]) * kv.stride(0) + (p % kv.shape[1]) * kv.stride(1) for p in planes])
-    return ((plane[:, None] + torch.tensor(blocks)[None, :] * kv.stride(2)) // row).reshape(-1)
+    BlockCopy(src, src_blocks, dst, dst_blocks)(range(src.shape[0]) if layers is None else layers)
 
 
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
-from kvrelay.shared.handoff.blocks import DTYPE_NAMES, copy_blocks, kv_strides, side_stream
+from kvrelay.shared.handoff.blocks import DTYPE_NAMES, BlockCopy, kv_strides, side_stream
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest, KVIpcHandle, KVLayers
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,8 @@ class DeviceCopy(KVSender):
             raise IpcError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
         if any(not 0 <= b < dst.shape[2] for b in dst_blocks):
             raise IpcError("destination block id out of the peer's range")
-        self.src, self.src_blocks, self.dst, self.dst_blocks = src, src_blocks, dst, dst_blocks
+        self.src = src
+        self.copy = BlockCopy(src, src_blocks, dst, dst_blocks)  # the block ids go to the device once
         self.nbytes = src[:, :, :1].numel() * src.element_size() * len(src_blocks)
         self.num_layers = src.shape[0]
         self.copied = 0  # layers queued so far
@@ -213,12 +214,12 @@ class DeviceCopy(KVSender):
             return
         layers = range(self.copied, layer + 1)
         if not self.src.is_cuda:
-            copy_blocks(self.src, self.src_blocks, self.dst, self.dst_blocks, layers)
+            self.copy(layers)
         else:
             stream = side_stream(self.src.device)
             stream.wait_stream(torch.cuda.current_stream(self.src.device))  # the compute stream wrote this KV
             with torch.cuda.stream(stream):
-                copy_blocks(self.src, self.src_blocks, self.dst, self.dst_blocks, layers)
+                self.copy(layers)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
         self.copied = layer + 1

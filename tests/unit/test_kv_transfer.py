@@ -170,8 +170,19 @@ def test_block_runs_and_copy_blocks_match_indexing():
     src = _cache(3, shape=(3, 2, 40, 4, 2, 8))
     for src_ids, dst_ids in [([4, 5, 6, 9], [0, 1, 2, 3]), (list(range(0, 40, 2)), list(range(39, 19, -1)))]:
         dst = torch.zeros_like(src)
-        copy_blocks(src, src_ids, dst, dst_ids)  # a few runs: slices; many: gather + scatter
+        copy_blocks(src, src_ids, dst, dst_ids)  # a few runs: slices; many: the block copy kernel's reference
         assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+
+
+def test_copy_blocks_rejects_block_ids_out_of_range_before_copying():
+    # the copy kernel trusts its ids: an id past either cache would read or write another's memory
+    src, dst = _cache(3, shape=(3, 2, 40, 4, 2, 8)), torch.zeros(3, 2, 20, 4, 2, 8)
+    many = list(range(0, 20, 2))
+    for src_ids, dst_ids in [(many, many[:-1] + [20]), (many[:-1] + [40], many), (many[:-1] + [-1], many),
+                             ([5], [20])]:
+        with pytest.raises(ValueError, match="out of range"):
+            copy_blocks(src, src_ids, dst, dst_ids)
+    assert not dst.any()
 
 
 def _handle(**over) -> KVIpcHandle:

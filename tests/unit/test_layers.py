@@ -18,7 +18,7 @@ ALLOWED = {
     "shared.config": {"shared.wire"},
     "shared.engine": {"kernels", "shared.wire", "shared.text", "shared.config"},
     "shared.repo": {"shared.wire", "shared.config", "shared.engine"},
-    "shared.handoff": {"shared.wire", "shared.config", "shared.engine"},
+    "shared.handoff": {"kernels", "shared.wire", "shared.config", "shared.engine"},
     "shared.worker": SHARED - {"shared.worker"},
     "prefill_worker": SHARED,
     "decode_worker": SHARED,
