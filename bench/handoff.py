@@ -8,8 +8,11 @@ ack round trips count. Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf1
 - CPU: layer frames over loopback TCP and ipc://, against raw ZMQ PUSH/PULL of the same bytes
   (one frame, then a one-byte ack back: no protocol, no staging, no CRC).
 - CUDA: CUDA IPC (the decode process's cache mapped in this one, device copy, ZMQ for control only)
-  against a device-to-device ``copy_`` of the same bytes inside one process; and the host-staged
-  layer frames from and to GPU caches, against raw ZMQ of the same bytes from host memory.
+  against a device-to-device ``copy_`` of the same bytes inside one process, and for scattered blocks
+  against the same handoff with the copy done as a row gather + scatter (the old path, the kernel's
+  torch reference); the block copy alone in one process (kernel, row gather + scatter, strided slices
+  per contiguous run, d2d ``copy_``); and the host-staged layer frames from and to GPU caches,
+  against raw ZMQ of the same bytes from host memory.
 Every number is the median of ``--repeats`` timed transfers after one warm-up; GB/s = 1e9 bytes/s.
 Our sockets authenticate and encrypt (CURVE) as a deployment's do, with a secret generated per run;
 ``--insecure-zmq`` measures them without. The raw ZMQ baselines are plain sockets either way.
@@ -27,10 +30,11 @@ from types import SimpleNamespace
 import torch
 import zmq
 
+from kvrelay import kernels
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
-from kvrelay.shared.handoff.blocks import DTYPE_NAMES, DTYPES, frame_nbytes
+from kvrelay.shared.handoff.blocks import DTYPE_NAMES, DTYPES, BlockCopy, frame_nbytes
 from kvrelay.shared.handoff.frames import MESSAGE_TARGET, Frames, max_message_bytes
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
 from kvrelay.shared.wire import zmq_auth
@@ -264,6 +268,46 @@ def _device_copy(tokens: list[int], repeats: int) -> dict[int, float]:
     return out
 
 
+def _use_copy(path: str) -> None:
+    """Which block copy the handoff's ``kernels.copy_blocks`` runs on CUDA: the Triton kernel, or its
+    torch reference (a row gather + scatter, as the handoff copied before the kernel)."""
+    from kvrelay.kernels.triton.copy_blocks import copy_blocks
+
+    kernels.register("copy_blocks", copy_blocks if path == "kernel" else kernels.reference.copy_blocks)
+
+
+def _copy_paths(tokens: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """The block copy alone, in this process, between two Llama-3-8B-shape caches (the source layer-major,
+    the destination a block-major pool view, as a decode worker's is): median seconds per size of the
+    copy kernel and of the row gather + scatter over scattered blocks, and over one contiguous run of
+    blocks of the kernel and of the strided slices the handoff uses for a few runs."""
+    from kvrelay.kernels.triton.copy_blocks import copy_blocks
+
+    blocks = 2 * (max(tokens) // BLOCK) + 8
+    shape = (LAYERS, 2, blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    src = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty((blocks, LAYERS, 2) + shape[3:], dtype=torch.bfloat16, device="cuda").permute(1, 2, 0, 3, 4, 5)
+    gen = torch.Generator().manual_seed(3)
+    out: dict[str, dict[int, float]] = {"kernel": {}, "rows": {}, "kernel, 1 run": {}, "slices, 1 run": {}}
+    for num_tokens in tokens:
+        n = -(-num_tokens // BLOCK)
+        scattered = [torch.randperm(blocks, generator=gen)[:n].tolist() for _ in range(2)]
+        run = [list(range(n)), list(range(n, 2 * n))]
+        for path, fn, ids in (("kernel", copy_blocks, scattered), ("rows", kernels.reference.copy_blocks, scattered),
+                              ("kernel, 1 run", copy_blocks, run), ("slices, 1 run", None, run)):
+            src_ids, dst_ids = torch.tensor(ids, dtype=torch.int32, device="cuda")
+
+            def one(fn=fn, src_ids=src_ids, dst_ids=dst_ids, ids=ids):
+                if fn is None:
+                    BlockCopy(src, ids[0], dst, ids[1])(range(LAYERS))  # one run: the slices path
+                else:
+                    fn(src, src_ids, dst, dst_ids, range(LAYERS))
+                torch.cuda.synchronize()
+
+            out[path][num_tokens] = _median_s(one, repeats)
+    return out
+
+
 def _nbytes(num_tokens: int) -> int:
     return LAYERS * 2 * num_tokens * KV_HEADS * HEAD_DIM * 2
 
@@ -302,19 +346,33 @@ def run(args: argparse.Namespace) -> int:
         _overlap(device, model, [int(t) for t in args.overlap_tokens.split(",")], args.repeats)
     if device == "cuda" and "cuda" in args.sections.split(","):
         copy = _device_copy(tokens, args.repeats)
+        paths = _copy_paths(tokens, args.repeats)
+        _table("GPU block copy alone in one process, scattered blocks, layer-major -> block-major pool view",
+               "copy kernel", paths["kernel"], ("row gather + scatter (old)", paths["rows"]), ("d2d copy_", copy))
+        _table("GPU block copy alone in one process, one contiguous run of blocks", "copy kernel",
+               paths["kernel, 1 run"], ("strided slices (the handoff's path for <= 8 runs)", paths["slices, 1 run"]),
+               ("d2d copy_", copy))
         for scatter in (True, False):
             peer = Peer("cuda", "tcp", max(tokens), scatter=scatter)
             try:
                 ipc, ipc_phases = _protocol("cuda", peer, tokens, args.repeats, ipc=True, scatter=scatter)
+                old, old_phases = {}, {}
+                if scatter:  # the same handoff with the copy as the row gather + scatter it was
+                    _use_copy("rows")
+                    old, old_phases = _protocol("cuda", peer, tokens, args.repeats, ipc=True)
+                    _use_copy("kernel")
                 staged, staged_phases = _protocol("cuda", peer, tokens, args.repeats, ipc=False) if scatter else ({}, {})
                 raw = _raw(peer, tokens, args.repeats) if scatter else {}
                 raw4 = _raw(peer, tokens, args.repeats, MESSAGE_TARGET) if scatter else {}
             finally:
                 peer.close()
             title = f"GPU caches, CUDA IPC between processes ({'scattered' if scatter else 'contiguous'} blocks)"
-            _table(title + "; control over tcp", "kvrelay IPC", ipc, ("in-process d2d copy_", copy))
+            rows = [("row gather + scatter (old)", old)] if old else []
+            _table(title + "; request -> ack, control over tcp", "kvrelay IPC", ipc, *rows, ("in-process d2d copy_", copy))
             copy_only = {k: ph[1] / 1e3 for k, ph in ipc_phases.items()}
-            _table(title + ", grant -> copied + header out only", "IPC copy", copy_only, ("in-process d2d copy_", copy))
+            rows = [("row gather + scatter (old)", {k: ph[1] / 1e3 for k, ph in old_phases.items()})] if old else []
+            _table(title + ", grant -> copied + header out only", "IPC copy", copy_only, *rows,
+                   ("in-process d2d copy_", copy))
             _phase_table(title, "grant -> copied + header out", ipc_phases)
             if scatter:
                 _table("GPU caches, host-staged layer frames over tcp", "kvrelay frames", staged,
