@@ -3,8 +3,8 @@ blocks by the transport the sender chose, the header checked against the grant, 
 ack that lets the prefill side XACK the job. Which requests get blocks is the decode role's
 (``reserve``, decode_worker/receiver.py).
 
-Per request: HandoffRequest -> granted (blocks reserved, expiry armed; a direct-write offer when the
-asker shares our device) -> the transfer's first KVLayers message, or a header saying the KV was
+Per request: HandoffRequest (or one of a step's HandoffRequests, answered by one HandoffGrants) ->
+granted (blocks reserved, expiry armed; a direct-write offer when the asker shares our device) -> the transfer's first KVLayers message, or a header saying the KV was
 written directly, opens a ``KVReceiver`` (base.py) -> the header, which comes last and carries the
 first token, must match the grant and our layout -> once the receiver is complete: admitted and
 acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks and nacks.
@@ -31,7 +31,9 @@ from kvrelay.shared.wire.handoff import (
     HandoffAck,
     HandoffCancel,
     HandoffGrant,
+    HandoffGrants,
     HandoffRequest,
+    HandoffRequests,
     KVHeader,
     KVLayers,
 )
@@ -124,12 +126,14 @@ class KVInbox(ABC):
             return
         peer, payload = frames[0].bytes, frames[2:]
         try:
-            msg = decode_any(frames[1].bytes, HandoffRequest, KVHeader, KVLayers, HandoffCancel)
+            msg = decode_any(frames[1].bytes, HandoffRequest, HandoffRequests, KVHeader, KVLayers, HandoffCancel)
         except ValueError as exc:
             log.warning("dropped a malformed handoff message: %s", exc)
             return
         if isinstance(msg, HandoffRequest):
             self._reply(peer, self._grant(peer, msg))
+        elif isinstance(msg, HandoffRequests):  # one step's asks: answered together
+            self._reply(peer, HandoffGrants([self._grant(peer, req) for req in msg.requests]))
         elif isinstance(msg, HandoffCancel):
             self._on_cancel(peer, msg)
         elif isinstance(msg, KVLayers):

@@ -26,7 +26,16 @@ from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode_any, encode
-from kvrelay.shared.wire.handoff import HandoffAck, HandoffCancel, HandoffGrant, HandoffRequest, KVHeader
+from kvrelay.shared.wire.handoff import (
+    MAX_ASKS,
+    HandoffAck,
+    HandoffCancel,
+    HandoffGrant,
+    HandoffGrants,
+    HandoffRequest,
+    HandoffRequests,
+    KVHeader,
+)
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 
@@ -94,6 +103,7 @@ class HandoffSender:
         self.waker = Waker()  # staged layers wake poll(), so they go out at once even when we are idle
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self.transfers: dict[str, Transfer] = {}
+        self.asks: dict[str, list[tuple[Transfer, HandoffRequest]]] = {}  # per decode worker, until poll()
 
     def close(self) -> None:
         for sock in self.sockets.values():
@@ -161,7 +171,9 @@ class HandoffSender:
         return LayerStream(self, instance)
 
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
-        """Advance every transfer; return those that reached DONE or FAILED."""
+        """Send the asks made since the last call; advance every transfer; return those that reached
+        DONE or FAILED."""
+        self._send_asks()
         for sock, _ in self.poller.poll(timeout_ms):
             if sock == self.waker.fd:
                 self.waker.drain()
@@ -188,6 +200,7 @@ class HandoffSender:
             elif t.state in (State.GRANT_WAIT, State.STREAMING, State.SENDING, State.ACK_WAIT) and now > t.deadline:
                 what = "take the KV" if t.state in (State.SENDING, State.STREAMING) else "answer"
                 self._retry(t, f"decode worker {t.target} did not {what} within {self.timeout_s}s")
+        self._send_asks()
         ended = [t for t in self.transfers.values() if t.state in (State.DONE, State.FAILED)]
         for t in ended:
             t.ended = time.perf_counter()
@@ -223,15 +236,32 @@ class HandoffSender:
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
                              block_size=core.runner.block_size, device_uuid=locality,
                              requester=self.worker_id)
-        if not self._send(t, [encode(req)]):
-            self._retry(t, f"decode worker {t.target} is not reading its requests")
+        self.asks.setdefault(t.target, []).append((t, req))  # sent by poll(), with the step's other asks
+
+    def _send_asks(self) -> None:
+        """Each decode worker's pending asks in one message (a step finishes many prompts at once)."""
+        while self.asks:
+            target, asks = self.asks.popitem()
+            # a transfer cancelled or retried elsewhere since it asked is no longer waiting for this grant
+            asks = [(t, req) for t, req in asks if self.transfers.get(t.job.request_id) is t
+                    and t.state is State.GRANT_WAIT and t.target == target]
+            for i in range(0, len(asks), MAX_ASKS):
+                batch = asks[i:i + MAX_ASKS]
+                msg = batch[0][1] if len(batch) == 1 else HandoffRequests([req for _, req in batch])
+                if not self._send(target, [encode(msg)]):
+                    for t, _ in batch:
+                        self._retry(t, f"decode worker {target} is not reading its requests")
 
     def _on_reply(self, frames: list[bytes]) -> None:
         try:
-            msg = decode_any(frames[0], HandoffGrant, HandoffAck)
+            msg = decode_any(frames[0], HandoffGrant, HandoffGrants, HandoffAck)
         except ValueError as exc:
             log.warning("dropped a malformed handoff reply: %s", exc)
             return
+        for reply in msg.grants if isinstance(msg, HandoffGrants) else [msg]:
+            self._on_answer(reply)
+
+    def _on_answer(self, msg: HandoffGrant | HandoffAck) -> None:
         t = self.transfers.get(msg.request_id)
         if t is None:
             return  # a late reply for a transfer that already timed out or was cancelled
@@ -307,16 +337,16 @@ class HandoffSender:
         return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
 
     def _cancel_grant(self, t: Transfer, reason: str) -> None:
-        self._send(t, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
+        self._send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
         t.grant = None
 
     def _pump(self, t: Transfer) -> None:
         """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which
         carries the first token, follows the KV (never before it: it must not promise KV not there)."""
-        out = t.sender.pump(t.job.request_id, lambda parts: self._send(t, parts))
+        out = t.sender.pump(t.job.request_id, lambda parts: self._send(t.target, parts))
         if t.holds_source and t.sender.source_free():
             self._release_source(t)
-        if out and t.state is State.SENDING and self._send(t, [encode(t.header)]):
+        if out and t.state is State.SENDING and self._send(t.target, [encode(t.header)]):
             t.sent, t.deadline = time.perf_counter(), time.monotonic() + self.timeout_s
             t.to(Event.KV_OUT)
             t.sender = None  # ZMQ keeps the frames it still has to send alive by itself
@@ -352,10 +382,10 @@ class HandoffSender:
         t.holds_source = False
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _send(self, t: Transfer, parts: list) -> bool:
-        """Queue one message for the transfer's decode worker; False when its queue is full."""
+    def _send(self, addr: str, parts: list) -> bool:
+        """Queue one message for the decode worker at ``addr``; False when its queue is full."""
         try:
-            self._socket(t.target).send_multipart(parts, zmq.NOBLOCK, copy=False)
+            self._socket(addr).send_multipart(parts, zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             return False

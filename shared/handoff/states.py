@@ -29,7 +29,7 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
-    ASK = "ask"  # a HandoffRequest went out, or a wait for a decode worker with room began
+    ASK = "ask"  # a HandoffRequest was queued (sent with the step's others), or a wait for room began
     GRANTED = "granted"  # an accepted grant for a prompt not computed yet
     PARK = "park"  # an early ask refused, unanswered or gone stale: ask again once computed
     STREAM = "stream"  # the forward computing the prompt's last chunk starts, holding a fresh grant

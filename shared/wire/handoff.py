@@ -41,6 +41,22 @@ class HandoffRequest:
             raise ValueError("HandoffRequest.num_tokens and block_size must be positive")
 
 
+MAX_ASKS = 256  # HandoffRequests / HandoffGrants per message: a step finishes at most max-num-seqs prompts
+
+
+@dataclass
+class HandoffRequests:
+    """Prefill -> decode: the asks of one engine step for one decode worker in one message, answered by
+    one HandoffGrants; each message is a receive, a CURVE decryption and a pass of the decode loop."""
+
+    TAG: ClassVar[str] = "handoff_requests"
+    requests: list[HandoffRequest]
+
+    def check(self) -> None:
+        if not 1 <= len(self.requests) <= MAX_ASKS:
+            raise ValueError(f"HandoffRequests must carry 1..{MAX_ASKS} requests")
+
+
 @dataclass
 class KVIpcHandle:
     """The decode worker's whole KV cache tensor, shared through CUDA IPC: the fields of torch's
@@ -80,6 +96,18 @@ class HandoffGrant:
     reason: str = ""
     ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
     ttl_s: float = 0.0  # the grant lapses this long after it was sent; IPC writes must land well inside it
+
+
+@dataclass
+class HandoffGrants:
+    """Decode -> prefill: the answers to one HandoffRequests, in its order."""
+
+    TAG: ClassVar[str] = "handoff_grants"
+    grants: list[HandoffGrant]
+
+    def check(self) -> None:
+        if not 1 <= len(self.grants) <= MAX_ASKS:
+            raise ValueError(f"HandoffGrants must carry 1..{MAX_ASKS} grants")
 
 
 # how a KVHeader's KV travelled: "layers", KVLayers messages of host-staged frames (shared/handoff/frames.py);
@@ -169,4 +197,4 @@ class HandoffAck:
     reason: str = ""
 
 
-register(HandoffRequest, HandoffGrant, KVHeader, KVLayers, HandoffCancel, HandoffAck)
+register(HandoffRequest, HandoffRequests, HandoffGrant, HandoffGrants, KVHeader, KVLayers, HandoffCancel, HandoffAck)

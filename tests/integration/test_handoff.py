@@ -16,8 +16,15 @@ from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.handoff.standalone import synthetic_job
 from kvrelay.shared.wire import zmq_auth
-from kvrelay.shared.wire.codec import decode, encode
-from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant, HandoffRequest, KVHeader
+from kvrelay.shared.wire.codec import decode, decode_any, encode
+from kvrelay.shared.wire.handoff import (
+    HandoffAck,
+    HandoffGrant,
+    HandoffGrants,
+    HandoffRequest,
+    HandoffRequests,
+    KVHeader,
+)
 from tests.integration.handoff_harness import (
     BLOCK,
     MODEL,
@@ -59,6 +66,39 @@ def test_handoffs_land_bit_exact(prefill, decode_side, dtype):
         assert torch.equal(side.rt.core.runner.kv_cache[:, :, dst], rt.core.runner.kv_cache[:, :, src])
         assert side.admitted[rid].prompt_token_ids == [1] * num_tokens
     assert rt.core.block_manager.num_free_blocks == total  # every source block released
+
+
+def test_one_steps_asks_go_out_in_one_message_and_are_granted_in_one(prefill, decode_side):
+    """Prompts finishing in one engine step ask their decode worker in one HandoffRequests (after the
+    step, at the next poll) and get one HandoffGrants back; each lands as a lone ask's would."""
+    rt, make = prefill
+    side = decode_side()
+    manager = make(side.addr)
+    asks, replies = [], []
+    on_message, on_reply = side.receiver._on_message, manager._on_reply
+
+    def seen_by_decode(frames):  # the real receiver, with the message kinds it handled noted
+        asks.append(decode_any(frames[1].bytes))
+        on_message(frames)
+
+    def seen_by_prefill(frames):
+        replies.append(decode_any(frames[0]))
+        on_reply(frames)
+
+    side.receiver._on_message, manager._on_reply = seen_by_decode, seen_by_prefill
+    sizes = {"a": 5, "b": 3 * BLOCK, "c": 7 * BLOCK + 1}
+    src = {rid: rt.core.block_manager.allocate_for_tokens(rid, n) for rid, n in sizes.items()}
+    for rid, n in sizes.items():  # as the prefill worker does with each prompt its step finished
+        manager.prefilled(synthetic_job(rid, n, MODEL), rid.encode(), FirstToken(2))
+    ended = poll_until(manager, lambda: len(side.admitted) == len(sizes), "three admissions")
+    ended += poll_until(manager, lambda: not manager.transfers, "three acks")
+    assert sorted(t.job.request_id for t in ended if t.state is State.DONE) == sorted(sizes)
+    requests = [m for m in asks if isinstance(m, HandoffRequest | HandoffRequests)]
+    assert len(requests) == 1 and [r.request_id for r in requests[0].requests] == list(sizes)
+    grants = [m for m in replies if isinstance(m, HandoffGrant | HandoffGrants)]
+    assert len(grants) == 1 and [g.request_id for g in grants[0].grants] == list(sizes)
+    for rid in sizes:
+        assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks(rid)], rt.core.runner.kv_cache[:, :, src[rid]])
 
 
 def _dealer(addr: str) -> zmq.Socket:

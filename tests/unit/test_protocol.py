@@ -40,6 +40,8 @@ SAMPLES = [
     h.HandoffRequest("r", "m", num_tokens=10, block_size=4, device_uuid="GPU-1", requester="p1"),
     h.HandoffGrant("r", accepted=True, block_ids=[1, 2, 3], ttl_s=5.0),
     h.HandoffGrant("r", accepted=False, reason="no free blocks"),
+    h.HandoffRequests([h.HandoffRequest("a", "m", num_tokens=3, block_size=4), h.HandoffRequest("b", "m", 9, 4)]),
+    h.HandoffGrants([h.HandoffGrant("a", accepted=True, block_ids=[7]), h.HandoffGrant("b", accepted=False)]),
     h.KVLayers("r", first=4, nbytes=1024, checksums=[1, 2]),
     _header(),
     _header(transport="ipc"),
@@ -82,6 +84,15 @@ def test_hostile_logit_bias_is_a_value_error(wire, why):
     # a worker turns a ValueError into that request's error event; anything else would take it down
     with pytest.raises(ValueError, match=why):
         SamplingParams.from_dict({**SamplingParams().to_dict(), "logit_bias": wire})
+
+
+def test_batched_asks_and_grants_are_bounded_and_checked_inside():
+    ask = h.HandoffRequest("a", "m", num_tokens=3, block_size=4)
+    for bad, why in [(h.HandoffRequests([]), "1..256"), (h.HandoffRequests([ask] * 257), "1..256"),
+                     (h.HandoffRequests([dataclasses.replace(ask, num_tokens=0)]), "positive"),
+                     (h.HandoffGrants([]), "1..256")]:
+        with pytest.raises(ValueError, match=why):
+            codec.decode_any(codec.encode(bad))
 
 
 def test_decode_checks_the_expected_type():
