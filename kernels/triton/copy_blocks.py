@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kvrelay.kernels.triton.utils import pow2
 
-_TILE_BYTES = 8192  # per program: two 16-byte accesses per thread at 4 warps, ~30k programs for 256 MiB
+_TILE_BYTES = 8192  # per program: four 16-byte accesses per thread at 4 warps, ~32k programs for 256 MiB
 
 
 @triton.jit
