@@ -62,7 +62,7 @@ class JobIntake:
         self._kept_at[instance] = now
         ids = [r.entry_id for r in self.inflight.requests.values() if r.instance == instance and r.entry_id]
         ids += self.held_elsewhere(instance)
-        if ids and instance in self.queues:
+        if instance in self.queues:
             self.queues[instance].keep(ids)
 
     def admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> tuple[InFlight, Request] | None:
