@@ -92,7 +92,7 @@ class JobQueue:
         self.on_dead = on_dead  # tells the job's client why it will get no answer
         self._last_reclaim = 0.0
         self._last_adopt = 0.0
-        self._unacked: list[bytes] = []  # ACKs that failed; retried before the next read
+        self._unacked: list[bytes] = []  # ACKs deferred or failed; sent by the next ack() or read
         # entries a blocking read delivered beyond ``count`` (both streams answered at once); served first
         self._surplus: list[tuple[bytes, dict]] = []
         self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
@@ -262,6 +262,10 @@ class JobQueue:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("ACK of %d job(s) failed (%s); retrying later", len(entry_ids), exc)
             self._unacked.extend(entry_ids)
+
+    def ack_later(self, entry_id: bytes) -> None:
+        """ACKed by the next ``ack()`` (or fetch), with whatever else is due then."""
+        self._unacked.append(entry_id)
 
     def keep(self, entry_ids: Iterable[bytes]) -> None:
         """Mark our pending ``entry_ids`` as still being worked on: a job running longer than
