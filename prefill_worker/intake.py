@@ -20,9 +20,13 @@ IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, 
 
 
 class JobIntake:
-    def __init__(self, runtime: WorkerRuntime, config: WorkerConfig):
+    def __init__(self, runtime: WorkerRuntime, config: WorkerConfig, ack_after_events: bool = False):
+        """``ack_after_events``: a released job's ACK waits for ``send_acks``, which the role calls after
+        its step's events are flushed, so the gateway hears of a finished request before Redis is asked
+        anything, and a step's ACKs go in one round trip, not one each."""
         self.runtime = runtime
         self.config = config
+        self.ack_after_events = ack_after_events
         self.queues: dict[str, JobQueue] = {}
         # no worker_id on events: a dead stream worker's jobs are reclaimed by a peer, not failed
         self.inflight = Lifecycle(runtime, release=self._release)
@@ -62,7 +66,7 @@ class JobIntake:
         self._kept_at[instance] = now
         ids = [r.entry_id for r in self.inflight.requests.values() if r.instance == instance and r.entry_id]
         ids += self.held_elsewhere(instance)
-        if ids and instance in self.queues:
+        if instance in self.queues:
             self.queues[instance].keep(ids)
 
     def admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> tuple[InFlight, Request] | None:
@@ -106,7 +110,15 @@ class JobIntake:
                 self.queues[instance].hand_back(ids)
 
     def _release(self, rec: InFlight) -> None:
-        self.ack(rec.instance, rec.entry_id)
+        q = self.queues.get(rec.instance)
+        if q is not None and self.ack_after_events:
+            q.ack_later(rec.entry_id)
+        elif q is not None:
+            q.ack(rec.entry_id)
+
+    def send_acks(self) -> None:
+        for q in self.queues.values():
+            q.ack()
 
     def _dead_job(self, job: Job, reason: str) -> None:
         self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",

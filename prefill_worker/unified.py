@@ -25,7 +25,7 @@ class UnifiedWorker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.runtime = WorkerRuntime(config)
-        self.intake = JobIntake(self.runtime, config)
+        self.intake = JobIntake(self.runtime, config, ack_after_events=True)
         self.inflight = self.intake.inflight
 
     def run(self) -> None:
@@ -62,6 +62,7 @@ class UnifiedWorker:
             if slot.core.has_unfinished():
                 self._step_model(slot)
         self.runtime.events.flush()
+        self.intake.send_acks()
         if not slots:
             self.runtime.stop.wait(0.02)  # nothing loaded yet: wait for a load command
         elif len(slots) > 1 and not (busy or fetched):

@@ -69,6 +69,42 @@ def test_one_blocking_read_wakes_for_either_stream(r):
         timer.join()
 
 
+def test_a_busy_read_of_both_streams_is_one_round_trip(r, monkeypatch):
+    """A busy worker reads its streams every engine step: one command for both, not one per stream, and
+    still exactly ``count`` jobs, private first."""
+    q = _queue(r, "a", idle_ms=60_000)
+    q.fetch(1, block_ms=0)  # the reclaim/adopt passes are done; the next fetches go straight to the read
+    put(r, private("a"), "p0")
+    put(r, SHARED, "s0")
+    put(r, SHARED, "s1")
+    sent = []
+    execute = r.execute_command
+    monkeypatch.setattr(r, "execute_command", lambda *args, **kw: sent.append(args[0]) or execute(*args, **kw))
+    assert ids(q.fetch(2, block_ms=0)) == ["p0", "s0"]
+    assert len(sent) == 1
+    assert r.xpending(SHARED, keys.PREFILL_GROUP)["pending"] == 1  # s1 was not delivered beyond count
+    assert ids(q.fetch(4, block_ms=0)) == ["s1"]
+    assert q.fetch(4, block_ms=0) == []
+    assert len(sent) - sent.count("XPENDING") == 3  # the test's own XPENDING aside
+
+
+def test_a_surplus_job_is_kept_from_reclaim_until_served(r):
+    """Both streams answering one blocking read deliver more than asked for; what waits for room is ours, so a
+    peer's reclaim must not take it while we still mean to run it."""
+    r.set(keys.worker_key("a"), b"alive")  # a live peer's private stream is left alone
+    q = _queue(r, "a", idle_ms=100)
+    q.fetch(1, block_ms=0)
+    put(r, private("a"), "p0")
+    put(r, SHARED, "s0")
+    running = q.fetch(1, block_ms=1000)  # the idle worker's blocking read, over both streams
+    assert ids(running) == ["p0"]  # s0 delivered too, held back as surplus
+    time.sleep(0.2)
+    q.keep([entry for entry, _ in running])
+    peer = _queue(r, "b", idle_ms=100)
+    assert peer.fetch(4, block_ms=0) == []
+    assert ids(q.fetch(4, block_ms=0)) == ["s0"]
+
+
 def test_acked_private_jobs_leave_the_stream(r):
     q = _queue(r, "a", idle_ms=60_000)
     put(r, private("a"), "p0")
