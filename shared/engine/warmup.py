@@ -4,16 +4,16 @@ On CUDA the first step of a new shape pays for Triton compiling a kernel special
 tiling, integer arguments specialised on ``== 1`` and ``% 16 == 0``) and for the sampler's first
 kernels: measured on the H200, p99 TTFT of the first Poisson requests after start was 3.0 s against a
 57 ms median. Decode CUDA graphs are already captured by the runner (shared/engine/cuda_graphs.py);
-warm-up covers what runs eagerly: prefill chunks of each size bucket up to the token budget, a chunk
-after a cached prefix, multi-sequence prefills, prefill mixed with decodes, each decode batch bucket
-(eager decode when graphs are off), and each sampler path (greedy, top-k/top-p/min-p, penalties,
-logprobs, prompt logprobs).
+warm-up covers what runs eagerly: prefill chunks of each token-count class up to the token budget, a
+chunk after a cached prefix, several prompts in one step, prefill mixed with decodes, each decode batch
+bucket (eager decode when graphs are off, and then long contexts too), and each sampler path (greedy,
+top-k/top-p/min-p, penalties, logprobs, prompt logprobs).
 
 It drives the engine core with ordinary requests, so the shapes are the scheduler's own, not a guess at
 them. Afterwards the engine is as it was: every block free, the prefix cache empty of warm-up prompts,
-its hit counters, the tenants' fairness counters and the sampler's --seed stream as they were. On the CPU nothing compiles, so there
-``minimal`` runs one small prompt and one decode step (first-call set-up of the CPU kernels) and
-nothing more: CI starts hundreds of workers on two cores.
+its hit counters, the tenants' fairness counters and the sampler's --seed stream as they were. On the
+CPU nothing compiles, so there ``minimal`` runs one small prompt and one decode step (first-call set-up
+of the CPU kernels) and nothing more: CI starts hundreds of workers on two cores.
 """
 
 import logging
@@ -49,11 +49,14 @@ class Shape:
     new_tokens: int = 2
 
 
-def chunk_buckets(budget: int, longest: int) -> list[int]:
-    """Prompt lengths whose prefill covers every token-count class a chunk can have: powers of two from 16
-    up to the budget, the budget itself, and lengths that are neither 1 nor a multiple of 16."""
+def token_counts(budget: int, longest: int) -> list[int]:
+    """Token counts of a prefill step that cover the classes its kernels are compiled for: the prefill
+    attention's tiling (short or long queries, chosen by length) times Triton's specialisation of its
+    integer arguments (sequences, query tiles) on 1, multiples of 16 and the rest. Powers of two from 16
+    up to the budget, the budget, lengths that are neither 1 nor a multiple of 16, and 15 * 2^k, where a
+    one-sequence step's tile count (tokens // 2^k + 1, tiles of 8-128 tokens) is a multiple of 16."""
     top = min(budget, longest)
-    sizes = {1, 7, top, max(1, top - 1)}
+    sizes = {1, 7, top, max(1, top - 1), *(15 << k for k in range(3, 8))}
     p = 16
     while p <= top:
         sizes |= {p, min(p + 7, top)}
@@ -61,21 +64,35 @@ def chunk_buckets(budget: int, longest: int) -> list[int]:
     return sorted(s for s in sizes if s <= top)
 
 
+def _split(total: int, seqs: int) -> tuple[int, ...]:
+    per = total // seqs
+    return (per,) * (seqs - 1) + (total - per * (seqs - 1),)
+
+
 def plan(core: EngineCore, minimal: bool, decode: bool = True) -> list[Shape]:
     """The shapes to run. ``decode``: False on a prefill worker, whose requests stop at their first token."""
     block = core.block_manager.block_size
     budget = core.scheduler.max_num_batched_tokens
-    longest = core.max_model_len - 2  # room for the two tokens each warm-up request samples
+    max_seqs = core.scheduler.config.max_num_seqs
+    longest = core.max_model_len - 4  # room for the tokens each warm-up request samples
     if minimal:
         return [Shape("prefill 16 + decode", (min(16, longest),))]
-    shapes = [Shape(f"prefill {n}", (n,)) for n in chunk_buckets(budget, longest)]
+    counts = token_counts(budget, longest)
+    shapes = [Shape(f"prefill {n}", (n,), new_tokens=1) for n in counts]
     if longest > budget:  # chunked: a full chunk, then chunks after a cached prefix of the same prompt
-        shapes.append(Shape(f"chunked prefill {min(3 * budget, longest)}", (min(3 * budget, longest),)))
-    shapes += [Shape(f"prefill {n} x {block}", (block,) * n) for n in (2, 3, 16) if n * block <= budget]
+        shapes.append(Shape(f"chunked prefill {min(3 * budget, longest)}", (min(3 * budget, longest),), new_tokens=1))
+    # several prompts in one step (at least 2 tokens each, else the step is decode-shaped)
+    shapes += [Shape(f"prefill {seqs} prompts, {n} tokens", _split(n, seqs), new_tokens=1)
+               for seqs in sorted({s for s in (2, 3, 16, 17) if s <= max_seqs} | {max_seqs} - {1})
+               for n in counts if n >= 2 * seqs]
     if not decode:
         return shapes
     shapes.append(Shape("mixed prefill + decode", (block, 1), late=(min(budget // 2, longest),), new_tokens=4))
-    shapes += [Shape(f"decode batch {b}", (1,) * b) for b in capture_sizes(core.scheduler.config.max_num_seqs)]
+    shapes += [Shape(f"decode batch {b}", (1,) * b) for b in capture_sizes(max_seqs)]
+    if core.runner.graphs is None:
+        # eager decode splits long contexts (split-K, a power of two up to 64 chosen by context length):
+        # each split count is a kernel variant, which captured graphs would have compiled at capture
+        shapes += [Shape(f"decode after {n} tokens", (n,)) for n in (128 << k for k in range(7)) if n <= longest]
     return shapes
 
 

@@ -9,7 +9,7 @@ import pytest
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.engine.cuda_graphs import capture_sizes
 from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.engine.warmup import chunk_buckets, plan, warm_up
+from kvrelay.shared.engine.warmup import plan, token_counts, warm_up
 from tests.conftest import make_tiny_model
 
 BUDGET, MAX_LEN, MAX_SEQS = 64, 128, 8
@@ -53,12 +53,14 @@ def _assert_untouched(core: EngineCore) -> None:
     assert not core.runner.sampler._generators and not core.runner.sampler._shared  # --seed's stream unmoved
 
 
-def test_chunk_buckets_cover_each_token_count_class():
-    sizes = chunk_buckets(2048, 4094)
+def test_token_counts_cover_each_token_count_class():
+    sizes = token_counts(2048, 4094)
     assert sizes[0] == 1 and sizes[-1] == 2048 and 2047 in sizes
     assert {16, 32, 64, 128, 256, 512, 1024} <= set(sizes)
     assert any(s % 16 and s > 1 for s in sizes)
-    assert chunk_buckets(64, 20) == [1, 7, 16, 19, 20]  # capped by the longest prompt
+    for tile in (8, 16, 32, 64, 128):  # one-sequence steps whose tile count is a multiple of 16
+        assert any((n // tile + 1) % 16 == 0 for n in sizes), tile
+    assert token_counts(64, 20) == [1, 7, 16, 19, 20]  # capped by the longest prompt
 
 
 def test_full_warmup_runs_every_shape_the_scheduler_makes_and_leaves_the_engine_as_it_was(model_dir):
@@ -66,7 +68,9 @@ def test_full_warmup_runs_every_shape_the_scheduler_makes_and_leaves_the_engine_
     steps = _record_steps(core)
     assert warm_up(core) == len(plan(core, minimal=False))
     prefill_sizes = {n for step in steps for done, n in step if n > 1 and done == 0}
-    assert set(chunk_buckets(BUDGET, MAX_LEN - 2)) - {1} <= prefill_sizes
+    assert set(token_counts(BUDGET, MAX_LEN - 4)) - {1} <= prefill_sizes
+    prompts_per_prefill = {len(step) for step in steps if all(n > 1 and done == 0 for done, n in step)}
+    assert {1, 2, 3} <= prompts_per_prefill and MAX_SEQS in prompts_per_prefill
     assert any(done > 0 and n > 1 for step in steps for done, n in step), "no chunk after a cached prefix"
     assert any({n == 1 for _, n in step} == {True, False} for step in steps), "no mixed prefill + decode step"
     decode_batches = {len(step) for step in steps if all(n == 1 and done > 0 for done, n in step)}
