@@ -11,9 +11,12 @@ top-k/top-p/min-p, penalties, logprobs, prompt logprobs).
 
 It drives the engine core with ordinary requests, so the shapes are the scheduler's own, not a guess at
 them. Afterwards the engine is as it was: every block free, the prefix cache empty of warm-up prompts,
-its hit counters, the tenants' fairness counters and the sampler's --seed stream as they were. On the
-CPU nothing compiles, so there ``minimal`` runs one small prompt and one decode step (first-call set-up
-of the CPU kernels) and nothing more: CI starts hundreds of workers on two cores.
+its hit counters, the tenants' fairness counters and the sampler's --seed stream as they were.
+
+On the CPU nothing compiles, and no shape runs (``compiles=False``): measured with SmolLM2 on one
+thread (2026-12-01), even a 16-token prefill plus a decode step cost 260-350 ms of CPU a worker and
+left the first 64-token request as slow as without it (the CPU's first-call cost is per shape), while
+CI starts a worker for most e2e tests on two cores.
 """
 
 import logging
@@ -69,14 +72,12 @@ def _split(total: int, seqs: int) -> tuple[int, ...]:
     return (per,) * (seqs - 1) + (total - per * (seqs - 1),)
 
 
-def plan(core: EngineCore, minimal: bool, decode: bool = True) -> list[Shape]:
+def plan(core: EngineCore, decode: bool = True) -> list[Shape]:
     """The shapes to run. ``decode``: False on a prefill worker, whose requests stop at their first token."""
     block = core.block_manager.block_size
     budget = core.scheduler.max_num_batched_tokens
     max_seqs = core.scheduler.config.max_num_seqs
     longest = core.max_model_len - 4  # room for the tokens each warm-up request samples
-    if minimal:
-        return [Shape("prefill 16 + decode", (min(16, longest),))]
     counts = token_counts(budget, longest)
     shapes = [Shape(f"prefill {n}", (n,), new_tokens=1) for n in counts]
     if longest > budget:  # chunked: a full chunk, then chunks after a cached prefix of the same prompt
@@ -96,12 +97,13 @@ def plan(core: EngineCore, minimal: bool, decode: bool = True) -> list[Shape]:
     return shapes
 
 
-def warm_up(core: EngineCore, minimal: bool = False, decode: bool = True) -> int:
+def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True) -> int:
     """Run every planned shape once; returns how many ran. Shapes that need more KV blocks than the
-    engine has free are left out (and said so): warm-up never grows a model's share of a shared pool."""
+    engine has free are left out (and said so): warm-up never grows a model's share of a shared pool.
+    ``compiles``: False where nothing compiles (the CPU): then nothing runs."""
     bm = core.block_manager
     counters = bm.prefix_queries, bm.prefix_hits
-    shapes = plan(core, minimal, decode)
+    shapes = plan(core, decode) if compiles else []
     started = last = time.monotonic()
     ran = 0
     for i, shape in enumerate(shapes, 1):
@@ -117,7 +119,8 @@ def warm_up(core: EngineCore, minimal: bool = False, decode: bool = True) -> int
         raise RuntimeError(f"warm-up left {bm.num_used} KV blocks allocated")
     bm.prefix_queries, bm.prefix_hits = counters
     core.runner.sampler.restart_shared_stream()
-    log.info("warm-up done: %d shapes in %.2fs", ran, time.monotonic() - started)
+    log.info("warm-up done: %d shapes in %.2fs%s", ran, time.monotonic() - started,
+             "" if compiles else " (nothing compiles on this device)")
     return ran
 
 

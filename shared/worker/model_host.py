@@ -252,11 +252,10 @@ class ModelHost:
                               kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
                               kv_pool_key=plan.instance, loaded=loaded)
             if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
-                # nothing compiles on the CPU: one small step there, every shape on CUDA
-                warm_up(core, minimal=not cuda, decode=not self.hold_finished_kv)
+                warm_up(core, decode=not self.hold_finished_kv, compiles=cuda)
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-        log.info("%s: weights in %.2fs, engine (KV attach, graphs, warm-up) in %.2fs", plan.instance,
-                 t_weights - t0, time.perf_counter() - t_weights)
+        log.info("%s: weights in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, t_weights - t0,
+                 "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,

@@ -4,6 +4,8 @@ bucket), and the engine afterwards is as it was: no block allocated, nothing in 
 request, sampler or block-table state left. tests/gpu/test_warmup_gpu.py checks on the H200 that
 nothing compiles or captures after it."""
 
+import logging
+
 import pytest
 
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -63,10 +65,13 @@ def test_token_counts_cover_each_token_count_class():
     assert token_counts(64, 20) == [1, 7, 16, 19, 20]  # capped by the longest prompt
 
 
-def test_full_warmup_runs_every_shape_the_scheduler_makes_and_leaves_the_engine_as_it_was(model_dir):
+def test_full_warmup_runs_every_shape_the_scheduler_makes_and_leaves_the_engine_as_it_was(model_dir, caplog):
     core = _core(model_dir)
     steps = _record_steps(core)
-    assert warm_up(core) == len(plan(core, minimal=False))
+    n = len(plan(core))
+    with caplog.at_level(logging.INFO, logger="kvrelay.shared.engine.warmup"):
+        assert warm_up(core) == n
+    assert f"warming up: {n}/{n} shapes" in caplog.text  # progress, the last line at least
     prefill_sizes = {n for step in steps for done, n in step if n > 1 and done == 0}
     assert set(token_counts(BUDGET, MAX_LEN - 4)) - {1} <= prefill_sizes
     prompts_per_prefill = {len(step) for step in steps if all(n > 1 and done == 0 for done, n in step)}
@@ -86,9 +91,8 @@ def test_prefill_worker_warmup_releases_held_kv_and_never_decodes(model_dir):
     _assert_untouched(core)
 
 
-def test_minimal_warmup_is_one_prefill_and_one_decode_step(model_dir):
+def test_where_nothing_compiles_nothing_runs(model_dir):
     core = _core(model_dir)
     steps = _record_steps(core)
-    assert warm_up(core, minimal=True) == 1
-    assert steps == [[(0, 16)], [(16, 1)]]
+    assert warm_up(core, compiles=False) == 0 and steps == []
     _assert_untouched(core)
