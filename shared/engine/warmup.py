@@ -19,8 +19,10 @@ left the first 64-token request as slow as without it (the CPU's first-call cost
 CI starts a worker for most e2e tests on two cores.
 """
 
+import contextlib
 import logging
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 from kvrelay.shared.engine.cuda_graphs import capture_sizes
@@ -97,10 +99,12 @@ def plan(core: EngineCore, decode: bool = True) -> list[Shape]:
     return shapes
 
 
-def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True) -> int:
+def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True,
+            hold: AbstractContextManager | None = None) -> int:
     """Run every planned shape once; returns how many ran. Shapes that need more KV blocks than the
     engine has free are left out (and said so): warm-up never grows a model's share of a shared pool.
-    ``compiles``: False where nothing compiles (the CPU): then nothing runs."""
+    ``compiles``: False where nothing compiles (the CPU): then nothing runs. ``hold``: entered around
+    each shape (a worker's step lock, so its other models keep stepping between shapes)."""
     bm = core.block_manager
     counters = bm.prefix_queries, bm.prefix_hits
     shapes = plan(core, decode) if compiles else []
@@ -110,7 +114,8 @@ def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True) -> int
         if _blocks(shape, bm.block_size) > bm.num_free_blocks:
             log.info("warm-up: %s left out (needs more KV blocks than are free)", shape.name)
             continue
-        _run(core, shape, decode, tag=f"warmup-{i}")
+        with hold or contextlib.nullcontext():
+            _run(core, shape, decode, tag=f"warmup-{i}")
         ran += 1
         if time.monotonic() - last >= PROGRESS_EVERY_S or i == len(shapes):
             last = time.monotonic()

@@ -242,8 +242,9 @@ class ModelHost:
             plan.verify()
         log.info("loading %s from %s", plan.instance, plan.path)
         # weights are read here while the other models keep serving; the engine around them is built
-        # and warmed under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it)
-        # must not race another thread's kernels. On CPU only the pool attach takes the lock (LockedPool).
+        # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
+        # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
+        # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
         loaded = load_model(plan.engine.model, plan.engine.device, root=plan.root)
         t_weights = time.perf_counter()
         cuda = plan.engine.device.startswith("cuda")
@@ -251,8 +252,8 @@ class ModelHost:
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
                               kv_pool_key=plan.instance, loaded=loaded)
-            if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
-                warm_up(core, decode=not self.hold_finished_kv, compiles=cuda)
+        if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
+            warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
         log.info("%s: weights in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, t_weights - t0,
                  "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)

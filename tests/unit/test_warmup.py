@@ -44,6 +44,18 @@ def _record_steps(core: EngineCore) -> list[list[tuple[int, int]]]:
     return steps
 
 
+class _Counting:
+    """Stands in for the worker's step lock: counts how often warm-up takes it."""
+
+    entered = 0
+
+    def __enter__(self) -> None:
+        self.entered += 1
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 def _assert_untouched(core: EngineCore) -> None:
     bm, sched = core.block_manager, core.scheduler
     assert bm.num_used == 0 and bm.num_free_blocks == bm.num_blocks
@@ -86,7 +98,8 @@ def test_full_warmup_runs_every_shape_the_scheduler_makes_and_leaves_the_engine_
 def test_prefill_worker_warmup_releases_held_kv_and_never_decodes(model_dir):
     core = _core(model_dir, hold_finished_kv=True)
     steps = _record_steps(core)
-    warm_up(core, decode=False)
+    hold = _Counting()
+    assert warm_up(core, decode=False, hold=hold) == hold.entered > 0  # the step lock, once per shape
     assert steps and not any(done > 0 and n == 1 for step in steps for done, n in step)
     _assert_untouched(core)
 
