@@ -1,9 +1,10 @@
 """Warm-up: run every step shape the scheduler can produce once, before a worker says it is ready.
 
 On CUDA the first step of a new shape pays for Triton compiling a kernel specialisation (the prefill
-tiling, integer arguments specialised on ``== 1`` and ``% 16 == 0``) and for the sampler's first
-kernels: measured on the H200, p99 TTFT of the first Poisson requests after start was 3.0 s against a
-57 ms median. Decode CUDA graphs are already captured by the runner (shared/engine/cuda_graphs.py);
+tiling, integer arguments specialised on ``== 1`` and ``% 16 == 0``; the prefill kernel's sequence and
+tile counts are exempt, see kernels/triton/prefill_attention.py) and for the sampler's first kernels:
+measured on the H200, p99 TTFT of the first Poisson requests after start was 3.0 s against a 57 ms
+median. Decode CUDA graphs are already captured by the runner (shared/engine/cuda_graphs.py);
 warm-up covers what runs eagerly: prefill chunks of each token-count class up to the token budget, a
 chunk after a cached prefix, several prompts in one step, prefill mixed with decodes, each decode batch
 bucket (eager decode when graphs are off, and then long contexts too), and each sampler path (greedy,
@@ -55,13 +56,12 @@ class Shape:
 
 
 def token_counts(budget: int, longest: int) -> list[int]:
-    """Token counts of a prefill step that cover the classes its kernels are compiled for: the prefill
-    attention's tiling (short or long queries, chosen by length) times Triton's specialisation of its
-    integer arguments (sequences, query tiles) on 1, multiples of 16 and the rest. Powers of two from 16
-    up to the budget, the budget, lengths that are neither 1 nor a multiple of 16, and 15 * 2^k, where a
-    one-sequence step's tile count (tokens // 2^k + 1, tiles of 8-128 tokens) is a multiple of 16."""
+    """Token counts of a prefill step: powers of two from 16 up to the budget, the budget, and counts that
+    are neither 1 nor a multiple of 16. They reach both prefill-attention tilings (chosen by query
+    length), each class Triton specialises the other kernels' integer arguments on (1, multiples of 16,
+    the rest), and the cuBLAS kernels picked by row count (each loaded on first use: CUDA's lazy loading)."""
     top = min(budget, longest)
-    sizes = {1, 7, top, max(1, top - 1), *(15 << k for k in range(3, 8))}
+    sizes = {1, 3, 7, top, max(1, top - 1)}
     p = 16
     while p <= top:
         sizes |= {p, min(p + 7, top)}
