@@ -4,6 +4,10 @@ the other) and replays the same workload through the offline engine for a same-r
 
     kvrelay bench serve --base-url http://127.0.0.1:8000/v1 --num-prompts 32 --max-concurrency 8
     kvrelay bench serve --launch disaggregated unified --compare-offline -- --model smollm2
+    kvrelay bench serve --launch unified --cold-start --request-rate 8 --num-prompts 200 -- --model smollm2
+
+Each run also prints the TTFT of its first --cold-requests requests beside the rest's; with --cold-start
+they are the first requests after /ready, which shows what a fresh server left unprepared (compiles).
 """
 
 import argparse
@@ -59,6 +63,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a --base-url that is not a loopback address (the default refuses, so a typo "
                         "cannot aim a load test at someone else's server)")
+    p.add_argument("--cold-start", action="store_true",
+                   help="start the load the moment /ready is true, without the warm-up request before it, so the "
+                        "first requests meet the server as a fresh start leaves it (with --base-url: waits for /ready)")
+    p.add_argument("--cold-requests", type=int, default=100, metavar="N",
+                   help="TTFT of the first N requests is printed beside the rest's (the steady state), with the ratio")
     p.add_argument("--save-result", default=None, metavar="FILE", help="write every metric and per-request data as JSON")
     p.add_argument("engine_args", nargs="*", help="after --: engine flags for --launch and --compare-offline")
 
@@ -70,6 +79,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--num-prompts, --input-len and --output-len must be positive")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise SystemExit("--max-concurrency must be positive")
+    if args.cold_requests < 1:
+        raise SystemExit("--cold-requests must be at least 1")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be positive (inf: all at once)")
     if args.launch and args.base_url:
@@ -104,6 +115,14 @@ def _ready(base_url: str) -> bool:
         return False
 
 
+def _wait_ready(base_url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not _ready(base_url):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{base_url} did not become ready in {READY_TIMEOUT_S:.0f}s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def launched(mode: str, engine_args: list[str], log_dir: Path) -> Iterator[str]:
     """``kvrelay serve --mode MODE`` on a free loopback port until the block ends; yields its base URL."""
@@ -121,7 +140,7 @@ def launched(mode: str, engine_args: list[str], log_dir: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"kvrelay serve --mode {mode} did not become ready (log {log_path}):\n{tail}")
-            time.sleep(0.5)
+            time.sleep(0.1)  # --cold-start measures from the moment of ready: notice it promptly
         print(f"launched kvrelay serve --mode {mode} at {base_url} (log {log_path})", flush=True)
         yield base_url
     finally:
@@ -141,19 +160,23 @@ def _load() -> float:
 async def _bench_server(args: argparse.Namespace, base_url: str, label: str, prompts: list, warmup,
                         offsets: list[float]) -> dict:
     from kvrelay.bench.serve_client import RequestSpec, first_model, run_load
-    from kvrelay.bench.serve_metrics import summarize
+    from kvrelay.bench.serve_metrics import cold_vs_steady, summarize
 
+    if args.cold_start:
+        _wait_ready(base_url)
     model = args.model or await first_model(base_url)
     url = f"{base_url}/chat/completions" if args.endpoint == "chat" else f"{base_url}/completions"
     salt = uuid.uuid4().hex if args.cold_cache else None
     spec = RequestSpec(url=url, endpoint=args.endpoint, model=model, output_len=args.output_len,
                        ignore_eos=args.ignore_eos, cache_salt=salt, token_logprobs=args.token_timing == "logprobs")
-    warm, _ = await run_load(base_url, spec, [warmup], [0.0], 1, args.request_timeout)
-    if not warm[0].success:  # a server that cannot answer one request would only produce N failures
-        raise SystemExit(f"warm-up request to {url} failed: {warm[0].error}")
+    if not args.cold_start:
+        warm, _ = await run_load(base_url, spec, [warmup], [0.0], 1, args.request_timeout)
+        if not warm[0].success:  # a server that cannot answer one request would only produce N failures
+            raise SystemExit(f"warm-up request to {url} failed: {warm[0].error}")
     load_before = _load()
     results, duration = await run_load(base_url, spec, prompts, offsets, args.max_concurrency, args.request_timeout)
     m = summarize(label, results, duration)
+    m["cold_start"] = {**cold_vs_steady(results, args.cold_requests), "from_ready": args.cold_start}
     m.update(base_url=base_url, model_id=model, load_avg_1m_before=load_before, load_avg_1m_after=_load())
     return m
 

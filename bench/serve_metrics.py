@@ -40,6 +40,25 @@ def summarize(label: str, results: list[RequestResult], duration: float) -> dict
     return m
 
 
+def cold_vs_steady(results: list[RequestResult], first: int) -> dict:
+    """TTFT of the first ``first`` requests sent (``results`` in send order) beside the rest's, the steady
+    state: median and p99 in ms, and the first's over the rest's (None without a rest). After a fresh
+    start the first requests are the ones that meet whatever the server did not prepare before /ready."""
+    head, rest = results[:first], results[first:]
+
+    def ms(rs: list[RequestResult]) -> np.ndarray:
+        return np.asarray([r.ttft for r in rs if r.success], dtype=float) * 1000.0
+
+    out: dict = {"first": len(head), "rest": len(rest)}
+    for name, values in (("first", ms(head)), ("rest", ms(rest))):
+        out[f"median_ttft_{name}_ms"] = float(np.median(values)) if values.size else None
+        out[f"p99_ttft_{name}_ms"] = float(np.percentile(values, 99)) if values.size else None
+    for stat in ("median", "p99"):
+        a, b = out[f"{stat}_ttft_first_ms"], out[f"{stat}_ttft_rest_ms"]
+        out[f"{stat}_ttft_ratio"] = a / b if a is not None and b else None
+    return out
+
+
 def _row(name: str, value, fmt: str = "<10") -> None:
     print(f"{name:<40} {value:{fmt}}")
 
@@ -59,12 +78,26 @@ def print_result(m: dict, title: str = "Serving Benchmark Result") -> None:
         _row(f"Mean {short} (ms):", m[f"mean_{key}_ms"], "<10.2f")
         _row(f"Median {short} (ms):", m[f"median_{key}_ms"], "<10.2f")
         _row(f"P99 {short} (ms):", m[f"p99_{key}_ms"], "<10.2f")
+    if "cold_start" in m:
+        _print_cold_start(m["cold_start"])
     print("=" * WIDTH)
     failures = [e for e in m["errors"] if e]
     if failures:
         print(f"{len(failures)} failed request(s); distinct errors:")
         for err in sorted(set(failures))[:10]:
             print(f"  {failures.count(err)} x {err}")
+
+
+def _print_cold_start(c: dict) -> None:
+    n = c["first"]
+    title = f"First {n} requests {'after /ready' if c['from_ready'] else 'after a warm-up request'} vs the rest"
+    print(f"{title:-^{WIDTH}}")
+    for stat, label in (("median", "Median"), ("p99", "P99")):
+        for part, name in (("first", f"first {n}"), ("rest", f"rest ({c['rest']})")):
+            value = c[f"{stat}_ttft_{part}_ms"]
+            _row(f"{label} TTFT {name} (ms):", "n/a" if value is None else f"{value:.2f}")
+        ratio = c[f"{stat}_ttft_ratio"]
+        _row(f"{label} TTFT first / rest:", "n/a" if ratio is None else f"{ratio:.2f}x")
 
 
 def compare(served: list[dict], offline: dict[str, dict]) -> list[dict]:

@@ -82,7 +82,10 @@ def _fresh_src(j, j_mask, cache_ptr, k_ptr, v_ptr, table, q_start, context, kvh,
     return k_src, v_src
 
 
-@triton.jit
+# the sequence and tile counts only steer the prologue's search for a tile's sequence: specialising on
+# them (Triton: == 1, multiple of 16) bought nothing but a compile of a new variant whenever a step's
+# counts fell in a new class while serving, which a warm-up before /ready cannot cover by shapes alone
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
 def _prefill_kernel(
     q_ptr, cache_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, alibi_ptr, out_ptr,
     scale_log2, num_seqs, tokens_per_tile, num_tiles,

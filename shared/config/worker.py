@@ -71,6 +71,8 @@ class WorkerConfig:
                                          "--gpu-memory-utilization leaves after the KV pool)", ge=1)
     verify_checksums: bool = setting(True, "hash a repository model's files against its manifest before loading "
                                      "it (once per file version per host: shared/repo/verified_files.py)")
+    skip_warmup: bool = setting(False, "serve without first running each step shape once (on CUDA the first requests "
+                                "then pay for Triton compiles; SGLang's --skip-server-warmup)")
     register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 

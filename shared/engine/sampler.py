@@ -217,6 +217,10 @@ class Sampler:
             cached = self._biases[request.request_id] = (bias, logit_bias_tensors(bias))
         return cached[1]
 
+    def restart_shared_stream(self) -> None:
+        """Unseeded rows draw from the start of the --seed stream again, as in a fresh engine (after warm-up)."""
+        self._shared.clear()
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
         if gen is None:

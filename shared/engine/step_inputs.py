@@ -9,6 +9,12 @@ graphs (shared/engine/cuda_graphs.py), which is why padding rows are written her
 
 int32 everywhere: slots, positions and ids all fit (a slot index below 2**31 is ~2G cached tokens),
 and the kernels and torch indexing accept int32 indices.
+
+Every region starts on a 16-byte boundary. Triton specialises a kernel on whether each pointer argument
+is 16-byte aligned, so with packed regions the alignment of ``positions`` or ``seq_lens`` followed the
+step's token and sequence counts mod 4, and a step of new counts could compile a new variant while
+serving; aligned, the variants depend only on the counts' own classes (1, multiple of 16, other), which
+warm-up (shared/engine/warmup.py) runs once each.
 """
 
 from dataclasses import dataclass
@@ -49,6 +55,13 @@ class StepBatch:
         return len(self.sample_rows) == self.num_tokens
 
 
+ALIGN = 4  # int32s: 16 bytes, Triton's pointer-alignment specialisation
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 @dataclass(frozen=True)
 class Layout:
     """Region offsets in one flat int32 buffer; capacities, not contents (a step may use less)."""
@@ -63,27 +76,27 @@ class Layout:
 
     @property
     def positions(self) -> int:
-        return self.tokens
+        return _aligned(self.tokens)
 
     @property
     def slots(self) -> int:
-        return 2 * self.tokens
+        return 2 * _aligned(self.tokens)
 
     @property
     def query_start_loc(self) -> int:
-        return 3 * self.tokens
+        return 3 * _aligned(self.tokens)
 
     @property
     def seq_lens(self) -> int:
-        return self.query_start_loc + self.seqs + 1
+        return self.query_start_loc + _aligned(self.seqs + 1)
 
     @property
     def sample_rows(self) -> int:
-        return self.seq_lens + self.seqs
+        return self.seq_lens + _aligned(self.seqs)
 
     @property
     def tables(self) -> int:
-        return self.sample_rows + self.tokens
+        return self.sample_rows + _aligned(self.tokens)
 
     def size_through_row(self, rows: int) -> int:
         """Length of the prefix that holds every region plus the first ``rows`` block-table rows."""
@@ -166,7 +179,8 @@ def host_buffer(size: int, device: torch.device) -> torch.Tensor:
 
 def to_device(batch: StepBatch, device: torch.device) -> StepTensors:
     """Eager steps: a layout sized to this batch, filled on the host, one non-blocking copy."""
-    width = max(1, max((t.size for t in batch.block_tables), default=1))
+    # a multiple of 16 columns: the table's row stride is a kernel argument Triton specialises on too
+    width = -(-max((t.size for t in batch.block_tables), default=1) // 16) * 16
     layout = Layout(tokens=batch.num_tokens, seqs=batch.num_seqs, width=width)
     host = host_buffer(layout.size, device)
     write(host.numpy(), layout, batch)

@@ -36,6 +36,7 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
@@ -127,11 +128,13 @@ class ModelHost:
                  configured_paths: dict[str, str] | None = None, verify_checksums: bool = True,
                  eos_ids: Callable[[EngineCore, str], list[int]] | None = None,
                  report: Callable[[ControlResult], None] | None = None,
-                 min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False):
+                 min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
+                 skip_warmup: bool = False):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
-        (shared/worker/gc_freeze.py); never in a process that is not ours alone."""
+        (shared/worker/gc_freeze.py); never in a process that is not ours alone. Each instance runs its
+        warm-up (shared/engine/warmup.py) before it is ready, unless ``skip_warmup``."""
         self.base = base
         self.hold_finished_kv = hold_finished_kv
         self.pool = pool
@@ -140,6 +143,7 @@ class ModelHost:
         self.configured_paths = dict(configured_paths or {})  # name -> path the operator configured
         self.verify_checksums = verify_checksums
         self.freeze_gc = freeze_gc
+        self.skip_warmup = skip_warmup
         self._eos_ids = eos_ids or (lambda core, path: [])
         self._report = report or (lambda result: None)
         self._min_replicas = min_replicas or (lambda name: 0)
@@ -239,16 +243,20 @@ class ModelHost:
         log.info("loading %s from %s", plan.instance, plan.path)
         # weights are read here while the other models keep serving; the engine around them is built
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
-        # race another thread's kernels. On CPU only the pool attach takes the lock (LockedPool).
+        # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
+        # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
         loaded = load_model(plan.engine.model, plan.engine.device, root=plan.root)
         t_weights = time.perf_counter()
-        with self.lock if plan.engine.device.startswith("cuda") else contextlib.nullcontext():
+        cuda = plan.engine.device.startswith("cuda")
+        with self.lock if cuda else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
                               kv_pool_key=plan.instance, loaded=loaded)
+        if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
+            warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-        log.info("%s: weights in %.2fs, engine (KV attach, graphs) in %.2fs", plan.instance, t_weights - t0,
-                 time.perf_counter() - t_weights)
+        log.info("%s: weights in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, t_weights - t0,
+                 "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,

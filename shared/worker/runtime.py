@@ -72,7 +72,7 @@ class WorkerRuntime:
             repo=ModelRepository(config.model_repo) if config.model_repo else None,
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self._report,
-            min_replicas=self._min_replicas, freeze_gc=config.freeze_gc)
+            min_replicas=self._min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup)
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self.ctx = zmq.Context()
         self.curve = keys_from_secret(config.zmq_secret, config.insecure_zmq)  # every socket of ours authenticates with it

@@ -5,6 +5,7 @@ themselves are the benchmark's business (BENCHMARKS.md), so nothing here asserts
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from kvrelay.cli import main
@@ -15,6 +16,7 @@ from tests.e2e.cluster import Cluster
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 6, 24, 8
+COLD = 2  # --cold-requests: the first 2 requests' TTFT beside the other 4's
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +47,12 @@ def test_bench_serve_counts_every_token(cluster, tiny_dir, tmp_path, capsys):
     code = main(["--log-level", "WARNING", "bench", "serve", "--base-url", cluster.base_url, "--num-prompts",
                  str(NUM_PROMPTS), "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
                  "--max-concurrency", "3", "--compare-offline", "--save-result", str(out),
+                 "--cold-start", "--cold-requests", str(COLD),
                  "--", "--model", str(tiny_dir), *ENGINE])
     assert code == 0, capsys.readouterr().out
-    assert "Serving Benchmark Result" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Serving Benchmark Result" in printed
+    assert f"First {COLD} requests after /ready vs the rest" in printed
     doc = json.loads(out.read_text())
     [run] = doc["runs"]
     assert run["model_id"] == "tiny"  # found through /v1/models
@@ -56,6 +61,13 @@ def test_bench_serve_counts_every_token(cluster, tiny_dir, tmp_path, capsys):
     assert run["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: exactly output_len each
     assert run["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
     assert all(t > 0 for t in run["ttfts"])
+    # the split is the per-request TTFTs of this same run, in send order: first COLD, then the rest
+    cold, ms = run["cold_start"], np.asarray(run["ttfts"]) * 1000.0
+    assert (cold["first"], cold["rest"], cold["from_ready"]) == (COLD, NUM_PROMPTS - COLD, True)
+    for stat, fn in (("median", np.median), ("p99", lambda a: np.percentile(a, 99))):
+        assert cold[f"{stat}_ttft_first_ms"] == pytest.approx(fn(ms[:COLD]))
+        assert cold[f"{stat}_ttft_rest_ms"] == pytest.approx(fn(ms[COLD:]))
+        assert cold[f"{stat}_ttft_ratio"] == pytest.approx(fn(ms[:COLD]) / fn(ms[COLD:]))
     assert set(doc["offline"]) == {"offline, all at once", "offline, same schedule"}
     for offline in doc["offline"].values():
         assert offline["completed"] == NUM_PROMPTS

@@ -1,6 +1,6 @@
 """What a worker says on its console, from real worker processes: its progress bar names its role (two
-workers share kvrelay serve's terminal), and its "serving" line names a real address or where its jobs
-come from, never an empty one."""
+workers share kvrelay serve's terminal), its "serving" line names a real address or where its jobs
+come from, never an empty one, and its warm-up ends before that line."""
 
 import re
 
@@ -22,7 +22,7 @@ def test_each_worker_names_its_role_and_where_it_serves(tmp_path, redis_url, smo
     try:
         cluster.start_gateway()
         cluster.start_worker("prefill", "p1")
-        cluster.start_worker("decode", "d1")
+        cluster.start_worker("decode", "d1", ["--skip-warmup"])
         cluster.wait_ready()
         prefill, decode = cluster.log("p1"), cluster.log("d1")
     finally:
@@ -31,3 +31,6 @@ def test_each_worker_names_its_role_and_where_it_serves(tmp_path, redis_url, smo
     assert "prefill worker p1 serving tiny from its Redis streams" in prefill, prefill[-2000:]
     assert re.search(r"decode worker d1 serving tiny at tcp://127\.0\.0\.1:\d+\n", decode), decode[-2000:]
     assert not re.search(r"serving .* at \n", prefill + decode)
+    # warm-up (no shape on the CPU, where nothing compiles) is done before the worker registers and serves
+    assert prefill.index("warm-up done: 0 shapes") < prefill.index("serving tiny")
+    assert "warm" not in decode  # --skip-warmup

@@ -60,8 +60,30 @@ def test_eager_packing_round_trips_a_mixed_batch():
     assert t.input_ids.tolist() == [5, 6, 7, 8] and t.positions.tolist() == [0, 1, 2, 9]
     assert t.slot_mapping.tolist() == [16, 17, 18, 41] and t.query_start_loc.tolist() == [0, 3, 4]
     assert t.seq_lens.tolist() == [3, 10] and t.sample_rows.tolist() == [2, 3]
-    assert t.block_tables.tolist() == [[1, 0], [4, 2]]
+    assert t.block_tables.tolist() == [[1] + [0] * 15, [4, 2] + [0] * 14]  # 16 columns: see below
     assert host_buffer(4, torch.device("cpu")).dtype == torch.int32
+
+
+@pytest.mark.parametrize("tokens,seqs", [(1, 1), (7, 1), (6, 3), (18, 2), (33, 5), (64, 16)])
+def test_every_region_starts_16_byte_aligned_whatever_the_counts(tokens, seqs):
+    # Triton specialises kernels on each pointer's 16-byte alignment and on each int's divisibility
+    # by 16: aligned regions and a 16-column table keep a step's counts from picking new variants
+    per_seq = [tokens // seqs] * (seqs - 1)
+    lens = per_seq + [tokens - sum(per_seq)]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    batch = StepBatch(input_ids=[1] * tokens, positions=list(range(tokens)), slot_mapping=list(range(tokens)),
+                      query_start_loc=starts, seq_lens=lens, sample_rows=[s - 1 for s in starts[1:]],
+                      block_tables=[np.arange(i, i + 3, dtype=np.int32) for i in range(seqs)])
+    t = to_device(batch, torch.device("cpu"))
+    for name, view in vars(t).items():
+        assert view.data_ptr() % 16 == 0, name
+    assert t.block_tables.stride(0) % 16 == 0
+    graph_layout = Layout(tokens=tokens, seqs=seqs, width=8)
+    buf = torch.zeros(graph_layout.size, dtype=torch.int32)
+    for name, view in vars(views(buf, graph_layout, tokens, seqs, seqs)).items():
+        assert view.data_ptr() % 16 == 0, name
 
 
 def test_block_table_cache_extends_and_notices_new_blocks():
