@@ -21,9 +21,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/kvrelay serve $(ARGS)
 
+# Test files run in parallel, a whole file per process (loadfile: a module's shared cluster starts once).
+# Two by default: an end-to-end test waits on its processes much of the time, so one at a time left ~40%
+# of a 2-core machine idle. TEST_JOBS=0 runs everything in this process.
+TEST_JOBS ?= 2
+
 test: $(STAMP)
 	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --timeout=600 $(ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
