@@ -13,8 +13,9 @@ import time
 import zmq
 
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.handoff.sender import FirstToken, HandoffSender, Transfer
+from kvrelay.shared.handoff.sender import HandoffSender
 from kvrelay.shared.handoff.states import State
+from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers

@@ -15,13 +15,13 @@ stops answering or reading fails its transfer at the deadline instead of stallin
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
 
-from kvrelay.shared.handoff.base import KVSender, Transport
+from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import layout_of
-from kvrelay.shared.handoff.states import Event, State, next_state
+from kvrelay.shared.handoff.states import Event, State
+from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire import zmq_auth
@@ -44,47 +44,6 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask (or none with room) looks again
 SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer can make us hold
-
-
-@dataclass
-class FirstToken:
-    """What the prefill sampled, carried to the decode side in the header."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list | None = None
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class Transfer:
-    job: Job
-    entry_id: bytes
-    first: FirstToken | None = None  # None while an early ask's prompt is not computed yet
-    state: State = State.NEW
-    target: str = ""  # the decode worker's address
-    tried: set[str] = field(default_factory=set)
-    grant: HandoffGrant | None = None
-    asked_at: float = 0.0  # monotonic time of the last HandoffRequest
-    deadline: float = 0.0
-    sender: KVSender | None = None  # while the KV moves
-    header: KVHeader | None = None  # once the first token is known and the KV moves
-    holds_source: bool = False  # our prefill blocks are still held for this transfer
-    streamed: bool = False  # the KV left layer by layer during the prompt's last chunk
-    transport: str = ""  # the sender's, for metrics
-    nbytes: int = 0
-    reason: str = ""  # why it failed
-    started: float = field(default_factory=time.perf_counter)  # perf_counter stamps, for logs and the benchmark
-    granted: float = 0.0
-    sent: float = 0.0
-    ended: float = 0.0
-
-    @property
-    def computed(self) -> bool:
-        return self.first is not None
-
-    def to(self, event: Event) -> None:
-        self.state = next_state(self.state, event)
 
 
 Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model) -> a decode worker to ask

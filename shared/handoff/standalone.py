@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import torch
 
 from kvrelay.shared.engine.block_manager import BlockManager
-from kvrelay.shared.handoff.sender import FirstToken, HandoffSender, Transfer
+from kvrelay.shared.handoff.sender import HandoffSender
+from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 
 

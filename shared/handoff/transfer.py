@@ -1,0 +1,51 @@
+"""One KV transfer as the prefill side tracks it: the request, where its KV goes, and the state it is in
+(states.py names every state and event; ``to`` refuses an illegal step)."""
+
+import time
+from dataclasses import dataclass, field
+
+from kvrelay.shared.handoff.base import KVSender
+from kvrelay.shared.handoff.states import Event, State, next_state
+from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader
+from kvrelay.shared.wire.protocol import Job
+
+
+@dataclass
+class FirstToken:
+    """What the prefill sampled, carried to the decode side in the header."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Transfer:
+    job: Job
+    entry_id: bytes
+    first: FirstToken | None = None  # None while an early ask's prompt is not computed yet
+    state: State = State.NEW
+    target: str = ""  # the decode worker's address
+    tried: set[str] = field(default_factory=set)
+    grant: HandoffGrant | None = None
+    asked_at: float = 0.0  # monotonic time of the last HandoffRequest
+    deadline: float = 0.0
+    sender: KVSender | None = None  # while the KV moves
+    header: KVHeader | None = None  # once the first token is known and the KV moves
+    holds_source: bool = False  # our prefill blocks are still held for this transfer
+    streamed: bool = False  # the KV left layer by layer during the prompt's last chunk
+    transport: str = ""  # the sender's, for metrics
+    nbytes: int = 0
+    reason: str = ""  # why it failed
+    started: float = field(default_factory=time.perf_counter)  # perf_counter stamps, for logs and the benchmark
+    granted: float = 0.0
+    sent: float = 0.0
+    ended: float = 0.0
+
+    @property
+    def computed(self) -> bool:
+        return self.first is not None
+
+    def to(self, event: Event) -> None:
+        self.state = next_state(self.state, event)
