@@ -23,14 +23,12 @@ serve: $(STAMP)
 
 # Test files run in parallel, a whole file per process (loadfile: a module's shared cluster starts once).
 # Two by default: an end-to-end test waits on its processes much of the time, so one at a time left ~40%
-# of a 2-core machine idle. Files in collection order (no reorder), so the long end-to-end files start
-# first and the short unit files fill in at the end: xdist's default, most tests first, ran them last
-# and left one process alone for the last ~6 minutes. TEST_JOBS=0 runs everything in this process.
+# of a 2-core machine idle. TEST_JOBS=0 runs everything in this process.
 TEST_JOBS ?= 2
 
 test: $(STAMP)
 	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --timeout=600 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
