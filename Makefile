@@ -24,11 +24,14 @@ serve: $(STAMP)
 # Test files run in parallel, a whole file per process (loadfile: a module's shared cluster starts once).
 # Two by default: an end-to-end test waits on its processes much of the time, so one at a time left ~40%
 # of a 2-core machine idle. TEST_JOBS=0 runs everything in this process.
+# One math-library thread per process: two test files at once already fill both cores, and each process's
+# OpenMP threads spinning beside the other's cost a third of the suite's CPU (engine-vs-HF files, -n 2:
+# 129 vs 89 CPU-s). `kvrelay serve` keeps a thread count it is given (serve.py, _cpu_threads_per_worker).
 TEST_JOBS ?= 2
 
 test: $(STAMP)
 	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
