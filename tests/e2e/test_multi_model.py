@@ -92,6 +92,9 @@ def cluster(redis_url, tmp_path):
     c = Cluster(redis_url, "", [], tmp_path)
     yield c
     c.stop()
+    # the session's Redis is shared: the tenant `start` made would make every later gateway on it demand a key
+    # (test files run two at a time in any order, so which file comes next is not known)
+    c.redis.flushall()
 
 
 def test_three_models_in_one_prefill_and_one_decode_worker(cluster, repo, tmp_path, tiny_model_dir,
