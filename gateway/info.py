@@ -15,7 +15,7 @@ from kvrelay.gateway.drain import DRAIN
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.model_registry import is_direct
 from kvrelay.gateway.registry import Capacity
-from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, REDIS, REGISTRY
+from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, REDIS, REGISTRY, TOKENIZERS
 from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
 
 log = logging.getLogger("kvrelay.gateway")
@@ -80,8 +80,8 @@ async def ready(request: web.Request) -> web.Response:
     """Ready when Redis answers, every model this deployment was started with (``startup_models``,
     ``lazy_models``) is known, and every model that needs live workers (``served``) has a live
     prefill-capable and a live decode-capable worker: a request sent the moment this says 200 is
-    served. Before any worker registers, a deployment started with a model is not ready. The body says
-    which part is missing."""
+    served. Before any worker registers, a deployment started with a model is not ready; nor while the
+    tokenizers of a model with live workers still load. The body says which part is missing."""
     retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
     config = request.app[CONFIG]
     if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
@@ -99,9 +99,20 @@ async def ready(request: web.Request) -> web.Response:
             "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
                           for name, c in view.capacity.items()}, **missing}}
     if not missing and all(c.servable for c in view.capacity.values()):
-        return web.json_response(body)
+        # The first request must not pay the tokenizer load (seconds for a large vocabulary): each model
+        # with live workers has its tokenizers loaded before this gateway says ready.
+        loading = sorted(name for name in view.capacity if not _tokenizer_ready(request.app, view, name))
+        if not loading:
+            return web.json_response(body)
+        body["tokenizers_loading"] = loading
     body["status"] = "unavailable"
     return web.json_response(body, status=503, headers=retry)
+
+
+def _tokenizer_ready(app: web.Application, view: Served, name: str) -> bool:
+    spec = view.specs.get(name)
+    info = view.models.get(spec.instance if spec else name)
+    return info is None or app[TOKENIZERS].prefetch(info)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ encodes (loop lag p50 120 ms against 0.2 ms).
 
 import asyncio
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.shared.text.tokenizer import load_tokenizer
 from kvrelay.shared.wire.protocol import ModelInfo
 
+log = logging.getLogger("kvrelay.gateway")
 T = TypeVar("T")
 # Below this many characters encoding inline is cheaper than a hop to a thread.
 _INLINE_CHARS = 2048
@@ -86,6 +88,7 @@ class TokenizerPool:
     def __init__(self, threads: int | None = None) -> None:
         self._loaded: dict[tuple[str, str], ModelTokenizer] = {}
         self._loading: dict[tuple[str, str], asyncio.Task] = {}
+        self._failed: set[tuple[str, str]] = set()  # prefetches that failed: not retried by prefetch
         self._threads = threads or TOKENIZER_THREADS
         self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="tokenize")
 
@@ -95,15 +98,38 @@ class TokenizerPool:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def _start(self, key: tuple[str, str]) -> asyncio.Task:
+        task = self._loading.get(key)
+        if task is None:  # one load per key, however many requests arrive while it runs
+            task = asyncio.create_task(asyncio.to_thread(self._load, key[1]))
+            self._loading[key] = task
+        return task
+
+    def prefetch(self, model: ModelInfo) -> bool:
+        """Whether ``model``'s tokenizers are ready; if not, start loading them in the background. A
+        load that failed counts as ready and is not retried here (a request retries it through get(),
+        and gets its error): readiness must neither wait on a tokenizer that will never load nor flap."""
+        key = (model.name, model.path)
+        if key in self._loaded or key in self._failed:
+            return True
+        task = self._start(key)
+        if not task.done():
+            return False
+        self._loading.pop(key, None)
+        if task.cancelled() or task.exception() is not None:
+            self._failed.add(key)
+            log.warning("tokenizer of %r did not load: %s", model.name,
+                        "cancelled" if task.cancelled() else task.exception())
+        else:
+            self._loaded.setdefault(key, ModelTokenizer(task.result(), model, self._executor))
+        return True
+
     async def get(self, model: ModelInfo) -> ModelTokenizer:
         # Keyed by path as well: a model re-registered at a new version gets its new tokenizer.
         key = (model.name, model.path)
         if key in self._loaded:
             return self._loaded[key]
-        task = self._loading.get(key)
-        if task is None:  # one load per key, however many requests arrive while it runs
-            task = asyncio.create_task(asyncio.to_thread(self._load, model.path))
-            self._loading[key] = task
+        task = self._start(key)
         try:
             tokenizers = await asyncio.shield(task)
         except Exception as exc:
