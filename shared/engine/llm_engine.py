@@ -16,12 +16,11 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 PromptType = str | dict
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from kvrelay.shared.text.tokenizer import eos_token_ids, load_tokenizer
+        from kvrelay.shared.text.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
         self.config = config
         self.core = EngineCore(config)
@@ -29,7 +28,7 @@ class LLMEngine:
         self.eos_ids: list[int] = []
         model_dir = None if config.model.load_format == "dummy" else config.model.model
         tok_path = config.model.tokenizer or model_dir
-        if tok_path is not None and any((Path(tok_path) / f).is_file() for f in TOKENIZER_FILES):
+        if tok_path is not None and has_tokenizer(tok_path):
             self.tokenizer = load_tokenizer(tok_path)
         # a checkpoint without tokenizer files still serves token ids (tests, benchmarks)
         self.eos_ids = eos_token_ids(self.tokenizer, self.core.runner.hf_config, model_dir)

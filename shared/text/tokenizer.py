@@ -10,14 +10,30 @@ tokenizer) goes through ``AutoTokenizer``.
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+if TYPE_CHECKING:  # workers need only eos_token_ids: importing transformers cost each ~1.4 s of CPU
+    from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+# What a tokenizer is saved as: one of these beside the weights (a checkpoint with none serves token ids only).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
+    from transformers import PreTrainedTokenizerFast
+
     # local only: our machines reach no hub, and a typo must not turn into a download attempt
     if (Path(path) / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    if not has_tokenizer(path):
+        # said here: AutoTokenizer imports torch (its config lookup) and ~3 s of CPU later finds nothing
+        raise FileNotFoundError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -29,7 +45,7 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, hf_config: dict,
+def eos_token_ids(tokenizer: "PreTrainedTokenizerBase | None", hf_config: dict,
                   model_dir: str | Path | None) -> list[int]:
     """Every id that ends generation, most authoritative first, without duplicates.
 

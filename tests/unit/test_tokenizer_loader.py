@@ -5,13 +5,15 @@ word-level tokenizer and a directory naming no class."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
-from kvrelay.shared.text.tokenizer import load_tokenizer
+from kvrelay.shared.text.tokenizer import TOKENIZER_FILES, load_tokenizer
 from tests.integration.gateway_harness import build_tokenizer
 
 TEXTS = ["Hello world! The quick brown fox jumps over the lazy dog.", "  leading spaces, trailing  ",
@@ -76,3 +78,13 @@ def test_chat_template_as_auto_tokenizer(tokenizer_dir):
             assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt) == text
             rendered.add(text)
     assert len(rendered) == 2 * len(CHATS)  # the template really rendered each conversation
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_before_transformers_looks(tmp_path):
+    # a model saved without its tokenizer (weights + config.json): the gateway tries it at /ready
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    code = ("import sys\nfrom kvrelay.shared.text.tokenizer import TOKENIZER_FILES, load_tokenizer\n"
+            f"try:\n    load_tokenizer({str(tmp_path)!r})\nexcept FileNotFoundError as exc:\n    print(exc)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == f"no tokenizer in {tmp_path} (none of {', '.join(TOKENIZER_FILES)})\nFalse\n"
