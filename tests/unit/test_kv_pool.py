@@ -249,3 +249,19 @@ def test_default_chunk_size():
     assert KVPool(1 << 30, "cpu").chunk_bytes == 2 << 20
     assert KVPool(2 << 20, "cpu").chunk_bytes == 32 << 10  # a small pool still has 64 chunks to share
     assert KVPool(1000, "cpu").chunk_bytes == 4096 and KVPool(1000, "cpu").num_chunks == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_usable_blocks_are_exactly_the_fully_owned_ones_across_random_geometries(seed):
+    # blocks smaller than a chunk (many inside one, two straddling its edges), about one chunk, and larger
+    rng = torch.Generator().manual_seed(seed)
+    pool = KVPool(24 * CHUNK, "cpu", chunk_bytes=CHUNK)
+    bms = {}
+    for i, dim in enumerate(torch.randint(1, 200, (3,), generator=rng).tolist()):
+        key = f"m{i}"
+        _, bms[key] = join(pool, key, (1, 2, 1, dim), floor=1)
+        check_ownership(pool, bms)
+    for _ in range(8):
+        key = f"m{torch.randint(0, 3, (1,), generator=rng).item()}"
+        bms[key].add_blocks(pool.grow(key, int(torch.randint(1, 40, (1,), generator=rng))))
+        check_ownership(pool, bms)
