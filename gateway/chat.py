@@ -14,7 +14,7 @@ from kvrelay.gateway.schemas import ChatCompletionRequest, parse, read_json
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = parse(ChatCompletionRequest, await read_json(request))
-    prepared = await prepare_chat(request.app, body, request[TENANT])
+    prepared, body = await prepare_chat(request.app, body, request[TENANT])
     async with Meter(request, prepared, body, "chat.completions") as meter:
         if meter.cached is not None:
             return meter.cached

@@ -14,7 +14,7 @@ from kvrelay.gateway.schemas import CompletionRequest, parse, read_json
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     body = parse(CompletionRequest, await read_json(request))
-    prepared = await prepare_completion(request.app, body, request[TENANT])
+    prepared, body = await prepare_completion(request.app, body, request[TENANT])
     async with Meter(request, prepared, body, "completions") as meter:
         if meter.cached is not None:
             return meter.cached

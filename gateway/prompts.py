@@ -5,7 +5,10 @@ tokenizer may live only where the workers are; a registered model no worker hold
 the request waiting), then everything that needs the tokenizer (400).
 """
 
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -21,6 +24,8 @@ from kvrelay.gateway.tokenizers import ModelTokenizer
 from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
+log = logging.getLogger("kvrelay.gateway")
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
 # Choices (prompts x n) one request may fan out into; each is a job and a worker sequence.
 MAX_JOBS_PER_REQUEST = 1024
 
@@ -155,7 +160,41 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
                     served_name=served)
 
 
-async def prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
+async def prepare_completion(app: web.Application, body: CompletionRequest,
+                             tenant: Tenant) -> tuple[Prepared, CompletionRequest]:
+    """The prepared request and the body as prepared (model defaults applied): what to answer from."""
+    return await _on_the_served_version(app, body, lambda b: _prepare_completion(app, b, tenant))
+
+
+async def prepare_chat(app: web.Application, body: ChatCompletionRequest,
+                       tenant: Tenant) -> tuple[Prepared, ChatCompletionRequest]:
+    return await _on_the_served_version(app, body, lambda b: _prepare_chat(app, b, tenant))
+
+
+# A request's instance is resolved before its tokenizer loads and its prompt is encoded, which can take
+# seconds; a version swap meanwhile drains that instance, and a job queued to it after the drain waits for
+# a worker that no longer serves it (seen: every first request of a swap under load timing out). So one
+# whose name moved to another version meanwhile is prepared again for that version, from the body as the
+# client sent it (the defaults and tokenizer may differ). The swap waits out the spec cache before
+# draining, so the cached spec read just before the job is queued is enough.
+PREPARE_ATTEMPTS = 3
+
+
+async def _on_the_served_version(app: web.Application, body: B,
+                                 prepare: Callable[[B], Awaitable[Prepared]]) -> tuple[Prepared, B]:
+    sent = body.model_copy(deep=True)
+    for attempt in range(PREPARE_ATTEMPTS):
+        used = body if attempt == 0 else sent.model_copy(deep=True)
+        prepared = await prepare(used)
+        spec = (await app[MODEL_REGISTRY].specs()).get(prepared.served_name)
+        if spec is None or spec.instance == prepared.model.name:
+            break
+        log.info("%s moved to %s while a request was prepared for %s: preparing it again",
+                 prepared.served_name, spec.instance, prepared.model.name)
+    return prepared, used
+
+
+async def _prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     body.sampling_params()  # what the body alone gets wrong is a 400 before any model lookup
     served, model = await resolve_served(app, body.model, tenant)
@@ -214,7 +253,7 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
                               f"messages.{first}.{key}")
 
 
-async def prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     body.template_messages()  # role and emptiness errors before any model lookup
     served, model = await resolve_served(app, body.model, tenant)

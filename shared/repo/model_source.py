@@ -2,6 +2,7 @@
 an HF-style directory, a GGUF file (imported once into a cache directory), the shipped SmolLM2
 default, or a ``dummy:<preset>`` shape with random weights."""
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -77,15 +78,20 @@ def _imported(gguf: Path) -> Path:
     from kvrelay.shared.repo import gguf_import
 
     out = gguf_cache_dir(gguf)
-    if not (out / "config.json").is_file():
-        log.info("importing %s into %s (once per file content)", gguf, out)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one importer per file on this host: another process wanting it (kvrelay serve and a `kvrelay models
+    # import` at once, say) waits for that import instead of converting the same file beside it
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
         try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's import of %s", gguf)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            log.info("importing %s into %s (once per file content)", gguf, out)
             gguf_import.import_gguf(gguf, out)
-        except OSError:
-            if not (out / "config.json").is_file():
-                raise
-            # a concurrent importer finished first: its copy stays
-        else:
             log.info("imported %s into %s", gguf, out)
     return out
 

@@ -200,7 +200,10 @@ models:
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(2)
+    deadline = time.monotonic() + 60  # v1 answers first (the first requests load the gateway's tokenizer)
+    while not seen and not errors and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
     status, body = admin(cluster.port, "POST", "/admin/models/chat/swap", {"version": 2})
     swapped = time.monotonic()
     assert status == 200, body

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,24 @@ def test_greedy_tokens_match_hf_on_chat_prompt(imported_smollm2):
     got = greedy(ours, ids, 8)
     assert got == expected, (tokenizer.decode(got), tokenizer.decode(expected))
     assert "Paris" in tokenizer.decode(got)  # the real model, not noise
+
+
+def test_two_processes_wanting_one_file_convert_it_once(tmp_path, monkeypatch):
+    # threads stand in for processes: flock excludes two open files of one process just as of two
+    from kvrelay.shared.repo import gguf_import
+
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    conversions = []
+
+    def slow_import(src, out):
+        conversions.append(out)
+        time.sleep(0.5)  # the second caller arrives while this one converts
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_import, "import_gguf", slow_import)
+    with ThreadPoolExecutor(2) as pool:
+        paths = {r.path for r in pool.map(lambda _: resolve_model(str(gguf)), range(2))}
+    assert len(conversions) == 1 and paths == {str(conversions[0])}
