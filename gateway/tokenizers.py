@@ -24,6 +24,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+# Imported up front, on the main thread. Left to the first tokenizer load, on a tokenization thread, the
+# import held the GIL for seconds while requests were served: the event loop starved and Redis lookups
+# timed out (503 "tenant store unavailable" in CI). Workers, which tokenize nothing, skip it.
+from transformers import PreTrainedTokenizerFast  # noqa: F401
+
 from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.shared.text.tokenizer import load_tokenizer
 from kvrelay.shared.wire.protocol import ModelInfo
