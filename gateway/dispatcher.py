@@ -11,6 +11,7 @@ import logging
 import zmq
 import zmq.asyncio
 
+from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
@@ -52,11 +53,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
         if self._sock is not None:
             self._sock.close(linger=0)
         if self._ctx is not None:

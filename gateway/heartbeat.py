@@ -19,6 +19,7 @@ import redis.asyncio
 from aiohttp import web
 
 from kvrelay.gateway.state import DISPATCHER, REDIS
+from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
 
 log = logging.getLogger("kvrelay.gateway")
@@ -37,11 +38,7 @@ class GatewayHeartbeat:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
         try:
             await self._redis.delete(self._key)
         except redis.RedisError as exc:  # the key's TTL ends it anyway

@@ -22,6 +22,7 @@ from kvrelay.gateway.model_registry import ModelRegistry, SpecConflict
 from kvrelay.gateway.placement import LoadError, Placement, instance_state
 from kvrelay.gateway.registry import Registry
 from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REDIS, REGISTRY
+from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec, instance_key
 
@@ -98,8 +99,4 @@ async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.get_running_loop().create_task(reconciler.run(), name="kvrelay-reconciler")
     yield
     if task is not None:
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        await cancel_and_wait(task)

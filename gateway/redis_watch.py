@@ -18,6 +18,7 @@ import redis
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
 
 log = logging.getLogger("kvrelay.gateway")
@@ -40,11 +41,7 @@ class RedisWatch:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
 
     def _bump(self) -> None:
         self.epoch += 1

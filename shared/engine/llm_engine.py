@@ -5,7 +5,6 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore

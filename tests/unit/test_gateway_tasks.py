@@ -1,0 +1,62 @@
+"""Stopping a background task must end it even when a cancel is lost on the way."""
+
+import asyncio
+
+import pytest
+
+from kvrelay.gateway.tasks import cancel_and_wait
+
+
+async def _instant() -> int:
+    return 1
+
+
+async def _redis_like_loop() -> None:
+    # what the Redis watch does between its sleeps: redis-py writes each command through asyncio.wait_for
+    while True:
+        await asyncio.wait_for(_instant(), 1.0)
+        await asyncio.sleep(0)
+
+
+async def test_a_loop_on_wait_for_stops_however_the_cancel_lands():
+    for steps in range(1, 10):  # on Python 3.11 a single cancel is dropped at most of these (gh-86296)
+        task = asyncio.create_task(_redis_like_loop())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        await asyncio.wait_for(cancel_and_wait(task), 5.0)
+        assert task.cancelled()
+
+
+async def test_a_task_that_ignores_cancels_is_cancelled_until_it_ends():
+    ignored = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                if len(ignored) == 3:
+                    raise
+                ignored.append(1)
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait(task), 5.0)
+    assert task.cancelled() and len(ignored) == 3
+
+
+async def test_a_task_that_failed_raises_its_error():
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    task = asyncio.create_task(fails())
+    await asyncio.sleep(0)
+    with pytest.raises(ValueError, match="boom"):
+        await cancel_and_wait(task)
+
+
+async def test_a_finished_task_is_left_as_it_is():
+    task = asyncio.create_task(_instant())
+    await task
+    await cancel_and_wait(task)
+    assert task.result() == 1
