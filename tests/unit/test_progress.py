@@ -24,6 +24,21 @@ def test_a_labelled_process_names_its_role_on_every_bar(labelled, tiny_model_dir
     assert "\x1b[A" not in err  # not a terminal: no cursor moves in the log
 
 
+def _read_all(leader: int) -> str:
+    """Everything written to the closed follower: one read may return only the first of the bar's writes
+    (CI, under load: '\\r\\n' alone)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the follower is closed and all it wrote has been read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
 def test_on_a_terminal_the_role_keeps_its_line(labelled):
     def drawn(role: str, line: int) -> str:
         leader, follower = os.openpty()
@@ -32,7 +47,7 @@ def test_on_a_terminal_the_role_keeps_its_line(labelled):
                 labelled(role, line=line)
                 with progress.progress_bar("Loading weights", total=2, file=tty) as bar:
                     bar.update(2)
-            return os.read(leader, 1 << 16).decode()
+            return _read_all(leader)
         finally:
             os.close(leader)
 
