@@ -9,12 +9,11 @@ from kvrelay.gateway.generation import Generation
 from kvrelay.gateway.logprobs import chat_logprobs, prompt_logprobs
 from kvrelay.gateway.metering import Meter
 from kvrelay.gateway.prompts import prepare_chat
-from kvrelay.gateway.schemas import ChatCompletionRequest, parse, read_json
+from kvrelay.gateway.schemas import read_json
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    body = parse(ChatCompletionRequest, await read_json(request))
-    prepared, body = await prepare_chat(request.app, body, request[TENANT])
+    prepared, body = await prepare_chat(request.app, await read_json(request), request[TENANT])
     async with Meter(request, prepared, body, "chat.completions") as meter:
         if meter.cached is not None:
             return meter.cached

@@ -9,12 +9,11 @@ from kvrelay.gateway.generation import Generation
 from kvrelay.gateway.logprobs import completion_logprobs, prompt_logprobs
 from kvrelay.gateway.metering import Meter
 from kvrelay.gateway.prompts import prepare_completion
-from kvrelay.gateway.schemas import CompletionRequest, parse, read_json
+from kvrelay.gateway.schemas import read_json
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    body = parse(CompletionRequest, await read_json(request))
-    prepared, body = await prepare_completion(request.app, body, request[TENANT])
+    prepared, body = await prepare_completion(request.app, await read_json(request), request[TENANT])
     async with Meter(request, prepared, body, "completions") as meter:
         if meter.cached is not None:
             return meter.cached

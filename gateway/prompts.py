@@ -8,7 +8,7 @@ the request waiting), then everything that needs the tokenizer (400).
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -17,7 +17,7 @@ from kvrelay.gateway.model_registry import is_direct
 from kvrelay.gateway.placement import LoadError
 from kvrelay.gateway.redis_watch import REDIS_WATCH
 from kvrelay.gateway.sampling_defaults import apply_defaults, default_chat_max_tokens
-from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 from kvrelay.gateway.state import CONFIG, MODEL_REGISTRY, PLACEMENT, REGISTRY, TOKENIZERS
 from kvrelay.gateway.tenants import Tenant
 from kvrelay.gateway.tokenizers import ModelTokenizer
@@ -160,15 +160,17 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
                     served_name=served)
 
 
-async def prepare_completion(app: web.Application, body: CompletionRequest,
+async def prepare_completion(app: web.Application, raw: Any,
                              tenant: Tenant) -> tuple[Prepared, CompletionRequest]:
-    """The prepared request and the body as prepared (model defaults applied): what to answer from."""
-    return await _on_the_served_version(app, body, lambda b: _prepare_completion(app, b, tenant))
+    """The prepared request and the body as prepared (model defaults applied): what to answer from.
+    ``raw`` is the decoded JSON body as sent."""
+    return await _on_the_served_version(app, lambda: parse(CompletionRequest, raw),
+                                        lambda b: _prepare_completion(app, b, tenant))
 
 
-async def prepare_chat(app: web.Application, body: ChatCompletionRequest,
-                       tenant: Tenant) -> tuple[Prepared, ChatCompletionRequest]:
-    return await _on_the_served_version(app, body, lambda b: _prepare_chat(app, b, tenant))
+async def prepare_chat(app: web.Application, raw: Any, tenant: Tenant) -> tuple[Prepared, ChatCompletionRequest]:
+    return await _on_the_served_version(app, lambda: parse(ChatCompletionRequest, raw),
+                                        lambda b: _prepare_chat(app, b, tenant))
 
 
 # A request's instance is resolved before its tokenizer loads and its prompt is encoded, which can take
@@ -180,11 +182,10 @@ async def prepare_chat(app: web.Application, body: ChatCompletionRequest,
 PREPARE_ATTEMPTS = 3
 
 
-async def _on_the_served_version(app: web.Application, body: B,
+async def _on_the_served_version(app: web.Application, parse_body: Callable[[], B],
                                  prepare: Callable[[B], Awaitable[Prepared]]) -> tuple[Prepared, B]:
-    sent = body.model_copy(deep=True)
-    for attempt in range(PREPARE_ATTEMPTS):
-        used = body if attempt == 0 else sent.model_copy(deep=True)
+    for _ in range(PREPARE_ATTEMPTS):
+        used = parse_body()  # parsed again for each try: a try applies its version's defaults to the body
         prepared = await prepare(used)
         spec = (await app[MODEL_REGISTRY].specs()).get(prepared.served_name)
         if spec is None or spec.instance == prepared.model.name:

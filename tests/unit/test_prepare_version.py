@@ -40,8 +40,10 @@ def prepare_with(registry: Registry, swaps: list[int]):
 
 def run(registry: Registry, swaps: list[int]):
     prepare, calls = prepare_with(registry, swaps)
-    body = CompletionRequest(model="chat", prompt="hi")
-    prepared, used = asyncio.run(_on_the_served_version({MODEL_REGISTRY: registry}, body, prepare))
+    def parse_body() -> CompletionRequest:
+        return CompletionRequest(model="chat", prompt="hi")
+
+    prepared, used = asyncio.run(_on_the_served_version({MODEL_REGISTRY: registry}, parse_body, prepare))
     return prepared, used, calls
 
 
