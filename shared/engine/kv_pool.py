@@ -188,10 +188,8 @@ class KVPool:
         can reach past ``c``: the ones between lie inside it, so they need no check (a pool holds up to
         ~100k small blocks, and checking each one cost a CPU worker ~0.6 s at start)."""
         blocks = self._blocks_in(m, c)
-        if len(blocks) <= 2:
-            return [b for b in blocks if all(x in have for x in self._chunks_of(m, b))]
-        edges = [b for b in (blocks[0], blocks[-1]) if all(x in have for x in self._chunks_of(m, b))]
-        return [*edges, *blocks[1:-1]]
+        edges = blocks if len(blocks) <= 2 else (blocks[0], blocks[-1])
+        return [*(b for b in edges if all(x in have for x in self._chunks_of(m, b))), *blocks[1:-1]]
 
     def _gain(self, m: Member, have: set[int], c: int) -> int:
         """Add chunk ``c`` to ``have``; the number of ``m``'s blocks that become usable by it."""
