@@ -35,5 +35,7 @@ test: $(STAMP)
 	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
+# ruff, then the architecture: the import contracts in pyproject.toml and no import cycles
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) .ci/import_contracts.py

@@ -1,0 +1,55 @@
+"""The architecture's import contracts (pyproject.toml, [tool.importlinter]) hold, and breaking one fails
+with the contract's name; no module takes part in an import cycle, counting imports inside functions."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("import_contracts", ROOT / ".ci" / "import_contracts.py")
+contracts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(contracts)
+
+
+@pytest.fixture
+def staged(tmp_path: Path) -> Path:
+    contracts.stage(tmp_path)
+    return tmp_path
+
+
+def test_the_tree_keeps_every_contract(staged: Path):
+    result = contracts.lint(staged)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "broken" not in result.stdout.lower()
+
+
+def test_the_staged_copy_holds_every_room(staged: Path):
+    # a copy missing the mapped folders would keep every contract vacuously
+    for room in ("gateway", "prefill_worker", "decode_worker", "shared/engine", "shared/handoff", "kernels"):
+        assert list((staged / "kvrelay" / room).glob("*.py")), room
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("gateway/__init__.py", "import torch", "the gateway imports no torch"),
+    ("shared/wire/__init__.py", "from kvrelay.shared.engine import engine_core", "layers:"),
+    ("prefill_worker/__init__.py", "import kvrelay.decode_worker", "layers:"),
+    ("shared/handoff/__init__.py", "from kvrelay.shared.engine import scheduler", "only the engine names"),
+])
+def test_a_new_import_across_a_line_fails_with_the_contracts_name(staged: Path, module: str, line: str, contract: str):
+    target = staged / "kvrelay" / module
+    target.write_text(target.read_text() + f"\n{line}\n")
+    result = contracts.lint(staged)
+    assert result.returncode != 0
+    assert contract in result.stdout
+
+
+def test_no_module_is_part_of_an_import_cycle(staged: Path):
+    assert contracts.cycles(staged) == []
+
+
+def test_a_cycle_through_a_function_level_import_is_found(staged: Path):
+    wire = staged / "kvrelay" / "shared" / "wire"
+    (wire / "cycle_a.py").write_text("def f():\n    from kvrelay.shared.wire import cycle_b\n")
+    (wire / "cycle_b.py").write_text("from kvrelay.shared.wire import cycle_a\n")
+    assert ["kvrelay.shared.wire.cycle_a", "kvrelay.shared.wire.cycle_b"] in contracts.cycles(staged)
