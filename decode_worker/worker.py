@@ -121,17 +121,18 @@ class DecodeWorker:
     def _admit(self, h: KVHeader) -> None:
         slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold
         slot.touch()
-        req = engine_request(slot, h)
+        job = h.job
+        req = engine_request(slot, job)
         req.output_token_ids = [h.first_token_id]
-        req.num_computed_tokens = len(h.prompt_token_ids)
+        req.num_computed_tokens = len(job.prompt_token_ids)
         req.num_cached_tokens = h.num_cached_tokens
         slot.core.scheduler.add_prefilled_request(req)
-        self.inflight.track(InFlight(request_id=h.request_id, instance=h.model, reply_addr=h.reply_addr,
-                                     deadline=h.deadline, arrival=h.arrival, max_tokens=req.max_tokens, sent=1))
+        self.inflight.track(InFlight(request_id=job.request_id, instance=job.model, reply_addr=job.reply_addr,
+                                     deadline=job.deadline, arrival=job.arrival, max_tokens=req.max_tokens, sent=1))
         # Tell the gateway who holds the request now, before the ack lets the prefill side drop the job:
         # if this worker dies after the ack but before its first token event, the gateway still knows
         # whose heartbeat to watch and fails the stream instead of waiting out the request's deadline.
-        self.runtime.events.add(h.reply_addr, TokenEvent(request_id=h.request_id, output_index=1,
+        self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, output_index=1,
                                                          worker_id=self.config.worker_id))
         self.runtime.events.flush()
 

@@ -152,7 +152,7 @@ class Generation:
         pipe = self.app[REDIS].pipeline(transaction=False)
         for choice in self.choices:
             job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
-                      sampling=choice.params.to_dict(), tenant=self.prepared.tenant,
+                      sampling=choice.params, tenant=self.prepared.tenant,
                       priority=self.prepared.priority, reply_addr=reply_addr, deadline=self.deadline,
                       arrival=self.arrival, cache_salt=self.prepared.cache_salt)
             worker = routing.route(choice.prompt_token_ids, model, self.prepared.model.block_size,

@@ -70,7 +70,7 @@ def replayable(job: Job) -> bool:
     """Would a peer re-running this job from scratch produce the same tokens (greedy, or seeded)? Only
     then may a job whose first tokens already reached the client be handed back: the gateway keeps the
     tokens it has and takes the rest from the peer, which must continue the same text."""
-    return job.sampling.get("temperature", 1.0) == 0.0 or job.sampling.get("seed") is not None
+    return job.sampling.temperature == 0.0 or job.sampling.seed is not None
 
 
 def _lost_group(exc: redis.ResponseError) -> bool:

@@ -209,7 +209,7 @@ class KVInbox(ABC):
                 raise ValueError("KV addressed to blocks that were not granted")
             if header.transport != inc.transport or payload:
                 raise ValueError(f"a {header.transport!r} header after {inc.transport!r} KV")
-            if len(header.prompt_token_ids) != inc.num_tokens:
+            if len(header.job.prompt_token_ids) != inc.num_tokens:
                 raise ValueError("prompt length differs from the granted one")
             check_layout(self.core_for(inc.model).runner.kv_cache, header)
         except ValueError as exc:

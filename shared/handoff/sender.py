@@ -282,12 +282,10 @@ class HandoffSender:
     def _header(self, t: Transfer) -> KVHeader:
         job, first, kv = t.job, t.first, self.core_for(t.job.model).runner.kv_cache
         return KVHeader(
-            request_id=job.request_id, model=job.model, **layout_of(kv), transport=t.transport,
-            num_blocks=len(t.grant.block_ids), block_ids=t.grant.block_ids, nbytes=t.nbytes,
-            prompt_token_ids=job.prompt_token_ids, first_token_id=first.token_id, first_logprob=first.logprob,
-            first_top_logprobs=first.top_logprobs, prompt_logprobs=None, num_cached_tokens=first.num_cached_tokens,
-            sampling=job.sampling, tenant=job.tenant, priority=job.priority, reply_addr=job.reply_addr,
-            deadline=job.deadline, arrival=job.arrival, cache_salt=job.cache_salt,
+            job=job, **layout_of(kv), transport=t.transport, num_blocks=len(t.grant.block_ids),
+            block_ids=t.grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
+            first_logprob=first.logprob, first_top_logprobs=first.top_logprobs, prompt_logprobs=None,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     def _fresh(self, t: Transfer) -> bool:

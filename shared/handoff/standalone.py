@@ -11,6 +11,7 @@ from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.handoff.sender import HandoffSender
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
 class HeldBlocks:
@@ -48,7 +49,7 @@ def decode_info(addr: str, model: str, worker_id: str = "d1") -> WorkerInfo:
 
 
 def synthetic_job(request_id: str, num_tokens: int, model: str) -> Job:
-    return Job(request_id=request_id, model=model, prompt_token_ids=[1] * num_tokens, sampling={}, tenant="bench",
+    return Job(request_id=request_id, model=model, prompt_token_ids=[1] * num_tokens, sampling=SamplingParams(), tenant="bench",
                priority=0, reply_addr="", deadline=0.0, arrival=0.0)
 
 

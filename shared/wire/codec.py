@@ -77,7 +77,7 @@ def _unpack(data: bytes | memoryview) -> dict:
     return obj
 
 
-_PLAIN, _MESSAGE, _MESSAGES = 0, 1, 2
+_PLAIN, _MESSAGE, _MESSAGES, _INT_MAP = 0, 1, 2, 3
 _WIRE: dict[type, tuple[tuple[str, int, bool], ...]] = {}
 
 
@@ -96,6 +96,8 @@ def _wire_fields(cls: type) -> tuple[tuple[str, int, bool], ...]:
                 kind = _MESSAGE
             elif typing.get_origin(option) is list and dataclasses.is_dataclass(typing.get_args(option)[0]):
                 kind = _MESSAGES
+            elif _int_keyed(option):
+                kind = _INT_MAP
         spec.append((name, kind, f.default is None))
     _WIRE[cls] = spec = tuple(spec)
     return spec
@@ -111,10 +113,20 @@ def _to_wire(msg: Any) -> dict:
             if not none_default:
                 out[name] = None
             continue
-        if kind:
-            value = _to_wire(value) if kind == _MESSAGE else [_to_wire(v) for v in value]
+        if kind == _MESSAGE:
+            value = _to_wire(value)
+        elif kind == _MESSAGES:
+            value = [_to_wire(v) for v in value]
+        elif kind == _INT_MAP:
+            value = [list(value), list(value.values())]
         out[name] = value
     return out
+
+
+def _int_keyed(tp: Any) -> bool:
+    """A ``dict[int, V]`` annotation. msgpack maps take string keys only here (``strict_map_key``), so such
+    a map travels as two parallel arrays ``[keys, values]``, which are also smaller than a map."""
+    return typing.get_origin(tp) is dict and typing.get_args(tp)[:1] == (int,)
 
 
 def _build(cls: type[M], raw: Any, where: str) -> M:
@@ -170,6 +182,12 @@ def _compile(tp: Any):
     if origin in (typing.Union, types.UnionType):
         optional = type(None) in typing.get_args(tp)
         options = [_checker(o) for o in typing.get_args(tp) if o is not type(None)]
+        if optional and len(options) == 1:  # ``X | None``: X's own mismatch says more than the union's
+            (only,) = options
+
+            def optional_one(value):
+                return None if value is None else only(value)
+            return optional_one
 
         def union(value):
             if value is None and optional:  # most optional fields are None: no failed attempt first
@@ -247,6 +265,27 @@ def _compile(tp: Any):
                     raise exc.at(f"[{i}]") from None
             return tuple(out)
         return fixed
+    if origin is dict and _int_keyed(tp):
+        value_check = _checker(typing.get_args(tp)[1])
+
+        def int_map(value):
+            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(x, list) for x in value)):
+                raise _Mismatch("expected [keys, values]")
+            keys, values = value
+            if len(keys) != len(values) or len(keys) > MAX_MAP_LEN:
+                raise _Mismatch(f"{len(keys)} keys for {len(values)} values (at most {MAX_MAP_LEN} pairs)")
+            if any(type(k) is not int for k in keys):
+                raise _Mismatch("map keys must be integers")
+            out = {}
+            for k, v in zip(keys, values, strict=True):
+                try:
+                    out[k] = value_check(v)
+                except _Mismatch as exc:
+                    raise exc.at(f"[{k}]") from None
+            if len(out) != len(keys):
+                raise _Mismatch("a key is repeated")
+            return out
+        return int_map
     if origin is dict:
         def mapping(value):
             if isinstance(value, dict) and all(isinstance(k, str) for k in value):
@@ -295,7 +334,10 @@ def _compile_message(cls: type):
             if max_len is not None and isinstance(value, str) and len(value) > max_len:
                 raise _Mismatch(f"longer than {max_len} characters", f".{name}")
             kwargs[name] = value
-        msg = cls(**kwargs)
+        try:
+            msg = cls(**kwargs)  # a class may validate itself on construction (SamplingParams does)
+        except ValueError as exc:
+            raise _Mismatch(str(exc)) from None
         if has_check:
             try:
                 msg.check()

@@ -15,10 +15,10 @@ msgpack, they follow a KVLayers message as their own ZMQ frame.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvrelay.shared.wire.codec import MAX_MAP_LEN, register
-from kvrelay.shared.wire.protocol import _ID, TopLogprobs
+from kvrelay.shared.wire.protocol import _ID, Job, TopLogprobs
 
 
 @dataclass
@@ -118,12 +118,11 @@ KV_TRANSPORTS = ("layers", "ipc")
 @dataclass
 class KVHeader:
     """Prefill -> decode, the last message of a KV transfer: the KV is out (every KVLayers message queued,
-    or the blocks written through IPC), and this carries what the decode worker needs to continue the
-    request without looking at the Job, the first token included."""
+    or the blocks written through IPC). It carries the Job whole, as the gateway wrote it, and the first
+    token: all the decode worker needs to continue the request."""
 
     TAG: ClassVar[str] = "kv_header"
-    request_id: str = field(metadata=_ID)
-    model: str = field(metadata=_ID)
+    job: Job
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -133,26 +132,26 @@ class KVHeader:
     dtype: str  # torch dtype name without the prefix: "bfloat16", "float32", ...
     transport: str = field(metadata={"choices": KV_TRANSPORTS})
     nbytes: int  # of KV, all layers
-    prompt_token_ids: list[int]
     first_token_id: int
     first_logprob: float | None
     first_top_logprobs: TopLogprobs | None
     prompt_logprobs: list[TopLogprobs | None] | None
     num_cached_tokens: int
-    sampling: dict[str, Any]
-    tenant: str = field(metadata=_ID)
-    priority: int
-    reply_addr: str
-    deadline: float
-    arrival: float
-    cache_salt: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def model(self) -> str:
+        return self.job.model
 
     def check(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) < 1:
             raise ValueError("KVHeader layout fields must be positive")
         if len(self.block_ids) != self.num_blocks:
             raise ValueError(f"KVHeader.block_ids has {len(self.block_ids)} ids for {self.num_blocks} blocks")
-        if self.num_blocks * self.block_size < len(self.prompt_token_ids):
+        if self.num_blocks * self.block_size < len(self.job.prompt_token_ids):
             raise ValueError("KVHeader: blocks cannot hold the prompt")
         if self.nbytes < 0:
             raise ValueError("KVHeader.nbytes must be non-negative")

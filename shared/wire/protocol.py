@@ -7,9 +7,10 @@ The KV handoff's messages are in handoff.py; both go through codec.py (msgpack, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvrelay.shared.wire.codec import MAX_ID_LEN, register
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 WORKER_ROLES = ("prefill", "decode", "unified")
@@ -30,7 +31,7 @@ class Job:
     request_id: str = field(metadata=_ID)
     model: str = field(metadata=_ID)
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingParams.to_dict(); max_tokens already resolved to an int
+    sampling: SamplingParams  # checked at the gateway, re-validated on decode; max_tokens resolved to an int
     tenant: str = field(metadata=_ID)
     priority: int
     reply_addr: str  # the gateway's ZMQ PULL address; TokenBatch messages go there
@@ -43,7 +44,7 @@ class Job:
             raise ValueError("Job.prompt_token_ids must not be empty")
         if any(t < 0 for t in self.prompt_token_ids):
             raise ValueError("Job.prompt_token_ids must be non-negative")
-        if self.sampling.get("n", 1) != 1:
+        if self.sampling.n != 1:
             raise ValueError("Job.sampling.n must be 1 (the gateway fans out n)")
 
 

@@ -3,7 +3,7 @@
 Validation raises ``ValueError`` naming the offending field; the gateway maps it to a 400.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -116,40 +116,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
-
-    def to_dict(self) -> dict:
-        """Plain dict for msgpack; ``from_dict`` restores (and re-validates) it. ``logit_bias`` travels as
-        two parallel lists ``[ids, biases]``: msgpack maps take string keys only here (the codec's
-        ``strict_map_key``), and two arrays are smaller than a map."""
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.logit_bias is not None:
-            data["logit_bias"] = [list(self.logit_bias), [float(v) for v in self.logit_bias.values()]]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SamplingParams":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-        data = dict(data)
-        if data.get("logit_bias") is not None:
-            data["logit_bias"] = _bias_from_lists(data["logit_bias"])
-        return cls(**data)
-
-
-def _bias_from_lists(pair) -> dict[int, float]:
-    """``[ids, biases]`` from the wire (hostile input: shapes checked before use) -> {id: bias}."""
-    if not isinstance(pair, list | tuple) or len(pair) != 2 or not all(isinstance(x, list | tuple) for x in pair):
-        raise ValueError("logit_bias must travel as [token ids, biases]")
-    ids, biases = pair
-    if len(ids) != len(biases):
-        raise ValueError(f"logit_bias has {len(ids)} token ids for {len(biases)} biases")
-    if len(ids) > MAX_LOGIT_BIAS:  # checked before building a dict of an arbitrary size
-        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(ids)}")
-    if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-        raise ValueError("logit_bias keys must be non-negative token ids")
-    bias = dict(zip(ids, biases, strict=True))
-    if len(bias) != len(ids):
-        raise ValueError("logit_bias repeats a token id")
-    return bias

@@ -23,10 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.wire.handoff import KVHeader
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.wire.redis_keys import GATEWAY_TTL_S
-from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.model_host import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
 
@@ -46,16 +44,16 @@ class InFlight:
     entry_id: bytes = b""  # ... and its stream entry, ACKed once the request leaves
 
 
-def engine_request(slot: ModelSlot, msg: Job | KVHeader) -> Request:
-    """The engine request for a Job or a handed-off header. The model's first EOS id is the engine's own;
-    the others become stop ids unless the request ignores EOS. Raises ValueError/TypeError for a request
-    this model cannot take."""
-    params = SamplingParams.from_dict(msg.sampling)
+def engine_request(slot: ModelSlot, job: Job) -> Request:
+    """The engine request for a Job (read from a stream, or handed off inside a KVHeader). The model's
+    first EOS id is the engine's own; the others become stop ids unless the request ignores EOS. Raises
+    ValueError/TypeError for a request this model cannot take."""
+    params = job.sampling
     eos = slot.eos_ids
     if not params.ignore_eos:
         params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
-    return slot.core.make_request(msg.request_id, msg.prompt_token_ids, params, eos[0] if eos else None,
-                                  msg.priority, msg.cache_salt, tenant=msg.tenant, arrival=msg.arrival)
+    return slot.core.make_request(job.request_id, job.prompt_token_ids, params, eos[0] if eos else None,
+                                  job.priority, job.cache_salt, tenant=job.tenant, arrival=job.arrival)
 
 
 def _keep(_rec: InFlight) -> None:

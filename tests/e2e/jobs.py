@@ -55,7 +55,7 @@ class JobClient:
                cache_salt: str | None = None, priority: int = 0, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         now = time.time()
-        job = Job(request_id=rid, model=self.model, prompt_token_ids=prompt, sampling=params.to_dict(),
+        job = Job(request_id=rid, model=self.model, prompt_token_ids=prompt, sampling=params,
                   tenant=tenant, priority=priority, reply_addr=self.addr, deadline=now + 120, arrival=now,
                   cache_salt=cache_salt)
         with self._lock:
@@ -66,7 +66,7 @@ class JobClient:
         """(request id, prompt, tenant) each, in one pipeline: a flood arrives at once."""
         pipe = self.redis.pipeline(transaction=False)
         now = time.time()
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True).to_dict()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         with self._lock:
             for rid, prompt, tenant in jobs:
                 self.seen[rid] = Seen(arrival=now)

@@ -29,7 +29,6 @@ from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
-from kvrelay.shared.wire.sampling_params import SamplingParams
 from tests.zmq_secret import CURVE, SECRET
 
 MODEL = "tiny"
@@ -160,7 +159,7 @@ class FakeWorker:
 
     def _event(self, seq: _Seq) -> TokenEvent | None:
         """The next step of ``seq``, or None if it has nothing to say this step."""
-        params = SamplingParams.from_dict(seq.job.sampling)
+        params = seq.job.sampling
         seq.steps += 1
         if seq.mode == "silent" or (seq.mode == "slow" and seq.steps % 10):
             return None

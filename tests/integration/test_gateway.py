@@ -59,7 +59,7 @@ def test_completion(client, stack):
     assert out.usage.prompt_tokens_details.cached_tokens == len(prompt_ids) // 2  # as the worker reported
     (job,) = stack.jobs_for(_id_prefix(out.id))
     assert job.request_id.endswith("-0") and job.prompt_token_ids == prompt_ids
-    assert job.model == MODEL and job.sampling["n"] == 1 and job.sampling["max_tokens"] == 64
+    assert job.model == MODEL and job.sampling.n == 1 and job.sampling.max_tokens == 64
     assert job.deadline > job.arrival and job.reply_addr.startswith("tcp://127.0.0.1:")
 
 
@@ -104,7 +104,7 @@ async def test_chat_async(aclient, stack):
     rendered = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert stack.tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False) == rendered
     # No max_tokens: whatever context the prompt leaves (vLLM's chat default).
-    assert job.sampling["max_tokens"] == MAX_MODEL_LEN - len(job.prompt_token_ids)
+    assert job.sampling.max_tokens == MAX_MODEL_LEN - len(job.prompt_token_ids)
 
 
 async def test_chat_stream_async(aclient):
@@ -137,7 +137,7 @@ def test_n_fans_out_into_seeded_jobs(client, stack):
     jobs = sorted(stack.jobs_for(_id_prefix(out.id)), key=lambda j: j.request_id)
     rid = _id_prefix(out.id)
     assert [j.request_id for j in jobs] == [f"{rid}-0", f"{rid}-1"]
-    assert [j.sampling["seed"] for j in jobs] == [7, 8] and all(j.sampling["n"] == 1 for j in jobs)
+    assert [j.sampling.seed for j in jobs] == [7, 8] and all(j.sampling.n == 1 for j in jobs)
 
 
 def test_n_streams_interleave_by_index(client):

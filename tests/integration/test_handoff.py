@@ -64,7 +64,7 @@ def test_handoffs_land_bit_exact(prefill, decode_side, dtype):
         wait_for(lambda rid=rid: rid in side.admitted, "admission")
         dst = side.blocks(rid)
         assert torch.equal(side.rt.core.runner.kv_cache[:, :, dst], rt.core.runner.kv_cache[:, :, src])
-        assert side.admitted[rid].prompt_token_ids == [1] * num_tokens
+        assert side.admitted[rid].job.prompt_token_ids == [1] * num_tokens
     assert rt.core.block_manager.num_free_blocks == total  # every source block released
 
 
@@ -119,10 +119,9 @@ def _ask(sock: zmq.Socket, rid: str, num_tokens: int) -> HandoffGrant:
 
 def _header(kv: torch.Tensor, rid: str, grant: HandoffGrant, num_tokens: int, **over) -> KVHeader:
     n = len(grant.block_ids)
-    fields = dict(request_id=rid, model=MODEL, **layout_of(kv), num_blocks=n, block_ids=grant.block_ids,
-                  nbytes=kv[:, :, :n].numel() * kv.element_size(), prompt_token_ids=[1] * num_tokens, first_token_id=2, first_logprob=None, first_top_logprobs=None,
-                  prompt_logprobs=None, num_cached_tokens=0, sampling={}, tenant="t", priority=0, reply_addr="",
-                  deadline=0.0, arrival=0.0, transport="layers")
+    fields = dict(job=synthetic_job(rid, num_tokens, MODEL), **layout_of(kv), num_blocks=n, block_ids=grant.block_ids,
+                  nbytes=kv[:, :, :n].numel() * kv.element_size(), first_token_id=2, first_logprob=None,
+                  first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0, transport="layers")
     return KVHeader(**{**fields, **over})
 
 
@@ -155,7 +154,7 @@ def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, deco
     grant = _ask(evil, "short", num_tokens)  # every layer intact, the header promises another prompt length
     for parts in _layer_messages(kv, "short", src):
         evil.send_multipart(parts)
-    evil.send(encode(_header(kv, "short", grant, num_tokens, prompt_token_ids=[1] * (num_tokens - 1))))
+    evil.send(encode(_header(kv, "short", grant, num_tokens, job=synthetic_job("short", num_tokens - 1, MODEL))))
     ack = decode(evil.recv(), HandoffAck)
     assert not ack.ok and "prompt length" in ack.reason
     evil.close()

@@ -9,6 +9,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 MODEL = "m"
 STREAM = keys.prefill_stream(MODEL)
@@ -21,7 +22,7 @@ def redis_client():
 
 
 def job(i: int, **sampling) -> Job:
-    return Job(request_id=f"r{i}", model=MODEL, prompt_token_ids=[1, 2, 3], sampling={"n": 1, **sampling},
+    return Job(request_id=f"r{i}", model=MODEL, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(**sampling),
                tenant="t", priority=0, reply_addr="tcp://127.0.0.1:1", deadline=0.0, arrival=0.0)
 
 

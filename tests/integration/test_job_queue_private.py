@@ -15,6 +15,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 MODEL = "m"
 SHARED = keys.prefill_stream(MODEL)
@@ -25,7 +26,7 @@ def private(worker: str) -> str:
 
 
 def _job(rid: str) -> Job:
-    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 4}, tenant="t",
+    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4), tenant="t",
                priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
 
 

@@ -33,7 +33,7 @@ def runtime(redis_url):
 def admit(rt: WorkerRuntime, life: Lifecycle, rid: str, reply_addr: str, arrival: float) -> None:
     (slot,) = rt.slots.values()
     job = Job(request_id=rid, model=slot.instance, prompt_token_ids=[3, 4, 5, 6, 7, 8, 9, 10, 11],
-              sampling=SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).to_dict(), tenant="t",
+              sampling=SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), tenant="t",
               priority=0, reply_addr=reply_addr, deadline=0.0, arrival=arrival)
     slot.core.add_request(engine_request(slot, job))
     life.track(InFlight(request_id=rid, instance=slot.instance, reply_addr=reply_addr, deadline=0.0,

@@ -36,19 +36,19 @@ def test_defaults_come_from_the_models_generation_config_unless_vllm(stack):
     if mode == "auto":
         expected = {k: v for k, v in GENERATION_CONFIG.items() if k in ("temperature", "top_p", "top_k", "min_p",
                                                                           "repetition_penalty")}
-        assert {k: sampling[k] for k in expected} == expected
-        assert sampling["max_tokens"] == 5  # --max-tokens-default is below the model's max_new_tokens (9)
+        assert {k: getattr(sampling, k) for k in expected} == expected
+        assert sampling.max_tokens == 5  # --max-tokens-default is below the model's max_new_tokens (9)
     else:
-        assert (sampling["temperature"], sampling["top_p"], sampling["top_k"], sampling["min_p"],
-                sampling["repetition_penalty"]) == (1.0, 1.0, -1, 0.0, 1.0)
-        assert sampling["max_tokens"] == 5
+        assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p,
+                sampling.repetition_penalty) == (1.0, 1.0, -1, 0.0, 1.0)
+        assert sampling.max_tokens == 5
     # what the request sets wins
     given = _job(stack, client.chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=40,
                                                          top_p=0.9).id).sampling
-    assert (given["temperature"], given["top_p"], given["max_tokens"]) == (0.0, 0.9, 40)
-    assert given["top_k"] == (7 if mode == "auto" else -1)
+    assert (given.temperature, given.top_p, given.max_tokens) == (0.0, 0.9, 40)
+    assert given.top_k == (7 if mode == "auto" else -1)
     # completions keep OpenAI's 16 tokens when none is named
-    assert _job(stack, client.completions.create(model=MODEL, prompt="hi").id).sampling["max_tokens"] == 16
+    assert _job(stack, client.completions.create(model=MODEL, prompt="hi").id).sampling.max_tokens == 16
 
 
 def test_max_new_tokens_bounds_a_chat_reply_below_the_server_default(tmp_path):
@@ -56,8 +56,8 @@ def test_max_new_tokens_bounds_a_chat_reply_below_the_server_default(tmp_path):
     (tmp_path / "tokenizer" / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     with running_stack(tmp_path, max_tokens_default=64) as stack:
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
-        assert _job(stack, client.chat.completions.create(model=MODEL, messages=HI).id).sampling["max_tokens"] == 9
+        assert _job(stack, client.chat.completions.create(model=MODEL, messages=HI).id).sampling.max_tokens == 9
     with running_stack(tmp_path, max_tokens_default=0, generation_config="vllm") as stack:
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
         job = _job(stack, client.chat.completions.create(model=MODEL, messages=HI).id)
-        assert job.sampling["max_tokens"] == MAX_MODEL_LEN - len(job.prompt_token_ids)  # 0: as vLLM
+        assert job.sampling.max_tokens == MAX_MODEL_LEN - len(job.prompt_token_ids)  # 0: as vLLM

@@ -39,7 +39,7 @@ def test_a_steps_finished_jobs_are_answered_first_then_acked_in_one_round_trip(w
     gateway = zmq.Context.instance().socket(zmq.PULL)
     zmq_auth.serve(gateway, worker.runtime.curve)  # as a gateway's event socket
     reply_addr = f"tcp://127.0.0.1:{gateway.bind_to_random_port('tcp://127.0.0.1')}"
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True).to_dict()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for i in range(3):  # same length, admitted together: they finish in the same step
         job = Job(request_id=f"r{i}", model=slot.instance, prompt_token_ids=[3, 4, 5, 6 + i], sampling=params,
                   tenant="t", priority=0, reply_addr=reply_addr, deadline=0.0, arrival=time.time())

@@ -14,6 +14,8 @@ from kvrelay.shared.handoff.direct import Exporter, IpcError
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader, KVIpcHandle, KVLayers
+from kvrelay.shared.wire.protocol import Job
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [L, 2, N, bs, Hkv, D]
 SRC_BLOCKS, DST_BLOCKS = [3, 7, 1], [0, 9, 5]
@@ -25,10 +27,11 @@ def _cache(seed: int = 0, dtype=torch.float32, shape=SHAPE) -> torch.Tensor:
 
 def _header(kv: torch.Tensor, **over) -> KVHeader:
     n = len(DST_BLOCKS)
-    base = dict(request_id="r", model="m", **layout_of(kv), num_blocks=n, block_ids=DST_BLOCKS, transport="layers",
-                nbytes=kv.shape[0] * frame_nbytes(kv, n), prompt_token_ids=[1] * (n * kv.shape[3]), first_token_id=2,
-                first_logprob=None, first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0,
-                sampling={}, tenant="t", priority=0, reply_addr="", deadline=0.0, arrival=0.0)
+    job = Job(request_id="r", model="m", prompt_token_ids=[1] * (n * kv.shape[3]), sampling=SamplingParams(),
+              tenant="t", priority=0, reply_addr="", deadline=0.0, arrival=0.0)
+    base = dict(job=job, **layout_of(kv), num_blocks=n, block_ids=DST_BLOCKS, transport="layers",
+                nbytes=kv.shape[0] * frame_nbytes(kv, n), first_token_id=2, first_logprob=None,
+                first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0)
     return KVHeader(**{**base, **over})
 
 
@@ -55,10 +58,8 @@ def test_header_names_one_of_the_live_transports():
     for transport in ("layers", "ipc"):
         assert decode(encode(_header(kv, transport=transport)), KVHeader).transport == transport
     for dead in ("frames", "carrier-pigeon"):  # "frames", the one-message form, went with its last sender
-        raw = dataclasses.asdict(_header(kv))
-        raw["transport"] = dead
         with pytest.raises(ValueError, match="transport"):
-            decode(encode(KVHeader(**raw)), KVHeader)
+            decode(encode(dataclasses.replace(_header(kv), transport=dead)), KVHeader)
 
 
 # -- "layers" -------------------------------------------------------------------------------------------

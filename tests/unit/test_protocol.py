@@ -14,17 +14,16 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 
 def _job(**over) -> p.Job:
     base = dict(request_id="r1-0", model="tiny", prompt_token_ids=[1, 2, 3],
-                sampling=SamplingParams(max_tokens=8, stop=["\n"]).to_dict(), tenant="t", priority=0,
+                sampling=SamplingParams(max_tokens=8, stop=["\n"]), tenant="t", priority=0,
                 reply_addr="tcp://127.0.0.1:5555", deadline=1e9, arrival=1e9 - 1, cache_salt=None)
     return p.Job(**{**base, **over})
 
 
 def _header(**over) -> h.KVHeader:
-    base = dict(request_id="r", model="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=2,
-                block_ids=[7, 3], dtype="bfloat16", transport="layers", nbytes=512,
-                prompt_token_ids=[5, 6, 7], first_token_id=9, first_logprob=-0.25, first_top_logprobs=[(9, -0.25)],
-                prompt_logprobs=[None, [(6, -1.0)], [(7, -2.0), (1, -0.5)]], num_cached_tokens=0,
-                sampling={"n": 1}, tenant="t", priority=1, reply_addr="tcp://h:1", deadline=2.0, arrival=1.0)
+    base = dict(job=_job(prompt_token_ids=[5, 6, 7]), num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                num_blocks=2, block_ids=[7, 3], dtype="bfloat16", transport="layers", nbytes=512,
+                first_token_id=9, first_logprob=-0.25, first_top_logprobs=[(9, -0.25)],
+                prompt_logprobs=[None, [(6, -1.0)], [(7, -2.0), (1, -0.5)]], num_cached_tokens=0)
     return h.KVHeader(**{**base, **over})
 
 
@@ -63,27 +62,43 @@ def test_round_trip(msg):
 
 def test_job_sampling_restores_sampling_params():
     job = codec.decode(codec.encode(_job()), p.Job)
-    params = SamplingParams.from_dict(job.sampling)
-    assert params.max_tokens == 8 and params.stop == ["\n"]
+    assert isinstance(job.sampling, SamplingParams)
+    assert job.sampling.max_tokens == 8 and job.sampling.stop == ["\n"]
+
+
+def test_the_handoff_header_carries_the_job_whole():
+    header = codec.decode(codec.encode(_header()), h.KVHeader)
+    assert header.job == _job(prompt_token_ids=[5, 6, 7])
+    assert (header.request_id, header.model) == ("r1-0", "tiny")
 
 
 def test_logit_bias_crosses_the_wire_as_two_lists():
     bias = {7042: -100.0, 0: 100, 49151: 0.5}
-    job = codec.decode(codec.encode(_job(sampling=SamplingParams(logit_bias=bias).to_dict())), p.Job)
-    assert job.sampling["logit_bias"] == [[7042, 0, 49151], [-100.0, 100.0, 0.5]]
-    assert SamplingParams.from_dict(job.sampling).logit_bias == bias
-    assert SamplingParams(logit_bias={}).to_dict()["logit_bias"] is None  # {} is no bias
+    raw = msgpack.unpackb(codec.encode(_job(sampling=SamplingParams(logit_bias=bias))), strict_map_key=False)
+    assert raw["sampling"]["logit_bias"] == [[7042, 0, 49151], [-100.0, 100, 0.5]]
+    assert codec.decode(codec.encode(_job(sampling=SamplingParams(logit_bias=bias))), p.Job).sampling.logit_bias == bias
+    assert SamplingParams(logit_bias={}).logit_bias is None  # {} is no bias
 
 
 @pytest.mark.parametrize("wire, why", [
-    ({7: 1.0}, "travel as"), ([[1, 2], [1.0]], "2 token ids for 1"), ([[1, 1], [1.0, 2.0]], "repeats"),
-    ([["1"], [1.0]], "token ids"), ([[[1]], [1.0]], "token ids"), ([[-1], [1.0]], "non-negative"),
-    ([[1], [101.0]], r"\[-100, 100\]"), ([[1], ["x"]], "numbers"), ([list(range(301)), [0.0] * 301], "at most 300"),
+    ({"7": 1.0}, "keys, values"), ({7: 1.0}, "map key"), ([[1, 2], [1.0]], "2 keys for 1"), ([[1, 1], [1.0, 2.0]], "repeated"),
+    ([["1"], [1.0]], "integers"), ([[[1]], [1.0]], "integers"), ([[-1], [1.0]], "non-negative"),
+    ([[1], [101.0]], r"\[-100, 100\]"), ([[1], ["x"]], "float"), ([list(range(301)), [0.0] * 301], "at most 300"),
+    ([list(range(5000)), [0.0] * 5000], "at most 4096"),
 ])
 def test_hostile_logit_bias_is_a_value_error(wire, why):
     # a worker turns a ValueError into that request's error event; anything else would take it down
+    raw = msgpack.unpackb(codec.encode(_job()), strict_map_key=False)
+    raw["sampling"]["logit_bias"] = wire
     with pytest.raises(ValueError, match=why):
-        SamplingParams.from_dict({**SamplingParams().to_dict(), "logit_bias": wire})
+        codec.decode(msgpack.packb(raw), p.Job)
+
+
+def test_invalid_sampling_on_the_wire_is_a_value_error_naming_the_field():
+    raw = msgpack.unpackb(codec.encode(_job()), strict_map_key=False)
+    raw["sampling"]["top_p"] = 2.0
+    with pytest.raises(ValueError, match="top_p"):
+        codec.decode(msgpack.packb(raw), p.Job)
 
 
 def test_batched_asks_and_grants_are_bounded_and_checked_inside():
