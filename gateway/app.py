@@ -1,10 +1,16 @@
 """The gateway application: ``create_app(config)`` builds it, ``run_gateway(config)`` serves it.
 
+The gateway has three rooms, each wired in by its cleanup context: ``api/`` (the OpenAI API: routes,
+schemas, prompts, generation, SSE), ``tenancy/`` (API keys, tenants, limits, usage) and ``control/``
+(the model control plane: what workers publish, the model registry, placement, routing, the
+reconciler, the model admin API). What they share lives beside this file: the app's keys
+(``state.py``), errors, request bodies, drain, metrics, the Redis watch and the token-event dispatcher.
+
 Resources live in cleanup contexts, started in order and closed in reverse: Redis (and the task that
-watches it for restarts), then the ZMQ reply socket and its dispatcher task, then the liveness key
-workers watch for that socket's address (``heartbeat.py``), then the set of detached
-background tasks, then the model reconciler (``reconciler.py``). SIGTERM drains the gateway before it
-exits (``drain.py``).
+watches it for restarts), the rooms' stores on it, then the ZMQ reply socket and its dispatcher task,
+then the liveness key workers watch for that socket's address (``heartbeat.py``), then the set of
+detached background tasks, then the model reconciler (``control/reconciler.py``). SIGTERM drains the
+gateway before it exits (``drain.py``).
 """
 
 import asyncio
@@ -14,44 +20,22 @@ from collections.abc import AsyncIterator
 import redis
 from aiohttp import web
 
-from kvrelay.gateway.auth import auth_middleware
+from kvrelay.gateway.api.context import api_ctx
+from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, TokenizerPool
 from kvrelay.gateway.connection_guard import CONNECTION_GUARD, ConnectionGuard
+from kvrelay.gateway.control.context import control_ctx
+from kvrelay.gateway.control.reconciler import reconciler_ctx
 from kvrelay.gateway.dispatcher import Dispatcher
 from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from kvrelay.gateway.errors import add_request_id, error_middleware
 from kvrelay.gateway.heartbeat import heartbeat_ctx
-from kvrelay.gateway.limits import RateLimiter
 from kvrelay.gateway.metrics import GatewayMetrics
-from kvrelay.gateway.model_registry import ModelRegistry
-from kvrelay.gateway.placement import Placement
-from kvrelay.gateway.reconciler import reconciler_ctx
 from kvrelay.gateway.redis_watch import REDIS_WATCH, RedisWatch
-from kvrelay.gateway.registry import Registry
-from kvrelay.gateway.response_cache import ResponseCache
 from kvrelay.gateway.routes import ROUTES
-from kvrelay.gateway.routing import PrefixIndex
-from kvrelay.gateway.state import (
-    BACKGROUND,
-    CONFIG,
-    DISPATCHER,
-    LIMITER,
-    METRICS,
-    MODEL_REGISTRY,
-    MODEL_REPO,
-    PLACEMENT,
-    PREFIX_INDEX,
-    REDIS,
-    REGISTRY,
-    RESPONSE_CACHE,
-    TENANTS,
-    TOKENIZERS,
-    USAGE,
-)
-from kvrelay.gateway.tenants import TenantStore
-from kvrelay.gateway.tokenizers import TokenizerPool
-from kvrelay.gateway.usage import UsageLedger
+from kvrelay.gateway.state import BACKGROUND, CONFIG, DISPATCHER, METRICS, REDIS
+from kvrelay.gateway.tenancy.auth import auth_middleware
+from kvrelay.gateway.tenancy.context import tenancy_ctx
 from kvrelay.shared.config.gateway import GatewayConfig
-from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import async_client
 from kvrelay.shared.wire.tenant_label import metrics_salt_async, tenant_labeler
 from kvrelay.shared.wire.zmq_auth import keys_from_secret
@@ -64,21 +48,13 @@ TENANT_PENDING = "pending"  # the tenant label until the metrics salt is known
 
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    client = async_client(app[CONFIG].redis_url)
-    app[REDIS] = client
     config = app[CONFIG]
-    app[TENANTS] = TenantStore(client)
+    client = app[REDIS] = async_client(config.redis_url)
     salt_task = None
     if not config.metrics_tenant_labels:
         app[METRICS].tenant = lambda tenant: TENANT_PENDING
         salt_task = asyncio.create_task(_tenant_salt(app[METRICS], client))
-    app[LIMITER] = RateLimiter(client)
-    app[USAGE] = UsageLedger(client, config.usage_retention_s)
-    app[RESPONSE_CACHE] = ResponseCache(client, config.response_cache_ttl, config.response_cache_max_bytes)
-    registry = app[REGISTRY] = Registry(client, config.registry_cache_s)
-    app[MODEL_REGISTRY] = ModelRegistry(client, config.registry_cache_s)
-    app[PLACEMENT] = Placement(client, registry)
-    watch = app[REDIS_WATCH] = RedisWatch(client, app[CONFIG].redis_watch_s, app[CONFIG].redis_outage_s)
+    watch = app[REDIS_WATCH] = RedisWatch(client, config.redis_watch_s, config.redis_outage_s)
     watch.start()
     yield
     if salt_task is not None:
@@ -143,12 +119,10 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[DRAIN] = Drain()
     app[TOKENIZERS] = TokenizerPool()
     app.on_cleanup.append(close_tokenizers)  # runs after cleanup_ctx: no request tokenizes any more
-    app[PREFIX_INDEX] = PrefixIndex()
-    if config.model_repo:
-        app[MODEL_REPO] = ModelRepository(config.model_repo)
     # Cleanup runs in reverse: the reconciler stops first, then background tasks (abort publishes, model
     # loads) drain, while Redis is still open.
-    app.cleanup_ctx.extend([redis_ctx, dispatcher_ctx, heartbeat_ctx, background_ctx, reconciler_ctx])
+    app.cleanup_ctx.extend([redis_ctx, tenancy_ctx, control_ctx, api_ctx, dispatcher_ctx, heartbeat_ctx,
+                            background_ctx, reconciler_ctx])
     app.on_response_prepare.append(add_request_id)
     app.add_routes(ROUTES)
     return app

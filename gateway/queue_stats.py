@@ -9,7 +9,7 @@ as the group's ``lag``; on Redis 6.2 it is counted with ``XRANGE`` after the gro
 up to ``_COUNT_CAP`` (the gauge then reads "at least that many"). The oldest such entry's age comes
 from its id, which is the Redis server's clock at ``XADD``, compared with the same clock's ``TIME``.
 
-Workers' private streams (prefix affinity, gateway/routing.py) count toward their model too. Every
+Workers' private streams (prefix affinity, gateway/control/routing.py) count toward their model too. Every
 worker registers in the shared stream's group as a consumer, so that list names them, dead ones not yet
 adopted included; their entries are all queued or in progress (ACKed ones are deleted), so ``XLEN`` is
 their depth and their first entry the oldest.

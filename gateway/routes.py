@@ -1,13 +1,16 @@
-"""Every route of the gateway, in one table."""
+"""Every route of the gateway, in one table: the OpenAI API, the probes and the API description, then
+the admin API of the tenancy and control rooms."""
 
 from aiohttp import web
 
-from kvrelay.gateway import admin, model_admin
-from kvrelay.gateway.chat import create_chat_completion
-from kvrelay.gateway.completions import create_completion
-from kvrelay.gateway.info import admin_openapi, health, list_models, openapi, ready
-from kvrelay.gateway.metrics_route import scrape
-from kvrelay.gateway.tokenize import detokenize, tokenize
+from kvrelay.gateway.api.chat import create_chat_completion
+from kvrelay.gateway.api.completions import create_completion
+from kvrelay.gateway.api.model_list import list_models
+from kvrelay.gateway.api.tokenize_route import detokenize, tokenize
+from kvrelay.gateway.control import model_admin
+from kvrelay.gateway.openapi import admin_openapi, openapi
+from kvrelay.gateway.probes import health, ready, scrape
+from kvrelay.gateway.tenancy import tenant_admin
 
 ROUTES = [
     web.post("/v1/completions", create_completion),
@@ -19,12 +22,12 @@ ROUTES = [
     web.get("/ready", ready),
     web.get("/openapi.json", openapi),
     web.get("/metrics", scrape),
-    web.post("/admin/tenants", admin.put_tenant),
-    web.get("/admin/tenants", admin.list_tenants),
-    web.post("/admin/keys", admin.create_key),
-    web.get("/admin/keys", admin.list_keys),
-    web.delete("/admin/keys/{id}", admin.delete_key),
-    web.get("/admin/usage", admin.usage),
+    web.post("/admin/tenants", tenant_admin.put_tenant),
+    web.get("/admin/tenants", tenant_admin.list_tenants),
+    web.post("/admin/keys", tenant_admin.create_key),
+    web.get("/admin/keys", tenant_admin.list_keys),
+    web.delete("/admin/keys/{id}", tenant_admin.delete_key),
+    web.get("/admin/usage", tenant_admin.usage),
     web.get("/admin/models", model_admin.list_models),
     web.post("/admin/models", model_admin.register_model),
     web.delete("/admin/models/{name}", model_admin.delete_model),

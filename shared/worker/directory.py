@@ -1,5 +1,5 @@
 """The live workers as their heartbeats describe them, read synchronously (workers, the launcher); the
-gateway's cached, asynchronous view is gateway/registry.py."""
+gateway's cached, asynchronous view is gateway/control/worker_registry.py."""
 
 import redis
 

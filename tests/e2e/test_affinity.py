@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from kvrelay.gateway.routing import Policy, route
+from kvrelay.gateway.control.routing import Policy, route
 from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE, TINY_VOCAB

@@ -1,6 +1,6 @@
 """Every request field either changes what a real model answers or is a 400 (issue #13, item 4).
 
-FIELDS is the one table. For each endpoint it holds every field of its schema (gateway/schemas.py; nested
+FIELDS is the one table. For each endpoint it holds every field of its schema (gateway/api/schemas.py; nested
 fields as ``parent.child``, list items as ``parent[].child``) and every field of UNSUPPORTED_FIELDS, each
 mapped to how it is covered:
   Effect     a request with the field set answers differently from one without it, on SmolLM2 served by a
@@ -24,7 +24,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from kvrelay.gateway.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.api.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from tests.e2e.cluster import Cluster

@@ -10,8 +10,7 @@ import openai
 import pytest
 import requests
 
-from kvrelay.gateway.state import TOKENIZERS
-from kvrelay.gateway.tokenizers import TokenizerPool
+from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, TokenizerPool
 from tests.integration.gateway_harness import MODEL, running_stack
 
 pytestmark = pytest.mark.timeout(120)

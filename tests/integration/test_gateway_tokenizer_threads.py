@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvrelay.gateway import tokenizers
-from kvrelay.gateway.state import REGISTRY, TOKENIZERS
-from kvrelay.gateway.tokenizers import ModelTokenizer
+from kvrelay.gateway.api import tokenizer_pool
+from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, ModelTokenizer
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from tests.integration.gateway_harness import MODEL, running_stack
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,7 +27,7 @@ CONCURRENT = 48
 def stack(tmp_path_factory):
     # several tokenization threads whatever this machine's core count: threads against threads as well
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tokenizers, "TOKENIZER_THREADS", 4)
+        mp.setattr(tokenizer_pool, "TOKENIZER_THREADS", 4)
         with running_stack(tmp_path_factory.mktemp("tokenizer-threads")) as s:
             yield s
 
@@ -106,4 +106,4 @@ def test_settings_changed_on_one_thread_never_reach_another(stack):
 
 async def _model_tokenizer(app: web.Application) -> ModelTokenizer:
     """The gateway's own tokenizer of the model, the one its event loop uses."""
-    return await app[TOKENIZERS].get(await app[REGISTRY].model(MODEL, fresh=True))
+    return await app[TOKENIZERS].get(await app[WORKER_REGISTRY].model(MODEL, fresh=True))

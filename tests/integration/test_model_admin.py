@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import requests
 
-from kvrelay.gateway.reconciler import RECONCILER
+from kvrelay.gateway.control.reconciler import RECONCILER
 from kvrelay.shared.repo.model_repo import MANIFEST
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode

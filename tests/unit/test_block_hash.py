@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvrelay.gateway.routing import block_chain
+from kvrelay.gateway.control.routing import block_chain
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.block_hash import DEFAULT_TENANT

@@ -1,4 +1,4 @@
-"""gateway/choice.py's ordering of token events: duplicates behind the expected index are trimmed, but a
+"""gateway/api/choice.py's ordering of token events: duplicates behind the expected index are trimmed, but a
 worker's error verdict behind it still ends the choice. A job dead-lettered by the worker that restarted
 after a crash is answered with an error as of output index 0, after the client had tokens: dropped as a
 duplicate, it left the client waiting until the request's deadline."""
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvrelay.gateway.choice import ChoiceState
+from kvrelay.gateway.api.choice import ChoiceState
 from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.wire.sampling_params import SamplingParams
 

@@ -4,9 +4,9 @@ sent it, instead of being queued to the version being drained (where no worker w
 
 import asyncio
 
-from kvrelay.gateway.prompts import PREPARE_ATTEMPTS, Prepared, _on_the_served_version
-from kvrelay.gateway.schemas import CompletionRequest
-from kvrelay.gateway.state import MODEL_REGISTRY
+from kvrelay.gateway.api.prompts import PREPARE_ATTEMPTS, Prepared, _on_the_served_version
+from kvrelay.gateway.api.schemas import CompletionRequest
+from kvrelay.gateway.control.model_registry import MODEL_REGISTRY
 from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
 from kvrelay.shared.wire.sampling_params import SamplingParams
 

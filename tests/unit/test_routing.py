@@ -1,11 +1,11 @@
-"""The gateway's routing choice (gateway/routing.py): prompts sharing a prefix keep one worker, different
+"""The gateway's routing choice (gateway/control/routing.py): prompts sharing a prefix keep one worker, different
 prefixes spread, load and missing KV turn affinity off, and short prompts, a lone worker or a disabled
 policy go to the shared stream."""
 
 import random
 from collections import Counter
 
-from kvrelay.gateway.routing import Policy, affinity_key, candidates, route
+from kvrelay.gateway.control.routing import Policy, affinity_key, candidates, route
 from kvrelay.shared.wire.protocol import WorkerInfo
 
 BS = 16
@@ -105,7 +105,7 @@ def test_the_index_sends_a_short_shared_prefix_where_it_went_before():
     """A shared 3-block document (48 tokens, shorter than the 64-token key) followed by different
     questions: the rendezvous key differs per question, the index still sends every one to the worker
     that computed the document."""
-    from kvrelay.gateway.routing import PrefixIndex
+    from kvrelay.gateway.control.routing import PrefixIndex
 
     index, doc = PrefixIndex(), prompt(7, 48)
     first = route(doc + prompt(500, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)
@@ -118,7 +118,7 @@ def test_the_index_sends_a_short_shared_prefix_where_it_went_before():
 
 
 def test_the_index_yields_to_load_dead_workers_tenants_and_its_capacity():
-    from kvrelay.gateway.routing import PrefixIndex, block_chain
+    from kvrelay.gateway.control.routing import PrefixIndex, block_chain
 
     index, doc = PrefixIndex(capacity=64), prompt(8, 48)
     first = route(doc + prompt(1, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)

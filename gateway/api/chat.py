@@ -1,0 +1,63 @@
+"""``POST /v1/chat/completions``: the model's chat template, then the same path as completions."""
+
+from aiohttp import web
+
+from kvrelay.gateway.api import sse
+from kvrelay.gateway.api.accounting import Meter
+from kvrelay.gateway.api.choice import ChoiceDelta
+from kvrelay.gateway.api.generation import Generation
+from kvrelay.gateway.api.logprobs import chat_logprobs, prompt_logprobs
+from kvrelay.gateway.api.prompts import prepare_chat
+from kvrelay.gateway.bodies import read_json
+from kvrelay.gateway.tenancy.auth import TENANT
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    prepared, body = await prepare_chat(request.app, await read_json(request), request[TENANT])
+    async with Meter(request, prepared, body, "chat.completions") as meter:
+        if meter.cached is not None:
+            return meter.cached
+        async with Generation(request, prepared) as gen:
+            meter.generation = gen
+            base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
+            if body.stream:
+                return await _stream(request, gen, base, body.include_usage)
+            async for _ in gen:
+                pass
+            choices = [{
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            } for c in gen.choices]
+            response = {**base, "object": "chat.completion", "choices": choices, "usage": gen.usage(),
+                        "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs)}
+            return await meter.respond(web.json_response(response, dumps=sse.dumps))
+
+
+async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool) -> web.StreamResponse:
+    base = {**base, "object": "chat.completion.chunk"}
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+              stop_reason: int | str | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return {**base, "choices": [choice], **usage_field}
+
+    # Like OpenAI and vLLM: every choice opens with a chunk that carries only the role.
+    head = [chunk(c.index, {"role": "assistant", "content": ""}) for c in gen.choices]
+
+    def chunks(delta: ChoiceDelta) -> list[dict]:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return []
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs is not None else None
+        return [chunk(delta.index, content, logprobs, delta.finish_reason, delta.stop_reason)]
+
+    def tail() -> list[dict]:
+        return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
+
+    return await sse.stream(request, gen, head=head, chunks=chunks, tail=tail)

@@ -1,0 +1,240 @@
+"""One client request in flight: fan out into jobs, queue them, turn the workers' events into deltas.
+
+    async with Generation(request, prepared) as gen:
+        async for delta in gen: ...
+
+Leaving the block early for any reason (client gone, deadline, error, handler cancelled) publishes an
+Abort for every job not yet finished, so workers free their KV blocks within a step.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import redis
+from aiohttp import web
+
+from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
+from kvrelay.gateway.api.prompts import Prepared
+from kvrelay.gateway.control.routing import ROUTER, candidates
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
+from kvrelay.gateway.drain import DRAIN, draining_error
+from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
+from kvrelay.gateway.redis_watch import REDIS_WATCH
+from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent
+
+log = logging.getLogger("kvrelay.gateway")
+
+# XADD to a worker's private stream only while it exists: its worker creates it (with the consumer group)
+# before it can be routed to, and a peer deletes it once the worker is long dead and it is empty, so a
+# job routed on a stale view of the workers lands on the shared stream instead of where nobody reads.
+_XADD_PRIVATE = """
+local key = KEYS[2]
+if redis.call('EXISTS', KEYS[1]) == 1 then key = KEYS[1] end
+return redis.call('XADD', key, 'MAXLEN', '~', ARGV[1], '*', ARGV[2], ARGV[3])
+"""
+
+
+async def publish_abort(app: web.Application, job_ids: list[str], reason: str) -> None:
+    try:
+        await app[REDIS].publish(keys.ABORT_CHANNEL, encode(Abort(request_ids=job_ids, reason=reason)))
+    except redis.RedisError as exc:
+        # Workers also drop jobs past their deadline, so a lost abort costs capacity, not correctness.
+        log.warning("could not publish abort for %s: %s", job_ids, exc)
+
+
+class Generation:
+    def __init__(self, request: web.Request, prepared: Prepared):
+        self.app = app = request.app
+        self.prepared = prepared
+        # Our own id, never the client's X-Request-Id: job ids must be unique across every client.
+        self.request_id = uuid.uuid4().hex
+        self.client_request_id: str = request[REQUEST_ID]
+        self._request = request
+        config = app[CONFIG]
+        self._poll_s = config.disconnect_poll_s
+        self.arrival = time.time()
+        self.deadline = self.arrival + config.request_timeout
+        self.first_token_at: float | None = None  # unix seconds; arrival to here is the client's TTFT
+        params = prepared.params
+        self.choices: list[ChoiceState] = []
+        for p, prompt in enumerate(prepared.prompts):
+            for i in range(params.n):
+                index = p * params.n + i
+                # Workers only ever see n=1; seeded requests stay reproducible yet distinct per choice.
+                child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                self.choices.append(ChoiceState(index=index, job_id=f"{self.request_id}-{index}", prompt_index=p,
+                                                prompt_token_ids=prompt, params=child,
+                                                tokenizer=prepared.tokenizer))
+        self._by_job = {c.job_id: c for c in self.choices}
+        self._queue: asyncio.Queue[TokenEvent] | None = None
+        # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
+        # is dead, and its requests end with an error instead of waiting out the deadline
+        self._holders: dict[str, str] = {}
+        self._epoch = app[REDIS_WATCH].epoch  # a later epoch: Redis lost what was queued (redis_watch.py)
+        self._heard: set[str] = set()  # job ids some worker answered for: they are out of Redis
+
+    @property
+    def model_name(self) -> str:
+        return self.prepared.model_name
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prepared.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache, counted once per prompt like prompt_tokens."""
+        return sum(max((c.num_cached_tokens for c in self.choices if c.prompt_index == p), default=0)
+                   for p in range(len(self.prepared.prompts)))
+
+    def usage(self) -> dict:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+    async def __aenter__(self) -> "Generation":
+        dispatcher = self.app[DISPATCHER]
+        self._queue = dispatcher.register(list(self._by_job))
+        try:
+            await self._submit(dispatcher.address)
+        except BaseException as exc:
+            dispatcher.unregister(list(self._by_job))
+            if not isinstance(exc, APIError):  # cancelled mid-XADD: some jobs may be queued already
+                spawn(self.app, publish_abort(self.app, list(self._by_job), "client disconnected"))
+            raise
+        self.app[METRICS].vllm.start(self)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.app[DISPATCHER].unregister(list(self._by_job))
+        self.app[METRICS].vllm.finish(self)
+        unfinished = [c.job_id for c in self.choices if not c.finished]
+        if unfinished:
+            gone = isinstance(exc_info[1], ClientGone | asyncio.CancelledError) or self._is_disconnected()
+            reason = "client disconnected" if gone else "gateway gave up on the request"
+            spawn(self.app, publish_abort(self.app, unfinished, reason))
+
+    def _is_disconnected(self) -> bool:
+        transport = self._request.transport
+        return transport is None or transport.is_closing()
+
+    async def _submit(self, reply_addr: str) -> None:
+        model = self.prepared.model.name
+        config = self.app[CONFIG]
+        retry = {"Retry-After": str(config.retry_after_s)}
+        unavailable = APIError(503, "the request queue is unavailable", code="queue_unavailable", headers=retry)
+        try:
+            workers = candidates(await self.app[WORKER_REGISTRY].workers(), model)
+            # Workers delete the entries they ACK, so the lengths are what is queued or being prefilled,
+            # shared stream and the live workers' private ones alike; a dead worker's leftovers are its
+            # peers' to adopt within seconds and are not counted.
+            pipe = self.app[REDIS].pipeline(transaction=False)
+            for stream in [keys.prefill_stream(model)] + [keys.prefill_worker_stream(model, w.worker_id)
+                                                         for w in workers]:
+                pipe.xlen(stream)
+            shared_len, *private_lens = await pipe.execute()
+        except redis.RedisError:
+            raise unavailable from None
+        backlog = {w.worker_id: n for w, n in zip(workers, private_lens, strict=True)}
+        depth = shared_len + sum(private_lens)
+        # Checked before the XADD, not atomically with it: several gateways may overshoot by a few
+        # requests each, which a soft bound tolerates.
+        if config.max_queue_depth and depth + len(self.choices) > config.max_queue_depth:
+            raise APIError(429, f"{depth} requests are queued for model {model!r} (limit "
+                                f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
+        router = self.app[ROUTER]
+        pipe = self.app[REDIS].pipeline(transaction=False)
+        for choice in self.choices:
+            job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
+                      sampling=choice.params, tenant=self.prepared.tenant,
+                      priority=self.prepared.priority, reply_addr=reply_addr, deadline=self.deadline,
+                      arrival=self.arrival, cache_salt=self.prepared.cache_salt)
+            worker = router.route(choice.prompt_token_ids, model, self.prepared.model.block_size,
+                                  self.prepared.tenant, self.prepared.cache_salt, workers, backlog)
+            if worker is None:
+                pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen,
+                          approximate=True)
+                continue
+            backlog[worker] += 1  # the next choice of this request sees it (n > 1 share a prompt)
+            pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
+                      config.stream_maxlen, keys.JOB_FIELD, encode(job))
+        try:
+            await pipe.execute()
+        except redis.RedisError as exc:
+            log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
+            raise unavailable from None
+
+    async def _next_event(self) -> TokenEvent:
+        """The next event for any choice; raises on deadline or a vanished client, never hangs."""
+        assert self._queue is not None
+        while True:
+            if not self._queue.empty():
+                return self._queue.get_nowait()
+            if self._is_disconnected():
+                raise ClientGone()
+            if self.app[DRAIN].expired:  # the gateway's drain deadline passed: end cleanly, now
+                raise draining_error(self.app[CONFIG].retry_after_s)
+            if self.app[REDIS_WATCH].epoch != self._epoch and any(
+                    c.job_id not in self._heard and not c.finished for c in self.choices):
+                raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
+                               code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                raise APIError(504, f"request timed out after {self.app[CONFIG].request_timeout:g}s",
+                               code="timeout")
+            try:
+                async with asyncio.timeout(min(remaining, self._poll_s)):
+                    return await self._queue.get()
+            except TimeoutError:
+                await self._check_holders()
+
+    async def _check_holders(self) -> None:
+        holders = {w for job, w in self._holders.items() if not self._by_job[job].finished}
+        if not holders or self.app[REDIS_WATCH].settling:  # just restarted: workers re-registering
+            return
+        try:
+            alive = {w.worker_id for w in await self.app[WORKER_REGISTRY].workers()}
+        except redis.RedisError:
+            return  # Redis down says nothing about the worker; the deadline still bounds the wait
+        dead = holders - alive
+        if dead:
+            raise APIError(503, f"the worker serving this request stopped ({', '.join(sorted(dead))})",
+                           code="worker_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
+        pending = {c.job_id for c in self.choices}
+        while pending:
+            event = await self._next_event()
+            self._heard.add(event.request_id)
+            choice = self._by_job.get(event.request_id)
+            if choice is None or choice.finished:
+                continue  # a late event after a stop string or a duplicate delivery
+            if event.worker_id:
+                self._holders[choice.job_id] = event.worker_id
+            if not (event.token_ids or event.finish_reason or event.error or event.prompt_logprobs):
+                continue  # a decode worker announcing it holds the request: nothing to stream
+            delta = choice.receive(event)
+            if delta is None:
+                continue
+            if self.first_token_at is None and delta.token_ids:
+                self.first_token_at = time.time()
+            self.app[METRICS].vllm.delta(self, choice, len(delta.token_ids))
+            if choice.finished:
+                pending.discard(choice.job_id)
+                self.app[DISPATCHER].unregister([choice.job_id])
+                if not choice.worker_finished:  # a stop string ended it here; the worker is still going
+                    spawn(self.app, publish_abort(self.app, [choice.job_id], "stop string"))
+                if choice.finish_reason == "error":
+                    raise APIError(500, f"worker error: {choice.error or 'unknown'}", code="worker_error")
+            yield delta

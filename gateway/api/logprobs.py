@@ -1,0 +1,49 @@
+"""Logprobs in the two OpenAI shapes (completions: parallel lists; chat: one object per token) and
+vLLM's prompt_logprobs shape."""
+
+from kvrelay.gateway.api.choice import TokenLogprob
+from kvrelay.gateway.api.tokenizer_pool import ModelTokenizer
+from kvrelay.shared.wire.protocol import TopLogprobs
+
+
+def completion_logprobs(entries: list[TokenLogprob]) -> dict:
+    top = []
+    for e in entries:
+        alternatives = {text: lp for _, text, lp in e.top}
+        alternatives.setdefault(e.token, e.logprob)  # the sampled token is always listed (vLLM)
+        top.append(alternatives)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": _utf8(e.token),
+         "top_logprobs": [{"token": text, "logprob": lp, "bytes": _utf8(text)} for _, text, lp in e.top]}
+        for e in entries
+    ]}
+
+
+def prompt_logprobs(tokenizer: ModelTokenizer, entries: list[TopLogprobs | None] | None) -> list | None:
+    """Per prompt position (the first is None): the prompt token's own entry first, then alternatives."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for position in entries:
+        if position is None:
+            out.append(None)
+            continue
+        out.append({
+            str(token_id): {"logprob": max(lp, -9999.0), "rank": rank or None,
+                            "decoded_token": tokenizer.token_text(token_id)}
+            for rank, (token_id, lp) in enumerate(position)
+        })
+    return out

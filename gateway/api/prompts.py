@@ -1,0 +1,195 @@
+"""From a validated request body to what the workers get: model resolved, prompt(s) tokenized, limits
+checked, sampling parameters final. Every check runs here, before anything is queued. Order: what the
+body alone tells (400), the model (404, or 403 when the tenant may not use it), live workers (503: the
+tokenizer may live only where the workers are; a registered model no worker holds is loaded first,
+the request waiting), then everything that needs the tokenizer (400).
+"""
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
+from kvrelay.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, parse
+from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, ModelTokenizer
+from kvrelay.gateway.control.model_registry import MODEL_REGISTRY
+from kvrelay.gateway.control.served import require_capacity, resolve_served
+from kvrelay.gateway.errors import bad_request
+from kvrelay.gateway.state import CONFIG
+from kvrelay.gateway.tenancy.tenants import Tenant
+from kvrelay.shared.wire.protocol import ModelInfo
+from kvrelay.shared.wire.sampling_params import SamplingParams
+
+log = logging.getLogger("kvrelay.gateway")
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
+# Choices (prompts x n) one request may fan out into; each is a job and a worker sequence.
+MAX_JOBS_PER_REQUEST = 1024
+
+
+@dataclass
+class Prepared:
+    model: ModelInfo  # model.name is the instance key ("name@3"): the stream and handoff identity
+    tokenizer: ModelTokenizer
+    prompts: list[list[int]]
+    params: SamplingParams
+    tenant: str
+    priority: int
+    cache_salt: str | None
+    served_name: str = ""  # the client's model name, what responses show; "" = model.name
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or self.model.name
+
+
+def check_token_ids(ids: list[int], model: ModelInfo, param: str) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < model.vocab_size:
+            raise bad_request(f"token id {token_id} is out of vocabulary (size {model.vocab_size})", param)
+
+
+def check_length(prompt_len: int, max_tokens: int | None, model: ModelInfo, what: str, param: str) -> None:
+    limit = model.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {what} "
+                          f"has {prompt_len} tokens, leaving no room for the completion.", param,
+                          code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in "
+                          f"the completion). Please reduce the length of the {what} or completion.",
+                          "max_tokens", code="context_length_exceeded")
+
+
+def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
+    if num_prompts * params.n > MAX_JOBS_PER_REQUEST:
+        raise bad_request(f"{num_prompts} prompts x n={params.n} exceeds {MAX_JOBS_PER_REQUEST} choices", "n")
+
+
+def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
+            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
+    check_token_ids(params.stop_token_ids, model, "stop_token_ids")
+    check_token_ids(list(params.logit_bias or ()), model, "logit_bias")
+    _check_jobs(len(prompts), params)
+    return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
+                    priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
+                    served_name=served)
+
+
+async def prepare_completion(app: web.Application, raw: Any,
+                             tenant: Tenant) -> tuple[Prepared, CompletionRequest]:
+    """The prepared request and the body as prepared (model defaults applied): what to answer from.
+    ``raw`` is the decoded JSON body as sent."""
+    return await _on_the_served_version(app, lambda: parse(CompletionRequest, raw),
+                                        lambda b: _prepare_completion(app, b, tenant))
+
+
+async def prepare_chat(app: web.Application, raw: Any, tenant: Tenant) -> tuple[Prepared, ChatCompletionRequest]:
+    return await _on_the_served_version(app, lambda: parse(ChatCompletionRequest, raw),
+                                        lambda b: _prepare_chat(app, b, tenant))
+
+
+# A request's instance is resolved before its tokenizer loads and its prompt is encoded, which can take
+# seconds; a version swap meanwhile drains that instance, and a job queued to it after the drain waits for
+# a worker that no longer serves it (seen: every first request of a swap under load timing out). So one
+# whose name moved to another version meanwhile is prepared again for that version, from the body as the
+# client sent it (the defaults and tokenizer may differ). The swap waits out the spec cache before
+# draining, so the cached spec read just before the job is queued is enough.
+PREPARE_ATTEMPTS = 3
+
+
+async def _on_the_served_version(app: web.Application, parse_body: Callable[[], B],
+                                 prepare: Callable[[B], Awaitable[Prepared]]) -> tuple[Prepared, B]:
+    for _ in range(PREPARE_ATTEMPTS):
+        used = parse_body()  # parsed again for each try: a try applies its version's defaults to the body
+        prepared = await prepare(used)
+        spec = (await app[MODEL_REGISTRY].specs()).get(prepared.served_name)
+        if spec is None or spec.instance == prepared.model.name:
+            break
+        log.info("%s moved to %s while a request was prepared for %s: preparing it again",
+                 prepared.served_name, spec.instance, prepared.model.name)
+    return prepared, used
+
+
+async def _prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
+    body.check_stream_options()
+    body.sampling_params()  # what the body alone gets wrong is a 400 before any model lookup
+    served, model = await resolve_served(app, body.model, tenant.may_use)
+    model = await require_capacity(app, model, served)
+    apply_defaults(body, model, app[CONFIG])
+    params = body.sampling_params()
+    tokenizer = await app[TOKENIZERS].get(model)
+    raw = body.prompt
+    if isinstance(raw, str):
+        raw = [raw]
+    elif raw and isinstance(raw[0], int):
+        raw = [raw]
+    if not raw:
+        raise bad_request("prompt must not be empty", "prompt")
+    prompts = []
+    for item in raw:
+        ids = await tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        if not ids:
+            raise bad_request("prompt must not be empty", "prompt")
+        check_token_ids(ids, model, "prompt")
+        check_length(len(ids), params.max_tokens, model, "prompt", "prompt")
+        prompts.append(ids)
+    return _finish(served, model, tokenizer, prompts, params, body, tenant)
+
+
+async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
+                      add_special_tokens: bool = False) -> list[int]:
+    messages = body.template_messages()
+    text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+    await _check_template_uses(tokenizer, body, messages, text)
+    # The template already placed BOS and friends; adding them again would double them (as in vLLM).
+    return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# Distinct message fields besides role and content one request may carry: each costs a render below.
+MAX_MESSAGE_FIELDS = 8
+
+
+async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
+                               text: str) -> None:
+    """The model's chat template decides which message fields (name, tool_call_id, ...) and which
+    chat_template_kwargs it renders. One it ignores would be accepted and ignored: a 400 naming it, found by
+    rendering again without it (only when a request carries such fields, which most do not)."""
+    if body.chat_template_kwargs and \
+            await tokenizer.render_chat(messages, body.add_generation_prompt, None) == text:
+        raise bad_request("chat_template_kwargs have no effect on this model's chat template", "chat_template_kwargs")
+    extra = sorted({k for m in messages for k in m} - {"role", "content"})
+    if len(extra) > MAX_MESSAGE_FIELDS:
+        raise bad_request(f"messages use {len(extra)} distinct fields besides role and content; at most "
+                          f"{MAX_MESSAGE_FIELDS} are accepted", "messages")
+    for key in extra:
+        without = [{k: v for k, v in m.items() if k != key} for m in messages]
+        if await tokenizer.render_chat(without, body.add_generation_prompt, body.chat_template_kwargs) == text:
+            first = next(i for i, m in enumerate(messages) if key in m)
+            raise bad_request(f"messages.{first}.{key} has no effect on this model's chat template",
+                              f"messages.{first}.{key}")
+
+
+async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+    body.check_stream_options()
+    body.template_messages()  # role and emptiness errors before any model lookup
+    served, model = await resolve_served(app, body.model, tenant.may_use)
+    model = await require_capacity(app, model, served)
+    tokenizer = await app[TOKENIZERS].get(model)
+    ids = await render_chat(tokenizer, body)
+    if not ids:
+        raise bad_request("messages rendered to an empty prompt", "messages")
+    check_length(len(ids), None, model, "messages", "messages")
+    # The tokenizer may know more ids than the model embeds (a mismatched deployment): refuse here,
+    # not as a worker error after queueing
+    check_token_ids(ids, model, "messages")
+    apply_defaults(body, model, app[CONFIG])
+    remaining = model.max_model_len - len(ids)
+    if body.max_tokens is None and body.max_completion_tokens is None:
+        body.max_tokens = default_chat_max_tokens(model, app[CONFIG], remaining)
+    params = body.sampling_params(remaining_context=remaining)
+    check_length(len(ids), params.max_tokens, model, "messages", "messages")
+    return _finish(served, model, tokenizer, [ids], params, body, tenant)

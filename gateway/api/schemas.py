@@ -1,0 +1,235 @@
+"""Request bodies, with OpenAI's field names plus vLLM's sampling extras.
+
+Every field a request may set either takes effect or is refused (tests/e2e/test_request_fields.py): an
+unknown field is a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied"), since a
+misspelt ``temprature`` accepted and ignored hands the client something else than it asked for. Fields
+OpenAI or vLLM define and kvrelay does not implement (UNSUPPORTED_FIELDS) are a 400 unless they ask for
+nothing (``tools: []``, what some clients always send).
+"""
+
+import logging
+import re
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+
+from kvrelay.gateway.bodies import validate
+from kvrelay.gateway.errors import bad_request
+from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+
+log = logging.getLogger("kvrelay.gateway")
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
+MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key; ten digits cover any vocabulary
+T = TypeVar("T", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1; a client sending max_tokens=true has a bug worth a 400
+        if isinstance(value, bool):
+            annotation = str(cls.model_fields[info.field_name].annotation).lower()
+            if "bool" not in annotation and ("int" in annotation or "float" in annotation):
+                raise ValueError("must be a number, not a boolean")
+        return value
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# Fields of OpenAI's or vLLM's request that kvrelay does not implement, each with the values that ask for
+# nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
+# client something else than it asked for, so it is a 400 naming the field, as is a name no API defines.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+}
+
+
+class _SamplingRequest(_Body):
+    model: str | None = None  # None: the only registered model
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    priority: int = Field(default=0, ge=-INT64, lt=INT64)
+    cache_salt: str | None = Field(default=None, max_length=256)
+    # OpenAI's: token id (a string, as JSON keys are) -> bias; limits in SamplingParams, ids checked
+    # against the model's vocabulary in prompts.py
+    logit_bias: dict[str, Any] | None = None  # values checked in _logit_bias: pydantic's float takes true
+
+    def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            noop = UNSUPPORTED_FIELDS.get(name)
+            # true == 1 in Python: a bool only matches a bool
+            if noop is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                            for v in noop):
+                raise bad_request(f"{name} is not supported by this server", name)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:  # before parsing every key of a huge map
+            raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                              "logit_bias")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            # the key is the token id in decimal, as OpenAI documents; int() would also take " 7", "+7", "7_0"
+            if not _TOKEN_ID.fullmatch(key):
+                raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise bad_request(f"logit_bias values must be numbers, got {value!r} for token {key}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams' own validation names the offending field; that becomes the 400's param."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
+        logit_bias = self._logit_bias()
+        try:
+            return SamplingParams(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, seed=self.seed,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                logit_bias=logit_bias,
+            )
+        except ValueError as exc:
+            message = str(exc)
+            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        # OpenAI's and vLLM's completions default: 16 tokens.
+        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str | None:
+        """Content as one string; text parts joined by newlines, as vLLM does."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content part type {part.type!r} is not supported (text only)",
+                                  f"messages.{index}.content.{j}.type")
+            pieces.append(part.text)
+        return "\n".join(pieces)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, remaining_context: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        # Chat default (vLLM): whatever context the prompt leaves.
+        return self._sampling(remaining_context if requested is None else requested, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template; role and emptiness checked."""
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        out = []
+        for i, message in enumerate(self.messages):
+            if message.role not in CHAT_ROLES:
+                raise bad_request(f"unknown role {message.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                                  f"messages.{i}.role")
+            entry: dict[str, Any] = dict(message.model_extra or {})
+            entry.update(role=message.role, content=message.text(i))
+            if message.name is not None:
+                entry["name"] = message.name
+            out.append(entry)
+        return out
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def parse(model_cls: type[T], body: Any) -> T:
+    """``validate``, then every field outside the schema refused: an unsupported one asking for something
+    (``check_unsupported``) or any name no API defines."""
+    parsed = validate(model_cls, body)
+    if isinstance(parsed, _SamplingRequest):
+        parsed.check_unsupported()
+    for name in sorted(parsed.model_extra or {}):
+        if not (isinstance(parsed, _SamplingRequest) and name in UNSUPPORTED_FIELDS):  # those: checked above
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+    return parsed

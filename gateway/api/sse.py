@@ -1,0 +1,60 @@
+"""Server-sent events the way OpenAI streams them: ``data: {json}\\n\\n`` per chunk, ``data: [DONE]`` last,
+and a failure mid-stream as ``data: {"error": {...}}`` (the SDKs raise on it) followed by ``[DONE]``."""
+
+import json
+from collections.abc import AsyncIterable, Callable, Iterable
+
+from aiohttp import web
+
+from kvrelay.gateway.errors import APIError, ClientGone
+from kvrelay.gateway.metrics import STREAM_COMPLETE
+
+
+def dumps(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream; charset=utf-8",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",  # nginx must pass chunks through, not buffer the stream
+    })
+    await response.prepare(request)
+    return response
+
+
+async def send(response: web.StreamResponse, obj: object) -> None:
+    await response.write(f"data: {dumps(obj)}\n\n".encode())
+
+
+async def send_error(response: web.StreamResponse, error: APIError) -> None:
+    await send(response, error.body())
+
+
+async def send_done(response: web.StreamResponse) -> None:
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+async def stream(request: web.Request, deltas: AsyncIterable, head: Iterable[dict],
+                 chunks: Callable[[object], Iterable[dict]], tail: Callable[[], Iterable[dict]]) -> web.StreamResponse:
+    """Write ``head``, then ``chunks(delta)`` per delta, then ``tail()``; an APIError raised by the
+    deltas becomes an error event. A client that went away just ends the stream (the caller aborts)."""
+    response = await open_stream(request)
+    try:
+        try:
+            for obj in head:
+                await send(response, obj)
+            async for delta in deltas:
+                for obj in chunks(delta):
+                    await send(response, obj)
+            for obj in tail():
+                await send(response, obj)
+        except APIError as exc:
+            await send_error(response, exc)
+        await send_done(response)
+        request[STREAM_COMPLETE] = response.status
+    except (ClientGone, ConnectionResetError):
+        pass
+    return response

@@ -1,0 +1,100 @@
+"""Request bodies as every room reads them: the raw body to JSON (``read_json``) and JSON to a pydantic
+model (``validate``), each problem a 400 in OpenAI's shape naming the field."""
+
+import json
+import re
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from kvrelay.gateway.errors import bad_request
+
+T = TypeVar("T", bound=BaseModel)
+
+
+# Pydantic names union branches in error locations ("prompt.str", "prompt.list[int].1"); a client wants
+# the field and what it accepts instead.
+_BRANCH = re.compile(r"^(str|int|float|bool|none|dict\[.*\]|list\[.*\]|[A-Z]\w*)$")
+_ACCEPTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+def _validation_error(exc: ValidationError) -> Exception:
+    first = exc.errors()[0]
+    path: list[str] = []
+    union = False
+    for part in first["loc"]:
+        if isinstance(part, str) and _BRANCH.match(part):
+            union = True
+            break
+        path.append(str(part))
+    loc = ".".join(path)
+    if union and path and path[-1] in _ACCEPTS:
+        message = f"{loc} must be {_ACCEPTS[path[-1]]}"
+    else:
+        message = f"{loc}: {first['msg']}" if loc else first["msg"]
+    return bad_request(message, param=loc or None)
+
+
+def validate(model_cls: type[T], body: Any) -> T:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    # OpenAI's fields are "number or null" and friends, null meaning "the default": the openai SDK sends a
+    # None it is given as null. Dropped, the field is unset, so the model's generation_config still applies.
+    body = {k: v for k, v in body.items() if v is not None or k not in model_cls.model_fields}
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _reject_constant(name: str) -> None:
+    # Python's json accepts NaN and Infinity; JSON does not, and a NaN temperature slips past range checks.
+    raise bad_request(f"request body is not valid JSON: {name} is not a JSON value")
+
+
+# A \uD800-\uDFFF escape: JSON lets a string hold a lone surrogate, which no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON; 413 past max_body_size (aiohttp's client_max_size), 400 for bad UTF-8 or JSON."""
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:  # [[[[...]]]]: nesting deeper than Python's parser goes
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer literal past Python's digit limit
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    try:
+        lone = _SURROGATE_ESCAPE.search(text) is not None and _has_lone_surrogate(body)
+    except RecursionError:
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    if lone:
+        raise bad_request("request body is not valid JSON: a string holds an unpaired UTF-16 surrogate")
+    return body

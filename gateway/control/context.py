@@ -1,0 +1,27 @@
+"""The control room on the app: its cleanup context puts the view of what workers published, the model
+registry, placement, the router (its policy built once from the config) and, with ``--model-repo``, the
+model repository under their keys. The reconciler has a context of its own (``reconciler.py``): it
+must stop before the background tasks it spawns are drained."""
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from kvrelay.gateway.control.model_admin import MODEL_REPO
+from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, ModelRegistry
+from kvrelay.gateway.control.placement import PLACEMENT, Placement
+from kvrelay.gateway.control.routing import ROUTER, Policy, Router
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, WorkerRegistry
+from kvrelay.gateway.state import CONFIG, REDIS
+from kvrelay.shared.repo.model_repo import ModelRepository
+
+
+async def control_ctx(app: web.Application) -> AsyncIterator[None]:
+    client, config = app[REDIS], app[CONFIG]
+    registry = app[WORKER_REGISTRY] = WorkerRegistry(client, config.registry_cache_s)
+    app[MODEL_REGISTRY] = ModelRegistry(client, config.registry_cache_s)
+    app[PLACEMENT] = Placement(client, registry)
+    app[ROUTER] = Router(Policy(config.prefix_affinity, config.affinity_slack, config.affinity_prefix_tokens))
+    if config.model_repo:
+        app[MODEL_REPO] = ModelRepository(config.model_repo)
+    yield

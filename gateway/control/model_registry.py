@@ -1,0 +1,110 @@
+"""The registered models (``ModelSpec``, the desired state in Redis) and how a client's model name
+becomes the instance that serves it.
+
+Two kinds of model answer to a client's name:
+  * registered (admin API, ``kvrelay serve --config``): ``spec.version`` picks the instance
+    ("name@3"); during a swap the spec flips only once the new version is ready, so new requests go
+    to it while the old instance drains what it already holds;
+  * published directly by a worker started with ``--model`` (version 0, never registered): the
+    instance is the name itself, exactly as before the registry existed.
+A registered name wins over a direct one of the same name. Clients only ever see the name.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+import redis.asyncio
+from aiohttp import web
+
+from kvrelay.gateway.control.worker_registry import read_indexed
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+def is_direct(info: ModelInfo) -> bool:
+    """A model a worker was given by path (not a repository version): addressable by its own name."""
+    return info.version == 0 and "@" not in info.name
+
+
+def served_name(info: ModelInfo) -> str:
+    return info.served_name or info.name
+
+
+class SpecConflict(Exception):
+    """The spec changed under a read-modify-write; the caller retries or gives up."""
+
+
+class ModelRegistry:
+    def __init__(self, client: redis.asyncio.Redis, cache_s: float):
+        self._redis = client
+        self._cache_s = cache_s
+        self._specs: tuple[float, dict[str, ModelSpec]] | None = None
+
+    def invalidate(self) -> None:
+        self._specs = None
+
+    async def specs(self, fresh: bool = False) -> dict[str, ModelSpec]:
+        # Cached like the worker view: one request burst costs one round trip. Swaps wait out this
+        # cache before draining the old version (placement.py), so a stale read still finds it serving.
+        if not fresh and self._specs is not None and time.monotonic() - self._specs[0] < self._cache_s:
+            return self._specs[1]
+        specs = await read_indexed(self._redis, keys.REGISTRY_INDEX, keys.registry_key, ModelSpec)
+        self._specs = (time.monotonic(), specs)
+        return specs
+
+    async def spec(self, name: str) -> ModelSpec | None:
+        """Always from Redis: admin operations act on the current state, not a cached one."""
+        data = await self._redis.get(keys.registry_key(name))
+        return None if data is None else decode(data, ModelSpec)
+
+    async def put(self, spec: ModelSpec) -> None:
+        spec.updated = time.time()
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(keys.registry_key(spec.name), encode(spec))
+        pipe.sadd(keys.REGISTRY_INDEX, spec.name)
+        await pipe.execute()
+        self.invalidate()
+
+    async def update(self, name: str, change: Callable[[ModelSpec], ModelSpec | None]) -> ModelSpec | None:
+        """Apply ``change`` to the stored spec atomically (WATCH/MULTI); ``change`` returning None
+        leaves it as it is. Returns the spec written, or None when absent or unchanged. Raises
+        SpecConflict when another writer got in between."""
+        key = keys.registry_key(name)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                data = await pipe.get(key)
+                if data is None:
+                    return None
+                new = change(decode(data, ModelSpec))
+                if new is None:
+                    return None
+                new.updated = time.time()
+                pipe.multi()
+                pipe.set(key, encode(new))
+                await pipe.execute()
+            except redis.WatchError:
+                raise SpecConflict(f"model {name!r} changed concurrently; retry") from None
+        self.invalidate()
+        return new
+
+    async def delete(self, name: str) -> bool:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(keys.registry_key(name))
+        pipe.srem(keys.REGISTRY_INDEX, name)
+        deleted, _ = await pipe.execute()
+        self.invalidate()
+        return bool(deleted)
+
+    async def served_names(self, models: dict[str, ModelInfo]) -> list[str]:
+        """What clients may ask for: registered names plus directly published models."""
+        names = set(await self.specs()) | {m.name for m in models.values() if is_direct(m)}
+        return sorted(names)
+
+
+MODEL_REGISTRY = web.AppKey("model_registry", ModelRegistry)

@@ -1,0 +1,102 @@
+"""Moves the pool toward the registry's desired state, in the background, one gateway at a time.
+
+Every ``reconcile_interval_s`` the gateway that wins a short Redis lock:
+  * loads pinned models and those with ``min_replicas`` > 0 wherever they are missing (after a worker
+    restart, a registration whose first load failed, ...);
+  * clears a finished swap's ``previous_version`` once no worker holds the old instance any more.
+Overlapping runs (a lock that lapsed during a long load) are harmless: the loads themselves take the
+per-instance load lock (placement.py).
+"""
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import redis
+import redis.asyncio
+from aiohttp import web
+
+from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, ModelRegistry, SpecConflict
+from kvrelay.gateway.control.placement import PLACEMENT, LoadError, Placement, instance_state
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, WorkerRegistry
+from kvrelay.gateway.state import CONFIG, REDIS
+from kvrelay.gateway.tasks import cancel_and_wait
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.protocol import ModelSpec, instance_key
+
+log = logging.getLogger("kvrelay.gateway")
+
+RECONCILE_LOCK = keys.RECONCILE_LOCK
+
+
+class Reconciler:
+    def __init__(self, client: redis.asyncio.Redis, models: ModelRegistry, placement: Placement,
+                 registry: WorkerRegistry, interval_s: float, load_timeout: float):
+        self._redis = client
+        self._models = models
+        self._placement = placement
+        self._registry = registry
+        self._interval_s = interval_s
+        self._load_timeout = load_timeout
+
+    async def run_once(self) -> bool:
+        """One pass if this gateway wins the lock; public so tests can step it. True if it ran."""
+        token = uuid.uuid4().hex
+        if not await self._redis.set(RECONCILE_LOCK, token, nx=True, ex=int(self._interval_s * 2) + 1):
+            return False
+        try:
+            for spec in (await self._models.specs(fresh=True)).values():
+                await self._reconcile(spec)
+        finally:
+            if await self._redis.get(RECONCILE_LOCK) == token.encode():
+                await self._redis.delete(RECONCILE_LOCK)
+        return True
+
+    async def _reconcile(self, spec: ModelSpec) -> None:
+        if spec.pinned or spec.min_replicas > 0:
+            try:
+                await self._placement.ensure_loaded(spec, self._load_timeout, replicas=max(1, spec.min_replicas))
+            except LoadError as exc:
+                log.warning("cannot keep %s loaded: %s", spec.instance, exc)
+        if spec.previous_version:
+            old = instance_key(spec.name, spec.previous_version)
+            if any(instance_state(w, old) is not None for w in await self._registry.workers(fresh=True)):
+                return  # still draining somewhere
+
+            def clear(current: ModelSpec) -> ModelSpec | None:
+                if current.previous_version != spec.previous_version:
+                    return None
+                return dataclasses.replace(current, previous_version=0)
+
+            try:
+                if await self._models.update(spec.name, clear) is not None:
+                    log.info("%s: version %d drained everywhere", spec.name, spec.previous_version)
+            except SpecConflict:
+                pass  # changed meanwhile; the next pass looks again
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except (redis.RedisError, OSError) as exc:
+                log.warning("reconcile pass skipped: %s", exc)
+            except Exception:
+                log.exception("reconcile pass failed")
+            await asyncio.sleep(self._interval_s)
+
+
+RECONCILER = web.AppKey("reconciler", Reconciler)
+
+
+async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    reconciler = app[RECONCILER] = Reconciler(app[REDIS], app[MODEL_REGISTRY], app[PLACEMENT], app[WORKER_REGISTRY],
+                                              config.reconcile_interval_s, config.model_load_timeout)
+    task = None
+    if config.reconcile_interval_s > 0:
+        task = asyncio.get_running_loop().create_task(reconciler.run(), name="kvrelay-reconciler")
+    yield
+    if task is not None:
+        await cancel_and_wait(task)

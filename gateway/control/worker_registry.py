@@ -1,0 +1,101 @@
+"""The gateway's read-only view of what workers published in Redis: models and live workers.
+
+Views are cached for ``registry_cache_s`` so a burst of requests costs one Redis round trip, not one
+each; registration changes show up within that delay. Whoever waits for a change it caused (a model
+load) reads with ``fresh=True``. Model names here are instance keys ("name@3"); the client-facing
+names live in ``model_registry.py``.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio
+from aiohttp import web
+
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+@dataclass
+class Capacity:
+    """How many live workers can take each half of a request for one model."""
+
+    prefill: int
+    decode: int
+
+    @property
+    def servable(self) -> bool:
+        return self.prefill > 0 and self.decode > 0
+
+
+async def read_indexed(client: redis.asyncio.Redis, index: str, key_of, cls) -> dict:
+    """Every record named in the set ``index`` (one SMEMBERS, one MGET), decoded as ``cls``; missing
+    records are skipped, malformed ones logged and skipped."""
+    names = sorted(n.decode() for n in await client.smembers(index))
+    raw = await client.mget([key_of(n) for n in names]) if names else []
+    out = {}
+    for name, data in zip(names, raw, strict=True):
+        if data is None:
+            continue
+        try:
+            out[name] = decode(data, cls)
+        except ValueError as exc:
+            log.warning("ignoring malformed %s for %r: %s", cls.__name__, name, exc)
+    return out
+
+
+class WorkerRegistry:
+    def __init__(self, client: redis.asyncio.Redis, cache_s: float):
+        self._redis = client
+        self._cache_s = cache_s
+        self._models: tuple[float, dict[str, ModelInfo]] | None = None
+        self._workers: tuple[float, list[WorkerInfo]] | None = None
+
+    def _fresh(self, entry: tuple[float, object] | None) -> bool:
+        return entry is not None and time.monotonic() - entry[0] < self._cache_s
+
+    def invalidate(self) -> None:
+        self._models = self._workers = None
+
+    async def models(self, fresh: bool = False) -> dict[str, ModelInfo]:
+        if not fresh and self._fresh(self._models):
+            return self._models[1]
+        # indexed but unpublished (or deleted): not servable
+        models = await read_indexed(self._redis, keys.MODELS_INDEX, keys.model_key, ModelInfo)
+        self._models = (time.monotonic(), models)
+        return models
+
+    async def model(self, name: str, fresh: bool = False) -> ModelInfo | None:
+        return (await self.models(fresh)).get(name)
+
+    async def workers(self, fresh: bool = False) -> list[WorkerInfo]:
+        """Workers whose heartbeat record has not expired (nor gone stale, should its TTL be missing)."""
+        if not fresh and self._fresh(self._workers):
+            return self._workers[1]
+        ids = sorted(w.decode() for w in await self._redis.smembers(keys.WORKERS_INDEX))
+        raw = await self._redis.mget([keys.worker_key(w) for w in ids]) if ids else []
+        now = time.time()
+        workers = []
+        for worker_id, data in zip(ids, raw, strict=True):
+            if data is None:
+                continue
+            try:
+                info = decode(data, WorkerInfo)
+            except ValueError as exc:
+                log.warning("ignoring malformed WorkerInfo for %r: %s", worker_id, exc)
+                continue
+            if now - info.heartbeat <= keys.HEARTBEAT_TTL_S:
+                workers.append(info)
+        self._workers = (time.monotonic(), workers)
+        return workers
+
+    async def capacity(self, model: str, fresh: bool = False) -> Capacity:
+        serving = [w for w in await self.workers(fresh) if model in w.models]
+        return Capacity(prefill=sum(w.can_prefill for w in serving), decode=sum(w.can_decode for w in serving))
+
+
+WORKER_REGISTRY = web.AppKey("worker_registry", WorkerRegistry)

@@ -1,0 +1,74 @@
+"""What orchestrators and scrapers ask, open to them without a tenant key and answered while draining:
+``GET /health`` (liveness), ``GET /ready`` (can requests be served) and ``GET /metrics`` (the gateway's
+Prometheus registry, with the queue gauges renewed from Redis first)."""
+
+import logging
+
+import redis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS
+from kvrelay.gateway.control.served import Served, served
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
+from kvrelay.gateway.drain import DRAIN
+from kvrelay.gateway.state import CONFIG, METRICS, REDIS
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness only: the process answers. Dependencies belong to /ready, or a Redis blip would restart
+    every gateway at once."""
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Ready when Redis answers, every model this deployment was started with (``startup_models``,
+    ``lazy_models``) is known, and every model that needs live workers (``served``) has a live
+    prefill-capable and a live decode-capable worker: a request sent the moment this says 200 is
+    served. Before any worker registers, a deployment started with a model is not ready; nor while the
+    tokenizers of a model with live workers still load. The body says which part is missing."""
+    retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
+    config = request.app[CONFIG]
+    if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
+        return web.json_response({"status": "draining"}, status=503, headers=retry)
+    try:
+        await request.app[REDIS].ping()
+        view = await served(request.app)
+    except redis.RedisError as exc:
+        log.warning("not ready: redis unreachable: %s", exc)
+        return web.json_response({"status": "unavailable", "redis": False, "models": {}}, status=503,
+                                 headers=retry)
+    missing = {name: {"prefill_workers": 0, "decode_workers": 0}
+               for name in [*config.startup_models, *config.lazy_models] if name not in view.known}
+    body = {"status": "ready", "redis": True,
+            "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
+                          for name, c in view.capacity.items()}, **missing}}
+    if not missing and all(c.servable for c in view.capacity.values()):
+        # The first request must not pay the tokenizer load (seconds for a large vocabulary): each model
+        # with live workers has its tokenizers loaded before this gateway says ready.
+        loading = sorted(name for name in view.capacity if not _tokenizer_ready(request.app, view, name))
+        if not loading:
+            return web.json_response(body)
+        body["tokenizers_loading"] = loading
+    body["status"] = "unavailable"
+    return web.json_response(body, status=503, headers=retry)
+
+
+def _tokenizer_ready(app: web.Application, view: Served, name: str) -> bool:
+    spec = view.specs.get(name)
+    info = view.models.get(spec.instance if spec else name)
+    return info is None or app[TOKENIZERS].prefetch(info)
+
+
+async def scrape(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS]
+    try:
+        models = sorted(await request.app[WORKER_REGISTRY].models())
+        await metrics.queues.refresh(request.app[REDIS], models)
+    except redis.RedisError as exc:
+        # The gateway's own counters are still worth a scrape; the queue gauges are left out, not shown stale.
+        log.warning("queue metrics unavailable: %s", exc)
+        metrics.queues.snapshot = {}
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
