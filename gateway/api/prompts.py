@@ -5,6 +5,7 @@ tokenizer may live only where the workers are; a registered model no worker hold
 the request waiting), then everything that needs the tokenizer (400).
 """
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -116,11 +117,15 @@ async def _on_the_served_version(app: web.Application, parse_body: Callable[[], 
 
 async def _prepare_completion(app: web.Application, body: CompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
-    body.sampling_params()  # what the body alone gets wrong is a 400 before any model lookup
+    params = body.sampling_params()  # what the body alone gets wrong is a 400 before any model lookup
     served, model = await resolve_served(app, body.model, tenant.may_use)
     model = await require_capacity(app, model, served)
-    apply_defaults(body, model, app[CONFIG])
-    params = body.sampling_params()
+    applied = apply_defaults(body, model, app[CONFIG])
+    if applied:  # the model's own defaults for what the request left out
+        try:
+            params = dataclasses.replace(params, **applied)
+        except ValueError as exc:  # a default out of range (generation_config.json): named like the body's
+            raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
     tokenizer = await app[TOKENIZERS].get(model)
     raw = body.prompt
     if isinstance(raw, str):
@@ -140,9 +145,11 @@ async def _prepare_completion(app: web.Application, body: CompletionRequest, ten
     return _finish(served, model, tokenizer, prompts, params, body, tenant)
 
 
-async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest,
-                      add_special_tokens: bool = False) -> list[int]:
-    messages = body.template_messages()
+async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, add_special_tokens: bool = False,
+                      messages: list[dict] | None = None) -> list[int]:
+    """``messages``: the body's ``template_messages()`` when the caller has them already."""
+    if messages is None:
+        messages = body.template_messages()
     text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
     await _check_template_uses(tokenizer, body, messages, text)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
@@ -175,11 +182,11 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
 
 async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
-    body.template_messages()  # role and emptiness errors before any model lookup
+    messages = body.template_messages()  # role and emptiness errors before any model lookup
     served, model = await resolve_served(app, body.model, tenant.may_use)
     model = await require_capacity(app, model, served)
     tokenizer = await app[TOKENIZERS].get(model)
-    ids = await render_chat(tokenizer, body)
+    ids = await render_chat(tokenizer, body, messages=messages)
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     check_length(len(ids), None, model, "messages", "messages")

@@ -45,12 +45,17 @@ def model_defaults(model: ModelInfo, config: GatewayConfig) -> dict[str, Any]:
     return generation_defaults(model.path) if config.generation_config == "auto" and model.path else {}
 
 
-def apply_defaults(body: CompletionRequest | ChatCompletionRequest, model: ModelInfo, config: GatewayConfig) -> None:
+def apply_defaults(body: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
+                   config: GatewayConfig) -> dict[str, float | int]:
     """Sets, on the request itself, each sampling field it left out and the model has a default for (so
-    the response cache and everything downstream see the values used)."""
+    the response cache and everything downstream see the values used); returns those fields, whose names
+    are SamplingParams' too."""
+    applied = {}
     for field, value in model_defaults(model, config).items():
         if field != "max_tokens" and field not in body.model_fields_set:
             setattr(body, field, value)
+            applied[field] = value
+    return applied
 
 
 def default_chat_max_tokens(model: ModelInfo, config: GatewayConfig, remaining_context: int) -> int:
