@@ -1,5 +1,5 @@
 """The layers import downwards only, so a reader following a request opens one file per hop and never
-climbs back up: wire and text at the bottom, then config, engine, repo, handoff, the worker runtime, the
+climbs back up: wire and text at the bottom, then config, repo, engine, handoff, the worker runtime, the
 roles and the gateway, and the CLI on top. Benchmarks and tests never import each other."""
 
 import ast
@@ -16,8 +16,8 @@ ALLOWED = {
     "shared.wire": set(),
     "shared.text": {"shared.wire"},
     "shared.config": {"shared.wire"},
-    "shared.engine": {"kernels", "shared.wire", "shared.text", "shared.config"},
-    "shared.repo": {"shared.wire", "shared.config", "shared.engine"},
+    "shared.repo": {"shared.wire", "shared.text", "shared.config"},
+    "shared.engine": {"kernels", "shared.wire", "shared.text", "shared.config", "shared.repo"},
     "shared.handoff": {"kernels", "shared.wire", "shared.config", "shared.engine"},
     "shared.worker": SHARED - {"shared.worker"},
     "prefill_worker": SHARED,
