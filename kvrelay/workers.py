@@ -22,7 +22,7 @@ def run_worker(config: WorkerConfig) -> int:
     elif config.role == "decode":
         from kvrelay.decode_worker.worker import DecodeWorker as cls
     else:
-        from kvrelay.prefill_worker.unified import UnifiedWorker as cls
+        from kvrelay.unified_worker.worker import UnifiedWorker as cls
     cls(config).run()
     return 0
 

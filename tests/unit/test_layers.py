@@ -7,8 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"kvrelay": "kvrelay", "gateway": "kvrelay.gateway", "prefill_worker": "kvrelay.prefill_worker",
-           "decode_worker": "kvrelay.decode_worker", "kernels": "kvrelay.kernels", "shared": "kvrelay.shared",
-           "bench": "kvrelay.bench"}
+           "decode_worker": "kvrelay.decode_worker", "unified_worker": "kvrelay.unified_worker",
+           "kernels": "kvrelay.kernels", "shared": "kvrelay.shared", "bench": "kvrelay.bench"}
 SHARED = {"shared.wire", "shared.text", "shared.config", "shared.engine", "shared.repo", "shared.handoff",
           "shared.worker"}
 ALLOWED = {
@@ -22,9 +22,10 @@ ALLOWED = {
     "shared.worker": SHARED - {"shared.worker"},
     "prefill_worker": SHARED,
     "decode_worker": SHARED,
+    "unified_worker": SHARED,
     "gateway": {"shared.wire", "shared.text", "shared.config", "shared.repo"},
-    "kvrelay": SHARED | {"gateway", "prefill_worker", "decode_worker", "bench"},
-    "bench": SHARED | {"kernels", "kvrelay", "gateway", "prefill_worker", "decode_worker"},
+    "kvrelay": SHARED | {"gateway", "prefill_worker", "decode_worker", "unified_worker", "bench"},
+    "bench": SHARED | {"kernels", "kvrelay", "gateway", "prefill_worker", "decode_worker", "unified_worker"},
 }
 
 
