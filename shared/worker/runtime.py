@@ -99,7 +99,10 @@ class WorkerRuntime:
         self.registration.register_models()
         self.registration.heartbeat()
         loops: dict[str, Callable[[threading.Event], None]] = {
-            "heartbeat": self.registration.run, "abort listener": self.aborts.run, "gateway watch": self.gateways.run}
+            "heartbeat": self.registration.run,
+            "abort listener": self.aborts.run,
+            "gateway watch": self.gateways.run,
+        }
         if self.config.model_repo:
             loops["control listener"] = lambda stop: self.control.listen(stop, self.host.commands)
         for name, loop in loops.items():
