@@ -26,6 +26,7 @@ import redis
 import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
+from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.handoff import KVHeader
@@ -34,7 +35,8 @@ from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_host import ModelSlot
-from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
+from kvrelay.shared.worker.runtime import WorkerRuntime
+from kvrelay.shared.worker.token_event import token_event
 
 log = logging.getLogger(__name__)
 

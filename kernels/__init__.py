@@ -2,75 +2,56 @@
 CPU kernel on the CPU when there is one (kernels/cpu_attention.py), and the plain-torch reference
 (kernels/reference.py) everywhere else.
 
-A Triton module registers itself with ``register("op_name", fn)``; callers only ever import the
-names below, so kernels drop in without touching the models.
+Triton modules register with ``register("op_name", fn)`` (kernels/registry.py); callers only ever import
+the names below, so kernels drop in without touching the models.
 """
 
 import os
-from collections.abc import Callable
 
 import torch
 
-from kvrelay.kernels import cpu_attention, reference
 from kvrelay.kernels.metadata import AttentionMetadata
-
-_cuda_impls: dict[str, Callable] = {}
-# KVRELAY_KERNELS=reference runs the references on the CPU too (the baseline the CPU kernels are timed against)
-_cpu_impls: dict[str, Callable] = (
-    {} if os.environ.get("KVRELAY_KERNELS", "triton") == "reference"
-    else {"paged_attention": cpu_attention.paged_attention})
-
-
-def register(name: str, fn: Callable) -> None:
-    _cuda_impls[name] = fn
-
-
-def _impl(name: str, x: torch.Tensor) -> Callable:
-    if x.is_cuda and name in _cuda_impls:
-        return _cuda_impls[name]
-    if x.device.type == "cpu" and name in _cpu_impls:
-        return _cpu_impls[name]
-    return getattr(reference, name)
+from kvrelay.kernels.registry import implementation, register
 
 
 def write_kv(k, v, kv_cache, slot_mapping):
-    return _impl("write_kv", k)(k, v, kv_cache, slot_mapping)
+    return implementation("write_kv", k)(k, v, kv_cache, slot_mapping)
 
 
 def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float, alibi_slopes=None, k=None, v=None):
     # k, v (optional): this step's keys/values, already written to kv_cache; a kernel may read them
     # from there instead of through the block table (the reference ignores them)
-    return _impl("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes, k=k, v=v)
+    return implementation("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes, k=k, v=v)
 
 
 def rms_norm(x, weight, eps, residual=None):
-    return _impl("rms_norm", x)(x, weight, eps, residual)
+    return implementation("rms_norm", x)(x, weight, eps, residual)
 
 
 def layer_norm(x, weight, bias, eps):
-    return _impl("layer_norm", x)(x, weight, bias, eps)
+    return implementation("layer_norm", x)(x, weight, bias, eps)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
-    return _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache)
+    return implementation("rotary_embedding", q)(positions, q, k, cos_sin_cache)
 
 
 def rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping):
     # rotary on q and k, then k and v into the paged cache; returns the rotated (q, k). One kernel on GPU
-    return _impl("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    return implementation("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
 
 
 def copy_blocks(src, src_ids, dst, dst_ids, layers):
     # dst[layers][:, :, dst_ids] = src[layers][:, :, src_ids] between two [L, 2, N, bs, Hkv, D] caches
-    return _impl("copy_blocks", src)(src, src_ids, dst, dst_ids, layers)
+    return implementation("copy_blocks", src)(src, src_ids, dst, dst_ids, layers)
 
 
 def silu_mul(x):
-    return _impl("silu_mul", x)(x)
+    return implementation("silu_mul", x)(x)
 
 
 def gelu(x, approximate="tanh"):
-    return _impl("gelu", x)(x, approximate)
+    return implementation("gelu", x)(x, approximate)
 
 
 __all__ = [

@@ -10,8 +10,8 @@ from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_value
 from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.config.flags import Flag, build
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
-from kvrelay.shared.engine.progress import label_process
 from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.text.progress import label_process
 from kvrelay.shared.wire.protocol import ModelSpec
 
 
@@ -22,7 +22,7 @@ def run_worker(config: WorkerConfig) -> int:
     elif config.role == "decode":
         from kvrelay.decode_worker.worker import DecodeWorker as cls
     else:
-        from kvrelay.prefill_worker.unified import UnifiedWorker as cls
+        from kvrelay.unified_worker.worker import UnifiedWorker as cls
     cls(config).run()
     return 0
 

@@ -1,1 +1,1 @@
-"""The prefill role: reads jobs, runs chunked prefill, hands the KV off (or decodes it, unified)."""
+"""The prefill role: reads jobs, runs chunked prefill, hands the KV off to a decode worker."""

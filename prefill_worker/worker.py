@@ -31,12 +31,14 @@ import logging
 import time
 
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
-from kvrelay.prefill_worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
-from kvrelay.prefill_worker.job_queue import replayable
+from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.outputs import EngineCoreOutput
+from kvrelay.shared.wire.job_queue import replayable
 from kvrelay.shared.wire.protocol import TokenEvent
+from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
 from kvrelay.shared.worker.model_host import ModelSlot
-from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
+from kvrelay.shared.worker.runtime import WorkerRuntime
+from kvrelay.shared.worker.token_event import token_event
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Triton implementations of the ops in kernels/__init__.py, one module per kernel.
 
-``register_all()`` installs them into the dispatcher; call it once on a CUDA machine where ``triton``
+``register_all()`` installs them into the dispatcher (kernels/registry.py); call it once on a CUDA machine where ``triton``
 imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
 """
 
-from kvrelay import kernels
+from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
@@ -30,7 +30,7 @@ OPS = {
 
 def register_all() -> None:
     for name, fn in OPS.items():
-        kernels.register(name, fn)
+        register(name, fn)
 
 
 __all__ = [

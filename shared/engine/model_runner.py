@@ -22,12 +22,12 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.models import max_model_len as model_max_len
 from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import Sampler, SampleResult, prompt_logprobs
 from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device
+from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,13 @@ import os
 import shutil
 import struct
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvrelay.shared.config.engine import DTYPE_NAMES
-from kvrelay.shared.engine.progress import progress_bar
+from kvrelay.shared.text.progress import progress_bar
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "auto",
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        _convert(gguf_path, staging, getattr(torch, dtype), progress)
+        _convert(gguf_path, staging, dtype, progress)
         _usual_modes(staging)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
@@ -145,7 +147,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "auto",
     return out_dir
 
 
-def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> None:
+def _convert(gguf_path: Path, out: Path, dtype: str, progress: bool) -> None:
+    # imported here, not above: the gateway imports the repository and must not import torch
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -164,7 +168,8 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
         if gguf_config is not None and "dequantize" in inspect.signature(gguf_config).parameters:
             # newer transformers can keep GGUF blocks packed (not serializable); ask for dense weights
             kwargs["quantization_config"] = gguf_config(gguf_file=gguf_path.name, dequantize=True)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=getattr(torch, dtype),
+                                                     **kwargs)
         _drop_quantizer(model)
         steps.update(1)
 
@@ -195,7 +200,7 @@ def _usual_modes(folder: Path) -> None:
             path.chmod(mode)
 
 
-def _drop_quantizer(model: torch.nn.Module) -> None:
+def _drop_quantizer(model: "torch.nn.Module") -> None:
     # After dequantization the weights are plain tensors, but a leftover quantizer makes
     # save_pretrained refuse ("not serializable") and writes a quantization_config our loader
     # would misread. Refuse instead if anything is still packed.

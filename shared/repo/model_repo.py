@@ -14,35 +14,24 @@ the repository (a shard shared with a sibling version) is allowed. Loading check
 file by its resolved path (``inside``), since a link can be swapped in between.
 """
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from tqdm import tqdm
-
 from kvrelay.shared.config.confined import RepositoryError, inside, joined
+from kvrelay.shared.repo import gguf_import
+from kvrelay.shared.repo.manifest import MANIFEST, ModelVersion
+from kvrelay.shared.repo.model_shape import max_model_len
+from kvrelay.shared.repo.model_source import DEFAULT_MODEL, gguf_cache_dir
+from kvrelay.shared.repo.verified_files import sha256_file
+from kvrelay.shared.text.progress import progress_bar
 
-MANIFEST = "kvrelay-manifest.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 WEIGHT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
-
-
-@dataclass
-class ModelVersion:
-    name: str
-    version: int
-    path: str
-    dtype: str
-    max_model_len: int
-    architecture: str
-    files: dict[str, str]  # file name -> sha256
-    source: str
-    created: float
 
 
 def confined(root: Path, *parts: str) -> Path:
@@ -64,16 +53,6 @@ def _check_name(name: str) -> str:
     if not NAME_RE.match(name):
         raise RepositoryError(f"model name {name!r} must match {NAME_RE.pattern}")
     return name
-
-
-def sha256_file(path: Path, bar: tqdm | None = None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-            if bar is not None:
-                bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 class ModelRepository:
@@ -126,8 +105,6 @@ class ModelRepository:
     def import_model(self, source: str, name: str, version: int | None = None, progress: bool = True,
                      dtype: str = "auto") -> ModelVersion:
         """Copy an HF directory, a GGUF file (converted once), or 'smollm2' into a new version."""
-        from kvrelay.shared.repo.model_source import DEFAULT_MODEL
-
         _check_name(name)
         existing = self.versions(name)
         version = (existing[-1] + 1 if existing else 1) if version is None else int(version)
@@ -138,10 +115,7 @@ class ModelRepository:
         shutil.rmtree(staging, ignore_errors=True)
         try:
             if source == DEFAULT_MODEL or source.endswith(".gguf"):
-                from kvrelay.shared.repo.gguf_import import import_gguf, smollm2_gguf_path
-                from kvrelay.shared.repo.model_source import gguf_cache_dir
-
-                gguf = smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source)
+                gguf = gguf_import.smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source)
                 cached = gguf_cache_dir(gguf)
                 if dtype == "auto" and (cached / "config.json").is_file():
                     # `kvrelay serve` imported this file already: a copy takes seconds, converting it
@@ -149,7 +123,7 @@ class ModelRepository:
                     # second copy of every model imported only into a repository)
                     self._copy_hf_dir(cached, staging, progress)
                 else:
-                    import_gguf(gguf, staging, dtype=dtype, progress=progress)
+                    gguf_import.import_gguf(gguf, staging, dtype=dtype, progress=progress)
             else:
                 self._copy_hf_dir(Path(source), staging, progress)
             manifest = self._manifest(staging, name, version, source, progress)
@@ -162,9 +136,6 @@ class ModelRepository:
 
     @staticmethod
     def _copy_hf_dir(src: Path, dst: Path, progress: bool) -> None:
-        # imported here, not above: the gateway imports this module and must not import the engine
-        from kvrelay.shared.engine.progress import progress_bar
-
         if not (src / "config.json").is_file():
             raise RepositoryError(f"{src} is not an HF model directory (no config.json)")
         # a repository version's manifest describes that version: the new one gets its own
@@ -180,9 +151,6 @@ class ModelRepository:
 
     @staticmethod
     def _manifest(folder: Path, name: str, version: int, source: str, progress: bool) -> ModelVersion:
-        from kvrelay.shared.engine.models import max_model_len
-        from kvrelay.shared.engine.progress import progress_bar
-
         config = json.loads((folder / "config.json").read_text())
         files = sorted(p for p in folder.iterdir() if p.is_file())
         total = sum(p.stat().st_size for p in files)

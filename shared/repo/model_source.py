@@ -11,6 +11,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.shared.repo import gguf_import
+from kvrelay.shared.repo.cache_dir import cache_root
+from kvrelay.shared.repo.manifest import MANIFEST
+from kvrelay.shared.repo.presets import get_preset
+from kvrelay.shared.repo.verified_files import file_digest
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
@@ -24,19 +30,13 @@ class ResolvedModel:
     served_name: str
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("KVRELAY_CACHE", Path.home() / ".cache" / "kvrelay"))
-
-
 def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel:
     model = model or DEFAULT_MODEL
     if model.startswith("dummy:") or load_format == "dummy":
         preset = model.removeprefix("dummy:")
         return ResolvedModel(f"dummy:{preset}", "dummy", f"dummy-{preset}")
     if model == DEFAULT_MODEL:
-        from kvrelay.shared.repo.gguf_import import smollm2_gguf_path
-
-        return ResolvedModel(str(_imported(smollm2_gguf_path())), "auto", DEFAULT_SERVED_NAME)
+        return ResolvedModel(str(_imported(gguf_import.smollm2_gguf_path())), "auto", DEFAULT_SERVED_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(str(_imported(path)), "auto", path.stem)
@@ -52,8 +52,6 @@ def served_name_of(model_dir: Path) -> str:
     """The name a directory is served under: a repository version (``<repo>/<name>/<version>/``, even
     copied elsewhere) is served as the name in its manifest, any other folder named by a number as
     its parent, the rest under their own name. A version number is never a model's name."""
-    from kvrelay.shared.repo.model_repo import MANIFEST
-
     model_dir = Path(os.path.abspath(model_dir))
     if (model_dir / MANIFEST).is_file():
         return json.loads((model_dir / MANIFEST).read_text())["name"]
@@ -66,17 +64,12 @@ def gguf_cache_dir(gguf: Path) -> Path:
     import (the digest is computed once per file version per host: verified_files.py), and by the
     importer's own source, so an upgraded kvrelay whose importer changed imports again instead of serving
     the old output."""
-    from kvrelay.shared.repo import gguf_import
-    from kvrelay.shared.repo.verified_files import file_digest
-
     importer = hashlib.sha256(Path(gguf_import.__file__).read_bytes()).hexdigest()[:8]
     return cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)[:16]}-{importer}"
 
 
 def _imported(gguf: Path) -> Path:
     """GGUF -> safetensors directory, once per file content (``gguf_cache_dir``)."""
-    from kvrelay.shared.repo import gguf_import
-
     out = gguf_cache_dir(gguf)
     if (out / "config.json").is_file():
         return out
@@ -99,8 +92,6 @@ def _imported(gguf: Path) -> Path:
 def dummy_tokenizer_dir(preset: str) -> Path:
     """A synthetic word-level tokenizer (``<t0>`` ... ``<tN>``) with the preset's vocabulary size, so a
     server of random weights speaks the OpenAI API end to end (benchmarks); built once, cached."""
-    from kvrelay.shared.engine.models.presets import get_preset
-
     vocab_size = int(get_preset(preset)["vocab_size"])
     out = cache_root() / "dummy-tokenizers" / str(vocab_size)
     if (out / "tokenizer.json").is_file():

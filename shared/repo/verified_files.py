@@ -18,10 +18,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvrelay.shared.repo.model_repo import RepositoryError, sha256_file
-from kvrelay.shared.repo.model_source import cache_root
+from tqdm import tqdm
+
+from kvrelay.shared.config.confined import RepositoryError
+from kvrelay.shared.repo.cache_dir import cache_root
 
 RACY_NS = 2_000_000_000
+
+
+def sha256_file(path: Path, bar: tqdm | None = None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    return digest.hexdigest()
 
 
 def file_digest(path: Path) -> str:

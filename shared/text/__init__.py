@@ -1,2 +1,2 @@
 """Tokenizer loading and incremental detokenization: what the gateway and the offline engine
-need of text. No torch."""
+need of text, and the labelled progress bars every process writes to the terminal. No torch."""

@@ -1,1 +1,1 @@
-"""The process runtime every worker role shares: hosted models, heartbeats, metrics, events."""
+"""The process runtime every worker role shares: hosted models, job intake, heartbeats, metrics, events."""

@@ -141,7 +141,7 @@ class Lifecycle:
     def sweep(self) -> list[str]:
         """End what must not run another step (see the module's lifecycle). The ids the gateway aborted that
         no record here holds come back (a prefill worker's handoffs may hold them)."""
-        elsewhere = [rid for rid in self.runtime.drain_aborts() if self.abort(rid) is None]
+        elsewhere = [rid for rid in self.runtime.aborts.drain() if self.abort(rid) is None]
         now = time.time()
         for rec in [r for r in self.requests.values() if r.deadline and now > r.deadline]:
             self.abort(rec.request_id, "abort")

@@ -1,4 +1,5 @@
-"""A worker's Prometheus metrics, served on ``--monitoring-port``.
+"""One hosted model's Prometheus metrics, served with the others on ``--monitoring-port``
+(metrics_server.py).
 
 Names and the ``model_name`` label are vLLM's, so dashboards built for vLLM work unchanged; kvrelay's
 own (handoff, tenants, host) are ``kvrelay_*``. The engine reports through ``EngineObserver`` (one call
@@ -16,23 +17,16 @@ Latencies count from the Job's ``arrival`` (the gateway's clock), so they includ
 queue and assume hosts' clocks agree (NTP).
 """
 
-import logging
-import os
-import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
 
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import SchedulerOutput
-
-log = logging.getLogger(__name__)
+from kvrelay.shared.worker.host_stats import HostCollector, nvml_for
 
 # vLLM's buckets, with finer steps below 10 ms for GPU decode and around the 500 ms e2e alert threshold.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -44,7 +38,6 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 2.5,
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 ROLES = ("prefill", "decode", "unified")
-SCRAPE_TIMEOUT_S = 10.0  # a scraper sends its request at once; a slow one must not hold a thread
 
 
 @dataclass
@@ -56,7 +49,7 @@ class WorkerMetrics:
     def __init__(self, core, model_name: str, role: str, worker_id: str, device: str = "cpu",
                  process_collectors: bool = True, tenant_label: Callable[[str], str] = str):
         """One model's metrics. A worker hosting several models makes one per model and serves them all
-        through ``MergedMetrics``; only one of them carries the process and host collectors.
+        through ``MergedMetrics`` (metrics_server.py); only one of them carries the process and host collectors.
         ``tenant_label``: how a tenant is shown (shared/wire/tenant_label.py: a hash unless names are asked for)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -179,59 +172,6 @@ class WorkerMetrics:
             self.handoff_failures.inc()
 
 
-class MergedMetrics:
-    """Serves the registries of every model a worker hosts as one /metrics: families of the same name
-    (one per model, told apart by ``model_name``) are merged, as the exposition format requires.
-    Models come and go with loads and unloads; a scrape sees the ones present at that moment."""
-
-    def __init__(self):
-        self.registries: dict[str, CollectorRegistry] = {}
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
-        self._server = None
-
-    def describe(self):
-        return []  # dynamic: never let registration call collect()
-
-    def collect(self):
-        merged: dict[str, Metric] = {}
-        for registry in list(self.registries.values()):
-            for family in registry.collect():
-                into = merged.get(family.name)
-                if into is None:
-                    into = merged[family.name] = Metric(family.name, family.documentation, family.type,
-                                                        family.unit)
-                into.samples.extend(family.samples)
-        yield from merged.values()
-
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0: ephemeral) from a daemon thread; returns the port."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-        self._server = make_server(host, port, make_wsgi_app(self.registry), server_class,
-                                   handler_class=_ScrapeHandler)
-        threading.Thread(target=self._server.serve_forever, name="kvrelay-metrics", daemon=True).start()
-        port = self._server.server_port
-        log.info("metrics on http://%s:%d/metrics", host, port)
-        return port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-
-class _ScrapeHandler(WSGIRequestHandler):
-    """One scrape: a client that sends partial headers and then nothing (prometheus_client's server waits
-    forever, a thread per connection) is cut after SCRAPE_TIMEOUT_S; no access log per scrape."""
-
-    timeout = SCRAPE_TIMEOUT_S
-
-    def log_message(self, format: str, *args) -> None:
-        pass
-
-
 class _PrefixCacheCollector:
     """The block manager's lifetime prefix-cache counts (tokens), read at scrape time."""
 
@@ -245,66 +185,3 @@ class _PrefixCacheCollector:
             family = CounterMetricFamily(name, doc + " in the prefix cache", labels=["model_name"])
             family.add_metric([self.model], value)
             yield family
-
-
-class HostCollector:
-    """Node load and, when NVML imports and the worker runs on a GPU, that GPU's utilisation and memory.
-    Read at scrape time; an NVML error drops the GPU series from that scrape rather than failing it."""
-
-    def __init__(self, nvml=None, gpus: list[tuple[str, object]] = ()):
-        self.nvml = nvml  # the pynvml module (or a stand-in with its functions)
-        self.gpus = list(gpus) if nvml is not None else []  # (uuid, NVML handle)
-
-    def collect(self):
-        load = os.getloadavg()
-        for minutes, value in zip((1, 5, 15), load, strict=True):
-            yield GaugeMetricFamily(f"kvrelay_node_load{minutes}", f"Host load average over {minutes} min",
-                                    value=value)
-        if not self.gpus:
-            return
-        util = GaugeMetricFamily("kvrelay_gpu_utilization_ratio", "GPU busy fraction (NVML, last sample period)",
-                                 labels=["gpu"])
-        used = GaugeMetricFamily("kvrelay_gpu_memory_used_bytes", "GPU memory in use (NVML)", labels=["gpu"])
-        total = GaugeMetricFamily("kvrelay_gpu_memory_total_bytes", "GPU memory (NVML)", labels=["gpu"])
-        for uuid, handle in self.gpus:
-            try:
-                rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-            except Exception:  # a driver hiccup must not take the whole scrape down
-                log.debug("NVML query failed for %s", uuid, exc_info=True)
-                continue
-            util.add_metric([uuid], rates.gpu / 100.0)
-            used.add_metric([uuid], mem.used)
-            total.add_metric([uuid], mem.total)
-        yield from (util, used, total)
-
-
-def _import_nvml():
-    try:
-        import pynvml  # the nvidia-ml-py package
-
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception:  # not installed, or no driver: GPU metrics are simply absent
-        return None
-
-
-def nvml_for(device: str) -> tuple[object, list[tuple[str, object]]]:
-    """NVML and the handle of the GPU this worker computes on, matched by UUID (CUDA and NVML number
-    devices differently under CUDA_VISIBLE_DEVICES); (None, []) when not on CUDA or without NVML."""
-    if not device.startswith("cuda"):
-        return None, []
-    nvml = _import_nvml()
-    if nvml is None:
-        return None, []
-    import torch
-
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-    try:
-        return nvml, [(uuid, nvml.nvmlDeviceGetHandleByUUID(uuid))]
-    except Exception:
-        log.warning("NVML does not know GPU %s; GPU metrics disabled", uuid, exc_info=True)
-        return None, []

@@ -34,7 +34,7 @@ def estimate_weight_bytes(engine: EngineConfig, root: Path | None = None) -> int
 
 def kv_floor_bytes(engine: EngineConfig, root: Path | None = None) -> int:
     """KV one sequence of the model's max length needs: the floor a co-resident model keeps."""
-    from kvrelay.shared.engine.models import max_model_len
+    from kvrelay.shared.repo.model_shape import max_model_len
 
     cfg = _hf_config(engine, root)
     layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0
@@ -49,7 +49,7 @@ def kv_floor_bytes(engine: EngineConfig, root: Path | None = None) -> int:
 
 def _hf_config(engine: EngineConfig, root: Path | None) -> dict:
     from kvrelay.shared.engine.loader import read_hf_config
-    from kvrelay.shared.engine.models.presets import get_preset
+    from kvrelay.shared.repo.presets import get_preset
 
     if engine.model.model.startswith("dummy:"):
         return get_preset(engine.model.model.removeprefix("dummy:"))

@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow
 def test_a_bug_in_a_worker_thread_ends_the_worker_with_a_non_zero_exit(tiny_model_dir, tmp_path):
     """The heartbeat's own code fails (not Redis): the process must end, not warn every 0.2 s."""
     bug = ("import sys, threading\n"
-           "from kvrelay.shared.worker import runtime\n"
-           "info = runtime.WorkerRuntime._worker_info\n"
+           "from kvrelay.shared.worker import registration\n"
+           "info = registration.Registration._worker_info\n"
            "def broken(self):\n"
-           "    if threading.current_thread().name == '_heartbeat_loop':\n"
+           "    if threading.current_thread().name == 'heartbeat':\n"
            "        raise ZeroDivisionError('a bug in the heartbeat')\n"
            "    return info(self)\n"
-           "runtime.WorkerRuntime._worker_info = broken\n"
+           "registration.Registration._worker_info = broken\n"
            "from kvrelay.cli import main\n"
            "sys.exit(main(sys.argv[1:]))\n")
     with EmbeddedRedis() as url:

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from kvrelay.prefill_worker.job_queue import JobQueue
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.job_queue import JobQueue
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
 from kvrelay.shared.wire.sampling_params import SamplingParams

@@ -4,9 +4,9 @@ handed-back job is taken by a peer's very next reclaim with its delivery count u
 
 import pytest
 
-from kvrelay.prefill_worker.job_queue import JobQueue, replayable
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.job_queue import JobQueue, replayable
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from kvrelay.shared.wire.sampling_params import SamplingParams

@@ -7,13 +7,12 @@ import time
 import pytest
 import zmq
 
-from kvrelay.prefill_worker import job_queue
-from kvrelay.prefill_worker.unified import UnifiedWorker
+from kvrelay.shared.wire import job_queue, zmq_auth
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Job, TokenBatch
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.unified_worker.worker import UnifiedWorker
 
 
 @pytest.fixture()

@@ -97,7 +97,7 @@ def test_serve_help_groups_flags_by_role(capsys):
 
 
 def test_the_drain_timeout_default_is_written_once():
-    sources = [p for d in ("gateway", "shared", "kvrelay", "prefill_worker", "decode_worker")
+    sources = [p for d in ("gateway", "shared", "kvrelay", "prefill_worker", "decode_worker", "unified_worker")
                for p in (ROOT / d).rglob("*.py")]
     holders = [p.relative_to(ROOT) for p in sources
                if re.search(r"drain\w*\s*(:[^=\n]+)?=\s*30", p.read_text(), re.I)

@@ -98,7 +98,7 @@ def exposed_names(text: str) -> set[str]:
 
 
 def worker_names() -> set[str]:
-    from kvrelay.shared.worker.metrics import HostCollector
+    from kvrelay.shared.worker.host_stats import HostCollector
     from tests.unit.test_worker_metrics import Engine, FakeNvml
 
     worker = generate_latest(Engine("unified").metrics.registry).decode()

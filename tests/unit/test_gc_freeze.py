@@ -42,6 +42,6 @@ def test_workers_freeze_and_library_engines_do_not(tmp_path):
 
     args = build_parser().parse_args(["decode-worker", "--model", "dummy:tiny-llama", "--device", "cpu"])
     assert worker_config("decode", args).freeze_gc
-    from kvrelay.shared.worker.runtime import WorkerConfig
+    from kvrelay.shared.config.worker import WorkerConfig
 
     assert WorkerConfig.__dataclass_fields__["freeze_gc"].default is False

@@ -1,5 +1,5 @@
 """The layers import downwards only, so a reader following a request opens one file per hop and never
-climbs back up: wire and text at the bottom, then config, engine, repo, handoff, the worker runtime, the
+climbs back up: wire and text at the bottom, then config, repo, engine, handoff, the worker runtime, the
 roles and the gateway, and the CLI on top. Benchmarks and tests never import each other."""
 
 import ast
@@ -7,8 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"kvrelay": "kvrelay", "gateway": "kvrelay.gateway", "prefill_worker": "kvrelay.prefill_worker",
-           "decode_worker": "kvrelay.decode_worker", "kernels": "kvrelay.kernels", "shared": "kvrelay.shared",
-           "bench": "kvrelay.bench"}
+           "decode_worker": "kvrelay.decode_worker", "unified_worker": "kvrelay.unified_worker",
+           "kernels": "kvrelay.kernels", "shared": "kvrelay.shared", "bench": "kvrelay.bench"}
 SHARED = {"shared.wire", "shared.text", "shared.config", "shared.engine", "shared.repo", "shared.handoff",
           "shared.worker"}
 ALLOWED = {
@@ -16,15 +16,16 @@ ALLOWED = {
     "shared.wire": set(),
     "shared.text": {"shared.wire"},
     "shared.config": {"shared.wire"},
-    "shared.engine": {"kernels", "shared.wire", "shared.text", "shared.config"},
-    "shared.repo": {"shared.wire", "shared.config", "shared.engine"},
+    "shared.repo": {"shared.wire", "shared.text", "shared.config"},
+    "shared.engine": {"kernels", "shared.wire", "shared.text", "shared.config", "shared.repo"},
     "shared.handoff": {"kernels", "shared.wire", "shared.config", "shared.engine"},
     "shared.worker": SHARED - {"shared.worker"},
     "prefill_worker": SHARED,
     "decode_worker": SHARED,
+    "unified_worker": SHARED,
     "gateway": {"shared.wire", "shared.text", "shared.config", "shared.repo"},
-    "kvrelay": SHARED | {"gateway", "prefill_worker", "decode_worker", "bench"},
-    "bench": SHARED | {"kernels", "kvrelay", "gateway", "prefill_worker", "decode_worker"},
+    "kvrelay": SHARED | {"gateway", "prefill_worker", "decode_worker", "unified_worker", "bench"},
+    "bench": SHARED | {"kernels", "kvrelay", "gateway", "prefill_worker", "decode_worker", "unified_worker"},
 }
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"kvrelay": "kvrelay", "gateway": "kvrelay/gateway", "prefill_worker": "kvrelay/prefill_worker",
-           "decode_worker": "kvrelay/decode_worker", "kernels": "kvrelay/kernels", "shared": "kvrelay/shared",
-           "bench": "kvrelay/bench"}
+           "decode_worker": "kvrelay/decode_worker", "unified_worker": "kvrelay/unified_worker",
+           "kernels": "kvrelay/kernels", "shared": "kvrelay/shared", "bench": "kvrelay/bench"}
 
 
 def test_the_wheel_holds_kvrelay_alone_with_every_source_file(tmp_path):

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvrelay.shared.engine import progress
 from kvrelay.shared.engine.loader import iter_safetensors
+from kvrelay.shared.text import progress
 
 
 @pytest.fixture

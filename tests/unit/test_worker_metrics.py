@@ -14,7 +14,9 @@ from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from kvrelay.shared.worker.metrics import HostCollector, MergedMetrics, WorkerMetrics
+from kvrelay.shared.worker.host_stats import HostCollector
+from kvrelay.shared.worker.metrics import WorkerMetrics
+from kvrelay.shared.worker.metrics_server import MergedMetrics
 from tests.unit.test_scheduler import BS, FakeRunner
 
 
@@ -182,8 +184,6 @@ def test_unknown_role_is_refused():
 
 
 def test_merged_metrics_serve_every_hosted_model_in_one_exposition():
-    from kvrelay.shared.worker.metrics import MergedMetrics
-
     merged = MergedMetrics()
     engines = {}
     for name in ("a@1", "b@2"):
@@ -238,9 +238,9 @@ def test_the_scrape_server_cuts_a_client_that_stops_mid_headers(monkeypatch):
 
     import requests
 
-    from kvrelay.shared.worker import metrics as worker_metrics
+    from kvrelay.shared.worker import metrics_server
 
-    monkeypatch.setattr(worker_metrics._ScrapeHandler, "timeout", 1.0)
+    monkeypatch.setattr(metrics_server._ScrapeHandler, "timeout", 1.0)
     served = MergedMetrics()
     served.registries["tiny"] = Engine("unified").metrics.registry
     port = served.serve("127.0.0.1", 0)

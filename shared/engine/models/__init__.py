@@ -46,19 +46,5 @@ def build_model(hf_config: dict, dtype: torch.dtype = torch.float32,
         return get_model_class(hf_config)(hf_config, dtype)
 
 
-def max_model_len(hf_config: dict) -> int:
-    """Longest sequence we can serve exactly: the trained context (ALiBi models name it seq_length,
-    if at all), capped at a sliding attention window since the kernels attend over everything."""
-    trained = 2048
-    for key in ("max_position_embeddings", "n_positions", "seq_length"):
-        if hf_config.get(key):
-            trained = int(hf_config[key])
-            break
-    window = hf_config.get("sliding_window")
-    if window and hf_config.get("use_sliding_window", True):  # Qwen2 names the window but may not use it
-        return min(trained, int(window))
-    return trained
-
-
-__all__ = ["MODEL_REGISTRY", "CausalLM", "build_model", "get_model_class", "max_model_len",
+__all__ = ["MODEL_REGISTRY", "CausalLM", "build_model", "get_model_class",
            "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"]

@@ -1,15 +1,15 @@
 """Jobs in, for the roles that read the model streams (prefill, unified): one JobQueue per hosted
 instance, read up to what the engine has room for, checked, and tracked in the worker's Lifecycle until
 the request leaves, when its entry is ACKed (``release``). What each role then does with the engine's
-output is its own (prefill_worker/worker.py, prefill_worker/unified.py)."""
+output is its own (prefill_worker/worker.py, unified_worker/worker.py)."""
 
 import time
 from collections.abc import Callable
 
-from kvrelay.prefill_worker.job_queue import JobQueue
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.job_queue import JobQueue
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_host import ModelSlot

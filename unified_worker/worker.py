@@ -13,10 +13,12 @@ Several models: one JobQueue and engine per hosted instance, served in turn (as 
 import logging
 import time
 
-from kvrelay.prefill_worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
-from kvrelay.prefill_worker.job_queue import replayable
+from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.wire.job_queue import replayable
+from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
 from kvrelay.shared.worker.model_host import ModelSlot
-from kvrelay.shared.worker.runtime import WorkerConfig, WorkerRuntime, token_event
+from kvrelay.shared.worker.runtime import WorkerRuntime
+from kvrelay.shared.worker.token_event import token_event
 
 log = logging.getLogger(__name__)
 

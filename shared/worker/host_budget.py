@@ -1,0 +1,32 @@
+"""How much memory the models a worker hosts share: one KV pool for all of them and a budget for their
+weights together (shared/worker/model_host.py admits loads against both)."""
+
+import torch
+
+from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.engine.kv_pool import KVPool
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_WEIGHTS_BYTES = 8 << 30
+ACTIVATION_RESERVE = 4 << 30  # CUDA: peak activations of a prefill step, CUDA graphs, allocator slack
+
+
+def host_budget(config: WorkerConfig) -> tuple[KVPool | None, int]:
+    """(the KV pool several models share, the bytes of weights they may hold together).
+
+    One model and no repository: no shared pool (the engine sizes its own KV exactly as a single-model
+    server does) and no budget to enforce. Otherwise the pool is ``--kv-cache-memory`` bytes (CPU
+    default 1 GiB); weights get ``--weights-memory`` (CPU default 8 GiB; CUDA default: what
+    ``--gpu-memory-utilization`` leaves after the pool, less ACTIVATION_RESERVE)."""
+    if not config.multi_model:
+        return None, 0
+    engine = config.engine
+    device = torch.device(engine.device)
+    if device.type == "cuda":
+        usable = int(torch.cuda.get_device_properties(device).total_memory * engine.cache.gpu_memory_utilization)
+        kv = engine.cache.kv_cache_memory or usable // 2
+        weights = config.weights_memory or max(0, usable - kv - ACTIVATION_RESERVE)
+    else:
+        kv = engine.cache.kv_cache_memory or CPU_DEFAULT_KV_BYTES
+        weights = config.weights_memory or CPU_DEFAULT_WEIGHTS_BYTES
+    return KVPool(kv, device), weights

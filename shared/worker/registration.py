@@ -1,0 +1,117 @@
+"""A worker's registration in Redis: its ``WorkerInfo`` under a TTL, refreshed every heartbeat (at once
+when what it advertises changed), and a ``ModelInfo`` per hosted model for gateways to find. The
+heartbeat runs on its own thread and only talks to Redis; it reads the host's models under the host's
+lock. After a Redis restart it registers again, models included, as soon as Redis is back."""
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
+from kvrelay.shared.worker.model_host import ModelHost, ModelSlot
+
+log = logging.getLogger(__name__)
+
+REREGISTER_RETRY_S = 0.2
+
+
+class Registration:
+    def __init__(self, redis_client: redis.Redis, config: WorkerConfig, host: ModelHost,
+                 draining: Callable[[], bool]):
+        """``draining``: whether the worker is draining (it then advertises no room)."""
+        self.redis = redis_client
+        self.config = config
+        self.host = host
+        self.draining = draining
+        self.started = time.time()
+        self.zmq_addr = ""  # set by the role once it binds its socket
+        self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
+        self._beat_now = threading.Event()
+
+    def register_models(self) -> None:
+        """The models the config asks to register, unless registered already (by a peer, or the admin API)."""
+        for spec in self.config.register:
+            if self.redis.set(keys.registry_key(spec.name), encode(spec), nx=True):
+                self.redis.sadd(keys.REGISTRY_INDEX, spec.name)
+
+    def publish_model(self, slot: ModelSlot) -> None:
+        runner = slot.core.runner
+        info = ModelInfo(name=slot.instance, path=self.tokenizer_dirs.get(slot.instance, slot.path),
+                         max_model_len=slot.core.max_model_len, vocab_size=slot.core.vocab_size,
+                         eos_token_ids=slot.eos_ids, block_size=runner.block_size,
+                         dtype=str(runner.dtype).removeprefix("torch."), served_name=slot.name,
+                         version=slot.version)
+        self.redis.set(keys.model_key(info.name), encode(info))
+        self.redis.sadd(keys.MODELS_INDEX, info.name)
+
+    def heartbeat(self) -> None:
+        self._publish_heartbeat(self._worker_info())
+
+    def _worker_info(self) -> WorkerInfo:
+        slots = list(self.host.slots.values())
+        pool = self.host.pool
+        draining = self.draining()
+        # A draining worker advertises no free blocks, so prefill workers pick other decode workers first.
+        free = 0 if draining else sum(s.core.num_free_blocks for s in slots)
+        info = WorkerInfo(worker_id=self.config.worker_id, role=self.config.role,
+                          models=[s.instance for s in slots], zmq_addr=self.zmq_addr, free_blocks=free,
+                          total_blocks=sum(s.core.num_total_blocks for s in slots),
+                          running=sum(s.core.scheduler.num_running for s in slots),
+                          waiting=sum(s.core.scheduler.num_waiting for s in slots), pid=os.getpid(),
+                          host=socket.gethostname(), started=self.started, heartbeat=time.time(),
+                          instances=self.host.status(), weights_budget=self.host.weights_budget,
+                          weights_used=self.host.weights_used,
+                          kv_pool_bytes=pool.nbytes if pool is not None else 0,
+                          kv_free_bytes=0 if pool is None or draining else pool.reclaimable_bytes(),
+                          can_load=bool(self.config.model_repo) and not draining)
+        return info
+
+    def _publish_heartbeat(self, info: WorkerInfo) -> None:
+        pipe = self.redis.pipeline()
+        pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
+        pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
+        pipe.execute()
+
+    def beat_soon(self) -> None:
+        """What we advertise changed (a model loaded or left): tell placement now, not in 2 s."""
+        self._beat_now.set()
+
+    def run(self, stop: threading.Event) -> None:
+        """The heartbeat thread, until ``stop``."""
+        delay = keys.HEARTBEAT_INTERVAL_S
+        while not stop.is_set():
+            self._beat_now.wait(delay)
+            self._beat_now.clear()
+            if stop.is_set():
+                return
+            try:
+                with self.host.lock:  # the loop may be adding or removing a model; Redis waits outside
+                    info, slots = self._worker_info(), list(self.host.slots.values())
+                self._publish_heartbeat(info)
+                missing = [s for s in slots if not self.redis.exists(keys.model_key(s.instance))]
+                if missing:  # Redis restarted empty: gateways must see the models again
+                    with self.host.lock:
+                        for slot in missing:
+                            if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
+                                self.publish_model(slot)
+                delay = keys.HEARTBEAT_INTERVAL_S
+            except redis.RedisError:  # Redis restarting: keep serving, re-register as soon as it is back
+                log.warning("heartbeat failed", exc_info=True)
+                # Retry quickly: after a Redis restart the gateway queues nothing for this model until
+                # its workers are registered again, and a prefill worker finds no decode worker before.
+                delay = REREGISTER_RETRY_S
+
+    def unregister(self) -> None:
+        try:
+            self.redis.delete(keys.worker_key(self.config.worker_id))
+            self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
+        except redis.RedisError:  # Redis gone: the TTL removes the registration anyway
+            log.warning("could not unregister from Redis", exc_info=True)

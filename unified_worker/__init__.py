@@ -1,0 +1,1 @@
+"""The unified role: one process reads jobs, prefills and decodes them, with no handoff."""
