@@ -66,10 +66,11 @@ def _repo(args: argparse.Namespace):
 
 
 def _models_import(args: argparse.Namespace) -> int:
+    from kvrelay.shared.repo.model_import import import_model
     from kvrelay.shared.repo.model_repo import RepositoryError
 
     try:
-        mv = _repo(args).import_model(args.source, args.name, args.version, dtype=args.dtype)
+        mv = import_model(_repo(args), args.source, args.name, args.version, dtype=args.dtype)
     except RepositoryError as exc:  # a version that exists, a name out of bounds: one line, not a traceback
         print(f"kvrelay models import: error: {exc}", file=sys.stderr)
         return 1

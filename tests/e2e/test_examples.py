@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from tests.e2e.model_variants import PROMPT, offline_text, variant
 from tests.e2e.served import Served
@@ -25,8 +26,8 @@ def site(tmp_path, tiny_model_dir) -> Path:
     """A copy of examples/ beside a model repository holding chat v1 and summarizer v1."""
     shutil.copytree(EXAMPLES, tmp_path / "site" / "examples")
     repo = ModelRepository(tmp_path / "site" / "model_repo")
-    repo.import_model(str(tiny_model_dir), "chat", progress=False)
-    repo.import_model(str(variant(tiny_model_dir, tmp_path / "summarizer", seed=1)), "summarizer", progress=False)
+    import_model(repo, str(tiny_model_dir), "chat", progress=False)
+    import_model(repo, str(variant(tiny_model_dir, tmp_path / "summarizer", seed=1)), "summarizer", progress=False)
     return tmp_path / "site"
 
 
@@ -93,7 +94,7 @@ def test_a_version_swap(site, tmp_path, tiny_model_dir):
     assert v1 != v2
     with serve(site, "version-swap.yaml", tmp_path) as served:
         client = served.client()
-        ModelRepository(site / "model_repo").import_model(str(tmp_path / "chat-v2"), "chat", progress=False)
+        import_model(ModelRepository(site / "model_repo"), str(tmp_path / "chat-v2"), "chat", progress=False)
         assert complete(client, "chat") == v1
         status, body = served.admin("POST", "/admin/models/chat/swap", {"version": 2})
         assert status == 200 and body["swapped"] and body["version"] == 2, body

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import instance_key
@@ -104,8 +105,8 @@ def test_three_models_in_one_prefill_and_one_decode_worker(cluster, repo, tmp_pa
     for f in smollm2_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, gpt2 / f.name)
-    repo.import_model(str(tiny_model_dir), "tiny-llama", progress=False)
-    repo.import_model(str(gpt2), "tiny-gpt2", progress=False)
+    import_model(repo, str(tiny_model_dir), "tiny-llama", progress=False)
+    import_model(repo, str(gpt2), "tiny-gpt2", progress=False)
     cfg = tmp_path / "models.yaml"
     cfg.write_text(f"""
 model_repo: {{type: local, path: {repo.root}}}
@@ -149,7 +150,7 @@ models:
 
 def test_lazy_load_evicts_the_idle_model_never_the_pinned_one(cluster, repo, tmp_path, tiny_model_dir):
     for name, seed in (("pinned", 0), ("idle", 1), ("lazy", 2)):
-        repo.import_model(str(variant(tiny_model_dir, tmp_path / name, seed)), name, progress=False)
+        import_model(repo, str(variant(tiny_model_dir, tmp_path / name, seed)), name, progress=False)
     weights = sum(f.stat().st_size for f in (tmp_path / "pinned").glob("*.safetensors"))
     cfg = tmp_path / "models.yaml"
     cfg.write_text(f"""
@@ -175,8 +176,8 @@ models:
 
 
 def test_version_swap_under_load_fails_no_request(cluster, repo, tmp_path, tiny_model_dir):
-    repo.import_model(str(tiny_model_dir), "chat", progress=False)
-    repo.import_model(str(variant(tiny_model_dir, tmp_path / "v2", 5)), "chat", progress=False)
+    import_model(repo, str(tiny_model_dir), "chat", progress=False)
+    import_model(repo, str(variant(tiny_model_dir, tmp_path / "v2", 5)), "chat", progress=False)
     v1, v2 = offline_text(tiny_model_dir), offline_text(tmp_path / "v2")
     assert v1 != v2
     cfg = tmp_path / "models.yaml"
@@ -223,8 +224,8 @@ models:
 
 
 def test_corrupt_weights_fail_the_load_and_nothing_else(cluster, repo, tmp_path, tiny_model_dir):
-    repo.import_model(str(tiny_model_dir), "good", progress=False)
-    mv = repo.import_model(str(variant(tiny_model_dir, tmp_path / "bad", 9)), "bad", progress=False)
+    import_model(repo, str(tiny_model_dir), "good", progress=False)
+    mv = import_model(repo, str(variant(tiny_model_dir, tmp_path / "bad", 9)), "bad", progress=False)
     weights = next(Path(mv.path).glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-100:] = b"\x00" * 100  # flipped bytes: a corrupt copy, same size

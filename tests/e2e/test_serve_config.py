@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.cluster import free_port
@@ -28,7 +29,7 @@ def test_two_models_from_the_repository(tmp_path, tiny_model_dirs, smollm2_dir, 
         for f in smollm2_dir.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens")):
                 shutil.copy(f, src / f.name)
-        repo.import_model(str(src), f"tiny-{arch}", progress=False)
+        import_model(repo, str(src), f"tiny-{arch}", progress=False)
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"""
 model_repo: {{type: local, path: {repo.root}, versioning: numbered}}

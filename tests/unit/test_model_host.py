@@ -10,6 +10,7 @@ import pytest
 from kvrelay import SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
@@ -39,7 +40,7 @@ def repo(tmp_path_factory) -> ModelRepository:
     root = tmp_path_factory.mktemp("host")
     repo = ModelRepository(root / "repo")
     for i, name in enumerate(("a", "b", "c")):
-        repo.import_model(str(make_tiny_model("llama", root / name, seed=i)), name, progress=False)
+        import_model(repo, str(make_tiny_model("llama", root / name, seed=i)), name, progress=False)
     return repo
 
 
@@ -153,7 +154,7 @@ def test_corrupt_or_unknown_models_fail_cleanly(repo, tmp_path):
     host, results = make_host(repo)
     run(host, load("a"))
     bad_repo = ModelRepository(tmp_path / "repo")
-    mv = bad_repo.import_model(repo.get("b", 1).path, "bad", progress=False)
+    mv = import_model(bad_repo, repo.get("b", 1).path, "bad", progress=False)
     weights = next(Path(mv.path).glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-64:] = bytes(64)

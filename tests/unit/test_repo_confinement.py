@@ -11,6 +11,7 @@ import pytest
 from kvrelay.cli import main
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand
@@ -20,8 +21,8 @@ from kvrelay.shared.worker.model_host import ModelHost
 @pytest.fixture()
 def repo(tmp_path, tiny_model_dirs) -> ModelRepository:
     repo = ModelRepository(tmp_path / "repo")
-    repo.import_model(str(tiny_model_dirs["llama"]), "m", progress=False)
-    repo.import_model(str(tiny_model_dirs["llama"]), "m", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "m", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "m", progress=False)
     return repo
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.repo.model_source import resolve_model
 
@@ -15,8 +16,8 @@ from kvrelay.shared.repo.model_source import resolve_model
 @pytest.fixture()
 def repo(tmp_path, tiny_model_dirs):
     repo = ModelRepository(tmp_path / "model_repo")
-    repo.import_model(str(tiny_model_dirs["llama"]), "x", progress=False)
-    repo.import_model(str(tiny_model_dirs["llama"]), "x", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "x", progress=False)
+    import_model(repo, str(tiny_model_dirs["llama"]), "x", progress=False)
     return repo
 
 
@@ -47,6 +48,6 @@ def test_a_worker_given_a_version_folder_serves_the_repository_name(repo, tmp_pa
 def test_a_repository_version_imports_as_another_model(repo):
     """The walkthrough's second model is a copy of the first's version folder: its manifest is the new
     version's own, not the copied one, so the copy verifies."""
-    copy = repo.import_model(str(repo.root / "x" / "1"), "y", progress=False)
+    copy = import_model(repo, str(repo.root / "x" / "1"), "y", progress=False)
     repo.verify(copy)
     assert copy.name == "y" and resolve_model(copy.path).served_name == "y"
