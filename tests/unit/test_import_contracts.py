@@ -1,6 +1,8 @@
 """The architecture's import contracts (pyproject.toml, [tool.importlinter]) hold, and breaking one fails
-with the contract's name; no module takes part in an import cycle, counting imports inside functions."""
+with the contract's name; no module takes part in an import cycle, counting imports inside functions.
+Benchmarks and tests, outside the package, never import each other."""
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -45,6 +47,8 @@ def test_the_staged_copy_holds_every_room(staged: Path):
     ("shared/wire/__init__.py", "from kvrelay.shared.engine import engine_core", "layers:"),
     ("prefill_worker/__init__.py", "import kvrelay.decode_worker", "layers:"),
     ("shared/handoff/__init__.py", "from kvrelay.shared.engine import scheduler", "only the engine names"),
+    ("gateway/tenancy/__init__.py", "def f():\n    from kvrelay.gateway.api import generation", "gateway rooms:"),
+    ("gateway/errors.py", "from kvrelay.gateway.control import routing", "gateway rooms:"),
 ])
 def test_a_new_import_across_a_line_fails_with_the_contracts_name(staged: Path, module: str, line: str, contract: str):
     assert verdict(contracts.lint(staged).stdout, contract) == "KEPT"
@@ -64,3 +68,21 @@ def test_a_cycle_through_a_function_level_import_is_found(staged: Path):
     (wire / "cycle_a.py").write_text("def f():\n    from kvrelay.shared.wire import cycle_b\n")
     (wire / "cycle_b.py").write_text("from kvrelay.shared.wire import cycle_a\n")
     assert ["kvrelay.shared.wire.cycle_a", "kvrelay.shared.wire.cycle_b"] in contracts.cycles(staged)
+
+
+def _imported(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_benchmarks_and_tests_never_import_each_other():
+    crossing = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted((ROOT / "bench").rglob("*.py"))
+                for m in _imported(p) if m == "tests" or m.startswith("tests.")]
+    crossing += [f"{p.relative_to(ROOT)} imports {m}" for p in sorted((ROOT / "tests").rglob("*.py"))
+                 for m in _imported(p) if m.startswith(("kvrelay.bench", "bench"))]
+    assert crossing == []
