@@ -14,9 +14,9 @@ async def cancel_and_wait(task: asyncio.Task) -> None:
     """Cancel ``task`` and wait until it has ended, cancelling it again while it runs on.
 
     One cancel is not enough on Python 3.11: ``asyncio.wait_for`` returns its inner call's result and
-    drops the cancel when both land in one loop step (gh-86296, fixed in 3.12), and redis-py sends every
-    command through it. A loop that lost its cancel kept on running, and the gateway waiting for it never
-    exited after its drain (seen in CI, ~1 stop in 50 under load)."""
+    drops the cancel when both land in one loop step (CPython gh-86296, fixed in 3.12), and redis-py sends
+    every command through it. A loop that lost its cancel would keep on running, and the gateway waiting
+    for it would never exit after its drain."""
     while not task.done():
         for _ in range(_CANCELS_PER_ROUND):
             task.cancel()

@@ -94,10 +94,10 @@ async def prepare_chat(app: web.Application, raw: Any, tenant: Tenant) -> tuple[
 
 
 # A request's instance is resolved before its tokenizer loads and its prompt is encoded, which can take
-# seconds; a version swap meanwhile drains that instance, and a job queued to it after the drain waits for
-# a worker that no longer serves it (seen: every first request of a swap under load timing out). So one
-# whose name moved to another version meanwhile is prepared again for that version, from the body as the
-# client sent it (the defaults and tokenizer may differ). The swap waits out the spec cache before
+# seconds; a version swap meanwhile drains that instance, and a job queued to it after the drain would wait
+# for a worker that no longer serves it until its deadline. So one whose name moved to another version
+# meanwhile is prepared again for that version, from the body as the client sent it (the defaults and
+# tokenizer may differ). The swap waits out the spec cache before
 # draining, so the cached spec read just before the job is queued is enough.
 PREPARE_ATTEMPTS = 3
 

@@ -3,16 +3,13 @@
 Loading, long encodes and chat templates run on a few tokenization threads: they take long enough to
 stall every stream if run on the event loop. A Hugging Face fast tokenizer is one Rust object whose
 settings (truncation, padding, special-token splitting) transformers sets as state before an encode;
-shared between threads, a setting made for one call reaches another thread's encode in flight (measured
-with tokenizers 0.23: a long prompt came back cut to another call's max_length) or, with older
-tokenizers releases, fails it with "RuntimeError: Already borrowed". So no tokenizer is used by two
-threads: the event loop keeps one (detokenizing streams, short encodes, single-token strings) and each
-tokenization thread takes its own on first use, all loaded together by one thread (a load on each
-thread cost ~46 MB instead of ~12 MB for SmolLM2's: each thread's allocations go to its own malloc
-arena). One per thread rather than one
-tokenizer under a lock: measured on 2 cores, 48 prompts of ~24k tokens encoded while the loop decoded
-as streams do, the lock finished first (1.1 s against 1.5 s) but held the loop's decodes behind the
-encodes (loop lag p50 120 ms against 0.2 ms).
+shared between threads, a setting made for one call reaches another thread's encode in flight (a long
+prompt cut to another call's max_length) or fails it ("RuntimeError: Already borrowed"). So no tokenizer
+is used by two threads: the event loop keeps one (detokenizing streams, short encodes, single-token
+strings) and each tokenization thread takes its own on first use, all loaded together by one thread (a
+load on each thread puts its allocations in that thread's own malloc arena, ~4x the memory). One per
+thread rather than one tokenizer under a lock: the lock holds the loop's decodes behind long encodes
+(BENCHMARKS.md, "Gateway tokenization threads").
 """
 
 import asyncio
@@ -26,9 +23,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-# Imported up front, on the main thread. Left to the first tokenizer load, on a tokenization thread, the
-# import held the GIL for seconds while requests were served: the event loop starved and Redis lookups
-# timed out (503 "tenant store unavailable" in CI). Workers, which tokenize nothing, skip it.
+# Imported up front, on the main thread: left to the first tokenizer load, on a tokenization thread, the
+# import holds the GIL for seconds while requests are served, and the event loop starves (Redis lookups
+# time out). Workers, which tokenize nothing, skip it.
 from transformers import PreTrainedTokenizerFast  # noqa: F401
 
 from kvrelay.gateway.errors import APIError, bad_request
@@ -39,9 +36,9 @@ log = logging.getLogger("kvrelay.gateway")
 T = TypeVar("T")
 # Below this many characters encoding inline is cheaper than a hop to a thread.
 _INLINE_CHARS = 2048
-# Each holds its own copy of every model's tokenizer (~12 MB for SmolLM2's). On 2 cores one thread was
-# fastest (the 48 prompts above: 1 thread 1.5 s, loop lag p99 3 ms; 2: 1.9 s, 7 ms; 4: 2.1 s, 13 ms):
-# the threads and the loop share the cores and the GIL; at most 4 bounds the copies on big hosts.
+# Each holds its own copy of every model's tokenizer. The threads and the event loop share the cores and
+# the GIL, so more threads than half the cores only add loop lag (BENCHMARKS.md); at most 4 bounds the
+# copies on big hosts.
 TOKENIZER_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 

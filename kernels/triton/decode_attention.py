@@ -128,9 +128,9 @@ def _merge_kernel(
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Power of two (bounded set of compiled merge variants) giving ~4 programs per SM when possible.
 
-    Measured on an H200, 2026-11-29 (bench/kernels_bench.py --sweep): with >= 2 programs per SM already,
-    splitting only adds merge traffic (batch 64 x 8 kv heads at 4k: 1 split 4.34 TB/s, 2 splits 4.14);
-    a batch of one at 32k needs 64 splits (3.25 TB/s; 16 splits 2.0, 1 split 0.16).
+    With >= 2 programs per SM already, splitting only adds merge traffic; a batch of one at a long
+    context needs many splits to fill the SMs (`bench/kernels_bench.py --sweep`; H200 numbers in
+    BENCHMARKS.md).
     """
     programs = num_seqs * num_kv_heads
     if programs >= 2 * num_sms(device):

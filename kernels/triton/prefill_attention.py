@@ -192,12 +192,9 @@ def _prefill_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-# (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for long prompts with head_dim <= 128, from
-# bench/kernels_bench.py --prefill on an H200 (2026-11-29, Llama-3-8B heads, bf16, fresh k/v):
-# 2 x 4096 plain prompts: (128, 64, 8, 3) 385 TFLOP/s, (128, 128, 8, 3) 335, (128, 64, 8, 2) 305,
-# the previous kernel 271, torch SDPA 544. 2 x 1024 new tokens after 3072 cached: (128, 128, 8, 3)
-# 295, (128, 64, 8, 3) 253, previous kernel 234, SDPA (with a mask) 269. So wide key tiles when the
-# cached prefix dominates, narrower ones when the causal diagonal does.
+# (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for long prompts with head_dim <= 128, chosen with
+# `bench/kernels_bench.py --prefill` on an H200 (BENCHMARKS.md, "Prefill attention rework"): wide key
+# tiles when the cached prefix dominates, narrower ones when the causal diagonal does.
 LONG_CONFIG = (128, 64, 8, 3)
 PREFIX_CONFIG = (128, 128, 8, 3)
 SHORT_CONFIG = (64, 64, 4, 2)

@@ -2,9 +2,8 @@
 
 On CUDA the first step of a new shape pays for Triton compiling a kernel specialisation (the prefill
 tiling, integer arguments specialised on ``== 1`` and ``% 16 == 0``; the prefill kernel's sequence and
-tile counts are exempt, see kernels/triton/prefill_attention.py) and for the sampler's first kernels:
-measured on the H200, p99 TTFT of the first Poisson requests after start was 3.0 s against a 57 ms
-median. Decode CUDA graphs are already captured by the runner (shared/engine/cuda_graphs.py);
+tile counts are exempt, see kernels/triton/prefill_attention.py) and for the sampler's first kernels,
+seconds of TTFT for the first requests after start (BENCHMARKS.md). Decode CUDA graphs are already captured by the runner (shared/engine/cuda_graphs.py);
 warm-up covers what runs eagerly: prefill chunks of each token-count class up to the token budget, a
 chunk after a cached prefix, several prompts in one step, prefill mixed with decodes, each decode batch
 bucket (eager decode when graphs are off, and then long contexts too), and each sampler path (greedy,
@@ -14,10 +13,9 @@ It drives the engine core with ordinary requests, so the shapes are the schedule
 them. Afterwards the engine is as it was: every block free, the prefix cache empty of warm-up prompts,
 its hit counters, the tenants' fairness counters and the sampler's --seed stream as they were.
 
-On the CPU nothing compiles, and no shape runs (``compiles=False``): measured with SmolLM2 on one
-thread (2026-12-01), even a 16-token prefill plus a decode step cost 260-350 ms of CPU a worker and
-left the first 64-token request as slow as without it (the CPU's first-call cost is per shape), while
-CI starts a worker for most e2e tests on two cores.
+On the CPU nothing compiles, and no shape runs (``compiles=False``): even a 16-token prefill plus a
+decode step costs a worker hundreds of milliseconds of CPU and leaves the first real request as slow as
+without it, since the CPU's first-call cost is per shape.
 """
 
 import contextlib
