@@ -38,7 +38,7 @@ class Tracker:
 
     def on_step(self, started, out, finished) -> None:
         self.preempted += len(out.preempted)
-        self.peak_running = max(self.peak_running, self.core.scheduler.num_running)
+        self.peak_running = max(self.peak_running, self.core.num_running)
         self.peak_blocks = max(self.peak_blocks, self.core.num_total_blocks)
         self.min_blocks = min(self.min_blocks, self.core.num_total_blocks)
 
