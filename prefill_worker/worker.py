@@ -134,7 +134,7 @@ class PrefillWorker:
         grant (a round trip through the decode worker's loop) would miss the last chunk."""
         step = slot.core.max_num_batched_tokens
         ahead = 0  # prompt tokens scheduled before this request's
-        for req in slot.core.pending_prefills():
+        for req in slot.core.scheduling_order():
             remaining = req.num_prompt_tokens - req.num_computed_tokens
             if ahead + max(0, remaining - step) > EARLY_GRANT_STEPS * step:
                 return

@@ -206,8 +206,8 @@ class EngineCore:
     def is_running(self, request_id: str) -> bool:
         return any(r.request_id == request_id for r in self.scheduler.running)
 
-    def pending_prefills(self) -> Iterator[Request]:
-        """Unfinished requests in scheduling order: running first, then waiting."""
+    def scheduling_order(self) -> Iterator[Request]:
+        """Unfinished requests in the order a step serves them: running first, then waiting."""
         yield from self.scheduler.running
         yield from self.scheduler.waiting
 
