@@ -15,7 +15,8 @@ import time
 import torch
 
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine import EngineCore
+from kvrelay.shared.engine.profile import phase_points
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
@@ -37,9 +38,10 @@ def timed(core: EngineCore, steps: int) -> dict[str, float]:
 
         setattr(obj, name, w)
 
-    wrap(core.runner, "execute", "runner")
-    wrap(core.scheduler, "schedule", "scheduler")
-    wrap(core.scheduler, "update_from_output", "scheduler")
+    points = phase_points(core)
+    wrap(*points["execute"], "runner")
+    wrap(*points["schedule"], "scheduler")
+    wrap(*points["update"], "scheduler")
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()

@@ -23,6 +23,7 @@ import sys
 import torch
 
 from kvrelay.bench import gpu_measure as m
+from kvrelay.shared.engine.profile import decode_graphs, model_shape, set_eager
 from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
 CHILD_TAG = "CHILD_RESULT "
@@ -55,16 +56,16 @@ def run_child(args: argparse.Namespace) -> dict:
     """One kernel variant (KVRELAY_KERNELS from the parent): decode ms/step, graphs and eager."""
     batches = [int(b) for b in args.variant_batches.split(",")]
     llm = _engine(args, max_model_len=2048, num_gpu_blocks=4096, max_num_seqs=max(batches))
-    runner = llm.engine.core.runner
-    out = {"kernels": os.environ.get("KVRELAY_KERNELS", "triton"), "graphs": runner.graphs is not None}
+    core = llm.engine.core
+    out = {"kernels": os.environ.get("KVRELAY_KERNELS", "triton"), "graphs": decode_graphs(core) is not None}
     for batch in batches:
         for eager in (False, True):
-            if not eager and runner.graphs is None:
+            if not eager and decode_graphs(core) is None:
                 out[f"graphs_b{batch}"] = None  # could not be captured: see the warning above
                 continue
-            runner.enforce_eager = eager
+            set_eager(core, eager)
             out[f"{'eager' if eager else 'graphs'}_b{batch}"] = m.decode_step_ms(llm, batch, 32, steps=24)
-    runner.enforce_eager = False
+    set_eager(core, False)
     print(CHILD_TAG + json.dumps(out), flush=True)
     return out
 
@@ -124,23 +125,22 @@ def run(args: argparse.Namespace) -> dict:
     r["variants"] = [] if args.skip_variants else _variants(args)
 
     llm = _engine(args, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens)
-    runner = llm.engine.core.runner
-    hf_config = dict(runner.hf_config)
-    model = runner.model
-    r["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    r["weight_bytes_read"] = r["weight_bytes"] - embed.numel() * embed.element_size()  # a step reads B rows
-    kv_per_token = runner.block_bytes / runner.block_size
-    non_embed_params = r["weight_bytes_read"] / runner.dtype.itemsize
+    core = llm.engine.core
+    hf_config = dict(core.hf_config)
+    shape = model_shape(core)
+    r["weight_bytes"] = core.weight_bytes
+    r["weight_bytes_read"] = r["weight_bytes"] - shape["embed_bytes"]  # a step reads B rows
+    kv_per_token = core.block_bytes / core.block_size
+    non_embed_params = r["weight_bytes_read"] / core.dtype.itemsize
     r["floor_b1_ms"] = r["weight_bytes"] / r["copy_bw"] * 1e3
 
-    m.generate_seconds(llm, m.random_prompts(2, args.input_len, runner.model.vocab_size, 9), 8)  # warm-up
+    m.generate_seconds(llm, m.random_prompts(2, args.input_len, core.vocab_size, 9), 8)  # warm-up
     r["b1_ms"] = m.decode_step_ms(llm, 1, args.input_len, args.decode_steps)
     r["b1_replay_ms"] = m.replay_ms(llm)
-    r["b1_replay_long_ms"] = m.replay_ms(llm, runner.max_model_len)  # the graph captured for any length
-    runner.enforce_eager = True
+    r["b1_replay_long_ms"] = m.replay_ms(llm, core.max_model_len)  # the graph captured for any length
+    set_eager(core, True)
     r["b1_eager_ms"] = m.decode_step_ms(llm, 1, args.input_len, 30)
-    runner.enforce_eager = False
+    set_eager(core, False)
     print(f"batch-1 decode: {r['b1_ms']:.2f} ms/step (graph replay alone: {r['b1_replay_ms']} ms; with the "
           f"any-length graph {r['b1_replay_long_ms']} ms), eager {r['b1_eager_ms']:.2f}; floor {r['floor_b1_ms']:.2f}")
     # host vs GPU at the throughput batch, at a mid-run context (1k tokens), and at batch 1
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     ctx = 1024 + 5 + 20  # prompt + warm-up + half the timed steps, roughly
     r["floor_bN_ms"] = (r["weight_bytes"] + args.batch * ctx * kv_per_token) / r["copy_bw"] * 1e3
 
-    prompts = m.random_prompts(args.batch, args.input_len, runner.model.vocab_size, 3)
+    prompts = m.random_prompts(args.batch, args.input_len, core.vocab_size, 3)
     secs = m.generate_seconds(llm, prompts, args.output_len)
     r["tput_tok_s"] = args.batch * args.output_len / secs
     flops_tok = 2 * non_embed_params
@@ -160,20 +160,20 @@ def run(args: argparse.Namespace) -> dict:
                                               r["matmul_flops"], flops_tok)
     print(f"decode throughput: {r['tput_tok_s']:,.0f} output tok/s ({secs:.1f} s)")
 
-    m.generate_seconds(llm, m.random_prompts(1, args.prefill_len, runner.model.vocab_size, 5), 1)  # warm-up
-    prompts = m.random_prompts(args.prefill_prompts, args.prefill_len, runner.model.vocab_size, 4)
+    m.generate_seconds(llm, m.random_prompts(1, args.prefill_len, core.vocab_size, 5), 1)  # warm-up
+    prompts = m.random_prompts(args.prefill_prompts, args.prefill_len, core.vocab_size, 4)
     secs = m.generate_seconds(llm, prompts, 1)
     r["prefill_tok_s"] = args.prefill_prompts * args.prefill_len / secs
-    layers, heads, head_dim = model.num_layers, model.num_heads, model.head_dim
+    layers, heads, head_dim = shape["num_layers"], shape["num_heads"], shape["head_dim"]
     attn_flops_tok = 4 * (args.prefill_len / 2) * heads * head_dim * layers  # QK^T and PV, causal average
     r["prefill_floor_tok_s"] = r["matmul_flops"] / (flops_tok + attn_flops_tok)
     print(f"prefill: {r['prefill_tok_s']:,.0f} tok/s ({secs:.1f} s)")
-    ours, sdpa = m.prefill_attention(2, args.prefill_len, heads, model.num_kv_heads, head_dim)
+    ours, sdpa = m.prefill_attention(2, args.prefill_len, heads, shape["num_kv_heads"], head_dim)
     attn_flops = 2 * 4 * (args.prefill_len ** 2 / 2) * heads * head_dim  # 2 prompts, causal, one layer
     r["prefill_attn_ms"], r["sdpa_attn_ms"] = ours, sdpa
     print(f"prefill attention, 2 x {args.prefill_len} tokens, one layer: ours {ours:.3f} ms "
           f"({attn_flops / ours / 1e9:.0f} TFLOP/s), torch SDPA {sdpa:.3f} ms ({attn_flops / sdpa / 1e9:.0f} TFLOP/s)")
-    del llm, runner, model
+    del llm, core
     gc.collect()
     torch.cuda.empty_cache()
 

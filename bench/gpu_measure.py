@@ -11,6 +11,7 @@ import time
 import torch
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.shared.engine.profile import decode_graphs, phase_points
 
 
 # -- ceilings ---------------------------------------------------------------------------------------
@@ -110,9 +111,7 @@ def decode_step_breakdown(llm: LLM, batch: int, input_len: int, steps: int) -> d
     """``decode_step_ms`` with the step taken apart: host ms per step in the scheduler, the runner's
     input building, the replay launch, the sampler (which includes waiting for the GPU) and the rest;
     and the GPU ms of the copy + replay as it ran inside the real steps (CUDA events around it)."""
-    core = llm.engine.core
-    runner, sched = core.runner, core.scheduler
-    graphs = runner.graphs
+    points = phase_points(llm.engine.core)
     host: dict[str, float] = {}
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     originals = {}
@@ -122,12 +121,12 @@ def decode_step_breakdown(llm: LLM, batch: int, input_len: int, steps: int) -> d
         originals[obj, name] = vars(obj).get(name)  # an instance attribute (the sampler) or None (a method)
         setattr(obj, name, _Timed(fn, key, host, spans if events else None))
 
-    wrap(sched, "schedule", "schedule")
-    wrap(sched, "update_from_output", "update")
-    wrap(runner, "_build", "build inputs")
-    wrap(runner, "sampler", "sampler + wait for GPU")
-    if graphs is not None:
-        wrap(graphs, "run", "copy + replay launch", events=True)
+    wrap(*points["schedule"], "schedule")
+    wrap(*points["update"], "update")
+    wrap(*points["build inputs"], "build inputs")
+    wrap(*points["sampler"], "sampler + wait for GPU")
+    if "replay" in points:
+        wrap(*points["replay"], "copy + replay launch", events=True)
     def reset() -> None:
         torch.cuda.synchronize()
         host.clear()
@@ -157,7 +156,7 @@ def replay_ms(llm: LLM, max_len: int | None = None, reps: int = 50) -> float | N
     Replays the bucket of the latest step, with that step's inputs still in the static buffers (it
     rewrites that step's KV slots with the values they already hold); ``max_len`` picks the length
     class (default: the one the step used; any class is exact for contexts up to it)."""
-    graphs = llm.engine.core.runner.graphs
+    graphs = decode_graphs(llm.engine.core)
     if graphs is None or graphs.last_replayed is None:
         return None
     bucket, used = graphs.last_replayed

@@ -36,7 +36,7 @@ from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, DTYPES, BlockCopy, frame_nbytes
 from kvrelay.shared.handoff.frames import MESSAGE_TARGET, Frames, max_message_bytes
-from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
+from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, serves, synthetic_job
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.zmq_auth import CurveKeys, keys_from_secret
 
@@ -62,7 +62,7 @@ def _peer(args: argparse.Namespace) -> None:
         else:
             addrs.append(f"ipc:///tmp/kvrelay-bench-{args.tag}-{i}")
             sock.bind(addrs[-1])
-    receiver = HandoffReceiver(router, rt.core, MODEL, grant_ttl_s=60.0)
+    receiver = HandoffReceiver(router, serves(MODEL, rt.core), grant_ttl_s=60.0)
     stop = threading.Event()
 
     def raw_echo():  # the baseline: take the bytes, say so, nothing else
@@ -75,7 +75,7 @@ def _peer(args: argparse.Namespace) -> None:
     threading.Thread(target=raw_echo, daemon=True).start()
     print("READY", *addrs, flush=True)
     while not stop.is_set():
-        receiver.poll(50, lambda h: rt.core.block_manager.free(h.request_id))  # the bench only moves KV
+        receiver.poll(50, lambda h: rt.core.kv.free(h.request_id))  # the bench only moves KV
     ctx.destroy(linger=0)
 
 
@@ -158,7 +158,7 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
     Per prompt length and mode, the medians (ms) of: the prefill step, step end (first token) -> ack,
     step start -> ack. Modes alternate so drift hits both alike."""
     from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvrelay.shared.engine.engine_core import EngineCore
+    from kvrelay.shared.engine import EngineCore
     from kvrelay.shared.wire.sampling_params import SamplingParams
 
     top = max(tokens) + BLOCK
@@ -166,14 +166,14 @@ def _overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[i
         model=ModelConfig(model, dtype="auto", max_model_len=top, load_format="dummy"),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=2 * (top // BLOCK) + 8),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=top), device=device), hold_finished_kv=True)
-    kv = engine.runner.kv_cache
+    kv = engine.kv.kv_cache
     peer = Peer(device, "tcp", top, scatter=False, kv_shape=(kv.shape[0], kv.shape[4], kv.shape[5]),
                 dtype=DTYPE_NAMES[kv.dtype])
     runtime = SimpleNamespace(core=engine, zmq_addr="", redis=None, config=SimpleNamespace(worker_id="bench-prefill"))
     ctx = zmq.Context()
     manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
                              curve=_curve())
-    engine.runner.set_kv_stream(manager.stream_for(MODEL))
+    engine.kv.set_layer_saver(manager.stream_for(MODEL))
     gen = torch.Generator().manual_seed(0)
     n = 0
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.engine import EngineCore, KVPool
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -61,7 +60,7 @@ class _Watch:
     def on_step(self, started, out, finished) -> None:
         r, core = self.run, self.core
         r.preempted += len(out.preempted)
-        r.peak_running = max(r.peak_running, core.scheduler.num_running)
+        r.peak_running = max(r.peak_running, core.num_running)
         r.peak_blocks = max(r.peak_blocks, core.num_total_blocks)
 
     def on_removed(self, requests) -> None:

@@ -42,10 +42,10 @@ def _hf_model(llm: LLM):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = llm.engine.config.model
-    dtype = next(llm.engine.core.runner.model.parameters()).dtype
+    dtype = llm.engine.core.dtype
     device = llm.engine.config.device
     if cfg.load_format == "dummy":
-        hf_cfg = AutoConfig.for_model(**llm.engine.core.runner.hf_config)
+        hf_cfg = AutoConfig.for_model(**llm.engine.core.hf_config)
         return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).to(device).eval()
     return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
 

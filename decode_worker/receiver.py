@@ -1,22 +1,24 @@
-"""The decode role's side of the KV handoff: which handed-off requests it takes. Blocks are allocated
+"""The decode role's side of the KV handoff: which handed-off requests it takes. Blocks are reserved
 before a grant goes out (SGLang style: decode pre-allocates, prefill writes), and a request that
 cannot run here is refused up front rather than trusted; receiving, checking and acking the KV are
 shared/handoff/receiver.py's."""
 
+from collections.abc import Callable
+
+from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.receiver import KVInbox
 from kvrelay.shared.wire.handoff import HandoffRequest
 
 
 class HandoffReceiver(KVInbox):
-    def __init__(self, sock, core, model_name: str, grant_ttl_s: float, core_for=None,
+    def __init__(self, sock, core_for: Callable[[str], EngineCore | None], grant_ttl_s: float,
                  transports: list[Transport] | None = None, max_per_peer: int | None = None):
-        """``core_for(model)``: the engine serving that model instance here, or None (default: ``core``
-        serves ``model_name``). A worker hosting several models routes each request by its model.
-        ``max_per_peer``: handoffs of one model one asker may hold granted or arriving (default: half the
-        model's max_num_seqs), so a peer that asks and never sends cannot take every seat."""
-        super().__init__(sock, core_for or (lambda model: core if model == model_name else None), grant_ttl_s,
-                         transports)
+        """``core_for(model)``: the engine serving that model instance here, or None; a worker hosting
+        several models routes each request by its model. ``max_per_peer``: handoffs of one model one
+        asker may hold granted or arriving (default: half the model's max_num_seqs), so a peer that asks
+        and never sends cannot take every seat."""
+        super().__init__(sock, core_for, grant_ttl_s, transports)
         self.max_per_peer = max_per_peer
         self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
 
@@ -26,16 +28,16 @@ class HandoffReceiver(KVInbox):
         core = self.core_for(req.model)
         if core is None:
             return f"model {req.model!r} is not served here"
-        if req.block_size != core.block_manager.block_size:
-            return f"block size {req.block_size} != {core.block_manager.block_size}"
-        if any(r.request_id == req.request_id for r in core.scheduler.running):
+        if req.block_size != core.kv.block_size:
+            return f"block size {req.block_size} != {core.kv.block_size}"
+        if core.is_running(req.request_id):
             return "duplicate request id"  # a reclaimed job must never stream twice
-        cap = self.max_per_peer or max(1, core.config.scheduler.max_num_seqs // 2)
+        cap = self.max_per_peer or max(1, core.max_num_seqs // 2)
         if from_peer >= cap:  # refused like a full batch: the asker parks and asks again
             return f"this prefill worker already holds {from_peer} handoffs here (--max-handoffs-per-peer)"
-        if core.scheduler.num_running + pending >= core.config.scheduler.max_num_seqs:
+        if core.num_running + pending >= core.max_num_seqs:
             return "running batch is full (max_num_seqs)"
         if req.num_tokens >= core.max_model_len:
             return f"{req.num_tokens} tokens exceed max_model_len {core.max_model_len}"
-        blocks = core.block_manager.allocate_for_tokens(req.request_id, req.num_tokens)
+        blocks = core.kv.reserve(req.request_id, req.num_tokens)
         return "no free KV blocks" if blocks is None else blocks

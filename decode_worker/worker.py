@@ -47,7 +47,7 @@ class DecodeWorker:
         self.runtime = WorkerRuntime(config)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
                                            config.advertise_host, curve=self.runtime.curve)
-        self.receiver = HandoffReceiver(self.sock, None, "", config.handoff_timeout_s, core_for=self._core_for,
+        self.receiver = HandoffReceiver(self.sock, self._core_for, config.handoff_timeout_s,
                                         max_per_peer=config.max_handoffs_per_peer)
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 
@@ -57,9 +57,8 @@ class DecodeWorker:
         pool = self.runtime.host.pool
         bound = pool.nbytes + (1 << 20) if pool is not None else 0
         for slot in self.runtime.slots.values():
-            runner = slot.core.runner
-            bound = max(bound, max_message_bytes(runner.kv_cache,
-                                                 math.ceil(slot.core.max_model_len / runner.block_size)))
+            kv = slot.core.kv
+            bound = max(bound, max_message_bytes(kv.kv_cache, math.ceil(slot.core.max_model_len / kv.block_size)))
         return bound
 
     def _core_for(self, instance: str):
@@ -125,10 +124,7 @@ class DecodeWorker:
         slot.touch()
         job = h.job
         req = engine_request(slot, job)
-        req.output_token_ids = [h.first_token_id]
-        req.num_computed_tokens = len(job.prompt_token_ids)
-        req.num_cached_tokens = h.num_cached_tokens
-        slot.core.scheduler.add_prefilled_request(req)
+        slot.core.add_remote_prefilled(req, h.first_token_id, h.num_cached_tokens)
         self.inflight.track(InFlight(request_id=job.request_id, instance=job.model, reply_addr=job.reply_addr,
                                      deadline=job.deadline, arrival=job.arrival, max_tokens=req.max_tokens, sent=1))
         # Tell the gateway who holds the request now, before the ack lets the prefill side drop the job:
@@ -145,7 +141,7 @@ class DecodeWorker:
         for rid, grant in list(self.receiver.grants.items()):
             slot = self.runtime.slots.get(grant.model)
             if slot is not None:
-                slot.core.block_manager.free(rid)  # KV never came; its prefill worker times the handoff out
+                slot.core.kv.free(rid)  # KV never came; its prefill worker times the handoff out
         self.receiver.grants.clear()
 
 

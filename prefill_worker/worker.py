@@ -73,7 +73,7 @@ class PrefillWorker:
     def attach(self, slot: ModelSlot) -> None:
         self.intake.attach(slot)
         if self.config.stream_kv_layers:
-            slot.core.runner.set_kv_stream(self.handoff.stream_for(slot.instance))
+            slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
 
     def detach(self, slot: ModelSlot) -> None:
         self.handoff.forget_model(slot.instance)
@@ -134,10 +134,9 @@ class PrefillWorker:
         scheduling order (running first, then waiting), counting the prompt tokens computed before each
         one's last chunk. Asking earlier would hold decode blocks idle while prompts wait; later, the
         grant (a round trip through the decode worker's loop) would miss the last chunk."""
-        sched = slot.core.scheduler
-        step = sched.max_num_batched_tokens
+        step = slot.core.max_num_batched_tokens
         ahead = 0  # prompt tokens scheduled before this request's
-        for req in (*sched.running, *sched.waiting):
+        for req in slot.core.scheduling_order():
             remaining = req.num_prompt_tokens - req.num_computed_tokens
             if ahead + max(0, remaining - step) > EARLY_GRANT_STEPS * step:
                 return
@@ -168,7 +167,7 @@ class PrefillWorker:
             if slot.metrics is not None:
                 slot.metrics.request_done(event.finish_reason, job.arrival)
             self.handoff.cancel(rid)  # an early grant's blocks go back; streamed copies finish first
-            slot.core.scheduler.release_held(rid)
+            slot.core.kv.release_held(rid)
             self.inflight.finish(rid, event)
             return
         event.finish_reason = None  # the prefill cap is ours, not the request's

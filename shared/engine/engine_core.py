@@ -5,14 +5,23 @@ Lifecycle of one request:
   make_request (validate) -> add_request (WAITING) -> step() grants it tokens, possibly in chunks
   (RUNNING) -> each step that reaches its last token samples one more -> a stop condition or
   abort() finishes it and frees its blocks (unless the core holds finished KV for a handoff).
+A request whose prompt KV was computed elsewhere: blocks reserved through ``kv`` (kv_connector.py), the
+KV written into them, then add_remote_prefilled (RUNNING, its first token already out).
+
+This class is the engine's one public surface: workers, the handoff and benchmarks use it (and ``kv``)
+and never its scheduler, block manager or runner.
 """
 
 import math
 import time
+from collections.abc import Iterator
 from typing import Protocol
+
+import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.model_runner import ModelRunner, to_position_logprobs
 from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
@@ -54,6 +63,8 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hold_finished_kv=hold_finished_kv,
         )
+        self.kv = EngineKV(self.block_manager, lambda: runner.kv_cache, self.scheduler.release_held,
+                           runner.set_kv_stream)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         self.observer: EngineObserver | None = None
 
@@ -101,6 +112,15 @@ class EngineCore:
             # after preemption overwrites the same slots)
             self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
         self.scheduler.add_request(req)
+
+    def add_remote_prefilled(self, req: Request, first_token_id: int, num_cached_tokens: int) -> None:
+        """Admit a request whose prompt KV was computed elsewhere and sits in the blocks ``kv.reserve``
+        gave it, with the first token the other side sampled as its output 0. The caller has checked
+        that it fits the running batch (``num_running < max_num_seqs``)."""
+        req.output_token_ids = [first_token_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = num_cached_tokens
+        self.scheduler.add_prefilled_request(req)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         aborted = []
@@ -183,6 +203,61 @@ class EngineCore:
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
 
     # -- introspection for workers and metrics --------------------------------------------------
+    def is_running(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in self.scheduler.running)
+
+    def scheduling_order(self) -> Iterator[Request]:
+        """Unfinished requests in the order a step serves them: running first, then waiting."""
+        yield from self.scheduler.running
+        yield from self.scheduler.waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The step's token budget (resolved: the config may leave it to the engine)."""
+        return self.scheduler.max_num_batched_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of this model's blocks in use (1 = full)."""
+        return self.block_manager.usage
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """Lifetime prompt tokens looked up in the prefix cache, and those found."""
+        return self.block_manager.prefix_queries, self.block_manager.prefix_hits
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one block, all layers."""
+        return self.runner.block_bytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def hf_config(self) -> dict:
+        return self.runner.hf_config
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
     @property
     def num_free_blocks(self) -> int:
         """Free blocks this model owns (a shared pool may hold more it could grow into)."""

@@ -1,4 +1,7 @@
-"""The KV handoff: a finished prefill's KV blocks moved into a decode worker's granted blocks.
+"""The KV handoff: a finished prefill's KV blocks moved into a decode worker's granted blocks. It is the
+engine's KV connector: it reaches a model's KV only through ``EngineCore.kv`` (shared/engine/kv_connector.py:
+reserve, free, park and release blocks; the KV cache and block ids) and is called back by the forward
+through ``LayerStream``, its ``LayerSaver``.
 
 base.py       the interfaces: a Transport gives a KVSender (prefill side) and a KVReceiver (decode side)
 states.py     the state table of a transfer on the prefill side
@@ -6,5 +9,6 @@ sender.py     the prefill side's mechanics; receiver.py the decode side's
 frames.py     host-staged frames over ZMQ (any two hosts)
 direct.py     direct writes into the decode worker's cache, reached through cuda_ipc.py (one GPU) or
               fake.py (one process, for tests)
-transports.py the default transports; blocks.py layouts and block copies; waker.py wakes a worker loop; standalone.py endpoints without an engine
+transports.py the default transports; blocks.py layouts and block copies; waker.py wakes a worker loop;
+standalone.py endpoints with a KV cache and no model (the handoff's benchmark and tests)
 """

@@ -67,13 +67,14 @@ class Incoming:
 
 class KVInbox(ABC):
     def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None):
-        """``core_for(model)``: the engine serving that model instance here, or None."""
+        """``core_for(model)``: the EngineCore serving that model instance here, or None; the inbox works
+        on its KV only through ``core.kv`` (shared/engine/kv_connector.py)."""
         self.sock, self.core_for, self.grant_ttl_s = sock, core_for, grant_ttl_s
         self.transports = default_transports() if transports is None else transports
         self._by_name = {t.name: t for t in self.transports}
         self.grants: dict[str, Grant] = {}
         self.incoming: dict[str, Incoming] = {}
-        self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, block-manager owner key)
+        self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, owner key of parked blocks)
         self._quarantined = 0
         self.waker = Waker()  # finished layer writes wake poll(), so the ack goes out at once
         self.poller = zmq.Poller()
@@ -154,7 +155,7 @@ class KVInbox(ABC):
         blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
             return HandoffGrant(request_id=rid, accepted=False, reason=blocks)
-        kv = self.core_for(req.model).runner.kv_cache
+        kv = self.core_for(req.model).kv.kv_cache
         offer = next((o for t in self.transports if (o := t.offer(req.model, kv, req)) is not None), None)
         self.grants[rid] = Grant(peer, req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
                                  offered=offer is not None)
@@ -164,14 +165,13 @@ class KVInbox(ABC):
         """The grant's KV starts arriving: from here the sender is done writing blocks itself, so a
         failure frees them at once. None (and a nack) when the transport cannot take it."""
         grant = self.grants.pop(rid)
-        core = self.core_for(grant.model)
+        kv = self.core_for(grant.model).kv
         try:
             if transport not in self._by_name:
                 raise ValueError(f"KV over {transport!r}, which this worker does not take")
-            receiver = self._by_name[transport].receiver(core.runner.kv_cache, grant.block_ids, grant.offered,
-                                                         self.waker.wake)
+            receiver = self._by_name[transport].receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake)
         except ValueError as exc:
-            core.block_manager.free(rid)
+            kv.free(rid)
             log.warning("rejected KV for %s: %s", rid, exc)
             self._nack(peer, rid, str(exc))
             return None
@@ -211,7 +211,7 @@ class KVInbox(ABC):
                 raise ValueError(f"a {header.transport!r} header after {inc.transport!r} KV")
             if len(header.job.prompt_token_ids) != inc.num_tokens:
                 raise ValueError("prompt length differs from the granted one")
-            check_layout(self.core_for(inc.model).runner.kv_cache, header)
+            check_layout(self.core_for(inc.model).kv.kv_cache, header)
         except ValueError as exc:
             return self._abort_incoming(rid, str(exc))
         inc.header = header  # _advance lands it once all its KV is written
@@ -222,7 +222,7 @@ class KVInbox(ABC):
         if inc is not None and inc.peer == peer:
             inc = self.incoming.pop(rid)
             inc.receiver.abandon()
-            self.core_for(inc.model).block_manager.free(rid)
+            self.core_for(inc.model).kv.free(rid)
         elif rid in self.grants:
             self._release_grant(rid)
         log.debug("handoff of %s cancelled by its sender: %s", rid, msg.reason)
@@ -243,29 +243,28 @@ class KVInbox(ABC):
         try:
             admit(header)
         except ValueError as exc:  # the request itself is invalid here (e.g. a smaller context)
-            self.core_for(header.model).block_manager.free(header.request_id)
+            self.core_for(header.model).kv.free(header.request_id)
             return self._nack(peer, header.request_id, str(exc))
         self._reply(peer, HandoffAck(request_id=header.request_id, ok=True))
 
     def _abort_incoming(self, rid: str, reason: str) -> None:
         inc = self.incoming.pop(rid)
         inc.receiver.abandon()  # no write may still be landing when the blocks go back
-        self.core_for(inc.model).block_manager.free(rid)
+        self.core_for(inc.model).kv.free(rid)
         log.warning("rejected KV for %s: %s", rid, reason)
         self._nack(inc.peer, rid, reason)
 
     def _release_grant(self, rid: str) -> None:
         grant = self.grants.pop(rid)
-        bm = self.core_for(grant.model).block_manager
+        kv = self.core_for(grant.model).kv
         if not grant.offered:
-            bm.free(rid)
+            kv.free(rid)
             return
         # the asker may still be writing these blocks directly: park them under a private owner key
         # (the request id may be granted again at once) and free them one TTL later
         self._quarantined += 1
         key = f"ipc-quarantine\x00{self._quarantined}"
-        bm.req_blocks[key] = bm.req_blocks.pop(rid, [])
-        bm.req_hashes.pop(rid, None)
+        kv.park(rid, key)
         self.quarantine.append((time.monotonic() + self.grant_ttl_s, grant.model, key))
 
     def _expire(self) -> None:
@@ -277,7 +276,7 @@ class KVInbox(ABC):
             self._abort_incoming(rid, f"KV layers stalled: not all arrived within {self.grant_ttl_s}s")
         while self.quarantine and self.quarantine[0][0] < now:
             _, model, key = self.quarantine.pop(0)
-            self.core_for(model).block_manager.free(key)
+            self.core_for(model).kv.free(key)
 
     def _nack(self, peer: bytes, rid: str, reason: str) -> None:
         self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason))

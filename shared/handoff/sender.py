@@ -52,7 +52,8 @@ Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model)
 class HandoffSender:
     def __init__(self, ctx: zmq.Context, worker_id: str, timeout_s: float, core_for, pick: Pick,
                  transports: list[Transport] | None = None, *, curve: CurveKeys | None):
-        """``core_for(model)``: the engine holding that model instance's KV; ``pick``: whom to ask next;
+        """``core_for(model)``: the EngineCore holding that model instance's KV (its ``kv``: the connector
+        seam, shared/engine/kv_connector.py); ``pick``: whom to ask next;
         ``curve``: the deployment's keys, without which decode workers do not let us in."""
         self.ctx, self.worker_id, self.timeout_s, self.curve = ctx, worker_id, timeout_s, curve
         self.core_for, self.pick = core_for, pick
@@ -189,11 +190,10 @@ class HandoffSender:
         t.tried.add(target.worker_id)
         t.asked_at = time.monotonic()
         t.deadline = t.asked_at + self.timeout_s
-        core = self.core_for(t.job.model)
-        kv = core.runner.kv_cache
-        locality = next((place for tr in self.transports if (place := tr.locality(kv))), "")
+        kv = self.core_for(t.job.model).kv
+        locality = next((place for tr in self.transports if (place := tr.locality(kv.kv_cache))), "")
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
-                             block_size=core.runner.block_size, device_uuid=locality,
+                             block_size=kv.block_size, device_uuid=locality,
                              requester=self.worker_id)
         self.asks.setdefault(t.target, []).append((t, req))  # sent by poll(), with the step's other asks
 
@@ -241,8 +241,7 @@ class HandoffSender:
                 self._fail(t, f"decode worker rejected the KV: {msg.reason}")
 
     def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:
-        core = self.core_for(t.job.model)
-        src_blocks = core.block_manager.block_ids(t.job.request_id)[: len(grant.block_ids)]
+        src_blocks = self.core_for(t.job.model).kv.block_ids(t.job.request_id)[: len(grant.block_ids)]
         if len(src_blocks) != len(grant.block_ids):
             self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
             return
@@ -270,7 +269,7 @@ class HandoffSender:
         return t
 
     def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
-        kv, age = self.core_for(t.job.model).runner.kv_cache, time.monotonic() - t.asked_at
+        kv, age = self.core_for(t.job.model).kv.kv_cache, time.monotonic() - t.asked_at
         for transport in self.transports:
             sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.waker.wake)
             if sender is not None:
@@ -280,7 +279,7 @@ class HandoffSender:
         return False
 
     def _header(self, t: Transfer) -> KVHeader:
-        job, first, kv = t.job, t.first, self.core_for(t.job.model).runner.kv_cache
+        job, first, kv = t.job, t.first, self.core_for(t.job.model).kv.kv_cache
         return KVHeader(
             job=job, **layout_of(kv), transport=t.transport, num_blocks=len(t.grant.block_ids),
             block_ids=t.grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
@@ -335,7 +334,7 @@ class HandoffSender:
             return
         core = self.core_for(t.job.model)
         if core is not None:
-            core.scheduler.release_held(t.job.request_id)
+            core.kv.release_held(t.job.request_id)
         t.holds_source = False
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -361,7 +360,8 @@ class HandoffSender:
 
 
 class LayerStream:
-    """What one model's runner calls around each forward (``ModelRunner.set_kv_stream``): ``begin`` with
+    """The connector's worker-side half for one model (a ``LayerSaver``, shared/engine/kv_connector.py, set
+    through ``EngineCore.kv.set_layer_saver``): the forward calls ``begin`` with
     the requests whose prompt's last chunk the forward computes, ``layer_done`` after each decoder
     layer, ``end`` once the forward is queued. Transfers holding a fresh early grant move each group of
     layers as soon as the forward has written it."""

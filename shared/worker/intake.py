@@ -48,7 +48,7 @@ class JobIntake:
 
     def fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
         self._keep_in_flight(slot.instance)
-        room = slot.core.config.scheduler.max_num_seqs - self.inflight.count(slot.instance)
+        room = slot.core.max_num_seqs - self.inflight.count(slot.instance)
         if room <= 0 or self.runtime.draining:
             return []
         jobs = self.queues[slot.instance].fetch(room, block_ms=block_ms)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 
+from kvrelay.shared.engine import SchedulerOutput
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.worker.host_stats import HostCollector, nvml_for
 
 # vLLM's buckets, with finer steps below 10 ms for GPU decode and around the 500 ms e2e alert threshold.
@@ -65,13 +65,12 @@ class WorkerMetrics:
 
         Gauge("kvrelay_worker_info", "This worker's role and id (always 1), for joins",
               m + ["role", "worker_id"], registry=r).labels(model_name, role, worker_id).set(1)
-        sched, bm = core.scheduler, core.block_manager
         Gauge("vllm:num_requests_running", "Requests in the running batch", m,
-              registry=r).labels(model_name).set_function(lambda: sched.num_running)
+              registry=r).labels(model_name).set_function(lambda: core.num_running)
         Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m,
-              registry=r).labels(model_name).set_function(lambda: sched.num_waiting)
+              registry=r).labels(model_name).set_function(lambda: core.num_waiting)
         Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)", m,
-              registry=r).labels(model_name).set_function(lambda: bm.usage)
+              registry=r).labels(model_name).set_function(lambda: core.kv_usage)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests prefilled here", m,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated here", m,
@@ -106,7 +105,7 @@ class WorkerMetrics:
         self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",
                                  m + ["transport", "streamed"], registry=r)
-        r.register(_PrefixCacheCollector(bm, model_name))
+        r.register(_PrefixCacheCollector(core, model_name))
         if process_collectors:
             r.register(HostCollector(*nvml_for(device)))
             ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
@@ -173,15 +172,16 @@ class WorkerMetrics:
 
 
 class _PrefixCacheCollector:
-    """The block manager's lifetime prefix-cache counts (tokens), read at scrape time."""
+    """The engine's lifetime prefix-cache counts (tokens), read at scrape time."""
 
-    def __init__(self, block_manager, model_name: str):
-        self.bm = block_manager
+    def __init__(self, core, model_name: str):
+        self.core = core
         self.model = model_name
 
     def collect(self):
-        for name, value, doc in (("vllm:prefix_cache_queries", self.bm.prefix_queries, "Prompt tokens looked up"),
-                                 ("vllm:prefix_cache_hits", self.bm.prefix_hits, "Prompt tokens found cached")):
+        queries, hits = self.core.prefix_cache_stats()
+        for name, value, doc in (("vllm:prefix_cache_queries", queries, "Prompt tokens looked up"),
+                                 ("vllm:prefix_cache_hits", hits, "Prompt tokens found cached")):
             family = CounterMetricFamily(name, doc + " in the prefix cache", labels=["model_name"])
             family.add_metric([self.model], value)
             yield family

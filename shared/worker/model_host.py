@@ -225,7 +225,7 @@ class ModelHost:
         return kv_floor_bytes(plan.engine, plan.root)
 
     def _owned_bytes(self, s: ModelSlot) -> int:
-        return s.core.num_total_blocks * s.core.runner.block_bytes
+        return s.core.num_total_blocks * s.core.block_bytes
 
     # -- loading --------------------------------------------------------------------------------
     def load_now(self, plan: ModelPlan) -> ModelSlot:
@@ -254,7 +254,7 @@ class ModelHost:
                               kv_pool_key=plan.instance, loaded=loaded)
         if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
             warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
-        weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+        weight_bytes = core.weight_bytes
         log.info("%s: weights in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, t_weights - t0,
                  "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
@@ -387,12 +387,11 @@ class ModelHost:
         out = []
         lendable = self.pool.reclaimable_bytes() if self.pool is not None else 0  # what the pool could add
         for s in self.slots.values():
-            sched = s.core.scheduler
             out.append(InstanceStatus(instance=s.instance, name=s.name, version=s.version, state=s.state,
                                       weight_bytes=s.weight_bytes, kv_blocks=s.core.num_total_blocks,
-                                      kv_free_blocks=s.core.num_free_blocks + lendable // s.core.runner.block_bytes,
-                                      running=sched.num_running,
-                                      waiting=sched.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
+                                      kv_free_blocks=s.core.num_free_blocks + lendable // s.core.block_bytes,
+                                      running=s.core.num_running,
+                                      waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
                                       load_s=round(s.load_s, 3)))
         for inst, ld in self.loading.items():
             out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",

@@ -43,11 +43,11 @@ class Registration:
                 self.redis.sadd(keys.REGISTRY_INDEX, spec.name)
 
     def publish_model(self, slot: ModelSlot) -> None:
-        runner = slot.core.runner
+        core = slot.core
         info = ModelInfo(name=slot.instance, path=self.tokenizer_dirs.get(slot.instance, slot.path),
-                         max_model_len=slot.core.max_model_len, vocab_size=slot.core.vocab_size,
-                         eos_token_ids=slot.eos_ids, block_size=runner.block_size,
-                         dtype=str(runner.dtype).removeprefix("torch."), served_name=slot.name,
+                         max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+                         eos_token_ids=slot.eos_ids, block_size=core.block_size,
+                         dtype=str(core.dtype).removeprefix("torch."), served_name=slot.name,
                          version=slot.version)
         self.redis.set(keys.model_key(info.name), encode(info))
         self.redis.sadd(keys.MODELS_INDEX, info.name)
@@ -64,8 +64,8 @@ class Registration:
         info = WorkerInfo(worker_id=self.config.worker_id, role=self.config.role,
                           models=[s.instance for s in slots], zmq_addr=self.zmq_addr, free_blocks=free,
                           total_blocks=sum(s.core.num_total_blocks for s in slots),
-                          running=sum(s.core.scheduler.num_running for s in slots),
-                          waiting=sum(s.core.scheduler.num_waiting for s in slots), pid=os.getpid(),
+                          running=sum(s.core.num_running for s in slots),
+                          waiting=sum(s.core.num_waiting for s in slots), pid=os.getpid(),
                           host=socket.gethostname(), started=self.started, heartbeat=time.time(),
                           instances=self.host.status(), weights_budget=self.host.weights_budget,
                           weights_used=self.host.weights_used,

@@ -181,7 +181,7 @@ class WorkerRuntime:
 def _eos_ids(core: EngineCore, model_path: str) -> list[int]:
     from kvrelay.shared.text.tokenizer import eos_token_ids
 
-    return eos_token_ids(None, core.runner.hf_config, model_path if model_path and not model_path.startswith(
+    return eos_token_ids(None, core.hf_config, model_path if model_path and not model_path.startswith(
         "dummy:") else None)
 
 

@@ -71,9 +71,9 @@ def test_ipc_copy_between_two_processes_equals_the_source_blocks(decode_side):
     for r in results:
         assert r["state"] == "done" and r["transport"] == "ipc", r
         dst = decode_side.blocks(r["rid"])
-        assert torch.equal(decode_side.rt.core.runner.kv_cache[:, :, dst], src_kv[:, :, r["src"]])
+        assert torch.equal(decode_side.rt.core.kv.kv_cache[:, :, dst], src_kv[:, :, r["src"]])
     untouched = sorted(set(range(SHAPE[2])) - {b for r in results for b in decode_side.blocks(r["rid"])})
-    assert not decode_side.rt.core.runner.kv_cache[:, :, untouched].any()
+    assert not decode_side.rt.core.kv.kv_cache[:, :, untouched].any()
 
 
 def _in_process_prefill(addr: str, transports=None):
@@ -89,7 +89,7 @@ def _check_landed(side: DecodeSide, rt, rid: str, src: list[int]) -> None:
         assert time.monotonic() < deadline, "never admitted"
         time.sleep(0.01)
     dst = side.blocks(rid)
-    assert torch.equal(side.rt.core.runner.kv_cache[:, :, dst], rt.core.runner.kv_cache[:, :, src])
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, dst], rt.core.kv.kv_cache[:, :, src])
 
 
 def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
@@ -104,7 +104,7 @@ def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
 def test_falls_back_to_frames_when_the_ipc_handle_cannot_be_mapped(decode_side):
     rt, manager = _in_process_prefill(decode_side.addr)
     direct = decode_side.receiver.transports[0]
-    exporter = direct.exporters[MODEL] = Exporter(decode_side.rt.core.runner.kv_cache, CudaIpc())
+    exporter = direct.exporters[MODEL] = Exporter(decode_side.rt.core.kv.kv_cache, CudaIpc())
     real_offer = exporter.offer
 
     def broken_offer(requester, asker_uuid):

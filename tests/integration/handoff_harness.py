@@ -12,7 +12,7 @@ import zmq
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import HandoffManager, Transfer
 from kvrelay.shared.handoff.frames import max_message_bytes
-from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, synthetic_job
+from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, serves, synthetic_job
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.handoff import KVHeader
 from tests.zmq_secret import CURVE
@@ -33,7 +33,7 @@ class DecodeSide:
         zmq_auth.serve(self.sock, CURVE)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.rt = endpoint(kv, "d1", MODEL)
-        self.receiver = HandoffReceiver(self.sock, self.rt.core, MODEL, ttl_s, transports=transports)
+        self.receiver = HandoffReceiver(self.sock, serves(MODEL, self.rt.core), ttl_s, transports=transports)
         self.admitted: dict[str, KVHeader] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -44,7 +44,7 @@ class DecodeSide:
             self.receiver.poll(20, lambda h: self.admitted.setdefault(h.request_id, h))
 
     def blocks(self, rid: str) -> list[int]:
-        return self.rt.core.block_manager.block_ids(rid)
+        return self.rt.core.kv.block_ids(rid)
 
     def close(self) -> None:
         self.stop.set()

@@ -17,7 +17,7 @@ from kvrelay.shared.handoff import receiver as receiver_module
 from kvrelay.shared.handoff.direct import DirectWrite, IpcError
 from kvrelay.shared.handoff.fake import InProcess, in_process
 from kvrelay.shared.handoff.frames import Frames
-from kvrelay.shared.handoff.standalone import endpoint
+from kvrelay.shared.handoff.standalone import endpoint, serves
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest
 from tests.integration.handoff_harness import (
@@ -54,13 +54,13 @@ def test_direct_writes_land_bit_exact_and_never_send_a_layer(prefill, decode_sid
     rt, make = prefill
     side = decode_side(transports=[in_process(), Frames()])
     manager = make(side.addr, transports=[in_process(), Frames()])
-    total = rt.core.block_manager.num_free_blocks
+    total = rt.core.kv.num_free_blocks
     for rid, num_tokens in [("small", 5), ("one-block", BLOCK), ("big", 40 * BLOCK - 3)]:
         t, src = hand_off_tiny(manager, rt, rid, num_tokens)
         assert t.state is State.DONE and t.transport == "ipc", t.reason
         wait_for(lambda rid=rid: rid in side.admitted, "admission")
-        assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks(rid)], rt.core.runner.kv_cache[:, :, src])
-    assert side.receiver.bytes_received > 0 and rt.core.block_manager.num_free_blocks == total
+        assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks(rid)], rt.core.kv.kv_cache[:, :, src])
+    assert side.receiver.bytes_received > 0 and rt.core.kv.num_free_blocks == total
     assert len(manager.transports[0].peers[MODEL].mapped) == 1  # mapped once, used three times
 
 
@@ -68,10 +68,10 @@ def test_layers_are_written_directly_during_the_last_chunk(prefill, decode_side)
     rt, make = prefill
     side = decode_side(transports=[in_process(), Frames()])
     manager = make(side.addr, transports=[in_process(), Frames()])
-    kv = rt.core.runner.kv_cache
+    kv = rt.core.kv.kv_cache
     final = kv.clone()
     num_tokens = 40 * BLOCK - 3
-    src = rt.core.block_manager.allocate_for_tokens("s", num_tokens)
+    src = rt.core.kv.reserve("s", num_tokens)
     kv[:, :, src] = 0
     t = early(manager, "s", num_tokens)
     poll_until(manager, lambda: t.state is State.GRANTED, "the early grant")
@@ -82,12 +82,12 @@ def test_layers_are_written_directly_during_the_last_chunk(prefill, decode_side)
         kv[layer, :, src] = final[layer, :, src]
         stream.layer_done(layer)
         # each layer lands in the decode worker's blocks as soon as the forward wrote it, no later ones
-        assert torch.equal(side.rt.core.runner.kv_cache[: layer + 1, :, dst], final[: layer + 1, :, src])
-        assert not side.rt.core.runner.kv_cache[layer + 1:, :, dst].any()
+        assert torch.equal(side.rt.core.kv.kv_cache[: layer + 1, :, dst], final[: layer + 1, :, src])
+        assert not side.rt.core.kv.kv_cache[layer + 1:, :, dst].any()
     stream.end()
     assert "s" not in side.admitted  # no first token yet, so no header
     assert manager.complete("s", FirstToken(7))
-    assert not rt.core.block_manager.block_ids("s")  # released at once: the copy is done
+    assert not rt.core.kv.block_ids("s")  # released at once: the copy is done
     ended = poll_until(manager, lambda: "s" not in manager.transfers, "the ack")
     assert [(e.state, e.streamed, e.transport) for e in ended] == [(State.DONE, True, "ipc")]
     wait_for(lambda: "s" in side.admitted, "admission")
@@ -102,7 +102,7 @@ def test_a_handle_that_cannot_be_mapped_falls_back_to_frames(prefill, decode_sid
         t, src = hand_off_tiny(manager, rt, rid, 10 * BLOCK)
         assert t.state is State.DONE and t.transport == "layers", t.reason
         wait_for(lambda rid=rid: rid in side.admitted, "admission")
-        assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks(rid)], rt.core.runner.kv_cache[:, :, src])
+        assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks(rid)], rt.core.kv.kv_cache[:, :, src])
 
 
 def test_only_an_asker_in_reach_is_offered_a_handle(prefill, decode_side):
@@ -121,14 +121,14 @@ def test_blocks_offered_for_direct_writes_stay_parked_one_more_ttl(monkeypatch, 
     now = [1000.0]
     monkeypatch.setattr(receiver_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     side = endpoint(torch.zeros(SHAPE), "d1", MODEL)
-    bm, total = side.core.block_manager, side.core.block_manager.num_free_blocks
+    kv, total = side.core.kv, side.core.kv.num_free_blocks
     ctx = zmq.Context()
     router, asker = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     asker.connect(addr)
     transport = in_process()
-    receiver = HandoffReceiver(router, side.core, MODEL, grant_ttl_s=10.0, transports=[transport, Frames()])
-    locality = transport.locality(side.core.runner.kv_cache)
+    receiver = HandoffReceiver(router, serves(MODEL, side.core), grant_ttl_s=10.0, transports=[transport, Frames()])
+    locality = transport.locality(side.core.kv.kv_cache)
 
     def ask() -> HandoffGrant:
         asker.send(encode(HandoffRequest("r", MODEL, num_tokens=4 * BLOCK, block_size=BLOCK, device_uuid=locality,
@@ -143,11 +143,11 @@ def test_blocks_offered_for_direct_writes_stay_parked_one_more_ttl(monkeypatch, 
         second = ask()
         assert second.accepted and set(second.block_ids).isdisjoint(first.block_ids)
         assert second.ipc == first.ipc  # one export per asker
-        assert bm.num_free_blocks == total - 8
+        assert kv.num_free_blocks == total - 8
         now[0] += 10.5  # the second grant lapses (parked); the first's parking is over (freed)
         receiver.poll(0, admit=None)
-        assert "r" not in receiver.grants and bm.num_free_blocks == total - 4
-        assert not set(bm.block_ids("r"))
+        assert "r" not in receiver.grants and kv.num_free_blocks == total - 4
+        assert not set(kv.block_ids("r"))
     else:
         from kvrelay.shared.wire.handoff import HandoffCancel
 
@@ -155,8 +155,8 @@ def test_blocks_offered_for_direct_writes_stay_parked_one_more_ttl(monkeypatch, 
         deadline = time.monotonic() + 10
         while "r" in receiver.grants and time.monotonic() < deadline:
             receiver.poll(100, admit=None)
-        assert "r" not in receiver.grants and bm.num_free_blocks == total - 4  # parked, not freed
+        assert "r" not in receiver.grants and kv.num_free_blocks == total - 4  # parked, not freed
     now[0] += 10.5
     receiver.poll(0, admit=None)
-    assert bm.num_free_blocks == total
+    assert kv.num_free_blocks == total
     ctx.destroy(linger=0)

@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from kvrelay.prefill_worker.handoff import FirstToken, State
+from kvrelay.shared.engine import detached_kv
 from kvrelay.shared.handoff.blocks import layout_of
 from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.handoff.standalone import synthetic_job
@@ -54,18 +55,18 @@ def test_handoffs_land_bit_exact(prefill, decode_side, dtype):
     """bf16 halves a layer, so the big transfer packs more layers into a message than one layer of the
     whole cache: the receive bound must allow for that (it once did not)."""
     rt, make = prefill
-    rt.core.runner.kv_cache = rt.core.runner.kv_cache.to(dtype)
+    rt.core.kv = detached_kv(rt.core.kv.kv_cache.to(dtype), scatter_seed=3)
     side = decode_side(dtype=dtype)
     manager = make(side.addr)
-    total = rt.core.block_manager.num_free_blocks
+    total = rt.core.kv.num_free_blocks
     for rid, num_tokens in [("small", 5), ("one-block", BLOCK), ("big", 40 * BLOCK - 3)]:
         t, src = hand_off_tiny(manager, rt, rid, num_tokens)
         assert t.state is State.DONE and t.transport == "layers", t.reason
         wait_for(lambda rid=rid: rid in side.admitted, "admission")
         dst = side.blocks(rid)
-        assert torch.equal(side.rt.core.runner.kv_cache[:, :, dst], rt.core.runner.kv_cache[:, :, src])
+        assert torch.equal(side.rt.core.kv.kv_cache[:, :, dst], rt.core.kv.kv_cache[:, :, src])
         assert side.admitted[rid].job.prompt_token_ids == [1] * num_tokens
-    assert rt.core.block_manager.num_free_blocks == total  # every source block released
+    assert rt.core.kv.num_free_blocks == total  # every source block released
 
 
 def test_one_steps_asks_go_out_in_one_message_and_are_granted_in_one(prefill, decode_side):
@@ -87,7 +88,7 @@ def test_one_steps_asks_go_out_in_one_message_and_are_granted_in_one(prefill, de
 
     side.receiver._on_message, manager._on_reply = seen_by_decode, seen_by_prefill
     sizes = {"a": 5, "b": 3 * BLOCK, "c": 7 * BLOCK + 1}
-    src = {rid: rt.core.block_manager.allocate_for_tokens(rid, n) for rid, n in sizes.items()}
+    src = {rid: rt.core.kv.reserve(rid, n) for rid, n in sizes.items()}
     for rid, n in sizes.items():  # as the prefill worker does with each prompt its step finished
         manager.prefilled(synthetic_job(rid, n, MODEL), rid.encode(), FirstToken(2))
     ended = poll_until(manager, lambda: len(side.admitted) == len(sizes), "three admissions")
@@ -98,7 +99,7 @@ def test_one_steps_asks_go_out_in_one_message_and_are_granted_in_one(prefill, de
     grants = [m for m in replies if isinstance(m, HandoffGrant | HandoffGrants)]
     assert len(grants) == 1 and [g.request_id for g in grants[0].grants] == list(sizes)
     for rid in sizes:
-        assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks(rid)], rt.core.runner.kv_cache[:, :, src[rid]])
+        assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks(rid)], rt.core.kv.kv_cache[:, :, src[rid]])
 
 
 def _dealer(addr: str) -> zmq.Socket:
@@ -133,7 +134,7 @@ def _layer_messages(kv: torch.Tensor, rid: str, src: list[int]) -> list[list]:
 def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, decode_side):
     rt, make = prefill
     side = decode_side()
-    kv, total = rt.core.runner.kv_cache, side.rt.core.block_manager.num_free_blocks
+    kv, total = rt.core.kv.kv_cache, side.rt.core.kv.num_free_blocks
     evil = _dealer(side.addr)
     num_tokens = 30 * BLOCK
     src = list(range(30))
@@ -174,11 +175,11 @@ def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, deco
     ack = decode(evil.recv(), HandoffAck)
     assert not ack.ok and "IPC" in ack.reason
 
-    wait_for(lambda: side.rt.core.block_manager.num_free_blocks == total, "the refused transfers' blocks")
+    wait_for(lambda: side.rt.core.kv.num_free_blocks == total, "the refused transfers' blocks")
     t, src = hand_off_tiny(make(side.addr), rt, "good", num_tokens)
     assert t.state is State.DONE, t.reason
     wait_for(lambda: "good" in side.admitted, "admission")
-    assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks("good")], kv[:, :, src])
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("good")], kv[:, :, src])
     assert set(side.admitted) == {"good"}
     evil.close()
 
@@ -190,10 +191,10 @@ def test_decode_peer_that_never_answers_fails_the_transfer(prefill):
     silent.setsockopt(zmq.LINGER, 0)
     zmq_auth.serve(silent, CURVE)
     addr = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
-    total = rt.core.block_manager.num_free_blocks
+    total = rt.core.kv.num_free_blocks
     t, _ = hand_off_tiny(make(addr, timeout_s=0.3), rt, "r1", 20)
     assert t.state is State.FAILED and "did not answer" in t.reason and "no other decode worker" in t.reason
-    assert rt.core.block_manager.num_free_blocks == total
+    assert rt.core.kv.num_free_blocks == total
     silent.close()
 
 
@@ -204,8 +205,8 @@ def test_decode_peer_that_stalls_after_granting_fails_the_transfer(prefill):
     zmq_auth.serve(granter, CURVE)
     addr = f"tcp://127.0.0.1:{granter.bind_to_random_port('tcp://127.0.0.1')}"
     manager = make(addr, timeout_s=0.3)
-    total = rt.core.block_manager.num_free_blocks
-    rt.core.block_manager.allocate_for_tokens("r1", 40 * BLOCK)
+    total = rt.core.kv.num_free_blocks
+    rt.core.kv.reserve("r1", 40 * BLOCK)
     manager.start(synthetic_job("r1", 40 * BLOCK, MODEL), b"r1", FirstToken(2))
     ended, granted = [], False
     while not ended:
@@ -215,14 +216,14 @@ def test_decode_peer_that_stalls_after_granting_fails_the_transfer(prefill):
             granter.send_multipart([peer, encode(HandoffGrant("r1", accepted=True, block_ids=list(range(40))))])
             granted = True
     assert ended[0].state is State.FAILED and "within" in ended[0].reason
-    assert rt.core.block_manager.num_free_blocks == total  # released once nothing read them any more
+    assert rt.core.kv.num_free_blocks == total  # released once nothing read them any more
     granter.close()
 
 
 def test_prefill_peer_that_stalls_mid_transfer_times_out_on_the_decode_side(prefill, decode_side):
     rt, make = prefill
     side = decode_side(ttl_s=1.0)
-    kv, total = rt.core.runner.kv_cache, side.rt.core.block_manager.num_free_blocks
+    kv, total = rt.core.kv.kv_cache, side.rt.core.kv.num_free_blocks
     stalled = _dealer(side.addr)
     num_tokens = 40 * BLOCK
     messages = _layer_messages(kv, "half", list(range(40)))
@@ -232,11 +233,11 @@ def test_prefill_peer_that_stalls_mid_transfer_times_out_on_the_decode_side(pref
     ack = decode(stalled.recv(), HandoffAck)
     assert not ack.ok and "stalled" in ack.reason
     stalled.send_multipart(messages[1])  # the rest, too late: ignored, not a crash
-    wait_for(lambda: side.rt.core.block_manager.num_free_blocks == total, "the stalled transfer's blocks")
+    wait_for(lambda: side.rt.core.kv.num_free_blocks == total, "the stalled transfer's blocks")
     t, src = hand_off_tiny(make(side.addr), rt, "after", BLOCK)
     assert t.state is State.DONE, t.reason
     wait_for(lambda: "after" in side.admitted, "admission")
-    assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks("after")], kv[:, :, src])
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("after")], kv[:, :, src])
     stalled.close()
 
 
@@ -248,10 +249,10 @@ def test_layers_streamed_during_the_last_chunk_land_before_their_header(prefill,
     rt, make = prefill
     side = decode_side()
     manager = make(side.addr)
-    kv = rt.core.runner.kv_cache
+    kv = rt.core.kv.kv_cache
     final = kv.clone()
     num_tokens = 40 * BLOCK - 3  # 10 MiB: several messages of a few layers
-    src = rt.core.block_manager.allocate_for_tokens("s", num_tokens)
+    src = rt.core.kv.reserve("s", num_tokens)
     kv[:, :, src] = 0  # not computed yet
     t = early(manager, "s", num_tokens)
     poll_until(manager, lambda: t.state is State.GRANTED, "the early grant")
@@ -274,8 +275,8 @@ def test_layers_streamed_during_the_last_chunk_land_before_their_header(prefill,
     assert [e.state for e in ended] == [State.DONE] and ended[0].streamed and ended[0].transport == "layers"
     wait_for(lambda: "s" in side.admitted, "admission")
     assert side.admitted["s"].first_token_id == 7 and side.admitted["s"].first_logprob == -0.5
-    assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks("s")], final[:, :, src])
-    assert not rt.core.block_manager.block_ids("s")  # our blocks went back once staged
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("s")], final[:, :, src])
+    assert not rt.core.kv.block_ids("s")  # our blocks went back once staged
 
 
 def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, decode_side):
@@ -285,15 +286,15 @@ def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, deco
     rt, make = prefill
     side = decode_side(ttl_s=1.0)
     manager = make(side.addr)
-    bm = side.rt.core.block_manager
-    total = bm.num_free_blocks
+    kv = side.rt.core.kv
+    total = kv.num_free_blocks
     t = early(manager, "eos", 4 * BLOCK)
     poll_until(manager, lambda: t.state is State.GRANTED, "a grant")
-    assert bm.num_free_blocks == total - 4
+    assert kv.num_free_blocks == total - 4
     manager.cancel("eos")  # it ended at its first token
-    wait_for(lambda: bm.num_free_blocks == total, "the cancelled grant's blocks")
+    wait_for(lambda: kv.num_free_blocks == total, "the cancelled grant's blocks")
 
-    src = rt.core.block_manager.allocate_for_tokens("aborted", 40 * BLOCK)
+    src = rt.core.kv.reserve("aborted", 40 * BLOCK)
     t = early(manager, "aborted", 40 * BLOCK)
     poll_until(manager, lambda: t.state is State.GRANTED, "a grant")
     stream = manager.stream_for(MODEL)
@@ -303,21 +304,21 @@ def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, deco
     assert t.sender.sent == 1
     stream.end()
     manager.cancel("aborted")  # the client went away: the half-received KV is dropped
-    wait_for(lambda: bm.num_free_blocks == total and not side.receiver.incoming, "the dropped transfer")
-    rt.core.block_manager.free("aborted")
+    wait_for(lambda: kv.num_free_blocks == total and not side.receiver.incoming, "the dropped transfer")
+    rt.core.kv.free("aborted")
 
-    hog = bm.allocate_for_tokens("hog", (total - 2) * BLOCK)  # the decode side is nearly full
-    src = rt.core.block_manager.allocate_for_tokens("refused", 4 * BLOCK)
+    hog = kv.reserve("hog", (total - 2) * BLOCK)  # the decode side is nearly full
+    src = rt.core.kv.reserve("refused", 4 * BLOCK)
     t = early(manager, "refused", 4 * BLOCK)
     poll_until(manager, lambda: t.state is State.PARKED, "the refusal")
-    bm.free("hog")
+    kv.free("hog")
     assert hog
     stale = early(manager, "stale", 4 * BLOCK)
-    stale_src = rt.core.block_manager.allocate_for_tokens("stale", 4 * BLOCK)
+    stale_src = rt.core.kv.reserve("stale", 4 * BLOCK)
     poll_until(manager, lambda: stale.state is State.GRANTED, "a grant")
     time.sleep(0.6)  # half the grant's TTL: the prompt is still queued, so the grant goes back
     poll_until(manager, lambda: stale.state is State.PARKED, "the stale grant cancelled")
-    wait_for(lambda: bm.num_free_blocks == total, "the stale grant's blocks")
+    wait_for(lambda: kv.num_free_blocks == total, "the stale grant's blocks")
     for rid in ("refused", "stale"):
         assert manager.complete(rid, FirstToken(3))
     ended = poll_until(manager, lambda: not manager.transfers, "both handoffs")
@@ -325,7 +326,7 @@ def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, deco
         ("refused", State.DONE, False), ("stale", State.DONE, False)]
     wait_for(lambda: {"refused", "stale"} <= set(side.admitted), "admission")
     for rid, blocks in (("refused", src), ("stale", stale_src)):
-        assert torch.equal(side.rt.core.runner.kv_cache[:, :, side.blocks(rid)], rt.core.runner.kv_cache[:, :, blocks])
+        assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks(rid)], rt.core.kv.kv_cache[:, :, blocks])
 
 
 def test_overlap_benchmark_runs_both_paths_through_a_real_engine():

@@ -61,13 +61,13 @@ def test_a_dead_gateways_requests_leave_and_free_their_kv_after_their_grace(runt
     admit(rt, life, "silent-old", SILENT, long_ago)
     admit(rt, life, "silent-new", SILENT, time.time())
     core.step()  # prefilled: every request holds KV blocks
-    assert core.scheduler.num_running == 3
+    assert core.num_running == 3
 
     watch_round(rt)
     life.sweep()
     assert released == ["silent-old"]  # its gateway never beat and its grace is long over
     assert set(life.requests) == {"beating", "silent-new"}
-    assert core.scheduler.num_running == 2
+    assert core.num_running == 2
 
     time.sleep(max(0.0, life.requests["silent-new"].arrival + keys.GATEWAY_TTL_S - time.time()) + 0.1)
     watch_round(rt)

@@ -62,7 +62,7 @@ OUTSIDERS = {
 def test_forged_requests_from_outside_get_nothing_and_take_no_seat(prefill, decode_side, outsider):
     rt, make = prefill
     side = decode_side()
-    free = side.rt.core.block_manager.num_free_blocks
+    free = side.rt.core.kv.num_free_blocks
     ctx = zmq.Context()
     keys, server_key = OUTSIDERS[outsider]()
     evil = _dealer(ctx, side.addr, keys, server_key)
@@ -74,7 +74,7 @@ def test_forged_requests_from_outside_get_nothing_and_take_no_seat(prefill, deco
             except zmq.Again:  # the handshake was refused before this send: no pipe left to queue it on
                 break
         assert not evil.poll(int(SILENCE_S * 1000)), "an outsider got an answer"
-        assert not side.receiver.grants and side.rt.core.block_manager.num_free_blocks == free
+        assert not side.receiver.grants and side.rt.core.kv.num_free_blocks == free
         t, src = hand_off_tiny(make(side.addr), rt, "genuine", 4 * BLOCK)  # the deployment's own still gets in
         assert t.state is State.DONE, t.reason
         wait_for(lambda: "genuine" in side.admitted, "admission")

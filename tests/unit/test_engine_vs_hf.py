@@ -77,17 +77,17 @@ def test_prefix_cache_is_hit(tiny_model_dirs):
 def test_preemption_really_happens(tiny_model_dirs):
     llm = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, block_size=8,
               num_gpu_blocks=20)
-    sched = llm.engine.core.scheduler
     preempted = 0
-    original = sched.schedule
 
-    def counting_schedule():
-        nonlocal preempted
-        out = original()
-        preempted += len(out.preempted)
-        return out
+    class CountPreemptions:
+        def on_step(self, started, out, finished) -> None:
+            nonlocal preempted
+            preempted += len(out.preempted)
 
-    sched.schedule = counting_schedule
+        def on_removed(self, requests) -> None:
+            pass
+
+    llm.engine.core.observer = CountPreemptions()
     llm.generate([{"prompt_token_ids": p} for p in random_prompts(10, lo=30, hi=60, seed=1)],
                  SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert preempted > 0

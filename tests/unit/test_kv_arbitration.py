@@ -38,7 +38,7 @@ class Tracker:
 
     def on_step(self, started, out, finished) -> None:
         self.preempted += len(out.preempted)
-        self.peak_running = max(self.peak_running, self.core.scheduler.num_running)
+        self.peak_running = max(self.peak_running, self.core.num_running)
         self.peak_blocks = max(self.peak_blocks, self.core.num_total_blocks)
         self.min_blocks = min(self.min_blocks, self.core.num_total_blocks)
 
@@ -80,7 +80,7 @@ def test_geometries_differ(dirs):
     pool = KVPool(16 * CHUNK, "cpu", chunk_bytes=CHUNK)
     a, b = engine(dirs[0], pool), engine(dirs[1], pool)
     assert pool.stats()[str(dirs[0])]["block_bytes"] == 4096 and pool.stats()[str(dirs[1])]["block_bytes"] == 8192
-    assert a.runner.kv_cache.shape[2] == 64 and b.runner.kv_cache.shape[2] == 32  # both view the whole pool
+    assert a.kv.kv_cache.shape[2] == 64 and b.kv.kv_cache.shape[2] == 32  # both view the whole pool
     assert a.num_total_blocks == 8 and b.num_total_blocks == 8  # floor: one max_model_len sequence
 
 
@@ -108,7 +108,7 @@ def test_greedy_tokens_unchanged_while_memory_moves(dirs):
     run([a, b], got)
     assert [got[i] for i in ids_a] == want_a == [got[i] for i in ids_a2] == [got[i] for i in ids_a3]
     assert [got[i] for i in ids_b] == want_b == [got[i] for i in ids_b2][::-1]
-    assert a.block_manager.prefix_hits > 0
+    assert a.prefix_cache_stats()[1] > 0
     for core in (a, b):
         assert core.num_free_blocks == core.num_total_blocks, "KV blocks leaked"
     owned = sum(s["owned_bytes"] for s in pool.stats().values())

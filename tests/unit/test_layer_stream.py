@@ -5,7 +5,7 @@ is in the cache and before the next layer's is, for every architecture; tokens a
 import pytest
 
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 BS = 8
@@ -26,7 +26,7 @@ class Recorder:
         return True
 
     def layer_done(self, layer: int) -> None:
-        kv = self.core.runner.kv_cache[:, :, self.blocks]
+        kv = self.core.kv.kv_cache[:, :, self.blocks]
         self.layers.append((layer, [bool(kv[i].abs().sum() > 0) for i in range(kv.shape[0])]))
 
     def end(self) -> None:
@@ -48,14 +48,14 @@ def test_only_the_forward_of_the_last_chunk_reports(tiny_model_dirs):
     want = [o.new_token_ids for _ in range(3) for o in plain.step()]
     core = _core(tiny_model_dirs["llama"])
     rec = Recorder(core)
-    core.runner.set_kv_stream(rec)
+    core.kv.set_layer_saver(rec)
     core.add_request(core.make_request("r", prompt, params, None))
     got = []
     for step in range(3):
         got += [o.new_token_ids for o in core.step()]
         assert len(rec.begun) == (step == 2)
     assert rec.begun == [["r"]] and got == want and len(want) == 1
-    assert [layer for layer, _ in rec.layers] == [*range(core.runner.kv_cache.shape[0]), -1]
+    assert [layer for layer, _ in rec.layers] == [*range(core.kv.kv_cache.shape[0]), -1]
     assert core.runner._streaming is False
 
 
@@ -64,10 +64,10 @@ def test_each_report_follows_its_layers_kv_write(tiny_model_dirs, arch):
     """A single-chunk prompt into an empty cache: each report must see exactly the layers at or below
     it written."""
     core = _core(tiny_model_dirs[arch])
-    core.runner.kv_cache.zero_()
+    core.kv.kv_cache.zero_()
     rec = Recorder(core)
-    core.runner.set_kv_stream(rec)
+    core.kv.set_layer_saver(rec)
     core.add_request(core.make_request("r", list(range(5, 25)), SamplingParams(max_tokens=1), None))
     core.step()
-    num_layers = core.runner.kv_cache.shape[0]
+    num_layers = core.kv.kv_cache.shape[0]
     assert rec.layers[:-1] == [(layer, [i <= layer for i in range(num_layers)]) for layer in range(num_layers)]

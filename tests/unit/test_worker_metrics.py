@@ -31,7 +31,8 @@ def value(snap, name, **labels) -> float:
 
 
 class Engine:
-    """What WorkerMetrics reads (scheduler, block manager) and how EngineCore reports a step to it."""
+    """An EngineCore's surface as WorkerMetrics reads it, over a real scheduler and block manager, and how
+    EngineCore reports a step to it."""
 
     def __init__(self, role: str, hold: bool = False):
         self.block_manager = BlockManager(64, BS)
@@ -39,6 +40,21 @@ class Engine:
                                    hold_finished_kv=hold)
         self.metrics = WorkerMetrics(self, "tiny", role, "w1")
         self.runner = FakeRunner(self.scheduler)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.block_manager.usage
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.block_manager.prefix_queries, self.block_manager.prefix_hits
 
     def step(self) -> list[Request]:
         started = time.time()
@@ -180,7 +196,7 @@ def test_gpu_series_from_nvml(fail):
 
 def test_unknown_role_is_refused():
     with pytest.raises(ValueError, match="role"):
-        WorkerMetrics(SimpleNamespace(scheduler=None, block_manager=None), "m", "router", "w")
+        WorkerMetrics(SimpleNamespace(), "m", "router", "w")
 
 
 def test_merged_metrics_serve_every_hosted_model_in_one_exposition():

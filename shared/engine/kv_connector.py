@@ -1,0 +1,103 @@
+"""The one seam between the engine and KV transfer (after vLLM V1's KVConnector): nothing outside the
+engine touches its block manager, scheduler or runner; a KV connector (shared/handoff) works on a
+model's KV through ``EngineCore.kv`` and is called back by the forward through a ``LayerSaver``.
+
+Scheduler side (which blocks hold what):
+  - ``reserve``: a request whose KV is computed elsewhere gets its blocks before the KV arrives (the
+    decode side pre-allocates, the prefill side writes); ``EngineCore.add_remote_prefilled`` admits it
+    once the KV landed; ``free`` gives back a reservation whose KV never came; ``park`` keeps one out
+    of use under another owner key while a peer may still write it.
+  - A finished request's KV outlives it while a transfer reads it (``EngineCore(hold_finished_kv=True)``,
+    vLLM's ``request_finished`` answering "hold"); ``release_held`` frees it once handed off.
+Worker side (where the KV is):
+  - ``kv_cache``, ``block_size``, ``block_ids``: what a transfer reads or writes.
+  - ``set_layer_saver``: the forward reports each decoder layer written (vLLM's ``save_kv_layer``), so
+    the KV of the prompts it finishes can leave while later layers compute.
+"""
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from kvrelay.shared.engine.block_manager import BlockManager
+
+
+class LayerSaver(Protocol):
+    """What the forward calls, implemented by the connector (shared/handoff/sender.py ``LayerStream``)."""
+
+    def begin(self, finishing: list[tuple[str, list[int]]]) -> bool:
+        """Before an eager forward that computes the last prompt chunk of ``finishing`` (request id, its
+        block ids): True when any of their layers is worth reporting."""
+
+    def layer_done(self, layer: int) -> None:
+        """Decoder layer ``layer`` of this forward has written its KV (queued on the compute stream)."""
+
+    def end(self) -> None:
+        """The forward is queued: whatever no ``layer_done`` reported is written too."""
+
+
+class EngineKV:
+    """One model's KV blocks as a KV connector sees them."""
+
+    def __init__(self, block_manager: BlockManager, kv_cache: Callable[[], torch.Tensor],
+                 release_held: Callable[[str], None], set_layer_saver: Callable[[LayerSaver | None], None]):
+        self._blocks = block_manager
+        self._kv_cache = kv_cache
+        self._release_held = release_held
+        self._set_layer_saver = set_layer_saver
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Blocks for the KV of ``num_tokens`` tokens computed elsewhere, or None when too few are free."""
+        return self._blocks.allocate_for_tokens(request_id, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Give back the blocks reserved under ``request_id`` (or ``park``'s key)."""
+        self._blocks.free(request_id)
+
+    def park(self, request_id: str, key: str) -> None:
+        """Move ``request_id``'s reserved blocks under the owner ``key``, out of use until ``free(key)``,
+        so the request id may be reserved again at once."""
+        self._blocks.req_blocks[key] = self._blocks.req_blocks.pop(request_id, [])
+        self._blocks.req_hashes.pop(request_id, None)
+
+    def release_held(self, request_id: str) -> None:
+        """A finished request's held KV has been handed off (or is no longer wanted): free its blocks."""
+        self._release_held(request_id)
+
+    # -- worker side ------------------------------------------------------------------------------
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache()
+
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._blocks.block_ids(request_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._blocks.num_free_blocks
+
+    def set_layer_saver(self, saver: LayerSaver | None) -> None:
+        self._set_layer_saver(saver)
+
+
+def detached_kv(kv_cache: torch.Tensor, scatter_seed: int | None = None) -> EngineKV:
+    """A KV cache and its blocks without a model (the handoff's benchmark and tests): every block is a
+    held prefill block or a reservation. ``scatter_seed``: hand out blocks in a shuffled order, as the
+    free list of a long-running worker does."""
+    num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    if scatter_seed is not None:
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(scatter_seed)).tolist()
+        blocks.free_queue = OrderedDict.fromkeys(order)
+
+    def no_forward(saver: LayerSaver | None) -> None:
+        raise RuntimeError("a KV cache without a model runs no forward to save layers from")
+
+    return EngineKV(blocks, lambda: kv_cache, blocks.free, no_forward)
