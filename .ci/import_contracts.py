@@ -49,7 +49,7 @@ def stage(dest: Path) -> None:
 
 def lint(staged: Path) -> subprocess.CompletedProcess:
     """import-linter over a staged copy, with the repository's contracts; its own output is returned."""
-    env = {**os.environ, "PYTHONPATH": str(staged)}
+    env = {**os.environ, "PYTHONPATH": str(staged), "COLUMNS": "400"}  # one contract, one line
     linter = Path(sys.executable).with_name("lint-imports")
     return subprocess.run([str(linter), "--no-cache", str(PYPROJECT)], cwd=staged, env=env,
                           capture_output=True, text=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["gateway", "shared", "prefill_worker", "decode_worker", "kvrelay", "bench"]
+PACKAGES = ["gateway", "shared", "prefill_worker", "decode_worker", "unified_worker", "kvrelay", "bench", "kernels"]
 ENGINE = ROOT / "shared" / "engine"
 INTERNAL_MODULES = {"scheduler", "block_manager", "model_runner", "swap", "fair_queue", "step_inputs",
                     "cuda_graphs", "weight_upload", "sampler"}
