@@ -13,8 +13,9 @@ from kvrelay.shared.wire.handoff import KVHeader
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-# up to this many contiguous runs, plain strided copies (a launch per run); past it, the block copy
-# kernel (one launch). Unmeasured on the GPU: `bench handoff --sections cuda` prints both on one run
+# up to this many contiguous runs, plain strided copies (a launch per run, no block ids to upload); past
+# it, the block copy kernel (one launch). The crossover is an estimate, not a measurement:
+# `bench handoff --sections cuda` prints both on one run
 _RUNS_AS_SLICES = 8
 _STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 

@@ -3,7 +3,7 @@ through ``XAUTOCLAIM``, poison and malformed jobs to the dead-letter stream.
 
 Two streams feed a worker: the model's shared stream, which any free worker takes from, and its private
 stream, where the gateway routes jobs whose prompt prefix this worker likely has cached (prefix
-affinity, gateway/routing.py). Private jobs are read first. A worker whose heartbeat is gone leaves its
+affinity, gateway/control/routing.py). Private jobs are read first. A worker whose heartbeat is gone leaves its
 private stream to its peers: they find it through the shared group's consumer list (every worker
 registers there as a consumer before it can be routed to) and adopt it, reading what is undelivered and
 reclaiming what is pending, so nothing routed to a dead worker is lost. A peer gone long enough has its
