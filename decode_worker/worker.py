@@ -123,6 +123,9 @@ class DecodeWorker:
         slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold
         slot.touch()
         job = h.job
+        if self.inflight.aborted.seen(job.request_id):  # its client left while the KV was on its way
+            slot.core.kv.free(job.request_id)
+            return  # acked all the same: the prefill side is done with it
         req = engine_request(slot, job)
         slot.core.add_remote_prefilled(req, h.first_token_id, h.num_cached_tokens)
         self.inflight.track(InFlight(request_id=job.request_id, instance=job.model, reply_addr=job.reply_addr,

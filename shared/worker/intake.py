@@ -71,13 +71,13 @@ class JobIntake:
 
     def admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> tuple[InFlight, Request] | None:
         """The tracked record and engine request of a fetched job; None for one that is ours already (our
-        own pending job reclaimed back to us), past its deadline or invalid (those two are answered and
-        ACKed here)."""
+        own pending job reclaimed back to us), aborted or past its deadline, or invalid (those are answered
+        and ACKed here)."""
         slot.touch()
         rid = job.request_id
         if rid in self.inflight:
             return None
-        if job.deadline and time.time() > job.deadline:
+        if (job.deadline and time.time() > job.deadline) or self.inflight.aborted.seen(rid):
             self.answer(slot.instance, entry_id, job, TokenEvent(request_id=rid, finish_reason="abort"))
             return None
         try:

@@ -6,7 +6,8 @@ Lifecycle of one request on any worker (prefill, decode, unified):
   2. Each step, before the engine runs, ``sweep`` ends what must not run again: ids the gateway aborted
      (no answer: its client is gone), requests past their deadline (an "abort" event), and the requests
      of a gateway that stopped reading its events or whose liveness key lapsed (no answer: nobody reads
-     it), so their KV blocks are free within that step.
+     it), so their KV blocks are free within that step. An aborted id it holds nothing of is remembered
+     (``aborted``): the role drops that request where it enters, before it costs a step.
   3. The role sends its tokens (``send``: the next ``output_index`` is counted here) and ``finish``es it
      when the engine does.
   4. At the end of a drain ``abandon`` takes every request out of its engine and hands the records to the
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.wire.redis_keys import GATEWAY_TTL_S
+from kvrelay.shared.worker.aborted import AbortedIds
 from kvrelay.shared.worker.model_host import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
 
@@ -71,6 +73,7 @@ class Lifecycle:
         self._release = release
         self.requests: dict[str, InFlight] = {}
         self._gateways: Counter[str] = Counter()  # reply address -> requests of it here
+        self.aborted = AbortedIds()  # aborts that came before their request did
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -142,6 +145,8 @@ class Lifecycle:
         """End what must not run another step (see the module's lifecycle). The ids the gateway aborted that
         no record here holds come back (a prefill worker's handoffs may hold them)."""
         elsewhere = [rid for rid in self.runtime.aborts.drain() if self.abort(rid) is None]
+        self.aborted.expire()
+        self.aborted.add(elsewhere)
         now = time.time()
         for rec in [r for r in self.requests.values() if r.deadline and now > r.deadline]:
             self.abort(rec.request_id, "abort")

@@ -1,0 +1,94 @@
+"""An abort that reaches a worker before its request does: the request is dropped where it enters the worker
+(a job read from the stream; a handoff landing on a decode worker), against a real engine and a real Redis,
+so a client that left never holds a seat or KV blocks (the abort is published once, and a request can still
+be in the stream or on its way to a decode worker when it comes)."""
+
+import time
+
+import pytest
+
+from kvrelay.decode_worker.worker import DecodeWorker
+from kvrelay.shared.handoff.blocks import layout_of
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.handoff import KVHeader
+from kvrelay.shared.wire.protocol import Abort, Job
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.unified_worker.worker import UnifiedWorker
+
+
+def _config(role: str, redis_url: str):
+    from kvrelay.cli import build_parser
+    from kvrelay.shared.wire.redis_conn import sync_client
+    from kvrelay.workers import worker_config
+
+    sync_client(redis_url).flushall()
+    args = build_parser().parse_args([f"{role}-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
+                                      "--redis-url", redis_url, "--num-gpu-blocks-override", "64"])
+    config = worker_config(role, args)
+    config.freeze_gc = False  # a test process is not a worker's own
+    return config
+
+
+def _job(rid: str, model: str) -> Job:
+    return Job(request_id=rid, model=model, prompt_token_ids=[3, 4, 5, 6], tenant="t", priority=0,
+               sampling=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), reply_addr="tcp://127.0.0.1:9",
+               deadline=time.time() + 60, arrival=time.time())
+
+
+def _publish_abort(worker, rid: str) -> None:
+    """What a gateway does when a client leaves, received as the worker's listener thread receives it."""
+    worker.runtime.redis.publish(keys.ABORT_CHANNEL, encode(Abort(request_ids=[rid], reason="client disconnected")))
+    worker.runtime.aborts.ids.put(rid)
+
+
+@pytest.fixture()
+def unified(redis_url):
+    w = UnifiedWorker(_config("unified", redis_url))
+    (slot,) = w.runtime.slots.values()
+    w.attach(slot)  # what runtime.start does, without its threads and signal handlers
+    yield w
+    w.runtime.shutdown()
+
+
+@pytest.fixture()
+def decode(redis_url):
+    w = DecodeWorker(_config("decode", redis_url))
+    yield w
+    w.sock.close(linger=0)
+    w.runtime.shutdown()
+
+
+def test_a_job_aborted_while_still_in_its_stream_is_answered_and_acked_unrun(unified):
+    (slot,) = unified.runtime.slots.values()
+    _publish_abort(unified, "gone")
+    unified.step()  # the abort arrives while the job waits in the stream: nothing here holds it yet
+    redis = unified.runtime.redis
+    stream = keys.prefill_stream(slot.instance)
+    redis.xadd(stream, {"data": encode(_job("gone", slot.instance))})
+    redis.xadd(stream, {"data": encode(_job("kept", slot.instance))})
+    unified.step()
+    assert not slot.core.is_running("gone")
+    assert slot.core.is_running("kept")
+    assert "gone" not in unified.inflight
+    deadline = time.monotonic() + 5
+    while redis.xpending(stream, keys.PREFILL_GROUP)["pending"] != 1 and time.monotonic() < deadline:
+        unified.step()
+    assert redis.xpending(stream, keys.PREFILL_GROUP)["pending"] == 1  # "gone" ACKed, "kept" running
+
+
+def test_a_handoff_landing_after_its_abort_frees_its_blocks_unrun(decode):
+    (slot,) = decode.runtime.slots.values()
+    core = slot.core
+    free = core.kv.num_free_blocks
+    _publish_abort(decode, "gone")
+    decode.step()  # the abort comes while the KV is on its way: nothing here holds the request yet
+    job = _job("gone", slot.instance)
+    blocks = core.kv.reserve("gone", len(job.prompt_token_ids))
+    header = KVHeader(job=job, **layout_of(core.kv.kv_cache), num_blocks=len(blocks), block_ids=blocks,
+                      transport="layers", nbytes=0, first_token_id=7, first_logprob=None, first_top_logprobs=None,
+                      prompt_logprobs=None, num_cached_tokens=0)
+    decode._admit(header)
+    assert not core.is_running("gone")
+    assert "gone" not in decode.inflight
+    assert core.kv.num_free_blocks == free
