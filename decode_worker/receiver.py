@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.handoff.receiver import KVInbox
+from kvrelay.shared.handoff.receiver import Busy, KVInbox
 from kvrelay.shared.wire.handoff import HandoffRequest
 
 
@@ -34,10 +34,10 @@ class HandoffReceiver(KVInbox):
             return "duplicate request id"  # a reclaimed job must never stream twice
         cap = self.max_per_peer or max(1, core.max_num_seqs // 2)
         if from_peer >= cap:  # refused like a full batch: the asker parks and asks again
-            return f"this prefill worker already holds {from_peer} handoffs here (--max-handoffs-per-peer)"
+            return Busy(f"this prefill worker already holds {from_peer} handoffs here (--max-handoffs-per-peer)")
         if core.num_running + pending >= core.max_num_seqs:
-            return "running batch is full (max_num_seqs)"
+            return Busy("running batch is full (max_num_seqs)")
         if req.num_tokens >= core.max_model_len:
             return f"{req.num_tokens} tokens exceed max_model_len {core.max_model_len}"
         blocks = core.kv.reserve(req.request_id, req.num_tokens)
-        return "no free KV blocks" if blocks is None else blocks
+        return Busy("no free KV blocks") if blocks is None else blocks

@@ -65,6 +65,11 @@ class Incoming:
     header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
 
 
+class Busy(str):
+    """A refusal for lack of room now (a full batch, no free blocks): the asker keeps its KV and asks again,
+    as a request waits in vLLM's queue for a seat, rather than failing."""
+
+
 class KVInbox(ABC):
     def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None):
         """``core_for(model)``: the EngineCore serving that model instance here, or None; the inbox works
@@ -84,7 +89,8 @@ class KVInbox(ABC):
 
     @abstractmethod
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
-        """The decode role's admission: the blocks allocated for ``req``, or why not. ``pending``:
+        """The decode role's admission: the blocks allocated for ``req``, or why not (a ``Busy`` reason when
+        only room is missing, so the asker waits instead of failing). ``pending``:
         transfers of its model granted or arriving here, which will join the batch; ``from_peer``: those
         of them its asker holds."""
 
@@ -154,7 +160,7 @@ class KVInbox(ABC):
         pending = sum(1 for _, model in mine if model == req.model)
         blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
-            return HandoffGrant(request_id=rid, accepted=False, reason=blocks)
+            return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy))
         kv = self.core_for(req.model).kv.kv_cache
         offer = next((o for t in self.transports if (o := t.offer(req.model, kv, req)) is not None), None)
         self.grants[rid] = Grant(peer, req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,

@@ -158,6 +158,7 @@ class HandoffSender:
             if t.state is State.GRANT_WAIT and not t.target and now > t.deadline:
                 self._send_request(t)  # waiting for a decode worker to register (see _send_request)
             elif t.state in (State.GRANT_WAIT, State.STREAMING, State.SENDING, State.ACK_WAIT) and now > t.deadline:
+                t.waits_for_room = False  # a peer that does not answer is not one with a full batch
                 what = "take the KV" if t.state in (State.SENDING, State.STREAMING) else "answer"
                 self._retry(t, f"decode worker {t.target} did not {what} within {self.timeout_s}s")
         self._send_asks()
@@ -233,6 +234,7 @@ class HandoffSender:
             elif not t.computed:
                 t.to(Event.PARK)  # e.g. its batch is full now; by the time we are done it may not be
             else:
+                t.waits_for_room = msg.busy
                 self._retry(t, f"decode worker refused: {msg.reason}")
         elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
             if msg.ok:
@@ -317,7 +319,11 @@ class HandoffSender:
         self._send_request(t, after=reason)
 
     def _in_budget(self, t: Transfer) -> bool:
-        """A transfer may keep looking for a decode worker with room until the handoff timeout."""
+        """A transfer may keep looking for a decode worker with room until the handoff timeout; one that
+        live decode workers refused only for lack of room waits for a seat until its job's deadline, as a
+        request waits in vLLM's queue: a full batch is load, not an error."""
+        if t.waits_for_room and (not t.job.deadline or time.time() < t.job.deadline):
+            return True
         return time.perf_counter() - t.started < self.timeout_s
 
     def _fail(self, t: Transfer, reason: str) -> None:

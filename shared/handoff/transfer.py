@@ -28,6 +28,7 @@ class Transfer:
     state: State = State.NEW
     target: str = ""  # the decode worker's address
     tried: set[str] = field(default_factory=set)
+    waits_for_room: bool = False  # the last refusal was for lack of room: it may wait past the handoff timeout
     grant: HandoffGrant | None = None
     asked_at: float = 0.0  # monotonic time of the last HandoffRequest
     deadline: float = 0.0

@@ -94,6 +94,8 @@ class HandoffGrant:
     accepted: bool
     block_ids: list[int] = field(default_factory=list)
     reason: str = ""
+    # refused for lack of room now (a full batch, no free blocks): the asker keeps its KV and asks again
+    busy: bool = False
     ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
     ttl_s: float = 0.0  # the grant lapses this long after it was sent; IPC writes must land well inside it
 

@@ -188,6 +188,24 @@ def test_a_disconnect_storm_leaves_every_worker_idle(cluster):
     assert out.usage.completion_tokens == 4
 
 
+def test_more_requests_than_decode_seats_all_complete(cluster):
+    # a full batch outlasts the handoff timeout many times over: prefilled requests wait for a seat
+    cluster.start_worker("prefill", "p1", ["--handoff-timeout", "0.5"])
+    cluster.start_worker("decode", "d1", ["--max-num-seqs", "2"])
+    cluster.wait_ready()
+
+    async def one(client, i):
+        resp = await client.completions.create(model=MODEL, prompt=[5 + i, 6, 7], max_tokens=200,
+                                               extra_body={"ignore_eos": True})
+        return resp.usage.completion_tokens
+
+    async def run():
+        client = _aclient(cluster, timeout=120)
+        return await asyncio.gather(*(one(client, i) for i in range(12)))
+
+    assert asyncio.run(run()) == [200] * 12
+
+
 def test_killed_prefill_worker_jobs_are_reclaimed(cluster):
     cluster.start_worker("prefill", "p1", ["--reclaim-idle-ms", "1500", "--handoff-timeout", "30"])
     cluster.start_worker("decode", "d1")

@@ -3,6 +3,7 @@ HandoffReceiver (decode side) in another, or a hand-driven socket where a test n
 misbehaves (corrupts a payload, stalls); the two sides are tests/integration/handoff_harness.py. Frames are the transport
 unless a test says otherwise (tests/integration/test_direct_write.py covers direct writes)."""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -339,3 +340,42 @@ def test_overlap_benchmark_runs_both_paths_through_a_real_engine():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| 40 ") or line.startswith("| 100 ")]
     assert [r[0] for r in rows] == ["| 40", "| 100"] and all(len(r) == 10 for r in rows)
+
+
+def test_a_prefilled_handoff_waits_for_room_past_the_handoff_timeout(prefill, decode_side):
+    """A full decode side (no free blocks, a full batch) is load, not failure: a computed handoff refused
+    for lack of room keeps its KV and asks again until its job's deadline, then lands once room is free."""
+    rt, make = prefill
+    side = decode_side()
+    manager = make(side.addr, timeout_s=0.5)
+    kv = side.rt.core.kv
+    total = kv.num_free_blocks
+    kv.reserve("hog", (total - 2) * BLOCK)  # too full for the prompt's 4 blocks
+    src = rt.core.kv.reserve("waits", 4 * BLOCK)
+    t = manager.start(synthetic_job("waits", 4 * BLOCK, MODEL), b"waits", FirstToken(3))
+    ended: list = []
+    until = time.monotonic() + 2.0  # four handoff timeouts
+    while time.monotonic() < until:
+        ended += manager.poll(20)
+    assert ended == [] and t.state not in (State.DONE, State.FAILED) and t.waits_for_room
+    kv.free("hog")
+    ended += poll_until(manager, lambda: not manager.transfers, "the handoff")
+    assert [(e.job.request_id, e.state) for e in ended] == [("waits", State.DONE)]
+    wait_for(lambda: "waits" in side.admitted, "admission")
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("waits")], rt.core.kv.kv_cache[:, :, src])
+
+
+def test_a_handoff_waiting_for_room_fails_at_its_jobs_deadline(prefill, decode_side):
+    rt, make = prefill
+    side = decode_side()
+    manager = make(side.addr, timeout_s=0.3)
+    kv = side.rt.core.kv
+    kv.reserve("hog", (kv.num_free_blocks - 2) * BLOCK)
+    rt.core.kv.reserve("late", 4 * BLOCK)
+    job = dataclasses.replace(synthetic_job("late", 4 * BLOCK, MODEL), deadline=time.time() + 1.0)
+    manager.start(job, b"late", FirstToken(3))
+    ended = poll_until(manager, lambda: not manager.transfers, "the deadline")
+    assert [(e.job.request_id, e.state) for e in ended] == [("late", State.FAILED)]
+    assert "no free KV blocks" in ended[0].reason
+    assert time.time() >= job.deadline
+    kv.free("hog")
