@@ -123,7 +123,7 @@ class DecodeWorker:
         slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold
         slot.touch()
         job = h.job
-        if self.inflight.aborted.seen(job.request_id):  # its client left while the KV was on its way
+        if self.inflight.unwanted(job):  # its client or its gateway left while the KV was on its way
             slot.core.kv.free(job.request_id)
             return  # acked all the same: the prefill side is done with it
         req = engine_request(slot, job)

@@ -36,6 +36,14 @@ class GatewayWatch:
         """The loop's in-flight reply addresses (an empty one belongs to no gateway)."""
         self._watched = frozenset(a for a in addresses if a)
 
+    def alive(self, address: str) -> bool:
+        """Whether the gateway at ``address`` beats now (one Redis round trip; a Redis error says yes:
+        nobody is declared gone on a lost connection)."""
+        try:
+            return bool(self.redis.exists(keys.gateway_key(address)))
+        except redis.RedisError:
+            return True
+
     def take_gone(self) -> list[str]:
         gone = []
         while True:

@@ -77,7 +77,7 @@ class JobIntake:
         rid = job.request_id
         if rid in self.inflight:
             return None
-        if (job.deadline and time.time() > job.deadline) or self.inflight.aborted.seen(rid):
+        if (job.deadline and time.time() > job.deadline) or self.inflight.unwanted(job):
             self.answer(slot.instance, entry_id, job, TokenEvent(request_id=rid, finish_reason="abort"))
             return None
         try:

@@ -6,8 +6,9 @@ Lifecycle of one request on any worker (prefill, decode, unified):
   2. Each step, before the engine runs, ``sweep`` ends what must not run again: ids the gateway aborted
      (no answer: its client is gone), requests past their deadline (an "abort" event), and the requests
      of a gateway that stopped reading its events or whose liveness key lapsed (no answer: nobody reads
-     it), so their KV blocks are free within that step. An aborted id it holds nothing of is remembered
-     (``aborted``): the role drops that request where it enters, before it costs a step.
+     it), so their KV blocks are free within that step. An aborted id it holds nothing of, and a gateway
+     that stopped beating, are remembered: the role drops such a request where it enters (``unwanted``),
+     before it costs a step.
   3. The role sends its tokens (``send``: the next ``output_index`` is counted here) and ``finish``es it
      when the engine does.
   4. At the end of a drain ``abandon`` takes every request out of its engine and hands the records to the
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.wire.redis_keys import GATEWAY_TTL_S
-from kvrelay.shared.worker.aborted import AbortedIds
 from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.recent_ids import RecentIds
 from kvrelay.shared.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class Lifecycle:
         self._release = release
         self.requests: dict[str, InFlight] = {}
         self._gateways: Counter[str] = Counter()  # reply address -> requests of it here
-        self.aborted = AbortedIds()  # aborts that came before their request did
+        self.aborted = RecentIds()  # aborts that came before their request did
+        self.gone_gateways = RecentIds()  # reply addresses whose liveness key lapsed
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -155,7 +157,21 @@ class Lifecycle:
         for addr in self.runtime.gateways.take_gone():
             # a slow first beat never kills live work: a request gets GATEWAY_TTL_S from its arrival
             self._orphan(addr, "stopped beating", lambda rec: now > rec.arrival + GATEWAY_TTL_S)
+            self.gone_gateways.add([addr])
         return elsewhere
+
+    def unwanted(self, job: Job) -> bool:
+        """Nobody waits for this request any more, so it must not enter: its abort came first, or its
+        gateway stopped beating (past its grace, and still without a liveness key: a gateway back on
+        the same address is alive)."""
+        if self.aborted.seen(job.request_id):
+            return True
+        if not self.gone_gateways.seen(job.reply_addr) or time.time() <= job.arrival + GATEWAY_TTL_S:
+            return False
+        if self.runtime.gateways.alive(job.reply_addr):
+            self.gone_gateways.forget(job.reply_addr)
+            return False
+        return True
 
     def _orphan(self, addr: str, why: str, due: Callable[[InFlight], bool]) -> None:
         orphans = [r.request_id for r in self.requests.values() if r.reply_addr == addr and due(r)]

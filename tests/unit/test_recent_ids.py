@@ -1,13 +1,13 @@
-"""shared/worker/aborted.py: aborted ids are remembered for a while and up to a count, oldest forgotten first."""
+"""shared/worker/recent_ids.py: aborted ids are remembered for a while and up to a count, oldest forgotten first."""
 
-from kvrelay.shared.worker import aborted
-from kvrelay.shared.worker.aborted import AbortedIds
+from kvrelay.shared.worker import recent_ids
+from kvrelay.shared.worker.recent_ids import RecentIds
 
 
 def test_an_id_is_seen_until_it_expires(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(aborted.time, "monotonic", lambda: now[0])
-    ids = AbortedIds(remember_s=10)
+    monkeypatch.setattr(recent_ids.time, "monotonic", lambda: now[0])
+    ids = RecentIds(remember_s=10)
     ids.add(["a"])
     now[0] = 105.0
     ids.add(["b"])
@@ -20,7 +20,7 @@ def test_an_id_is_seen_until_it_expires(monkeypatch):
 
 
 def test_the_oldest_ids_go_first_past_the_bound():
-    ids = AbortedIds(max_ids=3)
+    ids = RecentIds(max_ids=3)
     ids.add(["a", "b", "c"])
     ids.add(["a"])  # aborted again: now the newest
     ids.add(["d"])

@@ -1,7 +1,8 @@
-"""An abort that reaches a worker before its request does: the request is dropped where it enters the worker
-(a job read from the stream; a handoff landing on a decode worker), against a real engine and a real Redis,
-so a client that left never holds a seat or KV blocks (the abort is published once, and a request can still
-be in the stream or on its way to a decode worker when it comes)."""
+"""Requests nobody waits for any more are dropped where they enter a worker (a job read from the stream; a
+handoff landing on a decode worker), against a real engine and a real Redis: one whose abort came first (an
+abort is published once, and a request can still be in the stream or on its way to a decode worker when it
+comes), and one whose gateway stopped beating (its jobs still in the stream), so neither holds a seat or KV
+blocks."""
 
 import time
 
@@ -14,6 +15,7 @@ from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.handoff import KVHeader
 from kvrelay.shared.wire.protocol import Abort, Job
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker import gateway_watch
 from kvrelay.unified_worker.worker import UnifiedWorker
 
 
@@ -30,10 +32,10 @@ def _config(role: str, redis_url: str):
     return config
 
 
-def _job(rid: str, model: str) -> Job:
+def _job(rid: str, model: str, reply_addr: str = "tcp://127.0.0.1:9", arrival: float | None = None) -> Job:
     return Job(request_id=rid, model=model, prompt_token_ids=[3, 4, 5, 6], tenant="t", priority=0,
-               sampling=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), reply_addr="tcp://127.0.0.1:9",
-               deadline=time.time() + 60, arrival=time.time())
+               sampling=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), reply_addr=reply_addr,
+               deadline=time.time() + 60, arrival=time.time() if arrival is None else arrival)
 
 
 def _publish_abort(worker, rid: str) -> None:
@@ -92,3 +94,27 @@ def test_a_handoff_landing_after_its_abort_frees_its_blocks_unrun(decode):
     assert not core.is_running("gone")
     assert "gone" not in decode.inflight
     assert core.kv.num_free_blocks == free
+
+
+def test_jobs_of_a_gateway_that_stopped_beating_are_dropped_unrun_unless_it_is_back(unified):
+    (slot,) = unified.runtime.slots.values()
+    rt, redis = unified.runtime, unified.runtime.redis
+    dead = "tcp://127.0.0.1:13"
+    redis.delete(keys.gateway_key(dead))
+    rt.gateways.watch({dead})  # as if it had requests here: the watch finds its key missing, twice
+    rt.gateways.check()
+    time.sleep(gateway_watch.CONFIRM_S)
+    rt.gateways.check()
+    unified.step()  # the loop learns the gateway is gone
+    stream = keys.prefill_stream(slot.instance)
+    long_ago = time.time() - 60
+    redis.xadd(stream, {"data": encode(_job("orphan", slot.instance, dead, long_ago))})
+    redis.xadd(stream, {"data": encode(_job("fresh", slot.instance, dead))})  # within its grace: kept
+    unified.step()
+    assert not slot.core.is_running("orphan") and "orphan" not in unified.inflight
+    assert slot.core.is_running("fresh")
+    redis.set(keys.gateway_key(dead), "gw", ex=60)  # a gateway beating again on that address is alive
+    redis.xadd(stream, {"data": encode(_job("back", slot.instance, dead, long_ago))})
+    unified.step()
+    assert slot.core.is_running("back")
+    redis.delete(keys.gateway_key(dead))

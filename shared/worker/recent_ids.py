@@ -1,10 +1,10 @@
-"""The ids gateways aborted that this worker held nothing of when the abort came.
+"""Ids a worker remembers for a while: requests gateways aborted before they reached it, gateways found gone.
 
 An abort is published once, to every worker (``AbortListener``); the request it names may still be a job in
-its stream, a KV transfer on its way to a decode worker, or a reclaimed job coming back. Without a memory of
-it, such a request would be computed to its last token for a client that is gone, holding a seat and its KV
-blocks all the while. Each role asks ``seen`` where a request enters it (a job read from the stream, a
-handoff landing) and drops the request there.
+its stream, a KV transfer on its way to a decode worker, or a reclaimed job coming back. A gateway found gone
+(its liveness key lapsed) may still have jobs in the stream. Without a memory of them, such requests would be
+computed to their last token for clients that are gone, holding seats and KV blocks all the while. Each role
+asks where a request enters it (a job read from the stream, a handoff landing) and drops it there.
 
 Bounded in time and count: a request whose abort was forgotten still ends at its deadline."""
 
@@ -16,7 +16,7 @@ REMEMBER_S = 600.0
 MAX_IDS = 100_000
 
 
-class AbortedIds:
+class RecentIds:
     def __init__(self, remember_s: float = REMEMBER_S, max_ids: int = MAX_IDS):
         self.remember_s = remember_s
         self.max_ids = max_ids
@@ -38,6 +38,9 @@ class AbortedIds:
             del self._until[request_id]
             return False
         return True
+
+    def forget(self, key: str) -> None:
+        self._until.pop(key, None)
 
     def expire(self) -> None:
         now = time.monotonic()
