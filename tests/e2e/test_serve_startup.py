@@ -1,7 +1,8 @@
 """``kvrelay serve`` that cannot start says why in one line and exits 2, within a bound, with nothing
 restarted: a port another server holds (one that answers /ready 200, so a ready line read from it would
-show), an external Redis nobody listens on, a --max-model-len longer than the model serves. Real
-processes, as a user starts them; the restart of a child that was ready is tests/e2e/test_serve_restart.py."""
+show), an external Redis nobody listens on, a --max-model-len longer than the model serves, a KV cache
+too small for one sequence. Real processes, as a user starts them; the restart of a child that was ready is
+tests/e2e/test_serve_restart.py."""
 
 import http.server
 import os
@@ -72,12 +73,15 @@ def test_an_unreachable_redis_is_one_line_naming_it_without_its_password(tiny_mo
     assert "hunter2" not in "\n".join(lines)
 
 
-def test_a_max_model_len_the_model_refuses_stops_serve_with_the_workers_cause(tiny_model_dir):
+@pytest.mark.parametrize("flag, value, cause", [
+    ("--max-model-len", "999999", r"max_model_len 999999 exceeds what .* serves exactly \(512 tokens.*\)"),
+    ("--num-gpu-blocks-override", "2", r"KV cache too small: 2 blocks of 8 tokens .* max_model_len=256 .*"),
+])
+def test_a_setting_the_worker_refuses_stops_serve_with_the_workers_cause(tiny_model_dir, flag, value, cause):
     engine = [*TINY_ENGINE]
-    engine[engine.index("--max-model-len") + 1] = "999999"  # the tiny model's positions end at 512
+    engine[engine.index(flag) + 1] = value  # the tiny model's positions end at 512; 256 tokens need 32 blocks
     code, lines, _ = _serve("--model", str(tiny_model_dir), *engine, "--port", str(free_port()))
-    _one_line_failure(code, lines, r"kvrelay serve: error: (prefill|decode)-worker\[tiny\]: max_model_len 999999 "
-                      r"exceeds what .* serves exactly \(512 tokens.*\)")
+    _one_line_failure(code, lines, rf"kvrelay serve: error: (prefill|decode)-worker\[tiny\]: {cause}")
 
 
 def test_a_role_run_alone_that_cannot_bind_says_so_in_one_line():
