@@ -24,6 +24,7 @@ from aiohttp import web
 from kvrelay.gateway.connection_guard import CONNECTION_GUARD, GuardedSite
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.state import CONFIG
+from kvrelay.shared.wire.startup_report import report_ready
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -108,6 +109,7 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
     site = GuardedSite(runner, app[CONNECTION_GUARD], host, port, backlog=2048, reuse_port=reuse_port)
     await site.start()
     log.info("gateway listening on http://%s:%d", host, port)
+    report_ready()  # to kvrelay serve: this process holds the port, so the /ready it polls is ours
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,7 +14,8 @@ from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import DTYPE_NAMES
 from kvrelay.shared.config.flags import Parser
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN
-from kvrelay.shared.wire import redis_acl
+from kvrelay.shared.wire import redis_acl, startup_report
+from kvrelay.startup_checks import StartupError
 
 ROLES = {"gateway": "gateway", "prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
 
@@ -211,7 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         result = args.func(args)
-    except ConfigError as exc:  # one line naming the flag or the file and key, before anything loads
+    except Exception as exc:
+        if args.command in ROLES and not startup_report.is_ready() and startup_report.expected_cause(exc):
+            # a role that could not start for the operator's reason (a port in use, a setting the model
+            # refuses, too little memory): one line, to kvrelay serve when it started us, else on stderr
+            startup_report.report_fatal(args.command, exc)
+            return 2
+        if not isinstance(exc, (ConfigError, StartupError)):
+            raise  # a bug, or a failure once serving: the traceback is what finds it
+        # one line naming the flag or the file and key, or what serve could not start
         print(f"kvrelay {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return result if isinstance(result, int) else 0

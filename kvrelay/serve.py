@@ -1,7 +1,11 @@
 """``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
 gateway and the workers as separate processes on loopback, supervised (kvrelay/supervisor.py): a child
 that dies is started again with backoff, and one that keeps dying stops everything with the reason and
-exit code 1. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
+exit code 1. Start-up fails in one line and exit code 2, within seconds: a fixed port in use or an external
+Redis that does not answer is found before anything starts (kvrelay/startup_checks.py), and a child that
+exits before it was ever ready (a setting its model refuses, too little memory) stops everything with the
+cause it reported, never restarted. "kvrelay ready" is printed once our own gateways said they listen and
+/ready answers 200. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
 Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
 embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left behind (children also get
 SIGTERM from the kernel if this process is killed outright)."""
@@ -29,6 +33,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
 from kvrelay.shared.worker.directory import live_workers
+from kvrelay.startup_checks import check_ports, check_redis
 from kvrelay.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -44,12 +49,15 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a kill -9 of serve still stops the children
 
 
-def _start(child: Child, args: argparse.Namespace, threads: int | None, print_config: bool) -> subprocess.Popen:
-    """The child reads its whole config from stdin; with --print-config it prints what it resolved."""
+def _start(child: Child, args: argparse.Namespace, threads: int | None, print_config: bool,
+           status_fd: int | None = None) -> subprocess.Popen:
+    """The child reads its whole config from stdin; with --print-config it prints what it resolved.
+    ``status_fd``: where it says it is ready, or why it could not start (kvrelay/supervisor.py)."""
     argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level, child.command, CONFIG_FROM_STDIN]
+    env = _env(child, threads) | (Supervisor.status_env(status_fd) if status_fd is not None else {})
     proc = subprocess.Popen(argv + (["--print-config"] if print_config else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE if print_config else None, preexec_fn=_die_with_parent,
-                            start_new_session=True, env=_env(child, threads))
+                            start_new_session=True, env=env, pass_fds=() if status_fd is None else (status_fd,))
     proc.stdin.write(encode(child.config, exclude=child.generated))
     proc.stdin.close()
     return proc
@@ -85,6 +93,10 @@ def serve(args: argparse.Namespace) -> int:
     # every config mistake surfaces here, before Redis or any process starts
     models = models_to_serve(args)
     children = plan(args, models, args.redis_url or EMBEDDED_REDIS_PLACEHOLDER)
+    # so are a port in use and an external Redis that does not answer: one line each, nothing started
+    check_ports(children)
+    if args.redis_url:
+        check_redis(args.redis_url)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
@@ -95,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
             url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
             child.config = dataclasses.replace(child.config, redis_url=url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
-        supervisor = Supervisor({c.name: lambda c=c: _start(c, args, threads, print_config=False) for c in children},
+        supervisor = Supervisor({c.name: lambda fd, c=c: _start(c, args, threads, False, fd) for c in children},
                                 args.max_crashes, args.crash_window,
                                 on_exit=lambda name, proc: _unregister_worker(redis_url, proc.pid))
         procs = supervisor.procs
@@ -103,9 +115,11 @@ def serve(args: argparse.Namespace) -> int:
         names = [m.name for m in models]
         log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redact(redis_url),
                  args.mode)
-        code = _supervise(supervisor, lambda: stopping, f"http://{args.host}:{args.port}", names)
-        _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
-        return code
+        gateways = [c.name for c in children if c.is_gateway]
+        try:
+            return _supervise(supervisor, lambda: stopping, f"http://{args.host}:{args.port}", names, gateways)
+        finally:  # a StartupError is said by the CLI once everything stopped
+            _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
 
 
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:
@@ -129,13 +143,16 @@ def _env(child: Child, threads: int | None) -> dict[str, str]:
     return env
 
 
-def _supervise(supervisor: Supervisor, stopping, base_url: str, models: list[str]) -> int:
+def _supervise(supervisor: Supervisor, stopping, base_url: str, models: list[str], gateways: list[str]) -> int:
+    """Until Ctrl-C/SIGTERM: 0; a crash loop: 1; a child that never got ready raises StartupError. The
+    ready line needs our own gateways listening (they said so over their status pipes): another server's
+    /ready on the same port must not pass for ours."""
     announced = False
     while not stopping():
         if reason := supervisor.check():
             log.error("%s", reason)
             return 1
-        if not announced and _ready(base_url):
+        if not announced and all(supervisor.ready(g) for g in gateways) and _ready(base_url):
             announced = True
             print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
         time.sleep(READY_POLL_S if not announced else 0.5)

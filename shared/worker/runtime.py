@@ -28,6 +28,7 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.startup_report import report_ready
 from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_labeler
 from kvrelay.shared.wire.zmq_auth import keys_from_secret
 from kvrelay.shared.worker.abort_listener import AbortListener
@@ -115,6 +116,7 @@ class WorkerRuntime:
         log.info("%s worker %s serving %s %s", self.config.role, self.config.worker_id,
                  ", ".join(self.host.slots) or "no model yet",
                  f"at {zmq_addr}" if zmq_addr else "from its Redis streams")
+        report_ready()  # to kvrelay serve: its models loaded and registered; a later exit is a crash to restart
 
     def _fatal_on_error(self, name: str, loop: Callable[[threading.Event], None]) -> None:
         try:

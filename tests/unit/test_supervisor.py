@@ -1,12 +1,17 @@
 """kvrelay/supervisor.py with real child processes (``sh``): a child that dies is started again with a
 doubling backoff, each exit is reported once, and a child crashing ``max_crashes`` times within the window
-is the reason to give up, naming it and its exit code. kvrelay serve's use of it is tests/e2e/test_serve_restart.py."""
+is the reason to give up, naming it and its exit code. A child that exits before it ever said "ready" on
+its status pipe is not restarted: StartupError names it and the cause it wrote there. kvrelay serve's use of it is tests/e2e/test_serve_restart.py."""
 
 import logging
+import os
 import subprocess
 import time
 
+import pytest
+
 from kvrelay import supervisor
+from kvrelay.startup_checks import StartupError
 from kvrelay.supervisor import Supervisor
 
 
@@ -20,8 +25,11 @@ def _run(sup: Supervisor, until, timeout: float = 60.0):
     raise AssertionError("supervisor did not get there")
 
 
-def _sh(script: str):
-    return lambda: subprocess.Popen(["sh", "-c", script])
+def _sh(script: str, ready: bool = True):
+    """A child running ``script``, after saying it is ready (unless not ``ready``)."""
+    script = f"echo ready >/dev/fd/$KVRELAY_STATUS_FD; {script}" if ready else script
+    return lambda fd: subprocess.Popen(["sh", "-c", script], env=os.environ | Supervisor.status_env(fd),
+                                       pass_fds=(fd,))
 
 
 def test_a_killed_child_is_started_again_and_its_exit_reported(caplog):
@@ -70,3 +78,29 @@ def test_max_crashes_1_stops_at_the_first_exit_even_a_clean_one():
     sup = Supervisor({"prefill-worker": _sh("exit 0")}, max_crashes=1, crash_window=300)
     sup.start_all()
     assert _run(sup, lambda: False).startswith("prefill-worker exited with code 0, 1 time within 300s")
+
+
+def test_a_child_that_exits_before_it_was_ready_is_not_restarted_and_its_cause_is_said():
+    exits = []
+    sup = Supervisor({"steady": _sh("sleep 60"), "decode-worker": _sh(
+        "sleep 0.2; echo 'fatal max_model_len 999999 exceeds what tiny serves' >/dev/fd/$KVRELAY_STATUS_FD; exit 2",
+        ready=False)}, max_crashes=5, crash_window=300, on_exit=lambda name, proc: exits.append(name))
+    sup.start_all()
+    try:
+        _run(sup, lambda: sup.ready("steady"))
+        assert not sup.ready("decode-worker")
+        with pytest.raises(StartupError) as caught:
+            _run(sup, lambda: False)
+        assert str(caught.value) == "decode-worker: max_model_len 999999 exceeds what tiny serves"
+        assert exits == ["decode-worker"]
+    finally:
+        for proc in sup.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_a_child_that_dies_silently_before_it_was_ready_is_named_with_its_exit_code():
+    sup = Supervisor({"gateway": _sh("exit 1", ready=False)}, max_crashes=5, crash_window=300)
+    sup.start_all()
+    with pytest.raises(StartupError, match=r"^gateway: exited with code 1 before it was ready$"):
+        _run(sup, lambda: False)
