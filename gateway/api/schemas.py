@@ -22,9 +22,10 @@ log = logging.getLogger("kvrelay.gateway")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
-# Upper bounds where SamplingParams has none, so 1e308 is a 400, not a request sampled at random: OpenAI's
-# temperature range is [0, 2]; vLLM bounds repetition_penalty only below, and past 10 it only garbles text.
-MAX_TEMPERATURE = 2.0
+# Upper bounds where SamplingParams has none, so 1e308 is a 400, not a request sampled at random. vLLM takes
+# any temperature (OpenAI documents [0, 2]): clients moving from vLLM keep theirs, and past 100 every token
+# is all but equally likely. vLLM bounds repetition_penalty only below; past 10 it only garbles text.
+MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key; ten digits cover any vocabulary
 T = TypeVar("T", bound=BaseModel)

@@ -94,7 +94,7 @@ def test_non_finite_numbers_nested(stack):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", 1e308), ("temperature", 2.5), ("top_p", 1e308), ("repetition_penalty", 1e308),
+    ("temperature", 1e308), ("temperature", 100.5), ("top_p", 1e308), ("repetition_penalty", 1e308),
     ("presence_penalty", 1e308), ("frequency_penalty", -1e308), ("min_p", 1e308), ("top_k", 2**70),
     ("max_tokens", 10**30), ("seed", 2**70),
 ])
