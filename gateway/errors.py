@@ -19,6 +19,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -32,7 +33,8 @@ REQUEST_ID = web.RequestKey("request_id", str)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None, close: bool = False):
+        """``close``: the connection is closed after the answer (a body left half read cannot be skipped)."""
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,12 +42,16 @@ class APIError(Exception):
         self.code = code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
+        self.close = close
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 class ClientGone(Exception):

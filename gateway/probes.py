@@ -25,7 +25,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     """Ready when Redis answers, every model this deployment was started with (``startup_models``,
-    ``lazy_models``) is known, and every model that needs live workers (``served``) has a live
+    ``lazy_models``) is known, and every model that needs live workers (``Served.required``) has a live
     prefill-capable and a live decode-capable worker: a request sent the moment this says 200 is
     served. Before any worker registers, a deployment started with a model is not ready; nor while the
     tokenizers of a model with live workers still load. The body says which part is missing."""
@@ -42,13 +42,14 @@ async def ready(request: web.Request) -> web.Response:
                                  headers=retry)
     missing = {name: {"prefill_workers": 0, "decode_workers": 0}
                for name in [*config.startup_models, *config.lazy_models] if name not in view.known}
+    required = view.required()
     body = {"status": "ready", "redis": True,
             "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
-                          for name, c in view.capacity.items()}, **missing}}
-    if not missing and all(c.servable for c in view.capacity.values()):
+                          for name, c in required.items()}, **missing}}
+    if not missing and all(c.servable for c in required.values()):
         # The first request must not pay the tokenizer load (seconds for a large vocabulary): each model
         # with live workers has its tokenizers loaded before this gateway says ready.
-        loading = sorted(name for name in view.capacity if not _tokenizer_ready(request.app, view, name))
+        loading = sorted(name for name in required if not _tokenizer_ready(request.app, view, name))
         if not loading:
             return web.json_response(body)
         body["tokenizers_loading"] = loading
@@ -57,8 +58,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def _tokenizer_ready(app: web.Application, view: Served, name: str) -> bool:
-    spec = view.specs.get(name)
-    info = view.models.get(spec.instance if spec else name)
+    info = view.info(name)
     return info is None or app[TOKENIZERS].prefetch(info)
 
 

@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the models a client can be served by now, by the names it uses."""
+"""``GET /v1/models``: the models a request is served for, by the names clients use."""
 
 import redis
 from aiohttp import web
@@ -9,8 +9,11 @@ from kvrelay.gateway.tenancy.auth import TENANT
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """The models a request can be served by now (loaded, or registered and loaded by their first
-    request), by the name clients use; never an instance key."""
+    """Exactly the names a request of this caller is served for (``Served.servable``, what request
+    resolution decides from): the registered ones, loaded or not (a request loads them), and those live
+    workers publish directly; never an instance key, nor a model the caller's key may not use. kvrelay's
+    own ``kvrelay`` field says whether live workers hold it now (``loaded``: no load before the first token)
+    and whether it is registered (loaded on demand)."""
     try:
         view = await served(request.app)
     except redis.RedisError as exc:
@@ -20,11 +23,12 @@ async def list_models(request: web.Request) -> web.Response:
     for name in sorted(n for n in view.known if view.servable(n) and tenant.may_use(n)):
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "kvrelay", "root": name, "parent": None}
         spec = view.specs.get(name)
-        info = view.models.get(spec.instance if spec else name)
+        info = view.info(name)
         max_len = info.max_model_len if info else spec.max_model_len if spec else 0
         if max_len:
             entry["max_model_len"] = max_len
         if spec is not None and spec.version:
             entry["version"] = spec.version
+        entry["kvrelay"] = {"loaded": view.loaded(name), "registered": spec is not None}
         data.append(entry)
     return web.json_response({"object": "list", "data": data})

@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvrelay.gateway.bodies import validate
 from kvrelay.gateway.errors import bad_request
@@ -22,22 +22,21 @@ log = logging.getLogger("kvrelay.gateway")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
+# Upper bounds where SamplingParams has none, so 1e308 is a 400, not a request sampled at random. vLLM takes
+# any temperature (OpenAI documents [0, 2]): clients moving from vLLM keep theirs, and past 100 every token
+# is all but equally likely. vLLM bounds repetition_penalty only below; past 10 it only garbles text.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key; ten digits cover any vocabulary
 T = TypeVar("T", bound=BaseModel)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic's lax mode reads true as 1; a client sending max_tokens=true has a bug worth a 400
-        if isinstance(value, bool):
-            annotation = str(cls.model_fields[info.field_name].annotation).lower()
-            if "bool" not in annotation and ("int" in annotation or "float" in annotation):
-                raise ValueError("must be a number, not a boolean")
-        return value
+    # strict: no coercion, as OpenAI answers "expected a boolean" to stream="yes": "2" is not n=2, 1 is not
+    # logprobs=true, true is not max_tokens=1, 5.0 is not an int. An int stays a float (temperature=1), as
+    # JSON has one number type. Non-finite floats never get here (bodies.read_json names them); refused
+    # here too for a body validated from elsewhere.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -61,7 +60,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 class _SamplingRequest(_Body):
     model: str | None = None  # None: the only registered model
     max_tokens: int | None = None
-    temperature: float = 1.0
+    temperature: float = Field(default=1.0, le=MAX_TEMPERATURE)
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
@@ -72,9 +71,9 @@ class _SamplingRequest(_Body):
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM extras
-    top_k: int = -1
+    top_k: int = Field(default=-1, lt=INT64)  # past the vocabulary it is off; past int64 it cannot travel
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = Field(default=1.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[StrictInt] | None = None
@@ -85,7 +84,7 @@ class _SamplingRequest(_Body):
     cache_salt: str | None = Field(default=None, max_length=256)
     # OpenAI's: token id (a string, as JSON keys are) -> bias; limits in SamplingParams, ids checked
     # against the model's vocabulary in prompts.py
-    logit_bias: dict[str, Any] | None = None  # values checked in _logit_bias: pydantic's float takes true
+    logit_bias: dict[str, Any] | None = None  # keys and values checked in _logit_bias, the 400 naming logit_bias
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -225,7 +224,10 @@ class DetokenizeRequest(_Body):
 
 def parse(model_cls: type[T], body: Any) -> T:
     """``validate``, then every field outside the schema refused: an unsupported one asking for something
-    (``check_unsupported``) or any name no API defines."""
+    (``check_unsupported``) or any name no API defines. ``model`` may be left out (the only model the caller
+    may use) but not null: OpenAI requires a string, and null is more likely a client's bug than a choice."""
+    if isinstance(body, dict) and "model" in body and body["model"] is None:
+        raise bad_request("model must be a string, not null (leave it out for the only model)", "model")
     parsed = validate(model_cls, body)
     if isinstance(parsed, _SamplingRequest):
         parsed.check_unsupported()

@@ -10,81 +10,101 @@ from aiohttp import web
 
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, is_direct
 from kvrelay.gateway.control.placement import PLACEMENT, LoadError
-from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, Capacity
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, Capacity, capacity_of
 from kvrelay.gateway.errors import APIError, bad_request, unavailable
 from kvrelay.gateway.redis_watch import REDIS_WATCH
 from kvrelay.gateway.state import CONFIG
-from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec, WorkerInfo
 
 
 @dataclass
 class Served:
-    """What this gateway can serve now, by the names clients use."""
+    """What this gateway serves, by the names clients use: one reading of Redis that a request's resolution
+    (``resolve_served``), ``/v1/models`` and ``/ready`` all decide from, so the list cannot disagree with
+    what a request gets."""
 
-    known: set[str]  # registered or published directly by a worker
-    capacity: dict[str, Capacity]  # the known names that need loaded workers, and the workers they have
-    specs: dict[str, ModelSpec]
-    models: dict[str, ModelInfo]
+    specs: dict[str, ModelSpec]  # registered names: a request loads one no worker holds
+    models: dict[str, ModelInfo]  # every published instance, by instance key ("name@3", or a direct name)
+    direct: dict[str, ModelInfo]  # published by a worker started with --model; a registered name wins
+    workers: list[WorkerInfo]  # live ones
+    startup: set[str]  # what kvrelay serve started: /ready waits for its workers
+
+    @property
+    def known(self) -> set[str]:
+        """Every name a request resolves; any other is a 404."""
+        return set(self.specs) | set(self.direct)
+
+    def instance(self, name: str) -> str:
+        spec = self.specs.get(name)
+        return spec.instance if spec else name
+
+    def info(self, name: str) -> ModelInfo | None:
+        return self.models.get(self.instance(name))
+
+    def capacity(self, name: str) -> Capacity:
+        return capacity_of(self.workers, self.instance(name))
+
+    def loaded(self, name: str) -> bool:
+        """Live workers hold it, both phases: a request for it is served without a load."""
+        return name in self.known and self.capacity(name).servable
 
     def servable(self, name: str) -> bool:
-        """A request for it succeeds now: its workers are up, or it is registered and its request loads it."""
-        return name in self.known and (name not in self.capacity or self.capacity[name].servable)
+        """A request for it is served: it is registered (its request loads it where no worker holds it) or
+        its workers are up. A direct model with no live worker gets 503, an unknown name 404."""
+        return name in self.specs or self.loaded(name)
+
+    def required(self) -> dict[str, Capacity]:
+        """The names that need live workers before this gateway is ready, and the workers they have: those
+        published directly, the registered ones that are pinned or keep replicas, and those kvrelay serve
+        started; a registered model loaded on demand does not (its first request loads it)."""
+        needed = [*self.direct, *(name for name, s in self.specs.items()
+                                  if s.pinned or s.min_replicas > 0 or name in self.startup)]
+        return {name: self.capacity(name) for name in needed}
 
 
-async def served(app: web.Application) -> Served:
-    """Which names need live workers: those published directly, the registered ones that are pinned or keep
-    replicas, and those kvrelay serve started; a registered model loaded on demand does not (its first
-    request loads it), nor a repository instance that is no longer the active version."""
-    registry, startup = app[WORKER_REGISTRY], set(app[CONFIG].startup_models)
-    models = await registry.models()
-    specs = await app[MODEL_REGISTRY].specs()
-    loaded = {m.name: m.name for m in models.values() if is_direct(m) and m.name not in specs}
-    loaded |= {name: s.instance for name, s in specs.items() if s.pinned or s.min_replicas > 0 or name in startup}
-    capacity = {name: await registry.capacity(instance) for name, instance in loaded.items()}
-    return Served(set(loaded) | set(specs), capacity, specs, models)
-
-
-async def _served_view(app: web.Application, fresh: bool = False
-                       ) -> tuple[dict[str, ModelInfo], dict[str, ModelSpec], dict[str, ModelInfo]]:
-    models = await app[WORKER_REGISTRY].models(fresh)
+async def served(app: web.Application, fresh: bool = False) -> Served:
+    registry = app[WORKER_REGISTRY]
+    models = await registry.models(fresh)
     specs = await app[MODEL_REGISTRY].specs(fresh)
-    return models, specs, {n: m for n, m in models.items() if is_direct(m)}
+    workers = await registry.workers(fresh)
+    direct = {name: m for name, m in models.items() if is_direct(m) and name not in specs}
+    return Served(specs, models, direct, workers, set(app[CONFIG].startup_models))
 
 
 async def resolve_served(app: web.Application, name: str | None,
                          may_use: Callable[[str], bool]) -> tuple[str, ModelInfo]:
     """The client's model name and the ModelInfo of the instance that serves it (``model_registry.py``).
     A registered model nobody has published yet is loaded here, the request waiting for it."""
-    models, specs, direct = await _served_view(app)
+    view = await served(app)
     if name is None:
         # "the only model" means the only one the caller may use: others' models are not its business
-        usable = [n for n in sorted(set(specs) | set(direct)) if may_use(n)]
+        usable = [n for n in sorted(view.known) if may_use(n)]
         if len(usable) == 1:
             name = usable[0]
         else:
             raise bad_request("model is required" if usable else "no model is registered", "model")
-    if name is not None and name not in specs and name not in direct:
+    if name not in view.known:
         # the cached view may predate the model's registration (another gateway's admin call, a worker
         # registering its --config models): a miss is read again from Redis before it becomes a 404
-        models, specs, direct = await _served_view(app, fresh=True)
-    if name not in specs and name not in direct and not app[REDIS_WATCH].settling:
+        view = await served(app, fresh=True)
+    if name not in view.known and not app[REDIS_WATCH].settling:
         # a miss right after a restart the periodic probe has not seen yet must not become a 404:
         # probe once now (only on this rare path)
         await app[REDIS_WATCH].check()
-    if name not in specs and name not in direct and app[REDIS_WATCH].settling:
+    if name not in view.known and app[REDIS_WATCH].settling:
         # Redis just restarted empty: workers re-publish their models within a heartbeat, so this is
         # "retry shortly", not "no such model"
         raise unavailable(f"model `{name}` is not registered yet (Redis restarted); retry later",
                           app[CONFIG].retry_after_s)
-    if name not in specs and name not in direct:
+    if name not in view.known:
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
     if not may_use(name):
         raise APIError(403, f"Your API key may not use the model `{name}`.", param="model",
                        code="model_not_allowed")
-    if name in specs:
-        info = models.get(specs[name].instance)
+    if name in view.specs:
+        info = view.info(name)
         return name, info if info is not None else await load_model(app, name)
-    return name, direct[name]
+    return name, view.direct[name]
 
 
 async def resolve_model(app: web.Application, name: str | None, may_use: Callable[[str], bool]) -> ModelInfo:

@@ -32,6 +32,12 @@ class Capacity:
         return self.prefill > 0 and self.decode > 0
 
 
+def capacity_of(workers: list[WorkerInfo], model: str) -> Capacity:
+    """The live workers among ``workers`` that can take each half of a request for instance ``model``."""
+    serving = [w for w in workers if model in w.models]
+    return Capacity(prefill=sum(w.can_prefill for w in serving), decode=sum(w.can_decode for w in serving))
+
+
 async def read_indexed(client: redis.asyncio.Redis, index: str, key_of, cls) -> dict:
     """Every record named in the set ``index`` (one SMEMBERS, one MGET), decoded as ``cls``; missing
     records are skipped, malformed ones logged and skipped."""
@@ -94,8 +100,7 @@ class WorkerRegistry:
         return workers
 
     async def capacity(self, model: str, fresh: bool = False) -> Capacity:
-        serving = [w for w in await self.workers(fresh) if model in w.models]
-        return Capacity(prefill=sum(w.can_prefill for w in serving), decode=sum(w.can_decode for w in serving))
+        return capacity_of(await self.workers(fresh), model)
 
 
 WORKER_REGISTRY = web.AppKey("worker_registry", WorkerRegistry)

@@ -55,6 +55,8 @@ class GatewayConfig:
     timeout_keep_alive: float = setting(75.0, "seconds an idle keep-alive connection stays open", gt=0)
     timeout_header_read: float = setting(10.0, "seconds a client has to send a request's headers (from connecting, "
                                          "or from the request's first byte); slower ones are disconnected", gt=0)
+    timeout_body_read: float = setting(30.0, "seconds a client has to send a request's body once its headers are "
+                                       "in; slower ones get 408 and are disconnected", gt=0)
     limit_idle_connections: int = setting(512, "connections with no request being handled (idle, or sending "
                                           "headers) past which the longest idle are closed", ge=1)
     # The stream's length is the backlog: workers delete what they ACK.

@@ -32,7 +32,7 @@ CASES = [
     ("empty-body", "completions", b"", 400, None, None),
     ("body-is-array", "completions", b"[1, 2, 3]", 400, None, None),
     ("body-is-string", "chat/completions", b'"hello"', 400, None, None),
-    ("nan-literal", "completions", b'{"model": "tiny", "prompt": [5], "temperature": NaN}', 400, None, None),
+    ("nan-literal", "completions", b'{"model": "tiny", "prompt": [5], "temperature": NaN}', 400, None, "temperature"),
     ("deeply-nested", "completions", b"[" * 50_000 + b"]" * 50_000, 400, None, None),
     ("huge-int-literal", "completions", b'{"model": "tiny", "prompt": [5], "max_tokens": ' + b"9" * 5000 + b"}",
      400, None, None),
@@ -90,6 +90,21 @@ CASES = [
     ("chat-past-context", "chat/completions", chat(messages=[{"role": "user", "content": "word " * 400}]), 400,
      "context_length_exceeded", "messages"),
     ("negative-max-completion-tokens", "chat/completions", chat(max_completion_tokens=-1), 400, None, "max_tokens"),
+    # strict types: no coercion, and what no client means on purpose
+    ("model-null", "completions", completion(model=None), 400, None, "model"),
+    ("stream-string", "completions", completion(stream="yes"), 400, None, "stream"),
+    ("n-string", "completions", completion(n="2"), 400, None, "n"),
+    ("max-tokens-numeric-string", "completions", completion(max_tokens="5"), 400, None, "max_tokens"),
+    ("temperature-numeric-string", "completions", completion(temperature="0.5"), 400, None, "temperature"),
+    ("logprobs-int-for-bool", "chat/completions", chat(logprobs=1), 400, None, "logprobs"),
+    ("temperature-absurd", "completions", completion(temperature=1e308), 400, None, "temperature"),
+    ("top-p-absurd", "completions", completion(top_p=1e308), 400, None, "top_p"),
+    ("repetition-penalty-absurd", "completions", completion(repetition_penalty=1e308), 400, None,
+     "repetition_penalty"),
+    ("temperature-overflow-literal", "completions", b'{"model": "tiny", "prompt": [5], "temperature": 1e400}', 400,
+     None, "temperature"),
+    ("infinity-literal", "chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', 400, None, "top_p"),
 ]
 
 

@@ -1,11 +1,13 @@
 """Slow and idle clients against a real `kvrelay gateway` process over real sockets: partial headers are
 cut after --timeout-header-read, idle connections past --limit-idle-connections are closed (longest idle
-first), and neither touches a normal request nor a slow but steady stream (gateway/connection_guard.py).
+first), and neither touches a normal request nor a slow but steady stream (gateway/connection_guard.py); a
+body that does not arrive within --timeout-body-read gets 408 and its connection closed (gateway/bodies.py).
 
 Every bound below is a "does not hang" bound, never a timing assertion."""
 
 import http.client
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 PARTIAL = b"GET /health HTTP/1.1\r\nHost: gateway\r\nX-Slow: "  # and then nothing
 HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 2.0
 SLACK_S = 15.0  # a loaded CI machine: generous, it only proves the socket is not held forever
 
 
@@ -42,7 +45,8 @@ def start_gateway(redis_url: str, *flags: str) -> tuple[subprocess.Popen, int]:
 
 @pytest.fixture(scope="module")
 def gateway(redis_url) -> Iterator[int]:
-    proc, port = start_gateway(redis_url, "--timeout-header-read", str(HEADER_TIMEOUT_S))
+    proc, port = start_gateway(redis_url, "--timeout-header-read", str(HEADER_TIMEOUT_S),
+                               "--timeout-body-read", str(BODY_TIMEOUT_S))
     yield port
     proc.terminate()
     proc.wait(30)
@@ -129,3 +133,46 @@ def test_a_slow_but_steady_client_is_not_cut(gateway, redis_url, tmp_path):
         sock.close()
     finally:
         worker.stop()
+
+
+def body_head(length: int) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):  # SLACK_S without a byte: TimeoutError, the connection was held
+        received += chunk
+    return received
+
+
+def assert_408_then_closed(reply: bytes) -> None:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "body_read_timeout" and error["type"] == "timeout_error", error
+
+
+def test_a_trickled_body_gets_408_and_its_connection_closed(gateway):
+    """One byte every half second: a body of 200 bytes would take 100 s; it is cut at the body timeout."""
+    sock = connect(gateway)
+    sock.sendall(body_head(200))
+    deadline = time.monotonic() + SLACK_S + BODY_TIMEOUT_S
+    while not select.select([sock], [], [], 0.5)[0]:  # until the gateway answers
+        assert time.monotonic() < deadline, "the gateway still reads a body trickled far past its timeout"
+        sock.sendall(b" ")
+    assert_408_then_closed(read_until_closed(sock))
+    sock.close()
+    r = requests.post(f"http://127.0.0.1:{gateway}/v1/completions", timeout=10, json={"prompt": 5})
+    assert r.status_code == 400  # the gateway reads bodies as before: this one is read and refused
+
+
+def test_a_declared_body_never_sent_gets_408_and_its_connection_closed(gateway):
+    socks = [connect(gateway) for _ in range(20)]
+    for sock in socks:
+        sock.sendall(body_head(100) + b'{"model": ')
+    for sock in socks:
+        assert_408_then_closed(read_until_closed(sock))
+        sock.close()
