@@ -38,6 +38,7 @@ def test_a_killed_child_is_started_again_and_its_exit_reported(caplog):
                      on_exit=lambda name, proc: exits.append((name, proc.pid, proc.returncode)))
     sup.start_all()
     try:
+        assert _run(sup, lambda: sup.ready("worker") and sup.ready("steady")) is None  # else it never was ready
         first = sup.procs["worker"]
         steady = sup.procs["steady"]
         first.kill()
