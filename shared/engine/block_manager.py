@@ -249,6 +249,13 @@ class BlockManager:
             self.block_hash[block] = h
             self.block_key[block] = self._key(req, chain, i)
 
+    def reassign(self, request_id: str, owner: str) -> None:
+        """Hold ``request_id``'s blocks under ``owner`` instead (freed with ``free(owner)``), so the request
+        id is free to allocate again; the blocks are no request's prefix any more."""
+        self.req_hashes.pop(request_id, None)
+        self.req_cache_done.pop(request_id, None)
+        self.req_blocks[owner] = self.req_blocks.pop(request_id, [])
+
     def free(self, request_id: str) -> None:
         """Drop a request's references. Freed blocks enter the free queue last-block-first, so a
         sequence's tail is evicted before its (more shareable) head. Uncached blocks hold nothing

@@ -60,8 +60,7 @@ class EngineKV:
     def park(self, request_id: str, key: str) -> None:
         """Move ``request_id``'s reserved blocks under the owner ``key``, out of use until ``free(key)``,
         so the request id may be reserved again at once."""
-        self._blocks.req_blocks[key] = self._blocks.req_blocks.pop(request_id, [])
-        self._blocks.req_hashes.pop(request_id, None)
+        self._blocks.reassign(request_id, key)
 
     def release_held(self, request_id: str) -> None:
         """A finished request's held KV has been handed off (or is no longer wanted): free its blocks."""
