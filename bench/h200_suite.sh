@@ -16,7 +16,7 @@ date -u | tee -a "$OUT/gpu.txt"
 if [ "${SUITE:-1}" = 1 ]; then
 start=$(date +%s)
 # several processes: most of the suite's time is Triton compiling one kernel specialisation at a time
-timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=15 -p no:cacheprovider -p no:benchmark \
+timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATIONS:-15} -p no:cacheprovider -p no:benchmark \
   -n "${PROCS:-8}" --dist loadfile ${TESTS:-tests} \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
