@@ -59,14 +59,14 @@ def test_prefill_tilings(tk, config):
                                 torch.bfloat16, seed=config[1], configs=[config])
 
 
-@pytest.mark.parametrize("decode", [True, False])
-@pytest.mark.parametrize("head_dim", [96, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_whole_prompts_through_sdpa(tk, dtype):
     # whole prompts, long enough per call: the registered op takes torch's SDPA (kernels/sdpa_prefill.py)
     cases.check_paged_attention(tk, DEV, [1500, 1500, 700], [1500, 1500, 700], 32, 8, 128, 16, dtype)
 
 
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("head_dim", [96, 128])
 def test_alibi_and_head_dims(tk, decode, head_dim):
     q_lens, seq_lens = ([1] * 3, [2000, 5, 700]) if decode else ([250, 3, 1], [900, 3, 70])
     cases.check_paged_attention(tk, DEV, q_lens, seq_lens, 16, 2, head_dim, 16, torch.float16, alibi=True)
