@@ -6,6 +6,7 @@ prompts (one layer, Llama-3-8B heads): SDPA on padded batches and ``varlen_attn`
 
 import argparse
 import inspect
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ def timed(fn, reps: int = 10) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="2x4096,8x1024,32x512")
+    p.add_argument("--new-lengths", default="4096,4001,2500,1234,4096")
     args = p.parse_args(argv)
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -37,6 +39,34 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes.split(","):
         num_seqs, length = (int(v) for v in shape.split("x"))
         print(probe(num_seqs, length, varlen_attn), flush=True)
+    print(backends(args.new_lengths), flush=True)
+
+
+def backends(lengths: str) -> str:
+    """Each SDPA backend on prompt lengths it has not seen: the first call (cuDNN builds an execution plan
+    per shape) and the steady state, one prompt, Llama-3-8B heads."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    lines = []
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        firsts, steadies = [], []
+        try:
+            for length in (int(v) for v in lengths.split(",")):
+                q = torch.randn(1, 32, length, 128, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(1, 8, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                with sdpa_kernel(backend):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    torch.cuda.synchronize()
+                    firsts.append((time.perf_counter() - t0) * 1e3)
+                    steadies.append(timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=True)))
+        except Exception as e:
+            lines.append(f"{name}: failed: {type(e).__name__}: {str(e)[:150]}")
+            continue
+        lines.append(f"{name}: first call ms {[round(f, 2) for f in firsts]}, steady ms {[round(s, 3) for s in steadies]}")
+    return "\n".join(lines)
 
 
 def probe(num_seqs: int, length: int, varlen_attn) -> str:
