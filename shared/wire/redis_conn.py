@@ -147,6 +147,11 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The current redis-server process (``spawn``'s), live or not."""
+        return self._proc
+
     def start(self) -> str:
         """``prepare``, ``spawn`` and ``wait_ready``: the admin URL of a server that answers."""
         if self._proc is not None:
