@@ -1,9 +1,10 @@
 """``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
 gateway and the workers as separate processes on loopback, all supervised (kvrelay/supervisor.py): a child
 that dies is started again with backoff (Redis at once, from its append-only file in --state-dir,
-kvrelay/state_dir.py, at the same address with the same passwords), and one that keeps dying stops everything with the reason and
-exit code 1. Start-up fails in one line and exit code 2, within seconds: a fixed port in use or an external
-Redis that does not answer is found before anything starts (kvrelay/startup_checks.py), and a child that
+kvrelay/state_dir.py, at the same address with the same passwords), and one that keeps dying stops
+everything with the reason and exit code 1. Start-up fails in one line and exit code 2, within seconds: a
+state folder another serve holds, a fixed port in use or an external Redis that does not answer is found
+before anything starts (kvrelay/startup_checks.py), and a child that
 exits before it was ever ready (a setting its model refuses, too little memory) stops everything with the
 cause it reported, never restarted. "kvrelay ready" is printed once our own gateways said they listen and
 /ready answers 200. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
@@ -105,7 +106,8 @@ def serve(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         # so are a state folder another serve uses (its lock is held until the very end), a port in use
         # and an external Redis that does not answer: one line each, nothing started
-        state = None if args.redis_url else stack.enter_context(StateDir(args.state_dir or default_state_dir()))
+        state_dir = None if args.redis_url else StateDir(args.state_dir or default_state_dir())
+        state = stack.enter_context(state_dir) if state_dir else None
         check_ports(children)
         if args.redis_url:
             check_redis(args.redis_url)
@@ -113,9 +115,10 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, on_signal)
         starts = {}
         embedded = None
-        if state is not None:  # left last but the lock: Redis stops after every process that talks to it
+        if state_dir is not None:  # left last but the lock: Redis stops after every process that talks to it
+            # it holds the folder's lock too: should serve be killed, the folder stays taken until Redis is gone
             embedded = EmbeddedRedis(state_dir=state, startup_timeout=STORE_STARTUP_TIMEOUT_S,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, pass_fds=(state_dir.lock_fd,))
             stack.callback(embedded.stop)
             try:
                 redis_url = embedded.prepare()
@@ -154,8 +157,8 @@ def _start_store(embedded: EmbeddedRedis, status_fd: int) -> subprocess.Popen:
     proc = embedded.spawn()
     if embedded.wait_ready():
         os.write(status_fd, f"{READY}\n".encode())
-    elif cause := _last_line(embedded.failure()):
-        os.write(status_fd, f"{FATAL}{cause}\n".encode())
+    elif cause := _last_line(embedded.failure()):  # a damaged append-only file, most likely: say where it is
+        os.write(status_fd, f"{FATAL}{cause} (its files: {embedded.state_dir})\n".encode())
     return proc
 
 

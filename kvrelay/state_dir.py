@@ -3,15 +3,19 @@ keys, registered models, limits and counters in its append-only file; its users'
 
 The folder is made 0700 and must stay private: it holds Redis's passwords and every tenant's data, so one
 that group or others may enter is refused, as is one this user cannot write. One ``kvrelay serve`` at a
-time uses it: a second Redis appending to the same file would corrupt it, so ``StateDir`` holds an
-exclusive lock (``flock``, released by the kernel however serve ends) while serve runs. Every refusal is
-one line naming ``--state-dir`` (exit 2), before anything starts.
+time uses it: a second Redis appending to the same file would corrupt it, and one shutting down would
+remove the other's socket. So ``StateDir`` holds an exclusive lock (``flock``, released by the kernel
+however its holders end), and serve hands the locked descriptor to its redis-server too: the folder is
+free once serve and its Redis are both gone. A serve killed outright leaves its Redis a moment to write
+its file and exit; a new serve waits that long (``STALE_WAIT_S``) rather than refuse. Every refusal is one
+line naming ``--state-dir`` (exit 2), before anything starts.
 """
 
 import errno
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -20,6 +24,7 @@ from kvrelay.startup_checks import StartupError
 
 FLAG = "--state-dir"
 LOCK_NAME = "serve.lock"
+STALE_WAIT_S = 10.0  # for the children of a serve that is gone to let go (Redis flushing its file)
 
 
 def default_state_dir() -> Path:
@@ -39,6 +44,13 @@ class StateDir:
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser().absolute()
         self._lock_fd: int | None = None
+
+    @property
+    def lock_fd(self) -> int:
+        """The locked descriptor: a process given it (``pass_fds``) holds the folder as long as it lives."""
+        if self._lock_fd is None:
+            raise RuntimeError("StateDir not entered")
+        return self._lock_fd
 
     def __enter__(self) -> Path:
         self._make()
@@ -93,16 +105,38 @@ class StateDir:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise self._error(f"cannot open {LOCK_NAME} ({exc.strerror or exc})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        deadline = time.monotonic() + STALE_WAIT_S
+        while not _try_lock(fd):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise self._error(f"cannot lock {LOCK_NAME} ({exc.strerror or exc})") from None
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            raise self._error(f"in use by another kvrelay serve{who}; stop it, or give this one its own "
-                              f"{FLAG}") from None
+            serve_alive = holder.isdigit() and _alive(int(holder))
+            if serve_alive or time.monotonic() > deadline:
+                os.close(fd)
+                if serve_alive:
+                    raise self._error(f"in use by another kvrelay serve (pid {holder}); stop it, or give this one "
+                                      f"its own {FLAG}")
+                raise self._error(f"its last kvrelay serve (pid {holder or '?'}) is gone, but a process it started "
+                                  f"still holds it (its redis-server?); stop that process")
+            time.sleep(0.1)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise StartupError(f"{FLAG}: cannot lock {LOCK_NAME} ({exc.strerror or exc})") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number: alive, and not ours to judge
+        return True
+    return True

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
@@ -121,15 +121,18 @@ class EmbeddedRedis:
     user can read (``/proc/PID/cmdline``). It runs in a session (and process group) of its own: a
     terminal's Ctrl-C reaches the whole foreground group, and Redis must outlive the processes that
     unregister from it on their way out; its owner stops it last. ``preexec_fn`` runs in the server's
-    process before it starts (its owner may tie its life to its own).
+    process before it starts (its owner may tie its life to its own); ``pass_fds`` are descriptors it
+    inherits (kvrelay serve's lock on the state folder, so the folder stays taken while this server lives).
     """
 
     def __init__(self, unix_socket: bool = False, startup_timeout: float = 10.0,
-                 preexec_fn: Callable[[], None] | None = None, state_dir: str | Path | None = None):
+                 preexec_fn: Callable[[], None] | None = None, state_dir: str | Path | None = None,
+                 pass_fds: Sequence[int] = ()):
         self.state_dir = Path(state_dir).absolute() if state_dir is not None else None
         self.unix_socket = unix_socket or self.state_dir is not None
         self.startup_timeout = startup_timeout
         self.preexec_fn = preexec_fn
+        self.pass_fds = tuple(pass_fds)
         self.url: str | None = None
         self._role_urls: dict[str, str] = {}
         self._proc: subprocess.Popen | None = None
@@ -207,7 +210,7 @@ class EmbeddedRedis:
         self._log_from = log.stat().st_size if log.exists() else 0
         self._proc = subprocess.Popen([redis_server_executable(), self._conf], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                                      preexec_fn=self.preexec_fn)
+                                      preexec_fn=self.preexec_fn, pass_fds=self.pass_fds)
         return self._proc
 
     def _write_config(self, listen: list[str], passwords: dict[str, str]) -> str:

@@ -1,6 +1,6 @@
 """``kvrelay serve``'s control-plane state is durable (its embedded Redis keeps an append-only file in
 --state-dir): real processes, a real redis-server. Tenants, API keys and admin-registered models survive
-Ctrl-C and a start on the same folder (the old key answers 200); a second serve on that folder is one
+Ctrl-C and a start on the same folder (the old key answers 200), and a ``kill -9`` of serve; a second serve on that folder is one
 line and exit 2 while the first keeps serving; and a ``kill -9`` of the embedded redis-server is undone
 by serve's supervisor, after which requests are served again within a bound. What that costs (seconds,
 failed requests) is printed for README's operations section: ``pytest -s``."""
@@ -74,6 +74,13 @@ def test_tenants_keys_and_registered_models_survive_a_restart_of_serve(tmp_path,
         assert extra.get("registered") and extra.get("version") == 1, again.models()
         status, body = again.admin("GET", "/admin/tenants")
         assert status == 200 and "tests" in str(body), body
+        again.proc.kill()  # serve killed outright: the kernel sends its children SIGTERM
+        again.proc.wait(10)
+
+    with Served(argv, tmp_path / "serve-3.log", state_dir=state) as third:  # waits for the old Redis to go
+        _complete(openai.OpenAI(base_url=f"http://127.0.0.1:{third.port}/v1", api_key=client.api_key,
+                                max_retries=0, timeout=REQUEST_TIMEOUT_S))
+        assert third.models().get("extra", {}).get("registered"), third.models()
 
 
 def test_a_redis_server_killed_with_9_is_restarted_and_requests_recover(tmp_path, tiny_model_dir):

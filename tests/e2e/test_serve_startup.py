@@ -1,7 +1,7 @@
 """``kvrelay serve`` that cannot start says why in one line and exits 2, within a bound, with nothing
 restarted: a port another server holds (one that answers /ready 200, so a ready line read from it would
 show), an external Redis nobody listens on, a --max-model-len longer than the model serves, a KV cache
-too small for one sequence, a state folder others may enter. Real processes, as a user starts them; the restart of a child that was ready is
+too small for one sequence, a state folder others may enter, an append-only file Redis cannot read. Real processes, as a user starts them; the restart of a child that was ready is
 tests/e2e/test_serve_restart.py."""
 
 import http.server
@@ -99,6 +99,15 @@ def test_a_state_dir_others_may_enter_is_one_line_and_left_as_it_is(tmp_path):
     _one_line_failure(code, lines, rf"kvrelay serve: error: --state-dir {re.escape(str(state))}: mode 0755 lets "
                       rf"other users in, .*; chmod 700 {re.escape(str(state))}")
     assert os.listdir(state) == [] and (state.stat().st_mode & 0o777) == 0o755
+
+
+def test_an_append_only_file_redis_cannot_read_is_one_line_naming_the_folder(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "appendonly.aof").write_bytes(b"*3\r\n$3\r\nSET\r\n$1\r\na\r\nnot a length\r\n*1\r\n$4\r\nPING\r\n")
+    code, lines, _ = _serve("--model", "dummy:tiny-llama", "--port", str(free_port()), state_dir=state)
+    _one_line_failure(code, lines, r"kvrelay serve: error: redis: Bad file format reading the append only file.* "
+                      rf"\(its files: {re.escape(str(state))}\)")
 
 
 def test_a_role_run_alone_that_cannot_bind_says_so_in_one_line():

@@ -1,7 +1,8 @@
 """kvrelay/state_dir.py: ``kvrelay serve``'s state folder is made private (0700, whatever the umask), one
 that others may enter or that is no folder is refused in one line naming --state-dir, and one serve at a
-time holds it: another process is refused while the holder lives, however it ends (a ``kill -9``
-included, the kernel drops its lock). The serve-level tests are tests/e2e/test_serve_durable.py."""
+time holds it: another process is refused while the holder lives, and gets it once the holder and the
+processes it handed the lock to (its redis-server) are gone, however they end (the kernel drops the lock
+of a ``kill -9``). The serve-level tests are tests/e2e/test_serve_durable.py."""
 
 import os
 import signal
@@ -9,13 +10,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
+from kvrelay import state_dir
 from kvrelay.startup_checks import StartupError
 from kvrelay.state_dir import StateDir, default_state_dir
 
 HOLD = "import sys, time; from kvrelay.state_dir import StateDir\nwith StateDir(sys.argv[1]):\n" \
        "    print('held', flush=True); time.sleep(120)"
+# serve's way: its redis-server (here `sleep`) inherits the locked descriptor
+HOLD_WITH_CHILD = """import subprocess, sys, time
+from kvrelay.state_dir import StateDir
+folder = StateDir(sys.argv[1])
+with folder:
+    child = subprocess.Popen(["sleep", sys.argv[2]], pass_fds=(folder.lock_fd,))
+    print(child.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # exited: its descriptors are closed
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_the_default_is_under_xdg_data_home_else_the_users_data_folder(monkeypatch, tmp_path):
@@ -74,3 +93,31 @@ def test_one_holder_at_a_time_and_a_killed_holder_lets_go(tmp_path):
         assert (path / "serve.lock").read_text() == f"{os.getpid()}\n"
     with StateDir(path):  # and this one's, at the block's end
         pass
+
+
+def test_a_killed_serve_s_folder_is_free_once_the_process_it_handed_the_lock_to_is_gone(tmp_path):
+    path = tmp_path / "state"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_WITH_CHILD, str(path), "3"], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(holder.stdout.readline())
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(10)
+    with StateDir(path):  # waits (up to STALE_WAIT_S) for the dead holder's child rather than refuse
+        assert _gone(child)
+
+
+def test_a_process_that_outlives_its_serve_and_keeps_the_folder_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(state_dir, "STALE_WAIT_S", 0.5)
+    path = tmp_path / "state"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_WITH_CHILD, str(path), "60"], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(holder.stdout.readline())
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        with pytest.raises(StartupError) as err, StateDir(path):
+            pass
+        assert str(err.value) == (f"--state-dir {path}: its last kvrelay serve (pid {holder.pid}) is gone, but a "
+                                  "process it started still holds it (its redis-server?); stop that process")
+    finally:
+        os.kill(child, signal.SIGKILL)
