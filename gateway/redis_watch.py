@@ -8,11 +8,18 @@ its deadline (minutes). This task notices, at most ``interval`` late, either:
 and bumps ``epoch``. A request whose jobs were queued in an earlier epoch and which has heard nothing
 from any worker then ends with 503 + Retry-After (``Generation``): a fast, retryable answer instead of a
 hang. A request a worker already answers is unaffected: the worker holds it, not Redis.
+
+It is also the gateway's Redis prober: its ``health`` (``RedisHealth``) is what ``/health`` answers
+from, without a round trip of its own, and what every other part of the gateway reports outage errors
+to (``redis_failed``), so an outage is logged once when it starts and once when it ends. When Redis is
+back, or is a new server, the ``on_back`` callbacks publish again what the gateway keeps there (its
+liveness key, the metrics salt).
 """
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import redis
 import redis.asyncio
@@ -20,6 +27,7 @@ from aiohttp import web
 
 from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -32,9 +40,10 @@ class RedisWatch:
         self.epoch = 0
         self._changed_at = float("-inf")  # monotonic time of the last epoch change
         self._run_id: str | None = None
-        self._down_since: float | None = None
         self._outage_counted = False
         self._task: asyncio.Task | None = None
+        self.health = RedisHealth(log)
+        self.on_back: list[Callable[[], Awaitable[None]]] = []
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-redis-watch")
@@ -57,24 +66,30 @@ class RedisWatch:
         """One probe; public so tests can step it."""
         try:
             run_id = (await self._redis.info("server")).get("run_id")
-        except (redis.RedisError, OSError) as exc:
-            now = time.monotonic()
-            if self._down_since is None:
-                self._down_since = now
-                log.warning("redis unreachable: %s", exc)
-            if not self._outage_counted and now - self._down_since >= self._outage_s:
+        except (redis.RedisError, OSError) as exc:  # a Redis refusing INFO is as unusable as a dead one
+            self.health.failed(exc)
+            down_for = self.health.down_for()
+            if not self._outage_counted and down_for >= self._outage_s:
                 self._outage_counted = True
                 self._bump()
-                log.warning("redis down for %.1fs: failing requests still queued there", now - self._down_since)
+                log.warning("redis down for %.1fs: failing requests still queued there", down_for)
             return
-        self._down_since = None
+        back = self.health.ok()
         self._outage_counted = False
         if isinstance(run_id, bytes):
             run_id = run_id.decode()
-        if self._run_id is not None and run_id != self._run_id:
+        restarted = self._run_id is not None and run_id != self._run_id
+        if restarted:
             self._bump()
-            log.warning("redis restarted (run_id %s -> %s): queued jobs are gone", self._run_id, run_id)
+            log.warning("redis restarted (run_id %s -> %s): jobs it had not saved are gone", self._run_id, run_id)
         self._run_id = run_id
+        if back or restarted:
+            for publish in self.on_back:
+                try:
+                    await publish()
+                except (redis.RedisError, OSError) as exc:  # down again: the next recovery runs them again
+                    if not self.health.absorb(exc):
+                        log.warning("could not publish again after the redis restart: %s", exc)
 
     async def _run(self) -> None:
         while True:
@@ -83,3 +98,9 @@ class RedisWatch:
 
 
 REDIS_WATCH = web.AppKey("redis_watch", RedisWatch)
+
+
+def redis_failed(app: web.Application, exc: BaseException) -> bool:
+    """Report a Redis error of any part of the gateway: True when it is an outage, which the watch logs
+    once (the caller then says nothing); False for any other error, the caller's to log."""
+    return app[REDIS_WATCH].health.absorb(exc)

@@ -23,7 +23,7 @@ from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN, draining_error
 from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
-from kvrelay.gateway.redis_watch import REDIS_WATCH
+from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
@@ -46,7 +46,8 @@ async def publish_abort(app: web.Application, job_ids: list[str], reason: str) -
         await app[REDIS].publish(keys.ABORT_CHANNEL, encode(Abort(request_ids=job_ids, reason=reason)))
     except redis.RedisError as exc:
         # Workers also drop jobs past their deadline, so a lost abort costs capacity, not correctness.
-        log.warning("could not publish abort for %s: %s", job_ids, exc)
+        if not redis_failed(app, exc):
+            log.warning("could not publish abort for %s: %s", job_ids, exc)
 
 
 class Generation:
@@ -172,7 +173,8 @@ class Generation:
         try:
             await pipe.execute()
         except redis.RedisError as exc:
-            log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
+            if not redis_failed(self.app, exc):
+                log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise unavailable from None
 
     async def _next_event(self) -> TokenEvent:

@@ -33,11 +33,19 @@ class JobIntake:
         self._kept_at: dict[str, float] = {}  # instance -> when its in-flight jobs were last kept
         # instance -> entry ids of our jobs held past the engine (a prefill worker's awaiting their handoff)
         self.held_elsewhere: Callable[[str], list[bytes]] = lambda instance: []
+        runtime.registration.on_restore.append(self.restore)
 
     def attach(self, slot: ModelSlot) -> None:
         c = self.config
         self.queues[slot.instance] = JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
-                                              c.max_deliveries, on_dead=self._dead_job)
+                                              c.max_deliveries, on_dead=self._dead_job, health=self.runtime.health)
+
+    def restore(self) -> None:
+        """Redis restarted (the heartbeat thread calls this): our consumer groups again, where it lost
+        them, before a gateway routes a job to a private stream nobody reads (JobQueue's own NOGROUP
+        recovery would only come with the next read)."""
+        for queue in list(self.queues.values()):
+            queue.ensure_group()
 
     def detach(self, slot: ModelSlot) -> None:
         self.queues.pop(slot.instance, None)
