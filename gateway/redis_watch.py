@@ -5,9 +5,13 @@ job queued before the restart and not yet read is lost, and the request waiting 
 its deadline (minutes). This task notices, at most ``interval`` late, either:
   * a new Redis ``run_id`` (the server restarted), or
   * Redis unreachable for longer than ``outage_s``,
-and bumps ``epoch``. A request whose jobs were queued in an earlier epoch and which has heard nothing
-from any worker then ends with 503 + Retry-After (``Generation``): a fast, retryable answer instead of a
-hang. A request a worker already answers is unaffected: the worker holds it, not Redis.
+and bumps ``epoch``, with ``lost_before`` the moment from which Redis is known good again: when the
+outage began, as first reported (a job queued, its XADD answered, after that went to the Redis that
+came back), or now for a restart no command saw. A request whose jobs were queued before it
+(``lost(queued_at)``) and which has heard nothing from any worker then ends with 503 + Retry-After
+(``Generation``): a fast, retryable answer instead of a hang. A request a worker already answers is
+unaffected: the worker holds it, not Redis; nor is one queued in the Redis that came back, though the
+watch may notice the restart only after it queued.
 
 It is also the gateway's Redis prober: its ``health`` (``RedisHealth``) is what ``/health`` answers
 from, without a round trip of its own, and what every other part of the gateway reports outage errors
@@ -38,6 +42,7 @@ class RedisWatch:
         self._interval = interval
         self._outage_s = outage_s
         self.epoch = 0
+        self.lost_before = float("-inf")  # monotonic: jobs queued before it may be gone
         self._changed_at = float("-inf")  # monotonic time of the last epoch change
         self._run_id: str | None = None
         self._outage_counted = False
@@ -52,9 +57,14 @@ class RedisWatch:
         if self._task is not None:
             await cancel_and_wait(self._task)
 
-    def _bump(self) -> None:
+    def _bump(self, lost_before: float) -> None:
         self.epoch += 1
         self._changed_at = time.monotonic()
+        self.lost_before = max(self.lost_before, lost_before)
+
+    def lost(self, queued_at: float) -> bool:
+        """Whether jobs whose XADD was answered at ``queued_at`` (monotonic) may be gone."""
+        return queued_at < self.lost_before
 
     @property
     def settling(self) -> bool:
@@ -71,16 +81,17 @@ class RedisWatch:
             down_for = self.health.down_for()
             if not self._outage_counted and down_for >= self._outage_s:
                 self._outage_counted = True
-                self._bump()
+                self._bump(self.health.down_since or time.monotonic())
                 log.warning("redis down for %.1fs: failing requests still queued there", down_for)
             return
+        began = self.health.down_since  # ok() forgets it
         back = self.health.ok()
         self._outage_counted = False
         if isinstance(run_id, bytes):
             run_id = run_id.decode()
         restarted = self._run_id is not None and run_id != self._run_id
         if restarted:
-            self._bump()
+            self._bump(began if began is not None else time.monotonic())
             log.warning("redis restarted (run_id %s -> %s): jobs it had not saved are gone", self._run_id, run_id)
         self._run_id = run_id
         if back or restarted:

@@ -78,7 +78,7 @@ class Generation:
         # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
         # is dead, and its requests end with an error instead of waiting out the deadline
         self._holders: dict[str, str] = {}
-        self._epoch = app[REDIS_WATCH].epoch  # a later epoch: Redis lost what was queued (redis_watch.py)
+        self._queued_at: float | None = None  # monotonic, when Redis took our jobs (redis_watch.py: lost)
         self._heard: set[str] = set()  # job ids some worker answered for: they are out of Redis
 
     @property
@@ -172,6 +172,7 @@ class Generation:
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
         try:
             await pipe.execute()
+            self._queued_at = time.monotonic()
         except redis.RedisError as exc:
             if not redis_failed(self.app, exc):
                 log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
@@ -187,7 +188,7 @@ class Generation:
                 raise ClientGone()
             if self.app[DRAIN].expired:  # the gateway's drain deadline passed: end cleanly, now
                 raise draining_error(self.app[CONFIG].retry_after_s)
-            if self.app[REDIS_WATCH].epoch != self._epoch and any(
+            if self._queued_at is not None and self.app[REDIS_WATCH].lost(self._queued_at) and any(
                     c.job_id not in self._heard and not c.finished for c in self.choices):
                 raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
                                code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})

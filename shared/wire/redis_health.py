@@ -40,6 +40,11 @@ class RedisHealth:
     def reachable(self) -> bool:
         return self._reachable is True
 
+    @property
+    def down_since(self) -> float | None:
+        """When (monotonic) the current outage began, as first reported; None while reachable."""
+        return self._down_since if self._reachable is False else None
+
     def down_for(self) -> float:
         """Seconds since it became unreachable; 0 while reachable or not tried yet."""
         return time.monotonic() - self._down_since if self._reachable is False else 0.0
