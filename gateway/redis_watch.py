@@ -44,7 +44,7 @@ class RedisWatch:
         self.epoch = 0
         self.lost_before = float("-inf")  # monotonic: jobs queued before it may be gone
         self._changed_at = float("-inf")  # monotonic time of the last epoch change
-        self._run_id: str | None = None
+        self.run_id: str | None = None  # the server's, at the last probe
         self._outage_counted = False
         self._task: asyncio.Task | None = None
         self.health = RedisHealth(log)
@@ -89,11 +89,11 @@ class RedisWatch:
         self._outage_counted = False
         if isinstance(run_id, bytes):
             run_id = run_id.decode()
-        restarted = self._run_id is not None and run_id != self._run_id
+        restarted = self.run_id is not None and run_id != self.run_id
         if restarted:
             self._bump(began if began is not None else time.monotonic())
-            log.warning("redis restarted (run_id %s -> %s): jobs it had not saved are gone", self._run_id, run_id)
-        self._run_id = run_id
+            log.warning("redis restarted (run_id %s -> %s): jobs it had not saved are gone", self.run_id, run_id)
+        self.run_id = run_id
         if back or restarted:
             for publish in self.on_back:
                 try:
