@@ -8,7 +8,8 @@ loading its data) quietly, and the first one while Redis was reachable logs ``re
 <reason>``. Only the process's prober (a worker's heartbeat, the gateway's Redis watch), which keeps
 trying on its own schedule, says it is back (``ok``): ``redis reachable again after N s``. A prober
 alone, because a command that began before the recovery may still fail after it, and a second voice
-would make the state flap.
+would make the state flap; for the same reason failures in the RECOVERY_GRACE_S after a recovery are
+not counted (a Redis that is down again fails every command after that too).
 
 Other errors (a refused command, a wrong type) are no outage: ``absorb`` leaves them to the caller.
 The state is read without a round trip (the gateway's ``/health``) and is safe across threads.
@@ -21,6 +22,8 @@ import time
 import redis
 
 OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# About as long as a command's retries (redis_conn.py): what fails later began after the recovery.
+RECOVERY_GRACE_S = 1.0
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -34,6 +37,7 @@ class RedisHealth:
         self._lock = threading.Lock()
         self._reachable: bool | None = None  # None: not tried yet
         self._down_since = 0.0  # monotonic
+        self._recovered_at = float("-inf")  # monotonic
         self.reason = "not checked yet"
 
     @property
@@ -58,7 +62,7 @@ class RedisHealth:
 
     def failed(self, exc: BaseException) -> None:
         with self._lock:
-            if self._reachable is False:
+            if self._reachable is False or time.monotonic() - self._recovered_at < RECOVERY_GRACE_S:
                 return
             self._reachable = False
             self._down_since = time.monotonic()
@@ -71,6 +75,8 @@ class RedisHealth:
             was, since = self._reachable, self._down_since
             self._reachable = True
             self.reason = ""
+            if was is False:
+                self._recovered_at = time.monotonic()
         if was is False:
             self._log.warning("redis reachable again after %.1f s", time.monotonic() - since)
         return was is False

@@ -38,6 +38,9 @@ def test_one_line_per_change_across_threads(caplog):
     lines = _lines(caplog)
     assert len(lines) == 2 and lines[1].startswith("redis reachable again after ")
     assert health.reachable and health.down_for() == 0.0
+    # a command begun before the recovery that fails just after it is no new outage
+    assert health.absorb(redis.ConnectionError("Connection closed by server.")) and health.reachable
+    assert len(_lines(caplog)) == 2
 
 
 def test_other_errors_are_no_outage(caplog):
