@@ -37,6 +37,7 @@ class Registration:
         self.health = health or RedisHealth(log)
         self.on_restore: list[Callable[[], None]] = []  # what the role re-creates in a Redis that lost it
         self._run_id: str | None = None
+        self._restore_due = False  # set by a beat that found Redis back or new; cleared once all is published
         self.config = config
         self.host = host
         self.draining = draining
@@ -62,8 +63,10 @@ class Registration:
         self.redis.sadd(keys.MODELS_INDEX, info.name)
 
     def heartbeat(self) -> None:
-        self._publish_heartbeat(self._worker_info())
-        self.health.ok()
+        restarted = self._publish_heartbeat(self._worker_info())
+        if self.health.ok() or restarted:  # the heartbeat thread publishes the rest, now
+            self._restore_due = True
+            self._beat_now.set()
 
     def _worker_info(self) -> WorkerInfo:
         slots = list(self.host.slots.values())
@@ -120,9 +123,11 @@ class Registration:
         with self.host.lock:  # the loop may be adding or removing a model; Redis waits outside
             info, slots = self._worker_info(), list(self.host.slots.values())
         restarted = self._publish_heartbeat(info)
-        back = self.health.ok()
-        if restarted or back:
-            self.restore(slots, "restarted" if restarted else "back")
+        if self.health.ok() or restarted:
+            self._restore_due = True
+        if self._restore_due:  # until it all went through: Redis may fail again half way
+            self.restore(slots)
+            self._restore_due = False
             return
         pipe = self.redis.pipeline(transaction=False)
         for slot in slots:
@@ -131,14 +136,14 @@ class Registration:
         if missing:  # lost some other way (deleted by hand): gateways must see the models again
             self._publish_models(missing)
 
-    def restore(self, slots: list[ModelSlot], why: str) -> None:
+    def restore(self, slots: list[ModelSlot]) -> None:
         """Publish again whatever a Redis that restarted may have lost."""
         self.register_models()
         self._publish_models(slots)
         for restore in self.on_restore:
             restore()
-        log.info("redis %s: registration published again, with %d model(s) and %d registry entries", why,
-                 len(slots), len(self.config.register))
+        log.info("registration published again after the redis outage or restart: %d model(s), %d registry "
+                 "entries", len(slots), len(self.config.register))
 
     def _publish_models(self, slots: list[ModelSlot]) -> None:
         with self.host.lock:
