@@ -239,3 +239,56 @@ def test_config_models_are_served_again_after_an_empty_restart(tiny_model_dir, t
                 proc.kill()
                 proc.wait()
         redis.stop()
+
+
+SMOL_ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "smol",
+               "--num-gpu-blocks-override", "1024"]
+
+
+def test_a_stream_in_flight_keeps_streaming_while_redis_is_down(smollm2_dir, tmp_path):
+    """A unified worker's running request needs no Redis: its tokens go to the gateway over ZMQ. While
+    Redis is down the worker reads no new job, but its engine steps on (SmolLM2 on CPU: a stream long
+    enough to span the outage)."""
+    redis = RestartableRedis()
+    redis.start()
+    c = Cluster(redis.url, str(smollm2_dir), SMOL_ENGINE, tmp_path)
+    try:
+        c.start_worker("unified", "u1")
+        port = c.start_gateway()
+        c.wait_ready()
+        arrivals: list[float] = []
+        body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+
+        async def stream() -> list[str]:
+            lines = []
+            async with httpx.AsyncClient(timeout=120) as client:
+                async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200, await resp.aread()
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            arrivals.append(time.monotonic())
+                            lines.append(line)
+            return lines
+
+        async def run() -> tuple[list[str], float, float]:
+            task = asyncio.create_task(stream())
+            await _until(lambda: len(arrivals) >= 2, 60, "the stream's first tokens")
+            killed = time.monotonic()
+            redis.kill()
+            await asyncio.sleep(3.0)
+            restarted = time.monotonic()
+            redis.start()
+            return await task, killed, restarted
+
+        lines, killed, restarted = asyncio.run(run())
+        during = sum(1 for t in arrivals if killed + 1.0 <= t <= restarted)  # past the first failed reads
+        print(f"\n[stream in flight] {len(arrivals)} chunks, {during} of them while Redis was down "
+              f"({restarted - killed - 1.0:.1f} s window); the last {arrivals[-1] - restarted:.1f} s after the restart")
+        assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2].replace(" ", "")
+        assert arrivals[-1] > restarted, "the stream ended before the outage did: nothing was measured"
+        assert during >= 5, during
+        _check_logs({name: c.log(name) for name in c.procs})
+    finally:
+        c.stop()
+        redis.stop()
