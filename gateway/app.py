@@ -37,6 +37,7 @@ from kvrelay.gateway.tenancy.auth import auth_middleware
 from kvrelay.gateway.tenancy.context import tenancy_ctx
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.wire.redis_conn import async_client
+from kvrelay.shared.wire.redis_keys import METRICS_SALT
 from kvrelay.shared.wire.tenant_label import metrics_salt_async, tenant_labeler
 from kvrelay.shared.wire.zmq_auth import keys_from_secret
 
@@ -50,11 +51,11 @@ TENANT_PENDING = "pending"  # the tenant label until the metrics salt is known
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     client = app[REDIS] = async_client(config.redis_url)
+    watch = app[REDIS_WATCH] = RedisWatch(client, config.redis_watch_s, config.redis_outage_s)
     salt_task = None
     if not config.metrics_tenant_labels:
         app[METRICS].tenant = lambda tenant: TENANT_PENDING
-        salt_task = asyncio.create_task(_tenant_salt(app[METRICS], client))
-    watch = app[REDIS_WATCH] = RedisWatch(client, config.redis_watch_s, config.redis_outage_s)
+        salt_task = asyncio.create_task(_tenant_salt(app[METRICS], client, watch))
     watch.start()
     yield
     if salt_task is not None:
@@ -63,17 +64,25 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     await client.aclose()
 
 
-async def _tenant_salt(metrics: GatewayMetrics, client) -> None:
+async def _tenant_salt(metrics: GatewayMetrics, client, watch: RedisWatch) -> None:
     """Tenants are shown hashed under the deployment's salt (shared/wire/tenant_label.py); while Redis
     cannot give it (the gateway starts without Redis, as it serves without it) they are shown as a
-    placeholder, never by name."""
+    placeholder, never by name. A Redis that lost it gets ours back (SET NX), so processes started
+    after the loss hash tenants as the running ones do."""
     while True:
         try:
-            metrics.tenant = tenant_labeler(await metrics_salt_async(client))
-            return
+            salt = await metrics_salt_async(client)
+            break
         except redis.RedisError as exc:
-            log.warning("no metrics salt from Redis yet (%s); tenants show as %r", exc, TENANT_PENDING)
+            if not watch.health.absorb(exc):
+                log.warning("no metrics salt from Redis yet (%s); tenants show as %r", exc, TENANT_PENDING)
             await asyncio.sleep(1.0)
+    metrics.tenant = tenant_labeler(salt)
+
+    async def publish_salt() -> None:
+        await client.set(METRICS_SALT, salt, nx=True)
+
+    watch.on_back.append(publish_salt)
 
 
 async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:

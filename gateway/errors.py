@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 import redis
 from aiohttp import web
 
+from kvrelay.gateway.redis_watch import redis_failed
+
 log = logging.getLogger("kvrelay.gateway")
 
 # OpenAI's error "type" per HTTP status; clients branch on these.
@@ -95,8 +97,10 @@ async def error_middleware(request: web.Request,
             raise
         return _from_http_exception(exc).response()
     except redis.RedisError as exc:
-        # Redis down or restarting (the registry, the queue): retryable, and it must not look like a bug
-        log.warning("redis unavailable on %s %s: %s", request.method, request.path, exc)
+        # Redis down or restarting (the registry, the queue): retryable, and it must not look like a bug;
+        # an outage is logged once by the Redis watch, not once per request
+        if not redis_failed(request.app, exc):
+            log.warning("redis error on %s %s: %s", request.method, request.path, exc)
         return APIError(503, "the request queue is unavailable; retry later", code="queue_unavailable",
                         headers={"Retry-After": "1"}).response()
     except (ConnectionResetError, web.RequestPayloadError) as exc:

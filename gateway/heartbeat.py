@@ -5,7 +5,9 @@ killed with -9 leaves no request decoding for nobody.
 
 The first beat lands before the gateway serves (this context starts before the site does) and the last
 after its drain (contexts close after it); a clean shutdown deletes the key, so workers need not wait
-for its TTL to free what a drain timeout left behind.
+for its TTL to free what a drain timeout left behind. When Redis comes back (or restarted between two
+beats), the Redis watch beats at once: workers give a gateway missing from a new Redis only CONFIRM_S.
+A failed beat is an outage the watch logs once, not a line a second.
 """
 
 import asyncio
@@ -18,6 +20,7 @@ import redis
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.redis_watch import REDIS_WATCH, RedisWatch
 from kvrelay.gateway.state import DISPATCHER, REDIS
 from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
@@ -26,8 +29,9 @@ log = logging.getLogger("kvrelay.gateway")
 
 
 class GatewayHeartbeat:
-    def __init__(self, client: redis.asyncio.Redis, reply_addr: str):
+    def __init__(self, client: redis.asyncio.Redis, reply_addr: str, watch: RedisWatch):
         self._redis = client
+        self._watch = watch
         self._key = keys.gateway_key(reply_addr)
         self._value = f"{socket.gethostname()}-{os.getpid()}"
         self._task: asyncio.Task | None = None
@@ -42,22 +46,31 @@ class GatewayHeartbeat:
         try:
             await self._redis.delete(self._key)
         except redis.RedisError as exc:  # the key's TTL ends it anyway
-            log.warning("could not delete the gateway's liveness key (%s)", exc)
+            if not self._watch.health.absorb(exc):
+                log.warning("could not delete the gateway's liveness key (%s)", exc)
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(keys.GATEWAY_HEARTBEAT_S)
             await self._beat()
 
+    async def publish(self) -> None:
+        """One beat, raising what Redis says (the watch's ``on_back``)."""
+        await self._redis.set(self._key, self._value, ex=keys.GATEWAY_TTL_S)
+
     async def _beat(self) -> None:
         try:
-            await self._redis.set(self._key, self._value, ex=keys.GATEWAY_TTL_S)
+            await self.publish()
         except redis.RedisError as exc:  # Redis restarting: the next beat writes the key again
-            log.warning("gateway heartbeat failed (%s)", exc)
+            if not self._watch.health.absorb(exc):
+                log.warning("gateway heartbeat failed (%s)", exc)
 
 
 async def heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
-    beat = GatewayHeartbeat(app[REDIS], app[DISPATCHER].address)
+    watch = app[REDIS_WATCH]
+    beat = GatewayHeartbeat(app[REDIS], app[DISPATCHER].address, watch)
+    watch.on_back.append(beat.publish)
     await beat.start()
     yield
+    watch.on_back.remove(beat.publish)  # the key deleted on the way out stays deleted
     await beat.close()

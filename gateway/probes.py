@@ -1,6 +1,6 @@
 """What orchestrators and scrapers ask, open to them without a tenant key and answered while draining:
-``GET /health`` (liveness), ``GET /ready`` (can requests be served) and ``GET /metrics`` (the gateway's
-Prometheus registry, with the queue gauges renewed from Redis first)."""
+``GET /health`` (the process answers and reaches its store), ``GET /ready`` (can requests be served)
+and ``GET /metrics`` (the gateway's Prometheus registry, with the queue gauges renewed from Redis first)."""
 
 import logging
 
@@ -12,14 +12,25 @@ from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS
 from kvrelay.gateway.control.served import Served, served
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN
+from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, METRICS, REDIS
 
 log = logging.getLogger("kvrelay.gateway")
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness only: the process answers. Dependencies belong to /ready, or a Redis blip would restart
-    every gateway at once."""
+    """200 while the process answers and its store (Redis: tenants, keys, limits, the job queues) was
+    reachable at the Redis watch's last probe; 503 in OpenAI's error shape while it is not, since no
+    request can be served then. Read from the watch's state, never a round trip per probe: a probe
+    storm costs Redis nothing. Until the first probe answered it is 503 too. A Redis blip fails it
+    for as long as the blip, so a liveness probe on it wants a failure threshold longer than the
+    outages worth riding out (restarting a gateway brings no store back, and ends its streams)."""
+    store = request.app[REDIS_WATCH].health
+    if not store.reachable:
+        down = f" for {store.down_for():.0f} s" if store.down_for() else ""
+        return APIError(503, f"the control-plane store (Redis) is unreachable{down}", code="store_unavailable",
+                        headers={"Retry-After": str(request.app[CONFIG].retry_after_s)}).response()
     return web.json_response({"status": "ok"})
 
 
@@ -37,7 +48,8 @@ async def ready(request: web.Request) -> web.Response:
         await request.app[REDIS].ping()
         view = await served(request.app)
     except redis.RedisError as exc:
-        log.warning("not ready: redis unreachable: %s", exc)
+        if not redis_failed(request.app, exc):
+            log.warning("not ready: redis answered %s", exc)
         return web.json_response({"status": "unavailable", "redis": False, "models": {}}, status=503,
                                  headers=retry)
     missing = {name: {"prefill_workers": 0, "decode_workers": 0}
@@ -69,6 +81,7 @@ async def scrape(request: web.Request) -> web.Response:
         await metrics.queues.refresh(request.app[REDIS], models)
     except redis.RedisError as exc:
         # The gateway's own counters are still worth a scrape; the queue gauges are left out, not shown stale.
-        log.warning("queue metrics unavailable: %s", exc)
+        if not redis_failed(request.app, exc):
+            log.warning("queue metrics unavailable: %s", exc)
         metrics.queues.snapshot = {}
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

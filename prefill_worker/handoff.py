@@ -8,8 +8,10 @@ silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again while
 allows: a full decode batch is backpressure, not failure).
 """
 
+import logging
 import time
 
+import redis
 import zmq
 
 from kvrelay.shared.handoff.base import Transport
@@ -17,10 +19,13 @@ from kvrelay.shared.handoff.sender import HandoffSender
 from kvrelay.shared.handoff.states import State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
+from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers
 
 __all__ = ["FirstToken", "HandoffManager", "State", "Transfer"]
+
+log = logging.getLogger(__name__)
 
 WORKER_CACHE_S = 0.5
 
@@ -33,6 +38,8 @@ class HandoffManager(HandoffSender):
         super().__init__(ctx, runtime.config.worker_id, timeout_s, core_for or (lambda model: runtime.core),
                          self._pick_decode_worker, transports, curve=curve)
         self._list_workers = workers or (lambda: live_workers(runtime.redis))
+        # test and bench endpoints stand in for a runtime with no Redis: they get a health of their own
+        self._health = getattr(runtime, "health", None) or RedisHealth(log)
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
 
@@ -48,8 +55,14 @@ class HandoffManager(HandoffSender):
     def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
         now = time.monotonic()
         if now - self._workers_at > WORKER_CACHE_S:
-            self._workers_at, self._workers = now, self._list_workers()
-            self.retain_peers({w.zmq_addr for w in self._workers})
+            self._workers_at = now
+            try:
+                self._workers = self._list_workers()
+                self.retain_peers({w.zmq_addr for w in self._workers})
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis unreachable: the last list still names who was alive, and a dead one refuses
+                # or stays silent like any other; the prefill step goes on.
+                self._health.failed(exc)
         live = [w for w in self._workers
                 if w.role == "decode" and model in w.models and w.worker_id not in exclude]
         live.sort(key=lambda w: (-_free_kv(w, model), _load(w, model)))

@@ -26,6 +26,7 @@ from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.prompts import Prepared
 from kvrelay.gateway.api.response_cache import RESPONSE_CACHE, cacheable, request_key
 from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.redis_watch import redis_failed
 from kvrelay.gateway.state import METRICS, spawn
 from kvrelay.gateway.tenancy.auth import TENANT
 from kvrelay.gateway.tenancy.limits import LIMITER, LimitExceeded, Reservation
@@ -65,7 +66,8 @@ class Meter:
             raise exc.api_error() from None
         except redis.RedisError as exc:
             # Fail closed: without Redis the limits cannot hold, and the queue is down as well anyway.
-            log.warning("rate limiter unavailable: %s", exc)
+            if not redis_failed(self.app, exc):
+                log.warning("rate limiter unavailable: %s", exc)
             raise APIError(503, "the rate limiter is unavailable; retry later", code="limiter_unavailable",
                            headers={"Retry-After": "1"}) from None
         if self._cache_key is not None:
@@ -101,7 +103,8 @@ class Meter:
             if gen is not None or self.cached is not None:
                 await self.app[USAGE].record(tenant, self.model, prompt, completion, cache_hit=self.cached is not None)
         except redis.RedisError as exc:
-            log.warning("could not settle usage of tenant %s: %s", tenant, exc)
+            if not redis_failed(self.app, exc):
+                log.warning("could not settle usage of tenant %s: %s", tenant, exc)
         if prompt:
             metrics.tenant_tokens.labels(metrics.tenant(tenant), self.model, "prompt").inc(prompt)
         if completion:

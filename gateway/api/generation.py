@@ -23,7 +23,7 @@ from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN, draining_error
 from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
-from kvrelay.gateway.redis_watch import REDIS_WATCH
+from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
@@ -46,7 +46,8 @@ async def publish_abort(app: web.Application, job_ids: list[str], reason: str) -
         await app[REDIS].publish(keys.ABORT_CHANNEL, encode(Abort(request_ids=job_ids, reason=reason)))
     except redis.RedisError as exc:
         # Workers also drop jobs past their deadline, so a lost abort costs capacity, not correctness.
-        log.warning("could not publish abort for %s: %s", job_ids, exc)
+        if not redis_failed(app, exc):
+            log.warning("could not publish abort for %s: %s", job_ids, exc)
 
 
 class Generation:
@@ -77,7 +78,7 @@ class Generation:
         # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
         # is dead, and its requests end with an error instead of waiting out the deadline
         self._holders: dict[str, str] = {}
-        self._epoch = app[REDIS_WATCH].epoch  # a later epoch: Redis lost what was queued (redis_watch.py)
+        self._queued_at: float | None = None  # monotonic, when Redis took our jobs (redis_watch.py: lost)
         self._heard: set[str] = set()  # job ids some worker answered for: they are out of Redis
 
     @property
@@ -171,8 +172,10 @@ class Generation:
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
         try:
             await pipe.execute()
+            self._queued_at = time.monotonic()
         except redis.RedisError as exc:
-            log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
+            if not redis_failed(self.app, exc):
+                log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise unavailable from None
 
     async def _next_event(self) -> TokenEvent:
@@ -185,7 +188,7 @@ class Generation:
                 raise ClientGone()
             if self.app[DRAIN].expired:  # the gateway's drain deadline passed: end cleanly, now
                 raise draining_error(self.app[CONFIG].retry_after_s)
-            if self.app[REDIS_WATCH].epoch != self._epoch and any(
+            if self._queued_at is not None and self.app[REDIS_WATCH].lost(self._queued_at) and any(
                     c.job_id not in self._heard and not c.finished for c in self.choices):
                 raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
                                code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelInfo
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -42,8 +43,11 @@ def request_key(tenant: str, endpoint: str, model: ModelInfo, body: BaseModel) -
 
 
 class ResponseCache:
-    def __init__(self, client: redis.asyncio.Redis, ttl_s: float, max_bytes: int):
+    def __init__(self, client: redis.asyncio.Redis, ttl_s: float, max_bytes: int,
+                 health: RedisHealth | None = None):
+        """``health``: where an outage is reported (logged once), instead of a warning per request."""
         self._redis = client
+        self._health = health or RedisHealth(log)
         self.ttl_ms = int(ttl_s * 1000)
         self.max_bytes = max_bytes
 
@@ -55,7 +59,8 @@ class ResponseCache:
         try:
             return await self._redis.get(key)
         except redis.RedisError as exc:
-            log.warning("response cache read failed: %s", exc)
+            if not self._health.absorb(exc):
+                log.warning("response cache read failed: %s", exc)
             return None
 
     async def put(self, key: str, body: bytes) -> None:
@@ -64,7 +69,8 @@ class ResponseCache:
         try:
             await self._redis.set(key, body, px=self.ttl_ms)
         except redis.RedisError as exc:
-            log.warning("response cache write failed: %s", exc)
+            if not self._health.absorb(exc):
+                log.warning("response cache write failed: %s", exc)
 
 
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)

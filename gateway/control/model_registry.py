@@ -8,6 +8,13 @@ Two kinds of model answer to a client's name:
   * published directly by a worker started with ``--model`` (version 0, never registered): the
     instance is the name itself, exactly as before the registry existed.
 A registered name wins over a direct one of the same name. Clients only ever see the name.
+
+The registry lives in Redis only. A gateway keeps its last view of it, with the ``run_id`` of the
+server it read it from (asked first: a restart between the two reads labels a new server's view as the
+old one's, never the reverse), and when Redis answers as another server, at its next read or when the
+Redis watch sees it back (``republish``), puts back every entry of that view the new one lacks (SET NX:
+a Redis restored from its file keeps what it has). Entries this gateway deletes leave its view at
+once; one deleted through another gateway inside its last refresh (0.5 s) may come back.
 """
 
 import logging
@@ -44,6 +51,7 @@ class ModelRegistry:
         self._redis = client
         self._cache_s = cache_s
         self._specs: tuple[float, dict[str, ModelSpec]] | None = None
+        self._known: tuple[str | None, dict[str, ModelSpec]] = (None, {})  # run_id of the server read, view
 
     def invalidate(self) -> None:
         self._specs = None
@@ -53,9 +61,29 @@ class ModelRegistry:
         # cache before draining the old version (placement.py), so a stale read still finds it serving.
         if not fresh and self._specs is not None and time.monotonic() - self._specs[0] < self._cache_s:
             return self._specs[1]
+        run_id = _run_id(await self._redis.info("server"))
+        await self.republish(run_id)
         specs = await read_indexed(self._redis, keys.REGISTRY_INDEX, keys.registry_key, ModelSpec)
         self._specs = (time.monotonic(), specs)
+        self._known = (run_id, dict(specs))
         return specs
+
+    async def republish(self, run_id: str | None) -> int:
+        """Redis answers as server ``run_id``: the entries of our last view (read from another server) that
+        it lacks go back. Returns how many."""
+        read_from, specs = self._known
+        if read_from is None or read_from == run_id or not specs:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for spec in specs.values():
+            pipe.set(keys.registry_key(spec.name), encode(spec), nx=True)
+            pipe.sadd(keys.REGISTRY_INDEX, spec.name)
+        restored = sum(bool(r) for r in (await pipe.execute())[::2])
+        self._known = (run_id, specs)
+        self.invalidate()
+        if restored:
+            log.info("registered %d model(s) again in a Redis that lost them", restored)
+        return restored
 
     async def spec(self, name: str) -> ModelSpec | None:
         """Always from Redis: admin operations act on the current state, not a cached one."""
@@ -69,6 +97,7 @@ class ModelRegistry:
         pipe.sadd(keys.REGISTRY_INDEX, spec.name)
         await pipe.execute()
         self.invalidate()
+        self._known[1][spec.name] = spec
 
     async def update(self, name: str, change: Callable[[ModelSpec], ModelSpec | None]) -> ModelSpec | None:
         """Apply ``change`` to the stored spec atomically (WATCH/MULTI); ``change`` returning None
@@ -91,6 +120,7 @@ class ModelRegistry:
             except redis.WatchError:
                 raise SpecConflict(f"model {name!r} changed concurrently; retry") from None
         self.invalidate()
+        self._known[1][name] = new
         return new
 
     async def delete(self, name: str) -> bool:
@@ -99,12 +129,18 @@ class ModelRegistry:
         pipe.srem(keys.REGISTRY_INDEX, name)
         deleted, _ = await pipe.execute()
         self.invalidate()
+        self._known[1].pop(name, None)
         return bool(deleted)
 
     async def served_names(self, models: dict[str, ModelInfo]) -> list[str]:
         """What clients may ask for: registered names plus directly published models."""
         names = set(await self.specs()) | {m.name for m in models.values() if is_direct(m)}
         return sorted(names)
+
+
+def _run_id(info: dict) -> str | None:
+    run_id = info.get("run_id")
+    return run_id.decode() if isinstance(run_id, bytes) else run_id
 
 
 MODEL_REGISTRY = web.AppKey("model_registry", ModelRegistry)

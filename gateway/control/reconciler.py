@@ -21,10 +21,12 @@ from aiohttp import web
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, ModelRegistry, SpecConflict
 from kvrelay.gateway.control.placement import PLACEMENT, LoadError, Placement, instance_state
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, WorkerRegistry
+from kvrelay.gateway.redis_watch import REDIS_WATCH
 from kvrelay.gateway.state import CONFIG, REDIS
 from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec, instance_key
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -33,8 +35,10 @@ RECONCILE_LOCK = keys.RECONCILE_LOCK
 
 class Reconciler:
     def __init__(self, client: redis.asyncio.Redis, models: ModelRegistry, placement: Placement,
-                 registry: WorkerRegistry, interval_s: float, load_timeout: float):
+                 registry: WorkerRegistry, interval_s: float, load_timeout: float,
+                 health: RedisHealth | None = None):
         self._redis = client
+        self._health = health or RedisHealth(log)
         self._models = models
         self._placement = placement
         self._registry = registry
@@ -81,7 +85,8 @@ class Reconciler:
             try:
                 await self.run_once()
             except (redis.RedisError, OSError) as exc:
-                log.warning("reconcile pass skipped: %s", exc)
+                if not self._health.absorb(exc):  # an outage is logged once, by the Redis watch
+                    log.warning("reconcile pass skipped: %s", exc)
             except Exception:
                 log.exception("reconcile pass failed")
             await asyncio.sleep(self._interval_s)
@@ -93,7 +98,8 @@ RECONCILER = web.AppKey("reconciler", Reconciler)
 async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     reconciler = app[RECONCILER] = Reconciler(app[REDIS], app[MODEL_REGISTRY], app[PLACEMENT], app[WORKER_REGISTRY],
-                                              config.reconcile_interval_s, config.model_load_timeout)
+                                              config.reconcile_interval_s, config.model_load_timeout,
+                                              app[REDIS_WATCH].health)
     task = None
     if config.reconcile_interval_s > 0:
         task = asyncio.get_running_loop().create_task(reconciler.run(), name="kvrelay-reconciler")

@@ -33,6 +33,7 @@ import redis
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import Job
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ def _lost_group(exc: redis.ResponseError) -> bool:
 
 class JobQueue:
     def __init__(self, client: redis.Redis, model: str, consumer: str, reclaim_idle_ms: int,
-                 max_deliveries: int = keys.MAX_DELIVERIES, on_dead: Callable[[Job, str], None] | None = None):
+                 max_deliveries: int = keys.MAX_DELIVERIES, on_dead: Callable[[Job, str], None] | None = None,
+                 health: RedisHealth | None = None):
         self.redis = client
+        self.health = health or RedisHealth(log)  # where a failed ACK reports an outage
         self.model = model
         self.stream = keys.prefill_stream(model)
         self.private = keys.prefill_worker_stream(model, consumer)
@@ -99,6 +102,8 @@ class JobQueue:
         self.ensure_group()
 
     def ensure_group(self) -> None:
+        """Our streams, their consumer group and our consumer in it, whichever are missing (XGROUP CREATE
+        MKSTREAM): at start, and again when Redis restarted without them."""
         for stream in (self.stream, self.private):
             try:  # id "0": jobs queued before the first worker started are still delivered
                 self.redis.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
@@ -260,7 +265,7 @@ class JobQueue:
         try:
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("ACK of %d job(s) failed (%s); retrying later", len(entry_ids), exc)
+            self.health.failed(exc)  # said once per outage, however many ACKs wait
             self._unacked.extend(entry_ids)
 
     def ack_later(self, entry_id: bytes) -> None:
@@ -280,7 +285,12 @@ class JobQueue:
         pipe = self.redis.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, keys.PREFILL_GROUP, self.consumer, 0, ids, justid=True)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.ResponseError as exc:
+            if not _lost_group(exc):
+                raise
+            self.ensure_group()  # Redis restarted empty: nothing of ours is pending there to keep
 
     def _by_stream(self, tagged: Iterable[bytes]) -> dict[str, list[bytes]]:
         groups: dict[str, list[bytes]] = {}

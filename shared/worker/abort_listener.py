@@ -10,13 +10,15 @@ import redis
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import Abort
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger(__name__)
 
 
 class AbortListener:
-    def __init__(self, redis_client: redis.Redis):
+    def __init__(self, redis_client: redis.Redis, health: RedisHealth | None = None):
         self.redis = redis_client
+        self.health = health or RedisHealth(log)
         self.ids: queue.Queue[str] = queue.Queue()
 
     def run(self, stop: threading.Event) -> None:
@@ -33,8 +35,9 @@ class AbortListener:
                                 self.ids.put(rid)
                         except ValueError:
                             log.warning("dropped a malformed abort message")
-            except redis.RedisError:
-                log.warning("abort subscription lost; retrying", exc_info=True)
+            except redis.RedisError as exc:
+                if not self.health.absorb(exc):
+                    log.warning("abort subscription lost (%s); retrying", exc)
                 stop.wait(1.0)
 
     def drain(self) -> list[str]:

@@ -12,14 +12,17 @@ import redis
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, ModelSpec
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger(__name__)
 
 
 class ControlChannel:
-    def __init__(self, redis_client: redis.Redis, worker_id: str, on_result: Callable[[], None]):
+    def __init__(self, redis_client: redis.Redis, worker_id: str, on_result: Callable[[], None],
+                 health: RedisHealth | None = None):
         """``on_result``: called after each result is reported (what the worker advertises changed)."""
         self.redis = redis_client
+        self.health = health or RedisHealth(log)
         self.worker_id = worker_id
         self.on_result = on_result
 
@@ -29,8 +32,9 @@ class ControlChannel:
         while not stop.is_set():
             try:
                 item = self.redis.brpop([key], timeout=1)
-            except redis.RedisError:
-                log.warning("control listener lost Redis; retrying", exc_info=True)
+            except redis.RedisError as exc:
+                if not self.health.absorb(exc):
+                    log.warning("control listener lost Redis (%s); retrying", exc)
                 stop.wait(1.0)
                 continue
             if item is None:
@@ -45,8 +49,9 @@ class ControlChannel:
         try:
             self.redis.set(keys.control_result_key(result.command_id), encode(result),
                            ex=keys.CONTROL_RESULT_TTL_S)
-        except redis.RedisError:
-            log.warning("could not report the result of command %s", result.command_id, exc_info=True)
+        except redis.RedisError as exc:
+            self.health.absorb(exc)
+            log.warning("could not report the result of command %s: %s", result.command_id, exc)
         self.on_result()
 
     def min_replicas(self, name: str) -> int:

@@ -18,6 +18,7 @@ import time
 import redis
 
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.redis_health import RedisHealth
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,9 @@ CONFIRM_S = 2 * keys.GATEWAY_HEARTBEAT_S
 
 
 class GatewayWatch:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, health: RedisHealth | None = None):
         self.redis = client
+        self.health = health or RedisHealth(log)
         self._watched: frozenset[str] = frozenset()  # replaced whole by the loop, read by the thread
         self._gone: queue.Queue[str] = queue.Queue()
         self._missing_since: dict[str, float] = {}  # the thread's own
@@ -76,5 +78,6 @@ class GatewayWatch:
             try:
                 self.check()
             except redis.RedisError as exc:  # cannot tell who is alive: nobody is declared gone
-                log.warning("gateway watch lost Redis (%s); retrying", exc)
+                if not self.health.absorb(exc):
+                    log.warning("gateway watch lost Redis (%s); retrying", exc)
                 self._missing_since.clear()

@@ -6,6 +6,8 @@ output is its own (prefill_worker/worker.py, unified_worker/worker.py)."""
 import time
 from collections.abc import Callable
 
+import redis
+
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire import redis_keys as keys
@@ -17,6 +19,9 @@ from kvrelay.shared.worker.runtime import WorkerRuntime
 
 IDLE_BLOCK_MS = 50  # one model and nothing running: the read blocks this long for a job
 IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
+# While Redis is unreachable no new job can come, but what the engine holds runs on: reads are tried
+# again this often, not every step (each failed read costs its retries, about a second).
+OUTAGE_RETRY_S = 1.0
 
 
 class JobIntake:
@@ -33,11 +38,20 @@ class JobIntake:
         self._kept_at: dict[str, float] = {}  # instance -> when its in-flight jobs were last kept
         # instance -> entry ids of our jobs held past the engine (a prefill worker's awaiting their handoff)
         self.held_elsewhere: Callable[[str], list[bytes]] = lambda instance: []
+        runtime.registration.on_restore.append(self.restore)
+        self._retry_at = 0.0  # monotonic: no read before it (Redis unreachable)
 
     def attach(self, slot: ModelSlot) -> None:
         c = self.config
         self.queues[slot.instance] = JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
-                                              c.max_deliveries, on_dead=self._dead_job)
+                                              c.max_deliveries, on_dead=self._dead_job, health=self.runtime.health)
+
+    def restore(self) -> None:
+        """Redis restarted (the heartbeat thread calls this): our consumer groups again, where it lost
+        them, before a gateway routes a job to a private stream nobody reads (JobQueue's own NOGROUP
+        recovery would only come with the next read)."""
+        for queue in list(self.queues.values()):
+            queue.ensure_group()
 
     def detach(self, slot: ModelSlot) -> None:
         self.queues.pop(slot.instance, None)
@@ -47,6 +61,20 @@ class JobIntake:
                 and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
 
     def fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
+        """Jobs for ``slot``, up to what its engine has room for; none while Redis is unreachable (the
+        outage is reported, and the step goes on with what the engine holds)."""
+        if time.monotonic() < self._retry_at:
+            if block_ms:  # idle: the read would have blocked this long; no spinning on a dead Redis
+                time.sleep(block_ms / 1000)
+            return []
+        try:
+            return self._fetch(slot, block_ms)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.runtime.health.failed(exc)
+            self._retry_at = time.monotonic() + OUTAGE_RETRY_S
+            return []
+
+    def _fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
         self._keep_in_flight(slot.instance)
         room = slot.core.max_num_seqs - self.inflight.count(slot.instance)
         if room <= 0 or self.runtime.draining:

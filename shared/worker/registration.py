@@ -1,7 +1,12 @@
 """A worker's registration in Redis: its ``WorkerInfo`` under a TTL, refreshed every heartbeat (at once
 when what it advertises changed), and a ``ModelInfo`` per hosted model for gateways to find. The
 heartbeat runs on its own thread and only talks to Redis; it reads the host's models under the host's
-lock. After a Redis restart it registers again, models included, as soon as Redis is back."""
+lock. It is also the worker's Redis prober (``RedisHealth``): after an outage, or when Redis's ``run_id``
+says it restarted (a restart between two beats shows no outage), it publishes everything again, as
+soon as Redis answers: its registration, its models, the registry entries of its config (SET NX: a
+restored Redis keeps what the admin changed) and whatever the role keeps there (``on_restore``: the
+consumer groups). While Redis is down it retries every REREGISTER_RETRY_S, silently: the health
+object logs the outage once."""
 
 import logging
 import os
@@ -16,6 +21,7 @@ from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
+from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.worker.model_host import ModelHost, ModelSlot
 
 log = logging.getLogger(__name__)
@@ -25,9 +31,13 @@ REREGISTER_RETRY_S = 0.2
 
 class Registration:
     def __init__(self, redis_client: redis.Redis, config: WorkerConfig, host: ModelHost,
-                 draining: Callable[[], bool]):
+                 draining: Callable[[], bool], health: RedisHealth | None = None):
         """``draining``: whether the worker is draining (it then advertises no room)."""
         self.redis = redis_client
+        self.health = health or RedisHealth(log)
+        self.on_restore: list[Callable[[], None]] = []  # what the role re-creates in a Redis that lost it
+        self._run_id: str | None = None
+        self._restore_due = False  # set by a beat that found Redis back or new; cleared once all is published
         self.config = config
         self.host = host
         self.draining = draining
@@ -53,7 +63,10 @@ class Registration:
         self.redis.sadd(keys.MODELS_INDEX, info.name)
 
     def heartbeat(self) -> None:
-        self._publish_heartbeat(self._worker_info())
+        restarted = self._publish_heartbeat(self._worker_info())
+        if self.health.ok() or restarted:  # the heartbeat thread publishes the rest, now
+            self._restore_due = True
+            self._beat_now.set()
 
     def _worker_info(self) -> WorkerInfo:
         slots = list(self.host.slots.values())
@@ -74,11 +87,15 @@ class Registration:
                           can_load=bool(self.config.model_repo) and not draining)
         return info
 
-    def _publish_heartbeat(self, info: WorkerInfo) -> None:
+    def _publish_heartbeat(self, info: WorkerInfo) -> bool:
+        """True when Redis is another server than at the last beat (restarted, maybe empty)."""
         pipe = self.redis.pipeline()
         pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
         pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
-        pipe.execute()
+        pipe.info("server")
+        server = pipe.execute()[-1]
+        run_id, self._run_id = self._run_id, server.get("run_id")
+        return run_id is not None and run_id != self._run_id
 
     def beat_soon(self) -> None:
         """What we advertise changed (a model loaded or left): tell placement now, not in 2 s."""
@@ -93,25 +110,50 @@ class Registration:
             if stop.is_set():
                 return
             try:
-                with self.host.lock:  # the loop may be adding or removing a model; Redis waits outside
-                    info, slots = self._worker_info(), list(self.host.slots.values())
-                self._publish_heartbeat(info)
-                missing = [s for s in slots if not self.redis.exists(keys.model_key(s.instance))]
-                if missing:  # Redis restarted empty: gateways must see the models again
-                    with self.host.lock:
-                        for slot in missing:
-                            if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
-                                self.publish_model(slot)
+                self._beat()
                 delay = keys.HEARTBEAT_INTERVAL_S
-            except redis.RedisError:  # Redis restarting: keep serving, re-register as soon as it is back
-                log.warning("heartbeat failed", exc_info=True)
+            except redis.RedisError as exc:  # Redis restarting: keep serving, re-register as soon as it is back
+                if not self.health.absorb(exc):
+                    log.warning("heartbeat failed: %s", exc)
                 # Retry quickly: after a Redis restart the gateway queues nothing for this model until
                 # its workers are registered again, and a prefill worker finds no decode worker before.
                 delay = REREGISTER_RETRY_S
+
+    def _beat(self) -> None:
+        with self.host.lock:  # the loop may be adding or removing a model; Redis waits outside
+            info, slots = self._worker_info(), list(self.host.slots.values())
+        restarted = self._publish_heartbeat(info)
+        if self.health.ok() or restarted:
+            self._restore_due = True
+        if self._restore_due:  # until it all went through: Redis may fail again half way
+            self.restore(slots)
+            self._restore_due = False
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for slot in slots:
+            pipe.exists(keys.model_key(slot.instance))
+        missing = [s for s, found in zip(slots, pipe.execute(), strict=True) if not found]
+        if missing:  # lost some other way (deleted by hand): gateways must see the models again
+            self._publish_models(missing)
+
+    def restore(self, slots: list[ModelSlot]) -> None:
+        """Publish again whatever a Redis that restarted may have lost."""
+        self.register_models()
+        self._publish_models(slots)
+        for restore in self.on_restore:
+            restore()
+        log.info("registration published again after the redis outage or restart: %d model(s), %d registry "
+                 "entries", len(slots), len(self.config.register))
+
+    def _publish_models(self, slots: list[ModelSlot]) -> None:
+        with self.host.lock:
+            for slot in slots:
+                if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
+                    self.publish_model(slot)
 
     def unregister(self) -> None:
         try:
             self.redis.delete(keys.worker_key(self.config.worker_id))
             self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
-        except redis.RedisError:  # Redis gone: the TTL removes the registration anyway
-            log.warning("could not unregister from Redis", exc_info=True)
+        except redis.RedisError as exc:  # Redis gone: the TTL removes the registration anyway
+            log.warning("could not unregister from Redis: %s", exc)

@@ -28,6 +28,7 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.wire.startup_report import report_ready
 from kvrelay.shared.wire.tenant_label import metrics_salt, tenant_labeler
 from kvrelay.shared.wire.zmq_auth import keys_from_secret
@@ -48,9 +49,11 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig, hold_finished_kv: bool = False):
         self.config = config
         self.redis = sync_client(config.redis_url)
+        self.health = RedisHealth(log)  # every thread reports outages here; the heartbeat says when it ends
         self.metrics = MergedMetrics()
         # reported results change what the worker advertises: the heartbeat tells placement at once
-        self.control = ControlChannel(self.redis, config.worker_id, lambda: self.registration.beat_soon())
+        self.control = ControlChannel(self.redis, config.worker_id, lambda: self.registration.beat_soon(),
+                                      self.health)
         pool, budget = host_budget(config)
         self.host = ModelHost(
             config.engine, hold_finished_kv=hold_finished_kv, pool=pool, weights_budget=budget,
@@ -58,12 +61,13 @@ class WorkerRuntime:
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup)
-        self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining)
+        self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
+                                         health=self.health)
         self.ctx = zmq.Context()
         self.curve = keys_from_secret(config.zmq_secret, config.insecure_zmq)  # every socket of ours authenticates with it
         self.events = EventSink(self.ctx, curve=self.curve)
-        self.aborts = AbortListener(self.redis)
-        self.gateways = GatewayWatch(self.redis)
+        self.aborts = AbortListener(self.redis, self.health)
+        self.gateways = GatewayWatch(self.redis, self.health)
         self.stop = threading.Event()
         self.crashed: BaseException | None = None  # what killed one of our threads
         self.draining = False  # set by the first SIGTERM; roles stop taking new work
@@ -163,7 +167,7 @@ class WorkerRuntime:
                             self.registration.beat_soon()
                         step()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("Redis unavailable (%s); retrying", exc)
+                    self.health.failed(exc)  # logged once; the heartbeat tells when Redis is back
                     self.stop.wait(0.5)
             if self.draining and busy():
                 log.warning("drain timeout: handing back or ending what is still in flight")

@@ -4,57 +4,19 @@ in these tests would mean a hang, and fails them), and the service must come bac
 
 import asyncio
 import signal
-import subprocess
-import tempfile
-import time
 
 import httpx
 import pytest
-import redis
 
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.redis_conn import redis_server_executable, sync_client
-from tests.e2e.cluster import Cluster, free_port
+from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.restartable_redis import RestartableRedis
 from tests.e2e.sse_client import post_json, stream_completion
 
 pytestmark = pytest.mark.slow
 STREAM = keys.prefill_stream("tiny")
 CLIENT_TIMEOUT_S = 60  # far above any legitimate answer here: hitting it means something hung
-
-
-class RestartableRedis:
-    """redis-server on one fixed loopback port, which can be killed and started again on that port
-    (EmbeddedRedis picks a new port every time). No persistence: a restart loses everything, the worst
-    case for the services."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = tempfile.mkdtemp(prefix="kvrelay-redis-restart-")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [redis_server_executable(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-             "--save", "", "--appendonly", "no", "--daemonize", "no"], stdout=subprocess.DEVNULL)
-        client = sync_client(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.kill()
 
 
 @pytest.fixture()

@@ -281,7 +281,9 @@ def test_redis_down_is_503(tmp_path):
         dead_port = s.getsockname()[1]
     server = GatewayServer(gateway_config(f"redis://127.0.0.1:{dead_port}/0")).start()
     try:
-        assert requests.get(f"{server.url}/health").status_code == 200
+        # /health answers from the Redis watch's state, no round trip of its own: 503 naming the store
+        err = _error(requests.get(f"{server.url}/health"), 503, "service_unavailable_error")
+        assert err["code"] == "store_unavailable" and "Redis" in err["message"] and err["param"] is None
         assert requests.get(f"{server.url}/ready").status_code == 503
         _error(requests.get(f"{server.url}/v1/models"), 503, "service_unavailable_error")
     finally:
