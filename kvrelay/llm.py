@@ -31,6 +31,7 @@ class LLM:
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
@@ -41,7 +42,8 @@ class LLM:
                               kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
                               swap_space=swap_space, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
+                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
+                                      async_scheduling=async_scheduling),
             device=device,
         ))
 

@@ -63,6 +63,10 @@ class SchedulerConfig:
                                     "cannot starve another")
     tenant_kv_quota: float | None = setting(None, "max share of KV blocks one tenant may hold; its further "
                                             "requests wait (default: none)", gt=0, le=1)
+    # vLLM's flag: sampled ids stay on the device and feed the next step, which is scheduled and launched
+    # while this one runs (shared/engine/async_step.py). Unified and decode roles; a prefill worker refuses it.
+    async_scheduling: bool = setting(False, "schedule and launch the next step while the device runs this one "
+                                     "(outputs identical; unified and decode roles)")
 
 
 @dataclass(config=CONFIG)

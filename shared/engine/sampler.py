@@ -45,6 +45,29 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
 
 
+@dataclass
+class DeviceSample:
+    """One step's draw on the device, before the host reads it."""
+
+    token_ids: Tensor  # [S] int64
+    packed: Tensor | None  # [S, 2 + 2k] float64 (``_pack_topk``) when some row asked for logprobs
+    wanted: list[int | None]  # each row's logprobs request
+    k: int
+
+    def results(self, token_ids: list[int] | None, packed: list[list[float]] | None) -> list[SampleResult]:
+        """SampleResults from the host copies: ``packed`` when logprobs were computed, else ``token_ids``."""
+        if packed is None:
+            return [SampleResult(token_id=t, logprob=None, top_logprobs=None) for t in token_ids]
+        k, results = self.k, []
+        for row, want in zip(packed, self.wanted, strict=True):
+            top = None
+            if want is not None:
+                ids, lps = row[2 : 2 + k], row[2 + k :]
+                top = [(int(ids[j]), lps[j]) for j in range(want)]
+            results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
+        return results
+
+
 def _to_device(data: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Host list -> device tensor without stalling the host on the device's queue (pinned + async)."""
     cpu = data.to(dtype) if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
@@ -244,11 +267,16 @@ class Sampler:
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> list[SampleResult]:
         """logits: [S, V] float32, row i for requests[i]. Returns one SampleResult per row."""
-        num_rows, vocab = logits.shape
-        if num_rows != len(requests):
-            raise ValueError(f"logits have {num_rows} rows for {len(requests)} requests")
-        if num_rows == 0:
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"logits have {logits.shape[0]} rows for {len(requests)} requests")
+        if not requests:
             return []
+        drawn = self.sample(logits, requests)
+        packed = None if drawn.packed is None else drawn.packed.tolist()  # the single device -> host transfer
+        return drawn.results(drawn.token_ids.tolist() if packed is None else None, packed)
+
+    def sample(self, logits: Tensor, requests: list[Request]) -> DeviceSample:
+        """The draw, left on the device (no host sync): async scheduling feeds the ids to the next step."""
         device = logits.device
         params = [r.sampling_params for r in requests]
         wanted = [p.logprobs for p in params]
@@ -268,17 +296,9 @@ class Sampler:
             chosen = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
         if not need_logprobs:
-            return [SampleResult(token_id=t, logprob=None, top_logprobs=None) for t in chosen.tolist()]
+            return DeviceSample(chosen, None, wanted, 0)
         k = max((w for w in wanted if w is not None), default=0)
-        packed = _pack_topk(raw_logprobs, chosen, k).tolist()  # the single device -> host transfer
-        results = []
-        for row, want in zip(packed, wanted, strict=True):
-            top = None
-            if want is not None:
-                ids, lps = row[2 : 2 + k], row[2 + k :]
-                top = [(int(ids[j]), lps[j]) for j in range(want)]
-            results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
-        return results
+        return DeviceSample(chosen, _pack_topk(raw_logprobs, chosen, k), wanted, k)
 
     def _penalize(self, logits: Tensor, requests: list[Request]) -> Tensor:
         """Steps 1-4 of the module docstring, each skipped when no row in the batch uses it."""
@@ -287,7 +307,7 @@ class Sampler:
         for r in requests:
             p = r.sampling_params
             ids: list[int] = []
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) + r.num_pending < p.min_tokens:  # pending: sampled, not yet read
                 ids = list(p.stop_token_ids)
                 if r.eos_token_id is not None:
                     ids.append(r.eos_token_id)
@@ -404,6 +424,7 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[d
 
 
 __all__ = [
+    "DeviceSample",
     "SampleResult",
     "Sampler",
     "apply_logit_bias",

@@ -42,7 +42,8 @@ class ScheduledRequest:
     sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sample = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        req = self.request  # a pending token (async scheduling) is known to exist, so it counts
+        self.sample = req.num_computed_tokens + self.num_new_tokens == req.num_tokens + req.num_pending
 
 
 @dataclass
@@ -190,7 +191,10 @@ class Scheduler:
                 self._end(req, RequestStatus.FINISHED_ABORTED, reason)
                 out.aborted.append(req)
                 continue
-            n = req.num_tokens - req.num_computed_tokens
+            if req.num_pending and self._ends_by_length(req):
+                i += 1  # async: its unread token ends it, so no step is spent on a token to discard
+                continue
+            n = req.num_tokens + req.num_pending - req.num_computed_tokens
             if n <= 0 or (not chunked and n > budget):  # chunking off: never split a running request
                 i += 1
                 continue
@@ -333,6 +337,40 @@ class Scheduler:
         if len(finished) > len(out.aborted):
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
         return finished
+
+    # ---- async scheduling (shared/engine/async_step.py): a step is advanced when launched, and its
+    # sampled tokens are applied a step later, after the next step has been scheduled ----
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step ``out`` is launched: count its tokens computed, and its samples as pending."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_pending += s.sample
+
+    def apply_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The host has read the tokens of ``out`` (advanced earlier): append them and check stops.
+        A request already finished (aborted, stop string) or preempted meanwhile still gets its token
+        unless finished; a finished one's token is discarded. Returns the requests this finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if not s.sample or req.status.finished:
+                continue
+            req.num_pending -= 1
+            req.output_token_ids.append(sampled[req.request_id])
+            status = self._check_stop(req)
+            if status:
+                if req.status is not RequestStatus.RUNNING:  # preempted after it sampled
+                    self._waiting.remove(req)
+                self._end(req, status)  # a running one leaves the running list below
+                finished.append(req)
+        if finished:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        return finished
+
+    def _ends_by_length(self, req: Request) -> bool:
+        total = req.num_tokens + req.num_pending
+        return req.num_output_tokens + req.num_pending >= req.max_tokens or total >= self.max_model_len
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         sp = req.sampling_params
