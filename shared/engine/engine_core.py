@@ -72,8 +72,12 @@ class EngineCore:
         if config.scheduler.async_scheduling:
             if hold_finished_kv:  # the handoff wants each prompt's first token and its KV at once
                 raise ValueError("--async-scheduling is for unified and decode engines, not a prefill worker's")
-            self.stepper = AsyncStepper(self.scheduler, runner, self.block_manager, self._output,
-                                        self._prompt_logprobs, lambda: self.observer)
+            self.stepper = self.new_stepper()
+
+    def new_stepper(self) -> AsyncStepper:
+        """The async-scheduling step of this core (benchmarks switch it on and off between runs)."""
+        return AsyncStepper(self.scheduler, self.runner, self.block_manager, self._output, self._prompt_logprobs,
+                            lambda: self.observer)
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
