@@ -15,8 +15,8 @@ What that costs and how outputs stay identical to synchronous stepping:
   step later: it has run one step too many, whose token is discarded, and its blocks are freed then;
 - the prefix cache registers a step's blocks once their ids are all read, before the next schedule, as
   in synchronous stepping, so prompts see the same cache hits;
-- penalties need the previous token's id on the host (the sampler builds token counts from lists), so a
-  step after one that sampled a penalised request first reads that step (``num_drained``).
+- penalties count output tokens: the unread one joins the host's lists on the device (``pending`` of
+  ``Sampler.sample``).
 """
 
 import dataclasses
@@ -87,11 +87,6 @@ class LaunchedStep:
         results = self._drawn.results(ids.tolist() if packed_rows is None else None, packed_rows)
         return {r.request_id: s for r, s in zip(self.sample_reqs, results, strict=True)}
 
-    def needs_host_tokens(self) -> bool:
-        """The next step's sampler must see these tokens in host lists (penalty counts)."""
-        return any(not r.finished and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
-                   for r in self.sample_reqs for p in (r.sampling_params,))
-
 
 class _Runner(Protocol):
     def launch(self, out: SchedulerOutput, fed: FedIds | None) -> LaunchedStep | None: ...
@@ -116,16 +111,11 @@ class AsyncStepper:
         self.output, self.prompt_logprobs, self.observer = output, prompt_logprobs, observer
         self.inflight: LaunchedStep | None = None
         self.num_fed = 0  # decode tokens fed on the device (tests check the path is really taken)
-        self.num_drained = 0  # steps read before the next was scheduled (penalties)
 
     def step(self) -> list[EngineCoreOutput]:
         sched, observer = self.scheduler, self.observer()
         outputs: list[EngineCoreOutput] = []
         prev = self.inflight
-        if prev is not None and prev.needs_host_tokens():
-            outputs += self._finish(prev)
-            prev = self.inflight = None
-            self.num_drained += 1
         started = time.time()
         out = sched.schedule()
         cur = self.runner.launch(out, prev.fed if prev is not None else None)

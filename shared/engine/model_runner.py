@@ -25,7 +25,7 @@ from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.sampler import Sampler, SampleResult, prompt_logprobs
+from kvrelay.shared.engine.sampler import Sampler, SampleResult, penalized, prompt_logprobs
 from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
@@ -198,8 +198,17 @@ class ModelRunner:
         # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
         step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))
         if sample_reqs:
-            step.start_read(self.sampler.sample(sample_logits, sample_reqs))
+            step.start_read(self.sampler.sample(sample_logits, sample_reqs, self._pending_ids(sample_reqs, fed)))
         return step
+
+    def _pending_ids(self, reqs: list[Request], fed: FedIds | None) -> torch.Tensor | None:
+        """[R] int64 on the device: each sampling row's unread token (from ``fed``), vocab size where it has
+        none; None when no row needs it (only penalties count output tokens on the device)."""
+        if fed is None or not any(r.num_pending and penalized(r.sampling_params) for r in reqs):
+            return None
+        src = to_device_ints([(fed.rows[r.request_id] if r.num_pending else -1,) for r in reqs], self.device)[:, 0]
+        vocab = torch.full_like(src, self.model.vocab_size)
+        return torch.where(src >= 0, fed.ids.index_select(0, src.clamp(min=0)).long(), vocab)
 
     def _logits(self, out: SchedulerOutput, batch: StepBatch, samples: bool,
                 fill: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from kvrelay.shared.engine.request import Request
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 # Bound for the [rows, V] float32 working set of prompt_logprobs (2**26 elements = 256 MiB), so a long
 # prompt over a large vocabulary does not materialise its whole log-softmax at once.
@@ -132,18 +133,22 @@ def apply_penalties(
     repetition_penalty: Tensor,
     frequency_penalty: Tensor,
     presence_penalty: Tensor,
+    pending: Tensor | None = None,
 ) -> Tensor:
     """Repetition (HF) then frequency/presence (OpenAI) penalties; returns a new tensor.
 
     logits: [S, V]; penalties: [S] float on the logits' device (1.0 / 0.0 / 0.0 leave a row unchanged).
     Repetition: every token seen in prompt or output has a positive logit divided by the penalty and a
     negative one multiplied by it. Frequency/presence: ``logit -= freq * count + presence * (count > 0)``
-    with counts over the output tokens only.
+    with counts over the output tokens only. ``pending``: [S] int64 on the device, one more output token
+    per row that the host has not read yet (async scheduling), V for none.
     """
     num_rows, vocab = logits.shape
     device = logits.device
     # Column V absorbs padding so ragged rows scatter in one call; it is sliced off afterwards.
     out_index = _to_device(_padded(output_token_ids, vocab), torch.int64, device)  # [S, Lo]
+    if pending is not None:
+        out_index = torch.cat((out_index, pending.unsqueeze(1)), dim=1)  # [S, Lo + 1]
     counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=device)
     counts.scatter_add_(1, out_index, torch.ones_like(out_index, dtype=logits.dtype))
     counts = counts[:, :vocab]  # [S, V] occurrences in the output
@@ -159,6 +164,11 @@ def apply_penalties(
     freq = frequency_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
     presence = presence_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
     return logits - freq * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def penalized(params: SamplingParams) -> bool:
+    """Whether a request's logits depend on its earlier output tokens (repetition/frequency/presence)."""
+    return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
 def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None) -> Tensor:
@@ -275,8 +285,10 @@ class Sampler:
         packed = None if drawn.packed is None else drawn.packed.tolist()  # the single device -> host transfer
         return drawn.results(drawn.token_ids.tolist() if packed is None else None, packed)
 
-    def sample(self, logits: Tensor, requests: list[Request]) -> DeviceSample:
-        """The draw, left on the device (no host sync): async scheduling feeds the ids to the next step."""
+    def sample(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> DeviceSample:
+        """The draw, left on the device (no host sync): async scheduling feeds the ids to the next step.
+        ``pending``: [S] int64 on the device, each row's sampled token the host has not read yet (V for
+        none), which the penalties count like the output tokens in the host's lists."""
         device = logits.device
         params = [r.sampling_params for r in requests]
         wanted = [p.logprobs for p in params]
@@ -284,7 +296,7 @@ class Sampler:
         # the reported distribution; skipped (a full [S, V] pass) when no row asked for logprobs
         raw_logprobs = logits.float().log_softmax(dim=-1) if need_logprobs else None  # [S, V]
 
-        logits = self._penalize(logits.float(), requests)
+        logits = self._penalize(logits.float(), requests, pending)
         greedy = [p.greedy for p in params]
         if all(greedy):
             chosen = logits.argmax(dim=-1)  # [S]
@@ -300,7 +312,7 @@ class Sampler:
         k = max((w for w in wanted if w is not None), default=0)
         return DeviceSample(chosen, _pack_topk(raw_logprobs, chosen, k), wanted, k)
 
-    def _penalize(self, logits: Tensor, requests: list[Request]) -> Tensor:
+    def _penalize(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> Tensor:
         """Steps 1-4 of the module docstring, each skipped when no row in the batch uses it."""
         device = logits.device
         banned: list[list[int]] = []
@@ -318,7 +330,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
-        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+        if any(penalized(p) for p in params):
             logits = apply_penalties(
                 logits,
                 [r.prompt_token_ids for r in requests],
@@ -326,6 +338,7 @@ class Sampler:
                 _to_device([p.repetition_penalty for p in params], torch.float32, device),
                 _to_device([p.frequency_penalty for p in params], torch.float32, device),
                 _to_device([p.presence_penalty for p in params], torch.float32, device),
+                pending,
             )
         return logits
 
@@ -432,5 +445,6 @@ __all__ = [
     "apply_penalties",
     "apply_top_k_top_p_min_p",
     "logit_bias_tensors",
+    "penalized",
     "prompt_logprobs",
 ]

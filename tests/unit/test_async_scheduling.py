@@ -51,6 +51,10 @@ def mixed_params() -> list[SamplingParams]:
         SamplingParams(temperature=1.0, seed=3, max_tokens=16, min_tokens=2, logit_bias={EOS: 4.0}, logprobs=1),
         SamplingParams(temperature=0.8, seed=11, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.4,
                        presence_penalty=0.2),
+        # four favoured tokens that strong penalties rotate: counting the token sampled a step
+        # ago (still unread) decides which comes next
+        SamplingParams(temperature=0.0, max_tokens=12, logit_bias=dict.fromkeys(range(300, 304), 25.0),
+                       frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1.5),
         SamplingParams(temperature=0.7, seed=5, n=3, max_tokens=10, stop_token_ids=stops),
         SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=1),
@@ -71,8 +75,10 @@ def make_llm(model_dir, async_scheduling: bool, graphs: bool = False, **kwargs) 
 
 
 def snapshot(outputs) -> list:
-    """Everything a caller sees of a finished request."""
-    return [(o.request_id, o.prompt_token_ids, o.prompt_logprobs, o.num_cached_tokens,
+    """Everything a caller sees of a finished request but its prefix-cache hits, which depend on when it
+    was admitted (a request that ended on a token read a step late held its batch slot and budget one
+    step longer), as they do between two synchronous runs that differ in arrival times."""
+    return [(o.request_id, o.prompt_token_ids, o.prompt_logprobs, o.num_cached_tokens > 0,
              [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
               for c in o.outputs]) for o in outputs]
 
@@ -120,8 +126,7 @@ SETUPS = {
     # a pool of 18 blocks of 8 (a request needs up to 10) for 26 sequences: preempted and recomputed over and over
     "preempt_recompute": dict(num_gpu_blocks=18, block_size=8, enable_prefix_caching=False),
     "preempt_swap": dict(num_gpu_blocks=18, block_size=8, swap_space=0.01),
-    # without the penalised requests, which make each step read the previous one first (no fed ids)
-    "cuda_graph_buffers": dict(graphs=True, max_num_seqs=8, penalties=False),
+    "cuda_graph_buffers": dict(graphs=True, max_num_seqs=8),
 }
 
 
@@ -129,8 +134,6 @@ SETUPS = {
 def test_outputs_identical_with_async_scheduling(tiny_model_dirs, setup):
     kwargs = dict(SETUPS[setup])
     params = mixed_params()
-    if not kwargs.pop("penalties", True):
-        params = [p for p in params if p.repetition_penalty == 1.0]
     prompts = prompt_mix(2 * len(params), seed=len(setup), shared_prefix=kwargs.pop("shared_prefix", 0))
     if "num_gpu_blocks" in kwargs:  # each request alone must fit the small pool: prompt + max_tokens
         prompts = [{"prompt_token_ids": p["prompt_token_ids"][:60]} for p in prompts]
@@ -138,7 +141,6 @@ def test_outputs_identical_with_async_scheduling(tiny_model_dirs, setup):
     assert_same(async_, sync)
     stepper = llm.engine.core.stepper
     assert stepper.num_fed > 0  # decode tokens really went device -> device
-    assert (stepper.num_drained > 0) == SETUPS[setup].get("penalties", True)  # penalties read tokens first
     if kwargs.get("graphs"):
         assert llm.engine.core.runner.graphs.num_replays > 0
     reasons = {c[5] for o in sync for c in o[4]}
