@@ -42,9 +42,8 @@ class LLM:
                               kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
                               swap_space=swap_space, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
-                                      async_scheduling=async_scheduling),
-            device=device,
+                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
+            device=device, async_scheduling=async_scheduling,
         ))
 
     def get_tokenizer(self):

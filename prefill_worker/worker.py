@@ -48,7 +48,7 @@ EARLY_GRANT_STEPS = 2  # ask a decode worker for blocks once a prompt's last chu
 
 class PrefillWorker:
     def __init__(self, config: WorkerConfig):
-        if any(e.scheduler.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
+        if any(e.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # its engine hands each prompt's KV off with the first token, which async scheduling reads a step late
             raise ConfigError("--async-scheduling: not for a prefill worker; use it on decode and unified workers")
         self.config = config

@@ -63,10 +63,6 @@ class SchedulerConfig:
                                     "cannot starve another")
     tenant_kv_quota: float | None = setting(None, "max share of KV blocks one tenant may hold; its further "
                                             "requests wait (default: none)", gt=0, le=1)
-    # vLLM's flag: sampled ids stay on the device and feed the next step, which is scheduled and launched
-    # while this one runs (shared/engine/async_step.py). Unified and decode roles; a prefill worker refuses it.
-    async_scheduling: bool = setting(False, "schedule and launch the next step while the device runs this one "
-                                     "(outputs identical; unified and decode roles)")
 
 
 @dataclass(config=CONFIG)
@@ -75,6 +71,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: Device = setting("auto", "auto | cpu | cuda[:N] (auto: CUDA when present)")
+    # vLLM's flag: sampled ids stay on the device and feed the next step, which is scheduled and launched
+    # while this one runs (shared/engine/async_step.py). Unified and decode roles; a prefill worker refuses it.
+    async_scheduling: bool = setting(False, "schedule and launch the next step while the device runs this one "
+                                     "(same outputs; unified and decode workers)")
 
     def __post_init__(self) -> None:
         if self.device == "auto":

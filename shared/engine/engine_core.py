@@ -69,7 +69,7 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         self.observer: EngineObserver | None = None
         self.stepper: AsyncStepper | None = None
-        if config.scheduler.async_scheduling:
+        if config.async_scheduling:
             if hold_finished_kv:  # the handoff wants each prompt's first token and its KV at once
                 raise ValueError("--async-scheduling is for unified and decode engines, not a prefill worker's")
             self.stepper = self.new_stepper()

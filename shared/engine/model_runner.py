@@ -8,7 +8,9 @@ owned by this model (so a lone model behaves as if it owned a plain tensor).
 On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
 (shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
 step's integer inputs travel in one pinned non-blocking copy (shared/engine/step_inputs.py) and the only
-host sync is the sampler reading back the sampled ids.
+host sync is the sampler reading back the sampled ids. With async scheduling ``launch`` replaces
+``execute``: the sampled ids stay on the device, feed the next step's decode rows there, and the host
+reads them later (shared/engine/async_step.py).
 """
 
 import logging

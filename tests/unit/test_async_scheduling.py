@@ -15,7 +15,7 @@ from kvrelay.cli_args import add_engine_args, engine_config_from_args
 from kvrelay.llm import LLM
 from kvrelay.prefill_worker.worker import PrefillWorker
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.config.engine import EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.config.engine import EngineConfig, ModelConfig
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.engine_core import EngineCore
@@ -192,9 +192,9 @@ def test_flag_and_roles(tiny_model_dirs):
     add_engine_args(parser)
     config, _, _ = engine_config_from_args(parser.parse_args(
         ["--model", str(tiny_model_dirs["llama"]), "--async-scheduling", "--device", "cpu"]))
-    assert config.scheduler.async_scheduling
+    assert config.async_scheduling
     config_off, _, _ = engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dirs["llama"])]))
-    assert not config_off.scheduler.async_scheduling
+    assert not config_off.async_scheduling
     assert EngineCore(config).stepper is not None
     assert EngineCore(config_off).stepper is None
     with pytest.raises(ValueError, match="--async-scheduling"):
@@ -203,6 +203,6 @@ def test_flag_and_roles(tiny_model_dirs):
 
 def test_prefill_worker_refuses_the_flag():
     # checked before the worker touches Redis or loads a model: a one-line config error naming the flag
-    engine = EngineConfig(ModelConfig("m"), scheduler=SchedulerConfig(async_scheduling=True), device="cpu")
+    engine = EngineConfig(ModelConfig("m"), device="cpu", async_scheduling=True)
     with pytest.raises(ConfigError, match="^--async-scheduling: not for a prefill worker"):
         PrefillWorker(WorkerConfig("prefill", engine, model_name="m"))
