@@ -206,3 +206,37 @@ def test_prefill_worker_refuses_the_flag():
     engine = EngineConfig(ModelConfig("m"), device="cpu", async_scheduling=True)
     with pytest.raises(ConfigError, match="^--async-scheduling: not for a prefill worker"):
         PrefillWorker(WorkerConfig("prefill", engine, model_name="m"))
+
+
+def decode_role(model_dir, async_scheduling: bool) -> dict[str, list]:
+    """The decode worker's path: prompts prefilled by a prefill engine (which holds their KV), the KV copied
+    into blocks the decode engine reserved, the first token handed over, then decoded to the end."""
+    def config(on: bool) -> EngineConfig:
+        return EngineConfig(ModelConfig(str(model_dir), dtype="float32", max_model_len=128), device="cpu",
+                            async_scheduling=on)
+
+    prefill, decode = EngineCore(config(False), hold_finished_kv=True), EngineCore(config(async_scheduling))
+    stops = list(range(100, 140))
+    params = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=stops),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=10, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=9, min_tokens=3, logit_bias={EOS: 30.0})]
+    seen: dict[str, list] = {}
+    for i, p in enumerate(random_prompts(6, lo=5, hi=40, seed=8)):
+        rid, sp = f"r{i}", params[i % len(params)]
+        prefill.add_request(prefill.make_request(rid, p, SamplingParams(**{**vars(sp), "max_tokens": 1, "min_tokens": 0}), EOS))
+        (first,) = [o for _ in range(3) for o in prefill.step() if o.request_id == rid]
+        blocks = decode.kv.reserve(rid, len(p))
+        held = prefill.kv.block_ids(rid)[:len(blocks)]
+        decode.kv.kv_cache[:, :, blocks] = prefill.kv.kv_cache[:, :, held]
+        prefill.kv.release_held(rid)
+        decode.add_remote_prefilled(decode.make_request(rid, p, sp, EOS), first.new_token_ids[0], 0)
+        seen[rid] = [first.new_token_ids[0]]
+    while decode.has_unfinished():
+        for o in decode.step():
+            seen[o.request_id] += [o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason]
+    return seen
+
+
+def test_decode_role_identical(tiny_model_dirs):
+    sync = decode_role(tiny_model_dirs["llama"], False)
+    assert_same(decode_role(tiny_model_dirs["llama"], True), sync)
