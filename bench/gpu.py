@@ -170,11 +170,12 @@ def run(args: argparse.Namespace) -> dict:
     attn_flops_tok = 4 * (args.prefill_len / 2) * heads * head_dim * layers  # QK^T and PV, causal average
     r["prefill_floor_tok_s"] = r["matmul_flops"] / (flops_tok + attn_flops_tok)
     print(f"prefill: {r['prefill_tok_s']:,.0f} tok/s ({secs:.1f} s)")
-    ours, sdpa = m.prefill_attention(2, args.prefill_len, heads, shape["num_kv_heads"], head_dim)
+    ours, paged, sdpa = m.prefill_attention(2, args.prefill_len, heads, shape["num_kv_heads"], head_dim)
     attn_flops = 2 * 4 * (args.prefill_len ** 2 / 2) * heads * head_dim  # 2 prompts, causal, one layer
-    r["prefill_attn_ms"], r["sdpa_attn_ms"] = ours, sdpa
+    r["prefill_attn_ms"], r["paged_prefill_attn_ms"], r["sdpa_attn_ms"] = ours, paged, sdpa
     print(f"prefill attention, 2 x {args.prefill_len} tokens, one layer: ours {ours:.3f} ms "
-          f"({attn_flops / ours / 1e9:.0f} TFLOP/s), torch SDPA {sdpa:.3f} ms ({attn_flops / sdpa / 1e9:.0f} TFLOP/s)")
+          f"({attn_flops / ours / 1e9:.0f} TFLOP/s; the paged Triton kernel alone {paged:.3f} ms), "
+          f"torch SDPA {sdpa:.3f} ms ({attn_flops / sdpa / 1e9:.0f} TFLOP/s)")
     del llm, core
     gc.collect()
     torch.cuda.empty_cache()
@@ -233,6 +234,9 @@ def _print_table(args: argparse.Namespace, r: dict) -> None:
         r["prefill_floor_tok_s"], 100 * r["prefill_tok_s"] / r["prefill_floor_tok_s"], hf_pf, hf_pf and r["prefill_tok_s"] / hf_pf)
     print(f"| prefill attention, 2 x {args.prefill_len}, one layer (ms) | {r['prefill_attn_ms']:.3f} ms | - | - | "
           f"torch SDPA {r['sdpa_attn_ms']:.3f} | {r['sdpa_attn_ms'] / r['prefill_attn_ms']:.2f}x |")
+    print(f"| the same through the paged Triton kernel (a prompt with a cached prefix) (ms) | "
+          f"{r['paged_prefill_attn_ms']:.3f} ms | - | - | torch SDPA {r['sdpa_attn_ms']:.3f} | "
+          f"{r['sdpa_attn_ms'] / r['paged_prefill_attn_ms']:.2f}x |")
     if r["variants"]:
         print("\n| decode ms/step (max_model_len 2048) | " + " | ".join(
             k for k in r["variants"][0] if k not in ("kernels", "graphs")) + " |")

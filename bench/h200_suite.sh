@@ -15,9 +15,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 date -u | tee -a "$OUT/gpu.txt"
 if [ "${SUITE:-1}" = 1 ]; then
 start=$(date +%s)
-# several processes: most of the suite's time is Triton compiling one kernel specialisation at a time
-timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=15 -p no:cacheprovider -p no:benchmark \
-  -n "${PROCS:-8}" --dist loadfile ${TESTS:-tests} \
+# several processes, tests dealt out one by one (--dist load): most of the suite's time is Triton compiling
+# kernel specialisations, and tests/kernels/test_triton_gpu.py alone holds most of them, so a whole file per
+# process (loadfile) left one process compiling for over 5 minutes while the others idled
+timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATIONS:-15} -p no:cacheprovider -p no:benchmark \
+  -n "${PROCS:-12}" --dist "${DIST:-load}" ${TESTS:-tests} \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
 fi

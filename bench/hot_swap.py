@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     log_path = work / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--log-level", "INFO", "serve", "--config",
-                                 str(cfg), "--port", str(port), "--mode", args.mode, *serve_args],
+                                 str(cfg), "--port", str(port), "--mode", args.mode, "--state-dir", str(work / "state"),
+                                 *serve_args],
                                 stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, KVRELAY_ADMIN_KEY=ADMIN_KEY, PYTHONUNBUFFERED="1"))
     try:

@@ -128,9 +128,11 @@ def launched(mode: str, engine_args: list[str], log_dir: Path) -> Iterator[str]:
     """``kvrelay serve --mode MODE`` on a free loopback port until the block ends; yields its base URL."""
     port = _free_port()
     log_path = log_dir / f"serve-{mode}.log"
-    # host and port last: they must win over anything in the pass-through args
+    # host and port last: they must win over anything in the pass-through args; a fresh state folder (the
+    # embedded Redis's data) per launch, so one run's tenants and counters never reach the next
+    state_dir = tempfile.mkdtemp(prefix=f"state-{mode}-", dir=log_dir)
     argv = [sys.executable, "-m", "kvrelay.cli", "serve", "--mode", mode, *engine_args,
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), "--state-dir", state_dir]
     base_url = f"http://127.0.0.1:{port}/v1"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -50,13 +50,28 @@ def silu_mul(x):
     return implementation("silu_mul", x)(x)
 
 
+def linear(x, weight, bias=None):
+    return implementation("linear", x)(x, weight, bias)
+
+
+def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+    # linear(rms_norm(x + residual)) and the new residual stream: one kernel for a few-token step on GPU
+    return implementation("rms_norm_linear", x)(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_mul_linear(x, weight, bias=None):
+    # linear(silu(gate) * up) of x = gate | up: one kernel for a few-token step on GPU
+    return implementation("silu_mul_linear", x)(x, weight, bias)
+
+
 def gelu(x, approximate="tanh"):
     return implementation("gelu", x)(x, approximate)
 
 
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
-    "rotary_embedding", "rotary_write_kv", "copy_blocks", "silu_mul", "gelu",
+    "rotary_embedding", "rotary_write_kv", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
+    "silu_mul_linear",
 ]
 
 

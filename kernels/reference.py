@@ -141,6 +141,24 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # linear(rms_norm(x [+ residual])) and the residual stream after the add (x itself without a residual)
+    if residual is None:
+        return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, residual = rms_norm(x, norm_weight, eps, residual)
+    return F.linear(normed, weight, bias), residual
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, 2I] (gate | up) -> linear(silu(gate) * up): [T, N]
+    return F.linear(silu_mul(x), weight, bias)
+
+
 def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     return F.gelu(x, approximate=approximate)
 

@@ -44,7 +44,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, SERVE_FLAGS, SERVE_TITLES, defaults={"redis_url": os.environ.get(REDIS_URL_ENV) or None},
-              notes={"redis_url": f"default: ${REDIS_URL_ENV}, else an embedded one, started by kvrelay serve"})
+              notes={"redis_url": f"default: ${REDIS_URL_ENV}, else an embedded one, started by kvrelay serve",
+                     "state_dir": "default: $XDG_DATA_HOME/kvrelay, else ~/.local/share/kvrelay"})
 
 
 def gateway_config_from_args(args: argparse.Namespace, **derived) -> GatewayConfig:

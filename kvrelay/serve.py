@@ -1,8 +1,10 @@
 """``kvrelay serve``: everything on one machine. An embedded Redis (unless --redis-url), then the
-gateway and the workers as separate processes on loopback, supervised (kvrelay/supervisor.py): a child
-that dies is started again with backoff, and one that keeps dying stops everything with the reason and
-exit code 1. Start-up fails in one line and exit code 2, within seconds: a fixed port in use or an external
-Redis that does not answer is found before anything starts (kvrelay/startup_checks.py), and a child that
+gateway and the workers as separate processes on loopback, all supervised (kvrelay/supervisor.py): a child
+that dies is started again with backoff (Redis at once, from its append-only file in --state-dir,
+kvrelay/state_dir.py, at the same address with the same passwords), and one that keeps dying stops
+everything with the reason and exit code 1. Start-up fails in one line and exit code 2, within seconds: a
+state folder another serve holds, a fixed port in use or an external Redis that does not answer is found
+before anything starts (kvrelay/startup_checks.py), and a child that
 exits before it was ever ready (a setting its model refuses, too little memory) stops everything with the
 cause it reported, never restarted. "kvrelay ready" is printed once our own gateways said they listen and
 /ready answers 200. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,14 +35,21 @@ from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
+from kvrelay.shared.wire.startup_report import FATAL, READY
 from kvrelay.shared.worker.directory import live_workers
-from kvrelay.startup_checks import check_ports, check_redis
+from kvrelay.startup_checks import StartupError, check_ports, check_redis
+from kvrelay.state_dir import FLAG as STATE_DIR_FLAG
+from kvrelay.state_dir import StateDir, default_state_dir
 from kvrelay.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
 READY_POLL_S = 0.1  # the ready line comes within this of the gateway's /ready turning 200
+SUPERVISE_POLL_S = 0.2  # a dead child (Redis above all: every request needs it) is noticed within this
+STORE = "redis"  # the embedded Redis, among the supervised children
+STORE_BACKOFF_S = 0.05  # its first restart: back from its file in milliseconds, and everything waits on it
+STORE_STARTUP_TIMEOUT_S = 60.0  # reading a large append-only file back takes a while; LOADING until then
 # Until the embedded Redis runs (--print-config starts none), its URL is unknown
 EMBEDDED_REDIS_PLACEHOLDER = "redis://embedded-redis-started-at-launch"
 
@@ -93,23 +103,42 @@ def serve(args: argparse.Namespace) -> int:
     # every config mistake surfaces here, before Redis or any process starts
     models = models_to_serve(args)
     children = plan(args, models, args.redis_url or EMBEDDED_REDIS_PLACEHOLDER)
-    # so are a port in use and an external Redis that does not answer: one line each, nothing started
-    check_ports(children)
-    if args.redis_url:
-        check_redis(args.redis_url)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as stack:
-        # entered first, left last: Redis stops after every process that talks to it
-        embedded = None if args.redis_url else EmbeddedRedis(preexec_fn=_die_with_parent)
-        redis_url = args.redis_url or stack.enter_context(embedded)
+        # so are a state folder another serve uses (its lock is held until the very end), a port in use
+        # and an external Redis that does not answer: one line each, nothing started
+        state_dir = None if args.redis_url else StateDir(args.state_dir or default_state_dir())
+        state = stack.enter_context(state_dir) if state_dir else None
+        check_ports(children)
+        if args.redis_url:
+            check_redis(args.redis_url)
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        starts = {}
+        embedded = None
+        if state_dir is not None:  # left last but the lock: Redis stops after every process that talks to it
+            # it holds the folder's lock too: should serve be killed, the folder stays taken until Redis is gone
+            embedded = EmbeddedRedis(state_dir=state, startup_timeout=STORE_STARTUP_TIMEOUT_S,
+                                     preexec_fn=_die_with_parent, pass_fds=(state_dir.lock_fd,))
+            stack.callback(embedded.stop)
+            try:
+                redis_url = embedded.prepare()
+            except ValueError as exc:
+                raise StartupError(f"{STATE_DIR_FLAG} {state}: {exc}") from None
+            starts[STORE] = lambda fd: _start_store(embedded, fd)  # first: the others need it up
+        else:
+            redis_url = args.redis_url
         for child in children:  # on the embedded Redis, each child gets its role's least-privilege user
             url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
             child.config = dataclasses.replace(child.config, redis_url=url)
         threads = _cpu_threads_per_worker(args, sum(not c.is_gateway for c in children))
-        supervisor = Supervisor({c.name: lambda fd, c=c: _start(c, args, threads, False, fd) for c in children},
-                                args.max_crashes, args.crash_window,
-                                on_exit=lambda name, proc: _unregister_worker(redis_url, proc.pid))
+        starts |= {c.name: lambda fd, c=c: _start(c, args, threads, False, fd) for c in children}
+
+        def on_exit(name: str, proc: subprocess.Popen) -> None:
+            if name != STORE:
+                _unregister_worker(redis_url, proc.pid)
+
+        supervisor = Supervisor(starts, args.max_crashes, args.crash_window, on_exit=on_exit,
+                                backoff_start={STORE: STORE_BACKOFF_S})
         procs = supervisor.procs
         supervisor.start_all()
         names = [m.name for m in models]
@@ -118,8 +147,25 @@ def serve(args: argparse.Namespace) -> int:
         gateways = [c.name for c in children if c.is_gateway]
         try:
             return _supervise(supervisor, lambda: stopping, f"http://{args.host}:{args.port}", names, gateways)
-        finally:  # a StartupError is said by the CLI once everything stopped
+        finally:  # a StartupError is said by the CLI once everything stopped; Redis after the rest
             _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
+
+
+def _start_store(embedded: EmbeddedRedis, status_fd: int) -> subprocess.Popen:
+    """The embedded Redis as a supervised child. redis-server writes no status line of its own, so serve
+    writes it for it: ready once it answers PING (its append-only file read back), else why it failed."""
+    proc = embedded.spawn()
+    if embedded.wait_ready():
+        os.write(status_fd, f"{READY}\n".encode())
+    elif cause := _last_line(embedded.failure()):  # a damaged append-only file, most likely: say where it is
+        os.write(status_fd, f"{FATAL}{cause} (its files: {embedded.state_dir})\n".encode())
+    return proc
+
+
+def _last_line(text: str) -> str:
+    """redis-server's last word (its fatal error), without the pid, role and time that start its log lines."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return re.sub(r"^\d+:[A-Z] .*?\d\d:\d\d:\d\d\.\d+ [.*#-] ", "", lines[-1]) if lines else ""
 
 
 def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int | None:
@@ -155,7 +201,7 @@ def _supervise(supervisor: Supervisor, stopping, base_url: str, models: list[str
         if not announced and all(supervisor.ready(g) for g in gateways) and _ready(base_url):
             announced = True
             print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
-        time.sleep(READY_POLL_S if not announced else 0.5)
+        time.sleep(READY_POLL_S if not announced else SUPERVISE_POLL_S)
     return 0
 
 
@@ -187,8 +233,9 @@ def _ready(base_url: str) -> bool:
 
 
 def _signal_all(procs: dict[str, subprocess.Popen]) -> None:
-    for proc in procs.values():
-        if proc.poll() is None:
+    """Every child but Redis, which the others need until they are gone (``EmbeddedRedis.stop`` stops it)."""
+    for name, proc in procs.items():
+        if name != STORE and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
 
 
@@ -198,6 +245,8 @@ def _stop_all(procs: dict[str, subprocess.Popen], grace: float = STOP_GRACE_S) -
     _signal_all(procs)
     deadline = time.monotonic() + grace
     for name, proc in procs.items():
+        if name == STORE:
+            continue
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -13,10 +13,11 @@ One that never got as far as ready is not restarted: a port in use or a setting 
 same way every time, and a restart loop would only bury the cause. Once a child was ready, its later
 starts are restarts like any other (a restarted worker may briefly fail while Redis is down).
 
-The backoff starts at BACKOFF_START_S and doubles up to BACKOFF_MAX_S while the child keeps crashing; one
-that ran HEALTHY_S before its crash starts again at BACKOFF_START_S. Any exit counts as a crash: only
-serve's own Ctrl-C/SIGTERM ends a child for good, and that stops supervision first. Giving up is serve's
-to act on (it stops everything and exits non-zero with the reason ``check`` returns).
+The backoff starts at BACKOFF_START_S (or the child's own ``backoff_start``) and doubles up to BACKOFF_MAX_S
+while the child keeps crashing; one that ran HEALTHY_S before its crash starts again at its first backoff.
+Any exit counts as a crash: only serve's own Ctrl-C/SIGTERM ends a child for good, and that stops
+supervision first. Giving up is serve's to act on (it stops everything and exits non-zero with the
+reason ``check`` returns).
 
 A restarted worker generates a new worker id, so nobody mistakes it for its predecessor: requests the
 dead one held end at the gateway (503), and jobs it never ACKed are reclaimed from Redis by its successor.
@@ -27,7 +28,7 @@ import os
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvrelay.shared.wire.startup_report import FATAL, READY, STATUS_FD_ENV
@@ -49,6 +50,7 @@ class _Child:
     said: bytes = b""  # what it wrote there so far
     ever_ready: bool = False
     started_at: float = 0.0
+    backoff_start_s: float = BACKOFF_START_S
     backoff_s: float = BACKOFF_START_S
     restart_at: float | None = None  # set while it is down
     crashes: deque[float] = field(default_factory=deque)  # monotonic times, within the window
@@ -56,12 +58,17 @@ class _Child:
 
 class Supervisor:
     def __init__(self, starts: dict[str, Callable[[int], subprocess.Popen]], max_crashes: int, crash_window: float,
-                 on_exit: Callable[[str, subprocess.Popen], None] = lambda name, proc: None):
+                 on_exit: Callable[[str, subprocess.Popen], None] = lambda name, proc: None,
+                 backoff_start: Mapping[str, float] | None = None):
         """``starts``: each child's name and how to start it, given the write end of its status pipe (to pass
-        on: ``status_env`` and ``pass_fds``); ``on_exit`` runs once per exit noticed, before anything is
-        restarted (serve clears a killed worker's registration there)."""
+        on: ``status_env`` and ``pass_fds``), in the order they start; ``on_exit`` runs once per exit
+        noticed, before anything is restarted (serve clears a killed worker's registration there);
+        ``backoff_start``: a child's first backoff, if not BACKOFF_START_S (serve's Redis, which every
+        other child waits on and which is back from its file in milliseconds)."""
         self.max_crashes, self.crash_window, self.on_exit = max_crashes, crash_window, on_exit
-        self._children = [_Child(name, start) for name, start in starts.items()]
+        firsts = backoff_start or {}
+        self._children = [_Child(name, start, backoff_start_s=firsts.get(name, BACKOFF_START_S),
+                                 backoff_s=firsts.get(name, BACKOFF_START_S)) for name, start in starts.items()]
         self.procs: dict[str, subprocess.Popen] = {}  # the latest process of each child, live or not
 
     @staticmethod
@@ -144,7 +151,7 @@ class Supervisor:
             return (f"{child.name} exited with code {code}, {crashes} time{'s' * (crashes > 1)} within "
                     f"{self.crash_window:g}s (--max-crashes {self.max_crashes}); stopping everything")
         if now - child.started_at >= HEALTHY_S:
-            child.backoff_s = BACKOFF_START_S
+            child.backoff_s = child.backoff_start_s
         log.warning("%s exited with code %s; restarting it in %gs (crash %d of %d within %gs)", child.name, code,
                     child.backoff_s, crashes, self.max_crashes, self.crash_window)
         child.restart_at = now + child.backoff_s

@@ -1,14 +1,22 @@
 """Shared fixtures: tiny random HF checkpoints of every supported architecture, written with
 ``save_pretrained`` so they go through our real loader, plus the imported SmolLM2 directory."""
 
+import atexit
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import tests.zmq_secret  # noqa: F401  (sets $KVRELAY_ZMQ_SECRET before any process starts)
+
+# kvrelay serve's default --state-dir is under $XDG_DATA_HOME: a test that starts serve without its own
+# state folder must not write into the user's home (tests give each serve its own: tests/e2e/served.py)
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="kvrelay-tests-data-")
+atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 

@@ -13,6 +13,7 @@ from kvrelay.kernels.triton.rms_norm import rms_norm
 from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
 from kvrelay.kernels.triton.silu_mul import silu_mul
+from kvrelay.kernels.triton.skinny_linear import linear, rms_norm_linear, silu_mul_linear
 from kvrelay.kernels.triton.write_kv import write_kv
 
 OPS = {
@@ -25,6 +26,9 @@ OPS = {
     "silu_mul": silu_mul,
     "gelu": gelu,
     "copy_blocks": copy_blocks,
+    "linear": linear,
+    "rms_norm_linear": rms_norm_linear,
+    "silu_mul_linear": silu_mul_linear,
 }
 
 
@@ -35,5 +39,6 @@ def register_all() -> None:
 
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
-    "rotary_write_kv", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits",
+    "rotary_write_kv", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
+    "rms_norm_linear", "silu_mul_linear",
 ]

@@ -26,6 +26,12 @@ class ServeConfig:
     max_crashes: int = setting(5, "exits of one child (gateway or worker) within --crash-window that stop serve "
                                "(exit 1) instead of another restart; 1: the first crash stops everything", ge=1)
     crash_window: float = setting(300.0, "seconds over which --max-crashes counts a child's exits", gt=0)
+    # The embedded Redis holds tenants, API keys, registered models, limits and counters: kept in a folder
+    # of the user's (kvrelay/state_dir.py), they survive a restart of Redis and of serve.
+    state_dir: str | None = setting(None, "folder (0700) where the embedded Redis keeps its append-only file, "
+                                    "its passwords and its socket, so tenants, API keys and registered models "
+                                    "survive restarts; one kvrelay serve at a time; unused with --redis-url",
+                                    min_length=1)
 
 
 # A worker's flags that are the gateway's on serve's command line (--host, --port) or that serve counts up,

@@ -1,5 +1,6 @@
 """``kvrelay serve`` started as a user starts it, for tests: one real process tree (its own embedded Redis
-unless the flags name one), up once it prints its ready line, stopped with Ctrl-C's signal; plus the
+unless the flags name one, keeping its data in a state folder of the test's, never the user's), up once it
+prints its ready line, stopped with Ctrl-C's signal; plus the
 admin API and a tenant's openai client against it."""
 
 import json
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -20,10 +22,14 @@ ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
 
 
 class Served:
-    """``kvrelay serve *argv --port P`` with ``KVRELAY_ADMIN_KEY`` set; a context manager."""
+    """``kvrelay serve *argv --port P --state-dir D`` with ``KVRELAY_ADMIN_KEY`` set; a context manager.
+    ``state_dir``: the embedded Redis's folder (give the same one to start again on its data), else a
+    new one beside ``log``: tests running at once never share one."""
 
-    def __init__(self, argv: list[str], log: Path, cwd: Path | None = None, timeout: float = 180.0):
+    def __init__(self, argv: list[str], log: Path, cwd: Path | None = None, timeout: float = 180.0,
+                 state_dir: Path | None = None):
         self.argv, self.log, self.cwd, self.timeout = argv, log, cwd, timeout
+        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="state-", dir=log.parent))
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -31,8 +37,8 @@ class Served:
         env = dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", *self.argv,
-                                          "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=self.cwd, env=env)
+                                          "--port", str(self.port), "--state-dir", str(self.state_dir)],
+                                         stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, env=env)
         deadline = time.monotonic() + self.timeout
         while b"kvrelay ready" not in self.log.read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -57,8 +57,10 @@ def _run(lang: str, code: str, timeout: float = SNIPPET_TIMEOUT_S) -> str:
 
 @pytest.fixture(scope="module")
 def make_serve(tmp_path_factory):
-    port, log = free_port(), tmp_path_factory.mktemp("readme") / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port)],
+    folder = tmp_path_factory.mktemp("readme")
+    port, log = free_port(), folder / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--state-dir",
+                             str(folder / "state")],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:

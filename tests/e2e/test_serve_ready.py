@@ -52,7 +52,8 @@ def test_a_request_sent_when_ready_first_says_200_is_served(tmp_path, models):
         how = ["--config", str(config)]
     port, log = free_port(), tmp_path / "serve.log"
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), *how, *TINY],
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), *how, *TINY,
+                             "--state-dir", str(tmp_path / "state")],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:

@@ -24,7 +24,7 @@ def _embedded_redis(serve: psutil.Process) -> tuple[psutil.Process, dict[str, st
     """The redis-server serve started, and each user's password, read from its private config file."""
     server = next(p for p in serve.children(recursive=True) if "redis-server" in p.name())
     users = {}
-    for line in (Path(server.cwd()) / "redis.conf").read_text().splitlines():  # it works in its temp dir
+    for line in (Path(server.cwd()) / "redis.conf").read_text().splitlines():  # it works in its state dir
         if line.startswith("user "):
             users[line.split()[1]] = next(t[1:] for t in line.split() if t.startswith(">"))
     return server, users
@@ -32,10 +32,11 @@ def _embedded_redis(serve: psutil.Process) -> tuple[psutil.Process, dict[str, st
 
 @pytest.mark.parametrize("mode", ["disaggregated", "unified"])
 def test_children_use_their_roles_users_and_no_password_leaks(tmp_path, mode):
-    port, log = free_port(), tmp_path / "serve.log"
+    port, log, state = free_port(), tmp_path / "serve.log", tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "KVRELAY_REDIS_URL"} | {"PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--model",
-                             "dummy:tiny-llama", "--served-model-name", "tiny", "--mode", mode, *TINY],
+                             "dummy:tiny-llama", "--served-model-name", "tiny", "--mode", mode, *TINY,
+                             "--state-dir", str(state)],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 180
@@ -55,10 +56,10 @@ def test_children_use_their_roles_users_and_no_password_leaks(tmp_path, mode):
             seen = " ".join(p.cmdline()) + " ".join(f"{k}={v}" for k, v in p.environ().items())
             assert not [user for user, pw in passwords.items() if pw in seen], p.cmdline()
         assert not [user for user, pw in passwords.items() if pw in log.read_text()]
-        assert "redis://default:***@127.0.0.1:" in log.read_text()
+        assert f"unix://default:***@{state}/redis.sock" in log.read_text()
 
-        port_of_redis = next(c.laddr.port for c in server.net_connections() if c.status == psutil.CONN_LISTEN)
-        admin = sync_client(f"redis://default:{passwords['default']}@127.0.0.1:{port_of_redis}/0")
+        assert Path(server.cwd()) == state.resolve()
+        admin = sync_client(f"unix://default:{passwords['default']}@{state}/redis.sock")
         users = {c["user"] for c in admin.client_list() if c["id"] != str(admin.client_id())}
         assert users == {"gateway", "worker"}, admin.client_list()
     finally:

@@ -25,7 +25,7 @@ def test_serve_stops_everything_before_its_redis_without_a_traceback(tmp_path, h
     log = tmp_path / "serve.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(free_port()), "--model", "dummy:tiny-llama",
-         "--max-model-len", "256", "--kv-cache-memory", str(16 << 20)],
+         "--max-model-len", "256", "--kv-cache-memory", str(16 << 20), "--state-dir", str(tmp_path / "state")],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         start_new_session=True)  # a process group of its own, as a shell gives a foreground job
     try:

@@ -82,6 +82,17 @@ def test_rms_norm(dtype, residual):
     cases.check_rms_norm(tk, DEV, 5, 200, dtype, residual)
 
 
+@pytest.mark.parametrize("op", ["linear", "norm", "add_norm", "silu_mul"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_skinny_linear(op, dtype):
+    # one row takes the fused kernel; N and K not multiples of its blocks exercise the masks
+    cases.check_skinny_linear(tk, DEV, 1, 40, 1100, dtype, op, bias=op != "norm")
+
+
+def test_skinny_linear_more_rows_composes():
+    cases.check_skinny_linear(tk, DEV, 3, 40, 96, torch.float16, "add_norm", bias=False)
+
+
 def test_rms_norm_fp32_weight():
     cases.check_rms_norm(tk, DEV, 3, 64, torch.bfloat16, True, weight_dtype=torch.float32)
 

@@ -59,6 +59,12 @@ def test_prefill_tilings(tk, config):
                                 torch.bfloat16, seed=config[1], configs=[config])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_whole_prompts_through_sdpa(tk, dtype):
+    # whole prompts, long enough per call: the registered op takes torch's SDPA (kernels/sdpa_prefill.py)
+    cases.check_paged_attention(tk, DEV, [1500, 1500, 700], [1500, 1500, 700], 32, 8, 128, 16, dtype)
+
+
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("head_dim", [96, 128])
 def test_alibi_and_head_dims(tk, decode, head_dim):
@@ -91,6 +97,14 @@ def test_rotary_write_kv(tk, dtype, cache_dtype, head_dim, page):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm(tk, dtype, hidden, residual):
     cases.check_rms_norm(tk, DEV, 300, hidden, dtype, residual)
+
+
+@pytest.mark.parametrize("op", ["linear", "norm", "add_norm", "silu_mul"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_skinny_linear(tk, op, dtype, rows):
+    # one fp16/bf16 row takes the fused kernel (K > 8192 its other blocking); fp32 and more rows compose
+    cases.check_skinny_linear(tk, DEV, rows, 1000, 9000 if op == "silu_mul" else 4100, dtype, op, bias=op != "norm")
 
 
 def test_rms_norm_fp32_weight(tk):

@@ -179,6 +179,33 @@ def check_rms_norm(tk, device: str, rows: int, hidden: int, dtype: torch.dtype, 
     assert_close(got, want, dtype, scale=0.5)  # x's dtype bounds the precision (normed is rounded to it)
 
 
+def check_skinny_linear(tk, device: str, rows: int, n: int, k: int, dtype: torch.dtype, op: str, bias: bool) -> None:
+    """The linear ops with a fused prologue (kernels/triton/skinny_linear.py: one row fused, more rows
+    composed) against the reference ops; inputs are never modified."""
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    b = (0.1 * torch.randn(n, device=device)).to(dtype) if bias else None
+    x = torch.randn(rows, 2 * k if op == "silu_mul" else k, device=device).to(dtype)
+    res = torch.randn(rows, k, device=device).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    before = (x.clone(), res.clone())
+    if op == "linear":
+        got, want = tk.linear(x, w, b), reference.linear(x, w, b)
+    elif op == "silu_mul":
+        got, want = tk.silu_mul_linear(x, w, b), reference.silu_mul_linear(x, w, b)
+    else:
+        residual = res if op == "add_norm" else None
+        (got, got_res), (want, want_res) = (mod.rms_norm_linear(x, residual, nw, 1e-5, w, b) for mod in (tk, reference))
+        if device == "cpu":  # the interpreter's fp32 -> bf16 cast truncates (see check_rms_norm)
+            assert_close(got_res, want_res, dtype, scale=0.5)
+        else:
+            assert torch.equal(got_res, want_res)
+    assert torch.equal(x, before[0]) and torch.equal(res, before[1]), "inputs must not be modified"
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # the fused input is rounded as the reference rounds it: only the summation order differs (the
+    # interpreter's truncating bf16 casts excepted)
+    assert_close(got, want, dtype, scale=1.0 if device == "cpu" and dtype == torch.bfloat16 else 0.25)
+
+
 def check_layer_norm(tk, device: str, rows: int, hidden: int, dtype: torch.dtype, bias: bool) -> None:
     x = (3 + 2 * torch.randn(rows, hidden, device=device)).to(dtype)  # nonzero mean exercises centering
     w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)

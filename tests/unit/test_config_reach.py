@@ -114,7 +114,8 @@ def test_every_serve_flag_reaches_the_child_that_uses_it(mode):
     # with a --model-repo one worker per role hosts every model, named after its role alone
     assert {n: c["command"] for n, c in children.items()} == {"gateway": "gateway", "gateway-1": "gateway",
                                                              **{w: w for w in workers}}
-    seen = {"--mode", "--api-server-count", "--max-crashes", "--crash-window"}  # serve's own: children, supervision
+    # serve's own: children, supervision, the embedded Redis's folder
+    seen = {"--mode", "--api-server-count", "--max-crashes", "--crash-window", "--state-dir"}
     worker_flags = [f for f in WORKER_FLAGS if f.option not in SKIPPED]
     for name, child in children.items():
         command, config = child["command"], child["config"]

@@ -54,6 +54,30 @@ def test_a_killed_child_is_started_again_and_its_exit_reported(caplog):
             proc.wait()
 
 
+def test_a_child_with_its_own_first_backoff_starts_again_after_it_doubling_from_there(caplog):
+    """serve's Redis: every other child needs it, and it is back from its file in milliseconds."""
+    sup = Supervisor({"redis": _sh("sleep 60"), "worker": _sh("sleep 60")}, max_crashes=5, crash_window=300,
+                     backoff_start={"redis": 0.05})
+    sup.start_all()
+    try:
+        assert _run(sup, lambda: sup.ready("redis") and sup.ready("worker")) is None
+        with caplog.at_level(logging.INFO, logger="kvrelay.supervisor"):
+            for backoff in ("0.05", "0.1"):
+                killed = sup.procs["redis"]
+                killed.kill()
+                assert _run(sup, lambda k=killed: sup.procs["redis"] is not k and sup.ready("redis")) is None
+                assert f"redis exited with code -9; restarting it in {backoff}s" in caplog.text
+        worker = sup.procs["worker"]
+        worker.kill()
+        with caplog.at_level(logging.INFO, logger="kvrelay.supervisor"):
+            assert _run(sup, lambda: sup.procs["worker"] is not worker) is None
+        assert "worker exited with code -9; restarting it in 1s (crash 1 of 5 within 300s)" in caplog.text
+    finally:
+        for proc in sup.procs.values():
+            proc.kill()
+            proc.wait()
+
+
 def test_a_crash_loop_backs_off_doubling_then_gives_up_naming_the_child_and_its_code(caplog):
     exits = []
     sup = Supervisor({"decode-worker": _sh("exit 3")}, max_crashes=3, crash_window=300,

@@ -25,11 +25,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                 meta: kernels.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; kv_cache: [2, num_blocks, block_size, Hkv, D]
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # qkv: [T, (H + 2 Hkv) D], projected by the layer (which fuses its norm into the projection);
+        # kv_cache: [2, num_blocks, block_size, Hkv, D]
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -37,7 +38,7 @@ class LlamaAttention(nn.Module):
         # this step's keys from the contiguous k/v rather than back through the block table
         q, k = kernels.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, k=k, v=v)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return kernels.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -46,8 +47,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype)  # rows: gate | up
         self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [T, 2I], projected by the layer (which fuses its norm into the projection) -> [T, hidden]
+        return kernels.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -61,15 +63,15 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # the residual stream is carried separately so each norm fuses the preceding add
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # the residual stream is carried separately so each norm fuses the preceding add, and each norm
+        # runs inside the projection after it where the step is one token (kernels/triton/skinny_linear.py)
+        attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = kernels.rms_norm_linear(x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight,
+                                                attn.qkv_proj.bias)
+        x = attn(positions, qkv, kv_cache, meta, cos_sin_cache)
+        gate_up, residual = kernels.rms_norm_linear(x, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
+                                                    mlp.gate_up_proj.bias)
+        return mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
