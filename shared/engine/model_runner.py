@@ -204,13 +204,12 @@ class ModelRunner:
         return step
 
     def _pending_ids(self, reqs: list[Request], fed: FedIds | None) -> torch.Tensor | None:
-        """[R] int64 on the device: each sampling row's unread token (from ``fed``), vocab size where it has
-        none; None when no row needs it (only penalties count output tokens on the device)."""
+        """[R] int64 on the device: each sampling row's unread token (from ``fed``), -1 where it has none;
+        None when no row needs it (only penalties count output tokens on the device)."""
         if fed is None or not any(r.num_pending and penalized(r.sampling_params) for r in reqs):
             return None
         src = to_device_ints([(fed.rows[r.request_id] if r.num_pending else -1,) for r in reqs], self.device)[:, 0]
-        vocab = torch.full_like(src, self.model.vocab_size)
-        return torch.where(src >= 0, fed.ids.index_select(0, src.clamp(min=0)).long(), vocab)
+        return torch.where(src >= 0, fed.ids.index_select(0, src.clamp(min=0)).long(), -1)
 
     def _logits(self, out: SchedulerOutput, batch: StepBatch, samples: bool,
                 fill: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -141,14 +141,14 @@ def apply_penalties(
     Repetition: every token seen in prompt or output has a positive logit divided by the penalty and a
     negative one multiplied by it. Frequency/presence: ``logit -= freq * count + presence * (count > 0)``
     with counts over the output tokens only. ``pending``: [S] int64 on the device, one more output token
-    per row that the host has not read yet (async scheduling), V for none.
+    per row that the host has not read yet (async scheduling), -1 for none.
     """
     num_rows, vocab = logits.shape
     device = logits.device
     # Column V absorbs padding so ragged rows scatter in one call; it is sliced off afterwards.
     out_index = _to_device(_padded(output_token_ids, vocab), torch.int64, device)  # [S, Lo]
-    if pending is not None:
-        out_index = torch.cat((out_index, pending.unsqueeze(1)), dim=1)  # [S, Lo + 1]
+    if pending is not None:  # -1 (none) goes to the padding column
+        out_index = torch.cat((out_index, pending.where(pending >= 0, vocab).unsqueeze(1)), dim=1)  # [S, Lo + 1]
     counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=device)
     counts.scatter_add_(1, out_index, torch.ones_like(out_index, dtype=logits.dtype))
     counts = counts[:, :vocab]  # [S, V] occurrences in the output
@@ -287,7 +287,7 @@ class Sampler:
 
     def sample(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> DeviceSample:
         """The draw, left on the device (no host sync): async scheduling feeds the ids to the next step.
-        ``pending``: [S] int64 on the device, each row's sampled token the host has not read yet (V for
+        ``pending``: [S] int64 on the device, each row's sampled token the host has not read yet (-1 for
         none), which the penalties count like the output tokens in the host's lists."""
         device = logits.device
         params = [r.sampling_params for r in requests]
