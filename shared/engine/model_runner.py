@@ -194,8 +194,8 @@ class ModelRunner:
         batch, sample_reqs, prompt_rows = self._build(out, fed.rows if fed is not None else None, fills)
         fill = None
         if fills:
-            index = to_device_ints(fills, self.device)  # [F, 2]
-            fill = (index[:, 0], fed.ids.index_select(0, index[:, 1]))
+            rows, src = to_device_ints(list(zip(*fills, strict=True)), self.device)  # 2 x [F]
+            fill = (rows, fed.ids.index_select(0, src))
         sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), fill)
         # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
         step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))

@@ -19,7 +19,8 @@ their decode tokens, and a tenant holding no blocks can always start one request
 makes a request unservable.
 
 One step of an engine: ``out = schedule()``; run ``out`` (swap_out copies, then swap_in copies, then
-the forward pass); ``update_from_output(out, sampled)``, also for an empty output.
+the forward pass); ``update_from_output(out, sampled)``, also for an empty output. With async scheduling
+``advance(out)`` when it is launched instead, and ``apply_sampled`` once its tokens are read, a step later.
 """
 
 import bisect
@@ -348,9 +349,9 @@ class Scheduler:
             s.request.num_pending += s.sample
 
     def apply_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """The host has read the tokens of ``out`` (advanced earlier): append them and check stops.
-        A request already finished (aborted, stop string) or preempted meanwhile still gets its token
-        unless finished; a finished one's token is discarded. Returns the requests this finished."""
+        """The host has read the tokens of ``out`` (advanced earlier): append them and check stops. One
+        preempted meanwhile still gets its token; one finished meanwhile (abort, stop string) has it
+        discarded. Returns the requests this finished."""
         finished = []
         for s in out.scheduled:
             req = s.request
