@@ -11,7 +11,7 @@ What that costs and how outputs stay identical to synchronous stepping:
 - a request sampled at step N counts its unread token as pending (``Request.num_pending``): the scheduler
   gives it its decode step, and min_tokens counts it;
 - one that step N ends by length (max_tokens, max_model_len) is known to end without reading the token,
-  so it is not scheduled; one that ends by EOS, a stop token, a stop string or an abort is only known a
+  so it is not scheduled, nor is one that can no longer fit a shrunk pool (aborted once its token is in); one that ends by EOS, a stop token, a stop string or an abort is only known a
   step later: it has run one step too many, whose token is discarded, and its blocks are freed then;
 - the prefix cache registers a step's blocks once their ids are all read, before the next schedule, as
   in synchronous stepping, so prompts see the same cache hits;

@@ -165,9 +165,10 @@ class Scheduler:
 
     # ---- scheduling ----
 
-    def _never_fits(self, req: Request, capacity: int | None = None) -> str | None:
-        """``capacity``: the block manager's, when the caller already asked (it costs a pool lookup)."""
-        num_tokens = req.num_tokens
+    def _never_fits(self, req: Request, capacity: int | None = None, pending: int = 0) -> str | None:
+        """``capacity``: the block manager's, when the caller already asked (it costs a pool lookup);
+        ``pending``: tokens sampled but not yet read (async scheduling) to count in."""
+        num_tokens = req.num_tokens + pending
         if num_tokens > self.max_model_len:
             return f"request has {num_tokens} tokens, beyond max_model_len {self.max_model_len}"
         need = cdiv(num_tokens, self.block_manager.block_size)
@@ -186,14 +187,17 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
+            if req.num_pending and (self._ends_by_length(req) or self._never_fits(req, capacity, req.num_pending)):
+                # async: its unread token ends it, or it can never fit: no step for it; reading the token
+                # ends it, or the next schedule aborts it as synchronous stepping would (aborting it now
+                # would drop that token)
+                i += 1
+                continue
             reason = self._never_fits(req, capacity)
             if reason:
                 self._running.pop(i)
                 self._end(req, RequestStatus.FINISHED_ABORTED, reason)
                 out.aborted.append(req)
-                continue
-            if req.num_pending and self._ends_by_length(req):
-                i += 1  # async: its unread token ends it, so no step is spent on a token to discard
                 continue
             n = req.num_tokens + req.num_pending - req.num_computed_tokens
             if n <= 0 or (not chunked and n > budget):  # chunking off: never split a running request
