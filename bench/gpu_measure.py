@@ -11,7 +11,7 @@ import time
 import torch
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.shared.engine.profile import decode_graphs, phase_points
+from kvrelay.shared.engine.profile import decode_graphs, phase_points, set_async_scheduling
 
 
 # -- ceilings ---------------------------------------------------------------------------------------
@@ -147,6 +147,21 @@ def decode_step_breakdown(llm: LLM, batch: int, input_len: int, steps: int) -> d
     if spans:
         gpu = sorted(s.elapsed_time(e) for s, e in spans)
         out["replay_gpu_ms"] = gpu[len(gpu) // 2]
+    return out
+
+
+def async_decode_step_ms(llm: LLM, batch: int, input_len: int, steps: int) -> dict[str, float]:
+    """``decode_step_ms`` with async scheduling off and on, on the same loaded model: with it on the host
+    schedules and launches step N+1 while the device runs step N, so the step's wall time should come
+    down to its GPU time (compare with ``decode_step_breakdown``'s replay_gpu_ms)."""
+    core = llm.engine.core
+    was_on, out = core.stepper is not None, {}
+    try:
+        for on in (False, True):
+            set_async_scheduling(core, on)
+            out["async_ms" if on else "sync_ms"] = decode_step_ms(llm, batch, input_len, steps)
+    finally:
+        set_async_scheduling(core, was_on)
     return out
 
 

@@ -31,6 +31,7 @@ class LLM:
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
@@ -42,7 +43,7 @@ class LLM:
                               swap_space=swap_space, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
-            device=device,
+            device=device, async_scheduling=async_scheduling,
         ))
 
     def get_tokenizer(self):

@@ -71,6 +71,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: Device = setting("auto", "auto | cpu | cuda[:N] (auto: CUDA when present)")
+    # vLLM's flag: sampled ids stay on the device and feed the next step, which is scheduled and launched
+    # while this one runs (shared/engine/async_step.py). Unified and decode roles; a prefill worker refuses it.
+    async_scheduling: bool = setting(False, "schedule and launch the next step while the device runs this one "
+                                     "(same outputs; unified and decode workers)")
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -156,9 +156,12 @@ class DecodeGraphs:
     def fits(self, batch: StepBatch) -> bool:
         return batch.num_tokens == batch.num_seqs and batch.num_seqs <= self.max_batch
 
-    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: StepBatch, fill: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a decode batch; returns (logits [S, V] of its real rows, sample_rows [R] on the
-        device). Both are views into shared buffers, valid until the next call."""
+        device). Both are views into shared buffers, valid until the next call. ``fill``: (rows, int32
+        ids) on the device, written over those rows' input ids after the host's copy (async scheduling
+        feeds the previous step's sampled ids this way, without the host reading them)."""
         n = batch.num_seqs
         bucket = bucket_for(self.sizes, n)
         if bucket is None or not self.fits(batch):
@@ -167,6 +170,8 @@ class DecodeGraphs:
         host = host_buffer(size, self.device)
         write(host.numpy(), self.layout, batch, padded_seqs=bucket)
         self.buffer[:size].copy_(host, non_blocking=True)
+        if fill is not None:
+            self.buffer[self.layout.ids:self.layout.ids + n].index_copy_(0, fill[0], fill[1])
         longest = max(batch.seq_lens)
         max_len = next(c for c in self.len_classes if c >= longest)
         if self.record:

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.engine.kv_pool import KVPool
@@ -67,6 +68,16 @@ class EngineCore:
                            runner.set_kv_stream)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         self.observer: EngineObserver | None = None
+        self.stepper: AsyncStepper | None = None
+        if config.async_scheduling:
+            if hold_finished_kv:  # the handoff wants each prompt's first token and its KV at once
+                raise ValueError("--async-scheduling is for unified and decode engines, not a prefill worker's")
+            self.stepper = self.new_stepper()
+
+    def new_stepper(self) -> AsyncStepper:
+        """The async-scheduling step of this core (benchmarks switch it on and off between runs)."""
+        return AsyncStepper(self.scheduler, self.runner, self.block_manager, self._output, self._prompt_logprobs,
+                            lambda: self.observer)
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
@@ -146,6 +157,8 @@ class EngineCore:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.stepper is not None:  # async scheduling: returns the previous step's tokens
+            return self.stepper.step()
         started = time.time()
         out = self.scheduler.schedule()
         result = self.runner.execute(out)

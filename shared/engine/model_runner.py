@@ -8,7 +8,9 @@ owned by this model (so a lone model behaves as if it owned a plain tensor).
 On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
 (shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
 step's integer inputs travel in one pinned non-blocking copy (shared/engine/step_inputs.py) and the only
-host sync is the sampler reading back the sampled ids.
+host sync is the sampler reading back the sampled ids. With async scheduling ``launch`` replaces
+``execute``: the sampled ids stay on the device, feed the next step's decode rows there, and the host
+reads them later (shared/engine/async_step.py).
 """
 
 import logging
@@ -19,14 +21,15 @@ import torch
 
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.sampler import Sampler, SampleResult, prompt_logprobs
+from kvrelay.shared.engine.sampler import Sampler, SampleResult, penalized, prompt_logprobs
 from kvrelay.shared.engine.scheduler import SchedulerOutput
-from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device
+from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
 
 log = logging.getLogger(__name__)
@@ -171,44 +174,89 @@ class ModelRunner:
         if not out.scheduled:
             return StepResult({}, {})
         batch, sample_reqs, prompt_rows = self._build(out)
-        graphs = self.graphs
-        if graphs is not None and not self.enforce_eager and graphs.fits(batch):
-            all_logits, rows = graphs.run(batch)  # [S, V]: one token per sequence
-
-            def logits_of(start: int, count: int) -> torch.Tensor:
-                return all_logits[start:start + count]
-
-            sample_logits = all_logits if batch.samples_every_row else all_logits.index_select(0, rows)
-        else:
-            t = to_device(batch, self.device)
-            meta = AttentionMetadata(
-                slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
-                block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
-                seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
-            )
-            hidden = self._forward(out, t, meta)  # [T, hidden]
-
-            def logits_of(start: int, count: int) -> torch.Tensor:
-                return self.model.compute_logits(hidden[start:start + count])
-
-            sample_logits = None
-            if sample_reqs:
-                chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
-                sample_logits = self.model.compute_logits(chosen)  # [R, V]
+        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs))
         result = StepResult({}, {})
         if sample_reqs:
             for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs), strict=True):
                 result.sampled[req.request_id] = sample
+        result.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits_of)
+        return result
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, fed: FedIds | None) -> LaunchedStep | None:
+        """Async scheduling: queue the step and its sampling without waiting for the device. A decode
+        row whose token is still pending takes it from ``fed`` (the previous step's sampled ids on the
+        device). None when nothing is scheduled (swap copies alone ran)."""
+        self._swap(out)
+        if not out.scheduled:
+            return None
+        fills: list[tuple[int, int]] = []  # (token row, index into fed.ids)
+        batch, sample_reqs, prompt_rows = self._build(out, fed.rows if fed is not None else None, fills)
+        fill = None
+        if fills:
+            rows, src = to_device_ints(list(zip(*fills, strict=True)), self.device)  # 2 x [F]
+            fill = (rows, fed.ids.index_select(0, src))
+        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), fill)
+        # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
+        step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))
+        if sample_reqs:
+            step.start_read(self.sampler.sample(sample_logits, sample_reqs, self._pending_ids(sample_reqs, fed)))
+        return step
+
+    def _pending_ids(self, reqs: list[Request], fed: FedIds | None) -> torch.Tensor | None:
+        """[R] int64 on the device: each sampling row's unread token (from ``fed``), -1 where it has none;
+        None when no row needs it (only penalties count output tokens on the device)."""
+        if fed is None or not any(r.num_pending and penalized(r.sampling_params) for r in reqs):
+            return None
+        src = to_device_ints([(fed.rows[r.request_id] if r.num_pending else -1,) for r in reqs], self.device)[:, 0]
+        return torch.where(src >= 0, fed.ids.index_select(0, src.clamp(min=0)).long(), -1)
+
+    def _logits(self, out: SchedulerOutput, batch: StepBatch, samples: bool,
+                fill: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Run the forward pass; returns (logits of the sampled rows [R, V] or None, logits_of(start,
+        count) for prompt-logprob rows). ``fill``: (token rows, ids) written into the device input ids."""
+        graphs = self.graphs
+        if graphs is not None and not self.enforce_eager and graphs.fits(batch):
+            all_logits, rows = graphs.run(batch, fill)  # [S, V]: one token per sequence
+
+            def logits_of(start: int, count: int) -> torch.Tensor:
+                return all_logits[start:start + count]
+
+            return (all_logits if batch.samples_every_row else all_logits.index_select(0, rows)), logits_of
+        t = to_device(batch, self.device)
+        if fill is not None:
+            t.input_ids.index_copy_(0, fill[0], fill[1])
+        meta = AttentionMetadata(
+            slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
+            block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
+            seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
+        )
+        hidden = self._forward(out, t, meta)  # [T, hidden]
+
+        def logits_of(start: int, count: int) -> torch.Tensor:
+            return self.model.compute_logits(hidden[start:start + count])
+
+        sample_logits = None
+        if samples:
+            chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
+            sample_logits = self.model.compute_logits(chosen)  # [R, V]
+        return sample_logits, logits_of
+
+    def _prompt_logprobs(self, prompt_rows, logits_of) -> dict[str, tuple[int, list[PositionLogprobs]]]:
+        found = {}
         for req, (row0, count, pos0) in prompt_rows:
             targets = req.prompt_token_ids[pos0 + 1:pos0 + 1 + count]
             k = req.sampling_params.prompt_logprobs
             entries = prompt_logprobs(logits_of(row0, count), targets, k)
-            result.prompt_logprobs[req.request_id] = (pos0, [to_position_logprobs(d) for d in entries])
-        return result
+            found[req.request_id] = (pos0, [to_position_logprobs(d) for d in entries])
+        return found
 
-    def _build(self, out: SchedulerOutput) -> tuple[StepBatch, list[Request], list[tuple[Request, tuple[int, int, int]]]]:
+    def _build(self, out: SchedulerOutput, fed_rows: dict[str, int] | None = None,
+               fills: list[tuple[int, int]] | None = None,
+               ) -> tuple[StepBatch, list[Request], list[tuple[Request, tuple[int, int, int]]]]:
         """The step's flat batch on the host, the requests that sample (in row order), and the prompt
-        logprob rows: (request, (first row, count, first position))."""
+        logprob rows: (request, (first row, count, first position)). Async scheduling: a decode token
+        the host has not read yet gets id 0 here and (row, ``fed_rows[id]``) in ``fills``."""
         bs = self.block_size
         batch = StepBatch([], [], [], [0], [], [], [])
         sample_reqs: list[Request] = []
@@ -218,7 +266,11 @@ class ModelRunner:
             blocks = sr.block_ids
             row0 = batch.num_tokens
             if n == 1:  # decode: no ranges, no list copies of the whole sequence
-                batch.input_ids.append(token_at(req, start))
+                if start < req.num_tokens:
+                    batch.input_ids.append(token_at(req, start))
+                else:  # the previous step sampled it and it is still on the device
+                    fills.append((row0, fed_rows[req.request_id]))
+                    batch.input_ids.append(0)
                 batch.positions.append(start)
                 batch.slot_mapping.append(blocks[start // bs] * bs + start % bs)
             else:
@@ -228,7 +280,7 @@ class ModelRunner:
             batch.query_start_loc.append(batch.num_tokens)
             batch.seq_lens.append(start + n)
             batch.block_tables.append(self._tables.get(req.request_id, blocks))
-            if start + n == req.num_tokens:
+            if sr.sample:
                 batch.sample_rows.append(batch.num_tokens - 1)
                 sample_reqs.append(req)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:

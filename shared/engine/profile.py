@@ -2,7 +2,8 @@
 kept here so that nothing outside the engine names its scheduler, block manager or runner.
 
 ``phase_points`` names where a step's phases run, for a benchmark to wrap with timers; the other helpers
-switch or read what a GPU benchmark compares (CUDA graphs against eager, the model's shape)."""
+switch or read what a GPU benchmark compares (CUDA graphs against eager, async scheduling on and off, the
+model's shape)."""
 
 import time
 
@@ -34,6 +35,14 @@ def decode_graphs(core: EngineCore) -> DecodeGraphs | None:
 def set_eager(core: EngineCore, eager: bool) -> None:
     """Run decode steps eagerly (True) or through the captured graphs (False) from the next step on."""
     core.runner.enforce_eager = eager
+
+
+def set_async_scheduling(core: EngineCore, on: bool) -> None:
+    """Step with async scheduling (True) or synchronously (False) from the next step on. Only between
+    runs: with every request finished, a step still in flight holds none whose token is wanted."""
+    if core.has_unfinished():
+        raise RuntimeError("switch async scheduling between runs, with no request unfinished")
+    core.stepper = core.new_stepper() if on else None
 
 
 def model_shape(core: EngineCore) -> dict[str, int]:

@@ -48,6 +48,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     swapped_blocks: list[int] | None = None  # host block ids while swapped out
+    # Async scheduling (shared/engine/async_step.py): tokens sampled on the device whose ids the host has
+    # not read yet (0 or 1). They count for scheduling (the next step decodes them) but are not in
+    # output_token_ids until read; always 0 without async scheduling.
+    num_pending: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from kvrelay.shared.engine.request import Request
+from kvrelay.shared.wire.sampling_params import SamplingParams
 
 # Bound for the [rows, V] float32 working set of prompt_logprobs (2**26 elements = 256 MiB), so a long
 # prompt over a large vocabulary does not materialise its whole log-softmax at once.
@@ -43,6 +44,29 @@ class SampleResult:
     logprob: float | None  # of token_id under the raw model distribution; None when no row of the step
     # asked for logprobs (computing them costs a full pass over the logits)
     top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
+
+
+@dataclass
+class DeviceSample:
+    """One step's draw on the device, before the host reads it."""
+
+    token_ids: Tensor  # [S] int64
+    packed: Tensor | None  # [S, 2 + 2k] float64 (``_pack_topk``) when some row asked for logprobs
+    wanted: list[int | None]  # each row's logprobs request
+    k: int
+
+    def results(self, token_ids: list[int] | None, packed: list[list[float]] | None) -> list[SampleResult]:
+        """SampleResults from the host copies: ``packed`` when logprobs were computed, else ``token_ids``."""
+        if packed is None:
+            return [SampleResult(token_id=t, logprob=None, top_logprobs=None) for t in token_ids]
+        k, results = self.k, []
+        for row, want in zip(packed, self.wanted, strict=True):
+            top = None
+            if want is not None:
+                ids, lps = row[2 : 2 + k], row[2 + k :]
+                top = [(int(ids[j]), lps[j]) for j in range(want)]
+            results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
+        return results
 
 
 def _to_device(data: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -109,18 +133,22 @@ def apply_penalties(
     repetition_penalty: Tensor,
     frequency_penalty: Tensor,
     presence_penalty: Tensor,
+    pending: Tensor | None = None,
 ) -> Tensor:
     """Repetition (HF) then frequency/presence (OpenAI) penalties; returns a new tensor.
 
     logits: [S, V]; penalties: [S] float on the logits' device (1.0 / 0.0 / 0.0 leave a row unchanged).
     Repetition: every token seen in prompt or output has a positive logit divided by the penalty and a
     negative one multiplied by it. Frequency/presence: ``logit -= freq * count + presence * (count > 0)``
-    with counts over the output tokens only.
+    with counts over the output tokens only. ``pending``: [S] int64 on the device, one more output token
+    per row that the host has not read yet (async scheduling), -1 for none.
     """
     num_rows, vocab = logits.shape
     device = logits.device
     # Column V absorbs padding so ragged rows scatter in one call; it is sliced off afterwards.
     out_index = _to_device(_padded(output_token_ids, vocab), torch.int64, device)  # [S, Lo]
+    if pending is not None:  # -1 (none) goes to the padding column
+        out_index = torch.cat((out_index, pending.where(pending >= 0, vocab).unsqueeze(1)), dim=1)  # [S, Lo + 1]
     counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=device)
     counts.scatter_add_(1, out_index, torch.ones_like(out_index, dtype=logits.dtype))
     counts = counts[:, :vocab]  # [S, V] occurrences in the output
@@ -136,6 +164,11 @@ def apply_penalties(
     freq = frequency_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
     presence = presence_penalty.to(logits.dtype).unsqueeze(1)  # [S, 1]
     return logits - freq * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def penalized(params: SamplingParams) -> bool:
+    """Whether a request's logits depend on its earlier output tokens (repetition/frequency/presence)."""
+    return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
 def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None) -> Tensor:
@@ -244,11 +277,18 @@ class Sampler:
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> list[SampleResult]:
         """logits: [S, V] float32, row i for requests[i]. Returns one SampleResult per row."""
-        num_rows, vocab = logits.shape
-        if num_rows != len(requests):
-            raise ValueError(f"logits have {num_rows} rows for {len(requests)} requests")
-        if num_rows == 0:
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"logits have {logits.shape[0]} rows for {len(requests)} requests")
+        if not requests:
             return []
+        drawn = self.sample(logits, requests)
+        packed = None if drawn.packed is None else drawn.packed.tolist()  # the single device -> host transfer
+        return drawn.results(drawn.token_ids.tolist() if packed is None else None, packed)
+
+    def sample(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> DeviceSample:
+        """The draw, left on the device (no host sync): async scheduling feeds the ids to the next step.
+        ``pending``: [S] int64 on the device, each row's sampled token the host has not read yet (-1 for
+        none), which the penalties count like the output tokens in the host's lists."""
         device = logits.device
         params = [r.sampling_params for r in requests]
         wanted = [p.logprobs for p in params]
@@ -256,7 +296,7 @@ class Sampler:
         # the reported distribution; skipped (a full [S, V] pass) when no row asked for logprobs
         raw_logprobs = logits.float().log_softmax(dim=-1) if need_logprobs else None  # [S, V]
 
-        logits = self._penalize(logits.float(), requests)
+        logits = self._penalize(logits.float(), requests, pending)
         greedy = [p.greedy for p in params]
         if all(greedy):
             chosen = logits.argmax(dim=-1)  # [S]
@@ -268,26 +308,18 @@ class Sampler:
             chosen = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
         if not need_logprobs:
-            return [SampleResult(token_id=t, logprob=None, top_logprobs=None) for t in chosen.tolist()]
+            return DeviceSample(chosen, None, wanted, 0)
         k = max((w for w in wanted if w is not None), default=0)
-        packed = _pack_topk(raw_logprobs, chosen, k).tolist()  # the single device -> host transfer
-        results = []
-        for row, want in zip(packed, wanted, strict=True):
-            top = None
-            if want is not None:
-                ids, lps = row[2 : 2 + k], row[2 + k :]
-                top = [(int(ids[j]), lps[j]) for j in range(want)]
-            results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
-        return results
+        return DeviceSample(chosen, _pack_topk(raw_logprobs, chosen, k), wanted, k)
 
-    def _penalize(self, logits: Tensor, requests: list[Request]) -> Tensor:
+    def _penalize(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> Tensor:
         """Steps 1-4 of the module docstring, each skipped when no row in the batch uses it."""
         device = logits.device
         banned: list[list[int]] = []
         for r in requests:
             p = r.sampling_params
             ids: list[int] = []
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) + r.num_pending < p.min_tokens:  # pending: sampled, not yet read
                 ids = list(p.stop_token_ids)
                 if r.eos_token_id is not None:
                     ids.append(r.eos_token_id)
@@ -298,7 +330,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
-        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+        if any(penalized(p) for p in params):
             logits = apply_penalties(
                 logits,
                 [r.prompt_token_ids for r in requests],
@@ -306,6 +338,7 @@ class Sampler:
                 _to_device([p.repetition_penalty for p in params], torch.float32, device),
                 _to_device([p.frequency_penalty for p in params], torch.float32, device),
                 _to_device([p.presence_penalty for p in params], torch.float32, device),
+                pending,
             )
         return logits
 
@@ -404,6 +437,7 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[d
 
 
 __all__ = [
+    "DeviceSample",
     "SampleResult",
     "Sampler",
     "apply_logit_bias",
@@ -411,5 +445,6 @@ __all__ = [
     "apply_penalties",
     "apply_top_k_top_p_min_p",
     "logit_bias_tensors",
+    "penalized",
     "prompt_logprobs",
 ]

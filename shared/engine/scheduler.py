@@ -19,7 +19,8 @@ their decode tokens, and a tenant holding no blocks can always start one request
 makes a request unservable.
 
 One step of an engine: ``out = schedule()``; run ``out`` (swap_out copies, then swap_in copies, then
-the forward pass); ``update_from_output(out, sampled)``, also for an empty output.
+the forward pass); ``update_from_output(out, sampled)``, also for an empty output. With async scheduling
+``advance(out)`` when it is launched instead, and ``apply_sampled`` once its tokens are read, a step later.
 """
 
 import bisect
@@ -42,7 +43,8 @@ class ScheduledRequest:
     sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sample = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        req = self.request  # a pending token (async scheduling) is known to exist, so it counts
+        self.sample = req.num_computed_tokens + self.num_new_tokens == req.num_tokens + req.num_pending
 
 
 @dataclass
@@ -163,9 +165,10 @@ class Scheduler:
 
     # ---- scheduling ----
 
-    def _never_fits(self, req: Request, capacity: int | None = None) -> str | None:
-        """``capacity``: the block manager's, when the caller already asked (it costs a pool lookup)."""
-        num_tokens = req.num_tokens
+    def _never_fits(self, req: Request, capacity: int | None = None, pending: int = 0) -> str | None:
+        """``capacity``: the block manager's, when the caller already asked (it costs a pool lookup);
+        ``pending``: tokens sampled but not yet read (async scheduling) to count in."""
+        num_tokens = req.num_tokens + pending
         if num_tokens > self.max_model_len:
             return f"request has {num_tokens} tokens, beyond max_model_len {self.max_model_len}"
         need = cdiv(num_tokens, self.block_manager.block_size)
@@ -184,13 +187,19 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
+            if req.num_pending and (self._ends_by_length(req) or self._never_fits(req, capacity, req.num_pending)):
+                # async: its unread token ends it, or it can never fit: no step for it; reading the token
+                # ends it, or the next schedule aborts it as synchronous stepping would (aborting it now
+                # would drop that token)
+                i += 1
+                continue
             reason = self._never_fits(req, capacity)
             if reason:
                 self._running.pop(i)
                 self._end(req, RequestStatus.FINISHED_ABORTED, reason)
                 out.aborted.append(req)
                 continue
-            n = req.num_tokens - req.num_computed_tokens
+            n = req.num_tokens + req.num_pending - req.num_computed_tokens
             if n <= 0 or (not chunked and n > budget):  # chunking off: never split a running request
                 i += 1
                 continue
@@ -333,6 +342,40 @@ class Scheduler:
         if len(finished) > len(out.aborted):
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
         return finished
+
+    # ---- async scheduling (shared/engine/async_step.py): a step is advanced when launched, and its
+    # sampled tokens are applied a step later, after the next step has been scheduled ----
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step ``out`` is launched: count its tokens computed, and its samples as pending."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_pending += s.sample
+
+    def apply_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The host has read the tokens of ``out`` (advanced earlier): append them and check stops. One
+        preempted meanwhile still gets its token; one finished meanwhile (abort, stop string) has it
+        discarded. Returns the requests this finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if not s.sample or req.status.finished:
+                continue
+            req.num_pending -= 1
+            req.output_token_ids.append(sampled[req.request_id])
+            status = self._check_stop(req)
+            if status:
+                if req.status is not RequestStatus.RUNNING:  # preempted after it sampled
+                    self._waiting.remove(req)
+                self._end(req, status)  # a running one leaves the running list below
+                finished.append(req)
+        if finished:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        return finished
+
+    def _ends_by_length(self, req: Request) -> bool:
+        total = req.num_tokens + req.num_pending
+        return req.num_output_tokens + req.num_pending >= req.max_tokens or total >= self.max_model_len
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         sp = req.sampling_params

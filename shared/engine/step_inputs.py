@@ -188,6 +188,12 @@ def to_device(batch: StepBatch, device: torch.device) -> StepTensors:
     return views(dev, layout, batch.num_tokens, batch.num_seqs, len(batch.sample_rows))
 
 
+def to_device_ints(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """A small int64 table (index tensors) on ``device`` without waiting on it: pinned, non-blocking."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
 class BlockTableCache:
     """Per-request int32 copies of block tables, so a step converts only the blocks that are new.
 

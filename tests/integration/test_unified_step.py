@@ -15,19 +15,21 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.unified_worker.worker import UnifiedWorker
 
 
-@pytest.fixture()
-def worker(redis_url):
+# and again with async scheduling, whose steps answer a step late: the worker loop must still answer and ACK
+@pytest.fixture(params=[[], ["--async-scheduling"]], ids=["sync", "async"])
+def worker(redis_url, request):
     from kvrelay.cli import build_parser
     from kvrelay.shared.wire.redis_conn import sync_client
     from kvrelay.workers import worker_config
 
     sync_client(redis_url).flushall()
     args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
-                                      "--redis-url", redis_url, "--num-gpu-blocks-override", "64"])
+                                      "--redis-url", redis_url, "--num-gpu-blocks-override", "64", *request.param])
     config = worker_config("unified", args)
     config.freeze_gc = False  # a test process is not a worker's own
     w = UnifiedWorker(config)
     (slot,) = w.runtime.slots.values()
+    assert (slot.core.stepper is not None) == bool(request.param)
     w.attach(slot)  # what runtime.start does, without its threads and signal handlers
     yield w
     w.runtime.shutdown()

@@ -18,11 +18,12 @@ A, B = "llama", "gpt2"
 
 
 def engine(model_dir, pool: KVPool | None = None, floor: int | None = None, num_blocks: int | None = None,
-           max_num_seqs: int = 16) -> EngineCore:
+           max_num_seqs: int = 16, async_scheduling: bool = False) -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(str(model_dir), dtype="float32", max_model_len=MAX_LEN),
         cache=CacheConfig(block_size=BS, num_gpu_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128), device="cpu")
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128), device="cpu",
+        async_scheduling=async_scheduling)
     return EngineCore(config, kv_pool=pool, kv_floor_blocks=floor)
 
 
@@ -84,13 +85,15 @@ def test_geometries_differ(dirs):
     assert a.num_total_blocks == 8 and b.num_total_blocks == 8  # floor: one max_model_len sequence
 
 
-def test_greedy_tokens_unchanged_while_memory_moves(dirs):
+# async scheduling too: a pool robbed between steps must not end a request before its unread token is in
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_tokens_unchanged_while_memory_moves(dirs, async_scheduling):
     pa = random_prompts(8, lo=12, hi=40, seed=3)
     pb = random_prompts(6, lo=10, hi=36, seed=5)
     want_a, want_b = standalone(dirs[0], pa, 16), standalone(dirs[1], pb, 16)
 
     pool = KVPool(12 * CHUNK, "cpu", chunk_bytes=CHUNK)  # floors: a 2 chunks, b 4; 6 to fight over
-    a, b = engine(dirs[0], pool), engine(dirs[1], pool)
+    a, b = engine(dirs[0], pool, async_scheduling=async_scheduling), engine(dirs[1], pool, async_scheduling=async_scheduling)
     ta, tb = Tracker(a), Tracker(b)
     got: dict[str, list[int]] = {}
     # a alone grows over the idle b's share; then b's burst takes a's free chunks back (a's cached
@@ -155,3 +158,29 @@ def test_release_kv_returns_the_memory(dirs):
     submit(a, "a", random_prompts(10, lo=24, hi=24, seed=6), 16)
     run([a], {})
     assert ta.preempted == 0 and ta.peak_blocks >= 50 > 48  # 10 sequences of 5 blocks: b's old chunks too
+
+
+def shrunk_under(model_dirs, async_scheduling: bool) -> tuple[list[int], str | None]:
+    """A request running in a pool that a newly attached model then shrinks below the request's need: the
+    scheduler ends it (it can never fit again). Returns what its client saw."""
+    pool = KVPool(16 * CHUNK, "cpu", chunk_bytes=CHUNK)
+    a = engine(model_dirs[0], pool, floor=2, async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0.0, max_tokens=44, ignore_eos=True)  # 20 + 44 tokens: 8 blocks
+    a.add_request(a.make_request("r", random_prompts(1, lo=20, hi=20, seed=1)[0], params))
+    seen, reason = [], None
+    for _ in range(4):  # prefill and 3 decodes: 3 blocks, one chunk
+        seen += [t for o in a.step() for t in o.new_token_ids]
+    engine(model_dirs[1], pool, floor=30)  # 15 of the 16 chunks: a keeps one (4 blocks) for good
+    assert a.block_manager.capacity < 8
+    while a.has_unfinished():
+        for o in a.step():
+            seen += o.new_token_ids
+            reason = o.finish_reason or reason
+    return seen, reason
+
+
+def test_a_request_the_shrunk_pool_ends_gets_the_same_tokens_with_async_scheduling(dirs):
+    # async scheduling has the request's last token unread when the schedule ends it: it must read it first
+    want = shrunk_under(dirs, False)
+    assert want[1] == "abort" and 4 < len(want[0]) < 44
+    assert shrunk_under(dirs, True) == want
