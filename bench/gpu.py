@@ -40,6 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--variant-batches", default="1,64", help="fused-vs-unfused decode batches")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine of every row schedules asynchronously (the batch-N on/off rows compare both)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-variants", action="store_true")
     p.add_argument("--json", default=None, help="write all results here")
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.cuda.empty_cache()  # the engine sizes its KV cache from what is free
     r["variants"] = [] if args.skip_variants else _variants(args)
 
-    llm = _engine(args, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = _engine(args, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                  async_scheduling=args.async_scheduling)
     core = llm.engine.core
     hf_config = dict(core.hf_config)
     shape = model_shape(core)
@@ -148,6 +151,8 @@ def run(args: argparse.Namespace) -> dict:
     r["bN_breakdown"] = m.decode_step_breakdown(llm, args.batch, 1024, 20)
     r["bN_ms"] = r["bN_breakdown"]["wall_ms"]
     r["bN_async"] = m.async_decode_step_ms(llm, args.batch, 1024, 20)
+    r["b1_async"] = m.async_decode_step_ms(llm, 1, args.input_len, 100)
+    print("async scheduling, batch 1", ", ".join(f"{k} {v:.3f}" for k, v in r["b1_async"].items()))
     print("async scheduling, batch", args.batch, ", ".join(f"{k} {v:.3f}" for k, v in r["bN_async"].items()))
     for name in ("b1_breakdown", "bN_breakdown"):
         print(name, ", ".join(f"{k} {v:.3f}" for k, v in r[name].items()))
