@@ -120,12 +120,16 @@ class PrefillWorker:
     def _drop_handoffs_of(self, reply_addr: str) -> None:
         """Its gateway is gone: its prefilled requests waiting for a decode seat (or on their way to one)
         leave too, rather than take seats the other gateways' requests wait for."""
+        dropped = 0
         for rid, t in list(self.handoff.transfers.items()):
             if t.job.reply_addr != reply_addr or not self.inflight.unwanted(t.job):
                 continue
             self.handoff.cancel(rid)
+            dropped += 1
             if t.computed:  # before that, its job is the Lifecycle's, which ended it already
                 self.intake.ack(t.job.model, t.entry_id)
+        if dropped:
+            log.warning("gateway %s is gone: dropped its %d request(s) in handoff", reply_addr, dropped)
 
     # -- intake ---------------------------------------------------------------------------------
     def _fetch(self, slot: ModelSlot, block_ms: int) -> int:
