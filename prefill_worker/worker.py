@@ -61,6 +61,7 @@ class PrefillWorker:
         # reclaimed as abandoned, each XAUTOCLAIM would count a delivery until it was dead-lettered
         self.intake.held_elsewhere = lambda instance: [
             t.entry_id for t in self.handoff.transfers.values() if t.job.model == instance and t.entry_id]
+        self.inflight.on_gateway_gone = self._drop_handoffs_of
 
     def run(self) -> None:
         self.runtime.start(zmq_addr="", hooks=self)  # prefill binds nothing: it dials decode workers
@@ -119,6 +120,20 @@ class PrefillWorker:
             self.runtime.stop.wait(0.02)  # nothing loaded yet: wait for a load command
         elif len(slots) > 1 and not (busy or fetched or stepped):
             time.sleep(IDLE_SLEEP_S)
+
+    def _drop_handoffs_of(self, reply_addr: str) -> None:
+        """Its gateway is gone: its prefilled requests waiting for a decode seat (or on their way to one)
+        leave too, rather than take seats the other gateways' requests wait for."""
+        dropped = 0
+        for rid, t in list(self.handoff.transfers.items()):
+            if t.job.reply_addr != reply_addr or not self.inflight.unwanted(t.job):
+                continue
+            self.handoff.cancel(rid)
+            dropped += 1
+            if t.computed:  # before that, its job is the Lifecycle's, which ended it already
+                self.intake.ack(t.job.model, t.entry_id)
+        if dropped:
+            log.warning("gateway %s is gone: dropped its %d request(s) in handoff", reply_addr, dropped)
 
     # -- intake ---------------------------------------------------------------------------------
     def _fetch(self, slot: ModelSlot, block_ms: int) -> int:

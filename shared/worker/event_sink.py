@@ -9,6 +9,7 @@ from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 from kvrelay.shared.wire.zmq_auth import CurveKeys
+from kvrelay.shared.worker.link_watch import LinkWatch
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +20,15 @@ class EventSink:
     """Batches TokenEvents per gateway address and sends one TokenBatch per gateway per step, never
     blocking the step: a gateway that does not take its batch (dead, or EVENT_HWM batches behind) loses
     it, and ``take_stalled`` names it so that its requests, whose streams now have a gap, are aborted.
-    Nobody else waits for it."""
+    Nobody else waits for it. A gateway whose connection closed (its process ended) is named by
+    ``take_lost`` (link_watch.py)."""
 
     def __init__(self, ctx: zmq.Context, *, curve: CurveKeys | None):
         self.ctx, self.curve = ctx, curve
         self.sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, list[TokenEvent]] = {}
         self._stalled: set[str] = set()
+        self.links = LinkWatch()
 
     def add(self, reply_addr: str, event: TokenEvent) -> None:
         self.pending.setdefault(reply_addr, []).append(event)
@@ -47,6 +50,7 @@ class EventSink:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, EVENT_HWM)
             zmq_auth.dial(sock, self.curve)
+            self.links.add(addr, sock)
             sock.connect(addr)
         return sock
 
@@ -54,14 +58,19 @@ class EventSink:
         stalled, self._stalled = list(self._stalled), set()
         return stalled
 
+    def take_lost(self) -> list[str]:
+        return self.links.take_lost()
+
     def forget(self, addr: str) -> None:
         """Its requests are gone: drop what it has not taken and the connection (a new one is made if
         events for it come again)."""
         self.pending.pop(addr, None)
         sock = self.sockets.pop(addr, None)
         if sock is not None:
+            self.links.remove(addr, sock)
             sock.close(linger=0)
 
     def close(self) -> None:
-        for sock in self.sockets.values():
+        for addr, sock in self.sockets.items():
+            self.links.remove(addr, sock)
             sock.close()

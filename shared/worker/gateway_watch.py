@@ -46,6 +46,21 @@ class GatewayWatch:
         except redis.RedisError:
             return True
 
+    def take_holder(self, address: str) -> str | None:
+        """A gateway whose process is known to have ended (its event connection closed): its liveness key's
+        value (its host and pid), deleted, so that every other worker finds it gone within CONFIRM_S
+        instead of waiting out its TTL. None: no key, or Redis cannot say."""
+        try:
+            value = self.redis.getdel(keys.gateway_key(address))
+        except redis.RedisError:
+            return None
+        return None if value is None else value.decode()
+
+    def holder(self, address: str) -> str | None:
+        """Which gateway process beats on ``address`` now (None: none does); raises RedisError."""
+        value = self.redis.get(keys.gateway_key(address))
+        return None if value is None else value.decode()
+
     def take_gone(self) -> list[str]:
         gone = []
         while True:

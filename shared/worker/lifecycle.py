@@ -5,10 +5,12 @@ Lifecycle of one request on any worker (prefill, decode, unified):
      (``engine_request``: the model's extra EOS ids become stop ids) and ``track``s an ``InFlight``.
   2. Each step, before the engine runs, ``sweep`` ends what must not run again: ids the gateway aborted
      (no answer: its client is gone), requests past their deadline (an "abort" event), and the requests
-     of a gateway that stopped reading its events or whose liveness key lapsed (no answer: nobody reads
-     it), so their KV blocks are free within that step. An aborted id it holds nothing of, and a gateway
-     that stopped beating, are remembered: the role drops such a request where it enters (``unwanted``),
-     before it costs a step.
+     of a gateway that stopped reading its events, closed its event connection (its process ended:
+     link_watch.py) or whose liveness key lapsed (no answer: nobody reads it), so their KV blocks are
+     free within that step. An aborted id it holds nothing of, and a gateway that is gone, are
+     remembered: the role drops such a request where it enters (``unwanted``), before it costs a step,
+     and ``on_gateway_gone`` lets it drop what else it holds of that gateway (a prefill worker's
+     handoffs).
   3. The role sends its tokens (``send``: the next ``output_index`` is counted here) and ``finish``es it
      when the engine does.
   4. At the end of a drain ``abandon`` takes every request out of its engine and hands the records to the
@@ -23,6 +25,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import redis
 
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.protocol import Job, TokenEvent
@@ -63,6 +67,13 @@ def _keep(_rec: InFlight) -> None:
     pass
 
 
+def _nothing(_addr: str) -> None:
+    pass
+
+
+MAX_LOST = 1024  # gateway addresses remembered as lost (one per gateway process that ended)
+
+
 class Lifecycle:
     """The requests in flight on one worker, across the models it hosts."""
 
@@ -76,6 +87,9 @@ class Lifecycle:
         self._gateways: Counter[str] = Counter()  # reply address -> requests of it here
         self.aborted = RecentIds()  # aborts that came before their request did
         self.gone_gateways = RecentIds()  # reply addresses whose liveness key lapsed
+        # reply address -> the liveness value (host-pid) of the gateway process found ended there
+        self.lost_gateways: dict[str, str | None] = {}
+        self.on_gateway_gone: Callable[[str], None] = _nothing  # the role drops what else it holds of it
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -154,18 +168,35 @@ class Lifecycle:
             self.abort(rec.request_id, "abort")
         for addr in self.runtime.events.take_stalled():
             self._orphan(addr, "stopped reading its events", lambda rec: True)
+        for addr in self.runtime.events.take_lost():
+            # its process ended: no grace for young requests, and no waiting out its liveness key's TTL
+            self.lost_gateways[addr] = self.runtime.gateways.take_holder(addr)
+            while len(self.lost_gateways) > MAX_LOST:
+                del self.lost_gateways[next(iter(self.lost_gateways))]
+            self._orphan(addr, "closed its event connection", lambda rec: True)
+            self.on_gateway_gone(addr)
         for addr in self.runtime.gateways.take_gone():
             # a slow first beat never kills live work: a request gets GATEWAY_TTL_S from its arrival
-            self._orphan(addr, "stopped beating", lambda rec: now > rec.arrival + GATEWAY_TTL_S)
             self.gone_gateways.add([addr])
+            self._orphan(addr, "stopped beating", lambda rec: now > rec.arrival + GATEWAY_TTL_S)
+            self.on_gateway_gone(addr)
         return elsewhere
 
     def unwanted(self, job: Job) -> bool:
         """Nobody waits for this request any more, so it must not enter: its abort came first, or its
-        gateway stopped beating (past its grace, and still without a liveness key: a gateway back on
-        the same address is alive)."""
+        gateway is gone: its process ended (unless another gateway process beats on that address now),
+        or it stopped beating (past its grace, and still without a liveness key: a gateway back on the
+        same address is alive)."""
         if self.aborted.seen(job.request_id):
             return True
+        if job.reply_addr in self.lost_gateways:
+            try:
+                holder = self.runtime.gateways.holder(job.reply_addr)
+            except redis.RedisError:
+                return False  # cannot tell: its deadline still ends it
+            if holder is None or holder == self.lost_gateways[job.reply_addr]:
+                return True
+            del self.lost_gateways[job.reply_addr]  # a new gateway process serves that address
         if not self.gone_gateways.seen(job.reply_addr) or time.time() <= job.arrival + GATEWAY_TTL_S:
             return False
         if self.runtime.gateways.alive(job.reply_addr):

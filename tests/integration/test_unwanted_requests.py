@@ -32,9 +32,10 @@ def _config(role: str, redis_url: str):
     return config
 
 
-def _job(rid: str, model: str, reply_addr: str = "tcp://127.0.0.1:9", arrival: float | None = None) -> Job:
+def _job(rid: str, model: str, reply_addr: str = "tcp://127.0.0.1:9", arrival: float | None = None,
+         max_tokens: int = 20) -> Job:
     return Job(request_id=rid, model=model, prompt_token_ids=[3, 4, 5, 6], tenant="t", priority=0,
-               sampling=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), reply_addr=reply_addr,
+               sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), reply_addr=reply_addr,
                deadline=time.time() + 60, arrival=time.time() if arrival is None else arrival)
 
 
@@ -118,3 +119,38 @@ def test_jobs_of_a_gateway_that_stopped_beating_are_dropped_unrun_unless_it_is_b
     unified.step()
     assert slot.core.is_running("back")
     redis.delete(keys.gateway_key(dead))
+
+
+def test_a_gateway_whose_process_ended_loses_its_requests_at_once_and_its_later_jobs_unless_one_is_back(unified):
+    """Its event connection closed: no waiting out its liveness key, no grace for young requests; its key
+    goes (so the other workers find it gone too), and a new gateway process beating there is served."""
+    import zmq
+
+    from kvrelay.shared.wire import zmq_auth
+
+    (slot,) = unified.runtime.slots.values()
+    rt, redis = unified.runtime, unified.runtime.redis
+    gateway = rt.ctx.socket(zmq.PULL)
+    gateway.setsockopt(zmq.LINGER, 0)
+    zmq_auth.serve(gateway, rt.curve)
+    addr = f"tcp://127.0.0.1:{gateway.bind_to_random_port('tcp://127.0.0.1')}"
+    redis.set(keys.gateway_key(addr), "host-1", ex=60)
+    stream = keys.prefill_stream(slot.instance)
+    redis.xadd(stream, {"data": encode(_job("running", slot.instance, addr, max_tokens=10_000))})
+    deadline = time.monotonic() + 10
+    while not gateway.poll(0) and time.monotonic() < deadline:
+        unified.step()  # until its first events reached the gateway: the connection is up
+    assert slot.core.is_running("running")
+    gateway.close()  # its process ended
+    while "running" in unified.inflight and time.monotonic() < deadline:
+        unified.step()
+    assert "running" not in unified.inflight and not slot.core.is_running("running")
+    assert redis.get(keys.gateway_key(addr)) is None  # its liveness key went with it
+    redis.xadd(stream, {"data": encode(_job("young", slot.instance, addr))})  # queued just before it died
+    unified.step()
+    assert "young" not in unified.inflight and not slot.core.is_running("young")
+    redis.set(keys.gateway_key(addr), "host-2", ex=60)  # another gateway process on that address
+    redis.xadd(stream, {"data": encode(_job("next", slot.instance, addr))})
+    unified.step()
+    assert slot.core.is_running("next")
+    redis.delete(keys.gateway_key(addr))

@@ -1,0 +1,76 @@
+"""A gateway whose process ends closes its event connection at once: the worker's LinkWatch names it lost
+within LOST_AFTER_S (its liveness key would take GATEWAY_TTL_S), once per outage; a gateway whose
+connection comes back within that, and a live one, are never named."""
+
+import time
+
+import zmq
+
+from kvrelay.shared.worker import link_watch
+from kvrelay.shared.worker.link_watch import LinkWatch
+
+BOUND_S = 5.0  # liveness bound for a loaded CI box; the watch itself reports after LOST_AFTER_S
+
+
+def lost_within(watch: LinkWatch, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        lost = watch.take_lost()
+        if lost:
+            return lost
+        time.sleep(0.02)
+    return []
+
+
+def test_a_closed_connection_is_lost_once_a_live_one_never_and_a_redial_that_finds_nobody_too():
+    ctx = zmq.Context()
+    gateways = {name: ctx.socket(zmq.PULL) for name in ("live", "dies")}
+    addrs = {name: f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for name, s in gateways.items()}
+    watch = LinkWatch()
+    pushes = {}
+    for name, addr in addrs.items():
+        pushes[name] = ctx.socket(zmq.PUSH)
+        watch.add(addr, pushes[name])
+        pushes[name].connect(addr)
+    nobody = "tcp://127.0.0.1:9"  # discard port: nothing listens there
+    pushes["nobody"] = ctx.socket(zmq.PUSH)
+    watch.add(nobody, pushes["nobody"])
+    pushes["nobody"].connect(nobody)
+    try:
+        assert lost_within(watch, BOUND_S) == [nobody]  # dialed and never connected
+        time.sleep(link_watch.LOST_AFTER_S)
+        assert watch.take_lost() == []  # named once, and both gateways are connected
+        gateways["dies"].close(linger=0)  # as its process ending does
+        started = time.monotonic()
+        assert lost_within(watch, BOUND_S) == [addrs["dies"]]
+        assert time.monotonic() - started >= link_watch.LOST_AFTER_S * 0.9
+        assert lost_within(watch, 2 * link_watch.LOST_AFTER_S) == []  # once per outage
+    finally:
+        for name, addr in [*addrs.items(), ("nobody", nobody)]:
+            watch.remove(addr, pushes[name])  # its monitor socket too, or the context never terminates
+        for s in [*pushes.values(), *gateways.values()]:
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_a_gateway_back_on_its_address_within_the_grace_is_not_lost():
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    addr = f"tcp://127.0.0.1:{port}"
+    push = ctx.socket(zmq.PUSH)
+    watch = LinkWatch()
+    watch.add(addr, push)
+    push.connect(addr)
+    try:
+        time.sleep(0.2)
+        assert watch.take_lost() == []
+        pull.close(linger=0)
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(addr)  # a restart on the same address, before the grace ends: ZMQ redials it
+        assert lost_within(watch, 3 * link_watch.LOST_AFTER_S) == []
+    finally:
+        watch.remove(addr, push)
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
