@@ -64,6 +64,12 @@ def silu_mul_linear(x, weight, bias=None):
     return implementation("silu_mul_linear", x)(x, weight, bias)
 
 
+def warm_up_prefill_attention(q_like, num_kv_heads, max_len):
+    # runs once what the first prompt of each length up to max_len would otherwise wait for (cuDNN's
+    # per-shape plans, kernels/sdpa_prefill.py); returns how many shapes, 0 where nothing needs it
+    return implementation("warm_up_prefill_attention", q_like)(q_like, num_kv_heads, max_len)
+
+
 def gelu(x, approximate="tanh"):
     return implementation("gelu", x)(x, approximate)
 
@@ -71,7 +77,7 @@ def gelu(x, approximate="tanh"):
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
-    "silu_mul_linear",
+    "silu_mul_linear", "warm_up_prefill_attention",
 ]
 
 

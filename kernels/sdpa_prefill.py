@@ -1,10 +1,15 @@
-"""Prefill attention through torch's fused SDPA (flash on Hopper) for steps made only of whole prompts.
+"""Prefill attention through torch's fused SDPA (cuDNN on Hopper) for steps made only of whole long prompts.
 
 A prompt with no cached prefix attends only to its own keys, which the model already holds contiguous
-(the step's k/v beside the cache), so it needs no block table. There torch's flash kernel ran at 1.35x
-our Triton kernel on an H200 (2 x 4,096 tokens, Llama-3-8B heads; bench/prefill_probe.py). Steps with
-a cached prefix or a chunk of a longer prompt, ALiBi, or fp32 keep the Triton kernel, and so do steps
-of many short prompts, where one Triton launch beats a launch per prompt.
+(the step's k/v beside the cache), so it needs no block table. There torch's cuDNN attention ran at 1.35x
+our Triton kernel on an H200 (2 x 4,096 tokens, Llama-3-8B heads; bench/prefill_probe.py), and torch's
+flash kernel slower than ours. Steps with a cached prefix or a later chunk of a longer prompt, short
+prompts (one Triton launch for many beats a launch each), ALiBi and fp32 keep the Triton kernel.
+
+cuDNN builds an execution plan per shape on first use (about 45 ms on the H200), which would land in
+the TTFT of whichever request first brings a new prompt length. So each prompt runs alone, padded to
+one of a few lengths (8 per octave: at most 12.5% more keys, never attended by a real query since the
+padding comes last and attention is causal), and ``warm_up`` builds those plans before a worker is ready.
 """
 
 import torch
@@ -12,36 +17,67 @@ import torch.nn.functional as F
 
 from kvrelay.kernels.metadata import AttentionMetadata
 
-MAX_CALLS = 8  # runs of equal-length prompts, one SDPA call each
-MIN_TOKENS = 1024  # per call, on average: below it the launches cost more than the faster kernel saves
+MIN_LEN = 1024  # shorter prompts keep the Triton kernel
+MAX_CALLS = 8  # prompts per step; more keep one Triton launch
 
 
-def prompt_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]] | None:
-    """(first row, prompts, length) of each run of consecutive equal-length whole prompts, or None when
-    the step is not made only of whole prompts (or would take too many calls)."""
+def bucket(length: int) -> int:
+    """The padded length a prompt of ``length`` tokens runs at: 8 lengths per octave."""
+    step = max(1, 1 << (length.bit_length() - 4))
+    return -(-length // step) * step
+
+
+def buckets(max_len: int) -> list[int]:
+    """Every padded length a prompt of MIN_LEN .. max_len tokens can run at."""
+    out, length = [], MIN_LEN
+    while length <= max_len:
+        out.append(bucket(length))
+        length = out[-1] + 1
+    return out
+
+
+def prompt_spans(meta: AttentionMetadata) -> list[tuple[int, int]] | None:
+    """(first row, length) of each prompt when the step is made only of whole prompts of at least MIN_LEN
+    tokens, at most MAX_CALLS of them; None otherwise."""
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    runs: list[tuple[int, int, int]] = []
-    for i, seq_len in enumerate(lens):
-        if starts[i + 1] - starts[i] != seq_len:
-            return None  # a cached prefix or a later chunk: its keys are partly in the paged cache
-        if runs and runs[-1][2] == seq_len:
-            row, count, _ = runs[-1]
-            runs[-1] = (row, count + 1, seq_len)
-        else:
-            runs.append((starts[i], 1, seq_len))
-    if not runs or len(runs) > MAX_CALLS or starts[-1] < MIN_TOKENS * len(runs):
+    if not 0 < len(lens) <= MAX_CALLS:
         return None
-    return runs
+    for i, seq_len in enumerate(lens):
+        if starts[i + 1] - starts[i] != seq_len or seq_len < MIN_LEN:
+            return None  # a cached prefix or a later chunk (its keys are partly in the paged cache), or short
+    return [(starts[i], n) for i, n in enumerate(lens)]
 
 
-def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int, int]],
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [L, H, D], k, v: [L, Hkv, D] -> [L, H, D], through buffers padded to the bucket: one layout and
+    # one length per bucket, so every call matches a plan warm_up built
+    length, padded = q.shape[0], bucket(q.shape[0])
+    qp, kp, vp = (t.new_zeros((1, padded, t.shape[1], t.shape[2])) for t in (q, k, v))
+    qp[0, :length], kp[0, :length], vp[0, :length] = q, k, v
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])  # [1, H, Lp, D]
+    return out[0, :, :length].transpose(0, 1)
+
+
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
                  scale: float) -> torch.Tensor:
-    # q: [T, H, D]; k, v: [T, Hkv, D] (this step's, contiguous) -> [T, H, D]
-    outs = []
-    for row, count, length in runs:
-        span = slice(row, row + count * length)
-        qs, ks, vs = (t[span].view(count, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                             enable_gqa=ks.shape[1] != qs.shape[1])  # [count, H, L, D]
-        outs.append(out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2]))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    # q: [T, H, D]; k, v: [T, Hkv, D] (this step's, contiguous per token) -> [T, H, D]
+    out = torch.empty_like(q)
+    for row, length in spans:
+        rows = slice(row, row + length)
+        out[rows] = _attend(q[rows], k[rows], v[rows], scale)
+    return out
+
+
+def warm_up(q_like: torch.Tensor, num_kv_heads: int, max_len: int) -> int:
+    """Run every bucket up to ``max_len`` once for heads and dtype like ``q_like`` ([*, H, D]); returns how
+    many (0 for fp32, which never takes this path). A worker calls it during warm-up (shared/engine/warmup.py)."""
+    if q_like.dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    heads, dim = q_like.shape[-2], q_like.shape[-1]
+    sizes = buckets(max_len)
+    for length in sizes:
+        q = q_like.new_zeros((length, heads, dim))
+        k = q_like.new_zeros((length, num_kv_heads, dim))
+        _attend(q, k, k, dim ** -0.5)
+    return len(sizes)

@@ -4,6 +4,7 @@
 imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
 """
 
+from kvrelay.kernels import sdpa_prefill
 from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
 from kvrelay.kernels.triton.gelu import gelu
@@ -29,6 +30,7 @@ OPS = {
     "linear": linear,
     "rms_norm_linear": rms_norm_linear,
     "silu_mul_linear": silu_mul_linear,
+    "warm_up_prefill_attention": sdpa_prefill.warm_up,
 }
 
 

@@ -4,7 +4,7 @@ of whole fp16/bf16 prompts (kernels/sdpa_prefill.py), else the prefill kernel.""
 import torch
 
 from kvrelay.kernels.metadata import AttentionMetadata
-from kvrelay.kernels.sdpa_prefill import prompt_runs, sdpa_prefill
+from kvrelay.kernels.sdpa_prefill import prompt_spans, sdpa_prefill
 from kvrelay.kernels.triton.decode_attention import decode_attention
 from kvrelay.kernels.triton.prefill_attention import prefill_attention
 
@@ -23,8 +23,8 @@ def paged_attention(
     if meta.decode_only:
         return decode_attention(q, kv_cache, meta, scale, alibi_slopes)
     if k is not None and v is not None and alibi_slopes is None and q.dtype in (torch.float16, torch.bfloat16):
-        runs = prompt_runs(meta)
-        if runs is not None:
-            return sdpa_prefill(q, k, v, runs, scale)
+        spans = prompt_spans(meta)
+        if spans is not None:
+            return sdpa_prefill(q, k, v, spans, scale)
     # mixed batches (chunked prefill + decodes) take the prefill kernel: a decode row is a 1-token tile
     return prefill_attention(q, kv_cache, meta, scale, alibi_slopes, k, v)

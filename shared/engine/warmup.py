@@ -24,6 +24,9 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
+import torch
+
+from kvrelay import kernels
 from kvrelay.shared.engine.cuda_graphs import capture_sizes
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -118,6 +121,10 @@ def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True,
         if time.monotonic() - last >= PROGRESS_EVERY_S or i == len(shapes):
             last = time.monotonic()
             log.info("warming up: %d/%d shapes", i, len(shapes))
+    if compiles:
+        attention = _warm_prefill_attention(core)
+        if attention:
+            log.info("warm-up: prefill attention at %d prompt lengths", attention)
     if bm.num_used:
         raise RuntimeError(f"warm-up left {bm.num_used} KV blocks allocated")
     bm.prefix_queries, bm.prefix_hits = counters
@@ -125,6 +132,15 @@ def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True,
     log.info("warm-up done: %d shapes in %.2fs%s", ran, time.monotonic() - started,
              "" if compiles else " (nothing compiles on this device)")
     return ran
+
+
+def _warm_prefill_attention(core: EngineCore) -> int:
+    """Whole prompts run at a few padded lengths through torch's attention, whose cuDNN plans are built per
+    shape on first use (kernels/sdpa_prefill.py); a whole prompt is at most one step's tokens."""
+    model, runner = core.runner.model, core.runner
+    q_like = torch.empty(1, model.num_heads, model.head_dim, dtype=core.dtype, device=runner.device)
+    longest = min(core.scheduler.max_num_batched_tokens, core.max_model_len)
+    return kernels.warm_up_prefill_attention(q_like, model.num_kv_heads, longest)
 
 
 def _blocks(shape: Shape, block_size: int) -> int:

@@ -82,7 +82,7 @@ class GPT2LMHeadModel(CausalLM):
         hidden = cfg_get(hf_config, "n_embd", "hidden_size")
         num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
-        self.num_kv_heads = num_heads
+        self.num_heads = self.num_kv_heads = num_heads
         self.head_dim = hidden // num_heads
         self.vocab_size = cfg_get(hf_config, "vocab_size")
         self.max_positions = cfg_get(hf_config, "n_positions", "max_position_embeddings")

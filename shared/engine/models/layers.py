@@ -76,6 +76,7 @@ class CausalLM(nn.Module, ABC):
     """
 
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
