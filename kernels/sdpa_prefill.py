@@ -48,20 +48,33 @@ def prompt_spans(meta: AttentionMetadata) -> list[tuple[int, int]] | None:
     return [(starts[i], n) for i, n in enumerate(lens)]
 
 
+def _padded(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """[L, h, D] as a contiguous [1, padded, h, D]: a view when it already is one, else a copy whose tail
+    is zeros (padding keys must be finite: a NaN would reach real queries through the softmax's sum)."""
+    length = t.shape[0]
+    if length == padded and t.is_contiguous():
+        return t.unsqueeze(0)
+    out = t.new_empty((1, padded, t.shape[1], t.shape[2]))
+    out[0, :length] = t
+    out[0, length:] = 0
+    return out
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    # q: [L, H, D], k, v: [L, Hkv, D] -> [L, H, D], through buffers padded to the bucket: one layout and
-    # one length per bucket, so every call matches a plan warm_up built
+    # q: [L, H, D], k, v: [L, Hkv, D] -> [L, H, D], as contiguous [1, Lp, h, D] tensors padded to the bucket:
+    # one layout and one length per bucket, so every call matches a plan warm_up built
     length, padded = q.shape[0], bucket(q.shape[0])
-    qp, kp, vp = (t.new_zeros((1, padded, t.shape[1], t.shape[2])) for t in (q, k, v))
-    qp[0, :length], kp[0, :length], vp[0, :length] = q, k, v
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True,
-                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])  # [1, H, Lp, D]
+    qp, kp, vp = (_padded(t, padded).transpose(1, 2) for t in (q, k, v))  # [1, h, Lp, D]
+    out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                         enable_gqa=kp.shape[1] != qp.shape[1])  # [1, H, Lp, D]
     return out[0, :, :length].transpose(0, 1)
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
                  scale: float) -> torch.Tensor:
     # q: [T, H, D]; k, v: [T, Hkv, D] (this step's, contiguous per token) -> [T, H, D]
+    if len(spans) == 1:
+        return _attend(q, k, v, scale)
     out = torch.empty_like(q)
     for row, length in spans:
         rows = slice(row, row + length)

@@ -3,6 +3,7 @@ padded, per-prompt attention matches the reference.
 
 Runs on the CPU (SDPA's CPU kernels); tests/kernels/test_triton_gpu.py covers the registered op on CUDA."""
 
+import pytest
 import torch
 
 from kvrelay.kernels import reference
@@ -36,8 +37,9 @@ def test_lengths_pad_to_eight_per_octave():
     assert all(bucket(n) in sizes for n in range(MIN_LEN, 8193))  # warm_up covers every prompt length
 
 
-def test_padded_attention_matches_the_reference():
-    lens = [1030, 1030, 1100]  # 1030 pads to 1152, 1100 too: the padding must never reach a real query
+@pytest.mark.parametrize("lens", [[1030, 1030, 1100], [1100], [1024]], ids=["three", "one-padded", "one-exact"])
+def test_padded_attention_matches_the_reference(lens):
+    # 1030 and 1100 pad to 1152: the padding must never reach a real query; 1024 runs on views
     q, kv_cache, meta = cases.make_paged_case(lens, lens, 8, 2, 32, 16, torch.float32, "cpu", seed=3)
     k, v = cases.fresh_kv(kv_cache, meta)  # strided views, as they come out of the fused qkv projection
     out = sdpa_prefill(q, k, v, prompt_spans(meta), 32 ** -0.5)
