@@ -185,7 +185,7 @@ class PrefillWorker:
         slot.touch()
         if slot.metrics is not None:
             slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE,
-                                      t.transport, t.streamed)
+                                      t.transport, t.streamed, t.seat_wait_s)
         if t.state is State.DONE:
             self.intake.ack(slot.instance, t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,
