@@ -5,6 +5,8 @@ their deadline; ``kvrelay_handoff_seat_wait_seconds`` on the prefill worker coun
 a full batch or an expired grant."""
 
 import asyncio
+import subprocess
+import sys
 import urllib.request
 
 import openai
@@ -98,3 +100,13 @@ def test_four_times_more_streams_than_decode_seats_all_complete(cluster):
     assert streams == [(64, "length")] * 16
     assert choices == [(i, "length") for i in range(64)]
     assert _seat_waits(port) > 0  # 16 on 4 seats: some prefilled requests waited, and were counted
+
+
+def test_overload_benchmark_runs_both_loads_and_every_request_completes():
+    """``python -m kvrelay.bench.overload`` at a toy size, as its own process (benchmarks and tests never
+    import each other): both rows printed, every request of each completed."""
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.bench.overload", "--seats", "2", "--factor", "2",
+                           "--requests", "8", "--output-len", "8"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(("| no overload", "| 2x"))]
+    assert [(r[1], r[2]) for r in rows] == [("2", "8/8"), ("4", "8/8")], proc.stdout
