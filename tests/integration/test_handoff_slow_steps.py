@@ -8,13 +8,24 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from kvrelay.prefill_worker.handoff import FirstToken, State
 from kvrelay.shared.handoff.standalone import synthetic_job
+from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffCancel, HandoffGrant, HandoffRequest
-from tests.integration.handoff_harness import BLOCK, MODEL, decode_sides, poll_until, prefill_side, wait_for
+from tests.integration.handoff_harness import (
+    BLOCK,
+    MODEL,
+    decode_sides,
+    early,
+    poll_until,
+    prefill_side,
+    wait_for,
+)
 from tests.integration.test_handoff import _dealer
+from tests.zmq_secret import CURVE
 
 TTL_S = 0.2
 STEP_S = 0.8  # one engine step of the prefill worker: four grant lifetimes
@@ -83,3 +94,30 @@ def test_a_dead_askers_grant_lapses_and_a_live_ones_is_kept_until_cancelled(deco
     wait_for(lambda: kv.num_free_blocks == total, "the cancelled grant's blocks")
     for sock in socks.values():
         sock.close()
+
+
+def test_a_grant_that_comes_after_the_asker_stopped_waiting_is_given_back(prefill):
+    """Since a live asker's grants are kept past their TTL, one it no longer wants must be cancelled: an
+    early ask that got no answer in time parks, and the grant that comes after is handed back at once."""
+    rt, make = prefill
+    router = zmq.Context.instance().socket(zmq.ROUTER)  # a decode worker that answers late
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 15_000)
+    zmq_auth.serve(router, CURVE)
+    addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    manager = make(addr, timeout_s=0.3)
+    t = early(manager, "late", 4 * BLOCK)
+    manager.poll(0)
+    peer, ask = router.recv_multipart()
+    assert decode(ask, HandoffRequest).request_id == "late"
+    poll_until(manager, lambda: t.state is State.PARKED, "the unanswered early ask to park")
+    router.send_multipart([peer, encode(HandoffGrant("late", accepted=True, block_ids=[1, 2, 3, 4], ttl_s=TTL_S))])
+    cancels = []
+    deadline = time.monotonic() + 15
+    while len(cancels) < 2 and time.monotonic() < deadline:
+        manager.poll(20)
+        if router.poll(0):
+            cancels.append(decode(router.recv_multipart()[1], HandoffCancel))
+    # one when it parked (in case a grant was on its way), one for the grant that then came
+    assert [c.request_id for c in cancels] == ["late", "late"] and t.state is State.PARKED
+    router.close()
