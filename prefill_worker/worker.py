@@ -72,6 +72,8 @@ class PrefillWorker:
     # -- RoleHooks: the host's models come and go ---------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
         self.intake.attach(slot)
+        if slot.metrics is not None:
+            slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
         if self.config.stream_kv_layers:
             slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
 

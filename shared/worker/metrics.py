@@ -106,6 +106,10 @@ class WorkerMetrics:
                                    "Time prefilled requests waited for a decode seat (refused for a full batch or "
                                    "no free KV blocks) before their KV moved; only those that waited, so _count "
                                    "is how many did", m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        # set by a prefill worker's role (prefill_worker/worker.py): its handoffs know who waits
+        self.seat_waiting: Callable[[], int] = lambda: 0
+        Gauge("kvrelay_handoff_waiting_for_seat", "Prefilled requests waiting now for a decode seat, their KV "
+              "held here", m, registry=r).labels(model_name).set_function(lambda: self.seat_waiting())
         self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",
                                  m + ["transport", "streamed"], registry=r)

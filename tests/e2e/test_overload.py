@@ -41,12 +41,12 @@ async def _n_choices(client: openai.AsyncOpenAI, n: int, prompt) -> list[tuple[i
     return sorted((c.index, c.finish_reason) for c in resp.choices)
 
 
-def _seat_waits(port: int) -> float:
+def _prefill_metric(port: int, name: str, sample: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     for family in text_string_to_metric_families(text):
-        if family.name == "kvrelay_handoff_seat_wait_seconds":
-            return sum(s.value for s in family.samples if s.name.endswith("_count"))
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name == sample)
     return 0.0
 
 
@@ -91,15 +91,28 @@ def test_four_times_more_streams_than_decode_seats_all_complete(cluster):
                 finish = chunk.choices[0].finish_reason
         return usage.completion_tokens, finish
 
+    waiting_seen: list[float] = []
+
+    async def watch_waiting() -> None:  # the live gauge, while the streams run
+        while True:
+            waiting_seen.append(await asyncio.to_thread(
+                _prefill_metric, port, "kvrelay_handoff_waiting_for_seat", "kvrelay_handoff_waiting_for_seat"))
+            await asyncio.sleep(0.05)
+
     async def run():
         client = _client(cluster)
+        watcher = asyncio.create_task(watch_waiting())
         streams = await asyncio.gather(*(stream(client, i) for i in range(16)))
+        watcher.cancel()
         return streams, await _n_choices(client, 64, "Once upon a time")
 
     streams, choices = asyncio.run(run())
     assert streams == [(64, "length")] * 16
     assert choices == [(i, "length") for i in range(64)]
-    assert _seat_waits(port) > 0  # 16 on 4 seats: some prefilled requests waited, and were counted
+    # 16 on 4 seats: some prefilled requests waited, were seen waiting, and were counted once done
+    assert max(waiting_seen) > 0
+    assert _prefill_metric(port, "kvrelay_handoff_seat_wait_seconds", "kvrelay_handoff_seat_wait_seconds_count") > 0
+    assert _prefill_metric(port, "kvrelay_handoff_waiting_for_seat", "kvrelay_handoff_waiting_for_seat") == 0
 
 
 def test_overload_benchmark_runs_both_loads_and_every_request_completes():
