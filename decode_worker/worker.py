@@ -21,6 +21,7 @@ KV until no prefill worker holds it any more, then finishes its running requests
 
 import logging
 import math
+import time
 
 import redis
 import zmq
@@ -40,6 +41,8 @@ from kvrelay.shared.worker.token_event import token_event
 
 log = logging.getLogger(__name__)
 
+LIVE_ASKERS_CACHE_S = 1.0  # how stale our view of which prefill workers heartbeat may be
+
 
 class DecodeWorker:
     def __init__(self, config: WorkerConfig):
@@ -48,7 +51,8 @@ class DecodeWorker:
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
                                            config.advertise_host, curve=self.runtime.curve)
         self.receiver = HandoffReceiver(self.sock, self._core_for, config.handoff_timeout_s,
-                                        max_per_peer=config.max_handoffs_per_peer)
+                                        max_per_peer=config.max_handoffs_per_peer, asker_alive=self._asker_alive)
+        self._live_askers: tuple[float, set[str]] = (0.0, set())
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 
     def _max_frame(self) -> int:
@@ -88,6 +92,18 @@ class DecodeWorker:
 
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.idle(slot) and not self._prefill_holds(slot.instance)
+
+    def _asker_alive(self, worker_id: str) -> bool:
+        """Does this prefill worker still heartbeat? Asked only for grants past their TTL, so Redis is read
+        at most once a LIVE_ASKERS_CACHE_S, and only while some grant is overdue."""
+        at, live = self._live_askers
+        if time.monotonic() - at > LIVE_ASKERS_CACHE_S:
+            try:
+                live = {w.worker_id for w in live_workers(self.runtime.redis) if w.role == "prefill"}
+            except redis.RedisError:
+                return True  # cannot tell: keep its grant (MAX_GRANT_HOLD_S still bounds it)
+            self._live_askers = (time.monotonic(), live)
+        return worker_id in live
 
     def _prefill_holds(self, instance: str) -> bool:
         """Does a live prefill worker still hold this instance (and so may hand its KV to us)?"""

@@ -52,6 +52,10 @@ class HandoffManager(HandoffSender):
         if not self.complete(job.request_id, first):
             self.start(job, entry_id, first)
 
+    def waiting_for_seat(self, model: str) -> int:
+        """Prefilled transfers of ``model`` waiting now for a decode seat (read by the metrics thread)."""
+        return sum(1 for t in list(self.transfers.values()) if t.job.model == model and t.seat_wait_from)
+
     def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
         now = time.monotonic()
         if now - self._workers_at > WORKER_CACHE_S:

@@ -77,6 +77,8 @@ class PrefillWorker:
     # -- RoleHooks: the host's models come and go ---------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
         self.intake.attach(slot)
+        if slot.metrics is not None:
+            slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
         if self.config.stream_kv_layers:
             slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
 
@@ -204,7 +206,7 @@ class PrefillWorker:
         slot.touch()
         if slot.metrics is not None:
             slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE,
-                                      t.transport, t.streamed)
+                                      t.transport, t.streamed, t.seat_wait_s)
         if t.state is State.DONE:
             self.intake.ack(slot.instance, t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,

@@ -7,7 +7,8 @@ Per request: HandoffRequest (or one of a step's HandoffRequests, answered by one
 granted (blocks reserved, expiry armed; a direct-write offer when the asker shares our device) -> the transfer's first KVLayers message, or a header saying the KV was
 written directly, opens a ``KVReceiver`` (base.py) -> the header, which comes last and carries the
 first token, must match the grant and our layout -> once the receiver is complete: admitted and
-acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks and nacks.
+acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks and nacks
+(while its asker still heartbeats, only MAX_GRANT_HOLD_S does: a step of its can outlast the TTL).
 HandoffCancel frees a grant (or a transfer's blocks) the sender gave up on. A grant whose KV never
 arrives expires and its blocks return to the pool, except that blocks offered for direct writes stay
 quarantined for one more TTL: the asker writes them only within half the TTL of asking, so by the
@@ -17,6 +18,7 @@ end of the quarantine no write can still land in them.
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -40,14 +42,23 @@ from kvrelay.shared.wire.handoff import (
 
 log = logging.getLogger(__name__)
 
+# the longest a grant (or a transfer that stopped progressing) is kept for a live asker: past its TTL
+# while its asker still heartbeats (a slow step, shared/handoff/grant_hold.py), or for an asker that says
+# its steps are slow (HandoffRequest.hold_s). A grant holds a seat and blocks: this bounds what a live
+# asker that forgot one can cost
+MAX_GRANT_HOLD_S = 120.0
+
 
 @dataclass
 class Grant:
     peer: bytes  # the asker's ZMQ identity
+    requester: str  # its worker id (HandoffRequest.requester), for asking whether it still lives
     model: str
     block_ids: list[int]
     num_tokens: int
     expires: float
+    ttl_s: float  # its lifetime: the handoff timeout, or longer for an asker with slow steps
+    since: float  # monotonic time it was granted
     offered: bool = False  # a direct-write handle went out with it
 
 
@@ -56,12 +67,15 @@ class Incoming:
     """A transfer whose KV is arriving (or, written directly, has arrived) in granted blocks."""
 
     peer: bytes
+    requester: str
     model: str
     block_ids: list[int]
     num_tokens: int
     transport: str
     receiver: KVReceiver
+    ttl_s: float  # the grant's: no progress for this long fails the transfer
     deadline: float
+    since: float  # monotonic time its grant was made
     header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
 
 
@@ -71,10 +85,15 @@ class Busy(str):
 
 
 class KVInbox(ABC):
-    def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None):
+    def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None,
+                 asker_alive: Callable[[str], bool] | None = None):
         """``core_for(model)``: the EngineCore serving that model instance here, or None; the inbox works
-        on its KV only through ``core.kv`` (shared/engine/kv_connector.py)."""
+        on its KV only through ``core.kv`` (shared/engine/kv_connector.py). ``asker_alive(worker_id)``:
+        whether that prefill worker still heartbeats; its grants and stalled transfers then outlive their
+        TTL (up to MAX_GRANT_HOLD_S): it reads our replies only between its engine steps, and one step
+        can be longer than the TTL. None: every grant lapses at its TTL."""
         self.sock, self.core_for, self.grant_ttl_s = sock, core_for, grant_ttl_s
+        self.asker_alive = asker_alive
         self.transports = default_transports() if transports is None else transports
         self._by_name = {t.name: t for t in self.transports}
         self.grants: dict[str, Grant] = {}
@@ -163,9 +182,12 @@ class KVInbox(ABC):
             return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy))
         kv = self.core_for(req.model).kv.kv_cache
         offer = next((o for t in self.transports if (o := t.offer(req.model, kv, req)) is not None), None)
-        self.grants[rid] = Grant(peer, req.model, blocks, req.num_tokens, time.monotonic() + self.grant_ttl_s,
+        # the asker reads our reply only between its engine steps: a grant lives at least as long as it
+        # says those take, or its KV would arrive after we had taken the blocks back
+        ttl, now = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic()
+        self.grants[rid] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl, now,
                                  offered=offer is not None)
-        return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=self.grant_ttl_s)
+        return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl)
 
     def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:
         """The grant's KV starts arriving: from here the sender is done writing blocks itself, so a
@@ -181,8 +203,9 @@ class KVInbox(ABC):
             log.warning("rejected KV for %s: %s", rid, exc)
             self._nack(peer, rid, str(exc))
             return None
-        inc = self.incoming[rid] = Incoming(peer, grant.model, grant.block_ids, grant.num_tokens, transport,
-                                            receiver, time.monotonic() + self.grant_ttl_s)
+        inc = self.incoming[rid] = Incoming(peer, grant.requester, grant.model, grant.block_ids, grant.num_tokens,
+                                            transport, receiver, grant.ttl_s, time.monotonic() + grant.ttl_s,
+                                            grant.since)
         return inc
 
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
@@ -196,6 +219,10 @@ class KVInbox(ABC):
             inc.receiver.add(msg, [f.buffer for f in payload])
         except ValueError as exc:
             self._abort_incoming(rid, str(exc))
+            return
+        # a transfer fails for no progress, not for length: layers streamed during a slow forward come
+        # over as long a time as that forward takes
+        inc.deadline = time.monotonic() + inc.ttl_s
 
     def _on_header(self, peer: bytes, header: KVHeader, payload: list) -> None:
         rid = header.request_id
@@ -271,18 +298,30 @@ class KVInbox(ABC):
         self._quarantined += 1
         key = f"ipc-quarantine\x00{self._quarantined}"
         kv.park(rid, key)
-        self.quarantine.append((time.monotonic() + self.grant_ttl_s, grant.model, key))
+        self.quarantine.append((time.monotonic() + grant.ttl_s, grant.model, key))
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for rid in [r for r, g in self.grants.items() if g.expires < now]:
+        for rid, g in [(r, g) for r, g in self.grants.items() if g.expires < now]:
+            if self._waited_on(g.requester, g.since, now):
+                g.expires = now + g.ttl_s
+                continue
             log.warning("grant for %s expired without KV; freeing its blocks", rid)
             self._release_grant(rid)
-        for rid in [r for r, inc in self.incoming.items() if inc.deadline < now]:
-            self._abort_incoming(rid, f"KV layers stalled: not all arrived within {self.grant_ttl_s}s")
+        for rid, inc in [(r, inc) for r, inc in self.incoming.items() if inc.deadline < now]:
+            if self._waited_on(inc.requester, inc.since, now):
+                inc.deadline = now + inc.ttl_s
+                continue
+            self._abort_incoming(rid, f"KV layers stalled: nothing more arrived within {inc.ttl_s}s")
         while self.quarantine and self.quarantine[0][0] < now:
             _, model, key = self.quarantine.pop(0)
             self.core_for(model).kv.free(key)
+
+    def _waited_on(self, requester: str, since: float, now: float) -> bool:
+        """A lapsed grant (or stalled transfer) whose asker lives: it is in a long step, not gone, and will
+        use it or cancel it (a failed or abandoned transfer is cancelled)."""
+        return (bool(requester) and self.asker_alive is not None and now - since < MAX_GRANT_HOLD_S
+                and self.asker_alive(requester))
 
     def _nack(self, peer: bytes, rid: str, reason: str) -> None:
         self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason))

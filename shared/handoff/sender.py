@@ -20,6 +20,7 @@ import zmq
 
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import layout_of
+from kvrelay.shared.handoff.grant_hold import GrantHold
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.handoff.transports import default_transports
@@ -64,6 +65,7 @@ class HandoffSender:
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self.transfers: dict[str, Transfer] = {}
         self.asks: dict[str, list[tuple[Transfer, HandoffRequest]]] = {}  # per decode worker, until poll()
+        self.hold = GrantHold()  # how long our grants must live, from how often we read replies
 
     def close(self) -> None:
         for sock in self.sockets.values():
@@ -121,8 +123,6 @@ class HandoffSender:
         t = self.transfers.pop(request_id, None)
         if t is None:
             return None
-        if t.target and t.state in (State.GRANT_WAIT, State.GRANTED, State.STREAMING, State.SENDING):
-            self._cancel_grant(t, "cancelled by the prefill worker")
         if t.state not in (State.DONE, State.FAILED):
             self._fail(t, "cancelled by the prefill worker")
         return t
@@ -133,6 +133,7 @@ class HandoffSender:
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
         """Send the asks made since the last call; advance every transfer; return those that reached
         DONE or FAILED."""
+        self.hold.polled()
         self._send_asks()
         for sock, _ in self.poller.poll(timeout_ms):
             if sock == self.waker.fd:
@@ -153,6 +154,7 @@ class HandoffSender:
                     self._cancel_grant(t, "the prompt is still waiting for its prefill")
                     t.to(Event.PARK)
                 elif t.state is State.GRANT_WAIT and now > t.deadline:
+                    self._cancel_grant(t, "no answer before the prompt was computed")  # in case one comes
                     t.to(Event.PARK)  # no answer: not worth more asks before the prefill
                 continue
             if t.state is State.GRANT_WAIT and not t.target and now > t.deadline:
@@ -195,7 +197,7 @@ class HandoffSender:
         locality = next((place for tr in self.transports if (place := tr.locality(kv.kv_cache))), "")
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
                              block_size=kv.block_size, device_uuid=locality,
-                             requester=self.worker_id)
+                             requester=self.worker_id, hold_s=self.hold.hold_s)
         self.asks.setdefault(t.target, []).append((t, req))  # sent by poll(), with the step's other asks
 
     def _send_asks(self) -> None:
@@ -225,6 +227,9 @@ class HandoffSender:
         t = self.transfers.get(msg.request_id)
         if t is None:
             return  # a late reply for a transfer that already timed out or was cancelled
+        if isinstance(msg, HandoffGrant) and msg.accepted and t.state is State.PARKED:
+            self._cancel_grant(t, "granted after the asker stopped waiting")  # the decode side keeps grants
+            return  # of live askers: this one must be given back, or it holds a seat
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
             if msg.accepted and not t.computed:
                 t.grant = msg
@@ -235,6 +240,8 @@ class HandoffSender:
                 t.to(Event.PARK)  # e.g. its batch is full now; by the time we are done it may not be
             else:
                 t.waits_for_room = msg.busy
+                if msg.busy:
+                    t.wait_for_seat()
                 self._retry(t, f"decode worker refused: {msg.reason}")
         elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
             if msg.ok:
@@ -248,6 +255,7 @@ class HandoffSender:
             self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
             return
         t.grant, t.granted = grant, time.perf_counter()
+        t.seat_found()
         if not self._open_sender(t, src_blocks, deferred=False):
             return
         t.header = self._header(t)
@@ -311,7 +319,7 @@ class HandoffSender:
 
     def _retry(self, t: Transfer, reason: str) -> None:
         if t.state is not State.GRANT_WAIT or (len(t.tried) >= MAX_ATTEMPTS and not self._in_budget(t)):
-            # once KV went out, the decode side may hold a half transfer: fail cleanly (it expires there)
+            # once KV went out, the decode side may hold a half transfer: fail (the cancel frees it there)
             log.warning("handoff of %s: %s", t.job.request_id, reason)
             self._fail(t, reason)
             return
@@ -327,6 +335,11 @@ class HandoffSender:
         return time.perf_counter() - t.started < self.timeout_s
 
     def _fail(self, t: Transfer, reason: str) -> None:
+        if t.target and t.state not in (State.NEW, State.PARKED, State.DONE, State.FAILED):
+            # the decode side keeps what a live asker was granted: give it back now (a no-op there when
+            # it refused, or already dropped the transfer)
+            self._cancel_grant(t, f"failed on the prefill side: {reason}")
+        t.seat_found()
         self._release_source(t, wait=True)
         t.reason, t.sender = reason, None
         t.to(Event.FAIL)

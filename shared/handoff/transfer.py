@@ -29,6 +29,8 @@ class Transfer:
     target: str = ""  # the decode worker's address
     tried: set[str] = field(default_factory=set)
     waits_for_room: bool = False  # the last refusal was for lack of room: it may wait past the handoff timeout
+    seat_wait_from: float = 0.0  # perf_counter when a refusal for lack of room made the prefilled KV wait
+    seat_wait_s: float = 0.0  # how long it waited for a decode seat, once it got one (or failed)
     grant: HandoffGrant | None = None
     asked_at: float = 0.0  # monotonic time of the last HandoffRequest
     deadline: float = 0.0
@@ -50,3 +52,14 @@ class Transfer:
 
     def to(self, event: Event) -> None:
         self.state = next_state(self.state, event)
+
+    def wait_for_seat(self) -> None:
+        """Refused for lack of room: the prefilled KV waits for a decode seat from now (if not already)."""
+        if not self.seat_wait_from:
+            self.seat_wait_from = time.perf_counter()
+
+    def seat_found(self) -> None:
+        """A grant came (or the transfer ended): its wait for a seat, if any, is over."""
+        if self.seat_wait_from:
+            self.seat_wait_s += time.perf_counter() - self.seat_wait_from
+            self.seat_wait_from = 0.0

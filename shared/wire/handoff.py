@@ -35,10 +35,15 @@ class HandoffRequest:
     # torch's per-consumer reference count on the decode's KV allocation stays exact)
     device_uuid: str = field(default="", metadata=_ID)
     requester: str = field(default="", metadata=_ID)
+    # seconds the asker may take to use a grant (it reads replies only between its engine steps): the
+    # decode side keeps the grant at least this long, within its own bound (shared/handoff/grant_hold.py)
+    hold_s: float = 0.0
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:
             raise ValueError("HandoffRequest.num_tokens and block_size must be positive")
+        if not 0.0 <= self.hold_s < float("inf"):
+            raise ValueError("HandoffRequest.hold_s must be a finite number of seconds >= 0")
 
 
 MAX_ASKS = 256  # HandoffRequests / HandoffGrants per message: a step finishes at most max-num-seqs prompts

@@ -102,6 +102,14 @@ class WorkerMetrics:
                                          m, buckets=HANDOFF_BUCKETS, registry=r).labels(model_name)
         self.handoff_failures = Counter("kvrelay_handoff_failures", "Handoffs that failed (request ended in error)",
                                         m, registry=r).labels(model_name)
+        self.seat_wait = Histogram("kvrelay_handoff_seat_wait_seconds",
+                                   "Time prefilled requests waited for a decode seat (refused for a full batch or "
+                                   "no free KV blocks) before their KV moved; only those that waited, so _count "
+                                   "is how many did", m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        # set by a prefill worker's role (prefill_worker/worker.py): its handoffs know who waits
+        self.seat_waiting: Callable[[], int] = lambda: 0
+        Gauge("kvrelay_handoff_waiting_for_seat", "Prefilled requests waiting now for a decode seat, their KV "
+              "held here", m, registry=r).labels(model_name).set_function(lambda: self.seat_waiting())
         self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",
                                  m + ["transport", "streamed"], registry=r)
@@ -162,7 +170,9 @@ class WorkerMetrics:
             self.e2e.observe(max(0.0, (now or time.time()) - arrival))
 
     def handoff_done(self, nbytes: int, seconds: float, ok: bool, transport: str = "layers",
-                     streamed: bool = False) -> None:
+                     streamed: bool = False, seat_wait_s: float = 0.0) -> None:
+        if seat_wait_s > 0:  # also when it failed: a wait that ended at the job's deadline was a wait
+            self.seat_wait.observe(seat_wait_s)
         if ok:
             self.handoff_bytes.inc(nbytes)
             self.handoff_seconds.observe(seconds)

@@ -25,7 +25,7 @@ BLOCK = SHAPE[3]
 class DecodeSide:
     """A decode worker's handoff half on its own thread; admitted requests keep their blocks."""
 
-    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None):
+    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -33,7 +33,8 @@ class DecodeSide:
         zmq_auth.serve(self.sock, CURVE)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.rt = endpoint(kv, "d1", MODEL)
-        self.receiver = HandoffReceiver(self.sock, serves(MODEL, self.rt.core), ttl_s, transports=transports)
+        self.receiver = HandoffReceiver(self.sock, serves(MODEL, self.rt.core), ttl_s, transports=transports,
+                                        asker_alive=asker_alive)
         self.admitted: dict[str, KVHeader] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -72,7 +73,7 @@ def prefill_side() -> Iterator:
 
 
 def decode_sides() -> Iterator:
-    """For a fixture: ``make(dtype, ttl_s=, transports=)`` of DecodeSides; closes them after."""
+    """For a fixture: ``make(dtype, ttl_s=, transports=, asker_alive=)`` of DecodeSides; closes them after."""
     sides = []
 
     def make(dtype=torch.float32, **kw) -> DecodeSide:

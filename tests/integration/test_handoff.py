@@ -358,9 +358,11 @@ def test_a_prefilled_handoff_waits_for_room_past_the_handoff_timeout(prefill, de
     while time.monotonic() < until:
         ended += manager.poll(20)
     assert ended == [] and t.state not in (State.DONE, State.FAILED) and t.waits_for_room
+    assert manager.waiting_for_seat(MODEL) == 1  # what kvrelay_handoff_waiting_for_seat shows
     kv.free("hog")
     ended += poll_until(manager, lambda: not manager.transfers, "the handoff")
     assert [(e.job.request_id, e.state) for e in ended] == [("waits", State.DONE)]
+    assert ended[0].seat_wait_s >= 2.0  # what kvrelay_handoff_seat_wait_seconds records
     wait_for(lambda: "waits" in side.admitted, "admission")
     assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("waits")], rt.core.kv.kv_cache[:, :, src])
 

@@ -97,13 +97,18 @@ def test_prefill_role_records_queue_ttft_and_prompt_tokens():
     e.metrics.request_done("stop", done[0].arrival_wall)
     e.metrics.handoff_done(4096, 0.002, ok=True)
     e.metrics.handoff_done(0, 1.0, ok=False)
+    e.metrics.handoff_done(4096, 3.5, ok=True, seat_wait_s=3.0)  # waited for a decode seat, then landed
+    e.metrics.seat_waiting = lambda: 5  # as a prefill worker's handoffs report it
     for r in done:
         e.scheduler.release_held(r.request_id)
     snap = samples(e.metrics.registry)
     assert value(snap, "vllm:request_success_total", model_name=m, finished_reason="stop") == 1
     assert value(snap, "vllm:e2e_request_latency_seconds_count", model_name=m) == 1
-    assert value(snap, "kvrelay_handoff_bytes_total", model_name=m) == 4096
-    assert value(snap, "kvrelay_handoff_seconds_count", model_name=m) == 1
+    assert value(snap, "kvrelay_handoff_bytes_total", model_name=m) == 8192
+    assert value(snap, "kvrelay_handoff_seconds_count", model_name=m) == 2
+    assert value(snap, "kvrelay_handoff_seat_wait_seconds_count", model_name=m) == 1  # only the one that waited
+    assert value(snap, "kvrelay_handoff_seat_wait_seconds_sum", model_name=m) == 3.0
+    assert value(snap, "kvrelay_handoff_waiting_for_seat", model_name=m) == 5
     assert value(snap, "kvrelay_handoff_failures_total", model_name=m) == 1
     assert value(snap, "vllm:kv_cache_usage_perc", model_name=m) == 0
     assert value(snap, "vllm:num_requests_running", model_name=m) == 0
