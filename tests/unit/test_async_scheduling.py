@@ -240,3 +240,17 @@ def decode_role(model_dir, async_scheduling: bool) -> dict[str, list]:
 def test_decode_role_identical(tiny_model_dirs):
     sync = decode_role(tiny_model_dirs["llama"], False)
     assert_same(decode_role(tiny_model_dirs["llama"], True), sync)
+
+
+def test_serve_gives_async_scheduling_to_the_decode_and_unified_workers_only():
+    from kvrelay.cli import build_parser
+    from kvrelay.serve_plan import models_to_serve, plan
+
+    def engines(mode: str) -> dict[str, bool]:
+        args = build_parser().parse_args(["serve", "--model", "dummy:smollm2-135m", "--mode", mode,
+                                          "--async-scheduling"])
+        return {c.command: c.config.engine.async_scheduling for c in plan(args, models_to_serve(args), "redis://x")
+                if not c.is_gateway}
+
+    assert engines("disaggregated") == {"prefill-worker": False, "decode-worker": True}
+    assert engines("unified") == {"unified-worker": True}
