@@ -184,7 +184,7 @@ class Generation:
             if not redis_failed(self.app, exc):
                 log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise unavailable from None
-        jobs = {}
+        jobs: dict[str, tuple[str, bytes]] = {}
         for choice, stream, reply in zip(self.choices, streams, replies, strict=True):
             if stream is None:
                 stream, reply = reply[0].decode(), reply[1]
