@@ -2,7 +2,8 @@
 --state-dir): real processes, a real redis-server. Tenants, API keys and admin-registered models survive
 Ctrl-C and a start on the same folder (the old key answers 200), and a ``kill -9`` of serve; a second serve on that folder is one
 line and exit 2 while the first keeps serving; and a ``kill -9`` of the embedded redis-server is undone
-by serve's supervisor, after which requests are served again within a bound. What that costs (seconds,
+by serve's supervisor, after which requests are served again within a bound, and those whose jobs were
+queued then are served from the file rather than failed with queue_lost. What that costs (seconds,
 failed requests) is printed for README's operations section: ``pytest -s``."""
 
 import re

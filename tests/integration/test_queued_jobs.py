@@ -1,14 +1,18 @@
 """After a Redis restart the gateway asks Redis which queued jobs it still holds (gateway/queued_jobs.py),
 against a real Redis: thousands of waiting requests over two streams are decided in one pipeline of a
 few script calls (counted by Redis's own command statistics), a request with any job gone is lost, the
-others keep waiting, and jobs already heard from or queued after the restart are not looked for."""
+others keep waiting, and jobs already heard from or queued after the restart are not looked for; the
+Redis watch runs that check on a new run_id and gives a check Redis keeps refusing up after outage_s."""
 
+import asyncio
 import math
+import time
 
 import pytest
 import redis
 
 from kvrelay.gateway.queued_jobs import CHUNK, QueuedJobs
+from kvrelay.gateway.redis_watch import RedisWatch
 from kvrelay.shared.wire.redis_conn import async_client, sync_client
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,5 +87,38 @@ async def test_nothing_waiting_costs_no_round_trip(r, redis_url):
         assert await queued.recheck(queued_before=2.0) == (0, 0)
         assert len(queued) == 1
         assert _eval_calls(r) == before
+    finally:
+        await client.aclose()
+
+
+async def test_the_watch_checks_on_a_new_run_id_and_gives_up_after_outage_s(r, redis_url):
+    """The watch steps as it does on a restart (the server's run_id differs from the one it knew): kept
+    jobs wait, a gone one is lost. A check Redis keeps refusing (here a stream key of the wrong type) is
+    tried again at each probe and given up after ``outage_s``: then every request queued before the
+    restart counts as lost, as after an outage, instead of waiting out its deadline."""
+    kept_id = r.xadd(SHARED, {"job": "kept"})
+    client = async_client(redis_url)
+    try:
+        watch = RedisWatch(client, interval=0.05, outage_s=1.0)
+        await watch.check()
+        kept = watch.queued.add(time.monotonic(), {"k-0": (SHARED, kept_id)})
+        gone = watch.queued.add(time.monotonic(), {"g-0": (SHARED, b"1-1")})
+        watch.run_id = "a-server-before-the-restart"
+        await watch.check()
+        assert not kept.lost and gone.lost
+        assert not watch.lost(kept.queued_at)
+
+        r.set(PRIVATE, "not a stream")
+        refused = watch.queued.add(time.monotonic(), {"x-0": (PRIVATE, b"1-1")})
+        watch.run_id = "another-server-before-the-restart"
+        await watch.check()
+        assert not refused.lost and not watch.lost(refused.queued_at)  # not decided yet: tried again
+        deadline = time.monotonic() + 10
+        while not watch.lost(refused.queued_at):
+            assert time.monotonic() < deadline, "the failing check was never given up"
+            await asyncio.sleep(0.05)
+            await watch.check()
+        assert watch.lost(kept.queued_at)  # the check covers every request queued before: all count as lost
+        assert watch.health.reachable  # a refused command is no outage
     finally:
         await client.aclose()
