@@ -1,17 +1,19 @@
-"""Tells waiting requests when their queued jobs may be gone because Redis restarted or went away.
+"""Tells waiting requests when their queued jobs are gone because Redis restarted or went away.
 
-A job sits in the Redis stream until a worker reads it. Our Redis keeps no data across a restart, so a
-job queued before the restart and not yet read is lost, and the request waiting for it would only end at
-its deadline (minutes). This task notices, at most ``interval`` late, either:
-  * a new Redis ``run_id`` (the server restarted), or
-  * Redis unreachable for longer than ``outage_s``,
-and bumps ``epoch``, with ``lost_before`` the moment from which Redis is known good again: when the
-outage began, as first reported (a job queued, its XADD answered, after that went to the Redis that
-came back), or now for a restart no command saw. A request whose jobs were queued before it
-(``lost(queued_at)``) and which has heard nothing from any worker then ends with 503 + Retry-After
-(``Generation``): a fast, retryable answer instead of a hang. A request a worker already answers is
-unaffected: the worker holds it, not Redis; nor is one queued in the Redis that came back, though the
-watch may notice the restart only after it queued.
+A job sits in the Redis stream until a worker reads it. A Redis that restarts may come back without it
+(empty, or without the last second its append-only file had not written), and the request waiting for
+it would only end at its deadline (minutes). This task notices, at most ``interval`` late, either:
+  * a new Redis ``run_id`` (the server restarted): it asks the new server which of the jobs queued
+    before (``queued``, ``QueuedJobs``: one round trip for all of them) it still holds; a request with
+    one gone fails, the others wait for a worker to read their jobs, or
+  * Redis unreachable for longer than ``outage_s``: nothing can be asked, so ``lost_before`` becomes
+    the moment the outage began (as first reported), and every request whose jobs were queued before it
+    (``lost(queued_at)``) and from which no worker was heard fails.
+Failing is 503 + Retry-After (``Generation``): a fast, retryable answer instead of a hang. A request a
+worker already answers is unaffected: the worker holds it, not Redis; nor is one queued in the Redis
+that came back (its XADD answered after the outage began), though the watch may notice the restart only
+after it queued. A restart check that Redis keeps failing is given up after ``outage_s``, and its
+requests fail as after an outage.
 
 It is also the gateway's Redis prober: its ``health`` (``RedisHealth``) is what ``/health`` answers
 from, without a round trip of its own, and what every other part of the gateway reports outage errors
@@ -29,6 +31,7 @@ import redis
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.queued_jobs import QueuedJobs
 from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_health import RedisHealth
@@ -46,6 +49,11 @@ class RedisWatch:
         self._changed_at = float("-inf")  # monotonic time of the last epoch change
         self.run_id: str | None = None  # the server's, at the last probe
         self._outage_counted = False
+        self.queued = QueuedJobs(client)
+        # after a restart: jobs queued before this (monotonic) are to be looked for in the new server
+        self._recheck_before: float | None = None
+        self._recheck_due_at = 0.0  # monotonic, when that check became due
+        self._rechecking = False
         self._task: asyncio.Task | None = None
         self.health = RedisHealth(log)
         self.on_back: list[Callable[[], Awaitable[None]]] = []
@@ -57,13 +65,15 @@ class RedisWatch:
         if self._task is not None:
             await cancel_and_wait(self._task)
 
-    def _bump(self, lost_before: float) -> None:
+    def _bump(self, lost_before: float | None) -> None:
         self.epoch += 1
         self._changed_at = time.monotonic()
-        self.lost_before = max(self.lost_before, lost_before)
+        if lost_before is not None:
+            self.lost_before = max(self.lost_before, lost_before)
 
     def lost(self, queued_at: float) -> bool:
-        """Whether jobs whose XADD was answered at ``queued_at`` (monotonic) may be gone."""
+        """Whether jobs whose XADD was answered at ``queued_at`` (monotonic) may be gone: an outage too
+        long to wait out began after it."""
         return queued_at < self.lost_before
 
     @property
@@ -91,9 +101,15 @@ class RedisWatch:
             run_id = run_id.decode()
         restarted = self.run_id is not None and run_id != self.run_id
         if restarted:
-            self._bump(began if began is not None else time.monotonic())
-            log.warning("redis restarted (run_id %s -> %s): jobs it had not saved are gone", self.run_id, run_id)
+            self._bump(None)
+            if self._recheck_before is None:
+                self._recheck_due_at = time.monotonic()
+            self._recheck_before = max(self._recheck_before or float("-inf"),
+                                       began if began is not None else time.monotonic())
+            log.warning("redis restarted (run_id %s -> %s): looking for the queued jobs in the new server",
+                        self.run_id, run_id)
         self.run_id = run_id
+        await self._recheck()
         if back or restarted:
             for publish in self.on_back:
                 try:
@@ -101,6 +117,30 @@ class RedisWatch:
                 except (redis.RedisError, OSError) as exc:  # down again: the next recovery runs them again
                     if not self.health.absorb(exc):
                         log.warning("could not publish again after the redis restart: %s", exc)
+
+    async def _recheck(self) -> None:
+        """The due restart check, at most one at a time (a request handler may probe too); a failed one is
+        tried again at the next probe, and given up after ``outage_s``: then its requests count as lost."""
+        before = self._recheck_before
+        if before is None or self._rechecking:
+            return
+        self._rechecking = True
+        try:
+            await self.queued.recheck(before)
+        except (redis.RedisError, OSError) as exc:
+            if not self.health.absorb(exc):
+                log.warning("could not look for the queued jobs in the restarted redis: %s", exc)
+            if time.monotonic() - self._recheck_due_at >= self._outage_s:
+                log.warning("redis restarted %.1fs ago and cannot say which jobs it kept: failing the requests "
+                            "queued before", time.monotonic() - self._recheck_due_at)
+                self._bump(before)
+                if self._recheck_before == before:
+                    self._recheck_before = None
+            return
+        finally:
+            self._rechecking = False
+        if self._recheck_before == before:  # no later restart asked for a wider check meanwhile
+            self._recheck_before = None
 
     async def _run(self) -> None:
         while True:

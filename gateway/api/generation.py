@@ -23,6 +23,7 @@ from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN, draining_error
 from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
+from kvrelay.gateway.queued_jobs import QueuedRequest
 from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
 from kvrelay.shared.wire import redis_keys as keys
@@ -34,10 +35,11 @@ log = logging.getLogger("kvrelay.gateway")
 # XADD to a worker's private stream only while it exists: its worker creates it (with the consumer group)
 # before it can be routed to, and a peer deletes it once the worker is long dead and it is empty, so a
 # job routed on a stale view of the workers lands on the shared stream instead of where nobody reads.
+# Answers the stream it chose and the entry id: where to look for the job after a Redis restart.
 _XADD_PRIVATE = """
 local key = KEYS[2]
 if redis.call('EXISTS', KEYS[1]) == 1 then key = KEYS[1] end
-return redis.call('XADD', key, 'MAXLEN', '~', ARGV[1], '*', ARGV[2], ARGV[3])
+return {key, redis.call('XADD', key, 'MAXLEN', '~', ARGV[1], '*', ARGV[2], ARGV[3])}
 """
 
 
@@ -78,8 +80,8 @@ class Generation:
         # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
         # is dead, and its requests end with an error instead of waiting out the deadline
         self._holders: dict[str, str] = {}
-        self._queued_at: float | None = None  # monotonic, when Redis took our jobs (redis_watch.py: lost)
-        self._heard: set[str] = set()  # job ids some worker answered for: they are out of Redis
+        # where Redis holds our jobs that no worker answered for yet (redis_watch.py: lost after a restart)
+        self._queued: QueuedRequest | None = None
 
     @property
     def model_name(self) -> str:
@@ -119,6 +121,8 @@ class Generation:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.app[DISPATCHER].unregister(list(self._by_job))
+        if self._queued is not None:
+            self.app[REDIS_WATCH].queued.discard(self._queued)
         self.app[METRICS].vllm.finish(self)
         unfinished = [c.job_id for c in self.choices if not c.finished]
         if unfinished:
@@ -156,6 +160,7 @@ class Generation:
                                 f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
         router = self.app[ROUTER]
         pipe = self.app[REDIS].pipeline(transaction=False)
+        streams: list[str | None] = []  # per choice: its stream, or None where the script says which
         for choice in self.choices:
             job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
                       sampling=choice.params, tenant=self.prepared.tenant,
@@ -166,17 +171,25 @@ class Generation:
             if worker is None:
                 pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen,
                           approximate=True)
+                streams.append(keys.prefill_stream(model))
                 continue
             backlog[worker] += 1  # the next choice of this request sees it (n > 1 share a prompt)
             pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
+            streams.append(None)
         try:
-            await pipe.execute()
-            self._queued_at = time.monotonic()
+            replies = await pipe.execute()
+            queued_at = time.monotonic()
         except redis.RedisError as exc:
             if not redis_failed(self.app, exc):
                 log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise unavailable from None
+        jobs: dict[str, tuple[str, bytes]] = {}
+        for choice, stream, reply in zip(self.choices, streams, replies, strict=True):
+            if stream is None:
+                stream, reply = reply[0].decode(), reply[1]
+            jobs[choice.job_id] = (stream, reply)
+        self._queued = self.app[REDIS_WATCH].queued.add(queued_at, jobs)
 
     async def _next_event(self) -> TokenEvent:
         """The next event for any choice; raises on deadline or a vanished client, never hangs."""
@@ -188,8 +201,8 @@ class Generation:
                 raise ClientGone()
             if self.app[DRAIN].expired:  # the gateway's drain deadline passed: end cleanly, now
                 raise draining_error(self.app[CONFIG].retry_after_s)
-            if self._queued_at is not None and self.app[REDIS_WATCH].lost(self._queued_at) and any(
-                    c.job_id not in self._heard and not c.finished for c in self.choices):
+            queued = self._queued
+            if queued is not None and queued.jobs and (queued.lost or self.app[REDIS_WATCH].lost(queued.queued_at)):
                 raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
                                code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
             remaining = self.deadline - time.time()
@@ -219,7 +232,8 @@ class Generation:
         pending = {c.job_id for c in self.choices}
         while pending:
             event = await self._next_event()
-            self._heard.add(event.request_id)
+            if self._queued is not None:
+                self._queued.heard(event.request_id)  # a worker has it: it is out of Redis
             choice = self._by_job.get(event.request_id)
             if choice is None or choice.finished:
                 continue  # a late event after a stop string or a duplicate delivery

@@ -63,7 +63,8 @@ class GatewayConfig:
     max_queue_depth: int = setting(4096, "jobs queued per model past which new requests get 429 + Retry-After "
                                    "(0: unbounded)", ge=0)
     redis_watch_s: float = setting(0.5, "how often the gateway checks that Redis is the same server", gt=0)
-    redis_outage_s: float = setting(3.0, "seconds Redis is unreachable before jobs queued there count as lost", gt=0)
+    redis_outage_s: float = setting(3.0, "seconds Redis is unreachable (or, restarted, cannot say which queued "
+                                         "jobs it kept) before those jobs count as lost", gt=0)
     # Prefix affinity (gateway/control/routing.py): a prompt goes to the prefill worker that likely caches its
     # first affinity_prefix_tokens, unless that worker has more than affinity_slack requests more than
     # the least-loaded one; then to the shared stream, which the first free worker takes from.

@@ -2,14 +2,17 @@
 --state-dir): real processes, a real redis-server. Tenants, API keys and admin-registered models survive
 Ctrl-C and a start on the same folder (the old key answers 200), and a ``kill -9`` of serve; a second serve on that folder is one
 line and exit 2 while the first keeps serving; and a ``kill -9`` of the embedded redis-server is undone
-by serve's supervisor, after which requests are served again within a bound. What that costs (seconds,
+by serve's supervisor, after which requests are served again within a bound, and those whose jobs were
+queued then are served from the file rather than failed with queue_lost. What that costs (seconds,
 failed requests) is printed for README's operations section: ``pytest -s``."""
 
 import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -121,3 +124,46 @@ def test_a_redis_server_killed_with_9_is_restarted_and_requests_recover(tmp_path
         print(f"\nkill -9 of the embedded redis-server under kvrelay serve: a new one ran within "
               f"{restarted_after:.2f}s; requests served again {recovered_after:.2f}s after the kill; "
               f"{len(failed)} of {sent} sequential requests failed meanwhile: {sorted(set(failed))}")
+
+
+def _workers(served: Served) -> list[psutil.Process]:
+    return [p for p in psutil.Process(served.proc.pid).children() if any(a.endswith("-worker") for a in p.cmdline())]
+
+
+def _queue_depth(served: Served) -> float:
+    text = httpx.get(f"http://127.0.0.1:{served.port}/metrics", timeout=10).text
+    found = re.search(r'^kvrelay_queue_depth\{[^}]*model="tiny"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_requests_queued_when_redis_is_killed_are_served_from_its_file(tmp_path, tiny_model_dir):
+    """The jobs are in the append-only file when the redis-server is killed, so the gateway, asking the
+    new server for them, lets their requests wait instead of failing them with queue_lost; the workers,
+    stopped (SIGSTOP) until the new server is seen, then serve them."""
+    argv = ["--model", str(tiny_model_dir), *TINY_ENGINE, "--reclaim-idle-ms", "1500"]
+    with Served(argv, tmp_path / "serve.log", state_dir=tmp_path / "state") as served:
+        client = served.client().with_options(timeout=120)
+        _complete(client)
+        workers = _workers(served)
+        assert workers, [p.cmdline() for p in psutil.Process(served.proc.pid).children()]
+        with ThreadPoolExecutor(3) as pool:
+            for w in workers:
+                w.suspend()
+            try:
+                futures = [pool.submit(_complete, client) for _ in range(3)]
+                deadline = time.monotonic() + RECOVERY_BOUND_S
+                while _queue_depth(served) < 3:  # answered XADDs: Redis wrote them to its file first
+                    assert time.monotonic() < deadline, [f.exception() for f in futures if f.done()]
+                    time.sleep(0.2)
+                killed = _redis_server(served)
+                killed.kill()
+                while "redis restarted (run_id" not in served.log.read_text(errors="replace"):
+                    assert time.monotonic() < deadline, served.log.read_text()[-4000:]
+                    time.sleep(0.1)
+                time.sleep(3.0)  # a request looks at its state every second: long enough to have failed
+                assert not any(f.done() for f in futures), [f.exception() for f in futures if f.done()]
+            finally:
+                for w in workers:
+                    w.resume()
+            for f in futures:
+                f.result()  # 200 and its two tokens, from the server restarted from its file
