@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from kvrelay.shared.wire.redis_conn import MAX_SOCKET_PATH, SOCKET_NAME
 from kvrelay.startup_checks import StartupError
 
 FLAG = "--state-dir"
@@ -94,10 +93,6 @@ class StateDir:
                               f"tenant's data; chmod 700 {self.path}")
         if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
             raise self._error("not writable by this user")
-        sock = len(os.fsencode(self.path / SOCKET_NAME))
-        if sock > MAX_SOCKET_PATH:
-            raise self._error(f"too long a path for Redis's unix socket in it ({sock} bytes with /{SOCKET_NAME}; "
-                              f"at most {MAX_SOCKET_PATH}); choose a shorter one")
 
     def _lock(self) -> None:
         lock = self.path / LOCK_NAME

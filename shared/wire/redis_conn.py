@@ -160,6 +160,7 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen | None = None
         self._dir: str | None = None
         self._conf: str | None = None
+        self._socket_dir: str | None = None  # a short private folder for the socket, when _dir's path is too long
         self._log_from = 0  # where the current process's lines start in redis.log (kept across runs)
 
     def role_url(self, role: str) -> str:
@@ -204,8 +205,10 @@ class EmbeddedRedis:
         if self.unix_socket:
             sock = os.path.join(self._dir, SOCKET_NAME)
             if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
-                raise ValueError(f"{self._dir}: too long a path for redis-server's unix socket "
-                                 f"({len(os.fsencode(sock))} bytes with /{SOCKET_NAME}; at most {MAX_SOCKET_PATH})")
+                # redis-server would cut the path silently; a private 0700 folder under /tmp (not $TMPDIR, which
+                # may be as long) holds the socket instead, the same one for every restart of this server
+                self._socket_dir = self._socket_dir or tempfile.mkdtemp(prefix="kvrelay-redis-", dir="/tmp")
+                sock = os.path.join(self._socket_dir, SOCKET_NAME)
             listen = ["port 0", f"unixsocket {_quoted(sock)}", "unixsocketperm 700"]
             base = f"unix://{{}}@{sock}"
         else:
@@ -300,7 +303,9 @@ class EmbeddedRedis:
         self._stop_process()
         if self._dir is not None and self.state_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        self._dir = self._conf = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._dir = self._conf = self._socket_dir = None
         self.url = None
         self._role_urls = {}
 

@@ -62,6 +62,26 @@ def test_a_server_killed_with_9_comes_back_from_its_file_at_the_same_address(tmp
         server.stop()
 
 
+def test_a_folder_too_deep_for_a_unix_socket_puts_the_socket_in_a_short_private_one(tmp_path):
+    deep = tmp_path / ("x" * max(1, 120 - len(str(tmp_path))))
+    deep.mkdir(mode=0o700)
+    server = EmbeddedRedis(state_dir=deep)
+    url = server.start()
+    try:
+        sock = Path(url.rsplit("@", 1)[1])
+        assert sock.parent != deep and len(os.fsencode(sock)) <= 107
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+        client = sync_client(url)
+        written = _write(client)
+        os.kill(server.pid, signal.SIGKILL)
+        server.process.wait(10)
+        server.spawn()  # the supervisor's restart: the same socket
+        assert server.wait_ready() and _read(client) == written
+    finally:
+        server.stop()
+    assert not sock.parent.exists()
+
+
 def test_stop_and_start_on_the_same_folder_keeps_data_urls_and_passwords(tmp_path):
     state = _folder(tmp_path)
     first = EmbeddedRedis(state_dir=state)

@@ -53,7 +53,23 @@ def test_a_closed_connection_is_lost_once_a_live_one_never_and_a_redial_that_fin
         ctx.term()
 
 
-def test_a_gateway_back_on_its_address_within_the_grace_is_not_lost():
+def _bind_when_free(sock: zmq.Socket, addr: str, within: float) -> None:
+    # a closed socket's port is released by ZMQ's I/O thread, later on a loaded box
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def test_a_gateway_back_on_its_address_within_the_grace_is_not_lost(monkeypatch):
+    # a longer grace than the worker's: what is checked is that a redial within it is not named lost,
+    # not how fast this box releases and re-binds a port
+    monkeypatch.setattr(link_watch, "LOST_AFTER_S", 3.0)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
@@ -67,8 +83,8 @@ def test_a_gateway_back_on_its_address_within_the_grace_is_not_lost():
         assert watch.take_lost() == []
         pull.close(linger=0)
         pull = ctx.socket(zmq.PULL)
-        pull.bind(addr)  # a restart on the same address, before the grace ends: ZMQ redials it
-        assert lost_within(watch, 3 * link_watch.LOST_AFTER_S) == []
+        _bind_when_free(pull, addr, within=1.0)  # a restart on the same address, before the grace ends
+        assert lost_within(watch, 2 * link_watch.LOST_AFTER_S) == []
     finally:
         watch.remove(addr, push)
         push.close(linger=0)
