@@ -81,6 +81,8 @@ def expected(option: str, value: typing.Any, child: str, command: str, index: in
         return f"{value}-{child}"
     if option == "--admin-key":
         return "<set>"  # masked when printed
+    if option == "--async-scheduling" and command == "prefill-worker":
+        return False  # a prefill step ends at the first token: serve keeps it synchronous (kvrelay/serve_plan.py)
     if option == "--gpu-memory-utilization":  # workers sharing a GPU split it: prefill 30%, decode 70%
         return round(value * {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}[command], 4)
     return value
