@@ -147,14 +147,13 @@ def template_history(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
     out = []
     first: str | None = None
     for i, message in enumerate(messages):
-        entry = dict(message)
+        # null or empty means none (some clients send the keys on every message)
+        entry = {k: v for k, v in message.items() if not (k in ("tool_calls", "tool_call_id") and v in (None, []))}
         if "tool_calls" in entry:
             if entry["role"] != "assistant":
                 raise bad_request("only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
             entry["tool_calls"] = _calls_for_template(entry["tool_calls"], i)
             first = first or f"messages.{i}.tool_calls"
-            if not entry["tool_calls"]:
-                del entry["tool_calls"]
         if entry["role"] == "tool":
             if not isinstance(entry.get("tool_call_id"), str):
                 raise bad_request("a tool message needs tool_call_id (the id of the call it answers)",

@@ -160,6 +160,14 @@ def test_bad_tool_requests_name_the_field(stack, change, param):
         assert "not supported yet" in error["message"]
 
 
+def test_empty_tool_parts_ask_for_nothing(plain_stack):
+    """Some clients send tool_calls and tool_call_id as null or [] on every message."""
+    messages = [{"role": "user", "content": "hi", "tool_call_id": None},
+                {"role": "assistant", "content": "hello", "tool_calls": []}, {**ASK[0], "tool_calls": None}]
+    out = client_of(plain_stack).chat.completions.create(model=MODEL, messages=messages, max_tokens=500)
+    assert out.choices[0].message.content == TOOL_REPLY
+
+
 def test_auto_needs_the_server_flags(plain_stack):
     client = client_of(plain_stack)
     error = bad_request(lambda: client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER]))
