@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: the model's chat template, then the same path as completions."""
+"""``POST /v1/chat/completions``: the model's chat template, then the same path as completions; with tools
+offered (``tool_choice: "auto"``), the reply's text parsed into ``tool_calls`` (gateway/api/tool_replies.py)."""
 
 from aiohttp import web
 
@@ -7,7 +8,8 @@ from kvrelay.gateway.api.accounting import Meter
 from kvrelay.gateway.api.choice import ChoiceDelta
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import chat_logprobs, prompt_logprobs
-from kvrelay.gateway.api.prompts import prepare_chat
+from kvrelay.gateway.api.prompts import Prepared, prepare_chat
+from kvrelay.gateway.api.tool_replies import StreamedToolCalls, reply_message
 from kvrelay.gateway.bodies import read_json
 from kvrelay.gateway.tenancy.auth import TENANT
 
@@ -21,22 +23,26 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             meter.generation = gen
             base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
             if body.stream:
-                return await _stream(request, gen, base, body.include_usage)
+                return await _stream(request, gen, base, body.include_usage, prepared)
             async for _ in gen:
                 pass
-            choices = [{
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            } for c in gen.choices]
+            choices = []
+            for c in gen.choices:
+                message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
+                choices.append({
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
             response = {**base, "object": "chat.completion", "choices": choices, "usage": gen.usage(),
                         "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs)}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
-async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool,
+                  prepared: Prepared) -> web.StreamResponse:
     base = {**base, "object": "chat.completion.chunk"}
     usage_field = {"usage": None} if include_usage else {}
 
@@ -50,14 +56,29 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
     # Like OpenAI and vLLM: every choice opens with a chunk that carries only the role.
     head = [chunk(c.index, {"role": "assistant", "content": ""}) for c in gen.choices]
 
+    def tail() -> list[dict]:
+        return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
+
+    if prepared.tools.parser is not None:
+        calls = {c.index: StreamedToolCalls(prepared.tools) for c in gen.choices}
+
+        def tool_chunks(delta: ChoiceDelta) -> list[dict]:
+            deltas, finish_reason = calls[delta.index].feed(delta.text, delta.finish_reason)
+            logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+            if logprobs is not None and not deltas:  # the text is held back; its logprobs are not
+                deltas = [{}]
+            out = [chunk(delta.index, d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+            if delta.finish_reason is not None:
+                out.append(chunk(delta.index, {}, None, finish_reason, delta.stop_reason))
+            return out
+
+        return await sse.stream(request, gen, head=head, chunks=tool_chunks, tail=tail)
+
     def chunks(delta: ChoiceDelta) -> list[dict]:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return []
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs is not None else None
         return [chunk(delta.index, content, logprobs, delta.finish_reason, delta.stop_reason)]
-
-    def tail() -> list[dict]:
-        return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
 
     return await sse.stream(request, gen, head=head, chunks=chunks, tail=tail)

@@ -16,9 +16,10 @@ from aiohttp import web
 from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
 from kvrelay.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, parse
 from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, ModelTokenizer
+from kvrelay.gateway.api.tool_schemas import NO_TOOLS, ToolPlan, plan_tools, template_history
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY
 from kvrelay.gateway.control.served import require_capacity, resolve_served
-from kvrelay.gateway.errors import bad_request
+from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.gateway.state import CONFIG
 from kvrelay.gateway.tenancy.tenants import Tenant
 from kvrelay.shared.wire.protocol import ModelInfo
@@ -28,6 +29,9 @@ log = logging.getLogger("kvrelay.gateway")
 B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
 # Choices (prompts x n) one request may fan out into; each is a job and a worker sequence.
 MAX_JOBS_PER_REQUEST = 1024
+# Tool-call parsers whose markers some models' tokenizers hold as special tokens ([TOOL_CALLS] in Mistral's,
+# <tool_call> in Hermes 2 Pro's): their text must not be skipped in the reply, or no call is ever found.
+SPECIAL_MARKERS = ("hermes", "mistral")
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Prepared:
     priority: int
     cache_salt: str | None
     served_name: str = ""  # the client's model name, what responses show; "" = model.name
+    tools: ToolPlan = NO_TOOLS  # chat: the tools offered and how the reply is parsed
 
     @property
     def model_name(self) -> str:
@@ -146,35 +151,51 @@ async def _prepare_completion(app: web.Application, body: CompletionRequest, ten
 
 
 async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, add_special_tokens: bool = False,
-                      messages: list[dict] | None = None) -> list[int]:
-    """``messages``: the body's ``template_messages()`` when the caller has them already."""
+                      messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+    """``messages``: the body's ``template_messages()`` when the caller has them already; ``tools``: those
+    offered to the model (the request's ToolPlan)."""
     if messages is None:
         messages = body.template_messages()
-    text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
-    await _check_template_uses(tokenizer, body, messages, text)
+    messages, tool_field = template_history(messages)
+    if (tools or tool_field) and not await tokenizer.renders_tools():
+        field = "tools" if tools else tool_field
+        raise bad_request(f"this model's chat template does not render tools, so it can neither be offered them "
+                          f"nor read tool calls and results in the history ({field})", field)
+    text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+    await _check_template_uses(tokenizer, body, messages, text, tools)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 # Distinct message fields besides role and content one request may carry: each costs a render below.
 MAX_MESSAGE_FIELDS = 8
+# Message fields a template need not render: the id pairing a tool result with its call, which templates
+# that render tools carry by the order of the messages instead (Qwen2.5's, Llama 3.1's)
+_ID_FIELDS = {"tool_call_id"}
 
 
 async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
-                               text: str) -> None:
+                               text: str, tools: list[dict] | None) -> None:
     """The model's chat template decides which message fields (name, tool_call_id, ...) and which
     chat_template_kwargs it renders. One it ignores would be accepted and ignored: a 400 naming it, found by
     rendering again without it (only when a request carries such fields, which most do not)."""
-    if body.chat_template_kwargs and \
-            await tokenizer.render_chat(messages, body.add_generation_prompt, None) == text:
+    async def same_without(msgs: list[dict], kwargs: dict | None) -> bool:
+        try:
+            return await tokenizer.render_chat(msgs, body.add_generation_prompt, kwargs, tools) == text
+        except APIError:  # the template cannot do without it: it is used
+            return False
+
+    if body.chat_template_kwargs and await same_without(messages, None):
         raise bad_request("chat_template_kwargs have no effect on this model's chat template", "chat_template_kwargs")
     extra = sorted({k for m in messages for k in m} - {"role", "content"})
     if len(extra) > MAX_MESSAGE_FIELDS:
         raise bad_request(f"messages use {len(extra)} distinct fields besides role and content; at most "
                           f"{MAX_MESSAGE_FIELDS} are accepted", "messages")
     for key in extra:
+        if key in _ID_FIELDS:
+            continue
         without = [{k: v for k, v in m.items() if k != key} for m in messages]
-        if await tokenizer.render_chat(without, body.add_generation_prompt, body.chat_template_kwargs) == text:
+        if await same_without(without, body.chat_template_kwargs):
             first = next(i for i, m in enumerate(messages) if key in m)
             raise bad_request(f"messages.{first}.{key} has no effect on this model's chat template",
                               f"messages.{first}.{key}")
@@ -183,10 +204,14 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
 async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
     body.check_stream_options()
     messages = body.template_messages()  # role and emptiness errors before any model lookup
+    config = app[CONFIG]
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, config.tool_call_parser,
+                       config.enable_auto_tool_choice)
+    template_history(messages)  # the history's tool parts too
     served, model = await resolve_served(app, body.model, tenant.may_use)
     model = await require_capacity(app, model, served)
     tokenizer = await app[TOKENIZERS].get(model)
-    ids = await render_chat(tokenizer, body, messages=messages)
+    ids = await render_chat(tokenizer, body, messages=messages, tools=tools.tools)
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     check_length(len(ids), None, model, "messages", "messages")
@@ -199,4 +224,6 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
         body.max_tokens = default_chat_max_tokens(model, app[CONFIG], remaining)
     params = body.sampling_params(remaining_context=remaining)
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
-    return _finish(served, model, tokenizer, [ids], params, body, tenant)
+    if tools.parser in SPECIAL_MARKERS:  # the markers the parser looks for are special tokens (as in vLLM)
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return dataclasses.replace(_finish(served, model, tokenizer, [ids], params, body, tenant), tools=tools)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from kvrelay.gateway.api.tool_schemas import ToolDefinition
 from kvrelay.gateway.bodies import validate
 from kvrelay.gateway.errors import bad_request
 from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -183,6 +184,10 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Checked and planned in tool_schemas.plan_tools; a named choice is {"type": "function", ...}
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, remaining_context: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -53,6 +53,7 @@ class ModelTokenizer:
         self._executor = executor
         self._per_thread = threading.local()
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self._renders_tools: bool | None = None
 
     def _token_text(self, token_id: int) -> str:
         # Special tokens shown as themselves in logprobs, like vLLM.
@@ -78,14 +79,29 @@ class ModelTokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          template_kwargs: dict | None) -> str:
+                          template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise bad_request(f"model {self.model.name!r} has no chat template; use /v1/completions", "messages")
         try:
             return await self._in_thread(lambda hf: hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {})))
         except Exception as exc:  # jinja raises TemplateError, templates raise on bad role orders, ...
             raise bad_request(f"chat template failed: {exc}", "messages") from None
+
+    async def renders_tools(self) -> bool:
+        """Whether the chat template offers tools to the model: one that ignores ``tools=`` would have the
+        model answer without knowing them (and write no calls to parse). Probed once per model."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "description": "probe",
+                                                     "parameters": {"type": "object", "properties": {}}}}
+            try:
+                with_tools = await self.render_chat(probe, True, None, [tool])
+                self._renders_tools = with_tools != await self.render_chat(probe, True, None)
+            except APIError:  # a template that fails on a plain question fails every request anyway
+                self._renders_tools = False
+        return self._renders_tools
 
 
 class TokenizerPool:

@@ -87,10 +87,20 @@ class GatewayConfig:
         MAX_TOKENS_DEFAULT, "the most tokens a chat completion that sets no max_tokens generates (lower: the "
         "model's max_new_tokens, or the context the prompt leaves); 0: the rest of the context, as vLLM, which "
         "a small model sampled at temperature 1 may ramble to for minutes", ge=0)
+    # vLLM's names and meaning: auto tool choice is off unless both are set (gateway/api/tool_parsers.py)
+    enable_auto_tool_choice: bool = setting(False, "let the model decide when to call tools (tool_choice \"auto\", "
+                                            "the default when a request has tools); needs --tool-call-parser")
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = setting(
+        None, "how the served models write tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
+        "Qwen3), llama3_json (a JSON object: Llama 3.1+), mistral ([TOOL_CALLS][...])")
     # No flags: kvrelay serve fills them in from --model or --config, so /ready knows what to wait for before
     # any worker registers (served names; startup ones need live workers, lazy ones a registration).
     startup_models: list[str] = field(default_factory=list)
     lazy_models: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
 
     @property
     def reply_host(self) -> str:

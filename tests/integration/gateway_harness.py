@@ -7,7 +7,7 @@ PUSH socket with one TokenBatch per step, honours aborts from the pub/sub channe
 worker. Its output is deterministic: the tokens of REPLY, then EOS. Prompts steer it:
 ``[silent]`` never answers, ``[error]`` fails, ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
 each pair of events in swapped order (as a prefill and a decode worker may), ``[dup]`` sends every event
-twice.
+twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way).
 """
 
 import asyncio
@@ -36,11 +36,13 @@ MAX_MODEL_LEN = 96
 REPLY = "Hello world! The quick brown fox jumps over the lazy dog."
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOL_REPLY = ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
 _CORPUS = [REPLY, "hello there, how are you today?", "The lazy dog sleeps. The quick fox runs.",
            "user assistant system tell me a story about a fox", "0123456789 !?.,:;"] * 20
 
 
-def build_tokenizer(out: Path) -> Path:
+def build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Train a tiny byte-level BPE and save it the way a model directory holds a tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -52,7 +54,7 @@ def build_tokenizer(out: Path) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out)
     return out
 
@@ -72,6 +74,7 @@ class FakeWorker:
     tokenizer_dir: Path
     model: str = MODEL
     worker_id: str = "fake-unified-0"
+    max_model_len: int = MAX_MODEL_LEN
     jobs: list[Job] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
 
@@ -91,7 +94,7 @@ class FakeWorker:
             return set(self._aborted)
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model, path=str(self.tokenizer_dir), max_model_len=MAX_MODEL_LEN,
+        return ModelInfo(name=self.model, path=str(self.tokenizer_dir), max_model_len=self.max_model_len,
                          vocab_size=len(self.tokenizer), eos_token_ids=[self.eos], block_size=16, dtype="float32")
 
     def start(self) -> "FakeWorker":
@@ -151,9 +154,9 @@ class FakeWorker:
 
     def _plan(self, job: Job) -> _Seq:
         prompt = self.tokenizer.decode(job.prompt_token_ids)
-        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan") if f"[{m}]" in prompt),
-                    "normal")
-        reply = self.tokenizer.encode(REPLY, add_special_tokens=False)
+        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool")
+                     if f"[{m}]" in prompt), "normal")
+        reply = self.tokenizer.encode(TOOL_REPLY if mode == "tool" else REPLY, add_special_tokens=False)
         plan = reply * 20 if mode == "slow" else reply + [self.eos]
         return _Seq(job=job, plan=plan, mode=mode)
 
@@ -310,10 +313,11 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(tmp_dir: Path, **config) -> Iterator[Stack]:
-    tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer")
+def running_stack(tmp_dir: Path, chat_template: str = CHAT_TEMPLATE, max_model_len: int = MAX_MODEL_LEN,
+                  **config) -> Iterator[Stack]:
+    tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer", chat_template)
     with EmbeddedRedis() as url:
-        worker = FakeWorker(url, tokenizer_dir).start()
+        worker = FakeWorker(url, tokenizer_dir, max_model_len=max_model_len).start()
         server = GatewayServer(gateway_config(url, **config)).start()
         try:
             yield Stack(url, worker, server)

@@ -57,3 +57,17 @@ def test_a_serve_config_mistake(tmp_path, text, message):
     cfg = folder / "serve.yaml"
     cfg.write_text(text)
     assert serve(tmp_path, ["--config", str(cfg)]) == f"kvrelay serve: error: {cfg}: {message.format(folder=folder)}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its "
+                                    "calls)"),
+    (["--tool-call-parser", "json"], "argument --tool-call-parser: Input should be 'hermes', 'llama3_json' or "
+                                     "'mistral' (got 'json')"),
+], ids=["auto-without-parser", "unknown-parser"])
+def test_a_tool_calling_mistake(tmp_path, argv, message):
+    """Checked by the gateway's config, before it binds or dials anything."""
+    env = {k: v for k, v in os.environ.items() if k != "KVRELAY_ZMQ_SECRET"}  # --insecure-zmq excludes it
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.cli", "gateway", "--insecure-zmq", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"kvrelay gateway: error: {message}"], proc.stderr
