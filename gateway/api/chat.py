@@ -32,7 +32,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 "stop_reason": c.stop_reason,
             } for c in gen.choices]
             response = {**base, "object": "chat.completion", "choices": choices, "usage": gen.usage(),
-                        "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs)}
+                        "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs,
+                                                                 gen.choices[0].prompt_logprob_ranks)}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 

@@ -53,6 +53,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list | None = None
+    prompt_logprob_ranks: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -136,6 +137,7 @@ class ChoiceState:
     def _apply(self, event: TokenEvent, delta: ChoiceDelta, pieces: list[str]) -> None:
         if event.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_logprob_ranks = event.prompt_logprob_ranks
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         # EOS or a stop token id ends generation; its text is not output unless asked for (vLLM).
         stop_token = (event.finish_reason == "stop" and not isinstance(event.stop_reason, str)

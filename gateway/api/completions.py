@@ -32,7 +32,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 "logprobs": completion_logprobs(c.logprobs) if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs),
+                "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs, c.prompt_logprob_ranks),
             } for c in gen.choices]
             response = {**base, "choices": choices, "usage": gen.usage()}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))

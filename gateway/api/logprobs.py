@@ -32,18 +32,23 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     ]}
 
 
-def prompt_logprobs(tokenizer: ModelTokenizer, entries: list[TopLogprobs | None] | None) -> list | None:
-    """Per prompt position (the first is None): the prompt token's own entry first, then alternatives."""
+def prompt_logprobs(tokenizer: ModelTokenizer, entries: list[TopLogprobs | None] | None,
+                    ranks: list[list[int] | None] | None) -> list | None:
+    """Per prompt position (the first is None): the prompt token's own entry first with its true rank in
+    the vocabulary, then the best tokens ranked 1..k (vLLM's shape). ``ranks`` is None from a worker that
+    does not send them: every rank is then null rather than a guess."""
     if entries is None:
         return None
     out: list[dict | None] = []
-    for position in entries:
+    for i, position in enumerate(entries):
         if position is None:
             out.append(None)
             continue
+        position_ranks = ranks[i] if ranks is not None else None
         out.append({
-            str(token_id): {"logprob": max(lp, -9999.0), "rank": rank or None,
+            str(token_id): {"logprob": max(lp, -9999.0),
+                            "rank": position_ranks[j] or None if position_ranks is not None else None,
                             "decoded_token": tokenizer.token_text(token_id)}
-            for rank, (token_id, lp) in enumerate(position)
+            for j, (token_id, lp) in enumerate(position)
         })
     return out

@@ -24,7 +24,7 @@ from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.engine.kv_pool import KVPool
-from kvrelay.shared.engine.model_runner import ModelRunner, to_position_logprobs
+from kvrelay.shared.engine.model_runner import ModelRunner
 from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from kvrelay.shared.engine.sampler import SampleResult
@@ -292,4 +292,4 @@ def sample_logprobs(sample: SampleResult) -> PositionLogprobs:
     return entry
 
 
-__all__ = ["EngineCore", "sample_logprobs", "to_position_logprobs"]
+__all__ = ["EngineCore", "sample_logprobs"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -408,11 +409,14 @@ class Sampler:
         )
 
 
-def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:
-    """Per prompt position: {actual next token: logprob, then the k best alternatives, highest first}.
+def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """Per prompt position: {actual next token: its logprob and TRUE rank in the vocabulary, then the k best
+    tokens with ranks 1..k}, as vLLM reports them.
 
     logits: [q, V], row j predicting ``next_token_ids[j]``. Each dict holds k or k + 1 entries (the
-    actual token first, as vLLM orders them). Raw distribution, like the sampled-token logprobs.
+    actual token first, as vLLM orders them). Raw distribution, like the sampled-token logprobs. The
+    actual token's rank counts the tokens at least as likely as it (itself included), vLLM's rule, so a
+    token tied with the top-1 reports the tie's last rank.
     """
     num_rows, vocab = logits.shape
     if num_rows != len(next_token_ids):
@@ -425,13 +429,16 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[d
     packed_chunks = []
     for start in range(0, num_rows, chunk):
         lp = logits[start : start + chunk].float().log_softmax(dim=-1)  # [c, V]
-        packed_chunks.append(_pack_topk(lp, targets[start : start + chunk], k))
-    packed = torch.cat(packed_chunks).tolist()  # one transfer for the whole prompt
+        rows = targets[start : start + chunk]
+        packed = _pack_topk(lp, rows, k)
+        rank = (lp >= lp.gather(1, rows.unsqueeze(1))).sum(dim=1, keepdim=True)  # [c, 1]
+        packed_chunks.append(torch.cat([packed, rank.double()], dim=1))
+    packed_rows = torch.cat(packed_chunks).tolist()  # one transfer for the whole prompt
     out = []
-    for row in packed:
-        entry = {int(row[0]): row[1]}
+    for row in packed_rows:
+        entry = {int(row[0]): Logprob(row[1], rank=int(row[-1]))}
         for j in range(k):
-            entry.setdefault(int(row[2 + j]), row[2 + k + j])
+            entry.setdefault(int(row[2 + j]), Logprob(row[2 + k + j], rank=j + 1))
         out.append(entry)
     return out
 

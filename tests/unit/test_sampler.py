@@ -394,16 +394,20 @@ def test_prompt_logprobs(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -
     raw = torch.log_softmax(logits, dim=-1)
     out = prompt_logprobs(logits, [0, 0, 3], k=2)
     assert list(out[0]) == [0, 3, 2]  # actual token first, then the top 2
-    assert list(out[1]) == [0, 1] or list(out[1]) == [0, 2] or list(out[1]) == [0, 3]  # actual is top-1
-    assert len(out[1]) == 2
+    assert list(out[1])[0] == 0 and len(out[1]) == 2  # actual is top-1; one of the tied zeros is second
     assert list(out[2])[0] == 3 and 2 in out[2] and len(out[2]) == 3
     for j, entry in enumerate(out):
         for token, lp in entry.items():
-            assert math.isclose(lp, float(raw[j, token]), abs_tol=1e-6)
-    assert prompt_logprobs(logits, [1, 2, 3], k=0) == [
-        {1: pytest.approx(float(raw[0, 1]))},
-        {2: pytest.approx(float(raw[1, 2]))},
-        {3: pytest.approx(float(raw[2, 3]))},
+            assert math.isclose(lp.logprob, float(raw[j, token]), abs_tol=1e-6)
+    # ranks by hand: row 0 has 0 < 1 < 2 < 3, so token 0 is 4th; row 2's token 3 is below 2 and the tied 0, 1
+    assert [lp.rank for lp in out[0].values()] == [4, 1, 2]
+    assert out[1][0].rank == 1 and list(out[1].values())[1].rank == 2
+    assert out[2][3].rank == 4 and out[2][2].rank == 1
+    bare = prompt_logprobs(logits, [1, 2, 3], k=0)
+    assert [{t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in bare] == [
+        {1: (pytest.approx(float(raw[0, 1])), 3)},
+        {2: (pytest.approx(float(raw[1, 2])), 4)},  # tied with 1 and 3: vLLM counts every token at least as likely
+        {3: (pytest.approx(float(raw[2, 3])), 4)},
     ]
 
 
