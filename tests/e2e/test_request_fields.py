@@ -221,7 +221,7 @@ def test_every_schema_field_is_in_the_table(endpoint):
 def http(smollm2_dir, tmp_path_factory):
     with EmbeddedRedis() as redis_url:
         cluster = Cluster(redis_url, str(smollm2_dir), ENGINE, tmp_path_factory.mktemp("request-fields"))
-        cluster.start_gateway()
+        cluster.start_gateway(extra=["--enable-prompt-tokens-details"])  # cache_salt's effect reads cached_tokens
         cluster.start_worker("unified", "u1")
         try:
             cluster.wait_ready(timeout=300)
@@ -334,3 +334,26 @@ def test_worker_refuses_an_out_of_vocabulary_bias_and_keeps_serving(http):
     finally:
         client.close()
     assert cluster.procs["u1"].poll() is None
+
+
+# --- prompt_logprobs ranks: the prompt token's place in the whole vocabulary, the best k ranked 1..k ---------
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_prompt_logprobs_rank_the_prompt_token_in_the_whole_vocabulary(http, endpoint):
+    entries = prompt_logprobs(ok(http, {**BASE[endpoint], "prompt_logprobs": 3}))
+    assert entries[0] is None
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, **({"prompt": BASE[endpoint]["prompt"]}
+                           if endpoint == "completions" else {"messages": BASE[endpoint]["messages"]})}).json()["tokens"]
+    assert len(entries) == len(prompt_ids)
+    unlikely = 0
+    for position, token in zip(entries[1:], prompt_ids[1:], strict=True):
+        own = position[str(token)]
+        assert list(position)[0] == str(token)  # the prompt token first, as vLLM orders them
+        best = sorted(((e["logprob"], t) for t, e in position.items() if t != str(token)), reverse=True)
+        ranked = [position[t]["rank"] for _, t in best]
+        if own["rank"] <= 3:  # among the best three: it holds its own rank, the others the remaining ones
+            assert sorted(ranked + [own["rank"]]) == [1, 2, 3]
+        else:  # below them: the best three are 1..3, each at least as likely as the prompt token
+            unlikely += 1
+            assert ranked == [1, 2, 3] and all(lp >= own["logprob"] for lp, _ in best)
+    assert unlikely, "every prompt token was among the model's best three: the prompt shows no true rank"
