@@ -6,14 +6,20 @@ from kvrelay.gateway.api.tokenizer_pool import ModelTokenizer
 from kvrelay.shared.wire.protocol import TopLogprobs
 
 
-def completion_logprobs(entries: list[TokenLogprob]) -> dict:
+def _name(token_id: int, text: str, as_ids: bool) -> str:
+    """A token as logprobs show it: its text, or vLLM's ``token_id:N`` (return_tokens_as_token_ids) for
+    clients that need the id, which text does not give back (bytes split across tokens, specials)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def completion_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> dict:
     top = []
     for e in entries:
-        alternatives = {text: lp for _, text, lp in e.top}
-        alternatives.setdefault(e.token, e.logprob)  # the sampled token is always listed (vLLM)
+        alternatives = {_name(tid, text, as_ids): lp for tid, text, lp in e.top}
+        alternatives.setdefault(_name(e.token_id, e.token, as_ids), e.logprob)  # the sampled token: always (vLLM)
         top.append(alternatives)
     return {
-        "tokens": [e.token for e in entries],
+        "tokens": [_name(e.token_id, e.token, as_ids) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": top,
         "text_offset": [e.text_offset for e in entries],
@@ -24,12 +30,15 @@ def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-    return {"content": [
-        {"token": e.token, "logprob": e.logprob, "bytes": _utf8(e.token),
-         "top_logprobs": [{"token": text, "logprob": lp, "bytes": _utf8(text)} for _, text, lp in e.top]}
-        for e in entries
-    ]}
+def chat_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> dict:
+    content = []
+    for e in entries:
+        token = _name(e.token_id, e.token, as_ids)
+        top = [_name(tid, text, as_ids) for tid, text, _ in e.top]
+        content.append({"token": token, "logprob": e.logprob, "bytes": _utf8(token),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": _utf8(t)}
+                                         for t, (_, _, lp) in zip(top, e.top, strict=True)]})
+    return {"content": content}
 
 
 def prompt_logprobs(tokenizer: ModelTokenizer, entries: list[TopLogprobs | None] | None,

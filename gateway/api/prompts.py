@@ -150,10 +150,17 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, ad
     """``messages``: the body's ``template_messages()`` when the caller has them already."""
     if messages is None:
         messages = body.template_messages()
-    text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+    text = await _render(tokenizer, body, messages, body.chat_template_kwargs)
     await _check_template_uses(tokenizer, body, messages, text)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def _render(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
+                  template_kwargs: dict | None) -> str:
+    if body.continue_final_message:  # transformers cuts the text after the final message's content
+        template_kwargs = {**(template_kwargs or {}), "continue_final_message": True}
+    return await tokenizer.render_chat(messages, body.add_generation_prompt, template_kwargs)
 
 
 # Distinct message fields besides role and content one request may carry: each costs a render below.
@@ -166,7 +173,7 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
     chat_template_kwargs it renders. One it ignores would be accepted and ignored: a 400 naming it, found by
     rendering again without it (only when a request carries such fields, which most do not)."""
     if body.chat_template_kwargs and \
-            await tokenizer.render_chat(messages, body.add_generation_prompt, None) == text:
+            await _render(tokenizer, body, messages, None) == text:
         raise bad_request("chat_template_kwargs have no effect on this model's chat template", "chat_template_kwargs")
     extra = sorted({k for m in messages for k in m} - {"role", "content"})
     if len(extra) > MAX_MESSAGE_FIELDS:
@@ -174,7 +181,7 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
                           f"{MAX_MESSAGE_FIELDS} are accepted", "messages")
     for key in extra:
         without = [{k: v for k, v in m.items() if k != key} for m in messages]
-        if await tokenizer.render_chat(without, body.add_generation_prompt, body.chat_template_kwargs) == text:
+        if await _render(tokenizer, body, without, body.chat_template_kwargs) == text:
             first = next(i for i, m in enumerate(messages) if key in m)
             raise bad_request(f"messages.{first}.{key} has no effect on this model's chat template",
                               f"messages.{first}.{key}")

@@ -41,6 +41,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
+
+    def check(self) -> None:
+        for name in sorted(self.model_extra or {}):
+            raise bad_request(f"Unrecognized stream option: {name}", f"stream_options.{name}")
+        if self.continuous_usage_stats and not self.include_usage:
+            raise bad_request("continuous_usage_stats requires include_usage", "stream_options.continuous_usage_stats")
 
 
 # Fields of OpenAI's or vLLM's request that kvrelay does not implement, each with the values that ask for
@@ -70,6 +77,13 @@ class _SamplingRequest(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    # OpenAI's fields that ask for nothing kvrelay would do differently; values that ask for something it does
+    # not do (store: true, a paid tier) are refused in check_noop_fields
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes by itself
+    safety_identifier: str | None = None
     # vLLM extras
     top_k: int = Field(default=-1, lt=INT64)  # past the vocabulary it is off; past int64 it cannot travel
     min_p: float = 0.0
@@ -82,6 +96,7 @@ class _SamplingRequest(_Body):
     prompt_logprobs: int | None = None
     priority: int = Field(default=0, ge=-INT64, lt=INT64)
     cache_salt: str | None = Field(default=None, max_length=256)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's), for ids text loses
     # OpenAI's: token id (a string, as JSON keys are) -> bias; limits in SamplingParams, ids checked
     # against the model's vocabulary in prompts.py
     logit_bias: dict[str, Any] | None = None  # keys and values checked in _logit_bias, the 400 naming logit_bias
@@ -97,6 +112,18 @@ class _SamplingRequest(_Body):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+    def check_noop_fields(self) -> None:
+        if self.store:
+            raise bad_request("store: true is not supported: this server keeps no completions", "store")
+        if self.service_tier not in (None, "auto"):
+            raise bad_request(f"service_tier {self.service_tier!r} is not supported (only 'auto')", "service_tier")
+        if self.stream_options is not None:
+            self.stream_options.check()
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def include_usage(self) -> bool:
@@ -182,6 +209,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the final (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None
 
     def sampling_params(self, remaining_context: int) -> SamplingParams:
@@ -196,6 +224,13 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as plain dicts for the chat template; role and emptiness checked."""
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            # both would open a new message after the final one and continue it (vLLM refuses the pair too)
+            raise bad_request("continue_final_message requires add_generation_prompt to be false",
+                              "continue_final_message")
+        if self.chat_template_kwargs and "continue_final_message" in self.chat_template_kwargs:
+            raise bad_request("continue_final_message is a request field, not a chat template argument",
+                              "chat_template_kwargs")
         out = []
         for i, message in enumerate(self.messages):
             if message.role not in CHAT_ROLES:
@@ -230,6 +265,7 @@ def parse(model_cls: type[T], body: Any) -> T:
         raise bad_request("model must be a string, not null (leave it out for the only model)", "model")
     parsed = validate(model_cls, body)
     if isinstance(parsed, _SamplingRequest):
+        parsed.check_noop_fields()
         parsed.check_unsupported()
     for name in sorted(parsed.model_extra or {}):
         if not (isinstance(parsed, _SamplingRequest) and name in UNSUPPORTED_FIELDS):  # those: checked above

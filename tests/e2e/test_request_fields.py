@@ -67,6 +67,11 @@ def prompt_logprobs(r: httpx.Response) -> Any:
     return body.get("prompt_logprobs", body["choices"][0].get("prompt_logprobs"))
 
 
+def usage_chunks(r: httpx.Response) -> int:
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return sum(1 for e in events if e.get("usage"))
+
+
 def choices(r: httpx.Response) -> int:
     return len(r.json()["choices"])
 
@@ -120,6 +125,9 @@ SHARED: dict[str, Coverage] = {
     "stream_options": Effect({"stream_options": {"include_usage": True}}, usage_chunk, base={"stream": True}),
     "stream_options.include_usage": Effect({"stream_options": {"include_usage": True}}, usage_chunk,
                                            base={"stream": True}),
+    "stream_options.continuous_usage_stats": Effect(
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, usage_chunks,
+        base={"stream": True, "stream_options": {"include_usage": True}}),
     "stop": Effect({"stop": "Paris"}, text),
     # past EOS the answer repeats itself: penalties on output tokens have something to act on
     "presence_penalty": Effect({"presence_penalty": 2.0}, text, base={"max_tokens": 16, "ignore_eos": True}),
@@ -127,6 +135,14 @@ SHARED: dict[str, Coverage] = {
     "repetition_penalty": Effect({"repetition_penalty": 1.5}, text),
     "user": Justified("OpenAI's end-user id for the provider's abuse monitoring: it cannot change an answer, "
                       "and kvrelay keeps no per-user record; accepted because OpenAI SDKs send it"),
+    "store": Rejected({"store": True}),  # false asks for nothing (tests/integration/test_openai_fields.py)
+    "metadata": Justified("OpenAI's tags for stored completions; kvrelay stores none, so they cannot change "
+                          "an answer; accepted as OpenAI accepts them"),
+    "service_tier": Rejected({"service_tier": "flex"}),  # "auto" asks for nothing
+    "prompt_cache_key": Justified("OpenAI's hint for routing to a cache; kvrelay's prefix cache and prefix "
+                                  "affinity find shared prefixes by themselves, so it cannot change an answer"),
+    "safety_identifier": Justified("OpenAI's end-user id for abuse monitoring, like user: it cannot change an "
+                                   "answer and kvrelay keeps no per-user record"),
     "ignore_eos": Effect({"ignore_eos": True}, tokens, base=EOS_FIRST),
     "min_tokens": Effect({"min_tokens": 2}, tokens, base=EOS_FIRST),
     "stop_token_ids": Effect({"stop_token_ids": [PARIS]}, text),
@@ -146,6 +162,7 @@ FIELDS: dict[str, dict[str, Coverage]] = {
         **SHARED,
         "prompt": Effect({"prompt": "The capital of Germany is"}, text),
         "logprobs": Effect({"logprobs": 1}, logprobs),
+        "return_tokens_as_token_ids": Effect({"return_tokens_as_token_ids": True}, logprobs, base={"logprobs": 1}),
         "echo": Rejected({"echo": True}),
     },
     "chat": {
@@ -163,9 +180,14 @@ FIELDS: dict[str, dict[str, Coverage]] = {
                                     "messages.0.name"),
         "chat_template_kwargs": Rejected({"chat_template_kwargs": {"enable_thinking": False}}),
         "logprobs": Effect({"logprobs": True}, logprobs),
+        "return_tokens_as_token_ids": Effect({"return_tokens_as_token_ids": True}, logprobs,
+                                             base={"logprobs": True}),
         "top_logprobs": Effect({"top_logprobs": 3}, logprobs, base={"logprobs": True}),
         "max_completion_tokens": Effect({"max_completion_tokens": 2}, tokens),
         "add_generation_prompt": Effect({"add_generation_prompt": False}, text),
+        "continue_final_message": Effect({"continue_final_message": True}, text, base={
+            "add_generation_prompt": False, "messages": [{"role": "user", "content": "What is the capital of France?"},
+                                                         {"role": "assistant", "content": "The capital of France is"}]}),
     },
 }
 UNSUPPORTED_SAMPLES = {
