@@ -6,7 +6,7 @@ from kvrelay.gateway.api.tokenizer_pool import ModelTokenizer
 from kvrelay.shared.wire.protocol import TopLogprobs
 
 
-def _name(token_id: int, text: str, as_ids: bool) -> str:
+def token_name(token_id: int, text: str, as_ids: bool) -> str:
     """A token as logprobs show it: its text, or vLLM's ``token_id:N`` (return_tokens_as_token_ids) for
     clients that need the id, which text does not give back (bytes split across tokens, specials)."""
     return f"token_id:{token_id}" if as_ids else text
@@ -15,11 +15,11 @@ def _name(token_id: int, text: str, as_ids: bool) -> str:
 def completion_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> dict:
     top = []
     for e in entries:
-        alternatives = {_name(tid, text, as_ids): lp for tid, text, lp in e.top}
-        alternatives.setdefault(_name(e.token_id, e.token, as_ids), e.logprob)  # the sampled token: always (vLLM)
+        alternatives = {token_name(tid, text, as_ids): lp for tid, text, lp in e.top}
+        alternatives.setdefault(token_name(e.token_id, e.token, as_ids), e.logprob)  # the sampled token: always (vLLM)
         top.append(alternatives)
     return {
-        "tokens": [_name(e.token_id, e.token, as_ids) for e in entries],
+        "tokens": [token_name(e.token_id, e.token, as_ids) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": top,
         "text_offset": [e.text_offset for e in entries],
@@ -33,8 +33,8 @@ def _utf8(text: str) -> list[int]:
 def chat_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> dict:
     content = []
     for e in entries:
-        token = _name(e.token_id, e.token, as_ids)
-        top = [_name(tid, text, as_ids) for tid, text, _ in e.top]
+        token = token_name(e.token_id, e.token, as_ids)
+        top = [token_name(tid, text, as_ids) for tid, text, _ in e.top]
         content.append({"token": token, "logprob": e.logprob, "bytes": _utf8(token),
                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _utf8(t)}
                                          for t, (_, _, lp) in zip(top, e.top, strict=True)]})

@@ -145,7 +145,8 @@ class _SamplingRequest(_Body):
             bias[int(key)] = value
         return bias
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -160,7 +161,8 @@ class _SamplingRequest(_Body):
                 stop_token_ids=list(self.stop_token_ids or []),
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
             )
         except ValueError as exc:
@@ -174,10 +176,14 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            # the echoed prompt's tokens carry logprobs too: the worker computes them as prompt logprobs
+            if self.stream:
+                raise bad_request("echo with logprobs is not supported when streaming", "echo")
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
         # OpenAI's and vLLM's completions default: 16 tokens.
-        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(_Body):

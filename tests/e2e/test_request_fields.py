@@ -163,7 +163,7 @@ FIELDS: dict[str, dict[str, Coverage]] = {
         "prompt": Effect({"prompt": "The capital of Germany is"}, text),
         "logprobs": Effect({"logprobs": 1}, logprobs),
         "return_tokens_as_token_ids": Effect({"return_tokens_as_token_ids": True}, logprobs, base={"logprobs": 1}),
-        "echo": Rejected({"echo": True}),
+        "echo": Effect({"echo": True}, text),
     },
     "chat": {
         **SHARED,
@@ -379,3 +379,19 @@ def test_prompt_logprobs_rank_the_prompt_token_in_the_whole_vocabulary(http, end
             unlikely += 1
             assert ranked == [1, 2, 3] and all(lp >= own["logprob"] for lp, _ in best)
     assert unlikely, "every prompt token was among the model's best three: the prompt shows no true rank"
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(http):
+    body = {**BASE["completions"], "max_tokens": 2, "logprobs": 2}
+    echoed = ok(http, {**body, "echo": True}).json()["choices"][0]
+    plain = ok(http, {**body, "prompt_logprobs": 2}).json()["choices"][0]
+    prompt = BASE["completions"]["prompt"]
+    assert echoed["text"] == prompt + plain["text"]
+    n = len(plain["prompt_logprobs"])
+    lp = echoed["logprobs"]
+    assert lp["tokens"][n:] == plain["logprobs"]["tokens"] and lp["token_logprobs"][0] is None
+    for i, entry in enumerate(plain["prompt_logprobs"][1:], start=1):
+        own = next(iter(entry.values()))  # the prompt token first
+        assert lp["token_logprobs"][i] == pytest.approx(own["logprob"], abs=1e-5)
+        assert lp["tokens"][i] == own["decoded_token"]
+    assert lp["text_offset"][n] == len(prompt)

@@ -141,3 +141,33 @@ def test_continue_final_message_leaves_the_final_message_open(stack):
     assert "add_generation_prompt" in assert_400(r, "continue_final_message")
     r = post(stack, {**body, "chat_template_kwargs": {"continue_final_message": True}})
     assert_400(r, "chat_template_kwargs")
+
+
+def test_echo_puts_the_prompt_before_the_text(stack):
+    out = post(stack, {**PROMPT, "prompt": ["hello there", "the lazy dog"], "echo": True, "n": 2}).json()
+    assert sorted(c["text"] for c in out["choices"]) == sorted(
+        [p + stack.tokenizer.decode(stack.tokenizer.encode(REPLY)[:4]) for p in ("hello there", "the lazy dog")] * 2)
+    ids = stack.tokenizer.encode("hello there")
+    by_ids = post(stack, {**PROMPT, "prompt": ids, "echo": True}).json()["choices"][0]["text"]
+    assert by_ids.startswith("hello there")
+    # streamed: each choice opens with its prompt
+    chunks = events(post(stack, {**PROMPT, "echo": True, "stream": True}))
+    assert chunks[0]["choices"][0]["text"] == "hi"
+    assert "".join(e["choices"][0]["text"] for e in chunks) == "hi" + stack.tokenizer.decode(
+        stack.tokenizer.encode(REPLY)[:4])
+
+
+def test_echo_with_logprobs_covers_the_prompt_tokens(stack):
+    ids = stack.tokenizer.encode("hello there")
+    choice = post(stack, {**PROMPT, "prompt": "hello there", "echo": True, "logprobs": 1}).json()["choices"][0]
+    lp = choice["logprobs"]
+    out_ids = stack.tokenizer.encode(REPLY)[:4]
+    assert lp["tokens"] == [stack.tokenizer.decode([t]) for t in ids + out_ids]
+    # the harness's worker gives every prompt token -1.0 and every output token -0.5
+    assert lp["token_logprobs"] == [None] + [-1.0] * (len(ids) - 1) + [-0.5] * 4
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {stack.tokenizer.decode([ids[1]]): -1.0}
+    assert lp["text_offset"][len(ids)] == len("hello there")  # the first output token starts after the prompt
+    assert choice["text"][lp["text_offset"][-1]:] == lp["tokens"][-1]
+    assert choice["prompt_logprobs"] is None  # not asked for
+    r = post(stack, {**PROMPT, "echo": True, "logprobs": 1, "stream": True})
+    assert "stream" in assert_400(r, "echo")
