@@ -74,6 +74,7 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
             params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
     check_token_ids(params.stop_token_ids, model, "stop_token_ids")
     check_token_ids(list(params.logit_bias or ()), model, "logit_bias")
+    check_token_ids(params.allowed_token_ids or [], model, "allowed_token_ids")
     _check_jobs(len(prompts), params)
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),

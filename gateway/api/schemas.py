@@ -57,7 +57,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "structured_outputs": (None,), "bad_words": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
@@ -100,6 +100,7 @@ class _SamplingRequest(_Body):
     # OpenAI's: token id (a string, as JSON keys are) -> bias; limits in SamplingParams, ids checked
     # against the model's vocabulary in prompts.py
     logit_bias: dict[str, Any] | None = None  # keys and values checked in _logit_bias, the 400 naming logit_bias
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's; ids checked against the vocabulary in prompts.py
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -163,7 +164,7 @@ class _SamplingRequest(_Body):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                logit_bias=logit_bias,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as exc:
             message = str(exc)

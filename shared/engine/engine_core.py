@@ -97,6 +97,9 @@ class EngineCore:
         bad = [t for t in params.logit_bias or () if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.allowed_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
             raise ValueError(

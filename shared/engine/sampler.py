@@ -4,7 +4,8 @@ One call handles one decode/prefill step for ``S`` sequences. Processing order f
 
 1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
 2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch
-   (each request's bias becomes host tensors once, kept until ``free``);
+   (each request's bias becomes host tensors once, kept until ``free``); then allowed_token_ids (vLLM):
+   every other token of the row gets ``-inf``;
 3. repetition penalty (HF, over prompt + output tokens);
 4. frequency and presence penalties (OpenAI, over output tokens only);
 5. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
@@ -127,6 +128,26 @@ def apply_logit_bias(logits: Tensor, biases: Sequence[tuple[Tensor, Tensor] | No
     return logits.reshape(-1).index_add(0, flat, added).view(num_rows, vocab)
 
 
+def apply_allowed_tokens(logits: Tensor, allowed: Sequence[Tensor | None]) -> Tensor:
+    """-inf for every token outside row i's ``allowed[i]`` (int64 ids on the host; None: every token).
+    Returns a new tensor; ids outside the vocabulary are dropped (the engine core refuses them)."""
+    num_rows, vocab = logits.shape
+    rows = [i for i, a in enumerate(allowed) if a is not None]
+    if not rows:
+        return logits
+    token = torch.cat([allowed[i] for i in rows])  # [N]
+    counts = torch.tensor([allowed[i].numel() for i in rows])
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)  # [N]
+    keep = (token >= 0) & (token < vocab)
+    flat = _to_device((row * vocab + token)[keep], torch.int64, logits.device)  # [N']
+    restricted = torch.zeros(num_rows, dtype=torch.bool)
+    restricted[rows] = True
+    # [S, V]: True where a restricted row may not sample
+    banned = _to_device(restricted, torch.bool, logits.device).unsqueeze(1).expand(num_rows, vocab).contiguous()
+    banned.view(-1)[flat] = False
+    return logits.masked_fill(banned, float("-inf"))
+
+
 def apply_penalties(
     logits: Tensor,
     prompt_token_ids: Sequence[Sequence[int]],
@@ -237,10 +258,12 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         # request id -> (its logit_bias dict, that dict as host tensors), until ``free``
         self._biases: dict[str, tuple[dict[int, float], tuple[Tensor, Tensor]]] = {}
+        self._allowed: dict[str, tuple[list[int], Tensor]] = {}  # request id -> allowed_token_ids as a tensor
 
     def free(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._biases.pop(request_id, None)
+        self._allowed.pop(request_id, None)
 
     def _bias_tensors(self, request: Request) -> tuple[Tensor, Tensor] | None:
         bias = request.sampling_params.logit_bias
@@ -249,6 +272,15 @@ class Sampler:
         cached = self._biases.get(request.request_id)
         if cached is None or cached[0] is not bias:  # "is": a reused id with other params is rebuilt
             cached = self._biases[request.request_id] = (bias, logit_bias_tensors(bias))
+        return cached[1]
+
+    def _allowed_tensor(self, request: Request) -> Tensor | None:
+        allowed = request.sampling_params.allowed_token_ids
+        if not allowed:
+            return None
+        cached = self._allowed.get(request.request_id)
+        if cached is None or cached[0] is not allowed:  # "is": a reused id with other params is rebuilt
+            cached = self._allowed[request.request_id] = (allowed, torch.tensor(allowed, dtype=torch.int64))
         return cached[1]
 
     def restart_shared_stream(self) -> None:
@@ -331,6 +363,8 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
+        if any(p.allowed_token_ids for p in params):
+            logits = apply_allowed_tokens(logits, [self._allowed_tensor(r) for r in requests])
         if any(penalized(p) for p in params):
             logits = apply_penalties(
                 logits,
@@ -447,6 +481,7 @@ __all__ = [
     "DeviceSample",
     "SampleResult",
     "Sampler",
+    "apply_allowed_tokens",
     "apply_logit_bias",
     "apply_min_tokens",
     "apply_penalties",

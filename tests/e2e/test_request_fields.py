@@ -154,6 +154,7 @@ SHARED: dict[str, Coverage] = {
     # the fixture sends BASE once, so the base request finds its prompt cached and a new salt does not
     "cache_salt": Effect({"cache_salt": "audit-salt"}, cached),
     "logit_bias": Effect({"logit_bias": {str(PARIS): -100}}, text),
+    "allowed_token_ids": Effect({"allowed_token_ids": [1010]}, text),
 }
 
 GERMANY = "What is the capital of Germany?"
@@ -194,7 +195,7 @@ UNSUPPORTED_SAMPLES = {
     "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"}, "allowed_token_ids": [PARIS],
+    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"},
     "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
     "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["audio"], "reasoning_effort": "low",
@@ -395,3 +396,18 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(http):
         assert lp["token_logprobs"][i] == pytest.approx(own["logprob"], abs=1e-5)
         assert lp["tokens"][i] == own["decoded_token"]
     assert lp["text_offset"][n] == len(prompt)
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_allowed_token_ids_are_the_only_tokens_sampled(http, endpoint):
+    allowed = [PARIS, 1010, 28, EOS]
+    for seed in range(3):
+        body = {**BASE[endpoint], **SAMPLED, "seed": seed, "max_tokens": 8, "allowed_token_ids": allowed,
+                "logprobs": 1 if endpoint == "completions" else True, "return_tokens_as_token_ids": True}
+        lp = ok(http, body).json()["choices"][0]["logprobs"]
+        names = lp["tokens"] if endpoint == "completions" else [c["token"] for c in lp["content"]]
+        assert names and {int(n.split(":")[1]) for n in names} <= set(allowed), names
+    for bad, why in (([], "non-empty"), ([VOCAB], "out of vocabulary"), ([-1], "non-negative"), (["5"], "")):
+        r = post(http, {**BASE[endpoint], "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("allowed_token_ids"), r.text
+        assert why in r.json()["error"]["message"]

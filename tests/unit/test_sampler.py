@@ -9,6 +9,7 @@ import kvrelay.shared.engine.sampler as sampler_module
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import (
     Sampler,
+    apply_allowed_tokens,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
@@ -416,3 +417,22 @@ def test_rejects_mismatched_rows() -> None:
         Sampler()(torch.zeros(2, 4), [make_request()])
     with pytest.raises(ValueError):
         prompt_logprobs(torch.zeros(2, 4), [1], k=1)
+
+
+def test_allowed_token_ids_mask_every_other_token() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    allowed = [3, 17, 41]
+    reqs = [make_request(f"a{i}", temperature=t, allowed_token_ids=allowed, seed=i)
+            for i, t in enumerate((0.0, 1.0, 2.0))] + [make_request("free", temperature=0.0)]
+    sampler = Sampler(seed=1)
+    for _ in range(20):
+        out = sampler(logits, reqs)
+        assert all(r.token_id in allowed for r in out[:3])
+    assert out[0].token_id == max(allowed, key=lambda t: float(logits[0, t]))  # greedy: the best allowed one
+    assert out[3].token_id == int(logits[3].argmax())  # a row without the field is untouched
+    masked = apply_allowed_tokens(logits, [torch.tensor(allowed), None, None, None])
+    assert torch.isinf(masked[0]).sum() == 50 - len(allowed) and torch.equal(masked[1:], logits[1:])
+    # out-of-vocabulary ids are dropped, not written into another row
+    masked = apply_allowed_tokens(logits, [torch.tensor([3, 50, 120]), None, None, None])
+    assert torch.isfinite(masked[0]).sum() == 1 and torch.equal(masked[1:], logits[1:])
