@@ -22,6 +22,11 @@ _MIN_LOGPROB = -9999.0
 _MAX_PENDING_EVENTS = 4096
 
 
+def _first(items: list, k: int) -> list:
+    """The first k; k = -1 (the whole vocabulary) is all of them."""
+    return items if k < 0 else items[:k]
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -179,6 +184,6 @@ class ChoiceState:
         top = event.top_logprobs[i] if event.top_logprobs is not None else []
         return TokenLogprob(
             token_id=token_id, token=text(token_id), logprob=logprob,
-            top=[(tid, text(tid), max(lp, _MIN_LOGPROB)) for tid, lp in top[: self.params.logprobs or 0]],
+            top=[(tid, text(tid), max(lp, _MIN_LOGPROB)) for tid, lp in _first(top, self.params.logprobs or 0)],
             text_offset=self._raw_len,
         )

@@ -70,11 +70,29 @@ def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
         raise bad_request(f"{num_prompts} prompts x n={params.n} exceeds {MAX_JOBS_PER_REQUEST} choices", "n")
 
 
+def _check_logprobs(params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
+                    max_logprobs: int) -> None:
+    """``--max-logprobs`` (vLLM's): each logprobs count the request asks for, -1 counting as the vocabulary."""
+    if max_logprobs < 0:
+        return
+    field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+    # echo with logprobs asks for prompt logprobs under the logprobs field's name
+    prompt_field = "prompt_logprobs" if body.prompt_logprobs is not None else field
+    for name, value in ((field, params.logprobs), (prompt_field, params.prompt_logprobs)):
+        wanted = model.vocab_size if value == -1 else value
+        if wanted is not None and wanted > max_logprobs:
+            whole = " (-1: the whole vocabulary)" if value == -1 else ""
+            raise bad_request(f"{name} asks for {wanted} logprobs per token{whole}; this server allows at most "
+                              f"{max_logprobs} (--max-logprobs)", name)
+
+
 def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
-            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
+            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
+            max_logprobs: int) -> Prepared:
     check_token_ids(params.stop_token_ids, model, "stop_token_ids")
     check_token_ids(list(params.logit_bias or ()), model, "logit_bias")
     check_token_ids(params.allowed_token_ids or [], model, "allowed_token_ids")
+    _check_logprobs(params, body, model, max_logprobs)
     _check_jobs(len(prompts), params)
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
@@ -143,7 +161,7 @@ async def _prepare_completion(app: web.Application, body: CompletionRequest, ten
         check_token_ids(ids, model, "prompt")
         check_length(len(ids), params.max_tokens, model, "prompt", "prompt")
         prompts.append(ids)
-    return _finish(served, model, tokenizer, prompts, params, body, tenant)
+    return _finish(served, model, tokenizer, prompts, params, body, tenant, app[CONFIG].max_logprobs)
 
 
 async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, add_special_tokens: bool = False,
@@ -207,4 +225,4 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
         body.max_tokens = default_chat_max_tokens(model, app[CONFIG], remaining)
     params = body.sampling_params(remaining_context=remaining)
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
-    return _finish(served, model, tokenizer, [ids], params, body, tenant)
+    return _finish(served, model, tokenizer, [ids], params, body, tenant, app[CONFIG].max_logprobs)

@@ -66,7 +66,7 @@ class DeviceSample:
             top = None
             if want is not None:
                 ids, lps = row[2 : 2 + k], row[2 + k :]
-                top = [(int(ids[j]), lps[j]) for j in range(want)]
+                top = [(int(ids[j]), lps[j]) for j in range(k if want < 0 else want)]  # -1: all k (the vocabulary)
             results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
         return results
 
@@ -342,7 +342,8 @@ class Sampler:
 
         if not need_logprobs:
             return DeviceSample(chosen, None, wanted, 0)
-        k = max((w for w in wanted if w is not None), default=0)
+        vocab = logits.shape[1]
+        k = max((vocab if w < 0 else min(w, vocab) for w in wanted if w is not None), default=0)  # -1: every token
         return DeviceSample(chosen, _pack_topk(raw_logprobs, chosen, k), wanted, k)
 
     def _penalize(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> Tensor:
@@ -457,7 +458,7 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[P
         raise ValueError(f"{num_rows} logit rows for {len(next_token_ids)} next tokens")
     if num_rows == 0:
         return []
-    k = min(k, vocab)
+    k = vocab if k < 0 else min(k, vocab)  # -1: the whole vocabulary
     targets = _to_device(next_token_ids, torch.int64, logits.device)  # [q]
     chunk = max(1, _PROMPT_LOGPROBS_CHUNK_ELEMENTS // vocab)
     packed_chunks = []

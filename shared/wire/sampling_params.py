@@ -80,8 +80,9 @@ class SamplingParams:
             fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
+            # -1: the whole vocabulary (vLLM's); a server bounds who may ask for it (the gateway's --max-logprobs)
+            if value is not None and (not isinstance(value, int) or not -1 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be in [0, {MAX_LOGPROBS}] or -1 (the whole vocabulary), got {value!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -244,7 +244,8 @@ def test_every_schema_field_is_in_the_table(endpoint):
 def http(smollm2_dir, tmp_path_factory):
     with EmbeddedRedis() as redis_url:
         cluster = Cluster(redis_url, str(smollm2_dir), ENGINE, tmp_path_factory.mktemp("request-fields"))
-        cluster.start_gateway(extra=["--enable-prompt-tokens-details"])  # cache_salt's effect reads cached_tokens
+        # cache_salt's effect reads cached_tokens; logprobs of -1 (the whole vocabulary) need the bound lifted
+        cluster.start_gateway(extra=["--enable-prompt-tokens-details", "--max-logprobs", "-1"])
         cluster.start_worker("unified", "u1")
         try:
             cluster.wait_ready(timeout=300)
@@ -411,3 +412,16 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(http, endpoint):
         r = post(http, {**BASE[endpoint], "allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("allowed_token_ids"), r.text
         assert why in r.json()["error"]["message"]
+
+
+def test_logprobs_of_minus_one_are_the_whole_vocabulary(http):
+    """With --max-logprobs -1 (the default 20 refuses it: tests/integration/test_openai_fields.py)."""
+    body = {**BASE["completions"], "max_tokens": 1, "return_tokens_as_token_ids": True}  # ids: keys stay unique
+    top = ok(http, {**body, "logprobs": -1}).json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) == VOCAB and {int(k.split(":")[1]) for k in top} == set(range(VOCAB))
+    assert max(top.values()) == top[f"token_id:{PARIS}"]  # greedy took the best
+    chat = ok(http, {**BASE["chat"], "max_tokens": 1, "logprobs": True, "top_logprobs": -1}).json()
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == VOCAB
+    positions = prompt_logprobs(ok(http, {**BASE["completions"], "max_tokens": 1, "prompt_logprobs": -1}))
+    assert all(len(p) == VOCAB and sorted(e["rank"] for e in p.values()) == list(range(1, VOCAB + 1))
+               for p in positions[1:])

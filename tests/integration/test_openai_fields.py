@@ -171,3 +171,26 @@ def test_echo_with_logprobs_covers_the_prompt_tokens(stack):
     assert choice["prompt_logprobs"] is None  # not asked for
     r = post(stack, {**PROMPT, "echo": True, "logprobs": 1, "stream": True})
     assert "stream" in assert_400(r, "echo")
+
+
+@pytest.mark.parametrize("body, field", [
+    ({**PROMPT, "logprobs": -1}, "logprobs"),
+    ({**PROMPT, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({**PROMPT, "echo": True, "logprobs": -1}, "logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({**CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
+])
+def test_the_whole_vocabulary_is_past_the_default_max_logprobs(stack, body, field):
+    message = assert_400(post(stack, body), field)
+    assert "--max-logprobs" in message and "at most 20" in message
+
+
+def test_max_logprobs_bounds_and_unbounds(tmp_path):
+    with running_stack(tmp_path / "two", max_logprobs=2) as two:
+        assert "at most 2 " in assert_400(post(two, {**PROMPT, "logprobs": 3}), "logprobs")
+        assert post(two, {**PROMPT, "logprobs": 2}).status_code == 200
+    with running_stack(tmp_path / "all", max_logprobs=-1) as unbounded:
+        r = post(unbounded, {**PROMPT, "logprobs": -1, "prompt_logprobs": -1})
+        assert r.status_code == 200, r.text
+        # the harness's worker knows three alternatives; every one it sent is shown, none cut off
+        assert all(len(top) == 3 for top in r.json()["choices"][0]["logprobs"]["top_logprobs"])

@@ -436,3 +436,16 @@ def test_allowed_token_ids_mask_every_other_token() -> None:
     # out-of-vocabulary ids are dropped, not written into another row
     masked = apply_allowed_tokens(logits, [torch.tensor([3, 50, 120]), None, None, None])
     assert torch.isfinite(masked[0]).sum() == 1 and torch.equal(masked[1:], logits[1:])
+
+
+def test_logprobs_of_minus_one_cover_the_whole_vocabulary() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 30)
+    raw = torch.log_softmax(logits, dim=-1)
+    out = Sampler()(logits, [make_request("all", temperature=0.0, logprobs=-1), make_request("two", logprobs=2)])
+    assert [t for t, _ in out[0].top_logprobs] == raw[0].argsort(descending=True).tolist()
+    assert len(out[1].top_logprobs) == 2
+    entries = prompt_logprobs(logits, [4, 9], k=-1)
+    assert all(len(e) == 30 for e in entries)
+    assert sorted(lp.rank for lp in entries[0].values() if lp is not entries[0][4]) == \
+        [r for r in range(1, 31) if r != entries[0][4].rank]
