@@ -23,35 +23,40 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             meter.generation = gen
             base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
             if body.stream:
-                return await _stream(request, gen, base, body.include_usage, prepared)
+                return await _stream(request, gen, base, body.include_usage, body.continuous_usage,
+                                     body.return_tokens_as_token_ids, prepared)
             async for _ in gen:
                 pass
+            as_ids = body.return_tokens_as_token_ids
             choices = []
             for c in gen.choices:
                 message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
                 choices.append({
                     "index": c.index,
                     "message": message,
-                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "logprobs": chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None else None,
                     "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 })
             response = {**base, "object": "chat.completion", "choices": choices, "usage": gen.usage(),
-                        "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs)}
+                        "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs,
+                                                                 gen.choices[0].prompt_logprob_ranks)}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
 async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool,
-                  prepared: Prepared) -> web.StreamResponse:
+                  continuous_usage: bool, as_ids: bool, prepared: Prepared) -> web.StreamResponse:
     base = {**base, "object": "chat.completion.chunk"}
-    usage_field = {"usage": None} if include_usage else {}
+
+    def usage_field() -> dict:  # continuous_usage_stats (vLLM's): the usage so far in every chunk, not null
+        return {"usage": gen.usage() if continuous_usage else None} if include_usage else {}
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
               stop_reason: int | str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        return {**base, "choices": [choice], **usage_field}
+        return {**base, "choices": [choice], **usage_field()}
 
     # Like OpenAI and vLLM: every choice opens with a chunk that carries only the role.
     head = [chunk(c.index, {"role": "assistant", "content": ""}) for c in gen.choices]
@@ -64,7 +69,7 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
 
         def tool_chunks(delta: ChoiceDelta) -> list[dict]:
             deltas, finish_reason = calls[delta.index].feed(delta.text, delta.finish_reason)
-            logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+            logprobs = chat_logprobs(delta.logprobs, as_ids) if delta.logprobs else None
             if logprobs is not None and not deltas:  # the text is held back; its logprobs are not
                 deltas = [{}]
             out = [chunk(delta.index, d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
@@ -78,7 +83,7 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return []
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs is not None else None
+        logprobs = chat_logprobs(delta.logprobs, as_ids) if delta.logprobs is not None else None
         return [chunk(delta.index, content, logprobs, delta.finish_reason, delta.stop_reason)]
 
     return await sse.stream(request, gen, head=head, chunks=chunks, tail=tail)

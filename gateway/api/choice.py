@@ -22,6 +22,11 @@ _MIN_LOGPROB = -9999.0
 _MAX_PENDING_EVENTS = 4096
 
 
+def _first(items: list, k: int) -> list:
+    """The first k; k = -1 (the whole vocabulary) is all of them."""
+    return items if k < 0 else items[:k]
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -53,6 +58,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list | None = None
+    prompt_logprob_ranks: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -136,6 +142,7 @@ class ChoiceState:
     def _apply(self, event: TokenEvent, delta: ChoiceDelta, pieces: list[str]) -> None:
         if event.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_logprob_ranks = event.prompt_logprob_ranks
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         # EOS or a stop token id ends generation; its text is not output unless asked for (vLLM).
         stop_token = (event.finish_reason == "stop" and not isinstance(event.stop_reason, str)
@@ -177,6 +184,6 @@ class ChoiceState:
         top = event.top_logprobs[i] if event.top_logprobs is not None else []
         return TokenLogprob(
             token_id=token_id, token=text(token_id), logprob=logprob,
-            top=[(tid, text(tid), max(lp, _MIN_LOGPROB)) for tid, lp in top[: self.params.logprobs or 0]],
+            top=[(tid, text(tid), max(lp, _MIN_LOGPROB)) for tid, lp in _first(top, self.params.logprobs or 0)],
             text_offset=self._raw_len,
         )

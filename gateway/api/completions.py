@@ -4,10 +4,12 @@ from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
-from kvrelay.gateway.api.choice import ChoiceDelta
+from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
+from kvrelay.gateway.api.echo import echo_logprobs, prompt_texts
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import completion_logprobs, prompt_logprobs
-from kvrelay.gateway.api.prompts import prepare_completion
+from kvrelay.gateway.api.prompts import Prepared, prepare_completion
+from kvrelay.gateway.api.schemas import CompletionRequest
 from kvrelay.gateway.bodies import read_json
 from kvrelay.gateway.tenancy.auth import TENANT
 
@@ -22,35 +24,56 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(gen.arrival),
                     "model": prepared.model_name}
             if body.stream:
-                return await _stream(request, gen, base, body.include_usage)
+                echoed = prompt_texts(body, prepared) if body.echo else None
+                return await _stream(request, gen, base, body.include_usage, body.continuous_usage,
+                                     body.return_tokens_as_token_ids, echoed)
             async for _ in gen:
                 pass
             tokenizer = prepared.tokenizer
+            echoed = prompt_texts(body, prepared) if body.echo else None
             choices = [{
                 "index": c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "text": c.text if echoed is None else echoed[c.prompt_index] + c.text,
+                "logprobs": _logprobs(body, prepared, c, echoed),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs),
+                # echo with logprobs asks the worker for prompt logprobs; shown here only when asked for
+                "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs, c.prompt_logprob_ranks)
+                if body.prompt_logprobs is not None else None,
             } for c in gen.choices]
             response = {**base, "choices": choices, "usage": gen.usage()}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
-async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool) -> web.StreamResponse:
+def _logprobs(body: CompletionRequest, prepared: Prepared, c: ChoiceState, echoed: list[str] | None) -> dict | None:
+    if c.logprobs is None:
+        return None
+    output = completion_logprobs(c.logprobs, body.return_tokens_as_token_ids)
+    if echoed is None:
+        return output
+    return echo_logprobs(prepared, prepared.prompts[c.prompt_index], echoed[c.prompt_index], c.prompt_logprobs,
+                         output, body.logprobs or 0, body.return_tokens_as_token_ids)
+
+
+async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool,
+                  continuous_usage: bool, as_ids: bool, echoed: list[str] | None) -> web.StreamResponse:
     # With include_usage every chunk carries "usage": null and a last chunk the totals (OpenAI's contract).
-    usage_field = {"usage": None} if include_usage else {}
+    def usage_field() -> dict:  # continuous_usage_stats (vLLM's): the usage so far in every chunk, not null
+        return {"usage": gen.usage() if continuous_usage else None} if include_usage else {}
 
     def chunks(delta: ChoiceDelta) -> list[dict]:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return []  # text held back (partial stop string, incomplete UTF-8): nothing to say yet
         choice = {"index": delta.index, "text": delta.text,
-                  "logprobs": completion_logprobs(delta.logprobs) if delta.logprobs is not None else None,
+                  "logprobs": completion_logprobs(delta.logprobs, as_ids) if delta.logprobs is not None else None,
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-        return [{**base, "choices": [choice], **usage_field}]
+        return [{**base, "choices": [choice], **usage_field()}]
 
     def tail() -> list[dict]:
         return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
 
-    return await sse.stream(request, gen, head=[], chunks=chunks, tail=tail)
+    # echo: each choice opens with its prompt (echo with logprobs is refused when streaming)
+    head = [{**base, "choices": [{"index": c.index, "text": echoed[c.prompt_index], "logprobs": None,
+                                  "finish_reason": None, "stop_reason": None}], **usage_field()}
+            for c in gen.choices] if echoed else []
+    return await sse.stream(request, gen, head=head, chunks=chunks, tail=tail)

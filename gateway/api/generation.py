@@ -103,8 +103,10 @@ class Generation:
 
     def usage(self) -> dict:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        enabled = self.app[CONFIG].enable_prompt_tokens_details
+        details = {"cached_tokens": self.num_cached_tokens} if enabled else None
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+                "prompt_tokens_details": details}
 
     async def __aenter__(self) -> "Generation":
         dispatcher = self.app[DISPATCHER]

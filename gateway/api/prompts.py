@@ -75,10 +75,29 @@ def _check_jobs(num_prompts: int, params: SamplingParams) -> None:
         raise bad_request(f"{num_prompts} prompts x n={params.n} exceeds {MAX_JOBS_PER_REQUEST} choices", "n")
 
 
+def _check_logprobs(params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
+                    max_logprobs: int) -> None:
+    """``--max-logprobs`` (vLLM's): each logprobs count the request asks for, -1 counting as the vocabulary."""
+    if max_logprobs < 0:
+        return
+    field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+    # echo with logprobs asks for prompt logprobs under the logprobs field's name
+    prompt_field = "prompt_logprobs" if body.prompt_logprobs is not None else field
+    for name, value in ((field, params.logprobs), (prompt_field, params.prompt_logprobs)):
+        wanted = model.vocab_size if value == -1 else value
+        if wanted is not None and wanted > max_logprobs:
+            whole = " (-1: the whole vocabulary)" if value == -1 else ""
+            raise bad_request(f"{name} asks for {wanted} logprobs per token{whole}; this server allows at most "
+                              f"{max_logprobs} (--max-logprobs)", name)
+
+
 def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: list[list[int]],
-            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant) -> Prepared:
+            params: SamplingParams, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
+            max_logprobs: int) -> Prepared:
     check_token_ids(params.stop_token_ids, model, "stop_token_ids")
     check_token_ids(list(params.logit_bias or ()), model, "logit_bias")
+    check_token_ids(params.allowed_token_ids or [], model, "allowed_token_ids")
+    _check_logprobs(params, body, model, max_logprobs)
     _check_jobs(len(prompts), params)
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
@@ -147,7 +166,7 @@ async def _prepare_completion(app: web.Application, body: CompletionRequest, ten
         check_token_ids(ids, model, "prompt")
         check_length(len(ids), params.max_tokens, model, "prompt", "prompt")
         prompts.append(ids)
-    return _finish(served, model, tokenizer, prompts, params, body, tenant)
+    return _finish(served, model, tokenizer, prompts, params, body, tenant, app[CONFIG].max_logprobs)
 
 
 async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, add_special_tokens: bool = False,
@@ -161,10 +180,17 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, ad
         field = "tools" if tools else tool_field
         raise bad_request(f"this model's chat template does not render tools, so it can neither be offered them "
                           f"nor read tool calls and results in the history ({field})", field)
-    text = await tokenizer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+    text = await _render(tokenizer, body, messages, body.chat_template_kwargs, tools)
     await _check_template_uses(tokenizer, body, messages, text, tools)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def _render(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
+                  template_kwargs: dict | None, tools: list[dict] | None) -> str:
+    if body.continue_final_message:  # transformers cuts the text after the final message's content
+        template_kwargs = {**(template_kwargs or {}), "continue_final_message": True}
+    return await tokenizer.render_chat(messages, body.add_generation_prompt, template_kwargs, tools)
 
 
 # Distinct message fields besides role and content one request may carry: each costs a render below.
@@ -181,7 +207,7 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
     rendering again without it (only when a request carries such fields, which most do not)."""
     async def same_without(msgs: list[dict], kwargs: dict | None) -> bool:
         try:
-            return await tokenizer.render_chat(msgs, body.add_generation_prompt, kwargs, tools) == text
+            return await _render(tokenizer, body, msgs, kwargs, tools) == text
         except APIError:  # the template cannot do without it: it is used
             return False
 
@@ -226,4 +252,5 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
     if tools.parser in SPECIAL_MARKERS:  # the markers the parser looks for are special tokens (as in vLLM)
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return dataclasses.replace(_finish(served, model, tokenizer, [ids], params, body, tenant), tools=tools)
+    return dataclasses.replace(_finish(served, model, tokenizer, [ids], params, body, tenant,
+                                       app[CONFIG].max_logprobs), tools=tools)

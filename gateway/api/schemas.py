@@ -42,6 +42,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
+
+    def check(self) -> None:
+        for name in sorted(self.model_extra or {}):
+            raise bad_request(f"Unrecognized stream option: {name}", f"stream_options.{name}")
+        if self.continuous_usage_stats and not self.include_usage:
+            raise bad_request("continuous_usage_stats requires include_usage", "stream_options.continuous_usage_stats")
 
 
 # Fields of OpenAI's or vLLM's request that kvrelay does not implement, each with the values that ask for
@@ -51,7 +58,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "structured_outputs": (None,), "bad_words": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
@@ -71,6 +78,13 @@ class _SamplingRequest(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    # OpenAI's fields that ask for nothing kvrelay would do differently; values that ask for something it does
+    # not do (store: true, a paid tier) are refused in check_noop_fields
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes by itself
+    safety_identifier: str | None = None
     # vLLM extras
     top_k: int = Field(default=-1, lt=INT64)  # past the vocabulary it is off; past int64 it cannot travel
     min_p: float = 0.0
@@ -83,9 +97,11 @@ class _SamplingRequest(_Body):
     prompt_logprobs: int | None = None
     priority: int = Field(default=0, ge=-INT64, lt=INT64)
     cache_salt: str | None = Field(default=None, max_length=256)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's), for ids text loses
     # OpenAI's: token id (a string, as JSON keys are) -> bias; limits in SamplingParams, ids checked
     # against the model's vocabulary in prompts.py
     logit_bias: dict[str, Any] | None = None  # keys and values checked in _logit_bias, the 400 naming logit_bias
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's; ids checked against the vocabulary in prompts.py
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -98,6 +114,18 @@ class _SamplingRequest(_Body):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+    def check_noop_fields(self) -> None:
+        if self.store:
+            raise bad_request("store: true is not supported: this server keeps no completions", "store")
+        if self.service_tier not in (None, "auto"):
+            raise bad_request(f"service_tier {self.service_tier!r} is not supported (only 'auto')", "service_tier")
+        if self.stream_options is not None:
+            self.stream_options.check()
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def include_usage(self) -> bool:
@@ -119,7 +147,8 @@ class _SamplingRequest(_Body):
             bias[int(key)] = value
         return bias
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -134,8 +163,9 @@ class _SamplingRequest(_Body):
                 stop_token_ids=list(self.stop_token_ids or []),
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-                logit_bias=logit_bias,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as exc:
             message = str(exc)
@@ -148,10 +178,14 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            # the echoed prompt's tokens carry logprobs too: the worker computes them as prompt logprobs
+            if self.stream:
+                raise bad_request("echo with logprobs is not supported when streaming", "echo")
+            prompt_logprobs = -1 if -1 in (self.logprobs, prompt_logprobs) else max(self.logprobs, prompt_logprobs or 0)
         # OpenAI's and vLLM's completions default: 16 tokens.
-        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(_Body):
@@ -183,6 +217,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the final (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None
     # Checked and planned in tool_schemas.plan_tools; a named choice is {"type": "function", ...}
     tools: list[ToolDefinition] | None = None
@@ -201,6 +236,13 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as plain dicts for the chat template; role and emptiness checked."""
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            # both would open a new message after the final one and continue it (vLLM refuses the pair too)
+            raise bad_request("continue_final_message requires add_generation_prompt to be false",
+                              "continue_final_message")
+        if self.chat_template_kwargs and "continue_final_message" in self.chat_template_kwargs:
+            raise bad_request("continue_final_message is a request field, not a chat template argument",
+                              "chat_template_kwargs")
         out = []
         for i, message in enumerate(self.messages):
             if message.role not in CHAT_ROLES:
@@ -235,6 +277,7 @@ def parse(model_cls: type[T], body: Any) -> T:
         raise bad_request("model must be a string, not null (leave it out for the only model)", "model")
     parsed = validate(model_cls, body)
     if isinstance(parsed, _SamplingRequest):
+        parsed.check_noop_fields()
         parsed.check_unsupported()
     for name in sorted(parsed.model_extra or {}):
         if not (isinstance(parsed, _SamplingRequest) and name in UNSUPPORTED_FIELDS):  # those: checked above

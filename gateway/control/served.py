@@ -76,13 +76,14 @@ async def resolve_served(app: web.Application, name: str | None,
     """The client's model name and the ModelInfo of the instance that serves it (``model_registry.py``).
     A registered model nobody has published yet is loaded here, the request waiting for it."""
     view = await served(app)
-    if name is None:
+    if not name:  # left out or "" (what some clients send, vLLM's reading): the only model
         # "the only model" means the only one the caller may use: others' models are not its business
         usable = [n for n in sorted(view.known) if may_use(n)]
         if len(usable) == 1:
             name = usable[0]
         else:
-            raise bad_request("model is required" if usable else "no model is registered", "model")
+            raise bad_request("model is required: this server serves several models" if usable
+                              else "no model is registered", "model")
     if name not in view.known:
         # the cached view may predate the model's registration (another gateway's admin call, a worker
         # registering its --config models): a miss is read again from Redis before it becomes a 404

@@ -40,6 +40,13 @@ class GatewayConfig:
     response_cache_ttl: float = setting(0.0, "seconds a deterministic (temperature 0 or seeded) response is "
                                         "reused (0: off)", ge=0)
     response_cache_max_bytes: int = setting(1024 * 1024, "larger responses are not cached", ge=0)
+    # vLLM's flag and default: usage.prompt_tokens_details is null unless asked for, as clients written for vLLM
+    # expect; with it, {"cached_tokens": N} (OpenAI's shape)
+    enable_prompt_tokens_details: bool = setting(False, "report usage.prompt_tokens_details.cached_tokens "
+                                                 "(prompt tokens served from the prefix cache)")
+    # vLLM's flag and default. -1 in a request asks for the whole vocabulary, which is that many logprobs per token
+    max_logprobs: int = setting(20, "most logprobs (or top_logprobs, prompt_logprobs) a request may ask for per "
+                                "token, -1 counting as the vocabulary's size; -1: no bound", ge=-1)
     usage_retention_s: int = setting(35 * 86400, "seconds per-minute usage buckets are kept", ge=60)
     queue_metrics_cache_s: float = setting(1.0, "/metrics reads the queues from Redis at most this often", ge=0)
     metrics_tenant_labels: bool = common.metrics_tenant_labels()

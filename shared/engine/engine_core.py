@@ -24,7 +24,7 @@ from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.engine.kv_pool import KVPool
-from kvrelay.shared.engine.model_runner import ModelRunner, to_position_logprobs
+from kvrelay.shared.engine.model_runner import ModelRunner
 from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from kvrelay.shared.engine.sampler import SampleResult
@@ -97,6 +97,9 @@ class EngineCore:
         bad = [t for t in params.logit_bias or () if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.allowed_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
             raise ValueError(
@@ -292,4 +295,4 @@ def sample_logprobs(sample: SampleResult) -> PositionLogprobs:
     return entry
 
 
-__all__ = ["EngineCore", "sample_logprobs", "to_position_logprobs"]
+__all__ = ["EngineCore", "sample_logprobs"]

@@ -25,7 +25,7 @@ from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
+from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import Sampler, SampleResult, penalized, prompt_logprobs
 from kvrelay.shared.engine.scheduler import SchedulerOutput
@@ -248,7 +248,7 @@ class ModelRunner:
             targets = req.prompt_token_ids[pos0 + 1:pos0 + 1 + count]
             k = req.sampling_params.prompt_logprobs
             entries = prompt_logprobs(logits_of(row0, count), targets, k)
-            found[req.request_id] = (pos0, [to_position_logprobs(d) for d in entries])
+            found[req.request_id] = (pos0, entries)
         return found
 
     def _build(self, out: SchedulerOutput, fed_rows: dict[str, int] | None = None,
@@ -317,10 +317,6 @@ def token_slice(req: Request, start: int, n: int) -> list[int]:
     if start + n <= p:
         return prompt[start:start + n]
     return prompt[start:] + output[:start + n - p]
-
-
-def to_position_logprobs(entry: dict[int, float]) -> PositionLogprobs:
-    return {tok: Logprob(lp) for tok, lp in sorted(entry.items(), key=lambda kv: -kv[1])}
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:

@@ -4,7 +4,8 @@ One call handles one decode/prefill step for ``S`` sequences. Processing order f
 
 1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
 2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch
-   (each request's bias becomes host tensors once, kept until ``free``);
+   (each request's bias becomes host tensors once, kept until ``free``); then allowed_token_ids (vLLM):
+   every other token of the row gets ``-inf``;
 3. repetition penalty (HF, over prompt + output tokens);
 4. frequency and presence penalties (OpenAI, over output tokens only);
 5. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -64,7 +66,7 @@ class DeviceSample:
             top = None
             if want is not None:
                 ids, lps = row[2 : 2 + k], row[2 + k :]
-                top = [(int(ids[j]), lps[j]) for j in range(want)]
+                top = [(int(ids[j]), lps[j]) for j in range(k if want < 0 else want)]  # -1: all k (the vocabulary)
             results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
         return results
 
@@ -124,6 +126,26 @@ def apply_logit_bias(logits: Tensor, biases: Sequence[tuple[Tensor, Tensor] | No
     flat = _to_device((row * vocab + token)[keep], torch.int64, logits.device)  # [N']
     added = _to_device(values[keep], logits.dtype, logits.device)
     return logits.reshape(-1).index_add(0, flat, added).view(num_rows, vocab)
+
+
+def apply_allowed_tokens(logits: Tensor, allowed: Sequence[Tensor | None]) -> Tensor:
+    """-inf for every token outside row i's ``allowed[i]`` (int64 ids on the host; None: every token).
+    Returns a new tensor; ids outside the vocabulary are dropped (the engine core refuses them)."""
+    num_rows, vocab = logits.shape
+    rows = [i for i, a in enumerate(allowed) if a is not None]
+    if not rows:
+        return logits
+    token = torch.cat([allowed[i] for i in rows])  # [N]
+    counts = torch.tensor([allowed[i].numel() for i in rows])
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)  # [N]
+    keep = (token >= 0) & (token < vocab)
+    flat = _to_device((row * vocab + token)[keep], torch.int64, logits.device)  # [N']
+    restricted = torch.zeros(num_rows, dtype=torch.bool)
+    restricted[rows] = True
+    # [S, V]: True where a restricted row may not sample
+    banned = _to_device(restricted, torch.bool, logits.device).unsqueeze(1).expand(num_rows, vocab).contiguous()
+    banned.view(-1)[flat] = False
+    return logits.masked_fill(banned, float("-inf"))
 
 
 def apply_penalties(
@@ -236,10 +258,12 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         # request id -> (its logit_bias dict, that dict as host tensors), until ``free``
         self._biases: dict[str, tuple[dict[int, float], tuple[Tensor, Tensor]]] = {}
+        self._allowed: dict[str, tuple[list[int], Tensor]] = {}  # request id -> allowed_token_ids as a tensor
 
     def free(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._biases.pop(request_id, None)
+        self._allowed.pop(request_id, None)
 
     def _bias_tensors(self, request: Request) -> tuple[Tensor, Tensor] | None:
         bias = request.sampling_params.logit_bias
@@ -248,6 +272,15 @@ class Sampler:
         cached = self._biases.get(request.request_id)
         if cached is None or cached[0] is not bias:  # "is": a reused id with other params is rebuilt
             cached = self._biases[request.request_id] = (bias, logit_bias_tensors(bias))
+        return cached[1]
+
+    def _allowed_tensor(self, request: Request) -> Tensor | None:
+        allowed = request.sampling_params.allowed_token_ids
+        if not allowed:
+            return None
+        cached = self._allowed.get(request.request_id)
+        if cached is None or cached[0] is not allowed:  # "is": a reused id with other params is rebuilt
+            cached = self._allowed[request.request_id] = (allowed, torch.tensor(allowed, dtype=torch.int64))
         return cached[1]
 
     def restart_shared_stream(self) -> None:
@@ -309,7 +342,8 @@ class Sampler:
 
         if not need_logprobs:
             return DeviceSample(chosen, None, wanted, 0)
-        k = max((w for w in wanted if w is not None), default=0)
+        vocab = logits.shape[1]
+        k = max((vocab if w < 0 else min(w, vocab) for w in wanted if w is not None), default=0)  # -1: every token
         return DeviceSample(chosen, _pack_topk(raw_logprobs, chosen, k), wanted, k)
 
     def _penalize(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> Tensor:
@@ -330,6 +364,8 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
+        if any(p.allowed_token_ids for p in params):
+            logits = apply_allowed_tokens(logits, [self._allowed_tensor(r) for r in requests])
         if any(penalized(p) for p in params):
             logits = apply_penalties(
                 logits,
@@ -408,30 +444,36 @@ class Sampler:
         )
 
 
-def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:
-    """Per prompt position: {actual next token: logprob, then the k best alternatives, highest first}.
+def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """Per prompt position: {actual next token: its logprob and TRUE rank in the vocabulary, then the k best
+    tokens with ranks 1..k}, as vLLM reports them.
 
     logits: [q, V], row j predicting ``next_token_ids[j]``. Each dict holds k or k + 1 entries (the
-    actual token first, as vLLM orders them). Raw distribution, like the sampled-token logprobs.
+    actual token first, as vLLM orders them). Raw distribution, like the sampled-token logprobs. The
+    actual token's rank counts the tokens at least as likely as it (itself included), vLLM's rule, so a
+    token tied with the top-1 reports the tie's last rank.
     """
     num_rows, vocab = logits.shape
     if num_rows != len(next_token_ids):
         raise ValueError(f"{num_rows} logit rows for {len(next_token_ids)} next tokens")
     if num_rows == 0:
         return []
-    k = min(k, vocab)
+    k = vocab if k < 0 else min(k, vocab)  # -1: the whole vocabulary
     targets = _to_device(next_token_ids, torch.int64, logits.device)  # [q]
     chunk = max(1, _PROMPT_LOGPROBS_CHUNK_ELEMENTS // vocab)
     packed_chunks = []
     for start in range(0, num_rows, chunk):
         lp = logits[start : start + chunk].float().log_softmax(dim=-1)  # [c, V]
-        packed_chunks.append(_pack_topk(lp, targets[start : start + chunk], k))
-    packed = torch.cat(packed_chunks).tolist()  # one transfer for the whole prompt
+        rows = targets[start : start + chunk]
+        packed = _pack_topk(lp, rows, k)
+        rank = (lp >= lp.gather(1, rows.unsqueeze(1))).sum(dim=1, keepdim=True)  # [c, 1]
+        packed_chunks.append(torch.cat([packed, rank.double()], dim=1))
+    packed_rows = torch.cat(packed_chunks).tolist()  # one transfer for the whole prompt
     out = []
-    for row in packed:
-        entry = {int(row[0]): row[1]}
+    for row in packed_rows:
+        entry = {int(row[0]): Logprob(row[1], rank=int(row[-1]))}
         for j in range(k):
-            entry.setdefault(int(row[2 + j]), row[2 + k + j])
+            entry.setdefault(int(row[2 + j]), Logprob(row[2 + k + j], rank=j + 1))
         out.append(entry)
     return out
 
@@ -440,6 +482,7 @@ __all__ = [
     "DeviceSample",
     "SampleResult",
     "Sampler",
+    "apply_allowed_tokens",
     "apply_logit_bias",
     "apply_min_tokens",
     "apply_penalties",

@@ -63,6 +63,9 @@ class TokenEvent:
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     prompt_logprobs: list[TopLogprobs | None] | None = None
+    # per prompt position, the rank in the vocabulary (1 = most likely) of each prompt_logprobs entry: the
+    # prompt token's true rank first, then 1..k for the best tokens (vLLM's prompt_logprobs shape)
+    prompt_logprob_ranks: list[list[int] | None] | None = None
     finish_reason: str | None = field(default=None, metadata={"choices": FINISH_REASONS})
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS / length
     error: str | None = None
@@ -79,6 +82,12 @@ class TokenEvent:
             raise ValueError(f"TokenEvent.logprobs has {len(self.logprobs)} entries for {n} tokens")
         if self.top_logprobs is not None and len(self.top_logprobs) != n:
             raise ValueError(f"TokenEvent.top_logprobs has {len(self.top_logprobs)} entries for {n} tokens")
+        if self.prompt_logprob_ranks is not None:
+            lists = self.prompt_logprobs or []
+            if len(self.prompt_logprob_ranks) != len(lists) or any(
+                    (r is None) != (e is None) or (e is not None and len(r) != len(e))
+                    for r, e in zip(self.prompt_logprob_ranks, lists, strict=False)):
+                raise ValueError("TokenEvent.prompt_logprob_ranks must match prompt_logprobs entry for entry")
         if self.error is not None and self.finish_reason != "error":
             raise ValueError("TokenEvent.error requires finish_reason 'error'")
 

@@ -9,6 +9,7 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_LOGIT_BIAS = 300  # entries per request, OpenAI's limit
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids per request: past any vocabulary, bounds a job's size
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, OpenAI's limit: -100 bans a token, +100 forces it
 
 
@@ -38,6 +39,8 @@ class SamplingParams:
     # token id -> added to its logit before sampling (and before greedy's argmax); ids are checked
     # against the vocabulary where it is known (gateway, engine core), not here
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be sampled (every other logit is -inf); ids checked like logit_bias's
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,8 +80,9 @@ class SamplingParams:
             fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
+            # -1: the whole vocabulary (vLLM's); a server bounds who may ask for it (the gateway's --max-logprobs)
+            if value is not None and (not isinstance(value, int) or not -1 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be in [0, {MAX_LOGPROBS}] or -1 (the whole vocabulary), got {value!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -89,11 +93,21 @@ class SamplingParams:
             fail("seed", f"must be an integer, got {self.seed!r}")
         if self.logit_bias is not None:
             self._validate_logit_bias(fail)
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, list) or not allowed:
+                fail("allowed_token_ids", "must be a non-empty list of token ids (leave it out to allow every token)")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                fail("allowed_token_ids", f"may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed)}")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed):
+                fail("allowed_token_ids", "entries must be non-negative token ids")
         if self.use_beam_search:
             if self.logit_bias is not None:
                 # beam search ranks beams by the raw logprobs the engine reports, so a bias would change
                 # neither the candidates nor their scores: refused rather than silently ignored
                 fail("logit_bias", "is not supported with use_beam_search")
+            if self.allowed_token_ids is not None:
+                fail("allowed_token_ids", "is not supported with use_beam_search")  # as logit_bias, above
             if self.beam_width is None:
                 self.beam_width = self.n
             if self.beam_width < self.n:

@@ -12,11 +12,13 @@ def token_event(out: EngineCoreOutput, output_index: int, worker_id: str) -> Tok
         top = [[(t, lp.logprob) for t, lp in entry.items() if lp.rank is not None]
                for entry in out.new_logprobs]
         top = [sorted(t, key=lambda x: -x[1]) for t in top]
-    prompt_lp = None
-    if out.prompt_logprobs is not None:
+    prompt_lp = prompt_ranks = None
+    if out.prompt_logprobs is not None:  # dict order kept: the prompt token first, then the best k
         prompt_lp = [None if e is None else [(t, lp.logprob) for t, lp in e.items()] for e in out.prompt_logprobs]
+        prompt_ranks = [None if e is None else [lp.rank or 0 for lp in e.values()] for e in out.prompt_logprobs]
     return TokenEvent(request_id=out.request_id, token_ids=out.new_token_ids, logprobs=logprobs, top_logprobs=top,
-                      prompt_logprobs=prompt_lp, finish_reason=out.finish_reason,
+                      prompt_logprobs=prompt_lp, prompt_logprob_ranks=prompt_ranks,
+                      finish_reason=out.finish_reason,
                       stop_reason=out.stop_reason if isinstance(out.stop_reason, int | str) else None,
                       num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                       output_index=output_index, worker_id=worker_id)

@@ -19,7 +19,7 @@ from tests.e2e.conftest import TINY_ENGINE, TINY_VOCAB
 pytestmark = pytest.mark.slow
 PREFIX = 64  # tokens: 8 blocks of 8 (TINY_ENGINE's --block-size)
 BLOCK = 8
-GATEWAY = ["--affinity-prefix-tokens", str(PREFIX)]
+GATEWAY = ["--affinity-prefix-tokens", str(PREFIX), "--enable-prompt-tokens-details"]
 
 
 @pytest.fixture()

@@ -67,6 +67,11 @@ def prompt_logprobs(r: httpx.Response) -> Any:
     return body.get("prompt_logprobs", body["choices"][0].get("prompt_logprobs"))
 
 
+def usage_chunks(r: httpx.Response) -> int:
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return sum(1 for e in events if e.get("usage"))
+
+
 def choices(r: httpx.Response) -> int:
     return len(r.json()["choices"])
 
@@ -120,6 +125,9 @@ SHARED: dict[str, Coverage] = {
     "stream_options": Effect({"stream_options": {"include_usage": True}}, usage_chunk, base={"stream": True}),
     "stream_options.include_usage": Effect({"stream_options": {"include_usage": True}}, usage_chunk,
                                            base={"stream": True}),
+    "stream_options.continuous_usage_stats": Effect(
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, usage_chunks,
+        base={"stream": True, "stream_options": {"include_usage": True}}),
     "stop": Effect({"stop": "Paris"}, text),
     # past EOS the answer repeats itself: penalties on output tokens have something to act on
     "presence_penalty": Effect({"presence_penalty": 2.0}, text, base={"max_tokens": 16, "ignore_eos": True}),
@@ -127,6 +135,14 @@ SHARED: dict[str, Coverage] = {
     "repetition_penalty": Effect({"repetition_penalty": 1.5}, text),
     "user": Justified("OpenAI's end-user id for the provider's abuse monitoring: it cannot change an answer, "
                       "and kvrelay keeps no per-user record; accepted because OpenAI SDKs send it"),
+    "store": Rejected({"store": True}),  # false asks for nothing (tests/integration/test_openai_fields.py)
+    "metadata": Justified("OpenAI's tags for stored completions; kvrelay stores none, so they cannot change "
+                          "an answer; accepted as OpenAI accepts them"),
+    "service_tier": Rejected({"service_tier": "flex"}),  # "auto" asks for nothing
+    "prompt_cache_key": Justified("OpenAI's hint for routing to a cache; kvrelay's prefix cache and prefix "
+                                  "affinity find shared prefixes by themselves, so it cannot change an answer"),
+    "safety_identifier": Justified("OpenAI's end-user id for abuse monitoring, like user: it cannot change an "
+                                   "answer and kvrelay keeps no per-user record"),
     "ignore_eos": Effect({"ignore_eos": True}, tokens, base=EOS_FIRST),
     "min_tokens": Effect({"min_tokens": 2}, tokens, base=EOS_FIRST),
     "stop_token_ids": Effect({"stop_token_ids": [PARIS]}, text),
@@ -138,6 +154,7 @@ SHARED: dict[str, Coverage] = {
     # the fixture sends BASE once, so the base request finds its prompt cached and a new salt does not
     "cache_salt": Effect({"cache_salt": "audit-salt"}, cached),
     "logit_bias": Effect({"logit_bias": {str(PARIS): -100}}, text),
+    "allowed_token_ids": Effect({"allowed_token_ids": [1010]}, text),
 }
 
 GERMANY = "What is the capital of Germany?"
@@ -146,7 +163,8 @@ FIELDS: dict[str, dict[str, Coverage]] = {
         **SHARED,
         "prompt": Effect({"prompt": "The capital of Germany is"}, text),
         "logprobs": Effect({"logprobs": 1}, logprobs),
-        "echo": Rejected({"echo": True}),
+        "return_tokens_as_token_ids": Effect({"return_tokens_as_token_ids": True}, logprobs, base={"logprobs": 1}),
+        "echo": Effect({"echo": True}, text),
     },
     "chat": {
         **SHARED,
@@ -163,6 +181,8 @@ FIELDS: dict[str, dict[str, Coverage]] = {
                                     "messages.0.name"),
         "chat_template_kwargs": Rejected({"chat_template_kwargs": {"enable_thinking": False}}),
         "logprobs": Effect({"logprobs": True}, logprobs),
+        "return_tokens_as_token_ids": Effect({"return_tokens_as_token_ids": True}, logprobs,
+                                             base={"logprobs": True}),
         "top_logprobs": Effect({"top_logprobs": 3}, logprobs, base={"logprobs": True}),
         "max_completion_tokens": Effect({"max_completion_tokens": 2}, tokens),
         "add_generation_prompt": Effect({"add_generation_prompt": False}, text),
@@ -185,13 +205,16 @@ FIELDS: dict[str, dict[str, Coverage]] = {
         "parallel_tool_calls": Elsewhere(
             "tests/integration/test_gateway_tools.py::test_parallel_tool_calls_false_keeps_the_first_call",
             "keeps the first of several calls: needs a reply that makes two"),
+        "continue_final_message": Effect({"continue_final_message": True}, text, base={
+            "add_generation_prompt": False, "messages": [{"role": "user", "content": "What is the capital of France?"},
+                                                         {"role": "assistant", "content": "The capital of France is"}]}),
     },
 }
 UNSUPPORTED_SAMPLES = {
     "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"}, "allowed_token_ids": [PARIS],
+    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"},
     "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
     "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["audio"], "reasoning_effort": "low",
@@ -241,7 +264,8 @@ def test_every_schema_field_is_in_the_table(endpoint):
 def http(smollm2_dir, tmp_path_factory):
     with EmbeddedRedis() as redis_url:
         cluster = Cluster(redis_url, str(smollm2_dir), ENGINE, tmp_path_factory.mktemp("request-fields"))
-        cluster.start_gateway()
+        # cache_salt's effect reads cached_tokens; logprobs of -1 (the whole vocabulary) need the bound lifted
+        cluster.start_gateway(extra=["--enable-prompt-tokens-details", "--max-logprobs", "-1"])
         cluster.start_worker("unified", "u1")
         try:
             cluster.wait_ready(timeout=300)
@@ -354,3 +378,70 @@ def test_worker_refuses_an_out_of_vocabulary_bias_and_keeps_serving(http):
     finally:
         client.close()
     assert cluster.procs["u1"].poll() is None
+
+
+# --- prompt_logprobs ranks: the prompt token's place in the whole vocabulary, the best k ranked 1..k ---------
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_prompt_logprobs_rank_the_prompt_token_in_the_whole_vocabulary(http, endpoint):
+    entries = prompt_logprobs(ok(http, {**BASE[endpoint], "prompt_logprobs": 3}))
+    assert entries[0] is None
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, **({"prompt": BASE[endpoint]["prompt"]}
+                           if endpoint == "completions" else {"messages": BASE[endpoint]["messages"]})}).json()["tokens"]
+    assert len(entries) == len(prompt_ids)
+    unlikely = 0
+    for position, token in zip(entries[1:], prompt_ids[1:], strict=True):
+        own = position[str(token)]
+        assert list(position)[0] == str(token)  # the prompt token first, as vLLM orders them
+        best = sorted(((e["logprob"], t) for t, e in position.items() if t != str(token)), reverse=True)
+        ranked = [position[t]["rank"] for _, t in best]
+        if own["rank"] <= 3:  # among the best three: it holds its own rank, the others the remaining ones
+            assert sorted(ranked + [own["rank"]]) == [1, 2, 3]
+        else:  # below them: the best three are 1..3, each at least as likely as the prompt token
+            unlikely += 1
+            assert ranked == [1, 2, 3] and all(lp >= own["logprob"] for lp, _ in best)
+    assert unlikely, "every prompt token was among the model's best three: the prompt shows no true rank"
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(http):
+    body = {**BASE["completions"], "max_tokens": 2, "logprobs": 2}
+    echoed = ok(http, {**body, "echo": True}).json()["choices"][0]
+    plain = ok(http, {**body, "prompt_logprobs": 2}).json()["choices"][0]
+    prompt = BASE["completions"]["prompt"]
+    assert echoed["text"] == prompt + plain["text"]
+    n = len(plain["prompt_logprobs"])
+    lp = echoed["logprobs"]
+    assert lp["tokens"][n:] == plain["logprobs"]["tokens"] and lp["token_logprobs"][0] is None
+    for i, entry in enumerate(plain["prompt_logprobs"][1:], start=1):
+        own = next(iter(entry.values()))  # the prompt token first
+        assert lp["token_logprobs"][i] == pytest.approx(own["logprob"], abs=1e-5)
+        assert lp["tokens"][i] == own["decoded_token"]
+    assert lp["text_offset"][n] == len(prompt)
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_allowed_token_ids_are_the_only_tokens_sampled(http, endpoint):
+    allowed = [PARIS, 1010, 28, EOS]
+    for seed in range(3):
+        body = {**BASE[endpoint], **SAMPLED, "seed": seed, "max_tokens": 8, "allowed_token_ids": allowed,
+                "logprobs": 1 if endpoint == "completions" else True, "return_tokens_as_token_ids": True}
+        lp = ok(http, body).json()["choices"][0]["logprobs"]
+        names = lp["tokens"] if endpoint == "completions" else [c["token"] for c in lp["content"]]
+        assert names and {int(n.split(":")[1]) for n in names} <= set(allowed), names
+    for bad, why in (([], "non-empty"), ([VOCAB], "out of vocabulary"), ([-1], "non-negative"), (["5"], "")):
+        r = post(http, {**BASE[endpoint], "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("allowed_token_ids"), r.text
+        assert why in r.json()["error"]["message"]
+
+
+def test_logprobs_of_minus_one_are_the_whole_vocabulary(http):
+    """With --max-logprobs -1 (the default 20 refuses it: tests/integration/test_openai_fields.py)."""
+    body = {**BASE["completions"], "max_tokens": 1, "return_tokens_as_token_ids": True}  # ids: keys stay unique
+    top = ok(http, {**body, "logprobs": -1}).json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) == VOCAB and {int(k.split(":")[1]) for k in top} == set(range(VOCAB))
+    assert max(top.values()) == top[f"token_id:{PARIS}"]  # greedy took the best
+    chat = ok(http, {**BASE["chat"], "max_tokens": 1, "logprobs": True, "top_logprobs": -1}).json()
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == VOCAB
+    positions = prompt_logprobs(ok(http, {**BASE["completions"], "max_tokens": 1, "prompt_logprobs": -1}))
+    assert all(len(p) == VOCAB and sorted(e["rank"] for e in p.values()) == list(range(1, VOCAB + 1))
+               for p in positions[1:])

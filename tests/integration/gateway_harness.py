@@ -189,7 +189,8 @@ class FakeWorker:
         logprobs = top = prompt_lp = None
         if params.logprobs is not None:
             logprobs = [-0.5]
-            top = [[(token, -0.5), ((token + 1) % len(self.tokenizer), -1.5), (0, float("-inf"))][: params.logprobs]]
+            known = [(token, -0.5), ((token + 1) % len(self.tokenizer), -1.5), (0, float("-inf"))]
+            top = [known if params.logprobs == -1 else known[: params.logprobs]]  # -1: all it knows
         if first and params.prompt_logprobs is not None:
             prompt_lp = [None] + [[(t, -1.0)] for t in seq.job.prompt_token_ids[1:]]
         return TokenEvent(**common, token_ids=[token], logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt_lp,

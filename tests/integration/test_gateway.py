@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("gateway")) as s:
+    with running_stack(tmp_path_factory.mktemp("gateway"), enable_prompt_tokens_details=True) as s:
         yield s
 
 
@@ -205,6 +205,20 @@ def test_chat_logprobs_shape(client):
         assert entry.top_logprobs[2].logprob == -9999.0  # -inf from the worker, clamped for JSON
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert out.choices[0].logprobs is None
+
+
+def test_prompt_tokens_details_are_null_unless_enabled(tmp_path):
+    """vLLM's default: clients written for vLLM read null; --enable-prompt-tokens-details gives OpenAI's
+    {"cached_tokens": N} (the module's stack has it on)."""
+    with running_stack(tmp_path) as plain:
+        c = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="x", max_retries=0)
+        out = c.completions.create(model=MODEL, prompt="hello there", max_tokens=2)
+        assert out.usage.prompt_tokens_details is None and out.usage.prompt_tokens > 0
+        r = requests.post(f"{plain.url}/v1/chat/completions", stream=True, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}})
+        last = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]
+        assert last["usage"]["prompt_tokens_details"] is None and last["usage"]["completion_tokens"] == 2
 
 
 def test_prompt_logprobs_pass_through(client, stack):

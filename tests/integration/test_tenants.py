@@ -145,6 +145,13 @@ def test_models_a_tenant_may_not_use(stack, admin):
         # with two models registered, "the only model" is the only one this tenant may use
         out = requests.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=bearer(limited))
         assert out.status_code == 200 and out.json()["model"] == MODEL
+        # "" means the same as leaving it out; a tenant that may use both must name one
+        out = requests.post(url, json={"model": "", "prompt": "hi", "max_tokens": 2}, headers=bearer(limited))
+        assert out.status_code == 200 and out.json()["model"] == MODEL
+        for body in ({"model": "", "prompt": "hi"}, {"prompt": "hi"}):
+            both = requests.post(url, json=body, headers=bearer(everything))
+            assert "several models" in assert_openai_error(both, 400)["message"]
+            assert both.json()["error"]["param"] == "model"
         tok = requests.post(f"{stack.url}/tokenize", json={"model": info.name, "prompt": "hi"}, headers=bearer(limited))
         assert_openai_error(tok, 403)
     finally:

@@ -54,6 +54,13 @@ def test_logprobs_and_prompt_logprobs_match_hf(llm, tiny_model_dirs):
         entry = out.prompt_logprobs[pos]
         assert entry[prompt[pos]].logprob == pytest.approx(logp[pos - 1, prompt[pos]].item(), abs=1e-4)
         assert len(entry) in (2, 3)  # top-2 plus the actual token when it is not among them
+        # the prompt token's rank is its place in the whole vocabulary, by hand from the full log-softmax
+        # (a band of 1e-4 for float error between the two implementations)
+        row, lp = logp[pos - 1], logp[pos - 1, prompt[pos]].item()
+        assert int((row > lp + 1e-4).sum()) + 1 <= entry[prompt[pos]].rank <= int((row >= lp - 1e-4).sum())
+        alternatives = [(t, e.rank) for t, e in entry.items() if t != prompt[pos]]
+        want = torch.topk(row, 2).indices.tolist()
+        assert alternatives == [(t, want.index(t) + 1) for t in want if t != prompt[pos]]
     for i, (tok, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)):
         row = logp[len(prompt) - 1 + i]
         assert entry[tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)

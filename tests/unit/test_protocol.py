@@ -31,7 +31,8 @@ SAMPLES = [
     _job(),
     _job(cache_salt="tenant-a"),
     p.TokenEvent("r1-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (8, -2.0)], [(5, -1.25)]],
-                 prompt_logprobs=[None, [(2, -3.0)]], finish_reason="stop", stop_reason=5,
+                 prompt_logprobs=[None, [(2, -3.0), (4, -0.1)]], prompt_logprob_ranks=[None, [7, 1]],
+                 finish_reason="stop", stop_reason=5,
                  num_prompt_tokens=3, num_cached_tokens=2, output_index=1, worker_id="w1"),
     p.TokenEvent("r2", finish_reason="error", error="boom"),
     p.TokenBatch(events=[p.TokenEvent("a", [1]), p.TokenEvent("b", [2], finish_reason="length")]),
@@ -92,6 +93,13 @@ def test_hostile_logit_bias_is_a_value_error(wire, why):
     raw["sampling"]["logit_bias"] = wire
     with pytest.raises(ValueError, match=why):
         codec.decode(msgpack.packb(raw), p.Job)
+
+
+@pytest.mark.parametrize("ranks", [[None], [None, [7]], [[1], [7, 1]], [None, None]])
+def test_prompt_logprob_ranks_must_match_the_entries(ranks):
+    event = p.TokenEvent("r", [1], prompt_logprobs=[None, [(2, -3.0), (4, -0.1)]], prompt_logprob_ranks=ranks)
+    with pytest.raises(ValueError, match="prompt_logprob_ranks"):
+        codec.decode(codec.encode(event), p.TokenEvent)
 
 
 def test_invalid_sampling_on_the_wire_is_a_value_error_naming_the_field():

@@ -9,6 +9,7 @@ import kvrelay.shared.engine.sampler as sampler_module
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import (
     Sampler,
+    apply_allowed_tokens,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
@@ -394,16 +395,20 @@ def test_prompt_logprobs(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -
     raw = torch.log_softmax(logits, dim=-1)
     out = prompt_logprobs(logits, [0, 0, 3], k=2)
     assert list(out[0]) == [0, 3, 2]  # actual token first, then the top 2
-    assert list(out[1]) == [0, 1] or list(out[1]) == [0, 2] or list(out[1]) == [0, 3]  # actual is top-1
-    assert len(out[1]) == 2
+    assert list(out[1])[0] == 0 and len(out[1]) == 2  # actual is top-1; one of the tied zeros is second
     assert list(out[2])[0] == 3 and 2 in out[2] and len(out[2]) == 3
     for j, entry in enumerate(out):
         for token, lp in entry.items():
-            assert math.isclose(lp, float(raw[j, token]), abs_tol=1e-6)
-    assert prompt_logprobs(logits, [1, 2, 3], k=0) == [
-        {1: pytest.approx(float(raw[0, 1]))},
-        {2: pytest.approx(float(raw[1, 2]))},
-        {3: pytest.approx(float(raw[2, 3]))},
+            assert math.isclose(lp.logprob, float(raw[j, token]), abs_tol=1e-6)
+    # ranks by hand: row 0 has 0 < 1 < 2 < 3, so token 0 is 4th; row 2's token 3 is below 2 and the tied 0, 1
+    assert [lp.rank for lp in out[0].values()] == [4, 1, 2]
+    assert out[1][0].rank == 1 and list(out[1].values())[1].rank == 2
+    assert out[2][3].rank == 4 and out[2][2].rank == 1
+    bare = prompt_logprobs(logits, [1, 2, 3], k=0)
+    assert [{t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in bare] == [
+        {1: (pytest.approx(float(raw[0, 1])), 3)},
+        {2: (pytest.approx(float(raw[1, 2])), 4)},  # tied with 1 and 3: vLLM counts every token at least as likely
+        {3: (pytest.approx(float(raw[2, 3])), 4)},
     ]
 
 
@@ -412,3 +417,35 @@ def test_rejects_mismatched_rows() -> None:
         Sampler()(torch.zeros(2, 4), [make_request()])
     with pytest.raises(ValueError):
         prompt_logprobs(torch.zeros(2, 4), [1], k=1)
+
+
+def test_allowed_token_ids_mask_every_other_token() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    allowed = [3, 17, 41]
+    reqs = [make_request(f"a{i}", temperature=t, allowed_token_ids=allowed, seed=i)
+            for i, t in enumerate((0.0, 1.0, 2.0))] + [make_request("free", temperature=0.0)]
+    sampler = Sampler(seed=1)
+    for _ in range(20):
+        out = sampler(logits, reqs)
+        assert all(r.token_id in allowed for r in out[:3])
+    assert out[0].token_id == max(allowed, key=lambda t: float(logits[0, t]))  # greedy: the best allowed one
+    assert out[3].token_id == int(logits[3].argmax())  # a row without the field is untouched
+    masked = apply_allowed_tokens(logits, [torch.tensor(allowed), None, None, None])
+    assert torch.isinf(masked[0]).sum() == 50 - len(allowed) and torch.equal(masked[1:], logits[1:])
+    # out-of-vocabulary ids are dropped, not written into another row
+    masked = apply_allowed_tokens(logits, [torch.tensor([3, 50, 120]), None, None, None])
+    assert torch.isfinite(masked[0]).sum() == 1 and torch.equal(masked[1:], logits[1:])
+
+
+def test_logprobs_of_minus_one_cover_the_whole_vocabulary() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 30)
+    raw = torch.log_softmax(logits, dim=-1)
+    out = Sampler()(logits, [make_request("all", temperature=0.0, logprobs=-1), make_request("two", logprobs=2)])
+    assert [t for t, _ in out[0].top_logprobs] == raw[0].argsort(descending=True).tolist()
+    assert len(out[1].top_logprobs) == 2
+    entries = prompt_logprobs(logits, [4, 9], k=-1)
+    assert all(len(e) == 30 for e in entries)
+    assert sorted(lp.rank for lp in entries[0].values() if lp is not entries[0][4]) == \
+        [r for r in range(1, 31) if r != entries[0][4].rank]
