@@ -1,0 +1,74 @@
+"""vLLM's engine-level series on the gateway's ``/metrics``, from the workers' heartbeats: vLLM serves
+them on its API port, so a dashboard built for vLLM reads KV usage, prefix-cache hits, preemptions,
+tokens per step and the per-request phase times (queue, prefill, decode, inference) from there.
+
+Each worker's heartbeat carries a snapshot of its engines (``InstanceStatus.engine``,
+shared/wire/engine_stats.py); ``/metrics`` renews the view of the live workers first (probes.py) and
+this collector writes one series per engine with vLLM's labels: ``model_name`` (the served name, as
+the gateway's request series use) and ``engine`` (the worker id: each worker runs its own engine, as
+each of vLLM's data-parallel engines has its index). Values are as of that worker's last heartbeat
+(``HEARTBEAT_INTERVAL_S``); a worker that died leaves with its series. Every gateway relays the same
+engines, so across gateways take one gateway's (or ``max by (model_name, engine)``), never a sum.
+"""
+
+import math
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from kvrelay.shared.wire.engine_stats import RELAYED_HISTOGRAMS, EngineStats
+from kvrelay.shared.wire.protocol import WorkerInfo
+
+_LABELS = ["model_name", "engine"]
+_CACHE_INFO = ["block_size", "cache_dtype", "enable_prefix_caching", "engine", "model_name", "num_gpu_blocks"]
+_DOCS = {
+    "vllm:iteration_tokens_total": "Tokens computed per engine step",
+    "vllm:request_queue_time_seconds": "Time requests waited before their first scheduling (Redis queue included)",
+    "vllm:request_inference_time_seconds": "Time requests ran on an engine: first scheduling to last token",
+    "vllm:request_prefill_time_seconds": "Time from a request's first scheduling to its first token",
+    "vllm:request_decode_time_seconds": "Time from a request's first token to its last",
+}
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == math.inf else repr(float(value))
+
+
+class EngineMetrics:
+    """A prometheus collector over the last snapshot of the live workers; probes.py renews ``workers``."""
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerInfo] = []
+
+    def engines(self) -> list[tuple[str, str, EngineStats]]:
+        """(model name, engine, stats) per serving instance that reported its engine."""
+        return [(inst.name, worker.worker_id, inst.engine) for worker in self.workers for inst in worker.instances
+                if inst.engine is not None and inst.state in ("ready", "draining")]
+
+    def collect(self):
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage of each engine (1 = full)",
+                                  labels=_LABELS)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked "
+                                      "up", labels=_LABELS)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached",
+                                   labels=_LABELS)
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted by each engine",
+                                          labels=_LABELS)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Each engine's KV cache configuration (always 1)",
+                                 labels=_CACHE_INFO)
+        histograms = {name: HistogramMetricFamily(name, _DOCS[name], labels=_LABELS) for name in RELAYED_HISTOGRAMS}
+        for model, engine, stats in self.engines():
+            labels = [model, engine]
+            usage.add_metric(labels, stats.kv_cache_usage)
+            queries.add_metric(labels, stats.prefix_cache_queries)
+            hits.add_metric(labels, stats.prefix_cache_hits)
+            preemptions.add_metric(labels, stats.preemptions)
+            info.add_metric([str(stats.block_size), stats.cache_dtype, str(stats.enable_prefix_caching), engine,
+                             model, str(stats.num_gpu_blocks)], 1)
+            for h in stats.histograms:
+                bounds = RELAYED_HISTOGRAMS.get(h.name)
+                if bounds is None:  # a newer worker's histogram this gateway does not know
+                    continue
+                counts = h.counts_at(bounds)
+                histograms[h.name].add_metric(labels, [(_bound(b), c) for b, c in zip((*bounds, math.inf), counts,
+                                                                                       strict=True)], h.sum)
+        yield from (usage, queries, hits, preemptions, info, *histograms.values())
