@@ -108,10 +108,9 @@ class WorkerMetrics:
         # buckets off them exactly
         self._relayed = {"vllm:request_queue_time_seconds": queue_time}  # what the heartbeat carries
         for phase, doc in (("prefill", "From the request's first scheduling here to its first token"),
-                                          ("decode", "From its first token (a decode worker: its first step "
-                                                     "here) to its last token"),
-                                          ("inference", "From the request's first scheduling here to its last "
-                                                        "token (prefill + decode on this engine)")):
+                           ("decode", "From its first token (a decode worker: its first step here) to its last token"),
+                           ("inference", "From the request's first scheduling here to its last token (prefill + "
+                                         "decode on this engine)")):
             name = f"vllm:request_{phase}_time_seconds"
             self._relayed[name] = Histogram(name, doc, m, buckets=REQUEST_BUCKETS, registry=r)
         self.phases = {p: self._relayed[f"vllm:request_{p}_time_seconds"].labels(model_name)
@@ -163,7 +162,6 @@ class WorkerMetrics:
             single = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
             kind = "decode" if single == len(out.scheduled) else "prefill" if not single else "mixed"
             self._steps[kind].inc()
-        if out.scheduled:
             self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
         per_tenant: dict[str, int] = {}
         for s in out.scheduled:
@@ -208,8 +206,9 @@ class WorkerMetrics:
         """Decode and inference time of a request that completed here (as e2e: stop or length only)."""
         if seen is None or seen.last_token is None or finish_reason not in ("stop", "length"):
             return
-        decode_from = seen.first_token if self.role == "unified" else seen.scheduled
-        self.phases["decode"].observe(max(0.0, seen.last_token - (decode_from or seen.scheduled)))
+        # a decode worker's first token here is the request's second: its decoding began at its first step
+        decode_from = seen.first_token if self.role == "unified" and seen.first_token is not None else seen.scheduled
+        self.phases["decode"].observe(max(0.0, seen.last_token - decode_from))
         self.phases["inference"].observe(max(0.0, seen.last_token - seen.scheduled))
 
     def engine_stats(self) -> EngineStats:
@@ -219,7 +218,7 @@ class WorkerMetrics:
         return EngineStats(kv_cache_usage=float(self.core.kv_usage), prefix_cache_queries=int(queries),
                            prefix_cache_hits=int(hits), preemptions=self._preempted,
                            block_size=int(self.cache_info["block_size"]),
-                           num_gpu_blocks=int(self.core.num_total_blocks), cache_dtype=self.cache_info["cache_dtype"],
+                           num_gpu_blocks=int(self.cache_info["num_gpu_blocks"]), cache_dtype=self.cache_info["cache_dtype"],
                            enable_prefix_caching=self.cache_info["enable_prefix_caching"] == "True",
                            histograms=histograms)
 

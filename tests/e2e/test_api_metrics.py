@@ -3,7 +3,10 @@ worker (tiny model, CPU) and an embedded Redis. After N requests through the ope
 ``/metrics`` counts N of each with the model's name, as vLLM's API server would; the workers' own
 ``--monitoring-port`` series count the same N once more (why the shipped dashboard and alerts pick one
 side by ``job``); and the gateway's running/waiting gauges follow a request through a frozen prefill
-worker and a frozen decode worker."""
+worker and a frozen decode worker. vLLM V1's engine series reach the gateway's ``/metrics`` through the
+workers' heartbeats (per engine, with vLLM's types, labels and bucket bounds, equal to the workers' own
+and moving with requests), beside the request parameters the gateway counts; and the shipped vLLM
+dashboard queries only series a real gateway serves."""
 
 import json
 import math
