@@ -47,6 +47,9 @@ class EngineMetrics:
     def collect(self):
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage of each engine (1 = full)",
                                   labels=_LABELS)
+        # vLLM V1 still serves the older name beside it, and its dashboard plots that one
+        gpu_usage = GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV-cache usage of each engine (1 = full); "
+                                      "the older name of vllm:kv_cache_usage_perc", labels=_LABELS)
         queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked "
                                       "up", labels=_LABELS)
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached",
@@ -59,6 +62,7 @@ class EngineMetrics:
         for model, engine, stats in self.engines():
             labels = [model, engine]
             usage.add_metric(labels, stats.kv_cache_usage)
+            gpu_usage.add_metric(labels, stats.kv_cache_usage)
             queries.add_metric(labels, stats.prefix_cache_queries)
             hits.add_metric(labels, stats.prefix_cache_hits)
             preemptions.add_metric(labels, stats.preemptions)
@@ -71,4 +75,4 @@ class EngineMetrics:
                 counts = h.counts_at(bounds)
                 histograms[h.name].add_metric(labels, [(_bound(b), c) for b, c in zip((*bounds, math.inf), counts,
                                                                                        strict=True)], h.sum)
-        yield from (usage, queries, hits, preemptions, info, *histograms.values())
+        yield from (usage, gpu_usage, queries, hits, preemptions, info, *histograms.values())

@@ -86,6 +86,9 @@ class VllmRequestMetrics:
                               "its first token there", m, buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Between consecutive token batches of a request "
                              "reaching the gateway", m, buckets=ITL_BUCKETS, registry=registry)
+        # vLLM's dashboard plots TPOT; V1 observes it per output token gap, as ITL (vLLM's buckets, the same)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Between consecutive token batches of a "
+                              "request reaching the gateway (vLLM's TPOT)", m, buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From the request's arrival at the gateway to its "
                              "last token there (completed requests)", m, buckets=E2E_BUCKETS, registry=registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that got a first token",
@@ -104,6 +107,9 @@ class VllmRequestMetrics:
                                   buckets=N_BUCKETS, registry=registry)
         self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter, "
                                            "per finished choice", m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.max_generation_tokens = Histogram("vllm:request_max_num_generation_tokens", "The most tokens any "
+                                               "choice of a prompt generated, per prompt whose choices all ended",
+                                               m, buckets=TOKEN_BUCKETS, registry=registry)
         self._live: dict[str, _Live] = {}  # by request id: requests queued and not yet ended
         self._models: set[str] = set()  # every model served so far: its gauges read 0 when idle, as vLLM's
         registry.register(_RequestStates(self))
@@ -131,6 +137,7 @@ class VllmRequestMetrics:
                 self.prompt_tokens.labels(model).inc(len(choice.prompt_token_ids))
             else:
                 self.itl.labels(model).observe(max(0.0, now - clock.last))
+                self.tpot.labels(model).observe(max(0.0, now - clock.last))
             clock.last = now
         if choice.finished:
             self.success.labels(model, choice.finish_reason).inc()
@@ -144,9 +151,17 @@ class VllmRequestMetrics:
     def finish(self, request: RequestView) -> None:
         """The request left the gateway; choices that had not ended were aborted."""
         self._live.pop(request.request_id, None)
+        longest: dict[int, int | None] = {}  # per prompt; None once a choice of it was aborted
         for choice in request.choices:
             if not choice.finished:
                 self.success.labels(request.model_name, "abort").inc()
+            if choice.finished and longest.get(choice.prompt_index, 0) is not None:
+                longest[choice.prompt_index] = max(longest.get(choice.prompt_index) or 0, len(choice.token_ids))
+            else:
+                longest[choice.prompt_index] = None
+        for tokens in longest.values():
+            if tokens is not None:
+                self.max_generation_tokens.labels(request.model_name).observe(tokens)
 
     def states(self) -> dict[str, tuple[int, int]]:
         """(running, waiting) per model."""
