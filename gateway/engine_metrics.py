@@ -39,10 +39,16 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.workers: list[WorkerInfo] = []
 
-    def engines(self) -> list[tuple[str, str, EngineStats]]:
-        """(model name, engine, stats) per serving instance that reported its engine."""
-        return [(inst.name, worker.worker_id, inst.engine) for worker in self.workers for inst in worker.instances
-                if inst.engine is not None and inst.state in ("ready", "draining")]
+    def engines(self) -> dict[tuple[str, str], "_Engine"]:
+        """Per (model name, engine): what its serving instances reported. Two versions of one model on one
+        worker (mid-swap) share those labels, and a scrape must not repeat a series: their counters and
+        histograms add up, the KV usage is the fuller one's, the cache config the first's."""
+        out: dict[tuple[str, str], _Engine] = {}
+        for worker in self.workers:
+            for inst in worker.instances:
+                if inst.engine is not None and inst.state in ("ready", "draining"):
+                    out.setdefault((inst.name, worker.worker_id), _Engine(inst.engine)).add(inst.engine)
+        return out
 
     def collect(self):
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage of each engine (1 = full)",
@@ -59,20 +65,42 @@ class EngineMetrics:
         info = GaugeMetricFamily("vllm:cache_config_info", "Each engine's KV cache configuration (always 1)",
                                  labels=_CACHE_INFO)
         histograms = {name: HistogramMetricFamily(name, _DOCS[name], labels=_LABELS) for name in RELAYED_HISTOGRAMS}
-        for model, engine, stats in self.engines():
+        for (model, engine), e in sorted(self.engines().items()):
             labels = [model, engine]
-            usage.add_metric(labels, stats.kv_cache_usage)
-            gpu_usage.add_metric(labels, stats.kv_cache_usage)
-            queries.add_metric(labels, stats.prefix_cache_queries)
-            hits.add_metric(labels, stats.prefix_cache_hits)
-            preemptions.add_metric(labels, stats.preemptions)
-            info.add_metric([str(stats.block_size), stats.cache_dtype, str(stats.enable_prefix_caching), engine,
-                             model, str(stats.num_gpu_blocks)], 1)
-            for h in stats.histograms:
-                bounds = RELAYED_HISTOGRAMS.get(h.name)
-                if bounds is None:  # a newer worker's histogram this gateway does not know
-                    continue
-                counts = h.counts_at(bounds)
-                histograms[h.name].add_metric(labels, [(_bound(b), c) for b, c in zip((*bounds, math.inf), counts,
-                                                                                       strict=True)], h.sum)
+            usage.add_metric(labels, e.kv_cache_usage)
+            gpu_usage.add_metric(labels, e.kv_cache_usage)
+            queries.add_metric(labels, e.prefix_cache_queries)
+            hits.add_metric(labels, e.prefix_cache_hits)
+            preemptions.add_metric(labels, e.preemptions)
+            c = e.config
+            info.add_metric([str(c.block_size), c.cache_dtype, str(c.enable_prefix_caching), engine, model,
+                             str(c.num_gpu_blocks)], 1)
+            for name, (counts, total) in e.histograms.items():
+                bounds = (*RELAYED_HISTOGRAMS[name], math.inf)
+                histograms[name].add_metric(labels, [(_bound(b), n) for b, n in zip(bounds, counts, strict=True)],
+                                            total)
         yield from (usage, gpu_usage, queries, hits, preemptions, info, *histograms.values())
+
+
+class _Engine:
+    """One (model name, engine) series set, summed over the instances that share it."""
+
+    def __init__(self, config: EngineStats):
+        self.config = config  # block size, dtype, blocks, prefix caching: the first instance's
+        self.kv_cache_usage = 0.0
+        self.prefix_cache_queries = self.prefix_cache_hits = self.preemptions = 0
+        self.histograms: dict[str, tuple[list[int], float]] = {}  # cumulative counts at vLLM's bounds, sum
+
+    def add(self, stats: EngineStats) -> "_Engine":
+        self.kv_cache_usage = max(self.kv_cache_usage, stats.kv_cache_usage)
+        self.prefix_cache_queries += stats.prefix_cache_queries
+        self.prefix_cache_hits += stats.prefix_cache_hits
+        self.preemptions += stats.preemptions
+        for h in stats.histograms:
+            bounds = RELAYED_HISTOGRAMS.get(h.name)
+            if bounds is None:  # a newer worker's histogram this gateway does not know
+                continue
+            counts, total = self.histograms.get(h.name, ([0] * (len(bounds) + 1), 0.0))
+            self.histograms[h.name] = ([a + b for a, b in zip(counts, h.counts_at(bounds), strict=True)],
+                                       total + h.sum)
+        return self
