@@ -4,7 +4,8 @@ tests run them, never share counters), served at ``GET /metrics``.
 The ``kvrelay_*`` ones only the front door sees: HTTP traffic, time to first token as the client
 experiences it (queueing included), rate-limit rejections, tokens per tenant, response-cache hits,
 requests in flight, and the queues (``queue_stats.py``). Beside them, vLLM's request-level series
-(``request_metrics.py``), so a dashboard built for vLLM's API server works pointed at the gateway.
+(``request_metrics.py``) and the engines' series the workers' heartbeats carry (``engine_metrics.py``),
+so a dashboard built for vLLM's API server works pointed at the gateway.
 """
 
 import asyncio
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from kvrelay.gateway.engine_metrics import EngineMetrics
 from kvrelay.gateway.queue_stats import QueueStats
 from kvrelay.gateway.request_metrics import TTFT_BUCKETS, VllmRequestMetrics
 
@@ -53,6 +55,8 @@ class GatewayMetrics:
         self.queues = QueueStats(queue_cache_s)
         registry.register(self.queues)
         self.vllm = VllmRequestMetrics(registry)
+        self.engines = EngineMetrics()  # the workers' engine series, renewed from their heartbeats when scraped
+        registry.register(self.engines)
         ProcessCollector(registry=registry)  # process_* (CPU, RSS, open fds), as the default registry has
 
     def render(self) -> bytes:

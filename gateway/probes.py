@@ -1,6 +1,7 @@
 """What orchestrators and scrapers ask, open to them without a tenant key and answered while draining:
 ``GET /health`` (the process answers and reaches its store), ``GET /ready`` (can requests be served)
-and ``GET /metrics`` (the gateway's Prometheus registry, with the queue gauges renewed from Redis first)."""
+and ``GET /metrics`` (the gateway's Prometheus registry, with the queue gauges and the workers' engine
+series renewed from Redis first)."""
 
 import logging
 
@@ -77,11 +78,15 @@ def _tokenizer_ready(app: web.Application, view: Served, name: str) -> bool:
 async def scrape(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     try:
-        models = sorted(await request.app[WORKER_REGISTRY].models())
+        registry = request.app[WORKER_REGISTRY]
+        models = sorted(await registry.models())
         await metrics.queues.refresh(request.app[REDIS], models)
+        metrics.engines.workers = await registry.workers()
     except redis.RedisError as exc:
-        # The gateway's own counters are still worth a scrape; the queue gauges are left out, not shown stale.
+        # The gateway's own counters are still worth a scrape; the queue gauges and the engines' series
+        # are left out, not shown stale.
         if not redis_failed(request.app, exc):
             log.warning("queue metrics unavailable: %s", exc)
         metrics.queues.snapshot = {}
+        metrics.engines.workers = []
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

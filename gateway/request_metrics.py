@@ -22,13 +22,21 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 # vLLM's 1-2-5 series up to max_model_len; one gateway serves models of every length, so up to a million
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+# vLLM V1's for the n request parameter
+N_BUCKETS = (1, 2, 5, 10, 20)
 COMPLETED = ("stop", "length")  # finish reasons whose latency and size describe the service
+
+
+class ParamsView(Protocol):
+    max_tokens: int | None
 
 
 class ChoiceView(Protocol):
     """One choice (one job) of a request, as the metrics read it."""
 
     job_id: str
+    prompt_index: int  # which of the request's prompts it continues (a completions request may have several)
+    params: ParamsView
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str | None
@@ -78,6 +86,9 @@ class VllmRequestMetrics:
                               "its first token there", m, buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Between consecutive token batches of a request "
                              "reaching the gateway", m, buckets=ITL_BUCKETS, registry=registry)
+        # vLLM's dashboard plots TPOT; V1 observes it per output token gap, as ITL (vLLM's buckets, the same)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Between consecutive token batches of a "
+                              "request reaching the gateway (vLLM's TPOT)", m, buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From the request's arrival at the gateway to its "
                              "last token there (completed requests)", m, buckets=E2E_BUCKETS, registry=registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that got a first token",
@@ -90,6 +101,15 @@ class VllmRequestMetrics:
                                                m, buckets=TOKEN_BUCKETS, registry=registry)
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens per "
                                                    "completed request", m, buckets=TOKEN_BUCKETS, registry=registry)
+        # vLLM observes n once per prompt (each prompt is a request there) and max_tokens once per
+        # finished choice
+        self.params_n = Histogram("vllm:request_params_n", "The n request parameter, per prompt", m,
+                                  buckets=N_BUCKETS, registry=registry)
+        self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter, "
+                                           "per finished choice", m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.max_generation_tokens = Histogram("vllm:request_max_num_generation_tokens", "The most tokens any "
+                                               "choice of a prompt generated, per prompt whose choices all ended",
+                                               m, buckets=TOKEN_BUCKETS, registry=registry)
         self._live: dict[str, _Live] = {}  # by request id: requests queued and not yet ended
         self._models: set[str] = set()  # every model served so far: its gauges read 0 when idle, as vLLM's
         registry.register(_RequestStates(self))
@@ -97,6 +117,11 @@ class VllmRequestMetrics:
     def start(self, request: RequestView) -> None:
         """The request's jobs are queued."""
         self._models.add(request.model_name)
+        per_prompt: dict[int, int] = {}
+        for choice in request.choices:
+            per_prompt[choice.prompt_index] = per_prompt.get(choice.prompt_index, 0) + 1
+        for n in per_prompt.values():
+            self.params_n.labels(request.model_name).observe(n)
         self._live[request.request_id] = _Live(request, {c.job_id: _Clock() for c in request.choices})
 
     def delta(self, request: RequestView, choice: ChoiceView, new_tokens: int) -> None:
@@ -112,9 +137,12 @@ class VllmRequestMetrics:
                 self.prompt_tokens.labels(model).inc(len(choice.prompt_token_ids))
             else:
                 self.itl.labels(model).observe(max(0.0, now - clock.last))
+                self.tpot.labels(model).observe(max(0.0, now - clock.last))
             clock.last = now
         if choice.finished:
             self.success.labels(model, choice.finish_reason).inc()
+            if choice.params.max_tokens:
+                self.params_max_tokens.labels(model).observe(choice.params.max_tokens)
             if choice.finish_reason in COMPLETED:
                 self.e2e.labels(model).observe(max(0.0, now - request.arrival))
                 self.request_prompt_tokens.labels(model).observe(len(choice.prompt_token_ids))
@@ -123,9 +151,17 @@ class VllmRequestMetrics:
     def finish(self, request: RequestView) -> None:
         """The request left the gateway; choices that had not ended were aborted."""
         self._live.pop(request.request_id, None)
+        longest: dict[int, int | None] = {}  # per prompt; None once a choice of it was aborted
         for choice in request.choices:
             if not choice.finished:
                 self.success.labels(request.model_name, "abort").inc()
+            if choice.finished and longest.get(choice.prompt_index, 0) is not None:
+                longest[choice.prompt_index] = max(longest.get(choice.prompt_index) or 0, len(choice.token_ids))
+            else:
+                longest[choice.prompt_index] = None
+        for tokens in longest.values():
+            if tokens is not None:
+                self.max_generation_tokens.labels(request.model_name).observe(tokens)
 
     def states(self) -> dict[str, tuple[int, int]]:
         """(running, waiting) per model."""

@@ -1,16 +1,18 @@
-"""Every route of the gateway, in one table: the OpenAI API, the probes and the API description, then
+"""Every route of the gateway, in one table: the OpenAI API (and SageMaker's /invocations), the probes, the version and the API description, then
 the admin API of the tenancy and control rooms."""
 
 from aiohttp import web
 
 from kvrelay.gateway.api.chat import create_chat_completion
 from kvrelay.gateway.api.completions import create_completion
+from kvrelay.gateway.api.invocations import invocations
 from kvrelay.gateway.api.model_list import list_models
 from kvrelay.gateway.api.tokenize_route import detokenize, tokenize
 from kvrelay.gateway.control import model_admin
 from kvrelay.gateway.openapi import admin_openapi, openapi
 from kvrelay.gateway.probes import health, ready, scrape
 from kvrelay.gateway.tenancy import tenant_admin
+from kvrelay.gateway.version import version
 
 ROUTES = [
     web.post("/v1/completions", create_completion),
@@ -18,6 +20,8 @@ ROUTES = [
     web.get("/v1/models", list_models),
     web.post("/tokenize", tokenize),
     web.post("/detokenize", detokenize),
+    web.post("/invocations", invocations),
+    web.get("/version", version),
     web.get("/health", health),
     web.get("/ready", ready),
     web.get("/openapi.json", openapi),

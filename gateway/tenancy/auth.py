@@ -6,7 +6,7 @@
 - the API (``/v1/...``, ``/tokenize``, ...): once any tenant exists, or an admin key is configured, a
   tenant key is required; missing, unknown or revoked: 401. Until then the gateway is open, as it was
   before tenants, and every request belongs to ``default_tenant`` with no limits.
-- probes and metrics stay open (``OPEN_PATHS``): orchestrators and scrapers carry no tenant key.
+- probes, metrics and the version stay open (``OPEN_PATHS``): orchestrators and scrapers carry no tenant key.
 
 Keys are looked up on every request, not cached, so a revoked key stops working at once on every
 replica. Keys are never logged; the error messages do not echo them either.
@@ -23,7 +23,7 @@ from kvrelay.gateway.state import CONFIG
 from kvrelay.gateway.tenancy.tenants import TENANTS, Tenant
 
 TENANT = web.RequestKey("tenant", Tenant)
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 

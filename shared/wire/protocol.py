@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvrelay.shared.wire.codec import MAX_ID_LEN, register
+from kvrelay.shared.wire.engine_stats import EngineStats
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -131,6 +132,7 @@ class InstanceStatus:
     pinned: bool = False
     load_s: float = 0.0  # how long its load took: the reload cost eviction weighs
     error: str = ""  # why a load failed (state "failed")
+    engine: EngineStats | None = None  # its engine's vLLM series, relayed by the gateway's /metrics
 
 
 @dataclass

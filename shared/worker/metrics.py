@@ -13,6 +13,13 @@ Which worker sees what, so that sums across workers count each thing once:
   is the gap between its first two decode steps: the prefill->decode gap is the handoff, measured
   by the prefill worker as ``kvrelay_handoff_seconds``;
 * unified: all of the above.
+Per-request phases (vLLM's queue, prefill, decode and inference times; inference = prefill + decode,
+from the first scheduling to the last token): a unified worker observes all four for each completed
+request; a prefill worker queue and prefill time; a decode worker decode time and, as inference time,
+its own span (the request's prefill ran on another engine, which counts it as that engine's prefill
+time). A request that ends at its first token on a prefill worker has no decode or inference sample.
+``engine_stats`` snapshots the engine-level series for the heartbeat, which carries them to the
+gateway's ``/metrics`` (shared/wire/engine_stats.py).
 Latencies count from the Job's ``arrival`` (the gateway's clock), so they include the time in the Redis
 queue and assume hosts' clocks agree (NTP).
 """
@@ -26,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from kvrelay.shared.engine import SchedulerOutput
 from kvrelay.shared.engine.request import Request
+from kvrelay.shared.wire.engine_stats import ITERATION_TOKENS_BUCKETS, RELAYED_HISTOGRAMS, EngineStats, HistogramCounts
 from kvrelay.shared.worker.host_stats import HostCollector, nvml_for
 
 # vLLM's buckets, with finer steps below 10 ms for GPU decode and around the 500 ms e2e alert threshold.
@@ -42,7 +50,9 @@ ROLES = ("prefill", "decode", "unified")
 
 @dataclass
 class _Seen:
-    last_token: float | None = None  # unix time of this request's latest token on this worker
+    scheduled: float  # unix time of this request's first step on this worker
+    first_token: float | None = None  # of its first token here
+    last_token: float | None = None  # of its latest token here
 
 
 class WorkerMetrics:
@@ -90,9 +100,33 @@ class WorkerMetrics:
                              buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From the request's arrival to its last token",
                              m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "From the request's arrival (Redis queue included) to its first scheduling",
-                                    m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        queue_time = Histogram("vllm:request_queue_time_seconds",
+                               "From the request's arrival (Redis queue included) to its first scheduling",
+                               m, buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = queue_time.labels(model_name)
+        # vLLM's phase histograms: REQUEST_BUCKETS holds every vLLM bound, so the gateway reads vLLM's
+        # buckets off them exactly
+        self._relayed = {"vllm:request_queue_time_seconds": queue_time}  # what the heartbeat carries
+        for phase, doc in (("prefill", "From the request's first scheduling here to its first token"),
+                           ("decode", "From its first token (a decode worker: its first step here) to its last token"),
+                           ("inference", "From the request's first scheduling here to its last token (prefill + "
+                                         "decode on this engine)")):
+            name = f"vllm:request_{phase}_time_seconds"
+            self._relayed[name] = Histogram(name, doc, m, buckets=REQUEST_BUCKETS, registry=r)
+        self.phases = {p: self._relayed[f"vllm:request_{p}_time_seconds"].labels(model_name)
+                       for p in ("prefill", "decode", "inference")}
+        self._relayed["vllm:iteration_tokens_total"] = Histogram(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step (prompt chunks and generated tokens)",
+            m, buckets=ITERATION_TOKENS_BUCKETS, registry=r)
+        self.iteration_tokens = self._relayed["vllm:iteration_tokens_total"].labels(model_name)
+        self._preempted = 0  # lifetime, for the heartbeat
+        cache = core.config.cache
+        self.cache_info = {"block_size": str(core.block_size), "cache_dtype": str(core.dtype).removeprefix("torch."),
+                           "enable_prefix_caching": str(cache.enable_prefix_caching),
+                           "num_gpu_blocks": str(core.num_total_blocks)}
+        Gauge("vllm:cache_config_info", "This engine's KV cache configuration (always 1)",
+              m + sorted(self.cache_info), registry=r).labels(model_name, *(
+                  self.cache_info[k] for k in sorted(self.cache_info))).set(1)
         self._tenant_tokens = Counter("kvrelay_worker_tenant_tokens", "Tokens computed per tenant (prefill "
                                       "chunks and decode steps; what fair scheduling counts)", m + ["tenant"],
                                       registry=r)
@@ -123,43 +157,70 @@ class WorkerMetrics:
         now = time.time()
         if out.preempted:
             self.preemptions.inc(len(out.preempted))
+            self._preempted += len(out.preempted)
         if out.scheduled:
             single = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
             kind = "decode" if single == len(out.scheduled) else "prefill" if not single else "mixed"
             self._steps[kind].inc()
+            self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
         per_tenant: dict[str, int] = {}
         for s in out.scheduled:
             req = s.request
             per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + s.num_new_tokens
             seen = self._seen.get(req.request_id)
             if seen is None:
-                seen = self._seen[req.request_id] = _Seen()
+                seen = self._seen[req.request_id] = _Seen(scheduled=started)
                 if self.first_token_here:
                     self.queue_time.observe(max(0.0, started - req.arrival_wall))
             if not s.sample:
                 continue
             self.generation_tokens.inc()
             if seen.last_token is None:
+                seen.first_token = now
                 if self.first_token_here and req.num_output_tokens == 1:
                     self.ttft.observe(max(0.0, now - req.arrival_wall))
                     self.prompt_tokens.inc(req.num_prompt_tokens)
+                    self.phases["prefill"].observe(max(0.0, now - seen.scheduled))
             elif self.later_tokens_here:
                 self.itl.observe(now - seen.last_token)
             seen.last_token = now
         for tenant, n in per_tenant.items():
             self._tenant_tokens.labels(self.model, self.tenant_label(tenant)).inc(n)
         for req in finished:
-            self._seen.pop(req.request_id, None)
+            seen = self._seen.pop(req.request_id, None)
             # a prefill worker's engine ends every request at its first token; whether the request
             # really ended there is the worker's call (request_done)
             if self.role != "prefill":
                 self.request_done(req.status.value, req.arrival_wall, now)
+                self._phases_done(req.status.value, seen)
 
     def on_removed(self, requests: list[Request]) -> None:
         now = time.time()
         for req in requests:
-            self._seen.pop(req.request_id, None)
+            seen = self._seen.pop(req.request_id, None)
             self.request_done(req.status.value, req.arrival_wall, now)
+            if self.role != "prefill":
+                self._phases_done(req.status.value, seen)
+
+    def _phases_done(self, finish_reason: str, seen: _Seen | None) -> None:
+        """Decode and inference time of a request that completed here (as e2e: stop or length only)."""
+        if seen is None or seen.last_token is None or finish_reason not in ("stop", "length"):
+            return
+        # a decode worker's first token here is the request's second: its decoding began at its first step
+        decode_from = seen.first_token if self.role == "unified" and seen.first_token is not None else seen.scheduled
+        self.phases["decode"].observe(max(0.0, seen.last_token - decode_from))
+        self.phases["inference"].observe(max(0.0, seen.last_token - seen.scheduled))
+
+    def engine_stats(self) -> EngineStats:
+        """The engine-level series as of now, for the heartbeat (shared/wire/engine_stats.py)."""
+        queries, hits = self.core.prefix_cache_stats()
+        histograms = [_counts(name, self._relayed[name], self.model) for name in RELAYED_HISTOGRAMS]
+        return EngineStats(kv_cache_usage=float(self.core.kv_usage), prefix_cache_queries=int(queries),
+                           prefix_cache_hits=int(hits), preemptions=self._preempted,
+                           block_size=int(self.cache_info["block_size"]),
+                           num_gpu_blocks=int(self.cache_info["num_gpu_blocks"]), cache_dtype=self.cache_info["cache_dtype"],
+                           enable_prefix_caching=self.cache_info["enable_prefix_caching"] == "True",
+                           histograms=histograms)
 
     # -- called by the worker loops -------------------------------------------------------------
     def request_done(self, finish_reason: str, arrival: float, now: float | None = None) -> None:
@@ -179,6 +240,21 @@ class WorkerMetrics:
             self._handoffs.labels(self.model, transport, str(streamed).lower()).inc()
         else:
             self.handoff_failures.inc()
+
+
+def _counts(name: str, parent: Histogram, model: str) -> HistogramCounts:
+    """One model's cumulative bucket counts and sum of ``parent``, read through its public samples."""
+    bounds, counts, total = [], [], 0.0
+    for family in parent.collect():
+        for sample in family.samples:
+            if sample.labels.get("model_name") != model:
+                continue
+            if sample.name.endswith("_bucket"):
+                bounds.append(float(sample.labels["le"]))
+                counts.append(int(sample.value))
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+    return HistogramCounts(name=name, bounds=bounds, counts=counts, sum=total)
 
 
 class _PrefixCacheCollector:

@@ -392,7 +392,8 @@ class ModelHost:
                                       kv_free_blocks=s.core.num_free_blocks + lendable // s.core.block_bytes,
                                       running=s.core.num_running,
                                       waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
-                                      load_s=round(s.load_s, 3)))
+                                      load_s=round(s.load_s, 3),
+                                      engine=s.metrics.engine_stats() if s.metrics is not None else None))
         for inst, ld in self.loading.items():
             out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
                                       weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned))

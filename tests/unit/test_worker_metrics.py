@@ -9,10 +9,13 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.config.engine import CacheConfig, SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.engine_stats import ITERATION_TOKENS_BUCKETS, RELAYED_HISTOGRAMS, REQUEST_LATENCY_BUCKETS
+from kvrelay.shared.wire.protocol import InstanceStatus
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.host_stats import HostCollector
 from kvrelay.shared.worker.metrics import WorkerMetrics
@@ -36,6 +39,8 @@ class Engine:
 
     def __init__(self, role: str, hold: bool = False):
         self.block_manager = BlockManager(64, BS)
+        self.config = SimpleNamespace(cache=CacheConfig(block_size=BS))
+        self.block_size, self.dtype, self.num_total_blocks = BS, "float32", 64
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), self.block_manager, 64,
                                    hold_finished_kv=hold)
         self.metrics = WorkerMetrics(self, "tiny", role, "w1")
@@ -160,6 +165,34 @@ def test_unified_role_records_both_sides():
     assert value(snap, "process_resident_memory_bytes") > 0
     assert "kvrelay_node_load1" in {k[0] for k in snap}
     assert not any(k[0].startswith("kvrelay_gpu_") for k in snap)  # CPU worker: no GPU series
+
+
+def test_unified_role_records_vllms_phases_and_step_sizes_and_the_heartbeat_carries_them():
+    e = Engine("unified")
+    e.scheduler.add_request(req("u", "a", max_tokens=4))
+    while e.scheduler.has_unfinished():
+        e.step()
+    snap = samples(e.metrics.registry)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(snap, f"vllm:request_{phase}_time_seconds_count", model_name="tiny") == 1, phase
+    # the 10-token prompt in one step, then three one-token steps
+    assert value(snap, "vllm:iteration_tokens_total_count", model_name="tiny") == 4
+    assert value(snap, "vllm:iteration_tokens_total_sum", model_name="tiny") == 13
+    assert value(snap, "vllm:iteration_tokens_total_bucket", model_name="tiny", le="8.0") == 3
+    assert value(snap, "vllm:cache_config_info", model_name="tiny", block_size=str(BS), cache_dtype="float32",
+                 enable_prefix_caching="True", num_gpu_blocks="64") == 1
+    # what the heartbeat carries survives the codec, and reads back at vLLM's bounds
+    status = decode(encode(InstanceStatus(instance="tiny", name="tiny", version=0, state="ready",
+                                          engine=e.metrics.engine_stats())), InstanceStatus)
+    stats = status.engine
+    assert stats.block_size == BS and stats.num_gpu_blocks == 64 and stats.enable_prefix_caching
+    assert stats.prefix_cache_queries == 10 and stats.preemptions == 0
+    by_name = {h.name: h for h in stats.histograms}
+    assert set(by_name) == set(RELAYED_HISTOGRAMS)
+    steps = by_name["vllm:iteration_tokens_total"].counts_at(ITERATION_TOKENS_BUCKETS)
+    assert steps[:2] == [3, 3] and steps[-1] == 4  # le=1: three decode steps; le=8 too; +Inf: all four
+    inference = by_name["vllm:request_inference_time_seconds"].counts_at(REQUEST_LATENCY_BUCKETS)
+    assert len(inference) == len(REQUEST_LATENCY_BUCKETS) + 1 and inference[-1] == 1
 
 
 class FakeNvml:
