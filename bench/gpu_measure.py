@@ -187,6 +187,18 @@ def replay_ms(llm: LLM, max_len: int | None = None, reps: int = 50) -> float | N
     return start.elapsed_time(end) / reps
 
 
+def event_ms(fn, reps: int = 10) -> float:
+    """GPU ms per ``fn()`` over ``reps`` eager calls after one warm-up call (CUDA events)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def prefill_attention(num_seqs: int, length: int, heads: int, kv_heads: int, head_dim: int,
                       block_size: int = 16, reps: int = 10) -> tuple[float, float, float]:
     """(ms of our registered prefill attention, ms of the paged Triton kernel alone, ms of torch SDPA) for
@@ -213,21 +225,11 @@ def prefill_attention(num_seqs: int, length: int, heads: int, kv_heads: int, hea
     ks, vs = (kv[i].view(num_seqs, length, kv_heads, head_dim).transpose(1, 2)
               .repeat_interleave(heads // kv_heads, dim=1).contiguous() for i in (0, 1))
 
-    def timed(fn) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / reps
-
     # the model passes this step's k/v beside the cache (kernels.rotary_write_kv's outputs), so do we
     k_new, v_new = (kv[i].reshape(num_seqs * length, kv_heads, head_dim) for i in (0, 1))
-    ours = timed(lambda: kernels.paged_attention(q, kv, meta, head_dim ** -0.5, k=k_new, v=v_new))
-    triton_only = timed(lambda: paged_prefill(q, kv, meta, head_dim ** -0.5, None, k_new, v_new))
-    sdpa = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    ours = event_ms(lambda: kernels.paged_attention(q, kv, meta, head_dim ** -0.5, k=k_new, v=v_new), reps)
+    triton_only = event_ms(lambda: paged_prefill(q, kv, meta, head_dim ** -0.5, None, k_new, v_new), reps)
+    sdpa = event_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True), reps)
     return ours, triton_only, sdpa
 
 

@@ -12,17 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay import kernels
-
-
-def timed(fn, reps: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+from kvrelay.bench.gpu_measure import event_ms as timed
 
 
 def main(argv: list[str] | None = None) -> None:
