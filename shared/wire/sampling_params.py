@@ -5,6 +5,8 @@ Validation raises ``ValueError`` naming the offending field; the gateway maps it
 
 from dataclasses import dataclass, field
 
+from kvrelay.shared.wire.structured_outputs import StructuredOutputs
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64
@@ -41,6 +43,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these tokens may be sampled (every other logit is -inf); ids checked like logit_bias's
     allowed_token_ids: list[int] | None = None
+    # the output must match this schema / regex / choice / grammar; the engine masks every other token
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +112,8 @@ class SamplingParams:
                 fail("logit_bias", "is not supported with use_beam_search")
             if self.allowed_token_ids is not None:
                 fail("allowed_token_ids", "is not supported with use_beam_search")  # as logit_bias, above
+            if self.structured_outputs is not None:
+                fail("structured_outputs", "is not supported with use_beam_search")  # as logit_bias, above
             if self.beam_width is None:
                 self.beam_width = self.n
             if self.beam_width < self.n:

@@ -10,6 +10,7 @@ from kvrelay.shared.wire import codec
 from kvrelay.shared.wire import handoff as h
 from kvrelay.shared.wire import protocol as p
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 
 def _job(**over) -> p.Job:
@@ -100,6 +101,29 @@ def test_prompt_logprob_ranks_must_match_the_entries(ranks):
     event = p.TokenEvent("r", [1], prompt_logprobs=[None, [(2, -3.0), (4, -0.1)]], prompt_logprob_ranks=ranks)
     with pytest.raises(ValueError, match="prompt_logprob_ranks"):
         codec.decode(codec.encode(event), p.TokenEvent)
+
+
+def test_structured_outputs_cross_the_wire_nested():
+    so = StructuredOutputs(json='{"type":"object"}')
+    job = codec.decode(codec.encode(_job(sampling=SamplingParams(structured_outputs=so))), p.Job)
+    assert job.sampling.structured_outputs == so and job.sampling.structured_outputs.kind == "json"
+
+
+@pytest.mark.parametrize("wire, why", [
+    ({"json": "{}", "regex": "a+"}, "exactly one"), ({}, "got none"), ({"choice": []}, "choice"),
+    ({"choice": ["a", ""]}, "non-empty"), ({"regex": ""}, "exactly one|non-empty"), ({"json_object": 1}, "bool"),
+    ({"grammar": "x" * 300_000}, "at most"), ({"json": "{}", "extra": 1}, "extra"),
+])
+def test_hostile_structured_outputs_are_value_errors(wire, why):
+    raw = msgpack.unpackb(codec.encode(_job()), strict_map_key=False)
+    raw["sampling"]["structured_outputs"] = wire
+    with pytest.raises(ValueError, match=why):
+        codec.decode(msgpack.packb(raw), p.Job)
+
+
+def test_structured_outputs_refuse_beam_search():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(use_beam_search=True, max_tokens=4, structured_outputs=StructuredOutputs(regex="a+"))
 
 
 def test_invalid_sampling_on_the_wire_is_a_value_error_naming_the_field():
