@@ -11,7 +11,7 @@ import os
 import torch
 
 from kvrelay.kernels.metadata import AttentionMetadata
-from kvrelay.kernels.registry import implementation, register
+from kvrelay.kernels.registry import fused, implementation, register
 
 
 def write_kv(k, v, kv_cache, slot_mapping):
@@ -39,6 +39,16 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 def rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping):
     # rotary on q and k, then k and v into the paged cache; returns the rotated (q, k). One kernel on GPU
     return implementation("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+
+
+def rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta: AttentionMetadata, scale: float):
+    # rotary on q and k, k and v into the paged cache, then attention over it -> [T, H, D]. On GPU a decode
+    # step runs all of it in the attention kernel (kernels/triton/decode_attention.py)
+    kernel = fused("rotary_attention", q)
+    if kernel is not None:
+        return kernel(positions, q, k, v, cos_sin_cache, kv_cache, meta, scale)
+    q, k = rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+    return paged_attention(q, kv_cache, meta, scale, k=k, v=v)
 
 
 def copy_blocks(src, src_ids, dst, dst_ids, layers):
@@ -76,7 +86,7 @@ def gelu(x, approximate="tanh"):
 
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
-    "rotary_embedding", "rotary_write_kv", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
+    "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
     "silu_mul_linear", "warm_up_prefill_attention",
 ]
 

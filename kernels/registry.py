@@ -21,6 +21,11 @@ def register(name: str, fn: Callable) -> None:
     _cuda_impls[name] = fn
 
 
+def fused(name: str, x: torch.Tensor) -> Callable | None:
+    """The kernel registered for a composite op (one that is, by definition, other ops in turn), or None."""
+    return _cuda_impls.get(name) if x.is_cuda else None
+
+
 def implementation(name: str, x: torch.Tensor) -> Callable:
     if x.is_cuda and name in _cuda_impls:
         return _cuda_impls[name]

@@ -9,7 +9,7 @@ from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
-from kvrelay.kernels.triton.paged_attention import paged_attention
+from kvrelay.kernels.triton.paged_attention import paged_attention, rotary_attention
 from kvrelay.kernels.triton.rms_norm import rms_norm
 from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
@@ -24,6 +24,7 @@ OPS = {
     "layer_norm": layer_norm,
     "rotary_embedding": rotary_embedding,
     "rotary_write_kv": rotary_write_kv,
+    "rotary_attention": rotary_attention,
     "silu_mul": silu_mul,
     "gelu": gelu,
     "copy_blocks": copy_blocks,
@@ -41,6 +42,6 @@ def register_all() -> None:
 
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
-    "rotary_write_kv", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
+    "rotary_write_kv", "rotary_attention", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
     "rms_norm_linear", "silu_mul_linear",
 ]

@@ -1,12 +1,14 @@
 """The registered ``paged_attention``: decode kernel (split-K) for pure decode steps, torch's SDPA for steps
-of whole fp16/bf16 prompts (kernels/sdpa_prefill.py), else the prefill kernel."""
+of whole fp16/bf16 prompts (kernels/sdpa_prefill.py), else the prefill kernel; and ``rotary_attention``,
+the same with rotary and the KV write in front."""
 
 import torch
 
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.sdpa_prefill import prompt_spans, sdpa_prefill
-from kvrelay.kernels.triton.decode_attention import decode_attention
+from kvrelay.kernels.triton.decode_attention import decode_attention, rotary_decode_attention
 from kvrelay.kernels.triton.prefill_attention import prefill_attention
+from kvrelay.kernels.triton.rotary import rotary_write_kv
 
 
 def paged_attention(
@@ -28,3 +30,15 @@ def paged_attention(
             return sdpa_prefill(q, k, v, spans, scale)
     # mixed batches (chunked prefill + decodes) take the prefill kernel: a decode row is a 1-token tile
     return prefill_attention(q, kv_cache, meta, scale, alibi_slopes, k, v)
+
+
+def rotary_attention(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    # the registered ``rotary_attention``: a decode step rotates, stores and attends in one kernel; other
+    # steps rotate and store in one and attend in the next (the prefill kernels read the rotated k and v)
+    if meta.decode_only:
+        return rotary_decode_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, scale)
+    q, k = rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+    return paged_attention(q, kv_cache, meta, scale, k=k, v=v)

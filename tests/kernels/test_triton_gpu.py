@@ -93,6 +93,12 @@ def test_rotary_write_kv(tk, dtype, cache_dtype, head_dim, page):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens, num_splits", [([1, 37, 4000, 129, 64], None), ([3000], None), ([900, 5, 2], 8)])
+def test_rotary_decode_attention(tk, dtype, seq_lens, num_splits):
+    cases.check_rotary_decode_attention(tk, DEV, seq_lens, 32, 8, 128, 128, 16, dtype, num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [4096, 1000])
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm(tk, dtype, hidden, residual):

@@ -158,6 +158,35 @@ def check_rotary_write_kv(tk, device: str, tokens: int, heads: int, kv_heads: in
     assert torch.equal(flat[:, untouched], expected[1].reshape(2, num_blocks * page, kv_heads, head_dim)[:, untouched])
 
 
+def check_rotary_decode_attention(tk, device: str, seq_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                                  rot_dim: int, page: int, dtype: torch.dtype, num_splits: int | None = None) -> None:
+    """Rotary + KV write + decode attention in one kernel against the two ops in turn (reference rotary and
+    write, attention in float32): q, k, v unrotated strided views of one qkv row per sequence, the step's
+    token not yet in the cache; a padding row (slot -1) must store nothing."""
+    q0, kv_cache, meta = make_paged_case([1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim, page, dtype,
+                                         device, seed=len(seq_lens) + rot_dim)
+    gen = torch.Generator().manual_seed(7)
+    n = len(seq_lens)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    positions = meta.seq_lens.long() - 1
+    meta.slot_mapping[-1] = -1  # the last row is padding: its token is not stored
+    expected_cache = kv_cache.clone()
+    want_q, want_k = reference.rotary_write_kv(positions, q, k, v, cs, expected_cache, meta.slot_mapping)
+    scale = head_dim ** -0.5
+    fused = import_module("kvrelay.kernels.triton.decode_attention").rotary_decode_attention
+    out = fused(positions, q, k, v, cs, kv_cache, meta, scale, num_splits=num_splits)
+    assert out.dtype == dtype and out.shape == (n, heads, head_dim)
+    # the cache as the two ops leave it (rotation rounded to the input dtype, as the unfused kernel does)
+    assert_close(kv_cache, expected_cache, dtype, scale=0.5)
+    expected = reference.paged_attention(want_q.float(), kv_cache.float(), meta, scale)
+    assert_close(out[:-1], expected[:-1], dtype)
+
+
 def check_rms_norm(tk, device: str, rows: int, hidden: int, dtype: torch.dtype, residual: bool,
                    weight_dtype: torch.dtype | None = None) -> None:
     x = torch.randn(rows, hidden, device=device).to(dtype)

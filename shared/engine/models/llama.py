@@ -34,10 +34,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        # one kernel rotates q and k and stores k and v in the cache; the prefill kernel then reads
-        # this step's keys from the contiguous k/v rather than back through the block table
-        q, k = kernels.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_cache, meta, self.scale, k=k, v=v)  # [T, H, D]
+        # rotary, the KV write and attention: one kernel for a decode step, two otherwise (kernels/__init__.py)
+        out = kernels.rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, self.scale)  # [T, H, D]
         return kernels.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
