@@ -1,7 +1,8 @@
-"""Decode steps with the attention kernel's fusions on and off, each variant in its own process (graphs are
-captured at load): rotary + KV write inside the decode attention kernel, and the split-K merge inside it.
+"""Decode steps with the batch-1 fusions on and off, each variant in its own process (graphs are captured at
+load): rotary + KV write inside the decode attention kernel ("rope"), programmatic dependent launch of the
+Triton kernels ("pdl"), and the skinny projections pulling their weights into L2 before they wait ("prefetch").
 
-    python -m kvrelay.bench.fused_probe [--model dummy:llama-3-8b] [--variants base,rope,rope+merge]
+    python -m kvrelay.bench.fused_probe [--model dummy:llama-3-8b] [--variants base,rope,rope+pdl,...]
 
 Prints, per variant, batch-1 and batch-N engine step ms (async scheduling on), the bare graph replay at
 batch 1, and the ratio to the first variant.
@@ -13,19 +14,20 @@ import os
 import subprocess
 import sys
 
-VARIANTS = {"base": (False, False), "rope": (True, False), "rope+merge": (True, True)}
+VARIANTS = {"base": (False, False, False), "rope": (True, False, False), "rope+pdl": (True, True, False),
+            "rope+pdl+prefetch": (True, True, True)}
 
 
 def child(args: argparse.Namespace) -> dict:
     from kvrelay import LLM
     from kvrelay.bench.gpu_measure import decode_step_ms, replay_ms
     from kvrelay.kernels import registry
-    from kvrelay.kernels.triton import decode_attention
+    from kvrelay.kernels.triton import utils
 
-    rope, merge = VARIANTS[args.variant]
+    rope, pdl, prefetch = VARIANTS[args.variant]
     if not rope:
         registry._cuda_impls.pop("rotary_attention", None)  # the model then rotates and attends in turn
-    decode_attention.FUSED_MERGE = merge
+    utils.PDL, utils.PREFETCH = pdl, prefetch
     llm = LLM(model=args.model, load_format="dummy", max_model_len=4096, max_num_seqs=args.batch,
               max_num_batched_tokens=8192, async_scheduling=True)
     out = {"variant": args.variant}
@@ -41,7 +43,7 @@ def child(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="dummy:llama-3-8b")
-    p.add_argument("--variants", default="base,rope,rope+merge")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

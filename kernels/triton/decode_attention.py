@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.triton import utils
 from kvrelay.kernels.triton.rotary import _cos_sin
-from kvrelay.kernels.triton.utils import interpreting, num_sms, pow2
+from kvrelay.kernels.triton.utils import interpreting, num_sms, pdl_start, pdl_wait, pow2
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner-loop tile
@@ -25,12 +26,6 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's merge traffic outweighs the parallelism it adds
 MAX_SPLITS = 64
-# The last program of each (sequence, kv head) to finish merges its group's splits, so a split launch is
-# one kernel, not two: a batch-1 step has 32 such launches. False: the separate merge kernel
-# (bench/fused_probe.py times both).
-FUSED_MERGE = True
-_COUNTERS = 4096  # arrival counters per device; a split launch has < 2 x SMs programs (choose_num_splits)
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -69,7 +64,7 @@ def _store_new_kv(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    pos_ptr, cs_ptr, k_ptr, v_ptr, slot_ptr, count_ptr,
+    pos_ptr, cs_ptr, k_ptr, v_ptr, slot_ptr,
     scale_log2, num_splits,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
@@ -77,7 +72,7 @@ def _decode_kernel(
     num_heads, group, head_dim, half,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    ROPE: tl.constexpr, MERGE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     # ROPE: q and the step's k arrive unrotated, and the step's k and v are not yet in the cache. Each
     # program rotates its q rows as it loads them; the program whose token range holds the step's token
@@ -87,7 +82,9 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    pdl_start(PDL)
+    seq_len = tl.load(seq_lens_ptr + seq)  # step metadata, copied in before the step's first kernel
+    pdl_wait(PDL)
     # this split's token range, a multiple of BLOCK_N so only the sequence's last tile is ragged
     chunk = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * chunk
@@ -144,43 +141,10 @@ def _decode_kernel(
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], acc, mask=qo_mask)
-        if MERGE:
-            # every program counts itself in after its partials are out (release); the one that counts
-            # last sees all of them (acquire), merges, and zeroes the counter for the next launch, which
-            # a captured graph replays with the same buffer
-            tl.debug_barrier()
-            counter = count_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                for gi in range(0, group):
-                    _merge_head(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, seq.to(tl.int64), kvh * group + gi,
-                                num_splits, num_heads, head_dim, stride_os, stride_oh, BLOCK_SPLITS, BLOCK_D)
     else:
         out = acc / l_i[:, None]
         dst = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
-
-
-@triton.jit
-def _merge_head(
-    part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, seq, head,
-    num_splits, num_heads, head_dim, stride_os, stride_oh,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # rescale each split of one (sequence, query head) to the global max and normalise; the loads skip
-    # L1 (.cg): in the fused merge other programs wrote these partials moments ago
-    sp = tl.arange(0, BLOCK_SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    sp_mask = sp < num_splits
-    d_mask = d < head_dim
-    base = (seq * num_heads + head) * num_splits
-    m = tl.load(part_m_ptr + base + sp, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
-    denom = tl.load(part_l_ptr + base + sp, mask=sp_mask, other=0.0, cache_modifier=".cg")
-    w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds a token, so the max is finite
-    o = tl.load(part_o_ptr + (base + sp)[:, None] * head_dim + d[None, :], mask=sp_mask[:, None] & d_mask[None, :],
-                other=0.0, cache_modifier=".cg")
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * denom, axis=0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -189,9 +153,20 @@ def _merge_kernel(
     num_splits, num_heads, head_dim, stride_os, stride_oh,
     BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # one program per (sequence, query head)
-    _merge_head(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                num_splits, num_heads, head_dim, stride_os, stride_oh, BLOCK_SPLITS, BLOCK_D)
+    # one program per (sequence, query head): rescale each split to the global max and normalise
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    sp_mask = sp < num_splits
+    d_mask = d < head_dim
+    base = (seq * num_heads + head) * num_splits
+    m = tl.load(part_m_ptr + base + sp, mask=sp_mask, other=float("-inf"))
+    denom = tl.load(part_l_ptr + base + sp, mask=sp_mask, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds a token, so the max is finite
+    o = tl.load(part_o_ptr + (base + sp)[:, None] * head_dim + d[None, :], mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * denom, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -259,15 +234,13 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -
     else:
         part_o = part_m = part_l = out  # unused: the single-split kernel normalises and writes `out`
     positions, cs, k, v = rope if rope is not None else (meta.seq_lens, q, q, q)  # unused without ROPE
-    merge = split and FUSED_MERGE and num_seqs * num_kv_heads <= _COUNTERS
-    counters = _arrival_counters(q.device) if merge else meta.seq_lens
     interp = interpreting()
     bd = pow2(head_dim, 16)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
         alibi_slopes if alibi_slopes is not None else q,
         out, part_o, part_m, part_l,
-        positions, cs, k, v, meta.slot_mapping, counters,
+        positions, cs, k, v, meta.slot_mapping,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
@@ -275,22 +248,13 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -
         num_heads, group, head_dim, cs.shape[-1] // 2,
         PAGE=page, BLOCK_G=pow2(group, 16), BLOCK_D=bd, BLOCK_N=block_n,
         SPLIT=split, HAS_ALIBI=alibi_slopes is not None,
-        UPCAST=interp, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
-        MERGE=merge, BLOCK_SPLITS=pow2(num_splits),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        UPCAST=interp, IEEE=q.dtype == torch.float32, ROPE=rope is not None, PDL=(pdl := utils.use_pdl(q.device)),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
     )
-    if split and not merge:
+    if split:
         _merge_kernel[(num_seqs, num_heads)](
             part_o, part_m, part_l, out, num_splits, num_heads, head_dim, out.stride(0), out.stride(1),
             BLOCK_SPLITS=pow2(num_splits), BLOCK_D=bd, num_warps=1 if interp else 4,
         )
     return out
 
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters kept for the process: each fused-merge launch leaves them zero again, so a
-    graph captured with them replays without a memset."""
-    counters = _counters.get(device)
-    if counters is None:
-        counters = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return counters

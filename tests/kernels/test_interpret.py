@@ -71,17 +71,6 @@ def test_attention_alibi_and_odd_head_dim(decode):
     cases.check_paged_attention(tk, DEV, q_lens, [50, 90], 4, 2, 40, 8, torch.float32, alibi=True, num_splits=2 if decode else None)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_split_merge_in_kernel_or_apart(monkeypatch, fused):
-    # the last program of each (sequence, kv head) merges in-kernel, or a second kernel does; the arrival
-    # counters must be zero again after every launch, since a captured graph replays the same buffer
-    da = sys.modules["kvrelay.kernels.triton.decode_attention"]
-    monkeypatch.setattr(da, "FUSED_MERGE", fused)
-    for _ in range(2):
-        cases.check_paged_attention(tk, DEV, [1] * 3, [200, 5, 129], 8, 2, 32, 16, torch.float32, num_splits=8)
-    assert not da._counters or not da._counters[torch.device(DEV)].any()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits, rot_dim", [(None, 32), (4, 32), (3, 16)])
 def test_rotary_decode_attention(dtype, num_splits, rot_dim):

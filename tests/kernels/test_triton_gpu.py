@@ -147,3 +147,53 @@ def test_sampling(tk):
 
 def test_sampling_with_logit_bias(tk):
     cases.check_sampling_with_logit_bias(tk, DEV, 64, 32000)
+
+
+def test_dependent_launch_chain_in_a_graph_equals_plain_launches(tk, monkeypatch):
+    # a batch-1 layer's kernel chain (norm + qkv, rotary attention, o, norm, cuBLAS, SiLU*mul + down) with
+    # programmatic dependent launch, captured in a CUDA graph and replayed: every kernel must still see its
+    # predecessor's writes, so the result is bit-identical to the same chain launched plainly
+    from kvrelay.kernels.triton import utils
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    dt, hidden, heads, kv_heads, dim, inter = torch.bfloat16, 1024, 8, 2, 128, 2816
+    gen = torch.Generator(device=DEV).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=DEV, generator=gen)).to(dt)
+
+    w_qkv, w_o = rand((heads + 2 * kv_heads) * dim, hidden, scale=hidden ** -0.5), rand(hidden, heads * dim, scale=0.03)
+    w_gu, w_down = rand(2 * inter, hidden, scale=hidden ** -0.5), rand(hidden, inter, scale=inter ** -0.5)
+    nw1, nw2 = 1 + rand(hidden, scale=0.1), 1 + rand(hidden, scale=0.1)
+    q0, kv_cache, meta = cases.make_paged_case([1], [300], heads, kv_heads, dim, 16, dt, DEV, seed=3)
+    freqs = torch.arange(4096, device=DEV, dtype=torch.float32)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEV, dtype=torch.float32) / dim))
+    cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    positions = meta.seq_lens.long() - 1
+    x, residual = rand(1, hidden), rand(1, hidden)
+
+    def layer():
+        qkv, res = tk.rms_norm_linear(x, residual, nw1, 1e-5, w_qkv)
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        attn = tk.rotary_attention(positions, q.view(1, heads, dim), k.view(1, kv_heads, dim),
+                                   v.view(1, kv_heads, dim), cs, kv_cache, meta, dim ** -0.5)
+        h = tk.linear(attn.reshape(1, heads * dim), w_o)
+        normed, res = tk.rms_norm(h, nw2, 1e-5, res)
+        return tk.silu_mul_linear(normed @ w_gu.T, w_down), res
+
+    monkeypatch.setattr(utils, "PDL", False)
+    plain = layer()
+    monkeypatch.setattr(utils, "PDL", True)
+    eager = layer()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        layer()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = layer()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for got in (eager, captured):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
