@@ -1,8 +1,7 @@
-"""Decode steps with the batch-1 fusions on and off, each variant in its own process (graphs are captured at
-load): rotary + KV write inside the decode attention kernel ("rope"), programmatic dependent launch of the
-Triton kernels ("pdl"), and the skinny projections pulling their weights into L2 before they wait ("prefetch").
+"""Decode steps with rotary + KV write inside the decode attention kernel ("rope") and apart ("base"), each
+variant in its own process (graphs are captured at load).
 
-    python -m kvrelay.bench.fused_probe [--model dummy:llama-3-8b] [--variants base,rope,rope+pdl,...]
+    python -m kvrelay.bench.fused_probe [--model dummy:llama-3-8b] [--variants base,rope]
 
 Prints, per variant, batch-1 and batch-N engine step ms (async scheduling on), the bare graph replay at
 batch 1, and the ratio to the first variant.
@@ -14,20 +13,16 @@ import os
 import subprocess
 import sys
 
-VARIANTS = {"base": (False, False, False), "rope": (True, False, False), "rope+pdl": (True, True, False),
-            "rope+pdl+prefetch": (True, True, True)}
+VARIANTS = {"base": False, "rope": True}
 
 
 def child(args: argparse.Namespace) -> dict:
     from kvrelay import LLM
     from kvrelay.bench.gpu_measure import decode_step_ms, replay_ms
     from kvrelay.kernels import registry
-    from kvrelay.kernels.triton import utils
 
-    rope, pdl, prefetch = VARIANTS[args.variant]
-    if not rope:
+    if not VARIANTS[args.variant]:
         registry._cuda_impls.pop("rotary_attention", None)  # the model then rotates and attends in turn
-    utils.PDL, utils.PREFETCH = pdl, prefetch
     llm = LLM(model=args.model, load_format="dummy", max_model_len=4096, max_num_seqs=args.batch,
               max_num_batched_tokens=8192, async_scheduling=True)
     out = {"variant": args.variant}

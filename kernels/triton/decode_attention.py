@@ -16,9 +16,8 @@ import triton
 import triton.language as tl
 
 from kvrelay.kernels.metadata import AttentionMetadata
-from kvrelay.kernels.triton import utils
 from kvrelay.kernels.triton.rotary import _cos_sin
-from kvrelay.kernels.triton.utils import interpreting, num_sms, pdl_start, pdl_wait, pow2
+from kvrelay.kernels.triton.utils import interpreting, num_sms, pow2
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner-loop tile
@@ -72,7 +71,7 @@ def _decode_kernel(
     num_heads, group, head_dim, half,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    ROPE: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     # ROPE: q and the step's k arrive unrotated, and the step's k and v are not yet in the cache. Each
     # program rotates its q rows as it loads them; the program whose token range holds the step's token
@@ -82,9 +81,7 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_start(PDL)
-    seq_len = tl.load(seq_lens_ptr + seq)  # step metadata, copied in before the step's first kernel
-    pdl_wait(PDL)
+    seq_len = tl.load(seq_lens_ptr + seq)
     # this split's token range, a multiple of BLOCK_N so only the sequence's last tile is ragged
     chunk = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * chunk
@@ -248,8 +245,8 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -
         num_heads, group, head_dim, cs.shape[-1] // 2,
         PAGE=page, BLOCK_G=pow2(group, 16), BLOCK_D=bd, BLOCK_N=block_n,
         SPLIT=split, HAS_ALIBI=alibi_slopes is not None,
-        UPCAST=interp, IEEE=q.dtype == torch.float32, ROPE=rope is not None, PDL=(pdl := utils.use_pdl(q.device)),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
+        UPCAST=interp, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if split:
         _merge_kernel[(num_seqs, num_heads)](
@@ -257,4 +254,3 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -
             BLOCK_SPLITS=pow2(num_splits), BLOCK_D=bd, num_warps=1 if interp else 4,
         )
     return out
-

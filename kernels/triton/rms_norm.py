@@ -4,8 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrelay.kernels.triton import utils
-from kvrelay.kernels.triton.utils import pdl_start, pdl_wait, pow2, row_warps, rows_view
+from kvrelay.kernels.triton.utils import pow2, row_warps, rows_view
 
 
 @triton.jit
@@ -13,10 +12,8 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     n_cols, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pdl_start(PDL)
-    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -50,8 +47,7 @@ def rms_norm(
             x2, r2, weight.contiguous(), out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
-            HAS_RES=residual is not None, BLOCK=block, PDL=(pdl := utils.use_pdl(x.device)),
-            num_warps=row_warps(block), launch_pdl=pdl,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=row_warps(block),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

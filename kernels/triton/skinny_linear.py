@@ -22,10 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvrelay.kernels.triton import utils
 from kvrelay.kernels.triton.rms_norm import rms_norm
 from kvrelay.kernels.triton.silu_mul import silu_mul
-from kvrelay.kernels.triton.utils import pdl_start, pdl_wait, pow2, prefetch_l2
 
 NONE, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
@@ -51,7 +49,6 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, cols, mask, K, rstd, PROLOGUE: tl.constex
 def _skinny_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, N, K, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     # x: [K] ([2K] for SILU); w: [N, K]; y: [N]. The input row is broadcast over BLOCK_N weight rows;
     # products pile up in [BLOCK_N, BLOCK_K] and are reduced once at the end: the loop is loads and FMAs
@@ -59,11 +56,6 @@ def _skinny_kernel(
     dtype = w_ptr.dtype.element_ty
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    pdl_start(PDL)
-    if PREFETCH:  # the weights are not the previous kernel's output: start streaming them while it drains
-        line = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)  # one address per 128-byte line of a row
-        prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * K + line[None, :])
-    pdl_wait(PDL)
     rstd = 1.0
     if PROLOGUE == 1 or PROLOGUE == 2:  # the row's 1 / rms; program 0 also stores x + residual
         ss = tl.zeros([BLOCK_K], tl.float32)
@@ -123,13 +115,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     r_out = torch.empty((1, k), dtype=x.dtype, device=x.device) if prologue == ADD_NORM else y
     nw = norm_weight if norm_weight is not None else weight
     block_n, block_k, warps = cfg or config(n, k)
-    pdl = utils.use_pdl(x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x2, r2, nw, weight, bias if bias is not None else weight, y, r_out, n, k, eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, PREFETCH=pdl and utils.PREFETCH, LINES=pow2(triton.cdiv(k * weight.element_size(), 128)),
-        LINE=128 // weight.element_size(),
-        num_warps=warps, launch_pdl=pdl,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )
     y = y.view(*x.shape[:-1], n)
     return (y, r_out.view(*x.shape[:-1], k)) if prologue == ADD_NORM else y

@@ -5,15 +5,6 @@ import os
 
 import torch
 import triton
-import triton.language as tl
-
-# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel
-# before it drains, do what does not depend on that kernel (pull its weights towards L2), and only then
-# wait (gdc_wait) for that kernel's writes. A batch-1 decode step is ~230 short kernels, each otherwise
-# paying its ramp in full. Every PDL kernel waits before it reads or writes anything a kernel of the step
-# writes, so completion stays transitive along the stream. False: plain launches (bench/fused_probe.py).
-PDL = True
-PREFETCH = True  # the skinny projections pull their weight rows into L2 before they wait
 
 
 def interpreting() -> bool:
@@ -28,39 +19,6 @@ def interpreting() -> bool:
 
 def pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(max(1, int(n))))
-
-
-@functools.cache
-def _capability(index: int) -> int:
-    return torch.cuda.get_device_properties(index).major
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with programmatic dependent launch (``launch_pdl``)."""
-    if not PDL or device.type != "cuda" or interpreting():
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    # let the next kernel launch now (it waits for this one before touching its outputs)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    # wait for the kernel before this one to finish and its writes to be visible
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    # start pulling the lines at ``ptrs`` into L2 without waiting for them (one address per 128-byte line)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.uint64, bitcast=True)],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.cache
