@@ -5,7 +5,8 @@
 # annotated-types, typing-inspection, gguf, openai + httpx2, jiter, distro, sniffio, pytest-asyncio, jsonschema +
 # attrs, jsonschema-specifications, referencing, rpds-py).
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
-# SUITE=0 skips the tests, BENCH=0 the engine benchmark; HANDOFF=1 adds `bench handoff --sections cuda`.
+# SUITE=0 skips the tests, BENCH=0 the engine benchmark (BENCH_ARGS: more flags for it); HANDOFF=1 adds
+# `bench handoff --sections cuda`.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -25,7 +26,7 @@ timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATION
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout "${BENCH_S:-240}" python3 -m kvrelay.cli bench gpu --skip-hf --skip-variants --json "$OUT/bench.json" \
+  timeout "${BENCH_S:-240}" python3 -m kvrelay.cli bench gpu --skip-hf --skip-variants ${BENCH_ARGS:-} --json "$OUT/bench.json" \
     > "$OUT/bench.txt" 2>&1
   tail -14 "$OUT/bench.txt"
 fi
