@@ -205,6 +205,11 @@ class Generation:
                 raise draining_error(self.app[CONFIG].retry_after_s)
             queued = self._queued
             if queued is not None and queued.jobs and (queued.lost or self.app[REDIS_WATCH].lost(queued.queued_at)):
+                lost = len(queued.gone) if queued.lost else len(queued.jobs)
+                self.app[METRICS].queued_jobs_lost.labels("gone" if queued.lost else "outage").inc(lost)
+                log.warning("request %s (client id %s): %d queued job(s) lost by Redis (%s): 503 queue_lost",
+                            self.request_id, self.client_request_id, lost,
+                            "gone after a failover or restart" if queued.lost else "outage")
                 raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
                                code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
             remaining = self.deadline - time.time()
