@@ -1,6 +1,6 @@
 """The Sentinel-backed deployment files, checked against the code they deploy without a Docker engine or a
 cluster (as tests/unit/test_deploy_stack.py checks the plain ones): the compose `sentinel` profile
-(deploy/compose/sentinel.yml) and the Kubernetes overlay (deploy/k8s/sentinel/). Every kvrelay process gets a
+(deploy/compose/sentinel.yml) and the Kubernetes overlay (deploy/k8s-sentinel/). Every kvrelay process gets a
 ``redis+sentinel://`` URL that ``--redis-url`` accepts, naming the sentinels that run and the master set they
 monitor; the files the servers read are the ones ``kvrelay redis-acl --sentinel`` prints and git ignores;
 the shell the Redis containers run parses; the manifests pass the Kubernetes schemas when
@@ -21,7 +21,7 @@ from kvrelay.shared.wire import redis_sentinel
 from tests.unit.test_deploy_stack import COMPOSE, KVRELAY_SERVICES, ROOT, _ComposeLoader, expand, flag, of_kind, parse
 
 OVERRIDE = ROOT / "deploy" / "compose" / "sentinel.yml"
-OVERLAY = ROOT / "deploy" / "k8s" / "sentinel"
+OVERLAY = ROOT / "deploy" / "k8s-sentinel"  # beside deploy/k8s: kustomize refuses a base holding its overlay
 SENTINELS = {"sentinel-1", "sentinel-2", "sentinel-3"}
 
 
@@ -93,10 +93,11 @@ def overlay() -> dict:
 
 def test_k8s_overlay_replaces_the_single_redis(overlay):
     k = overlay["kustomization"]
-    assert k["resources"] == ["..", "redis-sentinel.yaml"]
+    assert k["resources"] == ["../k8s", "redis-sentinel.yaml"]
     deleted = [yaml.safe_load(p["patch"]) for p in k["patches"] if "$patch: delete" in p["patch"]]
-    base = [d for name in yaml.safe_load((OVERLAY.parent / "kustomization.yaml").read_text())["resources"]
-            for d in yaml.safe_load_all((OVERLAY.parent / name).read_text()) if d]
+    k8s = OVERLAY.parent / "k8s"
+    base = [d for name in yaml.safe_load((k8s / "kustomization.yaml").read_text())["resources"]
+            for d in yaml.safe_load_all((k8s / name).read_text()) if d]
     assert {(d["kind"], d["metadata"]["name"]) for d in deleted} == {("Deployment", "redis"), ("Service", "redis")}
     for d in deleted:  # each names what the base has
         assert any(b["kind"] == d["kind"] and b["metadata"] == {**b["metadata"], **d["metadata"]} for b in base)
@@ -141,6 +142,20 @@ def test_k8s_sentinel_manifests_pass_the_kubernetes_schemas(overlay):
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
     for doc in overlay["docs"]:
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+def test_kubectl_kustomize_builds_the_overlay_when_available():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: the structure checks above stand in for it")
+    built = subprocess.run([kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert not {("Deployment", "redis"), ("Service", "redis")} & names
+    assert {("StatefulSet", "redis-data"), ("StatefulSet", "redis-sentinel"), ("Deployment", "gateway")} <= names
+    gateway = of_kind(docs, "Deployment")["gateway"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert gateway[-2:] == ["--redis-outage-s", "10"]
 
 
 def test_compose_config_with_the_sentinel_profile_when_available(tmp_path):
