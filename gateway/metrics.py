@@ -56,6 +56,9 @@ class GatewayMetrics:
         self.queued_jobs_lost = Counter("kvrelay_queued_jobs_lost", "Queued jobs lost by Redis, each request "
                                         "answered 503 queue_lost: gone (after a failover or restart) or outage",
                                         ["cause"], registry=registry)
+        self.job_writes_unreplicated = Counter("kvrelay_job_writes_unreplicated", "Jobs fewer replicas than "
+                                               "--redis-min-replicas confirmed within --redis-replica-wait-ms",
+                                               registry=registry)
         self.in_flight = Gauge("kvrelay_requests_in_flight", "Generation requests admitted and not finished",
                                ["model"], registry=registry)
         self.queues = QueueStats(queue_cache_s)

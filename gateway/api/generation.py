@@ -179,6 +179,8 @@ class Generation:
             pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
             streams.append(None)
+        if config.redis_min_replicas:
+            pipe.wait(config.redis_min_replicas, config.redis_replica_wait_ms)  # the XADDs' connection: theirs
         try:
             replies = await pipe.execute()
             queued_at = time.monotonic()
@@ -186,6 +188,8 @@ class Generation:
             if not redis_failed(self.app, exc):
                 log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise unavailable from None
+        if config.redis_min_replicas and replies.pop() < config.redis_min_replicas:
+            self.app[METRICS].job_writes_unreplicated.inc(len(self.choices))
         jobs: dict[str, tuple[str, bytes]] = {}
         for choice, stream, reply in zip(self.choices, streams, replies, strict=True):
             if stream is None:

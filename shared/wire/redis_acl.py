@@ -27,7 +27,7 @@ COMMANDS = {
     "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire",
                           "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
                           "sadd", "srem", "smembers", "scard", "lpush",
-                          "xadd", "xlen", "xrange", "xinfo", "xpending", "publish"),
+                          "xadd", "xlen", "xrange", "xinfo", "xpending", "publish", "wait"),
     "worker": _COMMON + ("get", "set", "mget", "del", "exists", "sadd", "srem", "smembers", "brpop",
                          "xadd", "xlen", "xrange", "xreadgroup", "xack", "xdel", "xautoclaim", "xclaim",
                          "xgroup", "xinfo", "xpending", "subscribe", "unsubscribe"),
