@@ -31,10 +31,11 @@ _TLS_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required"), "ssl_check_ho
 def _redis_url(url: str) -> str:
     sentinel = redis_sentinel.is_sentinel_url(url)
     if sentinel:
-        redis_sentinel.parse(url)  # the hosts and the master name: ValueError says what is wrong
+        tls = redis_sentinel.parse(url).tls  # the hosts and the master name: ValueError says what is wrong
     elif not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError("must be a redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// URL")
-    tls = url.startswith(("rediss://", "rediss+sentinel://"))
+    else:
+        tls = url.startswith("rediss://")
     allowed = (*(redis_sentinel.SENTINEL_OPTIONS if sentinel else ()), *((*_TLS_FILES, *_TLS_CHOICES) if tls else ()))
     for name, values in parse_qs(urlsplit(url).query, keep_blank_values=True).items():
         value = values[-1]
