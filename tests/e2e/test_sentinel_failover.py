@@ -6,8 +6,8 @@ Measured and printed (run with -s): seconds from the kill until the sentinels na
 until the first request succeeds again, and every request that failed (status, code), the lost jobs among
 them. Asserted, within generous bounds for a loaded 2-core box: every request is answered, a success or a
 clean error (503 with Retry-After, or an error event in its stream), within ``ANSWER_BOUND_S``; no
-process dies or hangs; serving resumes on the promoted master, with the worker's registration, its model
-and its consumer group there; none of the requests started after serving resumed fails; each request that
+process dies or hangs; serving resumes on the promoted master, with the tenant and API key every request
+carries, the worker's registration, its model and its consumer group there, and no job left pending; none of the requests started after serving resumed fails; each request that
 lost its job in the failover window was told so (503 ``queue_lost``), and the gateway's
 ``kvrelay_queued_jobs_lost_total`` counts as many jobs."""
 
@@ -25,6 +25,7 @@ from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.sentinel_redis import SentinelRedis
 from tests.e2e.sse_client import Outcome, post_json, stream_completion
+from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer
 
 pytestmark = pytest.mark.slow
 CLIENTS = 8
@@ -94,9 +95,9 @@ def _cut_replication(ha: SentinelRedis, port: int) -> None:
     ha._wait(lambda: r.info("replication")["connected_slaves"] == 0, "the replica to disconnect")
 
 
-async def failover(ha: SentinelRedis, c: Cluster, port: int) -> dict:
+async def failover(ha: SentinelRedis, c: Cluster, port: int, key: str) -> dict:
     load = Load(port)
-    async with httpx.AsyncClient(timeout=ANSWER_BOUND_S + 10) as client:
+    async with httpx.AsyncClient(timeout=ANSWER_BOUND_S + 10, headers=bearer(key)) as client:
         tasks = [asyncio.create_task(load.loop(client, n)) for n in range(CLIENTS)]
         await _until(lambda: load.ok_since(0) >= 3 * CLIENTS, 60, "steady load before the kill")
         old = ha.master_port()
@@ -140,10 +141,12 @@ def test_master_killed_under_load_fails_over(tiny_model_dir, tmp_path):
         c.start_worker("unified", "u1")
         c.redis_url = ha.role_url("gateway")
         # above the failover time, so requests whose jobs were replicated wait for it rather than fail
-        port = c.start_gateway(extra=["--redis-outage-s", "10"])
+        port = c.start_gateway(extra=["--redis-outage-s", "10", "--admin-key", ADMIN_KEY])
         c.wait_ready()
+        # every request carries a tenant's key made before the kill: the tenant and its key must survive
+        _, key = Admin(f"http://127.0.0.1:{port}").tenant_with_key()
         pids = {name: proc.pid for name, proc in c.procs.items()}
-        m = asyncio.run(failover(ha, c, port))
+        m = asyncio.run(failover(ha, c, port, key))
         samples: list[Sample] = m["samples"] + m["probes"]
         failed = [s for s in samples if not s.out.ok]
         lost = [s for s in failed if s.out.code == "queue_lost"]
@@ -172,6 +175,12 @@ def test_master_killed_under_load_fails_over(tiny_model_dir, tmp_path):
         assert c.redis.exists(keys.model_key("tiny"))
         consumers = {x["name"] for x in c.redis.xinfo_consumers(keys.prefill_stream("tiny"), keys.PREFILL_GROUP)}
         assert b"u1" in consumers
+        # nothing stuck: every job read before, during or after the failover was acked on the promoted master
+        streams = (keys.prefill_stream("tiny"), keys.prefill_worker_stream("tiny", "u1"))
+        deadline = time.monotonic() + 10
+        while (pending := [c.redis.xpending(s, keys.PREFILL_GROUP)["pending"] for s in streams]) != [0, 0]:
+            assert time.monotonic() < deadline, f"jobs left pending: {pending}"
+            time.sleep(0.1)
         for name in c.procs:
             text = c.log(name)
             assert "Traceback" not in text, f"{name} logged a traceback:\n{text[-3000:]}"
