@@ -180,7 +180,7 @@ class Generation:
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
             streams.append(None)
         if config.redis_min_replicas:
-            pipe.wait(config.redis_min_replicas, config.redis_replica_wait_ms)  # the XADDs' connection: theirs
+            pipe.wait(config.redis_min_replicas, config.redis_replica_wait_ms)  # WAIT covers its own connection's writes
         try:
             replies = await pipe.execute()
             queued_at = time.monotonic()
