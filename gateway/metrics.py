@@ -50,6 +50,15 @@ class GatewayMetrics:
         self.connections_closed = Counter("kvrelay_connections_closed", "Connections the gateway closed: "
                                           "header_timeout (headers not complete within --timeout-header-read), "
                                           "idle_limit (past --limit-idle-connections)", ["reason"], registry=registry)
+        # Jobs Redis no longer held when their request looked for them (a failover to a replica that had not
+        # received them yet, a restart without them: ``gone``) or could not be asked about in time (a
+        # too long outage: ``outage``); each request answered 503 queue_lost, counted once per lost job.
+        self.queued_jobs_lost = Counter("kvrelay_queued_jobs_lost", "Queued jobs lost by Redis, each request "
+                                        "answered 503 queue_lost: gone (after a failover or restart) or outage",
+                                        ["cause"], registry=registry)
+        self.job_writes_unreplicated = Counter("kvrelay_job_writes_unreplicated", "Jobs fewer replicas than "
+                                               "--redis-min-replicas confirmed within --redis-replica-wait-ms",
+                                               registry=registry)
         self.in_flight = Gauge("kvrelay_requests_in_flight", "Generation requests admitted and not finished",
                                ["model"], registry=registry)
         self.queues = QueueStats(queue_cache_s)

@@ -180,16 +180,48 @@ def build_parser() -> argparse.ArgumentParser:
     acl = sub.add_parser("redis-acl", help="print the aclfile of an external Redis: one least-privilege user per "
                          f"role, passwords from ${redis_acl.PASSWORD_ENV['gateway']} and "
                          f"${redis_acl.PASSWORD_ENV['worker']} (stored hashed)")
+    acl.add_argument("--sentinel", metavar="MASTER_NAME", help="a Sentinel deployment's: the aclfile of every data "
+                     "server gains the replica's and the sentinels' users (passwords from "
+                     f"${redis_acl.HA_PASSWORD_ENV['replica']} and ${redis_acl.HA_PASSWORD_ENV['sentinel']})")
+    acl.add_argument("--print", dest="part", choices=SENTINEL_PARTS, default="aclfile",
+                     help="with --sentinel: the aclfile (default), the lines every data server's redis.conf needs "
+                     "(its replication login), or those every sentinel.conf needs (its login to the data servers; "
+                     f"with ${redis_acl.SENTINEL_CLIENT_PASSWORD_ENV} set, the password the sentinels ask of "
+                     "clients and of each other: the URL's sentinel_password)")
     acl.set_defaults(func=_redis_acl)
     return parser
 
 
+SENTINEL_PARTS = ("aclfile", "redis.conf", "sentinel.conf")
+
+
+def _password(env: str, user: str) -> str:
+    password = os.environ.get(env, "")
+    if len(password) < 16:
+        what = "the password clients give the sentinels" if user == "" else f"the {user} user's password"
+        raise ConfigError(f"${env}: {what}, at least 16 characters")
+    return password
+
+
 def _redis_acl(args: argparse.Namespace) -> int:
-    passwords = {role: os.environ.get(env, "") for role, env in redis_acl.PASSWORD_ENV.items()}
-    for role, password in passwords.items():
-        if len(password) < 16:
-            raise ConfigError(f"${redis_acl.PASSWORD_ENV[role]}: the {role} user's password, at least 16 characters")
-    sys.stdout.write(redis_acl.aclfile(passwords))
+    if args.part != "aclfile" and not args.sentinel:
+        raise ConfigError(f"--print {args.part}: only with --sentinel MASTER_NAME")
+    if args.part == "redis.conf":
+        lines = redis_acl.replica_conf(_password(redis_acl.HA_PASSWORD_ENV["replica"], "replica"))
+        sys.stdout.write("\n".join(lines) + "\n")
+        return 0
+    if args.part == "sentinel.conf":
+        client_password = os.environ.get(redis_acl.SENTINEL_CLIENT_PASSWORD_ENV) or None
+        if client_password is not None:
+            client_password = _password(redis_acl.SENTINEL_CLIENT_PASSWORD_ENV, "")
+        lines = redis_acl.sentinel_conf(args.sentinel, _password(redis_acl.HA_PASSWORD_ENV["sentinel"], "sentinel"),
+                                        client_password)
+        sys.stdout.write("\n".join(lines) + "\n")
+        return 0
+    passwords = {role: _password(env, role) for role, env in redis_acl.PASSWORD_ENV.items()}
+    if args.sentinel:
+        passwords |= {user: _password(env, user) for user, env in redis_acl.HA_PASSWORD_ENV.items()}
+    sys.stdout.write(redis_acl.aclfile(passwords, sentinel=bool(args.sentinel)))
     return 0
 
 

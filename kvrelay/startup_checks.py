@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import redis
 
 from kvrelay.serve_plan import Child
+from kvrelay.shared.wire import redis_sentinel
 from kvrelay.shared.wire.redis_conn import redact
 
 REDIS_CHECK_TIMEOUT_S = 3.0
@@ -53,8 +54,11 @@ def _fixed_ports(children: list[Child]) -> Iterator[tuple[str, str, int]]:
 def check_redis(url: str) -> None:
     """One PING, password included, with a short timeout: an external Redis that is down, or refuses the
     credentials, is said at once instead of by every child in turn."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S,
-                                  socket_timeout=REDIS_CHECK_TIMEOUT_S)
+    timeouts = {"socket_connect_timeout": REDIS_CHECK_TIMEOUT_S, "socket_timeout": REDIS_CHECK_TIMEOUT_S}
+    if redis_sentinel.is_sentinel_url(url):  # the sentinels name the master, then the master answers
+        client = redis_sentinel.sync_client(url, **timeouts)
+    else:
+        client = redis.Redis.from_url(url, **timeouts)
     try:
         client.ping()
     except redis.RedisError as exc:

@@ -179,6 +179,8 @@ class Generation:
             pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
             streams.append(None)
+        if config.redis_min_replicas:
+            pipe.wait(config.redis_min_replicas, config.redis_replica_wait_ms)  # WAIT covers its own connection's writes
         try:
             replies = await pipe.execute()
             queued_at = time.monotonic()
@@ -186,6 +188,8 @@ class Generation:
             if not redis_failed(self.app, exc):
                 log.error("cannot queue request %s (client id %s): %s", self.request_id, self.client_request_id, exc)
             raise unavailable from None
+        if config.redis_min_replicas and replies.pop() < config.redis_min_replicas:
+            self.app[METRICS].job_writes_unreplicated.inc(len(self.choices))
         jobs: dict[str, tuple[str, bytes]] = {}
         for choice, stream, reply in zip(self.choices, streams, replies, strict=True):
             if stream is None:
@@ -205,6 +209,11 @@ class Generation:
                 raise draining_error(self.app[CONFIG].retry_after_s)
             queued = self._queued
             if queued is not None and queued.jobs and (queued.lost or self.app[REDIS_WATCH].lost(queued.queued_at)):
+                lost = len(queued.gone) if queued.lost else len(queued.jobs)
+                self.app[METRICS].queued_jobs_lost.labels("gone" if queued.lost else "outage").inc(lost)
+                log.warning("request %s (client id %s): %d queued job(s) lost by Redis (%s): 503 queue_lost",
+                            self.request_id, self.client_request_id, lost,
+                            "gone after a failover or restart" if queued.lost else "outage")
                 raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
                                code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
             remaining = self.deadline - time.time()

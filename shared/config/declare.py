@@ -10,6 +10,8 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticUndefined
 
+from kvrelay.shared.wire import redis_sentinel
+
 # A misspelt key is an error, never a silently ignored setting; NaN and infinity are no one's value.
 CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -27,13 +29,21 @@ _TLS_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required"), "ssl_check_ho
 
 
 def _redis_url(url: str) -> str:
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    sentinel = redis_sentinel.is_sentinel_url(url)
+    if sentinel:
+        tls = redis_sentinel.parse(url).tls  # the hosts and the master name: ValueError says what is wrong
+    elif not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be a redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// URL")
+    else:
+        tls = url.startswith("rediss://")
+    allowed = (*(redis_sentinel.SENTINEL_OPTIONS if sentinel else ()), *((*_TLS_FILES, *_TLS_CHOICES) if tls else ()))
     for name, values in parse_qs(urlsplit(url).query, keep_blank_values=True).items():
         value = values[-1]
-        if not url.startswith("rediss://") or name not in (*_TLS_FILES, *_TLS_CHOICES):
-            raise ValueError(f"unknown URL parameter {name!r} (rediss:// takes "
-                             f"{', '.join((*_TLS_FILES, *_TLS_CHOICES))})")
+        if name not in allowed:
+            tls_options = ", ".join((*_TLS_FILES, *_TLS_CHOICES))
+            takes = (f"redis+sentinel:// takes {', '.join(redis_sentinel.SENTINEL_OPTIONS)}, rediss+sentinel:// "
+                     f"also {tls_options}" if sentinel else f"rediss:// takes {tls_options}")
+            raise ValueError(f"unknown URL parameter {name!r} ({takes})")
         if name in _TLS_CHOICES and value.lower() not in _TLS_CHOICES[name]:
             raise ValueError(f"{name} must be one of {', '.join(_TLS_CHOICES[name])} (got {value!r})")
         if name in _TLS_FILES and not Path(value).exists():

@@ -72,6 +72,14 @@ class GatewayConfig:
     redis_watch_s: float = setting(0.5, "how often the gateway checks that Redis is the same server", gt=0)
     redis_outage_s: float = setting(3.0, "seconds Redis is unreachable (or, restarted, cannot say which queued "
                                          "jobs it kept) before those jobs count as lost", gt=0)
+    # Redis replicates asynchronously: a job the master acknowledged may be missing on the replica a failover
+    # promotes. WAIT after the job writes (on their connection) holds the request until that many replicas
+    # have them, or the timeout passes; the request goes on either way, and a write fewer replicas confirmed
+    # is counted (kvrelay_job_writes_unreplicated_total).
+    redis_min_replicas: int = setting(0, "replicas that must confirm a request's job writes (Redis WAIT) before it "
+                                      "waits for a worker; 0: no wait (README: Redis behind Sentinel)", ge=0)
+    redis_replica_wait_ms: int = setting(100, "milliseconds a job write waits for --redis-min-replicas before the "
+                                         "request goes on without them", ge=1)
     # Prefix affinity (gateway/control/routing.py): a prompt goes to the prefill worker that likely caches its
     # first affinity_prefix_tokens, unless that worker has more than affinity_slack requests more than
     # the least-loaded one; then to the shared stream, which the first free worker takes from.

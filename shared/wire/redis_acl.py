@@ -27,7 +27,7 @@ COMMANDS = {
     "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire",
                           "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
                           "sadd", "srem", "smembers", "scard", "lpush",
-                          "xadd", "xlen", "xrange", "xinfo", "xpending", "publish"),
+                          "xadd", "xlen", "xrange", "xinfo", "xpending", "publish", "wait"),
     "worker": _COMMON + ("get", "set", "mget", "del", "exists", "sadd", "srem", "smembers", "brpop",
                          "xadd", "xlen", "xrange", "xreadgroup", "xack", "xdel", "xautoclaim", "xclaim",
                          "xgroup", "xinfo", "xpending", "subscribe", "unsubscribe"),
@@ -45,8 +45,25 @@ KEYS = {"gateway": (f"{keys.PREFIX}:*",), "worker": WORKER_KEYS}
 CHANNELS = {"gateway": (keys.ABORT_CHANNEL,), "worker": (keys.ABORT_CHANNEL,)}
 
 
+# A Sentinel deployment's own users on the data servers (which do not replicate ACLs: every data server
+# gets every user). The replica's replication link (masteruser/masterauth), and the sentinels' (they
+# watch the servers, announce themselves on the hello channel and, at a failover, promote a replica and
+# repoint the others), with the commands Redis's Sentinel documentation lists for each and no keys.
+HA_USERS = ("replica", "sentinel")
+HA_PASSWORD_ENV = {"replica": "KVRELAY_REDIS_REPLICA_PASSWORD", "sentinel": "KVRELAY_REDIS_SENTINEL_PASSWORD"}
+# the password clients give the sentinels themselves (sentinel.conf's requirepass; the URL's sentinel_password)
+SENTINEL_CLIENT_PASSWORD_ENV = "KVRELAY_SENTINEL_PASSWORD"
+_HA_RULES = {
+    "replica": "resetkeys resetchannels -@all +psync +replconf +ping",
+    "sentinel": "resetkeys allchannels -@all +multi +slaveof +ping +exec +subscribe +config|rewrite +role +publish "
+                "+info +client|setname +client|kill +script|kill",
+}
+
+
 def rules(role: str) -> str:
     """The role's ACL rules after ``user NAME on <password>``: nothing but what is listed."""
+    if role in _HA_RULES:
+        return _HA_RULES[role]
     return " ".join(["resetkeys", *(f"~{k}" for k in KEYS[role]), "resetchannels", *(f"&{c}" for c in CHANNELS[role]),
                      "-@all", *(f"+{c}" for c in COMMANDS[role])])
 
@@ -58,9 +75,23 @@ def user_line(role: str, password: str, hashed: bool = False) -> str:
     return f"user {role} on resetpass {secret} {rules(role)}"
 
 
-def aclfile(passwords: dict[str, str]) -> str:
+def aclfile(passwords: dict[str, str], sentinel: bool = False) -> str:
     """An aclfile for an external Redis: the roles' users, and ``default`` switched off (every client
-    must name its user)."""
+    must name its user); with ``sentinel``, the replica's and the sentinels' users too (``HA_USERS``)."""
     lines = ["user default off resetpass resetkeys resetchannels -@all"]
-    lines += [user_line(role, passwords[role], hashed=True) for role in ROLES]
+    lines += [user_line(role, passwords[role], hashed=True) for role in (*ROLES, *(HA_USERS if sentinel else ()))]
     return "\n".join(lines) + "\n"
+
+
+def replica_conf(replica_password: str) -> list[str]:
+    """redis.conf lines of every data server of a Sentinel deployment (any of them may become a replica)."""
+    return ["masteruser replica", f"masterauth {replica_password}"]
+
+
+def sentinel_conf(master: str, sentinel_password: str, client_password: str | None = None) -> list[str]:
+    """sentinel.conf lines: how the sentinels log in to the data servers and, with ``client_password``,
+    the password they ask of their clients and of each other (a Sentinel URL's ``sentinel_password``)."""
+    lines = [f"sentinel auth-user {master} sentinel", f"sentinel auth-pass {master} {sentinel_password}"]
+    if client_password:
+        lines += [f"requirepass {client_password}", f"sentinel sentinel-pass {client_password}"]
+    return lines

@@ -123,3 +123,29 @@ def test_the_url_comes_from_the_environment_and_is_printed_redacted():
         assert out.returncode == 0, out.stderr
         assert "redis://gateway:***@redis:6379/0" in out.stdout and "s3cret-pw" not in out.stdout + out.stderr
         assert out.stdout.count("redis://gateway:***@") == (3 if argv[0] == "serve" else 1)
+
+
+def test_kvrelay_redis_acl_prints_a_sentinel_deployments_users_and_conf_lines():
+    env = {redis_acl.PASSWORD_ENV["gateway"]: "g" * 20, redis_acl.PASSWORD_ENV["worker"]: "w" * 20,
+           redis_acl.HA_PASSWORD_ENV["replica"]: "r" * 20, redis_acl.HA_PASSWORD_ENV["sentinel"]: "s" * 20}
+
+    def run(*argv: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvrelay.cli", "redis-acl", *argv], env={**env, **extra},
+                              capture_output=True, text=True)
+
+    out = run("--sentinel", "kvrelay")
+    assert out.returncode == 0 and out.stdout == redis_acl.aclfile(
+        {"gateway": "g" * 20, "worker": "w" * 20, "replica": "r" * 20, "sentinel": "s" * 20}, sentinel=True)
+    users = [line.split()[1] for line in out.stdout.splitlines()]
+    assert users == ["default", "gateway", "worker", "replica", "sentinel"] and "r" * 20 not in out.stdout
+    assert "+replconf" in out.stdout and "+slaveof" in out.stdout and "~" not in out.stdout.splitlines()[-1]
+    assert run("--sentinel", "kvrelay", "--print", "redis.conf").stdout == f"masteruser replica\nmasterauth {'r' * 20}\n"
+    assert run("--sentinel", "kvrelay", "--print", "sentinel.conf").stdout == (
+        f"sentinel auth-user kvrelay sentinel\nsentinel auth-pass kvrelay {'s' * 20}\n")
+    out = run("--sentinel", "kvrelay", "--print", "sentinel.conf", **{redis_acl.SENTINEL_CLIENT_PASSWORD_ENV: "c" * 20})
+    assert out.stdout.splitlines()[2:] == [f"requirepass {'c' * 20}", f"sentinel sentinel-pass {'c' * 20}"]
+    for argv, says in [(("--print", "sentinel.conf"), "--print sentinel.conf: only with --sentinel"),
+                       (("--sentinel", "kvrelay", "--print", "sentinel.conf"), "KVRELAY_REDIS_SENTINEL_PASSWORD")]:
+        out = subprocess.run([sys.executable, "-m", "kvrelay.cli", "redis-acl", *argv],
+                             env={k: v for k, v in env.items() if "SENTINEL" not in k}, capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
