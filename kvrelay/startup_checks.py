@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import redis
 
 from kvrelay.serve_plan import Child
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redis_cluster import is_cluster_url
+from kvrelay.shared.wire.redis_conn import redact, sync_client
 
 REDIS_CHECK_TIMEOUT_S = 3.0
 
@@ -53,8 +54,13 @@ def _fixed_ports(children: list[Child]) -> Iterator[tuple[str, str, int]]:
 def check_redis(url: str) -> None:
     """One PING, password included, with a short timeout: an external Redis that is down, or refuses the
     credentials, is said at once instead of by every child in turn."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S,
-                                  socket_timeout=REDIS_CHECK_TIMEOUT_S)
+    try:
+        # a cluster client reads the slot map as it is made: an unreachable cluster fails here
+        client = sync_client(url) if is_cluster_url(url) else redis.Redis.from_url(
+            url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S, socket_timeout=REDIS_CHECK_TIMEOUT_S)
+    except redis.RedisError as exc:
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        raise StartupError(f"--redis-url {redact(url)}: Redis unreachable ({cause})") from None
     try:
         client.ping()
     except redis.RedisError as exc:

@@ -10,6 +10,8 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticUndefined
 
+from kvrelay.shared.wire import redis_cluster
+
 # A misspelt key is an error, never a silently ignored setting; NaN and infinity are no one's value.
 CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -27,11 +29,14 @@ _TLS_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required"), "ssl_check_ho
 
 
 def _redis_url(url: str) -> str:
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    if not url.startswith(("redis://", "rediss://", "unix://", "redis-cluster://", "rediss-cluster://")):
+        raise ValueError("must be a redis://, rediss://, unix://, redis-cluster:// or rediss-cluster:// URL")
+    if url.startswith(("redis-cluster://", "rediss-cluster://")):
+        redis_cluster.parse(url)  # its nodes and database; the TLS options below
+    tls = url.startswith(("rediss://", "rediss-cluster://"))
     for name, values in parse_qs(urlsplit(url).query, keep_blank_values=True).items():
         value = values[-1]
-        if not url.startswith("rediss://") or name not in (*_TLS_FILES, *_TLS_CHOICES):
+        if not tls or name not in (*_TLS_FILES, *_TLS_CHOICES):
             raise ValueError(f"unknown URL parameter {name!r} (rediss:// takes "
                              f"{', '.join((*_TLS_FILES, *_TLS_CHOICES))})")
         if name in _TLS_CHOICES and value.lower() not in _TLS_CHOICES[name]:
