@@ -21,8 +21,11 @@ ROLE_OF_COMMAND = {"gateway": "gateway", "prefill-worker": "worker", "decode-wor
 
 # What every client sends: redis-py's housekeeping (SELECT for a db in the URL, EVALSHA falling back to
 # SCRIPT LOAD, WATCH/MULTI/EXEC for transactions) and INFO, whose run_id tells a restarted Redis apart.
+# In a Redis Cluster, redis-py reads the slot map (CLUSTER SLOTS), the commands' key positions (COMMAND,
+# to route each command to its slot's node) and follows ASK redirections while a slot migrates; on a
+# single Redis these are never sent, and they reveal nothing but the cluster's layout.
 _COMMON = ("ping", "select", "info", "time", "multi", "exec", "discard", "watch", "unwatch",
-           "eval", "evalsha", "script|load", "script|exists")
+           "eval", "evalsha", "script|load", "script|exists", "cluster|slots", "command", "asking")
 COMMANDS = {
     "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire",
                           "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
@@ -37,7 +40,7 @@ COMMANDS = {
 # jobs), its registration and its models', the registry (a worker registers the model it was started
 # with), its control queue and results, the gateways' liveness keys, and the salt its /metrics hashes
 # tenant names with (shared/wire/tenant_label.py: whichever process starts first sets it).
-WORKER_KEYS = (keys.prefill_stream("*"), f"{keys.PREFIX}:prefill-worker:*", keys.dead_letter_stream("*"),
+WORKER_KEYS = (f"{keys.PREFIX}:prefill:*", f"{keys.PREFIX}:prefill-worker:*", f"{keys.PREFIX}:deadletter:*",
                keys.worker_key("*"), keys.WORKERS_INDEX, keys.model_key("*"), keys.MODELS_INDEX,
                keys.registry_key("*"), keys.REGISTRY_INDEX, keys.control_key("*"), keys.control_result_key("*"),
                keys.gateway_key("*"), keys.METRICS_SALT)
