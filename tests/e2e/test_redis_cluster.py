@@ -143,3 +143,39 @@ def test_version_swap(deployment):
 def test_the_keys_spread_over_the_masters(deployment, redis_cluster):
     held = [redis_cluster.node(i).dbsize() for i in range(len(parse(redis_cluster.url).nodes))]
     assert sum(1 for n in held if n) >= 2, held
+
+
+def test_the_queue_metrics_read_the_cluster(deployment):
+    c, client = deployment
+    complete(client, "chat")
+    with urllib.request.urlopen(f"http://127.0.0.1:{c.port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    depth = [line for line in text.splitlines() if line.startswith("kvrelay_queue_depth{")]
+    assert depth and all(line.endswith(" 0.0") for line in depth), depth
+    assert any(line.startswith("kvrelay_queue_oldest_age_seconds{") for line in text.splitlines())
+
+
+def test_disaggregated_prefill_and_decode_workers(deployment, redis_cluster, tiny_model_dir):
+    """The prefill -> decode handoff, and the workers' own streams, across the masters: a prefill and a
+    decode worker join the deployment with another model."""
+    c, client = deployment
+    for role, wid in (("prefill", "p9"), ("decode", "d9")):
+        c._spawn(wid, [f"{role}-worker", "--model", str(tiny_model_dir), "--worker-id", wid, *TINY_ENGINE],
+                 redis_url=redis_cluster.role_url("worker"))
+    try:
+        for wid in ("p9", "d9"):
+            c.wait_worker(wid)
+        deadline = time.monotonic() + 30  # the gateway's worker view is cached for a moment
+        while "tiny" not in {m.id for m in client.models.list().data}:
+            assert time.monotonic() < deadline, client.models.list()
+            time.sleep(0.2)
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 6
+        streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == got.choices[0].text
+    finally:
+        for wid in ("p9", "d9"):
+            c.procs[wid].terminate()
+            c.procs[wid].wait(30)
