@@ -180,16 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
     acl = sub.add_parser("redis-acl", help="print the aclfile of an external Redis: one least-privilege user per "
                          f"role, passwords from ${redis_acl.PASSWORD_ENV['gateway']} and "
                          f"${redis_acl.PASSWORD_ENV['worker']} (stored hashed)")
+    acl.add_argument("--cluster", action="store_true",
+                     help="for every node of a Redis Cluster: adds the replication user (password from "
+                          f"${redis_acl.REPLICA_PASSWORD_ENV}) and says on stderr what each node's redis.conf needs")
     acl.set_defaults(func=_redis_acl)
     return parser
 
 
 def _redis_acl(args: argparse.Namespace) -> int:
-    passwords = {role: os.environ.get(env, "") for role, env in redis_acl.PASSWORD_ENV.items()}
+    envs = dict(redis_acl.PASSWORD_ENV)
+    if args.cluster:
+        envs[redis_acl.REPLICA_USER] = redis_acl.REPLICA_PASSWORD_ENV
+    passwords = {role: os.environ.get(env, "") for role, env in envs.items()}
     for role, password in passwords.items():
         if len(password) < 16:
-            raise ConfigError(f"${redis_acl.PASSWORD_ENV[role]}: the {role} user's password, at least 16 characters")
-    sys.stdout.write(redis_acl.aclfile(passwords))
+            raise ConfigError(f"${envs[role]}: the {role} user's password, at least 16 characters")
+    if args.cluster:
+        sys.stdout.write(redis_acl.cluster_aclfile(passwords))
+        sys.stderr.write(redis_acl.cluster_instructions())
+    else:
+        sys.stdout.write(redis_acl.aclfile(passwords))
     return 0
 
 

