@@ -104,6 +104,7 @@ def test_kvrelay_redis_acl_for_a_cluster_adds_the_replication_user_and_says_wher
     ("rediss://:s3cret@h:6380/1?ssl_ca_certs=/ca.pem", "rediss://:***@h:6380/1?ssl_ca_certs=/ca.pem"),
     ("unix://default:s3cret@/tmp/r.sock", "unix://default:***@/tmp/r.sock"),
     ("redis://h:6379/0", "redis://h:6379/0"),
+    ("redis-cluster://gateway:s3cret@h1:7000,h2:7001", "redis-cluster://gateway:***@h1:7000,h2:7001"),
     ("redis://u:s3cret@[::1:6379", "<unparsable URL>"),
 ])
 def test_redact_hides_the_password(url, shown):
@@ -119,6 +120,21 @@ def test_tls_options_are_checked_where_the_url_is_given(tmp_path):
                       (f"redis://h/0?ssl_ca_certs={ca}", "unknown URL parameter 'ssl_ca_certs'"),
                       ("rediss://h/0?ssl_ca_certs=/no/such.pem", "ssl_ca_certs: no file /no/such.pem"),
                       ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of none, optional, required")]:
+        with pytest.raises(ValidationError, match=says):
+            check(url)
+
+
+def test_cluster_urls_are_checked_where_they_are_given(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    check = TypeAdapter(RedisUrl).validate_python
+    assert check("redis-cluster://worker:pw@10.0.0.1:7000,10.0.0.2:7000,[::1]:7002")
+    assert check(f"rediss-cluster://worker:pw@h:7000/0?ssl_ca_certs={ca}&ssl_check_hostname=false")
+    for url, says in [("redis-cluster://h:7000,h2", "cluster node 'h2' is not HOST:PORT"),
+                      ("redis-cluster://h:7000/2", "one database, 0"),
+                      (f"redis-cluster://h:7000?ssl_ca_certs={ca}", "only rediss-cluster:// takes URL parameters"),
+                      ("rediss-cluster://h:7000?ssl_ca_certs=/no/such.pem", "ssl_ca_certs: no file /no/such.pem"),
+                      ("redis-sharded://h:7000", "must be a redis://")]:
         with pytest.raises(ValidationError, match=says):
             check(url)
 
