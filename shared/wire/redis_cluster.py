@@ -18,6 +18,7 @@ import redis.asyncio.retry
 import redis.cluster
 import redis.retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisClusterException
 
 SCHEMES = ("redis-cluster", "rediss-cluster")
 # redis-py's cluster node pools do not queue a burst as the single-node BlockingConnectionPool does: past
@@ -76,21 +77,60 @@ def _common(url: ClusterUrl, connect_timeout: float, reply_timeout: float) -> di
     return kwargs
 
 
+def _unreachable(exc: RedisClusterException) -> redis.ConnectionError:
+    return redis.ConnectionError(" ".join(str(exc).split()))
+
+
+def _outage_is_a_connection_error(nodes_manager: redis.cluster.NodesManager) -> None:
+    """redis-py says "Redis Cluster cannot be connected" (no node answers, so no slot map) with
+    RedisClusterException, which is no RedisError: every command would raise it while the cluster is down,
+    past each ``except redis.RedisError`` and the outage handling (``redis_health.py``) that a single
+    Redis's refused connection goes through. The slot map is read in one place, at start and after a
+    failed command; there it becomes the ConnectionError it is."""
+    read = nodes_manager.initialize
+
+    def initialize(*args, **kwargs):
+        try:
+            return read(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unreachable(exc) from exc
+
+    nodes_manager.initialize = initialize  # type: ignore[method-assign]
+
+
+class _AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
+    """The asyncio client reads the slot map at its first command and again after one failed on a broken
+    connection, through ``initialize``: an unreachable cluster is a ConnectionError there too."""
+
+    async def initialize(self, *args, **kwargs) -> redis.asyncio.cluster.RedisCluster:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unreachable(exc) from exc
+
+
 def sync_cluster_client(url: str, connect_timeout: float, reply_timeout: float, retries: int,
                         backoff: ExponentialWithJitterBackoff) -> redis.cluster.RedisCluster:
     """A RedisCluster: a command failing on a broken connection or a node that moved its slots is sent
-    again (``retries`` times, with ``backoff``) after the client re-reads the slot map."""
+    again (``retries`` times, with ``backoff``) after the client re-reads the slot map. It reads the map
+    as it is made: an unreachable cluster raises ConnectionError here."""
     parsed = parse(url)
-    return redis.cluster.RedisCluster(
-        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in parsed.nodes],
-        retry=redis.retry.Retry(backoff, retries), **_common(parsed, connect_timeout, reply_timeout))
+    try:
+        client = redis.cluster.RedisCluster(
+            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in parsed.nodes],
+            retry=redis.retry.Retry(backoff, retries), **_common(parsed, connect_timeout, reply_timeout))
+    except RedisClusterException as exc:
+        raise _unreachable(exc) from exc
+    _outage_is_a_connection_error(client.nodes_manager)
+    return client
 
 
 def async_cluster_client(url: str, connect_timeout: float, reply_timeout: float, retries: int,
                          backoff: ExponentialWithJitterBackoff, health_check_s: float,
                          retry_on: tuple[type[Exception], ...]) -> redis.asyncio.cluster.RedisCluster:
+    """Made without a round trip; the slot map is read at the first command."""
     parsed = parse(url)
-    return redis.asyncio.cluster.RedisCluster(
+    return _AsyncRedisCluster(
         startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in parsed.nodes],
         max_connections=ASYNC_NODE_CONNECTIONS, health_check_interval=health_check_s,
         retry=redis.asyncio.retry.Retry(backoff, retries), retry_on_error=list(retry_on),
