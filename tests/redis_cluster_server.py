@@ -58,6 +58,16 @@ class LoopbackRedisCluster:
         return redis.Redis(host="127.0.0.1", port=self.ports[i], username=ADMIN, password=self.passwords[ADMIN],
                            socket_connect_timeout=2, socket_timeout=10)
 
+    def flushall(self) -> None:
+        """Empty every master (their replica follows): the session's cluster is shared by the test files
+        one pytest process runs, and what one leaves (tenants, registered models) changes the next."""
+        for i in range(self.masters):
+            node = self.node(i)
+            try:
+                node.flushall()
+            finally:
+                node.close()
+
     def start(self) -> str:
         self.dir = tempfile.mkdtemp(prefix="kvrelay-redis-cluster-")
         for i in range(self.masters + 1):

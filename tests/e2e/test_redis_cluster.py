@@ -53,6 +53,7 @@ def deployment(redis_cluster, tiny_model_dir, tmp_path_factory):
     cfg = root / "models.yaml"
     cfg.write_text(f"model_repo: {{type: local, path: {repo.root}}}\n"
                    "models:\n  - {name: chat, version: 1, precision: float32}\n")
+    redis_cluster.flushall()
     c = Cluster(redis_cluster.url, "", [], root)
     c._spawn("u1", ["unified-worker", "--worker-id", "u1", "--model-repo", str(repo.root), "--config", str(cfg),
                     *ENGINE], redis_url=redis_cluster.role_url("worker"))
@@ -73,6 +74,7 @@ def deployment(redis_cluster, tiny_model_dir, tmp_path_factory):
     finally:
         c.stop()
         c.redis.close()
+        redis_cluster.flushall()
 
 
 def test_chat_and_streaming_chat(deployment):
@@ -179,3 +181,4 @@ def test_disaggregated_prefill_and_decode_workers(deployment, redis_cluster, tin
         for wid in ("p9", "d9"):
             c.procs[wid].terminate()
             c.procs[wid].wait(30)
+
