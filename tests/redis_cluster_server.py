@@ -112,8 +112,28 @@ class LoopbackRedisCluster:
                                    f"masterauth {self.passwords[redis_acl.REPLICA_USER]}"]) + "\n")
         conf.chmod(0o600)
         self.ports.append(port)
-        self.procs.append(subprocess.Popen([redis_server_executable(), str(conf)], stdin=subprocess.DEVNULL,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(self._run(i))
+
+    def _run(self, i: int) -> subprocess.Popen:
+        return subprocess.Popen([redis_server_executable(), str(Path(self.dir, str(i), "redis.conf"))],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def kill_all(self) -> None:
+        """``kill -9`` of every node: the whole cluster gone at once."""
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+    def restart_all(self) -> None:
+        """Every node again on its port, from its nodes.conf (slot map and peers; the data was not kept),
+        until the cluster says ok."""
+        self.procs = [self._run(i) for i in range(len(self.ports))]
+        nodes = [self.node(i) for i in range(len(self.ports))]
+        try:
+            self._wait(lambda: all(_cluster_ok(n, len(nodes)) for n in nodes), "cluster_state:ok after a restart")
+        finally:
+            for n in nodes:
+                n.close()
 
     def _wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + self.startup_timeout

@@ -18,7 +18,7 @@ import redis.asyncio.retry
 import redis.cluster
 import redis.retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisClusterException
+from redis.exceptions import ClusterDownError, RedisClusterException
 
 SCHEMES = ("redis-cluster", "rediss-cluster")
 # redis-py's cluster node pools do not queue a burst as the single-node BlockingConnectionPool does: past
@@ -77,16 +77,21 @@ def _common(url: ClusterUrl, connect_timeout: float, reply_timeout: float) -> di
     return kwargs
 
 
-def _unreachable(exc: RedisClusterException) -> redis.ConnectionError:
+# Two ways redis-py says a cluster cannot serve that are no ConnectionError: "Redis Cluster cannot be
+# connected" (no node answers, so no slot map: RedisClusterException, not even a RedisError) and
+# CLUSTERDOWN (nodes answer, but not every slot is served: a master down without a replica, or the
+# cluster still forming after a restart; ClusterDownError, a ResponseError). Both are outages, and the
+# code that rides out a single Redis's outages (``redis_health.py``, the workers' loops, the gateway's
+# 503) knows outages as ConnectionError: the clients here raise that, after redis-py's own retries.
+_DOWN = (RedisClusterException, ClusterDownError)
+
+
+def _unreachable(exc: Exception) -> redis.ConnectionError:
     return redis.ConnectionError(" ".join(str(exc).split()))
 
 
 def _outage_is_a_connection_error(nodes_manager: redis.cluster.NodesManager) -> None:
-    """redis-py says "Redis Cluster cannot be connected" (no node answers, so no slot map) with
-    RedisClusterException, which is no RedisError: every command would raise it while the cluster is down,
-    past each ``except redis.RedisError`` and the outage handling (``redis_health.py``) that a single
-    Redis's refused connection goes through. The slot map is read in one place, at start and after a
-    failed command; there it becomes the ConnectionError it is."""
+    """The sync client reads the slot map in one place, at start and after a failed command."""
     read = nodes_manager.initialize
 
     def initialize(*args, **kwargs):
@@ -98,25 +103,66 @@ def _outage_is_a_connection_error(nodes_manager: redis.cluster.NodesManager) -> 
     nodes_manager.initialize = initialize  # type: ignore[method-assign]
 
 
+class _SyncRedisCluster(redis.cluster.RedisCluster):
+    def execute_command(self, *args, **kwargs):
+        try:
+            return super().execute_command(*args, **kwargs)
+        except _DOWN as exc:
+            raise _unreachable(exc) from exc
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        def guarded(*args, **kwargs):
+            try:
+                return execute(*args, **kwargs)
+            except _DOWN as exc:
+                raise _unreachable(exc) from exc
+
+        pipe.execute = guarded  # type: ignore[method-assign]
+        return pipe
+
+
+class _AsyncClusterPipeline(redis.asyncio.cluster.ClusterPipeline):
+    async def execute(self, *args, **kwargs):
+        try:
+            return await super().execute(*args, **kwargs)
+        except _DOWN as exc:
+            raise _unreachable(exc) from exc
+
+
 class _AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
     """The asyncio client reads the slot map at its first command and again after one failed on a broken
-    connection, through ``initialize``: an unreachable cluster is a ConnectionError there too."""
+    connection, through ``initialize``."""
 
     async def initialize(self, *args, **kwargs) -> redis.asyncio.cluster.RedisCluster:
         try:
             return await super().initialize(*args, **kwargs)
-        except RedisClusterException as exc:
+        except _DOWN as exc:
             raise _unreachable(exc) from exc
+
+    async def execute_command(self, *args, **kwargs):
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _DOWN as exc:
+            raise _unreachable(exc) from exc
+
+    def pipeline(self, transaction=None, shard_hint=None) -> _AsyncClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _AsyncClusterPipeline(self, transaction)
 
 
 def sync_cluster_client(url: str, connect_timeout: float, reply_timeout: float, retries: int,
                         backoff: ExponentialWithJitterBackoff) -> redis.cluster.RedisCluster:
     """A RedisCluster: a command failing on a broken connection or a node that moved its slots is sent
     again (``retries`` times, with ``backoff``) after the client re-reads the slot map. It reads the map
-    as it is made: an unreachable cluster raises ConnectionError here."""
+    as it is made: an unreachable cluster raises ConnectionError here. redis-py's sync cluster client takes
+    no health-check interval nor retry_on_error (its retry covers broken connections, with a new map)."""
     parsed = parse(url)
     try:
-        client = redis.cluster.RedisCluster(
+        client = _SyncRedisCluster(
             startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in parsed.nodes],
             retry=redis.retry.Retry(backoff, retries), **_common(parsed, connect_timeout, reply_timeout))
     except RedisClusterException as exc:
