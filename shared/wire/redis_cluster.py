@@ -66,6 +66,8 @@ def parse(url: str) -> ClusterUrl:
         options[name] = _BOOL.get(values[-1].lower(), values[-1]) if name == "ssl_check_hostname" else values[-1]
     if options and scheme != "rediss-cluster":
         raise ValueError("only rediss-cluster:// takes URL parameters (TLS options)")
+    if "ssl_ca_path" in options:  # redis-py's asyncio cluster client has no such option
+        raise ValueError("ssl_ca_path: a cluster URL takes ssl_ca_certs (one CA file) instead")
     return ClusterUrl(nodes, username, password, scheme == "rediss-cluster", options)
 
 

@@ -14,7 +14,7 @@ from kvrelay.shared.config.declare import RedisUrl
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV
 from kvrelay.shared.wire import redis_acl
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redis_conn import async_client, redact
 from tests.zmq_secret import SECRET
 
 # every key a worker touches, by the name redis_keys.py gives its family
@@ -134,9 +134,21 @@ def test_cluster_urls_are_checked_where_they_are_given(tmp_path):
                       ("redis-cluster://h:7000/2", "one database, 0"),
                       (f"redis-cluster://h:7000?ssl_ca_certs={ca}", "only rediss-cluster:// takes URL parameters"),
                       ("rediss-cluster://h:7000?ssl_ca_certs=/no/such.pem", "ssl_ca_certs: no file /no/such.pem"),
-                      ("redis-sharded://h:7000", "must be a redis://")]:
+                      ("redis-sharded://h:7000", "must be a redis://"),
+                      (f"rediss-cluster://h:7000?ssl_ca_path={tmp_path}", "takes ssl_ca_certs")]:
         with pytest.raises(ValidationError, match=says):
             check(url)
+
+
+def test_a_tls_cluster_url_reaches_every_nodes_connection(tmp_path):
+    """The options go to each node's connection (made as the client discovers the nodes), as TLS ones."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    client = async_client(f"rediss-cluster://gateway:p%40ss@h1:7000,h2:7001?ssl_ca_certs={ca}&ssl_check_hostname=false")
+    made = client.nodes_manager.connection_kwargs
+    assert made["connection_class"].__name__ == "SSLConnection" and made["ssl_ca_certs"] == str(ca)
+    assert made["ssl_check_hostname"] is False and made["username"] == "gateway" and made["password"] == "p@ss"
+    assert [(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()] == [("h1", 7000), ("h2", 7001)]
 
 
 def test_a_bad_redis_url_flag_is_one_line_without_the_password():
