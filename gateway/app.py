@@ -36,6 +36,8 @@ from kvrelay.gateway.state import BACKGROUND, CONFIG, DISPATCHER, METRICS, REDIS
 from kvrelay.gateway.tenancy.auth import auth_middleware
 from kvrelay.gateway.tenancy.context import tenancy_ctx
 from kvrelay.shared.config.gateway import GatewayConfig
+from kvrelay.shared.wire import legacy_keys
+from kvrelay.shared.wire.redis_cluster import is_cluster_url
 from kvrelay.shared.wire.redis_conn import async_client
 from kvrelay.shared.wire.redis_keys import METRICS_SALT
 from kvrelay.shared.wire.tenant_label import metrics_salt_async, tenant_labeler
@@ -56,10 +58,14 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     if not config.metrics_tenant_labels:
         app[METRICS].tenant = lambda tenant: TENANT_PENDING
         salt_task = asyncio.create_task(_tenant_salt(app[METRICS], client, watch))
+    # a Redis Cluster never held the names from before the hash tags
+    migrate_task = None if is_cluster_url(config.redis_url) else asyncio.create_task(_migrate_keys(client, watch))
     watch.start()
     yield
     if salt_task is not None:
         salt_task.cancel()
+    if migrate_task is not None:
+        migrate_task.cancel()
     await watch.close()
     await client.aclose()
 
@@ -83,6 +89,21 @@ async def _tenant_salt(metrics: GatewayMetrics, client, watch: RedisWatch) -> No
         await client.set(METRICS_SALT, salt, nx=True)
 
     watch.on_back.append(publish_salt)
+
+
+async def _migrate_keys(client, watch: RedisWatch) -> None:
+    """Registry, tenants and API keys that an earlier version wrote under untagged names move to
+    today's (shared/wire/legacy_keys.py), once Redis answers."""
+    while True:
+        try:
+            moved = await legacy_keys.migrate(client)
+            break
+        except redis.RedisError as exc:
+            if not watch.health.absorb(exc):
+                log.warning("cannot move keys from their earlier names yet: %s", exc)
+            await asyncio.sleep(1.0)
+    if moved:
+        log.info("moved %d Redis key(s) from their names before hash tags (registry, tenants, API keys)", moved)
 
 
 async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvrelay.shared.wire import redis_keys as keys
 
 _COUNT_CAP = 1000
+_NOW = "return redis.call('TIME')"  # [seconds, microseconds]
 
 
 @dataclass
@@ -56,7 +57,9 @@ class QueueStats:
     async def _read(self, client: redis.asyncio.Redis, model: str) -> QueueSnapshot:
         stream = keys.prefill_stream(model)
         pipe = client.pipeline(transaction=False)
-        pipe.time()
+        # the clock of the node that holds the stream (its entry ids are that clock's), through a script: a
+        # Redis Cluster refuses a keyless command (TIME) in a pipeline
+        pipe.eval(_NOW, 1, stream)
         pipe.xlen(stream)
         pipe.xlen(keys.dead_letter_stream(model))
         pipe.xinfo_groups(stream)
@@ -88,7 +91,7 @@ class QueueStats:
         private, private_pending = await self._read_private(client, model, oldest)
         undelivered += private - private_pending
         pending_count += private_pending
-        now_ms = now_s * 1000 + now_us // 1000
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
         age = max(now_ms - min(oldest), 0) / 1000 if oldest and undelivered + pending_count else 0.0
         return QueueSnapshot(depth=undelivered + pending_count, pending=pending_count, oldest_age_s=age,
                              dead_letters=dead)

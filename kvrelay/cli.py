@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(its replication login), or those every sentinel.conf needs (its login to the data servers; "
                      f"with ${redis_acl.SENTINEL_CLIENT_PASSWORD_ENV} set, the password the sentinels ask of "
                      "clients and of each other: the URL's sentinel_password)")
+    acl.add_argument("--cluster", action="store_true",
+                     help="for every node of a Redis Cluster: adds the replication user (password from "
+                          f"${redis_acl.REPLICA_PASSWORD_ENV}) and says on stderr what each node's redis.conf needs")
     acl.set_defaults(func=_redis_acl)
     return parser
 
@@ -206,6 +209,8 @@ def _password(env: str, user: str) -> str:
 def _redis_acl(args: argparse.Namespace) -> int:
     if args.part != "aclfile" and not args.sentinel:
         raise ConfigError(f"--print {args.part}: only with --sentinel MASTER_NAME")
+    if args.cluster and args.sentinel:
+        raise ConfigError("--cluster and --sentinel: a deployment is one or the other")
     if args.part == "redis.conf":
         lines = redis_acl.replica_conf(_password(redis_acl.HA_PASSWORD_ENV["replica"], "replica"))
         sys.stdout.write("\n".join(lines) + "\n")
@@ -221,7 +226,13 @@ def _redis_acl(args: argparse.Namespace) -> int:
     passwords = {role: _password(env, role) for role, env in redis_acl.PASSWORD_ENV.items()}
     if args.sentinel:
         passwords |= {user: _password(env, user) for user, env in redis_acl.HA_PASSWORD_ENV.items()}
-    sys.stdout.write(redis_acl.aclfile(passwords, sentinel=bool(args.sentinel)))
+        sys.stdout.write(redis_acl.aclfile(passwords, sentinel=True))
+    elif args.cluster:
+        passwords[redis_acl.REPLICA_USER] = _password(redis_acl.REPLICA_PASSWORD_ENV, redis_acl.REPLICA_USER)
+        sys.stdout.write(redis_acl.cluster_aclfile(passwords))
+        sys.stderr.write(redis_acl.cluster_instructions())
+    else:
+        sys.stdout.write(redis_acl.aclfile(passwords))
     return 0
 
 

@@ -9,7 +9,8 @@ import redis
 
 from kvrelay.serve_plan import Child
 from kvrelay.shared.wire import redis_sentinel
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redis_cluster import is_cluster_url
+from kvrelay.shared.wire.redis_conn import redact, sync_client
 
 REDIS_CHECK_TIMEOUT_S = 3.0
 
@@ -55,10 +56,17 @@ def check_redis(url: str) -> None:
     """One PING, password included, with a short timeout: an external Redis that is down, or refuses the
     credentials, is said at once instead of by every child in turn."""
     timeouts = {"socket_connect_timeout": REDIS_CHECK_TIMEOUT_S, "socket_timeout": REDIS_CHECK_TIMEOUT_S}
-    if redis_sentinel.is_sentinel_url(url):  # the sentinels name the master, then the master answers
-        client = redis_sentinel.sync_client(url, **timeouts)
-    else:
-        client = redis.Redis.from_url(url, **timeouts)
+    try:
+        # a cluster client reads the slot map as it is made: an unreachable cluster fails here
+        if is_cluster_url(url):
+            client = sync_client(url)
+        elif redis_sentinel.is_sentinel_url(url):  # the sentinels name the master, then the master answers
+            client = redis_sentinel.sync_client(url, **timeouts)
+        else:
+            client = redis.Redis.from_url(url, **timeouts)
+    except redis.RedisError as exc:
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        raise StartupError(f"--redis-url {redact(url)}: Redis unreachable ({cause})") from None
     try:
         client.ping()
     except redis.RedisError as exc:

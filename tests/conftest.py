@@ -105,6 +105,20 @@ def redis_url():
             yield url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real three-master Redis Cluster on loopback (tests/redis_cluster_server.py), with kvrelay's ACL
+    users on every node."""
+    from tests.redis_cluster_server import LoopbackRedisCluster
+
+    cluster = LoopbackRedisCluster()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def random_prompts(n: int, vocab: int = 512, lo: int = 3, hi: int = 60, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

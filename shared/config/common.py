@@ -16,7 +16,8 @@ DRAIN_TIMEOUT_S = 30.0
 def redis_url() -> Any:
     return setting(DEFAULT_REDIS_URL, "the Redis server every process shares (queues, registry, heartbeats): "
                    "redis://USER:PASSWORD@HOST:PORT/DB, rediss:// for TLS (?ssl_ca_certs=FILE&ssl_certfile=FILE"
-                   f"&ssl_keyfile=FILE), or unix://; default ${REDIS_URL_ENV}, which keeps the password out of argv",
+                   "&ssl_keyfile=FILE), unix://, or redis-cluster://USER:PASSWORD@HOST:PORT,HOST:PORT (a Redis "
+                   f"Cluster; rediss-cluster:// for TLS); default ${REDIS_URL_ENV}, which keeps the password out of argv",
                    shared=True, env=REDIS_URL_ENV)
 
 

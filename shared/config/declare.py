@@ -10,7 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticUndefined
 
-from kvrelay.shared.wire import redis_sentinel
+from kvrelay.shared.wire import redis_cluster, redis_sentinel
 
 # A misspelt key is an error, never a silently ignored setting; NaN and infinity are no one's value.
 CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -32,8 +32,12 @@ def _redis_url(url: str) -> str:
     sentinel = redis_sentinel.is_sentinel_url(url)
     if sentinel:
         tls = redis_sentinel.parse(url).tls  # the hosts and the master name: ValueError says what is wrong
+    elif url.startswith(("redis-cluster://", "rediss-cluster://")):
+        redis_cluster.parse(url)  # its nodes and database; the TLS options below
+        tls = url.startswith("rediss-cluster://")
     elif not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("must be a redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// URL")
+        raise ValueError("must be a redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://, "
+                         "redis-cluster:// or rediss-cluster:// URL")
     else:
         tls = url.startswith("rediss://")
     allowed = (*(redis_sentinel.SENTINEL_OPTIONS if sentinel else ()), *((*_TLS_FILES, *_TLS_CHOICES) if tls else ()))

@@ -258,7 +258,7 @@ class JobQueue:
         entry_ids, self._unacked = (*self._unacked, *entry_ids), []
         if not entry_ids:
             return
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=True)
         for stream, ids in self._by_stream(entry_ids).items():
             pipe.xack(stream, keys.PREFILL_GROUP, *ids)
             pipe.xdel(stream, *ids)
@@ -325,7 +325,7 @@ class JobQueue:
             pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
             pipe.xpending_range(stream, keys.PREFILL_GROUP, min=entry_id, max=entry_id, count=1)
         replies = pipe.execute()
-        move = self.redis.pipeline()  # MULTI: afterwards the job is in exactly one of the two streams
+        move = self.redis.pipeline(transaction=True)  # MULTI: afterwards the job is in exactly one of the two streams
         for found, pending in zip(replies[::2], replies[1::2], strict=True):
             if not found:
                 continue  # deleted meanwhile (aborted and ACKed)
@@ -341,7 +341,7 @@ class JobQueue:
     def dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
         stream, raw_id = self._where(entry_id)
         log.warning("job %s -> dead letter: %s", entry_id, reason)
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.dead, {**fields, b"reason": reason.encode(), b"entry": raw_id}, maxlen=keys.STREAM_MAXLEN,
                   approximate=True)
         pipe.xack(stream, keys.PREFILL_GROUP, raw_id)

@@ -21,8 +21,11 @@ ROLE_OF_COMMAND = {"gateway": "gateway", "prefill-worker": "worker", "decode-wor
 
 # What every client sends: redis-py's housekeeping (SELECT for a db in the URL, EVALSHA falling back to
 # SCRIPT LOAD, WATCH/MULTI/EXEC for transactions) and INFO, whose run_id tells a restarted Redis apart.
+# In a Redis Cluster, redis-py reads the slot map (CLUSTER SLOTS), the commands' key positions (COMMAND,
+# to route each command to its slot's node) and follows ASK redirections while a slot migrates; on a
+# single Redis these are never sent, and they reveal nothing but the cluster's layout.
 _COMMON = ("ping", "select", "info", "time", "multi", "exec", "discard", "watch", "unwatch",
-           "eval", "evalsha", "script|load", "script|exists")
+           "eval", "evalsha", "script|load", "script|exists", "cluster|slots", "command", "asking")
 COMMANDS = {
     "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire",
                           "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
@@ -37,7 +40,7 @@ COMMANDS = {
 # jobs), its registration and its models', the registry (a worker registers the model it was started
 # with), its control queue and results, the gateways' liveness keys, and the salt its /metrics hashes
 # tenant names with (shared/wire/tenant_label.py: whichever process starts first sets it).
-WORKER_KEYS = (keys.prefill_stream("*"), f"{keys.PREFIX}:prefill-worker:*", keys.dead_letter_stream("*"),
+WORKER_KEYS = (f"{keys.PREFIX}:prefill:*", f"{keys.PREFIX}:prefill-worker:*", f"{keys.PREFIX}:deadletter:*",
                keys.worker_key("*"), keys.WORKERS_INDEX, keys.model_key("*"), keys.MODELS_INDEX,
                keys.registry_key("*"), keys.REGISTRY_INDEX, keys.control_key("*"), keys.control_result_key("*"),
                keys.gateway_key("*"), keys.METRICS_SALT)
@@ -95,3 +98,23 @@ def sentinel_conf(master: str, sentinel_password: str, client_password: str | No
     if client_password:
         lines += [f"requirepass {client_password}", f"sentinel sentinel-pass {client_password}"]
     return lines
+
+
+# Redis Cluster: ACL users are each node's own (the cluster bus shares slots, not users), so every node,
+# replicas included, loads the same aclfile. With ``default`` off, a replica syncs from its master as the
+# Sentinel deployment's replica user (``masteruser``/``masterauth`` in each node's redis.conf).
+REPLICA_USER = "replica"
+REPLICA_PASSWORD_ENV = HA_PASSWORD_ENV[REPLICA_USER]
+
+
+def cluster_aclfile(passwords: dict[str, str]) -> str:
+    """``aclfile`` plus the replication user, for every node of a Redis Cluster."""
+    return aclfile(passwords) + user_line(REPLICA_USER, passwords[REPLICA_USER], hashed=True) + "\n"
+
+
+def cluster_instructions(aclfile_path: str = "/etc/redis/users.acl") -> str:
+    """What each node's redis.conf needs beside the aclfile (said on stderr: stdout is the file)."""
+    return (f"Load this same file on every node of the cluster, masters and replicas: in each redis.conf\n"
+            f"  aclfile {aclfile_path}\n  masteruser {REPLICA_USER}\n  masterauth <${REPLICA_PASSWORD_ENV}>\n"
+            f"(or ACL LOAD on each node after changing it: nodes do not share users). Clients list any nodes:\n"
+            f"  redis-cluster://gateway:<password>@HOST:PORT,HOST:PORT,HOST:PORT\n")

@@ -28,7 +28,7 @@ import redis.asyncio.retry
 import redis.retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from kvrelay.shared.wire import redis_acl, redis_sentinel
+from kvrelay.shared.wire import redis_acl, redis_cluster, redis_sentinel
 
 # Connects fail fast (a dead Redis is an error now, not a hang); replies get longer, since the slowest
 # command we send blocks server-side for at most 50 ms (XREADGROUP BLOCK).
@@ -54,15 +54,21 @@ BACKOFF_CAP_S = 0.5
 RETRY_ON = (redis.ConnectionError, redis.TimeoutError)
 
 
+def _backoff() -> ExponentialWithJitterBackoff:
+    return ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S)
+
+
 def _resilience(retry_cls: type) -> dict:
     return {"health_check_interval": HEALTH_CHECK_S, "retry_on_error": list(RETRY_ON),
-            "retry": retry_cls(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES)}
+            "retry": retry_cls(_backoff(), RETRIES)}
 
 
 def sync_client(redis_url: str) -> redis.Redis:
     if redis_sentinel.is_sentinel_url(redis_url):
         return redis_sentinel.sync_client(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                           socket_timeout=REPLY_TIMEOUT_S, **_resilience(redis.retry.Retry))
+    if redis_cluster.is_cluster_url(redis_url):
+        return redis_cluster.sync_cluster_client(redis_url, CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, RETRIES, _backoff())
     return redis.Redis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                 socket_timeout=REPLY_TIMEOUT_S, **_resilience(redis.retry.Retry))
 
@@ -73,6 +79,9 @@ def async_client(redis_url: str, pool_size: int = ASYNC_POOL_SIZE) -> redis.asyn
             redis_url, max_connections=pool_size, timeout=POOL_WAIT_S, decode_responses=False,
             socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,
             **_resilience(redis.asyncio.retry.Retry))
+    if redis_cluster.is_cluster_url(redis_url):
+        return redis_cluster.async_cluster_client(redis_url, CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, RETRIES, _backoff(),
+                                                  HEALTH_CHECK_S, RETRY_ON)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         redis_url, max_connections=pool_size, timeout=POOL_WAIT_S, decode_responses=False,
         socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,

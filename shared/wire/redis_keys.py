@@ -40,14 +40,23 @@ Tenants (gateway only; plain hash fields, not protocol messages, so operators ca
 Metrics:
     METRICS_SALT              string, random hex SET NX by the first gateway or worker to start: what a
                               tenant's name is hashed with in /metrics (shared/wire/tenant_label.py)
+
+Redis Cluster: what one operation touches together (a MULTI, a Lua script, a multi-key command) shares
+a hash tag, ``{...}`` in the name, so it lives in one slot (``SLOT_GROUPS``): a model instance's streams
+(``{instance}``), each directory with its index (workers, models, registry, tenants, API keys: small,
+read whole with one MGET or written with their index in one MULTI), a tenant's limit counters
+(``{tenant}``). ``SINGLE_KEY`` families are only ever touched one key per command, script or MULTI;
+untagged, they spread over the cluster. Names from before the tags: ``legacy_keys.py``.
 """
+
+import hashlib
 
 PREFIX = "kvrelay"
 
 PREFILL_GROUP = f"{PREFIX}-prefill"
 JOB_FIELD = "data"
-WORKERS_INDEX = f"{PREFIX}:workers"
-MODELS_INDEX = f"{PREFIX}:models"
+WORKERS_INDEX = f"{PREFIX}:{{workers}}"
+MODELS_INDEX = f"{PREFIX}:{{models}}"
 ABORT_CHANNEL = f"{PREFIX}:abort"
 METRICS_SALT = f"{PREFIX}:metrics-salt"
 
@@ -65,14 +74,23 @@ MAX_DELIVERIES = 3
 STREAM_MAXLEN = 100_000
 
 
-REGISTRY_INDEX = f"{PREFIX}:registry"
+REGISTRY_INDEX = f"{PREFIX}:{{registry}}"
 RECONCILE_LOCK = f"{PREFIX}:reconcile-lock"
 CONTROL_RESULT_TTL_S = 600
 LOAD_LOCK_TTL_S = 120
 
 
+def _tag(value: str) -> str:
+    """``{value}``: the hash tag putting every key named by ``value`` in one cluster slot. Redis hashes
+    what lies between the first ``{`` and the next ``}``, so a value holding a brace is tagged by its
+    digest instead, followed by the value itself, which keeps the names distinct."""
+    if "{" not in value and "}" not in value and value:
+        return f"{{{value}}}"
+    return f"{{#{hashlib.sha256(value.encode()).hexdigest()[:16]}}}{value}"
+
+
 def registry_key(name: str) -> str:
-    return f"{PREFIX}:registry:{name}"
+    return f"{REGISTRY_INDEX}:{name}"
 
 
 def control_key(worker_id: str) -> str:
@@ -88,20 +106,20 @@ def load_lock_key(instance: str) -> str:
 
 
 def prefill_stream(model: str) -> str:
-    return f"{PREFIX}:prefill:{model}"
+    return f"{PREFIX}:prefill:{_tag(model)}"
 
 
 def prefill_worker_stream(model: str, worker_id: str) -> str:
-    # the model's length keeps (model, worker) pairs apart when either name holds a ":"
-    return f"{PREFIX}:prefill-worker:{len(model)}:{model}:{worker_id}"
+    # the tag ends where the model's name does, so (model, worker) pairs stay apart when either holds a ":"
+    return f"{PREFIX}:prefill-worker:{_tag(model)}:{worker_id}"
 
 
 def dead_letter_stream(model: str) -> str:
-    return f"{PREFIX}:deadletter:{model}"
+    return f"{PREFIX}:deadletter:{_tag(model)}"
 
 
 def worker_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}"
+    return f"{WORKERS_INDEX}:{worker_id}"
 
 
 def gateway_key(reply_addr: str) -> str:
@@ -109,24 +127,24 @@ def gateway_key(reply_addr: str) -> str:
 
 
 def model_key(name: str) -> str:
-    return f"{PREFIX}:model:{name}"
+    return f"{MODELS_INDEX}:{name}"
 
 
-TENANTS_INDEX = f"{PREFIX}:tenants"
-API_KEYS_INDEX = f"{PREFIX}:apikeys"
+TENANTS_INDEX = f"{PREFIX}:{{tenants}}"
+API_KEYS_INDEX = f"{PREFIX}:{{apikeys}}"
 USAGE_TENANTS = f"{PREFIX}:usage-tenants"
 
 
 def tenant_key(name: str) -> str:
-    return f"{PREFIX}:tenant:{name}"
+    return f"{TENANTS_INDEX}:{name}"
 
 
 def api_key_key(digest: str) -> str:
-    return f"{PREFIX}:apikey:{digest}"
+    return f"{API_KEYS_INDEX}:{digest}"
 
 
 def limit_key(tenant: str, kind: str) -> str:
-    return f"{PREFIX}:limit:{{{tenant}}}:{kind}"
+    return f"{PREFIX}:limit:{_tag(tenant)}:{kind}"
 
 
 def usage_key(tenant: str, model: str, minute: int) -> str:
@@ -139,3 +157,19 @@ def usage_models_key(tenant: str) -> str:
 
 def response_cache_key(tenant: str, digest: str) -> str:
     return f"{PREFIX}:respcache:{tenant}:{digest}"
+
+
+# Each group: the families one operation may touch together, by the argument that names the group (a
+# function's first one; a constant stands alone). tests/unit/test_redis_slots.py checks that each group
+# maps to one slot and that every family is declared here or in SINGLE_KEY.
+SLOT_GROUPS: dict[str, tuple] = {
+    "instance streams": (prefill_stream, prefill_worker_stream, dead_letter_stream),
+    "workers": (WORKERS_INDEX, worker_key),
+    "models": (MODELS_INDEX, model_key),
+    "registry": (REGISTRY_INDEX, registry_key),
+    "tenants": (TENANTS_INDEX, tenant_key),
+    "api keys": (API_KEYS_INDEX, api_key_key),
+    "tenant limits": (limit_key,),
+}
+SINGLE_KEY: tuple = (gateway_key, control_key, control_result_key, load_lock_key, RECONCILE_LOCK, usage_key,
+                     usage_models_key, USAGE_TENANTS, response_cache_key, METRICS_SALT)

@@ -89,11 +89,12 @@ class Registration:
 
     def _publish_heartbeat(self, info: WorkerInfo) -> bool:
         """True when Redis is another server than at the last beat (restarted, maybe empty)."""
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=True)
         pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
         pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
-        pipe.info("server")
-        server = pipe.execute()[-1]
+        pipe.execute()
+        # apart from the MULTI: a Redis Cluster refuses a keyless command in a pipeline
+        server = self.redis.info("server")
         run_id, self._run_id = self._run_id, server.get("run_id")
         return run_id is not None and run_id != self._run_id
 

@@ -32,11 +32,11 @@ class Cluster:
         self.port = 0
         self.redis = sync_client(redis_url)
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
         # several processes share CI's 2 cores: one math thread each avoids oversubscription stalls
         # the URL holds a password: the environment, not argv, which every local user can read
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=self.redis_url)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=redis_url or self.redis_url)
         proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
         self.procs[name] = proc

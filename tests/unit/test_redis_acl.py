@@ -14,7 +14,7 @@ from kvrelay.shared.config.declare import RedisUrl
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV
 from kvrelay.shared.wire import redis_acl
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redis_conn import async_client, redact
 from tests.zmq_secret import SECRET
 
 # every key a worker touches, by the name redis_keys.py gives its family
@@ -82,11 +82,29 @@ def test_kvrelay_redis_acl_prints_it_and_refuses_a_missing_password():
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "KVRELAY_REDIS_WORKER_PASSWORD" in out.stderr
 
 
+def test_kvrelay_redis_acl_for_a_cluster_adds_the_replication_user_and_says_where_it_goes():
+    """The file itself is what tests/redis_cluster_server.py loads on every node of the e2e cluster."""
+    env = {redis_acl.PASSWORD_ENV["gateway"]: "g" * 20, redis_acl.PASSWORD_ENV["worker"]: "w" * 20}
+    argv = [sys.executable, "-m", "kvrelay.cli", "redis-acl", "--cluster"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and redis_acl.REPLICA_PASSWORD_ENV in out.stderr and out.stderr.count("\n") == 1
+    env[redis_acl.REPLICA_PASSWORD_ENV] = "r" * 20
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    passwords = {"gateway": "g" * 20, "worker": "w" * 20, redis_acl.REPLICA_USER: "r" * 20}
+    assert out.returncode == 0 and out.stdout == redis_acl.cluster_aclfile(passwords)
+    assert "r" * 20 not in out.stdout and out.stdout.splitlines()[-1].startswith("user replica on resetpass #")
+    assert "masteruser replica" in out.stderr and "every node" in out.stderr
+    # what redis-py's cluster client sends before any command: the slot map, the commands' key positions
+    for role in redis_acl.ROLES:
+        assert {"cluster|slots", "command", "asking"} <= set(redis_acl.COMMANDS[role])
+
+
 @pytest.mark.parametrize("url, shown", [
     ("redis://worker:s3cret@h:6379/0", "redis://worker:***@h:6379/0"),
     ("rediss://:s3cret@h:6380/1?ssl_ca_certs=/ca.pem", "rediss://:***@h:6380/1?ssl_ca_certs=/ca.pem"),
     ("unix://default:s3cret@/tmp/r.sock", "unix://default:***@/tmp/r.sock"),
     ("redis://h:6379/0", "redis://h:6379/0"),
+    ("redis-cluster://gateway:s3cret@h1:7000,h2:7001", "redis-cluster://gateway:***@h1:7000,h2:7001"),
     ("redis://u:s3cret@[::1:6379", "<unparsable URL>"),
 ])
 def test_redact_hides_the_password(url, shown):
@@ -104,6 +122,33 @@ def test_tls_options_are_checked_where_the_url_is_given(tmp_path):
                       ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of none, optional, required")]:
         with pytest.raises(ValidationError, match=says):
             check(url)
+
+
+def test_cluster_urls_are_checked_where_they_are_given(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    check = TypeAdapter(RedisUrl).validate_python
+    assert check("redis-cluster://worker:pw@10.0.0.1:7000,10.0.0.2:7000,[::1]:7002")
+    assert check(f"rediss-cluster://worker:pw@h:7000/0?ssl_ca_certs={ca}&ssl_check_hostname=false")
+    for url, says in [("redis-cluster://h:7000,h2", "cluster node 'h2' is not HOST:PORT"),
+                      ("redis-cluster://h:7000/2", "one database, 0"),
+                      (f"redis-cluster://h:7000?ssl_ca_certs={ca}", "only rediss-cluster:// takes URL parameters"),
+                      ("rediss-cluster://h:7000?ssl_ca_certs=/no/such.pem", "ssl_ca_certs: no file /no/such.pem"),
+                      ("redis-sharded://h:7000", "must be a redis://"),
+                      (f"rediss-cluster://h:7000?ssl_ca_path={tmp_path}", "takes ssl_ca_certs")]:
+        with pytest.raises(ValidationError, match=says):
+            check(url)
+
+
+def test_a_tls_cluster_url_reaches_every_nodes_connection(tmp_path):
+    """The options go to each node's connection (made as the client discovers the nodes), as TLS ones."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    client = async_client(f"rediss-cluster://gateway:p%40ss@h1:7000,h2:7001?ssl_ca_certs={ca}&ssl_check_hostname=false")
+    made = client.nodes_manager.connection_kwargs
+    assert made["connection_class"].__name__ == "SSLConnection" and made["ssl_ca_certs"] == str(ca)
+    assert made["ssl_check_hostname"] is False and made["username"] == "gateway" and made["password"] == "p@ss"
+    assert [(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()] == [("h1", 7000), ("h2", 7001)]
 
 
 def test_a_bad_redis_url_flag_is_one_line_without_the_password():

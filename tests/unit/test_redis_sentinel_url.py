@@ -45,7 +45,7 @@ def test_the_parts_of_a_sentinel_url(tmp_path):
     ("redis+sentinel://h1/m?ssl_ca_certs=/ca.pem", "unknown URL parameter 'ssl_ca_certs'"),  # TLS: rediss+sentinel
     ("redis+sentinel://h1/m?sentinel_pasword=x", "unknown URL parameter 'sentinel_pasword'"),
     ("rediss+sentinel://h1/m?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of none, optional, required"),
-    ("sentinel://h1/m", "must be a redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// URL"),
+    ("sentinel://h1/m", "must be a redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://, redis-cluster:// or rediss-cluster:// URL"),
 ])
 def test_a_bad_sentinel_url_says_what_is_wrong(url, says):
     with pytest.raises(ValidationError, match=re.escape(says)):
