@@ -50,7 +50,8 @@ class StructuredOutputManager:
         """(row indices [R] int64, mask [R, W] int32), both on the host, for the constrained ones among a
         step's sampling rows ``reqs``; None when none is. Every such row's compile has succeeded (the core
         admits no other) and its tokens are on the host (async scheduling reads them first)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        # a request that ended since it was scheduled (async scheduling) samples a token that is discarded
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
         if not rows:
             return None
         mask = None
