@@ -282,6 +282,7 @@ class EngineCore:
             raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
                                "abort or finish them before releasing the KV cache")
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
+        self.structured.close()  # its compile thread and compiled grammars go with the model
 
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:
