@@ -6,6 +6,7 @@ disaggregated pair (which continues the grammar from the prefill side's first to
 import json
 import math
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -213,3 +214,33 @@ def test_a_constraint_with_min_tokens_or_ignore_eos_is_refused(llm, kwargs):
     so = StructuredOutputs(choice=["a", "b"])
     with pytest.raises(ValueError, match=f"^structured_outputs cannot be combined with {next(iter(kwargs))}$"):
         llm.generate(["hi"], SamplingParams(max_tokens=8, structured_outputs=so, **kwargs))
+
+
+def test_a_request_waits_for_its_compile_while_the_batch_keeps_stepping(smollm2_dir):
+    """vLLM's WAITING_FOR_FSM: a constraint compiles on the compile thread (the first one of an engine also
+    builds the tokenizer's vocabulary for the grammar, seconds); meanwhile the running request keeps getting
+    a token each step, and the constrained one joins once its grammar is ready."""
+    from kvrelay.shared.text.tokenizer import load_tokenizer
+
+    core = EngineCore(EngineConfig(ModelConfig(str(smollm2_dir), max_model_len=512), device="cpu"))
+    # hold the compile thread until the test has seen the batch step without it
+    gate = threading.Event()
+    build = core.structured.cache._make_backend
+    core.structured.cache._make_backend = lambda: gate.wait(60) and build()
+    core.add_request(core.make_request("plain", [1, 2, 3, 4], SamplingParams(max_tokens=300, ignore_eos=True), EOS))
+    so = StructuredOutputs(json=json.dumps(SCHEMA))
+    core.add_request(core.make_request("json", [1, 5, 6], SamplingParams(max_tokens=120, structured_outputs=so), EOS))
+    for _ in range(4):
+        outs = {o.request_id: o for o in core.step()}
+        assert set(outs) == {"plain"} and len(outs["plain"].new_token_ids) == 1
+        assert core.num_waiting == 1  # compiling, outside the scheduler
+    gate.set()
+    json_ids, json_finish = [], None
+    while json_finish is None and core.has_unfinished():
+        for o in core.step():
+            if o.request_id == "json":
+                json_ids += o.new_token_ids
+                json_finish = o.finish_reason
+    core.abort(["plain"])
+    assert json_finish == "stop"
+    jsonschema.validate(json.loads(load_tokenizer(smollm2_dir).decode(json_ids[:-1])), SCHEMA)
