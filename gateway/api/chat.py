@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: the model's chat template, then the same path as completions; with tools
-offered (``tool_choice: "auto"``), the reply's text parsed into ``tool_calls`` (gateway/api/tool_replies.py)."""
+offered (``tool_choice`` "auto", "required" or a named function), the reply's text read into ``tool_calls``
+(gateway/api/tool_replies.py)."""
 
 from aiohttp import web
 
@@ -64,7 +65,7 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
     def tail() -> list[dict]:
         return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
 
-    if prepared.tools.parser is not None:
+    if prepared.tools.reads_calls:
         calls = {c.index: StreamedToolCalls(prepared.tools) for c in gen.choices}
 
         def tool_chunks(delta: ChoiceDelta) -> list[dict]:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from kvrelay.gateway.api.forced_calls import call_constraint
 from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
 from kvrelay.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, parse
 from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, ModelTokenizer
@@ -237,7 +238,12 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
     served, model = await resolve_served(app, body.model, tenant.may_use)
     model = await require_capacity(app, model, served)
     tokenizer = await app[TOKENIZERS].get(model)
-    ids = await render_chat(tokenizer, body, messages=messages, tools=tools.tools)
+    offered = tools.tools
+    if tools.forced is not None and not await tokenizer.renders_tools():
+        # A forced call's name and arguments come from the tools through the output's schema, so a template
+        # that cannot show them to the model leaves them in effect (as vLLM serves such a request)
+        offered = None
+    ids = await render_chat(tokenizer, body, messages=messages, tools=offered)
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     check_length(len(ids), None, model, "messages", "messages")
@@ -248,7 +254,7 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
     remaining = model.max_model_len - len(ids)
     if body.max_tokens is None and body.max_completion_tokens is None:
         body.max_tokens = default_chat_max_tokens(model, app[CONFIG], remaining)
-    params = body.sampling_params(remaining_context=remaining)
+    params = body.sampling_params(remaining_context=remaining, forced_call=call_constraint(tools, body.tools or []))
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
     if tools.parser in SPECIAL_MARKERS:  # the markers the parser looks for are special tokens (as in vLLM)
         params = dataclasses.replace(params, skip_special_tokens=False)

@@ -13,6 +13,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from kvrelay.gateway.api.output_constraints import (
+    Constraint,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    request_constraint,
+)
 from kvrelay.gateway.api.tool_schemas import ToolDefinition
 from kvrelay.gateway.bodies import validate
 from kvrelay.gateway.errors import bad_request
@@ -55,10 +61,9 @@ class StreamOptions(_Body):
 # nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
 # client something else than it asked for, so it is a 400 naming the field, as is a name no API defines.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "bad_words": (None, []),
+    "bad_words": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
@@ -102,6 +107,15 @@ class _SamplingRequest(_Body):
     # against the model's vocabulary in prompts.py
     logit_bias: dict[str, Any] | None = None  # keys and values checked in _logit_bias, the 400 naming logit_bias
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's; ids checked against the vocabulary in prompts.py
+    # What the output must match (OpenAI's and vLLM's names): one at most, mapped in output_constraints.py
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_decoding_backend: str | None = None  # only "auto": one backend serves every request
+    guided_whitespace_pattern: str | None = None  # refused when set: see output_constraints.py
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -148,12 +162,13 @@ class _SamplingRequest(_Body):
         return bias
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, forced_call: Constraint | None = None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
         logit_bias = self._logit_bias()
+        constraint = request_constraint(self, forced_call)
         try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -165,7 +180,7 @@ class _SamplingRequest(_Body):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
             )
         except ValueError as exc:
             message = str(exc)
@@ -224,13 +239,15 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
 
-    def sampling_params(self, remaining_context: int) -> SamplingParams:
+    def sampling_params(self, remaining_context: int, forced_call: Constraint | None = None) -> SamplingParams:
+        """``forced_call``: the output schema a tool_choice of "required" or a named function imposes."""
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # Chat default (vLLM): whatever context the prompt leaves.
-        return self._sampling(remaining_context if requested is None else requested, logprobs)
+        return self._sampling(remaining_context if requested is None else requested, logprobs,
+                              forced_call=forced_call)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; role and emptiness checked."""

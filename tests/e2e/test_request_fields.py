@@ -43,6 +43,8 @@ BASE = {
 }
 SAMPLED = {"temperature": 1.5, "seed": 1}  # a baseline that samples: filters and seeds change it
 EOS_FIRST = {"logit_bias": {str(EOS): 100}, "max_tokens": 3}  # a baseline that ends at its first token
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
 
 
 def text(r: httpx.Response) -> str:
@@ -155,6 +157,38 @@ SHARED: dict[str, Coverage] = {
     "cache_salt": Effect({"cache_salt": "audit-salt"}, cached),
     "logit_bias": Effect({"logit_bias": {str(PARIS): -100}}, text),
     "allowed_token_ids": Effect({"allowed_token_ids": [1010]}, text),
+    # output constraints (gateway/api/output_constraints.py): the grammar changes the answer
+    "response_format": Effect({"response_format": {"type": "json_object"}}, text),
+    "response_format.type": Effect({"response_format": {"type": "json_object"}}, text),
+    "response_format.json_schema": Effect({"response_format": JSON_SCHEMA_FORMAT}, text),
+    "response_format.json_schema.schema": Effect({"response_format": JSON_SCHEMA_FORMAT}, text),
+    "response_format.json_schema.name": Justified("OpenAI's label for the schema, required there; the schema "
+                                                  "is what constrains the answer"),
+    "response_format.json_schema.strict": Justified("the schema is always enforced, which is what true asks for "
+                                                    "and more than false does"),
+    "response_format.json_schema.description": Justified(
+        "describes the format for the developer's records; the answer is constrained to the schema either "
+        "way, and vLLM reads it no more than kvrelay does (agent frameworks send it, so it is accepted)"),
+    "guided_json": Effect({"guided_json": CITY}, text),
+    "guided_regex": Effect({"guided_regex": "[0-9]{4}"}, text),
+    "guided_choice": Effect({"guided_choice": ["Berlin", "Rome"]}, text),
+    "guided_grammar": Effect({"guided_grammar": 'root ::= "yes" | "no"'}, text),
+    "structured_outputs": Effect({"structured_outputs": {"choice": ["Berlin"]}}, text),
+    "structured_outputs.json": Effect({"structured_outputs": {"json": CITY}}, text),
+    "structured_outputs.regex": Effect({"structured_outputs": {"regex": "[0-9]{4}"}}, text),
+    "structured_outputs.choice": Effect({"structured_outputs": {"choice": ["Berlin"]}}, text),
+    "structured_outputs.grammar": Effect({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, text),
+    "structured_outputs.json_object": Effect({"structured_outputs": {"json_object": True}}, text),
+    "structured_outputs.disable_fallback": Justified("vLLM's permission to try another grammar backend; kvrelay "
+                                                     "runs one and never falls back, whichever value is sent"),
+    "structured_outputs.disable_any_whitespace": Rejected(
+        {"structured_outputs": {"json": CITY, "disable_any_whitespace": True}}),
+    "structured_outputs.disable_additional_properties": Rejected(
+        {"structured_outputs": {"json": CITY, "disable_additional_properties": True}}),
+    "structured_outputs.whitespace_pattern": Rejected({"structured_outputs": {"json": CITY,
+                                                                              "whitespace_pattern": " "}}),
+    "guided_decoding_backend": Rejected({"guided_json": CITY, "guided_decoding_backend": "outlines"}),
+    "guided_whitespace_pattern": Rejected({"guided_json": CITY, "guided_whitespace_pattern": " "}),
 }
 
 GERMANY = "What is the capital of Germany?"
@@ -199,8 +233,9 @@ FIELDS: dict[str, dict[str, Coverage]] = {
             "rendered into the prompt by a template that renders tools"),
         "tools[].function.parameters": Rejected({"tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "string"}}}], "tool_choice": "none"}, "tools.0.function.parameters"),
-        "tools[].function.strict": Rejected({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
-                                             "tool_choice": "none"}, "tools.0.function.strict"),
+        "tools[].function.strict": Elsewhere(
+            "tests/integration/test_gateway_forced_calls.py::test_strict_needs_a_forced_choice",
+            "honoured by a forced call's grammar; with \"auto\" (not served here) a 400"),
         "tool_choice": Rejected({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}),
         "parallel_tool_calls": Elsewhere(
             "tests/integration/test_gateway_tools.py::test_parallel_tool_calls_false_keeps_the_first_call",
@@ -211,11 +246,9 @@ FIELDS: dict[str, dict[str, Coverage]] = {
     },
 }
 UNSUPPORTED_SAMPLES = {
-    "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"},
+    "best_of": 2, "suffix": "!",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
-    "function_call": "auto", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"},
-    "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
+    "function_call": "auto", "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
     "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["audio"], "reasoning_effort": "low",
 }
@@ -228,6 +261,7 @@ SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 def schema_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
     out = set()
     for name, info in model.model_fields.items():
+        name = info.alias or name  # a field whose name Python reserves ("schema", "json"): the API's name
         out.add(prefix + name)
         for nested, many in _nested(info.annotation):
             out |= schema_fields(nested, f"{prefix}{name}{'[]' if many else ''}.")
@@ -321,7 +355,8 @@ def test_rejected(http, endpoint, name, cov: Rejected):
 
 
 def test_unsupported_fields_at_their_off_value_are_accepted(http):
-    off = {"response_format": {"type": "text"}, "tools": [], "best_of": 1, "use_beam_search": False}
+    off = {"response_format": {"type": "text"}, "tools": [], "best_of": 1, "use_beam_search": False,
+           "guided_decoding_backend": "auto"}
     assert text(ok(http, {**BASE["completions"], **off})) == text(ok(http, BASE["completions"]))
 
 

@@ -7,7 +7,8 @@ PUSH socket with one TokenBatch per step, honours aborts from the pub/sub channe
 worker. Its output is deterministic: the tokens of REPLY, then EOS. Prompts steer it:
 ``[silent]`` never answers, ``[error]`` fails, ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
 each pair of events in swapped order (as a prefill and a decode worker may), ``[dup]`` sends every event
-twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way).
+twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way), ``[calls]`` CALLS_REPLY (two
+calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_choice's output).
 """
 
 import asyncio
@@ -38,6 +39,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOL_REPLY = ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
               '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+CALLS_REPLY = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+ARGS_REPLY = '{"city": "Paris"}'
 _CORPUS = [REPLY, "hello there, how are you today?", "The lazy dog sleeps. The quick fox runs.",
            "user assistant system tell me a story about a fox", "0123456789 !?.,:;"] * 20
 
@@ -154,9 +157,10 @@ class FakeWorker:
 
     def _plan(self, job: Job) -> _Seq:
         prompt = self.tokenizer.decode(job.prompt_token_ids)
-        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool")
+        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool", "calls", "args")
                      if f"[{m}]" in prompt), "normal")
-        reply = self.tokenizer.encode(TOOL_REPLY if mode == "tool" else REPLY, add_special_tokens=False)
+        text = {"tool": TOOL_REPLY, "calls": CALLS_REPLY, "args": ARGS_REPLY}.get(mode, REPLY)
+        reply = self.tokenizer.encode(text, add_special_tokens=False)
         plan = reply * 20 if mode == "slow" else reply + [self.eos]
         return _Seq(job=job, plan=plan, mode=mode)
 
