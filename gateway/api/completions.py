@@ -25,8 +25,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     "model": prepared.model_name}
             if body.stream:
                 echoed = prompt_texts(body, prepared) if body.echo else None
-                return await _stream(request, gen, base, body.include_usage, body.continuous_usage,
-                                     body.return_tokens_as_token_ids, echoed)
+                return await _stream(request, gen, base, body, prepared, echoed)
             async for _ in gen:
                 pass
             tokenizer = prepared.tokenizer
@@ -55,8 +54,15 @@ def _logprobs(body: CompletionRequest, prepared: Prepared, c: ChoiceState, echoe
                          output, body.logprobs or 0, body.return_tokens_as_token_ids)
 
 
-async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool,
-                  continuous_usage: bool, as_ids: bool, echoed: list[str] | None) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, base: dict, body: CompletionRequest, prepared: Prepared,
+                  echoed: list[str] | None) -> web.StreamResponse:
+    include_usage, continuous_usage, as_ids = body.include_usage, body.continuous_usage, body.return_tokens_as_token_ids
+    # echo with logprobs: the prompt's logprobs come with the worker's first event, so each choice's prompt
+    # goes out in its first chunk, before its first text and with its logprobs (as vLLM streams it); offsets
+    # count in the echoed text from there on
+    echo_with_logprobs = echoed is not None and body.logprobs is not None
+    unechoed = {c.index for c in gen.choices} if echo_with_logprobs else set()
+
     # With include_usage every chunk carries "usage": null and a last chunk the totals (OpenAI's contract).
     def usage_field() -> dict:  # continuous_usage_stats (vLLM's): the usage so far in every chunk, not null
         return {"usage": gen.usage() if continuous_usage else None} if include_usage else {}
@@ -64,16 +70,28 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
     def chunks(delta: ChoiceDelta) -> list[dict]:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return []  # text held back (partial stop string, incomplete UTF-8): nothing to say yet
-        choice = {"index": delta.index, "text": delta.text,
-                  "logprobs": completion_logprobs(delta.logprobs, as_ids) if delta.logprobs is not None else None,
+        text = delta.text
+        logprobs = completion_logprobs(delta.logprobs, as_ids) if delta.logprobs is not None else None
+        if echo_with_logprobs:
+            assert echoed is not None and logprobs is not None
+            c = gen.choices[delta.index]
+            prompt_text = echoed[c.prompt_index]
+            if delta.index in unechoed:
+                unechoed.discard(delta.index)
+                text = prompt_text + text
+                logprobs = echo_logprobs(prepared, prepared.prompts[c.prompt_index], prompt_text, c.prompt_logprobs,
+                                         logprobs, body.logprobs or 0, as_ids)
+            else:
+                logprobs["text_offset"] = [len(prompt_text) + o for o in logprobs["text_offset"]]
+        choice = {"index": delta.index, "text": text, "logprobs": logprobs,
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
         return [{**base, "choices": [choice], **usage_field()}]
 
     def tail() -> list[dict]:
         return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
 
-    # echo: each choice opens with its prompt (echo with logprobs is refused when streaming)
+    # echo without logprobs: each choice opens with its prompt
     head = [{**base, "choices": [{"index": c.index, "text": echoed[c.prompt_index], "logprobs": None,
                                   "finish_reason": None, "stop_reason": None}], **usage_field()}
-            for c in gen.choices] if echoed else []
+            for c in gen.choices] if echoed and not echo_with_logprobs else []
     return await sse.stream(request, gen, head=head, chunks=chunks, tail=tail)

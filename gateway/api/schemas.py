@@ -196,8 +196,6 @@ class CompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             # the echoed prompt's tokens carry logprobs too: the worker computes them as prompt logprobs
-            if self.stream:
-                raise bad_request("echo with logprobs is not supported when streaming", "echo")
             prompt_logprobs = -1 if -1 in (self.logprobs, prompt_logprobs) else max(self.logprobs, prompt_logprobs or 0)
         # OpenAI's and vLLM's completions default: 16 tokens.
         return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs, prompt_logprobs)

@@ -452,6 +452,15 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(http):
         assert lp["token_logprobs"][i] == pytest.approx(own["logprob"], abs=1e-5)
         assert lp["tokens"][i] == own["decoded_token"]
     assert lp["text_offset"][n] == len(prompt)
+    # streamed (vLLM's way): the prompt and its logprobs lead the first chunk; joined, the whole reply
+    streamed = post(http, {**body, "echo": True, "stream": True})
+    chunks = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["text"].startswith(prompt) and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chunks) == echoed["text"]
+    joined = {key: [v for c in chunks for v in c["logprobs"][key]] for key in lp}
+    assert joined["tokens"] == lp["tokens"] and joined["text_offset"] == lp["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert [t and sorted(t) for t in joined["top_logprobs"]] == [t and sorted(t) for t in lp["top_logprobs"]]
 
 
 @pytest.mark.parametrize("endpoint", list(BASE))
