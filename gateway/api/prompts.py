@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvrelay.gateway.api.forced_calls import call_constraint
 from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
-from kvrelay.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, parse
+from kvrelay.gateway.api.schemas import CHAT_ROLES, ChatCompletionRequest, CompletionRequest, parse
 from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, ModelTokenizer
 from kvrelay.gateway.api.tool_schemas import NO_TOOLS, ToolPlan, plan_tools, template_history
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY
@@ -181,7 +181,11 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, ad
         field = "tools" if tools else tool_field
         raise bad_request(f"this model's chat template does not render tools, so it can neither be offered them "
                           f"nor read tool calls and results in the history ({field})", field)
-    text = await _render(tokenizer, body, messages, body.chat_template_kwargs, tools)
+    try:
+        text = await _render(tokenizer, body, messages, body.chat_template_kwargs, tools)
+    except APIError:
+        await _check_custom_roles_render(tokenizer, body, messages, tools)
+        raise
     await _check_template_uses(tokenizer, body, messages, text, tools)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -192,6 +196,22 @@ async def _render(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messag
     if body.continue_final_message:  # transformers cuts the text after the final message's content
         template_kwargs = {**(template_kwargs or {}), "continue_final_message": True}
     return await tokenizer.render_chat(messages, body.add_generation_prompt, template_kwargs, tools)
+
+
+async def _check_custom_roles_render(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
+                                     tools: list[dict] | None) -> None:
+    """After a failed render: when the messages render with their custom roles made "user", a custom role is
+    what the template failed on, and the 400 names it rather than the template's words alone."""
+    custom = [i for i, m in enumerate(messages) if m["role"] not in CHAT_ROLES]
+    if not custom:
+        return
+    plain = [{**m, "role": "user"} if i in custom else m for i, m in enumerate(messages)]
+    try:
+        await _render(tokenizer, body, plain, body.chat_template_kwargs, tools)
+    except APIError:
+        return  # it fails for another reason: the template's own error says which
+    role = messages[custom[0]]["role"]
+    raise bad_request(f"this model's chat template does not accept the role {role!r}", f"messages.{custom[0]}.role")
 
 
 # Distinct message fields besides role and content one request may carry: each costs a render below.
@@ -212,6 +232,15 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
         except APIError:  # the template cannot do without it: it is used
             return False
 
+    # a custom role the template leaves out would drop its messages: found by rendering without them
+    custom = list(dict.fromkeys(m["role"] for m in messages if m["role"] not in CHAT_ROLES))
+    if len(custom) > MAX_MESSAGE_FIELDS:
+        raise bad_request(f"messages use {len(custom)} custom roles; at most {MAX_MESSAGE_FIELDS} are accepted",
+                          "messages")
+    for role in custom:
+        if await same_without([m for m in messages if m["role"] != role], body.chat_template_kwargs):
+            first = next(i for i, m in enumerate(messages) if m["role"] == role)
+            raise bad_request(f"this model's chat template leaves out messages of role {role!r}", f"messages.{first}.role")
     if body.chat_template_kwargs and await same_without(messages, None):
         raise bad_request("chat_template_kwargs have no effect on this model's chat template", "chat_template_kwargs")
     extra = sorted({k for m in messages for k in m} - {"role", "content"})

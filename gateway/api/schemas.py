@@ -26,7 +26,7 @@ from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 log = logging.getLogger("kvrelay.gateway")
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; others are custom roles
 INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
 # Upper bounds where SamplingParams has none, so 1e308 is a 400, not a request sampled at random. vLLM takes
@@ -260,9 +260,10 @@ class ChatCompletionRequest(_SamplingRequest):
                               "chat_template_kwargs")
         out = []
         for i, message in enumerate(self.messages):
-            if message.role not in CHAT_ROLES:
-                raise bad_request(f"unknown role {message.role!r}; expected one of {', '.join(CHAT_ROLES)}",
-                                  f"messages.{i}.role")
+            # a role outside OpenAI's (vLLM's custom roles) goes to the chat template, which decides: prompts.py
+            # refuses one it fails on or leaves out
+            if not message.role:
+                raise bad_request("role must not be empty", f"messages.{i}.role")
             entry: dict[str, Any] = dict(message.model_extra or {})
             entry.update(role=message.role, content=message.text(i))
             if message.name is not None:

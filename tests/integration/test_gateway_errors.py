@@ -71,7 +71,7 @@ def test_bad_completion_params(stack, body, param):
 
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
     ({"top_logprobs": 2}, "top_logprobs"),
