@@ -6,6 +6,7 @@ from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
+from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import chat_logprobs, prompt_logprobs
@@ -30,12 +31,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 pass
             as_ids = body.return_tokens_as_token_ids
             choices = []
-            for c in gen.choices:
+            for c in best_choices(gen.choices, prepared):
                 message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
                 choices.append({
                     "index": c.index,
                     "message": message,
-                    "logprobs": chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None else None,
+                    "logprobs": chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None and body.logprobs else None,
                     "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 })

@@ -4,6 +4,7 @@ from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
+from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
 from kvrelay.gateway.api.echo import echo_logprobs, prompt_texts
 from kvrelay.gateway.api.generation import Generation
@@ -33,13 +34,13 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             choices = [{
                 "index": c.index,
                 "text": c.text if echoed is None else echoed[c.prompt_index] + c.text,
-                "logprobs": _logprobs(body, prepared, c, echoed),
+                "logprobs": _logprobs(body, prepared, c, echoed) if body.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 # echo with logprobs asks the worker for prompt logprobs; shown here only when asked for
                 "prompt_logprobs": prompt_logprobs(tokenizer, c.prompt_logprobs, c.prompt_logprob_ranks)
                 if body.prompt_logprobs is not None else None,
-            } for c in gen.choices]
+            } for c in best_choices(gen.choices, prepared)]
             response = {**base, "choices": choices, "usage": gen.usage()}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
 

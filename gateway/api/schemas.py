@@ -22,7 +22,7 @@ from kvrelay.gateway.api.output_constraints import (
 from kvrelay.gateway.api.tool_schemas import ToolDefinition
 from kvrelay.gateway.bodies import validate
 from kvrelay.gateway.errors import bad_request
-from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -61,12 +61,22 @@ class StreamOptions(_Body):
 # nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
 # client something else than it asked for, so it is a 400 naming the field, as is a name no API defines.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""),
+    "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "bad_words": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
+}
+
+
+_WHY_UNSUPPORTED = {
+    # the engine's beam search (shared/engine/beam_search.py) drives an engine in-process, step by step; a
+    # worker runs each job as one sequence, so the API cannot reach it
+    "use_beam_search": ": beam search runs in the offline engine (kvrelay.llm.LLM), not on the workers, which "
+                       "run one sequence per job",
+    "length_penalty": ": it scores beam search, which runs in the offline engine only",
+    "suffix": ": this server does not fill in the middle",
 }
 
 
@@ -76,6 +86,8 @@ class _SamplingRequest(_Body):
     temperature: float = Field(default=1.0, le=MAX_TEMPERATURE)
     top_p: float = 1.0
     n: int = 1
+    # vLLM's (and OpenAI's completions'): sample best_of, return the n most likely (best_of.py)
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -123,7 +135,7 @@ class _SamplingRequest(_Body):
             # true == 1 in Python: a bool only matches a bool
             if noop is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
                                             for v in noop):
-                raise bad_request(f"{name} is not supported by this server", name)
+                raise bad_request(f"{name} is not supported by this server{_WHY_UNSUPPORTED.get(name, '')}", name)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -161,6 +173,18 @@ class _SamplingRequest(_Body):
             bias[int(key)] = value
         return bias
 
+    def _best_of(self) -> int:
+        """How many choices to sample per prompt: best_of, else n."""
+        if self.best_of is None:
+            return self.n
+        if not 1 <= self.best_of <= MAX_N:
+            raise bad_request(f"best_of must be in [1, {MAX_N}], got {self.best_of}", "best_of")
+        if self.best_of < self.n:
+            raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and self.best_of > self.n:  # the best are known only once all have finished
+            raise bad_request("best_of greater than n cannot be streamed", "best_of")
+        return self.best_of
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None = None, forced_call: Constraint | None = None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
@@ -169,9 +193,12 @@ class _SamplingRequest(_Body):
             raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
         logit_bias = self._logit_bias()
         constraint = request_constraint(self, forced_call)
+        fanout = self._best_of()
+        if fanout > self.n and logprobs is None:
+            logprobs = 0  # the choices are ranked by their tokens' logprobs; shown only when asked for
         try:
             return SamplingParams(
-                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                n=fanout, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, seed=self.seed,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),

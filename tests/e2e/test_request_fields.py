@@ -123,6 +123,8 @@ SHARED: dict[str, Coverage] = {
     "min_p": Effect({"min_p": 1.0}, text, base=SAMPLED),
     "seed": Effect({"seed": 2}, text, base=SAMPLED),
     "n": Effect({"n": 2}, choices),
+    "best_of": Elsewhere("tests/e2e/test_request_fields.py::test_best_of_returns_the_most_likely_samples",
+                         "picks among samples: the same choices sampled with n show which it must return"),
     "stream": Effect({"stream": True}, content_type),
     "stream_options": Effect({"stream_options": {"include_usage": True}}, usage_chunk, base={"stream": True}),
     "stream_options.include_usage": Effect({"stream_options": {"include_usage": True}}, usage_chunk,
@@ -246,7 +248,7 @@ FIELDS: dict[str, dict[str, Coverage]] = {
     },
 }
 UNSUPPORTED_SAMPLES = {
-    "best_of": 2, "suffix": "!",
+    "suffix": "!",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
     "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
@@ -489,3 +491,23 @@ def test_logprobs_of_minus_one_are_the_whole_vocabulary(http):
     positions = prompt_logprobs(ok(http, {**BASE["completions"], "max_tokens": 1, "prompt_logprobs": -1}))
     assert all(len(p) == VOCAB and sorted(e["rank"] for e in p.values()) == list(range(1, VOCAB + 1))
                for p in positions[1:])
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_best_of_returns_the_most_likely_samples(http, endpoint):
+    """Choice i of a seeded request is sampled with seed + i, so n=4 shows the four samples best_of=4 ranks:
+    it returns the two whose tokens' logprobs sum highest."""
+    body = {**BASE[endpoint], **SAMPLED, "max_tokens": 8}
+    asked = {"logprobs": 0} if endpoint == "completions" else {"logprobs": True}
+    samples = ok(http, {**body, **asked, "n": 4}).json()["choices"]
+
+    def score(choice: dict) -> float:
+        lp = choice["logprobs"]
+        return sum(lp["token_logprobs"]) if endpoint == "completions" else sum(e["logprob"] for e in lp["content"])
+
+    best = sorted(samples, key=score, reverse=True)[:2]
+    out = ok(http, {**body, "best_of": 4, "n": 2}).json()
+    assert [text(httpx.Response(200, json={"choices": [c]})) for c in out["choices"]] == \
+        [text(httpx.Response(200, json={"choices": [c]})) for c in best]
+    assert all(c["logprobs"] is None for c in out["choices"])
+    assert len({text(httpx.Response(200, json={"choices": [c]})) for c in samples}) > 1  # they differ
