@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from kvrelay.gateway.api.fill_in_middle import fill_in_middle
 from kvrelay.gateway.api.forced_calls import call_constraint
 from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
 from kvrelay.gateway.api.schemas import CHAT_ROLES, ChatCompletionRequest, CompletionRequest, parse
@@ -162,7 +163,10 @@ async def _prepare_completion(app: web.Application, body: CompletionRequest, ten
         raise bad_request("prompt must not be empty", "prompt")
     prompts = []
     for item in raw:
-        ids = await tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        if body.suffix:
+            ids = await fill_in_middle(tokenizer, item, body.suffix)  # a string: checked in sampling_params
+        else:
+            ids = await tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
         check_token_ids(ids, model, "prompt")

@@ -61,7 +61,6 @@ class StreamOptions(_Body):
 # nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
 # client something else than it asked for, so it is a 400 naming the field, as is a name no API defines.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "bad_words": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
@@ -76,7 +75,6 @@ _WHY_UNSUPPORTED = {
     "use_beam_search": ": beam search runs in the offline engine (kvrelay.llm.LLM), not on the workers, which "
                        "run one sequence per job",
     "length_penalty": ": it scores beam search, which runs in the offline engine only",
-    "suffix": ": this server does not fill in the middle",
 }
 
 
@@ -218,8 +216,15 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # text after the gap the model fills (fill_in_middle.py); "" asks for nothing
 
     def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            if not (isinstance(self.prompt, str) or all(isinstance(p, str) for p in self.prompt)):
+                raise bad_request("suffix needs the prompt as text, not token ids", "suffix")
+            if self.echo:
+                raise bad_request("suffix and echo cannot be combined: the echoed prompt would not be the text "
+                                  "before the answer", "suffix")
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             # the echoed prompt's tokens carry logprobs too: the worker computes them as prompt logprobs

@@ -45,15 +45,17 @@ _CORPUS = [REPLY, "hello there, how are you today?", "The lazy dog sleeps. The q
            "user assistant system tell me a story about a fox", "0123456789 !?.,:;"] * 20
 
 
-def build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Train a tiny byte-level BPE and save it the way a model directory holds a tokenizer."""
+def build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE, extra_special: tuple[str, ...] = ()) -> Path:
+    """Train a tiny byte-level BPE and save it the way a model directory holds a tokenizer; ``extra_special``:
+    more special tokens (fill-in-the-middle markers, say)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                  *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -319,8 +321,8 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(tmp_dir: Path, chat_template: str = CHAT_TEMPLATE, max_model_len: int = MAX_MODEL_LEN,
-                  **config) -> Iterator[Stack]:
-    tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer", chat_template)
+                  extra_special: tuple[str, ...] = (), **config) -> Iterator[Stack]:
+    tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer", chat_template, extra_special)
     with EmbeddedRedis() as url:
         worker = FakeWorker(url, tokenizer_dir, max_model_len=max_model_len).start()
         server = GatewayServer(gateway_config(url, **config)).start()
