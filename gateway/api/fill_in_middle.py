@@ -1,7 +1,7 @@
 """Completions' ``suffix``: fill in the middle, for models trained for it. The prompt is the prefix, the
 suffix what follows the gap, and the model writes the middle, asked in the prefix-suffix-middle order code
 models are trained on: ``<prefix marker> prompt <suffix marker> suffix <middle marker>``. The markers are
-the tokenizer's own (StarCoder's and SmolLM's ``<fim_prefix>``, Qwen2.5-Coder's ``<|fim_prefix|>``); a
+the tokenizer's own (StarCoder's ``<fim_prefix>``, Qwen2.5-Coder's ``<|fim_prefix|>``); a
 model without them has not learnt the task, so a suffix there is a 400 rather than text it would misread."""
 
 from kvrelay.gateway.api.tokenizer_pool import ModelTokenizer

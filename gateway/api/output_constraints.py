@@ -23,7 +23,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvrelay.gateway.errors import bad_request
+from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 
@@ -133,7 +133,7 @@ def _from_structured_outputs(so: StructuredOutputsRequest) -> list[Constraint]:
     return found
 
 
-def request_constraint(body: Any, forced_call: Constraint | None = None) -> StructuredOutputs | None:
+def request_constraint(body: Any, forced_call: Constraint | None = None) -> Constraint | None:
     """The one constraint ``body`` (a completions or chat request) sets, or None; ``forced_call``: the
     schema a chat request's tool_choice imposes."""
     if body.guided_decoding_backend not in (None, "auto"):
@@ -159,4 +159,17 @@ def request_constraint(body: Any, forced_call: Constraint | None = None) -> Stru
     if len(found) > 1:
         names = [c.param for c in found]
         raise bad_request(f"a request may constrain its output one way; this one sets {', '.join(names)}", names[-1])
-    return found[0].outputs if found else None
+    return found[0] if found else None
+
+
+# How the engine says a constraint does not compile: "structured_outputs.<kind> does not compile: <why>"
+_NOT_COMPILED = re.compile(r"structured_outputs\.\w+ does not compile: (.*)", re.S)
+
+
+def compile_error(error: str | None, param: str | None) -> APIError | None:
+    """The 400 for a worker's error that says the request's constraint does not compile, naming the request's
+    field (the engine knows only its kind); None for any other error."""
+    found = _NOT_COMPILED.fullmatch(error or "")
+    if found is None or param is None:
+        return None
+    return bad_request(f"{param} does not compile: {found.group(1)}", param)

@@ -48,6 +48,7 @@ class Prepared:
     served_name: str = ""  # the client's model name, what responses show; "" = model.name
     tools: ToolPlan = NO_TOOLS  # chat: the tools offered and how the reply is parsed
     returned_n: int | None = None  # best_of > n: params.n choices are sampled per prompt, this many returned
+    constraint_param: str | None = None  # the field that set params.structured_outputs: what its errors name
 
     @property
     def model_name(self) -> str:
@@ -104,7 +105,8 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
     _check_jobs(len(prompts), params)
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
-                    served_name=served, returned_n=body.n if params.n > body.n else None)
+                    served_name=served, returned_n=body.n if params.n > body.n else None,
+                    constraint_param=body.constraint_param)
 
 
 async def prepare_completion(app: web.Application, raw: Any,

@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
 
 from kvrelay.gateway.api.output_constraints import (
     Constraint,
@@ -124,6 +124,7 @@ class _SamplingRequest(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    _constraint_param: str | None = PrivateAttr(default=None)  # the field that set the constraint, once known
     guided_decoding_backend: str | None = None  # only "auto": one backend serves every request
     guided_whitespace_pattern: str | None = None  # refused when set: see output_constraints.py
 
@@ -146,6 +147,11 @@ class _SamplingRequest(_Body):
             raise bad_request(f"service_tier {self.service_tier!r} is not supported (only 'auto')", "service_tier")
         if self.stream_options is not None:
             self.stream_options.check()
+
+    @property
+    def constraint_param(self) -> str | None:
+        """The request field whose constraint the output follows (known once sampling_params ran)."""
+        return self._constraint_param
 
     @property
     def continuous_usage(self) -> bool:
@@ -191,6 +197,7 @@ class _SamplingRequest(_Body):
             raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
         logit_bias = self._logit_bias()
         constraint = request_constraint(self, forced_call)
+        self._constraint_param = constraint.param if constraint else None
         fanout = self._best_of()
         if fanout > self.n and logprobs is None:
             logprobs = 0  # the choices are ranked by their tokens' logprobs; shown only when asked for
@@ -205,7 +212,7 @@ class _SamplingRequest(_Body):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint.outputs if constraint else None,
             )
         except ValueError as exc:
             message = str(exc)

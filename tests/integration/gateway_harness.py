@@ -5,7 +5,8 @@ The fake worker is only a fast test layer for the gateway's contract (real worke
 elsewhere): it reads jobs from the model's stream through the consumer group, replies over a real ZMQ
 PUSH socket with one TokenBatch per step, honours aborts from the pub/sub channel and heartbeats like a
 worker. Its output is deterministic: the tokens of REPLY, then EOS. Prompts steer it:
-``[silent]`` never answers, ``[error]`` fails, ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
+``[silent]`` never answers, ``[error]`` fails (a job with an output constraint as the engine fails one
+that does not compile), ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
 each pair of events in swapped order (as a prefill and a decode worker may), ``[dup]`` sends every event
 twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way), ``[calls]`` CALLS_REPLY (two
 calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_choice's output).
@@ -177,7 +178,9 @@ class FakeWorker:
         common = dict(request_id=seq.job.request_id, output_index=seq.sent, worker_id=self.worker_id,
                       num_prompt_tokens=num_prompt if first else 0, num_cached_tokens=num_prompt // 2 if first else 0)
         if seq.mode == "error":
-            return TokenEvent(**common, finish_reason="error", error="fake worker exploded")
+            constraint = params.structured_outputs  # what the engine answers a constraint it cannot compile
+            error = f"structured_outputs.{constraint.kind} does not compile: fake" if constraint else "fake worker exploded"
+            return TokenEvent(**common, finish_reason="error", error=error)
         if seq.mode == "orphan":  # handed off to a decode worker that announced itself and then died
             if seq.sent == 1:
                 return None if seq.steps > 2 else TokenEvent(request_id=seq.job.request_id, output_index=1,

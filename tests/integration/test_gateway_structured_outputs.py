@@ -148,3 +148,23 @@ def test_each_choice_of_n_carries_the_constraint(stack, http):
     assert r.status_code == 200, r.text
     jobs = stack.jobs_for(r.json()["id"].split("-", 1)[1])
     assert len(jobs) == 3 and all(j.sampling.structured_outputs == StructuredOutputs(choice=["a", "b"]) for j in jobs)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+])
+def test_a_constraint_the_engine_cannot_compile_is_a_400_naming_the_field(http, fields, param):
+    """The worker knows only the constraint's kind; the gateway names the field the request used."""
+    body = {**BODIES["completions"], "prompt": "[error]", **fields}
+    r = http.post(PATHS["completions"], json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] == f"{param} does not compile: fake", error
+    streamed = http.post(PATHS["completions"], json={**body, "stream": True})
+    (event,) = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert event["error"]["param"] == param, event
+    # without a constraint a worker's error stays the server's
+    assert http.post(PATHS["completions"], json={**BODIES["completions"], "prompt": "[error]"}).status_code == 500
