@@ -1,9 +1,12 @@
 """``POST /v1/completions``: OpenAI's text completions, vLLM's extras."""
 
+import uuid
+
 from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
+from kvrelay.gateway.api.beam_search import BeamSearch
 from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
 from kvrelay.gateway.api.echo import echo_logprobs, prompt_texts
@@ -20,6 +23,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     async with Meter(request, prepared, body, "completions") as meter:
         if meter.cached is not None:
             return meter.cached
+        if prepared.params.use_beam_search:
+            return await _beam_search(request, prepared, body, meter)
         async with Generation(request, prepared) as gen:
             meter.generation = gen
             base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(gen.arrival),
@@ -43,6 +48,18 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             } for c in best_choices(gen.choices, prepared)]
             response = {**base, "choices": choices, "usage": gen.usage()}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
+
+
+async def _beam_search(request: web.Request, prepared: Prepared, body: CompletionRequest,
+                       meter: Meter) -> web.Response:
+    search = BeamSearch(request, prepared, uuid.uuid4().hex)
+    meter.generation = search
+    await search.run()
+    choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
+                "stop_reason": None, "prompt_logprobs": None} for c in search.choices]
+    response = {"id": f"cmpl-{search.request_id}", "object": "text_completion", "created": int(search.arrival),
+                "model": prepared.model_name, "choices": choices, "usage": search.usage()}
+    return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
 def _logprobs(body: CompletionRequest, prepared: Prepared, c: ChoiceState, echoed: list[str] | None) -> dict | None:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from kvrelay.gateway.api.beam_params import check_beam_search
 from kvrelay.gateway.api.fill_in_middle import fill_in_middle
 from kvrelay.gateway.api.forced_calls import call_constraint
 from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
@@ -103,6 +104,8 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
     check_token_ids(params.allowed_token_ids or [], model, "allowed_token_ids")
     _check_logprobs(params, body, model, max_logprobs)
     _check_jobs(len(prompts), params)
+    if params.use_beam_search:
+        check_beam_search(body, params, len(model.eos_token_ids))
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
                     served_name=served, returned_n=body.n if params.n > body.n else None,

@@ -63,18 +63,9 @@ class StreamOptions(_Body):
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "bad_words": (None, []),
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
+    "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
-}
-
-
-_WHY_UNSUPPORTED = {
-    # the engine's beam search (shared/engine/beam_search.py) drives an engine in-process, step by step; a
-    # worker runs each job as one sequence, so the API cannot reach it
-    "use_beam_search": ": beam search runs in the offline engine (kvrelay.llm.LLM), not on the workers, which "
-                       "run one sequence per job",
-    "length_penalty": ": it scores beam search, which runs in the offline engine only",
 }
 
 
@@ -86,6 +77,9 @@ class _SamplingRequest(_Body):
     n: int = 1
     # vLLM's (and OpenAI's completions'): sample best_of, return the n most likely (best_of.py)
     best_of: int | None = None
+    # vLLM's: the n best of a beam search as wide as best_of (else n), run over the workers (beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's: a hypothesis scores sum_logprob / length ** length_penalty
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -134,7 +128,7 @@ class _SamplingRequest(_Body):
             # true == 1 in Python: a bool only matches a bool
             if noop is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
                                             for v in noop):
-                raise bad_request(f"{name} is not supported by this server{_WHY_UNSUPPORTED.get(name, '')}", name)
+                raise bad_request(f"{name} is not supported by this server", name)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -185,7 +179,7 @@ class _SamplingRequest(_Body):
             raise bad_request(f"best_of must be in [1, {MAX_N}], got {self.best_of}", "best_of")
         if self.best_of < self.n:
             raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
-        if self.stream and self.best_of > self.n:  # the best are known only once all have finished
+        if self.stream and self.best_of > self.n and not self.use_beam_search:  # known only at the end
             raise bad_request("best_of greater than n cannot be streamed", "best_of")
         return self.best_of
 
@@ -199,10 +193,18 @@ class _SamplingRequest(_Body):
         constraint = request_constraint(self, forced_call)
         self._constraint_param = constraint.param if constraint else None
         fanout = self._best_of()
-        if fanout > self.n and logprobs is None:
-            logprobs = 0  # the choices are ranked by their tokens' logprobs; shown only when asked for
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise bad_request("length_penalty scores beam search: it needs use_beam_search", "length_penalty")
+        if self.use_beam_search:  # beam_search.py returns n of the best_of beams
+            beam_width: int | None = fanout
+            fanout = self.n
+        else:
+            beam_width = None
+            if fanout > self.n and logprobs is None:
+                logprobs = 0  # the choices are ranked by their tokens' logprobs; shown only when asked for
         try:
             return SamplingParams(
+                use_beam_search=self.use_beam_search, beam_width=beam_width, length_penalty=self.length_penalty,
                 n=fanout, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, seed=self.seed,

@@ -123,6 +123,10 @@ SHARED: dict[str, Coverage] = {
     "min_p": Effect({"min_p": 1.0}, text, base=SAMPLED),
     "seed": Effect({"seed": 2}, text, base=SAMPLED),
     "n": Effect({"n": 2}, choices),
+    "use_beam_search": Elsewhere("tests/e2e/test_request_fields.py::test_beam_search_answers_as_the_offline_engine",
+                                 "the best beams, as the offline engine's beam search finds them"),
+    "length_penalty": Elsewhere("tests/e2e/test_request_fields.py::test_beam_search_answers_as_the_offline_engine",
+                                "scores the beam search's hypotheses: compared with the offline engine's"),
     "best_of": Elsewhere("tests/e2e/test_request_fields.py::test_best_of_returns_the_most_likely_samples",
                          "picks among samples: the same choices sampled with n show which it must return"),
     "stream": Effect({"stream": True}, content_type),
@@ -252,7 +256,7 @@ FIELDS: dict[str, dict[str, Coverage]] = {
 }
 UNSUPPORTED_SAMPLES = {
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
-    "function_call": "auto", "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
+    "function_call": "auto", "bad_words": ["Paris"], "logits_processors": ["x"],
     "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["audio"], "reasoning_effort": "low",
 }
@@ -513,3 +517,20 @@ def test_best_of_returns_the_most_likely_samples(http, endpoint):
         [text(httpx.Response(200, json={"choices": [c]})) for c in best]
     assert all(c["logprobs"] is None for c in out["choices"])
     assert len({text(httpx.Response(200, json={"choices": [c]})) for c in samples}) > 1  # they differ
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+def test_beam_search_answers_as_the_offline_engine(http, smollm2_dir, length_penalty):
+    """The gateway's search over the worker (one job per beam and step) finds the beams the offline LLM's
+    search over its engine finds: same model, same scoring."""
+    from kvrelay.llm import LLM
+
+    prompt = BASE["completions"]["prompt"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "use_beam_search": True, "n": 2, "best_of": 3,
+            "length_penalty": length_penalty}
+    served = ok(http, body).json()["choices"]
+    llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, block_size=4, num_gpu_blocks=512, device="cpu")
+    offline = llm.generate(prompt, SamplingParams(use_beam_search=True, n=2, beam_width=3, max_tokens=8,
+                                                  length_penalty=length_penalty))[0].outputs
+    assert [c["text"] for c in served] == [o.text for o in offline]
+    assert [c["finish_reason"] for c in served] == [o.finish_reason for o in offline]
