@@ -28,16 +28,22 @@ def call_constraint(plan: ToolPlan, tools: list[ToolDefinition]) -> Constraint |
         return None
     if plan.forced == "named":
         (tool,) = [t for t in tools if t.function.name == plan.function]
-        schema: dict[str, Any] = tool.function.parameters or _NO_PARAMETERS
+        schema: dict[str, Any] = _arguments(tool)
     else:
         # One branch per tool, each closed, so a call's name picks its own arguments schema.
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": [{
             "type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-            "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters or _NO_PARAMETERS},
+            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _arguments(t)},
         } for t in tools]}}
         if not plan.parallel:
             schema["maxItems"] = 1
     return Constraint(StructuredOutputs(json=schema_text(schema, "tool_choice")), "tool_choice")
+
+
+def _arguments(tool: ToolDefinition) -> dict[str, Any]:
+    """The tool's arguments schema; an object even where it leaves "type" out (tool_schemas.py reads a
+    missing type as "object", and the grammar must too, or any JSON value would do)."""
+    return {"type": "object", **(tool.function.parameters or _NO_PARAMETERS)}
 
 
 class ForcedCallReader:

@@ -45,7 +45,8 @@ def schema_of(stack, response_id: str) -> dict:
 def branch(tool: dict) -> dict:
     fn = tool["function"]
     return {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-            "properties": {"name": {"const": fn["name"]}, "parameters": fn.get("parameters", NO_PARAMETERS)}}
+            "properties": {"name": {"type": "string", "enum": [fn["name"]]},
+                           "parameters": fn.get("parameters", NO_PARAMETERS)}}
 
 
 def streamed(stream) -> tuple[str, dict[int, list], str | None]:
@@ -104,6 +105,11 @@ def test_named_constrains_to_the_functions_arguments(stack):
                                                    tool_choice={"type": "function", "function": {"name": "get_time"}},
                                                    max_tokens=500)
     assert schema_of(stack, out.id) == NO_PARAMETERS
+    # parameters without "type" are an object's (as tool_schemas reads them), never any JSON value
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "string"}}}}}
+    out = client_of(stack).chat.completions.create(model=MODEL, messages=NAMED_ASK, tools=[untyped], max_tokens=500,
+                                                   tool_choice={"type": "function", "function": {"name": "f"}})
+    assert schema_of(stack, out.id) == {"type": "object", "properties": {"a": {"type": "string"}}}
 
 
 def test_named_streams_its_arguments_as_they_come(stack):
