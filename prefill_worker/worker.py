@@ -178,7 +178,7 @@ class PrefillWorker:
             return
         job = rec.job
         slot.touch()
-        finished_for_real = out.finish_reason in ("stop", "abort") or rec.max_tokens <= 1 or (
+        finished_for_real = out.finish_reason in ("stop", "abort", "error") or rec.max_tokens <= 1 or (
             len(job.prompt_token_ids) + 1 >= slot.core.max_model_len)
         # no worker_id: after the handoff this worker no longer holds the request, and if it dies
         # first the job is reclaimed by a peer rather than failed at the gateway

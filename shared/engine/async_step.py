@@ -16,7 +16,9 @@ What that costs and how outputs stay identical to synchronous stepping:
 - the prefix cache registers a step's blocks once their ids are all read, before the next schedule, as
   in synchronous stepping, so prompts see the same cache hits;
 - penalties count output tokens: the unread one joins the host's lists on the device (``pending`` of
-  ``Sampler.sample``).
+  ``Sampler.sample``);
+- structured outputs: a constrained row's grammar mask needs its previous token on the host, so a step
+  after one that sampled a constrained row reads that step first (synchronous for that step).
 """
 
 import dataclasses
@@ -116,6 +118,11 @@ class AsyncStepper:
         sched, observer = self.scheduler, self.observer()
         outputs: list[EngineCoreOutput] = []
         prev = self.inflight
+        if prev is not None and any(r.grammar is not None for r in prev.sample_reqs):
+            # a constrained row's next mask needs the token it just sampled: this step waits for the
+            # previous one's ids (so every row is known on the host, and none is fed on the device)
+            outputs += self._finish(prev)
+            prev = self.inflight = None
         started = time.time()
         out = sched.schedule()
         cur = self.runner.launch(out, prev.fed if prev is not None else None)

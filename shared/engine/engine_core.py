@@ -15,6 +15,7 @@ and never its scheduler, block manager or runner.
 import math
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Protocol
 
 import torch
@@ -29,6 +30,7 @@ from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLog
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from kvrelay.shared.engine.sampler import SampleResult
 from kvrelay.shared.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.shared.engine.structured.manager import StructuredOutputManager, structured_tokenizer
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
@@ -67,6 +69,10 @@ class EngineCore:
         self.kv = EngineKV(self.block_manager, lambda: runner.kv_cache, self.scheduler.release_held,
                            runner.set_kv_stream)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
+        # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
+        tokenizer_dir, no_tokenizer = structured_tokenizer(config)
+        self.structured = runner.structured = StructuredOutputManager(tokenizer_dir, self.vocab_size, no_tokenizer)
+        self._compiling: dict[str, tuple[Request, tuple[int, int] | None]] = {}  # id -> (request, remote prefill)
         self.observer: EngineObserver | None = None
         self.stepper: AsyncStepper | None = None
         if config.async_scheduling:
@@ -114,32 +120,74 @@ class EngineCore:
                 f"prompt ({n_prompt}) plus max_tokens ({max_tokens}) needs {blocks_needed} KV blocks, "
                 f"more than the cache holds ({self.block_manager.capacity})"
             )
-        return Request(
+        req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             eos_token_id=eos_token_id, max_tokens=max_tokens, priority=priority, cache_salt=cache_salt,
             tenant=tenant, arrival_wall=time.time() if arrival is None else arrival,
         )
+        self.structured.attach(req)  # its constraint starts compiling now, on the compile thread
+        error = req.grammar.error if req.grammar is not None else None
+        if error is not None:  # a constraint already known not to compile fails at once
+            raise ValueError(error)
+        return req
 
     def add_request(self, req: Request) -> None:
         if req.sampling_params.prompt_logprobs is not None:
             # the first prompt token has no logprob; positions are filled as chunks compute (a recompute
             # after preemption overwrites the same slots)
             self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
+        if req.grammar is not None and not req.grammar.ready:
+            self._compiling[req.request_id] = (req, None)
+            return
         self.scheduler.add_request(req)
 
     def add_remote_prefilled(self, req: Request, first_token_id: int, num_cached_tokens: int) -> None:
         """Admit a request whose prompt KV was computed elsewhere and sits in the blocks ``kv.reserve``
         gave it, with the first token the other side sampled as its output 0. The caller has checked
-        that it fits the running batch (``num_running < max_num_seqs``)."""
+        that it fits the running batch (``num_running < max_num_seqs``). A constrained one continues its
+        grammar from that token (its matcher catches up before its first mask here)."""
         req.output_token_ids = [first_token_id]
         req.num_computed_tokens = req.num_prompt_tokens
         req.num_cached_tokens = num_cached_tokens
+        if req.grammar is not None and not req.grammar.ready:
+            self._compiling[req.request_id] = (req, (first_token_id, num_cached_tokens))
+            return
         self.scheduler.add_prefilled_request(req)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose constraint finished compiling join the scheduler; those whose constraint does not
+        compile end with an "error" output carrying the compile's message."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished():  # nothing else to run: wait a little instead of spinning
+            futures.wait([r.grammar.compiled for r, _ in self._compiling.values()], timeout=0.01,
+                         return_when=futures.FIRST_COMPLETED)
+        outputs, failed = [], []
+        for rid, (req, remote) in list(self._compiling.items()):
+            if not req.grammar.ready:
+                continue
+            del self._compiling[rid]
+            error = req.grammar.error
+            if error is not None:
+                if remote is not None:
+                    self.kv.free(rid)
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._forget(rid)
+                failed.append(req)
+                outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error,
+                                                num_prompt_tokens=req.num_prompt_tokens))
+            elif remote is not None:
+                self.scheduler.add_prefilled_request(req)
+            else:
+                self.scheduler.add_request(req)
+        if failed and self.observer is not None:
+            self.observer.on_removed(failed)
+        return outputs
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         aborted = []
         for rid in request_ids:
-            req = self.scheduler.abort_request(rid)
+            req = self._drop_compiling(rid) or self.scheduler.abort_request(rid)
             if req is not None:
                 self._forget(rid)
                 aborted.append(req)
@@ -149,19 +197,32 @@ class EngineCore:
 
     def finish(self, request_id: str) -> None:
         """Stop a request from outside (a stop string matched in the detokenizer)."""
-        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        req = self._drop_compiling(request_id) or self.scheduler.finish_request(
+            request_id, RequestStatus.FINISHED_STOPPED)
         if req is not None:
             self._forget(request_id)
             if self.observer is not None:
                 self.observer.on_removed([req])
 
+    def _drop_compiling(self, request_id: str) -> Request | None:
+        """Take a request still waiting for its compile out of the engine (aborted); None if it is not one."""
+        entry = self._compiling.pop(request_id, None)
+        if entry is None:
+            return None
+        req, remote = entry
+        if remote is not None:
+            self.kv.free(request_id)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._admit_compiled()
         if self.stepper is not None:  # async scheduling: returns the previous step's tokens
-            return self.stepper.step()
+            return failed + self.stepper.step()
         started = time.time()
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
@@ -186,7 +247,7 @@ class EngineCore:
         for rid, req in finished.items():  # aborted, or ended without a sample this step
             if rid not in result.sampled and rid not in emitted_done:
                 outputs.append(self._output(req, None, True))
-        return outputs
+        return failed + outputs
 
     def _output(self, req: Request, sample, done: bool) -> EngineCoreOutput:
         rid = req.request_id
@@ -226,6 +287,7 @@ class EngineCore:
         """Unfinished requests in the order a step serves them: running first, then waiting."""
         yield from self.scheduler.running
         yield from self.scheduler.waiting
+        yield from (req for req, _ in self._compiling.values())
 
     @property
     def num_running(self) -> int:
@@ -233,7 +295,7 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + len(self._compiling)
 
     @property
     def max_num_seqs(self) -> int:

@@ -58,6 +58,10 @@ class LLMEngine:
             child_params = self._child_params(params, i)
             eos = self.eos_ids[0] if self.eos_ids else None
             children.append(self.core.make_request(cid, token_ids, child_params, eos, priority, cache_salt))
+        if children[0].grammar is not None:
+            # the offline API checks a constraint before anything runs, like every other parameter: the
+            # compile (on the engine's compile thread, shared by the children) raises its ValueError here
+            children[0].grammar.compiled.result()
         self.processor.add(request_id, text, token_ids, params, child_ids)
         for child in children:
             self.core.add_request(child)

@@ -27,9 +27,10 @@ from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.sampler import Sampler, SampleResult, penalized, prompt_logprobs
+from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult, penalized, prompt_logprobs
 from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints
+from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
+        self.structured: StructuredOutputManager | None = None  # set by the engine core
         max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         if kv_pool is None:
             num_blocks = self._num_kv_blocks()
@@ -177,7 +179,8 @@ class ModelRunner:
         sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs))
         result = StepResult({}, {})
         if sample_reqs:
-            for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs), strict=True):
+            grammar = self._grammar_mask(sample_reqs)  # on the host while the device runs the forward
+            for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs, grammar), strict=True):
                 result.sampled[req.request_id] = sample
         result.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits_of)
         return result
@@ -200,8 +203,17 @@ class ModelRunner:
         # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
         step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))
         if sample_reqs:
-            step.start_read(self.sampler.sample(sample_logits, sample_reqs, self._pending_ids(sample_reqs, fed)))
+            grammar = self._grammar_mask(sample_reqs)
+            step.start_read(self.sampler.sample(sample_logits, sample_reqs, self._pending_ids(sample_reqs, fed),
+                                                grammar))
         return step
+
+    def _grammar_mask(self, reqs: list[Request]) -> GrammarMask | None:
+        """The constrained rows' token bitmask (structured outputs), filled on the host: called after the
+        forward is queued, so on CUDA it overlaps the device's work; None without constrained rows."""
+        if self.structured is None or all(r.grammar is None for r in reqs):
+            return None
+        return self.structured.bitmask(reqs)
 
     def _pending_ids(self, reqs: list[Request], fed: FedIds | None) -> torch.Tensor | None:
         """[R] int64 on the device: each sampling row's unread token (from ``fed``), -1 where it has none;

@@ -26,6 +26,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # why an "error" finish happened (a constraint that does not compile)
 
     @property
     def finished(self) -> bool:

@@ -52,6 +52,10 @@ class Request:
     # not read yet (0 or 1). They count for scheduling (the next step decodes them) but are not in
     # output_token_ids until read; always 0 without async scheduling.
     num_pending: int = 0
+    # Structured outputs (shared/engine/structured/): the constraint's compile and this sequence's matcher;
+    # None for an unconstrained request. A structured.matcher.SequenceGrammar, typed loosely because that
+    # package imports this module.
+    grammar: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,7 +5,8 @@ One call handles one decode/prefill step for ``S`` sequences. Processing order f
 1. min_tokens: eos and ``stop_token_ids`` get ``-inf`` while the output is shorter than ``min_tokens``;
 2. logit_bias (OpenAI): each row's {token id: bias} added to its logits, one scatter-add for the batch
    (each request's bias becomes host tensors once, kept until ``free``); then allowed_token_ids (vLLM):
-   every other token of the row gets ``-inf``;
+   every other token of the row gets ``-inf``; then structured outputs: a constrained row's tokens outside
+   its grammar's bitmask get ``-inf`` (shared/engine/structured/bitmask.py; only those rows are touched);
 3. repetition penalty (HF, over prompt + output tokens);
 4. frequency and presence penalties (OpenAI, over output tokens only);
 5. greedy rows take the argmax here; sampled rows continue with temperature, top-k, top-p, min-p
@@ -33,11 +34,16 @@ from torch import Tensor
 
 from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.structured.bitmask import apply_token_bitmask
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 # Bound for the [rows, V] float32 working set of prompt_logprobs (2**26 elements = 256 MiB), so a long
 # prompt over a large vocabulary does not materialise its whole log-softmax at once.
 _PROMPT_LOGPROBS_CHUNK_ELEMENTS = 1 << 26
+
+
+# Structured outputs: (indices of the constrained rows [R] int64, their token bitmask [R, W] int32), on the host
+GrammarMask = tuple[Tensor, Tensor]
 
 
 @dataclass
@@ -308,20 +314,23 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: Tensor, requests: list[Request]) -> list[SampleResult]:
+    def __call__(self, logits: Tensor, requests: list[Request], grammar: GrammarMask | None = None
+                 ) -> list[SampleResult]:
         """logits: [S, V] float32, row i for requests[i]. Returns one SampleResult per row."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"logits have {logits.shape[0]} rows for {len(requests)} requests")
         if not requests:
             return []
-        drawn = self.sample(logits, requests)
+        drawn = self.sample(logits, requests, grammar=grammar)
         packed = None if drawn.packed is None else drawn.packed.tolist()  # the single device -> host transfer
         return drawn.results(drawn.token_ids.tolist() if packed is None else None, packed)
 
-    def sample(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> DeviceSample:
+    def sample(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None,
+               grammar: GrammarMask | None = None) -> DeviceSample:
         """The draw, left on the device (no host sync): async scheduling feeds the ids to the next step.
         ``pending``: [S] int64 on the device, each row's sampled token the host has not read yet (-1 for
-        none), which the penalties count like the output tokens in the host's lists."""
+        none), which the penalties count like the output tokens in the host's lists. ``grammar``: the
+        constrained rows and their token bitmask, on the host (structured/manager.py ``bitmask``)."""
         device = logits.device
         params = [r.sampling_params for r in requests]
         wanted = [p.logprobs for p in params]
@@ -329,7 +338,7 @@ class Sampler:
         # the reported distribution; skipped (a full [S, V] pass) when no row asked for logprobs
         raw_logprobs = logits.float().log_softmax(dim=-1) if need_logprobs else None  # [S, V]
 
-        logits = self._penalize(logits.float(), requests, pending)
+        logits = self._penalize(logits.float(), requests, pending, grammar)
         greedy = [p.greedy for p in params]
         if all(greedy):
             chosen = logits.argmax(dim=-1)  # [S]
@@ -346,7 +355,8 @@ class Sampler:
         k = max((vocab if w < 0 else min(w, vocab) for w in wanted if w is not None), default=0)  # -1: every token
         return DeviceSample(chosen, _pack_topk(raw_logprobs, chosen, k), wanted, k)
 
-    def _penalize(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None) -> Tensor:
+    def _penalize(self, logits: Tensor, requests: list[Request], pending: Tensor | None = None,
+                  grammar: GrammarMask | None = None) -> Tensor:
         """Steps 1-4 of the module docstring, each skipped when no row in the batch uses it."""
         device = logits.device
         banned: list[list[int]] = []
@@ -366,6 +376,10 @@ class Sampler:
             logits = apply_logit_bias(logits, [self._bias_tensors(r) for r in requests])
         if any(p.allowed_token_ids for p in params):
             logits = apply_allowed_tokens(logits, [self._allowed_tensor(r) for r in requests])
+        if grammar is not None:
+            rows, mask = grammar
+            logits = apply_token_bitmask(logits, _to_device(rows, torch.int64, device),
+                                         _to_device(mask, torch.int32, device))
         if any(penalized(p) for p in params):
             logits = apply_penalties(
                 logits,
@@ -480,6 +494,7 @@ def prompt_logprobs(logits: Tensor, next_token_ids: list[int], k: int) -> list[P
 
 __all__ = [
     "DeviceSample",
+    "GrammarMask",
     "SampleResult",
     "Sampler",
     "apply_allowed_tokens",

@@ -18,7 +18,7 @@ def token_event(out: EngineCoreOutput, output_index: int, worker_id: str) -> Tok
         prompt_ranks = [None if e is None else [lp.rank or 0 for lp in e.values()] for e in out.prompt_logprobs]
     return TokenEvent(request_id=out.request_id, token_ids=out.new_token_ids, logprobs=logprobs, top_logprobs=top,
                       prompt_logprobs=prompt_lp, prompt_logprob_ranks=prompt_ranks,
-                      finish_reason=out.finish_reason,
+                      finish_reason=out.finish_reason, error=out.error,
                       stop_reason=out.stop_reason if isinstance(out.stop_reason, int | str) else None,
                       num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                       output_index=output_index, worker_id=worker_id)

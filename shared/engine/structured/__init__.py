@@ -1,0 +1,11 @@
+"""Structured outputs in the engine: a request's ``SamplingParams.structured_outputs`` (JSON schema,
+any JSON object, regex, choice or EBNF grammar) compiled against the model's tokenizer with xgrammar
+(chosen by measurement: bench/grammar_backends.py, BENCHMARKS.md), one matcher per sequence, and a token
+bitmask per step for the rows that carry one, applied in the sampler.
+
+- backend.py: the xgrammar binding: tokenizer info, compiler, a constraint's compile (errors name the field);
+- compile_cache.py: compiles off the step loop in a thread pool, an LRU of results per constraint text;
+- matcher.py: one sequence's grammar state, advanced over the tokens it has generated;
+- bitmask.py: the batch's mask on the host and its application to the logits on the device;
+- manager.py: what the engine core and the model runner call.
+"""

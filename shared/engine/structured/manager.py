@@ -1,0 +1,88 @@
+"""Structured outputs for one engine core: what the core and the model runner call.
+
+- ``attach`` (make_request): starts the request's compile and gives it its ``SequenceGrammar``;
+- the core keeps such a request out of the scheduler until its compile is done, and fails it with the
+  compile's message (``structured_outputs.<kind> ...``) when it does not compile;
+- ``bitmask`` (each step, after the forward is launched and before sampling): catches each constrained
+  sampling row's matcher up with its tokens and fills its mask row, on the host while the device computes.
+
+The tokenizer is the engine's (``--tokenizer``, else the model directory's). A dummy model's synthetic
+word-level tokenizer cannot spell JSON, so such a model needs ``--tokenizer`` to serve constraints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.structured.backend import GrammarBackend
+from kvrelay.shared.engine.structured.bitmask import new_bitmask
+from kvrelay.shared.engine.structured.compile_cache import GrammarCache
+from kvrelay.shared.engine.structured.matcher import SequenceGrammar
+from kvrelay.shared.text.tokenizer import has_tokenizer
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_dir: str | None, model_vocab_size: int, no_tokenizer: str = "") -> None:
+        """``tokenizer_dir`` None: every constraint fails with ``no_tokenizer`` as the reason."""
+        self.tokenizer_dir = tokenizer_dir
+        self.model_vocab_size = model_vocab_size
+        self.no_tokenizer = no_tokenizer or "the model has no tokenizer"
+        self.cache = GrammarCache(self._make_backend)
+
+    def _make_backend(self) -> GrammarBackend:
+        if self.tokenizer_dir is None:
+            raise ValueError(self.no_tokenizer)
+        return GrammarBackend(self.tokenizer_dir, self.model_vocab_size, [])
+
+    def attach(self, req: Request) -> None:
+        """Start compiling the request's constraint (if it has one)."""
+        so = req.sampling_params.structured_outputs
+        if so is not None:
+            req.grammar = SequenceGrammar(so, self.cache.submit(so))
+
+    def bitmask(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(row indices [R] int64, mask [R, W] int32), both on the host, for the constrained ones among a
+        step's sampling rows ``reqs``; None when none is. Every such row's compile has succeeded (the core
+        admits no other) and its tokens are on the host (async scheduling reads them first)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        mask = None
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            if req.num_pending:
+                raise RuntimeError(f"request {req.request_id}: its last token is not on the host; a constrained "
+                                   "row's mask needs it")
+            req.grammar.compiled.result()  # done already, except for a decode worker's fresh handoff
+            backend = self.cache.backend()
+            req.grammar.catch_up(backend, req.output_token_ids, _stop_ids(req))
+            if mask is None:
+                mask = new_bitmask(len(rows), backend.mask_words)
+            req.grammar.fill(mask, j)
+        return torch.tensor(rows, dtype=torch.int64), mask
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def _stop_ids(req: Request) -> list[int]:
+    """What may end a constrained output once its grammar is complete: the model's EOS ids (the engine's
+    own plus those among the stop ids) and the request's stop ids."""
+    params = req.sampling_params
+    first = [] if req.eos_token_id is None or params.ignore_eos else [req.eos_token_id]
+    return first + list(params.stop_token_ids)
+
+
+def structured_tokenizer(config: EngineConfig) -> tuple[str | None, str]:
+    """(tokenizer directory the grammars compile against, or None; why there is none)."""
+    model = config.model
+    if model.tokenizer:
+        return str(model.tokenizer), ""
+    if model.load_format == "dummy" or model.model.startswith("dummy:"):
+        return None, ("a dummy model's synthetic tokenizer cannot spell the constraint; start it with --tokenizer "
+                      "<a real tokenizer's directory>")
+    if has_tokenizer(model.model):
+        return model.model, ""
+    return None, f"the model {model.model} has no tokenizer files (pass --tokenizer)"

@@ -1,0 +1,66 @@
+"""One sequence's grammar state: its compile (a Future until done), then an xgrammar matcher that is
+advanced over the tokens the sequence has generated, lazily, right before its next mask is filled.
+
+Advancing from ``output_token_ids`` rather than from each sampled id as it arrives is what makes every
+path the same: synchronous and async steps (the ids reach the host a step late), a decode worker that
+continues a sequence whose first token the prefill worker sampled (its matcher starts empty and catches
+up over that token), and a sequence preempted and recomputed (its tokens are kept, so is its matcher).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.shared.wire.structured_outputs import StructuredOutputs
+
+if TYPE_CHECKING:
+    from kvrelay.shared.engine.structured.backend import GrammarBackend
+
+
+class GrammarViolation(RuntimeError):
+    """A token the grammar does not accept reached a constrained sequence (a bug, or a token forced from
+    outside the mask)."""
+
+
+class SequenceGrammar:
+    def __init__(self, constraint: StructuredOutputs, compiled: Future) -> None:
+        self.constraint = constraint
+        self.compiled = compiled
+        self.matcher = None
+        self.num_accepted = 0  # output tokens the matcher has consumed
+
+    @property
+    def ready(self) -> bool:
+        return self.compiled.done()
+
+    @property
+    def error(self) -> str | None:
+        """Why the constraint did not compile (a message naming ``structured_outputs.<kind>``); None while
+        compiling or when it compiled."""
+        if not self.compiled.done():
+            return None
+        exc = self.compiled.exception()
+        return None if exc is None else str(exc)
+
+    def catch_up(self, backend: GrammarBackend, output_token_ids: list[int], stop_token_ids: list[int]) -> None:
+        """Advance over the outputs not consumed yet (waits for the compile when it is still running)."""
+        if self.matcher is None:
+            self.matcher = backend.matcher(self.compiled.result(), stop_token_ids)
+        while self.num_accepted < len(output_token_ids):
+            token = output_token_ids[self.num_accepted]
+            if not self.matcher.accept_token(token):
+                raise GrammarViolation(f"token {token} at output position {self.num_accepted} breaks the "
+                                       f"{self.constraint.kind} constraint")
+            self.num_accepted += 1
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit i of word w: token 32w+i)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def completed(self) -> bool:
+        """The grammar is complete: only a stop token may follow."""
+        return self.matcher is not None and self.matcher.is_completed()

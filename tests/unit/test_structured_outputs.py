@@ -1,0 +1,204 @@
+"""Structured outputs through the engine, on the real SmolLM2 (CPU): sampled at temperature 1 with each
+constraint kind, the outputs match their constraint and end with "stop" (n=3, with logprobs, streaming);
+a constraint that does not compile fails its request alone; async scheduling and the decode side of a
+disaggregated pair (which continues the grammar from the prefill side's first token) hold too."""
+
+import json
+import math
+import re
+
+import jsonschema
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.shared.config.engine import EngineConfig, ModelConfig
+from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.wire.structured_outputs import StructuredOutputs
+
+EOS = 2
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "tags", "ok"],
+    "additionalProperties": False,
+}
+COPY_ME = ('Repeat exactly: {"answer": 42, "unit": "cm"}', 'Repeat exactly: {"name": "Bob", "ok": true}')
+GRAMMAR = 'root ::= "x=" [0-9] [0-9]? ("+" [0-9])?'
+GRAMMAR_RE = r"x=[0-9][0-9]?(\+[0-9])?"
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(model=str(smollm2_dir), max_model_len=512, device="cpu", seed=0)
+
+
+def _prompts(llm: LLM, asks: tuple[str, ...] = ("Describe a person as JSON.", "Give me a random answer.")
+             ) -> list[str]:
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template([{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True)
+            for a in asks]
+
+
+@pytest.mark.parametrize("so, check, top_k", [
+    (StructuredOutputs(json=json.dumps(SCHEMA)), lambda t: jsonschema.validate(json.loads(t), SCHEMA), 0),
+    # any object: nothing bounds its strings, and a 135M model at full temperature may spell one key for
+    # hundreds of tokens; a prompt it can copy and top-k keep it to likely tokens (the mask still applies)
+    (StructuredOutputs(json_object=True), lambda t: isinstance(json.loads(t), dict) or pytest.fail(t), 5),
+    (StructuredOutputs(regex=r"[A-Z][a-z]{1,6} [0-9]{2}"),
+     lambda t: re.fullmatch(r"[A-Z][a-z]{1,6} [0-9]{2}", t) or pytest.fail(t), 0),
+    (StructuredOutputs(choice=["yes", "no", 'it "depends"']),
+     lambda t: t in ("yes", "no", 'it "depends"') or pytest.fail(t), 0),
+    (StructuredOutputs(grammar=GRAMMAR), lambda t: re.fullmatch(GRAMMAR_RE, t) or pytest.fail(t), 0),
+], ids=["json", "json_object", "regex", "choice", "grammar"])
+def test_sampled_outputs_match_their_constraint(llm, so, check, top_k):
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=200, n=3, logprobs=2, structured_outputs=so)
+    prompts = _prompts(llm, COPY_ME) if so.json_object else _prompts(llm)
+    for out in llm.generate(prompts, params):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            check(c.text)
+            # logprobs come from the raw distribution (vLLM's default): one entry per token, the chosen token
+            # included, and the runners-up finite even where the grammar allowed a single token
+            assert len(c.logprobs) == len(c.token_ids)
+            for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
+                assert tid in entry and len(entry) >= 2
+                assert all(math.isfinite(lp.logprob) and lp.logprob <= 0 for lp in entry.values())
+
+
+def test_constrained_and_unconstrained_requests_share_a_batch(llm):
+    so = StructuredOutputs(json=json.dumps(SCHEMA))
+    prompts = _prompts(llm)
+    outs = llm.generate(prompts * 2, [SamplingParams(temperature=1.0, max_tokens=120, structured_outputs=so),
+                                      SamplingParams(temperature=1.0, max_tokens=20)] * 2)
+    for i, out in enumerate(outs):
+        text = out.outputs[0].text
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert out.outputs[0].token_ids
+
+
+def test_streamed_text_is_the_constrained_text(llm):
+    so = StructuredOutputs(json=json.dumps(SCHEMA))
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=120, structured_outputs=so)
+    whole = llm.generate(_prompts(llm)[:1], params)[0].outputs[0].text
+    streamed = "".join(d.text for out in llm.generate_stream(_prompts(llm)[:1], params) for d in out.outputs)
+    assert streamed == whole
+    jsonschema.validate(json.loads(streamed), SCHEMA)
+
+
+def test_a_constraint_that_does_not_compile_is_a_value_error_naming_the_field(llm):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json does not compile: "):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputs(json='{"type": "nope"}')))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex does not compile: "):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputs(regex="([")))
+    # the engine is unharmed
+    assert llm.generate(["hi"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_a_bad_constraint_fails_its_request_alone_in_the_engine(llm):
+    """The workers' path: requests go into the core as they come; one whose constraint does not compile ends
+    with an "error" output naming the field while its batch-mates complete."""
+    core = llm.engine.core
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(_prompts(llm)[0])
+    good = core.make_request("good", prompt, SamplingParams(
+        temperature=1.0, max_tokens=120, structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA))), EOS)
+    plain = core.make_request("plain", prompt, SamplingParams(temperature=1.0, max_tokens=8), EOS)
+    bad_so = StructuredOutputs(json='{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+    try:
+        bad = core.make_request("bad", prompt, SamplingParams(max_tokens=8, structured_outputs=bad_so), EOS)
+    except ValueError as exc:  # the compile thread finished before make_request looked: the same error, sooner
+        errors = {"bad": str(exc)}
+    else:
+        errors = {}
+        core.add_request(bad)
+    for req in (good, plain):
+        core.add_request(req)
+    texts: dict[str, list[int]] = {"good": [], "plain": []}
+    finish: dict[str, str] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            if o.finish_reason == "error":
+                errors[o.request_id] = o.error
+            else:
+                texts[o.request_id] += o.new_token_ids
+            if o.finished:
+                finish[o.request_id] = o.finish_reason
+    assert re.match(r"^structured_outputs\.json does not compile: \S", errors["bad"]), errors
+    assert finish["good"] == "stop" and finish["plain"] in ("stop", "length")
+    jsonschema.validate(json.loads(tok.decode(texts["good"][:-1])), SCHEMA)  # the last token is EOS
+    # the same constraint again fails at once, from the cache
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json does not compile"):
+        core.make_request("bad2", prompt, SamplingParams(structured_outputs=bad_so), EOS)
+
+
+def test_compiles_are_cached_per_constraint_text(llm):
+    cache = llm.engine.core.structured.cache
+    so = StructuredOutputs(regex="[a-c]{3}")
+    llm.generate(["a"], SamplingParams(max_tokens=8, structured_outputs=so))
+    before = cache.compiles
+    out = llm.generate(["b", "c"], SamplingParams(temperature=1.0, max_tokens=8, n=2, structured_outputs=so))
+    assert cache.compiles == before
+    assert all(re.fullmatch("[a-c]{3}", c.text) for o in out for c in o.outputs)
+
+
+def test_async_scheduling_masks_with_every_token_known(smollm2_dir):
+    llm = LLM(model=str(smollm2_dir), max_model_len=512, device="cpu", async_scheduling=True)
+    so = StructuredOutputs(json=json.dumps(SCHEMA))
+    params = [SamplingParams(temperature=1.0, max_tokens=120, n=2, structured_outputs=so),
+              SamplingParams(temperature=1.0, max_tokens=30)]
+    outs = llm.generate(_prompts(llm), params)
+    for c in outs[0].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert outs[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_decode_side_continues_the_grammar_the_prefill_side_started(smollm2_dir, async_scheduling):
+    """The disaggregated path in one process: a prefill engine samples the first token under the grammar,
+    the KV is copied into blocks the decode engine reserved, and the decode engine continues the grammar
+    from that token (its matcher catches up over it) to a valid document."""
+    def config(on: bool) -> EngineConfig:
+        return EngineConfig(ModelConfig(str(smollm2_dir), max_model_len=512), device="cpu", async_scheduling=on)
+
+    prefill, decode = EngineCore(config(False), hold_finished_kv=True), EngineCore(config(async_scheduling))
+    from kvrelay.shared.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    so = StructuredOutputs(json=json.dumps(SCHEMA))
+    texts = {}
+    for i in range(3):
+        rid = f"r{i}"
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Person {i} as JSON."}],
+                                                    tokenize=False, add_generation_prompt=True))
+        first_params = SamplingParams(temperature=1.0, max_tokens=1, structured_outputs=so)
+        prefill.add_request(prefill.make_request(rid, prompt, first_params, EOS))
+        outs = []
+        while prefill.has_unfinished():  # the first steps wait for the compile (the tokenizer's, the first time)
+            outs += [o for o in prefill.step() if o.request_id == rid]
+        (first,) = outs
+        blocks = decode.kv.reserve(rid, len(prompt))
+        held = prefill.kv.block_ids(rid)[:len(blocks)]
+        decode.kv.kv_cache[:, :, blocks] = prefill.kv.kv_cache[:, :, held]
+        prefill.kv.release_held(rid)
+        params = SamplingParams(temperature=1.0, max_tokens=120, structured_outputs=so)
+        decode.add_remote_prefilled(decode.make_request(rid, prompt, params, EOS), first.new_token_ids[0], 0)
+        texts[rid] = list(first.new_token_ids)
+    finish = {}
+    while decode.has_unfinished():
+        for o in decode.step():
+            texts[o.request_id] += o.new_token_ids
+            if o.finished:
+                finish[o.request_id] = o.finish_reason
+    assert finish == {f"r{i}": "stop" for i in range(3)}
+    for ids in texts.values():
+        assert ids[-1] == EOS
+        jsonschema.validate(json.loads(tok.decode(ids[:-1])), SCHEMA)
