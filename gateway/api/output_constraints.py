@@ -8,10 +8,11 @@ composes, so more than one is a 400 naming them. A JSON Schema is checked here a
 400 naming the field) and serialized canonically (sorted keys, no spaces), so equal schemas written in any
 key order reach the engine as the same text and hit its compile cache.
 
-vLLM's knobs on how a grammar is built (``disable_any_whitespace``, ``whitespace_pattern``,
-``disable_additional_properties``, a per-request backend) are a 400 when they ask for anything: the engine
-builds one grammar per constraint, and a knob accepted and ignored would hand the client other output than
-it asked for.
+vLLM's knobs on how a grammar is built (``whitespace_pattern``, ``disable_additional_properties``, a
+per-request backend) are a 400 when they ask for anything: the engine builds one grammar per constraint, and
+a knob accepted and ignored would hand the client other output than it asked for. ``disable_any_whitespace``
+is accepted either way: the engine's JSON grammars allow no free whitespace (one fixed layout, so a small
+model cannot fill max_tokens with newlines), which is what true asks and what false permits.
 """
 
 import json
@@ -54,7 +55,7 @@ class StructuredOutputsRequest(_Strict):
     # vLLM's fallback to another backend when the first cannot compile a constraint: there is one backend,
     # which never falls back, so either value is what happens
     disable_fallback: bool = False
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = False  # the engine's JSON has no free whitespace: see the module's docstring
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
 
@@ -111,10 +112,9 @@ def _from_response_format(rf: ResponseFormat) -> Constraint | None:
 
 
 def _from_structured_outputs(so: StructuredOutputsRequest) -> list[Constraint]:
-    for name in ("disable_any_whitespace", "disable_additional_properties"):
-        if getattr(so, name):
-            raise bad_request(f"structured_outputs.{name} is not supported: the engine builds one grammar per "
-                              "constraint", f"structured_outputs.{name}")
+    if so.disable_additional_properties:
+        raise bad_request("structured_outputs.disable_additional_properties is not supported: the engine builds "
+                          "one grammar per constraint", "structured_outputs.disable_additional_properties")
     if so.whitespace_pattern is not None:
         raise bad_request("structured_outputs.whitespace_pattern is not supported: the engine builds one grammar "
                           "per constraint", "structured_outputs.whitespace_pattern")

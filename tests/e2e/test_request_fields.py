@@ -187,8 +187,9 @@ SHARED: dict[str, Coverage] = {
     "structured_outputs.json_object": Effect({"structured_outputs": {"json_object": True}}, text),
     "structured_outputs.disable_fallback": Justified("vLLM's permission to try another grammar backend; kvrelay "
                                                      "runs one and never falls back, whichever value is sent"),
-    "structured_outputs.disable_any_whitespace": Rejected(
-        {"structured_outputs": {"json": CITY, "disable_any_whitespace": True}}),
+    "structured_outputs.disable_any_whitespace": Elsewhere(
+        "tests/e2e/test_structured_outputs.py::test_json_has_no_free_whitespace_whichever_is_asked",
+        "the engine's JSON has no free whitespace, which true asks for and false permits"),
     "structured_outputs.disable_additional_properties": Rejected(
         {"structured_outputs": {"json": CITY, "disable_additional_properties": True}}),
     "structured_outputs.whitespace_pattern": Rejected({"structured_outputs": {"json": CITY,

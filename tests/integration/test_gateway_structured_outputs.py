@@ -65,6 +65,7 @@ def constraint_of(stack, http, endpoint: str, fields: dict) -> StructuredOutputs
     ({"structured_outputs": {"json_object": True}}, StructuredOutputs(json_object=True)),
     ({"structured_outputs": {"regex": "a+", "disable_fallback": True, "disable_any_whitespace": False}},
      StructuredOutputs(regex="a+")),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}}, StructuredOutputs(json_object=True)),
     ({"guided_regex": "a+", "guided_decoding_backend": "auto"}, StructuredOutputs(regex="a+")),
     # what asks for nothing
     ({"response_format": {"type": "text"}}, None),
@@ -115,8 +116,6 @@ def test_each_field_reaches_the_job_as_its_constraint(stack, http, endpoint, fie
     ({"structured_outputs": {}}, "structured_outputs", "must set one of"),
     ({"structured_outputs": {"json_object": False}}, "structured_outputs", "must set one of"),
     # vLLM's knobs on how the grammar is built: refused, never accepted and ignored
-    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
-     "structured_outputs.disable_any_whitespace", "not supported"),
     ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
      "structured_outputs.disable_additional_properties", "not supported"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
