@@ -3,7 +3,8 @@ the engine's grammar backend) through the openai SDK, as issue 25's done-when as
   - ``client.beta.chat.completions.parse(response_format=<a Pydantic model>)`` returns a parsed object;
   - a json_schema request sampled at temperature 1 validates against its schema in 200 of 200 samples;
   - ``tool_choice="required"`` and a named function always give parseable calls, streamed and not;
-  - the other constraints (choice, regex, grammar, json_object) hold on both endpoints.
+  - the other constraints (choice, regex, grammar, json_object) hold on both endpoints, and in the
+    disaggregated mode across the prefill-to-decode handoff.
 The gateway's mapping of every field is tested fast in tests/integration/test_gateway_structured_outputs.py
 and test_gateway_forced_calls.py."""
 
@@ -175,3 +176,22 @@ def test_json_has_no_free_whitespace_whichever_is_asked(client):
         for c in out.choices:  # one layout: the grammar places every separator's space, the model none
             value = json.loads(c.message.content)
             assert c.message.content in (json.dumps(value), json.dumps(value, separators=(",", ":"))), c.message
+
+
+def test_disaggregated_serving_keeps_the_constraint_across_the_handoff(smollm2_dir, tmp_path):
+    """``kvrelay serve``'s default mode: the prefill worker samples the first token under the grammar, the
+    decode worker continues its state; the API sees the same guarantees."""
+    argv = ["--model", str(smollm2_dir), *(["--mode", "disaggregated"] + ENGINE[2:])]
+    with Served(argv, tmp_path / "serve.log", timeout=300) as served:
+        client = served.client()
+        fmt = {"type": "json_schema", "json_schema": {"name": "weather_report", "schema": WEATHER_REPORT}}
+        out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=16, temperature=1.0,
+                                             seed=7, max_tokens=160)
+        for c in out.choices:
+            jsonschema.validate(json.loads(c.message.content), WEATHER_REPORT)
+        streamed = _streamed_calls(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", n=4, temperature=1.0, seed=8,
+            max_tokens=200, stream=True))
+        for calls, finish, _ in streamed.values():
+            assert finish == "tool_calls"
+            _check_calls(calls, set(TOOLS))
