@@ -3,8 +3,8 @@ the engine's grammar backend) through the openai SDK, as issue 25's done-when as
   - ``client.beta.chat.completions.parse(response_format=<a Pydantic model>)`` returns a parsed object;
   - a json_schema request sampled at temperature 1 validates against its schema in 200 of 200 samples;
   - ``tool_choice="required"`` and a named function always give parseable calls, streamed and not;
-  - the other constraints (choice, regex, grammar, json_object) hold on both endpoints, and in the
-    disaggregated mode across the prefill-to-decode handoff.
+  - the other constraints (choice, regex, grammar, json_object) hold on both endpoints;
+  - a json_schema request and a forced call hold in the disaggregated mode too, across the handoff.
 The gateway's mapping of every field is tested fast in tests/integration/test_gateway_structured_outputs.py
 and test_gateway_forced_calls.py."""
 
