@@ -293,8 +293,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2, help="threads for the parallel batch fill and compilers")
     p.add_argument("--compile-repeats", type=int, default=3)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SmolLM2's)")
     args = p.parse_args()
-    tok = load_tokenizer(resolve_model("smollm2").path)
+    tok = load_tokenizer(args.tokenizer or resolve_model("smollm2").path)
     eos = tok.eos_token_id
     words = (len(tok) + 31) // 32
     schema = json.dumps(SCHEMA10)

@@ -18,7 +18,8 @@ What that costs and how outputs stay identical to synchronous stepping:
 - penalties count output tokens: the unread one joins the host's lists on the device (``pending`` of
   ``Sampler.sample``);
 - structured outputs: a constrained row's grammar mask needs its previous token on the host, so a step
-  after one that sampled a constrained row reads that step first (synchronous for that step).
+  with constrained rows reads the previous step once its own forward is queued, before filling the mask
+  and sampling (the forward still takes its ids on the device; only the sampling waits).
 """
 
 import dataclasses
@@ -91,7 +92,8 @@ class LaunchedStep:
 
 
 class _Runner(Protocol):
-    def launch(self, out: SchedulerOutput, fed: FedIds | None) -> LaunchedStep | None: ...
+    def launch(self, out: SchedulerOutput, fed: FedIds | None,
+               before_mask: Callable[[], None] | None = None) -> LaunchedStep | None: ...
 
 
 class _Observer(Protocol):  # engine_core.EngineObserver, which imports this module
@@ -118,14 +120,19 @@ class AsyncStepper:
         sched, observer = self.scheduler, self.observer()
         outputs: list[EngineCoreOutput] = []
         prev = self.inflight
-        if prev is not None and any(r.grammar is not None for r in prev.sample_reqs):
-            # a constrained row's next mask needs the token it just sampled: this step waits for the
-            # previous one's ids (so every row is known on the host, and none is fed on the device)
-            outputs += self._finish(prev)
-            prev = self.inflight = None
         started = time.time()
         out = sched.schedule()
-        cur = self.runner.launch(out, prev.fed if prev is not None else None)
+        read_early = False
+
+        def read_prev() -> None:
+            # a constrained row's mask needs the token it sampled in prev: read prev now, with this step's
+            # forward queued on the device, before the mask is filled and the step sampled
+            nonlocal outputs, read_early
+            if prev is not None:
+                outputs += self._finish(prev)
+                read_early = True
+
+        cur = self.runner.launch(out, prev.fed if prev is not None else None, read_prev)
         sched.advance(out)  # after launch: the runner builds inputs from the counts before this step
         self.inflight = cur
         if cur is not None:
@@ -133,7 +140,7 @@ class AsyncStepper:
             self.num_fed += cur.num_fed
             for rid, (pos0, chunk) in cur.prompt_logprobs.items():
                 self.prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
-        if prev is not None:
+        if prev is not None and not read_early:
             outputs += self._finish(prev)  # the device runs cur meanwhile
         if cur is not None:
             for s in out.scheduled:  # every id of these blocks is known now that prev is read

@@ -106,6 +106,10 @@ class EngineCore:
         bad = [t for t in params.allowed_token_ids or () if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"allowed_token_ids token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None and (params.min_tokens or params.ignore_eos):
+            # a complete document allows only its end: holding EOS back would leave no token to sample
+            raise ValueError(f"structured_outputs cannot be combined with "
+                             f"{'min_tokens' if params.min_tokens else 'ignore_eos'}")
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
             raise ValueError(
@@ -278,9 +282,13 @@ class EngineCore:
             raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
                                "abort or finish them before releasing the KV cache")
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
+        self.structured.close()  # its compile thread and compiled grammars go with the model
 
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:
+        entry = self._compiling.get(request_id)
+        if entry is not None and entry[1] is not None:  # handed off, waiting for its compile: it holds a seat
+            return True
         return any(r.request_id == request_id for r in self.scheduler.running)
 
     def scheduling_order(self) -> Iterator[Request]:
@@ -291,11 +299,12 @@ class EngineCore:
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        # a handed-off request waiting for its compile holds a decode seat already
+        return self.scheduler.num_running + sum(remote is not None for _, remote in self._compiling.values())
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + len(self._compiling)
+        return self.scheduler.num_waiting + sum(remote is None for _, remote in self._compiling.values())
 
     @property
     def max_num_seqs(self) -> int:

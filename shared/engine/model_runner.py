@@ -15,6 +15,7 @@ reads them later (shared/engine/async_step.py).
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -186,10 +187,13 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, fed: FedIds | None) -> LaunchedStep | None:
+    def launch(self, out: SchedulerOutput, fed: FedIds | None,
+               before_mask: Callable[[], None] | None = None) -> LaunchedStep | None:
         """Async scheduling: queue the step and its sampling without waiting for the device. A decode
         row whose token is still pending takes it from ``fed`` (the previous step's sampled ids on the
-        device). None when nothing is scheduled (swap copies alone ran)."""
+        device). None when nothing is scheduled (swap copies alone ran). With constrained rows
+        (structured outputs), ``before_mask`` runs once the forward is queued and before their mask is
+        filled: the caller reads the previous step's ids there, which the mask needs on the host."""
         self._swap(out)
         if not out.scheduled:
             return None
@@ -203,6 +207,8 @@ class ModelRunner:
         # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
         step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))
         if sample_reqs:
+            if before_mask is not None and any(r.grammar is not None and r.num_pending for r in sample_reqs):
+                before_mask()
             grammar = self._grammar_mask(sample_reqs)
             step.start_read(self.sampler.sample(sample_logits, sample_reqs, self._pending_ids(sample_reqs, fed),
                                                 grammar))

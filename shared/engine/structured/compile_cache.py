@@ -73,3 +73,5 @@ class GrammarCache:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._compiled.clear()

@@ -12,6 +12,8 @@ word-level tokenizer cannot spell JSON, so such a model needs ``--tokenizer`` to
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvrelay.shared.config.engine import EngineConfig
@@ -19,8 +21,10 @@ from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.structured.backend import GrammarBackend
 from kvrelay.shared.engine.structured.bitmask import new_bitmask
 from kvrelay.shared.engine.structured.compile_cache import GrammarCache
-from kvrelay.shared.engine.structured.matcher import SequenceGrammar
+from kvrelay.shared.engine.structured.matcher import GrammarViolation, SequenceGrammar
 from kvrelay.shared.text.tokenizer import has_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
@@ -46,7 +50,8 @@ class StructuredOutputManager:
         """(row indices [R] int64, mask [R, W] int32), both on the host, for the constrained ones among a
         step's sampling rows ``reqs``; None when none is. Every such row's compile has succeeded (the core
         admits no other) and its tokens are on the host (async scheduling reads them first)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        # a request that ended since it was scheduled (async scheduling) samples a token that is discarded
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
         if not rows:
             return None
         mask = None
@@ -55,12 +60,17 @@ class StructuredOutputManager:
             if req.num_pending:
                 raise RuntimeError(f"request {req.request_id}: its last token is not on the host; a constrained "
                                    "row's mask needs it")
-            req.grammar.compiled.result()  # done already, except for a decode worker's fresh handoff
+            req.grammar.compiled.result()  # done already (the core admits no request before)
             backend = self.cache.backend()
-            req.grammar.catch_up(backend, req.output_token_ids, _stop_ids(req))
             if mask is None:
                 mask = new_bitmask(len(rows), backend.mask_words)
-            req.grammar.fill(mask, j)
+            try:
+                req.grammar.catch_up(backend, req.output_token_ids, _stop_ids(req))
+                req.grammar.fill(mask, j)
+            except GrammarViolation as exc:  # never the step loop's end: this sequence alone ends here
+                log.error("request %s: %s; ending it", req.request_id, exc)
+                for stop in _stop_ids(req)[:1] or [0]:
+                    mask[j, stop // 32] = 1 << (stop % 32) if stop % 32 < 31 else -(2**31)
         return torch.tensor(rows, dtype=torch.int64), mask
 
     def close(self) -> None:
