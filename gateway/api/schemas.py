@@ -192,6 +192,13 @@ class _SamplingRequest(_Body):
         logit_bias = self._logit_bias()
         constraint = request_constraint(self, forced_call)
         self._constraint_param = constraint.param if constraint else None
+        if constraint is not None:
+            # a complete document allows only its end: holding EOS back would leave nothing to sample (the
+            # engine refuses the pair too; here it is a 400 before anything is queued)
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(self, name):
+                    raise bad_request(f"{name} cannot be combined with an output constraint ({constraint.param})",
+                                      name)
         fanout = self._best_of()
         if self.length_penalty != 1.0 and not self.use_beam_search:
             raise bad_request("length_penalty scores beam search: it needs use_beam_search", "length_penalty")

@@ -123,6 +123,9 @@ def test_each_field_reaches_the_job_as_its_constraint(stack, http, endpoint, fie
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", ""),
     ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "one grammar backend"),
     ({"guided_json": SCHEMA, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+    # a complete document allows only its end: these would leave nothing to sample
+    ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response_format"),
 ], ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else None)
 def test_bad_constraints_are_400s_naming_the_field(http, endpoint, fields, param, why):
     r = http.post(PATHS[endpoint], json={**BODIES[endpoint], **fields})
