@@ -195,3 +195,23 @@ def test_disaggregated_serving_keeps_the_constraint_across_the_handoff(smollm2_d
         for calls, finish, _ in streamed.values():
             assert finish == "tool_calls"
             _check_calls(calls, set(TOOLS))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_the_field(client, stream):
+    """The gateway cannot parse EBNF; the engine's compile fails, and the answer names the request's field."""
+    body = dict(model=MODEL, prompt="The capital of France is", max_tokens=5,
+                extra_body={"guided_grammar": "root ::= undefined_rule"})
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**body)
+        error = info.value.body
+    else:
+        with pytest.raises(openai.APIError) as info:
+            for _ in client.completions.create(**body, stream=True):
+                pass
+        error = info.value.body
+    assert error["param"] == "guided_grammar" and "does not compile" in error["message"], error
+    # the worker goes on serving
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"guided_choice": ["a"]}
+                                     ).choices[0].text == "a"
