@@ -126,6 +126,7 @@ def test_each_field_reaches_the_job_as_its_constraint(stack, http, endpoint, fie
     # a complete document allows only its end: these would leave nothing to sample
     ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "guided_choice"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response_format"),
+    ({"guided_regex": "[0-9]+", "allowed_token_ids": [5]}, "allowed_token_ids", "guided_regex"),
 ], ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else None)
 def test_bad_constraints_are_400s_naming_the_field(http, endpoint, fields, param, why):
     r = http.post(PATHS[endpoint], json={**BODIES[endpoint], **fields})
