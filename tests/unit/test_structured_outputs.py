@@ -157,12 +157,16 @@ def test_async_scheduling_masks_with_every_token_known(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), max_model_len=512, device="cpu", async_scheduling=True)
     so = StructuredOutputs(json=json.dumps(SCHEMA))
     params = [SamplingParams(temperature=1.0, max_tokens=120, n=2, structured_outputs=so),
-              SamplingParams(temperature=1.0, max_tokens=30)]
+              SamplingParams(temperature=1.0, max_tokens=30, seed=5, logit_bias={EOS: 5.0})]
     outs = llm.generate(_prompts(llm), params)
     for c in outs[0].outputs:
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert outs[1].outputs[0].token_ids
+    # a request that ended while a step read early was forgotten; its sampler state (seeded generator, bias
+    # tensors) must not outlive it
+    sampler = llm.engine.core.runner.sampler
+    assert not sampler._generators and not sampler._biases
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -244,3 +248,13 @@ def test_a_request_waits_for_its_compile_while_the_batch_keeps_stepping(smollm2_
     core.abort(["plain"])
     assert json_finish == "stop"
     jsonschema.validate(json.loads(load_tokenizer(smollm2_dir).decode(json_ids[:-1])), SCHEMA)
+
+
+def test_a_model_without_a_tokenizer_refuses_constraints_by_name(tiny_model_dirs):
+    # a checkpoint with no tokenizer files serves token ids, but nothing can spell a grammar's text for it
+    llm = LLM(model=str(tiny_model_dirs["llama"]), device="cpu", max_model_len=64)
+    so = StructuredOutputs(regex="[0-9]+")
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be served by this model: the model "
+                                         r".* has no tokenizer files \(pass --tokenizer\)$"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
