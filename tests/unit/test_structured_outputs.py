@@ -258,3 +258,41 @@ def test_a_model_without_a_tokenizer_refuses_constraints_by_name(tiny_model_dirs
                                          r".* has no tokenizer files \(pass --tokenizer\)$"):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, structured_outputs=so))
     assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_model_rows_past_the_tokenizer_are_never_sampled(tmp_path, smollm2_dir):
+    """A model whose vocabulary is larger than its tokenizer's (padded embedding rows, or a dummy model given
+    a real tokenizer): the grammar never allows the padding ids, even when the model favours them."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer_size = 49152
+    config = LlamaConfig(vocab_size=tokenizer_size + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+        model.lm_head.weight[tokenizer_size:] *= 40  # the padding rows dominate every unconstrained step
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    llm = LLM(model=str(tmp_path), device="cpu", max_model_len=256)
+    schema = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9},
+                                               "tag": {"type": "string", "maxLength": 4}},
+              "required": ["kind", "n", "tag"], "additionalProperties": False}
+    so = StructuredOutputs(json=json.dumps(schema))
+    plain = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=1.0, max_tokens=8))
+    assert max(plain[0].outputs[0].token_ids) >= tokenizer_size  # unconstrained, the padding rows win
+    outs = llm.generate([{"prompt_token_ids": [5, 6 + i, 7]} for i in range(6)],
+                        SamplingParams(temperature=1.0, max_tokens=100, structured_outputs=so))
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and max(c.token_ids) < tokenizer_size
+        jsonschema.validate(json.loads(c.text), schema)
