@@ -1,10 +1,15 @@
 """``POST /v1/chat/completions``: the model's chat template, then the same path as completions; with tools
-offered (``tool_choice: "auto"``), the reply's text parsed into ``tool_calls`` (gateway/api/tool_replies.py)."""
+offered (``tool_choice`` "auto", "required" or a named function), the reply's text read into ``tool_calls``
+(gateway/api/tool_replies.py)."""
+
+import uuid
 
 from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
+from kvrelay.gateway.api.beam_search import BeamSearch
+from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import chat_logprobs, prompt_logprobs
@@ -19,6 +24,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     async with Meter(request, prepared, body, "chat.completions") as meter:
         if meter.cached is not None:
             return meter.cached
+        if prepared.params.use_beam_search:
+            return await _beam_search(request, prepared, meter)
         async with Generation(request, prepared) as gen:
             meter.generation = gen
             base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
@@ -29,12 +36,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 pass
             as_ids = body.return_tokens_as_token_ids
             choices = []
-            for c in gen.choices:
+            for c in best_choices(gen.choices, prepared):
                 message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
                 choices.append({
                     "index": c.index,
                     "message": message,
-                    "logprobs": chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None else None,
+                    "logprobs": chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None and body.logprobs else None,
                     "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 })
@@ -42,6 +49,20 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                         "prompt_logprobs": prompt_logprobs(prepared.tokenizer, gen.choices[0].prompt_logprobs,
                                                                  gen.choices[0].prompt_logprob_ranks)}
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
+
+
+async def _beam_search(request: web.Request, prepared: Prepared, meter: Meter) -> web.Response:
+    search = BeamSearch(request, prepared, uuid.uuid4().hex)
+    meter.generation = search
+    await search.run()
+    choices = []
+    for c in search.choices:
+        message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
+        choices.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                        "stop_reason": None})
+    response = {"id": f"chatcmpl-{search.request_id}", "object": "chat.completion", "created": int(search.arrival),
+                "model": prepared.model_name, "choices": choices, "usage": search.usage(), "prompt_logprobs": None}
+    return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
 async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool,
@@ -64,7 +85,7 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
     def tail() -> list[dict]:
         return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
 
-    if prepared.tools.parser is not None:
+    if prepared.tools.reads_calls:
         calls = {c.index: StreamedToolCalls(prepared.tools) for c in gen.choices}
 
         def tool_chunks(delta: ChoiceDelta) -> list[dict]:

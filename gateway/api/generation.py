@@ -18,6 +18,7 @@ import redis
 from aiohttp import web
 
 from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
+from kvrelay.gateway.api.output_constraints import compile_error
 from kvrelay.gateway.api.prompts import Prepared
 from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
@@ -264,5 +265,6 @@ class Generation:
                 if not choice.worker_finished:  # a stop string ended it here; the worker is still going
                     spawn(self.app, publish_abort(self.app, [choice.job_id], "stop string"))
                 if choice.finish_reason == "error":
-                    raise APIError(500, f"worker error: {choice.error or 'unknown'}", code="worker_error")
+                    raise compile_error(choice.error, self.prepared.constraint_param) or APIError(
+                        500, f"worker error: {choice.error or 'unknown'}", code="worker_error")
             yield delta

@@ -13,8 +13,11 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from kvrelay.gateway.api.beam_params import check_beam_search
+from kvrelay.gateway.api.fill_in_middle import fill_in_middle
+from kvrelay.gateway.api.forced_calls import call_constraint
 from kvrelay.gateway.api.sampling_defaults import apply_defaults, default_chat_max_tokens
-from kvrelay.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, parse
+from kvrelay.gateway.api.schemas import CHAT_ROLES, ChatCompletionRequest, CompletionRequest, parse
 from kvrelay.gateway.api.tokenizer_pool import TOKENIZERS, ModelTokenizer
 from kvrelay.gateway.api.tool_schemas import NO_TOOLS, ToolPlan, plan_tools, template_history
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY
@@ -45,6 +48,8 @@ class Prepared:
     cache_salt: str | None
     served_name: str = ""  # the client's model name, what responses show; "" = model.name
     tools: ToolPlan = NO_TOOLS  # chat: the tools offered and how the reply is parsed
+    returned_n: int | None = None  # best_of > n: params.n choices are sampled per prompt, this many returned
+    constraint_param: str | None = None  # the field that set params.structured_outputs: what its errors name
 
     @property
     def model_name(self) -> str:
@@ -99,9 +104,12 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
     check_token_ids(params.allowed_token_ids or [], model, "allowed_token_ids")
     _check_logprobs(params, body, model, max_logprobs)
     _check_jobs(len(prompts), params)
+    if params.use_beam_search:
+        check_beam_search(body, params, len(model.eos_token_ids))
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,
                     priority=tenant.job_priority(body.priority), cache_salt=tenant.job_cache_salt(body.cache_salt),
-                    served_name=served)
+                    served_name=served, returned_n=body.n if params.n > body.n else None,
+                    constraint_param=body.constraint_param)
 
 
 async def prepare_completion(app: web.Application, raw: Any,
@@ -160,7 +168,10 @@ async def _prepare_completion(app: web.Application, body: CompletionRequest, ten
         raise bad_request("prompt must not be empty", "prompt")
     prompts = []
     for item in raw:
-        ids = await tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        if body.suffix:
+            ids = await fill_in_middle(tokenizer, item, body.suffix)  # a string: checked in sampling_params
+        else:
+            ids = await tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
         check_token_ids(ids, model, "prompt")
@@ -180,7 +191,11 @@ async def render_chat(tokenizer: ModelTokenizer, body: ChatCompletionRequest, ad
         field = "tools" if tools else tool_field
         raise bad_request(f"this model's chat template does not render tools, so it can neither be offered them "
                           f"nor read tool calls and results in the history ({field})", field)
-    text = await _render(tokenizer, body, messages, body.chat_template_kwargs, tools)
+    try:
+        text = await _render(tokenizer, body, messages, body.chat_template_kwargs, tools)
+    except APIError:
+        await _check_custom_roles_render(tokenizer, body, messages, tools)
+        raise
     await _check_template_uses(tokenizer, body, messages, text, tools)
     # The template already placed BOS and friends; adding them again would double them (as in vLLM).
     return await tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -191,6 +206,22 @@ async def _render(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messag
     if body.continue_final_message:  # transformers cuts the text after the final message's content
         template_kwargs = {**(template_kwargs or {}), "continue_final_message": True}
     return await tokenizer.render_chat(messages, body.add_generation_prompt, template_kwargs, tools)
+
+
+async def _check_custom_roles_render(tokenizer: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict],
+                                     tools: list[dict] | None) -> None:
+    """After a failed render: when the messages render with their custom roles made "user", a custom role is
+    what the template failed on, and the 400 names it rather than the template's words alone."""
+    custom = [i for i, m in enumerate(messages) if m["role"] not in CHAT_ROLES]
+    if not custom:
+        return
+    plain = [{**m, "role": "user"} if i in custom else m for i, m in enumerate(messages)]
+    try:
+        await _render(tokenizer, body, plain, body.chat_template_kwargs, tools)
+    except APIError:
+        return  # it fails for another reason: the template's own error says which
+    role = messages[custom[0]]["role"]
+    raise bad_request(f"this model's chat template does not accept the role {role!r}", f"messages.{custom[0]}.role")
 
 
 # Distinct message fields besides role and content one request may carry: each costs a render below.
@@ -211,6 +242,15 @@ async def _check_template_uses(tokenizer: ModelTokenizer, body: ChatCompletionRe
         except APIError:  # the template cannot do without it: it is used
             return False
 
+    # a custom role the template leaves out would drop its messages: found by rendering without them
+    custom = list(dict.fromkeys(m["role"] for m in messages if m["role"] not in CHAT_ROLES))
+    if len(custom) > MAX_MESSAGE_FIELDS:
+        raise bad_request(f"messages use {len(custom)} custom roles; at most {MAX_MESSAGE_FIELDS} are accepted",
+                          "messages")
+    for role in custom:
+        if await same_without([m for m in messages if m["role"] != role], body.chat_template_kwargs):
+            first = next(i for i, m in enumerate(messages) if m["role"] == role)
+            raise bad_request(f"this model's chat template leaves out messages of role {role!r}", f"messages.{first}.role")
     if body.chat_template_kwargs and await same_without(messages, None):
         raise bad_request("chat_template_kwargs have no effect on this model's chat template", "chat_template_kwargs")
     extra = sorted({k for m in messages for k in m} - {"role", "content"})
@@ -237,7 +277,12 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
     served, model = await resolve_served(app, body.model, tenant.may_use)
     model = await require_capacity(app, model, served)
     tokenizer = await app[TOKENIZERS].get(model)
-    ids = await render_chat(tokenizer, body, messages=messages, tools=tools.tools)
+    offered = tools.tools
+    if tools.forced is not None and not await tokenizer.renders_tools():
+        # A forced call's name and arguments come from the tools through the output's schema, so a template
+        # that cannot show them to the model leaves them in effect (as vLLM serves such a request)
+        offered = None
+    ids = await render_chat(tokenizer, body, messages=messages, tools=offered)
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     check_length(len(ids), None, model, "messages", "messages")
@@ -248,7 +293,7 @@ async def _prepare_chat(app: web.Application, body: ChatCompletionRequest, tenan
     remaining = model.max_model_len - len(ids)
     if body.max_tokens is None and body.max_completion_tokens is None:
         body.max_tokens = default_chat_max_tokens(model, app[CONFIG], remaining)
-    params = body.sampling_params(remaining_context=remaining)
+    params = body.sampling_params(remaining_context=remaining, forced_call=call_constraint(tools, body.tools or []))
     check_length(len(ids), params.max_tokens, model, "messages", "messages")
     if tools.parser in SPECIAL_MARKERS:  # the markers the parser looks for are special tokens (as in vLLM)
         params = dataclasses.replace(params, skip_special_tokens=False)

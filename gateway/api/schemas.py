@@ -11,16 +11,22 @@ import logging
 import re
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
 
+from kvrelay.gateway.api.output_constraints import (
+    Constraint,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    request_constraint,
+)
 from kvrelay.gateway.api.tool_schemas import ToolDefinition
 from kvrelay.gateway.bodies import validate
 from kvrelay.gateway.errors import bad_request
-from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams
 
 log = logging.getLogger("kvrelay.gateway")
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; others are custom roles
 INT64 = 2**63  # seeds and priorities travel as msgpack int64: larger ones must be refused, not crash
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text on every token
 # Upper bounds where SamplingParams has none, so 1e308 is a 400, not a request sampled at random. vLLM takes
@@ -55,11 +61,9 @@ class StreamOptions(_Body):
 # nothing (what a client sends when it means "off"). Any other value would be ignored here and hand the
 # client something else than it asked for, so it is a 400 naming the field, as is a name no API defines.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "bad_words": (None, []),
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logits_processors": (None, []),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
 }
@@ -71,6 +75,11 @@ class _SamplingRequest(_Body):
     temperature: float = Field(default=1.0, le=MAX_TEMPERATURE)
     top_p: float = 1.0
     n: int = 1
+    # vLLM's (and OpenAI's completions'): sample best_of, return the n most likely (best_of.py)
+    best_of: int | None = None
+    # vLLM's: the n best of a beam search as wide as best_of (else n), run over the workers (beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's: a hypothesis scores sum_logprob / length ** length_penalty
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -102,6 +111,16 @@ class _SamplingRequest(_Body):
     # against the model's vocabulary in prompts.py
     logit_bias: dict[str, Any] | None = None  # keys and values checked in _logit_bias, the 400 naming logit_bias
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's; ids checked against the vocabulary in prompts.py
+    # What the output must match (OpenAI's and vLLM's names): one at most, mapped in output_constraints.py
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    _constraint_param: str | None = PrivateAttr(default=None)  # the field that set the constraint, once known
+    guided_decoding_backend: str | None = None  # only "auto": one backend serves every request
+    guided_whitespace_pattern: str | None = None  # refused when set: see output_constraints.py
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -122,6 +141,11 @@ class _SamplingRequest(_Body):
             raise bad_request(f"service_tier {self.service_tier!r} is not supported (only 'auto')", "service_tier")
         if self.stream_options is not None:
             self.stream_options.check()
+
+    @property
+    def constraint_param(self) -> str | None:
+        """The request field whose constraint the output follows (known once sampling_params ran)."""
+        return self._constraint_param
 
     @property
     def continuous_usage(self) -> bool:
@@ -147,16 +171,50 @@ class _SamplingRequest(_Body):
             bias[int(key)] = value
         return bias
 
+    def _best_of(self) -> int:
+        """How many choices to sample per prompt: best_of, else n."""
+        if self.best_of is None:
+            return self.n
+        if not 1 <= self.best_of <= MAX_N:
+            raise bad_request(f"best_of must be in [1, {MAX_N}], got {self.best_of}", "best_of")
+        if self.best_of < self.n:
+            raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and self.best_of > self.n and not self.use_beam_search:  # known only at the end
+            raise bad_request("best_of greater than n cannot be streamed", "best_of")
+        return self.best_of
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, forced_call: Constraint | None = None) -> SamplingParams:
         """SamplingParams' own validation names the offending field; that becomes the 400's param."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters long", "stop")
         logit_bias = self._logit_bias()
+        constraint = request_constraint(self, forced_call)
+        self._constraint_param = constraint.param if constraint else None
+        if constraint is not None:
+            # a complete document allows only its end: holding EOS back would leave nothing to sample (the
+            # engine refuses the pair too; here it is a 400 before anything is queued)
+            # allowed_token_ids may leave none of the tokens the grammar allows, and the engine would then sample
+            # outside the constraint: refused until the engine ends such a sequence itself
+            for name in ("min_tokens", "ignore_eos", "allowed_token_ids"):
+                if getattr(self, name):
+                    raise bad_request(f"{name} cannot be combined with an output constraint ({constraint.param})",
+                                      name)
+        fanout = self._best_of()
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise bad_request("length_penalty scores beam search: it needs use_beam_search", "length_penalty")
+        if self.use_beam_search:  # beam_search.py returns n of the best_of beams
+            beam_width: int | None = fanout
+            fanout = self.n
+        else:
+            beam_width = None
+            if fanout > self.n and logprobs is None:
+                logprobs = 0  # the choices are ranked by their tokens' logprobs; shown only when asked for
         try:
             return SamplingParams(
-                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                use_beam_search=self.use_beam_search, beam_width=beam_width, length_penalty=self.length_penalty,
+                n=fanout, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, seed=self.seed,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -165,7 +223,7 @@ class _SamplingRequest(_Body):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint.outputs if constraint else None,
             )
         except ValueError as exc:
             message = str(exc)
@@ -176,13 +234,18 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # text after the gap the model fills (fill_in_middle.py); "" asks for nothing
 
     def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            if not (isinstance(self.prompt, str) or all(isinstance(p, str) for p in self.prompt)):
+                raise bad_request("suffix needs the prompt as text, not token ids", "suffix")
+            if self.echo:
+                raise bad_request("suffix and echo cannot be combined: the echoed prompt would not be the text "
+                                  "before the answer", "suffix")
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             # the echoed prompt's tokens carry logprobs too: the worker computes them as prompt logprobs
-            if self.stream:
-                raise bad_request("echo with logprobs is not supported when streaming", "echo")
             prompt_logprobs = -1 if -1 in (self.logprobs, prompt_logprobs) else max(self.logprobs, prompt_logprobs or 0)
         # OpenAI's and vLLM's completions default: 16 tokens.
         return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs, prompt_logprobs)
@@ -224,13 +287,15 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
 
-    def sampling_params(self, remaining_context: int) -> SamplingParams:
+    def sampling_params(self, remaining_context: int, forced_call: Constraint | None = None) -> SamplingParams:
+        """``forced_call``: the output schema a tool_choice of "required" or a named function imposes."""
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # Chat default (vLLM): whatever context the prompt leaves.
-        return self._sampling(remaining_context if requested is None else requested, logprobs)
+        return self._sampling(remaining_context if requested is None else requested, logprobs,
+                              forced_call=forced_call)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; role and emptiness checked."""
@@ -245,9 +310,10 @@ class ChatCompletionRequest(_SamplingRequest):
                               "chat_template_kwargs")
         out = []
         for i, message in enumerate(self.messages):
-            if message.role not in CHAT_ROLES:
-                raise bad_request(f"unknown role {message.role!r}; expected one of {', '.join(CHAT_ROLES)}",
-                                  f"messages.{i}.role")
+            # a role outside OpenAI's (vLLM's custom roles) goes to the chat template, which decides: prompts.py
+            # refuses one it fails on or leaves out
+            if not message.role:
+                raise bad_request("role must not be empty", f"messages.{i}.role")
             entry: dict[str, Any] = dict(message.model_extra or {})
             entry.update(role=message.role, content=message.text(i))
             if message.name is not None:

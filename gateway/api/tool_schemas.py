@@ -5,8 +5,8 @@ field), and turned into what chat templates expect.
 What a request asks for (``ToolPlan``): ``tool_choice: "none"`` offers no tools to the model and parses
 nothing; ``"auto"`` (the default when tools are given, as in OpenAI and vLLM) offers them through the chat
 template and parses the reply with ``--tool-call-parser``, which, as in vLLM, needs
-``--enable-auto-tool-choice``. ``"required"`` and a named function must force the model to call, which
-takes constrained decoding the server does not have yet: a 400, never a request that may not call.
+``--enable-auto-tool-choice``. ``"required"`` and a named function force the model to call: its output
+is constrained to a call (forced_calls.py), with no parser, so they need neither flag.
 """
 
 import json
@@ -59,6 +59,13 @@ class ToolPlan:
     tools: list[dict] | None  # for the template's ``tools=``; None: none offered
     parser: str | None  # the reply's parser; None: the reply is plain content
     parallel: bool  # False: only the first call is returned
+    forced: Literal["required", "named"] | None = None  # the model must call; None: it may answer
+    function: str | None = None  # the function a named choice calls
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the reply's text is read for calls (auto's parser, or a forced call)."""
+        return self.parser is not None or self.forced is not None
 
 
 NO_TOOLS = ToolPlan(tools=None, parser=None, parallel=True)
@@ -78,9 +85,15 @@ def check_tools(tools: list[ToolDefinition]) -> None:
         seen.add(fn.name)
         if fn.parameters is not None:
             _check_parameters(fn.parameters, f"tools.{i}.function.parameters")
-        if fn.strict:  # arguments guaranteed to match the schema: constrained decoding again
-            raise bad_request("strict function calling is not supported yet (it needs constrained decoding)",
-                              f"tools.{i}.function.strict")
+
+
+def _check_strict(tools: list[ToolDefinition]) -> None:
+    """``strict``: the arguments are guaranteed to match the schema. Forced calls are constrained to it;
+    auto's calls are the model's free text, parsed, which nothing guarantees."""
+    for i, tool in enumerate(tools):
+        if tool.function.strict:
+            raise bad_request("strict function calling needs tool_choice \"required\" or a named function (their "
+                              "calls are constrained to the schema; \"auto\" ones are not)", f"tools.{i}.function.strict")
 
 
 def _check_parameters(schema: dict[str, Any], param: str) -> None:
@@ -119,16 +132,16 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: Any, parallel: b
     if named is not None:
         if named not in {t.function.name for t in tools or ()}:
             raise bad_request(f"tool_choice names function {named!r}, which is not in tools", "tool_choice")
-        raise bad_request("tool_choice naming a function is not supported yet (it needs constrained decoding); "
-                          "use \"auto\"", "tool_choice")
-    if tool_choice == "required":
-        raise bad_request("tool_choice \"required\" is not supported yet (it needs constrained decoding); "
-                          "use \"auto\"", "tool_choice")
+    offer = [t.model_dump(exclude_none=True) for t in tools or ()]
+    if named is not None or tool_choice == "required":
+        return ToolPlan(tools=offer, parser=None, parallel=parallel, forced="named" if named else "required",
+                        function=named)
+    _check_strict(tools or [])
     if not (auto_enabled and parser):
         # vLLM's answer, word for word: clients moving from vLLM recognise it
         raise bad_request("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
                           "tool_choice")
-    return ToolPlan(tools=[t.model_dump(exclude_none=True) for t in tools or ()], parser=parser, parallel=parallel)
+    return ToolPlan(tools=offer, parser=parser, parallel=parallel)
 
 
 def _named_function(choice: dict) -> str:

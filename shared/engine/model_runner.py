@@ -207,11 +207,16 @@ class ModelRunner:
         # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
         step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))
         if sample_reqs:
-            if before_mask is not None and any(r.grammar is not None and r.num_pending for r in sample_reqs):
+            read_early = before_mask is not None and any(r.grammar is not None and r.num_pending for r in sample_reqs)
+            if read_early:
                 before_mask()
             grammar = self._grammar_mask(sample_reqs)
             step.start_read(self.sampler.sample(sample_logits, sample_reqs, self._pending_ids(sample_reqs, fed),
                                                 grammar))
+            if read_early:  # requests that ended in the read were forgotten before this sampling made their
+                for r in sample_reqs:  # per-request sampler state again (seeded generators, bias tensors)
+                    if r.finished:
+                        self.sampler.free(r.request_id)
         return step
 
     def _grammar_mask(self, reqs: list[Request]) -> GrammarMask | None:

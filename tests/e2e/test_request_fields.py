@@ -43,6 +43,8 @@ BASE = {
 }
 SAMPLED = {"temperature": 1.5, "seed": 1}  # a baseline that samples: filters and seeds change it
 EOS_FIRST = {"logit_bias": {str(EOS): 100}, "max_tokens": 3}  # a baseline that ends at its first token
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
 
 
 def text(r: httpx.Response) -> str:
@@ -121,6 +123,12 @@ SHARED: dict[str, Coverage] = {
     "min_p": Effect({"min_p": 1.0}, text, base=SAMPLED),
     "seed": Effect({"seed": 2}, text, base=SAMPLED),
     "n": Effect({"n": 2}, choices),
+    "use_beam_search": Elsewhere("tests/e2e/test_request_fields.py::test_beam_search_answers_as_the_offline_engine",
+                                 "the best beams, as the offline engine's beam search finds them"),
+    "length_penalty": Elsewhere("tests/e2e/test_request_fields.py::test_beam_search_answers_as_the_offline_engine",
+                                "scores the beam search's hypotheses: compared with the offline engine's"),
+    "best_of": Elsewhere("tests/e2e/test_request_fields.py::test_best_of_returns_the_most_likely_samples",
+                         "picks among samples: the same choices sampled with n show which it must return"),
     "stream": Effect({"stream": True}, content_type),
     "stream_options": Effect({"stream_options": {"include_usage": True}}, usage_chunk, base={"stream": True}),
     "stream_options.include_usage": Effect({"stream_options": {"include_usage": True}}, usage_chunk,
@@ -155,6 +163,39 @@ SHARED: dict[str, Coverage] = {
     "cache_salt": Effect({"cache_salt": "audit-salt"}, cached),
     "logit_bias": Effect({"logit_bias": {str(PARIS): -100}}, text),
     "allowed_token_ids": Effect({"allowed_token_ids": [1010]}, text),
+    # output constraints (gateway/api/output_constraints.py): the grammar changes the answer
+    "response_format": Effect({"response_format": {"type": "json_object"}}, text),
+    "response_format.type": Effect({"response_format": {"type": "json_object"}}, text),
+    "response_format.json_schema": Effect({"response_format": JSON_SCHEMA_FORMAT}, text),
+    "response_format.json_schema.schema": Effect({"response_format": JSON_SCHEMA_FORMAT}, text),
+    "response_format.json_schema.name": Justified("OpenAI's label for the schema, required there; the schema "
+                                                  "is what constrains the answer"),
+    "response_format.json_schema.strict": Justified("the schema is always enforced, which is what true asks for "
+                                                    "and more than false does"),
+    "response_format.json_schema.description": Justified(
+        "describes the format for the developer's records; the answer is constrained to the schema either "
+        "way, and vLLM reads it no more than kvrelay does (agent frameworks send it, so it is accepted)"),
+    "guided_json": Effect({"guided_json": CITY}, text),
+    "guided_regex": Effect({"guided_regex": "[0-9]{4}"}, text),
+    "guided_choice": Effect({"guided_choice": ["Berlin", "Rome"]}, text),
+    "guided_grammar": Effect({"guided_grammar": 'root ::= "yes" | "no"'}, text),
+    "structured_outputs": Effect({"structured_outputs": {"choice": ["Berlin"]}}, text),
+    "structured_outputs.json": Effect({"structured_outputs": {"json": CITY}}, text),
+    "structured_outputs.regex": Effect({"structured_outputs": {"regex": "[0-9]{4}"}}, text),
+    "structured_outputs.choice": Effect({"structured_outputs": {"choice": ["Berlin"]}}, text),
+    "structured_outputs.grammar": Effect({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, text),
+    "structured_outputs.json_object": Effect({"structured_outputs": {"json_object": True}}, text),
+    "structured_outputs.disable_fallback": Justified("vLLM's permission to try another grammar backend; kvrelay "
+                                                     "runs one and never falls back, whichever value is sent"),
+    "structured_outputs.disable_any_whitespace": Elsewhere(
+        "tests/e2e/test_structured_outputs.py::test_json_has_no_free_whitespace_whichever_is_asked",
+        "the engine's JSON has no free whitespace, which true asks for and false permits"),
+    "structured_outputs.disable_additional_properties": Rejected(
+        {"structured_outputs": {"json": CITY, "disable_additional_properties": True}}),
+    "structured_outputs.whitespace_pattern": Rejected({"structured_outputs": {"json": CITY,
+                                                                              "whitespace_pattern": " "}}),
+    "guided_decoding_backend": Rejected({"guided_json": CITY, "guided_decoding_backend": "outlines"}),
+    "guided_whitespace_pattern": Rejected({"guided_json": CITY, "guided_whitespace_pattern": " "}),
 }
 
 GERMANY = "What is the capital of Germany?"
@@ -165,6 +206,9 @@ FIELDS: dict[str, dict[str, Coverage]] = {
         "logprobs": Effect({"logprobs": 1}, logprobs),
         "return_tokens_as_token_ids": Effect({"return_tokens_as_token_ids": True}, logprobs, base={"logprobs": 1}),
         "echo": Effect({"echo": True}, text),
+        # SmolLM2's tokenizer has no fill-in-the-middle markers: tests/integration/test_gateway_fill_in_middle.py
+        # shows the prompt built for one that has them
+        "suffix": Rejected({"suffix": "!"}),
     },
     "chat": {
         **SHARED,
@@ -199,8 +243,9 @@ FIELDS: dict[str, dict[str, Coverage]] = {
             "rendered into the prompt by a template that renders tools"),
         "tools[].function.parameters": Rejected({"tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "string"}}}], "tool_choice": "none"}, "tools.0.function.parameters"),
-        "tools[].function.strict": Rejected({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
-                                             "tool_choice": "none"}, "tools.0.function.strict"),
+        "tools[].function.strict": Elsewhere(
+            "tests/integration/test_gateway_forced_calls.py::test_strict_needs_a_forced_choice",
+            "honoured by a forced call's grammar; with \"auto\" (not served here) a 400"),
         "tool_choice": Rejected({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}),
         "parallel_tool_calls": Elsewhere(
             "tests/integration/test_gateway_tools.py::test_parallel_tool_calls_false_keeps_the_first_call",
@@ -211,11 +256,8 @@ FIELDS: dict[str, dict[str, Coverage]] = {
     },
 }
 UNSUPPORTED_SAMPLES = {
-    "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
-    "function_call": "auto", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-    "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"},
-    "bad_words": ["Paris"], "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
+    "function_call": "auto", "bad_words": ["Paris"], "logits_processors": ["x"],
     "truncate_prompt_tokens": 2, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["audio"], "reasoning_effort": "low",
 }
@@ -228,6 +270,7 @@ SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 def schema_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
     out = set()
     for name, info in model.model_fields.items():
+        name = info.alias or name  # a field whose name Python reserves ("schema", "json"): the API's name
         out.add(prefix + name)
         for nested, many in _nested(info.annotation):
             out |= schema_fields(nested, f"{prefix}{name}{'[]' if many else ''}.")
@@ -321,7 +364,8 @@ def test_rejected(http, endpoint, name, cov: Rejected):
 
 
 def test_unsupported_fields_at_their_off_value_are_accepted(http):
-    off = {"response_format": {"type": "text"}, "tools": [], "best_of": 1, "use_beam_search": False}
+    off = {"response_format": {"type": "text"}, "tools": [], "best_of": 1, "use_beam_search": False,
+           "guided_decoding_backend": "auto"}
     assert text(ok(http, {**BASE["completions"], **off})) == text(ok(http, BASE["completions"]))
 
 
@@ -417,6 +461,15 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(http):
         assert lp["token_logprobs"][i] == pytest.approx(own["logprob"], abs=1e-5)
         assert lp["tokens"][i] == own["decoded_token"]
     assert lp["text_offset"][n] == len(prompt)
+    # streamed (vLLM's way): the prompt and its logprobs lead the first chunk; joined, the whole reply
+    streamed = post(http, {**body, "echo": True, "stream": True})
+    chunks = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["text"].startswith(prompt) and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chunks) == echoed["text"]
+    joined = {key: [v for c in chunks for v in c["logprobs"][key]] for key in lp}
+    assert joined["tokens"] == lp["tokens"] and joined["text_offset"] == lp["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert [t and sorted(t) for t in joined["top_logprobs"]] == [t and sorted(t) for t in lp["top_logprobs"]]
 
 
 @pytest.mark.parametrize("endpoint", list(BASE))
@@ -445,3 +498,40 @@ def test_logprobs_of_minus_one_are_the_whole_vocabulary(http):
     positions = prompt_logprobs(ok(http, {**BASE["completions"], "max_tokens": 1, "prompt_logprobs": -1}))
     assert all(len(p) == VOCAB and sorted(e["rank"] for e in p.values()) == list(range(1, VOCAB + 1))
                for p in positions[1:])
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_best_of_returns_the_most_likely_samples(http, endpoint):
+    """Choice i of a seeded request is sampled with seed + i, so n=4 shows the four samples best_of=4 ranks:
+    it returns the two whose tokens' logprobs sum highest."""
+    body = {**BASE[endpoint], **SAMPLED, "max_tokens": 8}
+    asked = {"logprobs": 0} if endpoint == "completions" else {"logprobs": True}
+    samples = ok(http, {**body, **asked, "n": 4}).json()["choices"]
+
+    def score(choice: dict) -> float:
+        lp = choice["logprobs"]
+        return sum(lp["token_logprobs"]) if endpoint == "completions" else sum(e["logprob"] for e in lp["content"])
+
+    best = sorted(samples, key=score, reverse=True)[:2]
+    out = ok(http, {**body, "best_of": 4, "n": 2}).json()
+    assert [text(httpx.Response(200, json={"choices": [c]})) for c in out["choices"]] == \
+        [text(httpx.Response(200, json={"choices": [c]})) for c in best]
+    assert all(c["logprobs"] is None for c in out["choices"])
+    assert len({text(httpx.Response(200, json={"choices": [c]})) for c in samples}) > 1  # they differ
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+def test_beam_search_answers_as_the_offline_engine(http, smollm2_dir, length_penalty):
+    """The gateway's search over the worker (one job per beam and step) finds the beams the offline LLM's
+    search over its engine finds: same model, same scoring."""
+    from kvrelay.llm import LLM
+
+    prompt = BASE["completions"]["prompt"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "use_beam_search": True, "n": 2, "best_of": 3,
+            "length_penalty": length_penalty}
+    served = ok(http, body).json()["choices"]
+    llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, block_size=4, num_gpu_blocks=512, device="cpu")
+    offline = llm.generate(prompt, SamplingParams(use_beam_search=True, n=2, beam_width=3, max_tokens=8,
+                                                  length_penalty=length_penalty))[0].outputs
+    assert [c["text"] for c in served] == [o.text for o in offline]
+    assert [c["finish_reason"] for c in served] == [o.finish_reason for o in offline]

@@ -141,13 +141,6 @@ def test_history_with_calls_and_results_renders(hermes):
     assert after.usage.prompt_tokens > without.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_calls_are_refused_until_constrained_decoding(hermes, tool_choice):
-    with pytest.raises(openai.BadRequestError) as info:
-        hermes.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice=tool_choice, **GREEDY)
-    assert info.value.body["param"] == "tool_choice" and "not supported yet" in info.value.body["message"]
-
-
 def test_smollm2s_template_renders_no_tools_a_400(smollm2_template):
     client = smollm2_template
     for body, param in (({"messages": ASK, "tools": [WEATHER]}, "tools"),

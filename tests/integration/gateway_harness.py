@@ -5,9 +5,11 @@ The fake worker is only a fast test layer for the gateway's contract (real worke
 elsewhere): it reads jobs from the model's stream through the consumer group, replies over a real ZMQ
 PUSH socket with one TokenBatch per step, honours aborts from the pub/sub channel and heartbeats like a
 worker. Its output is deterministic: the tokens of REPLY, then EOS. Prompts steer it:
-``[silent]`` never answers, ``[error]`` fails, ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
+``[silent]`` never answers, ``[error]`` fails (a job with an output constraint as the engine fails one
+that does not compile), ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
 each pair of events in swapped order (as a prefill and a decode worker may), ``[dup]`` sends every event
-twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way).
+twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way), ``[calls]`` CALLS_REPLY (two
+calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_choice's output).
 """
 
 import asyncio
@@ -38,19 +40,23 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOL_REPLY = ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
               '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+CALLS_REPLY = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+ARGS_REPLY = '{"city": "Paris"}'
 _CORPUS = [REPLY, "hello there, how are you today?", "The lazy dog sleeps. The quick fox runs.",
            "user assistant system tell me a story about a fox", "0123456789 !?.,:;"] * 20
 
 
-def build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Train a tiny byte-level BPE and save it the way a model directory holds a tokenizer."""
+def build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE, extra_special: tuple[str, ...] = ()) -> Path:
+    """Train a tiny byte-level BPE and save it the way a model directory holds a tokenizer; ``extra_special``:
+    more special tokens (fill-in-the-middle markers, say)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                  *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -154,9 +160,10 @@ class FakeWorker:
 
     def _plan(self, job: Job) -> _Seq:
         prompt = self.tokenizer.decode(job.prompt_token_ids)
-        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool")
+        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool", "calls", "args")
                      if f"[{m}]" in prompt), "normal")
-        reply = self.tokenizer.encode(TOOL_REPLY if mode == "tool" else REPLY, add_special_tokens=False)
+        text = {"tool": TOOL_REPLY, "calls": CALLS_REPLY, "args": ARGS_REPLY}.get(mode, REPLY)
+        reply = self.tokenizer.encode(text, add_special_tokens=False)
         plan = reply * 20 if mode == "slow" else reply + [self.eos]
         return _Seq(job=job, plan=plan, mode=mode)
 
@@ -171,7 +178,9 @@ class FakeWorker:
         common = dict(request_id=seq.job.request_id, output_index=seq.sent, worker_id=self.worker_id,
                       num_prompt_tokens=num_prompt if first else 0, num_cached_tokens=num_prompt // 2 if first else 0)
         if seq.mode == "error":
-            return TokenEvent(**common, finish_reason="error", error="fake worker exploded")
+            constraint = params.structured_outputs  # what the engine answers a constraint it cannot compile
+            error = f"structured_outputs.{constraint.kind} does not compile: fake" if constraint else "fake worker exploded"
+            return TokenEvent(**common, finish_reason="error", error=error)
         if seq.mode == "orphan":  # handed off to a decode worker that announced itself and then died
             if seq.sent == 1:
                 return None if seq.steps > 2 else TokenEvent(request_id=seq.job.request_id, output_index=1,
@@ -315,8 +324,8 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(tmp_dir: Path, chat_template: str = CHAT_TEMPLATE, max_model_len: int = MAX_MODEL_LEN,
-                  **config) -> Iterator[Stack]:
-    tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer", chat_template)
+                  extra_special: tuple[str, ...] = (), **config) -> Iterator[Stack]:
+    tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer", chat_template, extra_special)
     with EmbeddedRedis() as url:
         worker = FakeWorker(url, tokenizer_dir, max_model_len=max_model_len).start()
         server = GatewayServer(gateway_config(url, **config)).start()

@@ -57,7 +57,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
     ({"max_tokens": "many"}, "max_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"echo": True, "logprobs": 1, "stream": True}, "echo"),  # echo's prompt logprobs are not streamed
+    ({"echo": True, "logprobs": 21, "stream": True}, "logprobs"),
     ({"logprobs": -2}, "logprobs"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"prompt": [1, "a"]}, "prompt"),
@@ -71,7 +71,7 @@ def test_bad_completion_params(stack, body, param):
 
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
     ({"top_logprobs": 2}, "top_logprobs"),

@@ -127,9 +127,10 @@ def test_history_with_calls_and_results_renders(stack):
 
 
 @pytest.mark.parametrize("change, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather", "strict": True}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools.0.type"),
@@ -156,8 +157,6 @@ def test_bad_tool_requests_name_the_field(stack, change, param):
     body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 5, **change}
     error = bad_request(lambda: client_of(stack).chat.completions.create(**body))
     assert error["param"] == param and error["type"] == "invalid_request_error", error
-    if param == "tool_choice" and change["tool_choice"] in ("required",):
-        assert "not supported yet" in error["message"]
 
 
 def test_empty_tool_parts_ask_for_nothing(plain_stack):

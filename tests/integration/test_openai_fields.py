@@ -169,8 +169,28 @@ def test_echo_with_logprobs_covers_the_prompt_tokens(stack):
     assert lp["text_offset"][len(ids)] == len("hello there")  # the first output token starts after the prompt
     assert choice["text"][lp["text_offset"][-1]:] == lp["tokens"][-1]
     assert choice["prompt_logprobs"] is None  # not asked for
-    r = post(stack, {**PROMPT, "echo": True, "logprobs": 1, "stream": True})
-    assert "stream" in assert_400(r, "echo")
+
+
+def test_echo_with_logprobs_streamed_says_what_the_whole_reply_says(stack):
+    """The prompt, its logprobs in front, arrive in each choice's first chunk (with its first text, as vLLM
+    sends them); joined, the chunks are the unstreamed reply, offsets included."""
+    body = {**PROMPT, "prompt": ["hello there", "the lazy dog"], "echo": True, "logprobs": 1, "n": 2}
+    whole = {c["index"]: c for c in post(stack, body).json()["choices"]}
+    joined: dict[int, dict] = {}
+    for event in events(post(stack, {**body, "stream": True})):
+        for c in event["choices"]:
+            seen = joined.setdefault(c["index"], {"text": "", "logprobs": {}, "chunks": 0})
+            if seen["chunks"] == 0:
+                prompt = "hello there" if c["index"] < 2 else "the lazy dog"  # n=2 choices per prompt
+                assert c["text"].startswith(prompt) and c["logprobs"]["token_logprobs"][0] is None
+            seen["chunks"] += 1
+            seen["text"] += c["text"]
+            for key, values in (c["logprobs"] or {}).items():
+                seen["logprobs"].setdefault(key, []).extend(values)
+    assert len(joined) == 4
+    for index, c in joined.items():
+        assert c["chunks"] > 1 and c["text"] == whole[index]["text"]
+        assert c["logprobs"] == whole[index]["logprobs"]
 
 
 @pytest.mark.parametrize("body, field", [

@@ -139,3 +139,20 @@ def test_apply_token_bitmask_touches_only_the_constrained_rows():
     finite = out[1].isfinite().nonzero().flatten().tolist()
     assert finite == [0, 31, 32, 69]
     assert torch.equal(out[1, finite], logits[1, finite])
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 5}, {"minLength": 2}, {"minLength": 1, "maxLength": 3}])
+def test_length_bounded_strings_never_allow_a_raw_control_character(backend, tok, texts, bounds):
+    # JSON forbids raw control characters in strings (json.loads and JSON.parse refuse them); xgrammar's own
+    # length-bounded strings let them through, so the backend writes the bounds as a pattern
+    schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}}, "required": ["s"],
+              "additionalProperties": False}
+    matcher = backend.matcher(backend.compile(StructuredOutputs(json=json.dumps(schema))), [EOS])
+    assert matcher.accept_string('{"s": "a')
+    allowed = _allowed(backend, matcher, backend.vocab_size)
+    assert allowed and not [t for t in allowed if any(ord(ch) < 0x20 for ch in texts[t])]
+    low, high = bounds.get("minLength", 0), bounds.get("maxLength", 100)
+    for n in range(0, 12):
+        m = backend.matcher(backend.compile(StructuredOutputs(json=json.dumps(schema))), [EOS])
+        text = '{"s": "' + "x" * n + '"}'
+        assert (m.accept_string(text) and m.is_completed()) == (low <= n <= high), n

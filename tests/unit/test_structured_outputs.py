@@ -157,12 +157,16 @@ def test_async_scheduling_masks_with_every_token_known(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), max_model_len=512, device="cpu", async_scheduling=True)
     so = StructuredOutputs(json=json.dumps(SCHEMA))
     params = [SamplingParams(temperature=1.0, max_tokens=120, n=2, structured_outputs=so),
-              SamplingParams(temperature=1.0, max_tokens=30)]
+              SamplingParams(temperature=1.0, max_tokens=30, seed=5, logit_bias={EOS: 5.0})]
     outs = llm.generate(_prompts(llm), params)
     for c in outs[0].outputs:
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert outs[1].outputs[0].token_ids
+    # a request that ended while a step read early was forgotten; its sampler state (seeded generator, bias
+    # tensors) must not outlive it
+    sampler = llm.engine.core.runner.sampler
+    assert not sampler._generators and not sampler._biases
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -244,3 +248,51 @@ def test_a_request_waits_for_its_compile_while_the_batch_keeps_stepping(smollm2_
     core.abort(["plain"])
     assert json_finish == "stop"
     jsonschema.validate(json.loads(load_tokenizer(smollm2_dir).decode(json_ids[:-1])), SCHEMA)
+
+
+def test_a_model_without_a_tokenizer_refuses_constraints_by_name(tiny_model_dirs):
+    # a checkpoint with no tokenizer files serves token ids, but nothing can spell a grammar's text for it
+    llm = LLM(model=str(tiny_model_dirs["llama"]), device="cpu", max_model_len=64)
+    so = StructuredOutputs(regex="[0-9]+")
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be served by this model: the model "
+                                         r".* has no tokenizer files \(pass --tokenizer\)$"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_model_rows_past_the_tokenizer_are_never_sampled(tmp_path, smollm2_dir):
+    """A model whose vocabulary is larger than its tokenizer's (padded embedding rows, or a dummy model given
+    a real tokenizer): the grammar never allows the padding ids, even when the model favours them."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer_size = 49152
+    config = LlamaConfig(vocab_size=tokenizer_size + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+        model.lm_head.weight[tokenizer_size:] *= 40  # the padding rows dominate every unconstrained step
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    llm = LLM(model=str(tmp_path), device="cpu", max_model_len=256)
+    schema = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9},
+                                               "tag": {"type": "string", "maxLength": 4}},
+              "required": ["kind", "n", "tag"], "additionalProperties": False}
+    so = StructuredOutputs(json=json.dumps(schema))
+    plain = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=1.0, max_tokens=8))
+    assert max(plain[0].outputs[0].token_ids) >= tokenizer_size  # unconstrained, the padding rows win
+    outs = llm.generate([{"prompt_token_ids": [5, 6 + i, 7]} for i in range(6)],
+                        SamplingParams(temperature=1.0, max_tokens=100, structured_outputs=so))
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and max(c.token_ids) < tokenizer_size
+        jsonschema.validate(json.loads(c.text), schema)

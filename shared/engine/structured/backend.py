@@ -16,6 +16,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
+from kvrelay.shared.engine.structured.json_strings import strict_counted_strings
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class GrammarBackend:
             if kind == "json":
                 # compact separators and no free whitespace: a small model given free whitespace can emit
                 # newlines until max_tokens (vLLM's --disable-any-whitespace)
-                return c.compile_json_schema(so.json, any_whitespace=False)
+                return c.compile_json_schema(strict_counted_strings(so.json), any_whitespace=False)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
@@ -83,3 +84,4 @@ def _reason(exc: Exception) -> str:
     text = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text)
     text = re.sub(r"^Check failed: .*? is false: ", "", text)
     return text[:500]
+
