@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvrelay import LLM, SamplingParams
 from kvrelay.bench.gpu_measure import decode_step_ms, random_prompts
 from kvrelay.bench.step_timeline import kernel_table
-from kvrelay.shared.engine.profile import set_async_scheduling
+from kvrelay.shared.engine.profile import set_async_scheduling, set_token_budget
 
 
 def run_once(llm: LLM, prompts: list[list[int]]) -> float:
@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     run_once(llm, random_prompts(2, args.len, vocab, 1))  # warm-up
     tokens = args.prompts * args.len
     for budget in budgets:
-        core.scheduler.max_num_batched_tokens = budget
+        set_token_budget(core, budget)
         for on in (False, True):
             set_async_scheduling(core, on)
             secs = run_once(llm, random_prompts(args.prompts, args.len, vocab, 2 + budget + on))
             print(f"budget {budget}, async {'on ' if on else 'off'}: {tokens / secs:,.0f} tok/s ({secs:.3f} s, "
                   f"{tokens // budget} steps, {secs / (tokens / budget) * 1e3:.1f} ms/step)")
-    core.scheduler.max_num_batched_tokens = budgets[0]
+    set_token_budget(core, budgets[0])
     set_async_scheduling(core, True)
     prompts = random_prompts(args.prompts, args.len, vocab, 99)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -45,6 +45,12 @@ def set_async_scheduling(core: EngineCore, on: bool) -> None:
     core.stepper = core.new_stepper() if on else None
 
 
+def set_token_budget(core: EngineCore, tokens: int) -> None:
+    """Schedule at most ``tokens`` per step from the next step on (``max_num_batched_tokens``); benchmarks
+    compare budgets on one loaded model."""
+    core.scheduler.max_num_batched_tokens = tokens
+
+
 def model_shape(core: EngineCore) -> dict[str, int]:
     """Layers, heads and head size of the model, and the bytes of its embedding table (a decode step reads
     only the rows of its tokens)."""
