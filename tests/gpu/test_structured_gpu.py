@@ -37,12 +37,13 @@ def tokenizer_dir() -> str:
         pytest.skip(f"no SmolLM2 tokenizer here ({exc}); set KVRELAY_SMOLLM2_TOKENIZER")
 
 
-def test_device_mask_equals_host_mask():
+@pytest.mark.parametrize("words", [(49152 + 31) // 32, (128256 + 31) // 32 + 7],
+                         ids=["narrower than the model", "wider than the model"])
+def test_device_mask_equals_host_mask(words):
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 128256, 64
     logits = torch.randn(rows, vocab, generator=gen)
     chosen = torch.tensor(sorted(torch.randperm(rows, generator=gen)[:40].tolist()))
-    words = (49152 + 31) // 32 + 2700  # wider than the vocabulary needs: the tail is never read
     mask = torch.randint(-(2**31), 2**31 - 1, (len(chosen), words), dtype=torch.int32, generator=gen)
     host = apply_token_bitmask(logits, chosen, mask)
     device = apply_token_bitmask(logits.cuda(), chosen.cuda(), mask.cuda()).cpu()

@@ -22,8 +22,7 @@ def tok(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def backend(smollm2_dir, tok):
-    # a model vocabulary larger than the tokenizer's, as a checkpoint with padded embeddings has
-    return GrammarBackend(str(smollm2_dir), len(tok) + 64, [EOS])
+    return GrammarBackend(str(smollm2_dir), [EOS])
 
 
 def _allowed(backend, matcher, vocab: int) -> set[int]:
@@ -139,6 +138,21 @@ def test_apply_token_bitmask_touches_only_the_constrained_rows():
     finite = out[1].isfinite().nonzero().flatten().tolist()
     assert finite == [0, 31, 32, 69]
     assert torch.equal(out[1, finite], logits[1, finite])
+
+
+def test_model_rows_past_the_mask_are_forbidden():
+    """A mask as wide as the tokenizer's vocabulary over a model with more rows (padded embeddings): the rows
+    past the mask get -inf, whatever the mask's last word says."""
+    vocab = 100  # the mask's 2 words cover tokens 0..63
+    logits = torch.randn(2, vocab)
+    mask = torch.full((1, 2), -1, dtype=torch.int32)  # every covered token allowed
+    out = apply_token_bitmask(logits, torch.tensor([0]), mask)
+    assert torch.equal(out[0, :64], logits[0, :64]) and out[0, 64:].eq(float("-inf")).all()
+    assert torch.equal(out[1], logits[1])
+
+
+def test_the_backend_vocabulary_is_the_tokenizers(backend, tok):
+    assert backend.vocab_size == len(tok) and backend.mask_words == (len(tok) + 31) // 32
 
 
 @pytest.mark.parametrize("bounds", [{"maxLength": 5}, {"minLength": 2}, {"minLength": 1, "maxLength": 3}])

@@ -2,8 +2,9 @@
 
 Layout is xgrammar's: int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` may come next.
 Only the constrained rows get a mask row, so a batch without them pays nothing and a batch with a few pays
-for those few. The mask may be wider than the logits (the tokenizer knows more ids than the model has
-rows): the extra bits are never read. A model row the tokenizer does not know (padding) is never allowed.
+for those few. The mask is as wide as the tokenizer's vocabulary, not the model's: where the tokenizer knows
+more ids than the model has rows the extra bits are never read, and where the model has more rows (padded
+embeddings, a dummy model given a real tokenizer) the rows past the mask are never allowed.
 """
 
 import torch
@@ -33,15 +34,18 @@ def _table(device: torch.device) -> Tensor:
 def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
     """-inf for every token that row ``rows[i]`` of ``logits`` may not take under ``bitmask[i]``.
 
-    logits: [S, V] float32 on the device; rows: [R] int64 and bitmask: [R, W] int32 with 32 * W >= V, both
-    on the logits' device. Returns a new tensor (the logits of a CUDA graph are its output buffer: never
+    logits: [S, V] float32 on the device; rows: [R] int64 and bitmask: [R, W] int32, both on the logits'
+    device; tokens at or past 32 * W are forbidden. Returns a new tensor (the logits of a CUDA graph are its output buffer: never
     written). The int32 words are read as their 4 bytes, least significant first (little-endian, as on
     every device torch runs on here), so byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7.
     """
     vocab = logits.shape[1]
-    words = (vocab + 31) // 32
+    words = min((vocab + 31) // 32, bitmask.shape[1])
+    covered = min(vocab, 32 * words)
     as_bytes = bitmask[:, :words].contiguous().view(torch.uint8).long()  # [R, 4 * words]
-    additive = F.embedding(as_bytes, _table(logits.device)).reshape(bitmask.shape[0], -1)[:, :vocab]  # [R, V]
+    additive = F.embedding(as_bytes, _table(logits.device)).reshape(bitmask.shape[0], -1)[:, :covered]
+    if covered < vocab:  # model rows the tokenizer does not know
+        additive = F.pad(additive, (0, vocab - covered), value=float("-inf"))  # [R, V]
     return logits.index_add(0, rows, additive.to(logits.dtype))
 
 

@@ -4,7 +4,9 @@
 - the core keeps such a request out of the scheduler until its compile is done, and fails it with the
   compile's message (``structured_outputs.<kind> ...``) when it does not compile;
 - ``bitmask`` (each step, after the forward is launched and before sampling): catches each constrained
-  sampling row's matcher up with its tokens and fills its mask row, on the host while the device computes.
+  sampling row's matcher up with its tokens and fills the rows' masks in one batch call, on the host while
+  the device computes. On a GPU the host's cores are idle during the forward, so the fill is spread over
+  ``fill_threads`` of them; on a CPU device the forward needs those cores, so one thread fills.
 
 The tokenizer is the engine's (``--tokenizer``, else the model directory's). A dummy model's synthetic
 word-level tokenizer cannot spell JSON, so such a model needs ``--tokenizer`` to serve constraints.
@@ -13,6 +15,7 @@ word-level tokenizer cannot spell JSON, so such a model needs ``--tokenizer`` to
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -28,17 +31,18 @@ log = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_dir: str | None, model_vocab_size: int, no_tokenizer: str = "") -> None:
+    def __init__(self, tokenizer_dir: str | None, no_tokenizer: str = "", fill_threads: int = 1) -> None:
         """``tokenizer_dir`` None: every constraint fails with ``no_tokenizer`` as the reason."""
         self.tokenizer_dir = tokenizer_dir
-        self.model_vocab_size = model_vocab_size
         self.no_tokenizer = no_tokenizer or "the model has no tokenizer"
+        self.fill_threads = fill_threads
+        self._batch_matcher = None  # made with the first mask (xgrammar is imported with the backend)
         self.cache = GrammarCache(self._make_backend)
 
     def _make_backend(self) -> GrammarBackend:
         if self.tokenizer_dir is None:
             raise ValueError(self.no_tokenizer)
-        return GrammarBackend(self.tokenizer_dir, self.model_vocab_size, [])
+        return GrammarBackend(self.tokenizer_dir, [])
 
     def attach(self, req: Request) -> None:
         """Start compiling the request's constraint (if it has one)."""
@@ -54,23 +58,28 @@ class StructuredOutputManager:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
         if not rows:
             return None
-        mask = None
+        backend = self.cache.backend()
+        mask = new_bitmask(len(rows), backend.mask_words)
+        matchers, filled = [], []
         for j, i in enumerate(rows):
             req = reqs[i]
             if req.num_pending:
                 raise RuntimeError(f"request {req.request_id}: its last token is not on the host; a constrained "
                                    "row's mask needs it")
             req.grammar.compiled.result()  # done already (the core admits no request before)
-            backend = self.cache.backend()
-            if mask is None:
-                mask = new_bitmask(len(rows), backend.mask_words)
             try:
                 req.grammar.catch_up(backend, req.output_token_ids, _stop_ids(req))
-                req.grammar.fill(mask, j)
             except GrammarViolation as exc:  # never the step loop's end: this sequence alone ends here
                 log.error("request %s: %s; ending it", req.request_id, exc)
                 for stop in _stop_ids(req)[:1] or [0]:
                     mask[j, stop // 32] = 1 << (stop % 32) if stop % 32 < 31 else -(2**31)
+                continue
+            matchers.append(req.grammar.matcher)
+            filled.append(j)
+        if matchers:
+            if self._batch_matcher is None:
+                self._batch_matcher = backend.batch_matcher(self.fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, filled)
         return torch.tensor(rows, dtype=torch.int64), mask
 
     def close(self) -> None:
@@ -83,6 +92,14 @@ def _stop_ids(req: Request) -> list[int]:
     params = req.sampling_params
     first = [] if req.eos_token_id is None or params.ignore_eos else [req.eos_token_id]
     return first + list(params.stop_token_ids)
+
+
+def fill_threads(device: torch.device) -> int:
+    """Host threads for the mask fill: half the cores this process may run on (at most 8: 64 rows split
+    further gain nothing) when a GPU runs the forward, one on a CPU device."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def structured_tokenizer(config: EngineConfig) -> tuple[str | None, str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -55,10 +53,6 @@ class SequenceGrammar:
                 raise GrammarViolation(f"token {token} at output position {self.num_accepted} breaks the "
                                        f"{self.constraint.kind} constraint")
             self.num_accepted += 1
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit i of word w: token 32w+i)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
 
     @property
     def completed(self) -> bool:
