@@ -30,11 +30,7 @@ from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLog
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from kvrelay.shared.engine.sampler import SampleResult
 from kvrelay.shared.engine.scheduler import Scheduler, SchedulerOutput
-from kvrelay.shared.engine.structured.manager import (
-    StructuredOutputManager,
-    fill_threads,
-    structured_tokenizer,
-)
+from kvrelay.shared.engine.structured.manager import StructuredOutputManager, structured_tokenizer
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
@@ -75,8 +71,7 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
         tokenizer_dir, no_tokenizer = structured_tokenizer(config)
-        self.structured = runner.structured = StructuredOutputManager(tokenizer_dir, no_tokenizer,
-                                                                           fill_threads(runner.device))
+        self.structured = runner.structured = StructuredOutputManager(tokenizer_dir, no_tokenizer)
         self._compiling: dict[str, tuple[Request, tuple[int, int] | None]] = {}  # id -> (request, remote prefill)
         self.observer: EngineObserver | None = None
         self.stepper: AsyncStepper | None = None

@@ -5,8 +5,9 @@
   compile's message (``structured_outputs.<kind> ...``) when it does not compile;
 - ``bitmask`` (each step, after the forward is launched and before sampling): catches each constrained
   sampling row's matcher up with its tokens and fills the rows' masks in one batch call, on the host while
-  the device computes. On a GPU the host's cores are idle during the forward, so the fill is spread over
-  ``fill_threads`` of them; on a CPU device the forward needs those cores, so one thread fills.
+  the device computes. One thread fills: at batch 64 over a 49k vocabulary xgrammar's own thread pool made
+  the fill 3-5x slower on the H200's 16-core host (bench/mask_fill.py), its hand-off costing more than the
+  ~6 us a row takes.
 
 The tokenizer is the engine's (``--tokenizer``, else the model directory's). A dummy model's synthetic
 word-level tokenizer cannot spell JSON, so such a model needs ``--tokenizer`` to serve constraints.
@@ -15,7 +16,6 @@ word-level tokenizer cannot spell JSON, so such a model needs ``--tokenizer`` to
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -31,11 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_dir: str | None, no_tokenizer: str = "", fill_threads: int = 1) -> None:
+    def __init__(self, tokenizer_dir: str | None, no_tokenizer: str = "") -> None:
         """``tokenizer_dir`` None: every constraint fails with ``no_tokenizer`` as the reason."""
         self.tokenizer_dir = tokenizer_dir
         self.no_tokenizer = no_tokenizer or "the model has no tokenizer"
-        self.fill_threads = fill_threads
         self._batch_matcher = None  # made with the first mask (xgrammar is imported with the backend)
         self.cache = GrammarCache(self._make_backend)
 
@@ -78,7 +77,7 @@ class StructuredOutputManager:
             filled.append(j)
         if matchers:
             if self._batch_matcher is None:
-                self._batch_matcher = backend.batch_matcher(self.fill_threads)
+                self._batch_matcher = backend.batch_matcher(threads=1)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, filled)
         return torch.tensor(rows, dtype=torch.int64), mask
 
@@ -92,14 +91,6 @@ def _stop_ids(req: Request) -> list[int]:
     params = req.sampling_params
     first = [] if req.eos_token_id is None or params.ignore_eos else [req.eos_token_id]
     return first + list(params.stop_token_ids)
-
-
-def fill_threads(device: torch.device) -> int:
-    """Host threads for the mask fill: half the cores this process may run on (at most 8: 64 rows split
-    further gain nothing) when a GPU runs the forward, one on a CPU device."""
-    if device.type == "cpu":
-        return 1
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def structured_tokenizer(config: EngineConfig) -> tuple[str | None, str]:
