@@ -55,7 +55,8 @@ def test_device_mask_equals_host_mask(words):
                          ids=["graphs", "eager", "async"])
 def test_engine_honours_the_schema_on_cuda(tokenizer_dir, eager, async_scheduling):
     llm = LLM(model="dummy:smollm2-135m", load_format="dummy", tokenizer=tokenizer_dir, device="cuda",
-              max_model_len=256, max_num_seqs=32, enforce_eager=eager, async_scheduling=async_scheduling)
+              max_model_len=256, max_num_seqs=32, enforce_eager=eager, async_scheduling=async_scheduling,
+              num_gpu_blocks=512)  # a fixed pool: the previous case's engine may still hold most of the memory
     so = StructuredOutputs(json=json.dumps(SCHEMA))
     prompts = [{"prompt_token_ids": [100 + i, 200 + i, 300 + i]} for i in range(24)]
     params = [SamplingParams(temperature=1.0, max_tokens=120, structured_outputs=so, logprobs=1),
