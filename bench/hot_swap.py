@@ -191,8 +191,8 @@ def write_dummy(preset: str, out: Path, shard_bytes: int = 4 << 30) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kvrelay.shared.config.presets import get_preset
     from kvrelay.shared.repo.model_source import dummy_tokenizer_dir
-    from kvrelay.shared.repo.presets import get_preset
 
     config = get_preset(preset)
     hf = AutoConfig.for_model(**config)

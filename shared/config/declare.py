@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticUndefined
 
+from kvrelay.shared.config.presets import DUMMY_PREFIX, PRESETS
 from kvrelay.shared.wire import redis_cluster, redis_sentinel
 
 # A misspelt key is an error, never a silently ignored setting; NaN and infinity are no one's value.
@@ -63,6 +64,13 @@ def _existing_dir(path: str) -> str:
     return path
 
 
+def _model(name: str) -> str:
+    # a dummy preset is checked where it is given: an unknown one was a loader traceback once serving started
+    if name.startswith(DUMMY_PREFIX) and name[len(DUMMY_PREFIX):] not in PRESETS:
+        raise ValueError(f"unknown model preset {name[len(DUMMY_PREFIX):]!r}; known: {', '.join(sorted(PRESETS))}")
+    return name
+
+
 def _power_of_two(n: int) -> int:
     if n < 1 or n & (n - 1):
         raise ValueError("must be a power of two")
@@ -75,6 +83,7 @@ Port = Annotated[int, Field(ge=0, le=65535)]  # 0: an ephemeral port
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
 ExistingDir = Annotated[str, AfterValidator(_existing_dir)]
+ModelName = Annotated[str, AfterValidator(_model)]  # a path, 'smollm2', or dummy:<preset>
 
 
 

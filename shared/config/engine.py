@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic.dataclasses import dataclass
 
-from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, PowerOfTwo, setting
+from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, ModelName, PowerOfTwo, setting
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +16,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 @dataclass(config=CONFIG)
 class ModelConfig:
-    model: str = setting(help="HF model directory, .gguf file, 'smollm2' (default) or dummy:<preset> "
+    model: ModelName = setting(help="HF model directory, .gguf file, 'smollm2' (default) or dummy:<preset> "
                               "(e.g. dummy:llama-3-8b)")
     dtype: DType = setting("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
     max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: the model's own)",

@@ -19,12 +19,11 @@ from torch import nn
 
 from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
+from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
 from kvrelay.shared.engine.models import build_model, get_model_class
 from kvrelay.shared.repo.model_shape import max_model_len
-from kvrelay.shared.repo.presets import get_preset
 from kvrelay.shared.text.progress import progress_bar
 
-DUMMY_PREFIX = "dummy:"
 DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model stay finite in bf16
 
 

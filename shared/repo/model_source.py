@@ -11,10 +11,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.shared.config.presets import get_preset
 from kvrelay.shared.repo import gguf_import
 from kvrelay.shared.repo.cache_dir import cache_root
 from kvrelay.shared.repo.manifest import MANIFEST
-from kvrelay.shared.repo.presets import get_preset
 from kvrelay.shared.repo.verified_files import file_digest
 
 log = logging.getLogger(__name__)

@@ -48,8 +48,8 @@ def kv_floor_bytes(engine: EngineConfig, root: Path | None = None) -> int:
 
 
 def _hf_config(engine: EngineConfig, root: Path | None) -> dict:
+    from kvrelay.shared.config.presets import get_preset
     from kvrelay.shared.engine.loader import read_hf_config
-    from kvrelay.shared.repo.presets import get_preset
 
     if engine.model.model.startswith("dummy:"):
         return get_preset(engine.model.model.removeprefix("dummy:"))

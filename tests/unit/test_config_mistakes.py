@@ -40,6 +40,12 @@ def test_a_missing_folder_flag(tmp_path, flag):
         f"kvrelay serve: error: argument {flag}: no directory {tmp_path}/elsewhere/models (got 'models')"
 
 
+def test_an_unknown_dummy_preset(tmp_path):
+    line = serve(tmp_path, ["--model", "dummy:tiny"])
+    assert line.startswith("kvrelay serve: error: argument --model: unknown model preset 'tiny'; known: ")
+    assert "tiny-llama" in line and line.endswith("(got 'dummy:tiny')")
+
+
 @pytest.mark.parametrize("text,message", [
     ("model_repo: {path: repo, versioning: true}\nmodels:\n  - {name: a}\n",
      "model_repo.versioning: input should be 'numbered' (got True)"),

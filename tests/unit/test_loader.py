@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from kvrelay.shared.config.engine import ModelConfig
+from kvrelay.shared.config.presets import PRESETS, get_preset
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.models import build_model
 from kvrelay.shared.repo.model_shape import max_model_len
-from kvrelay.shared.repo.presets import PRESETS, get_preset
 from kvrelay.shared.text.tokenizer import eos_token_ids
 from tests.unit.test_models import PagedBatch, hf_logits, make_hf_model, random_tokens
 

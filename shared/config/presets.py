@@ -3,6 +3,8 @@ hub) and for fast tests. Values follow each model's published config.json."""
 
 import copy
 
+DUMMY_PREFIX = "dummy:"  # --model dummy:<preset>: the preset's shape with random weights
+
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
           "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
 
