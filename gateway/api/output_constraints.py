@@ -8,11 +8,14 @@ composes, so more than one is a 400 naming them. A JSON Schema is checked here a
 400 naming the field) and serialized canonically (sorted keys, no spaces), so equal schemas written in any
 key order reach the engine as the same text and hit its compile cache.
 
-vLLM's knobs on how a grammar is built (``whitespace_pattern``, ``disable_additional_properties``, a
-per-request backend) are a 400 when they ask for anything: the engine builds one grammar per constraint, and
-a knob accepted and ignored would hand the client other output than it asked for. ``disable_any_whitespace``
-is accepted either way: the engine's JSON grammars allow no free whitespace (one fixed layout, so a small
-model cannot fill max_tokens with newlines), which is what true asks and what false permits.
+vLLM's knobs on how a grammar is built (``whitespace_pattern``, a per-request backend) are a 400 when they
+ask for anything: the engine builds one grammar per constraint, and a knob accepted and ignored would hand
+the client other output than it asked for. Two are accepted either way because the engine's grammars
+already do what they ask: ``disable_any_whitespace`` (the JSON grammars allow no free whitespace — one
+fixed layout, so a small model cannot fill max_tokens with newlines — which is what true asks and what
+false permits) and ``disable_additional_properties`` (vLLM's switch to make its llguidance backend leave
+out properties a schema does not list, as its xgrammar backend does; the engine's xgrammar compiles
+schemas strictly, so an object never gains a property its schema leaves unstated).
 """
 
 import json
@@ -56,7 +59,7 @@ class StructuredOutputsRequest(_Strict):
     # which never falls back, so either value is what happens
     disable_fallback: bool = False
     disable_any_whitespace: bool = False  # the engine's JSON has no free whitespace: see the module's docstring
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = False  # what the engine does either way: see the module's docstring
     whitespace_pattern: str | None = None
 
 
@@ -112,9 +115,6 @@ def _from_response_format(rf: ResponseFormat) -> Constraint | None:
 
 
 def _from_structured_outputs(so: StructuredOutputsRequest) -> list[Constraint]:
-    if so.disable_additional_properties:
-        raise bad_request("structured_outputs.disable_additional_properties is not supported: the engine builds "
-                          "one grammar per constraint", "structured_outputs.disable_additional_properties")
     if so.whitespace_pattern is not None:
         raise bad_request("structured_outputs.whitespace_pattern is not supported: the engine builds one grammar "
                           "per constraint", "structured_outputs.whitespace_pattern")

@@ -194,10 +194,9 @@ class _SamplingRequest(_Body):
         self._constraint_param = constraint.param if constraint else None
         if constraint is not None:
             # a complete document allows only its end: holding EOS back would leave nothing to sample (the
-            # engine refuses the pair too; here it is a 400 before anything is queued)
-            # allowed_token_ids may leave none of the tokens the grammar allows, and the engine would then sample
-            # outside the constraint: refused until the engine ends such a sequence itself
-            for name in ("min_tokens", "ignore_eos", "allowed_token_ids"):
+            # engine refuses the pair too; here it is a 400 before anything is queued). allowed_token_ids is
+            # fine: the engine samples what both allow and ends a sequence where nothing is
+            for name in ("min_tokens", "ignore_eos"):
                 if getattr(self, name):
                     raise bad_request(f"{name} cannot be combined with an output constraint ({constraint.param})",
                                       name)

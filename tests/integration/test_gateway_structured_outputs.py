@@ -116,8 +116,6 @@ def test_each_field_reaches_the_job_as_its_constraint(stack, http, endpoint, fie
     ({"structured_outputs": {}}, "structured_outputs", "must set one of"),
     ({"structured_outputs": {"json_object": False}}, "structured_outputs", "must set one of"),
     # vLLM's knobs on how the grammar is built: refused, never accepted and ignored
-    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
-     "structured_outputs.disable_additional_properties", "not supported"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
      "not supported"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", ""),
@@ -126,7 +124,6 @@ def test_each_field_reaches_the_job_as_its_constraint(stack, http, endpoint, fie
     # a complete document allows only its end: these would leave nothing to sample
     ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "guided_choice"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response_format"),
-    ({"guided_regex": "[0-9]+", "allowed_token_ids": [5]}, "allowed_token_ids", "guided_regex"),
 ], ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else None)
 def test_bad_constraints_are_400s_naming_the_field(http, endpoint, fields, param, why):
     r = http.post(PATHS[endpoint], json={**BODIES[endpoint], **fields})
@@ -144,6 +141,22 @@ def test_a_forced_tool_call_and_another_constraint_are_a_400(http):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "tool_choice" and "response_format, tool_choice" in error["message"], error
+
+
+def test_allowed_token_ids_and_a_constraint_both_reach_the_engine(stack, http):
+    r = http.post(PATHS["completions"], json={**BODIES["completions"], "guided_regex": "[0-9]+",
+                                               "allowed_token_ids": [5, 7]})
+    assert r.status_code == 200, r.text
+    (job,) = stack.jobs_for(r.json()["id"].split("-", 1)[1])
+    assert job.sampling.allowed_token_ids == [5, 7]
+    assert job.sampling.structured_outputs == StructuredOutputs(regex="[0-9]+")
+
+
+def test_disable_additional_properties_is_what_the_engine_does_either_way(stack, http):
+    for flag in (True, False):
+        r = http.post(PATHS["completions"], json={**BODIES["completions"], "structured_outputs": {
+            "json": SCHEMA, "disable_additional_properties": flag}})
+        assert r.status_code == 200, r.text
 
 
 def test_each_choice_of_n_carries_the_constraint(stack, http):

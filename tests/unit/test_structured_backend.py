@@ -140,6 +140,21 @@ def test_apply_token_bitmask_touches_only_the_constrained_rows():
     assert torch.equal(out[1, finite], logits[1, finite])
 
 
+def test_an_object_never_gains_a_property_its_schema_leaves_unstated(backend, texts):
+    """No additionalProperties in the schema: after the listed properties only the object's end may follow
+    (what vLLM's disable_additional_properties asks for)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
+    matcher = backend.matcher(backend.compile(StructuredOutputs(json=json.dumps(schema))), [EOS])
+    assert matcher.accept_string('{"a": 1')
+    after_a = {texts[t] for t in _allowed(backend, matcher, backend.vocab_size)}
+    assert any(t.startswith(",") for t in after_a) and any(t.startswith("}") for t in after_a)
+    assert matcher.accept_string(', "')
+    keys = {texts[t] for t in _allowed(backend, matcher, backend.vocab_size)}
+    assert keys and all("b".startswith(k) or k.startswith('b"') for k in keys), sorted(keys)[:20]
+    assert matcher.accept_string('b": "x"')
+    assert {texts[t][:1] for t in _allowed(backend, matcher, backend.vocab_size)} == {"}"}
+
+
 def test_model_rows_past_the_mask_are_forbidden():
     """A mask as wide as the tokenizer's vocabulary over a model with more rows (padded embeddings): the rows
     past the mask get -inf, whatever the mask's last word says."""

@@ -88,6 +88,26 @@ def test_constrained_and_unconstrained_requests_share_a_batch(llm):
             assert out.outputs[0].token_ids
 
 
+def test_allowed_token_ids_narrow_a_constraint_and_end_it_where_nothing_is_both(llm):
+    """allowed_token_ids with a constraint: the output is drawn from what both allow; where none of the allowed
+    ids continues the constraint the sequence ends with its stop token instead of sampling an all -inf row,
+    and the requests beside it are untouched."""
+    tok = llm.get_tokenizer()
+    ones, twos, letter = (tok.convert_tokens_to_ids(t) for t in ("1", "2", "x"))
+    digits = StructuredOutputs(regex="[0-9]{3,6}")
+    outs = llm.generate(_prompts(llm), [
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, structured_outputs=digits,
+                       allowed_token_ids=[ones, twos, letter, EOS]),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, structured_outputs=digits,
+                       allowed_token_ids=[letter, EOS]),  # no digit: nothing continues the regex
+    ])
+    narrowed, starved = (o.outputs[0] for o in outs)
+    assert narrowed.finish_reason == "stop" and re.fullmatch("[12]{3,6}", narrowed.text), narrowed.text
+    assert starved.finish_reason == "stop" and starved.text == "" and starved.token_ids in ([], [EOS])
+    again = llm.generate(_prompts(llm)[:1], SamplingParams(temperature=1.0, max_tokens=20, structured_outputs=digits))
+    assert re.fullmatch("[0-9]{3,6}", again[0].outputs[0].text)
+
+
 def test_streamed_text_is_the_constrained_text(llm):
     so = StructuredOutputs(json=json.dumps(SCHEMA))
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=120, structured_outputs=so)

@@ -3,6 +3,9 @@
 - ``attach`` (make_request): starts the request's compile and gives it its ``SequenceGrammar``;
 - the core keeps such a request out of the scheduler until its compile is done, and fails it with the
   compile's message (``structured_outputs.<kind> ...``) when it does not compile;
+- a request with ``allowed_token_ids`` as well samples from what both allow (its mask row ANDed with the
+  allowed ids' bits); when nothing is both, the sequence ends there with its stop token rather than
+  sampling from an all -inf row;
 - ``bitmask`` (each step, after the forward is launched and before sampling): catches each constrained
   sampling row's matcher up with its tokens and fills the rows' masks in one batch call, on the host while
   the device computes. One thread fills: at batch 64 over a 49k vocabulary xgrammar's own thread pool made
@@ -70,8 +73,7 @@ class StructuredOutputManager:
                 req.grammar.catch_up(backend, req.output_token_ids, _stop_ids(req))
             except GrammarViolation as exc:  # never the step loop's end: this sequence alone ends here
                 log.error("request %s: %s; ending it", req.request_id, exc)
-                for stop in _stop_ids(req)[:1] or [0]:
-                    mask[j, stop // 32] = 1 << (stop % 32) if stop % 32 < 31 else -(2**31)
+                _allow_stop_only(mask, j, req)
                 continue
             matchers.append(req.grammar.matcher)
             filled.append(j)
@@ -79,10 +81,25 @@ class StructuredOutputManager:
             if self._batch_matcher is None:
                 self._batch_matcher = backend.batch_matcher(threads=1)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, filled)
+        for j in filled:
+            req = reqs[rows[j]]
+            if req.sampling_params.allowed_token_ids:
+                mask[j] &= req.grammar.allowed_mask(req.sampling_params.allowed_token_ids, backend.mask_words)
+                if not mask[j].any():  # nothing is both allowed and grammatical: the sequence ends here
+                    log.warning("request %s: none of its allowed_token_ids continues its %s constraint; ending it",
+                                req.request_id, req.grammar.constraint.kind)
+                    _allow_stop_only(mask, j, req)
         return torch.tensor(rows, dtype=torch.int64), mask
 
     def close(self) -> None:
         self.cache.close()
+
+
+def _allow_stop_only(mask: torch.Tensor, row: int, req: Request) -> None:
+    """Make ``mask[row]`` allow only the request's first stop id (token 0 when it has none)."""
+    stop = (_stop_ids(req)[:1] or [0])[0]
+    mask[row] = 0
+    mask[row, stop // 32] = 1 << (stop % 32) if stop % 32 < 31 else -(2**31)
 
 
 def _stop_ids(req: Request) -> list[int]:

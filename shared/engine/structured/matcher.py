@@ -12,6 +12,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ class SequenceGrammar:
         self.compiled = compiled
         self.matcher = None
         self.num_accepted = 0  # output tokens the matcher has consumed
+        self._allowed: torch.Tensor | None = None  # the request's allowed_token_ids as mask bits, built once
 
     @property
     def ready(self) -> bool:
@@ -53,6 +56,17 @@ class SequenceGrammar:
                 raise GrammarViolation(f"token {token} at output position {self.num_accepted} breaks the "
                                        f"{self.constraint.kind} constraint")
             self.num_accepted += 1
+
+    def allowed_mask(self, allowed_token_ids: list[int], words: int) -> torch.Tensor:
+        """[words] int32: bit t set for each allowed id t below 32 * words (ids past the mask are forbidden
+        by it anyway)."""
+        if self._allowed is None:
+            bits = torch.zeros(words * 32, dtype=torch.bool)
+            ids = torch.tensor([t for t in allowed_token_ids if 0 <= t < words * 32], dtype=torch.int64)
+            bits[ids] = True
+            weights = torch.tensor([1 << i for i in range(31)] + [-(2**31)], dtype=torch.int64)
+            self._allowed = (bits.view(words, 32).long() * weights).sum(1).to(torch.int32)
+        return self._allowed
 
     @property
     def completed(self) -> bool:
