@@ -1,6 +1,6 @@
 """GPU sampling without host syncs: temperature, top-k / top-p / min-p filtering, exponential race.
 
-Semantics are those of ``shared.sampler.apply_top_k_top_p_min_p`` and its ``Sampler`` (vLLM's order):
+Semantics are those of ``shared/engine/logits_processors.apply_top_k_top_p_min_p`` and its ``Sampler`` (vLLM's order):
 greedy rows (temperature 0) take the argmax of the given logits; the other rows are divided by their
 temperature, then filtered, each filter keeping every token tied with its boundary token:
   top-k (``k <= 0`` or ``k > V`` is off) keeps logits >= the k-th largest;

@@ -26,9 +26,11 @@ from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.logits_processors import penalized
+from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult, penalized, prompt_logprobs
+from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager

@@ -5,18 +5,18 @@ import math
 import pytest
 import torch
 
-import kvrelay.shared.engine.sampler as sampler_module
-from kvrelay.shared.engine.request import Request
-from kvrelay.shared.engine.sampler import (
-    Sampler,
+import kvrelay.shared.engine.logprobs as logprobs_module
+from kvrelay.shared.engine.logits_processors import (
     apply_allowed_tokens,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p_min_p,
     logit_bias_tensors,
-    prompt_logprobs,
 )
+from kvrelay.shared.engine.logprobs import prompt_logprobs
+from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.sampler import Sampler
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -384,7 +384,7 @@ def test_logprobs_are_raw_and_top_alternatives_sorted() -> None:
 
 @pytest.mark.parametrize("chunk_elements", [1 << 26, 7])
 def test_prompt_logprobs(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
-    monkeypatch.setattr(sampler_module, "_PROMPT_LOGPROBS_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(logprobs_module, "_PROMPT_LOGPROBS_CHUNK_ELEMENTS", chunk_elements)
     logits = torch.tensor(
         [
             [0.0, 1.0, 2.0, 3.0],
