@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 import zmq
@@ -41,6 +42,7 @@ from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.metrics_server import MergedMetrics
 from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
+from kvrelay.shared.worker.shared_weights import SharedWeights
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,9 @@ class WorkerRuntime:
             repo=ModelRepository(config.model_repo) if config.model_repo else None,
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
-            min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup)
+            min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
+            shared=SharedWeights(config.engine.device, config.share_weights_dir and Path(config.share_weights_dir))
+            if config.share_weights else None)
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()
