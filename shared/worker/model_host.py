@@ -197,10 +197,6 @@ class ModelHost:
         """``plan``'s weights are already shared on this device (loading it maps them: no new memory)."""
         return self.shared is not None and self.shared.on_device(self.shared.key(plan.engine))
 
-    def _frees(self, s: ModelSlot) -> int:
-        """Weight bytes unloading ``s`` here gives back to the device."""
-        return s.weight_bytes if self.shared is None or self.shared.frees_memory(s.instance) else 0
-
     def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = ()) -> list[str]:
         """Unload idle unpinned instances until ``plan`` fits; the evicted instance keys. Raises
         ValueError (nothing evicted) when even evicting every candidate would not be enough."""
@@ -215,10 +211,8 @@ class ModelHost:
         for s in victims:
             if freed_w >= need and freed_kv >= kv_short:
                 break
-            if self._frees(s) == 0 and freed_kv >= kv_short:
-                continue  # another process maps it too: unloading it here frees no weights
             chosen.append(s)
-            freed_w += self._frees(s)
+            freed_w += s.weight_bytes  # shared: freed once the device's other users evict it too (prefer_evict)
             freed_kv += self._owned_bytes(s)
         if freed_w < need or freed_kv < kv_short or (chosen and not evict):
             gib = 2**30

@@ -29,8 +29,12 @@ Design decisions:
   would invalidate the addresses baked into CUDA graphs, so a restart is the one correct recovery.
 * Accounting: placement, ``--weights-memory`` and eviction count a shared model once per device. A
   worker's ``weights_used`` is what the registry says this device's shared models take (every model once,
-  whichever process loaded it) plus its own unshared ones; a load of a model already on the device costs
-  nothing; evicting a model frees weight memory only when this process is its last user.
+  whichever process loaded it) plus its own unshared ones, so ``--weights-memory`` is the device's budget
+  for the workers that share it; a load of a model already on the device costs nothing. Evicting a
+  shared model counts its bytes as freed: the memory goes once its other users evict it too, which is
+  what placement asks of the other role (``prefer_evict``); until then the device may hold one model
+  more than the budget. Workers started with ``--no-share-weights`` are not in the registry and count
+  only their own models, as before.
 * Anything that keeps sharing from working (a layout mismatch, a full /dev/shm, an export that does not
   finish in time) loads a private copy and says so in the log: sharing never fails a load.
 """
@@ -227,14 +231,6 @@ class SharedWeights:
 
     def on_device(self, key: str) -> bool:
         return key in self.registry.snapshot()
-
-    def frees_memory(self, instance: str) -> bool:
-        """Unloading ``instance`` here frees its weights: no other live process maps them."""
-        arena = self.held.get(instance)
-        if arena is None:
-            return True
-        e = self.registry.snapshot().get(arena.key)
-        return e is None or all(u == self.me for u in e.users)
 
     def how(self, instance: str) -> str:
         arena = self.held.get(instance)
