@@ -145,6 +145,8 @@ class WorkerRuntime:
     def shutdown(self) -> None:
         self.stop.set()
         self.registration.unregister()
+        if self.host.shared is not None:
+            self.host.shared.close()
         self.events.close()
         self.ctx.destroy(linger=500)
         self.metrics.close()

@@ -212,6 +212,13 @@ class SharedWeights:
         if arena is not None:
             self._leave(arena.key)
 
+    def close(self) -> None:
+        """The process is exiting: leave every model, so the last one out frees it now (a crash leaves it
+        to the next registry access)."""
+        for instance in list(self.held):
+            with contextlib.suppress(OSError):  # never what keeps a worker from exiting
+                self.release(instance)
+
     def _leave(self, key: str) -> None:
         with self.registry.locked() as entries:
             e = entries.get(key)
