@@ -259,15 +259,10 @@ class ModelHost:
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
         # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
         # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
-        arena = None if self.shared is None else self.shared.arena(self.shared.key(plan.engine), plan.instance)
-        try:
-            loaded = load_model(plan.engine.model, plan.engine.device, root=plan.root, arena=arena)
-        except BaseException:
-            if arena is not None:
-                self.shared.failed(arena)
-            raise
-        if arena is not None:
-            self.shared.loaded(arena)
+        if self.shared is None:
+            loaded, how = load_model(plan.engine.model, plan.engine.device, root=plan.root), "loaded"
+        else:  # mapped from another worker process on this device, or loaded here and exported to them
+            loaded, how = self.shared.load(plan.engine, plan.instance, plan.root)
         t_weights = time.perf_counter()
         cuda = plan.engine.device.startswith("cuda")
         with self.lock if cuda else contextlib.nullcontext():
@@ -283,10 +278,6 @@ class ModelHost:
                 self.shared.release(plan.instance)
             raise
         weight_bytes = core.weight_bytes
-        # "mapped": another worker process on this device loaded them; "loaded": read here (and "exported"
-        # when shared with the device's other processes)
-        how = "loaded" if arena is None else {"mapped": "mapped", "exported": "loaded and exported"}.get(
-            arena.how, "loaded (private copy)")
         log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, how,
                  t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
@@ -397,10 +388,7 @@ class ModelHost:
         now = time.monotonic()
         if self.shared is not None and now - self._checked_shared > KEEP_ALIVE_CHECK_S:
             self._checked_shared = now
-            lost = self.shared.lost()
-            if lost:  # CUDA: the memory died with its exporter; see shared/worker/shared_weights.py
-                raise RuntimeError(f"the process that exported the weights of {', '.join(lost)} on this GPU died: "
-                                   "exiting so that a restart reloads them")
+            self.shared.check_exporters()  # CUDA: raises when mapped memory died with its exporter
         if now - self._checked_keep_alive > KEEP_ALIVE_CHECK_S:
             self._checked_keep_alive = now
             changed |= self._keep_alive()

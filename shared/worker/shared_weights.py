@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.worker.weight_registry import Entry, Proc, WeightRegistry
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,17 @@ class SharedWeights:
 
     def arena(self, key: str, instance: str) -> SharedArena:
         return SharedArena(self, key, instance)
+
+    def load(self, engine: EngineConfig, instance: str, root: Path | None) -> tuple[tuple[torch.nn.Module, dict], str]:
+        """(what ``load_model`` gives, how: "mapped" | "loaded and exported" | "loaded (private copy)")."""
+        arena = self.arena(self.key(engine), instance)
+        try:
+            loaded = load_model(engine.model, engine.device, root=root, arena=arena)
+        except BaseException:
+            self.failed(arena)
+            raise
+        self.loaded(arena)
+        return loaded, {"mapped": "mapped", "exported": "loaded and exported"}.get(arena.how, "loaded (private copy)")
 
     # -- loading ------------------------------------------------------------------------------------------
     def _allocate(self, arena: SharedArena, nbytes: int, digest: str) -> torch.Tensor:
@@ -242,6 +254,13 @@ class SharedWeights:
     def how(self, instance: str) -> str:
         arena = self.held.get(instance)
         return "" if arena is None else arena.how
+
+    def check_exporters(self) -> None:
+        """Raise when a model mapped here lost its memory: the worker exits and its restart reloads it."""
+        lost = self.lost()
+        if lost:
+            raise RuntimeError(f"the process that exported the weights of {', '.join(lost)} on {self.name} died: "
+                               "exiting so that a restart reloads them")
 
     def lost(self) -> list[str]:
         """Instances mapped from a CUDA export whose exporter died: their device memory is gone."""
