@@ -1,7 +1,8 @@
 """Shared weights across worker processes on one device (issue #26), with real worker processes, Redis,
 the gateway and the openai SDK: the second worker maps the first one's weights instead of loading a copy;
 the device counts the model once; answers equal the offline engine's (an unshared load); the model
-survives an unload and reload while shared, and the exporter's ``kill -9``; the last user frees it."""
+survives an unload and reload, an eviction by the weights budget while shared, and the exporter's
+``kill -9`` (whose unshared model is freed by liveness); the last user frees it."""
 
 import time
 import uuid
@@ -9,12 +10,14 @@ import uuid
 import openai
 import pytest
 
+from kvrelay.shared.repo.model_import import import_model
+from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult
 from kvrelay.shared.worker.weight_registry import WeightRegistry
 from tests.e2e.cluster import Cluster
-from tests.e2e.model_variants import PROMPT, offline_text
+from tests.e2e.model_variants import PROMPT, offline_text, variant
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +36,7 @@ def until(predicate, what: str, bound_s: float = 60.0):
 
 def command(cluster: Cluster, worker_id: str, **fields) -> ControlResult:
     """A ControlCommand through the worker's real control channel, and its answer."""
-    cmd = ControlCommand(command_id=uuid.uuid4().hex, name="tiny", **fields)
+    cmd = ControlCommand(command_id=uuid.uuid4().hex, **{"name": "tiny", **fields})
     cluster.redis.lpush(keys.control_key(worker_id), encode(cmd))
     raw = until(lambda: cluster.redis.get(keys.control_result_key(cmd.command_id)), f"{worker_id} answers {cmd.op}")
     return decode(raw, ControlResult)
@@ -57,9 +60,12 @@ def mapped_by(pid: int, segment: str) -> bool:
 
 @pytest.fixture()
 def cluster(redis_url, tmp_path, tiny_model_dir):
-    repo = tmp_path / "repo"  # a repository makes the workers obey load/unload commands
-    repo.mkdir()
-    c = Cluster(redis_url, str(tiny_model_dir), [*ENGINE, "--model-repo", str(repo)], tmp_path)
+    # a repository makes the workers obey load/unload commands; it holds another model of the same size
+    repo = ModelRepository(tmp_path / "repo")
+    import_model(repo, str(variant(tiny_model_dir, tmp_path / "other", 5)), "other", progress=False)
+    budget = int((tiny_model_dir / "model.safetensors").stat().st_size * 1.5)  # one model, not two
+    c = Cluster(redis_url, str(tiny_model_dir), [*ENGINE, "--model-repo", str(repo.root), "--weights-memory",
+                                                 str(budget)], tmp_path)
     c.redis.flushall()
     yield c
     c.stop()
@@ -98,10 +104,19 @@ def test_two_workers_share_one_copy_through_unload_reload_and_the_exporters_kill
     assert segments(cluster) == [segment] and mapped_by(u1, segment)
     until(lambda: "tiny" in cluster.worker("u1").models, "u1 serves tiny again")
 
-    # the process that created the segment dies; the other keeps serving the same answers from it
+    # u1 needs room for another model: its budget evicts the shared one, which u2 keeps serving
+    time.sleep(1.5)  # idle past the grace period
+    result = command(cluster, "u1", op="load", name="other", version=1, dtype="float32", max_model_len=256)
+    assert result.ok and result.evicted == ["tiny"], result
+    assert [u.pid for u in WeightRegistry(cluster.share_dir).snapshot()[entry.key].users] == [u2]
+    assert len(segments(cluster)) == 2 and segment in segments(cluster)
+    assert complete(client) == want
+
+    # the process that created both segments dies: u2 keeps serving tiny from its segment; nobody maps the
+    # other model any more, so the next registry access frees it
     cluster.kill("u1")
     (entry,) = WeightRegistry(cluster.share_dir).snapshot().values()
-    assert [u.pid for u in entry.users] == [u2] and segments(cluster) == [segment]
+    assert entry.model == "tiny" and [u.pid for u in entry.users] == [u2] and segments(cluster) == [segment]
     assert [complete(client) for _ in range(3)] == [want] * 3
 
     # the last user unloads: the copy is freed
