@@ -24,6 +24,7 @@ from pathlib import Path
 import redis
 import zmq
 
+from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.repo.model_repo import ModelRepository
@@ -42,7 +43,7 @@ from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.metrics_server import MergedMetrics
 from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
-from kvrelay.shared.worker.shared_weights import SharedWeights
+from kvrelay.shared.worker.shared_weights import SharedWeights, default_dir
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,7 @@ class WorkerRuntime:
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
-            shared=SharedWeights(config.engine.device, config.share_weights_dir and Path(config.share_weights_dir))
-            if config.share_weights else None)
+            shared=_shared_weights(config))
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()
@@ -188,6 +188,16 @@ class WorkerRuntime:
         if self.crashed is not None:
             raise RuntimeError(f"a thread of {self.config.role} worker {self.config.worker_id} crashed") \
                 from self.crashed
+
+
+def _shared_weights(config: WorkerConfig) -> SharedWeights | None:
+    if not config.share_weights:
+        return None
+    directory = Path(config.share_weights_dir) if config.share_weights_dir else default_dir()
+    try:
+        return SharedWeights(config.engine.device, directory)
+    except OSError as exc:
+        raise ConfigError(f"--share-weights-dir {directory}: {exc.strerror or exc}") from exc
 
 
 def _eos_ids(core: EngineCore, model_path: str) -> list[int]:

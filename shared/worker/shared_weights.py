@@ -136,7 +136,12 @@ class SharedWeights:
             with self.registry.locked() as entries:
                 e = entries.get(arena.key)
                 if e is None:
-                    tensor, e = self._export(arena.key, arena.instance, nbytes, digest)
+                    try:
+                        tensor, e = self._export(arena.key, arena.instance, nbytes, digest)
+                    except OSError as exc:  # e.g. /dev/shm too small for this model
+                        log.warning("%s: cannot export its weights on %s (%s): loading a private copy",
+                                    arena.instance, self.name, exc)
+                        return self._private(arena, nbytes)
                     entries[arena.key] = e
                     arena.how, arena.exporter = "exported", self.me
                     return tensor
@@ -145,7 +150,12 @@ class SharedWeights:
                                 arena.instance, self.name)
                     return self._private(arena, nbytes)
                 if e.ready:
-                    tensor = self._map(e)
+                    try:
+                        tensor = self._map(e)
+                    except OSError as exc:  # its segment removed from under the registry
+                        log.warning("%s: cannot map %s's weights (%s): loading a private copy", arena.instance,
+                                    e.exporter.pid, exc)
+                        return self._private(arena, nbytes)
                     e.users.append(self.me)
                     arena.how, arena.exporter, arena.filled = "mapped", e.exporter, True
                     return tensor
