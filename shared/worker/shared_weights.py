@@ -18,8 +18,9 @@ Design decisions:
   for the whole model) and opened with ``UntypedStorage._new_shared_cuda``, as our KV handoff does
   (shared/handoff/cuda_ipc.py).
 * Lifetime: a model stays while any process maps it. Each process's unload removes it from the users;
-  the last one's removal unlinks the segment (CPU) or lets torch free the allocation (CUDA: the exporter's
-  allocator keeps a block shared over IPC until its consumers' count falls to zero).
+  the last one's removal unlinks the segment (CPU) or frees the allocation (CUDA: the exporting process
+  keeps its tensor while the registry lists any user, even after unloading the model itself, and uses it
+  directly if it loads the model again, since a process cannot open its own IPC handle).
 * Crashes (``kill -9``): liveness is the kernel's (pid and start time, weight_registry.py); every registry
   access drops the dead. CPU: the segment file outlives its exporter, the survivors keep serving from
   their mapping, and the last live user (or, after every user crashed, the next access) unlinks it.
@@ -108,6 +109,9 @@ class SharedWeights:
         self.registry = WeightRegistry(directory or default_dir())
         self.me = Proc.me()
         self.held: dict[str, SharedArena] = {}  # instance -> its arena, while loaded here
+        # CUDA arenas this process allocated, kept while any process uses them: a process cannot open its
+        # own IPC handle, and a peer's mapping must not outlive the allocation (see ``sweep``)
+        self._own: dict[str, torch.Tensor] = {}
         for orphan in self.registry.orphan_segments():  # a crash between creating and registering one
             with contextlib.suppress(FileNotFoundError):
                 orphan.unlink()
@@ -179,6 +183,7 @@ class SharedWeights:
                      "ref": bytes(ref).hex(), "ref_offset": int(ref_offset),
                      "event": None if event is None else bytes(event).hex(), "event_sync": bool(event_sync),
                      "tensor_offset": tensor.storage_offset()}
+            self._own[key] = tensor
             return tensor, e
         e.segment = f"seg-{self.me.pid}-{self.me.start}-{next(_segments)}"
         path = self.registry.dir / e.segment
@@ -194,6 +199,8 @@ class SharedWeights:
         return torch.frombuffer(mapping, dtype=torch.uint8), e
 
     def _map(self, e: Entry) -> torch.Tensor:
+        if e.kind == "cuda" and e.exporter == self.me:
+            return self._own[e.key]
         if e.kind == "cuda":
             ipc = e.ipc
             storage = torch.UntypedStorage._new_shared_cuda(
@@ -251,6 +258,7 @@ class SharedWeights:
             if not e.users:
                 del entries[key]
                 self.registry.unlink_segment(e)
+                self._own.pop(key, None)
                 log.info("%s: last user on %s gone: shared weights freed", e.model, self.name)
 
     # -- accounting and health ----------------------------------------------------------------------------
@@ -266,7 +274,12 @@ class SharedWeights:
         return "" if arena is None else arena.how
 
     def check_exporters(self) -> None:
-        """Raise when a model mapped here lost its memory: the worker exits and its restart reloads it."""
+        """Raise when a model mapped here lost its memory: the worker exits and its restart reloads it.
+        Also frees this process's CUDA exports that nobody uses any more."""
+        if self._own:
+            entries = self.registry.snapshot()
+            for key in [k for k in self._own if k not in entries]:
+                del self._own[key]
         lost = self.lost()
         if lost:
             raise RuntimeError(f"the process that exported the weights of {', '.join(lost)} on {self.name} died: "

@@ -94,9 +94,9 @@ def test_two_workers_share_one_copy_through_unload_reload_and_the_exporters_kill
 
     # the exporter unloads while u2 keeps the model: the copy stays, u2 serves from it
     assert command(cluster, "u1", op="unload", drain=False).ok
-    until(lambda: "tiny" not in cluster.worker("u1").models, "u1 unloaded tiny")
+    until(lambda: [u.pid for u in WeightRegistry(cluster.share_dir).snapshot()[entry.key].users] == [u2],
+          "u1 unloaded tiny")
     assert segments(cluster) == [segment]
-    assert [u.pid for u in WeightRegistry(cluster.share_dir).snapshot()[entry.key].users] == [u2]
     assert complete(client) == want
     # ... and loads it again: mapped, not loaded, still one copy
     assert command(cluster, "u1", op="load", path=str(tiny_model_dir), dtype="float32", max_model_len=256).ok
