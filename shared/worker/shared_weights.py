@@ -110,7 +110,7 @@ class SharedWeights:
         self.me = Proc.me()
         self.held: dict[str, SharedArena] = {}  # instance -> its arena, while loaded here
         # CUDA arenas this process allocated, kept while any process uses them: a process cannot open its
-        # own IPC handle, and a peer's mapping must not outlive the allocation (see ``sweep``)
+        # own IPC handle, and a peer's mapping must not outlive the allocation (``check_exporters``)
         self._own: dict[str, torch.Tensor] = {}
         for orphan in self.registry.orphan_segments():  # a crash between creating and registering one
             with contextlib.suppress(FileNotFoundError):

@@ -118,11 +118,13 @@ class WeightRegistry:
     def _read(self) -> dict[str, Entry]:
         try:
             raw = json.loads((self.dir / REGISTRY).read_text())
+            return {k: Entry.from_json(v) for k, v in raw.items()}
         except FileNotFoundError:
             return {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {}  # written by rename only, so never torn; unreadable means someone else's file
-        return {k: Entry.from_json(v) for k, v in raw.items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            # written by rename only, so never torn: unreadable means another program's (or version's)
+            # file; starting afresh leaves its segments to orphan_segments once their creators are gone
+            return {}
 
     def _write(self, entries: dict[str, Entry]) -> None:
         tmp = self.dir / f".{REGISTRY}.{os.getpid()}"
