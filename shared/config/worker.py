@@ -73,6 +73,12 @@ class WorkerConfig:
                                      "it (once per file version per host: shared/repo/verified_files.py)")
     skip_warmup: bool = setting(False, "serve without first running each step shape once (on CUDA the first requests "
                                 "then pay for Triton compiles; SGLang's --skip-server-warmup)")
+    share_weights: bool = setting(True, "worker processes on one device that host the same model version map one "
+                                  "copy of its weights (shared memory on CPU, CUDA IPC on a GPU) instead of "
+                                  "each loading its own (shared/worker/shared_weights.py)", shared=True)
+    share_weights_dir: str | None = setting(None, "where shared weights and their registry live (default: "
+                                            "/dev/shm/kvrelay-weights-<uid>); workers that share must agree",
+                                            shared=True, env="KVRELAY_SHARE_WEIGHTS_DIR")
     register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 

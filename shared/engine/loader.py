@@ -21,6 +21,7 @@ from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
 from kvrelay.shared.engine.models import build_model, get_model_class
+from kvrelay.shared.engine.weight_arena import ArenaSource, build_in_arena
 from kvrelay.shared.repo.model_shape import max_model_len
 from kvrelay.shared.text.progress import progress_bar
 
@@ -28,9 +29,10 @@ DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model s
 
 
 def load_model(model_config: ModelConfig, device: str | torch.device, progress: bool = True,
-               root: Path | None = None) -> tuple[nn.Module, dict]:
+               root: Path | None = None, arena: ArenaSource | None = None) -> tuple[nn.Module, dict]:
     """(model in eval mode on ``device`` in the resolved dtype, the HF config dict). ``root``: the model
-    repository the model's files must resolve inside."""
+    repository the model's files must resolve inside. ``arena``: the weights live in one shared buffer
+    (shared/engine/weight_arena.py); one already filled by another process is used as it is."""
     device = torch.device(device)
     dtype = model_config.torch_dtype(device.type)
     dummy = model_config.load_format == "dummy" or model_config.model.startswith(DUMMY_PREFIX)
@@ -47,8 +49,13 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
                          f"({limit} tokens: its position limit, or its sliding attention window)")
 
     # built directly on the device in the dtype: no fp32 staging copy, no default-init pass
-    model = build_model(hf_config, dtype, device)
-    if dummy:
+    if arena is None:
+        model = build_model(hf_config, dtype, device)
+    else:
+        model = build_in_arena(hf_config, dtype, device, arena)
+    if arena is not None and arena.filled:
+        pass  # mapped: the process that filled it loaded these exact weights
+    elif dummy:
         init_dummy_weights(model, model_config.seed)
     else:
         files = safetensors_files(Path(model_config.model), root)

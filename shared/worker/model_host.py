@@ -11,7 +11,8 @@ Lifecycle of one model instance (a model at one version) here:
     -> READY: published; the role serves its stream / handoffs
     -> "unload" (drain=True, a swap's old version), keep-alive expiry, or eviction for room
     -> DRAINING: the role finishes what is queued and in flight (``RoleHooks.may_unload``)
-    -> gone: KV chunks back to the pool, weights freed.
+    -> gone: KV chunks back to the pool, weights freed (shared weights: once no process on the device maps
+       them, shared/worker/shared_weights.py, which also says how a shared model is counted once per device).
 A failed load leaves the instance in state "failed" with the error for the admin API, for FAILED_KEEP_S.
 
 Threads: the control listener only moves commands into ``commands``; loads run on their own thread and
@@ -43,6 +44,7 @@ from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, Instance
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
+from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
 
 log = logging.getLogger(__name__)
@@ -129,12 +131,13 @@ class ModelHost:
                  eos_ids: Callable[[EngineCore, str], list[int]] | None = None,
                  report: Callable[[ControlResult], None] | None = None,
                  min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
-                 skip_warmup: bool = False):
+                 skip_warmup: bool = False, shared: SharedWeights | None = None):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
         (shared/worker/gc_freeze.py); never in a process that is not ours alone. Each instance runs its
-        warm-up (shared/engine/warmup.py) before it is ready, unless ``skip_warmup``."""
+        warm-up (shared/engine/warmup.py) before it is ready, unless ``skip_warmup``. ``shared``: weights are
+        shared with the other worker processes on this device (shared/worker/shared_weights.py)."""
         self.base = base
         self.hold_finished_kv = hold_finished_kv
         self.pool = pool
@@ -144,6 +147,8 @@ class ModelHost:
         self.verify_checksums = verify_checksums
         self.freeze_gc = freeze_gc
         self.skip_warmup = skip_warmup
+        self.shared = shared
+        self._checked_shared = 0.0
         self._eos_ids = eos_ids or (lambda core, path: [])
         self._report = report or (lambda result: None)
         self._min_replicas = min_replicas or (lambda name: 0)
@@ -180,13 +185,22 @@ class ModelHost:
 
     @property
     def weights_used(self) -> int:
-        return (sum(s.weight_bytes for s in self.slots.values())
-                + sum(ld.plan.weight_bytes for ld in self.loading.values()))
+        if self.shared is None:
+            return (sum(s.weight_bytes for s in self.slots.values())
+                    + sum(ld.plan.weight_bytes for ld in self.loading.values()))
+        # the device's shared models once each (whoever loaded them), plus what only this process holds
+        return (self.shared.device_bytes()
+                + sum(s.weight_bytes for s in self.slots.values() if not self.shared.how(s.instance))
+                + sum(ld.plan.weight_bytes for ld in self.loading.values() if not self._on_device(ld.plan)))
+
+    def _on_device(self, plan: ModelPlan) -> bool:
+        """``plan``'s weights are already shared on this device (loading it maps them: no new memory)."""
+        return self.shared is not None and self.shared.on_device(self.shared.key(plan.engine))
 
     def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = ()) -> list[str]:
         """Unload idle unpinned instances until ``plan`` fits; the evicted instance keys. Raises
         ValueError (nothing evicted) when even evicting every candidate would not be enough."""
-        need = plan.weight_bytes - (self.weights_budget - self.weights_used)
+        need = (0 if self._on_device(plan) else plan.weight_bytes) - (self.weights_budget - self.weights_used)
         floor = self._floor_bytes(plan)
         kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes()
         if need <= 0 and kv_short <= 0:
@@ -198,7 +212,7 @@ class ModelHost:
             if freed_w >= need and freed_kv >= kv_short:
                 break
             chosen.append(s)
-            freed_w += s.weight_bytes
+            freed_w += s.weight_bytes  # shared: freed once the device's other users evict it too (prefer_evict)
             freed_kv += self._owned_bytes(s)
         if freed_w < need or freed_kv < kv_short or (chosen and not evict):
             gib = 2**30
@@ -245,18 +259,27 @@ class ModelHost:
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
         # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
         # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
-        loaded = load_model(plan.engine.model, plan.engine.device, root=plan.root)
+        if self.shared is None:
+            loaded, how = load_model(plan.engine.model, plan.engine.device, root=plan.root), "loaded"
+        else:  # mapped from another worker process on this device, or loaded here and exported to them
+            loaded, how = self.shared.load(plan.engine, plan.instance, plan.root)
         t_weights = time.perf_counter()
         cuda = plan.engine.device.startswith("cuda")
         with self.lock if cuda else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
                               kv_pool_key=plan.instance, loaded=loaded)
-        if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
-            warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
+        try:
+            if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
+                warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
+        except BaseException:
+            core.release_kv()
+            if self.shared is not None:
+                self.shared.release(plan.instance)
+            raise
         weight_bytes = core.weight_bytes
-        log.info("%s: weights in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, t_weights - t0,
-                 "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
+        log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, how,
+                 t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,
@@ -327,6 +350,8 @@ class ModelHost:
         slot.core.release_kv()
         slot.core = None  # drop the last reference before collecting
         _release_memory()
+        if self.shared is not None:
+            self.shared.release(instance)  # after the tensors are gone: the last user frees the segment
         log.info("unloaded %s", instance)
 
     def _unload(self, cmd: ControlCommand) -> None:
@@ -361,6 +386,9 @@ class ModelHost:
                 self.unload_now(slot.instance)
                 changed = True
         now = time.monotonic()
+        if self.shared is not None and now - self._checked_shared > KEEP_ALIVE_CHECK_S:
+            self._checked_shared = now
+            self.shared.check_exporters()  # CUDA: raises when mapped memory died with its exporter
         if now - self._checked_keep_alive > KEEP_ALIVE_CHECK_S:
             self._checked_keep_alive = now
             changed |= self._keep_alive()

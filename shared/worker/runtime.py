@@ -19,10 +19,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 import zmq
 
+from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.repo.model_repo import ModelRepository
@@ -41,6 +43,7 @@ from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.metrics_server import MergedMetrics
 from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
+from kvrelay.shared.worker.shared_weights import SharedWeights, default_dir
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ class WorkerRuntime:
             repo=ModelRepository(config.model_repo) if config.model_repo else None,
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
-            min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup)
+            min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
+            shared=_shared_weights(config))
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()
@@ -141,6 +145,8 @@ class WorkerRuntime:
     def shutdown(self) -> None:
         self.stop.set()
         self.registration.unregister()
+        if self.host.shared is not None:
+            self.host.shared.close()
         self.events.close()
         self.ctx.destroy(linger=500)
         self.metrics.close()
@@ -182,6 +188,16 @@ class WorkerRuntime:
         if self.crashed is not None:
             raise RuntimeError(f"a thread of {self.config.role} worker {self.config.worker_id} crashed") \
                 from self.crashed
+
+
+def _shared_weights(config: WorkerConfig) -> SharedWeights | None:
+    if not config.share_weights:
+        return None
+    directory = Path(config.share_weights_dir) if config.share_weights_dir else default_dir()
+    try:
+        return SharedWeights(config.engine.device, directory)
+    except OSError as exc:
+        raise ConfigError(f"--share-weights-dir {directory}: {exc.strerror or exc}") from exc
 
 
 def _eos_ids(core: EngineCore, model_path: str) -> list[int]:

@@ -2,10 +2,12 @@
 (``python -m kvrelay.cli ...``), exactly as production runs them, on loopback."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -14,6 +16,8 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
+
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def free_port() -> int:
@@ -31,12 +35,16 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = 0
         self.redis = sync_client(redis_url)
+        self.share_dir = Path(tempfile.mkdtemp(prefix="kvrelay-test-weights-", dir=_SHM))
 
     def _spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
         # several processes share CI's 2 cores: one math thread each avoids oversubscription stalls
         # the URL holds a password: the environment, not argv, which every local user can read
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=redis_url or self.redis_url)
+        # shared weights are counted per device: this cluster's workers share only among themselves, not with
+        # the clusters of test files running alongside on this host
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=redis_url or self.redis_url,
+                   KVRELAY_SHARE_WEIGHTS_DIR=str(self.share_dir))
         proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
         self.procs[name] = proc
@@ -112,3 +120,4 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.share_dir, ignore_errors=True)
