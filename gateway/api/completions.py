@@ -14,12 +14,12 @@ from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import completion_logprobs, prompt_logprobs
 from kvrelay.gateway.api.prompts import Prepared, prepare_completion
 from kvrelay.gateway.api.schemas import CompletionRequest
-from kvrelay.gateway.bodies import read_json
+from kvrelay.gateway.bodies import read_api_json
 from kvrelay.gateway.tenancy.auth import TENANT
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    prepared, body = await prepare_completion(request.app, await read_json(request), request[TENANT])
+    prepared, body = await prepare_completion(request.app, await read_api_json(request), request[TENANT])
     async with Meter(request, prepared, body, "completions") as meter:
         if meter.cached is not None:
             return meter.cached
