@@ -8,12 +8,13 @@ from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
-from kvrelay.gateway.api.beam_search import BeamSearch
+from kvrelay.gateway.api.beam_search import BeamChoice, BeamSearch
 from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import chat_logprobs, prompt_logprobs
 from kvrelay.gateway.api.prompts import Prepared, prepare_chat
+from kvrelay.gateway.api.schemas import ChatCompletionRequest
 from kvrelay.gateway.api.tool_replies import StreamedToolCalls, reply_message
 from kvrelay.gateway.bodies import read_api_json
 from kvrelay.gateway.tenancy.auth import TENANT
@@ -25,7 +26,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if meter.cached is not None:
             return meter.cached
         if prepared.params.use_beam_search:
-            return await _beam_search(request, prepared, meter, body.echoed())
+            return await _beam_search(request, prepared, meter, body)
         async with Generation(request, prepared) as gen:
             meter.generation = gen
             base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
@@ -58,16 +59,37 @@ def _echo(message: dict, echoed: str) -> dict:
     return {**message, "content": echoed + (message.get("content") or "")}
 
 
-async def _beam_search(request: web.Request, prepared: Prepared, meter: Meter, echoed: str) -> web.Response:
+async def _beam_search(request: web.Request, prepared: Prepared, meter: Meter,
+                       body: ChatCompletionRequest) -> web.StreamResponse:
     search = BeamSearch(request, prepared, uuid.uuid4().hex)
     meter.generation = search
+    base = {"id": f"chatcmpl-{search.request_id}", "created": int(search.arrival), "model": prepared.model_name}
+    echoed, as_ids = body.echoed(), body.return_tokens_as_token_ids
+
+    def logprobs(c: BeamChoice) -> dict | None:
+        return chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None else None
+
+    if body.stream:  # each choice whole, once the search has ended: its role, content and finish in one chunk
+        base = {**base, "object": "chat.completion.chunk"}
+        include_usage, continuous = body.include_usage, body.continuous_usage
+
+        def chunks(c: BeamChoice) -> list[dict]:
+            message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
+            delta = {k: v for k, v in _echo(message, echoed).items() if v is not None}
+            usage = {"usage": search.usage() if continuous else None} if include_usage else {}
+            return [{**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs(c),
+                                          "finish_reason": finish_reason, "stop_reason": None}], **usage}]
+
+        def tail() -> list[dict]:
+            return [{**base, "choices": [], "usage": search.usage()}] if include_usage else []
+
+        return await sse.stream(request, search.finished_choices(), head=[], chunks=chunks, tail=tail)
     await search.run()
     choices = []
     for c in search.choices:
         message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
-        choices.append({"index": c.index, "message": _echo(message, echoed), "logprobs": None,
-                        "finish_reason": finish_reason,
-                        "stop_reason": None})
+        choices.append({"index": c.index, "message": _echo(message, echoed), "logprobs": logprobs(c),
+                        "finish_reason": finish_reason, "stop_reason": None})
     response = {"id": f"chatcmpl-{search.request_id}", "object": "chat.completion", "created": int(search.arrival),
                 "model": prepared.model_name, "choices": choices, "usage": search.usage(), "prompt_logprobs": None}
     return await meter.respond(web.json_response(response, dumps=sse.dumps))
