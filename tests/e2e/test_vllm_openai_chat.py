@@ -308,3 +308,45 @@ def _prompt_tokens(client: openai.OpenAI, messages: list[dict]) -> int:
                       headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30)
     assert resp.status_code == 200, resp.text
     return resp.json()["count"]
+
+
+WEATHER_OPTIONS = {"type": "object", "additionalProperties": False, "properties": {
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+    "include_forecast": {"type": "boolean", "default": False}}}
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_current_weather", "description": "The weather in a city now",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 12},
+                                          "country": {"type": "string", "maxLength": 12},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                                          "options": {"$ref": "#/$defs/WeatherOptions"}},
+                                          "required": ["country", "unit"], "$defs": {"WeatherOptions": WEATHER_OPTIONS}}}},
+    {"type": "function", "function": {"name": "get_forecast", "description": "The forecast for a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "country": {"type": "string", "maxLength": 12},
+                                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["country", "days", "unit"]}}},
+]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_current_weather"}}],
+                         ids=["required", "named"])
+def test_function_tool_use(client, stream, tool_choice):
+    """test_completion_with_function_calling.py::test_function_tool_use, for the choices SmolLM2 can serve:
+    "required" and a named function (forced by the grammar, a $ref'd schema included), whole and streamed,
+    answer tool calls. Not here: "auto" (SmolLM2's template renders no tools: tests/e2e/test_tool_calling.py
+    serves it with a template that does), enable_thinking (no reasoning parser), and the Kimi K2 call ids."""
+    messages = [{"role": "user", "content": "Hi! How are you doing today?"},
+                {"role": "assistant", "content": "I'm doing well! How can I help you?"},
+                {"role": "user", "content": "What is the weather in Berlin now and for the next 5 days, in fahrenheit?"}]
+    args = {"model": MODEL, "messages": messages, "tools": WEATHER_TOOLS, "tool_choice": tool_choice,
+            "max_completion_tokens": 200, "temperature": 0.0, "parallel_tool_calls": False}
+    if stream:
+        calls = [call for chunk in client.chat.completions.create(stream=True, **args) if chunk.choices
+                 for call in chunk.choices[0].delta.tool_calls or []]
+        assert calls and calls[0].function.name in {"get_current_weather", "get_forecast"}
+    else:
+        calls = client.chat.completions.create(**args).choices[0].message.tool_calls
+        assert calls and all(json.loads(c.function.arguments) is not None for c in calls)
