@@ -220,3 +220,31 @@ def test_max_logprobs_bounds_and_unbounds(tmp_path):
         assert r.status_code == 200, r.text
         # the harness's worker knows three alternatives; every one it sent is shown, none cut off
         assert all(len(top) == 3 for top in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+
+
+CONTINUED = {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}],
+             "continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_chat_echo_opens_the_reply_with_the_final_assistant_message(stack):
+    """vLLM's chat echo: whole and streamed, the content starts with the message the reply continues."""
+    plain = post(stack, CONTINUED).json()["choices"][0]["message"]["content"]
+    echoed = post(stack, {**CONTINUED, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + plain
+    chunks = events(post(stack, {**CONTINUED, "echo": True, "stream": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == echoed
+
+
+def test_chat_echo_needs_a_final_assistant_message(stack):
+    assert "final message" in assert_400(post(stack, {**CHAT, "echo": True}), "echo")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations"])
+def test_a_body_declared_as_not_json_is_a_415(stack, path):
+    """As vLLM answers a form-encoded body (curl -d without a JSON Content-Type); no Content-Type reads as JSON."""
+    body = json.dumps(PROMPT if "chat" not in path else CHAT)
+    r = requests.post(f"{stack.url}{path}", data=body, timeout=30,
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert requests.post(f"{stack.url}{path}", data=body.encode(), timeout=30).status_code == 200
