@@ -157,3 +157,18 @@ async def read_json(request: web.Request) -> Any:
         except RecursionError:
             raise bad_request("request body is not valid JSON: nested too deeply") from None
     return body
+
+
+async def read_api_json(request: web.Request) -> Any:
+    """``read_json`` for the OpenAI routes, which take JSON only: a body declared as something else (a form,
+    as ``curl -d`` sends by default) is a 415, as vLLM answers; a body with no Content-Type is read as JSON."""
+    declared = request.headers.get("Content-Type")
+    if declared is not None and not _is_json(declared):
+        raise APIError(415, f"Content-Type must be application/json, got {declared.split(';')[0].strip()!r}",
+                       code="unsupported_media_type")
+    return await read_json(request)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

@@ -21,7 +21,7 @@ from kvrelay.shared.wire.protocol import WorkerInfo
 _LABELS = ["model_name", "engine"]
 _CACHE_INFO = ["block_size", "cache_dtype", "enable_prefix_caching", "engine", "model_name", "num_gpu_blocks"]
 _DOCS = {
-    "vllm:iteration_tokens_total": "Tokens computed per engine step",
+    "vllm:iteration_tokens_total": "Tokens per engine step (vLLM's count: prompts whose first token came, tokens generated)",
     "vllm:request_queue_time_seconds": "Time requests waited before their first scheduling (Redis queue included)",
     "vllm:request_inference_time_seconds": "Time requests ran on an engine: first scheduling to last token",
     "vllm:request_prefill_time_seconds": "Time from a request's first scheduling to its first token",

@@ -1,8 +1,9 @@
 """What a ``use_beam_search`` request may ask for (the search: beam_search.py). Beam search scores with the
 model's own log probabilities, so the sampling fields that would change them or the output (penalties,
-filters, seeds, stop strings, logprobs, ...) are a 400 naming the field, never ignored; ``temperature`` is
-accepted (vLLM takes it too) and has no effect on a deterministic search. Not streamed: no beam is final
-before the search ends."""
+filters, seeds, stop strings, prompt logprobs, ...) are a 400 naming the field, never ignored;
+``temperature`` is accepted (vLLM takes it too) and has no effect on a deterministic search. ``logprobs``
+(chat: ``top_logprobs``) up to the bound every request has; -1, the whole vocabulary, is a 400: a step
+fetches a bounded list. Streamed, each choice comes whole once the search ends."""
 
 from typing import Any
 
@@ -12,15 +13,16 @@ from kvrelay.shared.wire.sampling_params import MAX_LOGPROBS, SamplingParams
 # Request fields beam search cannot honour: one the request sets to other than its default is a 400 naming it
 # (defaults a model's generation_config fills in do not count: the search never samples)
 _UNUSED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-           "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs",
+           "stop_token_ids", "min_tokens", "ignore_eos", "prompt_logprobs",
            "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "echo", "suffix")
 
 
 def check_beam_search(body: Any, params: SamplingParams, num_eos: int) -> None:
     """A 400 naming the field for what a beam search request (``body``, a completions or chat request) cannot
     do; ``params`` as prepared."""
-    if body.stream:
-        raise bad_request("use_beam_search cannot be streamed: no beam is final before the search ends", "stream")
+    if params.logprobs == -1:
+        raise bad_request(f"use_beam_search serves at most {MAX_LOGPROBS} logprobs per token, not the whole "
+                          "vocabulary (-1)", "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs")
     for name in _UNUSED:
         if name in body.model_fields_set and _asks(getattr(body, name), type(body).model_fields[name].default):
             raise bad_request(f"{name} is not supported with use_beam_search (beam search ranks by the model's "

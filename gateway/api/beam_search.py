@@ -1,39 +1,26 @@
 """``use_beam_search`` through the API: the search runs here, over the workers, as vLLM's API server runs it
 over its engine. Workers run one sequence per job, so each step queues one job per live beam (its prompt
 the beam's text so far, one greedy token, the best ``keep`` logprobs); the prefix cache makes a beam's
-re-sent prefix nearly free. The scoring is the offline engine's (shared/engine/beam_search.py, Hugging
-Face's ``early_stopping=False``): per prompt and step, the best ``keep = max(2, 1 + #eos) * width``
-(beam score + token logprob) pairs; among the first ``width``, those ending in EOS (or at max_tokens) become
-hypotheses scored ``sum_logprob / generated_len ** length_penalty``; the best ``width`` others stay live;
-the search ends once no live beam can beat the worst kept hypothesis. The ``n`` best hypotheses are the
-choices.
+re-sent prefix nearly free. Which candidates survive a step, and when the search ends, is
+shared/beam_scoring.py's, which the offline engine's search uses too. The ``n`` best hypotheses are the
+choices, with each token's logprob and best alternatives when the request asks for logprobs (the step
+fetches them anyway); streamed, each choice is one chunk once the search ends (no beam is final before).
 
 What a beam search request may ask for is checked in beam_params.py.
 """
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvrelay.gateway.api.choice import TokenLogprob
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.prompts import Prepared
+from kvrelay.shared.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
 from kvrelay.shared.wire.sampling_params import SamplingParams
-
-
-@dataclass
-class Beam:
-    tokens: list[int]  # generated tokens only
-    score: float  # sum of the tokens' logprobs
-
-
-@dataclass
-class _Search:
-    prompt_ids: list[int]
-    live: list[Beam] = field(default_factory=lambda: [Beam([], 0.0)])
-    done: list[tuple[float, Beam]] = field(default_factory=list)  # (normalized score, beam), best first
-    open: bool = True
 
 
 @dataclass
@@ -45,8 +32,8 @@ class BeamChoice:
     text: str
     finish_reason: str
     cumulative_logprob: float
+    logprobs: list[TokenLogprob] | None = None  # when the request asks for logprobs
     stop_reason: None = None
-    logprobs: None = None
     prompt_logprobs: None = None
     prompt_logprob_ranks: None = None
 
@@ -64,7 +51,8 @@ class BeamSearch:
         params = prepared.params
         self._width = params.beam_width or params.n
         self._eos = set(prepared.model.eos_token_ids) | set(params.stop_token_ids)
-        self._keep = max(2, 1 + len(self._eos)) * self._width
+        self._keep = keep_for(self._width, len(self._eos))
+        self._top = params.logprobs  # alternatives per token the request asks for; None: no logprobs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,11 +67,17 @@ class BeamSearch:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": None}
 
+    async def finished_choices(self) -> AsyncIterator[BeamChoice]:
+        """The choices, once the search has ended: what a streamed response sends."""
+        await self.run()
+        for choice in self.choices:
+            yield choice
+
     async def run(self) -> None:
         params = self.prepared.params
-        searches = [_Search(list(p)) for p in self.prepared.prompts]
-        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self._keep, ignore_eos=True,
-                              skip_special_tokens=params.skip_special_tokens)
+        searches = [BeamState(list(p)) for p in self.prepared.prompts]
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=max(self._keep, self._top or 0),
+                              ignore_eos=True, skip_special_tokens=params.skip_special_tokens)
         for i in range(params.max_tokens or 1):
             active = [s for s in searches if s.open]
             if not active:
@@ -101,36 +95,27 @@ class BeamSearch:
                 candidates = []
                 for beam in search.live:
                     (entry,) = next(entries).logprobs or [None]
-                    candidates += [(beam.score + lp, beam, tok) for tok, _, lp in entry.top] if entry else []
-                candidates.sort(key=lambda c: -c[0])
-                self._advance(search, candidates[:self._keep], last=i + 1 == params.max_tokens)
+                    if entry is None:
+                        continue
+                    alternatives = entry.top[:self._top] if self._top is not None else None
+                    candidates += [Candidate(beam.score + lp, beam, tok,
+                                             None if alternatives is None else (tok, text, lp, alternatives))
+                                   for tok, text, lp in entry.top[:self._keep]]
+                advance(search, best_candidates(candidates, self._keep), self._width, self._eos,
+                        params.length_penalty, last=i + 1 == params.max_tokens)
         tokenizer = self.prepared.tokenizer
         for p, search in enumerate(searches):
             for j, (_, beam) in enumerate(search.done[:params.n]):
                 self.choices.append(BeamChoice(
                     index=p * params.n + j, prompt_index=p, token_ids=beam.tokens, cumulative_logprob=beam.score,
                     text=tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens),
-                    finish_reason="stop" if beam.tokens and beam.tokens[-1] in self._eos else "length"))
+                    finish_reason="stop" if beam.tokens and beam.tokens[-1] in self._eos else "length",
+                    logprobs=self._logprobs(beam.trace) if self._top is not None else None))
 
-    def _advance(self, search: _Search, candidates: list, last: bool) -> None:
-        width, penalty = self._width, self.prepared.params.length_penalty
-        gen_len = len(search.live[0].tokens) + 1
-        improvable = _improvable(search, width, penalty, gen_len - 1) if gen_len > 1 else True
-        next_live = []
-        for rank, (score, beam, tok) in enumerate(candidates):
-            if tok in self._eos or last:
-                if rank < width and improvable:
-                    search.done.append((score / gen_len ** penalty, Beam(beam.tokens + [tok], score)))
-            elif len(next_live) < width:
-                next_live.append(Beam(beam.tokens + [tok], score))
-        search.done = sorted(search.done, key=lambda d: -d[0])[:width]
-        search.live = next_live
-        search.open = bool(next_live) and not last and _improvable(search, width, penalty, gen_len)
-
-
-def _improvable(search: _Search, width: int, penalty: float, gen_len: int) -> bool:
-    # Hugging Face's test for early_stopping=False: the best live beam, scored at its current length, against
-    # the worst kept hypothesis (an unfilled slot counts as -inf)
-    if len(search.done) < width or not search.live:
-        return bool(search.live)
-    return search.live[0].score / gen_len ** penalty > search.done[-1][0]
+    def _logprobs(self, trace: list[tuple[int, str, float, list[tuple[int, str, float]]]]) -> list[TokenLogprob]:
+        out, offset = [], 0
+        for token_id, text, logprob, alternatives in trace:
+            out.append(TokenLogprob(token_id=token_id, token=text, logprob=logprob, top=alternatives,
+                                    text_offset=offset))
+            offset += len(text)
+        return out

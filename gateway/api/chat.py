@@ -8,30 +8,31 @@ from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
-from kvrelay.gateway.api.beam_search import BeamSearch
+from kvrelay.gateway.api.beam_search import BeamChoice, BeamSearch
 from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import chat_logprobs, prompt_logprobs
 from kvrelay.gateway.api.prompts import Prepared, prepare_chat
+from kvrelay.gateway.api.schemas import ChatCompletionRequest
 from kvrelay.gateway.api.tool_replies import StreamedToolCalls, reply_message
-from kvrelay.gateway.bodies import read_json
+from kvrelay.gateway.bodies import read_api_json
 from kvrelay.gateway.tenancy.auth import TENANT
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    prepared, body = await prepare_chat(request.app, await read_json(request), request[TENANT])
+    prepared, body = await prepare_chat(request.app, await read_api_json(request), request[TENANT])
     async with Meter(request, prepared, body, "chat.completions") as meter:
         if meter.cached is not None:
             return meter.cached
         if prepared.params.use_beam_search:
-            return await _beam_search(request, prepared, meter)
+            return await _beam_search(request, prepared, meter, body)
         async with Generation(request, prepared) as gen:
             meter.generation = gen
             base = {"id": f"chatcmpl-{gen.request_id}", "created": int(gen.arrival), "model": prepared.model_name}
             if body.stream:
                 return await _stream(request, gen, base, body.include_usage, body.continuous_usage,
-                                     body.return_tokens_as_token_ids, prepared)
+                                     body.return_tokens_as_token_ids, prepared, body.echoed())
             async for _ in gen:
                 pass
             as_ids = body.return_tokens_as_token_ids
@@ -40,7 +41,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
                 choices.append({
                     "index": c.index,
-                    "message": message,
+                    "message": _echo(message, body.echoed()),
                     "logprobs": chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None and body.logprobs else None,
                     "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
@@ -51,22 +52,51 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
-async def _beam_search(request: web.Request, prepared: Prepared, meter: Meter) -> web.Response:
+def _echo(message: dict, echoed: str) -> dict:
+    """echo (vLLM's): the final assistant message the reply continues, before the reply's text."""
+    if not echoed:
+        return message
+    return {**message, "content": echoed + (message.get("content") or "")}
+
+
+async def _beam_search(request: web.Request, prepared: Prepared, meter: Meter,
+                       body: ChatCompletionRequest) -> web.StreamResponse:
     search = BeamSearch(request, prepared, uuid.uuid4().hex)
     meter.generation = search
+    base = {"id": f"chatcmpl-{search.request_id}", "created": int(search.arrival), "model": prepared.model_name}
+    echoed, as_ids = body.echoed(), body.return_tokens_as_token_ids
+
+    def logprobs(c: BeamChoice) -> dict | None:
+        return chat_logprobs(c.logprobs, as_ids) if c.logprobs is not None else None
+
+    if body.stream:  # each choice whole, once the search has ended: its role, content and finish in one chunk
+        base = {**base, "object": "chat.completion.chunk"}
+        include_usage, continuous = body.include_usage, body.continuous_usage
+
+        def chunks(c: BeamChoice) -> list[dict]:
+            message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
+            delta = {k: v for k, v in _echo(message, echoed).items() if v is not None}
+            usage = {"usage": search.usage() if continuous else None} if include_usage else {}
+            return [{**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs(c),
+                                          "finish_reason": finish_reason, "stop_reason": None}], **usage}]
+
+        def tail() -> list[dict]:
+            return [{**base, "choices": [], "usage": search.usage()}] if include_usage else []
+
+        return await sse.stream(request, search.finished_choices(), head=[], chunks=chunks, tail=tail)
     await search.run()
     choices = []
     for c in search.choices:
         message, finish_reason = reply_message(c.text, c.finish_reason, prepared.tools)
-        choices.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                        "stop_reason": None})
+        choices.append({"index": c.index, "message": _echo(message, echoed), "logprobs": logprobs(c),
+                        "finish_reason": finish_reason, "stop_reason": None})
     response = {"id": f"chatcmpl-{search.request_id}", "object": "chat.completion", "created": int(search.arrival),
                 "model": prepared.model_name, "choices": choices, "usage": search.usage(), "prompt_logprobs": None}
     return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 
 async def _stream(request: web.Request, gen: Generation, base: dict, include_usage: bool,
-                  continuous_usage: bool, as_ids: bool, prepared: Prepared) -> web.StreamResponse:
+                  continuous_usage: bool, as_ids: bool, prepared: Prepared, echoed: str) -> web.StreamResponse:
     base = {**base, "object": "chat.completion.chunk"}
 
     def usage_field() -> dict:  # continuous_usage_stats (vLLM's): the usage so far in every chunk, not null
@@ -79,8 +109,8 @@ async def _stream(request: web.Request, gen: Generation, base: dict, include_usa
             choice["stop_reason"] = stop_reason
         return {**base, "choices": [choice], **usage_field()}
 
-    # Like OpenAI and vLLM: every choice opens with a chunk that carries only the role.
-    head = [chunk(c.index, {"role": "assistant", "content": ""}) for c in gen.choices]
+    # Like OpenAI and vLLM: every choice opens with a chunk that carries only the role (and what echo repeats).
+    head = [chunk(c.index, {"role": "assistant", "content": echoed}) for c in gen.choices]
 
     def tail() -> list[dict]:
         return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []

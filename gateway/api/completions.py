@@ -6,7 +6,7 @@ from aiohttp import web
 
 from kvrelay.gateway.api import sse
 from kvrelay.gateway.api.accounting import Meter
-from kvrelay.gateway.api.beam_search import BeamSearch
+from kvrelay.gateway.api.beam_search import BeamChoice, BeamSearch
 from kvrelay.gateway.api.best_of import best_choices
 from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
 from kvrelay.gateway.api.echo import echo_logprobs, prompt_texts
@@ -14,12 +14,12 @@ from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.logprobs import completion_logprobs, prompt_logprobs
 from kvrelay.gateway.api.prompts import Prepared, prepare_completion
 from kvrelay.gateway.api.schemas import CompletionRequest
-from kvrelay.gateway.bodies import read_json
+from kvrelay.gateway.bodies import read_api_json
 from kvrelay.gateway.tenancy.auth import TENANT
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    prepared, body = await prepare_completion(request.app, await read_json(request), request[TENANT])
+    prepared, body = await prepare_completion(request.app, await read_api_json(request), request[TENANT])
     async with Meter(request, prepared, body, "completions") as meter:
         if meter.cached is not None:
             return meter.cached
@@ -51,14 +51,31 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 
 async def _beam_search(request: web.Request, prepared: Prepared, body: CompletionRequest,
-                       meter: Meter) -> web.Response:
+                       meter: Meter) -> web.StreamResponse:
     search = BeamSearch(request, prepared, uuid.uuid4().hex)
     meter.generation = search
+    base = {"id": f"cmpl-{search.request_id}", "object": "text_completion", "created": int(search.arrival),
+            "model": prepared.model_name}
+    as_ids = body.return_tokens_as_token_ids
+
+    def choice(c: BeamChoice) -> dict:
+        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": None,
+                "logprobs": completion_logprobs(c.logprobs, as_ids) if c.logprobs is not None else None,
+                "prompt_logprobs": None}
+
+    if body.stream:  # each choice whole, once the search has ended
+        include_usage, continuous = body.include_usage, body.continuous_usage
+
+        def chunks(c: BeamChoice) -> list[dict]:
+            usage = {"usage": search.usage() if continuous else None} if include_usage else {}
+            return [{**base, "choices": [choice(c)], **usage}]
+
+        def tail() -> list[dict]:
+            return [{**base, "choices": [], "usage": search.usage()}] if include_usage else []
+
+        return await sse.stream(request, search.finished_choices(), head=[], chunks=chunks, tail=tail)
     await search.run()
-    choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                "stop_reason": None, "prompt_logprobs": None} for c in search.choices]
-    response = {"id": f"cmpl-{search.request_id}", "object": "text_completion", "created": int(search.arrival),
-                "model": prepared.model_name, "choices": choices, "usage": search.usage()}
+    response = {**base, "choices": [choice(c) for c in search.choices], "usage": search.usage()}
     return await meter.respond(web.json_response(response, dumps=sse.dumps))
 
 

@@ -38,9 +38,10 @@ def echo_logprobs(prepared: Prepared, prompt_ids: list[int], prompt_text: str,
             continue
         (own_id, own_lp), alternatives = position[0], position[1:]
         logprobs.append(max(own_lp, _MIN_LOGPROB))
-        top = {token_name(t, text(t), as_ids): max(lp, _MIN_LOGPROB)
-               for t, lp in (alternatives if k < 0 else alternatives[:k])}
-        top.setdefault(token_name(own_id, text(own_id), as_ids), max(own_lp, _MIN_LOGPROB))
+        # the prompt token first, as the sampled one is in the output's (vLLM's order)
+        top = {token_name(own_id, text(own_id), as_ids): max(own_lp, _MIN_LOGPROB)}
+        for t, lp in (alternatives if k < 0 else alternatives[:k]):
+            top.setdefault(token_name(t, text(t), as_ids), max(lp, _MIN_LOGPROB))
         tops.append(top)
     return {
         "tokens": tokens + output["tokens"],

@@ -31,10 +31,17 @@ def call_constraint(plan: ToolPlan, tools: list[ToolDefinition]) -> Constraint |
         schema: dict[str, Any] = _arguments(tool)
     else:
         # One branch per tool, each closed, so a call's name picks its own arguments schema.
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [{
-            "type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _arguments(t)},
-        } for t in tools]}}
+        branches, defs = [], {}
+        for i, t in enumerate(tools):
+            arguments, own_defs = _rebased(_arguments(t), i)
+            defs.update(own_defs)
+            branches.append({
+                "type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": arguments},
+            })
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+        if defs:
+            schema["$defs"] = defs
         if not plan.parallel:
             schema["maxItems"] = 1
     return Constraint(StructuredOutputs(json=schema_text(schema, "tool_choice")), "tool_choice")
@@ -44,6 +51,33 @@ def _arguments(tool: ToolDefinition) -> dict[str, Any]:
     """The tool's arguments schema; an object even where it leaves "type" out (tool_schemas.py reads a
     missing type as "object", and the grammar must too, or any JSON value would do)."""
     return {"type": "object", **(tool.function.parameters or _NO_PARAMETERS)}
+
+
+_DEFS = ("$defs", "definitions")
+
+
+def _rebased(schema: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Tool ``index``'s arguments schema as a branch of the required-call array, where "#" is no longer its
+    root: its definitions move to the array's ``$defs`` (named ``<index>_<name>``, as two tools may both
+    define one name), and its "#..." references are rewritten to where their targets now are."""
+    base = f"#/items/anyOf/{index}/properties/parameters"
+
+    def target(ref: str) -> str:
+        for key in _DEFS:
+            if ref.startswith(f"#/{key}/"):
+                return f"#/$defs/{index}_{ref[len(key) + 3:]}"
+        return base + ref[1:]
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: target(v) if k == "$ref" and isinstance(v, str) and v.startswith("#") else rewrite(v)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    defs = {f"{index}_{name}": rewrite(sub) for key in _DEFS for name, sub in (schema.get(key) or {}).items()}
+    return rewrite({k: v for k, v in schema.items() if k not in _DEFS}), defs
 
 
 class ForcedCallReader:

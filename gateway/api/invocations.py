@@ -8,12 +8,12 @@ from aiohttp import web
 
 from kvrelay.gateway.api.chat import create_chat_completion
 from kvrelay.gateway.api.completions import create_completion
-from kvrelay.gateway.bodies import read_json
+from kvrelay.gateway.bodies import read_api_json
 from kvrelay.gateway.errors import bad_request
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
+    body = await read_api_json(request)
     if isinstance(body, dict) and "messages" in body:
         return await create_chat_completion(request)
     if isinstance(body, dict) and "prompt" in body:

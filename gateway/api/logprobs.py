@@ -15,8 +15,10 @@ def token_name(token_id: int, text: str, as_ids: bool) -> str:
 def completion_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> dict:
     top = []
     for e in entries:
-        alternatives = {token_name(tid, text, as_ids): lp for tid, text, lp in e.top}
-        alternatives.setdefault(token_name(e.token_id, e.token, as_ids), e.logprob)  # the sampled token: always (vLLM)
+        # the sampled token always, and first (vLLM's order: clients read the first key as the token)
+        alternatives = {token_name(e.token_id, e.token, as_ids): e.logprob}
+        for tid, text, lp in e.top:
+            alternatives.setdefault(token_name(tid, text, as_ids), lp)
         top.append(alternatives)
     return {
         "tokens": [token_name(e.token_id, e.token, as_ids) for e in entries],

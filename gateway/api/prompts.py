@@ -116,13 +116,20 @@ async def prepare_completion(app: web.Application, raw: Any,
                              tenant: Tenant) -> tuple[Prepared, CompletionRequest]:
     """The prepared request and the body as prepared (model defaults applied): what to answer from.
     ``raw`` is the decoded JSON body as sent."""
-    return await _on_the_served_version(app, lambda: parse(CompletionRequest, raw),
+    return await _on_the_served_version(app, lambda: _server_wide(app, parse(CompletionRequest, raw)),
                                         lambda b: _prepare_completion(app, b, tenant))
 
 
 async def prepare_chat(app: web.Application, raw: Any, tenant: Tenant) -> tuple[Prepared, ChatCompletionRequest]:
-    return await _on_the_served_version(app, lambda: parse(ChatCompletionRequest, raw),
+    return await _on_the_served_version(app, lambda: _server_wide(app, parse(ChatCompletionRequest, raw)),
                                         lambda b: _prepare_chat(app, b, tenant))
+
+
+def _server_wide(app: web.Application, body: B) -> B:
+    """The body with what the server's flags ask of every request (--return-tokens-as-token-ids)."""
+    if app[CONFIG].return_tokens_as_token_ids:
+        body.return_tokens_as_token_ids = True
+    return body
 
 
 # A request's instance is resolved before its tokenizer loads and its prompt is encoded, which can take

@@ -22,7 +22,7 @@ from kvrelay.gateway.api.output_constraints import (
 from kvrelay.gateway.api.tool_schemas import ToolDefinition
 from kvrelay.gateway.bodies import validate
 from kvrelay.gateway.errors import bad_request
-from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams
+from kvrelay.shared.wire.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -48,13 +48,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
+    # vLLM's: every chunk carries the usage so far; without include_usage no chunk carries any (as vLLM,
+    # which accepts the pair rather than refusing it)
+    continuous_usage_stats: bool = False
 
     def check(self) -> None:
         for name in sorted(self.model_extra or {}):
             raise bad_request(f"Unrecognized stream option: {name}", f"stream_options.{name}")
-        if self.continuous_usage_stats and not self.include_usage:
-            raise bad_request("continuous_usage_stats requires include_usage", "stream_options.continuous_usage_stats")
 
 
 # Fields of OpenAI's or vLLM's request that kvrelay does not implement, each with the values that ask for
@@ -280,6 +280,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the final (assistant) message
+    echo: bool = False  # vLLM's: the reply's content opens with the final (assistant) message it continues
     chat_template_kwargs: dict[str, Any] | None = None
     # Checked and planned in tool_schemas.plan_tools; a named choice is {"type": "function", ...}
     tools: list[ToolDefinition] | None = None
@@ -290,11 +291,19 @@ class ChatCompletionRequest(_SamplingRequest):
         """``forced_call``: the output schema a tool_choice of "required" or a named function imposes."""
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        # checked here, not by SamplingParams, so the 400 names the chat field rather than the wire's "logprobs"
+        if self.top_logprobs is not None and not -1 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}] or -1 (the whole vocabulary), got "
+                              f"{self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # Chat default (vLLM): whatever context the prompt leaves.
         return self._sampling(remaining_context if requested is None else requested, logprobs,
                               forced_call=forced_call)
+
+    def echoed(self) -> str:
+        """What echo puts before the reply's text: the final (assistant) message's, else nothing."""
+        return (self.messages[-1].text(len(self.messages) - 1) or "") if self.echo else ""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; role and emptiness checked."""
@@ -307,6 +316,10 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.chat_template_kwargs and "continue_final_message" in self.chat_template_kwargs:
             raise bad_request("continue_final_message is a request field, not a chat template argument",
                               "chat_template_kwargs")
+        if self.echo and self.messages[-1].role != "assistant":
+            # vLLM echoes nothing then; a field that asks for nothing it can do is a 400 here
+            raise bad_request(f"echo repeats the final message when it is the assistant's; the final message is "
+                              f"{self.messages[-1].role!r}", "echo")
         out = []
         for i, message in enumerate(self.messages):
             # a role outside OpenAI's (vLLM's custom roles) goes to the chat template, which decides: prompts.py

@@ -47,6 +47,9 @@ class GatewayConfig:
     # vLLM's flag and default. -1 in a request asks for the whole vocabulary, which is that many logprobs per token
     max_logprobs: int = setting(20, "most logprobs (or top_logprobs, prompt_logprobs) a request may ask for per "
                                 "token, -1 counting as the vocabulary's size; -1: no bound", ge=-1)
+    # vLLM's flag: what a request's return_tokens_as_token_ids asks for, for every request
+    return_tokens_as_token_ids: bool = setting(False, "logprobs name every token 'token_id:N' (as a request's "
+                                               "return_tokens_as_token_ids does), for tokens whose text loses bytes")
     usage_retention_s: int = setting(35 * 86400, "seconds per-minute usage buckets are kept", ge=60)
     queue_metrics_cache_s: float = setting(1.0, "/metrics reads the queues from Redis at most this often", ge=0)
     metrics_tenant_labels: bool = common.metrics_tenant_labels()

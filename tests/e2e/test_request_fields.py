@@ -255,6 +255,10 @@ FIELDS: dict[str, dict[str, Coverage]] = {
         "continue_final_message": Effect({"continue_final_message": True}, text, base={
             "add_generation_prompt": False, "messages": [{"role": "user", "content": "What is the capital of France?"},
                                                          {"role": "assistant", "content": "The capital of France is"}]}),
+        "echo": Effect({"echo": True}, text, base={
+            "continue_final_message": True, "add_generation_prompt": False,
+            "messages": [{"role": "user", "content": "What is the capital of France?"},
+                         {"role": "assistant", "content": "The capital of France is"}]}),
     },
 }
 UNSUPPORTED_SAMPLES = {

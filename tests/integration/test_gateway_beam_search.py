@@ -1,9 +1,12 @@
 """``use_beam_search`` through the gateway: the search runs over the workers, one job per live beam and step
-(one greedy token, the best keep = 2 x width logprobs), and returns the n best hypotheses; what beam search
-cannot honour is a 400 naming the field. Real Redis, ZMQ and gateway with the fake worker of
+(one greedy token, the best keep = 2 x width logprobs), and returns the n best hypotheses, with their tokens'
+logprobs when asked, streamed when asked (each choice whole); what beam search cannot honour is a 400 naming
+the field. Real Redis, ZMQ and gateway with the fake worker of
 tests/integration/gateway_harness.py, whose every job offers the same three tokens (the reply's next token at
 -0.5, the id after it at -1.5, id 0 at -inf), so the search's path is known; tests/e2e/test_request_fields.py
 compares it with the offline engine's beam search on a real model."""
+
+import json
 
 import httpx
 import pytest
@@ -60,12 +63,11 @@ def test_best_of_widens_the_beam(stack):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"stream": True}, "stream"),
     ({"top_p": 0.5}, "top_p"),
     ({"seed": 0}, "seed"),
     ({"stop": ["x"]}, "stop"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),  # the whole vocabulary: a step fetches at most 20
     ({"echo": True}, "echo"),
     ({"min_tokens": 1}, "min_tokens"),
     ({"best_of": 11}, "best_of"),  # 22 logprobs a step: past the 20 a job may ask for
@@ -88,3 +90,43 @@ def test_length_penalty_needs_beam_search(stack):
     r = post(stack, {**PROMPT, "use_beam_search": False, "n": 1, "length_penalty": 2.0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text
     assert post(stack, {**PROMPT, "length_penalty": 2.0}).status_code == 200
+
+
+def test_logprobs_are_each_beam_tokens_and_their_best_alternatives(stack):
+    tok = stack.tokenizer
+    a = tok.encode(REPLY, add_special_tokens=False)[0]
+    before = len(stack.worker.jobs)
+    r = post(stack, {**PROMPT, "logprobs": 5})
+    assert r.status_code == 200, r.text
+    # a step asks for what the search keeps or what the request wants, whichever is more
+    assert all(j.sampling.logprobs == 5 for j in stack.worker.jobs[before:])
+    best, second = (c["logprobs"] for c in r.json()["choices"])
+    assert best["tokens"] == [tok.decode([a])] * 3 and best["token_logprobs"] == [-0.5] * 3
+    assert second["tokens"] == [tok.decode([a])] * 2 + [tok.decode([a + 1])]
+    assert second["token_logprobs"] == [-0.5, -0.5, -1.5]
+    # the token itself first (vLLM's order), then the step's alternatives, best first
+    assert list(second["top_logprobs"][2]) == [tok.decode([a + 1]), tok.decode([a]), tok.decode([0])]
+    assert best["text_offset"] == [0, len(tok.decode([a])), 2 * len(tok.decode([a]))]
+    chat = post(stack, {**CHAT, "logprobs": True, "top_logprobs": 1}).json()["choices"][0]["logprobs"]["content"]
+    assert [(t["token"], t["logprob"], len(t["top_logprobs"])) for t in chat] == [(tok.decode([a]), -0.5, 1)] * 3
+
+
+@pytest.mark.parametrize("body", [PROMPT, CHAT])
+def test_a_streamed_search_sends_each_choice_whole_when_it_ends(stack, body):
+    whole = post(stack, body).json()
+    events = []
+    with httpx.stream("POST", f"{stack.url}{'/v1/completions' if 'prompt' in body else '/v1/chat/completions'}",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    *choices, usage = events
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    for event, expected in zip(choices, whole["choices"], strict=True):
+        (choice,) = event["choices"]
+        assert choice["index"] == expected["index"] and choice["finish_reason"] == expected["finish_reason"]
+        if "text" in expected:
+            assert choice["text"] == expected["text"]
+        else:
+            assert choice["delta"] == {"role": "assistant", "content": expected["message"]["content"]}

@@ -83,8 +83,14 @@ def test_openai_fields_that_ask_for_something_are_400s(stack, body, field, value
 def test_unknown_stream_options_are_400s(stack, body):
     r = post(stack, {**body, "stream": True, "stream_options": {"include_usage": True, "include_usages": True}})
     assert "include_usages" in assert_400(r, "stream_options.include_usages")
+
+
+@pytest.mark.parametrize("body", [PROMPT, CHAT])
+def test_continuous_usage_stats_without_include_usage_adds_no_usage(stack, body):
+    """As vLLM: the pair is accepted, and without include_usage no chunk carries a usage."""
     r = post(stack, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert "include_usage" in assert_400(r, "stream_options.continuous_usage_stats")
+    assert r.status_code == 200, r.text
+    assert all("usage" not in e for e in events(r))
 
 
 @pytest.mark.parametrize("body", [PROMPT, CHAT])
@@ -214,3 +220,31 @@ def test_max_logprobs_bounds_and_unbounds(tmp_path):
         assert r.status_code == 200, r.text
         # the harness's worker knows three alternatives; every one it sent is shown, none cut off
         assert all(len(top) == 3 for top in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+
+
+CONTINUED = {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}],
+             "continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_chat_echo_opens_the_reply_with_the_final_assistant_message(stack):
+    """vLLM's chat echo: whole and streamed, the content starts with the message the reply continues."""
+    plain = post(stack, CONTINUED).json()["choices"][0]["message"]["content"]
+    echoed = post(stack, {**CONTINUED, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + plain
+    chunks = events(post(stack, {**CONTINUED, "echo": True, "stream": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == echoed
+
+
+def test_chat_echo_needs_a_final_assistant_message(stack):
+    assert "final message" in assert_400(post(stack, {**CHAT, "echo": True}), "echo")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations"])
+def test_a_body_declared_as_not_json_is_a_415(stack, path):
+    """As vLLM answers a form-encoded body (curl -d without a JSON Content-Type); no Content-Type reads as JSON."""
+    body = json.dumps(PROMPT if "chat" not in path else CHAT)
+    r = requests.post(f"{stack.url}{path}", data=body, timeout=30,
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert requests.post(f"{stack.url}{path}", data=body.encode(), timeout=30).status_code == 200

@@ -175,9 +175,9 @@ def test_unified_role_records_vllms_phases_and_step_sizes_and_the_heartbeat_carr
     snap = samples(e.metrics.registry)
     for phase in ("queue", "prefill", "decode", "inference"):
         assert value(snap, f"vllm:request_{phase}_time_seconds_count", model_name="tiny") == 1, phase
-    # the 10-token prompt in one step, then three one-token steps
+    # the 10-token prompt and the first token in one step, then three one-token steps (vLLM's count)
     assert value(snap, "vllm:iteration_tokens_total_count", model_name="tiny") == 4
-    assert value(snap, "vllm:iteration_tokens_total_sum", model_name="tiny") == 13
+    assert value(snap, "vllm:iteration_tokens_total_sum", model_name="tiny") == 14
     assert value(snap, "vllm:iteration_tokens_total_bucket", model_name="tiny", le="8.0") == 3
     assert value(snap, "vllm:cache_config_info", model_name="tiny", block_size=str(BS), cache_dtype="float32",
                  enable_prefix_caching="True", num_gpu_blocks="64") == 1
