@@ -67,14 +67,14 @@ class Served:
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"{}")
 
-    def client(self) -> openai.OpenAI:
+    def client(self, timeout: float = 180) -> openai.OpenAI:
         """An openai client with a tenant's key: with an admin key set, the API wants one."""
         status, body = self.admin("POST", "/admin/tenants", {"name": "tests"})
         assert status == 201, body
         status, body = self.admin("POST", "/admin/keys", {"tenant": "tests"})
         assert status == 201, body
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=body["key"], max_retries=0,
-                             timeout=180)
+                             timeout=timeout)
 
     def models(self) -> dict[str, dict]:
         """``GET /admin/models`` by name."""

@@ -60,7 +60,8 @@ class Person(BaseModel):
 def client(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("structured-e2e") / "serve.log"
     with Served(["--model", str(smollm2_dir), *ENGINE], log, timeout=300) as served:
-        yield served.client()
+        # 200 samples of up to 160 tokens in one call take minutes on a busy 2-core box: a liveness bound
+        yield served.client(timeout=600)
 
 
 def test_parse_with_a_pydantic_model_returns_the_object(client):
