@@ -59,6 +59,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=64, help="4-bit group size (SmolLM2's 576-wide inputs: 64)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--tokens", type=int, default=256, help="the text's first this many tokens")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,9 +69,12 @@ def run(args: argparse.Namespace) -> int:
     names = args.variants.split(",")
     with tempfile.TemporaryDirectory() as work:
         start = time.monotonic()
-        results = measure(model_dir, names, args.group_size, Path(work), args.device)
+        results = measure(model_dir, names, args.group_size, Path(work), args.device, args.tokens)
     base = results.get("fp32") or next(iter(results.values()))
-    print(f"perplexity of {model_dir.name} on {TEXT.name} ({args.device}, {time.monotonic() - start:.0f} s)")
+    bf16 = results.get("bf16")
+    print(f"perplexity of {model_dir.name} on the first {args.tokens} tokens of {TEXT.name} ({args.device}, "
+          f"{time.monotonic() - start:.0f} s)")
     for name, ppl in results.items():
-        print(f"  {name:6} {ppl:8.4f}  {100 * (ppl / base - 1):+6.2f}% vs fp32")
+        vs_bf16 = f"  {100 * (ppl / bf16 - 1):+6.2f}% vs bf16" if bf16 else ""
+        print(f"  {name:6} {ppl:8.4f}  {100 * (ppl / base - 1):+6.2f}% vs fp32{vs_bf16}")
     return 0

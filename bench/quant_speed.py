@@ -26,7 +26,7 @@ def child(args: argparse.Namespace) -> dict:
 
     quant = None if args.variant == "bf16" else args.variant
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", quantization=quant,
-              max_model_len=max(4096, args.len) + 8, max_num_seqs=max(128, args.prompts),
+              max_model_len=args.len + 8, max_num_seqs=max(128, args.prompts),
               max_num_batched_tokens=16384, async_scheduling=True)
     weights = sum(p.numel() * p.element_size() for p in llm.engine.core.runner.model.parameters())
     bandwidth = copy_bandwidth()

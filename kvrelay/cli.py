@@ -162,7 +162,7 @@ BENCHES = {
     "perplexity": ("kvrelay.bench.quant_perplexity", "run", "perplexity of one model on a fixed text under each "
                    "weight quantization (fp8, int8, 4-bit AWQ/GPTQ layouts) beside fp32 and bf16, and the change"),
     "quant": ("kvrelay.bench.quant_speed", "run", "one GPU: batch-1 decode step and prefill of bf16, fp8, int8 and "
-              "AWQ int4 weights in one process, each against its weight-read floor"),
+              "AWQ int4 weights, each in its own process in one call, each against its weight-read floor"),
     "swap": ("kvrelay.bench.hot_swap", "run", "a version swap under load: swap time, failed requests, and the "
              "other model's latency before, during and after it"),
 }
