@@ -28,7 +28,7 @@ def child(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", quantization=quant,
               max_model_len=args.len + 8, max_num_seqs=max(128, args.prompts),
               max_num_batched_tokens=16384, async_scheduling=True)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.core.runner.model.parameters())
+    weights = llm.engine.core.weight_bytes
     bandwidth = copy_bandwidth()
     out = {"variant": args.variant, "weights_gb": weights / 1e9, "floor_ms": weights / bandwidth * 1e3}
     decode_step_ms(llm, 1, 32, 10)  # warm

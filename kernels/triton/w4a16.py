@@ -105,6 +105,16 @@ def _gemm_kernel(x_ptr, w_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K, G, st
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def gemv_config(n: int, group_size: int, grouped: bool) -> tuple[int, int, int]:
+    """(1, BLOCK_N, BLOCK_K) of a decode row: enough programs to fill a large GPU (N / BLOCK_N >= ~512 at
+    Llama-3-8B's widths: a weight-bound loop needs many in flight per SM), and a K tile of one whole group
+    where the group size allows, so each tile reads one row of scales and zero points. A first choice, not
+    a measured one: ``kvrelay bench quant`` on a GPU is what to tune it against."""
+    block_n = 32 if n >= 16384 else 16 if n >= 8192 else 8
+    one_group = grouped and 8 <= group_size <= 256 and group_size & (group_size - 1) == 0
+    return 1, block_n, group_size if one_group else 128
+
+
 def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor,
             g_idx: torch.Tensor | None, group_size: int, n: int, bias: torch.Tensor | None,
             gemv: bool | None, cfg: tuple[int, int, int] | None) -> torch.Tensor:
@@ -117,7 +127,8 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor | No
     if m == 0:
         return y.view(*x.shape[:-1], n)
     gemv = m <= GEMV_MAX_ROWS if gemv is None else gemv
-    block_m, block_n, block_k = cfg or ((1, 64, 128) if gemv else (64 if m > 32 else 16, 64, 64))
+    block_m, block_n, block_k = cfg or (gemv_config(n, group_size, g_idx is None and fmt == W4) if gemv
+                                        else (64 if m > 32 else 16, 64, 64))
     one_group = fmt == W4 and g_idx is None and group_size % block_k == 0
     args = (x2, w, zeros if zeros is not None else scales, scales, g_idx if g_idx is not None else scales,
             bias if bias is not None else scales, y)

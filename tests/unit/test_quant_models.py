@@ -59,7 +59,7 @@ def greedy(path: Path, **kw) -> list[list[int]]:
 
 def weight_bytes(path: Path, **kw) -> int:
     llm = LLM(model=str(path), kv_cache_memory=1 << 22, **kw)
-    return sum(p.numel() * p.element_size() for p in llm.engine.core.runner.model.parameters())
+    return llm.engine.core.weight_bytes
 
 
 @pytest.mark.parametrize("arch, method", [("llama", "int8"), ("llama", "fp8"), ("gpt2", "int8"), ("bloom", "fp8")])

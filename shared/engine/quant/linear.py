@@ -137,7 +137,7 @@ class W4Linear(QuantLinear):
     @torch.no_grad()
     def init_dummy(self, gen: torch.Generator) -> None:
         # uniform 4-bit values around zero point 8 have std ~4.6: scaled to the dense dummy's 0.02
-        self.qweight.random_(generator=gen)
+        self.qweight.random_(-(2**31), 2**31 - 1, generator=gen)  # all 32 bits: every nibble uniform
         self.qzeros.fill_(8)
         self.scales.fill_(DUMMY_STD / 4.6)
         if self.g_idx is not None:
