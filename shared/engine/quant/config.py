@@ -12,8 +12,10 @@ Static activation scales (``input_scale``) are ignored: activations are always s
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where the device is asked: `kvrelay serve` checks configs without it
+    import torch
 
 METHODS = ("fp8", "int8", "awq", "gptq")
 W4_METHODS = ("awq", "gptq")
@@ -83,9 +85,22 @@ def _group_size(qc: dict, method: str) -> int:
     return size
 
 
-def resolve(requested: str | None, hf_config: dict, device: torch.device, dummy: bool = False) -> QuantConfig | None:
+def resolve(requested: str | None, hf_config: dict, device: "torch.device", dummy: bool = False) -> QuantConfig | None:
     """The quantization to run, from ``--quantization`` (None: the checkpoint's) and the checkpoint's
     config; raises ValueError with one line when they disagree or the device cannot run it."""
+    chosen = choose(requested, hf_config, dummy)
+    if chosen is not None and chosen.method == "fp8" and device.type == "cuda":
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"quantization fp8 needs compute capability >= 8.9 (Ada, Hopper); this GPU is "
+                             f"{major}.{minor}: use int8, awq or gptq")
+    return chosen
+
+
+def choose(requested: str | None, hf_config: dict, dummy: bool = False) -> QuantConfig | None:
+    """``resolve`` without the device: what the flag and the checkpoint's config say together."""
     if requested is not None and requested not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {requested!r}")
     found = None if dummy else from_checkpoint(hf_config)
@@ -96,10 +111,4 @@ def resolve(requested: str | None, hf_config: dict, device: torch.device, dummy:
         raise ValueError(f"quantization {requested} needs a checkpoint quantized with {requested} (config.json "
                          f"quantization_config.quant_method {requested}); to quantize a full-precision model as "
                          "it loads, use fp8 or int8")
-    chosen = found or (QuantConfig(requested, prequantized=dummy) if requested else None)
-    if chosen is not None and chosen.method == "fp8" and device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            raise ValueError(f"quantization fp8 needs compute capability >= 8.9 (Ada, Hopper); this GPU is "
-                             f"{major}.{minor}: use int8, awq or gptq")
-    return chosen
+    return found or (QuantConfig(requested, prequantized=dummy) if requested else None)
