@@ -10,7 +10,7 @@ kernel is written once:
 - int8 (W8A16): ``weight`` int8 [N, K], ``scale`` fp32 [N]: ``w[n, k] = q[n, k] * scale[n]``.
 - fp8 (e4m3): ``weight`` float8_e4m3fn [N, K], ``scale`` fp32 [N], the same form. On CUDA with compute
   capability >= 8.9 activations are quantized per token on the fly and the matmul runs on FP8 tensor
-  cores (kernels/scaled_mm.py); the reference here dequantizes the weight only (W8A16), as vLLM does
+  cores (kernels/triton/fp8_linear.py); the reference here dequantizes the weight only (W8A16), as vLLM does
   where FP8 tensor cores are absent.
 """
 

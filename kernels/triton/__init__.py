@@ -4,9 +4,10 @@
 imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
 """
 
-from kvrelay.kernels import scaled_mm, sdpa_prefill
+from kvrelay.kernels import sdpa_prefill
 from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
+from kvrelay.kernels.triton.fp8_linear import fp8_linear
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
 from kvrelay.kernels.triton.paged_attention import paged_attention, rotary_attention
@@ -35,7 +36,7 @@ OPS = {
     "warm_up_prefill_attention": sdpa_prefill.warm_up,
     "w4a16_linear": w4a16_linear,
     "int8_linear": int8_linear,
-    "fp8_linear": scaled_mm.fp8_linear,  # cuBLASLt through torch, installed with the CUDA kernels
+    "fp8_linear": fp8_linear,  # per-token quantization here, the matmul cuBLASLt's through torch
 }
 
 
@@ -47,5 +48,5 @@ def register_all() -> None:
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
     "rotary_write_kv", "rotary_attention", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
-    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "int8_linear",
+    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "int8_linear", "fp8_linear",
 ]

@@ -1,7 +1,7 @@
-"""FP8 (e4m3) matmul on FP8 tensor cores: activations quantized per token on the fly, weights per output
-channel, both scales applied by ``torch._scaled_mm``'s row-wise scaling (cuBLASLt), bf16 out.
+"""FP8 (e4m3) matmul on FP8 tensor cores: activations quantized per token on the fly (fp8_quant.py), weights
+per output channel, both scales applied by ``torch._scaled_mm``'s row-wise scaling (cuBLASLt), bf16 out.
 
-Registered on CUDA with the Triton kernels (kernels/triton/__init__.py). Compute capability >= 8.9 is
+Compute capability >= 8.9 is
 checked before a model loads (shared/engine/quant/config.py); shapes cuBLASLt's FP8 path refuses (K or N
 not a multiple of 16) take the dequantizing reference.
 """
@@ -9,6 +9,7 @@ not a multiple of 16) take the dequantizing reference.
 import torch
 
 from kvrelay.kernels import quant
+from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -20,7 +21,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     if not supported(x, weight):
         return quant.fp8_linear(x, weight, scale, bias)
     k, n = x.shape[-1], weight.shape[0]
-    xq, x_scale = quant.quantize_per_token_fp8(x.reshape(-1, k))
+    x2 = x.reshape(-1, k)
+    xq, x_scale = quantize_per_token_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
     # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt wants
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, n).float(), out_dtype=torch.bfloat16)
     if bias is not None:  # row-wise scaling takes no bias in every torch version: added here
