@@ -99,3 +99,29 @@ def test_four_bit_models_need_a_four_bit_checkpoint(tiny_model_dirs):
         LLM(model=str(tiny_model_dirs["llama"]), quantization="gptq")
     with pytest.raises(ValueError, match="GPT2LMHeadModel supports quantization int8 and fp8"):
         LLM(model="dummy:tiny-gpt2", quantization="awq")
+
+
+def test_fp8_checkpoint_with_per_tensor_scales(tiny_model_dirs, tmp_path):
+    """AutoFP8's layout (quant_method fp8): one scalar weight_scale per projection, which the fused q|k|v and
+    gate|up rows each keep as their own, and static input scales, which per-token scaling replaces."""
+    src = tiny_model_dirs["llama"]
+    fp8, deq = tmp_path / "fp8", tmp_path / "deq"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, deq)
+    tensors, quantized, dequantized = load_file(str(src / "model.safetensors")), {}, {}
+    for name, t in tensors.items():
+        if not PROJECTIONS["llama"].match(name):
+            quantized[name] = dequantized[name] = t
+            continue
+        scale = t.abs().max() / 448
+        q = (t / scale).to(torch.float8_e4m3fn)
+        prefix = name.removesuffix(".weight")
+        quantized |= {name: q, f"{prefix}.weight_scale": scale.reshape(()),
+                      f"{prefix}.input_scale": torch.tensor(1.0)}
+        dequantized[name] = q.float() * scale
+    save_file(quantized, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(deq / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    assert greedy(fp8) == greedy(deq)
