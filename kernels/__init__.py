@@ -74,6 +74,21 @@ def silu_mul_linear(x, weight, bias=None):
     return implementation("silu_mul_linear", x)(x, weight, bias)
 
 
+def w4a16_linear(x, qweight, zeros, scales, group_size, g_idx=None, bias=None):
+    # 4-bit group-quantized weight (kernels/quant.py's W4 layout: AWQ and GPTQ convert to it at load)
+    return implementation("w4a16_linear", x)(x, qweight, zeros, scales, group_size, g_idx, bias)
+
+
+def int8_linear(x, weight, scale, bias=None):
+    # int8 [N, K] weight, fp32 per-output-channel scale [N]; activations stay in x's dtype
+    return implementation("int8_linear", x)(x, weight, scale, bias)
+
+
+def fp8_linear(x, weight, scale, bias=None):
+    # float8_e4m3fn [N, K] weight, fp32 per-output-channel scale [N]
+    return implementation("fp8_linear", x)(x, weight, scale, bias)
+
+
 def warm_up_prefill_attention(q_like, num_kv_heads, max_len):
     # runs once what the first prompt of each length up to max_len would otherwise wait for (cuDNN's
     # per-shape plans, kernels/sdpa_prefill.py); returns how many shapes, 0 where nothing needs it
@@ -87,7 +102,7 @@ def gelu(x, approximate="tanh"):
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
-    "silu_mul_linear", "warm_up_prefill_attention",
+    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "int8_linear", "fp8_linear",
 ]
 
 

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from kvrelay.kernels.metadata import AttentionMetadata
 
+# the quantized matmuls' references live with their weight layouts
+from kvrelay.kernels.quant import fp8_linear, int8_linear, w4a16_linear  # noqa: F401
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     # k, v: [T, Hkv, D]; slot_mapping: [T], -1 marks a token whose KV is not stored (padding)

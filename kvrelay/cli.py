@@ -71,12 +71,34 @@ def _models_import(args: argparse.Namespace) -> int:
     from kvrelay.shared.repo.model_repo import RepositoryError
 
     try:
-        mv = import_model(_repo(args), args.source, args.name, args.version, dtype=args.dtype)
-    except RepositoryError as exc:  # a version that exists, a name out of bounds: one line, not a traceback
+        if args.quantization:
+            mv = _import_quantized(args)
+        else:
+            mv = import_model(_repo(args), args.source, args.name, args.version, dtype=args.dtype)
+    except (RepositoryError, ValueError) as exc:  # a version that exists, a name out of bounds, a model the
+        # quantizer does not take: one line, not a traceback
         print(f"kvrelay models import: error: {exc}", file=sys.stderr)
         return 1
     print(f"imported {mv.name} version {mv.version} -> {mv.path}")
     return 0
+
+
+def _import_quantized(args: argparse.Namespace):
+    """The source (an HF directory, or what a .gguf / 'smollm2' imports to) written quantized into a
+    scratch folder, then imported from there as any HF directory."""
+    import tempfile
+    from pathlib import Path
+
+    from kvrelay.shared.engine.quant.checkpoint import quantize_checkpoint
+    from kvrelay.shared.repo.model_import import import_model
+    from kvrelay.shared.repo.model_source import resolve_model
+
+    repo = _repo(args)
+    source = Path(resolve_model(args.source).path)
+    with tempfile.TemporaryDirectory(prefix="kvrelay-quantizing-") as scratch:
+        quantized = quantize_checkpoint(source, Path(scratch) / "model", args.quantization, args.group_size)
+        return import_model(repo, str(quantized), args.name, args.version, dtype=args.dtype,
+                            label=f"{args.source} (quantized: {args.quantization})")
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -87,9 +109,10 @@ def _models_list(args: argparse.Namespace) -> int:
     except RepositoryError as exc:  # a version with a file linked out of the repository, a manifest of another
         print(f"kvrelay models list: error: {exc}", file=sys.stderr)
         return 1
-    print(f"{'NAME':24} {'VERSION':>7} {'DTYPE':9} {'MAX LEN':>8} {'ARCHITECTURE':24} SOURCE")
+    print(f"{'NAME':24} {'VERSION':>7} {'DTYPE':9} {'QUANT':18} {'MAX LEN':>8} {'ARCHITECTURE':24} SOURCE")
     for mv in versions:
-        print(f"{mv.name:24} {mv.version:>7} {mv.dtype:9} {mv.max_model_len:>8} {mv.architecture:24} {mv.source}")
+        print(f"{mv.name:24} {mv.version:>7} {mv.dtype:9} {mv.quantization or '-':18} {mv.max_model_len:>8} "
+              f"{mv.architecture:24} {mv.source}")
     return 0
 
 
@@ -104,6 +127,11 @@ def _models(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
                      help="a GGUF file's weights as written (auto: the file's float type; bfloat16 for a quantized "
                      "file); the engine converts to its --dtype at load")
+    imp.add_argument("--quantization", choices=("fp8", "int8", "awq", "gptq"), default=None,
+                     help="store the model quantized: fp8 / int8 per output channel (compressed-tensors layout), "
+                     "awq / gptq 4-bit round-to-nearest groups (AutoAWQ GEMM / GPTQ layout, no calibration); "
+                     "the Llama family")
+    imp.add_argument("--group-size", type=int, default=128, help="awq / gptq: inputs per scale and zero point")
     imp.add_argument("--repo", default=default_repo)
     imp.set_defaults(func=_models_import)
     lst = kinds.add_parser("list", help="list models and versions")
@@ -131,6 +159,10 @@ BENCHES = {
                     "arbitrated by demand and of a static split, and the ratio"),
     "structured": ("kvrelay.bench.structured", "run", "decode tok/s at batch 64 with and without a 10-field "
                    "json_schema on the same prompts in the same process, and the ratio"),
+    "perplexity": ("kvrelay.bench.quant_perplexity", "run", "perplexity of one model on a fixed text under each "
+                   "weight quantization (fp8, int8, 4-bit AWQ/GPTQ layouts) beside fp32 and bf16, and the change"),
+    "quant": ("kvrelay.bench.quant_speed", "run", "one GPU: batch-1 decode step and prefill of bf16, fp8, int8 and "
+              "AWQ int4 weights, each in its own process in one call, each against its weight-read floor"),
     "swap": ("kvrelay.bench.hot_swap", "run", "a version swap under load: swap time, failed requests, and the "
              "other model's latency before, during and after it"),
 }

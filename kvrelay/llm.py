@@ -26,6 +26,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         num_gpu_blocks: int | None = None,
         load_format: str = "auto",
+        quantization: str | None = None,
         tokenizer: str | None = None,
         device: str = "auto",
         seed: int = 0,
@@ -36,7 +37,8 @@ class LLM:
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,
-                              load_format=resolved.load_format, tokenizer=tokenizer, seed=seed,
+                              load_format=resolved.load_format, quantization=quantization,
+                              tokenizer=tokenizer, seed=seed,
                               served_model_name=resolved.served_name, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,

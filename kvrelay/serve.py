@@ -37,7 +37,7 @@ from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
 from kvrelay.shared.wire.startup_report import FATAL, READY
 from kvrelay.shared.worker.directory import live_workers
-from kvrelay.startup_checks import StartupError, check_ports, check_redis
+from kvrelay.startup_checks import StartupError, check_ports, check_quantization, check_redis
 from kvrelay.state_dir import FLAG as STATE_DIR_FLAG
 from kvrelay.state_dir import StateDir, default_state_dir
 from kvrelay.supervisor import Supervisor
@@ -108,6 +108,7 @@ def serve(args: argparse.Namespace) -> int:
         # and an external Redis that does not answer: one line each, nothing started
         state_dir = None if args.redis_url else StateDir(args.state_dir or default_state_dir())
         state = stack.enter_context(state_dir) if state_dir else None
+        check_quantization(models, args.quantization, args.config)
         check_ports(children)
         if args.redis_url:
             check_redis(args.redis_url)

@@ -42,6 +42,7 @@ class ModelEntry(BaseModel):
     path: str | None = Field(None, min_length=1)  # an HF directory, a .gguf file or dummy:<preset>
     device: Device = "auto"
     precision: DType = "auto"
+    quantization: Literal["fp8", "int8", "awq", "gptq"] | None = None  # None: --quantization, else the checkpoint's
     pinned: bool = False
     min_replicas: int = Field(0, ge=0)
     keep_alive_s: float = Field(0.0, ge=0)
@@ -64,6 +65,7 @@ class ServedModel:
     path: str  # what --model receives
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = ""  # "": the worker's --quantization, else the checkpoint's own
     version: int = 0  # from the repository; 0 for a path
     pinned: bool = False
     min_replicas: int = 0
@@ -100,6 +102,7 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
         else:
             raise ConfigError(f"{where}: give a path, or a model_repo to take {entry.name!r} from")
         models.append(ServedModel(name=entry.name, path=path, device=entry.device, dtype=entry.precision,
+                                  quantization=entry.quantization or "",
                                   version=version, pinned=entry.pinned, min_replicas=entry.min_replicas,
                                   keep_alive_s=entry.keep_alive_s, lazy=entry.load == "lazy"))
     return repo, models

@@ -2,12 +2,16 @@
 and that an external Redis answers. Each failure is one line naming the flag and the cause (exit 2), said
 within seconds, rather than children that fail one after the other and a supervisor that restarts them."""
 
+import json
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import redis
 
+from kvrelay.serve_config import ServedModel
 from kvrelay.serve_plan import Child
+from kvrelay.shared.engine.quant.config import choose
 from kvrelay.shared.wire import redis_sentinel
 from kvrelay.shared.wire.redis_cluster import is_cluster_url
 from kvrelay.shared.wire.redis_conn import redact, sync_client
@@ -50,6 +54,23 @@ def _fixed_ports(children: list[Child]) -> Iterator[tuple[str, str, int]]:
             yield "--worker-port", w.host, w.port
         if w.monitoring_port:
             yield "--worker-monitoring-port", w.host, w.monitoring_port
+
+
+def check_quantization(models: list[ServedModel], flag: str | None, config_file: str | None) -> None:
+    """Each model's quantization (its own in the config file, else --quantization) against its checkpoint's
+    ``quantization_config``: a contradiction, or a 4-bit method without a 4-bit checkpoint, is said here
+    rather than by every worker failing to load it. Shapes and the GPU are checked where the model loads."""
+    for i, m in enumerate(models):
+        requested = m.quantization or flag
+        where = f"{config_file}: models[{i}].quantization" if m.quantization else "argument --quantization"
+        dummy = m.path.startswith("dummy:")
+        config_path = Path(m.path) / "config.json"
+        if not dummy and not config_path.is_file():
+            continue  # a .gguf imports later; a missing model is said where --model is resolved
+        try:
+            choose(requested, {} if dummy else json.loads(config_path.read_text()), dummy)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"{where}: {m.name}: {exc}") from None
 
 
 def check_redis(url: str) -> None:

@@ -45,13 +45,14 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
         model_repo = model_repo or (str(repo.root) if repo is not None else None)
         for m in served:
             specs.append(ModelSpec(name=m.name, version=m.version, path="" if m.version else m.path,
-                                   dtype=m.dtype, pinned=m.pinned, min_replicas=m.min_replicas,
+                                   dtype=m.dtype, quantization=m.quantization, pinned=m.pinned, min_replicas=m.min_replicas,
                                    keep_alive_s=m.keep_alive_s, updated=time.time()))
             if m.lazy:
                 continue
             m.path = m.path if m.version else resolve_model(m.path, "auto").path
             model = dataclasses.replace(engine.model, model=m.path, served_model_name=m.name,
                                         dtype=m.dtype if m.dtype != "auto" else engine.model.dtype,
+                                        quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
             more.append(StartupModel(m.name, dataclasses.replace(engine, model=model), _tokenizer_dir(m.path),
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))

@@ -2,7 +2,7 @@
 
     GET    /admin/models                 per model, instance and worker: state, version, memory, KV use,
                                          queue depth (XLEN of the instance's stream); plus the workers
-    POST   /admin/models                 register {name, version?, dtype, max_model_len, pinned,
+    POST   /admin/models                 register {name, version?, dtype, quantization?, max_model_len, pinned,
                                          min_replicas, keep_alive_s}: 201, or 200 when updating hints;
                                          pinned / min_replicas > 0 start loading at once
     DELETE /admin/models/{name}          unregister, and unload (drain) every version everywhere
@@ -36,6 +36,7 @@ from kvrelay.shared.wire.protocol import InstanceStatus, ModelSpec, WorkerInfo, 
 log = logging.getLogger("kvrelay.gateway")
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Quantization = Literal["fp8", "int8", "awq", "gptq"]  # vLLM's names (shared/config/engine.py)
 # Only set with --model-repo: registrations are checked against it (app.get(MODEL_REPO)).
 MODEL_REPO = web.AppKey("model_repo", ModelRepository)
 
@@ -46,6 +47,7 @@ class RegisterBody(BaseModel):
     name: str = Field(max_length=128)
     version: StrictInt | None = Field(default=None, ge=1)  # None: the one registered, else the newest
     dtype: Dtype = "auto"
+    quantization: Quantization | None = None  # None: the workers' --quantization, else the checkpoint's
     max_model_len: StrictInt = Field(default=0, ge=0)
     pinned: StrictBool = False
     min_replicas: StrictInt = Field(default=0, ge=0, le=64)
@@ -112,7 +114,8 @@ async def register_model(request: web.Request) -> web.Response:
     if body.max_model_len > mv.max_model_len:
         raise bad_request(f"max_model_len {body.max_model_len} exceeds the model's {mv.max_model_len}",
                           "max_model_len")
-    spec = ModelSpec(name=mv.name, version=mv.version, dtype=body.dtype, max_model_len=body.max_model_len,
+    spec = ModelSpec(name=mv.name, version=mv.version, dtype=body.dtype, quantization=body.quantization or "",
+                     max_model_len=body.max_model_len,
                      pinned=body.pinned, min_replicas=body.min_replicas, keep_alive_s=body.keep_alive_s,
                      previous_version=existing.previous_version if existing else 0)
     await models.put(spec)

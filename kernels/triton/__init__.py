@@ -7,6 +7,7 @@ imports. Tests call the module functions directly (also on CPU under ``TRITON_IN
 from kvrelay.kernels import sdpa_prefill
 from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
+from kvrelay.kernels.triton.fp8_linear import fp8_linear
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
 from kvrelay.kernels.triton.paged_attention import paged_attention, rotary_attention
@@ -15,6 +16,7 @@ from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
 from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.triton.skinny_linear import linear, rms_norm_linear, silu_mul_linear
+from kvrelay.kernels.triton.w4a16 import int8_linear, w4a16_linear
 from kvrelay.kernels.triton.write_kv import write_kv
 
 OPS = {
@@ -32,6 +34,9 @@ OPS = {
     "rms_norm_linear": rms_norm_linear,
     "silu_mul_linear": silu_mul_linear,
     "warm_up_prefill_attention": sdpa_prefill.warm_up,
+    "w4a16_linear": w4a16_linear,
+    "int8_linear": int8_linear,
+    "fp8_linear": fp8_linear,  # per-token quantization here, the matmul cuBLASLt's through torch
 }
 
 
@@ -43,5 +48,5 @@ def register_all() -> None:
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
     "rotary_write_kv", "rotary_attention", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
-    "rms_norm_linear", "silu_mul_linear",
+    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "int8_linear", "fp8_linear",
 ]

@@ -22,6 +22,10 @@ class ModelConfig:
     max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: the model's own)",
                                         ge=1)
     load_format: Literal["auto", "dummy"] = setting("auto", "dummy: random weights of the model's shape")
+    # vLLM's flag and names; a checkpoint's config.json quantization_config sets it when left unset
+    quantization: Literal["fp8", "int8", "awq", "gptq"] | None = setting(
+        None, "weights: fp8 or int8 (quantized as they load, or an FP8 checkpoint), awq or gptq (4-bit "
+              "checkpoints) (default: the checkpoint's own quantization_config)")
     tokenizer: ExistingDir | None = setting(None, "tokenizer directory (default: the model's)")
     seed: int = setting(0, "seed of the sampler's generator and of dummy weights")
     served_model_name: str | None = setting(None, "the name clients use (default: from --model)")

@@ -21,6 +21,8 @@ from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
 from kvrelay.shared.engine.models import build_model, get_model_class
+from kvrelay.shared.engine.quant import config as quant_config
+from kvrelay.shared.engine.quant.linear import QuantLinear
 from kvrelay.shared.engine.weight_arena import ArenaSource, build_in_arena
 from kvrelay.shared.repo.model_shape import max_model_len
 from kvrelay.shared.text.progress import progress_bar
@@ -48,11 +50,12 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
         raise ValueError(f"max_model_len {wanted} exceeds what {model_config.model} serves exactly "
                          f"({limit} tokens: its position limit, or its sliding attention window)")
 
+    quant = quant_config.resolve(model_config.quantization, hf_config, device, dummy)
     # built directly on the device in the dtype: no fp32 staging copy, no default-init pass
     if arena is None:
-        model = build_model(hf_config, dtype, device)
+        model = build_model(hf_config, dtype, device, quant)
     else:
-        model = build_in_arena(hf_config, dtype, device, arena)
+        model = build_in_arena(hf_config, dtype, device, arena, quant)
     if arena is not None and arena.filled:
         pass  # mapped: the process that filled it loaded these exact weights
     elif dummy:
@@ -89,7 +92,14 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     Sampled in place in the parameter's own dtype, so nothing larger than the model is allocated."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    done: set[int] = set()
+    for module in model.modules():  # quantized projections draw a dense weight and quantize it
+        if isinstance(module, QuantLinear):
+            module.init_dummy(gen)
+            done.update(id(p) for name, p in module.named_parameters() if name != "bias")
     for name, param in model.named_parameters():
+        if id(param) in done:
+            continue
         if param.dim() == 1:
             param.fill_(1.0 if name.endswith("weight") else 0.0)
         else:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kvrelay.shared.engine.models import build_model
+from kvrelay.shared.engine.quant.config import QuantConfig
 
 ALIGN = 256  # bytes: covers every dtype and the widest vector loads of the kernels
 
@@ -72,7 +73,9 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # what loading reads off it (a quantized weight's output_dim)
+            param = meta
         original(module, name, param)
 
     nn.Module.register_parameter = register
@@ -82,10 +85,12 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def build_in_arena(hf_config: dict, dtype: torch.dtype, device: torch.device, source: ArenaSource) -> nn.Module:
-    """The model on ``device`` with every parameter a view into the arena ``source`` gives."""
+def build_in_arena(hf_config: dict, dtype: torch.dtype, device: torch.device, source: ArenaSource,
+                   quant: QuantConfig | None = None) -> nn.Module:
+    """The model on ``device`` with every parameter a view into the arena ``source`` gives (quantized
+    projections' packed weights and scales included: they are parameters too)."""
     with _parameters_on_meta():
-        model = build_model(hf_config, dtype, device)
+        model = build_model(hf_config, dtype, device, quant)
     slots, total = arena_layout(model)
     arena = source.allocate(total, layout_digest(slots))
     if arena.dtype != torch.uint8 or arena.numel() != total or arena.device != device:
@@ -95,6 +100,8 @@ def build_in_arena(hf_config: dict, dtype: torch.dtype, device: torch.device, so
     for slot in slots:
         view = arena[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         views[slot.name] = nn.Parameter(view, requires_grad=False)
+    for name, p in model.named_parameters():  # what loading reads off a parameter (e.g. its output_dim)
+        views[name].__dict__.update(p.__dict__)
     by_id = {id(p): views[name] for name, p in model.named_parameters()}
     for module in model.modules():  # every module holding a (possibly tied) parameter gets the same view
         for pname, p in list(module._parameters.items()):

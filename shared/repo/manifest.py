@@ -17,3 +17,4 @@ class ModelVersion:
     files: dict[str, str]  # file name -> sha256
     source: str
     created: float
+    quantization: str = ""  # the checkpoint's quantization_config quant_method; "": full precision

@@ -23,8 +23,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
 
 
 def import_model(repo: ModelRepository, source: str, name: str, version: int | None = None, progress: bool = True,
-                 dtype: str = "auto") -> ModelVersion:
-    """Copy an HF directory, a GGUF file (converted once), or 'smollm2' into a new version."""
+                 dtype: str = "auto", label: str | None = None) -> ModelVersion:
+    """Copy an HF directory, a GGUF file (converted once), or 'smollm2' into a new version. ``label``: the
+    manifest's ``source`` when ``source`` is an intermediate (a quantized copy made for this import)."""
     check_name(name)
     existing = repo.versions(name)
     version = (existing[-1] + 1 if existing else 1) if version is None else int(version)
@@ -46,7 +47,7 @@ def import_model(repo: ModelRepository, source: str, name: str, version: int | N
                 gguf_import.import_gguf(gguf, staging, dtype=dtype, progress=progress)
         else:
             _copy_hf_dir(Path(source), staging, progress)
-        manifest = version_manifest(staging, name, version, source, progress)
+        manifest = version_manifest(staging, name, version, label or source, progress)
         (staging / MANIFEST).write_text(json.dumps({k: v for k, v in asdict(manifest).items() if k != "path"},
                                                    indent=2))
         staging.rename(final)
@@ -79,4 +80,5 @@ def version_manifest(folder: Path, name: str, version: int, source: str, progres
     return ModelVersion(name=name, version=version, path=str(folder), dtype=dtype,
                         max_model_len=max_model_len(config),
                         architecture=(config.get("architectures") or ["?"])[0], files=digests,
-                        source=str(source), created=time.time())
+                        source=str(source), created=time.time(),
+                        quantization=str((config.get("quantization_config") or {}).get("quant_method", "")))

@@ -199,6 +199,7 @@ class ModelSpec:
     version: int = 0  # the active version in the repository; 0: ``path`` names the model
     path: str = ""  # only for version 0: a directory or .gguf the operator configured (never from the API)
     dtype: str = "auto"
+    quantization: str = ""  # fp8 | int8 | awq | gptq; "": the worker's --quantization, else the checkpoint's
     max_model_len: int = 0  # 0: the model's own
     pinned: bool = False  # never evicted, loaded at registration
     min_replicas: int = 0  # workers per role that keep it loaded even when idle
@@ -222,6 +223,7 @@ class ControlCommand:
     version: int = 0
     path: str = ""  # version 0 only: must be one the worker was configured with
     dtype: str = "auto"
+    quantization: str = ""  # as ModelSpec.quantization
     max_model_len: int = 0
     pinned: bool = False
     keep_alive_s: float = 0.0

@@ -176,6 +176,7 @@ class ModelHost:
             verify, root = None, None
         model = dataclasses.replace(self.base.model, model=path, served_model_name=cmd.name,
                                     dtype=cmd.dtype or self.base.model.dtype,
+                                    quantization=cmd.quantization or self.base.model.quantization,
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
         engine = dataclasses.replace(self.base, model=model)

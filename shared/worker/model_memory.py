@@ -10,17 +10,23 @@ from kvrelay.shared.config.engine import EngineConfig
 
 
 def estimate_weight_bytes(engine: EngineConfig, root: Path | None = None) -> int:
-    """Weights in the dtype they will be loaded in, from the safetensors headers (or, for a dummy preset,
-    its parameter count on the meta device), without reading any tensor data. ``root``: the model
+    """Weights in the dtype they will be loaded in, from the safetensors headers (or, for a dummy preset or
+    a quantized model, its parameters on the meta device), without reading any tensor data. ``root``: the model
     repository its files must resolve inside (shared/engine/loader.py)."""
     from kvrelay.shared.engine.loader import read_safetensors_header, safetensors_files
     from kvrelay.shared.engine.models import build_model
+    from kvrelay.shared.engine.quant.config import resolve
 
-    dtype = engine.model.torch_dtype(torch.device(engine.device).type)
+    device = torch.device(engine.device)
+    dtype = engine.model.torch_dtype(device.type)
     config = _hf_config(engine, root)  # a folder without a config is not a model: fail before estimating
-    if engine.model.model.startswith("dummy:"):
-        model = build_model(config, dtype, torch.device("meta"))
-        return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    dummy = engine.model.model.startswith("dummy:") or engine.model.load_format == "dummy"
+    quant = None if engine.model.model.endswith(".gguf") else resolve(engine.model.quantization, config, device, dummy)
+    if dummy or quant is not None:
+        # the model's own parameters on the meta device: quantized projections count their packed
+        # weights, scales and zero points, in whatever form the checkpoint stored them
+        model = build_model(config, dtype, torch.device("meta"), quant)
+        return sum(p.numel() * p.element_size() for p in model.parameters())
     path = Path(engine.model.model)
     if path.suffix == ".gguf":
         return path.stat().st_size * max(1, dtype.itemsize // 2)  # converted once; a rough upper bound

@@ -86,7 +86,8 @@ def share_key(engine: EngineConfig, device: str) -> str:
         files = sorted(path.iterdir()) if path.is_dir() else [path]
         stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
         source = f"{path}|{stats}"
-    return hashlib.sha256(f"{source}|{dtype}|{device}".encode()).hexdigest()[:40]
+    # quantized and full-precision loads of one checkpoint are different weights
+    return hashlib.sha256(f"{source}|{dtype}|{m.quantization}|{device}".encode()).hexdigest()[:40]
 
 
 class SharedArena:

@@ -22,7 +22,7 @@ CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "r
           "--gpu-memory-utilization": 0.5, "--admin-key": "0123456789abcdef-admin", "--block-size": 32,
           "--tenant-kv-quota": 0.25, "--api-server-count": 2, "--mode": "unified",
           "--model-repo": str(Path(__file__).parent), "--tokenizer": str(Path(__file__).parent),
-          "--tool-call-parser": "hermes"}
+          "--tool-call-parser": "hermes", "--quantization": "int8"}
 # --config: the models file (tests/unit/test_config_yaml.py and the e2e serve_config test); the ZMQ secret's
 # two flags exclude each other and the secret the tests run under (tests/unit/test_zmq_secret.py)
 SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq"}

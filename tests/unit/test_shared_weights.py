@@ -26,8 +26,9 @@ _PEER = textwrap.dedent("""
     from kvrelay.shared.config.engine import EngineConfig, ModelConfig
     from kvrelay.shared.engine.loader import load_model
     from kvrelay.shared.worker.shared_weights import SharedWeights
-    engine = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy", max_model_len=128, seed=7),
-                          device="cpu")
+    quantization = sys.argv[3] if len(sys.argv) > 3 else None
+    engine = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy", max_model_len=128, seed=7,
+                                      quantization=quantization), device="cpu")
     shared = SharedWeights("cpu", Path(sys.argv[1]))
     arena = shared.arena(shared.key(engine), "tiny")
     if sys.argv[2] == "unfinished":
@@ -44,9 +45,9 @@ _PEER = textwrap.dedent("""
 def peer(tmp_path):
     procs: list[subprocess.Popen] = []
 
-    def start(mode: str = "ready") -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", _PEER, str(tmp_path / "shared"), mode], stdout=subprocess.PIPE,
-                                text=True)
+    def start(mode: str = "ready", *quantization: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", _PEER, str(tmp_path / "shared"), mode, *quantization],
+                                stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         assert proc.stdout.readline().strip() == "exported"
         return proc
@@ -88,6 +89,27 @@ def test_a_mapped_copy_equals_a_private_load_and_outlives_its_exporters_kill(tmp
     shared.release("tiny")
     assert WeightRegistry(tmp_path / "shared").snapshot() == {}
     assert not list((tmp_path / "shared").glob("seg-*"))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_a_quantized_model_is_shared_apart_from_its_full_precision_copy(tmp_path, peer, quantization):
+    """The packed weights and scales are parameters in the arena like any other, keep what loading reads off
+    them (their output_dim), and a quantized load never maps the full-precision copy of the same model."""
+    engine = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy", max_model_len=128, seed=7,
+                                      quantization=quantization), device="cpu")
+    peer("ready", quantization)
+    shared = SharedWeights("cpu", tmp_path / "shared")
+    assert shared.key(engine) != shared.key(ENGINE)
+    arena = shared.arena(shared.key(engine), "tiny")
+    mapped, _ = load_model(engine.model, "cpu", progress=False, arena=arena)
+    shared.loaded(arena)
+    private, _ = load_model(engine.model, "cpu", progress=False)
+    assert arena.how == "mapped" and same_weights(mapped, private)
+    assert any(p.dtype in (torch.int8, torch.int32, torch.float8_e4m3fn) for p in mapped.parameters())
+    dims = [[getattr(p, "output_dim", None) for p in m.parameters()] for m in (mapped, private)]
+    assert dims[0] == dims[1]
+    del mapped
+    shared.release("tiny")
 
 
 def test_an_export_whose_exporter_died_unfinished_is_taken_over(tmp_path, peer):

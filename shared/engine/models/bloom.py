@@ -12,7 +12,19 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
-from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
+from kvrelay.shared.engine.models.layers import (
+    CausalLM,
+    Embedding,
+    LayerNorm,
+    Linear,
+    Route,
+    cfg_get,
+    linear_names,
+    on_the_fly_only,
+    quant_linear,
+    submodule_route,
+)
+from kvrelay.shared.engine.quant.config import QuantConfig
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -35,12 +47,12 @@ def _regroup_qkv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class BloomAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, num_heads: int, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
         self.scale = self.head_dim ** -0.5
-        self.query_key_value = Linear(hidden, 3 * hidden, bias=True, dtype=dtype)  # rows: q | k | v after load
-        self.dense = Linear(hidden, hidden, bias=True, dtype=dtype)
+        self.query_key_value = quant_linear(hidden, 3 * hidden, True, dtype, quant)  # rows: q | k | v after load
+        self.dense = quant_linear(hidden, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
                 slopes: torch.Tensor) -> torch.Tensor:
@@ -52,22 +64,23 @@ class BloomAttention(nn.Module):
 
 
 class BloomMLP(nn.Module):
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.dense_h_to_4h = Linear(hidden, 4 * hidden, bias=True, dtype=dtype)
-        self.dense_4h_to_h = Linear(4 * hidden, hidden, bias=True, dtype=dtype)
+        self.dense_h_to_4h = quant_linear(hidden, 4 * hidden, True, dtype, quant)
+        self.dense_4h_to_h = quant_linear(4 * hidden, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(kernels.gelu(self.dense_h_to_4h(x), "tanh"))
 
 
 class BloomBlock(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, eps: float, post_ln_residual: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, num_heads: int, eps: float, post_ln_residual: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(hidden, eps, dtype)
-        self.self_attention = BloomAttention(hidden, num_heads, dtype)
+        self.self_attention = BloomAttention(hidden, num_heads, dtype, quant)
         self.post_attention_layernorm = LayerNorm(hidden, eps, dtype)
-        self.mlp = BloomMLP(hidden, dtype)
+        self.mlp = BloomMLP(hidden, dtype, quant)
         self.post_ln_residual = post_ln_residual  # apply_residual_connection_post_layernorm
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
@@ -93,8 +106,10 @@ class BloomForCausalLM(CausalLM):
     has_position_limit = False
     _qkv = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None) -> None:
         super().__init__()
+        on_the_fly_only(quant, "BloomForCausalLM")
+        self.quant = quant
         hidden = cfg_get(hf_config, "hidden_size", "n_embed")
         self.num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
@@ -104,7 +119,7 @@ class BloomForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
         post_ln = bool(hf_config.get("apply_residual_connection_post_layernorm", False))
-        blocks = [BloomBlock(hidden, self.num_heads, eps, post_ln, dtype) for _ in range(self.num_layers)]
+        blocks = [BloomBlock(hidden, self.num_heads, eps, post_ln, dtype, quant) for _ in range(self.num_layers)]
         self.transformer = BloomModel(blocks, self.vocab_size, hidden, eps, dtype)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
@@ -129,18 +144,20 @@ class BloomForCausalLM(CausalLM):
         return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
     def route(self, name: str) -> Route | None:
-        target = super().route(name)
-        if target is not None and self._qkv.search(name):
-            return target[0], None, lambda t: _regroup_qkv(t, self.num_heads)
-        return target
+        if self._qkv.search(name):
+            return submodule_route(self, name, lambda t: _regroup_qkv(t, self.num_heads))
+        return super().route(name)
 
     def checkpoint_names(self) -> list[str]:
         names = ["transformer.word_embeddings.weight"]
         names += [f"transformer.{m}.{k}" for m in ("word_embeddings_layernorm", "ln_f") for k in ("weight", "bias")]
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")
-        modules = ("input_layernorm", "self_attention.query_key_value", "self_attention.dense",
-                   "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+        norms = ("input_layernorm", "post_attention_layernorm")
+        projections = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h",
+                       "mlp.dense_4h_to_h")
         for i in range(self.num_layers):
-            names += [f"transformer.h.{i}.{m}.{k}" for m in modules for k in ("weight", "bias")]
+            names += [f"transformer.h.{i}.{m}.{k}" for m in norms for k in ("weight", "bias")]
+            names += [n for m in projections
+                      for n in linear_names(f"transformer.h.{i}.{m}", self.get_submodule(f"transformer.h.{i}.{m}"))]
         return names

@@ -11,19 +11,32 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
-from kvrelay.shared.engine.models.layers import CausalLM, Embedding, LayerNorm, Linear, Route, cfg_get
+from kvrelay.shared.engine.models.layers import (
+    CausalLM,
+    Embedding,
+    LayerNorm,
+    Linear,
+    Route,
+    cfg_get,
+    linear_names,
+    on_the_fly_only,
+    quant_linear,
+    submodule_route,
+)
+from kvrelay.shared.engine.quant.config import QuantConfig
 
 # HF activation name -> torch gelu `approximate`; gelu_new is the tanh form
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, scale: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, num_heads: int, scale: float, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
         self.scale = scale
-        self.c_attn = Linear(hidden, 3 * hidden, bias=True, dtype=dtype)  # rows: q | k | v
-        self.c_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+        self.c_attn = quant_linear(hidden, 3 * hidden, True, dtype, quant)  # rows: q | k | v
+        self.c_proj = quant_linear(hidden, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -34,10 +47,11 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, approximate: str, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, inner: int, approximate: str, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.c_fc = Linear(hidden, inner, bias=True, dtype=dtype)
-        self.c_proj = Linear(inner, hidden, bias=True, dtype=dtype)
+        self.c_fc = quant_linear(hidden, inner, True, dtype, quant)
+        self.c_proj = quant_linear(inner, hidden, True, dtype, quant)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +86,10 @@ class GPT2LMHeadModel(CausalLM):
     ignored_names = re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
     _conv1d = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None) -> None:
         super().__init__()
+        on_the_fly_only(quant, "GPT2LMHeadModel")
+        self.quant = quant
         act = cfg_get(hf_config, "activation_function", default="gelu_new")
         if act not in _GELU:
             raise ValueError(f"GPT2LMHeadModel supports activation_function in {sorted(_GELU)}, got {act!r}")
@@ -94,8 +110,8 @@ class GPT2LMHeadModel(CausalLM):
             scale = self.head_dim ** -0.5 if hf_config.get("scale_attn_weights", True) else 1.0
             if hf_config.get("scale_attn_by_inverse_layer_idx", False):
                 scale /= i + 1
-            blocks.append(GPT2Block(GPT2Attention(hidden, num_heads, scale, dtype),
-                                    GPT2MLP(hidden, inner, _GELU[act], dtype), hidden, eps, dtype))
+            blocks.append(GPT2Block(GPT2Attention(hidden, num_heads, scale, dtype, quant),
+                                    GPT2MLP(hidden, inner, _GELU[act], dtype, quant), hidden, eps, dtype))
         self.transformer = GPT2Model(blocks, self.vocab_size, self.max_positions, hidden, eps, dtype)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
@@ -119,10 +135,9 @@ class GPT2LMHeadModel(CausalLM):
         return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
     def route(self, name: str) -> Route | None:
-        target = super().route(name)
-        if target is not None and self._conv1d.search(name):
-            return target[0], None, lambda w: w.t()  # Conv1D [in, out] -> Linear [out, in]
-        return target
+        if self._conv1d.search(name):
+            return submodule_route(self, name, lambda w: w.t())  # Conv1D [in, out] -> Linear [out, in]
+        return super().route(name)
 
     def checkpoint_names(self) -> list[str]:
         names = ["transformer.wte.weight", "transformer.wpe.weight",
@@ -130,6 +145,8 @@ class GPT2LMHeadModel(CausalLM):
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")
         for i in range(self.num_layers):
-            for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+            for module in ("ln_1", "ln_2"):
                 names += [f"transformer.h.{i}.{module}.weight", f"transformer.h.{i}.{module}.bias"]
+            for module in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+                names += linear_names(f"transformer.h.{i}.{module}", self.get_submodule(f"transformer.h.{i}.{module}"))
         return names

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.quant.config import QuantConfig
+from kvrelay.shared.engine.quant.linear import QuantLinear, make_linear
 from kvrelay.shared.engine.weight_upload import WeightUploader
 
 _MISSING = object()
@@ -37,6 +39,71 @@ def cfg_get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
 class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass  # filled by load_weights or the dummy initialiser
+
+
+def quant_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None) -> nn.Module:
+    """A decoder projection: ``Linear`` unless the model is quantized (shared/engine/quant/linear.py)."""
+    return make_linear(in_features, out_features, bias, dtype, quant, Linear)
+
+
+def on_the_fly_only(quant: QuantConfig | None, model: str) -> None:
+    """Models whose projections quantize as they load (int8, fp8) but have no 4-bit or FP8 checkpoints."""
+    if quant is not None and (quant.prequantized or quant.method not in ("int8", "fp8")):
+        raise ValueError(f"{model} supports quantization int8 and fp8 of full-precision checkpoints only; "
+                         f"got {quant.method}{' (a pre-quantized checkpoint)' if quant.prequantized else ''}")
+
+
+def submodule_route(model: nn.Module, name: str,
+                    convert: Callable[[torch.Tensor], torch.Tensor] | None) -> "Route | None":
+    """``linear_route`` for the projection a full tensor name ends in."""
+    path, _, suffix = name.rpartition(".")
+    try:
+        return linear_route(model.get_submodule(path), suffix, None, convert)
+    except AttributeError:
+        return None
+
+
+def project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """proj(x); a plain projection takes the one-row kernel on GPU (kernels/triton/skinny_linear.py)."""
+    if isinstance(proj, QuantLinear):
+        return proj(x)
+    return kernels.linear(x, proj.weight, proj.bias)
+
+
+def norm_project(x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm",
+                 proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(proj(rms_norm(x [+ residual])), the residual stream): fused for a plain projection; a quantized
+    one runs the norm first, then its own matmul."""
+    if not isinstance(proj, QuantLinear):
+        return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    if residual is None:
+        return proj(kernels.rms_norm(x, norm.weight, norm.eps)), x
+    normed, residual = kernels.rms_norm(x, norm.weight, norm.eps, residual)
+    return proj(normed), residual
+
+
+def silu_project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """proj(silu(gate) * up) of x = gate | up."""
+    if isinstance(proj, QuantLinear):
+        return proj(kernels.silu_mul(x))
+    return kernels.silu_mul_linear(x, proj.weight, proj.bias)
+
+
+def linear_route(module: nn.Module, suffix: str, rows: slice | None,
+                 convert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Route | None":
+    """Where checkpoint tensor ``<module>.<suffix>`` (``rows`` of a fused projection) goes."""
+    if isinstance(module, QuantLinear):
+        return module.route(suffix, rows, convert)
+    param = getattr(module, suffix, None) if suffix in ("weight", "bias") else None
+    return None if param is None else (param, rows, convert)
+
+
+def linear_names(prefix: str, module: nn.Module) -> list[str]:
+    """The checkpoint tensors of one projection: weight (+ bias), or its quantized format's tensors."""
+    if isinstance(module, QuantLinear):
+        return [f"{prefix}.{suffix}" for suffix in module.checkpoint_suffixes()]
+    return [prefix + ".weight"] + ([prefix + ".bias"] if module.bias is not None else [])
 
 
 class Embedding(nn.Embedding):
@@ -86,6 +153,10 @@ class CausalLM(nn.Module, ABC):
     has_position_limit: bool = True
     # checkpoint tensors that are buffers, not weights (causal masks, rotary inv_freq)
     ignored_names: re.Pattern[str] = re.compile(r"$^")
+    # the decoder projections' quantization (shared/engine/quant/); None: full precision
+    quant: QuantConfig | None = None
+    # static activation and KV scales of FP8 checkpoints: activations are scaled per token instead
+    _quant_ignored = re.compile(r"\.(input_scale|output_scale|k_scale|v_scale)$")
 
     @abstractmethod
     def checkpoint_names(self) -> list[str]:
@@ -103,6 +174,14 @@ class CausalLM(nn.Module, ABC):
         return name
 
     def route(self, name: str) -> Route | None:
+        if self.quant is not None:
+            path, _, suffix = name.rpartition(".")
+            try:
+                module = self.get_submodule(path) if path else None
+            except AttributeError:
+                module = None
+            if isinstance(module, QuantLinear):
+                return module.route(suffix, None)
         param = dict(self.named_parameters()).get(name)
         return None if param is None else (param, None, None)
 
@@ -128,7 +207,7 @@ class CausalLM(nn.Module, ABC):
                       upload: WeightUploader) -> None:
         for original, tensor in weights:
             name = self.normalize_name(original)
-            if self.ignored_names.search(name):
+            if self.ignored_names.search(name) or (self.quant is not None and self._quant_ignored.search(name)):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the one source of truth, as in HF's tie_weights
@@ -142,10 +221,14 @@ class CausalLM(nn.Module, ABC):
                 except RuntimeError as e:
                     raise ValueError(f"tensor {original!r} has shape {tuple(tensor.shape)}, "
                                      f"which does not fit {type(self).__name__}: {e}") from e
-            dst = param.data if rows is None else param.data[rows]
+            # which dimension holds the outputs: rows of a Linear weight, columns of a packed 4-bit one
+            dim = getattr(param, "output_dim", 0)
+            dst = param.data if rows is None or dim is None else param.data.narrow(
+                dim, rows.start, rows.stop - rows.start)
             if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"shape mismatch for tensor {original!r}: checkpoint has {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(dst.shape)}")
+                layout = f" (after conversion from the {self.quant.method} layout)" if self.quant else ""
+                raise ValueError(f"shape mismatch for tensor {original!r}: checkpoint has {tuple(tensor.shape)}"
+                                 f"{layout}, model expects {tuple(dst.shape)}")
             # cast on the host first so a GPU never holds an fp32 copy of a bf16 weight
             upload.copy(dst, tensor.to(dst.dtype))
             seen.add(name)

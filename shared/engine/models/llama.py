@@ -11,19 +11,33 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
-from kvrelay.shared.engine.models.layers import CausalLM, Embedding, Linear, RMSNorm, Route, cfg_get
+from kvrelay.shared.engine.models.layers import (
+    CausalLM,
+    Embedding,
+    Linear,
+    RMSNorm,
+    Route,
+    cfg_get,
+    linear_names,
+    linear_route,
+    norm_project,
+    project,
+    quant_linear,
+    silu_project,
+)
 from kvrelay.shared.engine.models.rope import build_cos_sin_cache
+from kvrelay.shared.engine.quant.config import QuantConfig
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+                 qkv_bias: bool, o_bias: bool, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype)
+        self.qkv_proj = quant_linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, quant)
+        self.o_proj = quant_linear(self.q_size, hidden, o_bias, dtype, quant)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                 meta: kernels.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -36,18 +50,19 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # rotary, the KV write and attention: one kernel for a decode step, two otherwise (kernels/__init__.py)
         out = kernels.rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, self.scale)  # [T, H, D]
-        return kernels.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return project(out.reshape(num_tokens, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype)  # rows: gate | up
-        self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype)
+        self.gate_up_proj = quant_linear(hidden, 2 * intermediate, bias, dtype, quant)  # rows: gate | up
+        self.down_proj = quant_linear(intermediate, hidden, bias, dtype, quant)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [T, 2I], projected by the layer (which fuses its norm into the projection) -> [T, hidden]
-        return kernels.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return silu_project(gate_up, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -64,11 +79,9 @@ class LlamaDecoderLayer(nn.Module):
         # the residual stream is carried separately so each norm fuses the preceding add, and each norm
         # runs inside the projection after it where the step is one token (kernels/triton/skinny_linear.py)
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = kernels.rms_norm_linear(x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight,
-                                                attn.qkv_proj.bias)
+        qkv, residual = norm_project(x, residual, norm1, attn.qkv_proj)
         x = attn(positions, qkv, kv_cache, meta, cos_sin_cache)
-        gate_up, residual = kernels.rms_norm_linear(x, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
-                                                    mlp.gate_up_proj.bias)
+        gate_up, residual = norm_project(x, residual, norm2, mlp.gate_up_proj)
         return mlp(gate_up), residual
 
 
@@ -84,8 +97,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     ignored_names = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None) -> None:
         super().__init__()
+        self.quant = quant
         act = hf_config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, got {act!r}")
@@ -107,8 +121,8 @@ class LlamaForCausalLM(CausalLM):
         mlp_bias = bool(hf_config.get("mlp_bias", False))
         layers = [
             LlamaDecoderLayer(
-                LlamaAttention(hidden, num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias, dtype),
-                LlamaMLP(hidden, self.intermediate_size, mlp_bias, dtype), hidden, eps, dtype)
+                LlamaAttention(hidden, num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias, dtype, quant),
+                LlamaMLP(hidden, self.intermediate_size, mlp_bias, dtype, quant), hidden, eps, dtype)
             for _ in range(self.num_layers)
         ]
         self.model = LlamaModel(layers, self.vocab_size, hidden, eps, dtype)
@@ -141,7 +155,8 @@ class LlamaForCausalLM(CausalLM):
     def output_embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
-    _stacked = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkv]|mlp\.gate|mlp\.up)_proj\.(weight|bias)$")
+    # the suffix: weight / bias, or a quantized format's tensors (qweight, scales, weight_scale, ...)
+    _stacked = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkv]|mlp\.gate|mlp\.up)_proj\.(\w+)$")
 
     def route(self, name: str) -> Route | None:
         match = self._stacked.match(name)
@@ -159,8 +174,7 @@ class LlamaForCausalLM(CausalLM):
             "mlp.gate": (layer.mlp.gate_up_proj, slice(0, inter)),
             "mlp.up": (layer.mlp.gate_up_proj, slice(inter, 2 * inter)),
         }[which]
-        param = getattr(fused, kind)
-        return None if param is None else (param, rows, None)
+        return linear_route(fused, kind, rows)
 
     def checkpoint_names(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -170,16 +184,12 @@ class LlamaForCausalLM(CausalLM):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-            names += _names(p + "self_attn.o_proj", attn.o_proj) + _names(p + "mlp.down_proj", mlp.down_proj)
+            names += linear_names(p + "self_attn.o_proj", attn.o_proj) + linear_names(p + "mlp.down_proj", mlp.down_proj)
             for proj in ("q", "k", "v"):
-                names += _names(f"{p}self_attn.{proj}_proj", attn.qkv_proj)
+                names += linear_names(f"{p}self_attn.{proj}_proj", attn.qkv_proj)
             for proj in ("gate", "up"):
-                names += _names(f"{p}mlp.{proj}_proj", mlp.gate_up_proj)
+                names += linear_names(f"{p}mlp.{proj}_proj", mlp.gate_up_proj)
         return names
-
-
-def _names(prefix: str, linear: nn.Linear) -> list[str]:
-    return [prefix + ".weight"] + ([prefix + ".bias"] if linear.bias is not None else [])
 
 
 class MistralForCausalLM(LlamaForCausalLM):

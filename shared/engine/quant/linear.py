@@ -1,0 +1,153 @@
+"""Quantized linear layers: each holds its weight in a kernel layout (kernels/quant.py), routes the
+checkpoint's tensors into it (converting published layouts, or quantizing full-precision weights as they
+arrive), and runs its matmul through ``kernels``.
+
+Fused projections (q|k|v, gate|up) load part by part as the plain layers do: every parameter records
+which of its dimensions is the output one (``output_dim``), so a part's rows land in the right slice of
+packed or per-channel tensors alike. Per-channel and per-group quantization treat each output row on
+its own, so quantizing one part at a time gives exactly what quantizing the fused weight would.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvrelay import kernels
+from kvrelay.kernels.quant import quantize_channel
+from kvrelay.shared.engine.quant import formats
+from kvrelay.shared.engine.quant.config import W4_METHODS, QuantConfig
+
+Convert = Callable[[torch.Tensor], torch.Tensor] | None
+QuantRoute = tuple[nn.Parameter, slice | None, Convert]
+DUMMY_STD = 0.02  # as shared/engine/loader.py's dummy weights
+
+
+def _param(t: torch.Tensor, output_dim: int | None) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    p.output_dim = output_dim  # type: ignore[attr-defined]  # read by CausalLM._load_tensors
+    return p
+
+
+def _then(first: Convert, second: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return second if first is None else (lambda t: second(first(t)))
+
+
+class QuantLinear(nn.Module):
+    """Base: ``in_features`` -> ``out_features``, with an optional bias in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantConfig):
+        super().__init__()
+        self.in_features, self.out_features, self.quant = in_features, out_features, quant
+        self.bias = _param(torch.empty(out_features, dtype=dtype), 0) if bias else None
+
+    def checkpoint_suffixes(self) -> list[str]:
+        raise NotImplementedError
+
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+        """Where the checkpoint tensor ``<layer>.<suffix>`` goes (``rows``: this part's output rows of a
+        fused layer; ``pre``: the model's own conversion of the tensor, applied first)."""
+        if suffix == "bias" and self.bias is not None:
+            return self.bias, rows, pre
+        return None
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        raise NotImplementedError
+
+
+class ChannelLinear(QuantLinear):
+    """int8 (W8A16) or fp8 (e4m3) weight [N, K] with one fp32 scale per output channel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantConfig):
+        super().__init__(in_features, out_features, bias, dtype, quant)
+        wtype = torch.int8 if quant.method == "int8" else torch.float8_e4m3fn
+        self.weight = _param(torch.empty(out_features, in_features, dtype=wtype), 0)
+        self.weight_scale = _param(torch.ones(out_features, dtype=torch.float32), 0)
+
+    def checkpoint_suffixes(self) -> list[str]:
+        return ["weight"] + (["weight_scale"] if self.quant.prequantized else []) + \
+            (["bias"] if self.bias is not None else [])
+
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+        part = self.weight_scale.data if rows is None else self.weight_scale.data[rows]
+        if suffix == "weight" and not self.quant.prequantized:
+            def quantize(t: torch.Tensor) -> torch.Tensor:
+                q, scale = quantize_channel(t, self.quant.method)
+                part.copy_(scale)  # this part's scales; its rows of the weight are the loader's to copy
+                return q
+            return self.weight, rows, _then(pre, quantize)
+        if suffix == "weight":
+            return self.weight, rows, pre
+        if suffix == "weight_scale" and self.quant.prequantized:
+            # a per-tensor scale ([] or [1]) covers every row of its part; a per-channel one is [N] or [N, 1]
+            return self.weight_scale, rows, lambda t: t.float().reshape(-1).expand(part.shape[0]) \
+                if t.numel() == 1 else t.float().reshape(-1)
+        return super().route(suffix, rows, pre)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = kernels.int8_linear if self.quant.method == "int8" else kernels.fp8_linear
+        return op(x, self.weight, self.weight_scale, self.bias)
+
+    @torch.no_grad()
+    def init_dummy(self, gen: torch.Generator) -> None:
+        w = torch.empty(self.weight.shape, dtype=torch.bfloat16, device=self.weight.device)
+        q, scale = quantize_channel(w.normal_(0.0, DUMMY_STD, generator=gen), self.quant.method)
+        self.weight.copy_(q)
+        self.weight_scale.copy_(scale)
+
+
+class W4Linear(QuantLinear):
+    """AWQ or GPTQ 4-bit weight, converted at load into kernels/quant.py's W4 layout."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantConfig):
+        super().__init__(in_features, out_features, bias, dtype, quant)
+        k, n, g = in_features, out_features, quant.group_size
+        if k % g or k % 8 or n % 8:
+            raise ValueError(f"{quant.method} group size {g} does not fit a {k} -> {n} projection (the group size "
+                             "must divide the input size, and both sizes must be multiples of 8)")
+        self.qweight = _param(torch.empty(k // 8, n, dtype=torch.int32), 1)
+        self.qzeros = _param(torch.empty(k // g, n, dtype=torch.uint8), 1)
+        self.scales = _param(torch.empty(k // g, n, dtype=torch.float16), 1)
+        self.g_idx = _param(torch.empty(k, dtype=torch.int32), None) if quant.method == "gptq" else None
+
+    def checkpoint_suffixes(self) -> list[str]:
+        names = ["qweight", "qzeros", "scales"] + (["g_idx"] if self.quant.desc_act else [])
+        return names + (["bias"] if self.bias is not None else [])
+
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+        awq = self.quant.method == "awq"
+        if suffix == "qweight":
+            return self.qweight, rows, formats.awq_qweight_to_w4 if awq else None
+        if suffix == "qzeros":
+            minus_one = self.quant.zeros_minus_one
+            return self.qzeros, rows, formats.awq_qzeros_to_w4 if awq else (
+                lambda t: formats.gptq_qzeros_to_w4(t, minus_one))
+        if suffix == "scales":
+            return self.scales, rows, None
+        if suffix == "g_idx" and self.g_idx is not None:
+            # one per input, shared by the parts of a fused layer (they see the same inputs, so GPTQ's
+            # act-order gives them the same order)
+            return self.g_idx, None, None
+        return super().route(suffix, rows, pre)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g_idx = self.g_idx if self.quant.desc_act else None
+        return kernels.w4a16_linear(x, self.qweight, self.qzeros, self.scales, self.quant.group_size, g_idx, self.bias)
+
+    @torch.no_grad()
+    def init_dummy(self, gen: torch.Generator) -> None:
+        # uniform 4-bit values around zero point 8 have std ~4.6: scaled to the dense dummy's 0.02
+        self.qweight.random_(-(2**31), 2**31 - 1, generator=gen)  # all 32 bits: every nibble uniform
+        self.qzeros.fill_(8)
+        self.scales.fill_(DUMMY_STD / 4.6)
+        if self.g_idx is not None:
+            self.g_idx.copy_(torch.arange(self.in_features, device=self.g_idx.device) // self.quant.group_size)
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                quant: QuantConfig | None, plain: type[nn.Linear]) -> nn.Module:
+    """``plain(in, out)`` without quantization, else the quantized layer for ``quant.method``."""
+    if quant is None:
+        return plain(in_features, out_features, bias=bias, dtype=dtype)
+    cls = W4Linear if quant.method in W4_METHODS else ChannelLinear
+    return cls(in_features, out_features, bias, dtype, quant)

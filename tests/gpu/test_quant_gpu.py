@@ -1,0 +1,105 @@
+"""Weight quantization on a GPU (``pytest -m gpu tests/gpu/test_quant_gpu.py``): the W4A16 / W8A16 Triton
+kernels at Llama-3-8B projection shapes against dequantize-then-matmul, the FP8 matmul (per-token
+activations, torch._scaled_mm) against the dequantized reference, and whole models in each quantization
+generating the CPU reference's tokens. tests/kernels/test_quant_interpret.py runs the kernel checks at
+small shapes on CPU.
+"""
+
+import pytest
+import torch
+
+from kvrelay.kernels import quant
+from tests.kernels.quant_cases import check_int8, check_w4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# Llama-3-8B: qkv, o, gate|up, down (K, N)
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    pytest.importorskip("triton")
+    from kvrelay.kernels.triton import w4a16
+
+    return w4a16
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 4, 256, 1000])
+def test_w4_real_shapes(kernel, k, n, rows):
+    check_w4(kernel, "cuda", rows, k, n, 128, torch.bfloat16, act_order=False)
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+def test_w4_act_order(kernel, rows):
+    check_w4(kernel, "cuda", rows, 4096, 4096, 128, torch.float16, act_order=True, bias=True)
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 256])
+def test_int8_real_shapes(kernel, k, n, rows):
+    check_int8(kernel, "cuda", rows, k, n, torch.bfloat16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 tensor cores need compute capability 8.9")
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 7, 512])
+def test_fp8_scaled_mm(k, n, rows):
+    from kvrelay.kernels.triton import fp8_linear
+
+    gen = torch.Generator().manual_seed(k + n + rows)
+    weight, scale = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, "fp8")
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = fp8_linear.fp8_linear(x.cuda(), weight.cuda(), scale.cuda(), bias.cuda()).float().cpu()
+    expected = quant.fp8_linear(x.float(), weight, scale, bias.float())
+    # activations quantized per token to e4m3 (3 mantissa bits): ~2% relative error per product, averaging
+    # down over K; measured against the output's scale
+    err = (got - expected).abs().max() / expected.abs().max()
+    assert err < 0.03, err
+
+
+@pytest.mark.parametrize("rows, k", [(1, 4096), (300, 14336), (5, 100)])
+def test_per_token_fp8_quantization(rows, k):
+    # the Triton kernel against kernels/quant.py's torch form: the same scales and fp8 values (both round to
+    # nearest even; the GPU's fp32 division may differ in the last bit, flipping a rare tie by one fp8 step).
+    # Not under the CPU interpreter, whose fp8 conversion is wrong
+    from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
+
+    x = (torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]).to(torch.bfloat16)
+    q, scale = quantize_per_token_fp8(x.cuda())
+    q_ref, scale_ref = quant.quantize_per_token_fp8(x)
+    torch.testing.assert_close(scale.cpu(), scale_ref)
+    got, want = q.cpu().float(), q_ref.float()
+    torch.testing.assert_close(got, want, rtol=0.125, atol=2.0 ** -9)  # at most one e4m3 step apart
+    assert (got != want).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8", "awq", "gptq"])
+def test_models_generate_the_cpu_references_tokens(tiny_model_dirs, tmp_path, method):
+    """A quantized tiny model in fp32 on the GPU (Triton / cuBLAS) and on the CPU (the references): the
+    same greedy tokens (fp8 on the GPU also quantizes activations: compared on the first tokens only)."""
+    from kvrelay import LLM, SamplingParams
+    from kvrelay.shared.engine.quant.checkpoint import quantize_checkpoint
+
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    ckpt = quantize_checkpoint(tiny_model_dirs["llama"], tmp_path / method, method, group_size=32)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 99, 3]}, {"prompt_token_ids": list(range(10, 60))}]
+    params = SamplingParams(max_tokens=4 if method == "fp8" else 16, temperature=0.0, ignore_eos=True)
+    cpu = LLM(model=str(ckpt), device="cpu", dtype="float32").generate(prompts, params)
+    gpu = LLM(model=str(ckpt), device="cuda", dtype="float32", gpu_memory_utilization=0.2).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8", "awq"])
+def test_dummy_llama_3_8b_shape_runs(method):
+    from kvrelay import LLM, SamplingParams
+
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    llm = LLM(model="dummy:llama-3-8b", quantization=method, max_model_len=1024, gpu_memory_utilization=0.5)
+    out = llm.generate([{"prompt_token_ids": list(range(100, 600))}] * 3,
+                       SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)

@@ -1,0 +1,74 @@
+"""A model's quantization per model: the admin API registers it (vLLM's names only, 400 naming the field
+otherwise) and every worker's load command carries it; the multi-model config file takes it per entry.
+
+Real Redis, the real gateway app on a real port, real HTTP; the workers are the scripted layer of
+model_pool_harness.py.
+"""
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.config.declare import ConfigError
+from tests.integration.model_pool_harness import Env, add_version, model_pool
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def env(redis_url, tmp_path_factory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("quant_admin")
+    for name in ("q4", "plain"):
+        add_version(tmp / "repo", name, 1)
+    with model_pool(redis_url, tmp / "repo", tmp, db=11) as env:
+        yield env
+
+
+def test_registered_quantization_reaches_every_workers_load(env):
+    p, d = env.worker("qpf-1", role="prefill"), env.worker("qdc-1", role="decode")
+    try:
+        r = env.admin("POST", "/admin/models", json={"name": "q4", "quantization": "awq"})
+        assert r.status_code == 201 and r.json()["quantization"] == "awq", r.text
+        assert env.admin("POST", "/admin/models/q4/load").status_code == 200
+        assert [c.quantization for c in p.ops("load") + d.ops("load")] == ["awq", "awq"]
+        env.admin("POST", "/admin/models", json={"name": "plain"})
+        assert env.admin("POST", "/admin/models/plain/load").status_code == 200
+        assert [c.quantization for c in p.ops("load") if c.name == "plain"] == [""]  # the worker's own choice
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_unknown_quantization_is_a_400_naming_the_field(env):
+    r = env.admin("POST", "/admin/models", json={"name": "q4", "quantization": "int4"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "quantization", r.text
+
+
+def test_config_file_takes_quantization_per_model(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: int8}\n"
+                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
+    _, [a, b] = load_serve_config(cfg)
+    assert (a.quantization, b.quantization) == ("int8", "")
+    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: nf4}\n")
+    with pytest.raises(ConfigError, match=r"models\[0\]\.quantization: ") as exc:
+        load_serve_config(cfg)
+    assert "\n" not in str(exc.value)
+
+
+def test_worker_flags_and_config_file_reach_each_models_engine(tmp_path, redis_url):
+    from kvrelay.cli import build_parser
+    from kvrelay.workers import worker_config
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: int8}\n"
+                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
+    args = build_parser().parse_args(["unified-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
+                                      redis_url, "--quantization", "fp8"])
+    config = worker_config("unified", args)
+    assert [m.engine.model.quantization for m in config.more_models] == ["int8", "fp8"]
+    assert [s.quantization for s in config.register] == ["int8", ""]
+    args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
+                                      "--redis-url", redis_url, "--quantization", "awq"])
+    assert worker_config("unified", args).engine.model.quantization == "awq"

@@ -1,0 +1,36 @@
+"""Checks shared by the interpreter and GPU tests of the weight-only quantized matmuls: a random
+quantized weight, the kernel's output against the reference in kernels/quant.py (dequantize, then
+matmul in fp32), with the tolerance of the activation dtype."""
+
+import torch
+
+from kvrelay.kernels import quant
+from tests.kernels.triton_cases import assert_close
+
+
+def check_w4(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: torch.dtype, act_order: bool,
+             gemv: bool | None = None, bias: bool = False, cfg: tuple[int, int, int] | None = None) -> None:
+    gen = torch.Generator().manual_seed(rows * 131 + k + n + group)
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).to(torch.uint8)
+    # scales ~ 1/sqrt(K) keep the outputs O(1), where the dtype tolerances are calibrated
+    scales = (torch.rand(k // group, n, generator=gen) * 0.5 / k ** 0.5 + 0.01 / k ** 0.5).half()
+    g_idx = (torch.randperm(k, generator=gen) // group).to(torch.int32) if act_order else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    args = [t.to(device) if t is not None else None for t in (quant.pack_w4(q), zeros, scales)]
+    g = g_idx.to(device) if g_idx is not None else None
+    got = kernel.w4a16_linear(x.to(device), *args, group, g, b.to(device) if b is not None else None,
+                              gemv=gemv, cfg=cfg)
+    expected = quant.w4a16_linear(x.float(), quant.pack_w4(q), zeros, scales, group, g_idx,
+                                  b.float() if b is not None else None)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert_close(got.cpu(), expected, dtype)
+
+
+def check_int8(kernel, device: str, rows: int, k: int, n: int, dtype: torch.dtype, gemv: bool | None = None) -> None:
+    gen = torch.Generator().manual_seed(rows + k + n)
+    weight, scale = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, "int8")
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    got = kernel.int8_linear(x.to(device), weight.to(device), scale.to(device), gemv=gemv)
+    assert_close(got.cpu(), quant.int8_linear(x.float(), weight, scale), dtype)

@@ -1,0 +1,46 @@
+"""The weight-only quantized matmul kernels (kernels/triton/w4a16.py) against dequantize-then-matmul
+(kernels/quant.py), at small shapes through Triton's CPU interpreter; tests/gpu/test_quant_gpu.py runs
+the same checks at real shapes on a GPU. Both shapes of each kernel are forced (GEMV and GEMM), with
+ragged row and column counts, act-order ``g_idx``, and groups smaller than a K tile.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA present: tests/gpu/test_quant_gpu.py covers these kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run with it in the environment",
+                allow_module_level=True)
+for _name in [m for m in sys.modules if m == "kvrelay.kernels.triton" or m.startswith("kvrelay.kernels.triton.")]:
+    del sys.modules[_name]
+from kvrelay.kernels.triton import w4a16 as kernel  # noqa: E402
+from tests.kernels.quant_cases import check_int8, check_w4  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 21])
+@pytest.mark.parametrize("gemv", [True, False])
+def test_w4(dtype, rows, gemv):
+    check_w4(kernel, "cpu", rows, 256, 72, 64, dtype, act_order=False, gemv=gemv, bias=True)
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_w4_act_order_and_small_groups(gemv):
+    # g_idx gathers scales per input row; group 32 < BLOCK_K 64 puts two groups in one K tile
+    check_w4(kernel, "cpu", 5, 128, 40, 32, torch.float32, act_order=True, gemv=gemv, bias=False)
+    check_w4(kernel, "cpu", 5, 128, 40, 32, torch.bfloat16, act_order=False, gemv=gemv, bias=False,
+             cfg=(16, 32, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemv", [True, False])
+def test_int8(dtype, gemv):
+    check_int8(kernel, "cpu", 6, 96, 40, dtype, gemv=gemv)
