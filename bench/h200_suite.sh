@@ -11,6 +11,7 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+[ -d .tok ] && export KVRELAY_SMOLLM2_TOKENIZER=${KVRELAY_SMOLLM2_TOKENIZER:-$PWD/.tok}
 # the package as installed: from the repository root a bare `kvrelay/` would shadow its folder mapping
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . || exit 1
 mkdir -p "$OUT"
