@@ -1,0 +1,83 @@
+"""A queued request whose model left every worker waits for the model to load again, not for its deadline.
+
+A request is queued for an instance the gateway saw loaded, but the workers may drop it before they read
+the job: an eviction for another model's load, a keep-alive expiry, another gateway's unload, all
+decided on views a fraction of a second newer than ours. Nobody reads that instance's stream then, and
+without this the request would wait out its whole deadline for a 504. So while a request's jobs sit in
+Redis unheard, ``ReloadWatch.check`` looks (fresh from Redis, at most every ``CHECK_EVERY_S``) whether
+any live worker still holds the instance, in any state: when none does and the client's name still
+resolves to it, it loads it again through ``Placement.ensure_loaded`` (one load per instance, shared
+with every other waiting request and gateway), and the request waits for that load, for up to
+``--model-load-timeout`` past its own deadline (``hold_until``) while the load runs. A load that fails
+ends the request with the workers' reason (503 ``model_unavailable``), as a first request's lazy load does.
+"""
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from kvrelay.gateway.control.model_registry import MODEL_REGISTRY
+from kvrelay.gateway.control.placement import PLACEMENT, LoadError, instance_state
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
+from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.state import CONFIG
+
+log = logging.getLogger("kvrelay.gateway")
+
+CHECK_EVERY_S = 0.5  # a fresh read of the workers: cheap, and a load takes seconds anyway
+_READS = ("loading", "ready", "draining")  # a worker holding the instance so reads (or will read) its stream
+
+
+class ReloadWatch:
+    def __init__(self, app: web.Application, instance: str, served_name: str):
+        self._app = app
+        self.instance = instance  # what the jobs were queued for ("name@3", or a direct model's name)
+        self.served_name = served_name  # what the client asked for
+        self._checked = 0.0
+        self._load: asyncio.Task | None = None
+        self._load_started = 0.0  # unix seconds
+        self.reloads = 0
+
+    @property
+    def hold_until(self) -> float:
+        """Unix seconds the request may wait past its deadline: while its model's load runs, the load's own
+        limit; otherwise none (0)."""
+        if self._load is None or self._load.done():
+            return 0.0
+        return self._load_started + self._app[CONFIG].model_load_timeout
+
+    async def check(self) -> None:
+        """Called while the request's jobs wait unheard in Redis. Starts the model's load when no live
+        worker holds it; raises APIError (503) when that load failed."""
+        if self._load is not None and self._load.done():
+            load, self._load = self._load, None
+            exc = load.exception()
+            if isinstance(exc, LoadError):
+                raise APIError(503, f"model `{self.served_name}` was unloaded while this request was queued, and "
+                                    f"could not be loaded again: {exc}", code="model_unavailable",
+                               headers={"Retry-After": str(self._app[CONFIG].retry_after_s)})
+            if exc is not None:
+                raise exc
+        now = time.monotonic()
+        if self._load is not None or now - self._checked < CHECK_EVERY_S:
+            return
+        self._checked = now
+        workers = await self._app[WORKER_REGISTRY].workers(fresh=True)
+        if any(instance_state(w, self.instance) in _READS for w in workers):
+            return  # its workers will read the jobs
+        spec = await self._app[MODEL_REGISTRY].spec(self.served_name)
+        if spec is None or spec.instance != self.instance:
+            return  # unregistered or swapped meanwhile: nothing to load for these jobs; the deadline ends them
+        log.info("%s left every worker while %s waited in its queue: loading it again", self.instance,
+                 self.served_name)
+        self.reloads += 1
+        self._load_started = time.time()
+        self._load = asyncio.get_running_loop().create_task(
+            self._app[PLACEMENT].ensure_loaded(spec, self._app[CONFIG].model_load_timeout))
+
+    def cancel(self) -> None:
+        """The request ended: stop waiting (the load itself goes on, shielded, for whoever else waits)."""
+        if self._load is not None and not self._load.done():
+            self._load.cancel()
