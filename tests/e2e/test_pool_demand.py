@@ -12,13 +12,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvrelay import LLM
 from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.directory import live_workers
-from kvrelay import LLM
 from tests.e2e.cluster import Cluster
 from tests.e2e.jobs import JobClient
 from tests.e2e.model_variants import GREEDY, PROMPT, offline_text, variant
