@@ -85,7 +85,7 @@ class Generation:
         # where Redis holds our jobs that no worker answered for yet (redis_watch.py: lost after a restart)
         self._queued: QueuedRequest | None = None
         # its model leaving every worker while the jobs wait reloads it, and the request waits for that load
-        self._reload = ReloadWatch(app, prepared.model.name, prepared.model_name)
+        self._reload = ReloadWatch(app, prepared.model.name, prepared.model_name, self.deadline)
 
     @property
     def model_name(self) -> str:

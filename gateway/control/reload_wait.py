@@ -7,8 +7,9 @@ without this the request would wait out its whole deadline for a 504. So while a
 Redis unheard, ``ReloadWatch.check`` looks (fresh from Redis, at most every ``CHECK_EVERY_S``) whether
 any live worker still holds the instance, in any state: when none does and the client's name still
 resolves to it, it loads it again through ``Placement.ensure_loaded`` (one load per instance, shared
-with every other waiting request and gateway), and the request waits for that load, for up to
-``--model-load-timeout`` past its own deadline (``hold_until``) while the load runs. A load that fails
+with every other waiting request and gateway), and the request waits for that load and then for its
+answer: from the reload on, it may run up to ``--model-load-timeout`` past its own deadline
+(``hold_until``), which is where the workers' backstop for its jobs lies (``Generation._submit``). A load that fails
 ends the request with the workers' reason (503 ``model_unavailable``), as a first request's lazy load does.
 """
 
@@ -31,8 +32,9 @@ _READS = ("loading", "ready", "draining")  # a worker holding the instance so re
 
 
 class ReloadWatch:
-    def __init__(self, app: web.Application, instance: str, served_name: str):
+    def __init__(self, app: web.Application, instance: str, served_name: str, deadline: float):
         self._app = app
+        self._deadline = deadline  # unix seconds: the request's own
         self.instance = instance  # what the jobs were queued for ("name@3", or a direct model's name)
         self.served_name = served_name  # what the client asked for
         self._checked = 0.0
@@ -42,11 +44,12 @@ class ReloadWatch:
 
     @property
     def hold_until(self) -> float:
-        """Unix seconds the request may wait past its deadline: while its model's load runs, the load's own
-        limit; otherwise none (0)."""
-        if self._load is None or self._load.done():
+        """Unix seconds the request may run to once its model was loaded again: the reload's own limit,
+        never past the workers' backstop for its jobs (its deadline plus that limit); 0 without a reload."""
+        if not self.reloads:
             return 0.0
-        return self._load_started + self._app[CONFIG].model_load_timeout
+        limit = self._app[CONFIG].model_load_timeout
+        return min(self._load_started, self._deadline) + limit
 
     async def check(self) -> None:
         """Called while the request's jobs wait unheard in Redis. Starts the model's load when no live
