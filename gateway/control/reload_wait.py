@@ -5,12 +5,14 @@ the job: an eviction for another model's load, a keep-alive expiry, another gate
 decided on views a fraction of a second newer than ours. Nobody reads that instance's stream then, and
 without this the request would wait out its whole deadline for a 504. So while a request's jobs sit in
 Redis unheard, ``ReloadWatch.check`` looks (fresh from Redis, at most every ``CHECK_EVERY_S``) whether
-any live worker still holds the instance, in any state: when none does and the client's name still
-resolves to it, it loads it again through ``Placement.ensure_loaded`` (one load per instance, shared
-with every other waiting request and gateway), and the request waits for that load and then for its
-answer: from the reload on, it may run up to ``--model-load-timeout`` past its own deadline
-(``hold_until``), which is where the workers' backstop for its jobs lies (``Generation._submit``). A load that fails
-ends the request with the workers' reason (503 ``model_unavailable``), as a first request's lazy load does.
+live workers still hold the instance, loaded, loading or draining, for both halves of a request
+(prefill and decode; a unified worker is both). When they do not and the client's name still resolves
+to it, it loads it again through ``Placement.ensure_loaded`` (one load per instance, shared with every
+other waiting request and gateway; only the missing half is placed), and the request waits for that
+load and then for its answer: from the reload on it may run up to ``--model-load-timeout`` past its own
+deadline (``hold_until``), where the workers' backstop for its jobs lies (``Generation._submit``). A
+load that fails ends the request with the workers' reason (503 ``model_unavailable``), as a first
+request's lazy load does.
 """
 
 import asyncio
@@ -67,9 +69,10 @@ class ReloadWatch:
         if self._load is not None or now - self._checked < CHECK_EVERY_S:
             return
         self._checked = now
-        workers = await self._app[WORKER_REGISTRY].workers(fresh=True)
-        if any(instance_state(w, self.instance) in _READS for w in workers):
-            return  # its workers will read the jobs
+        holders = [w for w in await self._app[WORKER_REGISTRY].workers(fresh=True)
+                   if instance_state(w, self.instance) in _READS]
+        if any(w.can_prefill for w in holders) and any(w.can_decode for w in holders):
+            return  # both halves are held: its workers will read the jobs and answer them
         spec = await self._app[MODEL_REGISTRY].spec(self.served_name)
         if spec is None or spec.instance != self.instance:
             return  # unregistered or swapped meanwhile: nothing to load for these jobs; the deadline ends them
