@@ -2,20 +2,21 @@
 run out of time, without waiting for a request to ask for it.
 
 Requests for a model no worker holds normally load it themselves (``served.py``: the first request's lazy
-load; ``reload_wait.py``: a queued request whose model left). Jobs can still sit in a queue with nobody
-loading for them: their gateway's request was cut off by a restart, a reload failed for lack of room
-and room has appeared since, jobs were queued by a gateway whose load gave up early. Eviction already
-weighs reload cost against idleness (shared/worker/model_host.py); this is the other half of that
-trade, the one that brings a model back by demand.
+load; ``reload_wait.py``: a queued request whose model left). Prewarm is the pool's view of the same
+demand: it acts on what is queued, whoever queued it (any gateway, one of an older release, a client
+that queues jobs directly as tests/e2e/jobs.py does), and decides across models which load first.
+Eviction already weighs reload cost against idleness (shared/worker/model_host.py); this is the other
+half of that trade, the one that brings a model back by demand.
 
-Every ``PREWARM_EVERY_S`` (or ``--reconcile-interval-s`` if shorter; 0 turns both off) each gateway reads, for each registered instance no live worker holds, the length of its
-queues (the shared stream and the live workers' private ones) and its oldest job's deadline. The
-deadline math: a job can still be served if its model's load, at the cost it took last time
-(``InstanceStatus.load_s``, remembered while a worker advertised it), ends before the job's deadline,
-after which the workers drop it. Instances with such jobs are loaded now, the least slack first
-(``Placement.ensure_loaded``: one load per instance across gateways); an instance whose every queued
-job would miss anyway is not loaded (it would only evict models that are in use), and one with an empty
-queue (idle) never is.
+Every ``PREWARM_EVERY_S`` (or ``--reconcile-interval-s`` if shorter; 0 turns both off) each gateway
+reads, for each registered instance no live worker holds, the length of its queues (the shared stream
+and the live workers' private ones) and its oldest and newest jobs' deadlines. The deadline math: a job
+can still be served if its model's load, at the cost it took last time (``InstanceStatus.load_s``,
+remembered while a worker advertised it), ends before the job's deadline, after which the workers drop
+it. Instances with such jobs are loaded now, the least slack (of the oldest job) first
+(``Placement.ensure_loaded``: one load per instance across gateways); an instance whose newest queued
+job would miss even so is not loaded (it would only evict models that are in use), and one with an
+empty queue (idle) never is.
 """
 
 import asyncio
@@ -44,13 +45,19 @@ _HELD = ("loading", "ready", "draining")  # a worker in one of these states read
 class Demand:
     spec: ModelSpec
     depth: int  # jobs queued
-    due: float  # unix seconds: the oldest queued job's deadline (0: it has none)
+    due: float  # unix seconds: the oldest queued job's deadline (0: none)
+    last_due: float  # the newest queued job's
     reload_s: float  # what its load is expected to take
 
     @property
     def slack(self) -> float:
         """Seconds to spare if the load starts now; negative: the oldest job misses even so."""
         return float("inf") if not self.due else self.due - time.time() - self.reload_s
+
+    @property
+    def hopeless(self) -> bool:
+        """Even the newest queued job would miss its deadline if the load started now."""
+        return bool(self.last_due) and self.last_due - time.time() - self.reload_s < 0
 
 
 class Prewarmer:
@@ -69,7 +76,7 @@ class Prewarmer:
         """The registered instances no live worker holds that have jobs queued, the least slack first."""
         workers = await self._registry.workers(fresh=True)
         self._remember_load_costs(workers)
-        cold = [s for s in (await self._models.specs(fresh=True)).values()
+        cold = [s for s in (await self._models.specs()).values()
                 if s.instance not in self.loads and not any(instance_state(w, s.instance) in _HELD for w in workers)]
         if not cold:
             return []
@@ -80,28 +87,29 @@ class Prewarmer:
         for spec in cold:
             for stream in streams[spec.instance]:
                 pipe.xlen(stream)
-                pipe.xrange(stream, count=1)  # the oldest entry: the first deadline
+                pipe.xrange(stream, count=1)  # the oldest entry
+                pipe.xrevrange(stream, count=1)  # the newest
         replies = await pipe.execute()
         out, i = [], 0
         for spec in cold:
-            depth, due = 0, 0.0
+            depth, firsts, lasts = 0, [], []
             for _ in streams[spec.instance]:
-                length, first = replies[i], replies[i + 1]
-                i += 2
+                length, first, last = replies[i:i + 3]
+                i += 3
                 depth += length
-                if first:
-                    deadline = _deadline(first[0][1])
-                    due = deadline if not due else min(due, deadline or due)
+                firsts += [d for d in (_deadline(e[1]) for e in first) if d]
+                lasts += [d for d in (_deadline(e[1]) for e in last) if d]
             if depth:
-                out.append(Demand(spec, depth, due, self._reload_s.get(spec.instance, 0.0)))
+                out.append(Demand(spec, depth, min(firsts, default=0.0), max(lasts, default=0.0),
+                                  self._reload_s.get(spec.instance, 0.0)))
         return sorted(out, key=lambda d: d.slack)
 
     async def run_once(self) -> list[str]:
         """One pass: start the loads the queues call for. The instances it started."""
         started = []
         for d in await self.demand():
-            if d.slack < 0:
-                log.info("not prewarming %s: its %d queued job(s) would miss their deadline even so (reload "
+            if d.hopeless:
+                log.debug("not prewarming %s: its %d queued job(s) would miss their deadline even so (reload "
                          "%.1fs)", d.spec.instance, d.depth, d.reload_s)
                 continue
             log.info("prewarming %s: %d job(s) queued while no worker holds it (slack %.1fs)",

@@ -82,6 +82,8 @@ class ReloadWatch:
         self._load_started = time.time()
         self._load = asyncio.get_running_loop().create_task(
             self._app[PLACEMENT].ensure_loaded(spec, self._app[CONFIG].model_load_timeout))
+        # a request that ends first never reads the outcome: taken here, so a failure is not logged as lost
+        self._load.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     def cancel(self) -> None:
         """The request ended: stop waiting (the load itself goes on, shielded, for whoever else waits)."""

@@ -95,9 +95,9 @@ class GatewayConfig:
     model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
                                         "its load", gt=0)
     reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "
-                                          "ends finished swaps; also how often (at most every second) a gateway "
-                                          "loads models whose queues hold jobs while no worker holds them (0: off)",
-                                          ge=0)
+                                          "ends finished swaps (0: off, prewarm too); each gateway's prewarm, which "
+                                          "loads models whose queues hold jobs while no worker holds them, runs "
+                                          "every second or this often if shorter", ge=0)
     generation_config: Literal["auto", "vllm"] = setting(
         "auto", "defaults of what a request leaves out: auto takes temperature, top_p, top_k, min_p, "
         "repetition_penalty and max_new_tokens (as max_tokens) from the model's generation_config.json where it "

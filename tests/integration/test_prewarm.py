@@ -79,11 +79,16 @@ def test_queued_jobs_load_a_model_no_worker_holds_least_slack_first(env, worker)
     sync_client(env.redis_url).delete(keys.prefill_stream("early@1"), keys.prefill_stream("late@1"))
 
 
-def test_jobs_that_would_miss_anyway_load_nothing(env, worker):
+def test_jobs_that_would_all_miss_anyway_load_nothing(env, worker):
     w = worker("prewarm-2")
     queue(env, "stale@1", -1)  # its deadline passed: the workers will drop it unread
     (d,) = [d for d in prewarm(env, demand_only=True) if d.spec.instance == "stale@1"]
-    assert d.depth == 1 and d.slack < 0
+    assert d.depth == 1 and d.slack < 0 and d.hopeless
     assert "stale@1" not in prewarm(env)
     time.sleep(0.5)
     assert "stale@1" not in {c.instance for c in w.ops("load")}
+    queue(env, "stale@1", 60)  # a newer job that can still be served: loaded for it
+    (d,) = [d for d in prewarm(env, demand_only=True) if d.spec.instance == "stale@1"]
+    assert d.depth == 2 and d.slack < 0 and not d.hopeless
+    assert "stale@1" in prewarm(env)
+    until(lambda: "stale@1" in w.serving, "loaded for the job that can make it")
