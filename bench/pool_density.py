@@ -246,6 +246,13 @@ class PoolRun(Run):
             result["error"] = exc
         result["seconds"] = time.perf_counter() - t0
 
+    def close(self) -> None:
+        super().close()
+        self.pool = None  # its buffer too, before the static split's engines take the same memory
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def _evict_one(self) -> bool:
         """The idle resident model with the longest idleness (all reload at the same cost here)."""
         now = time.perf_counter()
