@@ -17,16 +17,18 @@ share of the requests (model i ∝ 1/(i+1)^``--zipf``), which arrive as a Poisso
   rest fail.
 
 Both run in this one process, models stepped in turn on one thread as a worker steps its models. A cold
-load runs on a side thread as a worker's does: weights read while the others step, the engine built
-and warmed up (shared/engine/warmup.py) under the step lock, shape by shape. On the CPU a new engine's
-first steps also pay a first-call cost per shape that warm-up does not run there, which errs against
-the pool. Prints how many models fit each way, per
-model TTFT and TPOT (p50, p99), aggregate output tok/s, the cold loads, goodput (requests with TTFT ≤
-``--ttft-slo`` and TPOT ≤ ``--tpot-slo``), and the pool/static ratios.
+load runs on a side thread as a worker's does: weights read while the others step, the engine built and
+warmed up (shared/engine/warmup.py) under the step lock, shape by shape. On the CPU a new engine's first
+steps also pay a first-call cost per shape that warm-up does not run there, which errs against the pool.
+Unless ``--no-single-baseline``, one model alone then takes every request with all the memory: the
+throughput the pool's aggregate is measured against. Prints how many models fit each way, per model TTFT
+and TPOT (p50, p99), aggregate output tok/s, the cold loads, goodput (requests with TTFT ≤
+``--ttft-slo`` and TPOT ≤ ``--tpot-slo``), the pool/static ratios and the pool against one model alone.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import random
 import threading
@@ -34,6 +36,7 @@ import time
 
 import torch
 
+from kvrelay.bench.pool_report import ratio, report, size
 from kvrelay.bench.pool_workload import Arrival, Outcome, percentile, workload
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.engine import EngineCore, KVPool
@@ -68,6 +71,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds: goodput's TTFT bound")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds: goodput's time-per-output-token bound")
+    p.add_argument("--single-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run one model alone on the same arrivals and all the memory (its tok/s)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -266,33 +271,6 @@ class PoolRun(Run):
         return True
 
 
-def _report(name: str, args, run: Run, seconds: float) -> dict:
-    # goodput over the arrivals' span, the same in both modes: a run that ends later for its slow requests
-    # must not look worse per second for the ones it served well
-    span = max(run.arrivals[-1].at, 1e-9)
-    done = [o for o in run.outcomes if o.first is not None]
-    tokens = sum(o.tokens for o in done)
-    good = [o for o in done if o.ttft <= args.ttft_slo and o.tpot <= args.tpot_slo]
-    failed = sum(o.failed for o in run.outcomes)
-    print(f"  {name}: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s; goodput "
-          f"{len(good)}/{len(run.outcomes)} requests = {len(good) / span:.2f} req/s over the {span:.2f} s of arrivals"
-          + (f"; {failed} failed (no engine for their model)" if failed else ""))
-    print(f"  {'model':>7} {'share':>6} {'reqs':>5} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8}  (ms)")
-    per_model = {}
-    for i in range(args.num_models):
-        mine = [o for o in done if o.arrival.model == i]
-        n_all = sum(o.arrival.model == i for o in run.outcomes)
-        row = {"requests": n_all, "served": len(mine),
-               "ttft_p50": percentile([o.ttft for o in mine], 50), "ttft_p99": percentile([o.ttft for o in mine], 99),
-               "tpot_p50": percentile([o.tpot for o in mine], 50), "tpot_p99": percentile([o.tpot for o in mine], 99)}
-        per_model[i] = row
-        cells = " ".join(f"{row[k] * 1000:>9.1f}" if row[k] == row[k] else f"{'-':>9}"
-                         for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"))
-        print(f"  {i:>7} {n_all / max(1, len(run.outcomes)):>6.1%} {n_all:>5} {cells}")
-    return {"seconds": seconds, "tok_s": tokens / seconds, "goodput_rps": len(good) / span,
-            "good": len(good), "failed": failed, "models": per_model}
-
-
 def plan(args: argparse.Namespace, weights: int, seq_kv: int, device: torch.device) -> dict:
     """How the memory is used each way: resident models and pool bytes; static models and KV each."""
     n, need_kv = args.num_models, args.min_kv_seqs * seq_kv
@@ -319,19 +297,19 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--memory {p['memory']} holds not even one model ({weights} bytes of weights and "
                          f"{args.min_kv_seqs} x {seq_kv} bytes of KV)")
     arrivals = workload(args, random.Random(args.seed), models_vocab(models))
-    print(f"{args.num_models} x {args.model} ({_size(weights)} of weights each, {_size(seq_kv)} of KV per "
-          f"{args.max_model_len}-token sequence), {_size(p['memory'])} in all; {len(arrivals)} requests, "
+    print(f"{args.num_models} x {args.model} ({size(weights)} of weights each, {size(seq_kv)} of KV per "
+          f"{args.max_model_len}-token sequence), {size(p['memory'])} in all; {len(arrivals)} requests, "
           f"Poisson {args.request_rate:g}/s, Zipf {args.zipf:g}, {args.input_len} in / {args.output_len} out")
     print(f"models that fit: pool {p['resident']} resident of {args.num_models} (one KV pool of "
-          f"{_size(p['pool_bytes'])}, the rest loaded on demand); static split {p['static_models']} of "
-          f"{args.num_models} ({_size(p['memory'] // max(1, p['static_models']))} each, "
-          f"{_size(p['static_kv'])} of it KV)")
+          f"{size(p['pool_bytes'])}, the rest loaded on demand); static split {p['static_models']} of "
+          f"{args.num_models} ({size(p['memory'] // max(1, p['static_models']))} each, "
+          f"{size(p['static_kv'])} of it KV)")
     by_demand = sorted(range(args.num_models))  # model i is the i-th most requested
     result: dict = {"plan": p, "weight_bytes": weights}
     pool = PoolRun(args, models, arrivals, by_demand[:p["resident"]], p["pool_bytes"], device)
     try:
         print("pool (one KV pool, eviction and cold loads by demand):")
-        result["pool"] = _report("pool", args, pool, pool.execute())
+        result["pool"] = report("pool", args, pool, pool.execute())
         result["pool"].update(evictions=pool.evictions, cold_loads=pool.cold_loads)
     finally:
         pool.close()
@@ -343,27 +321,31 @@ def run(args: argparse.Namespace) -> dict:
         static = StaticRun(args, models, arrivals, by_demand[:p["static_models"]], p["static_kv"])
         try:
             print(f"static split ({p['static_models']} engines, a fixed share each):")
-            result["static"] = _report("static", args, static, static.execute())
+            result["static"] = report("static", args, static, static.execute())
         finally:
             static.close()
     else:
         print("static split: no model fits in any share of the memory")
         result["static"] = {"tok_s": 0.0, "goodput_rps": 0.0}
-    ratio = {k: _ratio(result["pool"][k], result["static"][k]) for k in ("tok_s", "goodput_rps")}
-    result["ratio"] = ratio
-    print(f"pool / static: models {p['resident']}/{p['static_models']}, output tok/s {ratio['tok_s']:.2f}x, goodput "
-          f"(TTFT <= {args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1000:g} ms) {ratio['goodput_rps']:.2f}x")
+    if args.single_baseline:
+        result["single_tok_s"] = _single(args, models, arrivals, p["memory"] - weights)
+        print(f"one model alone (the same arrivals, all the memory): {result['single_tok_s']:.1f} tok/s; the pool's "
+              f"aggregate is {ratio(result['pool']['tok_s'], result['single_tok_s']):.0%} of it")
+    ratios = {k: ratio(result["pool"][k], result["static"][k]) for k in ("tok_s", "goodput_rps")}
+    result["ratio"] = ratios
+    print(f"pool / static: models {p['resident']}/{p['static_models']}, output tok/s {ratios['tok_s']:.2f}x, goodput "
+          f"(TTFT <= {args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1000:g} ms) {ratios['goodput_rps']:.2f}x")
     return result
 
 
-def _ratio(pool: float, static: float) -> float:
-    if static:
-        return pool / static
-    return float("inf") if pool else float("nan")  # nan: neither served a request well
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _single(args: argparse.Namespace, models: Models, arrivals: list[Arrival], kv_bytes: int) -> float:
+    """Output tok/s of model 0 alone taking every request: what the pool's aggregate is measured against."""
+    alone = StaticRun(args, models, [dataclasses.replace(a, model=0) for a in arrivals], [0], kv_bytes)
+    try:
+        seconds = alone.execute()
+    finally:
+        alone.close()
+    return sum(o.tokens for o in alone.outcomes) / seconds
 
 
 def models_vocab(models: Models) -> int:

@@ -28,5 +28,7 @@ def test_bench_pool_reports_both_modes_on_the_cpu():
     rows = re.findall(r"^\s+(\d)\s+[\d.]+%\s+\d+ ", out, re.M)
     assert rows == ["0", "1", "2", "3"] * 2, out  # a TTFT/TPOT row per model, each mode
     assert re.search(r"cold load of an evicted model: median [\d.]+ s", out), out
+    assert re.search(r"one model alone \(the same arrivals, all the memory\): [\d.]+ tok/s; the pool's aggregate "
+                     r"is \d+% of it", out), out
     assert re.search(r"pool / static: models 3/\d, output tok/s [\d.]+x, goodput \(TTFT <= 1 s, TPOT <= 50 ms\) "
                      r"([\d.]+|inf|nan)x", out), out
