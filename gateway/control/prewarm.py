@@ -21,6 +21,7 @@ empty queue (idle) never is.
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from kvrelay.shared.wire.redis_health import RedisHealth
 log = logging.getLogger("kvrelay.gateway")
 
 PREWARM_EVERY_S = 1.0  # a pass is one pipelined read per cold instance; jobs wait seconds, not minutes
+RETRY_AFTER_FAILURE_S = 5.0  # a load no worker had room for is not asked for again every pass
 _HELD = ("loading", "ready", "draining")  # a worker in one of these states reads (or will read) the queue
 
 
@@ -71,13 +73,16 @@ class Prewarmer:
         self._reload_s: dict[str, float] = {}  # instance -> its last load's seconds, as a worker advertised it
         self.loads: dict[str, asyncio.Task] = {}  # instance -> the prewarm load in progress
         self.started: list[str] = []  # every instance a pass started loading (logs, tests)
+        self._failed_at: dict[str, float] = {}  # instance -> monotonic time its prewarm load failed
 
     async def demand(self) -> list[Demand]:
         """The registered instances no live worker holds that have jobs queued, the least slack first."""
         workers = await self._registry.workers(fresh=True)
         self._remember_load_costs(workers)
+        now = time.monotonic()
         cold = [s for s in (await self._models.specs()).values()
-                if s.instance not in self.loads and not any(instance_state(w, s.instance) in _HELD for w in workers)]
+                if s.instance not in self.loads and now - self._failed_at.get(s.instance, -math.inf) > RETRY_AFTER_FAILURE_S
+                and not any(instance_state(w, s.instance) in _HELD for w in workers)]
         if not cold:
             return []
         pipe = self._redis.pipeline(transaction=False)
@@ -125,7 +130,9 @@ class Prewarmer:
         try:
             await self._placement.ensure_loaded(spec, self._load_timeout)
         except LoadError as exc:
-            log.warning("prewarming %s failed: %s", spec.instance, exc)
+            self._failed_at[spec.instance] = time.monotonic()
+            log.warning("prewarming %s failed (tried again in %.0fs at the earliest): %s", spec.instance,
+                        RETRY_AFTER_FAILURE_S, exc)
 
     async def run(self, interval_s: float, health: RedisHealth) -> None:
         while True:

@@ -92,3 +92,19 @@ def test_jobs_that_would_all_miss_anyway_load_nothing(env, worker):
     assert d.depth == 2 and d.slack < 0 and not d.hopeless
     assert "stale@1" in prewarm(env)
     until(lambda: "stale@1" in w.serving, "loaded for the job that can make it")
+    w.stop()  # then no stale queue for the next test (see above)
+    sync_client(env.redis_url).delete(keys.prefill_stream("stale@1"))
+
+
+def test_a_load_no_worker_has_room_for_is_not_asked_for_every_pass(env):
+    w = env.worker("prewarm-3", refuse="not enough memory to load quiet@1")
+    try:
+        queue(env, "quiet@1", 60)
+        assert "quiet@1" in prewarm(env)
+        until(lambda: not env.server.app[PREWARMER].loads, "the refused load ended")
+        assert [c.instance for c in w.ops("load")] == ["quiet@1"]
+        assert "quiet@1" not in prewarm(env)  # within RETRY_AFTER_FAILURE_S: not again yet
+        assert [c.instance for c in w.ops("load")] == ["quiet@1"]
+    finally:
+        w.stop()
+        sync_client(env.redis_url).delete(keys.prefill_stream("quiet@1"))
