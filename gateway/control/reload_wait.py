@@ -1,4 +1,4 @@
-"""A queued request whose model left every worker waits for the model to load again, not for its deadline.
+"""A queued request whose model left its workers waits for the model to load again, not for its deadline.
 
 A request is queued for an instance the gateway saw loaded, but the workers may drop it before they read
 the job: an eviction for another model's load, a keep-alive expiry, another gateway's unload, all
@@ -54,8 +54,8 @@ class ReloadWatch:
         return min(self._load_started, self._deadline) + limit
 
     async def check(self) -> None:
-        """Called while the request's jobs wait unheard in Redis. Starts the model's load when no live
-        worker holds it; raises APIError (503) when that load failed."""
+        """Called while the request's jobs wait unheard in Redis. Starts the model's load when live workers no
+        longer hold both halves of it; raises APIError (503) when that load failed."""
         if self._load is not None and self._load.done():
             load, self._load = self._load, None
             exc = load.exception()
@@ -76,8 +76,8 @@ class ReloadWatch:
         spec = await self._app[MODEL_REGISTRY].spec(self.served_name)
         if spec is None or spec.instance != self.instance:
             return  # unregistered or swapped meanwhile: nothing to load for these jobs; the deadline ends them
-        log.info("%s left every worker while %s waited in its queue: loading it again", self.instance,
-                 self.served_name)
+        log.info("%s left its workers while a request for %s waited in its queue: loading it again",
+                 self.instance, self.served_name)
         self.reloads += 1
         self._load_started = time.time()
         self._load = asyncio.get_running_loop().create_task(
