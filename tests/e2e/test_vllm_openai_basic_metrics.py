@@ -118,7 +118,7 @@ def test_metrics_counts(client, url, smollm2_dir):
         "vllm:prompt_tokens_total": requests * p, "vllm:generation_tokens_total": requests * max_tokens,
         "vllm:request_success_total": requests,
     }
-    before = _samples(url)
+    before = _quiet(url)
     for _ in range(requests):  # one at a time, as vLLM's: each engine step holds one request
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True})
     after = _wait_for(url, lambda m: m.get("vllm:request_success_total", 0) - before.get("vllm:request_success_total", 0)
@@ -210,6 +210,21 @@ def _samples(url: str) -> dict[str, float]:
             if not sample.name.endswith("_bucket"):
                 totals[sample.name] = totals.get(sample.name, 0) + sample.value
     return totals
+
+
+def _quiet(url: str) -> dict[str, float]:
+    """The metrics once the server is idle and they stop moving: the module's earlier tests (aborted streams
+    among them) finish their requests, and record them, after their clients have moved on."""
+    last = None
+    deadline = time.monotonic() + LIVENESS_S
+    while True:
+        samples = {name: v for name, v in _samples(url).items() if name.startswith("vllm:")}  # not process_*
+        idle = samples.get("vllm:num_requests_running", 0) == 0 and samples.get("vllm:num_requests_waiting", 0) == 0
+        if idle and samples == last:
+            return samples
+        assert time.monotonic() < deadline, f"the server never went quiet: {samples}"
+        last = samples if idle else None
+        time.sleep(1.0)
 
 
 def _wait_for(url: str, done) -> dict[str, float]:

@@ -21,8 +21,9 @@ def test_each_worker_names_its_role_and_where_it_serves(tmp_path, redis_url, smo
     cluster.redis.flushall()
     try:
         cluster.start_gateway()
-        cluster.start_worker("prefill", "p1")
-        cluster.start_worker("decode", "d1", ["--skip-warmup"])
+        # each loads its own copy, so both show the load's progress (a worker mapping another's copy has none)
+        cluster.start_worker("prefill", "p1", ["--no-share-weights"])
+        cluster.start_worker("decode", "d1", ["--skip-warmup", "--no-share-weights"])
         cluster.wait_ready()
         prefill, decode = cluster.log("p1"), cluster.log("d1")
     finally:
