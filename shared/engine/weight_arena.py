@@ -85,6 +85,17 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """``cuda`` names the current device: equal to ``cuda:<current>``."""
+    have, want = torch.device(have), torch.device(want)
+    if have.type != want.type:
+        return False
+    if have.type != "cuda" or (have.index is not None and want.index is not None):
+        return have.index == want.index
+    return (have.index if have.index is not None else torch.cuda.current_device()) == \
+        (want.index if want.index is not None else torch.cuda.current_device())
+
+
 def build_in_arena(hf_config: dict, dtype: torch.dtype, device: torch.device, source: ArenaSource,
                    quant: QuantConfig | None = None) -> nn.Module:
     """The model on ``device`` with every parameter a view into the arena ``source`` gives (quantized
@@ -93,7 +104,7 @@ def build_in_arena(hf_config: dict, dtype: torch.dtype, device: torch.device, so
         model = build_model(hf_config, dtype, device, quant)
     slots, total = arena_layout(model)
     arena = source.allocate(total, layout_digest(slots))
-    if arena.dtype != torch.uint8 or arena.numel() != total or arena.device != device:
+    if arena.dtype != torch.uint8 or arena.numel() != total or not _same_device(arena.device, device):
         raise ValueError(f"weight arena is {arena.numel()} {arena.dtype} on {arena.device}; "
                          f"the model needs {total} uint8 on {device}")
     views = {}
