@@ -64,7 +64,9 @@ def test_a_request_sent_when_ready_first_says_200_is_served(tmp_path, models):
                                              temperature=0)
             assert resp.usage.completion_tokens == 4
         assert sorted(m.id for m in client.models.list().data) == sorted(models)
-        assert 503 in before  # the gateway answered before the workers were up, and said so
+        # before its first 200 the gateway was either not listening or said 503 (workers not up yet): never
+        # another error; which of the two a loaded machine shows depends on which process starts first
+        assert set(before) <= {0, 503}, before
         deadline = time.monotonic() + 10
         while b"kvrelay ready" not in log.read_bytes():
             assert time.monotonic() < deadline, log.read_text()
