@@ -15,6 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.shared.wire.redis_keys import HEARTBEAT_INTERVAL_S
 from tests.e2e.vllm_server import MODEL, check_chat_token_ids, check_completion_token_ids, serve_smollm2, tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -94,8 +95,6 @@ def test_metrics_exist(client, url):
     assert [name for name in EXPECTED if name not in text] == []
 
 
-@pytest.mark.skip(reason="counts requests nobody sent when run beside tests/e2e/test_disconnect_storm.py in CI "
-                         "(3 of 4 clean-clone runs, 2026-12-03): cross-talk not found yet; issue #25's note")
 def test_metrics_counts(client, url, smollm2_dir):
     """test_metrics.py::test_metrics_counts: requests of 10 tokens each (3 rather than vLLM's 10, for time)
     move every count by what they did (measured as the difference: the module's other tests share the server)."""
@@ -216,17 +215,22 @@ def _samples(url: str) -> dict[str, float]:
 
 def _quiet(url: str) -> dict[str, float]:
     """The metrics once the server is idle and they stop moving: the module's earlier tests (aborted streams
-    among them) finish their requests, and record them, after their clients have moved on."""
-    last = None
-    deadline = time.monotonic() + LIVENESS_S
+    among them) finish their requests, and record them, after their clients have moved on. The engine's series
+    are as of each worker's last heartbeat, so only values unchanged across more than two heartbeats are known
+    to hold every earlier request (two reads within one beat agree while both are stale)."""
+    stable_s = 2 * HEARTBEAT_INTERVAL_S + 0.5
+    last, since = None, time.monotonic()
+    deadline = since + LIVENESS_S
     while True:
         samples = {name: v for name, v in _samples(url).items() if name.startswith("vllm:")}  # not process_*
         idle = samples.get("vllm:num_requests_running", 0) == 0 and samples.get("vllm:num_requests_waiting", 0) == 0
-        if idle and samples == last:
+        now = time.monotonic()
+        if not idle or samples != last:
+            last, since = (samples if idle else None), now
+        elif now - since >= stable_s:
             return samples
-        assert time.monotonic() < deadline, f"the server never went quiet: {samples}"
-        last = samples if idle else None
-        time.sleep(1.0)
+        assert now < deadline, f"the server never went quiet: {samples}"
+        time.sleep(0.5)
 
 
 def _wait_for(url: str, done) -> dict[str, float]:
