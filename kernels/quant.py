@@ -11,7 +11,8 @@ kernel is written once:
 - fp8 (e4m3): ``weight`` float8_e4m3fn [N, K], ``scale`` fp32 [N], the same form. On CUDA with compute
   capability >= 8.9 activations are quantized per token on the fly and the matmul runs on FP8 tensor
   cores (kernels/triton/fp8_linear.py); the reference here dequantizes the weight only (W8A16), as vLLM does
-  where FP8 tensor cores are absent.
+  where FP8 tensor cores are absent. ``fp8_linear_w8a8`` is the tensor-core path's arithmetic in wider
+  types, the reference its kernel and a whole fp8 model on the GPU are checked against.
 """
 
 import torch
@@ -70,6 +71,14 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize_channel(weight, scale, x.dtype), bias)
+
+
+def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 as FP8 tensor cores compute it: x [..., K] rounded to e4m3 per token, weight [N, K] per channel."""
+    xq, x_scale = quantize_per_token_fp8(x.reshape(-1, x.shape[-1]))
+    x_deq = (xq.float() * x_scale).to(x.dtype).view(x.shape)
+    return F.linear(x_deq, dequantize_channel(weight, scale, x.dtype), bias)
 
 
 def quantize_channel(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

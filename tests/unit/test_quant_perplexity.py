@@ -37,4 +37,5 @@ def test_perplexity_of_each_quantization(smollm2_dir, tmp_path):
     assert 5 < base < 50, ppl  # a real model on real text, not noise
     for method, bound in BOUNDS.items():
         assert ppl[method] <= base * (1 + bound), (method, ppl)
+    print({m: f"{p / base - 1:+.2%}" for m, p in ppl.items()})
     assert ppl["awq"] != base  # the 4-bit weights really are different weights
