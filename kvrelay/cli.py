@@ -157,6 +157,9 @@ BENCHES = {
                 "ZMQ, and of CUDA IPC against an in-process device copy, with where the time goes"),
     "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: tok/s of one KV pool "
                     "arbitrated by demand and of a static split, and the ratio"),
+    "pool": ("kvrelay.bench.pool_density", "run", "N distinct models of one shape under a Zipf mix: how many fit, "
+             "per-model TTFT/TPOT, tok/s, cold-load cost and goodput of one shared pool and of a static 1/N split "
+             "in the same run, and the ratios"),
     "structured": ("kvrelay.bench.structured", "run", "decode tok/s at batch 64 with and without a 10-field "
                    "json_schema on the same prompts in the same process, and the ratio"),
     "perplexity": ("kvrelay.bench.quant_perplexity", "run", "perplexity of one model on a fixed text under each "

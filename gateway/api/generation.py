@@ -20,6 +20,7 @@ from aiohttp import web
 from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
 from kvrelay.gateway.api.output_constraints import compile_error
 from kvrelay.gateway.api.prompts import Prepared
+from kvrelay.gateway.control.reload_wait import ReloadWatch
 from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN, draining_error
@@ -83,6 +84,8 @@ class Generation:
         self._holders: dict[str, str] = {}
         # where Redis holds our jobs that no worker answered for yet (redis_watch.py: lost after a restart)
         self._queued: QueuedRequest | None = None
+        # its model leaving every worker while the jobs wait reloads it, and the request waits for that load
+        self._reload = ReloadWatch(app, prepared.model.name, prepared.model_name, self.deadline)
 
     @property
     def model_name(self) -> str:
@@ -124,6 +127,7 @@ class Generation:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.app[DISPATCHER].unregister(list(self._by_job))
+        self._reload.cancel()
         if self._queued is not None:
             self.app[REDIS_WATCH].queued.discard(self._queued)
         self.app[METRICS].vllm.finish(self)
@@ -167,7 +171,9 @@ class Generation:
         for choice in self.choices:
             job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
                       sampling=choice.params, tenant=self.prepared.tenant,
-                      priority=self.prepared.priority, reply_addr=reply_addr, deadline=self.deadline,
+                      priority=self.prepared.priority, reply_addr=reply_addr,
+                      # the workers' backstop for a lost abort: past ours by the one reload we may wait for
+                      deadline=self.deadline + config.model_load_timeout,
                       arrival=self.arrival, cache_salt=self.prepared.cache_salt)
             worker = router.route(choice.prompt_token_ids, model, self.prepared.model.block_size,
                                   self.prepared.tenant, self.prepared.cache_salt, workers, backlog)
@@ -217,7 +223,7 @@ class Generation:
                             "gone after a failover or restart" if queued.lost else "outage")
                 raise APIError(503, "the request queue was lost (Redis restarted or unreachable); retry",
                                code="queue_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
-            remaining = self.deadline - time.time()
+            remaining = max(self.deadline, self._reload.hold_until) - time.time()
             if remaining <= 0:
                 raise APIError(504, f"request timed out after {self.app[CONFIG].request_timeout:g}s",
                                code="timeout")
@@ -226,6 +232,7 @@ class Generation:
                     return await self._queue.get()
             except TimeoutError:
                 await self._check_holders()
+                await self._check_queued_model()
 
     async def _check_holders(self) -> None:
         holders = {w for job, w in self._holders.items() if not self._by_job[job].finished}
@@ -239,6 +246,15 @@ class Generation:
         if dead:
             raise APIError(503, f"the worker serving this request stopped ({', '.join(sorted(dead))})",
                            code="worker_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
+
+    async def _check_queued_model(self) -> None:
+        queued = self._queued
+        if queued is None or not queued.jobs or self.app[REDIS_WATCH].settling:
+            return  # every job heard from: its model is loaded somewhere
+        try:
+            await self._reload.check()
+        except redis.RedisError:
+            return  # Redis down: nothing could load it now; the deadline still bounds the wait
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         pending = {c.job_id for c in self.choices}

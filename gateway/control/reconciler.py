@@ -4,6 +4,8 @@ Every ``reconcile_interval_s`` the gateway that wins a short Redis lock:
   * loads pinned models and those with ``min_replicas`` > 0 wherever they are missing (after a worker
     restart, a registration whose first load failed, ...);
   * clears a finished swap's ``previous_version`` once no worker holds the old instance any more.
+Beside it, every gateway prewarms the models whose queues hold jobs while no worker holds them
+(prewarm.py).
 Overlapping runs (a lock that lapsed during a long load) are harmless: the loads themselves take the
 per-instance load lock (placement.py).
 """
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, ModelRegistry, SpecConflict
 from kvrelay.gateway.control.placement import PLACEMENT, LoadError, Placement, instance_state
+from kvrelay.gateway.control.prewarm import PREWARM_EVERY_S, Prewarmer
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, WorkerRegistry
 from kvrelay.gateway.redis_watch import REDIS_WATCH
 from kvrelay.gateway.state import CONFIG, REDIS
@@ -93,6 +96,7 @@ class Reconciler:
 
 
 RECONCILER = web.AppKey("reconciler", Reconciler)
+PREWARMER = web.AppKey("prewarmer", Prewarmer)
 
 
 async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -100,9 +104,15 @@ async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     reconciler = app[RECONCILER] = Reconciler(app[REDIS], app[MODEL_REGISTRY], app[PLACEMENT], app[WORKER_REGISTRY],
                                               config.reconcile_interval_s, config.model_load_timeout,
                                               app[REDIS_WATCH].health)
-    task = None
+    prewarmer = app[PREWARMER] = Prewarmer(app[REDIS], app[MODEL_REGISTRY], app[PLACEMENT], app[WORKER_REGISTRY],
+                                           config.model_load_timeout)
+    tasks = []
     if config.reconcile_interval_s > 0:
-        task = asyncio.get_running_loop().create_task(reconciler.run(), name="kvrelay-reconciler")
+        loop = asyncio.get_running_loop()
+        tasks.append(loop.create_task(reconciler.run(), name="kvrelay-reconciler"))
+        tasks.append(loop.create_task(prewarmer.run(min(PREWARM_EVERY_S, config.reconcile_interval_s),
+                                                    app[REDIS_WATCH].health), name="kvrelay-prewarm"))
     yield
-    if task is not None:
+    for task in tasks:
         await cancel_and_wait(task)
+    await prewarmer.close()

@@ -21,7 +21,9 @@ class GatewayConfig:
     port: Port = setting(8000, "HTTP port")
     redis_url: RedisUrl = common.redis_url()
     max_body_size: int = setting(1024 * 1024, "bytes; larger request bodies get 413", ge=1)
-    request_timeout: float = setting(600.0, "seconds from arrival to the last token; also the job's deadline", gt=0)
+    request_timeout: float = setting(600.0, "seconds from arrival to the last token (a request whose model is "
+                                     "being loaded again waits up to --model-load-timeout longer); the job's "
+                                     "deadline on the workers is both together", gt=0)
     # Where workers send TokenBatches. Loopback unless configured; with a wildcard bind, workers on other
     # hosts need zmq_advertise_host, the name under which they can reach this gateway.
     zmq_host: str = setting("127.0.0.1", "where workers' token events arrive (bind address)")
@@ -96,7 +98,9 @@ class GatewayConfig:
     model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
                                         "its load", gt=0)
     reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "
-                                          "ends finished swaps (0: off)", ge=0)
+                                          "ends finished swaps (0: off, prewarm too); each gateway's prewarm, which "
+                                          "loads models whose queues hold jobs while no worker holds them, runs "
+                                          "every second or this often if shorter", ge=0)
     generation_config: Literal["auto", "vllm"] = setting(
         "auto", "defaults of what a request leaves out: auto takes temperature, top_p, top_k, min_p, "
         "repetition_penalty and max_new_tokens (as max_tokens) from the model's generation_config.json where it "

@@ -143,7 +143,8 @@ def test_deadline_ends_the_request_and_its_job(paused_cluster):
     finally:
         c.signal("p1", signal.SIGCONT)
     assert (out.status, out.code) == (504, "timeout"), out
-    # p1 wakes up to a job past its deadline: it drops it (ACKs, never prefills), nothing stays queued
+    # p1 wakes up to a job its gateway gave up on (the abort it published at the 504; the job's own deadline,
+    # the workers' backstop, lies --model-load-timeout later): it drops it (ACKs, never prefills), nothing stays queued
     asyncio.run(_until(lambda: c.redis.xlen(STREAM) == 0))
     assert c.redis.xpending(STREAM, keys.PREFILL_GROUP)["pending"] == 0
     d1 = c.wait_worker("d1")

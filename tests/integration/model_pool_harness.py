@@ -201,13 +201,15 @@ def until(predicate: Callable[[], object], what: str, bound_s: float = 15.0) -> 
 
 
 @contextlib.contextmanager
-def model_pool(redis_url: str, repo: Path, tmp: Path, db: int) -> Iterator[Env]:
+def model_pool(redis_url: str, repo: Path, tmp: Path, db: int, **config) -> Iterator[Env]:
     """The gateway on logical database ``db`` (flushed first) of the session Redis, registering from
-    ``repo``, with tenant t1 and its API key; the reconciler runs only when a test calls it."""
+    ``repo``, with tenant t1 and its API key; the reconciler runs only when a test calls it. ``config``:
+    gateway settings of the test's own."""
     url = own_db(redis_url, db)
     sync_client(url).flushdb()
-    server = GatewayServer(gateway_config(url, admin_key=ADMIN_KEY, model_repo=str(repo), model_load_timeout=15.0,
-                                          reconcile_interval_s=0.0)).start()
+    server = GatewayServer(gateway_config(url, **{"admin_key": ADMIN_KEY, "model_repo": str(repo),
+                                                  "model_load_timeout": 15.0, "reconcile_interval_s": 0.0,
+                                                  **config})).start()
     try:
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
         assert requests.post(f"{server.url}/admin/tenants", json={"name": "t1"}, headers=headers).status_code == 201

@@ -1,0 +1,374 @@
+"""``kvrelay bench pool``: how many distinct models of one shape one device serves, and how well, with one
+shared memory pool against a static split of the same memory, in the same call.
+
+N models (``--model``, dummy weights, each its own seed: distinct weights of one shape) get a Zipf-like
+share of the requests (model i ∝ 1/(i+1)^``--zipf``), which arrive as a Poisson process
+(``--request-rate``). One memory budget (``--memory``: weights plus KV) is used two ways:
+
+* **pool** (what a kvrelay worker does, shared/worker/model_host.py): as many models resident as fit
+  over ONE KV pool arbitrated by demand (shared/engine/kv_pool.py), where each model is guaranteed only
+  its floor (one max-length sequence) and the room to serve (``--min-kv-seqs`` sequences) is shared: an
+  idle model lends its KV to a busy one. A request for a model that is not resident evicts a resident
+  model idle for longer than the worker's grace (the longest idle: all reload at the same cost here) and
+  loads its own (a cold load, counted in its TTFT); while none is idle, it waits.
+* **static** (one engine per model, as deployed elsewhere): each model a fixed 1/N of the memory for its
+  weights and a private KV cache of at least ``--min-kv-seqs`` sequences. Where 1/N cannot hold that,
+  the best static split serves the most requested models that fit, 1/k each, and requests for the
+  rest fail.
+
+Both run in this one process, models stepped in turn on one thread as a worker steps its models. A cold
+load runs on a side thread as a worker's does: weights read while the others step, the engine built and
+warmed up (shared/engine/warmup.py) under the step lock, shape by shape. On the CPU a new engine's first
+steps also pay a first-call cost per shape that warm-up does not run there, which errs against the pool.
+Unless ``--no-single-baseline``, one model alone then takes every request with all the memory: the
+throughput the pool's aggregate is measured against. Prints how many models fit each way, per model TTFT
+and TPOT (p50, p99), aggregate output tok/s, the cold loads, goodput (requests with TTFT ≤
+``--ttft-slo`` and TPOT ≤ ``--tpot-slo``), the pool/static ratios and the pool against one model alone.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import random
+import threading
+import time
+
+import torch
+
+from kvrelay.bench.pool_report import ratio, report, size
+from kvrelay.bench.pool_workload import Arrival, Outcome, percentile, workload
+from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.engine import EngineCore, KVPool
+from kvrelay.shared.engine.kv_pool import KVPoolFull
+from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.warmup import warm_up
+from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.model_host import IDLE_GRACE_S
+from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
+
+ACTIVATION_RESERVE = 4 << 30  # CUDA: as shared/worker/host_budget.py keeps for activations and graphs
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="dummy:tiny-llama", help="dummy:<preset> (each model its own seed)")
+    p.add_argument("--load-format", default="dummy", choices=["dummy"], help="weights: random, of the shape")
+    p.add_argument("--num-models", type=int, default=4, help="N distinct models")
+    p.add_argument("--memory", type=int, default=0,
+                   help="bytes for weights and KV together (0: CUDA 90%% of the device less 4 GiB; "
+                        "CPU room for half the models' weights)")
+    p.add_argument("--min-kv-seqs", type=int, default=4,
+                   help="max-length sequences of KV a model needs beside its weights to count as fitting")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=16.0, help="requests per second (Poisson)")
+    p.add_argument("--zipf", type=float, default=1.0, help="exponent of the popularity of the models")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds: goodput's TTFT bound")
+    p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds: goodput's time-per-output-token bound")
+    p.add_argument("--single-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run one model alone on the same arrivals and all the memory (its tok/s)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+class Models:
+    """Builds and frees the N models' engines: model i is ``--model`` with dummy weights of seed ``seed+i``."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.path = resolve_model(args.model, args.load_format).path
+        self.loads: list[float] = []  # seconds of every load, warm-up included
+
+    def config(self, i: int, kv_bytes: int | None) -> EngineConfig:
+        a = self.args
+        return EngineConfig(
+            model=ModelConfig(self.path, dtype=a.dtype, max_model_len=a.max_model_len, load_format="dummy",
+                              seed=a.seed + i),
+            cache=CacheConfig(block_size=a.block_size, kv_cache_memory=kv_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+            device=a.device)
+
+    def load(self, i: int, kv_bytes: int | None = None, pool: KVPool | None = None,
+             lock: contextlib.AbstractContextManager | None = None) -> EngineCore:
+        """Weights first, then (holding ``lock``, the step lock, as a worker does) the engine and its KV, and
+        the warm-up shape by shape."""
+        t0 = time.perf_counter()
+        config = self.config(i, kv_bytes)
+        loaded = load_model(config.model, config.device, progress=False)
+        cuda = torch.device(config.device).type == "cuda"
+        with lock or contextlib.nullcontext():
+            core = EngineCore(config, kv_pool=pool, kv_pool_key=f"model-{i}" if pool else None, loaded=loaded)
+        warm_up(core, compiles=cuda, hold=lock)
+        if cuda:
+            torch.cuda.synchronize()
+        self.loads.append(time.perf_counter() - t0)
+        return core
+
+    @staticmethod
+    def free(core: EngineCore) -> None:
+        core.release_kv()
+        del core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure_shape(models: Models) -> tuple[int, int, torch.device]:
+    """(weight bytes, KV bytes of one max-length sequence, device) of one model, from its shape alone, as a
+    worker estimates a load before it starts (shared/worker/model_memory.py)."""
+    config = models.config(0, None)
+    return estimate_weight_bytes(config), kv_floor_bytes(config), torch.device(config.device)
+
+
+class Run:
+    """One mode's pass over the workload: engines stepped in turn, token times recorded per request."""
+
+    def __init__(self, args: argparse.Namespace, models: Models, arrivals: list[Arrival]):
+        self.args, self.models, self.arrivals = args, models, arrivals
+        self.cores: dict[int, EngineCore] = {}
+        self.outcomes = [Outcome(a) for a in arrivals]
+        self._by_id = {f"r{k}": o for k, o in enumerate(self.outcomes)}
+        self.waiting: dict[int, list[int]] = {}  # model -> request indexes waiting for its load
+        self.last_used: dict[int, float] = {}
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.t0 = 0.0
+        self.lock = threading.Lock()  # the step lock: a side thread's load takes it between steps
+
+    def submit(self, k: int) -> None:
+        a = self.arrivals[k]
+        core = self.cores[a.model]
+        core.add_request(core.make_request(f"r{k}", a.prompt, self.params))
+        self.last_used[a.model] = time.perf_counter()
+
+    def arrive(self, k: int) -> None:  # the mode's admission: subclasses
+        raise NotImplementedError
+
+    def between_steps(self) -> None:
+        pass
+
+    def execute(self) -> float:
+        self.t0 = time.perf_counter()
+        self.last_used = dict.fromkeys(self.cores, self.t0)  # the preloaded models start the run just used
+        nxt = 0
+        while True:
+            now = time.perf_counter() - self.t0
+            while nxt < len(self.arrivals) and self.arrivals[nxt].at <= now:
+                self.outcomes[nxt].arrived = self.t0 + self.arrivals[nxt].at
+                self.arrive(nxt)
+                nxt += 1
+            self.between_steps()
+            busy = False
+            for i, core in list(self.cores.items()):
+                if not core.has_unfinished():
+                    continue
+                busy = True
+                with self.lock:
+                    outs = core.step()
+                for out in outs:
+                    o = self._by_id[out.request_id]
+                    if out.new_token_ids:
+                        t = time.perf_counter()
+                        o.first = o.first or t
+                        o.last, o.tokens = t, o.tokens + len(out.new_token_ids)
+                self.last_used[i] = time.perf_counter()
+            if nxt >= len(self.arrivals) and not busy and not any(self.waiting.values()):
+                return time.perf_counter() - self.t0
+            if not busy:  # the next arrival, or a load finishing
+                wait = self.arrivals[nxt].at - (time.perf_counter() - self.t0) if nxt < len(self.arrivals) else 0.01
+                time.sleep(max(0.0, min(0.01, wait)))
+
+    def close(self) -> None:
+        for i in list(self.cores):
+            self.models.free(self.cores.pop(i))
+
+
+class StaticRun(Run):
+    def __init__(self, args, models, arrivals, served: list[int], kv_bytes: int):
+        super().__init__(args, models, arrivals)
+        for i in served:
+            self.cores[i] = models.load(i, kv_bytes=kv_bytes)
+
+    def arrive(self, k: int) -> None:
+        if self.arrivals[k].model in self.cores:
+            self.submit(k)
+        else:
+            self.outcomes[k].failed = True  # no engine for it: the split had no room
+
+
+class PoolRun(Run):
+    def __init__(self, args, models, arrivals, resident: list[int], pool_bytes: int, device: torch.device):
+        super().__init__(args, models, arrivals)
+        self.slots = len(resident)
+        self.pool = KVPool(pool_bytes, device)
+        self.evictions = 0
+        self.cold_loads: list[float] = []  # loads during the run: an evicted model coming back
+        self._loading: tuple[int, threading.Thread, dict] | None = None  # model, its loading thread, result
+        for i in resident:
+            self.cores[i] = models.load(i, pool=self.pool)
+
+    def arrive(self, k: int) -> None:
+        m = self.arrivals[k].model
+        if m in self.cores:
+            self.submit(k)
+        else:
+            self.waiting.setdefault(m, []).append(k)
+
+    def between_steps(self) -> None:
+        if self._loading is not None:
+            m, thread, result = self._loading
+            if thread.is_alive():
+                return
+            self._loading = None
+            if isinstance(result.get("error"), KVPoolFull):
+                return  # the others' KV was in use; tried again next time round
+            if "error" in result:
+                raise result["error"]
+            self.cores[m] = result["core"]
+            self.cold_loads.append(result["seconds"])
+            for k in self.waiting.pop(m):
+                self.submit(k)
+        waiting = sorted((m for m, ks in self.waiting.items() if ks), key=lambda m: self.waiting[m][0])
+        if not waiting or (len(self.cores) >= self.slots and not self._evict_one()):
+            return  # nothing to load, or every resident model busy: the load waits for one to go idle
+        m, result = waiting[0], {}
+        thread = threading.Thread(target=self._load, args=(m, result), daemon=True, name=f"load-{m}")
+        self._loading = (m, thread, result)
+        thread.start()
+
+    def _load(self, m: int, result: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            result["core"] = self.models.load(m, pool=self.pool, lock=self.lock)
+        except Exception as exc:  # handed to the stepping thread, which raises it
+            result["error"] = exc
+        result["seconds"] = time.perf_counter() - t0
+
+    def close(self) -> None:
+        super().close()
+        self.pool = None  # its buffer too, before the static split's engines take the same memory
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _evict_one(self) -> bool:
+        """The idle resident model with the longest idleness (all reload at the same cost here)."""
+        now = time.perf_counter()
+        idle = [i for i, c in self.cores.items()
+                if not c.has_unfinished() and now - self.last_used.get(i, 0.0) > IDLE_GRACE_S]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda i: self.last_used.get(i, 0.0))
+        self.models.free(self.cores.pop(victim))
+        self.evictions += 1
+        return True
+
+
+def plan(args: argparse.Namespace, weights: int, seq_kv: int, device: torch.device) -> dict:
+    """How the memory is used each way: resident models and pool bytes; static models and KV each."""
+    n, need_kv = args.num_models, args.min_kv_seqs * seq_kv
+    memory = args.memory
+    if not memory:
+        if device.type == "cuda":
+            memory = int(torch.cuda.get_device_properties(device).total_memory * 0.9) - ACTIVATION_RESERVE
+        else:  # the tiny CPU models: room for all but one of them
+            memory = (n - 1) * (weights + seq_kv) + need_kv
+    # pool: every resident model's floor, plus the serving room one busy model grows into
+    resident = max((r for r in range(n + 1) if memory - r * weights >= r * seq_kv + need_kv - seq_kv), default=0)
+    static = max((k for k in range(1, n + 1) if memory // k >= weights + need_kv), default=0)
+    return {"memory": memory, "resident": resident, "pool_bytes": memory - resident * weights,
+            "static_models": static, "static_kv": (memory // static - weights) if static else 0}
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = Models(args)
+    weights, seq_kv, device = measure_shape(models)
+    p = plan(args, weights, seq_kv, device)
+    if p["resident"] == 0:
+        raise SystemExit(f"--memory {p['memory']} holds not even one model ({weights} bytes of weights and "
+                         f"{args.min_kv_seqs} x {seq_kv} bytes of KV)")
+    arrivals = workload(args, random.Random(args.seed), models_vocab(models))
+    print(f"{args.num_models} x {args.model} ({size(weights)} of weights each, {size(seq_kv)} of KV per "
+          f"{args.max_model_len}-token sequence), {size(p['memory'])} in all; {len(arrivals)} requests, "
+          f"Poisson {args.request_rate:g}/s, Zipf {args.zipf:g}, {args.input_len} in / {args.output_len} out")
+    print(f"models that fit: pool {p['resident']} resident of {args.num_models} (one KV pool of "
+          f"{size(p['pool_bytes'])}, the rest loaded on demand); static split {p['static_models']} of "
+          f"{args.num_models} ({size(p['memory'] // max(1, p['static_models']))} each, "
+          f"{size(p['static_kv'])} of it KV)")
+    by_demand = sorted(range(args.num_models))  # model i is the i-th most requested
+    result: dict = {"plan": p, "weight_bytes": weights}
+    pool = PoolRun(args, models, arrivals, by_demand[:p["resident"]], p["pool_bytes"], device)
+    try:
+        print("pool (one KV pool, eviction and cold loads by demand):")
+        result["pool"] = report("pool", args, pool, pool.execute())
+        result["pool"].update(evictions=pool.evictions, cold_loads=pool.cold_loads)
+    finally:
+        pool.close()
+    cold = pool.cold_loads or _cold_load(models, device, seq_kv)
+    print(f"  cold load of an evicted model: median {percentile(cold, 50):.2f} s, max {max(cold):.2f} s over "
+          f"{len(cold)} load(s); {pool.evictions} eviction(s) during the run")
+    result["cold_load_s"] = percentile(cold, 50)
+    if p["static_models"]:
+        static = StaticRun(args, models, arrivals, by_demand[:p["static_models"]], p["static_kv"])
+        try:
+            print(f"static split ({p['static_models']} engines, a fixed share each):")
+            result["static"] = report("static", args, static, static.execute())
+        finally:
+            static.close()
+    else:
+        print("static split: no model fits in any share of the memory")
+        result["static"] = {"tok_s": 0.0, "goodput_rps": 0.0}
+    if args.single_baseline:
+        result["single_tok_s"] = _single(args, models, arrivals, p["memory"] - weights)
+        print(f"one model alone (the same arrivals, all the memory): {result['single_tok_s']:.1f} tok/s; the pool's "
+              f"aggregate is {ratio(result['pool']['tok_s'], result['single_tok_s']):.0%} of it")
+    ratios = {k: ratio(result["pool"][k], result["static"][k]) for k in ("tok_s", "goodput_rps")}
+    result["ratio"] = ratios
+    print(f"pool / static: models {p['resident']}/{p['static_models']}, output tok/s {ratios['tok_s']:.2f}x, goodput "
+          f"(TTFT <= {args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1000:g} ms) {ratios['goodput_rps']:.2f}x")
+    return result
+
+
+def _single(args: argparse.Namespace, models: Models, arrivals: list[Arrival], kv_bytes: int) -> float:
+    """Output tok/s of model 0 alone taking every request: what the pool's aggregate is measured against."""
+    alone = StaticRun(args, models, [dataclasses.replace(a, model=0) for a in arrivals], [0], kv_bytes)
+    try:
+        seconds = alone.execute()
+    finally:
+        alone.close()
+    return sum(o.tokens for o in alone.outcomes) / seconds
+
+
+def models_vocab(models: Models) -> int:
+    from kvrelay.shared.config.presets import get_preset
+
+    return int(get_preset(models.path.removeprefix("dummy:"))["vocab_size"])
+
+
+def _cold_load(models: Models, device: torch.device, seq_kv: int) -> list[float]:
+    """No eviction happened during the run: one model loaded and freed, then loaded again and timed."""
+    pool = KVPool(2 * seq_kv, device)
+    models.free(models.load(0, pool=pool))
+    before = len(models.loads)
+    core = models.load(0, pool=pool)
+    models.free(core)
+    return models.loads[before:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_args(parser)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
