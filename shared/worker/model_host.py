@@ -179,7 +179,8 @@ class ModelHost:
                                     quantization=cmd.quantization or self.base.model.quantization,
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
-        engine = dataclasses.replace(self.base, model=model)
+        cache = dataclasses.replace(self.base.cache, kv_cache_dtype=cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype)
+        engine = dataclasses.replace(self.base, model=model, cache=cache)
         return ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
                          keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine, root),
                          verify=verify, root=root)
