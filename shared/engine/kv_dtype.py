@@ -34,6 +34,16 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv_cache_dtype: unknown value {name!r} (auto, fp8, fp8_e4m3)")
 
 
+def check_device(name: str, device: torch.device) -> None:
+    """Before any weight loads: the Triton kernels convert float8_e4m3fn in hardware, which CUDA GPUs
+    below compute capability 8.9 (Ada, Hopper) do not have. One line, naming the flag."""
+    if name in FP8_NAMES and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype {name} needs compute capability >= 8.9 (Ada, Hopper); this GPU is "
+                             f"{major}.{minor}: use --kv-cache-dtype auto")
+
+
 def attach_kv_scales(model: nn.Module, device: torch.device) -> torch.Tensor:
     """Give each decoder layer's attention its ``kv_scale`` ([2] float32: K, V) and return them all as
     ``[L, 2]``. Attention modules declare the attribute; the kernels read it only for an fp8 cache."""

@@ -24,7 +24,7 @@ from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
-from kvrelay.shared.engine.kv_dtype import attach_kv_scales, kv_cache_dtype
+from kvrelay.shared.engine.kv_dtype import attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.logits_processors import penalized
@@ -56,6 +56,7 @@ class ModelRunner:
         that reads weights while its other models keep serving."""
         self.config = config
         self.device = torch.device(config.device)
+        check_device(config.cache.kv_cache_dtype, self.device)
         self.model, self.hf_config = loaded or load_model(config.model, config.device)
         self.dtype = next(self.model.parameters()).dtype
         # what the KV cache stores (--kv-cache-dtype): the model's dtype, or fp8 with per-layer scales

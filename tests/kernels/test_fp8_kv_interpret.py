@@ -57,3 +57,21 @@ def test_prefill_attention(dtype):
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_rotary_decode_attention(num_splits):
     cases.check_rotary_decode_attention(tk, DEV, [1, 37, 200, 9], 8, 2, 32, 8, torch.float32, num_splits)
+
+
+@pytest.mark.parametrize("head_dim", [16, 3])
+def test_copy_blocks_moves_fp8_bytes(head_dim):
+    # the handoff's device copy: whole words where rows allow, single bytes (uint8, never float8 loads)
+    # where a row of 3-byte heads is not word-aligned; the reference the CPU handoff runs agrees
+    from kvrelay.kernels import reference
+    from kvrelay.kernels.triton.copy_blocks import copy_blocks
+
+    gen = torch.Generator().manual_seed(head_dim)
+    src = (torch.randn(3, 2, 12, 4, 2, head_dim, generator=gen) * 30).to(cases.FP8)
+    dst, expected = (torch.zeros(3, 2, 9, 4, 2, head_dim, dtype=cases.FP8) for _ in range(2))
+    si, di = torch.tensor([7, 0, 11, 3], dtype=torch.int32), torch.tensor([2, 8, 0, 5], dtype=torch.int32)
+    copy_blocks(src, si, dst, di, range(1, 3))
+    reference.copy_blocks(src, si, expected, di, range(1, 3))
+    want = torch.zeros_like(expected.view(torch.uint8))
+    want[1:3, :, di.long()] = src.view(torch.uint8)[1:3, :, si.long()]
+    assert torch.equal(expected.view(torch.uint8), want) and torch.equal(dst.view(torch.uint8), want)
