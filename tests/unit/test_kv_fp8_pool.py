@@ -59,3 +59,19 @@ def test_metrics_report_the_fp8_cache():
     assert info.labels["num_gpu_blocks"] == str(core.num_total_blocks)
     stats = metrics.engine_stats()
     assert stats.cache_dtype == "float8_e4m3fn" and stats.num_gpu_blocks == core.num_total_blocks
+
+
+def test_a_models_kv_floor_is_counted_in_its_kv_dtype():
+    """The KV a co-resident model must keep (one max-length sequence) is what its own cache stores: a worker
+    admitting an fp8-KV model next to others reserves half the bf16 bytes for it."""
+    from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
+    from kvrelay.shared.worker.model_memory import kv_floor_bytes
+
+    def floor(kv_dtype: str) -> int:
+        return kv_floor_bytes(EngineConfig(model=ModelConfig(model="dummy:tiny-llama", dtype="bfloat16", max_model_len=128),
+                                           cache=CacheConfig(kv_cache_dtype=kv_dtype), device="cpu"))
+
+    assert floor("fp8") * 2 == floor("auto") > 0
+    llm = _llm("fp8")
+    core = llm.engine.core
+    assert floor("fp8") == -(-core.runner.max_model_len // core.block_size) * core.block_bytes
