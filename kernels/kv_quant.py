@@ -28,7 +28,7 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
         return stored.to(dtype)
     out = stored.float()
     if scale is not None:
-        out = out * scale
+        out.mul_(scale)  # in place: the float copy is ours
     return out.to(dtype)
 
 
