@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.handoff.base import Transport
+from kvrelay.shared.handoff.blocks import DTYPE_NAMES
 from kvrelay.shared.handoff.receiver import Busy, KVInbox
 from kvrelay.shared.wire.handoff import HandoffRequest
 
@@ -31,6 +32,10 @@ class HandoffReceiver(KVInbox):
             return f"model {req.model!r} is not served here"
         if req.block_size != core.kv.block_size:
             return f"block size {req.block_size} != {core.kv.block_size}"
+        mine = DTYPE_NAMES[core.kv.kv_cache.dtype]
+        if req.kv_dtype and req.kv_dtype != mine:
+            return (f"KV cache dtype mismatch: the prefill worker's KV is {req.kv_dtype}, this decode worker's "
+                    f"is {mine}; give both the same --kv-cache-dtype")
         if core.is_running(req.request_id):
             return "duplicate request id"  # a reclaimed job must never stream twice
         cap = self.max_per_peer or max(1, core.max_num_seqs // 2)

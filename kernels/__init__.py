@@ -13,15 +13,20 @@ import torch
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.registry import fused, implementation, register
 
+# kv_scale (write_kv, paged_attention, rotary_*): a layer's [2] float32 (K scale, V scale) for an fp8 KV
+# cache (kernels/kv_quant.py: stored = x / scale, read = stored * scale); None is scale 1. Other caches
+# ignore it.
 
-def write_kv(k, v, kv_cache, slot_mapping):
-    return implementation("write_kv", k)(k, v, kv_cache, slot_mapping)
+
+def write_kv(k, v, kv_cache, slot_mapping, kv_scale=None):
+    return implementation("write_kv", k)(k, v, kv_cache, slot_mapping, kv_scale)
 
 
-def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float, alibi_slopes=None, k=None, v=None):
+def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float, alibi_slopes=None, k=None, v=None,
+                    kv_scale=None):
     # k, v (optional): this step's keys/values, already written to kv_cache; a kernel may read them
     # from there instead of through the block table (the reference ignores them)
-    return implementation("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes, k=k, v=v)
+    return implementation("paged_attention", q)(q, kv_cache, meta, scale, alibi_slopes, k=k, v=v, kv_scale=kv_scale)
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -36,19 +41,21 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return implementation("rotary_embedding", q)(positions, q, k, cos_sin_cache)
 
 
-def rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping):
+def rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping, kv_scale=None):
     # rotary on q and k, then k and v into the paged cache; returns the rotated (q, k). One kernel on GPU
-    return implementation("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    return implementation("rotary_write_kv", q)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping,
+                                                kv_scale)
 
 
-def rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta: AttentionMetadata, scale: float):
+def rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta: AttentionMetadata, scale: float,
+                     kv_scale=None):
     # rotary on q and k, k and v into the paged cache, then attention over it -> [T, H, D]. On GPU a decode
     # step runs all of it in the attention kernel (kernels/triton/decode_attention.py)
     kernel = fused("rotary_attention", q)
     if kernel is not None:
-        return kernel(positions, q, k, v, cos_sin_cache, kv_cache, meta, scale)
-    q, k = rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
-    return paged_attention(q, kv_cache, meta, scale, k=k, v=v)
+        return kernel(positions, q, k, v, cos_sin_cache, kv_cache, meta, scale, kv_scale)
+    q, k = rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping, kv_scale)
+    return paged_attention(q, kv_cache, meta, scale, k=k, v=v, kv_scale=kv_scale)
 
 
 def copy_blocks(src, src_ids, dst, dst_ids, layers):

@@ -10,12 +10,14 @@ sequence's whole blocks, then two einsums copied K and V again into batched-matm
 - prefill with no cached prefix (``q_len == seq_len``): the step's own contiguous k/v, causal SDPA,
   nothing read back through the block table.
 ALiBi and chunks that extend a cached prefix take the reference (kept exact, rarely hot on CPU).
+An fp8 cache (kernels/kv_quant.py) is dequantized as it is read; a prefill's own k/v are rounded through
+fp8 first, so they are the values a later read of the cache gives.
 """
 
 import torch
 import torch.nn.functional as F
 
-from kvrelay.kernels import reference
+from kvrelay.kernels import kv_quant, reference
 from kvrelay.kernels.metadata import AttentionMetadata
 
 
@@ -27,16 +29,21 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [T, H, D] -> [T, H, D]; k, v: this step's [T, Hkv, D], already written to kv_cache
     if alibi_slopes is not None:
-        return reference.paged_attention(q, kv_cache, meta, scale, alibi_slopes)
+        return reference.paged_attention(q, kv_cache, meta, scale, alibi_slopes, kv_scale=kv_scale)
     if meta.decode_only:
-        return _decode(q, kv_cache, meta, scale)
-    return _prefill(q, kv_cache, meta, scale, k, v)
+        return _decode(q, kv_cache, meta, scale, kv_scale)
+    if k is not None and v is not None and kv_quant.is_fp8(kv_cache):
+        k_scale, v_scale = kv_quant.scales(kv_scale)
+        k, v = kv_quant.round_trip(k, k_scale), kv_quant.round_trip(v, v_scale)
+    return _prefill(q, kv_cache, meta, scale, k, v, kv_scale)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            kv_scale: torch.Tensor | None) -> torch.Tensor:
     num_seqs, _, head_dim = q.shape
     blocks, mask = _decode_index(meta, kv_cache.shape[2])
     # whole blocks, not single positions: index_select copies each block's [bs, Hkv, D] in one run,
@@ -44,7 +51,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     shape = (num_seqs, -1, kv_cache.shape[3], head_dim)
     keys = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)  # [S, Hkv, L, D]
     values = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+    k_scale, v_scale = kv_quant.scales(kv_scale)
+    keys, values = kv_quant.dequantize(keys, k_scale, q.dtype), kv_quant.dequantize(values, v_scale, q.dtype)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=True)  # [S, H, 1, D]
     return out.squeeze(2)
 
@@ -62,15 +71,15 @@ def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tenso
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-             k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+             k: torch.Tensor | None, v: torch.Tensor | None, kv_scale: torch.Tensor | None) -> torch.Tensor:
     if k is None or v is None:
-        return reference.paged_attention(q, kv_cache, meta, scale)
+        return reference.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
     out = torch.empty_like(q)
     qsl = meta.query_start_loc_cpu
     for i in range(meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         if end - start != meta.seq_lens_cpu[i]:  # extends a cached prefix: read it through the table
-            out[start:end] = _one_sequence(q, kv_cache, meta, scale, i)
+            out[start:end] = _one_sequence(q, kv_cache, meta, scale, i, kv_scale)
             continue
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k[start:end].transpose(0, 1).to(q.dtype),
@@ -80,11 +89,11 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
 
 
 def _one_sequence(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                  i: int) -> torch.Tensor:
+                  i: int, kv_scale: torch.Tensor | None) -> torch.Tensor:
     start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
     one = AttentionMetadata(
         slot_mapping=meta.slot_mapping[start:end], query_start_loc=meta.query_start_loc.new_tensor([0, end - start]),
         seq_lens=meta.seq_lens[i:i + 1], block_tables=meta.block_tables[i:i + 1],
         query_start_loc_cpu=[0, end - start], seq_lens_cpu=[meta.seq_lens_cpu[i]],
         max_query_len=end - start, max_seq_len=meta.seq_lens_cpu[i])
-    return reference.paged_attention(q[start:end], kv_cache, one, scale)
+    return reference.paged_attention(q[start:end], kv_cache, one, scale, kv_scale=kv_scale)

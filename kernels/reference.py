@@ -7,29 +7,41 @@ The CPU path runs these; the Triton kernels are tested against them. Cache layou
 import torch
 import torch.nn.functional as F
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata
 
 # the quantized matmuls' references live with their weight layouts
 from kvrelay.kernels.quant import fp8_linear, int8_linear, w4a16_linear  # noqa: F401
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # k, v: [T, Hkv, D]; slot_mapping: [T], -1 marks a token whose KV is not stored (padding)
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
+    # k, v: [T, Hkv, D]; slot_mapping: [T], -1 marks a token whose KV is not stored (padding). An fp8
+    # cache stores k / K scale and v / V scale (kernels/kv_quant.py; kv_scale None: scale 1)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     # (block, offset) indexing, not a flat [N*bs] view: a pooled cache is block-major, so one layer's
     # blocks are strided apart (shared/engine/kv_pool.py)
     block, offset = slots // kv_cache.shape[2], slots % kv_cache.shape[2]
+    if kv_quant.is_fp8(kv_cache):
+        one = torch.ones((), dtype=torch.float32, device=k.device)
+        k_scale, v_scale = kv_scale if kv_scale is not None else (one, one)
+        kv_cache[0, block, offset] = kv_quant.quantize(k[keep], k_scale)
+        kv_cache[1, block, offset] = kv_quant.quantize(v[keep], v_scale)
+        return
     kv_cache[0, block, offset] = k[keep].to(kv_cache.dtype)
     kv_cache[1, block, offset] = v[keep].to(kv_cache.dtype)
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype,
+               kv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    # a sequence's first ``length`` keys and values as ``dtype`` (an fp8 cache's dequantized)
     block_size = kv_cache.shape[2]
     n_blocks = (length + block_size - 1) // block_size
     blocks = kv_cache[:, block_table[:n_blocks].long()]  # [2, n, bs, Hkv, D]
     kv = blocks.flatten(1, 2)[:, :length]  # [2, length, Hkv, D]
-    return kv[0], kv[1]
+    k_scale, v_scale = kv_quant.scales(kv_scale)
+    return kv_quant.dequantize(kv[0], k_scale, dtype), kv_quant.dequantize(kv[1], v_scale, dtype)
 
 
 def _alibi_bias(slopes: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,18 +58,20 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [T, H, D] -> out [T, H, D]; causal over each sequence's cached prefix plus its new tokens.
-    # k, v (this step's keys/values, already in the cache) are accepted and unused: the cache is read
+    # k, v (this step's keys/values, already in the cache) are accepted and unused: the cache is read.
+    # kv_scale: [2] float32 (K, V) of an fp8 cache (kernels/kv_quant.py; None: scale 1)
     if meta.decode_only:
-        return _decode_attention(q, kv_cache, meta, scale, alibi_slopes)
+        return _decode_attention(q, kv_cache, meta, scale, alibi_slopes, kv_scale)
     out = torch.empty_like(q)
     num_heads = q.shape[1]
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len = meta.seq_lens_cpu[i]
         q_len = end - start
-        k, v = _gather_kv(kv_cache, meta.block_tables[i], seq_len)  # [L, Hkv, D]
+        k, v = _gather_kv(kv_cache, meta.block_tables[i], seq_len, q.dtype, kv_scale)  # [L, Hkv, D]
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -72,14 +86,15 @@ def paged_attention(
     return out
 
 
-def _decode_attention(q, kv_cache, meta, scale, alibi_slopes):
+def _decode_attention(q, kv_cache, meta, scale, alibi_slopes, kv_scale=None):
     # one query per sequence: gather every sequence's blocks at once and mask past its length
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:, :max_blocks].long()
     kv = kv_cache[:, tables].flatten(2, 3)  # [2, S, L, Hkv, D]
-    k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)
+    k_scale, v_scale = kv_quant.scales(kv_scale)
+    k, v = kv_quant.dequantize(kv[0], k_scale, q.dtype), kv_quant.dequantize(kv[1], v_scale, q.dtype)
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,slkd->skgl", qg.float(), k.float()) * scale  # [S, Hkv, G, L]
@@ -130,11 +145,11 @@ def rotary_embedding(
 
 def rotary_write_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # rotary_embedding then write_kv of the rotated k and v; returns the rotated (q, k)
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    write_kv(k, v, kv_cache, slot_mapping)
+    write_kv(k, v, kv_cache, slot_mapping, kv_scale)
     return q, k
 
 
@@ -182,6 +197,8 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst
     if all(row * r.element_size() % 8 == 0 and r.storage_offset() * r.element_size() % 8 == 0
            for r in (src_rows, dst_rows)):  # index kernels cost per element: move 8-byte words
         src_rows, dst_rows = src_rows.view(torch.int64), dst_rows.view(torch.int64)
+    elif kv_quant.is_fp8(src_rows):  # the bytes as they are: index kernels need not know fp8
+        src_rows, dst_rows = src_rows.view(torch.uint8), dst_rows.view(torch.uint8)
 
     def row_ids(kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         start = (planes // 2) * kv.stride(0) + (planes % 2) * kv.stride(1)

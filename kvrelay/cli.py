@@ -166,6 +166,8 @@ BENCHES = {
                    "weight quantization (fp8, int8, 4-bit AWQ/GPTQ layouts) beside fp32 and bf16, and the change"),
     "quant": ("kvrelay.bench.quant_speed", "run", "one GPU: batch-1 decode step and prefill of bf16, fp8, int8 and "
               "AWQ int4 weights, each in its own process in one call, each against its weight-read floor"),
+    "kv": ("kvrelay.bench.kv_capacity", "run", "one GPU: the largest batch at an 8k context and the decode "
+           "tok/s at it, KV in the model's dtype beside --kv-cache-dtype fp8, from the same KV memory in one process"),
     "swap": ("kvrelay.bench.hot_swap", "run", "a version swap under load: swap time, failed requests, and the "
              "other model's latency before, during and after it"),
 }

@@ -43,6 +43,7 @@ class ModelEntry(BaseModel):
     device: Device = "auto"
     precision: DType = "auto"
     quantization: Literal["fp8", "int8", "awq", "gptq"] | None = None  # None: --quantization, else the checkpoint's
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = None  # None: --kv-cache-dtype
     pinned: bool = False
     min_replicas: int = Field(0, ge=0)
     keep_alive_s: float = Field(0.0, ge=0)
@@ -66,6 +67,7 @@ class ServedModel:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = ""  # "": the worker's --quantization, else the checkpoint's own
+    kv_cache_dtype: str = ""  # "": the worker's --kv-cache-dtype
     version: int = 0  # from the repository; 0 for a path
     pinned: bool = False
     min_replicas: int = 0
@@ -102,7 +104,7 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
         else:
             raise ConfigError(f"{where}: give a path, or a model_repo to take {entry.name!r} from")
         models.append(ServedModel(name=entry.name, path=path, device=entry.device, dtype=entry.precision,
-                                  quantization=entry.quantization or "",
+                                  quantization=entry.quantization or "", kv_cache_dtype=entry.kv_cache_dtype or "",
                                   version=version, pinned=entry.pinned, min_replicas=entry.min_replicas,
                                   keep_alive_s=entry.keep_alive_s, lazy=entry.load == "lazy"))
     return repo, models

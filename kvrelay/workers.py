@@ -45,7 +45,8 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
         model_repo = model_repo or (str(repo.root) if repo is not None else None)
         for m in served:
             specs.append(ModelSpec(name=m.name, version=m.version, path="" if m.version else m.path,
-                                   dtype=m.dtype, quantization=m.quantization, pinned=m.pinned, min_replicas=m.min_replicas,
+                                   dtype=m.dtype, quantization=m.quantization, kv_cache_dtype=m.kv_cache_dtype,
+                                   pinned=m.pinned, min_replicas=m.min_replicas,
                                    keep_alive_s=m.keep_alive_s, updated=time.time()))
             if m.lazy:
                 continue
@@ -54,7 +55,8 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                         dtype=m.dtype if m.dtype != "auto" else engine.model.dtype,
                                         quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
-            more.append(StartupModel(m.name, dataclasses.replace(engine, model=model), _tokenizer_dir(m.path),
+            cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype)
+            more.append(StartupModel(m.name, dataclasses.replace(engine, model=model, cache=cache), _tokenizer_dir(m.path),
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,

@@ -2,8 +2,9 @@
 
     GET    /admin/models                 per model, instance and worker: state, version, memory, KV use,
                                          queue depth (XLEN of the instance's stream); plus the workers
-    POST   /admin/models                 register {name, version?, dtype, quantization?, max_model_len, pinned,
-                                         min_replicas, keep_alive_s}: 201, or 200 when updating hints;
+    POST   /admin/models                 register {name, version?, dtype, quantization?, kv_cache_dtype?,
+                                         max_model_len, pinned, min_replicas, keep_alive_s}: 201, or 200
+                                         when updating hints;
                                          pinned / min_replicas > 0 start loading at once
     DELETE /admin/models/{name}          unregister, and unload (drain) every version everywhere
     POST   /admin/models/{name}/load     load now and wait until servable: 200, or 503 with the reason
@@ -48,6 +49,7 @@ class RegisterBody(BaseModel):
     version: StrictInt | None = Field(default=None, ge=1)  # None: the one registered, else the newest
     dtype: Dtype = "auto"
     quantization: Quantization | None = None  # None: the workers' --quantization, else the checkpoint's
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = None  # None: the workers' --kv-cache-dtype
     max_model_len: StrictInt = Field(default=0, ge=0)
     pinned: StrictBool = False
     min_replicas: StrictInt = Field(default=0, ge=0, le=64)
@@ -115,6 +117,7 @@ async def register_model(request: web.Request) -> web.Response:
         raise bad_request(f"max_model_len {body.max_model_len} exceeds the model's {mv.max_model_len}",
                           "max_model_len")
     spec = ModelSpec(name=mv.name, version=mv.version, dtype=body.dtype, quantization=body.quantization or "",
+                     kv_cache_dtype=body.kv_cache_dtype or "",
                      max_model_len=body.max_model_len,
                      pinned=body.pinned, min_replicas=body.min_replicas, keep_alive_s=body.keep_alive_s,
                      previous_version=existing.previous_version if existing else 0)

@@ -63,6 +63,7 @@ def _preference(worker: WorkerInfo) -> tuple[int, int]:
 def load_command(spec: ModelSpec, prefer_evict: list[str] = ()) -> ControlCommand:
     return ControlCommand(command_id=uuid.uuid4().hex, op="load", name=spec.name, version=spec.version,
                           path=spec.path, dtype=spec.dtype, quantization=spec.quantization,
+                          kv_cache_dtype=spec.kv_cache_dtype,
                           max_model_len=spec.max_model_len, pinned=spec.pinned,
                           keep_alive_s=spec.keep_alive_s, prefer_evict=list(prefer_evict))
 

@@ -64,6 +64,8 @@ def _words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         size = dtype.itemsize
         if src.element_size() < size and all(_divides(t, size) for t in (src, dst)):
             return src.view(dtype), dst.view(dtype)
+    if src.dtype == torch.float8_e4m3fn:  # bytes are bytes: no float8 loads where a row is not 4-byte aligned
+        return src.view(torch.uint8), dst.view(torch.uint8)
     return src, dst
 
 

@@ -9,15 +9,21 @@ writes an unnormalised partial output plus its running max and sum, and a second
 The split count depends only on host-known numbers (batch, heads, ``meta.max_seq_len``) and each
 program derives its token range from its own sequence's length on the device, so the launch is
 CUDA-graph capturable: capture with ``max_seq_len`` set to the largest length the graph will see.
+
+An fp8 cache (kernels/kv_quant.py) is read as it is stored: each K/V tile is loaded as float8 and
+converted in registers (exact: every e4m3 value is a bf16/fp16/fp32 value); the K scale is folded into
+the softmax scale and the V scale into the output, both per layer, so the inner loop gains no multiply.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.rotary import _cos_sin
 from kvrelay.kernels.triton.utils import interpreting, num_sms, pow2
+from kvrelay.kernels.triton.write_kv import fp8_store_scales, scale_arg, to_cache
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner-loop tile
@@ -40,9 +46,9 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _store_new_kv(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kvh, cos, sin, partner_d, sign, rot_mask,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, scale_ptr, seq, kvh, cos, sin, partner_d, sign, rot_mask,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, head_dim,
-    PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     # the step's token of one kv head: k rotated (rounded to k's dtype first, as rotary_write_kv does) and v,
     # stored at the token's slot; slot -1 (a padding row of a captured graph) stores nothing
@@ -55,15 +61,16 @@ def _store_new_kv(
     k = tl.where(rot_mask, (k.to(tl.float32) * cos + sign * kp * sin).to(k.dtype), k)
     v = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kvh * stride_vh + d, mask=mask, other=0.0)
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kvh.to(tl.int64) * stride_ch + d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k_inv, v_inv = fp8_store_scales(scale_ptr, FP8)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_inv, k_cache_ptr.dtype.element_ty, FP8), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_inv, v_cache_ptr.dtype.element_ty, FP8), mask=mask)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    pos_ptr, cs_ptr, k_ptr, v_ptr, slot_ptr,
+    pos_ptr, cs_ptr, k_ptr, v_ptr, slot_ptr, kv_scale_ptr,
     scale_log2, num_splits,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
@@ -71,7 +78,7 @@ def _decode_kernel(
     num_heads, group, head_dim, half,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    ROPE: tl.constexpr,
+    ROPE: tl.constexpr, FP8: tl.constexpr,
 ):
     # ROPE: q and the step's k arrive unrotated, and the step's k and v are not yet in the cache. Each
     # program rotates its q rows as it loads them; the program whose token range holds the step's token
@@ -101,12 +108,14 @@ def _decode_kernel(
         rotated = q.to(tl.float32) * cos[None, :] + sign[None, :] * qp * sin[None, :]
         q = tl.where(rot_mask[None, :], rotated.to(q.dtype), q)
         if (seq_len - 1 >= start) & (seq_len - 1 < end):
-            _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kvh, cos, sin, partner_d, sign,
-                          rot_mask, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
-                          head_dim, PAGE, BLOCK_D)
+            _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr, seq, kvh, cos, sin,
+                          partner_d, sign, rot_mask, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb,
+                          stride_ct, stride_ch, head_dim, PAGE, BLOCK_D, FP8)
             tl.debug_barrier()  # the stores are visible to this program's threads before the loop reads them
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    if FP8:  # q . (stored * k_scale) = (q . stored) * k_scale: the K scale joins the softmax scale
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -131,6 +140,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
         m_i = m_new
+    if FP8:  # sum p * (stored * v_scale) = (sum p * stored) * v_scale
+        acc = acc * tl.load(kv_scale_ptr + 1)
 
     if SPLIT:
         # partials are [S, H, splits, D]; an empty split leaves m=-inf, l=0, acc=0 and weighs nothing
@@ -192,14 +203,17 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = BLOCK_N,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q: [S, H, D] (one token per sequence); kv_cache: [2, N, bs, Hkv, D] -> out [S, H, D]
-    return _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, None)
+    # q: [S, H, D] (one token per sequence); kv_cache: [2, N, bs, Hkv, D] -> out [S, H, D];
+    # kv_scale: float32 [2] (K, V) of an fp8 cache
+    return _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, None, kv_scale)
 
 
 def rotary_decode_attention(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # rotary_write_kv then decode_attention, in one launch. positions: [S]; q: [S, H, D] and k, v:
     # [S, Hkv, D], unrotated, any token/head strides; cos_sin_cache: [max_pos, rot_dim] -> out [S, H, D]
@@ -208,10 +222,10 @@ def rotary_decode_attention(
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    return _attend(q, kv_cache, meta, scale, None, num_splits, BLOCK_N, (positions, cache, k, v))
+    return _attend(q, kv_cache, meta, scale, None, num_splits, BLOCK_N, (positions, cache, k, v), kv_scale)
 
 
-def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -> torch.Tensor:
+def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope, kv_scale=None) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -237,7 +251,7 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -
         q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
         alibi_slopes if alibi_slopes is not None else q,
         out, part_o, part_m, part_l,
-        positions, cs, k, v, meta.slot_mapping,
+        positions, cs, k, v, meta.slot_mapping, scale_arg(kv_cache, kv_scale, q),
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
@@ -245,7 +259,7 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope) -
         num_heads, group, head_dim, cs.shape[-1] // 2,
         PAGE=page, BLOCK_G=pow2(group, 16), BLOCK_D=bd, BLOCK_N=block_n,
         SPLIT=split, HAS_ALIBI=alibi_slopes is not None,
-        UPCAST=interp, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
+        UPCAST=interp, IEEE=q.dtype == torch.float32, ROPE=rope is not None, FP8=kv_quant.is_fp8(kv_cache),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if split:

@@ -17,15 +17,21 @@ program finds its sequence by binary search and exits if its slot is spare. No h
 Programs take slots from the last one down, so the longest (latest) tiles start first and the short
 ones fill the tail. Only the key tiles that cross a boundary (the prefix's ragged end, the causal
 diagonal) pay for masks; every other tile runs unmasked.
+
+An fp8 cache (kernels/kv_quant.py) is read as float8 tiles converted in registers, with the K scale in
+the softmax scale and the V scale on the output (as decode_attention.py); its fresh keys are read from
+the cache too, so every query sees the stored (rounded) values that later steps will read.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.decode_attention import _dot
 from kvrelay.kernels.triton.utils import interpreting, pow2
+from kvrelay.kernels.triton.write_kv import scale_arg
 
 _LOG2E = 1.4426950408889634
 
@@ -87,7 +93,7 @@ def _fresh_src(j, j_mask, cache_ptr, k_ptr, v_ptr, table, q_start, context, kvh,
 # counts fell in a new class while serving, which a warm-up before /ready cannot cover by shapes alone
 @triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
 def _prefill_kernel(
-    q_ptr, cache_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, alibi_ptr, out_ptr,
+    q_ptr, cache_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, alibi_ptr, out_ptr, kv_scale_ptr,
     scale_log2, num_seqs, tokens_per_tile, num_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ckv, stride_cb, stride_ct, stride_ch, stride_bt,
@@ -95,7 +101,7 @@ def _prefill_kernel(
     group, head_dim,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     FRESH: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = num_tiles - 1 - tl.program_id(0)  # the last (longest) tiles first
     kvh = tl.program_id(1)
@@ -128,6 +134,8 @@ def _prefill_kernel(
     qo_mask = row_mask[:, None] & d_mask[None, :]
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qo_mask, other=0.0)
+    if FP8:  # q . (stored * k_scale) = (q . stored) * k_scale
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
     slope = tl.zeros([BLOCK_M], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -187,6 +195,8 @@ def _prefill_kernel(
         acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, scale_log2, context + j, context + tok, slope,
                               True, HAS_ALIBI, UPCAST, IEEE)
 
+    if FP8:  # sum p * (stored * v_scale) = (sum p * stored) * v_scale
+        acc = acc * tl.load(kv_scale_ptr + 1)
     out = acc / l_i[:, None]
     dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
@@ -209,9 +219,11 @@ def prefill_attention(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [T, H, D] packed varlen queries; kv_cache: [2, N, bs, Hkv, D] (any strides, unit in D);
-    # k, v: optional [T, Hkv, D] keys/values of this step's tokens (what write_kv stored) -> out [T, H, D]
+    # k, v: optional [T, Hkv, D] keys/values of this step's tokens (what write_kv stored) -> out [T, H, D];
+    # kv_scale: float32 [2] (K, V) of an fp8 cache, whose fresh keys are always read from the cache
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -221,7 +233,8 @@ def prefill_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert kv_cache.stride(-1) == 1 and page & (page - 1) == 0
-    fresh = k is not None and v is not None
+    fp8 = kv_quant.is_fp8(kv_cache)
+    fresh = k is not None and v is not None and not fp8
     if fresh:
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
@@ -244,14 +257,14 @@ def prefill_attention(
     grid = (num_tiles, num_kv_heads)
     _prefill_kernel[grid](
         q, kv_cache, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        alibi_slopes if alibi_slopes is not None else q, out,
+        alibi_slopes if alibi_slopes is not None else q, out, scale_arg(kv_cache, kv_scale, q),
         scale * _LOG2E, meta.num_seqs, tokens_per_tile, num_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         group, head_dim,
         PAGE=page, BLOCK_M=block_m, BLOCK_D=bd, BLOCK_N=block_n, FRESH=fresh, EVEN_D=bd == head_dim,
-        HAS_ALIBI=alibi_slopes is not None, UPCAST=interp, IEEE=q.dtype == torch.float32,
+        HAS_ALIBI=alibi_slopes is not None, UPCAST=interp, IEEE=q.dtype == torch.float32, FP8=fp8,
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -4,7 +4,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.triton.utils import pow2
+from kvrelay.kernels.triton.write_kv import fp8_store_scales, scale_arg, to_cache
 
 
 @triton.jit
@@ -97,15 +99,17 @@ def rotary_embedding(
 
 @triton.jit
 def _rotary_write_kv_kernel(
-    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr,
+    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, scale_ptr,
     stride_cs, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_ckv, stride_cb, stride_ct, stride_ch,
     num_q_heads, num_k_heads, head_dim, half,
     PAGE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # one program per token: rotate its q heads (-> q_out) and k heads (-> k_out and the cache), copy
-    # its v heads into the cache; the slot's block and offset go through the cache's real strides
+    # its v heads into the cache; the slot's block and offset go through the cache's real strides. An fp8
+    # cache stores k / K scale and v / V scale (write_kv.py's to_cache)
     t = tl.program_id(0).to(tl.int64)
     cos, sin, partner_d, sign, rot_mask = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, half, BLOCK_D)
     _rotate_heads(q_ptr, q_out_ptr, t, cos, sin, partner_d, sign, rot_mask,
@@ -121,15 +125,16 @@ def _rotary_write_kv_kernel(
     c_mask = mask & ((h[:, None] * 0 + slot) >= 0)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=c_mask)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + h[:, None] * stride_ch + d[None, :]
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=c_mask)
-    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=c_mask)
+    k_inv, v_inv = fp8_store_scales(scale_ptr, FP8)
+    tl.store(dst, to_cache(k, k_inv, cache_ptr.dtype.element_ty, FP8), mask=c_mask)
+    tl.store(dst + stride_ckv, to_cache(v, v_inv, cache_ptr.dtype.element_ty, FP8), mask=c_mask)
 
 
 def rotary_write_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # rotary_embedding + write_kv in one launch. q: [T, H, D]; k, v: [T, Hkv, D] (any token/head strides);
+    # rotary_embedding + write_kv in one launch (kv_scale: float32 [2] (K, V) of an fp8 cache). q: [T, H, D]; k, v: [T, Hkv, D] (any token/head strides);
     # kv_cache: [2, N, bs, Hkv, D] with any strides (unit in D); slot -1 = not stored. Returns rotated (q, k).
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
@@ -145,12 +150,13 @@ def rotary_write_kv(
     if num_tokens:
         bd = pow2(head_dim)
         _rotary_write_kv_kernel[(num_tokens,)](
-            positions, cache, q, k, v, q_out, k_out, kv_cache, slot_mapping,
+            positions, cache, q, k, v, q_out, k_out, kv_cache, slot_mapping, scale_arg(kv_cache, kv_scale, q),
             cache.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             num_q_heads, num_k_heads, head_dim, rot_dim // 2,
             PAGE=page, BLOCK_HQ=pow2(num_q_heads), BLOCK_HK=pow2(num_k_heads), BLOCK_D=bd,
+            FP8=kv_quant.is_fp8(kv_cache),
             num_warps=min(8, max(1, pow2(num_q_heads) * bd // 512)),
         )
     return q_out, k_out

@@ -338,6 +338,11 @@ class EngineCore:
         return self.runner.dtype
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: ``dtype``, or float8_e4m3fn with ``--kv-cache-dtype fp8``."""
+        return self.runner.kv_dtype
+
+    @property
     def hf_config(self) -> dict:
         return self.runner.hf_config
 

@@ -24,6 +24,7 @@ from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
+from kvrelay.shared.engine.kv_dtype import attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.logits_processors import penalized
@@ -55,8 +56,12 @@ class ModelRunner:
         that reads weights while its other models keep serving."""
         self.config = config
         self.device = torch.device(config.device)
+        check_device(config.cache.kv_cache_dtype, self.device)
         self.model, self.hf_config = loaded or load_model(config.model, config.device)
         self.dtype = next(self.model.parameters()).dtype
+        # what the KV cache stores (--kv-cache-dtype): the model's dtype, or fp8 with per-layer scales
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.kv_scales = attach_kv_scales(self.model, self.device)  # [L, 2]: K, V
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
@@ -76,16 +81,17 @@ class ModelRunner:
         m = self.model
         # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now
         self.kv_cache, self.kv_block_ids = kv_pool.attach(
-            self.kv_pool_key, m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype,
+            self.kv_pool_key, m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype,
             floor_blocks=kv_floor_blocks or max_blocks_per_seq)
         self.num_blocks = len(self.kv_block_ids)
         self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
         self.host_cache = None
         if self.num_host_blocks:
             pin = self.device.type == "cuda"
-            self.host_cache = torch.zeros(self.kv_shape(self.num_host_blocks), dtype=self.dtype, pin_memory=pin)
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB); swap: %d blocks", self.num_blocks, self.block_size,
-                 self.num_blocks * self.block_bytes / 2**20, self.num_host_blocks)
+            self.host_cache = torch.zeros(self.kv_shape(self.num_host_blocks), dtype=self.kv_dtype, pin_memory=pin)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s); swap: %d blocks", self.num_blocks,
+                 self.block_size, self.num_blocks * self.block_bytes / 2**20,
+                 str(self.kv_dtype).removeprefix("torch."), self.num_host_blocks)
         self._tables = BlockTableCache()
         # read every step, so a benchmark may flip it to time eager decode on the same loaded model
         self.enforce_eager = config.model.enforce_eager
@@ -106,7 +112,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         m = self.model
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -129,7 +135,7 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
         blocks = math.ceil(num_tokens / self.block_size)
-        kv = torch.zeros(self.kv_shape(blocks), dtype=self.dtype, device=self.device)
+        kv = torch.zeros(self.kv_shape(blocks), dtype=self.kv_dtype, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
@@ -315,17 +321,26 @@ class ModelRunner:
         return batch, sample_reqs, prompt_rows
 
     def _swap(self, out: SchedulerOutput) -> None:
-        # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step
+        # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step. Blocks
+        # move as their bytes (an fp8 cache's stay fp8 under the same fixed scales)
+        if not (out.swap_out or out.swap_in):
+            return
+        dev, host = _raw(self.kv_cache), _raw(self.host_cache)
         if out.swap_out:
             dev_ids, host_ids = zip(*out.swap_out, strict=True)
-            self.host_cache[:, :, list(host_ids)] = self.kv_cache[:, :, list(dev_ids)].to("cpu")
+            host[:, :, list(host_ids)] = dev[:, :, list(dev_ids)].to("cpu")
         if out.swap_in:
             host_ids, dev_ids = zip(*out.swap_in, strict=True)
-            self.kv_cache[:, :, list(dev_ids)] = self.host_cache[:, :, list(host_ids)].to(self.device)
+            dev[:, :, list(dev_ids)] = host[:, :, list(host_ids)].to(self.device)
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)
         self._tables.drop(request_id)
+
+
+def _raw(kv: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as uint8 (the same bytes): index copies need not support float8 on every device."""
+    return kv.view(torch.uint8) if kv.element_size() == 1 else kv
 
 
 def token_at(req: Request, pos: int) -> int:

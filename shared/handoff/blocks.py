@@ -11,7 +11,10 @@ import torch
 from kvrelay import kernels
 from kvrelay.shared.wire.handoff import KVHeader
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# an fp8 cache (--kv-cache-dtype fp8) moves as its bytes: its scales are fixed by the same flag on both
+# sides (shared/engine/kv_dtype.py), so agreeing on the dtype is agreeing on what the bytes mean
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # up to this many contiguous runs, plain strided copies (a launch per run, no block ids to upload); past
 # it, the block copy kernel (one launch). The crossover is an estimate, not a measurement:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import zmq
 
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.handoff.blocks import layout_of
+from kvrelay.shared.handoff.blocks import DTYPE_NAMES, layout_of
 from kvrelay.shared.handoff.grant_hold import GrantHold
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
@@ -196,7 +196,8 @@ class HandoffSender:
         kv = self.core_for(t.job.model).kv
         locality = next((place for tr in self.transports if (place := tr.locality(kv.kv_cache))), "")
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
-                             block_size=kv.block_size, device_uuid=locality,
+                             block_size=kv.block_size, kv_dtype=DTYPE_NAMES[kv.kv_cache.dtype],
+                             device_uuid=locality,
                              requester=self.worker_id, hold_s=self.hold.hold_s)
         self.asks.setdefault(t.target, []).append((t, req))  # sent by poll(), with the step's other asks
 

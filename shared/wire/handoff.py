@@ -38,6 +38,9 @@ class HandoffRequest:
     # seconds the asker may take to use a grant (it reads replies only between its engine steps): the
     # decode side keeps the grant at least this long, within its own bound (shared/handoff/grant_hold.py)
     hold_s: float = 0.0
+    # what the asker's KV cache stores ("bfloat16", "float8_e4m3fn", ...; "" = not said): a decode worker
+    # whose cache stores another dtype refuses before any byte moves, rather than misread them
+    kv_dtype: str = field(default="", metadata=_ID)
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:

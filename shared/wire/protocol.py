@@ -17,6 +17,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 WORKER_ROLES = ("prefill", "decode", "unified")
 INSTANCE_STATES = ("loading", "ready", "draining", "failed")
 CONTROL_OPS = ("load", "unload")
+KV_CACHE_DTYPES = ("", "auto", "fp8", "fp8_e4m3")  # ModelSpec.kv_cache_dtype ("": the worker's --kv-cache-dtype)
 
 _ID = {"max_len": MAX_ID_LEN}
 # [token_id, logprob] pairs, most likely first.
@@ -200,6 +201,9 @@ class ModelSpec:
     path: str = ""  # only for version 0: a directory or .gguf the operator configured (never from the API)
     dtype: str = "auto"
     quantization: str = ""  # fp8 | int8 | awq | gptq; "": the worker's --quantization, else the checkpoint's
+    # what its KV cache stores: auto | fp8 | fp8_e4m3; "": the worker's --kv-cache-dtype. Both roles load a
+    # model from the same spec, so a disaggregated pair agrees on it
+    kv_cache_dtype: str = field(default="", metadata={"choices": KV_CACHE_DTYPES})
     max_model_len: int = 0  # 0: the model's own
     pinned: bool = False  # never evicted, loaded at registration
     min_replicas: int = 0  # workers per role that keep it loaded even when idle
@@ -224,6 +228,7 @@ class ControlCommand:
     path: str = ""  # version 0 only: must be one the worker was configured with
     dtype: str = "auto"
     quantization: str = ""  # as ModelSpec.quantization
+    kv_cache_dtype: str = field(default="", metadata={"choices": KV_CACHE_DTYPES})  # as ModelSpec's
     max_model_len: int = 0
     pinned: bool = False
     keep_alive_s: float = 0.0

@@ -122,7 +122,7 @@ class WorkerMetrics:
         self.iteration_tokens = self._relayed["vllm:iteration_tokens_total"].labels(model_name)
         self._preempted = 0  # lifetime, for the heartbeat
         cache = core.config.cache
-        self.cache_info = {"block_size": str(core.block_size), "cache_dtype": str(core.dtype).removeprefix("torch."),
+        self.cache_info = {"block_size": str(core.block_size), "cache_dtype": str(core.kv_dtype).removeprefix("torch."),
                            "enable_prefix_caching": str(cache.enable_prefix_caching),
                            "num_gpu_blocks": str(core.num_total_blocks)}
         Gauge("vllm:cache_config_info", "This engine's KV cache configuration (always 1)",

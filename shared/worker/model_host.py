@@ -35,6 +35,7 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.warmup import warm_up
@@ -179,7 +180,9 @@ class ModelHost:
                                     quantization=cmd.quantization or self.base.model.quantization,
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
-        engine = dataclasses.replace(self.base, model=model)
+        cache = dataclasses.replace(self.base.cache, kv_cache_dtype=cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype)
+        engine = dataclasses.replace(self.base, model=model, cache=cache)
+        check_device(cache.kv_cache_dtype, torch.device(engine.device))  # before any weight is read
         return ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
                          keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine, root),
                          verify=verify, root=root)

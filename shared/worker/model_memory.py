@@ -49,7 +49,10 @@ def kv_floor_bytes(engine: EngineConfig, root: Path | None = None) -> int:
     head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads
     max_len = engine.model.max_model_len or max_model_len(cfg)
     bs = engine.cache.block_size
-    itemsize = engine.model.torch_dtype(torch.device(engine.device).type).itemsize
+    from kvrelay.shared.engine.kv_dtype import kv_cache_dtype
+
+    model_dtype = engine.model.torch_dtype(torch.device(engine.device).type)
+    itemsize = kv_cache_dtype(engine.cache.kv_cache_dtype, model_dtype).itemsize  # fp8 KV: a byte a value
     return -(-max_len // bs) * layers * 2 * bs * kv_heads * head_dim * itemsize
 
 

@@ -40,7 +40,7 @@ class Engine:
     def __init__(self, role: str, hold: bool = False):
         self.block_manager = BlockManager(64, BS)
         self.config = SimpleNamespace(cache=CacheConfig(block_size=BS))
-        self.block_size, self.dtype, self.num_total_blocks = BS, "float32", 64
+        self.block_size, self.dtype, self.kv_dtype, self.num_total_blocks = BS, "float32", "float32", 64
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), self.block_manager, 64,
                                    hold_finished_kv=hold)
         self.metrics = WorkerMetrics(self, "tiny", role, "w1")

@@ -47,6 +47,7 @@ def _regroup_qkv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class BloomAttention(nn.Module):
+    kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
     def __init__(self, hidden: int, num_heads: int, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
@@ -58,8 +59,8 @@ class BloomAttention(nn.Module):
                 slopes: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.query_key_value(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D]
-        kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_cache, meta, self.scale, slopes)  # [T, H, D]
+        kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
+        out = kernels.paged_attention(q, kv_cache, meta, self.scale, slopes, kv_scale=self.kv_scale)  # [T, H, D]
         return self.dense(out.reshape(num_tokens, self.hidden))
 
 

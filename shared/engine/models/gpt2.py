@@ -30,6 +30,7 @@ _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "
 
 
 class GPT2Attention(nn.Module):
+    kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
     def __init__(self, hidden: int, num_heads: int, scale: float, dtype: torch.dtype,
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
@@ -41,8 +42,8 @@ class GPT2Attention(nn.Module):
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.c_attn(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
-        kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_cache, meta, self.scale)  # [T, H, D]
+        kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
+        out = kernels.paged_attention(q, kv_cache, meta, self.scale, kv_scale=self.kv_scale)  # [T, H, D]
         return self.c_proj(out.reshape(num_tokens, self.hidden))
 
 

@@ -30,6 +30,7 @@ from kvrelay.shared.engine.quant.config import QuantConfig
 
 
 class LlamaAttention(nn.Module):
+    kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  qkv_bias: bool, o_bias: bool, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
@@ -49,7 +50,8 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # rotary, the KV write and attention: one kernel for a decode step, two otherwise (kernels/__init__.py)
-        out = kernels.rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, self.scale)  # [T, H, D]
+        out = kernels.rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, self.scale,
+                                       self.kv_scale)  # [T, H, D]
         return project(out.reshape(num_tokens, self.q_size), self.o_proj)
 
 

@@ -1,0 +1,71 @@
+"""``--kv-cache-dtype fp8`` with real processes: a disaggregated pair (prefill -> fp8 blocks over the ZMQ
+handoff -> decode) gives the tokens of a unified worker with the same fp8 cache, both served by one
+gateway and driven by the ``openai`` SDK; a prefill worker whose KV is fp8 handing off to a decode
+worker whose KV is not gets the decode worker's refusal, which names the mismatch, and misreads nothing.
+
+fp8 rounding can turn a last-bit fp32 difference (batch shapes differ between the two paths) into a
+~1e-3 logit change, so two runs may part at a near tie: tokens must agree up to the first position
+where they differ, and there the unified run's top two must be within TIE nats of each other."""
+
+import shutil
+
+import openai
+import pytest
+
+from tests.conftest import make_tiny_model, random_prompts
+from tests.e2e.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--max-num-batched-tokens", "32"]
+TIE = 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("e2e") / "tiny", seed=3)
+    for f in smollm2_dir.iterdir():  # a real tokenizer, so the gateway can detokenize ids < 512
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture()
+def cluster(tiny_dir, redis_url, tmp_path):
+    c = Cluster(redis_url, str(tiny_dir), ENGINE, tmp_path)
+    c.redis.flushall()
+    c.start_gateway()
+    yield c
+    c.stop()
+
+
+def _complete(c: Cluster, model: str, prompt: list[int]):
+    client = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, timeout=120)
+    return client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0.0, logprobs=2).choices[0]
+
+
+def test_disaggregated_fp8_gives_the_unified_fp8_tokens(cluster):
+    fp8 = ["--kv-cache-dtype", "fp8"]
+    cluster.start_worker("prefill", "p1", ["--served-model-name", "split", *fp8])
+    cluster.start_worker("decode", "d1", ["--served-model-name", "split", *fp8])
+    cluster.start_worker("unified", "u1", ["--served-model-name", "whole", *fp8])
+    cluster.wait_ready()
+    for prompt in random_prompts(8, lo=5, hi=90, seed=11):
+        split, whole = _complete(cluster, "split", prompt), _complete(cluster, "whole", prompt)
+        a, b = split.logprobs.tokens, whole.logprobs.tokens
+        assert len(a) == len(b) == 16
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if i is not None:  # only at a near tie of the unified run
+            top = sorted(whole.logprobs.top_logprobs[i].values(), reverse=True)
+            assert top[0] - top[1] < TIE, (prompt, i, a, b)
+    for worker in ("p1", "d1", "u1"):
+        assert "float8_e4m3fn" in cluster.log(worker)  # each logged its KV cache as fp8
+
+
+def test_a_kv_dtype_mismatch_across_the_handoff_is_refused(cluster):
+    cluster.start_worker("prefill", "p1", ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8"])
+    cluster.start_worker("decode", "d1", ["--served-model-name", "tiny"])
+    cluster.wait_ready()
+    with pytest.raises(openai.APIError) as err:
+        _complete(cluster, "tiny", [5, 6, 7, 8, 9])
+    assert ("KV cache dtype mismatch: the prefill worker's KV is float8_e4m3fn, this decode worker's is float32; "
+            "give both the same --kv-cache-dtype") in str(err.value), err.value

@@ -1,0 +1,92 @@
+"""``kv_cache_dtype`` per model, as ``quantization`` is: the multi-model config file takes it per entry
+(a bad value is one line naming the key), the admin API registers it (400 naming the field otherwise),
+every worker's load command carries it, and a worker's models keep their own KV dtype in its one KV pool
+(an fp8 model beside a full-precision one, each serving).
+
+Real Redis, the real gateway app on a real port, real HTTP; the admin test's workers are the scripted layer
+of model_pool_harness.py; the pool test runs real engines under a real ModelHost."""
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.repo.model_import import import_model
+from kvrelay.shared.repo.model_repo import ModelRepository
+from tests.conftest import make_tiny_model
+from tests.integration.model_pool_harness import Env, add_version, model_pool
+from tests.unit.test_model_host import generate, load, make_host, run
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def env(redis_url, tmp_path_factory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("kv_fp8_admin")
+    for name in ("small", "plain"):
+        add_version(tmp / "repo", name, 1)
+    with model_pool(redis_url, tmp / "repo", tmp, db=12) as env:
+        yield env
+
+
+def test_registered_kv_cache_dtype_reaches_every_workers_load(env):
+    p, d = env.worker("kpf-1", role="prefill"), env.worker("kdc-1", role="decode")
+    try:
+        r = env.admin("POST", "/admin/models", json={"name": "small", "kv_cache_dtype": "fp8"})
+        assert r.status_code == 201 and r.json()["kv_cache_dtype"] == "fp8", r.text
+        assert env.admin("POST", "/admin/models/small/load").status_code == 200
+        assert [c.kv_cache_dtype for c in p.ops("load") + d.ops("load")] == ["fp8", "fp8"]  # both roles agree
+        env.admin("POST", "/admin/models", json={"name": "plain"})
+        assert env.admin("POST", "/admin/models/plain/load").status_code == 200
+        assert [c.kv_cache_dtype for c in p.ops("load") if c.name == "plain"] == [""]  # the worker's own flag
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_unknown_kv_cache_dtype_is_a_400_naming_the_field(env):
+    r = env.admin("POST", "/admin/models", json={"name": "small", "kv_cache_dtype": "fp16"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_cache_dtype", r.text
+
+
+def test_config_file_takes_kv_cache_dtype_per_model(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: fp8}\n"
+                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
+    _, [a, b] = load_serve_config(cfg)
+    assert (a.kv_cache_dtype, b.kv_cache_dtype) == ("fp8", "")
+    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: int8}\n")
+    with pytest.raises(ConfigError, match=r"models\[0\]\.kv_cache_dtype: ") as exc:
+        load_serve_config(cfg)
+    assert "\n" not in str(exc.value)
+
+
+def test_worker_flags_and_config_file_reach_each_models_engine(tmp_path, redis_url):
+    from kvrelay.cli import build_parser
+    from kvrelay.workers import worker_config
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: auto}\n"
+                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
+    args = build_parser().parse_args(["decode-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
+                                      redis_url, "--kv-cache-dtype", "fp8"])
+    config = worker_config("decode", args)
+    assert [m.engine.cache.kv_cache_dtype for m in config.more_models] == ["auto", "fp8"]
+    assert [s.kv_cache_dtype for s in config.register] == ["auto", ""]
+
+
+def test_models_of_one_worker_keep_their_own_kv_dtype_in_its_pool(tmp_path):
+    repo = ModelRepository(tmp_path / "repo")
+    for i, name in enumerate(("a", "b")):
+        import_model(repo, str(make_tiny_model("llama", tmp_path / name, seed=i)), name, progress=False)
+    host, results = make_host(repo)
+    run(host, load("a", kv_cache_dtype="fp8"), load("b"))
+    assert all(r.ok for r in results), results
+    a, b = host.slots["a@1"].core, host.slots["b@1"].core
+    assert (a.kv_dtype, b.kv_dtype) == (torch.float8_e4m3fn, torch.float32)
+    # one pool's buffer under both, its blocks sized by each model's own KV dtype
+    assert a.runner.kv_cache.untyped_storage().data_ptr() == b.runner.kv_cache.untyped_storage().data_ptr()
+    assert a.block_bytes * 4 == b.block_bytes
+    assert len(generate(host, "a@1")) == len(generate(host, "b@1")) == 4
