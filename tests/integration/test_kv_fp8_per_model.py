@@ -1,7 +1,8 @@
 """``kv_cache_dtype`` per model, as ``quantization`` is: the flag on every role (a bad value is one line
-naming it, exit 2), the multi-model config file per entry (a bad value is one line naming the key), the admin API registers it (400 naming the field otherwise),
-every worker's load command carries it, and a worker's models keep their own KV dtype in its one KV pool
-(an fp8 model beside a full-precision one, each serving).
+naming it, exit 2), the multi-model config file per entry (a bad value is one line naming the key), the
+admin API registers it (400 naming the field otherwise), every worker's load command carries it, and a
+worker's models keep their own KV dtype in its one KV pool (an fp8 model beside a full-precision one,
+each serving).
 
 Real Redis, the real gateway app on a real port, real HTTP; the admin test's workers are the scripted layer
 of model_pool_harness.py; the pool test runs real engines under a real ModelHost."""
