@@ -1,7 +1,8 @@
-"""``kv_cache_dtype`` per model, as ``quantization`` is: the multi-model config file takes it per entry
-(a bad value is one line naming the key), the admin API registers it (400 naming the field otherwise),
-every worker's load command carries it, and a worker's models keep their own KV dtype in its one KV pool
-(an fp8 model beside a full-precision one, each serving).
+"""``kv_cache_dtype`` per model, as ``quantization`` is: the flag on every role (a bad value is one line
+naming it, exit 2), the multi-model config file per entry (a bad value is one line naming the key), the
+admin API registers it (400 naming the field otherwise), every worker's load command carries it, and a
+worker's models keep their own KV dtype in its one KV pool (an fp8 model beside a full-precision one,
+each serving).
 
 Real Redis, the real gateway app on a real port, real HTTP; the admin test's workers are the scripted layer
 of model_pool_harness.py; the pool test runs real engines under a real ModelHost."""
@@ -90,3 +91,15 @@ def test_models_of_one_worker_keep_their_own_kv_dtype_in_its_pool(tmp_path):
     assert a.runner.kv_cache.untyped_storage().data_ptr() == b.runner.kv_cache.untyped_storage().data_ptr()
     assert a.block_bytes * 4 == b.block_bytes
     assert len(generate(host, "a@1")) == len(generate(host, "b@1")) == 4
+
+
+@pytest.mark.parametrize("role", ["serve", "prefill-worker", "decode-worker", "unified-worker"])
+def test_a_bad_flag_value_is_one_line_naming_it(role, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.cli", role, "--kv-cache-dtype", "fp16"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"kvrelay {role}: error: argument --kv-cache-dtype: invalid choice: 'fp16' (choose from "
+                           "'auto', 'fp8', 'fp8_e4m3')\n"), proc.stderr
