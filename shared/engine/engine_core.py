@@ -284,6 +284,10 @@ class EngineCore:
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
         self.structured.close()  # its compile thread and compiled grammars go with the model
 
+    def shutdown(self) -> None:
+        """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
+        self.runner.close()
+
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:
         entry = self._compiling.get(request_id)

@@ -1,0 +1,49 @@
+"""The process of one tensor-parallel rank other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
+RANK WORLD FOLDER PARENT_PID``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
+group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from kvrelay.shared.config import handover
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.parallel.state import connect
+from kvrelay.shared.engine.ranks.broadcast import StepReceiver
+from kvrelay.shared.engine.ranks.group import rank_device
+from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (rank 0) dies, however rank 0 ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # elsewhere the idle loop's parent check is what ends it
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank, world, folder, parent = (argv or sys.argv[1:])[:4]
+    rank, world, parent = int(rank), int(world), int(parent)
+    _die_with_parent()
+    if os.getppid() != parent:
+        return 1  # rank 0 died before the signal was armed
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    config = handover.receive(EngineConfig, sys.stdin)
+    device = rank_device(config.device, rank)
+    receiver = StepReceiver(Path(folder), rank)
+    state = connect(rank, world, Path(folder), device)
+    model, _ = load_model(config.model, device, progress=False, parallel=state)
+    ShardRunner(model, config, state, device).serve(receiver, parent)
+    receiver.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
