@@ -17,6 +17,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,24 +55,27 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
-                 kv_pool_key: str | None = None, loaded: tuple | None = None):
+                 kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None):
         """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
-        that reads weights while its other models keep serving."""
+        that reads weights while its other models keep serving; else loaded here (``model_root``: the
+        repository its files must resolve inside)."""
         self.config = config
         self.device = torch.device(config.device)
         # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard
-        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None or kv_pool is not None)
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None or kv_pool is not None,
+                                                   root=model_root)
         self.parallel = self.ranks.state if self.ranks is not None else SINGLE
         try:
-            self._setup(kv_pool, kv_floor_blocks, kv_pool_key, loaded)
+            self._setup(kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root)
         except BaseException:
             self.close()
             raise
 
     def _setup(self, kv_pool: KVPool | None, kv_floor_blocks: int | None, kv_pool_key: str | None,
-               loaded: tuple | None) -> None:
+               loaded: tuple | None, root: Path | None) -> None:
         config = self.config
-        self.model, self.hf_config = loaded or load_model(config.model, config.device, parallel=self.parallel)
+        self.model, self.hf_config = loaded or load_model(config.model, config.device, root=root,
+                                                          parallel=self.parallel)
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size

@@ -5,6 +5,7 @@ raise promptly and leaves no process behind; sizes the ranks cannot split fail b
 import math
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -80,6 +81,28 @@ def test_killed_rank_fails_the_engine_promptly_and_leaves_no_process(tiny_model_
     with pytest.raises(TensorParallelError, match="the group is down"):  # and it stays down
         llm.generate({"prompt_token_ids": [1, 2, 3]}, params)
     llm.shutdown()
+    assert _children() == before
+
+
+def test_rank_killed_while_starting_fails_the_constructor_promptly(tiny_model_dirs):
+    before = _children()
+    killed: list[int] = []
+
+    def kill_the_first_rank() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for pid in _children() - before:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_the_first_rank)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="did not form: tensor-parallel rank 1 of 2 .* killed by signal 9"):
+        _llm(tiny_model_dirs["llama"], 2)
+    killer.join()
+    assert time.monotonic() - started < 30  # not the rendezvous timeout
     assert _children() == before
 
 

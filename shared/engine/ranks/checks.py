@@ -24,9 +24,10 @@ def check_tensor_parallel(hf_config: dict, world_size: int, quantized: bool) -> 
     build_model(hf_config, torch.float32, "meta", parallel=ParallelState(0, world_size))
 
 
-def check_model(model_config: ModelConfig, world_size: int) -> None:
+def check_model(model_config: ModelConfig, world_size: int, root: Path | None = None) -> None:
     """``check_tensor_parallel`` for the model a ModelConfig names (its config.json or dummy preset)."""
     name = model_config.model
-    hf_config = get_preset(name[len(DUMMY_PREFIX):]) if name.startswith(DUMMY_PREFIX) else read_hf_config(Path(name))
+    hf_config = (get_preset(name[len(DUMMY_PREFIX):]) if name.startswith(DUMMY_PREFIX)
+                 else read_hf_config(Path(name), root))
     quantized = model_config.quantization is not None or hf_config.get("quantization_config") is not None
     check_tensor_parallel(hf_config, world_size, quantized)

@@ -37,10 +37,11 @@ class TensorParallelError(RuntimeError):
     """A rank of the group died or stopped answering; the group is down and the engine cannot step."""
 
 
-def start_ranks(config: EngineConfig, shared: bool) -> "RankGroup | None":
+def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) -> "RankGroup | None":
     """The group's other ranks, started and joined (None with tensor_parallel_size 1), after every check:
     a setting the group cannot serve or a size the ranks cannot split fails here, before a process starts
-    or a weight loads. ``shared``: the caller loaded the weights or brings a shared KV pool."""
+    or a weight loads. ``shared``: the caller loaded the weights or brings a shared KV pool; ``root``: the
+    model repository the model's files must resolve inside."""
     tp = config.tensor_parallel_size
     if tp == 1:
         return None
@@ -54,8 +55,8 @@ def start_ranks(config: EngineConfig, shared: bool) -> "RankGroup | None":
         if first + tp > have:
             raise ValueError(f"tensor_parallel_size {tp} needs CUDA devices {first}..{first + tp - 1}; "
                              f"this machine has {have}")
-    check_model(config.model, tp)
-    return RankGroup(config)
+    check_model(config.model, tp, root)
+    return RankGroup(config, root)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -67,7 +68,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class RankGroup:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, root: Path | None = None) -> None:
         """Start ranks 1..N-1 and join the group with them as rank 0 (returns once all have joined)."""
         world = config.tensor_parallel_size
         self.world_size = world
@@ -83,19 +84,36 @@ class RankGroup:
         for rank in range(1, world):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvrelay.shared.engine.ranks.rank_main", str(rank), str(world),
-                 str(self._folder), str(os.getpid())],
+                 str(self._folder), str(os.getpid()), str(root or "")],
                 stdin=subprocess.PIPE)
             self._procs.append(proc)
             proc.stdin.write(payload)
             proc.stdin.close()
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True)
         self._watcher.start()
-        try:
-            self.state: ParallelState = connect(0, world, self._folder, rank_device(config.device, 0))
-        except Exception as exc:
-            self.close()
-            raise TensorParallelError(f"tensor-parallel group of {world} did not form: "
-                                      f"{self._failure or exc}") from exc
+        self.state: ParallelState = self._join(rank_device(config.device, 0))
+
+    def _join(self, device: torch.device) -> ParallelState:
+        """Join the group, on a helper thread: a rank that dies while starting up ends the wait at once (the
+        watchdog sees it) instead of after the rendezvous timeout; the abandoned join times out on its own."""
+        joined: list = []
+
+        def join() -> None:
+            try:
+                joined.append(connect(0, self.world_size, self._folder, device))
+            except Exception as exc:  # reported below, as the group's failure
+                joined.append(exc)
+
+        thread = threading.Thread(target=join, name="tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive() and self._failure is None:
+            thread.join(WATCH_INTERVAL_S)
+        result = joined[0] if joined else None
+        if isinstance(result, ParallelState):
+            return result
+        reason = self._failure or result
+        self.close()
+        raise TensorParallelError(f"tensor-parallel group of {self.world_size} did not form: {reason}")
 
     @property
     def pids(self) -> list[int]:

@@ -1,5 +1,5 @@
 """The process of one tensor-parallel rank other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
-RANK WORLD FOLDER PARENT_PID``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
+RANK WORLD FOLDER PARENT_PID [ROOT]``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
 group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
 
 import ctypes
@@ -29,8 +29,9 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    rank, world, folder, parent = (argv or sys.argv[1:])[:4]
-    rank, world, parent = int(rank), int(world), int(parent)
+    args = argv or sys.argv[1:]
+    rank, world, folder, parent = int(args[0]), int(args[1]), args[2], int(args[3])
+    root = Path(args[4]) if len(args) > 4 and args[4] else None  # the model repository, if it is one's
     _die_with_parent()
     if os.getppid() != parent:
         return 1  # rank 0 died before the signal was armed
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     device = rank_device(config.device, rank)
     receiver = StepReceiver(Path(folder), rank)
     state = connect(rank, world, Path(folder), device)
-    model, _ = load_model(config.model, device, progress=False, parallel=state)
+    model, _ = load_model(config.model, device, progress=False, root=root, parallel=state)
     ShardRunner(model, config, state, device).serve(receiver, parent)
     receiver.close()
     return 0
