@@ -5,6 +5,8 @@ raise promptly and leaves no process behind; sizes the ranks cannot split fail b
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -104,6 +106,44 @@ def test_rank_killed_while_starting_fails_the_constructor_promptly(tiny_model_di
     killer.join()
     assert time.monotonic() - started < 30  # not the rendezvous timeout
     assert _children() == before
+
+
+@pytest.mark.parametrize("started_by", ["main thread", "loading thread"])
+def test_ranks_exit_when_rank_0_is_killed(tiny_model_dirs, started_by):
+    """Started by rank 0's main thread, a rank dies with it (the kernel's parent-death signal); started by
+    another thread (a worker loading a model), it outlives that thread and notices rank 0 is gone while idle."""
+    script = f"""
+import os, signal, threading
+from kvrelay import LLM, SamplingParams
+made = []
+def make():
+    made.append(LLM(model={str(tiny_model_dirs["llama"])!r}, dtype="float32", max_model_len=128,
+                    tensor_parallel_size=2))
+if {started_by == "main thread"}:
+    make()
+else:
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+made[0].generate({{"prompt_token_ids": [1, 2, 3]}}, SamplingParams(max_tokens=2))  # the group outlives its starter
+print(*made[0].engine.core.runner.ranks.pids, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived rank 0"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_shutdown_stops_the_ranks(tiny_model_dirs):

@@ -59,6 +59,13 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
     return RankGroup(config, root)
 
 
+def _long_lived_thread() -> bool:
+    """Whether this thread lives as long as the process. The kernel's parent-death signal fires when the
+    *thread* that started a child exits, so a rank started by a worker's loading thread must not arm it
+    (it would die when the load finishes); such ranks rely on their idle check of rank 0's pid."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def rank_device(device: str, rank: int) -> torch.device:
     """Rank ``rank``'s device: the CPU, or the rank-th CUDA device counted from the configured one."""
     base = torch.device(device)
@@ -84,7 +91,7 @@ class RankGroup:
         for rank in range(1, world):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvrelay.shared.engine.ranks.rank_main", str(rank), str(world),
-                 str(self._folder), str(os.getpid()), str(root or "")],
+                 str(self._folder), str(os.getpid()), str(root or ""), str(int(_long_lived_thread()))],
                 stdin=subprocess.PIPE)
             self._procs.append(proc)
             proc.stdin.write(payload)

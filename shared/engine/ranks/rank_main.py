@@ -1,5 +1,5 @@
 """The process of one tensor-parallel rank other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
-RANK WORLD FOLDER PARENT_PID [ROOT]``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
+RANK WORLD FOLDER PARENT_PID ROOT DEATHSIG``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
 group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
 
 import ctypes
@@ -21,7 +21,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent (rank 0) dies, however rank 0 ends."""
+    """Linux: the kernel kills this process when the thread that started it (rank 0's main thread) ends,
+    however rank 0 ends."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -31,8 +32,9 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = argv or sys.argv[1:]
     rank, world, folder, parent = int(args[0]), int(args[1]), args[2], int(args[3])
-    root = Path(args[4]) if len(args) > 4 and args[4] else None  # the model repository, if it is one's
-    _die_with_parent()
+    root = Path(args[4]) if args[4] else None  # the model repository, if it is one's
+    if args[5] == "1":  # started by rank 0's main thread (see group.py _long_lived_thread)
+        _die_with_parent()
     if os.getppid() != parent:
         return 1  # rank 0 died before the signal was armed
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
