@@ -32,6 +32,7 @@ from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
+from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
@@ -39,7 +40,7 @@ from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
-from kvrelay.shared.wire import rank_step as rs
+from kvrelay.shared.wire.rank_step import RankAlloc, RankProfile, RankSwap
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ModelRunner:
         self.num_blocks = len(self.kv_block_ids)
         self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
         if self.ranks is not None:  # every rank's cache has rank 0's block count, holding its own heads
-            self.ranks.send(rs.RankAlloc(self.kv_cache.shape[2], self.num_host_blocks))
+            self.ranks.send(RankAlloc(self.kv_cache.shape[2], self.num_host_blocks))
         self.host_cache = None
         if self.num_host_blocks:
             pin = self.device.type == "cuda"
@@ -143,7 +144,7 @@ class ModelRunner:
         num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
         rows = min(num_tokens, sched.max_num_seqs)
         if self.ranks is not None:  # every rank profiles its own device; the group keeps what fits on all
-            self.ranks.send(rs.RankProfile(num_tokens, rows))
+            self.ranks.send(RankProfile(num_tokens, rows))
         blocks = free_kv_blocks(self.model, num_tokens, rows, self.block_size, self.dtype, self.device,
                                 cache.gpu_memory_utilization, self.block_bytes)
         return self.parallel.min_int(blocks)
@@ -267,16 +268,19 @@ class ModelRunner:
             return (all_logits if batch.samples_every_row else all_logits.index_select(0, rows)), logits_of
         filled = to_host(batch, self.device) if self.ranks is not None else None
         t = to_device(batch, self.device, filled)
-        if self.ranks is not None:
-            return self._group_logits(out, batch, t, filled, samples, every_row)
         if fill is not None:
             t.input_ids.index_copy_(0, fill[0], fill[1])
+        if self.ranks is not None:  # every rank runs this step: its inputs go out before the forward
+            mode = logits_mode(samples, every_row)
+            self.ranks.send(step_message(batch, filled[0], mode), memoryview(filled[1].numpy()))
         meta = AttentionMetadata(
             slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
             block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
             seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
         )
         hidden = self._forward(out, t, meta)  # [T, hidden]
+        if self.ranks is not None:
+            return group_logits(self.model, hidden, batch, t.sample_rows, mode)
 
         def logits_of(start: int, count: int) -> torch.Tensor:
             return self.model.compute_logits(hidden[start:start + count])
@@ -286,28 +290,6 @@ class ModelRunner:
             chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
             sample_logits = self.model.compute_logits(chosen)  # [R, V]
         return sample_logits, logits_of
-
-    def _group_logits(self, out: SchedulerOutput, batch: StepBatch, t, filled, samples: bool, every_row: bool):
-        """``_logits`` of a tensor-parallel step: the step's inputs go to every rank, all run the forward,
-        and the logits are formed once, in one collective every rank joins, for the rows rank 0 needs."""
-        layout, host = filled
-        mode = rs.LOGITS_ALL if every_row else rs.LOGITS_SAMPLED if samples else rs.LOGITS_NONE
-        self.ranks.send(rs.RankStep(batch.num_tokens, batch.num_seqs, layout.width, len(batch.sample_rows),
-                                 batch.max_query_len, max(batch.seq_lens), mode), memoryview(host.numpy()))
-        meta = AttentionMetadata(
-            slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
-            block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
-        )
-        hidden = self._forward(out, t, meta)
-        if mode == rs.LOGITS_NONE:
-            return None, None
-        rows = hidden if mode == rs.LOGITS_ALL or batch.samples_every_row else hidden.index_select(0, t.sample_rows)
-        logits = self.model.compute_logits(rows)
-        if mode == rs.LOGITS_SAMPLED:
-            return logits, None
-        sampled = logits if batch.samples_every_row else logits.index_select(0, t.sample_rows)
-        return (sampled if samples else None), lambda start, count: logits[start:start + count]
 
     def _prompt_logprobs(self, prompt_rows, logits_of) -> dict[str, tuple[int, list[PositionLogprobs]]]:
         found = {}
@@ -358,7 +340,7 @@ class ModelRunner:
 
     def _swap(self, out: SchedulerOutput) -> None:
         if self.ranks is not None and (out.swap_out or out.swap_in):  # every rank swaps its own heads
-            self.ranks.send(rs.RankSwap([list(p) for p in out.swap_out], [list(p) for p in out.swap_in]))
+            self.ranks.send(RankSwap([list(p) for p in out.swap_out], [list(p) for p in out.swap_in]))
         # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step
         if out.swap_out:
             dev_ids, host_ids = zip(*out.swap_out, strict=True)

@@ -16,6 +16,9 @@ _KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankStop)
 # messages queued for a rank that has not read them yet; ranks run in lockstep, so a full queue means a
 # rank stopped reading
 SEND_HWM = 64
+# how long a send may wait: for a rank whose socket is still connecting (the first message), or whose
+# queue is full; past it the rank counts as gone
+SEND_TIMEOUT_MS = 10_000
 
 
 def address(folder: Path, rank: int) -> str:
@@ -31,15 +34,16 @@ class StepSender:
         for rank in range(1, world_size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(address(folder, rank))
             self._socks.append(sock)
 
     def send(self, msg: RankMessage, frame: memoryview | None = None) -> None:
-        """Raises ``zmq.Again`` when a rank's queue is full (it stopped reading): never blocks."""
+        """Raises ``zmq.Again`` when a rank took no message for SEND_TIMEOUT_MS."""
         parts = [codec.encode(msg)] + ([frame] if frame is not None else [])
         for sock in self._socks:
-            sock.send_multipart(parts, flags=zmq.NOBLOCK)
+            sock.send_multipart(parts)
 
     def close(self) -> None:
         for sock in self._socks:
