@@ -33,7 +33,8 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom"])
+# qwen2: q/k/v biases sliced with their heads; smollm2: the LM head is the vocab-parallel embedding (tied)
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "qwen2", "smollm2"])
 def test_tp2_greedy_equals_hf_and_tp1(tiny_model_dirs, arch):
     prompts = random_prompts(6, lo=3, hi=50, seed=1)
     expected = hf_greedy(str(tiny_model_dirs[arch]), tuple(map(tuple, prompts)), MAX_NEW)

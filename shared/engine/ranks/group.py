@@ -160,8 +160,19 @@ class RankGroup:
                 if proc.poll() is not None:
                     self._fail(rank)
                     self._kill()
+                    self._abort_collectives()
                     return
             threading.Event().wait(WATCH_INTERVAL_S)
+
+    def _abort_collectives(self) -> None:
+        """NCCL: collectives are queued on the device and would wait for the dead peer until NCCL's own
+        timeout; aborting the communicator fails them now. (gloo's fail when the killed peers' sockets close.)"""
+        state = getattr(self, "state", None)
+        if state is not None and state.device.type == "cuda" and hasattr(state.group, "abort"):
+            try:
+                state.group.abort()
+            except RuntimeError:
+                log.exception("aborting the NCCL communicator")
 
     def _fail(self, rank: int | None) -> None:
         with self._lock:
