@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -94,8 +95,11 @@ class RankGroup:
                  str(self._folder), str(os.getpid()), str(root or ""), str(int(_long_lived_thread()))],
                 stdin=subprocess.PIPE)
             self._procs.append(proc)
-            proc.stdin.write(payload)
-            proc.stdin.close()
+            try:
+                proc.stdin.write(payload)
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # it died at once: the watchdog reports it while the group forms
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True)
         self._watcher.start()
         self.state: ParallelState = self._join(rank_device(config.device, 0))
@@ -162,7 +166,7 @@ class RankGroup:
                     self._kill()
                     self._abort_collectives()
                     return
-            threading.Event().wait(WATCH_INTERVAL_S)
+            time.sleep(WATCH_INTERVAL_S)
 
     def _abort_collectives(self) -> None:
         """NCCL: collectives are queued on the device and would wait for the dead peer until NCCL's own
