@@ -34,6 +34,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         enforce_eager: bool = False,
         async_scheduling: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
@@ -47,8 +48,18 @@ class LLM:
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
-            device=device, async_scheduling=async_scheduling,
+            device=device, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
         ))
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel ranks (processes); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -84,6 +84,9 @@ class EngineConfig:
     # while this one runs (shared/engine/async_step.py). Unified and decode roles; a prefill worker refuses it.
     async_scheduling: bool = setting(False, "schedule and launch the next step while the device runs this one "
                                      "(same outputs; unified and decode workers)")
+    # vLLM's flag: one process per rank, rank 0 schedules and samples (shared/engine/ranks/)
+    tensor_parallel_size: int = setting(1, "split each model over this many ranks (processes; one device "
+                                        "each on CUDA): heads, MLP and vocabulary sharded", ge=1)
 
     def __post_init__(self) -> None:
         if self.device == "auto":

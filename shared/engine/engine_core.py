@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -46,12 +47,15 @@ class EngineObserver(Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, hold_finished_kv: bool = False, kv_pool: KVPool | None = None,
-                 kv_floor_blocks: int | None = None, kv_pool_key: str | None = None, loaded: tuple | None = None):
+                 kv_floor_blocks: int | None = None, kv_pool_key: str | None = None, loaded: tuple | None = None,
+                 model_root: Path | None = None):
         """``kv_pool``: a KV pool shared with co-resident models (shared/engine/kv_pool.py), attached to under
         ``kv_pool_key`` (default the model path) with a floor of ``kv_floor_blocks`` (default: one
-        max_model_len sequence). Without one the model gets a private pool sized as configured."""
+        max_model_len sequence). Without one the model gets a private pool sized as configured.
+        ``model_root``: the model repository the model's files must resolve inside, when the engine loads
+        them itself (``loaded`` not given)."""
         self.config = config
-        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded)
+        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root)
         self.max_model_len = runner.max_model_len
         self.vocab_size: int = runner.model.vocab_size
         pool, key = runner.kv_pool, runner.kv_pool_key
@@ -283,6 +287,11 @@ class EngineCore:
                                "abort or finish them before releasing the KV cache")
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
         self.structured.close()  # its compile thread and compiled grammars go with the model
+        self.runner.close()  # and its tensor-parallel ranks
+
+    def shutdown(self) -> None:
+        """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
+        self.runner.close()
 
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:

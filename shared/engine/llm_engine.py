@@ -73,6 +73,9 @@ class LLMEngine:
         return dataclasses.replace(params, n=1, seed=seed, use_beam_search=False,
                                    stop_token_ids=params.stop_token_ids + extra_stops)
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
     def abort(self, request_id: str) -> None:
         self.core.abort(self.processor.abort(request_id))
 

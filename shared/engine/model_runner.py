@@ -17,11 +17,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.kv_dtype import attach_kv_scales, check_device, kv_cache_dtype
@@ -30,12 +32,16 @@ from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
+from kvrelay.shared.engine.parallel.state import SINGLE
+from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
+from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler import SchedulerOutput
-from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints
+from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
+from kvrelay.shared.wire.rank_step import RankAlloc, RankProfile, RankSwap
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +57,28 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
-                 kv_pool_key: str | None = None, loaded: tuple | None = None):
+                 kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None):
         """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
-        that reads weights while its other models keep serving."""
+        that reads weights while its other models keep serving; else loaded here (``model_root``: the
+        repository its files must resolve inside)."""
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
-        self.model, self.hf_config = loaded or load_model(config.model, config.device)
+        # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None or kv_pool is not None,
+                                                   root=model_root)
+        self.parallel = self.ranks.state if self.ranks is not None else SINGLE
+        try:
+            self._setup(kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, kv_pool: KVPool | None, kv_floor_blocks: int | None, kv_pool_key: str | None,
+               loaded: tuple | None, root: Path | None) -> None:
+        config = self.config
+        self.model, self.hf_config = loaded or load_model(config.model, config.device, root=root,
+                                                          parallel=self.parallel)
         self.dtype = next(self.model.parameters()).dtype
         # what the KV cache stores (--kv-cache-dtype): the model's dtype, or fp8 with per-layer scales
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
@@ -85,6 +106,8 @@ class ModelRunner:
             floor_blocks=kv_floor_blocks or max_blocks_per_seq)
         self.num_blocks = len(self.kv_block_ids)
         self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
+        if self.ranks is not None:  # every rank's cache has rank 0's block count, holding its own heads
+            self.ranks.send(RankAlloc(self.kv_cache.shape[2], self.num_host_blocks))
         self.host_cache = None
         if self.num_host_blocks:
             pin = self.device.type == "cuda"
@@ -98,7 +121,7 @@ class ModelRunner:
         self.kv_stream = None  # see set_kv_stream
         self._streaming = self._hooked = False
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not self.enforce_eager:
+        if self.device.type == "cuda" and not self.enforce_eager and self.ranks is None:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
                                   self.block_size)
             if graphs.capture():
@@ -123,37 +146,21 @@ class ModelRunner:
         if self.device.type != "cuda":
             return CPU_DEFAULT_KV_BYTES // self.block_bytes
         # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_for_kv = total * cache.gpu_memory_utilization - peak
-        return max(0, int(free_for_kv // self.block_bytes))
-
-    def _profile_run(self) -> None:
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
-        blocks = math.ceil(num_tokens / self.block_size)
-        kv = torch.zeros(self.kv_shape(blocks), dtype=self.kv_dtype, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
-            max_query_len=num_tokens, max_seq_len=num_tokens,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), kv, meta)
-            self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
-        del kv, hidden
+        rows = min(num_tokens, sched.max_num_seqs)
+        if self.ranks is not None:  # every rank profiles its own device; the group keeps what fits on all
+            self.ranks.send(RankProfile(num_tokens, rows))
+        blocks = free_kv_blocks(self.model, num_tokens, rows, self.block_size, self.kv_dtype, self.device,
+                                cache.gpu_memory_utilization, self.block_bytes)
+        return self.parallel.min_int(blocks)
 
     def set_kv_stream(self, stream) -> None:
         """A prefill worker's layer-by-layer handoff (shared/handoff/sender.py ``LayerStream``): told
         before each eager forward which prompts it finishes, and after each decoder layer that the layer's
         KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
+        if self.ranks is not None:
+            raise ValueError("layer-by-layer KV streaming does not support tensor_parallel_size > 1 yet")
         if self.kv_stream is None and not self._hooked:
             self._hooked = True
             for i, layer in enumerate(self.model.decoder_layers()):
@@ -179,13 +186,23 @@ class ModelRunner:
                 self.kv_stream.end()
 
     # -- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self.ranks is None:
+            return self._execute(out)
+        try:
+            return self._execute(out)
+        except TensorParallelError:
+            raise
+        except RuntimeError as exc:  # a collective broke: a rank died, or the group is out of step
+            raise self.ranks.down(exc) from exc
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> StepResult:
         self._swap(out)
         if not out.scheduled:
             return StepResult({}, {})
         batch, sample_reqs, prompt_rows = self._build(out)
-        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs))
+        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), every_row=bool(prompt_rows))
         result = StepResult({}, {})
         if sample_reqs:
             grammar = self._grammar_mask(sample_reqs)  # on the host while the device runs the forward
@@ -243,9 +260,10 @@ class ModelRunner:
         return torch.where(src >= 0, fed.ids.index_select(0, src.clamp(min=0)).long(), -1)
 
     def _logits(self, out: SchedulerOutput, batch: StepBatch, samples: bool,
-                fill: tuple[torch.Tensor, torch.Tensor] | None = None):
+                fill: tuple[torch.Tensor, torch.Tensor] | None = None, every_row: bool = False):
         """Run the forward pass; returns (logits of the sampled rows [R, V] or None, logits_of(start,
-        count) for prompt-logprob rows). ``fill``: (token rows, ids) written into the device input ids."""
+        count) for prompt-logprob rows). ``fill``: (token rows, ids) written into the device input ids.
+        ``every_row``: prompt-logprob rows follow (tensor parallelism forms all logits in one collective)."""
         graphs = self.graphs
         if graphs is not None and not self.enforce_eager and graphs.fits(batch):
             all_logits, rows = graphs.run(batch, fill)  # [S, V]: one token per sequence
@@ -254,15 +272,21 @@ class ModelRunner:
                 return all_logits[start:start + count]
 
             return (all_logits if batch.samples_every_row else all_logits.index_select(0, rows)), logits_of
-        t = to_device(batch, self.device)
+        filled = to_host(batch, self.device) if self.ranks is not None else None
+        t = to_device(batch, self.device, filled)
         if fill is not None:
             t.input_ids.index_copy_(0, fill[0], fill[1])
+        if self.ranks is not None:  # every rank runs this step: its inputs go out before the forward
+            mode = logits_mode(samples, every_row)
+            self.ranks.send(step_message(batch, filled[0], mode), memoryview(filled[1].numpy()))
         meta = AttentionMetadata(
             slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
             block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
             seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
         )
         hidden = self._forward(out, t, meta)  # [T, hidden]
+        if self.ranks is not None:
+            return group_logits(self.model, hidden, batch, t.sample_rows, mode)
 
         def logits_of(start: int, count: int) -> torch.Tensor:
             return self.model.compute_logits(hidden[start:start + count])
@@ -321,6 +345,8 @@ class ModelRunner:
         return batch, sample_reqs, prompt_rows
 
     def _swap(self, out: SchedulerOutput) -> None:
+        if self.ranks is not None and (out.swap_out or out.swap_in):  # every rank swaps its own heads
+            self.ranks.send(RankSwap([list(p) for p in out.swap_out], [list(p) for p in out.swap_in]))
         # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step. Blocks
         # move as their bytes (an fp8 cache's stay fp8 under the same fixed scales)
         if not (out.swap_out or out.swap_in):
@@ -336,6 +362,11 @@ class ModelRunner:
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)
         self._tables.drop(request_id)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def _raw(kv: torch.Tensor) -> torch.Tensor:

@@ -177,13 +177,21 @@ def host_buffer(size: int, device: torch.device) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
-def to_device(batch: StepBatch, device: torch.device) -> StepTensors:
-    """Eager steps: a layout sized to this batch, filled on the host, one non-blocking copy."""
+def to_host(batch: StepBatch, device: torch.device) -> tuple[Layout, torch.Tensor]:
+    """An eager step's layout, sized to this batch, and its filled host buffer (bound for ``device``)."""
     # a multiple of 16 columns: the table's row stride is a kernel argument Triton specialises on too
     width = -(-max((t.size for t in batch.block_tables), default=1) // 16) * 16
     layout = Layout(tokens=batch.num_tokens, seqs=batch.num_seqs, width=width)
     host = host_buffer(layout.size, device)
     write(host.numpy(), layout, batch)
+    return layout, host
+
+
+def to_device(batch: StepBatch, device: torch.device,
+              filled: tuple[Layout, torch.Tensor] | None = None) -> StepTensors:
+    """Eager steps: a layout sized to this batch, filled on the host, one non-blocking copy.
+    ``filled``: ``to_host``'s result when the caller needed the host buffer too (tensor parallelism)."""
+    layout, host = filled or to_host(batch, device)
     dev = host if device.type == "cpu" else host.to(device, non_blocking=True)
     return views(dev, layout, batch.num_tokens, batch.num_seqs, len(batch.sample_rows))
 

@@ -263,7 +263,10 @@ class ModelHost:
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
         # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
         # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
-        if self.shared is None:
+        tp = plan.engine.tensor_parallel_size
+        if tp > 1:  # each rank process loads its own shard: the engine starts them and loads
+            loaded, how = None, f"loaded as {tp} tensor-parallel shards"
+        elif self.shared is None:
             loaded, how = load_model(plan.engine.model, plan.engine.device, root=plan.root), "loaded"
         else:  # mapped from another worker process on this device, or loaded here and exported to them
             loaded, how = self.shared.load(plan.engine, plan.instance, plan.root)
@@ -272,7 +275,7 @@ class ModelHost:
         with self.lock if cuda else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
-                              kv_pool_key=plan.instance, loaded=loaded)
+                              kv_pool_key=plan.instance, loaded=loaded, model_root=plan.root)
         try:
             if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
                 warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)

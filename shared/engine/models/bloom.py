@@ -7,6 +7,7 @@ here shares, so the forward splits it the same way Llama does.
 
 import math
 import re
+from functools import partial
 
 import torch
 from torch import nn
@@ -14,16 +15,18 @@ from torch import nn
 from kvrelay import kernels
 from kvrelay.shared.engine.models.layers import (
     CausalLM,
-    Embedding,
     LayerNorm,
-    Linear,
     Route,
     cfg_get,
     linear_names,
+    lm_head,
     on_the_fly_only,
     quant_linear,
     submodule_route,
+    vocab_embedding,
 )
+from kvrelay.shared.engine.parallel import linear as tp
+from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
 
@@ -48,12 +51,16 @@ def _regroup_qkv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 class BloomAttention(nn.Module):
     kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
-    def __init__(self, hidden: int, num_heads: int, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                 quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
+        # num_heads: this rank's; dense's bias is rank 0's alone, so the all-reduce adds it once
         super().__init__()
-        self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
+        self.num_heads, self.head_dim, self.width = num_heads, head_dim, num_heads * head_dim
         self.scale = self.head_dim ** -0.5
-        self.query_key_value = quant_linear(hidden, 3 * hidden, True, dtype, quant)  # rows: q | k | v after load
-        self.dense = quant_linear(hidden, hidden, True, dtype, quant)
+        self.parallel = parallel
+        self.query_key_value = quant_linear(hidden, 3 * self.width, True, dtype, quant)  # q | k | v after load
+        self.dense = quant_linear(self.width, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
                 slopes: torch.Tensor) -> torch.Tensor:
@@ -61,27 +68,30 @@ class BloomAttention(nn.Module):
         q, k, v = self.query_key_value(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D]
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, slopes, kv_scale=self.kv_scale)  # [T, H, D]
-        return self.dense(out.reshape(num_tokens, self.hidden))
+        return self.parallel.all_reduce(self.dense(out.reshape(num_tokens, self.width)))
 
 
 class BloomMLP(nn.Module):
-    def __init__(self, hidden: int, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, quant: QuantConfig | None = None,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.dense_h_to_4h = quant_linear(hidden, 4 * hidden, True, dtype, quant)
-        self.dense_4h_to_h = quant_linear(4 * hidden, hidden, True, dtype, quant)
+        self.parallel = parallel
+        inner = tp.even(4 * hidden, parallel.rank, parallel.world_size, "the MLP size")[1]
+        self.dense_h_to_4h = quant_linear(hidden, inner, True, dtype, quant)
+        self.dense_4h_to_h = quant_linear(inner, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(kernels.gelu(self.dense_h_to_4h(x), "tanh"))
+        return self.parallel.all_reduce(self.dense_4h_to_h(kernels.gelu(self.dense_h_to_4h(x), "tanh")))
 
 
 class BloomBlock(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, eps: float, post_ln_residual: bool, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, eps: float, post_ln_residual: bool,
+                 dtype: torch.dtype, quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(hidden, eps, dtype)
-        self.self_attention = BloomAttention(hidden, num_heads, dtype, quant)
+        self.self_attention = BloomAttention(hidden, num_heads, head_dim, dtype, quant, parallel)
         self.post_attention_layernorm = LayerNorm(hidden, eps, dtype)
-        self.mlp = BloomMLP(hidden, dtype, quant)
+        self.mlp = BloomMLP(hidden, dtype, quant, parallel)
         self.post_ln_residual = post_ln_residual  # apply_residual_connection_post_layernorm
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
@@ -95,9 +105,10 @@ class BloomBlock(nn.Module):
 
 
 class BloomModel(nn.Module):
-    def __init__(self, blocks: list[BloomBlock], vocab: int, hidden: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: list[BloomBlock], vocab: int, hidden: int, eps: float, dtype: torch.dtype,
+                 parallel: ParallelState) -> None:
         super().__init__()
-        self.word_embeddings = Embedding(vocab, hidden, dtype=dtype)
+        self.word_embeddings = vocab_embedding(vocab, hidden, dtype, parallel)
         self.word_embeddings_layernorm = LayerNorm(hidden, eps, dtype)
         self.h = nn.ModuleList(blocks)
         self.ln_f = LayerNorm(hidden, eps, dtype)
@@ -106,25 +117,33 @@ class BloomModel(nn.Module):
 class BloomForCausalLM(CausalLM):
     has_position_limit = False
     _qkv = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
+    _split = re.compile(r"\.(self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.(weight|bias)$")
+    vocab_tensors = ("transformer.word_embeddings.weight", "lm_head.weight")
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         on_the_fly_only(quant, "BloomForCausalLM")
         self.quant = quant
+        self.parallel = p = parallel
         hidden = cfg_get(hf_config, "hidden_size", "n_embed")
-        self.num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
+        self.total_num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
+        first, self.num_heads = tp.even(self.total_num_heads, p.rank, p.world_size, "the attention heads")
         self.num_kv_heads = self.num_heads
-        self.head_dim = hidden // self.num_heads
+        self.head_dim = hidden // self.total_num_heads
         self.vocab_size = cfg_get(hf_config, "vocab_size")
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
         post_ln = bool(hf_config.get("apply_residual_connection_post_layernorm", False))
-        blocks = [BloomBlock(hidden, self.num_heads, eps, post_ln, dtype, quant) for _ in range(self.num_layers)]
-        self.transformer = BloomModel(blocks, self.vocab_size, hidden, eps, dtype)
+        blocks = [BloomBlock(hidden, self.num_heads, self.head_dim, eps, post_ln, dtype, quant, p)
+                  for _ in range(self.num_layers)]
+        self.transformer = BloomModel(blocks, self.vocab_size, hidden, eps, dtype, p)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
-        self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads), persistent=False)  # [H] fp32
+            self.lm_head = lm_head(hidden, self.vocab_size, dtype, p)
+        # a head's slope depends on its index among all heads: this rank's slice of the whole set
+        slopes = alibi_slopes(self.total_num_heads)[first:first + self.num_heads]
+        self.register_buffer("alibi_slopes", slopes, persistent=False)  # [H] fp32
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: kernels.AttentionMetadata) -> torch.Tensor:
@@ -145,9 +164,22 @@ class BloomForCausalLM(CausalLM):
         return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
     def route(self, name: str) -> Route | None:
-        if self._qkv.search(name):
-            return submodule_route(self, name, lambda t: _regroup_qkv(t, self.num_heads))
+        if self._qkv.search(name):  # this rank's heads (still interleaved), then regrouped
+            p, total = self.parallel, self.total_num_heads
+            return submodule_route(self, name, lambda t: _regroup_qkv(
+                tp.interleaved_qkv(t, total, p.rank, p.world_size), self.num_heads))
         return super().route(name)
+
+    def shard(self, name: str):
+        p = self.parallel
+        match = self._split.search(name) if p.world_size > 1 else None
+        if match is None:
+            return super().shard(name)
+        if match[1] == "mlp.dense_h_to_4h":
+            return partial(tp.column, rank=p.rank, world=p.world_size)
+        if match[2] == "bias":
+            return partial(tp.row_bias, rank=p.rank)
+        return partial(tp.row, rank=p.rank, world=p.world_size)
 
     def checkpoint_names(self) -> list[str]:
         names = ["transformer.word_embeddings.weight"]

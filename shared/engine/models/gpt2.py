@@ -6,6 +6,7 @@ stacked along its output, which is exactly the fused layout.
 """
 
 import re
+from functools import partial
 
 import torch
 from torch import nn
@@ -15,14 +16,17 @@ from kvrelay.shared.engine.models.layers import (
     CausalLM,
     Embedding,
     LayerNorm,
-    Linear,
     Route,
     cfg_get,
     linear_names,
+    lm_head,
     on_the_fly_only,
     quant_linear,
     submodule_route,
+    vocab_embedding,
 )
+from kvrelay.shared.engine.parallel import linear as tp
+from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
 # HF activation name -> torch gelu `approximate`; gelu_new is the tanh form
@@ -31,32 +35,37 @@ _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "
 
 class GPT2Attention(nn.Module):
     kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
-    def __init__(self, hidden: int, num_heads: int, scale: float, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
+        # num_heads: this rank's; c_proj's bias is rank 0's alone, so the all-reduce adds it once
         super().__init__()
-        self.num_heads, self.head_dim, self.hidden = num_heads, hidden // num_heads, hidden
+        self.num_heads, self.head_dim, self.width = num_heads, head_dim, num_heads * head_dim
         self.scale = scale
-        self.c_attn = quant_linear(hidden, 3 * hidden, True, dtype, quant)  # rows: q | k | v
-        self.c_proj = quant_linear(hidden, hidden, True, dtype, quant)
+        self.parallel = parallel
+        self.c_attn = quant_linear(hidden, 3 * self.width, True, dtype, quant)  # rows: q | k | v
+        self.c_proj = quant_linear(self.width, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.c_attn(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, kv_scale=self.kv_scale)  # [T, H, D]
-        return self.c_proj(out.reshape(num_tokens, self.hidden))
+        return self.parallel.all_reduce(self.c_proj(out.reshape(num_tokens, self.width)))
 
 
 class GPT2MLP(nn.Module):
     def __init__(self, hidden: int, inner: int, approximate: str, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
+        # inner: this rank's share
         super().__init__()
+        self.parallel = parallel
         self.c_fc = quant_linear(hidden, inner, True, dtype, quant)
         self.c_proj = quant_linear(inner, hidden, True, dtype, quant)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(kernels.gelu(self.c_fc(x), self.approximate))
+        return self.parallel.all_reduce(self.c_proj(kernels.gelu(self.c_fc(x), self.approximate)))
 
 
 class GPT2Block(nn.Module):
@@ -74,9 +83,9 @@ class GPT2Block(nn.Module):
 
 class GPT2Model(nn.Module):
     def __init__(self, blocks: list[GPT2Block], vocab: int, positions: int, hidden: int, eps: float,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
-        self.wte = Embedding(vocab, hidden, dtype=dtype)
+        self.wte = vocab_embedding(vocab, hidden, dtype, parallel)
         self.wpe = Embedding(positions, hidden, dtype=dtype)
         self.h = nn.ModuleList(blocks)
         self.ln_f = LayerNorm(hidden, eps, dtype)
@@ -86,11 +95,15 @@ class GPT2LMHeadModel(CausalLM):
     # causal-mask buffers older checkpoints saved next to the weights
     ignored_names = re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
     _conv1d = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
+    _split = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$")
+    vocab_tensors = ("transformer.wte.weight", "lm_head.weight")
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         on_the_fly_only(quant, "GPT2LMHeadModel")
         self.quant = quant
+        self.parallel = p = parallel
         act = cfg_get(hf_config, "activation_function", default="gelu_new")
         if act not in _GELU:
             raise ValueError(f"GPT2LMHeadModel supports activation_function in {sorted(_GELU)}, got {act!r}")
@@ -99,23 +112,25 @@ class GPT2LMHeadModel(CausalLM):
         hidden = cfg_get(hf_config, "n_embd", "hidden_size")
         num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
-        self.num_heads = self.num_kv_heads = num_heads
+        self.total_num_heads = num_heads
+        self.num_heads = self.num_kv_heads = tp.even(num_heads, p.rank, p.world_size, "the attention heads")[1]
         self.head_dim = hidden // num_heads
         self.vocab_size = cfg_get(hf_config, "vocab_size")
         self.max_positions = cfg_get(hf_config, "n_positions", "max_position_embeddings")
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
-        inner = cfg_get(hf_config, "n_inner", default=4 * hidden)
+        inner = tp.even(cfg_get(hf_config, "n_inner", default=4 * hidden), p.rank, p.world_size,
+                        "the inner size")[1]
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
         blocks = []
         for i in range(self.num_layers):
             scale = self.head_dim ** -0.5 if hf_config.get("scale_attn_weights", True) else 1.0
             if hf_config.get("scale_attn_by_inverse_layer_idx", False):
                 scale /= i + 1
-            blocks.append(GPT2Block(GPT2Attention(hidden, num_heads, scale, dtype, quant),
-                                    GPT2MLP(hidden, inner, _GELU[act], dtype, quant), hidden, eps, dtype))
-        self.transformer = GPT2Model(blocks, self.vocab_size, self.max_positions, hidden, eps, dtype)
+            blocks.append(GPT2Block(GPT2Attention(hidden, self.num_heads, self.head_dim, scale, dtype, quant, p),
+                                    GPT2MLP(hidden, inner, _GELU[act], dtype, quant, p), hidden, eps, dtype))
+        self.transformer = GPT2Model(blocks, self.vocab_size, self.max_positions, hidden, eps, dtype, p)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = lm_head(hidden, self.vocab_size, dtype, p)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: kernels.AttentionMetadata) -> torch.Tensor:
@@ -136,9 +151,24 @@ class GPT2LMHeadModel(CausalLM):
         return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
     def route(self, name: str) -> Route | None:
-        if self._conv1d.search(name):
-            return submodule_route(self, name, lambda w: w.t())  # Conv1D [in, out] -> Linear [out, in]
-        return super().route(name)
+        shard = self.shard(name)
+        if self._conv1d.search(name):  # Conv1D [in, out] -> Linear [out, in], then this rank's part
+            return submodule_route(self, name, lambda w: w.t() if shard is None else shard(w.t()))
+        return super().route(name)  # biases: the base route applies ``shard`` too
+
+    def shard(self, name: str):
+        p = self.parallel
+        match = self._split.search(name) if p.world_size > 1 else None
+        if match is None:
+            return super().shard(name)
+        module, kind = match[1], match[2]
+        if module == "attn.c_attn":  # q | k | v, each split by heads
+            return partial(tp.stacked_qkv, num_heads=self.total_num_heads, rank=p.rank, world=p.world_size)
+        if module == "mlp.c_fc":
+            return partial(tp.column, rank=p.rank, world=p.world_size)
+        if kind == "bias":  # the c_proj of either: row-parallel
+            return partial(tp.row_bias, rank=p.rank)
+        return partial(tp.row, rank=p.rank, world=p.world_size)
 
     def checkpoint_names(self) -> list[str]:
         names = ["transformer.wte.weight", "transformer.wpe.weight",

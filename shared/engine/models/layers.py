@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.parallel.embedding import VocabParallelEmbedding, parallel_logits, vocab_range, vocab_rows
+from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 from kvrelay.shared.engine.quant.linear import QuantLinear, make_linear
 from kvrelay.shared.engine.weight_upload import WeightUploader
@@ -111,6 +113,19 @@ class Embedding(nn.Embedding):
         pass
 
 
+def vocab_embedding(vocab: int, hidden: int, dtype: torch.dtype, parallel: ParallelState) -> nn.Module:
+    """The token embedding: whole, or this rank's rows of it (shared/engine/parallel/embedding.py)."""
+    if parallel.world_size == 1:
+        return Embedding(vocab, hidden, dtype=dtype)
+    return VocabParallelEmbedding(vocab, hidden, dtype, parallel)
+
+
+def lm_head(hidden: int, vocab: int, dtype: torch.dtype, parallel: ParallelState) -> Linear:
+    """An untied LM head: whole, or this rank's (padded) rows of the vocabulary."""
+    rows = vocab_range(vocab, parallel.rank, parallel.world_size)[2]
+    return Linear(hidden, rows, bias=False, dtype=dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -157,6 +172,10 @@ class CausalLM(nn.Module, ABC):
     quant: QuantConfig | None = None
     # static activation and KV scales of FP8 checkpoints: activations are scaled per token instead
     _quant_ignored = re.compile(r"\.(input_scale|output_scale|k_scale|v_scale)$")
+    # this model's tensor-parallel group; num_heads and num_kv_heads count the heads of this rank
+    parallel: ParallelState = SINGLE
+    # checkpoint tensors split by vocabulary rows across the group (embedding, untied LM head)
+    vocab_tensors: tuple[str, ...] = ()
 
     @abstractmethod
     def checkpoint_names(self) -> list[str]:
@@ -183,10 +202,20 @@ class CausalLM(nn.Module, ABC):
             if isinstance(module, QuantLinear):
                 return module.route(suffix, None)
         param = dict(self.named_parameters()).get(name)
-        return None if param is None else (param, None, None)
+        return None if param is None else (param, None, self.shard(name))
+
+    def shard(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How this rank cuts its part from the full checkpoint tensor ``name`` (None: it keeps all of it).
+        Models add their row-parallel tensors; fused ones are cut in their own ``route``."""
+        p = self.parallel
+        if p.world_size > 1 and name in self.vocab_tensors:
+            return lambda t: vocab_rows(t, self.vocab_size, p.rank, p.world_size)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab]; the matmul stays in model dtype, sampling wants fp32
+        if self.parallel.world_size > 1:  # every rank of the group takes part; rank 0 samples
+            return parallel_logits(hidden, self.output_embedding(), self.parallel, self.vocab_size)
         return F.linear(hidden, self.output_embedding()).float()
 
     @torch.no_grad()

@@ -6,6 +6,7 @@ step runs two matmuls per block instead of five, which the GPU path depends on.
 """
 
 import re
+from functools import partial
 
 import torch
 from torch import nn
@@ -13,27 +14,32 @@ from torch import nn
 from kvrelay import kernels
 from kvrelay.shared.engine.models.layers import (
     CausalLM,
-    Embedding,
-    Linear,
     RMSNorm,
     Route,
     cfg_get,
     linear_names,
     linear_route,
+    lm_head,
     norm_project,
     project,
     quant_linear,
     silu_project,
+    vocab_embedding,
 )
 from kvrelay.shared.engine.models.rope import build_cos_sin_cache
+from kvrelay.shared.engine.parallel import linear as tp
+from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
 
 class LlamaAttention(nn.Module):
     kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 qkv_bias: bool, o_bias: bool, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
+                 qkv_bias: bool, o_bias: bool, dtype: torch.dtype, quant: QuantConfig | None = None,
+                 parallel: ParallelState = SINGLE) -> None:
+        # num_heads, num_kv_heads: this rank's (all of them without tensor parallelism)
         super().__init__()
+        self.parallel = parallel
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
@@ -52,19 +58,21 @@ class LlamaAttention(nn.Module):
         # rotary, the KV write and attention: one kernel for a decode step, two otherwise (kernels/__init__.py)
         out = kernels.rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, self.scale,
                                        self.kv_scale)  # [T, H, D]
-        return project(out.reshape(num_tokens, self.q_size), self.o_proj)
+        return self.parallel.all_reduce(project(out.reshape(num_tokens, self.q_size), self.o_proj))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
+        # intermediate: this rank's share
         super().__init__()
+        self.parallel = parallel
         self.gate_up_proj = quant_linear(hidden, 2 * intermediate, bias, dtype, quant)  # rows: gate | up
         self.down_proj = quant_linear(intermediate, hidden, bias, dtype, quant)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [T, 2I], projected by the layer (which fuses its norm into the projection) -> [T, hidden]
-        return silu_project(gate_up, self.down_proj)
+        return self.parallel.all_reduce(silu_project(gate_up, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,30 +97,39 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, layers: list[LlamaDecoderLayer], vocab: int, hidden: int, eps: float,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(vocab, hidden, dtype=dtype)
+        self.embed_tokens = vocab_embedding(vocab, hidden, dtype, parallel)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, eps, dtype)
 
 
 class LlamaForCausalLM(CausalLM):
     ignored_names = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
+    vocab_tensors = ("model.embed_tokens.weight", "lm_head.weight")
+    _row_parallel = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.quant = quant
+        self.parallel = p = parallel
         act = hf_config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, got {act!r}")
         hidden = cfg_get(hf_config, "hidden_size")
         num_heads = cfg_get(hf_config, "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "num_hidden_layers")
-        self.num_heads = num_heads
-        self.num_kv_heads = cfg_get(hf_config, "num_key_value_heads", default=num_heads)
+        num_kv_heads = cfg_get(hf_config, "num_key_value_heads", default=num_heads)
         self.head_dim = cfg_get(hf_config, "head_dim", default=hidden // num_heads)
         self.vocab_size = cfg_get(hf_config, "vocab_size")
-        self.intermediate_size = cfg_get(hf_config, "intermediate_size")
+        # this rank's query heads, KV heads and intermediate rows (shared/engine/parallel/linear.py)
+        self.q_heads = tp.even(num_heads, p.rank, p.world_size, "the attention heads")
+        self.kv_heads = tp.kv_heads(num_kv_heads, p.rank, p.world_size)
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads, self.num_kv_heads = self.q_heads[1], self.kv_heads[1]
+        self.intermediate_size = tp.even(cfg_get(hf_config, "intermediate_size"), p.rank, p.world_size,
+                                         "the intermediate size")[1]
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         # Mistral v0.1 attends over a 4096-token window; the kernels attend over everything, so the
         # engine must cap max_model_len at this to stay exact
@@ -123,13 +140,14 @@ class LlamaForCausalLM(CausalLM):
         mlp_bias = bool(hf_config.get("mlp_bias", False))
         layers = [
             LlamaDecoderLayer(
-                LlamaAttention(hidden, num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias, dtype, quant),
-                LlamaMLP(hidden, self.intermediate_size, mlp_bias, dtype, quant), hidden, eps, dtype)
+                LlamaAttention(hidden, self.num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias, dtype,
+                               quant, p),
+                LlamaMLP(hidden, self.intermediate_size, mlp_bias, dtype, quant, p), hidden, eps, dtype)
             for _ in range(self.num_layers)
         ]
-        self.model = LlamaModel(layers, self.vocab_size, hidden, eps, dtype)
+        self.model = LlamaModel(layers, self.vocab_size, hidden, eps, dtype, p)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(hidden, self.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = lm_head(hidden, self.vocab_size, dtype, p)
         max_positions = cfg_get(hf_config, "max_position_embeddings", default=2048)
         cache = build_cos_sin_cache(hf_config, self.head_dim, max_positions)  # [max_pos, rot_dim] fp32
         self.register_buffer("cos_sin_cache", cache, persistent=False)
@@ -176,7 +194,28 @@ class LlamaForCausalLM(CausalLM):
             "mlp.gate": (layer.mlp.gate_up_proj, slice(0, inter)),
             "mlp.up": (layer.mlp.gate_up_proj, slice(inter, 2 * inter)),
         }[which]
-        return linear_route(fused, kind, rows)
+        return linear_route(fused, kind, rows, self._fused_shard(which))
+
+    def _fused_shard(self, which: str):
+        """This rank's part of a q, k, v, gate or up tensor: its query heads, its KV heads, its rows."""
+        p = self.parallel
+        if p.world_size == 1:
+            return None
+        if which == "self_attn.q":
+            return partial(tp.heads, num_heads=self.total_num_heads, first=self.q_heads[0], count=self.q_heads[1])
+        if which in ("self_attn.k", "self_attn.v"):
+            return partial(tp.heads, num_heads=self.total_num_kv_heads, first=self.kv_heads[0],
+                           count=self.kv_heads[1])
+        return partial(tp.column, rank=p.rank, world=p.world_size)
+
+    def shard(self, name: str):
+        p = self.parallel
+        match = self._row_parallel.match(name) if p.world_size > 1 else None
+        if match is None:
+            return super().shard(name)
+        if match[2] == "bias":
+            return partial(tp.row_bias, rank=p.rank)
+        return partial(tp.row, rank=p.rank, world=p.world_size)
 
     def checkpoint_names(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]

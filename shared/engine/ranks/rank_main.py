@@ -1,0 +1,52 @@
+"""The process of one tensor-parallel rank other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
+RANK WORLD FOLDER PARENT_PID ROOT DEATHSIG``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
+group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from kvrelay.shared.config import handover
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.parallel.state import connect
+from kvrelay.shared.engine.ranks.broadcast import StepReceiver
+from kvrelay.shared.engine.ranks.group import rank_device
+from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the thread that started it (rank 0's main thread) ends,
+    however rank 0 ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # elsewhere the idle loop's parent check is what ends it
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv or sys.argv[1:]
+    rank, world, folder, parent = int(args[0]), int(args[1]), args[2], int(args[3])
+    root = Path(args[4]) if args[4] else None  # the model repository, if it is one's
+    if args[5] == "1":  # started by rank 0's main thread (see group.py _long_lived_thread)
+        _die_with_parent()
+    if os.getppid() != parent:
+        return 1  # rank 0 died before the signal was armed
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    config = handover.receive(EngineConfig, sys.stdin)
+    device = rank_device(config.device, rank)
+    receiver = StepReceiver(Path(folder), rank)
+    state = connect(rank, world, Path(folder), device)
+    model, _ = load_model(config.model, device, progress=False, root=root, parallel=state)
+    ShardRunner(model, config, state, device).serve(receiver, parent)
+    receiver.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

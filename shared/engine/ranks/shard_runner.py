@@ -1,0 +1,104 @@
+"""What ranks 1..N-1 of a tensor-parallel group run: the model shard and its KV cache, driven by rank 0's
+messages. Each step rebuilds from the packed inputs exactly the tensors rank 0 runs on and makes the
+same sequence of collectives (the forward's all-reduces, then the logits' all-gather when rank 0 forms
+logits), so the group stays in lockstep; the logits themselves are rank 0's to sample."""
+
+import logging
+import os
+
+import torch
+
+from kvrelay.kernels import AttentionMetadata
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.activation_peak import free_kv_blocks
+from kvrelay.shared.engine.parallel.state import ParallelState
+from kvrelay.shared.engine.ranks.broadcast import StepReceiver
+from kvrelay.shared.engine.step_inputs import Layout, views
+from kvrelay.shared.wire.rank_step import (
+    LOGITS_ALL,
+    LOGITS_SAMPLED,
+    RankAlloc,
+    RankProfile,
+    RankStep,
+    RankStop,
+    RankSwap,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle rank checks that rank 0 is still there
+
+
+class ShardRunner:
+    def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device) -> None:
+        self.model, self.config, self.state, self.device = model, config, state, device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = config.cache.block_size
+        self.kv_cache: torch.Tensor | None = None
+        self.host_cache: torch.Tensor | None = None
+
+    def serve(self, receiver: StepReceiver, parent_pid: int) -> None:
+        """Run rank 0's messages until it says stop or is gone."""
+        while True:
+            got = receiver.recv(IDLE_POLL_MS)
+            if got is None:
+                if os.getppid() != parent_pid:
+                    log.error("rank 0 (pid %d) is gone; exiting", parent_pid)
+                    return
+                continue
+            msg, frame = got
+            if isinstance(msg, RankStop):
+                return
+            self.handle(msg, frame)
+
+    @torch.inference_mode()
+    def handle(self, msg, frame: bytes | None) -> None:
+        if isinstance(msg, RankStep):
+            self._step(msg, frame)
+        elif isinstance(msg, RankSwap):
+            self._swap(msg)
+        elif isinstance(msg, RankAlloc):
+            self.kv_cache = torch.zeros(self._kv_shape(msg.num_blocks), dtype=self.dtype, device=self.device)
+            if msg.num_host_blocks:
+                self.host_cache = torch.zeros(self._kv_shape(msg.num_host_blocks), dtype=self.dtype,
+                                              pin_memory=self.device.type == "cuda")
+        elif isinstance(msg, RankProfile):
+            m = self.model
+            block_bytes = m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+            blocks = free_kv_blocks(m, msg.num_tokens, msg.num_rows, self.block_size, self.dtype, self.device,
+                                    self.config.cache.gpu_memory_utilization, block_bytes)
+            self.state.min_int(blocks)
+
+    def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.model
+        return (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+
+    def _swap(self, msg: RankSwap) -> None:
+        # the order and the copies of rank 0's ModelRunner._swap, on this rank's heads
+        if msg.swap_out:
+            dev_ids, host_ids = zip(*msg.swap_out, strict=True)
+            self.host_cache[:, :, list(host_ids)] = self.kv_cache[:, :, list(dev_ids)].to("cpu")
+        if msg.swap_in:
+            host_ids, dev_ids = zip(*msg.swap_in, strict=True)
+            self.kv_cache[:, :, list(dev_ids)] = self.host_cache[:, :, list(host_ids)].to(self.device)
+
+    def _step(self, msg: RankStep, frame: bytes) -> None:
+        layout = Layout(tokens=msg.num_tokens, seqs=msg.num_seqs, width=msg.width)
+        host = torch.frombuffer(bytearray(frame), dtype=torch.int32)
+        if host.numel() != layout.size:
+            raise ValueError(f"step inputs of {host.numel()} ints where the layout needs {layout.size}")
+        buf = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+        t = views(buf, layout, msg.num_tokens, msg.num_seqs, msg.num_sample_rows)
+        host_view = views(host, layout, msg.num_tokens, msg.num_seqs, msg.num_sample_rows)
+        meta = AttentionMetadata(
+            slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
+            block_tables=t.block_tables, query_start_loc_cpu=host_view.query_start_loc.tolist(),
+            seq_lens_cpu=host_view.seq_lens.tolist(), max_query_len=msg.max_query_len,
+            max_seq_len=msg.max_seq_len,
+        )
+        hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)
+        if msg.logits == LOGITS_ALL:
+            self.model.compute_logits(hidden)
+        elif msg.logits == LOGITS_SAMPLED:
+            rows = hidden if msg.num_sample_rows == msg.num_tokens else hidden.index_select(0, t.sample_rows)
+            self.model.compute_logits(rows)

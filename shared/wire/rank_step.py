@@ -1,0 +1,87 @@
+"""Rank 0 -> the other ranks of a tensor-parallel group: what each step asks of every model shard.
+
+One socket per rank carries these in order (shared/engine/ranks/broadcast.py). A ``RankStep`` is followed
+by one raw frame, the step's packed int32 inputs (shared/engine/step_inputs.py ``Layout``): the rank
+rebuilds the same tensors rank 0 runs on, without a per-step encoding of every list.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvrelay.shared.wire.codec import register
+
+# which logits a step computes: none (a mid-prompt chunk), the sampled rows, or every row (prompt logprobs)
+LOGITS_NONE, LOGITS_SAMPLED, LOGITS_ALL = 0, 1, 2
+
+
+@dataclass
+class RankAlloc:
+    """Allocate the KV cache: ``num_blocks`` device blocks (rank 0's count) and swap space on the host."""
+
+    TAG: ClassVar[str] = "rank_alloc"
+    num_blocks: int
+    num_host_blocks: int
+
+    def check(self) -> None:
+        if self.num_blocks < 1 or self.num_host_blocks < 0:
+            raise ValueError("RankAlloc: num_blocks must be positive, num_host_blocks non-negative")
+
+
+@dataclass
+class RankProfile:
+    """CUDA: run the activation-peak forward of ``num_tokens`` tokens, then agree on the KV blocks that fit."""
+
+    TAG: ClassVar[str] = "rank_profile"
+    num_tokens: int
+    num_rows: int  # rows whose logits are computed
+
+    def check(self) -> None:
+        if min(self.num_tokens, self.num_rows) < 1:
+            raise ValueError("RankProfile sizes must be positive")
+
+
+@dataclass
+class RankSwap:
+    """Copy KV blocks out to host swap space and back, before the step that needs them."""
+
+    TAG: ClassVar[str] = "rank_swap"
+    swap_out: list[list[int]]  # [device block, host block]
+    swap_in: list[list[int]]  # [host block, device block]
+
+    def check(self) -> None:
+        if any(len(pair) != 2 or min(pair) < 0 for pair in self.swap_out + self.swap_in):
+            raise ValueError("RankSwap pairs are two non-negative block ids")
+
+
+@dataclass
+class RankStep:
+    """One forward: the sizes of the packed inputs in the next frame, and which logits to form."""
+
+    TAG: ClassVar[str] = "rank_step"
+    num_tokens: int
+    num_seqs: int
+    width: int  # block-table columns
+    num_sample_rows: int
+    max_query_len: int
+    max_seq_len: int
+    logits: int
+
+    def check(self) -> None:
+        if min(self.num_tokens, self.num_seqs, self.width, self.max_query_len, self.max_seq_len) < 1:
+            raise ValueError("RankStep sizes must be positive")
+        if not 0 <= self.num_sample_rows <= self.num_tokens:
+            raise ValueError("RankStep.num_sample_rows must be within the step's tokens")
+        if self.logits not in (LOGITS_NONE, LOGITS_SAMPLED, LOGITS_ALL):
+            raise ValueError(f"RankStep.logits must be {LOGITS_NONE}, {LOGITS_SAMPLED} or {LOGITS_ALL}")
+
+
+@dataclass
+class RankStop:
+    """The group is shutting down: exit."""
+
+    TAG: ClassVar[str] = "rank_stop"
+
+
+RankMessage = RankAlloc | RankProfile | RankSwap | RankStep | RankStop
+
+register(RankAlloc, RankProfile, RankSwap, RankStep, RankStop)
