@@ -7,7 +7,8 @@
 # tests/gpu/test_structured_gpu.py also want SmolLM2's tokenizer files in .tok/ (carry it; KVRELAY_SMOLLM2_TOKENIZER).
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
 # SUITE=0 skips the tests, BENCH=0 the engine benchmark (BENCH_ARGS: more flags for it); HANDOFF=1 adds
-# `bench handoff --sections cuda`; QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS).
+# `bench handoff --sections cuda`; QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS); KV=1 adds
+# `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -39,4 +40,8 @@ fi
 if [ "${QUANT:-0}" = 1 ]; then  # weight quantization, each variant against its own weight-read floor
   timeout "${QUANT_S:-450}" python3 -m kvrelay.cli bench quant ${QUANT_ARGS:---throughput} > "$OUT/quant.txt" 2>&1
   tail -12 "$OUT/quant.txt"
+fi
+if [ "${KV:-0}" = 1 ]; then  # fp8 KV cache: the largest batch at an 8k context, beside bf16
+  timeout "${KV_S:-150}" python3 -m kvrelay.cli bench kv ${KV_ARGS:-} > "$OUT/kv.txt" 2>&1
+  tail -8 "$OUT/kv.txt"
 fi
