@@ -66,8 +66,8 @@ FAILED_KEEP_S = 300.0
 KEEP_ALIVE_CHECK_S = 1.0
 IDLE_GRACE_S = 1.0  # an instance used this recently is never "idle", whatever its queues say
 # A load requests wait for, with no room yet, waits this long for some (a busy model passing its minimum
-# residency, eviction.py) before it is refused: as long as the shortest residency, so it sees one pass.
-ROOM_WAIT_S = 15.0
+# residency, or an idle one its queue has emptied, eviction.py) before it is refused: twice the shortest residency.
+ROOM_WAIT_S = 30.0
 
 
 class RoleHooks(Protocol):
