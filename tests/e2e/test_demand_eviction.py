@@ -20,10 +20,13 @@ pytestmark = pytest.mark.slow
 
 WAIT_S = 150  # generous: loads and drains on a busy 2-core CI box
 LONG = 160  # tokens per request of the busy low-demand model: it is always running something
+TAIL_PAUSE = 0.5
+COLD_JOBS = 48  # as a rate (eviction.py: each an arrival just now) ~3.3 requests a second, above tail's 2 at most
 
 
-def _traffic(client: openai.OpenAI, model: str, max_tokens: int, stop: threading.Event, done: list, errors: list):
-    while not stop.is_set():
+def _traffic(client: openai.OpenAI, model: str, max_tokens: int, pause: float, stop: threading.Event, done: list,
+             errors: list):
+    while not stop.wait(pause):
         try:
             got = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
                                             extra_body={"ignore_eos": True})
@@ -51,15 +54,17 @@ models:
     client = client.with_options(timeout=WAIT_S)
     stop, errors = threading.Event(), []
     done = {"hot": [], "tail": []}
-    threads = [threading.Thread(target=_traffic, args=(client, m, n, stop, done[m], errors), daemon=True)
-               for m, n in (("hot", 8), ("hot", 8), ("tail", LONG))]
+    # tail: a long request at a time, a pause (shorter than the worker's idle grace) between: always busy, at
+    # most 1/TAIL_PAUSE requests a second however fast the box, below the cold queue's demand
+    threads = [threading.Thread(target=_traffic, args=(client, m, n, pause, stop, done[m], errors), daemon=True)
+               for m, n, pause in (("hot", 8, 0.0), ("hot", 8, 0.0), ("tail", LONG, TAIL_PAUSE))]
     for t in threads:
         t.start()
     jobs = JobClient(cluster.redis, "cold@1")
     try:
         time.sleep(16)  # past tail's minimum residency; its demand now reads its steady rate
         assert not errors, errors
-        ids = [f"cold-{i}" for i in range(24)]
+        ids = [f"cold-{i}" for i in range(COLD_JOBS)]
         for rid in ids:  # a queue no worker reads: the gateway's prewarm loads it, with this demand
             jobs.submit(rid, PROMPT, max_tokens=8)
         seen = jobs.wait(ids, timeout=WAIT_S)

@@ -110,7 +110,7 @@ def test_loads_share_the_pool_and_evict_the_idlest_unpinned_model(repo):
     assert sorted(host.slots) == ["a@1", "b@1"]
 
 
-def test_a_busy_model_is_never_evicted(repo):
+def test_a_busy_model_is_not_evicted_for_a_load_nobody_waits_for(repo):
     host, results = make_host(repo)
     run(host, load("a"), load("b"))
     for inst in ("a@1", "b@1"):
