@@ -483,7 +483,8 @@ class ModelHost:
                 continue
             self.unload_now(slot.instance)
             changed = True
-        for cmd in [c for c in self._deferred if c.instance not in self.slots]:  # an evicted one asked back
+        # an evicted one asked back: loaded again once it is gone, or answered if it serves on (drain timed out)
+        for cmd in [c for c in self._deferred if c.instance not in self.slots or self.slots[c.instance].reading]:
             self._deferred.remove(cmd)
             self._start_load(cmd)
             changed = True
