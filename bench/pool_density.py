@@ -8,9 +8,12 @@ share of the requests (model i ∝ 1/(i+1)^``--zipf``), which arrive as a Poisso
 * **pool** (what a kvrelay worker does, shared/worker/model_host.py): as many models resident as fit
   over ONE KV pool arbitrated by demand (shared/engine/kv_pool.py), where each model is guaranteed only
   its floor (one max-length sequence) and the room to serve (``--min-kv-seqs`` sequences) is shared: an
-  idle model lends its KV to a busy one. A request for a model that is not resident evicts a resident
-  model idle for longer than the worker's grace (the longest idle: all reload at the same cost here) and
-  loads its own (a cold load, counted in its TTFT); while none is idle, it waits.
+  idle model lends its KV to a busy one. A request for a model that is not resident evicts a resident one
+  as the worker chooses (shared/worker/eviction.py: idle ones first; a busy one in lower demand, by the
+  decayed arrival rate, is drained: it takes no new request, what runs finishes, then it is freed) and
+  loads its own (a cold load, counted in its TTFT); while no resident model may go, it waits. Here one
+  process sees every arrival, so a cold model's demand is its true rate (a worker adds the requests the
+  gateway says wait for the load to what it remembers).
 * **static** (one engine per model, as deployed elsewhere): each model a fixed 1/N of the memory for its
   weights and a private KV cache of at least ``--min-kv-seqs`` sequences. Where 1/N cannot hold that,
   the best static split serves the most requested models that fit, 1/k each, and requests for the
@@ -45,6 +48,7 @@ from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.eviction import Candidate, DemandRate, Incoming, choose_victims
 from kvrelay.shared.worker.model_host import IDLE_GRACE_S
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
 
@@ -211,12 +215,17 @@ class PoolRun(Run):
         self.evictions = 0
         self.cold_loads: list[float] = []  # loads during the run: an evicted model coming back
         self._loading: tuple[int, threading.Thread, dict] | None = None  # model, its loading thread, result
+        self.rates = {i: DemandRate() for i in range(args.num_models)}  # arrivals per second, decayed
+        self.loaded_at: dict[int, float] = {}
+        self.draining: set[int] = set()  # evicted while busy: no new request, freed once what runs finished
         for i in resident:
             self.cores[i] = models.load(i, pool=self.pool)
+            self.loaded_at[i] = time.perf_counter()
 
     def arrive(self, k: int) -> None:
         m = self.arrivals[k].model
-        if m in self.cores:
+        self.rates[m].note(time.perf_counter())
+        if m in self.cores and m not in self.draining:
             self.submit(k)
         else:
             self.waiting.setdefault(m, []).append(k)
@@ -232,12 +241,19 @@ class PoolRun(Run):
             if "error" in result:
                 raise result["error"]
             self.cores[m] = result["core"]
+            self.loaded_at[m] = time.perf_counter()
             self.cold_loads.append(result["seconds"])
             for k in self.waiting.pop(m):
                 self.submit(k)
-        waiting = sorted((m for m, ks in self.waiting.items() if ks), key=lambda m: self.waiting[m][0])
-        if not waiting or (len(self.cores) >= self.slots and not self._evict_one()):
-            return  # nothing to load, or every resident model busy: the load waits for one to go idle
+        for d in [d for d in self.draining if not self.cores[d].has_unfinished()]:
+            self.draining.discard(d)
+            self.models.free(self.cores.pop(d))  # what arrived while it drained waits for its reload
+        waiting = sorted((m for m, ks in self.waiting.items() if ks and m not in self.cores),
+                         key=lambda m: self.waiting[m][0])
+        if not waiting or self.draining or (len(self.cores) >= self.slots and not self._evict_one(waiting[0])):
+            return  # nothing to load, a victim still draining, or no resident model may go yet
+        if len(self.cores) >= self.slots:
+            return  # the victim drains first
         m, result = waiting[0], {}
         thread = threading.Thread(target=self._load, args=(m, result), daemon=True, name=f"load-{m}")
         self._loading = (m, thread, result)
@@ -258,16 +274,25 @@ class PoolRun(Run):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _evict_one(self) -> bool:
-        """The idle resident model with the longest idleness (all reload at the same cost here)."""
+    def _evict_one(self, m: int) -> bool:
+        """Room for ``m``'s load, as the worker chooses its victim (shared/worker/eviction.py): an idle one is
+        freed now, a busy one starts draining. False: none may go (yet)."""
         now = time.perf_counter()
-        idle = [i for i, c in self.cores.items()
-                if not c.has_unfinished() and now - self.last_used.get(i, 0.0) > IDLE_GRACE_S]
-        if not idle:
+        reload_s = percentile(self.models.loads, 50) if self.models.loads else 1.0
+        candidates = [Candidate(instance=str(i), weight_bytes=1, kv_bytes=0, reload_s=reload_s,
+                                demand=self.rates[i].rate(now), resident_s=now - self.loaded_at.get(i, now),
+                                idle=not c.has_unfinished() and now - self.last_used.get(i, 0.0) > IDLE_GRACE_S,
+                                idle_s=now - self.last_used.get(i, 0.0), ready=i not in self.draining)
+                      for i, c in self.cores.items()]
+        chosen = choose_victims(candidates, 1, 0, Incoming(self.rates[m].rate(now), len(self.waiting[m])))
+        if not chosen:
             return False
-        victim = min(idle, key=lambda i: self.last_used.get(i, 0.0))
-        self.models.free(self.cores.pop(victim))
+        victim = int(chosen[0].instance)
         self.evictions += 1
+        if chosen[0].idle:
+            self.models.free(self.cores.pop(victim))
+        else:
+            self.draining.add(victim)
         return True
 
 

@@ -97,6 +97,10 @@ class DecodeWorker:
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.idle(slot) and not self._prefill_holds(slot.instance)
 
+    def busy(self, slot: ModelSlot) -> bool:
+        # a prefill worker still holding it may hand us its KV: the same bound as any drain
+        return not self.may_unload(slot)
+
     def _asker_alive(self, worker_id: str) -> bool:
         """Does this prefill worker still heartbeat? Asked only for grants past their TTL, so Redis is read
         at most once a LIVE_ASKERS_CACHE_S, and only while some grant is overdue."""
@@ -141,7 +145,7 @@ class DecodeWorker:
 
     def _admit(self, h: KVHeader) -> None:
         slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold
-        slot.touch()
+        slot.note_request()
         job = h.job
         if self.inflight.unwanted(job):  # its client or its gateway left while the KV was on its way
             slot.core.kv.free(job.request_id)

@@ -95,6 +95,9 @@ class PrefillWorker:
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.idle(slot)
 
+    def busy(self, slot: ModelSlot) -> bool:
+        return self.handoff.has_model(slot.instance) or self.intake.busy(slot)
+
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:
         for rid in self.inflight.sweep():  # aborted after its first token: its handoff holds it

@@ -47,6 +47,9 @@ class UnifiedWorker:
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.idle(slot)
 
+    def busy(self, slot: ModelSlot) -> bool:
+        return self.intake.busy(slot)
+
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:
         self.inflight.sweep()

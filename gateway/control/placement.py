@@ -8,6 +8,12 @@ One load per instance across gateways: whoever wins ``load_lock_key`` (SET NX) p
 wait for readiness. A failed load leaves its reason under the lock for a moment, so the requests that
 waited (on every gateway) answer with the worker's reason, and a burst of requests for a model nobody
 can load does not turn into a burst of load attempts. Every readiness check reads Redis, not a cache.
+
+Which model a load evicts is decided in ONE place, the worker (shared/worker/eviction.py): only it knows
+its memory, which of its instances are busy and how fast requests arrive for each. What it cannot see is
+how many requests wait for the load: a lazy load's requests wait here before any job is queued. So each
+load command carries that count (``ControlCommand.waiting``: this gateway's requests waiting on the load,
+plus the jobs queued for the instance in Redis, whoever queued them) and no eviction policy lives here.
 """
 
 import asyncio
@@ -60,12 +66,12 @@ def _preference(worker: WorkerInfo) -> tuple[int, int]:
     return -(worker.weights_budget - worker.weights_used), len(worker.instances) or len(worker.models)
 
 
-def load_command(spec: ModelSpec, prefer_evict: list[str] = ()) -> ControlCommand:
+def load_command(spec: ModelSpec, prefer_evict: list[str] = (), waiting: int = 0) -> ControlCommand:
     return ControlCommand(command_id=uuid.uuid4().hex, op="load", name=spec.name, version=spec.version,
                           path=spec.path, dtype=spec.dtype, quantization=spec.quantization,
                           kv_cache_dtype=spec.kv_cache_dtype,
                           max_model_len=spec.max_model_len, pinned=spec.pinned,
-                          keep_alive_s=spec.keep_alive_s, prefer_evict=list(prefer_evict))
+                          keep_alive_s=spec.keep_alive_s, prefer_evict=list(prefer_evict), waiting=waiting)
 
 
 class Placement:
@@ -74,6 +80,7 @@ class Placement:
         self._registry = registry
         # concurrent requests on this gateway for one instance share one placement
         self._inflight: dict[tuple[str, int], asyncio.Task] = {}
+        self._waiters: dict[str, int] = {}  # instance -> requests on this gateway waiting for its load
 
     # -- control commands ------------------------------------------------------------------------
 
@@ -145,11 +152,14 @@ class Placement:
 
     # -- loading ---------------------------------------------------------------------------------
 
-    async def ensure_loaded(self, spec: ModelSpec, timeout: float, replicas: int = 1, retry: bool = False) -> None:
+    async def ensure_loaded(self, spec: ModelSpec, timeout: float, replicas: int = 1, retry: bool = False,
+                            request: bool = False) -> None:
         """Return once ``spec.instance`` is servable by ``replicas`` workers per role; LoadError when no
         worker can take it, the load fails, or ``timeout`` passes. ``retry`` ignores a recent failure
-        (an operator asking again)."""
+        (an operator asking again). ``request``: a client request waits on it (the load's demand)."""
         key = (spec.instance, replicas)
+        if request:
+            self._waiters[spec.instance] = self._waiters.get(spec.instance, 0) + 1
         task = self._inflight.get(key)
         if task is None or retry:
             task = asyncio.get_running_loop().create_task(self._ensure(spec, timeout, replicas, retry))
@@ -161,6 +171,11 @@ class Placement:
                 await asyncio.shield(task)
         except TimeoutError:
             raise LoadError(f"{spec.instance} was not ready within {timeout:g}s") from None
+        finally:
+            if request:
+                left = self._waiters.pop(spec.instance, 1) - 1
+                if left:
+                    self._waiters[spec.instance] = left
 
     async def _ensure(self, spec: ModelSpec, timeout: float, replicas: int, retry: bool) -> None:
         instance, lock = spec.instance, keys.load_lock_key(spec.instance)
@@ -212,7 +227,8 @@ class Placement:
                 worker = candidates[0]
                 tried.add(worker.worker_id)
                 log.info("loading %s on %s", instance, worker.worker_id)
-                result = await self.command(worker.worker_id, load_command(spec, evicted), deadline)
+                cmd = load_command(spec, evicted, await self._waiting(instance, workers))
+                result = await self.command(worker.worker_id, cmd, deadline)
                 if result.ok:
                     placed.add(worker.worker_id)
                     evicted += result.evicted
@@ -224,6 +240,15 @@ class Placement:
                 if time.monotonic() >= deadline:
                     raise LoadError(f"{instance} was not loaded in time" + (": " + "; ".join(reasons) if reasons else ""))
         await self._wait_ready(instance, replicas, placed, deadline)
+
+    async def _waiting(self, instance: str, workers: list[WorkerInfo]) -> int:
+        """Requests waiting for ``instance``'s load: ours, and its jobs queued in Redis (shared stream and
+        the workers' private ones)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xlen(keys.prefill_stream(instance))
+        for w in workers:
+            pipe.xlen(keys.prefill_worker_stream(instance, w.worker_id))
+        return self._waiters.get(instance, 0) + sum(await pipe.execute())
 
     # -- version swap ----------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ Requests for a model no worker holds normally load it themselves (``served.py``:
 load; ``reload_wait.py``: a queued request whose model left). Prewarm is the pool's view of the same
 demand: it acts on what is queued, whoever queued it (any gateway, one of an older release, a client
 that queues jobs directly as tests/e2e/jobs.py does), and decides across models which load first.
-Eviction already weighs reload cost against idleness (shared/worker/model_host.py); this is the other
-half of that trade, the one that brings a model back by demand.
+Eviction weighs demand against reload cost (shared/worker/eviction.py; a prewarm load's demand is its
+queue depth, ``ControlCommand.waiting``); this is the other half of that trade, the one that brings a model
+back by demand.
 
 Every ``PREWARM_EVERY_S`` (or ``--reconcile-interval-s`` if shorter; 0 turns both off) each gateway
 reads, for each registered instance no live worker holds, the length of its queues (the shared stream

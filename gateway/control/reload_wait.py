@@ -81,7 +81,7 @@ class ReloadWatch:
         self.reloads += 1
         self._load_started = time.time()
         self._load = asyncio.get_running_loop().create_task(
-            self._app[PLACEMENT].ensure_loaded(spec, self._app[CONFIG].model_load_timeout))
+            self._app[PLACEMENT].ensure_loaded(spec, self._app[CONFIG].model_load_timeout, request=True))
         # a request that ends first never reads the outcome: taken here, so a failure is not logged as lost
         self._load.add_done_callback(lambda task: task.cancelled() or task.exception())
 

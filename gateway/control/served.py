@@ -120,7 +120,7 @@ async def load_model(app: web.Application, name: str) -> ModelInfo:
     if spec is None:
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
     try:
-        await app[PLACEMENT].ensure_loaded(spec, config.model_load_timeout)
+        await app[PLACEMENT].ensure_loaded(spec, config.model_load_timeout, request=True)
     except LoadError as exc:
         raise APIError(503, f"model `{name}` could not be loaded: {exc}", code="model_unavailable",
                        headers={"Retry-After": str(config.retry_after_s)}) from None

@@ -236,6 +236,7 @@ class ControlCommand:
     evict: bool = True  # load: may unload idle unpinned models to make room
     prefer_evict: list[str] = field(default_factory=list)  # instances to evict first: what the other role
     # evicted for this load, so both roles drop the same model instead of half-serving two
+    waiting: int = 0  # load: requests waiting for it now, as the gateway counts them (its demand, eviction.py)
 
     @property
     def instance(self) -> str:

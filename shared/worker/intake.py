@@ -60,6 +60,9 @@ class JobIntake:
         return (not self.inflight.holds(slot.instance)
                 and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
 
+    def busy(self, slot: ModelSlot) -> bool:
+        return self.inflight.holds(slot.instance)
+
     def fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
         """Jobs for ``slot``, up to what its engine has room for; none while Redis is unreachable (the
         outage is reported, and the step goes on with what the engine holds)."""
@@ -77,7 +80,7 @@ class JobIntake:
     def _fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
         self._keep_in_flight(slot.instance)
         room = slot.core.max_num_seqs - self.inflight.count(slot.instance)
-        if room <= 0 or self.runtime.draining:
+        if room <= 0 or self.runtime.draining or not slot.reading:  # not reading: evicted, finishing what runs
             return []
         jobs = self.queues[slot.instance].fetch(room, block_ms=block_ms)
         if jobs and self.runtime.draining:  # SIGTERM landed during the read: a peer starts these
@@ -113,6 +116,7 @@ class JobIntake:
         except (ValueError, TypeError) as exc:
             self.answer(slot.instance, entry_id, job, TokenEvent(request_id=rid, finish_reason="error", error=str(exc)))
             return None
+        slot.note_request()
         rec = InFlight(request_id=rid, instance=slot.instance, reply_addr=job.reply_addr, deadline=job.deadline,
                        arrival=job.arrival, max_tokens=req.max_tokens, job=job, entry_id=entry_id)
         self.inflight.track(rec)

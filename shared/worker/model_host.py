@@ -4,13 +4,17 @@ Lifecycle of one model instance (a model at one version) here:
   ControlCommand "load" (or a model configured at startup)
     -> the path and every file of the version are resolved inside the repository (``confined``, checked
        again when the load starts, each file opened by its resolved path) and the weights are estimated
-       from the safetensors headers; what does not fit the weights budget or the KV pool's floor evicts idle,
-       unpinned instances (the longest idle per second of reload cost first), or the load is refused
+       from the safetensors headers; what does not fit the weights budget or the KV pool's floor evicts
+       unpinned instances by demand x reload cost (shared/worker/eviction.py: idle ones first; a busy one
+       only for a load in higher demand that requests wait for, drained first: the load starts once it is
+       gone), or the load waits for room a bounded while if requests wait for it, or is refused
     -> LOADING: a thread verifies the manifest checksums and builds the EngineCore; its KV comes from
        the shared pool (``shared/engine/kv_pool.py``), which lends idle co-resident models' blocks to busy ones
     -> READY: published; the role serves its stream / handoffs
     -> "unload" (drain=True, a swap's old version), keep-alive expiry, or eviction for room
-    -> DRAINING: the role finishes what is queued and in flight (``RoleHooks.may_unload``)
+    -> DRAINING: the role finishes what is queued and in flight (``RoleHooks.may_unload``); evicted while
+       busy: its stream is no longer read (``reading``) and only what runs here finishes (``RoleHooks.busy``),
+       its queued jobs stay in Redis for its next load
     -> gone: KV chunks back to the pool, weights freed (shared weights: once no process on the device maps
        them, shared/worker/shared_weights.py, which also says how a shared model is counted once per device).
 A failed load leaves the instance in state "failed" with the error for the admin API, for FAILED_KEEP_S.
@@ -42,6 +46,14 @@ from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
+from kvrelay.shared.worker.eviction import (
+    EVICT_DRAIN_S,
+    Candidate,
+    DemandRate,
+    Incoming,
+    choose_victims,
+    waiting_demand,
+)
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
@@ -53,6 +65,9 @@ log = logging.getLogger(__name__)
 FAILED_KEEP_S = 300.0
 KEEP_ALIVE_CHECK_S = 1.0
 IDLE_GRACE_S = 1.0  # an instance used this recently is never "idle", whatever its queues say
+# A load requests wait for, with no room yet, waits this long for some (a busy model passing its minimum
+# residency, or an idle one its queue has emptied, eviction.py) before it is refused: twice the shortest residency.
+ROOM_WAIT_S = 30.0
 
 
 class RoleHooks(Protocol):
@@ -70,6 +85,10 @@ class RoleHooks(Protocol):
     def may_unload(self, slot: "ModelSlot") -> bool:
         """A draining instance finished everything it must (its peers included)."""
 
+    def busy(self, slot: "ModelSlot") -> bool:
+        """Requests in flight here for it (its jobs still queued in Redis aside): an instance evicted while
+        busy is unloaded once this is False."""
+
 
 @dataclass
 class ModelSlot:
@@ -86,9 +105,17 @@ class ModelSlot:
     state: str = "ready"  # ready | draining
     last_used: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics | None = None  # set once the worker serves it
+    demand: DemandRate = field(default_factory=DemandRate)  # its requests' arrival rate (eviction.py)
+    loaded_at: float = field(default_factory=time.monotonic)
+    reading: bool = True  # False: evicted while busy; its stream is not read while what runs finishes
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+    def note_request(self) -> None:
+        """A request for it arrived here (a job read or a handoff taken)."""
+        self.last_used = time.monotonic()
+        self.demand.note(self.last_used)
 
     @property
     def idle_s(self) -> float:
@@ -123,6 +150,11 @@ class _Loading:
     slot: ModelSlot | None = None
     error: str = ""
     evicted: list[str] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)  # busy victims draining: the build starts once they are gone
+    command: ControlCommand | None = None  # kept while it waits for room, to try again
+    wait_until: float = 0.0  # monotonic: waiting for room or for its victims' drain ends here, refused
+    failed: bool = False
+    waiting: int = 0  # requests waiting for it: counted as its first arrivals once it is ready
 
 
 class ModelHost:
@@ -160,6 +192,8 @@ class ModelHost:
         self.lock = StepLock()
         self.hooks: RoleHooks | None = None
         self._checked_keep_alive = 0.0
+        self._demand: dict[str, DemandRate] = {}  # instance -> its rate while it was here (a reload's demand)
+        self._deferred: list[ControlCommand] = []  # loads of an instance still draining out for an eviction
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self, cmd: ControlCommand) -> ModelPlan:
@@ -191,47 +225,61 @@ class ModelHost:
     def weights_used(self) -> int:
         if self.shared is None:
             return (sum(s.weight_bytes for s in self.slots.values())
-                    + sum(ld.plan.weight_bytes for ld in self.loading.values()))
+                    + sum(ld.plan.weight_bytes for ld in self.loading.values() if ld.command is None))
         # the device's shared models once each (whoever loaded them), plus what only this process holds
         return (self.shared.device_bytes()
                 + sum(s.weight_bytes for s in self.slots.values() if not self.shared.how(s.instance))
-                + sum(ld.plan.weight_bytes for ld in self.loading.values() if not self._on_device(ld.plan)))
+                + sum(ld.plan.weight_bytes for ld in self.loading.values()
+                      if ld.command is None and not self._on_device(ld.plan)))
 
     def _on_device(self, plan: ModelPlan) -> bool:
         """``plan``'s weights are already shared on this device (loading it maps them: no new memory)."""
         return self.shared is not None and self.shared.on_device(self.shared.key(plan.engine))
 
-    def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = ()) -> list[str]:
-        """Unload idle unpinned instances until ``plan`` fits; the evicted instance keys. Raises
-        ValueError (nothing evicted) when even evicting every candidate would not be enough."""
+    def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = (), waiting: int = 0) -> list[str]:
+        """Evict what ``plan`` needs room for, as shared/worker/eviction.py chooses; the victims' keys. Idle
+        victims are unloaded now; busy ones stop reading their streams and are unloaded by ``tick`` once
+        what runs for them finished (the load waits for that). ``waiting``: requests waiting for this load.
+        Raises ValueError (nothing evicted) when even every eligible victim would not be enough."""
         need = (0 if self._on_device(plan) else plan.weight_bytes) - (self.weights_budget - self.weights_used)
         floor = self._floor_bytes(plan)
         kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes()
         if need <= 0 and kv_short <= 0:
             return []
-        victims = sorted((s for s in self.slots.values() if self._evictable(s)),
-                         key=lambda s: (s.instance not in prefer, -s.idle_s / max(s.load_s, 0.1)))
-        chosen, freed_w, freed_kv = [], 0, 0
-        for s in victims:
-            if freed_w >= need and freed_kv >= kv_short:
-                break
-            chosen.append(s)
-            freed_w += s.weight_bytes  # shared: freed once the device's other users evict it too (prefer_evict)
-            freed_kv += self._owned_bytes(s)
-        if freed_w < need or freed_kv < kv_short or (chosen and not evict):
+        now = time.monotonic()
+        load = Incoming(self.demand_of(plan.instance, now) + waiting_demand(waiting), waiting)
+        candidates = [Candidate(instance=s.instance, weight_bytes=s.weight_bytes, kv_bytes=self._owned_bytes(s),
+                                reload_s=s.load_s, demand=s.demand.rate(now), resident_s=now - s.loaded_at,
+                                idle=self._evictable(s), pinned=s.pinned, ready=s.state == "ready" and s.reading,
+                                preferred=s.instance in prefer, idle_s=s.idle_s)
+                      for s in self.slots.values()]
+        chosen = choose_victims(candidates, need, kv_short, load)
+        if chosen is None or (chosen and not evict):
             gib = 2**30
             raise ValueError(
                 f"not enough memory to load {plan.instance}: needs {plan.weight_bytes / gib:.2f} GiB of weights "
                 f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
                    f"{self.pool.reclaimable_bytes() / gib:.3f} GiB)")
-                + (f"; evicting every idle unpinned model would free {freed_w / gib:.2f} GiB"
+                + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"
                    if evict else "; eviction not allowed"))
-        for s in chosen:
-            log.info("evicting %s (idle %.0fs, reload cost %.1fs) to make room for %s",
-                     s.instance, s.idle_s, s.load_s, plan.instance)
-            self.unload_now(s.instance)
-        return [s.instance for s in chosen]
+        for c in chosen:
+            s = self.slots[c.instance]
+            if c.idle:
+                log.info("evicting %s (idle %.0fs, reload cost %.1fs) to make room for %s",
+                         s.instance, s.idle_s, s.load_s, plan.instance)
+                self.unload_now(s.instance)
+            else:
+                log.info("evicting %s (busy, %.2f req/s, reload cost %.1fs) for %s (%.2f req/s, %d waiting): "
+                         "draining it first", s.instance, c.demand, s.load_s, plan.instance, load.demand, waiting)
+                s.state, s.reading = "draining", False
+        return [c.instance for c in chosen]
+
+    def demand_of(self, instance: str, now: float) -> float:
+        """Its requests' arrival rate here: while hosted, or as it was when it left."""
+        slot = self.slots.get(instance)
+        rate = slot.demand if slot is not None else self._demand.get(instance)
+        return rate.rate(now) if rate is not None else 0.0
 
     def _evictable(self, s: ModelSlot) -> bool:
         return (not s.pinned and s.state == "ready" and s.idle_s > IDLE_GRACE_S
@@ -295,6 +343,8 @@ class ModelHost:
     def _ready(self, slot: ModelSlot) -> None:
         if self.freeze_gc:
             freeze_long_lived()  # the new model's objects live until its unload
+        slot.demand = self._demand.pop(slot.instance, slot.demand)  # its demand before it left
+        slot.loaded_at = time.monotonic()
         self.slots[slot.instance] = slot
         self.failed.pop(slot.instance, None)
         if self.hooks is not None:
@@ -306,6 +356,9 @@ class ModelHost:
         inst = cmd.instance
         if inst in self.slots:
             slot = self.slots[inst]
+            if not slot.reading:  # evicted while busy and still finishing: loaded again once it is gone
+                self._deferred.append(cmd)
+                return None
             if slot.state == "draining":  # asked back before it left: keep serving it
                 slot.state = "ready"
             slot.pinned = slot.pinned or cmd.pinned
@@ -316,12 +369,45 @@ class ModelHost:
         t0 = time.perf_counter()
         try:
             plan = self.plan(cmd)
-            evicted = self.make_room(plan, cmd.evict, cmd.prefer_evict)
         except (RepositoryError, ValueError, OSError) as exc:
             self.failed[inst] = (str(exc), cmd.name, cmd.version, time.time())
             return self._answer(cmd, False, str(exc), time.perf_counter() - t0)
-        ld = self.loading[inst] = _Loading(plan, [cmd.command_id], time.perf_counter(), evicted=evicted)
-        ld.thread = threading.Thread(target=self._load_thread, args=(ld,), daemon=True, name=f"load-{inst}")
+        ld = _Loading(plan, [cmd.command_id], time.perf_counter(), command=cmd, waiting=cmd.waiting,
+                      wait_until=time.monotonic() + (ROOM_WAIT_S if cmd.waiting > 0 else 0.0))
+        self._advance(ld)
+        if ld.failed and ld.thread is None and not ld.after:  # no room, and none to wait for: refused now
+            self.failed[inst] = (ld.error, cmd.name, cmd.version, time.time())
+            return self._answer(cmd, False, ld.error, time.perf_counter() - t0)
+        self.loading[inst] = ld
+
+    def _advance(self, ld: _Loading) -> None:
+        """Make room (a load requests wait for may wait for it until ``wait_until``: a busy model passing its
+        minimum residency), wait for the busy victims' drain (until EVICT_DRAIN_S), then start the build.
+        ``ld.failed`` with ``ld.error`` when it gives up."""
+        if ld.thread is not None or ld.failed:
+            return
+        now = time.monotonic()
+        if ld.command is not None:
+            cmd = ld.command
+            try:
+                ld.evicted = self.make_room(ld.plan, cmd.evict, cmd.prefer_evict, cmd.waiting)
+            except ValueError as exc:
+                ld.error, ld.failed = str(exc), now >= ld.wait_until
+                return
+            ld.command, ld.error, ld.wait_until = None, "", now + EVICT_DRAIN_S
+            ld.after = [v for v in ld.evicted if v in self.slots]  # busy victims, draining
+        ld.after = [v for v in ld.after if v in self.slots]
+        if ld.after and now >= ld.wait_until:
+            for victim in ld.after:  # did not drain in time: it serves on, and the load is refused
+                slot = self.slots[victim]
+                slot.state, slot.reading = "ready", True
+            ld.error = (f"not loading {ld.plan.instance}: {', '.join(ld.after)} (evicted for it) did not finish "
+                        f"its running requests within {EVICT_DRAIN_S:.0f}s")
+            ld.failed, ld.after = True, []
+        if ld.after or ld.failed:
+            return
+        ld.thread = threading.Thread(target=self._load_thread, args=(ld,), daemon=True,
+                                     name=f"load-{ld.plan.instance}")
         ld.thread.start()
 
     def _load_thread(self, ld: _Loading) -> None:
@@ -330,17 +416,22 @@ class ModelHost:
         except Exception as exc:  # any failure to load is this instance's, never the worker's
             log.warning("loading %s failed: %s", ld.plan.instance, exc, exc_info=True)
             ld.error = f"loading {ld.plan.instance} failed: {exc}"
+            ld.failed = True
 
     def _finish_loads(self) -> bool:
         changed = False
         for inst, ld in list(self.loading.items()):
-            if ld.thread is not None and ld.thread.is_alive():
-                continue
+            self._advance(ld)
+            if not ld.failed and (ld.thread is None or ld.thread.is_alive()):
+                continue  # waiting for room or for its victims, or building
             del self.loading[inst]
             changed = True
             seconds = time.perf_counter() - ld.started
             if ld.slot is not None:
                 self._ready(ld.slot)
+                # the requests that waited count as its first arrivals (admitted, they count again: its demand
+                # errs high for a while, so the reload it displaced cannot evict it before they were seen)
+                ld.slot.demand.note(time.monotonic(), ld.waiting)
             else:
                 self.failed[inst] = (ld.error, ld.plan.name, ld.plan.version, time.time())
                 _release_memory()
@@ -352,6 +443,7 @@ class ModelHost:
     # -- unloading ------------------------------------------------------------------------------
     def unload_now(self, instance: str) -> None:
         slot = self.slots.pop(instance)
+        self._demand[instance] = slot.demand  # its next load's demand (eviction.py)
         if self.hooks is not None:
             self.hooks.detach(slot)
         slot.core.release_kv()
@@ -389,9 +481,16 @@ class ModelHost:
                 self._unload(cmd)
         changed |= self._finish_loads()
         for slot in list(self.slots.values()):
-            if slot.state == "draining" and (self.hooks is None or self.hooks.may_unload(slot)):
-                self.unload_now(slot.instance)
-                changed = True
+            if slot.state != "draining" or self.hooks is not None and (
+                    self.hooks.busy(slot) if not slot.reading else not self.hooks.may_unload(slot)):
+                continue
+            self.unload_now(slot.instance)
+            changed = True
+        # an evicted one asked back: loaded again once it is gone, or answered if it serves on (drain timed out)
+        for cmd in [c for c in self._deferred if c.instance not in self.slots or self.slots[c.instance].reading]:
+            self._deferred.remove(cmd)
+            self._start_load(cmd)
+            changed = True
         now = time.monotonic()
         if self.shared is not None and now - self._checked_shared > KEEP_ALIVE_CHECK_S:
             self._checked_shared = now

@@ -235,3 +235,6 @@ class _PublishingHooks:
 
     def may_unload(self, slot: ModelSlot) -> bool:
         return self.role.may_unload(slot)
+
+    def busy(self, slot: ModelSlot) -> bool:
+        return self.role.busy(slot)

@@ -20,7 +20,7 @@ from tests.conftest import make_tiny_model
 
 class Hooks:
     def __init__(self):
-        self.attached, self.detached, self.busy = [], [], set()
+        self.attached, self.detached, self.in_use, self.running = [], [], set(), set()
 
     def attach(self, slot):
         self.attached.append(slot.instance)
@@ -29,10 +29,13 @@ class Hooks:
         self.detached.append(slot.instance)
 
     def idle(self, slot):
-        return slot.instance not in self.busy
+        return slot.instance not in self.in_use
 
     def may_unload(self, slot):
         return self.idle(slot)
+
+    def busy(self, slot):
+        return slot.instance in self.running
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +110,12 @@ def test_loads_share_the_pool_and_evict_the_idlest_unpinned_model(repo):
     assert sorted(host.slots) == ["a@1", "b@1"]
 
 
-def test_a_busy_model_is_never_evicted(repo):
+def test_a_busy_model_is_not_evicted_for_a_load_nobody_waits_for(repo):
     host, results = make_host(repo)
     run(host, load("a"), load("b"))
     for inst in ("a@1", "b@1"):
         host.slots[inst].last_used -= 10
-    host.hooks.busy = {"a@1", "b@1"}
+    host.hooks.in_use = {"a@1", "b@1"}
     run(host, load("c"))
     assert not results[-1].ok and "not enough memory" in results[-1].error
     assert sorted(host.slots) == ["a@1", "b@1"]
@@ -140,12 +143,12 @@ def test_keep_alive_unloads_an_idle_model(repo):
 def test_unload_drains_until_idle(repo):
     host, results = make_host(repo)
     run(host, load("a"))
-    host.hooks.busy = {"a@1"}
+    host.hooks.in_use = {"a@1"}
     run(host, ControlCommand(command_id="u", op="unload", name="a", version=1))
     assert results[-1].ok and host.slots["a@1"].state == "draining"
     host.tick()
     assert "a@1" in host.slots
-    host.hooks.busy = set()
+    host.hooks.in_use = set()
     host.tick()
     assert not host.slots and host.pool.free_bytes == host.pool.nbytes
 
@@ -179,3 +182,61 @@ def test_eviction_prefers_what_the_other_role_evicted(repo):
     run(host, load("c", prefer_evict=["b@1"]))  # ... but the prefill side dropped b for this load
     assert results[-1].ok and results[-1].evicted == ["b@1"]
     assert sorted(host.slots) == ["a@1", "c@1"]
+
+
+def _demand(host: ModelHost, instance: str, requests: int) -> None:
+    for _ in range(requests):
+        host.slots[instance].note_request()
+
+
+def test_a_busy_low_demand_model_is_drained_and_evicted_for_a_load_requests_wait_for(repo, monkeypatch):
+    monkeypatch.setattr("kvrelay.shared.worker.model_host.ROOM_WAIT_S", 0.3)
+    host, results = make_host(repo)
+    run(host, load("a"), load("b"))
+    _demand(host, "a@1", 50)
+    _demand(host, "b@1", 1)
+    host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}  # both serving
+    host.commands.put(load("c", waiting=20))
+    host.tick()
+    b = host.slots["b@1"]  # the lower demand: draining, its stream no longer read, not yet gone
+    assert b.state == "draining" and not b.reading and host.slots["a@1"].reading
+    assert "c@1" in host.loading and host.loading["c@1"].thread is None  # waits for b's running requests
+    host.commands.put(load("b", waiting=1))  # b asked back meanwhile: loaded again once it is gone
+    for _ in range(3):
+        host.tick()
+    assert "b@1" in host.slots and "c@1" not in host.slots
+    host.hooks.running = {"a@1"}  # b's running requests finished (its queued ones stay in Redis)
+    run(host)
+    ok = {r.instance: r for r in results}
+    assert ok["c@1"].ok and ok["c@1"].evicted == ["b@1"] and "c@1" in host.slots
+    assert host.hooks.detached == ["b@1"]
+    # b's reload has less demand than a (busy) and c (just loaded): it is refused, nothing more evicted
+    assert not ok["b@1"].ok and "not enough memory" in ok["b@1"].error
+    assert sorted(host.slots) == ["a@1", "c@1"]
+
+
+def test_nothing_busy_is_evicted_for_a_load_in_lower_demand(repo, monkeypatch):
+    monkeypatch.setattr("kvrelay.shared.worker.model_host.ROOM_WAIT_S", 0.3)
+    host, results = make_host(repo)
+    run(host, load("a"), load("b"))
+    _demand(host, "a@1", 50)
+    _demand(host, "b@1", 50)
+    host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}
+    run(host, load("c", waiting=2))  # waits for room a moment, then refused
+    assert not results[-1].ok and "not enough memory" in results[-1].error
+    assert sorted(host.slots) == ["a@1", "b@1"] and all(s.reading for s in host.slots.values())
+
+
+def test_a_victim_that_does_not_drain_in_time_serves_on_and_the_load_is_refused(repo, monkeypatch):
+    monkeypatch.setattr("kvrelay.shared.worker.model_host.EVICT_DRAIN_S", 0.3)
+    host, results = make_host(repo)
+    run(host, load("a"), load("b"))
+    _demand(host, "a@1", 50)
+    host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}
+    run(host, load("c", waiting=20), load("b", waiting=1))  # b asked back while it drains
+    host.tick()
+    ok = {r.instance: r for r in results}
+    assert not ok["c@1"].ok and "did not finish its running requests" in ok["c@1"].error
+    assert ok["b@1"].ok  # it serves on: its load is answered
+    b = host.slots["b@1"]
+    assert b.state == "ready" and b.reading and sorted(host.slots) == ["a@1", "b@1"]
