@@ -16,7 +16,7 @@ MAX_NEW = 8
 
 def _config(model_dir, tp: int) -> EngineConfig:
     return EngineConfig(ModelConfig(str(model_dir), dtype="float32", max_model_len=128),
-                        cache=CacheConfig(block_size=8), device="cpu", tensor_parallel_size=tp)
+                        cache=CacheConfig(block_size=8, num_gpu_blocks=64), device="cpu", tensor_parallel_size=tp)
 
 
 def _handed_off(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
