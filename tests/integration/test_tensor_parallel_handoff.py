@@ -1,7 +1,12 @@
 """The handoff's mechanics with a tensor-parallel side (real rank processes over gloo, real ZMQ sockets,
 a real HandoffManager and HandoffReceiver in the test's thread): KV moves bit-exact as full-head frames
 both ways, and a direct-write transport on offer is not used, because a sharded worker neither asks for
-direct writes nor offers its cache to them (its blocks are gathered and scattered between steps)."""
+direct writes nor offers its cache to them (its blocks are gathered and scattered between steps). A rank
+killed with -9 makes the gather or scatter raise promptly, naming the rank, instead of hanging."""
+
+import os
+import signal
+import time
 
 from types import SimpleNamespace
 
@@ -13,6 +18,7 @@ from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.ranks.group import TensorParallelError
 from kvrelay.shared.handoff.fake import in_process
 from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, serves, synthetic_job
@@ -99,3 +105,32 @@ def test_tp2_decode_takes_frames_into_each_rank_and_offers_no_direct_writes(tiny
     finally:
         link.close()
         decode.shutdown()
+
+
+def _kill_rank(core: EngineCore) -> int:
+    (pid,) = core.runner.ranks.pids
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_rank_killed_before_the_handoff_fails_it_promptly_naming_the_rank(tiny_model_dirs, side):
+    sharded = _engine(tiny_model_dirs["llama"], hold=side == "prefill")
+    other = endpoint(torch.zeros((2, 2, 64, BLOCK, 2, 16)), "x", MODEL)
+    link = (Link(other.core, SimpleNamespace(core=sharded, config=SimpleNamespace(worker_id="p1"), redis=None))
+            if side == "prefill" else Link(sharded, other))
+    try:
+        if side == "prefill":
+            sharded.add_request(sharded.make_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
+            while sharded.has_unfinished():
+                sharded.step()
+        else:
+            other.core.kv.reserve("r", len(PROMPT))
+        pid = _kill_rank(sharded)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=f"rank 1 of 2 \\(pid {pid}\\) was killed by signal 9"):
+            link.hand_off("r", len(PROMPT))
+        assert time.monotonic() - started < 60
+    finally:
+        link.close()
+        sharded.shutdown()
