@@ -7,7 +7,6 @@ killed with -9 makes the gather or scatter raise promptly, naming the rank, inst
 import os
 import signal
 import time
-
 from types import SimpleNamespace
 
 import pytest
