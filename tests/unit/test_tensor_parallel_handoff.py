@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MAX_NEW = 8
 
 
-def _config(model_dir, tp: int) -> EngineConfig:
+def _config(model_dir, tp: int, device: str) -> EngineConfig:
     return EngineConfig(ModelConfig(str(model_dir), dtype="float32", max_model_len=128),
-                        cache=CacheConfig(block_size=8, num_gpu_blocks=64), device="cpu", tensor_parallel_size=tp)
+                        cache=CacheConfig(block_size=8, num_gpu_blocks=64), device=device, tensor_parallel_size=tp)
 
 
 def _handed_off(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
@@ -42,15 +42,15 @@ def _handed_off(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_kv_regrouped_between_tp2_and_tp1_continues_like_one_rank(tiny_model_dirs):
-    model = tiny_model_dirs["llama"]  # 4 attention heads, 2 KV heads: one KV head per rank at TP 2
+def handoffs_across_layouts_continue_like_one_rank(model, device: str) -> None:
+    """Prefill TP 2 -> decode TP 1 and TP 1 -> TP 2 give the greedy tokens of one rank (tests/gpu runs it on CUDA)."""
     prompts = random_prompts(3, lo=5, hi=40, seed=4)
-    with LLM(model=str(model), dtype="float32", max_model_len=128, block_size=8) as llm:
+    with LLM(model=str(model), dtype="float32", max_model_len=128, block_size=8, device=device) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                              SamplingParams(temperature=0.0, max_tokens=MAX_NEW))]
     for prefill_tp, decode_tp in ((2, 1), (1, 2)):
-        prefill = EngineCore(_config(model, prefill_tp), hold_finished_kv=True)
-        decode = EngineCore(_config(model, decode_tp))
+        prefill = EngineCore(_config(model, prefill_tp, device), hold_finished_kv=True)
+        decode = EngineCore(_config(model, decode_tp, device))
         try:
             assert prefill.kv.sharded == (prefill_tp > 1) and decode.kv.sharded == (decode_tp > 1)
             got = _handed_off(prefill, decode, prompts)
@@ -58,3 +58,8 @@ def test_kv_regrouped_between_tp2_and_tp1_continues_like_one_rank(tiny_model_dir
             prefill.shutdown()
             decode.shutdown()
         assert got == want, f"prefill TP {prefill_tp} -> decode TP {decode_tp}"
+
+
+def test_kv_regrouped_between_tp2_and_tp1_continues_like_one_rank(tiny_model_dirs):
+    # 4 attention heads, 2 KV heads: one KV head per rank at TP 2
+    handoffs_across_layouts_continue_like_one_rank(tiny_model_dirs["llama"], "cpu")
