@@ -79,7 +79,10 @@ class PrefillWorker:
         self.intake.attach(slot)
         if slot.metrics is not None:
             slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
-        if self.config.stream_kv_layers and not slot.core.kv.sharded:  # sharded KV leaves between steps
+        if self.config.stream_kv_layers and slot.core.kv.sharded:  # its blocks are gathered between steps
+            log.info("%s is tensor-parallel: its KV leaves after each prompt's prefill, not layer by layer",
+                     slot.instance)
+        elif self.config.stream_kv_layers:
             slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
 
     def detach(self, slot: ModelSlot) -> None:
