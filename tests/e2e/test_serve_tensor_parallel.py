@@ -67,3 +67,5 @@ def test_disaggregated_handoff_across_parallel_layouts(prefill_tp, decode_tp, ti
     finally:
         cluster.stop()
     assert got == want
+    for worker in ("p1", "d1"):  # stopped, each worker stops its ranks: none dies under it
+        assert "the group is down" not in cluster.log(worker)
