@@ -27,7 +27,6 @@ import redis
 import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
-from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.wire import zmq_auth
@@ -47,9 +46,6 @@ LIVE_ASKERS_CACHE_S = 1.0  # how stale our view of which prefill workers heartbe
 
 class DecodeWorker:
     def __init__(self, config: WorkerConfig):
-        if any(e.tensor_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
-            # handed-off KV would land in rank 0's heads alone
-            raise ConfigError("--tensor-parallel-size: the KV handoff fills one rank's heads; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
@@ -66,7 +62,8 @@ class DecodeWorker:
         bound = pool.nbytes + (1 << 20) if pool is not None else 0
         for slot in self.runtime.slots.values():
             kv = slot.core.kv
-            bound = max(bound, max_message_bytes(kv.kv_cache, math.ceil(slot.core.max_model_len / kv.block_size)))
+            blocks = math.ceil(slot.core.max_model_len / kv.block_size)
+            bound = max(bound, max_message_bytes(kv.kv_cache, blocks, kv.num_kv_heads))
         return bound
 
     def _core_for(self, instance: str):

@@ -51,9 +51,6 @@ class PrefillWorker:
         if any(e.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # its engine hands each prompt's KV off with the first token, which async scheduling reads a step late
             raise ConfigError("--async-scheduling: not for a prefill worker; use it on decode and unified workers")
-        if any(e.tensor_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
-            # the handoff would carry rank 0's KV heads alone
-            raise ConfigError("--tensor-parallel-size: the KV handoff moves one rank's heads; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
         self.intake = JobIntake(self.runtime, config)
@@ -82,7 +79,10 @@ class PrefillWorker:
         self.intake.attach(slot)
         if slot.metrics is not None:
             slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
-        if self.config.stream_kv_layers:
+        if self.config.stream_kv_layers and slot.core.kv.sharded:  # its blocks are gathered between steps
+            log.info("%s is tensor-parallel: its KV leaves after each prompt's prefill, not layer by layer",
+                     slot.instance)
+        elif self.config.stream_kv_layers:
             slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
 
     def detach(self, slot: ModelSlot) -> None:
@@ -110,7 +110,7 @@ class PrefillWorker:
         fetched = 0
         for slot in slots:
             fetched += self._fetch(slot, block_ms)
-            if self.config.stream_kv_layers:
+            if self.config.stream_kv_layers and not slot.core.kv.sharded:
                 self._ask_early(slot)
         if self.handoff.busy:  # grants that came during the last step, so this step's forward can stream
             for t in self.handoff.poll(timeout_ms=0):

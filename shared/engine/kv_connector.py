@@ -13,6 +13,9 @@ Worker side (where the KV is):
   - ``kv_cache``, ``block_size``, ``block_ids``: what a transfer reads or writes.
   - ``set_layer_saver``: the forward reports each decoder layer written (vLLM's ``save_kv_layer``), so
     the KV of the prompts it finishes can leave while later layers compute.
+  - ``sharded``: the KV heads are split over a tensor-parallel group's processes, and ``kv_cache`` holds
+    rank 0's alone; KV then moves as full-head blocks (``export_blocks`` / ``import_blocks``, every
+    layer at once, between steps) and never layer by layer.
 """
 
 from collections import OrderedDict
@@ -42,11 +45,19 @@ class EngineKV:
     """One model's KV blocks as a KV connector sees them."""
 
     def __init__(self, block_manager: BlockManager, kv_cache: Callable[[], torch.Tensor],
-                 release_held: Callable[[str], None], set_layer_saver: Callable[[LayerSaver | None], None]):
+                 release_held: Callable[[str], None], set_layer_saver: Callable[[LayerSaver | None], None],
+                 tensor_parallel_size: int = 1, num_kv_heads: int | None = None,
+                 export: Callable[[list[int]], torch.Tensor] | None = None,
+                 import_: Callable[[list[int], torch.Tensor], None] | None = None):
+        """``num_kv_heads``: the model's, over every rank (default: the cache's); ``export`` / ``import_``:
+        full-head blocks out of / into every rank's cache (needed when ``tensor_parallel_size`` > 1)."""
         self._blocks = block_manager
         self._kv_cache = kv_cache
         self._release_held = release_held
         self._set_layer_saver = set_layer_saver
+        self.sharded = tensor_parallel_size > 1
+        self._num_kv_heads = num_kv_heads
+        self._export, self._import = export, import_
 
     # -- scheduler side ---------------------------------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -84,6 +95,25 @@ class EngineKV:
 
     def set_layer_saver(self, saver: LayerSaver | None) -> None:
         self._set_layer_saver(saver)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """All of the model's KV heads: what a block carries on the wire, however the ranks split them."""
+        return self._num_kv_heads or self.kv_cache.shape[4]
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of ``block_ids`` with every KV head: ``[L, 2, len(block_ids), bs, num_kv_heads, D]``, on
+        rank 0's device. Call between steps (it is a collective of the group)."""
+        if self._export is None:
+            return self.kv_cache[:, :, block_ids]
+        return self._export(block_ids)
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write full-head ``blocks`` (``export_blocks``'s shape) into ``block_ids``, each rank its heads."""
+        if self._import is None:
+            self.kv_cache[:, :, block_ids] = blocks.to(self.kv_cache.device)
+            return
+        self._import(block_ids, blocks)
 
 
 def detached_kv(kv_cache: torch.Tensor, scatter_seed: int | None = None) -> EngineKV:

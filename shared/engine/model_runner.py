@@ -35,6 +35,7 @@ from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
+from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, total_kv_heads
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler import SchedulerOutput
@@ -358,6 +359,21 @@ class ModelRunner:
         if out.swap_in:
             host_ids, dev_ids = zip(*out.swap_in, strict=True)
             dev[:, :, list(dev_ids)] = host[:, :, list(host_ids)].to(self.device)
+
+    # -- KV as full-head blocks, for a handoff between any parallel layouts -------------------------
+    @property
+    def total_kv_heads(self) -> int:
+        return total_kv_heads(self.model)
+
+    @torch.inference_mode()
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """``[L, 2, n, bs, all KV heads, D]`` of ``block_ids``, gathered from every rank."""
+        return driver_export(self.ranks, self.parallel, self.kv_cache, block_ids, self.total_kv_heads)
+
+    @torch.inference_mode()
+    def import_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
+        """Write full-head blocks into ``block_ids``, each rank its own heads."""
+        driver_import(self.ranks, self.parallel, self.kv_cache, block_ids, full)
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)

@@ -31,21 +31,24 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _STREAMS[device]
 
 
-def layout_of(kv_cache: torch.Tensor) -> dict:
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                dtype=DTYPE_NAMES[kv_cache.dtype])
+def layout_of(kv_cache: torch.Tensor, num_kv_heads: int | None = None) -> dict:
+    """The layout a transfer states. ``num_kv_heads``: all of the model's, when this cache holds one
+    tensor-parallel rank's share (blocks always travel with every KV head, in checkpoint order)."""
+    num_layers, _, _, block_size, heads, head_dim = kv_cache.shape
+    return dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads or heads,
+                head_dim=head_dim, dtype=DTYPE_NAMES[kv_cache.dtype])
 
 
-def frame_nbytes(kv_cache: torch.Tensor, num_blocks: int) -> int:
-    """Bytes of one layer of ``num_blocks`` blocks."""
-    _, two, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return two * num_blocks * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+def frame_nbytes(kv_cache: torch.Tensor, num_blocks: int, num_kv_heads: int | None = None) -> int:
+    """Bytes of one layer of ``num_blocks`` blocks (of ``num_kv_heads`` heads, default the cache's)."""
+    _, two, _, block_size, heads, head_dim = kv_cache.shape
+    return two * num_blocks * block_size * (num_kv_heads or heads) * head_dim * kv_cache.element_size()
 
 
-def check_layout(kv_cache: torch.Tensor, header: KVHeader) -> None:
-    """Raise ValueError unless ``header`` describes this cache's layout and blocks that exist here."""
-    mine = layout_of(kv_cache)
+def check_layout(kv_cache: torch.Tensor, header: KVHeader, num_kv_heads: int | None = None) -> None:
+    """Raise ValueError unless ``header`` describes this cache's layout (``num_kv_heads``: all of the
+    model's, when the cache holds one rank's share) and blocks that exist here."""
+    mine = layout_of(kv_cache, num_kv_heads)
     theirs = dict(num_layers=header.num_layers, block_size=header.block_size, num_kv_heads=header.num_kv_heads,
                   head_dim=header.head_dim, dtype=header.dtype)
     if mine != theirs:
@@ -53,9 +56,9 @@ def check_layout(kv_cache: torch.Tensor, header: KVHeader) -> None:
         raise ValueError(f"KV layout mismatch (sent, expected): {diff}")
     if any(not 0 <= b < kv_cache.shape[2] for b in header.block_ids):
         raise ValueError("KV destination block id out of range")
-    if header.nbytes != header.num_layers * frame_nbytes(kv_cache, header.num_blocks):
-        raise ValueError(f"KV header promises {header.nbytes} bytes, {header.num_blocks} blocks are "
-                         f"{header.num_layers * frame_nbytes(kv_cache, header.num_blocks)}")
+    want = header.num_layers * frame_nbytes(kv_cache, header.num_blocks, num_kv_heads)
+    if header.nbytes != want:
+        raise ValueError(f"KV header promises {header.nbytes} bytes, {header.num_blocks} blocks are {want}")
 
 
 def gather_blocks(kv_cache: torch.Tensor, layers: range, index: torch.Tensor,

@@ -46,12 +46,13 @@ class Frames(Transport):
         return LayerAssembler(kv_cache, block_ids, on_done=on_done)
 
 
-def max_message_bytes(kv_cache: torch.Tensor, max_blocks: int) -> int:
+def max_message_bytes(kv_cache: torch.Tensor, max_blocks: int, num_kv_heads: int | None = None) -> int:
     """The receive bound (ZMQ MAXMSGSIZE, which applies per frame) for KV from a peer with this layout
     and prompts of up to ``max_blocks`` blocks: a frame is whole layers of up to MESSAGE_TARGET bytes,
     or one layer when a layer alone is bigger. Control messages fit the extra MiB. A peer sending more
-    is disconnected by ZMQ before anything is buffered."""
-    return max(MESSAGE_TARGET, frame_nbytes(kv_cache, max_blocks)) + (1 << 20)
+    is disconnected by ZMQ before anything is buffered. ``num_kv_heads``: all of the model's, when the
+    cache holds one tensor-parallel rank's share (frames carry every head)."""
+    return max(MESSAGE_TARGET, frame_nbytes(kv_cache, max_blocks, num_kv_heads)) + (1 << 20)
 
 
 def layers_per_message(num_layers: int, layer_nbytes: int) -> int:

@@ -26,6 +26,7 @@ import zmq
 from kvrelay.shared.handoff.base import KVReceiver, Transport
 from kvrelay.shared.handoff.blocks import check_layout
 from kvrelay.shared.handoff.frames import Frames
+from kvrelay.shared.handoff.sharded import ImportingReceiver
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import decode_any, encode
@@ -180,8 +181,10 @@ class KVInbox(ABC):
         blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
             return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy))
-        kv = self.core_for(req.model).kv.kv_cache
-        offer = next((o for t in self.transports if (o := t.offer(req.model, kv, req)) is not None), None)
+        engine_kv = self.core_for(req.model).kv
+        # a sharded cache takes frames only (sharded.py): nothing to offer for direct writes
+        offer = None if engine_kv.sharded else next(
+            (o for t in self.transports if (o := t.offer(req.model, engine_kv.kv_cache, req)) is not None), None)
         # the asker reads our reply only between its engine steps: a grant lives at least as long as it
         # says those take, or its KV would arrive after we had taken the blocks back
         ttl, now = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic()
@@ -197,7 +200,11 @@ class KVInbox(ABC):
         try:
             if transport not in self._by_name:
                 raise ValueError(f"KV over {transport!r}, which this worker does not take")
-            receiver = self._by_name[transport].receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake)
+            chosen = self._by_name[transport]
+            if kv.sharded and chosen.writes_directly:
+                raise ValueError(f"KV over {transport!r} into tensor-parallel ranks; they take frames only")
+            receiver = (ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, self.waker.wake) if kv.sharded
+                        else chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake))
         except ValueError as exc:
             kv.free(rid)
             log.warning("rejected KV for %s: %s", rid, exc)
@@ -244,7 +251,8 @@ class KVInbox(ABC):
                 raise ValueError(f"a {header.transport!r} header after {inc.transport!r} KV")
             if len(header.job.prompt_token_ids) != inc.num_tokens:
                 raise ValueError("prompt length differs from the granted one")
-            check_layout(self.core_for(inc.model).kv.kv_cache, header)
+            kv = self.core_for(inc.model).kv
+            check_layout(kv.kv_cache, header, kv.num_kv_heads)
         except ValueError as exc:
             return self._abort_incoming(rid, str(exc))
         inc.header = header  # _advance lands it once all its KV is written

@@ -21,6 +21,7 @@ import zmq
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, layout_of
 from kvrelay.shared.handoff.grant_hold import GrantHold
+from kvrelay.shared.handoff.sharded import exported, frames_only
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.handoff.transports import default_transports
@@ -194,7 +195,9 @@ class HandoffSender:
         t.asked_at = time.monotonic()
         t.deadline = t.asked_at + self.timeout_s
         kv = self.core_for(t.job.model).kv
-        locality = next((place for tr in self.transports if (place := tr.locality(kv.kv_cache))), "")
+        # a sharded worker's KV leaves through frames only: it asks for no direct-write offer
+        transports = frames_only(self.transports) if kv.sharded else self.transports
+        locality = next((place for tr in transports if (place := tr.locality(kv.kv_cache))), "")
         req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
                              block_size=kv.block_size, kv_dtype=DTYPE_NAMES[kv.kv_cache.dtype],
                              device_uuid=locality,
@@ -270,6 +273,8 @@ class HandoffSender:
         t = self.transfers.get(request_id)
         if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
             return None
+        if self.core_for(instance).kv.sharded:  # its blocks are gathered between steps (sharded.py)
+            return None
         src = blocks[: len(t.grant.block_ids)]
         if len(src) != len(t.grant.block_ids):
             return None  # complete() sends it the plain way, which reports the mismatch
@@ -280,8 +285,11 @@ class HandoffSender:
         return t
 
     def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
-        kv, age = self.core_for(t.job.model).kv.kv_cache, time.monotonic() - t.asked_at
-        for transport in self.transports:
+        engine_kv, age = self.core_for(t.job.model).kv, time.monotonic() - t.asked_at
+        kv, transports = engine_kv.kv_cache, self.transports
+        if engine_kv.sharded:  # every rank's heads of the blocks, gathered into one full-head copy
+            (kv, src_blocks), transports = exported(engine_kv, src_blocks), frames_only(transports)
+        for transport in transports:
             sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.waker.wake)
             if sender is not None:
                 t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
@@ -290,9 +298,9 @@ class HandoffSender:
         return False
 
     def _header(self, t: Transfer) -> KVHeader:
-        job, first, kv = t.job, t.first, self.core_for(t.job.model).kv.kv_cache
+        job, first, kv = t.job, t.first, self.core_for(t.job.model).kv
         return KVHeader(
-            job=job, **layout_of(kv), transport=t.transport, num_blocks=len(t.grant.block_ids),
+            job=job, **layout_of(kv.kv_cache, kv.num_kv_heads), transport=t.transport, num_blocks=len(t.grant.block_ids),
             block_ids=t.grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
             first_logprob=first.logprob, first_top_logprobs=first.top_logprobs, prompt_logprobs=None,
             num_cached_tokens=first.num_cached_tokens,

@@ -76,12 +76,38 @@ class RankStep:
 
 
 @dataclass
+class RankKVExport:
+    """Gather this rank's KV heads of ``block_ids`` (every layer) to rank 0, in one collective: a prefill's
+    KV leaving for another worker."""
+
+    TAG: ClassVar[str] = "rank_kv_export"
+    block_ids: list[int]
+
+    def check(self) -> None:
+        if not self.block_ids or min(self.block_ids) < 0:
+            raise ValueError("RankKVExport.block_ids must be non-empty, non-negative")
+
+
+@dataclass
+class RankKVImport:
+    """Take this rank's KV heads of ``block_ids`` (every layer) from rank 0, in one collective, and write
+    them into those blocks: KV handed over by another worker."""
+
+    TAG: ClassVar[str] = "rank_kv_import"
+    block_ids: list[int]
+
+    def check(self) -> None:
+        if not self.block_ids or min(self.block_ids) < 0:
+            raise ValueError("RankKVImport.block_ids must be non-empty, non-negative")
+
+
+@dataclass
 class RankStop:
     """The group is shutting down: exit."""
 
     TAG: ClassVar[str] = "rank_stop"
 
 
-RankMessage = RankAlloc | RankProfile | RankSwap | RankStep | RankStop
+RankMessage = RankAlloc | RankProfile | RankSwap | RankStep | RankKVExport | RankKVImport | RankStop
 
-register(RankAlloc, RankProfile, RankSwap, RankStep, RankStop)
+register(RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankStop)

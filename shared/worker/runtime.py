@@ -145,6 +145,8 @@ class WorkerRuntime:
     def shutdown(self) -> None:
         self.stop.set()
         self.registration.unregister()
+        for slot in list(self.slots.values()):  # tensor-parallel ranks are asked to stop, not killed at exit
+            slot.core.shutdown()
         if self.host.shared is not None:
             self.host.shared.close()
         self.events.close()

@@ -53,6 +53,15 @@ def test_check_layout_refuses_a_header_that_does_not_fit(over, match):
         check_layout(kv, _header(kv, **over))
 
 
+def test_a_tensor_parallel_rank_checks_headers_against_every_kv_head_of_the_model():
+    """A rank's cache holds half the heads at TP 2; blocks travel with all of them, so the header must
+    state the model's count: one stating the rank's share (a sender that moved only its own heads) is refused."""
+    full, rank = _cache(), _cache(shape=SHAPE[:4] + (1,) + SHAPE[5:])
+    check_layout(rank, _header(full), num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"KV layout mismatch \(sent, expected\): \{'num_kv_heads': \(1, 2\)\}"):
+        check_layout(rank, _header(rank), num_kv_heads=2)
+
+
 def test_header_names_one_of_the_live_transports():
     kv = _cache()
     for transport in ("layers", "ipc"):

@@ -47,6 +47,27 @@ class ParallelState:
         self.group.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=-1)
 
+    def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` (same shape on all) on rank 0, in rank order; None on the other ranks."""
+        if self.group is None:
+            return [t]
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.is_driver else []
+        self.group.gather([parts] if self.is_driver else [], [t], opts).wait()
+        return parts if self.is_driver else None
+
+    def scatter_from_driver(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank r receives rank 0's ``parts[r]`` into ``out`` (``parts``: rank 0's, None elsewhere)."""
+        if self.group is None:
+            return out.copy_(parts[0])
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        inputs = [[p.contiguous() for p in parts]] if self.is_driver else []
+        self.group.scatter([out], inputs, opts).wait()
+        return out
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` any rank holds (KV blocks that fit on every rank)."""
         if self.group is None:

@@ -10,9 +10,18 @@ from pathlib import Path
 import zmq
 
 from kvrelay.shared.wire import codec
-from kvrelay.shared.wire.rank_step import RankAlloc, RankMessage, RankProfile, RankStep, RankStop, RankSwap
+from kvrelay.shared.wire.rank_step import (
+    RankAlloc,
+    RankKVExport,
+    RankKVImport,
+    RankMessage,
+    RankProfile,
+    RankStep,
+    RankStop,
+    RankSwap,
+)
 
-_KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankStop)
+_KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankStop)
 # messages queued for a rank that has not read them yet; ranks run in lockstep, so a full queue means a
 # rank stopped reading
 SEND_HWM = 64

@@ -13,11 +13,14 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
+from kvrelay.shared.engine.ranks.kv_moves import export_blocks, import_blocks, total_kv_heads
 from kvrelay.shared.engine.step_inputs import Layout, views
 from kvrelay.shared.wire.rank_step import (
     LOGITS_ALL,
     LOGITS_SAMPLED,
     RankAlloc,
+    RankKVExport,
+    RankKVImport,
     RankProfile,
     RankStep,
     RankStop,
@@ -57,6 +60,10 @@ class ShardRunner:
             self._step(msg, frame)
         elif isinstance(msg, RankSwap):
             self._swap(msg)
+        elif isinstance(msg, RankKVExport):
+            export_blocks(self.state, self.kv_cache, msg.block_ids, total_kv_heads(self.model))
+        elif isinstance(msg, RankKVImport):
+            import_blocks(self.state, self.kv_cache, msg.block_ids, None)
         elif isinstance(msg, RankAlloc):
             self.kv_cache = torch.zeros(self._kv_shape(msg.num_blocks), dtype=self.dtype, device=self.device)
             if msg.num_host_blocks:

@@ -1,0 +1,61 @@
+"""The handoff of a worker whose KV heads are split over tensor-parallel ranks (``EngineKV.sharded``).
+
+Blocks always travel with every KV head in checkpoint order, the layout of a one-rank cache, and the
+KVHeader states how many (``num_kv_heads``), so prefill and decode workers of any parallel layouts meet
+in the middle and a peer of another model's head count is refused by ``check_layout``. A sharded sender
+first gathers its ranks' heads of the prompt's blocks into one full-head copy (``export_blocks``) and
+sends that as an ordinary cache of ``n`` blocks; a sharded receiver takes the frames into a full-head
+staging copy and, once every layer is checked, gives each rank its heads (``import_blocks``).
+
+Only host-staged frames: the gather and scatter are collectives of the group, which run between steps
+on the worker's loop, so neither layer-by-layer streaming during the forward nor a peer's direct
+writes into rank 0's cache can take part.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from kvrelay.shared.engine.kv_connector import EngineKV
+from kvrelay.shared.handoff.base import KVReceiver, Transport
+from kvrelay.shared.wire.handoff import KVLayers
+
+
+def frames_only(transports: list[Transport]) -> list[Transport]:
+    """The transports a sharded worker may use: none that writes another worker's cache directly."""
+    return [t for t in transports if not t.writes_directly]
+
+
+def exported(kv: EngineKV, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(a full-head copy of ``block_ids`` as a cache of its own, that cache's block ids)."""
+    return kv.export_blocks(block_ids), list(range(len(block_ids)))
+
+
+class ImportingReceiver(KVReceiver):
+    """A transport's receiver into a full-head staging cache of the granted blocks; ``finish`` scatters
+    it to the ranks' caches."""
+
+    def __init__(self, kv: EngineKV, block_ids: list[int], transport: Transport, offered: bool,
+                 on_done: Callable[..., None]):
+        cache = kv.kv_cache
+        num_layers, two, _, block_size, _, head_dim = cache.shape
+        self.kv, self.block_ids = kv, block_ids
+        self.staging = cache.new_empty((num_layers, two, len(block_ids), block_size, kv.num_kv_heads, head_dim))
+        self.inner = transport.receiver(self.staging, list(range(len(block_ids))), offered, on_done)
+
+    def add(self, msg: KVLayers, frames: list) -> None:
+        self.inner.add(msg, frames)
+
+    def error(self) -> Exception | None:
+        return self.inner.error()
+
+    @property
+    def complete(self) -> bool:
+        return self.inner.complete
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self.kv.import_blocks(self.block_ids, self.staging)
+
+    def abandon(self) -> None:
+        self.inner.abandon()
