@@ -35,7 +35,7 @@ from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
-from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
 from kvrelay.shared.worker.token_event import token_event
 

@@ -37,7 +37,7 @@ from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.wire.job_queue import replayable
 from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
-from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
 from kvrelay.shared.worker.token_event import token_event
 

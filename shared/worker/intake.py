@@ -14,7 +14,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.job_queue import JobQueue
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
-from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
 
 IDLE_BLOCK_MS = 50  # one model and nothing running: the read blocks this long for a job

@@ -31,7 +31,7 @@ import redis
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.wire.redis_keys import GATEWAY_TTL_S
-from kvrelay.shared.worker.model_host import ModelSlot
+from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.recent_ids import RecentIds
 from kvrelay.shared.worker.runtime import WorkerRuntime
 

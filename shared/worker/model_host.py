@@ -32,8 +32,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -45,7 +43,7 @@ from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
-from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, instance_key
+from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus
 from kvrelay.shared.worker.eviction import (
     EVICT_DRAIN_S,
     Candidate,
@@ -55,8 +53,8 @@ from kvrelay.shared.worker.eviction import (
     waiting_demand,
 )
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
-from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
+from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
 
@@ -68,77 +66,6 @@ IDLE_GRACE_S = 1.0  # an instance used this recently is never "idle", whatever i
 # A load requests wait for, with no room yet, waits this long for some (a busy model passing its minimum
 # residency, or an idle one its queue has emptied, eviction.py) before it is refused: twice the shortest residency.
 ROOM_WAIT_S = 30.0
-
-
-class RoleHooks(Protocol):
-    """What a worker role tells the host about one instance."""
-
-    def attach(self, slot: "ModelSlot") -> None:
-        """The instance is ready: start serving it (queues, sockets, per-instance state)."""
-
-    def detach(self, slot: "ModelSlot") -> None:
-        """The instance is about to be unloaded; nothing is in flight for it any more."""
-
-    def idle(self, slot: "ModelSlot") -> bool:
-        """Nothing queued for it, nothing in flight here: unloading it loses no request."""
-
-    def may_unload(self, slot: "ModelSlot") -> bool:
-        """A draining instance finished everything it must (its peers included)."""
-
-    def busy(self, slot: "ModelSlot") -> bool:
-        """Requests in flight here for it (its jobs still queued in Redis aside): an instance evicted while
-        busy is unloaded once this is False."""
-
-
-@dataclass
-class ModelSlot:
-    instance: str
-    name: str
-    version: int
-    path: str  # model directory (tokenizer files too)
-    core: EngineCore
-    eos_ids: list[int]
-    pinned: bool = False
-    keep_alive_s: float = 0.0
-    load_s: float = 0.0
-    weight_bytes: int = 0
-    state: str = "ready"  # ready | draining
-    last_used: float = field(default_factory=time.monotonic)
-    metrics: WorkerMetrics | None = None  # set once the worker serves it
-    demand: DemandRate = field(default_factory=DemandRate)  # its requests' arrival rate (eviction.py)
-    loaded_at: float = field(default_factory=time.monotonic)
-    reading: bool = True  # False: evicted while busy; its stream is not read while what runs finishes
-
-    def touch(self) -> None:
-        self.last_used = time.monotonic()
-
-    def note_request(self) -> None:
-        """A request for it arrived here (a job read or a handoff taken)."""
-        self.last_used = time.monotonic()
-        self.demand.note(self.last_used)
-
-    @property
-    def idle_s(self) -> float:
-        return time.monotonic() - self.last_used
-
-
-@dataclass
-class ModelPlan:
-    """Everything needed to build one instance, resolved and checked before any memory is touched."""
-
-    name: str
-    version: int
-    path: str
-    engine: EngineConfig
-    pinned: bool = False
-    keep_alive_s: float = 0.0
-    weight_bytes: int = 0  # the estimate
-    verify: Callable[[], None] | None = None  # raises RepositoryError on a corrupt copy; runs on the loading thread
-    root: Path | None = None  # a repository version's: every file it opens must resolve inside
-
-    @property
-    def instance(self) -> str:
-        return instance_key(self.name, self.version)
 
 
 @dataclass

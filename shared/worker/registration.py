@@ -22,7 +22,8 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
-from kvrelay.shared.worker.model_host import ModelHost, ModelSlot
+from kvrelay.shared.worker.model_host import ModelHost
+from kvrelay.shared.worker.model_slot import ModelSlot
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from kvrelay.shared.worker.gateway_watch import GatewayWatch
 from kvrelay.shared.worker.host_budget import host_budget
 from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.metrics_server import MergedMetrics
-from kvrelay.shared.worker.model_host import ModelHost, ModelPlan, ModelSlot, RoleHooks
+from kvrelay.shared.worker.model_host import ModelHost
+from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
 from kvrelay.shared.worker.shared_weights import SharedWeights, default_dir
 
