@@ -1,4 +1,4 @@
-"""The process of one tensor-parallel rank other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
+"""The process of one tensor-parallel rank (or pipeline stage) other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
 RANK WORLD FOLDER PARENT_PID ROOT DEATHSIG``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
 group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.parallel.state import connect
+from kvrelay.shared.engine.parallel.state import SINGLE, connect
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     device = rank_device(config.device, rank)
     receiver = StepReceiver(Path(folder), rank)
     state = connect(rank, world, Path(folder), device)
-    model, _ = load_model(config.model, device, progress=False, root=root, parallel=state)
+    stages = config.pipeline_parallel_size  # > 1: this rank holds stage ``rank``, its layers unsharded
+    model, _ = load_model(config.model, device, progress=False, root=root,
+                          parallel=state if stages == 1 else SINGLE, pipeline=(rank, stages) if stages > 1 else (0, 1))
     ShardRunner(model, config, state, device).serve(receiver, parent)
     receiver.close()
     return 0

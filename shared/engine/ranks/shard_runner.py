@@ -1,7 +1,9 @@
 """What ranks 1..N-1 of a tensor-parallel group run: the model shard and its KV cache, driven by rank 0's
 messages. Each step rebuilds from the packed inputs exactly the tensors rank 0 runs on and makes the
 same sequence of collectives (the forward's all-reduces, then the logits' all-gather when rank 0 forms
-logits), so the group stays in lockstep; the logits themselves are rank 0's to sample."""
+logits), so the group stays in lockstep; the logits themselves are rank 0's to sample. A pipeline stage
+instead takes the previous stage's output, runs its own layers, and hands the result on: to the next stage,
+or, from the last, as logits to rank 0 (pipe_step.py)."""
 
 import logging
 import os
@@ -13,6 +15,7 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
+from kvrelay.shared.engine.ranks.pipe_step import recv_carried, send_carried, send_logits
 from kvrelay.shared.engine.step_inputs import Layout, views
 from kvrelay.shared.wire.rank_step import (
     LOGITS_ALL,
@@ -64,14 +67,14 @@ class ShardRunner:
                                               pin_memory=self.device.type == "cuda")
         elif isinstance(msg, RankProfile):
             m = self.model
-            block_bytes = m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+            block_bytes = m.kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
             blocks = free_kv_blocks(m, msg.num_tokens, msg.num_rows, self.block_size, self.dtype, self.device,
                                     self.config.cache.gpu_memory_utilization, block_bytes)
             self.state.min_int(blocks)
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model
-        return (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        return (m.kv_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
 
     def _swap(self, msg: RankSwap) -> None:
         # the order and the copies of rank 0's ModelRunner._swap, on this rank's heads
@@ -96,6 +99,14 @@ class ShardRunner:
             seq_lens_cpu=host_view.seq_lens.tolist(), max_query_len=msg.max_query_len,
             max_seq_len=msg.max_seq_len,
         )
+        if self.config.pipeline_parallel_size > 1:
+            carried = recv_carried(self.state, self.model, msg.num_tokens)
+            out = self.model(t.input_ids, t.positions, self.kv_cache, meta, carried)
+            if self.model.stage.last:
+                send_logits(self.state, self.model, out, t.sample_rows, msg.num_sample_rows, msg.logits)
+            else:
+                send_carried(self.state, out)
+            return
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)
         if msg.logits == LOGITS_ALL:
             self.model.compute_logits(hidden)
