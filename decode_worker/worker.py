@@ -50,6 +50,9 @@ class DecodeWorker:
         if any(e.tensor_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # handed-off KV would land in rank 0's heads alone
             raise ConfigError("--tensor-parallel-size: the KV handoff fills one rank's heads; use a unified worker")
+        if any(e.pipeline_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
+            # handed-off KV would land in stage 0's layers alone
+            raise ConfigError("--pipeline-parallel-size: the KV handoff fills one stage's layers; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),

@@ -54,6 +54,9 @@ class PrefillWorker:
         if any(e.tensor_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # the handoff would carry rank 0's KV heads alone
             raise ConfigError("--tensor-parallel-size: the KV handoff moves one rank's heads; use a unified worker")
+        if any(e.pipeline_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
+            # rank 0 caches stage 0's layers only
+            raise ConfigError("--pipeline-parallel-size: the KV handoff moves one stage's layers; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
         self.intake = JobIntake(self.runtime, config)
