@@ -289,8 +289,9 @@ class ModelRunner:
         )
         hidden = self._forward(out, t, meta)  # [T, hidden]; a pipeline's stage 0: its output for stage 1
         if self.pipeline > 1:
-            send_carried(self.ranks.state, hidden)
-            return recv_logits(self.ranks.state, self.model.vocab_size, batch, t.sample_rows, mode)
+            at = self.ranks.layout
+            send_carried(self.ranks.state, hidden, at.next_peer)
+            return recv_logits(self.ranks.state, self.model.vocab_size, batch, t.sample_rows, mode, at.logits_sender)
         if self.ranks is not None:
             return group_logits(self.model, hidden, batch, t.sample_rows, mode)
 

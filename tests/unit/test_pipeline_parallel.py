@@ -1,8 +1,8 @@
 """Pipeline parallelism in real processes over gloo: two stages (rank 0 holds the embedding and layer 0,
 rank 1 layer 1, the final norm and the LM head) give HF transformers' greedy tokens (fp32) and one
 process's on llama (GQA, untied head), gpt2 and bloom (tied), and the same logprobs; a stage killed with -9
-makes the engine raise promptly and leaves no process behind; stage counts the model cannot split fail
-before anything starts."""
+makes the engine raise promptly and leaves no process behind; two stages of two tensor-parallel ranks each
+give HF's tokens too; stage counts the model cannot split fail before anything starts."""
 
 import math
 import os
@@ -55,6 +55,20 @@ def test_pp2_greedy_equals_hf_and_pp1(tiny_model_dirs, arch):
             assert math.isclose(pos_one[tok].logprob, pos_two[tok].logprob, abs_tol=1e-4)
 
 
+def test_tp2_x_pp2_greedy_equals_hf(tiny_model_dirs):
+    """Four ranks: two stages, each a tensor-parallel pair (GQA heads and the vocabulary sharded within a
+    stage); rank 2 sends rank 0 the last stage's logits."""
+    prompts = random_prompts(4, lo=3, hi=40, seed=3)
+    expected = hf_greedy(str(tiny_model_dirs["llama"]), tuple(map(tuple, prompts)), MAX_NEW)
+    before = _children()
+    with _llm(tiny_model_dirs["llama"], 2, tensor_parallel_size=2, block_size=8) as llm:
+        assert len(llm.engine.core.runner.ranks.pids) == 3
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert _children() == before
+
+
 def test_pp2_swap_preemption_equals_hf(tiny_model_dirs):
     """Preemption by swap: each stage copies its own layers' blocks out to the host and back."""
     prompts = random_prompts(10, lo=30, hi=60, seed=1)
@@ -92,9 +106,8 @@ def test_stage_counts_the_model_cannot_split_fail_before_any_process_starts(tiny
         _llm(tiny_model_dirs["gpt2"], 3)
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         _llm(tiny_model_dirs["llama"], 0)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not "
-                                         "supported yet"):
-        _llm(tiny_model_dirs["llama"], 2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the attention heads 4"):
+        _llm(tiny_model_dirs["llama"], 2, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not support async_scheduling"):
         _llm(tiny_model_dirs["llama"], 2, async_scheduling=True)
     assert _children() == before

@@ -24,7 +24,8 @@ import zmq
 
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState, connect
+from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
+from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepSender
 from kvrelay.shared.engine.ranks.checks import check_model
 from kvrelay.shared.wire.rank_step import RankMessage, RankStop
@@ -49,9 +50,6 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
     world = tp * pp
     if world == 1:
         return None
-    if tp > 1 and pp > 1:  # stages of TP groups need a sub-group per stage and per TP rank: not built yet
-        raise ValueError("tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet; "
-                         "use one of them")
     flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
     if shared:
         raise ValueError(f"{flag} > 1: each rank loads its own shard into a private KV cache "
@@ -63,8 +61,8 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
     if config.device.startswith("cuda"):
         first, have = torch.device(config.device).index or 0, torch.cuda.device_count()
         if first + world > have:
-            raise ValueError(f"{flag} {world} needs CUDA devices {first}..{first + world - 1}; "
-                             f"this machine has {have}")
+            size = f"{flag} {world}" if tp == 1 or pp == 1 else f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+            raise ValueError(f"{size} needs CUDA devices {first}..{first + world - 1}; this machine has {have}")
         if pp > 1 and config.cache.num_gpu_blocks is None and config.cache.kv_cache_memory is None:
             # the activation-peak profile runs a whole model's forward, which no stage holds
             raise ValueError("pipeline_parallel_size > 1 on CUDA needs num_gpu_blocks or kv_cache_memory")
@@ -118,17 +116,18 @@ class RankGroup:
                 pass  # it died at once: the watchdog reports it while the group forms
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True)
         self._watcher.start()
-        self.state: ParallelState = self._join(rank_device(config.device, 0))
-        self.model_state: ParallelState = self.state if self.pipeline == 1 else SINGLE
+        self.layout = RankLayout(0, config.tensor_parallel_size, self.pipeline)
+        # the whole group; and the group stage 0's layers reduce over (layout.py)
+        self.state, self.model_state = self._join(rank_device(config.device, 0))
 
-    def _join(self, device: torch.device) -> ParallelState:
+    def _join(self, device: torch.device) -> tuple[ParallelState, ParallelState]:
         """Join the group, on a helper thread: a rank that dies while starting up ends the wait at once (the
         watchdog sees it) instead of after the rendezvous timeout; the abandoned join times out on its own."""
         joined: list = []
 
         def join() -> None:
             try:
-                joined.append(connect(0, self.world_size, self._folder, device))
+                joined.append(join_groups(self.layout, self._folder, device))
             except Exception as exc:  # reported below, as the group's failure
                 joined.append(exc)
 
@@ -137,7 +136,7 @@ class RankGroup:
         while thread.is_alive() and self._failure is None:
             thread.join(WATCH_INTERVAL_S)
         result = joined[0] if joined else None
-        if isinstance(result, ParallelState):
+        if isinstance(result, tuple):
             return result
         reason = self._failure or result
         self.close()
@@ -188,12 +187,12 @@ class RankGroup:
     def _abort_collectives(self) -> None:
         """NCCL: collectives are queued on the device and would wait for the dead peer until NCCL's own
         timeout; aborting the communicator fails them now. (gloo's fail when the killed peers' sockets close.)"""
-        state = getattr(self, "state", None)
-        if state is not None and state.device.type == "cuda" and hasattr(state.group, "abort"):
-            try:
-                state.group.abort()
-            except RuntimeError:
-                log.exception("aborting the NCCL communicator")
+        for state in {id(s): s for s in (getattr(self, "state", None), getattr(self, "model_state", None))}.values():
+            if state is not None and state.device.type == "cuda" and hasattr(state.group, "abort"):
+                try:
+                    state.group.abort()
+                except RuntimeError:
+                    log.exception("aborting the NCCL communicator")
 
     def _fail(self, rank: int | None) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from pathlib import Path
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.parallel.state import SINGLE, connect
+from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
@@ -41,11 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     config = handover.receive(EngineConfig, sys.stdin)
     device = rank_device(config.device, rank)
     receiver = StepReceiver(Path(folder), rank)
-    state = connect(rank, world, Path(folder), device)
-    stages = config.pipeline_parallel_size  # > 1: this rank holds stage ``rank``, its layers unsharded
-    model, _ = load_model(config.model, device, progress=False, root=root,
-                          parallel=state if stages == 1 else SINGLE, pipeline=(rank, stages) if stages > 1 else (0, 1))
-    ShardRunner(model, config, state, device).serve(receiver, parent)
+    layout = RankLayout(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+    if layout.world != world:
+        raise ValueError(f"rank {rank}: a group of {world} ranks, but its config makes {layout.world}")
+    state, model_state = join_groups(layout, Path(folder), device)
+    model, _ = load_model(config.model, device, progress=False, root=root, parallel=model_state,
+                          pipeline=(layout.stage, layout.pp))
+    ShardRunner(model, config, state, device, layout).serve(receiver, parent)
     receiver.close()
     return 0
 

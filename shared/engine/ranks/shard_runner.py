@@ -13,6 +13,7 @@ import torch
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
+from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.pipe_step import recv_carried, send_carried, send_logits
@@ -33,8 +34,10 @@ IDLE_POLL_MS = 500  # how often an idle rank checks that rank 0 is still there
 
 
 class ShardRunner:
-    def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device) -> None:
-        self.model, self.config, self.state, self.device = model, config, state, device
+    def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device,
+                 layout: RankLayout) -> None:
+        # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own
+        self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
         self.dtype = next(model.parameters()).dtype
         self.block_size = config.cache.block_size
         self.kv_cache: torch.Tensor | None = None
@@ -99,13 +102,15 @@ class ShardRunner:
             seq_lens_cpu=host_view.seq_lens.tolist(), max_query_len=msg.max_query_len,
             max_seq_len=msg.max_seq_len,
         )
-        if self.config.pipeline_parallel_size > 1:
-            carried = recv_carried(self.state, self.model, msg.num_tokens)
+        if self.layout.pp > 1:
+            stage, at = self.model.stage, self.layout
+            carried = None if stage.first else recv_carried(self.state, self.model, msg.num_tokens, at.prev_peer)
             out = self.model(t.input_ids, t.positions, self.kv_cache, meta, carried)
-            if self.model.stage.last:
-                send_logits(self.state, self.model, out, t.sample_rows, msg.num_sample_rows, msg.logits)
+            if stage.last:
+                send_logits(self.state, self.model, out, t.sample_rows, msg.num_sample_rows, msg.logits,
+                            sender=at.rank == at.logits_sender)
             else:
-                send_carried(self.state, out)
+                send_carried(self.state, out, at.next_peer)
             return
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)
         if msg.logits == LOGITS_ALL:
