@@ -35,7 +35,7 @@ from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
-from kvrelay.shared.engine.ranks.pipe_step import recv_logits, send_carried
+from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler import SchedulerOutput
@@ -204,14 +204,17 @@ class ModelRunner:
         self._swap(out)
         if not out.scheduled:
             return StepResult({}, {})
-        batch, sample_reqs, prompt_rows = self._build(out)
-        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), every_row=bool(prompt_rows))
-        result = StepResult({}, {})
+        if self.pipeline > 1:  # micro-batches through the stages; the logits come back from the last
+            sample_reqs, sample_logits, prompt = pipeline_step(self, out)
+        else:
+            batch, sample_reqs, prompt_rows = self._build(out)
+            sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), every_row=bool(prompt_rows))
+            prompt = self._prompt_logprobs(prompt_rows, logits_of)
+        result = StepResult({}, prompt)
         if sample_reqs:
             grammar = self._grammar_mask(sample_reqs)  # on the host while the device runs the forward
             for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs, grammar), strict=True):
                 result.sampled[req.request_id] = sample
-        result.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits_of)
         return result
 
     @torch.inference_mode()
@@ -287,11 +290,7 @@ class ModelRunner:
             block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
             seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
         )
-        hidden = self._forward(out, t, meta)  # [T, hidden]; a pipeline's stage 0: its output for stage 1
-        if self.pipeline > 1:
-            at = self.ranks.layout
-            send_carried(self.ranks.state, hidden, at.next_peer)
-            return recv_logits(self.ranks.state, self.model.vocab_size, batch, t.sample_rows, mode, at.logits_sender)
+        hidden = self._forward(out, t, meta)  # [T, hidden]
         if self.ranks is not None:
             return group_logits(self.model, hidden, batch, t.sample_rows, mode)
 

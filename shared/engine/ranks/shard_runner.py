@@ -16,7 +16,7 @@ from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
-from kvrelay.shared.engine.ranks.pipe_step import recv_carried, send_carried, send_logits
+from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_carried, send_carried, send_logits
 from kvrelay.shared.engine.step_inputs import Layout, views
 from kvrelay.shared.wire.rank_step import (
     LOGITS_ALL,
@@ -55,6 +55,17 @@ class ShardRunner:
             msg, frame = got
             if isinstance(msg, RankStop):
                 return
+            if isinstance(msg, RankStep) and self.layout.pp > 1:
+                # the step's other micro-batches follow at once: this stage takes them all first
+                steps = [(msg, frame)]
+                while len(steps) < msg.micro_batches:
+                    got = receiver.recv(IDLE_POLL_MS)
+                    if got is None and os.getppid() != parent_pid:
+                        return
+                    if got is not None:
+                        steps.append(got)
+                self._stage_steps(steps)
+                continue
             self.handle(msg, frame)
 
     @torch.inference_mode()
@@ -88,7 +99,8 @@ class ShardRunner:
             host_ids, dev_ids = zip(*msg.swap_in, strict=True)
             self.kv_cache[:, :, list(dev_ids)] = self.host_cache[:, :, list(host_ids)].to(self.device)
 
-    def _step(self, msg: RankStep, frame: bytes) -> None:
+    def _inputs(self, msg: RankStep, frame: bytes):
+        """(the step's input tensors on this rank's device, its attention metadata), rebuilt from the frame."""
         layout = Layout(tokens=msg.num_tokens, seqs=msg.num_seqs, width=msg.width)
         host = torch.frombuffer(bytearray(frame), dtype=torch.int32)
         if host.numel() != layout.size:
@@ -102,16 +114,29 @@ class ShardRunner:
             seq_lens_cpu=host_view.seq_lens.tolist(), max_query_len=msg.max_query_len,
             max_seq_len=msg.max_seq_len,
         )
-        if self.layout.pp > 1:
-            stage, at = self.model.stage, self.layout
-            carried = None if stage.first else recv_carried(self.state, self.model, msg.num_tokens, at.prev_peer)
+        return t, meta
+
+    @torch.inference_mode()
+    def _stage_steps(self, steps: list[tuple[RankStep, bytes]]) -> None:
+        """A pipeline stage's part of one step, micro-batch by micro-batch (pipe_step.py): every receive
+        from the previous stage is posted first, then each micro-batch runs as soon as its input is here."""
+        stage, at = self.model.stage, self.layout
+        inputs = [self._inputs(msg, frame) for msg, frame in steps]
+        incoming = [None if stage.first else recv_carried(self.state, self.model, msg.num_tokens, at.prev_peer, i)
+                    for i, (msg, _) in enumerate(steps)]
+        outgoing = Pending()
+        for i, ((msg, _), (t, meta), pending) in enumerate(zip(steps, inputs, incoming, strict=True)):
+            carried = None if pending is None else pending.wait()
             out = self.model(t.input_ids, t.positions, self.kv_cache, meta, carried)
             if stage.last:
                 send_logits(self.state, self.model, out, t.sample_rows, msg.num_sample_rows, msg.logits,
-                            sender=at.rank == at.logits_sender)
+                            at.rank == at.logits_sender, i)
             else:
-                send_carried(self.state, out, at.next_peer)
-            return
+                send_carried(self.state, out, at.next_peer, i, outgoing)
+        outgoing.wait()
+
+    def _step(self, msg: RankStep, frame: bytes) -> None:
+        t, meta = self._inputs(msg, frame)
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)
         if msg.logits == LOGITS_ALL:
             self.model.compute_logits(hidden)
