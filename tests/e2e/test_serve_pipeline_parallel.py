@@ -12,9 +12,13 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.served import Served
-from tests.e2e.test_serve_tensor_parallel import PROMPT, _ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+PROMPT = "The capital of France is"
+
+
+def _ranks(serve: psutil.Process) -> list[psutil.Process]:
+    return [p for p in serve.children(recursive=True) if "kvrelay.shared.engine.ranks.rank_main" in p.cmdline()]
 
 
 def test_unified_pp2_answers_like_one_process_and_survives_a_killed_stage(tiny_model_dir, tmp_path):

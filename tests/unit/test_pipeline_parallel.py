@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -16,10 +17,13 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.shared.engine.ranks.group import TensorParallelError
 from tests.conftest import random_prompts
 from tests.parity import hf_greedy
-from tests.unit.test_tensor_parallel import _children
 
 MAX_NEW = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
 def _llm(model_dir, pp: int, **kwargs) -> LLM:

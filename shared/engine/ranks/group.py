@@ -1,4 +1,4 @@
-"""Rank 0's handle on ranks 1..N-1 of a tensor-parallel group (or of a pipeline, rank k holding stage k):
+"""Rank 0's handle on ranks 1..N-1 of a tensor-parallel group (or of a pipeline of such groups, layout.py):
 starts their processes, joins the group with them, sends them each step (broadcast.py), watches them, and
 stops them.
 
@@ -90,8 +90,8 @@ class RankGroup:
         """Start ranks 1..N-1 and join the group with them as rank 0 (returns once all have joined)."""
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world_size = world
-        # with a pipeline, rank k holds stage k and the group carries its send/recv; the model's own
-        # layers then have no tensor-parallel peers
+        # with a pipeline, the whole group carries the stages' send/recv and each stage's TP ranks reduce
+        # over a group of their own (parallel/layout.py)
         self.pipeline = config.pipeline_parallel_size
         self._kind = "pipeline-parallel" if self.pipeline > 1 else "tensor-parallel"
         self._folder = Path(tempfile.mkdtemp(prefix="kvrelay-tp-"))  # 0700: the sockets' access control

@@ -63,6 +63,8 @@ class ShardRunner:
                     if got is None and os.getppid() != parent_pid:
                         return
                     if got is not None:
+                        if not isinstance(got[0], RankStep):
+                            raise ValueError(f"{type(got[0]).__name__} arrived within a step's micro-batches")
                         steps.append(got)
                 self._stage_steps(steps)
                 continue
