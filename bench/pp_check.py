@@ -7,8 +7,8 @@ HF checkpoints of every architecture, and the time of one batch of 16 requests o
 (``--device cpu --hidden 128`` runs the same comparison over gloo, to check the script itself.)
 
 Prints one JSON line per architecture: tokens_equal, first mismatch, seconds for the batch on one device
-and through the pipeline (both eager: ranks run no CUDA graphs yet) and their ratio. A stage's KV cache is
-sized by ``--kv-blocks`` (the activation profile runs whole models, which no stage holds).
+and through the pipeline (both eager: ranks run no CUDA graphs yet) and their ratio. ``--kv-blocks`` fixes
+the KV cache size (default: profiled, each stage on its own layers).
 """
 
 import argparse
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--archs", default="llama,gpt2,bloom")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--kv-blocks", type=int, default=None)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(1)

@@ -63,9 +63,6 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
         if first + world > have:
             size = f"{flag} {world}" if tp == 1 or pp == 1 else f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
             raise ValueError(f"{size} needs CUDA devices {first}..{first + world - 1}; this machine has {have}")
-        if pp > 1 and config.cache.num_gpu_blocks is None and config.cache.kv_cache_memory is None:
-            # the activation-peak profile runs a whole model's forward, which no stage holds
-            raise ValueError("pipeline_parallel_size > 1 on CUDA needs num_gpu_blocks or kv_cache_memory")
     check_model(config.model, tp, root, pp)
     return RankGroup(config, root)
 
