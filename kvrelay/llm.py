@@ -35,6 +35,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool = False,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
@@ -49,6 +50,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
             device=device, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
         ))
 
     def shutdown(self) -> None:

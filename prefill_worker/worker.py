@@ -51,6 +51,9 @@ class PrefillWorker:
         if any(e.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # its engine hands each prompt's KV off with the first token, which async scheduling reads a step late
             raise ConfigError("--async-scheduling: not for a prefill worker; use it on decode and unified workers")
+        if any(e.pipeline_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
+            # rank 0 caches stage 0's layers only
+            raise ConfigError("--pipeline-parallel-size: the KV handoff moves one stage's layers; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
         self.intake = JobIntake(self.runtime, config)

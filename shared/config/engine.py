@@ -87,6 +87,9 @@ class EngineConfig:
     # vLLM's flag: one process per rank, rank 0 schedules and samples (shared/engine/ranks/)
     tensor_parallel_size: int = setting(1, "split each model over this many ranks (processes; one device "
                                         "each on CUDA): heads, MLP and vocabulary sharded", ge=1)
+    # vLLM's flag: contiguous layer stages, one rank each; rank 0 holds stage 0 and schedules (shared/engine/ranks/)
+    pipeline_parallel_size: int = setting(1, "split each model's layers into this many stages (processes; one "
+                                          "device each on CUDA), run one after the other", ge=1)
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -1,6 +1,8 @@
 """The forward pass that measures a model's activation peak on CUDA before the KV cache is sized: the
 largest step the scheduler may run, against a throwaway cache. Rank 0 and, under tensor parallelism,
-every other rank run it together (its all-reduces pair up), each on its own device."""
+every other rank run it together (its all-reduces pair up), each on its own device. A pipeline stage runs
+its own layers alone, on zeros where the previous stage's output would be, and forms logits only if it is
+the last."""
 
 import math
 
@@ -12,7 +14,7 @@ from kvrelay.kernels import AttentionMetadata
 def peak_forward(model, num_tokens: int, num_rows: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
     blocks = math.ceil(num_tokens / block_size)
-    kv = torch.zeros((model.num_layers, 2, blocks, block_size, model.num_kv_heads, model.head_dim),
+    kv = torch.zeros((model.kv_layers, 2, blocks, block_size, model.num_kv_heads, model.head_dim),
                      dtype=dtype, device=device)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, device=device),
@@ -23,9 +25,14 @@ def peak_forward(model, num_tokens: int, num_rows: int, block_size: int, dtype: 
         max_query_len=num_tokens, max_seq_len=num_tokens,
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    stage = model.stage
+    carried = None if stage.first else tuple(
+        torch.zeros(num_tokens, model.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+        for _ in range(model.carried_tensors))
     with torch.inference_mode():
-        hidden = model(ids, torch.arange(num_tokens, device=device), kv, meta)
-        model.compute_logits(hidden[-num_rows:])
+        hidden = model(ids, torch.arange(num_tokens, device=device), kv, meta, carried)
+        if stage.last:
+            model.compute_logits(hidden[-num_rows:])
 
 
 def free_kv_blocks(model, num_tokens: int, num_rows: int, block_size: int, dtype: torch.dtype,

@@ -47,7 +47,7 @@ def check_device(name: str, device: torch.device) -> None:
 def attach_kv_scales(model: nn.Module, device: torch.device) -> torch.Tensor:
     """Give each decoder layer's attention its ``kv_scale`` ([2] float32: K, V) and return them all as
     ``[L, 2]``. Attention modules declare the attribute; the kernels read it only for an fp8 cache."""
-    layers = list(model.decoder_layers())
+    layers = [layer for _, layer in model.held_layers()]  # a pipeline stage: its own layers
     scales = torch.ones(len(layers), 2, dtype=torch.float32, device=device)
     for i, layer in enumerate(layers):
         attn = next(m for m in layer.modules() if hasattr(m, "kv_scale"))

@@ -21,6 +21,7 @@ from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
 from kvrelay.shared.engine.models import build_model, get_model_class
+from kvrelay.shared.engine.parallel.pipeline import make_stage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant import config as quant_config
 from kvrelay.shared.engine.quant.linear import QuantLinear
@@ -33,11 +34,12 @@ DUMMY_INIT_STD = 0.02  # small enough that logits of a many-layer random model s
 
 def load_model(model_config: ModelConfig, device: str | torch.device, progress: bool = True,
                root: Path | None = None, arena: ArenaSource | None = None,
-               parallel: ParallelState = SINGLE) -> tuple[nn.Module, dict]:
+               parallel: ParallelState = SINGLE, pipeline: tuple[int, int] = (0, 1)) -> tuple[nn.Module, dict]:
     """(model in eval mode on ``device`` in the resolved dtype, the HF config dict). ``root``: the model
     repository the model's files must resolve inside. ``arena``: the weights live in one shared buffer
     (shared/engine/weight_arena.py); one already filled by another process is used as it is.
-    ``parallel``: load this rank's shard only, each tensor cut as it is read (shared/engine/parallel/)."""
+    ``parallel``: load this rank's shard only, each tensor cut as it is read (shared/engine/parallel/).
+    ``pipeline``: (stage, stages): load that pipeline stage's layers only."""
     device = torch.device(device)
     dtype = model_config.torch_dtype(device.type)
     dummy = model_config.load_format == "dummy" or model_config.model.startswith(DUMMY_PREFIX)
@@ -54,12 +56,13 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
                          f"({limit} tokens: its position limit, or its sliding attention window)")
 
     quant = quant_config.resolve(model_config.quantization, hf_config, device, dummy)
-    if parallel.world_size > 1 and (quant is not None or arena is not None):
+    stage = make_stage(*pipeline, hf_config)
+    if (parallel.world_size > 1 or stage.size > 1) and (quant is not None or arena is not None):
         raise ValueError("tensor_parallel_size > 1 loads full-precision, unshared weights only "
                          f"({'quantization ' + quant.method if quant is not None else 'a shared weight arena'})")
     # built directly on the device in the dtype: no fp32 staging copy, no default-init pass
     if arena is None:
-        model = build_model(hf_config, dtype, device, quant, parallel)
+        model = build_model(hf_config, dtype, device, quant, parallel, stage)
     else:
         model = build_in_arena(hf_config, dtype, device, arena, quant)
     if arena is not None and arena.filled:

@@ -36,6 +36,7 @@ from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, total_kv_heads
+from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler import SchedulerOutput
@@ -68,7 +69,9 @@ class ModelRunner:
         # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard
         self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None or kv_pool is not None,
                                                    root=model_root)
-        self.parallel = self.ranks.state if self.ranks is not None else SINGLE
+        # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
+        self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
+        self.pipeline = config.pipeline_parallel_size
         try:
             self._setup(kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root)
         except BaseException:
@@ -79,7 +82,7 @@ class ModelRunner:
                loaded: tuple | None, root: Path | None) -> None:
         config = self.config
         self.model, self.hf_config = loaded or load_model(config.model, config.device, root=root,
-                                                          parallel=self.parallel)
+                                                          parallel=self.parallel, pipeline=(0, self.pipeline))
         self.dtype = next(self.model.parameters()).dtype
         # what the KV cache stores (--kv-cache-dtype): the model's dtype, or fp8 with per-layer scales
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
@@ -103,7 +106,7 @@ class ModelRunner:
         m = self.model
         # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now
         self.kv_cache, self.kv_block_ids = kv_pool.attach(
-            self.kv_pool_key, m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype,
+            self.kv_pool_key, m.kv_layers, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype,
             floor_blocks=kv_floor_blocks or max_blocks_per_seq)
         self.num_blocks = len(self.kv_block_ids)
         self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
@@ -131,12 +134,12 @@ class ModelRunner:
     # -- sizing ---------------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model
-        return (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        return (m.kv_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
 
     @property
     def block_bytes(self) -> int:
         m = self.model
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
+        return m.kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -154,7 +157,7 @@ class ModelRunner:
             self.ranks.send(RankProfile(num_tokens, rows))
         blocks = free_kv_blocks(self.model, num_tokens, rows, self.block_size, self.kv_dtype, self.device,
                                 cache.gpu_memory_utilization, self.block_bytes)
-        return self.parallel.min_int(blocks)
+        return (self.ranks.state if self.ranks is not None else SINGLE).min_int(blocks)
 
     def set_kv_stream(self, stream) -> None:
         """A prefill worker's layer-by-layer handoff (shared/handoff/sender.py ``LayerStream``): told
@@ -202,14 +205,17 @@ class ModelRunner:
         self._swap(out)
         if not out.scheduled:
             return StepResult({}, {})
-        batch, sample_reqs, prompt_rows = self._build(out)
-        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), every_row=bool(prompt_rows))
-        result = StepResult({}, {})
+        if self.pipeline > 1:  # micro-batches through the stages; the logits come back from the last
+            sample_reqs, sample_logits, prompt = pipeline_step(self, out)
+        else:
+            batch, sample_reqs, prompt_rows = self._build(out)
+            sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), every_row=bool(prompt_rows))
+            prompt = self._prompt_logprobs(prompt_rows, logits_of)
+        result = StepResult({}, prompt)
         if sample_reqs:
             grammar = self._grammar_mask(sample_reqs)  # on the host while the device runs the forward
             for req, sample in zip(sample_reqs, self.sampler(sample_logits, sample_reqs, grammar), strict=True):
                 result.sampled[req.request_id] = sample
-        result.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits_of)
         return result
 
     @torch.inference_mode()

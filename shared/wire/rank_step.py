@@ -65,9 +65,13 @@ class RankStep:
     max_query_len: int
     max_seq_len: int
     logits: int
+    # a pipeline's step split into this many micro-batches: their RankSteps follow one another at once,
+    # so each stage can take them all before it runs the first (pipe_step.py)
+    micro_batches: int = 1
 
     def check(self) -> None:
-        if min(self.num_tokens, self.num_seqs, self.width, self.max_query_len, self.max_seq_len) < 1:
+        if min(self.num_tokens, self.num_seqs, self.width, self.max_query_len, self.max_seq_len,
+               self.micro_batches) < 1:
             raise ValueError("RankStep sizes must be positive")
         if not 0 <= self.num_sample_rows <= self.num_tokens:
             raise ValueError("RankStep.num_sample_rows must be within the step's tokens")

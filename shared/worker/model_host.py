@@ -238,9 +238,9 @@ class ModelHost:
         # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
         # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
         # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
-        tp = plan.engine.tensor_parallel_size
-        if tp > 1:  # each rank process loads its own shard: the engine starts them and loads
-            loaded, how = None, f"loaded as {tp} tensor-parallel shards"
+        tp, pp = plan.engine.tensor_parallel_size, plan.engine.pipeline_parallel_size
+        if tp * pp > 1:  # each rank process loads its own shard (or stage): the engine starts them and loads
+            loaded, how = None, (f"loaded as {tp} tensor-parallel shards" if pp == 1 else f"loaded as {pp} pipeline stages")
         elif self.shared is None:
             loaded, how = load_model(plan.engine.model, plan.engine.device, root=plan.root), "loaded"
         else:  # mapped from another worker process on this device, or loaded here and exported to them

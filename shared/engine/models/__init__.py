@@ -15,6 +15,7 @@ from kvrelay.shared.engine.models.bloom import BloomForCausalLM
 from kvrelay.shared.engine.models.gpt2 import GPT2LMHeadModel
 from kvrelay.shared.engine.models.layers import CausalLM
 from kvrelay.shared.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from kvrelay.shared.engine.parallel.pipeline import WHOLE, PipelineStage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
@@ -42,13 +43,13 @@ def get_model_class(hf_config: dict) -> type[CausalLM]:
 
 def build_model(hf_config: dict, dtype: torch.dtype = torch.float32,
                 device: torch.device | str | None = None, quant: QuantConfig | None = None,
-                parallel: ParallelState = SINGLE) -> nn.Module:
+                parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> nn.Module:
     """The model with uninitialised weights in ``dtype`` on ``device`` (default: torch's current
     default device; pass "meta" to size a model without allocating it); ``quant``: its decoder
     projections' quantization (shared/engine/quant/config.py); ``parallel``: the tensor-parallel group
-    whose rank's shard this is (shared/engine/parallel/)."""
+    whose rank's shard this is (shared/engine/parallel/); ``stage``: the pipeline stage whose layers it holds."""
     with torch.device(device) if device is not None else nullcontext():
-        return get_model_class(hf_config)(hf_config, dtype, quant, parallel)
+        return get_model_class(hf_config)(hf_config, dtype, quant, parallel, stage)
 
 
 __all__ = ["MODEL_REGISTRY", "CausalLM", "build_model", "get_model_class",

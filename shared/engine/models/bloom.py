@@ -26,6 +26,7 @@ from kvrelay.shared.engine.models.layers import (
     vocab_embedding,
 )
 from kvrelay.shared.engine.parallel import linear as tp
+from kvrelay.shared.engine.parallel.pipeline import WHOLE, MissingLayer, PipelineStage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
@@ -119,14 +120,17 @@ class BloomForCausalLM(CausalLM):
     _qkv = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
     _split = re.compile(r"\.(self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.(weight|bias)$")
     vocab_tensors = ("transformer.word_embeddings.weight", "lm_head.weight")
+    embedding_module = "transformer.word_embeddings"
+    first_stage_modules = ("transformer.word_embeddings_layernorm",)
+    last_stage_modules = ("transformer.ln_f", "lm_head")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         on_the_fly_only(quant, "BloomForCausalLM")
         self.quant = quant
         self.parallel = p = parallel
-        hidden = cfg_get(hf_config, "hidden_size", "n_embed")
+        self.hidden_size = hidden = cfg_get(hf_config, "hidden_size", "n_embed")
         self.total_num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
         first, self.num_heads = tp.even(self.total_num_heads, p.rank, p.world_size, "the attention heads")
@@ -137,21 +141,28 @@ class BloomForCausalLM(CausalLM):
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
         post_ln = bool(hf_config.get("apply_residual_connection_post_layernorm", False))
         blocks = [BloomBlock(hidden, self.num_heads, self.head_dim, eps, post_ln, dtype, quant, p)
-                  for _ in range(self.num_layers)]
+                  if stage.holds(i) else MissingLayer() for i in range(self.num_layers)]
         self.transformer = BloomModel(blocks, self.vocab_size, hidden, eps, dtype, p)
         if not self.tie_word_embeddings:
             self.lm_head = lm_head(hidden, self.vocab_size, dtype, p)
         # a head's slope depends on its index among all heads: this rank's slice of the whole set
         slopes = alibi_slopes(self.total_num_heads)[first:first + self.num_heads]
         self.register_buffer("alibi_slopes", slopes, persistent=False)  # [H] fp32
+        self.prune_to_stage(stage)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: kernels.AttentionMetadata) -> torch.Tensor:
-        # positions are unused: ALiBi biases by key position, which the kernel derives from the cache
-        x = self.transformer.word_embeddings_layernorm(self.transformer.word_embeddings(input_ids))  # [T, hidden]
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i], meta, self.alibi_slopes)
-        return self.transformer.ln_f(x)
+                meta: kernels.AttentionMetadata, carried: tuple[torch.Tensor, ...] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        # positions are unused: ALiBi biases by key position, which the kernel derives from the cache.
+        # A pipeline stage before the last returns (hidden,) for the next, which passes it as ``carried``.
+        if carried is None:
+            x = self.transformer.word_embeddings_layernorm(self.transformer.word_embeddings(input_ids))  # [T, hidden]
+        else:
+            x = carried[0]
+        first = self.stage.start
+        for i in self.stage.layers(self.num_layers):
+            x = self.transformer.h[i](x, kv_caches[i - first], meta, self.alibi_slopes)
+        return self.transformer.ln_f(x) if self.stage.last else (x,)
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.transformer.h
@@ -189,7 +200,7 @@ class BloomForCausalLM(CausalLM):
         norms = ("input_layernorm", "post_attention_layernorm")
         projections = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h",
                        "mlp.dense_4h_to_h")
-        for i in range(self.num_layers):
+        for i, _ in self.held_layers():
             names += [f"transformer.h.{i}.{m}.{k}" for m in norms for k in ("weight", "bias")]
             names += [n for m in projections
                       for n in linear_names(f"transformer.h.{i}.{m}", self.get_submodule(f"transformer.h.{i}.{m}"))]

@@ -26,6 +26,7 @@ from kvrelay.shared.engine.models.layers import (
     vocab_embedding,
 )
 from kvrelay.shared.engine.parallel import linear as tp
+from kvrelay.shared.engine.parallel.pipeline import WHOLE, MissingLayer, PipelineStage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
@@ -97,9 +98,12 @@ class GPT2LMHeadModel(CausalLM):
     _conv1d = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
     _split = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$")
     vocab_tensors = ("transformer.wte.weight", "lm_head.weight")
+    embedding_module = "transformer.wte"
+    first_stage_modules = ("transformer.wpe",)
+    last_stage_modules = ("transformer.ln_f", "lm_head")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         on_the_fly_only(quant, "GPT2LMHeadModel")
         self.quant = quant
@@ -109,7 +113,7 @@ class GPT2LMHeadModel(CausalLM):
             raise ValueError(f"GPT2LMHeadModel supports activation_function in {sorted(_GELU)}, got {act!r}")
         if hf_config.get("add_cross_attention"):
             raise ValueError("GPT2LMHeadModel with cross-attention is not supported")
-        hidden = cfg_get(hf_config, "n_embd", "hidden_size")
+        self.hidden_size = hidden = cfg_get(hf_config, "n_embd", "hidden_size")
         num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
         self.total_num_heads = num_heads
@@ -123,6 +127,9 @@ class GPT2LMHeadModel(CausalLM):
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
         blocks = []
         for i in range(self.num_layers):
+            if not stage.holds(i):
+                blocks.append(MissingLayer())
+                continue
             scale = self.head_dim ** -0.5 if hf_config.get("scale_attn_weights", True) else 1.0
             if hf_config.get("scale_attn_by_inverse_layer_idx", False):
                 scale /= i + 1
@@ -131,14 +138,17 @@ class GPT2LMHeadModel(CausalLM):
         self.transformer = GPT2Model(blocks, self.vocab_size, self.max_positions, hidden, eps, dtype, p)
         if not self.tie_word_embeddings:
             self.lm_head = lm_head(hidden, self.vocab_size, dtype, p)
+        self.prune_to_stage(stage)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: kernels.AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions: [T] -> [T, hidden]
-        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i], meta)
-        return self.transformer.ln_f(x)
+                meta: kernels.AttentionMetadata, carried: tuple[torch.Tensor, ...] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        # input_ids, positions: [T] -> [T, hidden] (a pipeline stage before the last: (hidden,))
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions) if carried is None else carried[0]
+        first = self.stage.start
+        for i in self.stage.layers(self.num_layers):
+            x = self.transformer.h[i](x, kv_caches[i - first], meta)
+        return self.transformer.ln_f(x) if self.stage.last else (x,)
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.transformer.h
@@ -175,7 +185,7 @@ class GPT2LMHeadModel(CausalLM):
                  "transformer.ln_f.weight", "transformer.ln_f.bias"]
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")
-        for i in range(self.num_layers):
+        for i, _ in self.held_layers():
             for module in ("ln_1", "ln_2"):
                 names += [f"transformer.h.{i}.{module}.weight", f"transformer.h.{i}.{module}.bias"]
             for module in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):

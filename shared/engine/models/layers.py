@@ -16,6 +16,7 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.shared.engine.parallel.embedding import VocabParallelEmbedding, parallel_logits, vocab_range, vocab_rows
+from kvrelay.shared.engine.parallel.pipeline import WHOLE, PipelineStage, held, prune
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 from kvrelay.shared.engine.quant.linear import QuantLinear, make_linear
@@ -176,6 +177,37 @@ class CausalLM(nn.Module, ABC):
     parallel: ParallelState = SINGLE
     # checkpoint tensors split by vocabulary rows across the group (embedding, untied LM head)
     vocab_tensors: tuple[str, ...] = ()
+    # pipeline parallelism (shared/engine/parallel/pipeline.py): the layers this model holds, the
+    # modules only the first or the last stage holds (the token embedding is kept by the last stage too
+    # when the LM head is tied to it), and how many [T, hidden] tensors one stage hands the next
+    stage: PipelineStage = WHOLE
+    embedding_module: str = ""
+    first_stage_modules: tuple[str, ...] = ()
+    last_stage_modules: tuple[str, ...] = ()
+    carried_tensors: int = 1
+    hidden_size: int
+
+    def prune_to_stage(self, stage: PipelineStage) -> None:
+        """Drop the modules another stage holds (the layers were built as placeholders already)."""
+        self.stage = stage
+        if stage.size == 1:
+            return
+        first = self.first_stage_modules
+        if not self.tie_word_embeddings:
+            first += (self.embedding_module,)
+        elif not (stage.first or stage.last):
+            first += (self.embedding_module,)
+        prune(self, stage, first, self.last_stage_modules)
+
+    def held_layers(self) -> list[tuple[int, nn.Module]]:
+        """(index, layer) of the decoder layers this stage holds, in order."""
+        layers = self.decoder_layers()
+        return [(i, layers[i]) for i in self.stage.layers(len(layers))]
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers this stage's KV cache holds."""
+        return len(self.stage.layers(self.num_layers))
 
     @abstractmethod
     def checkpoint_names(self) -> list[str]:
@@ -220,7 +252,7 @@ class CausalLM(nn.Module, ABC):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        expected = set(self.checkpoint_names())
+        expected = {name for name in self.checkpoint_names() if held(self, name)}
         seen: set[str] = set()
         upload = WeightUploader(next(self.parameters()).device)
         try:
@@ -240,6 +272,8 @@ class CausalLM(nn.Module, ABC):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the one source of truth, as in HF's tie_weights
+            if not held(self, name):
+                continue  # another pipeline stage's
             target = self.route(name)
             if target is None:
                 raise ValueError(f"unexpected tensor {original!r} in checkpoint for {type(self).__name__}")

@@ -28,6 +28,7 @@ from kvrelay.shared.engine.models.layers import (
 )
 from kvrelay.shared.engine.models.rope import build_cos_sin_cache
 from kvrelay.shared.engine.parallel import linear as tp
+from kvrelay.shared.engine.parallel.pipeline import WHOLE, MissingLayer, PipelineStage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant.config import QuantConfig
 
@@ -105,19 +106,22 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    embedding_module = "model.embed_tokens"
+    last_stage_modules = ("model.norm", "lm_head")
+    carried_tensors = 2  # the hidden states and the residual stream
     ignored_names = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
     vocab_tensors = ("model.embed_tokens.weight", "lm_head.weight")
     _row_parallel = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         self.quant = quant
         self.parallel = p = parallel
         act = hf_config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, got {act!r}")
-        hidden = cfg_get(hf_config, "hidden_size")
+        self.hidden_size = hidden = cfg_get(hf_config, "hidden_size")
         num_heads = cfg_get(hf_config, "num_attention_heads")
         self.num_layers = cfg_get(hf_config, "num_hidden_layers")
         num_kv_heads = cfg_get(hf_config, "num_key_value_heads", default=num_heads)
@@ -143,7 +147,8 @@ class LlamaForCausalLM(CausalLM):
                 LlamaAttention(hidden, self.num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias, dtype,
                                quant, p),
                 LlamaMLP(hidden, self.intermediate_size, mlp_bias, dtype, quant, p), hidden, eps, dtype)
-            for _ in range(self.num_layers)
+            if stage.holds(i) else MissingLayer()
+            for i in range(self.num_layers)
         ]
         self.model = LlamaModel(layers, self.vocab_size, hidden, eps, dtype, p)
         if not self.tie_word_embeddings:
@@ -151,6 +156,7 @@ class LlamaForCausalLM(CausalLM):
         max_positions = cfg_get(hf_config, "max_position_embeddings", default=2048)
         cache = build_cos_sin_cache(hf_config, self.head_dim, max_positions)  # [max_pos, rot_dim] fp32
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.prune_to_stage(stage)
 
     def _attention_biases(self, hf_config: dict) -> tuple[bool, bool]:
         bias = bool(hf_config.get("attention_bias", False))
@@ -160,12 +166,17 @@ class LlamaForCausalLM(CausalLM):
         return hf_config.get("sliding_window") is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: kernels.AttentionMetadata) -> torch.Tensor:
+                meta: kernels.AttentionMetadata, carried: tuple[torch.Tensor, ...] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # input_ids, positions: [T]; kv_caches: [L, 2, num_blocks, block_size, Hkv, D] -> [T, hidden]
-        x = self.model.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(positions, x, residual, kv_caches[i], meta, self.cos_sin_cache)
+        # (a pipeline stage: its own L layers; ``carried`` is the previous stage's output, and a stage
+        # before the last returns (hidden, residual) for the next)
+        x, residual = (self.model.embed_tokens(input_ids), None) if carried is None else carried
+        first = self.stage.start
+        for i in self.stage.layers(self.num_layers):
+            x, residual = self.model.layers[i](positions, x, residual, kv_caches[i - first], meta, self.cos_sin_cache)
+        if not self.stage.last:
+            return x, residual
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -221,7 +232,7 @@ class LlamaForCausalLM(CausalLM):
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in self.held_layers():
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]

@@ -83,11 +83,12 @@ SINGLE = ParallelState()
 
 
 def connect(rank: int, world_size: int, folder: Path, device: torch.device,
-            timeout_s: float = COLLECTIVE_TIMEOUT_S) -> ParallelState:
-    """Join the group whose rendezvous file lives in ``folder`` (private to the group). Every rank calls
-    this; it returns once all ``world_size`` have joined (or raises after ``timeout_s``)."""
+            timeout_s: float = COLLECTIVE_TIMEOUT_S, name: str = "rendezvous") -> ParallelState:
+    """Join the group whose rendezvous file ``name`` lives in ``folder`` (private to the group). Every rank
+    calls this; it returns once all ``world_size`` have joined (or raises after ``timeout_s``). A pipeline of
+    tensor-parallel stages joins the whole group, then its stage's group under its own ``name``."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.FileStore(str(folder / "rendezvous"), world_size)
+    store = dist.FileStore(str(folder / name), world_size)
     store.set_timeout(timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -1,5 +1,6 @@
-"""Rank 0's handle on ranks 1..N-1 of a tensor-parallel group: starts their processes, joins the group with
-them, sends them each step (broadcast.py), watches them, and stops them.
+"""Rank 0's handle on ranks 1..N-1 of a tensor-parallel group (or of a pipeline of such groups, layout.py):
+starts their processes, joins the group with them, sends them each step (broadcast.py), watches them, and
+stops them.
 
 Ranks die together. Each rank exits when rank 0 dies (the kernel's parent-death signal, and a check of
 its parent while idle). When a rank dies, a watchdog thread here kills the others at once, so a
@@ -23,7 +24,8 @@ import zmq
 
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.engine.parallel.state import ParallelState, connect
+from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
+from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepSender
 from kvrelay.shared.engine.ranks.checks import check_model
 from kvrelay.shared.wire.rank_step import RankMessage, RankStop
@@ -35,7 +37,8 @@ STOP_GRACE_S = 5.0
 
 
 class TensorParallelError(RuntimeError):
-    """A rank of the group died or stopped answering; the group is down and the engine cannot step."""
+    """A rank of the group (tensor- or pipeline-parallel) died or stopped answering; the group is down and
+    the engine cannot step."""
 
 
 def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) -> "RankGroup | None":
@@ -43,22 +46,24 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
     a setting the group cannot serve or a size the ranks cannot split fails here, before a process starts
     or a weight loads. ``shared``: the caller loaded the weights or brings a shared KV pool; ``root``: the
     model repository the model's files must resolve inside."""
-    tp = config.tensor_parallel_size
-    if tp == 1:
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    world = tp * pp
+    if world == 1:
         return None
+    flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
     if shared:
-        raise ValueError("tensor_parallel_size > 1: each rank loads its own shard into a private KV cache "
+        raise ValueError(f"{flag} > 1: each rank loads its own shard into a private KV cache "
                          "(no preloaded weights, no shared KV pool)")
     if config.async_scheduling:
-        raise ValueError("tensor_parallel_size > 1 does not support async_scheduling yet")
+        raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
     if config.cache.kv_cache_dtype != "auto":  # the ranks' own caches are allocated in the model's dtype
-        raise ValueError("tensor_parallel_size > 1 does not support kv_cache_dtype fp8 yet")
+        raise ValueError(f"{flag} > 1 does not support kv_cache_dtype fp8 yet")
     if config.device.startswith("cuda"):
         first, have = torch.device(config.device).index or 0, torch.cuda.device_count()
-        if first + tp > have:
-            raise ValueError(f"tensor_parallel_size {tp} needs CUDA devices {first}..{first + tp - 1}; "
-                             f"this machine has {have}")
-    check_model(config.model, tp, root)
+        if first + world > have:
+            size = f"{flag} {world}" if tp == 1 or pp == 1 else f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+            raise ValueError(f"{size} needs CUDA devices {first}..{first + world - 1}; this machine has {have}")
+    check_model(config.model, tp, root, pp)
     return RankGroup(config, root)
 
 
@@ -80,8 +85,12 @@ def rank_device(device: str, rank: int) -> torch.device:
 class RankGroup:
     def __init__(self, config: EngineConfig, root: Path | None = None) -> None:
         """Start ranks 1..N-1 and join the group with them as rank 0 (returns once all have joined)."""
-        world = config.tensor_parallel_size
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world_size = world
+        # with a pipeline, the whole group carries the stages' send/recv and each stage's TP ranks reduce
+        # over a group of their own (parallel/layout.py)
+        self.pipeline = config.pipeline_parallel_size
+        self._kind = "pipeline-parallel" if self.pipeline > 1 else "tensor-parallel"
         self._folder = Path(tempfile.mkdtemp(prefix="kvrelay-tp-"))  # 0700: the sockets' access control
         self._failure: str | None = None
         self._closing = False
@@ -104,16 +113,18 @@ class RankGroup:
                 pass  # it died at once: the watchdog reports it while the group forms
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True)
         self._watcher.start()
-        self.state: ParallelState = self._join(rank_device(config.device, 0))
+        self.layout = RankLayout(0, config.tensor_parallel_size, self.pipeline)
+        # the whole group; and the group stage 0's layers reduce over (layout.py)
+        self.state, self.model_state = self._join(rank_device(config.device, 0))
 
-    def _join(self, device: torch.device) -> ParallelState:
+    def _join(self, device: torch.device) -> tuple[ParallelState, ParallelState]:
         """Join the group, on a helper thread: a rank that dies while starting up ends the wait at once (the
         watchdog sees it) instead of after the rendezvous timeout; the abandoned join times out on its own."""
         joined: list = []
 
         def join() -> None:
             try:
-                joined.append(connect(0, self.world_size, self._folder, device))
+                joined.append(join_groups(self.layout, self._folder, device))
             except Exception as exc:  # reported below, as the group's failure
                 joined.append(exc)
 
@@ -122,11 +133,11 @@ class RankGroup:
         while thread.is_alive() and self._failure is None:
             thread.join(WATCH_INTERVAL_S)
         result = joined[0] if joined else None
-        if isinstance(result, ParallelState):
+        if isinstance(result, tuple):
             return result
         reason = self._failure or result
         self.close()
-        raise TensorParallelError(f"tensor-parallel group of {self.world_size} did not form: {reason}")
+        raise TensorParallelError(f"{self._kind} group of {self.world_size} did not form: {reason}")
 
     @property
     def pids(self) -> list[int]:
@@ -156,7 +167,7 @@ class RankGroup:
         self._fail(None)
         with self._lock:
             if self._failure is None:
-                self._failure = f"tensor-parallel group failed: {cause}"
+                self._failure = f"{self._kind} group failed: {cause}"
         self._kill()
         return TensorParallelError(self._failure)
 
@@ -173,12 +184,12 @@ class RankGroup:
     def _abort_collectives(self) -> None:
         """NCCL: collectives are queued on the device and would wait for the dead peer until NCCL's own
         timeout; aborting the communicator fails them now. (gloo's fail when the killed peers' sockets close.)"""
-        state = getattr(self, "state", None)
-        if state is not None and state.device.type == "cuda" and hasattr(state.group, "abort"):
-            try:
-                state.group.abort()
-            except RuntimeError:
-                log.exception("aborting the NCCL communicator")
+        for state in {id(s): s for s in (getattr(self, "state", None), getattr(self, "model_state", None))}.values():
+            if state is not None and state.device.type == "cuda" and hasattr(state.group, "abort"):
+                try:
+                    state.group.abort()
+                except RuntimeError:
+                    log.exception("aborting the NCCL communicator")
 
     def _fail(self, rank: int | None) -> None:
         with self._lock:
@@ -192,7 +203,7 @@ class RankGroup:
             proc = self._procs[rank - 1]
             code = proc.returncode
             how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            self._failure = (f"tensor-parallel rank {rank} of {self.world_size} (pid {proc.pid}) {how}; "
+            self._failure = (f"{self._kind} rank {rank} of {self.world_size} (pid {proc.pid}) {how}; "
                              "the group is down")
             log.error("%s", self._failure)
 

@@ -1,4 +1,4 @@
-"""The process of one tensor-parallel rank other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
+"""The process of one tensor-parallel rank (or pipeline stage) other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
 RANK WORLD FOLDER PARENT_PID ROOT DEATHSIG``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
 group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.parallel.state import connect
+from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
@@ -41,9 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     config = handover.receive(EngineConfig, sys.stdin)
     device = rank_device(config.device, rank)
     receiver = StepReceiver(Path(folder), rank)
-    state = connect(rank, world, Path(folder), device)
-    model, _ = load_model(config.model, device, progress=False, root=root, parallel=state)
-    ShardRunner(model, config, state, device).serve(receiver, parent)
+    layout = RankLayout(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+    if layout.world != world:
+        raise ValueError(f"rank {rank}: a group of {world} ranks, but its config makes {layout.world}")
+    state, model_state = join_groups(layout, Path(folder), device)
+    model, _ = load_model(config.model, device, progress=False, root=root, parallel=model_state,
+                          pipeline=(layout.stage, layout.pp))
+    ShardRunner(model, config, state, device, layout).serve(receiver, parent)
     receiver.close()
     return 0
 

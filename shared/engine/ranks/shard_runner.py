@@ -1,7 +1,9 @@
 """What ranks 1..N-1 of a tensor-parallel group run: the model shard and its KV cache, driven by rank 0's
 messages. Each step rebuilds from the packed inputs exactly the tensors rank 0 runs on and makes the
 same sequence of collectives (the forward's all-reduces, then the logits' all-gather when rank 0 forms
-logits), so the group stays in lockstep; the logits themselves are rank 0's to sample."""
+logits), so the group stays in lockstep; the logits themselves are rank 0's to sample. A pipeline stage
+instead takes the previous stage's output, runs its own layers, and hands the result on: to the next stage,
+or, from the last, as logits to rank 0 (pipe_step.py)."""
 
 import logging
 import os
@@ -11,9 +13,11 @@ import torch
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
+from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.kv_moves import export_blocks, import_blocks, total_kv_heads
+from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_carried, send_carried, send_logits
 from kvrelay.shared.engine.step_inputs import Layout, views
 from kvrelay.shared.wire.rank_step import (
     LOGITS_ALL,
@@ -33,8 +37,10 @@ IDLE_POLL_MS = 500  # how often an idle rank checks that rank 0 is still there
 
 
 class ShardRunner:
-    def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device) -> None:
-        self.model, self.config, self.state, self.device = model, config, state, device
+    def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device,
+                 layout: RankLayout) -> None:
+        # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own
+        self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
         self.dtype = next(model.parameters()).dtype
         self.block_size = config.cache.block_size
         self.kv_cache: torch.Tensor | None = None
@@ -52,6 +58,19 @@ class ShardRunner:
             msg, frame = got
             if isinstance(msg, RankStop):
                 return
+            if isinstance(msg, RankStep) and self.layout.pp > 1:
+                # the step's other micro-batches follow at once: this stage takes them all first
+                steps = [(msg, frame)]
+                while len(steps) < msg.micro_batches:
+                    got = receiver.recv(IDLE_POLL_MS)
+                    if got is None and os.getppid() != parent_pid:
+                        return
+                    if got is not None:
+                        if not isinstance(got[0], RankStep):
+                            raise ValueError(f"{type(got[0]).__name__} arrived within a step's micro-batches")
+                        steps.append(got)
+                self._stage_steps(steps)
+                continue
             self.handle(msg, frame)
 
     @torch.inference_mode()
@@ -71,14 +90,14 @@ class ShardRunner:
                                               pin_memory=self.device.type == "cuda")
         elif isinstance(msg, RankProfile):
             m = self.model
-            block_bytes = m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+            block_bytes = m.kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
             blocks = free_kv_blocks(m, msg.num_tokens, msg.num_rows, self.block_size, self.dtype, self.device,
                                     self.config.cache.gpu_memory_utilization, block_bytes)
             self.state.min_int(blocks)
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model
-        return (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        return (m.kv_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
 
     def _swap(self, msg: RankSwap) -> None:
         # the order and the copies of rank 0's ModelRunner._swap, on this rank's heads
@@ -89,7 +108,8 @@ class ShardRunner:
             host_ids, dev_ids = zip(*msg.swap_in, strict=True)
             self.kv_cache[:, :, list(dev_ids)] = self.host_cache[:, :, list(host_ids)].to(self.device)
 
-    def _step(self, msg: RankStep, frame: bytes) -> None:
+    def _inputs(self, msg: RankStep, frame: bytes):
+        """(the step's input tensors on this rank's device, its attention metadata), rebuilt from the frame."""
         layout = Layout(tokens=msg.num_tokens, seqs=msg.num_seqs, width=msg.width)
         host = torch.frombuffer(bytearray(frame), dtype=torch.int32)
         if host.numel() != layout.size:
@@ -103,6 +123,29 @@ class ShardRunner:
             seq_lens_cpu=host_view.seq_lens.tolist(), max_query_len=msg.max_query_len,
             max_seq_len=msg.max_seq_len,
         )
+        return t, meta
+
+    @torch.inference_mode()
+    def _stage_steps(self, steps: list[tuple[RankStep, bytes]]) -> None:
+        """A pipeline stage's part of one step, micro-batch by micro-batch (pipe_step.py): every receive
+        from the previous stage is posted first, then each micro-batch runs as soon as its input is here."""
+        stage, at = self.model.stage, self.layout
+        inputs = [self._inputs(msg, frame) for msg, frame in steps]
+        incoming = [None if stage.first else recv_carried(self.state, self.model, msg.num_tokens, at.prev_peer, i)
+                    for i, (msg, _) in enumerate(steps)]
+        outgoing = Pending()
+        for i, ((msg, _), (t, meta), pending) in enumerate(zip(steps, inputs, incoming, strict=True)):
+            carried = None if pending is None else pending.wait()
+            out = self.model(t.input_ids, t.positions, self.kv_cache, meta, carried)
+            if stage.last:
+                send_logits(self.state, self.model, out, t.sample_rows, msg.num_sample_rows, msg.logits,
+                            at.rank == at.logits_sender, i)
+            else:
+                send_carried(self.state, out, at.next_peer, i, outgoing)
+        outgoing.wait()
+
+    def _step(self, msg: RankStep, frame: bytes) -> None:
+        t, meta = self._inputs(msg, frame)
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)
         if msg.logits == LOGITS_ALL:
             self.model.compute_logits(hidden)
