@@ -16,7 +16,7 @@ The rule (``choose_victims``, a pure function; shared/worker/model_host.py appli
     before all others.
   * A busy instance may be evicted only for a load needed now (``waiting`` > 0) whose demand is strictly
     higher than its own. It is drained, not dropped: its stream is no longer read, what runs finishes
-    (bounded by EVICT_DRAIN_S, else the load is refused and the instance kept), then it is unloaded; its
+    (bounded by the worker's --drain-timeout, else the load is refused and the instance kept), then it is unloaded; its
     queued jobs stay in Redis and its next request loads it again (gateway/control/reload_wait.py).
   * No thrash: a busy instance loaded less than ``min_residency_s(reload_s)`` ago (MIN_RESIDENCY_S, at
     least RESIDENCY_RELOADS reloads) is evicted only for a load of more than THRASH_MARGIN times its
@@ -33,7 +33,6 @@ DEMAND_HALF_LIFE_S = 10.0  # long enough to see a Zipf tail's steady rate, short
 MIN_RESIDENCY_S = 15.0
 RESIDENCY_RELOADS = 5
 THRASH_MARGIN = 2.0
-EVICT_DRAIN_S = 30.0  # a busy victim's running requests finish within this, or the load is refused
 
 _DECAY = math.log(2) / DEMAND_HALF_LIFE_S
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.shared.config.common import DRAIN_TIMEOUT_S
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_dtype import check_device
@@ -45,7 +46,6 @@ from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus
 from kvrelay.shared.worker.eviction import (
-    EVICT_DRAIN_S,
     Candidate,
     DemandRate,
     Incoming,
@@ -91,13 +91,17 @@ class ModelHost:
                  eos_ids: Callable[[EngineCore, str], list[int]] | None = None,
                  report: Callable[[ControlResult], None] | None = None,
                  min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
-                 skip_warmup: bool = False, shared: SharedWeights | None = None):
+                 skip_warmup: bool = False, shared: SharedWeights | None = None,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
         (shared/worker/gc_freeze.py); never in a process that is not ours alone. Each instance runs its
         warm-up (shared/engine/warmup.py) before it is ready, unless ``skip_warmup``. ``shared``: weights are
-        shared with the other worker processes on this device (shared/worker/shared_weights.py)."""
+        shared with the other worker processes on this device (shared/worker/shared_weights.py).
+        ``drain_timeout_s``: what a busy model evicted for a load gives its running requests to finish, as a
+        SIGTERM drain gives a worker's (--drain-timeout)."""
+        self.drain_timeout_s = drain_timeout_s
         self.base = base
         self.hold_finished_kv = hold_finished_kv
         self.pool = pool
@@ -309,7 +313,7 @@ class ModelHost:
 
     def _advance(self, ld: _Loading) -> None:
         """Make room (a load requests wait for may wait for it until ``wait_until``: a busy model passing its
-        minimum residency), wait for the busy victims' drain (until EVICT_DRAIN_S), then start the build.
+        minimum residency), wait for the busy victims' drain (up to drain_timeout_s), then start the build.
         ``ld.failed`` with ``ld.error`` when it gives up."""
         if ld.thread is not None or ld.failed:
             return
@@ -321,7 +325,7 @@ class ModelHost:
             except ValueError as exc:
                 ld.error, ld.failed = str(exc), now >= ld.wait_until
                 return
-            ld.command, ld.error, ld.wait_until = None, "", now + EVICT_DRAIN_S
+            ld.command, ld.error, ld.wait_until = None, "", now + self.drain_timeout_s
             ld.after = [v for v in ld.evicted if v in self.slots]  # busy victims, draining
         ld.after = [v for v in ld.after if v in self.slots]
         if ld.after and now >= ld.wait_until:
@@ -329,7 +333,7 @@ class ModelHost:
                 slot = self.slots[victim]
                 slot.state, slot.reading = "ready", True
             ld.error = (f"not loading {ld.plan.instance}: {', '.join(ld.after)} (evicted for it) did not finish "
-                        f"its running requests within {EVICT_DRAIN_S:.0f}s")
+                        f"its running requests within {self.drain_timeout_s:.0f}s")
             ld.failed, ld.after = True, []
         if ld.after or ld.failed:
             return

@@ -227,9 +227,8 @@ def test_nothing_busy_is_evicted_for_a_load_in_lower_demand(repo, monkeypatch):
     assert sorted(host.slots) == ["a@1", "b@1"] and all(s.reading for s in host.slots.values())
 
 
-def test_a_victim_that_does_not_drain_in_time_serves_on_and_the_load_is_refused(repo, monkeypatch):
-    monkeypatch.setattr("kvrelay.shared.worker.model_host.EVICT_DRAIN_S", 0.3)
-    host, results = make_host(repo)
+def test_a_victim_that_does_not_drain_in_time_serves_on_and_the_load_is_refused(repo):
+    host, results = make_host(repo, drain_timeout_s=0.3)
     run(host, load("a"), load("b"))
     _demand(host, "a@1", 50)
     host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}
