@@ -93,7 +93,7 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
     cluster.start_worker("decode", "d1")
     cluster.wait_ready()
     # one request through both workers first: a decode worker that has registered may still be finishing its
-    # start (a loaded CI box), and grants it sends late make every handoff a whole one
+    # start, and grants it sends late make every handoff a whole one
     assert _client(cluster).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens
     before = _handoffs(port)
     prompts = random_prompts(6, lo=100, hi=200, seed=7)

@@ -122,8 +122,8 @@ async def _storm(c: Cluster, ports: dict[str, int], clients: int):
         for t in tasks:
             t.cancel()  # the connection closes: the gateway publishes the abort
         await asyncio.gather(*tasks, return_exceptions=True)
-        # the clock starts once the gateway has let go of every request (each one's abort is on its way): on a
-        # loaded box it hears of hang-ups late, and a job it queued meanwhile is one no worker could know of
+        # the clock starts once the gateway has let go of every request (each one's abort is on its way): it
+        # hears of a hang-up only when its loop gets to it, and a job it queued meanwhile no worker could refuse
         deadline = time.monotonic() + 30
         while in_flight(c) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

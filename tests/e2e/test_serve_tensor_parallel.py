@@ -1,6 +1,6 @@
-"""``kvrelay serve --mode unified --tensor-parallel-size 2``: the unified worker runs its model as two
-rank processes and answers as one rank does; a rank killed with -9 takes its worker down with a clear
-error, the supervisor restarts the worker, the request is answered after all, and no rank outlives serve.
+"""``kvrelay serve --mode unified --tensor-parallel-size 2`` (or ``--pipeline-parallel-size 2``): the unified
+worker runs its model as two rank processes and answers as one process does; a rank killed with -9 takes its
+worker down with a clear error, the supervisor restarts the worker, the request is answered after all, and no rank outlives serve.
 Disaggregated, a prefill and a decode worker of different tensor-parallel sizes hand KV off to each other."""
 
 import openai
@@ -21,10 +21,12 @@ def _ranks(serve: psutil.Process) -> list[psutil.Process]:
     return [p for p in serve.children(recursive=True) if "kvrelay.shared.engine.ranks.rank_main" in p.cmdline()]
 
 
-def test_unified_tp2_answers_like_one_rank_and_survives_a_killed_rank(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_model_dir, tmp_path):
+    """Size 2 either way: the worker's second process is a rank (tensor) or a stage (pipeline)."""
     with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256) as llm:
         want = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
-    argv = ["--mode", "unified", "--model", str(tiny_model_dir), *TINY_ENGINE, "--tensor-parallel-size", "2"]
+    argv = ["--mode", "unified", "--model", str(tiny_model_dir), *TINY_ENGINE, f"--{kind}-parallel-size", "2"]
     with Served(argv, tmp_path / "serve.log") as served:
         client = served.client()
 
@@ -38,7 +40,7 @@ def test_unified_tp2_answers_like_one_rank_and_survives_a_killed_rank(tiny_model
         rank.kill()
         assert ask() == want  # re-delivered to the restarted worker
         log = served.log.read_text(errors="replace")
-        assert f"tensor-parallel rank 1 of 2 (pid {rank.pid}) was killed by signal 9; the group is down" in log
+        assert f"{kind}-parallel rank 1 of 2 (pid {rank.pid}) was killed by signal 9; the group is down" in log
         survivors = _ranks(serve)
         assert len(survivors) == 1 and survivors[0].pid != rank.pid
     gone, alive = psutil.wait_procs(survivors, timeout=30)

@@ -5,25 +5,18 @@ makes the engine raise promptly and leaves no process behind; two stages of two 
 give HF's tokens too; stage counts the model cannot split fail before anything starts."""
 
 import math
-import os
-import signal
-import time
 
-import psutil
 import pytest
 import torch
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.shared.engine.ranks.group import TensorParallelError
 from tests.conftest import random_prompts
 from tests.parity import hf_greedy
+from tests.unit.parallel_ranks import check_a_killed_rank_ends_the_engine
+from tests.unit.parallel_ranks import children as _children
 
 MAX_NEW = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
 def _llm(model_dir, pp: int, **kwargs) -> LLM:
@@ -85,21 +78,7 @@ def test_pp2_swap_preemption_equals_hf(tiny_model_dirs):
 
 def test_killed_stage_fails_the_engine_promptly_and_leaves_no_process(tiny_model_dirs):
     before = _children()
-    llm = _llm(tiny_model_dirs["llama"], 2)
-    (pid,) = llm.engine.core.runner.ranks.pids
-    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    stream = llm.generate_stream([{"prompt_token_ids": p} for p in random_prompts(4, seed=2)], params)
-    next(stream)  # the pipeline is mid-generation
-    os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(TensorParallelError, match=f"pipeline-parallel rank 1 of 2 \\(pid {pid}\\) was killed by signal 9"):
-        for _ in stream:
-            pass
-    assert time.monotonic() - started < 30
-    with pytest.raises(TensorParallelError, match="the group is down"):  # and it stays down
-        llm.generate({"prompt_token_ids": [1, 2, 3]}, params)
-    llm.shutdown()
-    assert _children() == before
+    check_a_killed_rank_ends_the_engine(_llm(tiny_model_dirs["llama"], 2), "pipeline", before)
 
 
 def test_stage_counts_the_model_cannot_split_fail_before_any_process_starts(tiny_model_dirs):

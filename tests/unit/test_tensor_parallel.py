@@ -18,6 +18,8 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.shared.engine.ranks.group import TensorParallelError
 from tests.conftest import random_prompts
 from tests.parity import hf_greedy
+from tests.unit.parallel_ranks import check_a_killed_rank_ends_the_engine
+from tests.unit.parallel_ranks import children as _children
 
 MAX_NEW = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,10 +29,6 @@ def _llm(model_dir, tp: int, **kwargs) -> LLM:
     # chunked prefill with a small budget: mixed prefill + decode steps, and steps that form no logits
     return LLM(model=str(model_dir), dtype="float32", max_model_len=128, tensor_parallel_size=tp,
                max_num_batched_tokens=32, **kwargs)
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
 # qwen2: q/k/v biases sliced with their heads; smollm2: the LM head is the vocab-parallel embedding (tied)
@@ -70,21 +68,7 @@ def test_tp2_swap_preemption_equals_hf(tiny_model_dirs):
 
 def test_killed_rank_fails_the_engine_promptly_and_leaves_no_process(tiny_model_dirs):
     before = _children()
-    llm = _llm(tiny_model_dirs["llama"], 2)
-    (pid,) = llm.engine.core.runner.ranks.pids
-    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    stream = llm.generate_stream([{"prompt_token_ids": p} for p in random_prompts(4, seed=2)], params)
-    next(stream)  # the group is mid-generation
-    os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(TensorParallelError, match=f"rank 1 of 2 \\(pid {pid}\\) was killed by signal 9"):
-        for _ in stream:
-            pass
-    assert time.monotonic() - started < 30
-    with pytest.raises(TensorParallelError, match="the group is down"):  # and it stays down
-        llm.generate({"prompt_token_ids": [1, 2, 3]}, params)
-    llm.shutdown()
-    assert _children() == before
+    check_a_killed_rank_ends_the_engine(_llm(tiny_model_dirs["llama"], 2), "tensor", before)
 
 
 def test_rank_killed_while_starting_fails_the_constructor_promptly(tiny_model_dirs):
