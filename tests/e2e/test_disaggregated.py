@@ -2,7 +2,6 @@
 handoff -> decode worker -> token events, driven by the ``openai`` SDK over real HTTP."""
 
 import asyncio
-import shutil
 import signal
 import time
 import urllib.request
@@ -13,21 +12,12 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
-from tests.conftest import make_tiny_model, random_prompts
+from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("e2e") / "tiny", seed=3)
-    for f in smollm2_dir.iterdir():  # a real tokenizer, so the gateway can detokenize ids < 512
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 @pytest.fixture()

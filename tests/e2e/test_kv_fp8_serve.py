@@ -7,26 +7,16 @@ fp8 rounding can turn a last-bit fp32 difference (batch shapes differ between th
 ~1e-3 logit change, so two runs may part at a near tie: tokens must agree up to the first position
 where they differ, and there the unified run's top two must be within TIE nats of each other."""
 
-import shutil
 
 import openai
 import pytest
 
-from tests.conftest import make_tiny_model, random_prompts
+from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--max-num-batched-tokens", "32"]
 TIE = 0.05
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("e2e") / "tiny", seed=3)
-    for f in smollm2_dir.iterdir():  # a real tokenizer, so the gateway can detokenize ids < 512
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 @pytest.fixture()
