@@ -17,9 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from kvrelay.bench.tp_check import write_checkpoint
+from kvrelay.bench.tp_check import check_prompts, first_mismatch, write_checkpoint
 
 
 def run(model_dir: Path, pp: int, tp: int, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list, float]:
@@ -45,16 +43,13 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=None)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 32000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 300, (16,), generator=gen)]
+    prompts = check_prompts()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             model_dir = write_checkpoint(arch, Path(tmp), args.hidden)
             one, one_s = run(model_dir, 1, 1, args, prompts)
             many, many_s = run(model_dir, args.pp, args.tp, args, prompts)
-            mismatch = next(((i, j) for i, (a, b) in enumerate(zip(one, many, strict=True))
-                             for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            mismatch = first_mismatch(one, many)
             print(json.dumps({"arch": arch, "device": args.device, "pp": args.pp, "tp": args.tp, "dtype": args.dtype,
                               "tokens_equal": one == many, "first_mismatch": mismatch,
                               "batch_s_one_device": round(one_s, 3), "batch_s_pipeline": round(many_s, 3),

@@ -38,6 +38,18 @@ def write_checkpoint(arch: str, out: Path, hidden: int) -> Path:
     return out / arch
 
 
+def check_prompts() -> list[list[int]]:
+    """16 prompts of 8-300 random ids, the same every run."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 32000, (int(n),), generator=gen).tolist() for n in torch.randint(8, 300, (16,), generator=gen)]
+
+
+def first_mismatch(one: list[list[int]], many: list[list[int]]) -> tuple[int, int] | None:
+    """(prompt, position) of the first token where the two runs part, or None."""
+    return next(((i, j) for i, (a, b) in enumerate(zip(one, many, strict=True))
+                 for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
 def run(model_dir: Path, tp: int, dtype: str, device: str, prompts: list[list[int]], max_new: int
         ) -> tuple[list, float]:
     from kvrelay import LLM, SamplingParams
@@ -61,16 +73,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 32000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 300, (16,), generator=gen)]
+    prompts = check_prompts()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             model_dir = write_checkpoint(arch, Path(tmp), args.hidden)
             one, one_ms = run(model_dir, 1, args.dtype, args.device, prompts, 32)
             many, many_ms = run(model_dir, args.tp, args.dtype, args.device, prompts, 32)
-            mismatch = next(((i, j) for i, (a, b) in enumerate(zip(one, many, strict=True))
-                             for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            mismatch = first_mismatch(one, many)
             print(json.dumps({"arch": arch, "device": args.device, "tp": args.tp, "dtype": args.dtype, "tokens_equal": one == many,
                               "first_mismatch": mismatch, "decode_ms_tp1": round(one_ms, 3),
                               f"decode_ms_tp{args.tp}": round(many_ms, 3), "ratio": round(many_ms / one_ms, 3)}),
