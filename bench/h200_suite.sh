@@ -8,7 +8,8 @@
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
 # SUITE=0 skips the tests, BENCH=0 the engine benchmark (BENCH_ARGS: more flags for it); HANDOFF=1 adds
 # `bench handoff --sections cuda`; QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS); KV=1 adds
-# `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS).
+# `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS); QK=1 first runs the
+# quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -36,6 +37,11 @@ fi
 if [ "${HANDOFF:-0}" = 1 ]; then  # the KV handoff between two processes on the GPU
   timeout "${HANDOFF_S:-150}" python3 -m kvrelay.cli bench handoff --sections cuda > "$OUT/handoff.txt" 2>&1
   tail -20 "$OUT/handoff.txt"
+fi
+if [ "${QK:-0}" = 1 ]; then  # the quantized matmuls alone, each against its weight-read floor
+  timeout "${QK_S:-240}" python3 -m kvrelay.bench.quant_kernels --json "$OUT/quant_kernels.json" ${QK_ARGS:-} \
+    > "$OUT/quant_kernels.txt" 2>&1
+  grep '^|' "$OUT/quant_kernels.txt" | tail -70
 fi
 if [ "${QUANT:-0}" = 1 ]; then  # weight quantization, each variant against its own weight-read floor
   timeout "${QUANT_S:-450}" python3 -m kvrelay.cli bench quant ${QUANT_ARGS:---throughput} > "$OUT/quant.txt" 2>&1

@@ -36,7 +36,7 @@ def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, rn, n_mask, N, K, G,
     k_mask = rk < K
     if FORMAT == 1:
         q = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0)
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         return q.to(tl.float32)
     rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_ptr + rw[:, None].to(tl.int64) * N + rn[None, :],
@@ -117,7 +117,7 @@ def gemv_config(n: int, group_size: int, grouped: bool) -> tuple[int, int, int]:
 
 def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor,
             g_idx: torch.Tensor | None, group_size: int, n: int, bias: torch.Tensor | None,
-            gemv: bool | None, cfg: tuple[int, int, int] | None) -> torch.Tensor:
+            gemv: bool | None, cfg: tuple[int, ...] | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -127,13 +127,15 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor | No
     if m == 0:
         return y.view(*x.shape[:-1], n)
     gemv = m <= GEMV_MAX_ROWS if gemv is None else gemv
-    block_m, block_n, block_k = cfg or (gemv_config(n, group_size, g_idx is None and fmt == W4) if gemv
-                                        else (64 if m > 32 else 16, 64, 64))
+    block_m, block_n, block_k, *launch = cfg or (gemv_config(n, group_size, g_idx is None and fmt == W4) if gemv
+                                                 else (64 if m > 32 else 16, 64, 64))
     one_group = fmt == W4 and g_idx is None and group_size % block_k == 0
     args = (x2, w, zeros if zeros is not None else scales, scales, g_idx if g_idx is not None else scales,
             bias if bias is not None else scales, y)
     flags = dict(FORMAT=fmt, HAS_GIDX=g_idx is not None, ONE_GROUP=one_group, HAS_BIAS=bias is not None,
                  BLOCK_N=block_n, BLOCK_K=block_k)
+    if launch:  # (num_warps, num_stages) where a sweep sets them
+        flags.update(num_warps=launch[0], num_stages=launch[1])
     if gemv:
         _gemv_kernel[(triton.cdiv(n, block_n), m)](*args, n, k, group_size, x2.stride(0), y.stride(0), **flags)
     else:
@@ -145,13 +147,14 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor | No
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                  group_size: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-                 gemv: bool | None = None, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 gemv: bool | None = None, cfg: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [..., K] @ W4 weight (qweight int32 [K/8, N]) -> [..., N]. ``gemv``/``cfg`` (BLOCK_M, BLOCK_N,
-    BLOCK_K; BLOCK_K a multiple of 8) force a shape for tests; by default the row count picks."""
+    BLOCK_K; BLOCK_K a multiple of 8; optionally num_warps, num_stages) force a shape for tests and
+    sweeps; by default the row count picks."""
     return _launch(W4, x, qweight, zeros, scales, g_idx, group_size, qweight.shape[1], bias, gemv, cfg)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-                gemv: bool | None = None, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+                gemv: bool | None = None, cfg: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [..., K] @ (int8 [N, K] * scale [N]).T -> [..., N]."""
     return _launch(INT8, x, weight, None, scale, None, 1, weight.shape[0], bias, gemv, cfg)

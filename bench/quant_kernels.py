@@ -1,0 +1,177 @@
+"""The quantized matmuls alone, at Llama-3-8B's projection shapes, against the bytes they must read:
+what to tune the W4A16 / W8A16 kernels (kernels/triton/w4a16.py) and the FP8 path against.
+
+Per (K, N) and row count: bf16 ``F.linear`` (cuBLAS) as the baseline; FP8 through ``torch._scaled_mm``
+with per-token activation quantization (kernels/triton/fp8_linear.py); the Triton weight-only kernels
+for int8, for an fp8 weight read the same way (the weight-only FP8 path a decode row could take instead
+of quantizing its activations), and for W4 with groups of 128 — each over a sweep of tile shapes and
+warps, checked against the dequantize-then-matmul reference before it is timed. Every time is the median
+of CUDA-graph replays over enough weight copies that each replay reads several times the 60 MB L2 (so a
+decode step's cold reads are what is timed), and is printed beside its floor: the weight bytes (scales
+and zero points included) over the copy bandwidth measured in the same process.
+
+``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.kernels import quant
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+GROUP = 128
+L2_BYTES = 60 << 20
+
+
+def graph_time(calls: list, reps: int = 20) -> float:
+    """Median seconds of one call: ``calls`` captured once in a CUDA graph, replayed ``reps`` times."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / len(calls)
+
+
+def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list[dict]:
+    """``copies`` distinct weights of one format on the GPU (distinct so the L2 cannot serve a replay)."""
+    out = []
+    for _ in range(copies):
+        if fmt == "bf16":
+            out.append({"w": (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).cuda()})
+        elif fmt in ("int8", "fp8"):
+            w, s = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, fmt)
+            out.append({"w": w.cuda(), "s": s.cuda()})
+        else:
+            q = torch.randint(0, 16, (k, n), generator=gen)
+            out.append({"w": quant.pack_w4(q).cuda(),
+                        "z": torch.randint(0, 16, (k // GROUP, n), generator=gen).to(torch.uint8).cuda(),
+                        "s": (torch.rand(k // GROUP, n, generator=gen) * 0.5 / k ** 0.5 + 0.01 / k ** 0.5).half().cuda()})
+    return out
+
+
+def nbytes(d: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in d.values())
+
+
+def reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
+    """What ``fmt`` computes, in fp32: fp8_mm also rounds the activations to e4m3 per token."""
+    if fmt == "fp8_mm":
+        return quant.fp8_linear_w8a8(x.float(), d["w"], d["s"])
+    x = x.float()
+    if fmt == "bf16":
+        return F.linear(x, d["w"].float())
+    if fmt == "w4":
+        return quant.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP)
+    return F.linear(x, quant.dequantize_channel(d["w"], d["s"]))
+
+
+def configs(rows: int, quick: bool) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) to try; the GEMV kernel for <= 8 rows."""
+    if rows <= 8:
+        ns, ks, ws = ((16, 32), (128,), (4,)) if quick else ((8, 16, 32, 64), (64, 128, 256), (2, 4, 8))
+        return [(1, bn, bk, w, 2) for bn, bk, w in itertools.product(ns, ks, ws)]
+    ms = (16,) if rows <= 32 else (64, 128)
+    ns, ks, ws, ss = ((64,), (64,), (4,), (3,)) if quick else ((64, 128), (64, 128), (4, 8), (3, 4))
+    return [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(ms, ns, ks, ws, ss)
+            if not (quick and bm == 128)]
+
+
+def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None):
+    from kvrelay.kernels.triton import fp8_linear, w4a16
+
+    gemv = rows <= w4a16.GEMV_MAX_ROWS
+    if fmt == "bf16":
+        return lambda: F.linear(x, d["w"])
+    if fmt == "fp8_mm":
+        return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"])
+    if fmt == "w4":
+        return lambda: w4a16.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP, gemv=gemv, cfg=cfg)
+    return lambda: w4a16.int8_linear(x, d["w"], d["s"], gemv=gemv, cfg=cfg)  # int8, and fp8 weight-only
+
+
+def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
+    gen = torch.Generator().manual_seed(k * 7 + n + rows)
+    store = "fp8" if fmt in ("fp8_mm", "fp8_wo") else fmt
+    one = weights(store, k, n, 1, gen)[0]
+    copies = max(1, min(16, 4 * L2_BYTES // nbytes(one) + 1))
+    sets = [one] + weights(store, k, n, copies - 1, gen)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+    floor_us = nbytes(one) / bandwidth * 1e6
+    row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
+    expected = reference(fmt if fmt != "fp8_wo" else "fp8", x, one)
+    tries = [None] if fmt in ("bf16", "fp8_mm") else configs(rows, quick)
+    best = None
+    for cfg in tries:
+        try:
+            got = kernel_call(fmt, x, one, rows, cfg)().float()
+        except Exception as exc:  # a tile shape the compiler refuses (shared memory, registers): skip it
+            row.setdefault("refused", []).append(f"{cfg}: {type(exc).__name__}")
+            continue
+        err = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+        if err > 0.02:
+            row.setdefault("wrong", []).append(f"{cfg}: rel err {err:.3g}")
+            continue
+        t = graph_time([kernel_call(fmt, x, d, rows, cfg) for d in sets])
+        if best is None or t < best[0]:
+            best = (t, cfg, err)
+    if best is not None:
+        row.update(us=best[0] * 1e6, of_floor=floor_us / (best[0] * 1e6), cfg=best[1], rel_err=best[2])
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few configurations per shape")
+    p.add_argument("--rows", default="1,4,128,4096")
+    p.add_argument("--formats", default="bf16,fp8_mm,fp8_wo,int8,w4")
+    p.add_argument("--json", default=None, help="also write every row here")
+    args = p.parse_args(argv)
+    from kvrelay.bench.gpu_measure import copy_bandwidth
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows_out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, (k, n) in SHAPES.items():
+            base = None
+            for fmt in args.formats.split(","):
+                r = measure(fmt, name, k, n, rows, bandwidth, args.quick)
+                if fmt == "bf16":
+                    base = r.get("us")
+                if base and r.get("us"):
+                    r["vs_bf16"] = base / r["us"]
+                rows_out.append(r)
+                print(json.dumps(r), flush=True)
+    print("\n| rows | proj | fmt | us | floor us | of floor | vs bf16 | best cfg |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows_out:
+        if "us" in r:
+            print(f"| {r['rows']} | {r['proj']} | {r['fmt']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                  f"{r['of_floor']:.0%} | {r.get('vs_bf16', 0):.2f}x | {r['cfg']} |")
+        else:
+            print(f"| {r['rows']} | {r['proj']} | {r['fmt']} | failed: {r.get('wrong') or r.get('refused')} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f)
+
+
+if __name__ == "__main__":
+    main()
