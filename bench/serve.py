@@ -77,14 +77,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="instead of one run: double the rate from --sweep-start until a trial misses an SLO, then "
                         "bisect to --sweep-resolution; every trial on the same running server (each --launch mode "
                         "in turn); with --compare-offline each found rate as a fraction of the offline engine's req/s")
-    g.add_argument("--slo-ttft-ms", type=float, default=300.0, help="p99 time to first token a trial must hold")
-    g.add_argument("--slo-itl-ms", type=float, default=25.0, help="p99 inter-token latency a trial must hold")
-    g.add_argument("--sweep-start", type=float, default=4.0, metavar="REQ_S", help="the first rate tried")
+    g.add_argument("--slo-ttft-ms", type=float, default=300.0, help="p99 time to first token a trial must hold (default: %(default)s)")
+    g.add_argument("--slo-itl-ms", type=float, default=25.0, help="p99 inter-token latency a trial must hold (default: %(default)s)")
+    g.add_argument("--sweep-start", type=float, default=4.0, metavar="REQ_S", help="the first rate tried (default: %(default)s)")
     g.add_argument("--sweep-resolution", type=float, default=1.0, metavar="REQ_S",
-                   help="stop once the lowest failing rate is this close above the best passing one")
-    g.add_argument("--sweep-max-trials", type=int, default=12, help="at most this many trials per server")
+                   help="stop once the lowest failing rate is this close above the best passing one "
+                        "(default: %(default)s)")
+    g.add_argument("--sweep-max-trials", type=int, default=12, help="at most this many trials per server (default: %(default)s)")
+    g.add_argument("--sweep-min-rate", type=float, default=0.0, metavar="REQ_S",
+                   help="when the start rate fails, halve it no lower than this (0: down to --sweep-resolution); "
+                        "a trial lasts --sweep-requests / rate seconds, so low rates are slow to try")
     g.add_argument("--sweep-requests", type=int, default=200,
-                   help="requests per trial (the same prompts each time; enough for a meaningful p99)")
+                   help="requests per trial (the same prompts each time; enough for a meaningful p99; default: %(default)s)")
     p.add_argument("engine_args", nargs="*", help="after --: engine flags for --launch and --compare-offline")
 
 
@@ -121,7 +125,7 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
     if args.sweep_requests < 1:
         raise SystemExit("--sweep-requests must be at least 1")
     try:
-        SearchSpace(args.sweep_start, args.sweep_resolution, args.sweep_max_trials).check()
+        SearchSpace(args.sweep_start, args.sweep_resolution, args.sweep_max_trials, args.sweep_min_rate).check()
         Slo(args.slo_ttft_ms, args.slo_itl_ms).check()
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -296,7 +300,8 @@ async def _sweep_one(args: argparse.Namespace, base_url: str, label: str, prompt
 
     spec = await _request_spec(args, base_url, warmup)  # the server's one warm-up, before its first trial
     return await sweep_server(base_url, spec, prompts, label, Slo(args.slo_ttft_ms, args.slo_itl_ms),
-                              SearchSpace(args.sweep_start, args.sweep_resolution, args.sweep_max_trials),
+                              SearchSpace(args.sweep_start, args.sweep_resolution, args.sweep_max_trials,
+                                          args.sweep_min_rate),
                               args.seed, args.max_concurrency, args.request_timeout)
 
 
@@ -319,6 +324,7 @@ def _run_sweep(args: argparse.Namespace, prompts: list, warmup) -> int:
         offline = {"label": m["label"], **{k: m[k] for k in KEPT}}
     print_summary(modes, offline["request_throughput"] if offline else None)
     search = {"start": args.sweep_start, "resolution": args.sweep_resolution, "max_trials": args.sweep_max_trials,
+              "min_rate": args.sweep_min_rate,
               "requests_per_trial": len(prompts), "input_len": args.input_len, "output_len": args.output_len}
     _save(args, {"sweep": {"slo": {"p99_ttft_ms": args.slo_ttft_ms, "p99_itl_ms": args.slo_itl_ms},
                            "search": search, "modes": modes, "offline": offline}})

@@ -59,7 +59,8 @@ def test_a_pass_above_a_fail_is_noise_and_the_search_stays_below_the_fail():
 
 @pytest.mark.parametrize(("space", "flag"), [(SearchSpace(0, 1, 5), "--sweep-start"),
                                              (SearchSpace(1, -1, 5), "--sweep-resolution"),
-                                             (SearchSpace(1, 1, 0), "--sweep-max-trials")])
+                                             (SearchSpace(1, 1, 0), "--sweep-max-trials"),
+                                             (SearchSpace(1, 1, 5, min_rate=2), "--sweep-min-rate")])
 def test_a_bad_search_space_names_its_flag(space, flag):
     with pytest.raises(ValueError, match=flag):
         space.check()
@@ -78,3 +79,14 @@ def test_a_trial_passes_only_with_both_p99s_within_their_slo_and_no_failed_reque
     assert verdict(metrics(ttft=400.0, itl=30.0), slo) == ["TTFT", "ITL"]
     assert verdict(metrics(failed=1), slo) == ["1 failed"]  # a dropped request fails a trial, whatever the latencies
     assert verdict(metrics(completed=0, failed=5, ttft=0.0, itl=0.0), slo) == ["5 failed"]
+
+
+def test_a_rate_floor_ends_the_halving_of_a_start_that_fails():
+    # a trial lasts requests / rate: without the floor this search would go on to 2 and 1 req/s
+    trials, found = search(lambda rate: False, SearchSpace(start=8, resolution=1, max_trials=20, min_rate=4))
+    assert [t.rate for t in trials] == [8, 4]
+    assert found == {"found_rate": None, "lowest_failing_rate": 4, "trials_run": 2, "stopped": "resolved"}
+    # the floor is tried even where halving would step past it, and a pass there bisects as usual
+    trials, found = search(lambda rate: rate <= 5.5, SearchSpace(start=16, resolution=1, max_trials=20, min_rate=5))
+    assert [t.rate for t in trials] == [16, 8, 5, 6.5, 5.75]
+    assert (found["found_rate"], found["lowest_failing_rate"]) == (5, 5.75)
