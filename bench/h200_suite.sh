@@ -11,14 +11,7 @@
 # `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS); QK=1 first runs the
 # quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-[ -d .tok ] && export KVRELAY_SMOLLM2_TOKENIZER=${KVRELAY_SMOLLM2_TOKENIZER:-$PWD/.tok}
-# the package as installed: from the repository root a bare `kvrelay/` would shadow its folder mapping
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . || exit 1
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
+. bench/h200_setup.sh || exit 1
 if [ "${SUITE:-1}" = 1 ]; then
 start=$(date +%s)
 # several processes, tests dealt out one by one (--dist load): most of the suite's time is Triton compiling

@@ -152,7 +152,8 @@ BENCHES = {
             "and HF generate, fused vs unfused kernels, CUDA graphs vs eager"),
     "serve": ("kvrelay.bench.serve", "run", "load generator against an OpenAI-compatible server: vLLM's serving "
               "metrics (TTFT, TPOT, ITL, throughput); --compare-offline adds the offline engine on the same "
-              "prompts and the ratio"),
+              "prompts and the ratio; --sweep finds each server's highest Poisson rate within p99 TTFT and ITL "
+              "SLOs (goodput), as a fraction of the offline engine's req/s"),
     "handoff": ("kvrelay.bench.handoff", "run", "KV handoff between two processes: GB/s of frames against raw "
                 "ZMQ, and of CUDA IPC against an in-process device copy, with where the time goes"),
     "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: tok/s of one KV pool "
