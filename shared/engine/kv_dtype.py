@@ -4,18 +4,24 @@
 half the bytes of bf16, so the same memory holds twice the blocks. A layer stores ``x / scale`` and
 reads ``stored * scale`` (kernels/kv_quant.py), one float32 scale for K and one for V per layer.
 
-The scheme: every scale is 1.0, fixed, as vLLM's default when a checkpoint carries no KV scales.
+The scheme: the scales an FP8 checkpoint carries for its layers (``checkpoint_kv_scales`` in
+shared/engine/loader.py reads them under vLLM's names), else 1.0, as vLLM does when there are none.
 - Fixed for the cache's life: a block written under one scale and read under another is misread, and
   blocks outlive the requests that wrote them (prefix caching, swap, a handoff to another worker). A
   scale measured at the first write would be measured on whichever prompt came first and could never
   be corrected afterwards.
 - The same on every worker without coordination: a prefill worker's blocks are read by a decode worker
-  with nothing but the dtype to agree on (the handoff refuses a dtype mismatch).
+  with nothing but the dtype and the model version to agree on (the handoff refuses a mismatch of
+  either), and both read the same checkpoint's scales. A process whose weights are mapped from another
+  (shared/worker/shared_weights.py) reads them from the checkpoint too: they are not weights.
 - 1.0 suffices: e4m3 spans 2^-9 .. 448 with 3 mantissa bits, so post-projection K and V (magnitudes
   from ~1e-2 to a few hundred in the models served here) keep ~6% relative precision per element,
-  and values past ±448 clamp instead of becoming inf. The scales live in a per-layer tensor that every
-  kernel reads, so checkpoint-provided scales can replace the ones here without touching a kernel.
+  and values past ±448 clamp instead of becoming inf. A checkpoint calibrated its scales on real
+  activations, so where it has them they are the better choice.
 """
+
+import math
+import re
 
 import torch
 from torch import nn
@@ -23,6 +29,11 @@ from torch import nn
 from kvrelay.kernels.kv_quant import FP8_KV_DTYPE
 
 FP8_NAMES = ("fp8", "fp8_e4m3")
+# A layer's KV scale in an FP8 checkpoint, by the names vLLM loads: ``self_attn.k_scale`` / ``v_scale``
+# (llm-compressor, quark), ``k_proj.output_scale`` / ``v_proj.output_scale`` (older compressed-tensors),
+# one ``kv_scale`` for both (AutoFP8). Group 1: the layer index; group 2: which.
+KV_SCALE_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:.*\.)?(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
+                           r"v_proj\.output_scale)$")
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -44,12 +55,33 @@ def check_device(name: str, device: torch.device) -> None:
                              f"{major}.{minor}: use --kv-cache-dtype auto")
 
 
-def attach_kv_scales(model: nn.Module, device: torch.device) -> torch.Tensor:
+def kv_scale_entry(name: str, value: torch.Tensor) -> tuple[int, tuple[int, ...], float] | None:
+    """(layer, which of K=0 / V=1 it sets, the scale) of a checkpoint tensor named as a KV scale, else None.
+    A scale that is not one positive finite number is a corrupt checkpoint: one line naming the tensor."""
+    match = KV_SCALE_NAME.search(name)
+    if match is None:
+        return None
+    kind = match.group(2)
+    which = (0, 1) if kind == "kv_scale" else (0,) if kind.startswith("k") else (1,)
+    flat = value.float().reshape(-1)
+    if flat.numel() != 1 or not math.isfinite(scale := float(flat[0])) or scale <= 0:
+        raise ValueError(f"KV scale {name!r} must be one positive finite number; the checkpoint has "
+                         f"{flat.tolist()[:4]}")
+    return int(match.group(1)), which, scale
+
+
+def attach_kv_scales(model: nn.Module, device: torch.device,
+                     checkpoint: dict[int, list[float]] | None = None) -> torch.Tensor:
     """Give each decoder layer's attention its ``kv_scale`` ([2] float32: K, V) and return them all as
-    ``[L, 2]``. Attention modules declare the attribute; the kernels read it only for an fp8 cache."""
-    layers = [layer for _, layer in model.held_layers()]  # a pipeline stage: its own layers
-    scales = torch.ones(len(layers), 2, dtype=torch.float32, device=device)
-    for i, layer in enumerate(layers):
+    ``[L, 2]``: ``checkpoint``'s (layer index -> [K, V]) where it has the layer, 1.0 elsewhere. Attention
+    modules declare the attribute; the kernels read it only for an fp8 cache."""
+    held = model.held_layers()  # a pipeline stage: its own layers, by their index in the whole model
+    scales = torch.ones(len(held), 2, dtype=torch.float32)
+    for i, (index, _) in enumerate(held):
+        if checkpoint and index in checkpoint:
+            scales[i] = torch.tensor(checkpoint[index], dtype=torch.float32)
+    scales = scales.to(device)
+    for i, (_, layer) in enumerate(held):
         attn = next(m for m in layer.modules() if hasattr(m, "kv_scale"))
         attn.kv_scale = scales[i]
     return scales

@@ -26,9 +26,9 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
-from kvrelay.shared.engine.kv_dtype import attach_kv_scales, check_device, kv_cache_dtype
+from kvrelay.shared.engine.kv_dtype import FP8_NAMES, attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
-from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
 from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
@@ -86,7 +86,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         # what the KV cache stores (--kv-cache-dtype): the model's dtype, or fp8 with per-layer scales
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        self.kv_scales = attach_kv_scales(self.model, self.device)  # [L, 2]: K, V
+        kv_scales = checkpoint_kv_scales(config.model, root) if config.cache.kv_cache_dtype in FP8_NAMES else None
+        self.kv_scales = attach_kv_scales(self.model, self.device, kv_scales)  # [L, 2]: K, V
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.sampler = Sampler()

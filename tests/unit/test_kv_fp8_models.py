@@ -9,9 +9,11 @@ Greedy tokens equal the reference's argmax wherever its top two differ by more t
 Prefix caching and swap preemption copy fp8 blocks unchanged: those runs meet the same reference."""
 
 import functools
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvrelay import LLM, SamplingParams
 from tests.conftest import random_prompts
@@ -29,16 +31,20 @@ MODES = {
 }
 
 
-def _rounding_cache():
+def _rounding_cache(scales: dict[int, list[float]] | None = None):
     from transformers import DynamicCache
 
     class Fp8RoundingCache(DynamicCache):
-        """Stores (and hands attention) K and V as an fp8 cache would give them back."""
+        """Stores (and hands attention) K and V as an fp8 cache would give them back: ``x / scale``
+        rounded to e4m3, times the scale (layer index -> [K, V] scales; 1.0 where not given)."""
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            def rounded(x):
-                return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
-            return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+            k_scale, v_scale = (scales or {}).get(layer_idx, [1.0, 1.0])
+
+            def rounded(x, s):
+                return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * s
+            return super().update(rounded(key_states, k_scale), rounded(value_states, v_scale), layer_idx,
+                                  *args, **kwargs)
 
     return Fp8RoundingCache()
 
@@ -50,13 +56,13 @@ def _hf(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _reference(model_dir: str, ids: list[int], round_kv: bool) -> torch.Tensor:
+def _reference(model_dir: str, ids: list[int], round_kv: bool, scales: dict[int, list[float]] | None = None) -> torch.Tensor:
     """[len(ids), V] log-probabilities of the next token at each position."""
     from transformers import DynamicCache
 
     with torch.no_grad():
         out = _hf(model_dir)(torch.tensor([ids]), use_cache=True,
-                             cache=_rounding_cache() if round_kv else DynamicCache())
+                             cache=_rounding_cache(scales) if round_kv else DynamicCache())
     return out.logits[0].float().log_softmax(-1)
 
 
@@ -122,3 +128,47 @@ def test_fp8_kv_logprobs_close_to_default_kv(tiny_model_dirs):
             assert abs(exact.prompt_logprobs[j][tok].logprob - plain[j - 1, tok].item()) < TOL
         for pos, tok, lp in _logprobs(prompt, out):
             assert abs(lp - plain[pos, tok].item()) <= FP8_VS_DEFAULT, (pos, lp, plain[pos, tok].item())
+
+
+def test_fp8_kv_reads_the_checkpoints_kv_scales(tiny_model_dirs, tmp_path):
+    """An FP8 checkpoint's per-layer KV scales, under both names vLLM loads (``self_attn.k_scale`` /
+    ``v_scale``; ``k_proj.output_scale`` / ``v_proj.output_scale``), are what the cache divides by: the
+    engine meets a reference rounding ``x / scale`` per layer, and not the unit-scale one. With the
+    model's-dtype cache the same checkpoint loads and the scales change nothing."""
+    src = tiny_model_dirs["llama"]
+    dst = tmp_path / "kv-scales"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    scales = {0: [0.37, 0.61], 1: [2.3, 0.53]}  # not powers of two: a different rounding grid than 1.0
+    tensors |= {"model.layers.0.self_attn.k_scale": torch.tensor(scales[0][0]),
+                "model.layers.0.self_attn.v_scale": torch.tensor(scales[0][1]),
+                "model.layers.1.self_attn.k_proj.output_scale": torch.tensor([scales[1][0]]),
+                "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([scales[1][1]])}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _prompts("chunked")
+    llm = LLM(model=str(dst), dtype="float32", max_model_len=128, kv_cache_dtype="fp8", **MODES["chunked"])
+    assert llm.engine.core.runner.kv_scales.flatten().tolist() == pytest.approx(scales[0] + scales[1])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1, prompt_logprobs=0))
+    worst_scaled = worst_unit = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = prompt + out.outputs[0].token_ids
+        scaled, unit = _reference(str(src), ids, True, scales), _reference(str(src), ids, True)
+        for pos, tok, lp in _logprobs(prompt, out):
+            worst_scaled = max(worst_scaled, abs(lp - scaled[pos, tok].item()))
+            worst_unit = max(worst_unit, abs(lp - unit[pos, tok].item()))
+    assert worst_scaled <= TOL, worst_scaled
+    assert worst_unit >= SEPARATION, worst_unit
+    same = _engine(str(dst), prompts[:2], "auto", **MODES["chunked"])
+    assert [o.outputs[0].token_ids for o in same] == [
+        o.outputs[0].token_ids for o in _engine(str(src), prompts[:2], "auto", **MODES["chunked"])]
+
+
+def test_a_corrupt_kv_scale_is_one_line_naming_it(tiny_model_dirs, tmp_path):
+    dst = tmp_path / "bad-scale"
+    shutil.copytree(tiny_model_dirs["llama"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(-0.5)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"KV scale 'model.layers.1.self_attn.v_scale' must be one positive"):
+        LLM(model=str(dst), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")

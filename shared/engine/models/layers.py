@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.kv_dtype import KV_SCALE_NAME
 from kvrelay.shared.engine.parallel.embedding import VocabParallelEmbedding, parallel_logits, vocab_range, vocab_rows
 from kvrelay.shared.engine.parallel.pipeline import WHOLE, PipelineStage, held, prune
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -171,8 +172,9 @@ class CausalLM(nn.Module, ABC):
     ignored_names: re.Pattern[str] = re.compile(r"$^")
     # the decoder projections' quantization (shared/engine/quant/); None: full precision
     quant: QuantConfig | None = None
-    # static activation and KV scales of FP8 checkpoints: activations are scaled per token instead
-    _quant_ignored = re.compile(r"\.(input_scale|output_scale|k_scale|v_scale)$")
+    # static activation scales of FP8 checkpoints: activations are scaled per token instead (their KV
+    # scales are not weights either: the KV cache reads them, shared/engine/kv_dtype.py)
+    _quant_ignored = re.compile(r"\.(input_scale|output_scale)$")
     # this model's tensor-parallel group; num_heads and num_kv_heads count the heads of this rank
     parallel: ParallelState = SINGLE
     # checkpoint tensors split by vocabulary rows across the group (embedding, untied LM head)
@@ -270,6 +272,8 @@ class CausalLM(nn.Module, ABC):
             name = self.normalize_name(original)
             if self.ignored_names.search(name) or (self.quant is not None and self._quant_ignored.search(name)):
                 continue
+            if KV_SCALE_NAME.search(name):
+                continue  # the KV cache's, read by checkpoint_kv_scales (shared/engine/loader.py)
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the one source of truth, as in HF's tie_weights
             if not held(self, name):
