@@ -119,7 +119,7 @@ class Generation:
             await self._submit(dispatcher.address)
         except BaseException as exc:
             dispatcher.unregister(list(self._by_job))
-            if not isinstance(exc, APIError):  # cancelled mid-XADD: some jobs may be queued already
+            if not isinstance(exc, APIError | ClientGone):  # cancelled mid-XADD: some jobs may be queued already
                 spawn(self.app, publish_abort(self.app, list(self._by_job), "client disconnected"))
             raise
         self.app[METRICS].vllm.start(self)
@@ -165,6 +165,11 @@ class Generation:
         if config.max_queue_depth and depth + len(self.choices) > config.max_queue_depth:
             raise APIError(429, f"{depth} requests are queued for model {model!r} (limit "
                                 f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
+        # The last look at the client before its jobs are queued: a busy loop reads a hang-up (the transport
+        # closes at once) a callback round before aiohttp cancels this handler, which may wake up in between;
+        # a job queued for nobody would cost a worker a prefill until the abort reaches it.
+        if self._is_disconnected():
+            raise ClientGone()
         router = self.app[ROUTER]
         pipe = self.app[REDIS].pipeline(transaction=False)
         streams: list[str | None] = []  # per choice: its stream, or None where the script says which

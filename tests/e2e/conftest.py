@@ -59,3 +59,33 @@ def tiny_dir(tmp_path_factory, smollm2_dir):
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, path / f.name)
     return path
+
+
+@pytest.fixture(scope="session")
+def fields_http(smollm2_dir, tmp_path_factory):
+    """An httpx client on SmolLM2 served by a real gateway and unified worker (``client.cluster``: the
+    processes), for the request-field tests (tests/e2e/request_fields.py): one cluster for all their files,
+    each of its base prompts already in the prefix cache."""
+    import httpx
+
+    from kvrelay.shared.wire.redis_conn import EmbeddedRedis
+    from tests.e2e.cluster import Cluster
+    from tests.e2e.request_fields import BASE, ENGINE, EOS, MODEL, PARIS, post
+
+    with EmbeddedRedis() as redis_url:
+        cluster = Cluster(redis_url, str(smollm2_dir), ENGINE, tmp_path_factory.mktemp("request-fields"))
+        # cache_salt's effect reads cached_tokens; logprobs of -1 (the whole vocabulary) need the bound lifted
+        cluster.start_gateway(extra=["--enable-prompt-tokens-details", "--max-logprobs", "-1"])
+        cluster.start_worker("unified", "u1")
+        try:
+            cluster.wait_ready(timeout=300)
+            with httpx.Client(base_url=f"http://127.0.0.1:{cluster.port}", timeout=120) as client:
+                client.cluster = cluster
+                ids = client.post("/tokenize", json={"model": MODEL, "prompt": " Paris<|im_end|>",
+                                                     "add_special_tokens": False}).json()["tokens"]
+                assert ids == [PARIS, EOS]
+                for base in BASE.values():  # the prefix cache holds each base prompt from here on
+                    post(client, base)
+                yield client
+        finally:
+            cluster.stop()

@@ -3,7 +3,7 @@
 logprobs when asked, streamed when asked (each choice whole); what beam search cannot honour is a 400 naming
 the field. Real Redis, ZMQ and gateway with the fake worker of
 tests/integration/gateway_harness.py, whose every job offers the same three tokens (the reply's next token at
--0.5, the id after it at -1.5, id 0 at -inf), so the search's path is known; tests/e2e/test_request_fields.py
+-0.5, the id after it at -1.5, id 0 at -inf), so the search's path is known; tests/e2e/test_best_of_beam_search.py
 compares it with the offline engine's beam search on a real model."""
 
 import json

@@ -1,7 +1,7 @@
 """``best_of`` through the gateway: best_of jobs sampled per prompt (each with the sampled tokens' logprobs,
 which rank them), n returned and numbered, every sampled token in the usage, logprobs shown only when asked
 for, and what cannot work a 400 naming best_of. Real Redis, ZMQ and gateway with the fake worker of
-tests/integration/gateway_harness.py, whose choices all score alike; tests/e2e/test_request_fields.py checks
+tests/integration/gateway_harness.py, whose choices all score alike; tests/e2e/test_best_of_beam_search.py checks
 the ranking on a real model."""
 
 import httpx
