@@ -15,16 +15,33 @@ evicted from the victim's cache), and only while the victim keeps its floor. Vic
 free blocks and the least recent demand go first. So an idle co-resident model lends its memory to a
 busy one, and gets it back the moment it needs it and the busy one has any free chunk.
 
+The pool's size follows the memory its worker has free (``set_cap``). Its address range is reserved once
+at the most it may ever span (shared/engine/kv_memory.py: an mmap on CPU, the CUDA driver's virtual
+memory management on a GPU) and chunks are *committed* (backed by memory) only up to a cap. Views,
+block ids and CUDA graph pointers cover the whole range and never change; only committed chunks can be
+owned, so no model ever touches memory that is not backed. ``grow`` takes unowned committed chunks
+first, then commits new ones while the cap allows, then steals. The worker raises the cap when a model's
+weights leave and lowers it before a load: ``set_cap`` then decommits unowned chunks and takes free
+chunks back from models above their floors (the same rule a steal follows). The chunks holding block 0
+stay committed for good: padding rows of a batch read block 0 (shared/engine/step_inputs.py). A pool made
+without room to grow (``max_bytes``), or where growable memory is unavailable, is one fixed buffer as
+before and refuses a higher cap with its reason logged once.
+
 Everything here runs on the worker's one engine thread, synchronously. That is also what makes a
 steal safe on CUDA: each engine's step (schedule, then its kernels on the same stream) is issued
 before the next engine's, so the grower's writes queue behind the victim's last reads.
 """
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from kvrelay.shared.engine.kv_memory import reserve_kv_memory
+
+log = logging.getLogger(__name__)
 
 # A chunk is the unit of arbitration. Small chunks waste less at block-straddling boundaries and let a
 # model give back memory in finer steps; large ones keep the bookkeeping (lists of chunk ids, a scan
@@ -68,20 +85,32 @@ class Member:
 
 
 class KVPool:
-    def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None):
+    def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None,
+                 max_bytes: int | None = None, fixed_because: str = ""):
+        """``nbytes``: the pool's size to start with (its cap); ``max_bytes``: the most ``set_cap`` may raise
+        it to, reserved now and backed only as chunks are committed (default ``nbytes``: a fixed buffer).
+        ``fixed_because``: keep it fixed anyway, for this reason (logged when it is asked to grow)."""
         self.device = torch.device(device)
         if chunk_bytes is None:
             default = CUDA_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES
             chunk_bytes = min(default, max(PAGE, nbytes // MIN_CHUNKS // PAGE * PAGE))
         if nbytes < 1 or chunk_bytes < 1:
             raise ValueError(f"pool and chunk sizes must be positive, got {nbytes} and {chunk_bytes}")
-        self.nbytes = nbytes
-        self.chunk_bytes = chunk_bytes
-        self.num_chunks = math.ceil(nbytes / chunk_bytes)  # the last one may be short
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.memory = reserve_kv_memory(nbytes, max(nbytes, max_bytes or nbytes), self.device, chunk_bytes,
+                                        fixed_because)
+        self.nbytes = self.memory.nbytes  # the reserved range every model views
+        self.base_bytes = nbytes
+        self.chunk_bytes = self.memory.chunk_bytes  # rounded up to what the memory can map
+        self.num_chunks = math.ceil(self.nbytes / self.chunk_bytes)  # the last one may be short
+        self.buffer = self.memory.tensor
+        self.cap = min(nbytes, self.nbytes)  # committed bytes stay within it (but see set_cap)
+        self.committed = [c * self.chunk_bytes < self.memory.committed_from_start for c in range(self.num_chunks)]
+        self.committed_bytes = sum(self._chunk_size(c) for c in range(self.num_chunks) if self.committed[c])
+        self.keep: set[int] = {c for c in range(self.num_chunks) if self.committed[c]} if self.memory.growable else set()
         self.owner: list[str | None] = [None] * self.num_chunks
         self.members: dict[str, Member] = {}
         self._tick = 0
+        self._said_fixed = False
 
     # -- geometry ---------------------------------------------------------------------------------
     def _chunk_size(self, c: int) -> int:
@@ -99,7 +128,13 @@ class KVPool:
 
     @property
     def free_bytes(self) -> int:
-        return sum(self._chunk_size(c) for c, o in enumerate(self.owner) if o is None)
+        """What a model could take without stealing: unowned committed chunks and the room left under the cap."""
+        unowned = sum(self._chunk_size(c) for c, o in enumerate(self.owner) if o is None and self.committed[c])
+        return unowned + max(0, self.cap - self.committed_bytes)
+
+    @property
+    def owned_bytes(self) -> int:
+        return sum(self._chunk_size(c) for c, o in enumerate(self.owner) if o is not None)
 
     # -- attach / detach --------------------------------------------------------------------------
     def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -112,15 +147,19 @@ class KVPool:
             raise ValueError(f"floor_blocks must be at least 1, got {floor_blocks}")
         block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
         m = Member(key, block_bytes, self.nbytes // block_bytes, floor_blocks)
-        if m.num_blocks < floor_blocks:
+        if min(m.num_blocks, self.cap // block_bytes) < floor_blocks:
             raise KVPoolFull(f"{key}: a floor of {floor_blocks} KV blocks needs {floor_blocks * block_bytes} bytes, "
-                             f"the whole pool is {self.nbytes}")
+                             f"the whole pool is {self.cap}")
+        if self.memory.growable:  # padding rows read block 0 (step_inputs.py): its chunks stay backed
+            for c in self._chunks_of(m, 0):
+                self._commit(c)
+                self.keep.add(c)
         plan = self._plan(m, floor_blocks, dry_run=True)
         if plan is None:
             raise KVPoolFull(
                 f"{key}: a floor of {floor_blocks} KV blocks ({block_bytes} bytes each) needs at least "
                 f"{floor_blocks * block_bytes} bytes, but only {self.reclaimable_bytes()} of the pool's "
-                f"{self.nbytes} bytes are unowned or reclaimable from other models above their floors")
+                f"{self.cap} bytes are unowned or reclaimable from other models above their floors")
         self.members[key] = m
         self._take(m, self._plan(m, floor_blocks, dry_run=False) or [])
         kv = self.buffer[:m.num_blocks * block_bytes].view(dtype)
@@ -132,10 +171,70 @@ class KVPool:
         self.members[key].client = client
 
     def detach(self, key: str) -> None:
-        """Return all of ``key``'s chunks. The caller has stopped using its blocks."""
+        """Return all of ``key``'s chunks (decommitted where the pool is above its cap). The caller has
+        stopped using its blocks."""
         m = self.members.pop(key)
         for c in m.chunks:
             self.owner[c] = None
+        self._trim()
+
+    # -- committing -------------------------------------------------------------------------------
+    def set_cap(self, cap: int) -> bool:
+        """Let the pool commit up to ``cap`` bytes. Raising it commits nothing now (``grow`` commits chunks
+        as models need them). Lowering it gives memory back at once: unowned chunks are decommitted, then
+        free chunks are taken from models above their floors (idlest first, as a steal) and decommitted.
+        True when the committed bytes are within ``cap``; False while blocks in use keep them above it (the
+        cap holds, no chunk is committed until they are, and calling again takes what became free).
+        A fixed pool keeps its size and logs why once."""
+        if not self.memory.growable:
+            if cap > self.nbytes and not self._said_fixed:
+                self._said_fixed = True
+                log.warning("KV pool stays at %d MiB, not the %d MiB its worker has room for: %s",
+                            self.nbytes >> 20, cap >> 20, self.memory.why_fixed)
+            return True
+        self.cap = min(max(cap, 0), self.nbytes)
+        if self.committed_bytes <= self.cap:
+            return True
+        self._trim()
+        others = sorted((v for v in self.members.values() if v.client is not None),
+                        key=lambda v: (-v.client.num_free_blocks, v.last_demand))
+        for v in others:
+            kept = set(v.blocks)
+            for c in sorted(v.chunks - self.keep, reverse=True):
+                if self.committed_bytes <= self.cap:
+                    return True
+                lost = self._stealable(v, kept, c)
+                if lost is not None:
+                    self._release(v, c, lost)
+                    self._decommit(c)
+        return self.committed_bytes <= self.cap
+
+    def _trim(self) -> None:
+        """Decommit unowned chunks, highest first, while the pool is above its cap."""
+        for c in range(self.num_chunks - 1, -1, -1):
+            if self.committed_bytes <= self.cap:
+                return
+            if self.owner[c] is None and self.committed[c] and c not in self.keep:
+                self._decommit(c)
+
+    def _commit(self, c: int) -> bool:
+        """Back chunk ``c``; False (logged) when the device has no room for it now."""
+        if self.committed[c]:
+            return True
+        try:
+            self.memory.commit(c * self.chunk_bytes, self._chunk_size(c))
+        except MemoryError as exc:
+            log.warning("KV pool could not commit %d MiB more (%s): growing stops here for now",
+                        self._chunk_size(c) >> 20, exc)
+            return False
+        self.committed[c] = True
+        self.committed_bytes += self._chunk_size(c)
+        return True
+
+    def _decommit(self, c: int) -> None:
+        self.memory.decommit(c * self.chunk_bytes, self._chunk_size(c))
+        self.committed[c] = False
+        self.committed_bytes -= self._chunk_size(c)
 
     # -- growth -----------------------------------------------------------------------------------
     def grow(self, key: str, n_blocks: int) -> list[int]:
@@ -158,9 +257,17 @@ class KVPool:
         have = set(m.chunks)
         usable = len(m.blocks)
         got: list[int] = []
-        for c in self._candidates(m, [c for c, o in enumerate(self.owner) if o is None]):
+        room = self.cap - self.committed_bytes  # what may still be committed
+        unowned = [c for c, o in enumerate(self.owner) if o is None]
+        for c in self._candidates(m, [c for c in unowned if self.committed[c]]):
             if usable >= want:
                 break
+            got.append(c)
+            usable += self._gain(m, have, c)
+        for c in self._candidates(m, [c for c in unowned if not self.committed[c]] if room > 0 else []):
+            if usable >= want or room < self._chunk_size(c):
+                break
+            room -= self._chunk_size(c)
             got.append(c)
             usable += self._gain(m, have, c)
         others = sorted((v for v in self.members.values() if v is not m and v.client is not None),
@@ -217,6 +324,10 @@ class KVPool:
         self.owner[c] = None
 
     def _take(self, m: Member, chunks: list[int]) -> None:
+        for i, c in enumerate(chunks):
+            if not self._commit(c):
+                chunks = chunks[:i]  # the device is full: what was had so far
+                break
         for c in chunks:
             self.owner[c] = m.key
             m.chunks.add(c)
@@ -228,16 +339,19 @@ class KVPool:
             self.owner[c] = None
 
     # -- introspection ----------------------------------------------------------------------------
-    def reclaimable_bytes(self) -> int:
-        """Unowned bytes plus the chunks other models could give up now (all free, above their floors),
-        each victim taken chunk by chunk from its high end, as grow would."""
-        total = self.free_bytes
+    def reclaimable_bytes(self, cap: int | None = None) -> int:
+        """What a model attaching now could own under ``cap`` (default: the pool's; a lower one is what a
+        load's weights would leave): the cap less every owned chunk, except those other models could give
+        up now (all free, above their floors), each victim taken chunk by chunk from its high end, as grow
+        would."""
+        cap = self.cap if cap is None or not self.memory.growable else min(cap, self.nbytes)
+        total = cap - self.owned_bytes
         for v in self.members.values():
             if v.client is not None:
                 kept = set(v.blocks)
                 total += sum(self._chunk_size(c) for c in sorted(v.chunks, reverse=True)
                              if self._stealable(v, kept, c) is not None)
-        return total
+        return max(0, total)
 
     def capacity(self, key: str) -> int:
         """The most blocks ``key`` could own if every other model shrank to its floor (a slight over-
@@ -245,7 +359,7 @@ class KVPool:
         m = self.members[key]
         reserved = sum(math.ceil(v.floor_blocks * v.block_bytes / self.chunk_bytes) * self.chunk_bytes
                        for v in self.members.values() if v is not m)
-        return max(0, min(m.num_blocks, (self.nbytes - reserved) // m.block_bytes))
+        return max(0, min(m.num_blocks, (self.cap - reserved) // m.block_bytes))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per model: owned (usable) blocks, floor, free blocks, owned bytes: for heartbeats and metrics."""
