@@ -104,7 +104,7 @@ def reserve_kv_memory(nbytes: int, max_bytes: int, device: torch.device, chunk_b
 
         try:
             return CudaMemory(max_bytes, device, chunk_bytes)
-        except VMMUnavailable as exc:
+        except (VMMUnavailable, RuntimeError) as exc:  # no driver support, or a driver call refused
             why = f"CUDA virtual memory management unavailable: {exc}"
     else:
         why = f"no growable KV memory on {device.type}"

@@ -19,6 +19,11 @@ Lifecycle of one model instance (a model at one version) here:
        them, shared/worker/shared_weights.py, which also says how a shared model is counted once per device).
 A failed load leaves the instance in state "failed" with the error for the admin API, for FAILED_KEEP_S.
 
+The KV pool may commit its own size plus whatever of the weights budget no weights use (``_kv_cap``): an
+unload raises its cap (its models grow into the freed memory as they need it), and a load's room is made
+before its weights are read: ``make_room`` counts the KV the pool could give back under the lower cap,
+and the build starts only once the pool is within it (blocks in use are waited for, up to drain_timeout_s).
+
 Threads: the control listener only moves commands into ``commands``; loads run on their own thread and
 touch the pool only under ``lock``, which the worker's loop holds around each step, so the engine's
 tensors and the pool's bookkeeping are only ever changed by one thread at a time.
