@@ -396,6 +396,8 @@ class ModelHost:
             for cid in ld.command_ids:
                 self._report(ControlResult(command_id=cid, worker_id="", instance=inst, ok=ld.slot is not None,
                                            error=ld.error, seconds=seconds, evicted=ld.evicted))
+        if changed:
+            self._sync_cap()  # the estimate made room; now its real weights count, or (failed) none
         return changed
 
     # -- unloading ------------------------------------------------------------------------------
@@ -457,9 +459,10 @@ class ModelHost:
         if now - self._checked_keep_alive > KEEP_ALIVE_CHECK_S:
             self._checked_keep_alive = now
             changed |= self._keep_alive()
+            self._sync_cap()  # a shared model another process held may have left the device (not every
+            # step: counting shared weights reads the device's registry file)
         for inst in [i for i, f in self.failed.items() if time.time() - f[3] > FAILED_KEEP_S]:
             del self.failed[inst]
-        self._sync_cap()  # e.g. a failed load's weights never came, or a shared model left the device
         return changed
 
     def _keep_alive(self) -> bool:
