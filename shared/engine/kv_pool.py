@@ -115,6 +115,7 @@ class KVPool:
         self.members: dict[str, Member] = {}
         self._tick = 0
         self._said_fixed = False
+        self._short = False  # the last commit failed: the device had no room
 
     # -- geometry ---------------------------------------------------------------------------------
     def _chunk_size(self, c: int) -> int:
@@ -165,7 +166,8 @@ class KVPool:
                              f"the whole pool is {self.cap}")
         if self.memory.growable:  # padding rows read block 0 (step_inputs.py): its chunks stay backed
             for c in self._chunks_of(m, 0):
-                self._commit(c)
+                if not self._commit(c):
+                    raise KVPoolFull(f"{key}: no device memory left to back its block 0")
                 self.keep.add(c)
         plan = self._plan(m, floor_blocks, dry_run=True)
         if plan is None:
@@ -236,9 +238,12 @@ class KVPool:
         try:
             self.memory.commit(c * self.chunk_bytes, self._chunk_size(c))
         except MemoryError as exc:
-            log.warning("KV pool could not commit %d MiB more (%s): growing stops here for now",
-                        self._chunk_size(c) >> 20, exc)
+            if not self._short:  # once until a commit succeeds again, not at every step's grow
+                log.warning("KV pool could not commit %d MiB more (%s): growing stops here for now",
+                            self._chunk_size(c) >> 20, exc)
+            self._short = True
             return False
+        self._short = False
         self.committed[c] = True
         self.committed_bytes += self._chunk_size(c)
         if self.owner[c] is None:
