@@ -31,6 +31,25 @@ def repo(tmp_path_factory) -> ModelRepository:
     return repo
 
 
+class EngineHooks:
+    """The role's view, as a worker has it: an instance with unfinished requests is busy."""
+
+    def attach(self, slot) -> None:
+        pass
+
+    def detach(self, slot) -> None:
+        pass
+
+    def idle(self, slot) -> bool:
+        return not slot.core.has_unfinished()
+
+    def may_unload(self, slot) -> bool:
+        return self.idle(slot)
+
+    def busy(self, slot) -> bool:
+        return slot.core.has_unfinished()
+
+
 def make_host(repo: ModelRepository) -> ModelHost:
     base = EngineConfig(model=ModelConfig(model="", dtype="float32", max_model_len=64),
                         cache=CacheConfig(block_size=8), device="cpu")
@@ -38,7 +57,11 @@ def make_host(repo: ModelRepository) -> ModelHost:
                                                      device="cpu"))
     kv = BASE_BLOCKS * BLOCK
     pool = KVPool(kv, "cpu", chunk_bytes=PAGE, max_bytes=kv + weights)  # as host_budget makes it
-    return ModelHost(base, hold_finished_kv=False, pool=pool, weights_budget=weights, repo=repo, skip_warmup=True)
+    results = []
+    host = ModelHost(base, hold_finished_kv=False, pool=pool, weights_budget=weights, repo=repo, skip_warmup=True,
+                     report=results.append)
+    host.hooks, host.results = EngineHooks(), results
+    return host
 
 
 def command(op: str, name: str) -> ControlCommand:
@@ -96,3 +119,23 @@ def test_unloading_a_model_grows_the_others_kv_and_loading_it_shrinks_it(repo):
     peak_again, tokens_again = serve_many(host, "a@1")
     assert peak_again <= 4 and tokens_again == tokens
     assert serve_many(host, "b@1", n=2)[1][0]  # b serves from the pool it got back
+
+
+def test_a_load_is_refused_while_the_grown_kv_is_in_use_and_loads_once_it_is_free(repo):
+    host = make_host(repo)
+    run(host, command("load", "a"))
+    core = host.slots["a@1"].core
+    for i in range(12):  # 72 blocks when they all run: more than the pool's own 32
+        prompt = [(5 * i + t) % 500 + 1 for t in range(PROMPT)]
+        core.add_request(core.make_request(f"busy{i}", prompt, SamplingParams(temperature=0.0, max_tokens=NEW)))
+    while core.num_waiting:
+        core.step()
+    assert host.pool.committed_bytes > BASE_BLOCKS * BLOCK
+    run(host, command("load", "b"))  # its weights need memory a's running requests hold
+    assert not host.results[-1].ok and "not enough memory" in host.results[-1].error, host.results[-1]
+    assert "KV" in host.results[-1].error and "b@1" not in host.slots
+    while core.has_unfinished():
+        core.step()
+    run(host, command("load", "b"))
+    assert host.results[-1].ok and "b@1" in host.slots
+    assert host.pool.committed_bytes <= BASE_BLOCKS * BLOCK
