@@ -141,7 +141,8 @@ class KVPool:
         return self.committed_bytes - self._spare_bytes()  # only committed chunks are ever owned
 
     def _spare_bytes(self) -> int:
-        return sum(self._chunk_size(c) for c in self.spare)
+        # list() copies the set in one step: the heartbeat thread reads this while the loop may change it
+        return sum(map(self._chunk_size, list(self.spare)))
 
     def _own(self, c: int, key: str | None) -> None:
         self.owner[c] = key
