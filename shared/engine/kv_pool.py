@@ -116,6 +116,9 @@ class KVPool:
         self._tick = 0
         self._said_fixed = False
         self._short = False  # the last commit failed: the device had no room
+        if self.memory.growable:  # its own size is backed from the start, as a fixed buffer's was: only
+            for c in range(self.cap // self.chunk_bytes):  # growth past it waits for demand
+                self._commit(c)
 
     # -- geometry ---------------------------------------------------------------------------------
     def _chunk_size(self, c: int) -> int:
