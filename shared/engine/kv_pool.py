@@ -17,7 +17,8 @@ busy one, and gets it back the moment it needs it and the busy one has any free 
 
 The pool's size follows the memory its worker has free (``set_cap``). Its address range is reserved once
 at the most it may ever span (shared/engine/kv_memory.py: an mmap on CPU, the CUDA driver's virtual
-memory management on a GPU) and chunks are *committed* (backed by memory) only up to a cap. Views,
+memory management on a GPU) and chunks are *committed* (backed by memory) only up to a cap: its own
+size at the start, committed at once as a fixed buffer would be, then whatever the worker allows. Views,
 block ids and CUDA graph pointers cover the whole range and never change; only committed chunks can be
 owned, so no model ever touches memory that is not backed. ``grow`` takes unowned committed chunks
 first, then commits new ones while the cap allows, then steals. The worker raises the cap when a model's
