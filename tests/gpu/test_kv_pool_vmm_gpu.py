@@ -77,7 +77,7 @@ def test_greedy_tokens_are_the_same_from_blocks_committed_by_a_grow():
     pool.set_cap(2 * GIB)
     many = [[(7 * i + t) % 3000 + 1 for t in range(200)] for i in range(48)]  # ~250 MB of KV at once
     greedy(core, many)
-    assert pool.committed_bytes > 200 * MIB  # it grew
+    assert pool.committed_bytes > 4 * base  # it grew
     bm = core.block_manager
     for b in sorted(bm.owned, reverse=True):  # the highest blocks (committed last) are used first
         bm.free_queue.move_to_end(b, last=False)
