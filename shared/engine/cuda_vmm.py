@@ -147,6 +147,8 @@ class CudaMemory:
     def commit(self, offset: int, size: int) -> None:
         self._map(offset, size)
         self.tensor[offset:offset + size].zero_()
+        # done before any kernel can be issued over it, whichever stream the engine writes KV on
+        torch.cuda.current_stream(self.device).synchronize()
 
     def _map(self, offset: int, size: int) -> None:
         d, ptr = self.driver, self.base.value + offset
