@@ -256,6 +256,7 @@ async def list_models(request: web.Request) -> web.Response:
         data.append({"object": "model", **e})
     pool = [{"worker_id": w.worker_id, "role": w.role, "host": w.host, "can_load": w.can_load,
              "weights_budget": w.weights_budget, "weights_used": w.weights_used, "kv_pool_bytes": w.kv_pool_bytes,
+             "kv_committed_bytes": w.kv_committed_bytes, "kv_cap_bytes": w.kv_cap_bytes,
              "kv_free_bytes": w.kv_free_bytes, "free_blocks": w.free_blocks, "total_blocks": w.total_blocks,
              "running": w.running, "waiting": w.waiting} for w in workers]
     return web.json_response({"object": "list", "data": data, "workers": pool})

@@ -51,13 +51,16 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.grow = grow
         self._capacity = capacity
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         ids = range(num_blocks) if owned is None else sorted(set(owned))
         if ids and not 0 <= ids[0] <= ids[-1] < num_blocks:
             raise ValueError(f"owned block ids must lie in [0, {num_blocks})")
+        # per-block state up to the highest id owned, extended as blocks are added: a growable pool's id
+        # space spans all the memory it may ever grow into (millions of a small model's blocks)
+        size = ids[-1] + 1 if ids else 0
+        self.ref_cnt = [0] * size
+        self.block_hash: list[int | None] = [None] * size
+        self.block_key: list[BlockKey | None] = [None] * size
         self.owned: set[int] = set(ids)
         # Ref-0 blocks, head = next to be reused. OrderedDict: O(1) removal when a cached block is hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(ids)
@@ -97,6 +100,11 @@ class BlockManager:
                 raise ValueError(f"block {b} is outside the id space [0, {self.id_space})")
             if b in self.owned:
                 raise ValueError(f"block {b} is already owned")
+            if b >= len(self.ref_cnt):
+                more = b + 1 - len(self.ref_cnt)
+                self.ref_cnt += [0] * more
+                self.block_hash += [None] * more
+                self.block_key += [None] * more
             self.owned.add(b)
             self.free_queue[b] = None
             self.free_queue.move_to_end(b, last=False)
@@ -276,6 +284,6 @@ class BlockManager:
         if self.num_used:
             return False
         self.cached.clear()
-        self.block_hash = [None] * self.id_space
-        self.block_key = [None] * self.id_space
+        self.block_hash = [None] * len(self.ref_cnt)
+        self.block_key = [None] * len(self.ref_cnt)
         return True

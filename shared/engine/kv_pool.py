@@ -15,16 +15,34 @@ evicted from the victim's cache), and only while the victim keeps its floor. Vic
 free blocks and the least recent demand go first. So an idle co-resident model lends its memory to a
 busy one, and gets it back the moment it needs it and the busy one has any free chunk.
 
+The pool's size follows the memory its worker has free (``set_cap``). Its address range is reserved once
+at the most it may ever span (shared/engine/kv_memory.py: an mmap on CPU, the CUDA driver's virtual
+memory management on a GPU) and chunks are *committed* (backed by memory) only up to a cap: its own
+size at the start, committed at once as a fixed buffer would be, then whatever the worker allows. Views,
+block ids and CUDA graph pointers cover the whole range and never change; only committed chunks can be
+owned, so no model ever touches memory that is not backed. ``grow`` takes unowned committed chunks
+first, then commits new ones while the cap allows, then steals. The worker raises the cap when a model's
+weights leave and lowers it before a load: ``set_cap`` then decommits unowned chunks and takes free
+chunks back from models above their floors (the same rule a steal follows). The chunks holding block 0
+stay committed for good: padding rows of a batch read block 0 (shared/engine/step_inputs.py). A pool made
+without room to grow (``max_bytes``), or where growable memory is unavailable, is one fixed buffer as
+before and refuses a higher cap with its reason logged once.
+
 Everything here runs on the worker's one engine thread, synchronously. That is also what makes a
 steal safe on CUDA: each engine's step (schedule, then its kernels on the same stream) is issued
 before the next engine's, so the grower's writes queue behind the victim's last reads.
 """
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from kvrelay.shared.engine.kv_memory import reserve_kv_memory
+
+log = logging.getLogger(__name__)
 
 # A chunk is the unit of arbitration. Small chunks waste less at block-straddling boundaries and let a
 # model give back memory in finer steps; large ones keep the bookkeeping (lists of chunk ids, a scan
@@ -68,20 +86,40 @@ class Member:
 
 
 class KVPool:
-    def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None):
+    def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None,
+                 max_bytes: int | None = None, fixed_because: str = ""):
+        """``nbytes``: the pool's size to start with (its cap); ``max_bytes``: the most ``set_cap`` may raise
+        it to, reserved now and backed only as chunks are committed (default ``nbytes``: a fixed buffer).
+        ``fixed_because``: keep it fixed anyway, for this reason (logged when it is asked to grow)."""
         self.device = torch.device(device)
         if chunk_bytes is None:
             default = CUDA_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES
             chunk_bytes = min(default, max(PAGE, nbytes // MIN_CHUNKS // PAGE * PAGE))
         if nbytes < 1 or chunk_bytes < 1:
             raise ValueError(f"pool and chunk sizes must be positive, got {nbytes} and {chunk_bytes}")
-        self.nbytes = nbytes
-        self.chunk_bytes = chunk_bytes
-        self.num_chunks = math.ceil(nbytes / chunk_bytes)  # the last one may be short
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.memory = reserve_kv_memory(nbytes, max(nbytes, max_bytes or nbytes), self.device, chunk_bytes,
+                                        fixed_because)
+        self.nbytes = self.memory.nbytes  # the reserved range every model views
+        self.base_bytes = nbytes
+        self.chunk_bytes = self.memory.chunk_bytes  # rounded up to what the memory can map
+        self.num_chunks = math.ceil(self.nbytes / self.chunk_bytes)  # the last one may be short
+        self.buffer = self.memory.tensor
+        self.cap = min(nbytes, self.nbytes)  # committed bytes stay within it (but see set_cap)
+        self.committed = [c * self.chunk_bytes < self.memory.committed_from_start for c in range(self.num_chunks)]
+        self.committed_bytes = sum(self._chunk_size(c) for c in range(self.num_chunks) if self.committed[c])
+        self.keep: set[int] = {c for c in range(self.num_chunks) if self.committed[c]} if self.memory.growable else set()
         self.owner: list[str | None] = [None] * self.num_chunks
+        # committed and unowned: the first chunks a model gets (kept as a set: a growable pool has thousands
+        # of chunks, and scanning them all on every grow cost a CPU worker ~3 ms a call)
+        self.spare: set[int] = {c for c in range(self.num_chunks) if self.committed[c]}
+        self._frontier = 0  # no chunk below it is uncommitted: new commits are looked for from here
         self.members: dict[str, Member] = {}
         self._tick = 0
+        self._said_fixed = False
+        self._short = False  # the last commit failed: the device had no room
+        if self.memory.growable:  # its own size is backed from the start, as a fixed buffer's was: only
+            for c in range(self.cap // self.chunk_bytes):  # growth past it waits for demand
+                self._commit(c)
 
     # -- geometry ---------------------------------------------------------------------------------
     def _chunk_size(self, c: int) -> int:
@@ -99,7 +137,23 @@ class KVPool:
 
     @property
     def free_bytes(self) -> int:
-        return sum(self._chunk_size(c) for c, o in enumerate(self.owner) if o is None)
+        """What a model could take without stealing: unowned committed chunks and the room left under the cap."""
+        return self._spare_bytes() + max(0, self.cap - self.committed_bytes)
+
+    @property
+    def owned_bytes(self) -> int:
+        return self.committed_bytes - self._spare_bytes()  # only committed chunks are ever owned
+
+    def _spare_bytes(self) -> int:
+        # list() copies the set in one step: the heartbeat thread reads this while the loop may change it
+        return sum(map(self._chunk_size, list(self.spare)))
+
+    def _own(self, c: int, key: str | None) -> None:
+        self.owner[c] = key
+        if key is None and self.committed[c]:
+            self.spare.add(c)
+        else:
+            self.spare.discard(c)
 
     # -- attach / detach --------------------------------------------------------------------------
     def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -112,15 +166,20 @@ class KVPool:
             raise ValueError(f"floor_blocks must be at least 1, got {floor_blocks}")
         block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
         m = Member(key, block_bytes, self.nbytes // block_bytes, floor_blocks)
-        if m.num_blocks < floor_blocks:
+        if min(m.num_blocks, self.cap // block_bytes) < floor_blocks:
             raise KVPoolFull(f"{key}: a floor of {floor_blocks} KV blocks needs {floor_blocks * block_bytes} bytes, "
-                             f"the whole pool is {self.nbytes}")
+                             f"the whole pool is {self.cap}")
+        if self.memory.growable:  # padding rows read block 0 (step_inputs.py): its chunks stay backed
+            for c in self._chunks_of(m, 0):
+                if not self._commit(c):
+                    raise KVPoolFull(f"{key}: no device memory left to back its block 0")
+                self.keep.add(c)
         plan = self._plan(m, floor_blocks, dry_run=True)
         if plan is None:
             raise KVPoolFull(
                 f"{key}: a floor of {floor_blocks} KV blocks ({block_bytes} bytes each) needs at least "
                 f"{floor_blocks * block_bytes} bytes, but only {self.reclaimable_bytes()} of the pool's "
-                f"{self.nbytes} bytes are unowned or reclaimable from other models above their floors")
+                f"{self.cap} bytes are unowned or reclaimable from other models above their floors")
         self.members[key] = m
         self._take(m, self._plan(m, floor_blocks, dry_run=False) or [])
         kv = self.buffer[:m.num_blocks * block_bytes].view(dtype)
@@ -132,10 +191,88 @@ class KVPool:
         self.members[key].client = client
 
     def detach(self, key: str) -> None:
-        """Return all of ``key``'s chunks. The caller has stopped using its blocks."""
+        """Return all of ``key``'s chunks (decommitted where the pool is above its cap). The caller has
+        stopped using its blocks."""
         m = self.members.pop(key)
         for c in m.chunks:
-            self.owner[c] = None
+            self._own(c, None)
+        self._trim()
+
+    # -- committing -------------------------------------------------------------------------------
+    def set_cap(self, cap: int) -> bool:
+        """Let the pool commit up to ``cap`` bytes. Raising it commits nothing now (``grow`` commits chunks
+        as models need them). Lowering it gives memory back at once: unowned chunks are decommitted, then
+        free chunks are taken from models above their floors (idlest first, as a steal) and decommitted.
+        True when the committed bytes are within ``cap``; False while blocks in use keep them above it (the
+        cap holds, no chunk is committed until they are, and calling again takes what became free).
+        A fixed pool keeps its size and logs why once."""
+        if not self.memory.growable:
+            if cap > self.nbytes and not self._said_fixed:
+                self._said_fixed = True
+                log.warning("KV pool stays at %d MiB, not the %d MiB its worker has room for: %s",
+                            self.nbytes >> 20, cap >> 20, self.memory.why_fixed)
+            return True
+        self.cap = min(max(cap, 0), self.nbytes)
+        if self.committed_bytes <= self.cap:
+            return True
+        self._trim()
+        others = sorted((v for v in self.members.values() if v.client is not None),
+                        key=lambda v: (-v.client.num_free_blocks, v.last_demand))
+        for v in others:
+            kept = set(v.blocks)
+            for c in sorted(v.chunks - self.keep, reverse=True):
+                if self.committed_bytes <= self.cap:
+                    return True
+                lost = self._stealable(v, kept, c)
+                if lost is not None:
+                    self._release(v, c, lost)
+                    self._decommit(c)
+        return self.committed_bytes <= self.cap
+
+    def _trim(self) -> None:
+        """Decommit unowned chunks, highest first, while the pool is above its cap."""
+        for c in sorted(self.spare - self.keep, reverse=True):
+            if self.committed_bytes <= self.cap:
+                return
+            self._decommit(c)
+
+    def _commit(self, c: int) -> bool:
+        """Back chunk ``c``; False (logged) when the device has no room for it now."""
+        if self.committed[c]:
+            return True
+        try:
+            self.memory.commit(c * self.chunk_bytes, self._chunk_size(c))
+        except MemoryError as exc:
+            if not self._short:  # once until a commit succeeds again, not at every step's grow
+                log.warning("KV pool could not commit %d MiB more (%s): growing stops here for now",
+                            self._chunk_size(c) >> 20, exc)
+            self._short = True
+            return False
+        self._short = False
+        self.committed[c] = True
+        self.committed_bytes += self._chunk_size(c)
+        if self.owner[c] is None:
+            self.spare.add(c)
+        return True
+
+    def _decommit(self, c: int) -> None:
+        self.memory.decommit(c * self.chunk_bytes, self._chunk_size(c))
+        self.committed[c] = False
+        self.committed_bytes -= self._chunk_size(c)
+        self.spare.discard(c)
+        self._frontier = min(self._frontier, c)
+
+    def _uncommitted(self, room: int):
+        """Uncommitted chunks, lowest first, as many as ``room`` bytes allow (the pool commits upwards, so
+        they start at the frontier)."""
+        while self._frontier < self.num_chunks and self.committed[self._frontier]:
+            self._frontier += 1
+        for c in range(self._frontier, self.num_chunks):
+            if room < self._chunk_size(c):
+                return
+            if not self.committed[c]:
+                room -= self._chunk_size(c)
+                yield c
 
     # -- growth -----------------------------------------------------------------------------------
     def grow(self, key: str, n_blocks: int) -> list[int]:
@@ -146,9 +283,7 @@ class KVPool:
         m.last_demand = self._tick
         if n_blocks < 1:
             return []
-        before = set(m.blocks)
-        self._take(m, self._plan(m, len(m.blocks) + n_blocks, dry_run=False) or [])
-        return sorted(m.blocks - before)
+        return sorted(self._take(m, self._plan(m, len(m.blocks) + n_blocks, dry_run=False) or []))
 
     def _plan(self, m: Member, want: int, dry_run: bool) -> list[int] | None:
         """Chunks that bring ``m`` to ``want`` usable blocks: unowned ones, then ones stolen from others.
@@ -158,7 +293,12 @@ class KVPool:
         have = set(m.chunks)
         usable = len(m.blocks)
         got: list[int] = []
-        for c in self._candidates(m, [c for c, o in enumerate(self.owner) if o is None]):
+        for c in self._candidates(m, list(self.spare)):
+            if usable >= want:
+                break
+            got.append(c)
+            usable += self._gain(m, have, c)
+        for c in self._uncommitted(self.cap - self.committed_bytes):
             if usable >= want:
                 break
             got.append(c)
@@ -214,30 +354,41 @@ class KVPool:
             raise RuntimeError(f"{v.key} refused to release blocks it reported free")  # a client bug
         v.blocks.difference_update(lost)
         v.chunks.discard(c)
-        self.owner[c] = None
+        self._own(c, None)
 
-    def _take(self, m: Member, chunks: list[int]) -> None:
+    def _take(self, m: Member, chunks: list[int]) -> set[int]:
+        """Give ``m`` these chunks (committing them first); the blocks that became usable."""
+        for i, c in enumerate(chunks):
+            if not self._commit(c):
+                chunks = chunks[:i]  # the device is full: what was had so far
+                break
         for c in chunks:
-            self.owner[c] = m.key
+            self._own(c, m.key)
             m.chunks.add(c)
+        new: set[int] = set()
         for c in chunks:
-            m.blocks.update(self._complete_in(m, m.chunks, c))
+            new.update(b for b in self._complete_in(m, m.chunks, c) if b not in m.blocks)
+        m.blocks.update(new)
         # chunks that complete no block (a straddling block whose other chunk could not be had) go back
         for c in [c for c in chunks if not any(b in m.blocks for b in self._blocks_in(m, c))]:
             m.chunks.discard(c)
-            self.owner[c] = None
+            self._own(c, None)
+        return new
 
     # -- introspection ----------------------------------------------------------------------------
-    def reclaimable_bytes(self) -> int:
-        """Unowned bytes plus the chunks other models could give up now (all free, above their floors),
-        each victim taken chunk by chunk from its high end, as grow would."""
-        total = self.free_bytes
+    def reclaimable_bytes(self, cap: int | None = None) -> int:
+        """What a model attaching now could own under ``cap`` (default: the pool's; a lower one is what a
+        load's weights would leave): the cap less every owned chunk, except those other models could give
+        up now (all free, above their floors), each victim taken chunk by chunk from its high end, as grow
+        would."""
+        cap = self.cap if cap is None or not self.memory.growable else min(cap, self.nbytes)
+        total = cap - self.owned_bytes
         for v in self.members.values():
             if v.client is not None:
                 kept = set(v.blocks)
                 total += sum(self._chunk_size(c) for c in sorted(v.chunks, reverse=True)
                              if self._stealable(v, kept, c) is not None)
-        return total
+        return max(0, total)
 
     def capacity(self, key: str) -> int:
         """The most blocks ``key`` could own if every other model shrank to its floor (a slight over-
@@ -245,7 +396,7 @@ class KVPool:
         m = self.members[key]
         reserved = sum(math.ceil(v.floor_blocks * v.block_bytes / self.chunk_bytes) * self.chunk_bytes
                        for v in self.members.values() if v is not m)
-        return max(0, min(m.num_blocks, (self.nbytes - reserved) // m.block_bytes))
+        return max(0, min(m.num_blocks, (self.cap - reserved) // m.block_bytes))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per model: owned (usable) blocks, floor, free blocks, owned bytes: for heartbeats and metrics."""

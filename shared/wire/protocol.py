@@ -156,8 +156,10 @@ class WorkerInfo:
     instances: list[InstanceStatus] = field(default_factory=list)
     weights_budget: int = 0  # bytes this worker may hold in model weights (0: unknown / no loading)
     weights_used: int = 0
-    kv_pool_bytes: int = 0
+    kv_pool_bytes: int = 0  # the pool's configured size (--kv-cache-memory)
     kv_free_bytes: int = 0  # not owned by any model, or free and above a model's floor (reclaimable)
+    kv_committed_bytes: int = 0  # backed by memory now: grows into unused weights budget, shrinks for loads
+    kv_cap_bytes: int = 0  # the most it may commit now: its size plus the weights budget no weights use
     can_load: bool = False  # has a model repository and takes ControlCommands
 
     @property

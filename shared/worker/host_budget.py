@@ -17,7 +17,13 @@ def host_budget(config: WorkerConfig) -> tuple[KVPool | None, int]:
     One model and no repository: no shared pool (the engine sizes its own KV exactly as a single-model
     server does) and no budget to enforce. Otherwise the pool is ``--kv-cache-memory`` bytes (CPU
     default 1 GiB); weights get ``--weights-memory`` (CPU default 8 GiB; CUDA default: what
-    ``--gpu-memory-utilization`` leaves after the pool, less ACTIVATION_RESERVE)."""
+    ``--gpu-memory-utilization`` leaves after the pool, less ACTIVATION_RESERVE).
+
+    The pool may grow into the part of the weights budget no model's weights use (the model host moves
+    its cap, shared/engine/kv_pool.py), so it reserves both together. Except a decode worker's on a GPU:
+    prefill workers on its device write into that cache through a CUDA IPC handle (cudaIpcGetMemHandle,
+    shared/handoff/cuda_ipc.py), which memory mapped through the driver's virtual memory management
+    cannot give; that pool stays its fixed size, and says so once."""
     if not config.multi_model:
         return None, 0
     engine = config.engine
@@ -29,4 +35,6 @@ def host_budget(config: WorkerConfig) -> tuple[KVPool | None, int]:
     else:
         kv = engine.cache.kv_cache_memory or CPU_DEFAULT_KV_BYTES
         weights = config.weights_memory or CPU_DEFAULT_WEIGHTS_BYTES
-    return KVPool(kv, device), weights
+    ipc = device.type == "cuda" and config.role == "decode"
+    return KVPool(kv, device, max_bytes=kv + weights, fixed_because="prefill workers write into it through "
+                  "CUDA IPC, which cannot share driver-mapped (growable) memory" if ipc else ""), weights

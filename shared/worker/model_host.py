@@ -19,6 +19,11 @@ Lifecycle of one model instance (a model at one version) here:
        them, shared/worker/shared_weights.py, which also says how a shared model is counted once per device).
 A failed load leaves the instance in state "failed" with the error for the admin API, for FAILED_KEEP_S.
 
+The KV pool may commit its own size plus whatever of the weights budget no weights use (``_kv_cap``): an
+unload raises its cap (its models grow into the freed memory as they need it), and a load's room is made
+before its weights are read: ``make_room`` counts the KV the pool could give back under the lower cap,
+and the build starts only once the pool is within it (blocks in use are waited for, up to drain_timeout_s).
+
 Threads: the control listener only moves commands into ``commands``; loads run on their own thread and
 touch the pool only under ``lock``, which the worker's loop holds around each step, so the engine's
 tensors and the pool's bookkeeping are only ever changed by one thread at a time.
@@ -172,9 +177,12 @@ class ModelHost:
         victims are unloaded now; busy ones stop reading their streams and are unloaded by ``tick`` once
         what runs for them finished (the load waits for that). ``waiting``: requests waiting for this load.
         Raises ValueError (nothing evicted) when even every eligible victim would not be enough."""
-        need = (0 if self._on_device(plan) else plan.weight_bytes) - (self.weights_budget - self.weights_used)
+        weights = 0 if self._on_device(plan) else plan.weight_bytes
+        need = weights - (self.weights_budget - self.weights_used)
         floor = self._floor_bytes(plan)
-        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes()
+        # the KV pool gives back what it borrowed of the weights budget (kv_cap), keeping what is in use
+        cap = self._kv_cap(weights)
+        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap)
         if need <= 0 and kv_short <= 0:
             return []
         now = time.monotonic()
@@ -191,7 +199,7 @@ class ModelHost:
                 f"not enough memory to load {plan.instance}: needs {plan.weight_bytes / gib:.2f} GiB of weights "
                 f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
-                   f"{self.pool.reclaimable_bytes() / gib:.3f} GiB)")
+                   f"{self.pool.reclaimable_bytes(cap) / gib:.3f} GiB)")
                 + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"
                    if evict else "; eviction not allowed"))
         for c in chosen:
@@ -205,6 +213,18 @@ class ModelHost:
                          "draining it first", s.instance, c.demand, s.load_s, plan.instance, load.demand, waiting)
                 s.state, s.reading = "draining", False
         return [c.instance for c in chosen]
+
+    def _kv_cap(self, loading: int = 0) -> int:
+        """What the KV pool may commit: its own size plus the weights budget no model's weights use (nor
+        ``loading`` more bytes of them), so KV grows into what unloaded models free and gives it back to loads."""
+        return self.pool.base_bytes + max(0, self.weights_budget - self.weights_used - loading)
+
+    def _sync_cap(self) -> bool:
+        """Move the pool's cap to ``_kv_cap``: False while blocks in use keep it above (shared/engine/kv_pool.py)."""
+        if self.pool is None:
+            return True
+        with self.lock:  # a loading thread attaches under it
+            return self.pool.set_cap(self._kv_cap())
 
     def demand_of(self, instance: str, now: float) -> float:
         """Its requests' arrival rate here: while hosted, or as it was when it left."""
@@ -305,11 +325,12 @@ class ModelHost:
             return self._answer(cmd, False, str(exc), time.perf_counter() - t0)
         ld = _Loading(plan, [cmd.command_id], time.perf_counter(), command=cmd, waiting=cmd.waiting,
                       wait_until=time.monotonic() + (ROOM_WAIT_S if cmd.waiting > 0 else 0.0))
+        self.loading[inst] = ld  # first: once room is made its weights count (weights_used, the KV cap)
         self._advance(ld)
         if ld.failed and ld.thread is None and not ld.after:  # no room, and none to wait for: refused now
+            del self.loading[inst]
             self.failed[inst] = (ld.error, cmd.name, cmd.version, time.time())
             return self._answer(cmd, False, ld.error, time.perf_counter() - t0)
-        self.loading[inst] = ld
 
     def _advance(self, ld: _Loading) -> None:
         """Make room (a load requests wait for may wait for it until ``wait_until``: a busy model passing its
@@ -327,6 +348,7 @@ class ModelHost:
                 return
             ld.command, ld.error, ld.wait_until = None, "", now + self.drain_timeout_s
             ld.after = [v for v in ld.evicted if v in self.slots]  # busy victims, draining
+            self._sync_cap()  # its weights count now: the pool gives back its share, or stops growing into it
         ld.after = [v for v in ld.after if v in self.slots]
         if ld.after and now >= ld.wait_until:
             for victim in ld.after:  # did not drain in time: it serves on, and the load is refused
@@ -336,6 +358,11 @@ class ModelHost:
                         f"its running requests within {self.drain_timeout_s:.0f}s")
             ld.failed, ld.after = True, []
         if ld.after or ld.failed:
+            return
+        if not self._sync_cap():  # KV blocks still in use where the weights go: wait for them, boundedly
+            ld.error = (f"not loading {ld.plan.instance}: the KV pool could not give back the memory its weights "
+                        f"need (in use by running requests) within {self.drain_timeout_s:.0f}s")
+            ld.failed = now >= ld.wait_until
             return
         ld.thread = threading.Thread(target=self._load_thread, args=(ld,), daemon=True,
                                      name=f"load-{ld.plan.instance}")
@@ -369,6 +396,8 @@ class ModelHost:
             for cid in ld.command_ids:
                 self._report(ControlResult(command_id=cid, worker_id="", instance=inst, ok=ld.slot is not None,
                                            error=ld.error, seconds=seconds, evicted=ld.evicted))
+        if changed:
+            self._sync_cap()  # the estimate made room; now its real weights count, or (failed) none
         return changed
 
     # -- unloading ------------------------------------------------------------------------------
@@ -382,6 +411,7 @@ class ModelHost:
         _release_memory()
         if self.shared is not None:
             self.shared.release(instance)  # after the tensors are gone: the last user frees the segment
+        self._sync_cap()  # its weights' memory is the KV pool's to grow into (after empty_cache gave it back)
         log.info("unloaded %s", instance)
 
     def _unload(self, cmd: ControlCommand) -> None:
@@ -429,6 +459,8 @@ class ModelHost:
         if now - self._checked_keep_alive > KEEP_ALIVE_CHECK_S:
             self._checked_keep_alive = now
             changed |= self._keep_alive()
+            self._sync_cap()  # a shared model another process held may have left the device (not every
+            # step: counting shared weights reads the device's registry file)
         for inst in [i for i, f in self.failed.items() if time.time() - f[3] > FAILED_KEEP_S]:
             del self.failed[inst]
         return changed

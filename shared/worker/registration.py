@@ -83,7 +83,9 @@ class Registration:
                           host=socket.gethostname(), started=self.started, heartbeat=time.time(),
                           instances=self.host.status(), weights_budget=self.host.weights_budget,
                           weights_used=self.host.weights_used,
-                          kv_pool_bytes=pool.nbytes if pool is not None else 0,
+                          kv_pool_bytes=pool.base_bytes if pool is not None else 0,
+                          kv_committed_bytes=pool.committed_bytes if pool is not None else 0,
+                          kv_cap_bytes=pool.cap if pool is not None else 0,
                           kv_free_bytes=0 if pool is None or draining else pool.reclaimable_bytes(),
                           can_load=bool(self.config.model_repo) and not draining)
         return info

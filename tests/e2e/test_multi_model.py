@@ -146,6 +146,9 @@ models:
     assert sorted(w["role"] for w in llama["workers"]) == ["decode", "prefill"]
     assert all(w["state"] == "ready" and w["weight_bytes"] > 0 and w["kv_blocks"] > 0 for w in llama["workers"])
     assert all(w["weights_used"] > 0 and w["kv_pool_bytes"] == 48 << 20 for w in body["workers"])
+    # the pool may grow into the weights budget its models leave unused, and backs only what it committed
+    assert all(0 < w["kv_committed_bytes"] <= w["kv_cap_bytes"] == w["kv_pool_bytes"] + w["weights_budget"]
+               - w["weights_used"] for w in body["workers"]), body["workers"]
 
 
 def test_lazy_load_evicts_the_idle_model_never_the_pinned_one(cluster, repo, tmp_path, tiny_model_dir):
