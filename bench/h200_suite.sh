@@ -8,10 +8,15 @@
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
 # SUITE=0 skips the tests, BENCH=0 the engine benchmark (BENCH_ARGS: more flags for it); HANDOFF=1 adds
 # `bench handoff --sections cuda`; QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS); KV=1 adds
-# `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS); QK=1 first runs the
-# quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS).
+# `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS); QK=1 last runs the
+# quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS); FP8PROBE=1 first
+# checks the fp8 KV store's rounding against torch's (bench/fp8_cast_probe.py).
 set -u
 . bench/h200_setup.sh || exit 1
+if [ "${FP8PROBE:-0}" = 1 ]; then  # does the fp8 KV store round as torch does on this GPU
+  timeout 90 python3 -m kvrelay.bench.fp8_cast_probe > "$OUT/fp8_probe.txt" 2>&1
+  grep -v '^    ' "$OUT/fp8_probe.txt" | tail -22
+fi
 if [ "${SUITE:-1}" = 1 ]; then
 start=$(date +%s)
 # several processes, tests dealt out one by one (--dist load): most of the suite's time is Triton compiling
@@ -31,11 +36,6 @@ if [ "${HANDOFF:-0}" = 1 ]; then  # the KV handoff between two processes on the 
   timeout "${HANDOFF_S:-150}" python3 -m kvrelay.cli bench handoff --sections cuda > "$OUT/handoff.txt" 2>&1
   tail -20 "$OUT/handoff.txt"
 fi
-if [ "${QK:-0}" = 1 ]; then  # the quantized matmuls alone, each against its weight-read floor
-  timeout "${QK_S:-240}" python3 -m kvrelay.bench.quant_kernels --json "$OUT/quant_kernels.json" ${QK_ARGS:-} \
-    > "$OUT/quant_kernels.txt" 2>&1
-  grep '^|' "$OUT/quant_kernels.txt" | tail -70
-fi
 if [ "${QUANT:-0}" = 1 ]; then  # weight quantization, each variant against its own weight-read floor
   timeout "${QUANT_S:-450}" python3 -m kvrelay.cli bench quant ${QUANT_ARGS:---throughput} > "$OUT/quant.txt" 2>&1
   tail -12 "$OUT/quant.txt"
@@ -43,4 +43,9 @@ fi
 if [ "${KV:-0}" = 1 ]; then  # fp8 KV cache: the largest batch at an 8k context, beside bf16
   timeout "${KV_S:-150}" python3 -m kvrelay.cli bench kv ${KV_ARGS:-} > "$OUT/kv.txt" 2>&1
   tail -8 "$OUT/kv.txt"
+fi
+if [ "${QK:-0}" = 1 ]; then  # the quantized matmuls alone, each against its weight-read floor
+  timeout "${QK_S:-240}" python3 -m kvrelay.bench.quant_kernels --json "$OUT/quant_kernels.json" ${QK_ARGS:-} \
+    > "$OUT/quant_kernels.txt" 2>&1
+  grep '^|' "$OUT/quant_kernels.txt" | tail -70
 fi

@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import statistics
+from importlib import import_module
 
 import torch
 import torch.nn.functional as F
@@ -83,10 +84,14 @@ def reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
     return F.linear(x, quant.dequantize_channel(d["w"], d["s"]))
 
 
-def configs(rows: int, quick: bool) -> list[tuple]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) to try; the GEMV kernel for <= 8 rows."""
+def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
+    """What to try: (BLOCK_N, BLOCK_K, num_warps) of the skinny loop; else (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages), the GEMV kernel for <= 8 rows."""
+    if fmt.endswith("_sk"):
+        ns, ks, ws = ((8,), (1024,), (4,)) if quick else ((4, 8, 16), (512, 1024, 2048), (4, 8))
+        return list(itertools.product(ns, ks, ws))
     if rows <= 8:
-        ns, ks, ws = ((16, 32), (128,), (4,)) if quick else ((8, 16, 32, 64), (64, 128, 256), (2, 4, 8))
+        ns, ks, ws = ((16, 32), (128,), (4,)) if quick else ((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8))
         return [(1, bn, bk, w, 2) for bn, bk, w in itertools.product(ns, ks, ws)]
     ms = (16,) if rows <= 32 else (64, 128)
     ns, ks, ws, ss = ((64,), (64,), (4,), (3,)) if quick else ((64, 128), (64, 128), (4, 8), (3, 4))
@@ -95,41 +100,61 @@ def configs(rows: int, quick: bool) -> list[tuple]:
 
 
 def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None):
-    from kvrelay.kernels.triton import fp8_linear, w4a16
+    # by module path: kernels.triton re-exports functions under their modules' names
+    fp8_linear = import_module("kvrelay.kernels.triton.fp8_linear")
+    skinny = import_module("kvrelay.kernels.triton.skinny_linear")
+    w4a16 = import_module("kvrelay.kernels.triton.w4a16")
 
     gemv = rows <= w4a16.GEMV_MAX_ROWS
     if fmt == "bf16":
         return lambda: F.linear(x, d["w"])
-    if fmt == "fp8_mm":
-        return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"])
+    if fmt == "fp8_mm":  # the tensor-core path, whatever the row count
+        return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
+    if fmt.endswith("_sk"):
+        return lambda: skinny.scaled_linear(x, d["w"], d["s"], cfg=cfg)
     if fmt == "w4":
         return lambda: w4a16.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP, gemv=gemv, cfg=cfg)
     return lambda: w4a16.int8_linear(x, d["w"], d["s"], gemv=gemv, cfg=cfg)  # int8, and fp8 weight-only
 
 
+def fp8_mm_forced(x: torch.Tensor, d: dict) -> torch.Tensor:
+    """One row through per-token quantization and torch._scaled_mm, which fp8_linear sends to the skinny loop."""
+    from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
+
+    xq, x_scale = quantize_per_token_fp8(x)
+    return torch._scaled_mm(xq, d["w"].t(), scale_a=x_scale, scale_b=d["s"].view(1, -1), out_dtype=torch.bfloat16)
+
+
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
     gen = torch.Generator().manual_seed(k * 7 + n + rows)
-    store = "fp8" if fmt in ("fp8_mm", "fp8_wo") else fmt
+    store = {"fp8_mm": "fp8", "fp8_wo": "fp8", "fp8_sk": "fp8", "int8_sk": "int8"}.get(fmt, fmt)
     one = weights(store, k, n, 1, gen)[0]
     copies = max(1, min(16, 4 * L2_BYTES // nbytes(one) + 1))
     sets = [one] + weights(store, k, n, copies - 1, gen)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
     floor_us = nbytes(one) / bandwidth * 1e6
     row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
-    expected = reference(fmt if fmt != "fp8_wo" else "fp8", x, one)
-    tries = [None] if fmt in ("bf16", "fp8_mm") else configs(rows, quick)
+    expected = reference(fmt if fmt in ("bf16", "fp8_mm", "w4") else store, x, one)
+    if fmt.endswith("_sk") and rows > 1:
+        return row  # the skinny loop is for one row
+    tries = [None] if fmt in ("bf16", "fp8_mm") else configs(fmt, rows, quick)
     best = None
     for cfg in tries:
         try:
             got = kernel_call(fmt, x, one, rows, cfg)().float()
         except Exception as exc:  # a tile shape the compiler refuses (shared memory, registers): skip it
-            row.setdefault("refused", []).append(f"{cfg}: {type(exc).__name__}")
+            why = str(exc).strip().splitlines()
+            row.setdefault("refused", []).append(f"{cfg}: {type(exc).__name__}: {why[-1][:300] if why else ''}")
             continue
         err = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
         if err > 0.02:
             row.setdefault("wrong", []).append(f"{cfg}: rel err {err:.3g}")
             continue
-        t = graph_time([kernel_call(fmt, x, d, rows, cfg) for d in sets])
+        try:
+            t = graph_time([kernel_call(fmt, x, d, rows, cfg) for d in sets])
+        except Exception as exc:  # e.g. an op that cannot be captured in a graph: recorded, the sweep goes on
+            row.setdefault("refused", []).append(f"{cfg}: timing: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
         if best is None or t < best[0]:
             best = (t, cfg, err)
     if best is not None:
@@ -140,8 +165,8 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
-    p.add_argument("--rows", default="1,4,128,4096")
-    p.add_argument("--formats", default="bf16,fp8_mm,fp8_wo,int8,w4")
+    p.add_argument("--rows", default="1,128,4096")
+    p.add_argument("--formats", default="bf16,fp8_mm,fp8_sk,int8_sk,fp8_wo,int8,w4")
     p.add_argument("--json", default=None, help="also write every row here")
     args = p.parse_args(argv)
     from kvrelay.bench.gpu_measure import copy_bandwidth
@@ -163,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| rows | proj | fmt | us | floor us | of floor | vs bf16 | best cfg |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_out:
+        if r["fmt"].endswith("_sk") and r["rows"] > 1:
+            continue
         if "us" in r:
             print(f"| {r['rows']} | {r['proj']} | {r['fmt']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
                   f"{r['of_floor']:.0%} | {r.get('vs_bf16', 0):.2f}x | {r['cfg']} |")

@@ -61,9 +61,9 @@ def _store_new_kv(
     k = tl.where(rot_mask, (k.to(tl.float32) * cos + sign * kp * sin).to(k.dtype), k)
     v = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kvh * stride_vh + d, mask=mask, other=0.0)
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kvh.to(tl.int64) * stride_ch + d
-    k_inv, v_inv = fp8_store_scales(scale_ptr, FP8)
-    tl.store(k_cache_ptr + dst, to_cache(k, k_inv, k_cache_ptr.dtype.element_ty, FP8), mask=mask)
-    tl.store(v_cache_ptr + dst, to_cache(v, v_inv, v_cache_ptr.dtype.element_ty, FP8), mask=mask)
+    k_scale, v_scale = fp8_store_scales(scale_ptr, FP8)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_scale, k_cache_ptr.dtype.element_ty, FP8), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_scale, v_cache_ptr.dtype.element_ty, FP8), mask=mask)
 
 
 @triton.jit

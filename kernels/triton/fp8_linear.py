@@ -11,6 +11,7 @@ not a multiple of 16) take the dequantizing reference.
 import torch
 
 from kvrelay.kernels import quant
+from kvrelay.kernels.triton import skinny_linear
 from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
 
 
@@ -20,6 +21,10 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if skinny_linear.supports_scaled(x, weight):
+        # one row (batch-1 decode) is bound by reading the weight: a weight-only loop reads the same fp8
+        # bytes without the per-token quantization launch and cuBLASLt's tile padding to 16+ rows
+        return skinny_linear.scaled_linear(x, weight, scale, bias)
     if not supported(x, weight):
         return quant.fp8_linear(x, weight, scale, bias)
     k, n = x.shape[-1], weight.shape[0]

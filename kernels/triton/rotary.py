@@ -125,9 +125,9 @@ def _rotary_write_kv_kernel(
     c_mask = mask & ((h[:, None] * 0 + slot) >= 0)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=c_mask)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + h[:, None] * stride_ch + d[None, :]
-    k_inv, v_inv = fp8_store_scales(scale_ptr, FP8)
-    tl.store(dst, to_cache(k, k_inv, cache_ptr.dtype.element_ty, FP8), mask=c_mask)
-    tl.store(dst + stride_ckv, to_cache(v, v_inv, cache_ptr.dtype.element_ty, FP8), mask=c_mask)
+    k_scale, v_scale = fp8_store_scales(scale_ptr, FP8)
+    tl.store(dst, to_cache(k, k_scale, cache_ptr.dtype.element_ty, FP8), mask=c_mask)
+    tl.store(dst + stride_ckv, to_cache(v, v_scale, cache_ptr.dtype.element_ty, FP8), mask=c_mask)
 
 
 def rotary_write_kv(

@@ -47,13 +47,16 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, cols, mask, K, rstd, PROLOGUE: tl.constex
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, N, K, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_out_ptr, N, K, eps,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # x: [K] ([2K] for SILU); w: [N, K]; y: [N]. The input row is broadcast over BLOCK_N weight rows;
-    # products pile up in [BLOCK_N, BLOCK_K] and are reduced once at the end: the loop is loads and FMAs
+    # products pile up in [BLOCK_N, BLOCK_K] and are reduced once at the end: the loop is loads and FMAs.
+    # SCALED: w is int8 or fp8 (e4m3) with a float32 scale per output row (kernels/quant.py), applied to
+    # the sums; the weight read is then half a bf16 one
     pid = tl.program_id(0)
-    dtype = w_ptr.dtype.element_ty
+    dtype = y_ptr.dtype.element_ty
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rstd = 1.0
@@ -76,8 +79,12 @@ def _skinny_kernel(
         x = _input_chunk(x_ptr, r_ptr, nw_ptr, cols, k_mask, K, rstd, PROLOGUE, dtype)  # [BK]
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + cols[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        if SCALED:  # e4m3 and int8 are exact in fp16, which both convert to in hardware
+            w = w.to(tl.float16)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        y *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(dtype), mask=n_mask)
@@ -89,9 +96,11 @@ def _skinny_kernel(
 MAX_FEATURES = 8192
 
 
-def config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): about a thousand programs, 8-16 KB of weight per loop step."""
-    return (4, 1024, 4) if k > 8192 else (8, 512, 4)
+def config(n: int, k: int, elem_bytes: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): about a thousand programs, 8-16 KB of weight per loop step (an
+    8-bit weight takes K tiles twice as wide for the same bytes)."""
+    wide = 2 // elem_bytes
+    return (4, 1024 * wide, 4) if k > 8192 else (8, 512 * wide, 4)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -100,27 +109,41 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape[0] <= MAX_FEATURES and weight.is_contiguous())
 
 
+def supports_scaled(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one row against an int8 / fp8 weight (kernels/quant.py's [N, K] layout) takes the kernel."""
+    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype in (torch.int8, torch.float8_e4m3fn) and weight.is_contiguous())
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   prologue: int = NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6, cfg: tuple[int, int, int] | None = None
+                  eps: float = 1e-6, cfg: tuple[int, int, int] | None = None, scale: torch.Tensor | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = prologue(x) @ weight.T + bias for one row of x.
 
-    x: [..., K] ([..., 2K] with SILU) holding one row; weight: [N, K]; residual: [..., K] with ADD_NORM,
-    which returns (y, x + residual) like kernels.rms_norm's fused form."""
+    x: [..., K] ([..., 2K] with SILU) holding one row; weight: [N, K] in x's dtype, or int8 / fp8 with
+    ``scale`` float32 [N]; residual: [..., K] with ADD_NORM, which returns (y, x + residual) like
+    kernels.rms_norm's fused form."""
     n, k = weight.shape
     x2 = x.reshape(1, x.shape[-1]).contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     r2 = residual.reshape(1, k).contiguous() if residual is not None else x2
     r_out = torch.empty((1, k), dtype=x.dtype, device=x.device) if prologue == ADD_NORM else y
     nw = norm_weight if norm_weight is not None else weight
-    block_n, block_k, warps = cfg or config(n, k)
+    block_n, block_k, warps = cfg or config(n, k, weight.element_size())
     _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x2, r2, nw, weight, bias if bias is not None else weight, y, r_out, n, k, eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        x2, r2, nw, weight, scale if scale is not None else x2, bias if bias is not None else x2, y, r_out, n, k, eps,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALED=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps,
     )
     y = y.view(*x.shape[:-1], n)
     return (y, r_out.view(*x.shape[:-1], k)) if prologue == ADD_NORM else y
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """One row of x against an int8 / fp8 weight with per-row scales (``supports_scaled``)."""
+    return skinny_linear(x, weight, bias, scale=scale, cfg=cfg)
 
 
 # -- the ops kernels/__init__.py dispatches to on CUDA ----------------------------------------------------

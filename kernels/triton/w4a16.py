@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels.triton import skinny_linear
 from kvrelay.kernels.triton.decode_attention import _dot
 from kvrelay.kernels.triton.utils import interpreting
 
@@ -37,7 +38,7 @@ def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, rn, n_mask, N, K, G,
     if FORMAT == 1:
         q = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        return q.to(tl.float32)
+        return q.to(tl.float16).to(tl.float32)  # exact for int8 and e4m3, which convert to fp16 in hardware
     rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_ptr + rw[:, None].to(tl.int64) * N + rn[None, :],
                     mask=(rw < K // 8)[:, None] & n_mask[None, :], other=0)  # [BK/8, BN]
@@ -156,5 +157,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sc
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                 gemv: bool | None = None, cfg: tuple[int, ...] | None = None) -> torch.Tensor:
-    """x [..., K] @ (int8 [N, K] * scale [N]).T -> [..., N]."""
+    """x [..., K] @ (int8 [N, K] * scale [N]).T -> [..., N]. An fp8 (e4m3) weight in the same layout
+    reads the same way (its weight-only form). One row, unless forced, takes skinny_linear's loop."""
+    if gemv is None and cfg is None and skinny_linear.supports_scaled(x, weight):
+        return skinny_linear.scaled_linear(x, weight, scale, bias)
     return _launch(INT8, x, weight, None, scale, None, 1, weight.shape[0], bias, gemv, cfg)

@@ -11,14 +11,14 @@ from kvrelay.kernels.triton.utils import pow2
 
 @triton.jit
 def fp8_store_scales(scale_ptr, FP8: tl.constexpr):
-    # (1 / K scale, 1 / V scale) for stores into an fp8 cache; (1, 1) otherwise (unused)
+    # (K scale, V scale) for stores into an fp8 cache; (1, 1) otherwise (unused)
     if FP8:
-        k_inv = 1.0 / tl.load(scale_ptr)
-        v_inv = 1.0 / tl.load(scale_ptr + 1)
+        k_scale = tl.load(scale_ptr)
+        v_scale = tl.load(scale_ptr + 1)
     else:
-        k_inv = 1.0
-        v_inv = 1.0
-    return k_inv, v_inv
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
 
 
 @triton.jit
@@ -36,10 +36,12 @@ def _e4m3_grid(x):
 
 
 @triton.jit
-def to_cache(x, inv_scale, dtype, FP8: tl.constexpr):
-    # a K or V value as the cache stores it: x / scale within e4m3's finite range for fp8, else x
+def to_cache(x, scale, dtype, FP8: tl.constexpr):
+    # a K or V value as the cache stores it: x / scale within e4m3's finite range for fp8, else x. The
+    # division is IEEE-rounded (div_rn) as torch's is: Triton's `/` and a reciprocal multiply may land a
+    # value one ulp off, on the other side of an e4m3 rounding tie, and the bytes would differ from torch's
     if FP8:
-        out = _e4m3_grid(tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)).to(dtype)
+        out = _e4m3_grid(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)).to(dtype)
     else:
         out = x.to(dtype)
     return out
@@ -65,9 +67,9 @@ def _write_kv_kernel(
     # block and offset strided separately: a pooled cache is block-major (shared/engine/kv_pool.py); a
     # padding slot (-1) computes a negative address that the mask never touches
     dst = cache_ptr + (slot // PAGE) * stride_c_block + (slot % PAGE) * stride_c_slot + h[:, None] * stride_c_h + d[None, :]
-    k_inv, v_inv = fp8_store_scales(scale_ptr, FP8)
-    tl.store(dst, to_cache(k, k_inv, cache_ptr.dtype.element_ty, FP8), mask=mask)
-    tl.store(dst + stride_c_kv, to_cache(v, v_inv, cache_ptr.dtype.element_ty, FP8), mask=mask)
+    k_scale, v_scale = fp8_store_scales(scale_ptr, FP8)
+    tl.store(dst, to_cache(k, k_scale, cache_ptr.dtype.element_ty, FP8), mask=mask)
+    tl.store(dst + stride_c_kv, to_cache(v, v_scale, cache_ptr.dtype.element_ty, FP8), mask=mask)
 
 
 def scale_arg(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

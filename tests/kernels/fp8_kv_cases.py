@@ -127,7 +127,7 @@ def check_rotary_decode_attention(tk, device: str, seq_lens: list[int], heads: i
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    freqs = torch.arange(max(seq_lens), dtype=torch.float32)[:, None] * inv_freq[None, :]  # every position
     cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
     positions = meta.seq_lens.long() - 1
     expected_cache = cache.clone()

@@ -28,9 +28,15 @@ def check_w4(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: 
     assert_close(got.cpu(), expected, dtype)
 
 
-def check_int8(kernel, device: str, rows: int, k: int, n: int, dtype: torch.dtype, gemv: bool | None = None) -> None:
+def check_int8(kernel, device: str, rows: int, k: int, n: int, dtype: torch.dtype, gemv: bool | None = None,
+               kind: str = "int8", op=None) -> None:
+    """An int8 or fp8 (e4m3) per-channel weight through ``op`` (default: the kernel's int8_linear, which
+    reads both) against dequantize-then-matmul in fp32."""
     gen = torch.Generator().manual_seed(rows + k + n)
-    weight, scale = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, "int8")
+    weight, scale = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, kind)
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    got = kernel.int8_linear(x.to(device), weight.to(device), scale.to(device), gemv=gemv)
+    if op is None:
+        got = kernel.int8_linear(x.to(device), weight.to(device), scale.to(device), gemv=gemv)
+    else:
+        got = op(x.to(device), weight.to(device), scale.to(device))
     assert_close(got.cpu(), quant.int8_linear(x.float(), weight, scale), dtype)

@@ -40,7 +40,20 @@ def test_w4_act_order_and_small_groups(gemv):
              cfg=(16, 32, 64))
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gemv", [True, False])
-def test_int8(dtype, gemv):
-    check_int8(kernel, "cpu", 6, 96, 40, dtype, gemv=gemv)
+def test_int8(dtype, gemv, kind):
+    check_int8(kernel, "cpu", 6, 96, 40, dtype, gemv=gemv, kind=kind)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_one_row_through_the_skinny_loop(kind):
+    # batch-1 decode's path for 8-bit weights (kernels/triton/skinny_linear.py): K not a multiple of the
+    # tile, N not a multiple of the rows per program
+    from kvrelay.kernels.triton import skinny_linear
+
+    def op(x, w, s):
+        return skinny_linear.scaled_linear(x, w, s, cfg=(8, 64, 4))
+
+    check_int8(kernel, "cpu", 1, 200, 44, torch.bfloat16, kind=kind, op=op)
