@@ -23,7 +23,7 @@ from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.rotary import _cos_sin
 from kvrelay.kernels.triton.utils import interpreting, num_sms, pow2
-from kvrelay.kernels.triton.write_kv import fp8_store_scales, scale_arg, to_cache
+from kvrelay.kernels.triton.write_kv import fp8_store_scales, from_cache, scale_arg, to_cache
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner-loop tile
@@ -128,8 +128,8 @@ def _decode_kernel(
         block = tl.load(table + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
         rows = block * stride_cb + (offs % PAGE) * stride_ct + head_off  # [BLOCK_N] token offsets
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = from_cache(tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
+        v = from_cache(tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale_log2  # [BLOCK_G, BLOCK_N], log2 domain
         if HAS_ALIBI:
             s += slope[:, None] * offs[None, :].to(tl.float32)

@@ -31,7 +31,7 @@ from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton.decode_attention import _dot
 from kvrelay.kernels.triton.utils import interpreting, pow2
-from kvrelay.kernels.triton.write_kv import scale_arg
+from kvrelay.kernels.triton.write_kv import from_cache, scale_arg
 
 _LOG2E = 1.4426950408889634
 
@@ -154,8 +154,8 @@ def _prefill_kernel(
         offs = n0 + n
         block = tl.load(table + offs // PAGE).to(tl.int64)
         rows = block * stride_cb + (offs % PAGE) * stride_ct + head_off
-        k = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-        v = tl.load(cache_ptr + stride_ckv + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
+        k = from_cache(tl.load(cache_ptr + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0), q.dtype)
+        v = from_cache(tl.load(cache_ptr + stride_ckv + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0), q.dtype)
         acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, scale_log2, offs, all_see, slope,
                               False, HAS_ALIBI, UPCAST, IEEE)
     if full_end < context:
@@ -164,8 +164,8 @@ def _prefill_kernel(
         block = tl.load(table + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
         rows = block * stride_cb + (offs % PAGE) * stride_ct + head_off
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(cache_ptr + stride_ckv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = from_cache(tl.load(cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
+        v = from_cache(tl.load(cache_ptr + stride_ckv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         limit = tok * 0 + context - 1
         acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, scale_log2, offs, limit, slope,
                               True, HAS_ALIBI, UPCAST, IEEE)
@@ -179,8 +179,8 @@ def _prefill_kernel(
         k_src, v_src = _fresh_src(j, j >= 0, cache_ptr, k_ptr, v_ptr, table, q_start, context, kvh, head_off, d,
                                   stride_ckv, stride_cb, stride_ct, stride_kt, stride_kh, stride_vt, stride_vh,
                                   PAGE, FRESH)
-        k = tl.load(k_src, mask=d_mask[None, :], other=0.0).to(q.dtype)
-        v = tl.load(v_src, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        k = from_cache(tl.load(k_src, mask=d_mask[None, :], other=0.0), q.dtype)
+        v = from_cache(tl.load(v_src, mask=d_mask[None, :], other=0.0), q.dtype)
         acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, scale_log2, context + j, all_see, slope,
                               False, HAS_ALIBI, UPCAST, IEEE)
     for j0 in range(diag_start, fresh_end, BLOCK_N):
@@ -190,8 +190,8 @@ def _prefill_kernel(
                                   stride_ckv, stride_cb, stride_ct, stride_kt, stride_kh, stride_vt, stride_vh,
                                   PAGE, FRESH)
         kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_src, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_src, mask=kv_mask, other=0.0).to(q.dtype)
+        k = from_cache(tl.load(k_src, mask=kv_mask, other=0.0), q.dtype)
+        v = from_cache(tl.load(v_src, mask=kv_mask, other=0.0), q.dtype)
         acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, scale_log2, context + j, context + tok, slope,
                               True, HAS_ALIBI, UPCAST, IEEE)
 

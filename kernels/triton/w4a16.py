@@ -35,29 +35,34 @@ def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, rn, n_mask, N, K, G,
     # per-channel scale is applied to the sums)
     rk = k0 + tl.arange(0, BLOCK_K)
     k_mask = rk < K
+    # one return at the end, the formats in exclusive branches: Triton compiles every statement after a
+    # constexpr branch that returns, and the W4 loads cannot even be typed against an fp8 pointer
     if FORMAT == 1:
         q = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        return q.to(tl.float16).to(tl.float32)  # exact for int8 and e4m3, which convert to fp16 in hardware
-    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_ptr + rw[:, None].to(tl.int64) * N + rn[None, :],
-                    mask=(rw < K // 8)[:, None] & n_mask[None, :], other=0)  # [BK/8, BN]
-    shifts = tl.arange(0, 8) * 4
-    q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
-    q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
-    if ONE_GROUP:
-        g = k0 // G
-        z = tl.load(z_ptr + g * N + rn, mask=n_mask, other=0).to(tl.float32)
-        s = tl.load(s_ptr + g * N + rn, mask=n_mask, other=0).to(tl.float32)
-        return (q - z[None, :]) * s[None, :]
-    if HAS_GIDX:
-        g = tl.load(g_ptr + rk, mask=k_mask, other=0)
+        w = q.to(tl.float16).to(tl.float32)  # exact for int8 and e4m3, which convert to fp16 in hardware
     else:
-        g = rk // G
-    gm = k_mask[:, None] & n_mask[None, :]
-    z = tl.load(z_ptr + g[:, None].to(tl.int64) * N + rn[None, :], mask=gm, other=0).to(tl.float32)
-    s = tl.load(s_ptr + g[:, None].to(tl.int64) * N + rn[None, :], mask=gm, other=0).to(tl.float32)
-    return (q - z) * s
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + rw[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=(rw < K // 8)[:, None] & n_mask[None, :], other=0)  # [BK/8, BN]
+        shifts = tl.arange(0, 8) * 4
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        if ONE_GROUP:
+            g = k0 // G
+            z = tl.load(z_ptr + g * N + rn, mask=n_mask, other=0).to(tl.float32)
+            s = tl.load(s_ptr + g * N + rn, mask=n_mask, other=0).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        else:
+            if HAS_GIDX:
+                g = tl.load(g_ptr + rk, mask=k_mask, other=0)
+            else:
+                g = rk // G
+            gm = k_mask[:, None] & n_mask[None, :]
+            z = tl.load(z_ptr + g[:, None].to(tl.int64) * N + rn[None, :], mask=gm, other=0).to(tl.float32)
+            s = tl.load(s_ptr + g[:, None].to(tl.int64) * N + rn[None, :], mask=gm, other=0).to(tl.float32)
+            w = (q - z) * s
+    return w
 
 
 @triton.jit

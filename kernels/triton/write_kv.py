@@ -32,7 +32,20 @@ def _e4m3_grid(x):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     big = ((e - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)  # 2^23 steps: a + big rounds a to a step
     r = (a + big) - big
-    return tl.where(bits < 0, -r, r)  # the sign bit, so -0 (and what rounds to it) stays -0 as in torch
+    # x's sign bit onto r (>= 0), so -0 and what rounds to it stay -0 as in torch: a negation compiled
+    # on the GPU gave +0 for them
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def from_cache(x, dtype):
+    # a K or V tile as loaded from the cache, in the attention's dtype. float8 reaches float32 through
+    # float16 (exact: every e4m3 value is an fp16 value), the hardware conversion the 16-bit dtypes use
+    if x.dtype == tl.float8e4nv and dtype == tl.float32:
+        out = x.to(tl.float16).to(tl.float32)
+    else:
+        out = x.to(dtype)
+    return out
 
 
 @triton.jit

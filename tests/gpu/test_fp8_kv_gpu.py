@@ -19,7 +19,7 @@ from tests.kernels.triton_cases import assert_close, fresh_kv, make_paged_case
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not FP8_GPU, reason="needs CUDA with compute capability >= 8.9")]
 DEV = "cuda"
-DTYPES = [torch.bfloat16, torch.float16]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]  # float32: the models the equality tests run
 
 
 @pytest.fixture(scope="module")

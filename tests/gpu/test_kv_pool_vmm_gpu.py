@@ -79,7 +79,7 @@ def test_greedy_tokens_are_the_same_from_blocks_committed_by_a_grow():
     greedy(core, many)
     assert pool.committed_bytes > 4 * base  # it grew
     bm = core.block_manager
-    for b in sorted(bm.owned, reverse=True):  # the highest blocks (committed last) are used first
+    for b in sorted(bm.owned):  # each to the front in turn: the highest (committed last) ends first, used first
         bm.free_queue.move_to_end(b, last=False)
     after, used = greedy(core, prompts)
     block_bytes = pool.members["m"].block_bytes
