@@ -80,6 +80,9 @@ class WorkerConfig:
                                             "/dev/shm/kvrelay-weights-<uid>); workers that share must agree",
                                             shared=True, env="KVRELAY_SHARE_WEIGHTS_DIR")
     register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
+    # name -> (tensor_parallel_size, pipeline_parallel_size) of each model of --config (lazy ones too): every
+    # load of it, at startup or later, is its own rank group of that size; other models take ``engine``'s
+    parallel_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 
     def startup_models(self) -> list[StartupModel]:

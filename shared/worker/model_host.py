@@ -41,10 +41,11 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.ranks.checks import check_group, rank_weight_bytes
 from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
-from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus
+from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, RankStatus
 from kvrelay.shared.worker.eviction import (
     Candidate,
     DemandRate,
@@ -53,7 +54,7 @@ from kvrelay.shared.worker.eviction import (
     waiting_demand,
 )
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
-from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
+from kvrelay.shared.worker.model_memory import estimate_weight_bytes, group_weight_bytes, kv_floor_bytes
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
@@ -92,7 +93,7 @@ class ModelHost:
                  report: Callable[[ControlResult], None] | None = None,
                  min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
                  skip_warmup: bool = False, shared: SharedWeights | None = None,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, parallel_sizes: dict[str, tuple[int, int]] | None = None):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
@@ -100,7 +101,8 @@ class ModelHost:
         warm-up (shared/engine/warmup.py) before it is ready, unless ``skip_warmup``. ``shared``: weights are
         shared with the other worker processes on this device (shared/worker/shared_weights.py).
         ``drain_timeout_s``: what a busy model evicted for a load gives its running requests to finish, as a
-        SIGTERM drain gives a worker's (--drain-timeout)."""
+        SIGTERM drain gives a worker's (--drain-timeout). ``parallel_sizes``: name -> (tensor_parallel_size,
+        pipeline_parallel_size) of the models the config file gives their own; the others take ``base``'s."""
         self.drain_timeout_s = drain_timeout_s
         self.base = base
         self.hold_finished_kv = hold_finished_kv
@@ -108,6 +110,7 @@ class ModelHost:
         self.weights_budget = weights_budget
         self.repo = repo
         self.configured_paths = dict(configured_paths or {})  # name -> path the operator configured
+        self.parallel_sizes = dict(parallel_sizes or {})
         self.verify_checksums = verify_checksums
         self.freeze_gc = freeze_gc
         self.skip_warmup = skip_warmup
@@ -146,11 +149,26 @@ class ModelHost:
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
         cache = dataclasses.replace(self.base.cache, kv_cache_dtype=cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype)
-        engine = dataclasses.replace(self.base, model=model, cache=cache)
+        tp, pp = self.parallel_sizes.get(cmd.name, (self.base.tensor_parallel_size, self.base.pipeline_parallel_size))
+        engine = dataclasses.replace(self.base, model=model, cache=cache, tensor_parallel_size=tp,
+                                     pipeline_parallel_size=pp)
         check_device(cache.kv_cache_dtype, torch.device(engine.device))  # before any weight is read
-        return ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
-                         keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine, root),
-                         verify=verify, root=root)
+        return self._sized(ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
+                                     keep_alive_s=cmd.keep_alive_s, verify=verify, root=root))
+
+    @staticmethod
+    def _sized(plan: ModelPlan) -> ModelPlan:
+        """``plan`` with its weights estimated; a tensor- or pipeline-parallel group checked first (sizes the
+        model cannot split, more ranks than devices: ValueError before any process starts) and each rank's
+        shard sized, the group counted as model_memory.group_weight_bytes says."""
+        engine = plan.engine
+        if engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:
+            plan.weight_bytes = estimate_weight_bytes(engine, plan.root)
+            return plan
+        check_group(engine, plan.root)
+        plan.rank_weight_bytes = rank_weight_bytes(engine, plan.root)
+        plan.weight_bytes = group_weight_bytes(plan.rank_weight_bytes, engine.device)
+        return plan
 
     @property
     def weights_used(self) -> int:
@@ -227,6 +245,8 @@ class ModelHost:
     # -- loading --------------------------------------------------------------------------------
     def load_now(self, plan: ModelPlan) -> ModelSlot:
         """Synchronous load (models configured at startup); raises on failure."""
+        if plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1 and not plan.rank_weight_bytes:
+            plan = self._sized(plan)  # checked, and its shards sized for the budget and the status
         slot = self._build(plan)
         self._ready(slot)
         return slot
@@ -263,13 +283,15 @@ class ModelHost:
             if self.shared is not None:
                 self.shared.release(plan.instance)
             raise
-        weight_bytes = core.weight_bytes
+        # a group counts every device it occupies (model_memory.group_weight_bytes), this process holds rank 0's
+        # shard alone; the estimate is each rank's model built on the meta device, the same shapes it loaded
+        weight_bytes = core.weight_bytes if tp * pp == 1 else plan.weight_bytes
         log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, how,
                  t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,
-                         weight_bytes=weight_bytes)
+                         weight_bytes=weight_bytes, rank_weight_bytes=plan.rank_weight_bytes)
 
     def _ready(self, slot: ModelSlot) -> None:
         if self.freeze_gc:
@@ -458,15 +480,26 @@ class ModelHost:
                                       running=s.core.num_running,
                                       waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
                                       load_s=round(s.load_s, 3),
-                                      engine=s.metrics.engine_stats() if s.metrics is not None else None))
+                                      engine=s.metrics.engine_stats() if s.metrics is not None else None,
+                                      **_group(s.core.config, s.core.rank_processes(), s.rank_weight_bytes)))
         for inst, ld in self.loading.items():
             out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
-                                      weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned))
+                                      weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned,
+                                      **_group(ld.plan.engine, [], ld.plan.rank_weight_bytes)))
         for inst, (error, name, version, _) in self.failed.items():
             if inst not in self.slots and inst not in self.loading:
                 out.append(InstanceStatus(instance=inst, name=name, version=version, state="failed",
                                           error=error[:2000]))
         return out
+
+
+def _group(engine: EngineConfig, processes: list[tuple[int, int, str]], rank_bytes: list[int]) -> dict:
+    """An instance's parallel layout as its status reports it: the sizes, and each rank's process (none
+    while it loads), device and shard."""
+    ranks = [RankStatus(rank=rank, pid=pid, device=device, weight_bytes=rank_bytes[rank] if rank < len(rank_bytes) else 0)
+             for rank, pid, device in processes]
+    return {"tensor_parallel_size": engine.tensor_parallel_size,
+            "pipeline_parallel_size": engine.pipeline_parallel_size, "ranks": ranks}
 
 
 def _release_memory() -> None:

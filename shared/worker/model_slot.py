@@ -46,7 +46,8 @@ class ModelSlot:
     pinned: bool = False
     keep_alive_s: float = 0.0
     load_s: float = 0.0
-    weight_bytes: int = 0
+    weight_bytes: int = 0  # what it counts against the weights budget (a group: model_memory.group_weight_bytes)
+    rank_weight_bytes: list[int] = field(default_factory=list)  # a group's shard on each rank, rank order
     state: str = "ready"  # ready | draining
     last_used: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics | None = None  # set once the worker serves it
@@ -78,6 +79,7 @@ class ModelPlan:
     pinned: bool = False
     keep_alive_s: float = 0.0
     weight_bytes: int = 0  # the estimate
+    rank_weight_bytes: list[int] = field(default_factory=list)  # a tensor- or pipeline-parallel group's, per rank
     verify: Callable[[], None] | None = None  # raises RepositoryError on a corrupt copy; runs on the loading thread
     root: Path | None = None  # a repository version's: every file it opens must resolve inside
 
