@@ -481,7 +481,7 @@ class ModelHost:
                                       waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
                                       load_s=round(s.load_s, 3),
                                       engine=s.metrics.engine_stats() if s.metrics is not None else None,
-                                      **_group(s.core.config, s.core.rank_processes(), s.rank_weight_bytes)))
+                                      **_group(s.core.config, s.core.rank_processes(), s.rank_weight_bytes or [s.weight_bytes])))
         for inst, ld in self.loading.items():
             out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
                                       weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned,
