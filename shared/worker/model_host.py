@@ -182,8 +182,10 @@ class ModelHost:
                       if ld.command is None and not self._on_device(ld.plan)))
 
     def _on_device(self, plan: ModelPlan) -> bool:
-        """``plan``'s weights are already shared on this device (loading it maps them: no new memory)."""
-        return self.shared is not None and self.shared.on_device(self.shared.key(plan.engine))
+        """``plan``'s weights are already shared on this device (loading it maps them: no new memory). Never
+        a tensor- or pipeline-parallel group's: its ranks each load their own shard."""
+        return (self.shared is not None and plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size == 1
+                and self.shared.on_device(self.shared.key(plan.engine)))
 
     def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = (), waiting: int = 0) -> list[str]:
         """Evict what ``plan`` needs room for, as shared/worker/eviction.py chooses; the victims' keys. Idle

@@ -54,3 +54,24 @@ def test_the_flag_is_named_when_it_is_the_flags_size(tmp_path):
                                       "--pipeline-parallel-size", "4"])
     with pytest.raises(ConfigError, match=r"^argument --pipeline-parallel-size: pipeline_parallel_size 4 exceeds"):
         worker_config("unified", args)
+
+
+def test_a_lazy_models_sizes_are_checked_at_start_and_kept_for_its_load(tmp_path, capsys):
+    from kvrelay.shared.repo.model_import import import_model
+    from kvrelay.shared.repo.model_repo import ModelRepository
+    from tests.conftest import make_tiny_model
+
+    import_model(ModelRepository(tmp_path / "repo"), str(make_tiny_model("llama", tmp_path / "llama")), "lazy",
+                 progress=False)
+    capsys.readouterr()  # what making the model printed
+    cfg = tmp_path / "serve.yaml"
+
+    def config(entry: str) -> list[str]:
+        cfg.write_text(f"model_repo: {{path: repo}}\nmodels:\n  - {{name: lazy, load: lazy, {entry}}}\n")
+        return ["--config", str(cfg), "--device", "cpu", "--redis-url", "redis://127.0.0.1:1/0"]
+
+    assert worker_config("unified", build_parser().parse_args(
+        ["unified-worker", *config("pipeline_parallel_size: 2")])).parallel_sizes == {"lazy": (1, 2)}
+    assert main(["unified-worker", *config("tensor_parallel_size: 3")]) == 2
+    assert capsys.readouterr().err == (f"kvrelay unified-worker: error: {cfg}: models[0].tensor_parallel_size: lazy: "
+                                       "tensor_parallel_size 3 does not divide the attention heads 4\n")

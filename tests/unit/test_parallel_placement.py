@@ -92,3 +92,27 @@ def test_models_of_their_own_parallel_sizes_share_one_worker_as_one_placement_ea
         for inst in list(host.slots):
             host.unload_now(inst)
     assert children() == before
+
+
+def test_a_group_never_counts_as_the_shared_copy_of_its_model(llama, tmp_path):
+    """Worker processes on one device map one shared copy of a single-rank model; a group's ranks load their
+    own shards, so the copy already on the device does not make the group free."""
+    from kvrelay.shared.worker.shared_weights import SharedWeights
+
+    whole, shards = estimate_weight_bytes(_engine(llama)), rank_weight_bytes(_engine(llama, tp=2))
+    results = []
+    host = ModelHost(_engine(""), hold_finished_kv=False, pool=KVPool(4 << 20, "cpu"),
+                     weights_budget=whole + (max(shards) + sum(shards)) // 2, configured_paths={"one": llama, "tp": llama},
+                     report=results.append, parallel_sizes={"tp": (2, 1)}, shared=SharedWeights("cpu", tmp_path / "shm"))
+    host.hooks = Hooks()
+    try:
+        run(host, _load("one"))
+        assert host.shared.how("one")  # exported: on the device for any other process
+        host.slots["one"].last_used -= 10
+        run(host, _load("tp"))
+        assert results[-1].ok and results[-1].evicted == ["one"], results[-1]
+        assert host.weights_used == sum(shards)
+    finally:
+        for inst in list(host.slots):
+            host.unload_now(inst)
+        host.shared.close()
