@@ -3,6 +3,7 @@
 group its model cannot form is one line naming the key, exit 2, before any process starts or any weight loads."""
 
 import pytest
+import torch
 
 from kvrelay.cli import build_parser, main
 from kvrelay.shared.config.declare import ConfigError
@@ -75,3 +76,13 @@ def test_a_lazy_models_sizes_are_checked_at_start_and_kept_for_its_load(tmp_path
     assert main(["unified-worker", *config("tensor_parallel_size: 3")]) == 2
     assert capsys.readouterr().err == (f"kvrelay unified-worker: error: {cfg}: models[0].tensor_parallel_size: lazy: "
                                        "tensor_parallel_size 3 does not divide the attention heads 4\n")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="this machine has the devices")
+def test_more_ranks_than_devices_is_one_line_before_anything_starts(capsys):
+    argv = ["serve", "--mode", "unified", "--model", "dummy:tiny-llama", "--device", "cuda", "--tensor-parallel-size",
+            "2", "--pipeline-parallel-size", "2"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("kvrelay serve: error: argument --tensor-parallel-size: tensor_parallel_size 2 "
+                                       "x pipeline_parallel_size 2 needs CUDA devices 0..3; this machine has "
+                                       f"{torch.cuda.device_count()}\n")

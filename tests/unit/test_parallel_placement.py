@@ -16,7 +16,7 @@ from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.ranks.checks import rank_weight_bytes
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
-from kvrelay.shared.worker.model_memory import estimate_weight_bytes, group_weight_bytes
+from kvrelay.shared.worker.model_memory import estimate_weight_bytes, group_weight_bytes, kv_floor_bytes
 from tests.conftest import make_tiny_model
 from tests.unit.parallel_ranks import children
 from tests.unit.test_model_host import Hooks, generate, run
@@ -48,6 +48,10 @@ def test_a_group_counts_its_shards_per_device_on_cuda_and_all_of_them_on_the_cpu
     assert len(pp) == 2 and sum(pp) == whole and pp[0] != pp[1]
     assert group_weight_bytes(tp, "cuda:0") == max(tp)
     assert group_weight_bytes(tp, "cpu") == sum(tp) == estimate_weight_bytes(_engine(llama, tp=2))
+    # the KV floor a group keeps in the shared pool is rank 0's: its KV heads (1 of 2), its stage's layers (1 of 2)
+    floor = kv_floor_bytes(_engine(llama))
+    assert kv_floor_bytes(_engine(llama, tp=2)) == kv_floor_bytes(_engine(llama, pp=2)) == floor // 2
+    assert kv_floor_bytes(_engine(llama, tp=4)) == floor // 2  # 2 KV heads over 4 ranks: one each, replicated
 
 
 def test_models_of_their_own_parallel_sizes_share_one_worker_as_one_placement_each(llama):
