@@ -41,7 +41,7 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.ranks.checks import check_group, rank_weight_bytes
+from kvrelay.shared.engine.ranks.checks import check_group, group_size_name, rank_weight_bytes
 from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
@@ -209,7 +209,9 @@ class ModelHost:
             gib = 2**30
             raise ValueError(
                 f"not enough memory to load {plan.instance}: needs {plan.weight_bytes / gib:.2f} GiB of weights "
-                f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
+                + (f"({group_size_name(plan.engine)}: its {'largest shard' if plan.engine.device.startswith('cuda') else 'shards'}) "
+                   if plan.rank_weight_bytes else "")
+                + f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
                    f"{self.pool.reclaimable_bytes() / gib:.3f} GiB)")
                 + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"

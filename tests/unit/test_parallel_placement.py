@@ -94,6 +94,11 @@ def groups_share_a_worker_as_one_placement_each(llama: str, device: str) -> None
         status = {s.instance: s for s in host.status()}["pp"]
         assert (status.pipeline_parallel_size, [r.device for r in status.ranks]) == (2, devices)
 
+        full = ControlCommand(command_id=f"load-tp-{time.monotonic_ns()}", op="load", name="tp", evict=False)
+        run(host, full)
+        counts = "its largest shard" if device.startswith("cuda") else "its shards"
+        assert not results[-1].ok and f"of weights (tensor_parallel_size 2: {counts}) (free" in results[-1].error
+
         started = children()
         run(host, _load("odd"))
         assert not results[-1].ok
