@@ -4,7 +4,8 @@ Lifecycle of one model instance (a model at one version) here:
   ControlCommand "load" (or a model configured at startup)
     -> the path and every file of the version are resolved inside the repository (``confined``, checked
        again when the load starts, each file opened by its resolved path) and the weights are estimated
-       from the safetensors headers; what does not fit the weights budget or the KV pool's floor evicts
+       from the safetensors headers (a tensor- or pipeline-parallel group: checked, and each rank's shard
+       sized, one placement counted as shared/worker/model_memory.py says); what does not fit the weights budget or the KV pool's floor evicts
        unpinned instances by demand x reload cost (shared/worker/eviction.py: idle ones first; a busy one
        only for a load in higher demand that requests wait for, drained first: the load starts once it is
        gone), or the load waits for room a bounded while if requests wait for it, or is refused
@@ -41,11 +42,11 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.ranks.checks import check_group, group_size_name, rank_weight_bytes
+from kvrelay.shared.engine.ranks.checks import group_size_name
 from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
-from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, RankStatus
+from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus
 from kvrelay.shared.worker.eviction import (
     Candidate,
     DemandRate,
@@ -54,8 +55,8 @@ from kvrelay.shared.worker.eviction import (
     waiting_demand,
 )
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
-from kvrelay.shared.worker.model_memory import estimate_weight_bytes, group_weight_bytes, kv_floor_bytes
-from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
+from kvrelay.shared.worker.model_memory import kv_floor_bytes, plan_weight_bytes
+from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks, group_status
 from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
 
@@ -158,16 +159,8 @@ class ModelHost:
 
     @staticmethod
     def _sized(plan: ModelPlan) -> ModelPlan:
-        """``plan`` with its weights estimated; a tensor- or pipeline-parallel group checked first (sizes the
-        model cannot split, more ranks than devices: ValueError before any process starts) and each rank's
-        shard sized, the group counted as model_memory.group_weight_bytes says."""
-        engine = plan.engine
-        if engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:
-            plan.weight_bytes = estimate_weight_bytes(engine, plan.root)
-            return plan
-        check_group(engine, plan.root)
-        plan.rank_weight_bytes = rank_weight_bytes(engine, plan.root)
-        plan.weight_bytes = group_weight_bytes(plan.rank_weight_bytes, engine.device)
+        """``plan`` with its weights estimated (a group checked first and counted as model_memory says)."""
+        plan.weight_bytes, plan.rank_weight_bytes = plan_weight_bytes(plan.engine, plan.root)
         return plan
 
     @property
@@ -485,25 +478,16 @@ class ModelHost:
                                       waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
                                       load_s=round(s.load_s, 3),
                                       engine=s.metrics.engine_stats() if s.metrics is not None else None,
-                                      **_group(s.core.config, s.core.rank_processes(), s.rank_weight_bytes or [s.weight_bytes])))
+                                      **group_status(s.core.config, s.core.rank_processes(), s.rank_weight_bytes or [s.weight_bytes])))
         for inst, ld in self.loading.items():
             out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
                                       weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned,
-                                      **_group(ld.plan.engine, [], ld.plan.rank_weight_bytes)))
+                                      **group_status(ld.plan.engine, [], ld.plan.rank_weight_bytes)))
         for inst, (error, name, version, _) in self.failed.items():
             if inst not in self.slots and inst not in self.loading:
                 out.append(InstanceStatus(instance=inst, name=name, version=version, state="failed",
                                           error=error[:2000]))
         return out
-
-
-def _group(engine: EngineConfig, processes: list[tuple[int, int, str]], rank_bytes: list[int]) -> dict:
-    """An instance's parallel layout as its status reports it: the sizes, and each rank's process (none
-    while it loads), device and shard."""
-    ranks = [RankStatus(rank=rank, pid=pid, device=device, weight_bytes=rank_bytes[rank] if rank < len(rank_bytes) else 0)
-             for rank, pid, device in processes]
-    return {"tensor_parallel_size": engine.tensor_parallel_size,
-            "pipeline_parallel_size": engine.pipeline_parallel_size, "ranks": ranks}
 
 
 def _release_memory() -> None:

@@ -43,6 +43,19 @@ def estimate_weight_bytes(engine: EngineConfig, root: Path | None = None) -> int
     return numel * dtype.itemsize
 
 
+def plan_weight_bytes(engine: EngineConfig, root: Path | None = None) -> tuple[int, list[int]]:
+    """(what the model counts against the weights budget, each rank's shard: [] for a single-rank model). A
+    tensor- or pipeline-parallel group is checked first: a size the model cannot split or more ranks than
+    devices raise ValueError here, before any process starts or any weight loads."""
+    if engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:
+        return estimate_weight_bytes(engine, root), []
+    from kvrelay.shared.engine.ranks.checks import check_group, rank_weight_bytes
+
+    check_group(engine, root)
+    per_rank = rank_weight_bytes(engine, root)
+    return group_weight_bytes(per_rank, engine.device), per_rank
+
+
 def group_weight_bytes(per_rank: list[int], device: str) -> int:
     """What a group whose ranks hold ``per_rank`` bytes of weights counts against its worker's weights budget.
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.wire.protocol import instance_key
+from kvrelay.shared.wire.protocol import RankStatus, instance_key
 from kvrelay.shared.worker.eviction import DemandRate
 from kvrelay.shared.worker.metrics import WorkerMetrics
 
@@ -86,3 +86,12 @@ class ModelPlan:
     @property
     def instance(self) -> str:
         return instance_key(self.name, self.version)
+
+
+def group_status(engine: EngineConfig, processes: list[tuple[int, int, str]], rank_bytes: list[int]) -> dict:
+    """An instance's parallel layout as its status reports it: the sizes, and each rank's process (none
+    while it loads), device and shard."""
+    ranks = [RankStatus(rank=rank, pid=pid, device=device, weight_bytes=rank_bytes[rank] if rank < len(rank_bytes) else 0)
+             for rank, pid, device in processes]
+    return {"tensor_parallel_size": engine.tensor_parallel_size,
+            "pipeline_parallel_size": engine.pipeline_parallel_size, "ranks": ranks}
