@@ -16,6 +16,8 @@ BAD = [
     ("pipeline_parallel_size: 3", "models[1].pipeline_parallel_size: b: pipeline_parallel_size 3 exceeds the "
                                   "model's 2 layers: a stage would hold no layers"),
     ("tensor_parallel_size: 0", "models[1].tensor_parallel_size: input should be greater than or equal to 1 (got 0)"),
+    ("tensor_parallel_size: 2, kv_cache_dtype: fp8", "models[1].tensor_parallel_size: b: tensor_parallel_size > 1 "
+                                                     "does not support kv_cache_dtype fp8 yet"),
 ]
 
 
@@ -54,6 +56,11 @@ def test_the_flag_is_named_when_it_is_the_flags_size(tmp_path):
     args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
                                       "--pipeline-parallel-size", "4"])
     with pytest.raises(ConfigError, match=r"^argument --pipeline-parallel-size: pipeline_parallel_size 4 exceeds"):
+        worker_config("unified", args)
+    args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
+                                      "--tensor-parallel-size", "2", "--async-scheduling"])
+    with pytest.raises(ConfigError, match=r"^argument --tensor-parallel-size: tensor_parallel_size > 1 does not "
+                                          r"support async_scheduling yet$"):
         worker_config("unified", args)
 
 

@@ -1,5 +1,6 @@
 """Tensor- and pipeline-parallel mistakes found before anything loads: a size the ranks cannot split, more
-stages than layers, more ranks than devices, a quantized model; and what each rank's shard weighs.
+stages than layers, more ranks than devices, a quantized model, a setting the ranks do not support yet; and
+what each rank's shard weighs.
 
 The model classes themselves compute every rank's share (through ``linear.even`` and ``kv_heads``), so
 building the model on the meta device as rank 0 of the group raises exactly the error loading would,
@@ -71,6 +72,13 @@ def check_devices(config: EngineConfig) -> None:
 
 def check_group(config: EngineConfig, root: Path | None = None) -> None:
     """Every check a group's settings and model must pass before a process starts or a weight loads."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        return
+    flag = "tensor_parallel_size" if config.pipeline_parallel_size == 1 else "pipeline_parallel_size"
+    if config.async_scheduling:
+        raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
+    if config.cache.kv_cache_dtype != "auto":  # the ranks' own caches are allocated in the model's dtype
+        raise ValueError(f"{flag} > 1 does not support kv_cache_dtype fp8 yet")
     check_devices(config)
     check_model(config.model, config.tensor_parallel_size, root, config.pipeline_parallel_size)
 

@@ -50,13 +50,9 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
     world = tp * pp
     if world == 1:
         return None
-    flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
     if shared:
+        flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
         raise ValueError(f"{flag} > 1: each rank loads its own shard (no preloaded or shared weights)")
-    if config.async_scheduling:
-        raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
-    if config.cache.kv_cache_dtype != "auto":  # the ranks' own caches are allocated in the model's dtype
-        raise ValueError(f"{flag} > 1 does not support kv_cache_dtype fp8 yet")
     check_group(config, root)
     return RankGroup(config, root)
 
