@@ -79,8 +79,9 @@ def check_group(config: EngineConfig, root: Path | None = None) -> None:
         raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
     if config.cache.kv_cache_dtype != "auto":  # the ranks' own caches are allocated in the model's dtype
         raise ValueError(f"{flag} > 1 does not support kv_cache_dtype fp8 yet")
-    check_devices(config)
+    # the model's split first: a size it cannot split is wrong on any machine, a device count only on this one
     check_model(config.model, config.tensor_parallel_size, root, config.pipeline_parallel_size)
+    check_devices(config)
 
 
 def rank_weight_bytes(config: EngineConfig, root: Path | None = None) -> list[int]:
