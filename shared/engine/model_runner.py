@@ -66,9 +66,11 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
-        # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard
-        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None or kv_pool is not None,
-                                                   root=model_root)
+        # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard. With
+        # a KV pool shared with co-resident models, this rank's cache is its view of the pool and the others
+        # each allocate a cache of the view's block count (RankAlloc), so every block id rank 0's block
+        # manager is lent indexes the same block on every rank (holding each rank's own heads or layers)
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root)
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
         self.pipeline = config.pipeline_parallel_size
