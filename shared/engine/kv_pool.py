@@ -79,6 +79,7 @@ class Member:
     block_bytes: int
     num_blocks: int  # N: the length of this model's view of the buffer
     floor_blocks: int
+    end_chunk: int  # the chunks its view touches are those below it: no others can give it a block
     chunks: set[int] = field(default_factory=set)
     blocks: set[int] = field(default_factory=set)  # usable: every chunk they touch is owned
     client: PoolClient | None = None
@@ -157,15 +158,19 @@ class KVPool:
 
     # -- attach / detach --------------------------------------------------------------------------
     def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, floor_blocks: int) -> tuple[torch.Tensor, list[int]]:
+               dtype: torch.dtype, floor_blocks: int, within_base: bool = False) -> tuple[torch.Tensor, list[int]]:
         """This model's ``[L, 2, N, bs, Hkv, D]`` view of the whole pool and the block ids it may use
-        now (at least ``floor_blocks``). Raises KVPoolFull when even reclaiming cannot cover the floor."""
+        now (at least ``floor_blocks``). Raises KVPoolFull when even reclaiming cannot cover the floor.
+        ``within_base``: the view covers only the pool's own size (``base_bytes``), never the range reserved
+        for growth, so the model's block ids stay below ``base_bytes // block_bytes`` however far the pool
+        grows (a parallel group, whose other ranks hold a cache of its view's length: model_runner.py)."""
         if key in self.members:
             raise ValueError(f"{key!r} is already attached to this KV pool")
         if floor_blocks < 1:
             raise ValueError(f"floor_blocks must be at least 1, got {floor_blocks}")
         block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
-        m = Member(key, block_bytes, self.nbytes // block_bytes, floor_blocks)
+        num_blocks = min(self.nbytes, self.base_bytes if within_base else self.nbytes) // block_bytes
+        m = Member(key, block_bytes, num_blocks, floor_blocks, math.ceil(num_blocks * block_bytes / self.chunk_bytes))
         if min(m.num_blocks, self.cap // block_bytes) < floor_blocks:
             raise KVPoolFull(f"{key}: a floor of {floor_blocks} KV blocks needs {floor_blocks * block_bytes} bytes, "
                              f"the whole pool is {self.cap}")
@@ -262,12 +267,12 @@ class KVPool:
         self.spare.discard(c)
         self._frontier = min(self._frontier, c)
 
-    def _uncommitted(self, room: int):
-        """Uncommitted chunks, lowest first, as many as ``room`` bytes allow (the pool commits upwards, so
-        they start at the frontier)."""
+    def _uncommitted(self, room: int, end: int):
+        """Uncommitted chunks below ``end``, lowest first, as many as ``room`` bytes allow (the pool commits
+        upwards, so they start at the frontier)."""
         while self._frontier < self.num_chunks and self.committed[self._frontier]:
             self._frontier += 1
-        for c in range(self._frontier, self.num_chunks):
+        for c in range(self._frontier, end):
             if room < self._chunk_size(c):
                 return
             if not self.committed[c]:
@@ -298,7 +303,7 @@ class KVPool:
                 break
             got.append(c)
             usable += self._gain(m, have, c)
-        for c in self._uncommitted(self.cap - self.committed_bytes):
+        for c in self._uncommitted(self.cap - self.committed_bytes, m.end_chunk):
             if usable >= want:
                 break
             got.append(c)
@@ -337,8 +342,10 @@ class KVPool:
         return len(self._complete_in(m, have, c))
 
     def _candidates(self, m: Member, chunks: list[int]) -> list[int]:
-        """``chunks`` with those next to ``m``'s own first: they complete blocks straddling its edge."""
-        return sorted(chunks, key=lambda c: (c - 1 not in m.chunks and c + 1 not in m.chunks))
+        """The ``chunks`` within ``m``'s view (one past it would be committed, or stolen from another model,
+        for no block of ``m``), those next to ``m``'s own first: they complete blocks straddling its edge."""
+        return sorted((c for c in chunks if c < m.end_chunk),
+                      key=lambda c: (c - 1 not in m.chunks and c + 1 not in m.chunks))
 
     def _stealable(self, v: Member, kept: set[int], c: int) -> list[int] | None:
         """The blocks ``v`` loses with chunk ``c`` (dropped from ``kept``), or None if it cannot give
@@ -396,7 +403,9 @@ class KVPool:
         m = self.members[key]
         reserved = sum(math.ceil(v.floor_blocks * v.block_bytes / self.chunk_bytes) * self.chunk_bytes
                        for v in self.members.values() if v is not m)
-        return max(0, min(m.num_blocks, (self.cap - reserved) // m.block_bytes))
+        # a view short of the cap (``within_base``) may have every other floor inside it
+        within = min(self.cap, m.end_chunk * self.chunk_bytes)
+        return max(0, min(m.num_blocks, (within - reserved) // m.block_bytes))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per model: owned (usable) blocks, floor, free blocks, owned bytes: for heartbeats and metrics."""
