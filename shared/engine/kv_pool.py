@@ -26,7 +26,9 @@ weights leave and lowers it before a load: ``set_cap`` then decommits unowned ch
 chunks back from models above their floors (the same rule a steal follows). The chunks holding block 0
 stay committed for good: padding rows of a batch read block 0 (shared/engine/step_inputs.py). A pool made
 without room to grow (``max_bytes``), or where growable memory is unavailable, is one fixed buffer as
-before and refuses a higher cap with its reason logged once.
+before and refuses a higher cap with its reason logged once. A model may attach with a view of the pool's
+own size only (``within_base``: a parallel group, whose other ranks hold caches of its view's length): it
+gets no chunk past that size, so its block ids stay below it however far the pool grows.
 
 Everything here runs on the worker's one engine thread, synchronously. That is also what makes a
 steal safe on CUDA: each engine's step (schedule, then its kernels on the same stream) is issued
@@ -383,19 +385,25 @@ class KVPool:
         return new
 
     # -- introspection ----------------------------------------------------------------------------
-    def reclaimable_bytes(self, cap: int | None = None) -> int:
+    def reclaimable_bytes(self, cap: int | None = None, within_base: bool = False) -> int:
         """What a model attaching now could own under ``cap`` (default: the pool's; a lower one is what a
         load's weights would leave): the cap less every owned chunk, except those other models could give
         up now (all free, above their floors), each victim taken chunk by chunk from its high end, as grow
-        would."""
+        would. ``within_base``: for an attach whose view is the pool's own size (``attach``), which neither
+        memory past that size nor another model's chunks there can give a block: at most that size less what
+        is owned in it, except what could be stolen in it."""
         cap = self.cap if cap is None or not self.memory.growable else min(cap, self.nbytes)
         total = cap - self.owned_bytes
+        end = math.ceil(self.base_bytes / self.chunk_bytes)
+        inside = min(cap, self.base_bytes) - sum(self._chunk_size(c) for c in range(end) if self.owner[c] is not None)
         for v in self.members.values():
             if v.client is not None:
                 kept = set(v.blocks)
-                total += sum(self._chunk_size(c) for c in sorted(v.chunks, reverse=True)
-                             if self._stealable(v, kept, c) is not None)
-        return max(0, total)
+                for c in sorted(v.chunks, reverse=True):
+                    if (not within_base or c < end) and self._stealable(v, kept, c) is not None:
+                        total += self._chunk_size(c)
+                        inside += self._chunk_size(c) if c < end else 0
+        return max(0, min(total, inside) if within_base else total)
 
     def capacity(self, key: str) -> int:
         """The most blocks ``key`` could own if every other model shrank to its floor (a slight over-
@@ -403,9 +411,7 @@ class KVPool:
         m = self.members[key]
         reserved = sum(math.ceil(v.floor_blocks * v.block_bytes / self.chunk_bytes) * self.chunk_bytes
                        for v in self.members.values() if v is not m)
-        # a view short of the cap (``within_base``) may have every other floor inside it
-        within = min(self.cap, m.end_chunk * self.chunk_bytes)
-        return max(0, min(m.num_blocks, (within - reserved) // m.block_bytes))
+        return max(0, min(m.num_blocks, (self.cap - reserved) // m.block_bytes))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per model: owned (usable) blocks, floor, free blocks, owned bytes: for heartbeats and metrics."""

@@ -195,7 +195,9 @@ class ModelHost:
         floor = self._floor_bytes(plan)
         # the KV pool gives back what it borrowed of the weights budget (kv_cap), keeping what is in use
         cap = self._kv_cap(weights)
-        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap)
+        # a group's KV stays within the pool's own size (its other ranks' caches mirror it: model_runner.py)
+        within = plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1
+        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap, within)
         if need <= 0 and kv_short <= 0:
             return []
         now = time.monotonic()
@@ -214,7 +216,7 @@ class ModelHost:
                    if plan.rank_weight_bytes else "")
                 + f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
-                   f"{self.pool.reclaimable_bytes(cap) / gib:.3f} GiB)")
+                   f"{self.pool.reclaimable_bytes(cap, within) / gib:.3f} GiB)")
                 + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"
                    if evict else "; eviction not allowed"))
         for c in chosen:
