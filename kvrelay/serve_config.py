@@ -6,7 +6,8 @@
       - {name: tiny, path: /models/tiny-hf-dir, precision: float32}  # an HF dir or .gguf, as --model takes
       - {name: big, version: 2, load: lazy, keep_alive_s: 600}  # registered; loaded on its first request
 
-Per model, optional: ``pinned`` (never evicted), ``min_replicas``, ``keep_alive_s`` (unload after that
+Per model, optional: ``tensor_parallel_size`` / ``pipeline_parallel_size`` (this model's own rank group;
+default: the workers' flags), ``pinned`` (never evicted), ``min_replicas``, ``keep_alive_s`` (unload after that
 long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
 lazy models must come from the repository). Keys are checked strictly: an unknown key or a value of the
 wrong type (``pinned: "no"``, ``version: 2.7``) is an error naming the file and key, never a default.
@@ -44,6 +45,9 @@ class ModelEntry(BaseModel):
     precision: DType = "auto"
     quantization: Literal["fp8", "int8", "awq", "gptq"] | None = None  # None: --quantization, else the checkpoint's
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = None  # None: --kv-cache-dtype
+    # None: --tensor-parallel-size / --pipeline-parallel-size; each model is its own group of ranks
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    pipeline_parallel_size: int | None = Field(None, ge=1)
     pinned: bool = False
     min_replicas: int = Field(0, ge=0)
     keep_alive_s: float = Field(0.0, ge=0)
@@ -68,6 +72,8 @@ class ServedModel:
     dtype: str = "auto"
     quantization: str = ""  # "": the worker's --quantization, else the checkpoint's own
     kv_cache_dtype: str = ""  # "": the worker's --kv-cache-dtype
+    tensor_parallel_size: int = 0  # 0: the worker's --tensor-parallel-size
+    pipeline_parallel_size: int = 0  # 0: the worker's --pipeline-parallel-size
     version: int = 0  # from the repository; 0 for a path
     pinned: bool = False
     min_replicas: int = 0
@@ -105,6 +111,8 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
             raise ConfigError(f"{where}: give a path, or a model_repo to take {entry.name!r} from")
         models.append(ServedModel(name=entry.name, path=path, device=entry.device, dtype=entry.precision,
                                   quantization=entry.quantization or "", kv_cache_dtype=entry.kv_cache_dtype or "",
+                                  tensor_parallel_size=entry.tensor_parallel_size or 0,
+                                  pipeline_parallel_size=entry.pipeline_parallel_size or 0,
                                   version=version, pinned=entry.pinned, min_replicas=entry.min_replicas,
                                   keep_alive_s=entry.keep_alive_s, lazy=entry.load == "lazy"))
     return repo, models

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values, zmq_secret
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.config.flags import Flag, build
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
@@ -39,29 +41,59 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                                                             (args.model_repo and not args.model)))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
+    parallel: dict[str, tuple[int, int]] = {}
     model_repo = args.model_repo
+    if name:
+        _check_group(engine, None, "argument --tensor-parallel-size", "argument --pipeline-parallel-size")
     if args.config:
         repo, served = load_serve_config(args.config)
         model_repo = model_repo or (str(repo.root) if repo is not None else None)
-        for m in served:
+        for i, m in enumerate(served):
+            sizes = (m.tensor_parallel_size or engine.tensor_parallel_size,
+                     m.pipeline_parallel_size or engine.pipeline_parallel_size)
+            parallel[m.name] = sizes
             specs.append(ModelSpec(name=m.name, version=m.version, path="" if m.version else m.path,
                                    dtype=m.dtype, quantization=m.quantization, kv_cache_dtype=m.kv_cache_dtype,
                                    pinned=m.pinned, min_replicas=m.min_replicas,
                                    keep_alive_s=m.keep_alive_s, updated=time.time()))
-            if m.lazy:
-                continue
             m.path = m.path if m.version else resolve_model(m.path, "auto").path
             model = dataclasses.replace(engine.model, model=m.path, served_model_name=m.name,
                                         dtype=m.dtype if m.dtype != "auto" else engine.model.dtype,
                                         quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
             cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype)
-            more.append(StartupModel(m.name, dataclasses.replace(engine, model=model, cache=cache), _tokenizer_dir(m.path),
+            model_engine = dataclasses.replace(engine, model=model, cache=cache, tensor_parallel_size=sizes[0],
+                                               pipeline_parallel_size=sizes[1])
+            # a lazy model too: its group is checked now, not when its first request waits for it
+            where = f"{args.config}: models[{i}]"
+            _check_group(model_engine, repo.root if m.version and repo is not None else None,
+                         f"{where}.tensor_parallel_size" if m.tensor_parallel_size else "argument --tensor-parallel-size",
+                         f"{where}.pipeline_parallel_size" if m.pipeline_parallel_size else
+                         "argument --pipeline-parallel-size", m.name)
+            if m.lazy:
+                continue
+            more.append(StartupModel(m.name, model_engine, _tokenizer_dir(m.path),
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
-              "freeze_gc": True, **derived}
+              "parallel_sizes": parallel, "freeze_gc": True, **derived}
     return build(WorkerConfig, values, flags)
+
+
+def _check_group(engine: EngineConfig, root: Path | None, tp_key: str, pp_key: str, model: str = "") -> None:
+    """A tensor- or pipeline-parallel group its model cannot form (a size that does not divide its heads, a
+    stage with no layers, more ranks than devices, a quantized model): one line naming the key, before any
+    process starts or any weight loads."""
+    if engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:
+        return
+    from kvrelay.shared.engine.ranks.checks import check_group
+
+    try:
+        check_group(engine, root)
+    except (ValueError, OSError) as exc:
+        message = str(exc)
+        key = pp_key if "pipeline_parallel_size" in message and "tensor_parallel_size" not in message else tp_key
+        raise ConfigError(f"{key}: {model + ': ' if model else ''}{message}") from None
 
 
 def _tokenizer_dir(path: str) -> str:

@@ -66,9 +66,10 @@ class WorkerConfig:
     drain_timeout_s: float = common.drain_timeout()
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
     model_repo: ExistingDir | None = common.model_repo()
-    weights_memory: int | None = setting(None, "bytes of model weights this worker may hold at once; loads beyond "
-                                         "it evict idle models (default: CPU 8 GiB; CUDA what "
-                                         "--gpu-memory-utilization leaves after the KV pool)", ge=1)
+    weights_memory: int | None = setting(None, "bytes of model weights this worker may hold at once, per device (a "
+                                         "tensor- or pipeline-parallel model counts its largest shard on CUDA, all "
+                                         "of them on the CPU); loads beyond it evict idle models (default: CPU 8 GiB; "
+                                         "CUDA what --gpu-memory-utilization leaves after the KV pool)", ge=1)
     verify_checksums: bool = setting(True, "hash a repository model's files against its manifest before loading "
                                      "it (once per file version per host: shared/repo/verified_files.py)")
     skip_warmup: bool = setting(False, "serve without first running each step shape once (on CUDA the first requests "
@@ -80,6 +81,9 @@ class WorkerConfig:
                                             "/dev/shm/kvrelay-weights-<uid>); workers that share must agree",
                                             shared=True, env="KVRELAY_SHARE_WEIGHTS_DIR")
     register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
+    # name -> (tensor_parallel_size, pipeline_parallel_size) of each model of --config (lazy ones too): every
+    # load of it, at startup or later, is its own rank group of that size; other models take ``engine``'s
+    parallel_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 
     def startup_models(self) -> list[StartupModel]:

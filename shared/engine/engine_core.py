@@ -13,6 +13,7 @@ and never its scheduler, block manager or runner.
 """
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -28,6 +29,7 @@ from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.model_runner import ModelRunner
 from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
+from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from kvrelay.shared.engine.sampler import SampleResult
 from kvrelay.shared.engine.scheduler import Scheduler, SchedulerOutput
@@ -358,7 +360,13 @@ class EngineCore:
 
     @property
     def weight_bytes(self) -> int:
+        """This process's weights: rank 0's shard (stage) alone when the model is tensor- or pipeline-parallel."""
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    def rank_processes(self) -> list[tuple[int, int, str]]:
+        """(rank, pid, device) of each process of this model, rank 0 (this one) first."""
+        pids = [os.getpid(), *(self.runner.ranks.pids if self.runner.ranks is not None else ())]
+        return [(rank, pid, str(rank_device(self.config.device, rank))) for rank, pid in enumerate(pids)]
 
     @property
     def num_free_blocks(self) -> int:

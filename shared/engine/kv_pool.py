@@ -26,7 +26,9 @@ weights leave and lowers it before a load: ``set_cap`` then decommits unowned ch
 chunks back from models above their floors (the same rule a steal follows). The chunks holding block 0
 stay committed for good: padding rows of a batch read block 0 (shared/engine/step_inputs.py). A pool made
 without room to grow (``max_bytes``), or where growable memory is unavailable, is one fixed buffer as
-before and refuses a higher cap with its reason logged once.
+before and refuses a higher cap with its reason logged once. A model may attach with a view of the pool's
+own size only (``within_base``: a parallel group, whose other ranks hold caches of its view's length): it
+gets no chunk past that size, so its block ids stay below it however far the pool grows.
 
 Everything here runs on the worker's one engine thread, synchronously. That is also what makes a
 steal safe on CUDA: each engine's step (schedule, then its kernels on the same stream) is issued
@@ -79,6 +81,7 @@ class Member:
     block_bytes: int
     num_blocks: int  # N: the length of this model's view of the buffer
     floor_blocks: int
+    end_chunk: int  # the chunks its view touches are those below it: no others can give it a block
     chunks: set[int] = field(default_factory=set)
     blocks: set[int] = field(default_factory=set)  # usable: every chunk they touch is owned
     client: PoolClient | None = None
@@ -157,15 +160,19 @@ class KVPool:
 
     # -- attach / detach --------------------------------------------------------------------------
     def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, floor_blocks: int) -> tuple[torch.Tensor, list[int]]:
+               dtype: torch.dtype, floor_blocks: int, within_base: bool = False) -> tuple[torch.Tensor, list[int]]:
         """This model's ``[L, 2, N, bs, Hkv, D]`` view of the whole pool and the block ids it may use
-        now (at least ``floor_blocks``). Raises KVPoolFull when even reclaiming cannot cover the floor."""
+        now (at least ``floor_blocks``). Raises KVPoolFull when even reclaiming cannot cover the floor.
+        ``within_base``: the view covers only the pool's own size (``base_bytes``), never the range reserved
+        for growth, so the model's block ids stay below ``base_bytes // block_bytes`` however far the pool
+        grows (a parallel group, whose other ranks hold a cache of its view's length: model_runner.py)."""
         if key in self.members:
             raise ValueError(f"{key!r} is already attached to this KV pool")
         if floor_blocks < 1:
             raise ValueError(f"floor_blocks must be at least 1, got {floor_blocks}")
         block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
-        m = Member(key, block_bytes, self.nbytes // block_bytes, floor_blocks)
+        num_blocks = min(self.nbytes, self.base_bytes if within_base else self.nbytes) // block_bytes
+        m = Member(key, block_bytes, num_blocks, floor_blocks, math.ceil(num_blocks * block_bytes / self.chunk_bytes))
         if min(m.num_blocks, self.cap // block_bytes) < floor_blocks:
             raise KVPoolFull(f"{key}: a floor of {floor_blocks} KV blocks needs {floor_blocks * block_bytes} bytes, "
                              f"the whole pool is {self.cap}")
@@ -262,12 +269,12 @@ class KVPool:
         self.spare.discard(c)
         self._frontier = min(self._frontier, c)
 
-    def _uncommitted(self, room: int):
-        """Uncommitted chunks, lowest first, as many as ``room`` bytes allow (the pool commits upwards, so
-        they start at the frontier)."""
+    def _uncommitted(self, room: int, end: int):
+        """Uncommitted chunks below ``end``, lowest first, as many as ``room`` bytes allow (the pool commits
+        upwards, so they start at the frontier)."""
         while self._frontier < self.num_chunks and self.committed[self._frontier]:
             self._frontier += 1
-        for c in range(self._frontier, self.num_chunks):
+        for c in range(self._frontier, end):
             if room < self._chunk_size(c):
                 return
             if not self.committed[c]:
@@ -298,7 +305,7 @@ class KVPool:
                 break
             got.append(c)
             usable += self._gain(m, have, c)
-        for c in self._uncommitted(self.cap - self.committed_bytes):
+        for c in self._uncommitted(self.cap - self.committed_bytes, m.end_chunk):
             if usable >= want:
                 break
             got.append(c)
@@ -337,8 +344,10 @@ class KVPool:
         return len(self._complete_in(m, have, c))
 
     def _candidates(self, m: Member, chunks: list[int]) -> list[int]:
-        """``chunks`` with those next to ``m``'s own first: they complete blocks straddling its edge."""
-        return sorted(chunks, key=lambda c: (c - 1 not in m.chunks and c + 1 not in m.chunks))
+        """The ``chunks`` within ``m``'s view (one past it would be committed, or stolen from another model,
+        for no block of ``m``), those next to ``m``'s own first: they complete blocks straddling its edge."""
+        return sorted((c for c in chunks if c < m.end_chunk),
+                      key=lambda c: (c - 1 not in m.chunks and c + 1 not in m.chunks))
 
     def _stealable(self, v: Member, kept: set[int], c: int) -> list[int] | None:
         """The blocks ``v`` loses with chunk ``c`` (dropped from ``kept``), or None if it cannot give
@@ -376,19 +385,25 @@ class KVPool:
         return new
 
     # -- introspection ----------------------------------------------------------------------------
-    def reclaimable_bytes(self, cap: int | None = None) -> int:
+    def reclaimable_bytes(self, cap: int | None = None, within_base: bool = False) -> int:
         """What a model attaching now could own under ``cap`` (default: the pool's; a lower one is what a
         load's weights would leave): the cap less every owned chunk, except those other models could give
         up now (all free, above their floors), each victim taken chunk by chunk from its high end, as grow
-        would."""
+        would. ``within_base``: for an attach whose view is the pool's own size (``attach``), which neither
+        memory past that size nor another model's chunks there can give a block: at most that size less what
+        is owned in it, except what could be stolen in it."""
         cap = self.cap if cap is None or not self.memory.growable else min(cap, self.nbytes)
         total = cap - self.owned_bytes
+        end = math.ceil(self.base_bytes / self.chunk_bytes)
+        inside = min(cap, self.base_bytes) - sum(self._chunk_size(c) for c in range(end) if self.owner[c] is not None)
         for v in self.members.values():
             if v.client is not None:
                 kept = set(v.blocks)
-                total += sum(self._chunk_size(c) for c in sorted(v.chunks, reverse=True)
-                             if self._stealable(v, kept, c) is not None)
-        return max(0, total)
+                for c in sorted(v.chunks, reverse=True):
+                    if (not within_base or c < end) and self._stealable(v, kept, c) is not None:
+                        total += self._chunk_size(c)
+                        inside += self._chunk_size(c) if c < end else 0
+        return max(0, min(total, inside) if within_base else total)
 
     def capacity(self, key: str) -> int:
         """The most blocks ``key`` could own if every other model shrank to its floor (a slight over-

@@ -66,9 +66,11 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
-        # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard
-        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None or kv_pool is not None,
-                                                   root=model_root)
+        # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard. With
+        # a KV pool shared with co-resident models, this rank's cache is its view of the pool and the others
+        # each allocate a cache of the view's block count (RankAlloc), so every block id rank 0's block
+        # manager is lent indexes the same block on every rank (holding each rank's own heads or layers)
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root)
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
         self.pipeline = config.pipeline_parallel_size
@@ -105,10 +107,17 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.kv_pool_key = kv_pool_key or str(config.model.model)
         m = self.model
-        # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now
+        # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now. A group's
+        # view stops at the pool's own size: its other ranks each allocate a cache of the view's length
+        # (RankAlloc), and a growable pool's view spans the range reserved for growth (its size plus the
+        # worker's weights budget), which would be a cache that large, allocated whole, on every other rank.
+        # Growing their caches in step with rank 0's chunks would need growable memory on every rank's device
+        # and a message per grow; held to the pool's own size, rank 0's block manager is never lent an id
+        # past the other ranks' caches (the pool gives no block beyond a view), and those caches are what
+        # they were over a fixed pool. The group's KV still grows within that size, taking other models' chunks.
         self.kv_cache, self.kv_block_ids = kv_pool.attach(
             self.kv_pool_key, m.kv_layers, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype,
-            floor_blocks=kv_floor_blocks or max_blocks_per_seq)
+            floor_blocks=kv_floor_blocks or max_blocks_per_seq, within_base=self.ranks is not None)
         self.num_blocks = len(self.kv_block_ids)
         self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
         if self.ranks is not None:  # every rank's cache has rank 0's block count, holding its own heads

@@ -116,6 +116,17 @@ class Abort:
 
 
 @dataclass
+class RankStatus:
+    """One rank of a tensor- or pipeline-parallel model instance: its process, its device, its shard."""
+
+    TAG: ClassVar[str] = "rank_status"
+    rank: int
+    pid: int
+    device: str = field(metadata={"max_len": 32})
+    weight_bytes: int = 0  # this rank's shard (pipeline stage) of the weights
+
+
+@dataclass
 class InstanceStatus:
     """One model instance (a model at one version) inside a worker, as its heartbeat reports it."""
 
@@ -134,6 +145,11 @@ class InstanceStatus:
     load_s: float = 0.0  # how long its load took: the reload cost eviction weighs
     error: str = ""  # why a load failed (state "failed")
     engine: EngineStats | None = None  # its engine's vLLM series, relayed by the gateway's /metrics
+    # one placement on tensor_parallel_size x pipeline_parallel_size devices; weight_bytes above is what it
+    # counts against the worker's weights budget (shared/worker/model_memory.py group_weight_bytes)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    ranks: list[RankStatus] = field(default_factory=list)  # rank 0 (this worker's process) first
 
 
 @dataclass
@@ -262,6 +278,6 @@ def instance_key(name: str, version: int) -> str:
     return f"{name}@{version}" if version else name
 
 
-MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, WorkerInfo, ModelInfo, InstanceStatus,
-                                   ModelSpec, ControlCommand, ControlResult)
+MESSAGE_TYPES: tuple[type, ...] = (Job, TokenEvent, TokenBatch, Abort, WorkerInfo, ModelInfo, RankStatus,
+                                   InstanceStatus, ModelSpec, ControlCommand, ControlResult)
 register(*MESSAGE_TYPES)

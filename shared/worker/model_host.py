@@ -4,7 +4,8 @@ Lifecycle of one model instance (a model at one version) here:
   ControlCommand "load" (or a model configured at startup)
     -> the path and every file of the version are resolved inside the repository (``confined``, checked
        again when the load starts, each file opened by its resolved path) and the weights are estimated
-       from the safetensors headers; what does not fit the weights budget or the KV pool's floor evicts
+       from the safetensors headers (a tensor- or pipeline-parallel group: checked, and each rank's shard
+       sized, one placement counted as shared/worker/model_memory.py says); what does not fit the weights budget or the KV pool's floor evicts
        unpinned instances by demand x reload cost (shared/worker/eviction.py: idle ones first; a busy one
        only for a load in higher demand that requests wait for, drained first: the load starts once it is
        gone), or the load waits for room a bounded while if requests wait for it, or is refused
@@ -46,6 +47,7 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.ranks.checks import group_size_name
 from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
@@ -58,8 +60,8 @@ from kvrelay.shared.worker.eviction import (
     waiting_demand,
 )
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
-from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
-from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
+from kvrelay.shared.worker.model_memory import kv_floor_bytes, plan_weight_bytes
+from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks, group_status
 from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
 
@@ -97,7 +99,7 @@ class ModelHost:
                  report: Callable[[ControlResult], None] | None = None,
                  min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
                  skip_warmup: bool = False, shared: SharedWeights | None = None,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, parallel_sizes: dict[str, tuple[int, int]] | None = None):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
@@ -105,7 +107,8 @@ class ModelHost:
         warm-up (shared/engine/warmup.py) before it is ready, unless ``skip_warmup``. ``shared``: weights are
         shared with the other worker processes on this device (shared/worker/shared_weights.py).
         ``drain_timeout_s``: what a busy model evicted for a load gives its running requests to finish, as a
-        SIGTERM drain gives a worker's (--drain-timeout)."""
+        SIGTERM drain gives a worker's (--drain-timeout). ``parallel_sizes``: name -> (tensor_parallel_size,
+        pipeline_parallel_size) of the models the config file gives their own; the others take ``base``'s."""
         self.drain_timeout_s = drain_timeout_s
         self.base = base
         self.hold_finished_kv = hold_finished_kv
@@ -113,6 +116,7 @@ class ModelHost:
         self.weights_budget = weights_budget
         self.repo = repo
         self.configured_paths = dict(configured_paths or {})  # name -> path the operator configured
+        self.parallel_sizes = dict(parallel_sizes or {})
         self.verify_checksums = verify_checksums
         self.freeze_gc = freeze_gc
         self.skip_warmup = skip_warmup
@@ -151,11 +155,18 @@ class ModelHost:
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
         cache = dataclasses.replace(self.base.cache, kv_cache_dtype=cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype)
-        engine = dataclasses.replace(self.base, model=model, cache=cache)
+        tp, pp = self.parallel_sizes.get(cmd.name, (self.base.tensor_parallel_size, self.base.pipeline_parallel_size))
+        engine = dataclasses.replace(self.base, model=model, cache=cache, tensor_parallel_size=tp,
+                                     pipeline_parallel_size=pp)
         check_device(cache.kv_cache_dtype, torch.device(engine.device))  # before any weight is read
-        return ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
-                         keep_alive_s=cmd.keep_alive_s, weight_bytes=estimate_weight_bytes(engine, root),
-                         verify=verify, root=root)
+        return self._sized(ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
+                                     keep_alive_s=cmd.keep_alive_s, verify=verify, root=root))
+
+    @staticmethod
+    def _sized(plan: ModelPlan) -> ModelPlan:
+        """``plan`` with its weights estimated (a group checked first and counted as model_memory says)."""
+        plan.weight_bytes, plan.rank_weight_bytes = plan_weight_bytes(plan.engine, plan.root)
+        return plan
 
     @property
     def weights_used(self) -> int:
@@ -169,8 +180,10 @@ class ModelHost:
                       if ld.command is None and not self._on_device(ld.plan)))
 
     def _on_device(self, plan: ModelPlan) -> bool:
-        """``plan``'s weights are already shared on this device (loading it maps them: no new memory)."""
-        return self.shared is not None and self.shared.on_device(self.shared.key(plan.engine))
+        """``plan``'s weights are already shared on this device (loading it maps them: no new memory). Never
+        a tensor- or pipeline-parallel group's: its ranks each load their own shard."""
+        return (self.shared is not None and plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size == 1
+                and self.shared.on_device(self.shared.key(plan.engine)))
 
     def make_room(self, plan: ModelPlan, evict: bool, prefer: list[str] = (), waiting: int = 0) -> list[str]:
         """Evict what ``plan`` needs room for, as shared/worker/eviction.py chooses; the victims' keys. Idle
@@ -182,7 +195,9 @@ class ModelHost:
         floor = self._floor_bytes(plan)
         # the KV pool gives back what it borrowed of the weights budget (kv_cap), keeping what is in use
         cap = self._kv_cap(weights)
-        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap)
+        # a group's KV stays within the pool's own size (its other ranks' caches mirror it: model_runner.py)
+        within = plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1
+        kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap, within)
         if need <= 0 and kv_short <= 0:
             return []
         now = time.monotonic()
@@ -197,9 +212,11 @@ class ModelHost:
             gib = 2**30
             raise ValueError(
                 f"not enough memory to load {plan.instance}: needs {plan.weight_bytes / gib:.2f} GiB of weights "
-                f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
+                + (f"({group_size_name(plan.engine)}: its {'largest shard' if plan.engine.device.startswith('cuda') else 'shards'}) "
+                   if plan.rank_weight_bytes else "")
+                + f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
-                   f"{self.pool.reclaimable_bytes(cap) / gib:.3f} GiB)")
+                   f"{self.pool.reclaimable_bytes(cap, within) / gib:.3f} GiB)")
                 + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"
                    if evict else "; eviction not allowed"))
         for c in chosen:
@@ -247,6 +264,8 @@ class ModelHost:
     # -- loading --------------------------------------------------------------------------------
     def load_now(self, plan: ModelPlan) -> ModelSlot:
         """Synchronous load (models configured at startup); raises on failure."""
+        if plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1 and not plan.rank_weight_bytes:
+            plan = self._sized(plan)  # checked, and its shards sized for the budget and the status
         slot = self._build(plan)
         self._ready(slot)
         return slot
@@ -283,13 +302,15 @@ class ModelHost:
             if self.shared is not None:
                 self.shared.release(plan.instance)
             raise
-        weight_bytes = core.weight_bytes
+        # a group counts every device it occupies (model_memory.group_weight_bytes), this process holds rank 0's
+        # shard alone; the estimate is each rank's model built on the meta device, the same shapes it loaded
+        weight_bytes = core.weight_bytes if tp * pp == 1 else plan.weight_bytes
         log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, how,
                  t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,
-                         weight_bytes=weight_bytes)
+                         weight_bytes=weight_bytes, rank_weight_bytes=plan.rank_weight_bytes)
 
     def _ready(self, slot: ModelSlot) -> None:
         if self.freeze_gc:
@@ -490,10 +511,12 @@ class ModelHost:
                                       running=s.core.num_running,
                                       waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
                                       load_s=round(s.load_s, 3),
-                                      engine=s.metrics.engine_stats() if s.metrics is not None else None))
+                                      engine=s.metrics.engine_stats() if s.metrics is not None else None,
+                                      **group_status(s.core.config, s.core.rank_processes(), s.rank_weight_bytes or [s.weight_bytes])))
         for inst, ld in self.loading.items():
             out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
-                                      weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned))
+                                      weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned,
+                                      **group_status(ld.plan.engine, [], ld.plan.rank_weight_bytes)))
         for inst, (error, name, version, _) in self.failed.items():
             if inst not in self.slots and inst not in self.loading:
                 out.append(InstanceStatus(instance=inst, name=name, version=version, state="failed",

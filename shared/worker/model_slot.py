@@ -10,7 +10,7 @@ from typing import Protocol
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.wire.protocol import instance_key
+from kvrelay.shared.wire.protocol import RankStatus, instance_key
 from kvrelay.shared.worker.eviction import DemandRate
 from kvrelay.shared.worker.metrics import WorkerMetrics
 
@@ -46,7 +46,8 @@ class ModelSlot:
     pinned: bool = False
     keep_alive_s: float = 0.0
     load_s: float = 0.0
-    weight_bytes: int = 0
+    weight_bytes: int = 0  # what it counts against the weights budget (a group: model_memory.group_weight_bytes)
+    rank_weight_bytes: list[int] = field(default_factory=list)  # a group's shard on each rank, rank order
     state: str = "ready"  # ready | draining
     last_used: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics | None = None  # set once the worker serves it
@@ -78,9 +79,19 @@ class ModelPlan:
     pinned: bool = False
     keep_alive_s: float = 0.0
     weight_bytes: int = 0  # the estimate
+    rank_weight_bytes: list[int] = field(default_factory=list)  # a tensor- or pipeline-parallel group's, per rank
     verify: Callable[[], None] | None = None  # raises RepositoryError on a corrupt copy; runs on the loading thread
     root: Path | None = None  # a repository version's: every file it opens must resolve inside
 
     @property
     def instance(self) -> str:
         return instance_key(self.name, self.version)
+
+
+def group_status(engine: EngineConfig, processes: list[tuple[int, int, str]], rank_bytes: list[int]) -> dict:
+    """An instance's parallel layout as its status reports it: the sizes, and each rank's process (none
+    while it loads), device and shard."""
+    ranks = [RankStatus(rank=rank, pid=pid, device=device, weight_bytes=rank_bytes[rank] if rank < len(rank_bytes) else 0)
+             for rank, pid, device in processes]
+    return {"tensor_parallel_size": engine.tensor_parallel_size,
+            "pipeline_parallel_size": engine.pipeline_parallel_size, "ranks": ranks}

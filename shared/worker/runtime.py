@@ -66,7 +66,7 @@ class WorkerRuntime:
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
             drain_timeout_s=config.drain_timeout_s,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
-            shared=_shared_weights(config))
+            shared=_shared_weights(config), parallel_sizes=config.parallel_sizes)
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()

@@ -10,7 +10,7 @@ import torch
 
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.kv_memory import PAGE
-from kvrelay.shared.engine.kv_pool import KVPool
+from kvrelay.shared.engine.kv_pool import KVPool, KVPoolFull
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -162,3 +162,30 @@ def test_random_caps_keep_every_invariant(seed):
             m = pool.members[key]
             assert m.blocks == bm.owned and len(m.blocks) >= m.floor_blocks
             assert all(pool.owner[c] == key for c in m.chunks)
+
+
+def test_a_view_held_to_the_pools_own_size_gets_no_chunk_past_it_and_is_counted_so():
+    """A parallel group's view (``within_base``) ends at the pool's own size: growth past it and another
+    model's free chunks there give it nothing, and what a load would find reclaimable says the same."""
+    pool = KVPool(4 * CHUNK, "cpu", chunk_bytes=CHUNK, max_bytes=16 * CHUNK)
+    pool.set_cap(16 * CHUNK)
+    a = join(pool, "a", floor=4)
+    a.add_blocks(pool.grow("a", 12))  # the pool's own 4 chunks
+    assert a.num_blocks == 16 and pool.committed_bytes == 4 * CHUNK
+    assert a.allocate_slots(request("busy", 2 * 16), 2 * 16)  # all of them in use
+    a.add_blocks(pool.grow("a", 48))  # the rest of the range, free
+    assert a.num_blocks == 64 and pool.committed_bytes == 16 * CHUNK
+    assert pool.reclaimable_bytes() == 12 * CHUNK and pool.reclaimable_bytes(within_base=True) == 0
+    layers, bs, heads, dim = GEOMETRY
+    with pytest.raises(KVPoolFull):
+        pool.attach("g", layers, bs, heads, dim, torch.float32, floor_blocks=4, within_base=True)
+    a.free("busy")
+    assert pool.reclaimable_bytes(within_base=True) == 4 * CHUNK  # a keeps its floor past them
+    kv, ids = pool.attach("g", layers, bs, heads, dim, torch.float32, floor_blocks=4, within_base=True)
+    g = BlockManager(kv.shape[2], bs, owned=ids, grow=lambda n: pool.grow("g", n))
+    pool.bind("g", g)
+    assert kv.shape[2] == 16 and max(ids) < 16  # its view: the pool's own 4 chunks, not the 16 reserved
+    g.add_blocks(pool.grow("g", 100))
+    assert g.num_blocks == 16 and max(g.owned) < 16  # every chunk in it, none past it
+    assert pool.capacity("g") == 16 and a.num_blocks == 48  # a lost only what lay in g's view
+    check(pool)

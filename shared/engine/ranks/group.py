@@ -27,7 +27,7 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepSender
-from kvrelay.shared.engine.ranks.checks import check_model
+from kvrelay.shared.engine.ranks.checks import check_group
 from kvrelay.shared.wire.rank_step import RankMessage, RankStop
 
 log = logging.getLogger(__name__)
@@ -44,26 +44,16 @@ class TensorParallelError(RuntimeError):
 def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) -> "RankGroup | None":
     """The group's other ranks, started and joined (None with tensor_parallel_size 1), after every check:
     a setting the group cannot serve or a size the ranks cannot split fails here, before a process starts
-    or a weight loads. ``shared``: the caller loaded the weights or brings a shared KV pool; ``root``: the
-    model repository the model's files must resolve inside."""
+    or a weight loads. ``shared``: the caller loaded the weights already; ``root``: the model repository the
+    model's files must resolve inside."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     world = tp * pp
     if world == 1:
         return None
-    flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
     if shared:
-        raise ValueError(f"{flag} > 1: each rank loads its own shard into a private KV cache "
-                         "(no preloaded weights, no shared KV pool)")
-    if config.async_scheduling:
-        raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
-    if config.cache.kv_cache_dtype != "auto":  # the ranks' own caches are allocated in the model's dtype
-        raise ValueError(f"{flag} > 1 does not support kv_cache_dtype fp8 yet")
-    if config.device.startswith("cuda"):
-        first, have = torch.device(config.device).index or 0, torch.cuda.device_count()
-        if first + world > have:
-            size = f"{flag} {world}" if tp == 1 or pp == 1 else f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
-            raise ValueError(f"{size} needs CUDA devices {first}..{first + world - 1}; this machine has {have}")
-    check_model(config.model, tp, root, pp)
+        flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
+        raise ValueError(f"{flag} > 1: each rank loads its own shard (no preloaded or shared weights)")
+    check_group(config, root)
     return RankGroup(config, root)
 
 
