@@ -51,9 +51,6 @@ class PrefillWorker:
         if any(e.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # its engine hands each prompt's KV off with the first token, which async scheduling reads a step late
             raise ConfigError("--async-scheduling: not for a prefill worker; use it on decode and unified workers")
-        if any(e.pipeline_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
-            # rank 0 caches stage 0's layers only
-            raise ConfigError("--pipeline-parallel-size: the KV handoff moves one stage's layers; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
         self.intake = JobIntake(self.runtime, config)
@@ -83,7 +80,7 @@ class PrefillWorker:
         if slot.metrics is not None:
             slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
         if self.config.stream_kv_layers and slot.core.kv.sharded:  # its blocks are gathered between steps
-            log.info("%s is tensor-parallel: its KV leaves after each prompt's prefill, not layer by layer",
+            log.info("%s runs on several ranks: its KV leaves after each prompt's prefill, not layer by layer",
                      slot.instance)
         elif self.config.stream_kv_layers:
             slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
