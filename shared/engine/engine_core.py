@@ -294,6 +294,11 @@ class EngineCore:
         """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
         self.runner.close()
 
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` once a rank of the model's group has died, also between steps:
+        a worker with nothing to step would otherwise stay registered with a group that cannot serve."""
+        self.runner.check()
+
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:
         entry = self._compiling.get(request_id)

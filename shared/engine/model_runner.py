@@ -401,6 +401,11 @@ class ModelRunner:
         self.sampler.free(request_id)
         self._tables.drop(request_id)
 
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` if the rank group is down (a rank died, seen by its watchdog)."""
+        if self.ranks is not None:
+            self.ranks.check()
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
         if self.ranks is not None:

@@ -1,0 +1,104 @@
+"""A rank killed with -9 while a disaggregated deployment serves a stream of requests: ``kvrelay serve
+--mode disaggregated`` plus a peer worker of one role whose model runs on two ranks (tensor-parallel for a
+prefill peer, pipeline stages for a decode peer). The peer's group goes down, the peer exits and leaves the
+registry, no rank outlives it, and every request of the stream (openai SDK, several in flight) ends within
+its bound: the prefill peer's jobs are re-delivered to serve's prefill worker and complete with the offline
+engine's greedy text; a request the decode peer was decoding ends with a clear 503, and every other one,
+those whose KV was on its way to the peer included, completes."""
+
+import concurrent.futures
+import time
+
+import openai
+import psutil
+import pytest
+import redis
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.shared.wire import redis_keys as keys
+from tests.conftest import random_prompts
+from tests.e2e.cluster import Cluster
+from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.served import Served
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+REQUEST_BOUND_S = 120  # a request that takes longer than this hangs: the test fails on it
+RECLAIM_MS = 2000  # a dead prefill worker's pending jobs go to a peer this soon
+# a decode peer's requests run long enough that it holds some when its rank dies (prompts are at most 60)
+MAX_TOKENS = {"prefill": 16, "decode": 120}
+
+
+def _rank(worker: psutil.Process) -> psutil.Process:
+    (rank,) = [p for p in worker.children(recursive=True) if "kvrelay.shared.engine.ranks.rank_main" in p.cmdline()]
+    return rank
+
+
+def _holds_jobs(cluster: Cluster, worker_id: str) -> bool:
+    """Whether the prefill worker has read jobs it has not ACKed (from the shared or its private stream)."""
+    (instance,) = cluster.worker(worker_id).models
+    held = 0
+    for stream in (keys.prefill_stream(instance), keys.prefill_worker_stream(instance, worker_id)):
+        try:
+            held += len(cluster.redis.xpending_range(stream, keys.PREFILL_GROUP, "-", "+", 10, consumername=worker_id))
+        except redis.ResponseError:  # its private stream was never created
+            pass
+    return held > 0
+
+
+def _wait(what: str, ready, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"never saw: {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("role", "kind"), [("prefill", "tensor"), ("decode", "pipeline")])
+def test_a_killed_rank_takes_its_worker_down_and_every_request_ends(role, kind, tiny_model_dir, redis_url, tmp_path):
+    prompts = random_prompts(16, lo=5, hi=60, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[role], ignore_eos=True)
+    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
+        want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
+    cluster.redis.flushall()
+    peer = f"{role[0]}-{kind}"
+    argv = ["--mode", "disaggregated", "--model", str(tiny_model_dir), *TINY_ENGINE, "--redis-url", redis_url,
+            "--reclaim-idle-ms", str(RECLAIM_MS)]
+    try:
+        with Served(argv, tmp_path / "serve.log") as served:
+            cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--reclaim-idle-ms", str(RECLAIM_MS)])
+            cluster.wait_worker(peer, timeout=300)
+            client = served.client(timeout=REQUEST_BOUND_S)
+            rank = _rank(psutil.Process(cluster.procs[peer].pid))
+            if role == "prefill":
+                # its prefill takes milliseconds: with its rank stopped, the jobs it reads stay in its step
+                rank.suspend()
+
+            def ask(prompt: list[int]) -> str | openai.APIStatusError:
+                try:
+                    return client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS[role],
+                                                      temperature=0.0, extra_body={"ignore_eos": True}).choices[0].text
+                except openai.APIStatusError as exc:
+                    return exc
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(ask, p) for p in prompts]
+                if role == "prefill":
+                    _wait("the prefill peer holding jobs", lambda: _holds_jobs(cluster, peer))
+                else:
+                    _wait("the decode peer running requests", lambda: cluster.worker(peer).running > 0)
+                rank.kill()  # mid-serve
+                got = [f.result(timeout=REQUEST_BOUND_S + 30) for f in futures]
+            assert cluster.procs[peer].wait(timeout=60) != 0
+            assert cluster.worker(peer) is None, "the dead peer is still registered"
+            assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
+            assert (f"{kind}-parallel rank 1 of 2 (pid {rank.pid}) was killed by signal 9; the group is down"
+                    in cluster.log(peer))
+            assert ask(prompts[0]) == want[0]  # serve's own worker of that role takes everything from here on
+    finally:
+        cluster.stop()
+    for i, (text, expected) in enumerate(zip(got, want, strict=True)):
+        if role == "decode" and isinstance(text, openai.APIStatusError):  # it was decoding there
+            assert text.status_code == 503 and "worker serving this request stopped" in text.message, (i, text)
+        else:
+            assert text == expected, (i, text)
