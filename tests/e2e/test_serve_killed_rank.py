@@ -3,10 +3,12 @@
 prefill peer, pipeline stages for a decode peer). The peer's group goes down, the peer exits and leaves the
 registry, no rank outlives it, and every request of the stream (openai SDK, several in flight) ends within
 its bound: the prefill peer's jobs are re-delivered to serve's prefill worker and complete with the offline
-engine's greedy text; a request the decode peer was decoding ends with a clear 503, and every other one,
-those whose KV was on its way to the peer included, completes."""
+engine's greedy text; a request the decode peer was decoding ends with a clear error, and every other one,
+those whose KV was on its way to the peer included, completes. A worker whose rank dies while it is idle
+leaves too."""
 
 import concurrent.futures
+import threading
 import time
 
 import openai
@@ -24,8 +26,7 @@ from tests.e2e.served import Served
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REQUEST_BOUND_S = 120  # a request that takes longer than this hangs: the test fails on it
 RECLAIM_MS = 2000  # a dead prefill worker's pending jobs go to a peer this soon
-# a decode peer's requests run long enough that it holds some when its rank dies (prompts are at most 60)
-MAX_TOKENS = {"prefill": 16, "decode": 120}
+MAX_TOKENS = 24
 
 
 def _rank(worker: psutil.Process) -> psutil.Process:
@@ -55,7 +56,7 @@ def _wait(what: str, ready, timeout: float = 60) -> None:
 @pytest.mark.parametrize(("role", "kind"), [("prefill", "tensor"), ("decode", "pipeline")])
 def test_a_killed_rank_takes_its_worker_down_and_every_request_ends(role, kind, tiny_model_dir, redis_url, tmp_path):
     prompts = random_prompts(16, lo=5, hi=60, seed=11)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[role], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
         want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
                 for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
@@ -66,28 +67,37 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_ends(role, kind, 
             "--reclaim-idle-ms", str(RECLAIM_MS)]
     try:
         with Served(argv, tmp_path / "serve.log") as served:
-            cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--reclaim-idle-ms", str(RECLAIM_MS)])
+            # a decode peer with more KV blocks than serve's is the one prefill workers hand KV to first
+            more = ["--num-gpu-blocks-override", "16384"] if role == "decode" else []
+            cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--reclaim-idle-ms", str(RECLAIM_MS),
+                                              *more])
             cluster.wait_worker(peer, timeout=300)
             client = served.client(timeout=REQUEST_BOUND_S)
             rank = _rank(psutil.Process(cluster.procs[peer].pid))
-            if role == "prefill":
-                # its prefill takes milliseconds: with its rank stopped, the jobs it reads stay in its step
-                rank.suspend()
+            # stopped until the kill: the peer takes its first work and its group hangs there, so the kill
+            # finds it mid-step (a prefill) or holding KV it was given (a decode)
+            rank.suspend()
+            first_token = threading.Event()
 
-            def ask(prompt: list[int]) -> str | openai.APIStatusError:
+            def ask(prompt: list[int]) -> str | openai.APIError:
+                text = []
                 try:
-                    return client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS[role],
-                                                      temperature=0.0, extra_body={"ignore_eos": True}).choices[0].text
-                except openai.APIStatusError as exc:
+                    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                           temperature=0.0, stream=True,
+                                                           extra_body={"ignore_eos": True}):
+                        first_token.set()
+                        text.append(chunk.choices[0].text if chunk.choices else "")
+                except openai.APIError as exc:
                     return exc
+                return "".join(text)
 
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 futures = [pool.submit(ask, p) for p in prompts]
                 if role == "prefill":
                     _wait("the prefill peer holding jobs", lambda: _holds_jobs(cluster, peer))
-                else:
-                    _wait("the decode peer running requests", lambda: cluster.worker(peer).running > 0)
-                rank.kill()  # mid-serve
+                else:  # a prompt's first token is out: its KV is on its way to the decode worker with most room
+                    _wait("a first token", first_token.is_set)
+                rank.kill()
                 got = [f.result(timeout=REQUEST_BOUND_S + 30) for f in futures]
             assert cluster.procs[peer].wait(timeout=60) != 0
             assert cluster.worker(peer) is None, "the dead peer is still registered"
@@ -98,7 +108,23 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_ends(role, kind, 
     finally:
         cluster.stop()
     for i, (text, expected) in enumerate(zip(got, want, strict=True)):
-        if role == "decode" and isinstance(text, openai.APIStatusError):  # it was decoding there
-            assert text.status_code == 503 and "worker serving this request stopped" in text.message, (i, text)
+        if role == "decode" and isinstance(text, openai.APIError):  # it was decoding there
+            assert "worker serving this request stopped" in text.message, (i, text)
         else:
             assert text == expected, (i, text)
+
+
+def test_a_rank_killed_while_its_worker_is_idle_takes_the_worker_down(tiny_model_dir, redis_url, tmp_path):
+    """Nothing to step: the worker still sees its group go down, and leaves the registry rather than stay
+    there for prefill workers to hand KV to until its next step fails."""
+    cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
+    try:
+        cluster.start_worker("decode", "d-idle", ["--tensor-parallel-size", "2"])
+        cluster.wait_worker("d-idle", timeout=300)
+        rank = _rank(psutil.Process(cluster.procs["d-idle"].pid))
+        rank.kill()
+        assert cluster.procs["d-idle"].wait(timeout=60) != 0
+        assert cluster.worker("d-idle") is None
+    finally:
+        cluster.stop()
+    assert f"tensor-parallel rank 1 of 2 (pid {rank.pid}) was killed by signal 9" in cluster.log("d-idle")
