@@ -78,6 +78,8 @@ class HandoffManager(HandoffSender):
         return super().poll(timeout_ms)  # failed ones among the ended
 
     def _gone(self, addr: str) -> bool:
+        if self._health.down_since is not None:
+            return False  # Redis is down: it cannot tell, and the loop must not wait on it every step
         self._refresh()
         now = time.monotonic()
         if any(w.zmq_addr == addr for w in self._workers):
