@@ -72,7 +72,7 @@ class EngineCore:
         )
         self.kv = EngineKV(self.block_manager, lambda: runner.kv_cache, self.scheduler.release_held,
                            runner.set_kv_stream, world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
-                           num_layers=runner.total_kv_layers, export=runner.export_kv, import_=runner.import_kv)
+                           num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
         tokenizer_dir, no_tokenizer = structured_tokenizer(config)

@@ -32,7 +32,7 @@ from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
-from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
+from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, stage_layers, total_kv_heads
@@ -372,11 +372,6 @@ class ModelRunner:
         return total_kv_heads(self.model)
 
     @property
-    def total_kv_layers(self) -> int:
-        """The model's layers over every pipeline stage (this rank's cache holds stage 0's alone)."""
-        return self.model.num_layers
-
-    @property
     def world_size(self) -> int:
         """The processes this model runs in: tensor-parallel ranks times pipeline stages."""
         return 1 if self.ranks is None else self.ranks.world_size
@@ -384,18 +379,12 @@ class ModelRunner:
     @torch.inference_mode()
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         """``[all layers, 2, n, bs, all KV heads, D]`` of ``block_ids``, gathered from every rank."""
-        return driver_export(self.ranks, self._whole_group, self.kv_cache, block_ids, self.total_kv_heads,
-                             stage_layers(self.model))
+        return driver_export(self.ranks, self.kv_cache, block_ids, self.total_kv_heads, stage_layers(self.model))
 
     @torch.inference_mode()
     def import_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
         """Write full blocks into ``block_ids``, each rank its own stage's layers and its own heads."""
-        driver_import(self.ranks, self._whole_group, self.kv_cache, block_ids, full, stage_layers(self.model))
-
-    @property
-    def _whole_group(self) -> ParallelState:
-        """Every rank, stages included (a KV move's collective spans them all)."""
-        return SINGLE if self.ranks is None else self.ranks.state
+        driver_import(self.ranks, self.kv_cache, block_ids, full, stage_layers(self.model))
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)

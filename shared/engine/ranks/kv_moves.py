@@ -20,7 +20,7 @@ import torch
 
 from kvrelay.shared.engine.parallel.kv_heads import merge_heads, split_heads
 from kvrelay.shared.engine.parallel.pipeline import stage_bounds
-from kvrelay.shared.engine.parallel.state import ParallelState
+from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.ranks.group import RankGroup
 from kvrelay.shared.wire.rank_step import RankKVExport, RankKVImport
 
@@ -83,30 +83,30 @@ def import_blocks(state: ParallelState, kv_cache: torch.Tensor, block_ids: list[
     kv_cache.index_copy_(2, index, mine.narrow(LAYER_DIM, 0, kv_cache.shape[LAYER_DIM]))
 
 
-def driver_export(ranks: RankGroup | None, state: ParallelState, kv_cache: torch.Tensor, block_ids: list[int],
-                  num_kv_heads: int, stages: list[tuple[int, int]]) -> torch.Tensor:
-    """Rank 0: ``export_blocks`` with every rank (a copy of the blocks without parallelism)."""
+def driver_export(ranks: RankGroup | None, kv_cache: torch.Tensor, block_ids: list[int], num_kv_heads: int,
+                  stages: list[tuple[int, int]]) -> torch.Tensor:
+    """Rank 0: ``export_blocks`` with every rank, stages included (a copy of the blocks without parallelism)."""
     check_block_ids(kv_cache, block_ids)
     if ranks is None:
-        return export_blocks(state, kv_cache, block_ids, num_kv_heads, stages)
+        return export_blocks(SINGLE, kv_cache, block_ids, num_kv_heads, stages)
     ranks.send(RankKVExport(list(block_ids)))
     try:
-        return export_blocks(state, kv_cache, block_ids, num_kv_heads, stages)
+        return export_blocks(ranks.state, kv_cache, block_ids, num_kv_heads, stages)
     except RuntimeError as exc:  # the gather broke: a rank died
         raise ranks.down(exc) from exc
 
 
-def driver_import(ranks: RankGroup | None, state: ParallelState, kv_cache: torch.Tensor, block_ids: list[int],
-                  full: torch.Tensor, stages: list[tuple[int, int]]) -> None:
-    """Rank 0: ``import_blocks`` with every rank."""
+def driver_import(ranks: RankGroup | None, kv_cache: torch.Tensor, block_ids: list[int], full: torch.Tensor,
+                  stages: list[tuple[int, int]]) -> None:
+    """Rank 0: ``import_blocks`` with every rank, stages included."""
     check_block_ids(kv_cache, block_ids)
     if full.shape[LAYER_DIM] != stages[-1][1]:
         raise ValueError(f"KV of {full.shape[LAYER_DIM]} layers for a model of {stages[-1][1]}")
     if ranks is None:
-        import_blocks(state, kv_cache, block_ids, full, stages)
+        import_blocks(SINGLE, kv_cache, block_ids, full, stages)
         return
     ranks.send(RankKVImport(list(block_ids)))
     try:
-        import_blocks(state, kv_cache, block_ids, full, stages)
+        import_blocks(ranks.state, kv_cache, block_ids, full, stages)
     except RuntimeError as exc:  # the scatter broke: a rank died
         raise ranks.down(exc) from exc
