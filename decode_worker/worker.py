@@ -27,7 +27,6 @@ import redis
 import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
-from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.wire import zmq_auth
@@ -47,9 +46,6 @@ LIVE_ASKERS_CACHE_S = 1.0  # how stale our view of which prefill workers heartbe
 
 class DecodeWorker:
     def __init__(self, config: WorkerConfig):
-        if any(e.pipeline_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
-            # handed-off KV would land in stage 0's layers alone
-            raise ConfigError("--pipeline-parallel-size: the KV handoff fills one stage's layers; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),

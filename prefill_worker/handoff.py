@@ -6,6 +6,12 @@ A decode worker is chosen among the live ones registered in Redis that serve the
 blocks first, then the lightest batch: that spreads load and avoids a grant refusal. One refused or
 silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again while the handoff timeout
 allows: a full decode batch is backpressure, not failure).
+
+A decode worker that leaves the registry for good (its rank was killed and took it down, or it stopped)
+while it holds a transfer owes no answer: the transfer goes to another one at once when only asked or
+granted, and when its KV went out it fails as ``target_lost`` (nothing admitted the request), so the
+worker runs the job again instead of failing it after the handoff timeout. Gone means absent for longer
+than a registration takes to come back after Redis lost it (GONE_AFTER_S).
 """
 
 import logging
@@ -16,8 +22,9 @@ import zmq
 
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.sender import HandoffSender
-from kvrelay.shared.handoff.states import State
+from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
+from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.wire.zmq_auth import CurveKeys
@@ -28,6 +35,9 @@ __all__ = ["FirstToken", "HandoffManager", "State", "Transfer"]
 log = logging.getLogger(__name__)
 
 WORKER_CACHE_S = 0.5
+GONE_AFTER_S = 2 * keys.HEARTBEAT_INTERVAL_S  # a live worker re-registers within a heartbeat of Redis losing it
+# the states in which a decode worker holds something of a transfer (its ask, a grant, KV) and owes an answer
+HELD_BY_TARGET = (State.GRANT_WAIT, State.GRANTED, State.STREAMING, State.SENDING, State.ACK_WAIT)
 
 
 class HandoffManager(HandoffSender):
@@ -42,6 +52,7 @@ class HandoffManager(HandoffSender):
         self._health = getattr(runtime, "health", None) or RedisHealth(log)
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
+        self._missing: dict[str, float] = {}  # decode worker address -> since when it is not registered
 
     def start_early(self, job: Job, entry_id: bytes) -> Transfer:
         """Ask for a grant before the prompt is prefilled, so its KV can stream during the last chunk."""
@@ -56,7 +67,39 @@ class HandoffManager(HandoffSender):
         """Prefilled transfers of ``model`` waiting now for a decode seat (read by the metrics thread)."""
         return sum(1 for t in list(self.transfers.values()) if t.job.model == model and t.seat_wait_from)
 
-    def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
+    def poll(self, timeout_ms: int = 0) -> list[Transfer]:
+        targets = set()
+        for t in list(self.transfers.values()):
+            if t.target and t.state in HELD_BY_TARGET:
+                targets.add(t.target)
+                if self._gone(t.target):
+                    self._on_target_gone(t)
+        self._missing = {addr: since for addr, since in self._missing.items() if addr in targets}
+        return super().poll(timeout_ms)  # failed ones among the ended
+
+    def _gone(self, addr: str) -> bool:
+        if self._health.down_since is not None:
+            return False  # Redis is down: it cannot tell, and the loop must not wait on it every step
+        self._refresh()
+        now = time.monotonic()
+        if any(w.zmq_addr == addr for w in self._workers):
+            self._missing.pop(addr, None)
+            return False
+        return now - self._missing.setdefault(addr, now) > GONE_AFTER_S
+
+    def _on_target_gone(self, t: Transfer) -> None:
+        reason = f"decode worker {t.target} left"
+        if t.state is State.GRANT_WAIT:
+            self._retry(t, reason)
+        elif t.state is State.GRANTED:
+            t.grant = None
+            t.to(Event.PARK)  # asks again once the prompt is computed
+        else:
+            log.warning("handoff of %s: %s before admitting it", t.job.request_id, reason)
+            t.target_lost = True
+            self._fail(t, reason)
+
+    def _refresh(self) -> None:
         now = time.monotonic()
         if now - self._workers_at > WORKER_CACHE_S:
             self._workers_at = now
@@ -67,6 +110,9 @@ class HandoffManager(HandoffSender):
                 # Redis unreachable: the last list still names who was alive, and a dead one refuses
                 # or stays silent like any other; the prefill step goes on.
                 self._health.failed(exc)
+
+    def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
+        self._refresh()
         live = [w for w in self._workers
                 if w.role == "decode" and model in w.models and w.worker_id not in exclude]
         live.sort(key=lambda w: (-_free_kv(w, model), _load(w, model)))

@@ -17,7 +17,9 @@ Until its first token a job is an InFlight of the worker's Lifecycle (shared/wor
 ends it on a gateway's abort, its deadline, or its gateway's death; from then on its Transfer holds it,
 and a gateway's abort cancels that.
 A worker killed anywhere before the XACK leaves the job pending for a peer to reclaim; the decode side
-refuses a request id it already holds, so a reclaimed job never yields two streams.
+refuses a request id it already holds, so a reclaimed job never yields two streams. A decode worker that
+leaves the registry after the KV went out but before its ack (prefill_worker/handoff.py) held nothing:
+the job goes back to the stream when a re-run repeats its text exactly, else it ends with an error.
 
 SIGTERM drains: no new jobs are read, those in the engine and in handoff finish (up to the drain
 timeout), and what is left is handed back to the stream for a peer (``_abandon``).
@@ -51,9 +53,6 @@ class PrefillWorker:
         if any(e.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
             # its engine hands each prompt's KV off with the first token, which async scheduling reads a step late
             raise ConfigError("--async-scheduling: not for a prefill worker; use it on decode and unified workers")
-        if any(e.pipeline_parallel_size > 1 for e in (config.engine, *(m.engine for m in config.startup_models()))):
-            # rank 0 caches stage 0's layers only
-            raise ConfigError("--pipeline-parallel-size: the KV handoff moves one stage's layers; use a unified worker")
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
         self.intake = JobIntake(self.runtime, config)
@@ -83,7 +82,7 @@ class PrefillWorker:
         if slot.metrics is not None:
             slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
         if self.config.stream_kv_layers and slot.core.kv.sharded:  # its blocks are gathered between steps
-            log.info("%s is tensor-parallel: its KV leaves after each prompt's prefill, not layer by layer",
+            log.info("%s runs on several ranks: its KV leaves after each prompt's prefill, not layer by layer",
                      slot.instance)
         elif self.config.stream_kv_layers:
             slot.core.kv.set_layer_saver(self.handoff.stream_for(slot.instance))
@@ -220,6 +219,14 @@ class PrefillWorker:
             self.intake.ack(slot.instance, t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,
                       (time.perf_counter() - t.started) * 1000)
+            return
+        if t.target_lost and not t.computed:
+            return  # its prompt is still computing: its first token starts a transfer to another decode worker
+        if t.target_lost and replayable(t.job):
+            # its decode worker left before admitting it, so nothing holds it: run it again (here or on a
+            # peer), and the gateway keeps the tokens its client has and takes the rest of the same text
+            log.warning("request %s: %s; its job goes back to the stream", t.job.request_id, t.reason)
+            self.intake.hand_back([(slot.instance, t.entry_id)])
             return
         self.intake.answer(slot.instance, t.entry_id, t.job, TokenEvent(
             request_id=t.job.request_id, finish_reason="error", error=f"KV handoff failed: {t.reason}",

@@ -49,11 +49,13 @@ def _tiny_config(arch: str):
 ARCHS = ["llama", "llama3", "smollm2", "mistral", "qwen2", "gpt2", "bloom"]
 
 
-def make_tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
+def make_tiny_model(arch: str, out: Path, seed: int = 0, num_layers: int | None = None) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = _tiny_config(arch)
+    if num_layers is not None:  # e.g. an odd count, which pipeline stages split unevenly
+        config.num_hidden_layers = num_layers
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # a larger init than HF's 0.02 gives peaked logits, so greedy ties are unlikely
         for p in model.parameters():

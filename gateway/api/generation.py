@@ -30,9 +30,13 @@ from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.job_queue import replayable
 from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent
 
 log = logging.getLogger("kvrelay.gateway")
+
+# how often one request's jobs are queued again after their decode worker died (a second death fails it)
+MAX_REQUEUES = 1
 
 # XADD to a worker's private stream only while it exists: its worker creates it (with the consumer group)
 # before it can be routed to, and a peer deletes it once the worker is long dead and it is empty, so a
@@ -82,6 +86,8 @@ class Generation:
         # job id -> the decode worker holding its KV (events name it); a holder whose heartbeat lapses
         # is dead, and its requests end with an error instead of waiting out the deadline
         self._holders: dict[str, str] = {}
+        self._requeues = 0
+        self._reply_addr = ""  # where our jobs' workers send events (the dispatcher's address)
         # where Redis holds our jobs that no worker answered for yet (redis_watch.py: lost after a restart)
         self._queued: QueuedRequest | None = None
         # its model leaving every worker while the jobs wait reloads it, and the request waits for that load
@@ -141,7 +147,17 @@ class Generation:
         transport = self._request.transport
         return transport is None or transport.is_closing()
 
+    def _job(self, choice: ChoiceState) -> Job:
+        config = self.app[CONFIG]
+        return Job(request_id=choice.job_id, model=self.prepared.model.name, prompt_token_ids=choice.prompt_token_ids,
+                   sampling=choice.params, tenant=self.prepared.tenant,
+                   priority=self.prepared.priority, reply_addr=self._reply_addr,
+                   # the workers' backstop for a lost abort: past ours by the one reload we may wait for
+                   deadline=self.deadline + config.model_load_timeout,
+                   arrival=self.arrival, cache_salt=self.prepared.cache_salt)
+
     async def _submit(self, reply_addr: str) -> None:
+        self._reply_addr = reply_addr
         model = self.prepared.model.name
         config = self.app[CONFIG]
         retry = {"Retry-After": str(config.retry_after_s)}
@@ -174,12 +190,7 @@ class Generation:
         pipe = self.app[REDIS].pipeline(transaction=False)
         streams: list[str | None] = []  # per choice: its stream, or None where the script says which
         for choice in self.choices:
-            job = Job(request_id=choice.job_id, model=model, prompt_token_ids=choice.prompt_token_ids,
-                      sampling=choice.params, tenant=self.prepared.tenant,
-                      priority=self.prepared.priority, reply_addr=reply_addr,
-                      # the workers' backstop for a lost abort: past ours by the one reload we may wait for
-                      deadline=self.deadline + config.model_load_timeout,
-                      arrival=self.arrival, cache_salt=self.prepared.cache_salt)
+            job = self._job(choice)
             worker = router.route(choice.prompt_token_ids, model, self.prepared.model.block_size,
                                   self.prepared.tenant, self.prepared.cache_salt, workers, backlog)
             if worker is None:
@@ -248,9 +259,33 @@ class Generation:
         except redis.RedisError:
             return  # Redis down says nothing about the worker; the deadline still bounds the wait
         dead = holders - alive
-        if dead:
-            raise APIError(503, f"the worker serving this request stopped ({', '.join(sorted(dead))})",
-                           code="worker_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
+        if not dead:
+            return
+        lost = [c for c in self.choices if not c.finished and self._holders.get(c.job_id) in dead]
+        if self._requeues < MAX_REQUEUES and all(replayable(self._job(c)) for c in lost) and await self._requeue(lost):
+            log.warning("request %s (client id %s): decode worker %s stopped; %d job(s) queued again", self.request_id,
+                        self.client_request_id, ", ".join(sorted(dead)), len(lost))
+            return
+        raise APIError(503, f"the worker serving this request stopped ({', '.join(sorted(dead))})",
+                       code="worker_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
+
+    async def _requeue(self, lost: list[ChoiceState]) -> bool:
+        """Queue the jobs a dead decode worker held again, from their prompt: its KV died with it, and a
+        re-run repeats a greedy or seeded text exactly, so the client keeps what it has and gets the rest
+        (choice.py skips what it already has). False when Redis does not take them."""
+        self._requeues += 1
+        config = self.app[CONFIG]
+        pipe = self.app[REDIS].pipeline(transaction=False)
+        for choice in lost:
+            del self._holders[choice.job_id]
+            pipe.xadd(keys.prefill_stream(self.prepared.model.name), {keys.JOB_FIELD: encode(self._job(choice))},
+                      maxlen=config.stream_maxlen, approximate=True)
+        try:
+            await pipe.execute()
+        except redis.RedisError as exc:
+            redis_failed(self.app, exc)
+            return False
+        return True
 
     async def _check_queued_model(self) -> None:
         queued = self._queued

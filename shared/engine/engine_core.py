@@ -73,8 +73,8 @@ class EngineCore:
             hold_finished_kv=hold_finished_kv,
         )
         self.kv = EngineKV(self.block_manager, lambda: runner.kv_cache, self.scheduler.release_held,
-                           runner.set_kv_stream, tensor_parallel_size=runner.parallel.world_size,
-                           num_kv_heads=runner.total_kv_heads, export=runner.export_kv, import_=runner.import_kv)
+                           runner.set_kv_stream, world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
+                           num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
         tokenizer_dir, no_tokenizer = structured_tokenizer(config)
@@ -295,6 +295,11 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
         self.runner.close()
+
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` once a rank of the model's group has died, also between steps:
+        a worker with nothing to step would otherwise stay registered with a group that cannot serve."""
+        self.runner.check()
 
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:

@@ -13,9 +13,10 @@ Worker side (where the KV is):
   - ``kv_cache``, ``block_size``, ``block_ids``: what a transfer reads or writes.
   - ``set_layer_saver``: the forward reports each decoder layer written (vLLM's ``save_kv_layer``), so
     the KV of the prompts it finishes can leave while later layers compute.
-  - ``sharded``: the KV heads are split over a tensor-parallel group's processes, and ``kv_cache`` holds
-    rank 0's alone; KV then moves as full-head blocks (``export_blocks`` / ``import_blocks``, every
-    layer at once, between steps) and never layer by layer.
+  - ``sharded``: the KV is split over the processes of a tensor-parallel group (its heads) or a pipeline
+    (its layers), and ``kv_cache`` holds rank 0's share alone; KV then moves as full blocks of every layer
+    and head (``export_blocks`` / ``import_blocks``, every layer at once, between steps) and never layer
+    by layer.
 """
 
 from collections import OrderedDict
@@ -46,17 +47,18 @@ class EngineKV:
 
     def __init__(self, block_manager: BlockManager, kv_cache: Callable[[], torch.Tensor],
                  release_held: Callable[[str], None], set_layer_saver: Callable[[LayerSaver | None], None],
-                 tensor_parallel_size: int = 1, num_kv_heads: int | None = None,
+                 world_size: int = 1, num_kv_heads: int | None = None, num_layers: int | None = None,
                  export: Callable[[list[int]], torch.Tensor] | None = None,
                  import_: Callable[[list[int], torch.Tensor], None] | None = None):
-        """``num_kv_heads``: the model's, over every rank (default: the cache's); ``export`` / ``import_``:
-        full-head blocks out of / into every rank's cache (needed when ``tensor_parallel_size`` > 1)."""
+        """``world_size``: the model's processes (tensor-parallel ranks x pipeline stages);
+        ``num_kv_heads`` / ``num_layers``: the model's, over every rank (default: the cache's); ``export`` /
+        ``import_``: full blocks out of / into every rank's cache (needed when ``world_size`` > 1)."""
         self._blocks = block_manager
         self._kv_cache = kv_cache
         self._release_held = release_held
         self._set_layer_saver = set_layer_saver
-        self.sharded = tensor_parallel_size > 1
-        self._num_kv_heads = num_kv_heads
+        self.sharded = world_size > 1
+        self._num_kv_heads, self._num_layers = num_kv_heads, num_layers
         self._export, self._import = export, import_
 
     # -- scheduler side ---------------------------------------------------------------------------
@@ -101,15 +103,20 @@ class EngineKV:
         """All of the model's KV heads: what a block carries on the wire, however the ranks split them."""
         return self._num_kv_heads or self.kv_cache.shape[4]
 
+    @property
+    def num_layers(self) -> int:
+        """All of the model's layers: what a block carries on the wire, however many stages hold them."""
+        return self._num_layers or self.kv_cache.shape[0]
+
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of ``block_ids`` with every KV head: ``[L, 2, len(block_ids), bs, num_kv_heads, D]``, on
-        rank 0's device. Call between steps (it is a collective of the group)."""
+        """A copy of ``block_ids`` with every layer and KV head: ``[num_layers, 2, len(block_ids), bs,
+        num_kv_heads, D]``, on rank 0's device. Call between steps (it is a collective of the group)."""
         if self._export is None:
             return self.kv_cache[:, :, block_ids]
         return self._export(block_ids)
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Write full-head ``blocks`` (``export_blocks``'s shape) into ``block_ids``, each rank its heads."""
+        """Write full ``blocks`` (``export_blocks``'s shape) into ``block_ids``, each rank its layers and heads."""
         if self._import is None:
             self.kv_cache[:, :, block_ids] = blocks.to(self.kv_cache.device)
             return

@@ -35,7 +35,7 @@ from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
-from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, total_kv_heads
+from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, stage_layers, total_kv_heads
 from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
@@ -376,24 +376,34 @@ class ModelRunner:
             host_ids, dev_ids = zip(*out.swap_in, strict=True)
             dev[:, :, list(dev_ids)] = host[:, :, list(host_ids)].to(self.device)
 
-    # -- KV as full-head blocks, for a handoff between any parallel layouts -------------------------
+    # -- KV as full blocks (every layer, every head), for a handoff between any parallel layouts -----
     @property
     def total_kv_heads(self) -> int:
         return total_kv_heads(self.model)
 
+    @property
+    def world_size(self) -> int:
+        """The processes this model runs in: tensor-parallel ranks times pipeline stages."""
+        return 1 if self.ranks is None else self.ranks.world_size
+
     @torch.inference_mode()
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """``[L, 2, n, bs, all KV heads, D]`` of ``block_ids``, gathered from every rank."""
-        return driver_export(self.ranks, self.parallel, self.kv_cache, block_ids, self.total_kv_heads)
+        """``[all layers, 2, n, bs, all KV heads, D]`` of ``block_ids``, gathered from every rank."""
+        return driver_export(self.ranks, self.kv_cache, block_ids, self.total_kv_heads, stage_layers(self.model))
 
     @torch.inference_mode()
     def import_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
-        """Write full-head blocks into ``block_ids``, each rank its own heads."""
-        driver_import(self.ranks, self.parallel, self.kv_cache, block_ids, full)
+        """Write full blocks into ``block_ids``, each rank its own stage's layers and its own heads."""
+        driver_import(self.ranks, self.kv_cache, block_ids, full, stage_layers(self.model))
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)
         self._tables.drop(request_id)
+
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` if the rank group is down (a rank died, seen by its watchdog)."""
+        if self.ranks is not None:
+            self.ranks.check()
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""

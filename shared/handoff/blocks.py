@@ -31,11 +31,12 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _STREAMS[device]
 
 
-def layout_of(kv_cache: torch.Tensor, num_kv_heads: int | None = None) -> dict:
-    """The layout a transfer states. ``num_kv_heads``: all of the model's, when this cache holds one
-    tensor-parallel rank's share (blocks always travel with every KV head, in checkpoint order)."""
-    num_layers, _, _, block_size, heads, head_dim = kv_cache.shape
-    return dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads or heads,
+def layout_of(kv_cache: torch.Tensor, num_kv_heads: int | None = None, num_layers: int | None = None) -> dict:
+    """The layout a transfer states. ``num_kv_heads`` / ``num_layers``: all of the model's, when this cache
+    holds one tensor-parallel rank's heads or one pipeline stage's layers (blocks always travel with every
+    layer and every KV head, in checkpoint order)."""
+    layers, _, _, block_size, heads, head_dim = kv_cache.shape
+    return dict(num_layers=num_layers or layers, block_size=block_size, num_kv_heads=num_kv_heads or heads,
                 head_dim=head_dim, dtype=DTYPE_NAMES[kv_cache.dtype])
 
 
@@ -45,10 +46,11 @@ def frame_nbytes(kv_cache: torch.Tensor, num_blocks: int, num_kv_heads: int | No
     return two * num_blocks * block_size * (num_kv_heads or heads) * head_dim * kv_cache.element_size()
 
 
-def check_layout(kv_cache: torch.Tensor, header: KVHeader, num_kv_heads: int | None = None) -> None:
-    """Raise ValueError unless ``header`` describes this cache's layout (``num_kv_heads``: all of the
-    model's, when the cache holds one rank's share) and blocks that exist here."""
-    mine = layout_of(kv_cache, num_kv_heads)
+def check_layout(kv_cache: torch.Tensor, header: KVHeader, num_kv_heads: int | None = None,
+                 num_layers: int | None = None) -> None:
+    """Raise ValueError unless ``header`` describes this cache's layout (``num_kv_heads`` / ``num_layers``:
+    all of the model's, when the cache holds one rank's share) and blocks that exist here."""
+    mine = layout_of(kv_cache, num_kv_heads, num_layers)
     theirs = dict(num_layers=header.num_layers, block_size=header.block_size, num_kv_heads=header.num_kv_heads,
                   head_dim=header.head_dim, dtype=header.dtype)
     if mine != theirs:

@@ -202,7 +202,7 @@ class KVInbox(ABC):
                 raise ValueError(f"KV over {transport!r}, which this worker does not take")
             chosen = self._by_name[transport]
             if kv.sharded and chosen.writes_directly:
-                raise ValueError(f"KV over {transport!r} into tensor-parallel ranks; they take frames only")
+                raise ValueError(f"KV over {transport!r} into parallel ranks; they take frames only")
             receiver = (ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, self.waker.wake) if kv.sharded
                         else chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake))
         except ValueError as exc:
@@ -252,7 +252,7 @@ class KVInbox(ABC):
             if len(header.job.prompt_token_ids) != inc.num_tokens:
                 raise ValueError("prompt length differs from the granted one")
             kv = self.core_for(inc.model).kv
-            check_layout(kv.kv_cache, header, kv.num_kv_heads)
+            check_layout(kv.kv_cache, header, kv.num_kv_heads, kv.num_layers)
         except ValueError as exc:
             return self._abort_incoming(rid, str(exc))
         inc.header = header  # _advance lands it once all its KV is written

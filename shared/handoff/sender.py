@@ -300,7 +300,7 @@ class HandoffSender:
     def _header(self, t: Transfer) -> KVHeader:
         job, first, kv = t.job, t.first, self.core_for(t.job.model).kv
         return KVHeader(
-            job=job, **layout_of(kv.kv_cache, kv.num_kv_heads), transport=t.transport, num_blocks=len(t.grant.block_ids),
+            job=job, **layout_of(kv.kv_cache, kv.num_kv_heads, kv.num_layers), transport=t.transport, num_blocks=len(t.grant.block_ids),
             block_ids=t.grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
             first_logprob=first.logprob, first_top_logprobs=first.top_logprobs, prompt_logprobs=None,
             num_cached_tokens=first.num_cached_tokens,

@@ -1,11 +1,13 @@
-"""The handoff of a worker whose KV heads are split over tensor-parallel ranks (``EngineKV.sharded``).
+"""The handoff of a worker whose KV is split over ranks (``EngineKV.sharded``): its heads over tensor-
+parallel ranks, its layers over pipeline stages, or both.
 
-Blocks always travel with every KV head in checkpoint order, the layout of a one-rank cache, and the
-KVHeader states how many (``num_kv_heads``), so prefill and decode workers of any parallel layouts meet
-in the middle and a peer of another model's head count is refused by ``check_layout``. A sharded sender
-first gathers its ranks' heads of the prompt's blocks into one full-head copy (``export_blocks``) and
-sends that as an ordinary cache of ``n`` blocks; a sharded receiver takes the frames into a full-head
-staging copy and, once every layer is checked, gives each rank its heads (``import_blocks``).
+Blocks always travel with every layer and every KV head in checkpoint order, the layout of a one-rank
+cache, and the KVHeader states how many (``num_layers``, ``num_kv_heads``), so prefill and decode workers
+of any parallel layouts meet in the middle and a peer of another model's shape is refused by
+``check_layout``. A sharded sender first gathers its ranks' parts of the prompt's blocks into one full
+copy (``export_blocks``) and sends that as an ordinary cache of ``n`` blocks; a sharded receiver takes
+the frames into a full staging copy and, once every layer is checked, gives each rank its layers and
+heads (``import_blocks``).
 
 Only host-staged frames: the gather and scatter are collectives of the group, which run between steps
 on the worker's loop, so neither layer-by-layer streaming during the forward nor a peer's direct
@@ -32,15 +34,15 @@ def exported(kv: EngineKV, block_ids: list[int]) -> tuple[torch.Tensor, list[int
 
 
 class ImportingReceiver(KVReceiver):
-    """A transport's receiver into a full-head staging cache of the granted blocks; ``finish`` scatters
-    it to the ranks' caches."""
+    """A transport's receiver into a full staging cache of the granted blocks (every layer, every head);
+    ``finish`` scatters it to the ranks' caches."""
 
     def __init__(self, kv: EngineKV, block_ids: list[int], transport: Transport, offered: bool,
                  on_done: Callable[..., None]):
         cache = kv.kv_cache
-        num_layers, two, _, block_size, _, head_dim = cache.shape
+        _, two, _, block_size, _, head_dim = cache.shape
         self.kv, self.block_ids = kv, block_ids
-        self.staging = cache.new_empty((num_layers, two, len(block_ids), block_size, kv.num_kv_heads, head_dim))
+        self.staging = cache.new_empty((kv.num_layers, two, len(block_ids), block_size, kv.num_kv_heads, head_dim))
         self.inner = transport.receiver(self.staging, list(range(len(block_ids))), offered, on_done)
 
     def add(self, msg: KVLayers, frames: list) -> None:

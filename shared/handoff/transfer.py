@@ -41,6 +41,9 @@ class Transfer:
     transport: str = ""  # the sender's, for metrics
     nbytes: int = 0
     reason: str = ""  # why it failed
+    # it failed because its decode worker left the registry (died, or shut down) before admitting it:
+    # nothing holds the request, so the prefill side may run it again (sender.py ``target_gone``)
+    target_lost: bool = False
     started: float = field(default_factory=time.perf_counter)  # perf_counter stamps, for logs and the benchmark
     granted: float = 0.0
     sent: float = 0.0

@@ -175,6 +175,8 @@ class WorkerRuntime:
                     with self.host.lock.turn():
                         if self.host.tick():
                             self.registration.beat_soon()
+                        for slot in list(self.slots.values()):  # a dead rank ends the worker even when idle
+                            slot.core.check()
                         step()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     self.health.failed(exc)  # logged once; the heartbeat tells when Redis is back

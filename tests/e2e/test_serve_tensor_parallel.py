@@ -1,7 +1,8 @@
 """``kvrelay serve --mode unified --tensor-parallel-size 2`` (or ``--pipeline-parallel-size 2``): the unified
 worker runs its model as two rank processes and answers as one process does; a rank killed with -9 takes its
 worker down with a clear error, the supervisor restarts the worker, the request is answered after all, and no rank outlives serve.
-Disaggregated, a prefill and a decode worker of different tensor-parallel sizes hand KV off to each other."""
+Disaggregated, a prefill and a decode worker of different tensor- or pipeline-parallel sizes hand KV off to each
+other."""
 
 import openai
 import psutil
@@ -47,11 +48,14 @@ def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_
     assert not alive
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_disaggregated_handoff_across_parallel_layouts(prefill_tp, decode_tp, tiny_model_dir, redis_url, tmp_path):
+@pytest.mark.parametrize(("kind", "prefill_size", "decode_size"),
+                         [("tensor", 2, 1), ("tensor", 1, 2), ("pipeline", 2, 1), ("pipeline", 1, 2)])
+def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decode_size, tiny_model_dir, redis_url,
+                                                      tmp_path):
     """Gateway -> prefill worker -> KV handoff over ZMQ frames -> decode worker, the two of different tensor-
-    parallel sizes on the tiny llama (2 KV heads: one per rank at TP 2): the KV heads are regrouped on the
-    way, and the greedy text is the offline engine's at TP 1."""
+    or pipeline-parallel sizes on the tiny llama (2 KV heads: one per rank at TP 2; 2 layers: one per stage at
+    PP 2): the KV heads are regrouped, or each stage's layers gathered and placed, on the way, and the greedy
+    text is the offline engine's in one process."""
     prompts = random_prompts(3, lo=5, hi=60, seed=7)
     with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
         want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
@@ -60,8 +64,8 @@ def test_disaggregated_handoff_across_parallel_layouts(prefill_tp, decode_tp, ti
     cluster.redis.flushall()
     try:
         cluster.start_gateway()
-        cluster.start_worker("prefill", "p1", ["--tensor-parallel-size", str(prefill_tp)])
-        cluster.start_worker("decode", "d1", ["--tensor-parallel-size", str(decode_tp)])
+        cluster.start_worker("prefill", "p1", [f"--{kind}-parallel-size", str(prefill_size)])
+        cluster.start_worker("decode", "d1", [f"--{kind}-parallel-size", str(decode_size)])
         cluster.wait_ready(timeout=300)
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text

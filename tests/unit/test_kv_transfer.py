@@ -62,6 +62,15 @@ def test_a_tensor_parallel_rank_checks_headers_against_every_kv_head_of_the_mode
         check_layout(rank, _header(rank), num_kv_heads=2)
 
 
+def test_a_pipeline_stage_checks_headers_against_every_layer_of_the_model():
+    """Stage 0's cache holds its own layers; blocks travel with all of them, so a header stating one stage's
+    layers (a sender that moved only its own stage) is refused."""
+    full, stage = _cache(), _cache(shape=(1,) + SHAPE[1:])
+    check_layout(stage, _header(full), num_layers=SHAPE[0])
+    with pytest.raises(ValueError, match=rf"KV layout mismatch \(sent, expected\): \{{'num_layers': \(1, {SHAPE[0]}\)\}}"):
+        check_layout(stage, _header(stage), num_layers=SHAPE[0])
+
+
 def test_header_names_one_of_the_live_transports():
     kv = _cache()
     for transport in ("layers", "ipc"):

@@ -19,7 +19,7 @@ def _config(model_dir, tp: int, device: str) -> EngineConfig:
                         cache=CacheConfig(block_size=8, num_gpu_blocks=64), device=device, tensor_parallel_size=tp)
 
 
-def _handed_off(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
+def handed_off(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
     tokens = {}
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
@@ -31,6 +31,7 @@ def _handed_off(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]
         blocks = decode.kv.reserve(rid, len(prompt))
         full = prefill.kv.export_blocks(prefill.kv.block_ids(rid)[:len(blocks)])
         assert full.shape[4] == 2  # every KV head of the model, whatever the prefill's layout
+        assert full.shape[0] == prefill.kv.num_layers  # and every layer, whatever its stages
         decode.kv.import_blocks(blocks, full)
         prefill.kv.release_held(rid)
         decode.add_remote_prefilled(decode.make_request(rid, prompt, SamplingParams(temperature=0.0,
@@ -53,7 +54,7 @@ def handoffs_across_layouts_continue_like_one_rank(model, device: str) -> None:
         decode = EngineCore(_config(model, decode_tp, device))
         try:
             assert prefill.kv.sharded == (prefill_tp > 1) and decode.kv.sharded == (decode_tp > 1)
-            got = _handed_off(prefill, decode, prompts)
+            got = handed_off(prefill, decode, prompts)
         finally:
             prefill.shutdown()
             decode.shutdown()

@@ -16,7 +16,7 @@ from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
-from kvrelay.shared.engine.ranks.kv_moves import export_blocks, import_blocks, total_kv_heads
+from kvrelay.shared.engine.ranks.kv_moves import export_blocks, import_blocks, stage_layers, total_kv_heads
 from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_carried, send_carried, send_logits
 from kvrelay.shared.engine.step_inputs import Layout, views
 from kvrelay.shared.wire.rank_step import (
@@ -80,9 +80,10 @@ class ShardRunner:
         elif isinstance(msg, RankSwap):
             self._swap(msg)
         elif isinstance(msg, RankKVExport):
-            export_blocks(self.state, self.kv_cache, msg.block_ids, total_kv_heads(self.model))
+            export_blocks(self.state, self.kv_cache, msg.block_ids, total_kv_heads(self.model),
+                          stage_layers(self.model))
         elif isinstance(msg, RankKVImport):
-            import_blocks(self.state, self.kv_cache, msg.block_ids, None)
+            import_blocks(self.state, self.kv_cache, msg.block_ids, None, stage_layers(self.model))
         elif isinstance(msg, RankAlloc):
             self.kv_cache = torch.zeros(self._kv_shape(msg.num_blocks), dtype=self.dtype, device=self.device)
             if msg.num_host_blocks:
