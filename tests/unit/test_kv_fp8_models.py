@@ -9,6 +9,7 @@ Greedy tokens equal the reference's argmax wherever its top two differ by more t
 Prefix caching and swap preemption copy fp8 blocks unchanged: those runs meet the same reference."""
 
 import functools
+import inspect
 import shutil
 
 import pytest
@@ -49,6 +50,12 @@ def _rounding_cache(scales: dict[int, list[float]] | None = None):
     return Fp8RoundingCache()
 
 
+def _cache_kwarg(model) -> str:
+    """The name transformers' forward takes the cache under: ``cache`` in 5.2x, ``past_key_values`` before
+    (where an unknown ``cache=`` is swallowed by **kwargs, and the reference silently would not round)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @functools.cache
 def _hf(model_dir: str):
     from transformers import AutoModelForCausalLM
@@ -60,9 +67,10 @@ def _reference(model_dir: str, ids: list[int], round_kv: bool, scales: dict[int,
     """[len(ids), V] log-probabilities of the next token at each position."""
     from transformers import DynamicCache
 
+    model = _hf(model_dir)
+    cache = _rounding_cache(scales) if round_kv else DynamicCache()
     with torch.no_grad():
-        out = _hf(model_dir)(torch.tensor([ids]), use_cache=True,
-                             cache=_rounding_cache(scales) if round_kv else DynamicCache())
+        out = model(torch.tensor([ids]), use_cache=True, **{_cache_kwarg(model): cache})
     return out.logits[0].float().log_softmax(-1)
 
 
