@@ -23,11 +23,14 @@ def free_bytes() -> int:
 
 
 def test_commit_takes_device_memory_and_a_lower_cap_gives_it_back():
+    torch.zeros(1 << 20, device="cuda").fill_(1.0)  # CUDA's context and the zeroing kernel's module, loaded now
     before = free_bytes()
     pool = KVPool(256 * MIB, "cuda", max_bytes=8 * GIB)
     assert pool.memory.growable, pool.memory.why_fixed
     taken = before - free_bytes()
-    assert 256 * MIB <= taken < 320 * MIB  # its own size is backed, not the 8 GiB of address space
+    # its own size is backed, not the 8 GiB of address space (the margin: lazily loaded kernel modules, and
+    # other test processes on the device, which mem_get_info counts too)
+    assert 256 * MIB <= taken < 1 * GIB
     # an 8B model's geometry: 2 MiB blocks (32 layers, K/V, 16 tokens, 8 heads of 128, bf16)
     kv, ids = pool.attach("m", 32, 16, 8, 128, torch.bfloat16, floor_blocks=8)
     bm = BlockManager(kv.shape[2], 16, owned=ids, grow=lambda n: pool.grow("m", n))
