@@ -84,7 +84,7 @@ class KVPool(KVChunks):
         self._said_fixed = False
         super().__init__(nbytes, device, chunk_bytes, max_bytes, fixed_because)
 
-
+    # -- geometry ---------------------------------------------------------------------------------
     def _chunks_of(self, m: Member, block: int) -> range:
         start = block * m.block_bytes
         return range(start // self.chunk_bytes, (start + m.block_bytes - 1) // self.chunk_bytes + 1)
@@ -94,7 +94,6 @@ class KVPool(KVChunks):
         start = chunk * self.chunk_bytes
         end = start + self._chunk_size(chunk)
         return range(start // m.block_bytes, min(m.num_blocks, (end - 1) // m.block_bytes + 1))
-
 
     # -- attach / detach --------------------------------------------------------------------------
     def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -143,7 +142,7 @@ class KVPool(KVChunks):
             self._own(c, None)
         self._trim()
 
-    # -- committing -------------------------------------------------------------------------------
+    # -- the cap ----------------------------------------------------------------------------------
     def set_cap(self, cap: int) -> bool:
         """Let the pool commit up to ``cap`` bytes. Raising it commits nothing now (``grow`` commits chunks
         as models need them). Lowering it gives memory back at once: unowned chunks are decommitted, then
@@ -173,7 +172,6 @@ class KVPool(KVChunks):
                     self._release(v, c, lost)
                     self._decommit(c)
         return self.committed_bytes <= self.cap
-
 
     # -- growth -----------------------------------------------------------------------------------
     def grow(self, key: str, n_blocks: int) -> list[int]:

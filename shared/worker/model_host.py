@@ -97,7 +97,6 @@ class ModelHost(ModelLoads, LoadRoom):
         self._demand: dict[str, DemandRate] = {}  # instance -> its rate while it was here (a reload's demand)
         self._deferred: list[ControlCommand] = []  # loads of an instance still draining out for an eviction
 
-
     # -- unloading ------------------------------------------------------------------------------
     def unload_now(self, instance: str) -> None:
         slot = self.slots.pop(instance)

@@ -116,7 +116,6 @@ class ModelLoads:
         plan.weight_bytes, plan.rank_weight_bytes = plan_weight_bytes(plan.engine, plan.root)
         return plan
 
-
     # -- loading --------------------------------------------------------------------------------
     def load_now(self, plan: ModelPlan) -> ModelSlot:
         """Synchronous load (models configured at startup); raises on failure."""
