@@ -49,7 +49,7 @@ from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.eviction import Candidate, DemandRate, Incoming, choose_victims
-from kvrelay.shared.worker.model_host import IDLE_GRACE_S
+from kvrelay.shared.worker.load_room import IDLE_GRACE_S
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
 
 ACTIVATION_RESERVE = 4 << 30  # CUDA: as shared/worker/host_budget.py keeps for activations and graphs

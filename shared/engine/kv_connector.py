@@ -29,7 +29,7 @@ from kvrelay.shared.engine.block_manager import BlockManager
 
 
 class LayerSaver(Protocol):
-    """What the forward calls, implemented by the connector (shared/handoff/sender.py ``LayerStream``)."""
+    """What the forward calls, implemented by the connector (shared/handoff/layer_stream.py ``LayerStream``)."""
 
     def begin(self, finishing: list[tuple[str, list[int]]]) -> bool:
         """Before an eager forward that computes the last prompt chunk of ``finishing`` (request id, its

@@ -15,20 +15,16 @@ evicted from the victim's cache), and only while the victim keeps its floor. Vic
 free blocks and the least recent demand go first. So an idle co-resident model lends its memory to a
 busy one, and gets it back the moment it needs it and the busy one has any free chunk.
 
-The pool's size follows the memory its worker has free (``set_cap``). Its address range is reserved once
-at the most it may ever span (shared/engine/kv_memory.py: an mmap on CPU, the CUDA driver's virtual
-memory management on a GPU) and chunks are *committed* (backed by memory) only up to a cap: its own
-size at the start, committed at once as a fixed buffer would be, then whatever the worker allows. Views,
-block ids and CUDA graph pointers cover the whole range and never change; only committed chunks can be
-owned, so no model ever touches memory that is not backed. ``grow`` takes unowned committed chunks
-first, then commits new ones while the cap allows, then steals. The worker raises the cap when a model's
-weights leave and lowers it before a load: ``set_cap`` then decommits unowned chunks and takes free
-chunks back from models above their floors (the same rule a steal follows). The chunks holding block 0
-stay committed for good: padding rows of a batch read block 0 (shared/engine/step_inputs.py). A pool made
-without room to grow (``max_bytes``), or where growable memory is unavailable, is one fixed buffer as
-before and refuses a higher cap with its reason logged once. A model may attach with a view of the pool's
-own size only (``within_base``: a parallel group, whose other ranks hold caches of its view's length): it
-gets no chunk past that size, so its block ids stay below it however far the pool grows.
+The pool's size follows the memory its worker has free (``set_cap``); its chunks, which are committed and
+which owned, are shared/engine/kv_chunks.py's. Chunks are committed only up to a cap: its own size at the
+start, committed at once as a fixed buffer would be, then whatever the worker allows. ``grow`` takes unowned
+committed chunks first, then commits new ones while the cap allows, then steals. The worker raises the cap
+when a model's weights leave and lowers it before a load: ``set_cap`` then decommits unowned chunks and takes
+free chunks back from models above their floors (the same rule a steal follows). A pool made without room to
+grow (``max_bytes``), or where growable memory is unavailable, is one fixed buffer as before and refuses a
+higher cap with its reason logged once. A model may attach with a view of the pool's own size only
+(``within_base``: a parallel group, whose other ranks hold caches of its view's length): it gets no chunk
+past that size, so its block ids stay below it however far the pool grows.
 
 Everything here runs on the worker's one engine thread, synchronously. That is also what makes a
 steal safe on CUDA: each engine's step (schedule, then its kernels on the same stream) is issued
@@ -42,20 +38,9 @@ from typing import Protocol
 
 import torch
 
-from kvrelay.shared.engine.kv_memory import reserve_kv_memory
+from kvrelay.shared.engine.kv_chunks import KVChunks
 
 log = logging.getLogger(__name__)
-
-# A chunk is the unit of arbitration. Small chunks waste less at block-straddling boundaries and let a
-# model give back memory in finer steps; large ones keep the bookkeeping (lists of chunk ids, a scan
-# per steal) short. 64 MiB on a GPU is ~0.05% of an H200 (about 2k chunks) and holds 32 blocks of an
-# 8B bf16 model (2 MiB per 16-token block); 2 MiB on CPU holds dozens of a small model's blocks. A
-# small pool gets smaller chunks (at least MIN_CHUNKS of them), or there would be nothing to share. A
-# block bigger than a chunk still works: it needs all the chunks it spans.
-CUDA_CHUNK_BYTES = 64 << 20
-CPU_CHUNK_BYTES = 2 << 20
-MIN_CHUNKS = 64
-PAGE = 4096  # chunk sizes stay page multiples
 
 
 class KVPoolFull(ValueError):
@@ -88,46 +73,18 @@ class Member:
     last_demand: int = 0  # pool tick of its latest attach/grow; older = idler = stolen from first
 
 
-class KVPool:
+class KVPool(KVChunks):
     def __init__(self, nbytes: int, device: torch.device | str, chunk_bytes: int | None = None,
                  max_bytes: int | None = None, fixed_because: str = ""):
         """``nbytes``: the pool's size to start with (its cap); ``max_bytes``: the most ``set_cap`` may raise
         it to, reserved now and backed only as chunks are committed (default ``nbytes``: a fixed buffer).
         ``fixed_because``: keep it fixed anyway, for this reason (logged when it is asked to grow)."""
-        self.device = torch.device(device)
-        if chunk_bytes is None:
-            default = CUDA_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES
-            chunk_bytes = min(default, max(PAGE, nbytes // MIN_CHUNKS // PAGE * PAGE))
-        if nbytes < 1 or chunk_bytes < 1:
-            raise ValueError(f"pool and chunk sizes must be positive, got {nbytes} and {chunk_bytes}")
-        self.memory = reserve_kv_memory(nbytes, max(nbytes, max_bytes or nbytes), self.device, chunk_bytes,
-                                        fixed_because)
-        self.nbytes = self.memory.nbytes  # the reserved range every model views
-        self.base_bytes = nbytes
-        self.chunk_bytes = self.memory.chunk_bytes  # rounded up to what the memory can map
-        self.num_chunks = math.ceil(self.nbytes / self.chunk_bytes)  # the last one may be short
-        self.buffer = self.memory.tensor
-        self.cap = min(nbytes, self.nbytes)  # committed bytes stay within it (but see set_cap)
-        self.committed = [c * self.chunk_bytes < self.memory.committed_from_start for c in range(self.num_chunks)]
-        self.committed_bytes = sum(self._chunk_size(c) for c in range(self.num_chunks) if self.committed[c])
-        self.keep: set[int] = {c for c in range(self.num_chunks) if self.committed[c]} if self.memory.growable else set()
-        self.owner: list[str | None] = [None] * self.num_chunks
-        # committed and unowned: the first chunks a model gets (kept as a set: a growable pool has thousands
-        # of chunks, and scanning them all on every grow cost a CPU worker ~3 ms a call)
-        self.spare: set[int] = {c for c in range(self.num_chunks) if self.committed[c]}
-        self._frontier = 0  # no chunk below it is uncommitted: new commits are looked for from here
         self.members: dict[str, Member] = {}
         self._tick = 0
         self._said_fixed = False
-        self._short = False  # the last commit failed: the device had no room
-        if self.memory.growable:  # its own size is backed from the start, as a fixed buffer's was: only
-            for c in range(self.cap // self.chunk_bytes):  # growth past it waits for demand
-                self._commit(c)
+        super().__init__(nbytes, device, chunk_bytes, max_bytes, fixed_because)
 
     # -- geometry ---------------------------------------------------------------------------------
-    def _chunk_size(self, c: int) -> int:
-        return min(self.chunk_bytes, self.nbytes - c * self.chunk_bytes)
-
     def _chunks_of(self, m: Member, block: int) -> range:
         start = block * m.block_bytes
         return range(start // self.chunk_bytes, (start + m.block_bytes - 1) // self.chunk_bytes + 1)
@@ -137,26 +94,6 @@ class KVPool:
         start = chunk * self.chunk_bytes
         end = start + self._chunk_size(chunk)
         return range(start // m.block_bytes, min(m.num_blocks, (end - 1) // m.block_bytes + 1))
-
-    @property
-    def free_bytes(self) -> int:
-        """What a model could take without stealing: unowned committed chunks and the room left under the cap."""
-        return self._spare_bytes() + max(0, self.cap - self.committed_bytes)
-
-    @property
-    def owned_bytes(self) -> int:
-        return self.committed_bytes - self._spare_bytes()  # only committed chunks are ever owned
-
-    def _spare_bytes(self) -> int:
-        # list() copies the set in one step: the heartbeat thread reads this while the loop may change it
-        return sum(map(self._chunk_size, list(self.spare)))
-
-    def _own(self, c: int, key: str | None) -> None:
-        self.owner[c] = key
-        if key is None and self.committed[c]:
-            self.spare.add(c)
-        else:
-            self.spare.discard(c)
 
     # -- attach / detach --------------------------------------------------------------------------
     def attach(self, key: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -205,7 +142,7 @@ class KVPool:
             self._own(c, None)
         self._trim()
 
-    # -- committing -------------------------------------------------------------------------------
+    # -- the cap ----------------------------------------------------------------------------------
     def set_cap(self, cap: int) -> bool:
         """Let the pool commit up to ``cap`` bytes. Raising it commits nothing now (``grow`` commits chunks
         as models need them). Lowering it gives memory back at once: unowned chunks are decommitted, then
@@ -235,51 +172,6 @@ class KVPool:
                     self._release(v, c, lost)
                     self._decommit(c)
         return self.committed_bytes <= self.cap
-
-    def _trim(self) -> None:
-        """Decommit unowned chunks, highest first, while the pool is above its cap."""
-        for c in sorted(self.spare - self.keep, reverse=True):
-            if self.committed_bytes <= self.cap:
-                return
-            self._decommit(c)
-
-    def _commit(self, c: int) -> bool:
-        """Back chunk ``c``; False (logged) when the device has no room for it now."""
-        if self.committed[c]:
-            return True
-        try:
-            self.memory.commit(c * self.chunk_bytes, self._chunk_size(c))
-        except MemoryError as exc:
-            if not self._short:  # once until a commit succeeds again, not at every step's grow
-                log.warning("KV pool could not commit %d MiB more (%s): growing stops here for now",
-                            self._chunk_size(c) >> 20, exc)
-            self._short = True
-            return False
-        self._short = False
-        self.committed[c] = True
-        self.committed_bytes += self._chunk_size(c)
-        if self.owner[c] is None:
-            self.spare.add(c)
-        return True
-
-    def _decommit(self, c: int) -> None:
-        self.memory.decommit(c * self.chunk_bytes, self._chunk_size(c))
-        self.committed[c] = False
-        self.committed_bytes -= self._chunk_size(c)
-        self.spare.discard(c)
-        self._frontier = min(self._frontier, c)
-
-    def _uncommitted(self, room: int, end: int):
-        """Uncommitted chunks below ``end``, lowest first, as many as ``room`` bytes allow (the pool commits
-        upwards, so they start at the frontier)."""
-        while self._frontier < self.num_chunks and self.committed[self._frontier]:
-            self._frontier += 1
-        for c in range(self._frontier, end):
-            if room < self._chunk_size(c):
-                return
-            if not self.committed[c]:
-                room -= self._chunk_size(c)
-                yield c
 
     # -- growth -----------------------------------------------------------------------------------
     def grow(self, key: str, n_blocks: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The prefill side's handoff mechanics: one state machine per transfer (states.py), driven by the
 decode side's replies, the transfers' deadlines and, while a prompt's last chunk computes, the
-forward's layers (``LayerStream``).
+forward's layers (``LayerStream``, shared/handoff/layer_stream.py). Its sockets are peer_sockets.py's.
 
 A transfer asks a decode worker for blocks (HandoffRequest) once its prefill finished, or early,
 before the prompt's last chunk runs (SGLang-style pre-allocation), so the KV can leave layer by layer
@@ -21,13 +21,13 @@ import zmq
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, layout_of
 from kvrelay.shared.handoff.grant_hold import GrantHold
+from kvrelay.shared.handoff.layer_stream import LayerStream
+from kvrelay.shared.handoff.peer_sockets import PeerSockets
 from kvrelay.shared.handoff.sharded import exported, frames_only
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.handoff.transports import default_transports
-from kvrelay.shared.handoff.waker import Waker
-from kvrelay.shared.wire import zmq_auth
-from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode_any, encode
+from kvrelay.shared.wire.codec import decode_any, encode
 from kvrelay.shared.wire.handoff import (
     MAX_ASKS,
     HandoffAck,
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask (or none with room) looks again
-SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer can make us hold
 
 
 Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model) -> a decode worker to ask
@@ -57,21 +56,16 @@ class HandoffSender:
         """``core_for(model)``: the EngineCore holding that model instance's KV (its ``kv``: the connector
         seam, shared/engine/kv_connector.py); ``pick``: whom to ask next;
         ``curve``: the deployment's keys, without which decode workers do not let us in."""
-        self.ctx, self.worker_id, self.timeout_s, self.curve = ctx, worker_id, timeout_s, curve
+        self.worker_id, self.timeout_s = worker_id, timeout_s
         self.core_for, self.pick = core_for, pick
         self.transports = default_transports() if transports is None else transports
-        self.sockets: dict[str, zmq.Socket] = {}
-        self.poller = zmq.Poller()
-        self.waker = Waker()  # staged layers wake poll(), so they go out at once even when we are idle
-        self.poller.register(self.waker.fd, zmq.POLLIN)
+        self.peers = PeerSockets(ctx, curve)
         self.transfers: dict[str, Transfer] = {}
         self.asks: dict[str, list[tuple[Transfer, HandoffRequest]]] = {}  # per decode worker, until poll()
         self.hold = GrantHold()  # how long our grants must live, from how often we read replies
 
     def close(self) -> None:
-        for sock in self.sockets.values():
-            sock.close(linger=0)
-        self.waker.close()
+        self.peers.close()
         for transport in self.transports:
             transport.close()
 
@@ -128,24 +122,16 @@ class HandoffSender:
             self._fail(t, "cancelled by the prefill worker")
         return t
 
-    def stream_for(self, instance: str) -> "LayerStream":
-        return LayerStream(self, instance)
+    def stream_for(self, instance: str) -> LayerStream:
+        return LayerStream(self._begin_stream, self._pump, instance)
 
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
         """Send the asks made since the last call; advance every transfer; return those that reached
         DONE or FAILED."""
         self.hold.polled()
         self._send_asks()
-        for sock, _ in self.poller.poll(timeout_ms):
-            if sock == self.waker.fd:
-                self.waker.drain()
-                continue
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_reply(frames)
+        for frames in self.peers.replies(timeout_ms):
+            self._on_reply(frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
             if t.state in (State.SENDING, State.STREAMING):
@@ -214,7 +200,7 @@ class HandoffSender:
             for i in range(0, len(asks), MAX_ASKS):
                 batch = asks[i:i + MAX_ASKS]
                 msg = batch[0][1] if len(batch) == 1 else HandoffRequests([req for _, req in batch])
-                if not self._send(target, [encode(msg)]):
+                if not self.peers.send(target, [encode(msg)]):
                     for t, _ in batch:
                         self._retry(t, f"decode worker {target} is not reading its requests")
 
@@ -290,7 +276,7 @@ class HandoffSender:
         if engine_kv.sharded:  # every rank's heads of the blocks, gathered into one full-head copy
             (kv, src_blocks), transports = exported(engine_kv, src_blocks), frames_only(transports)
         for transport in transports:
-            sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.waker.wake)
+            sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.peers.waker.wake)
             if sender is not None:
                 t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
                 return True
@@ -312,16 +298,16 @@ class HandoffSender:
         return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
 
     def _cancel_grant(self, t: Transfer, reason: str) -> None:
-        self._send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
+        self.peers.send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
         t.grant = None
 
     def _pump(self, t: Transfer) -> None:
         """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which
         carries the first token, follows the KV (never before it: it must not promise KV not there)."""
-        out = t.sender.pump(t.job.request_id, lambda parts: self._send(t.target, parts))
+        out = t.sender.pump(t.job.request_id, lambda parts: self.peers.send(t.target, parts))
         if t.holds_source and t.sender.source_free():
             self._release_source(t)
-        if out and t.state is State.SENDING and self._send(t.target, [encode(t.header)]):
+        if out and t.state is State.SENDING and self.peers.send(t.target, [encode(t.header)]):
             t.sent, t.deadline = time.perf_counter(), time.monotonic() + self.timeout_s
             t.to(Event.KV_OUT)
             t.sender = None  # ZMQ keeps the frames it still has to send alive by itself
@@ -364,55 +350,3 @@ class HandoffSender:
         if core is not None:
             core.kv.release_held(t.job.request_id)
         t.holds_source = False
-
-    # -- plumbing -------------------------------------------------------------------------------
-    def _send(self, addr: str, parts: list) -> bool:
-        """Queue one message for the decode worker at ``addr``; False when its queue is full."""
-        try:
-            self._socket(addr).send_multipart(parts, zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            return False
-
-    def _socket(self, addr: str) -> zmq.Socket:
-        sock = self.sockets.get(addr)
-        if sock is None:
-            sock = self.sockets[addr] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
-            zmq_auth.dial(sock, self.curve)
-            sock.connect(addr)
-            self.poller.register(sock, zmq.POLLIN)
-        return sock
-
-
-class LayerStream:
-    """The connector's worker-side half for one model (a ``LayerSaver``, shared/engine/kv_connector.py, set
-    through ``EngineCore.kv.set_layer_saver``): the forward calls ``begin`` with
-    the requests whose prompt's last chunk the forward computes, ``layer_done`` after each decoder
-    layer, ``end`` once the forward is queued. Transfers holding a fresh early grant move each group of
-    layers as soon as the forward has written it."""
-
-    def __init__(self, sender: HandoffSender, instance: str):
-        self.sender, self.instance = sender, instance
-        self.streaming: list[Transfer] = []  # this forward's
-
-    def begin(self, finishing: list[tuple[str, list[int]]]) -> bool:
-        """``finishing``: (request id, its block ids). True when any layer is worth reporting."""
-        self.streaming = [t for rid, blocks in finishing
-                          if (t := self.sender._begin_stream(rid, self.instance, blocks)) is not None]
-        return bool(self.streaming)
-
-    def layer_done(self, layer: int) -> None:
-        for t in self.streaming:
-            if t.state is State.STREAMING:
-                t.sender.stage_through(layer)
-                self.sender._pump(t)  # on the CPU the forward is synchronous: send what is staged now
-
-    def end(self) -> None:
-        """Whatever the forward wrote and no hook reported (a model without per-layer hooks)."""
-        for t in self.streaming:
-            if t.state is State.STREAMING:
-                t.sender.stage_through(t.sender.num_layers - 1)
-        self.streaming = []

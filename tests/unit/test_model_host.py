@@ -190,7 +190,7 @@ def _demand(host: ModelHost, instance: str, requests: int) -> None:
 
 
 def test_a_busy_low_demand_model_is_drained_and_evicted_for_a_load_requests_wait_for(repo, monkeypatch):
-    monkeypatch.setattr("kvrelay.shared.worker.model_host.ROOM_WAIT_S", 0.3)
+    monkeypatch.setattr("kvrelay.shared.worker.model_loads.ROOM_WAIT_S", 0.3)
     host, results = make_host(repo)
     run(host, load("a"), load("b"))
     _demand(host, "a@1", 50)
@@ -216,7 +216,7 @@ def test_a_busy_low_demand_model_is_drained_and_evicted_for_a_load_requests_wait
 
 
 def test_nothing_busy_is_evicted_for_a_load_in_lower_demand(repo, monkeypatch):
-    monkeypatch.setattr("kvrelay.shared.worker.model_host.ROOM_WAIT_S", 0.3)
+    monkeypatch.setattr("kvrelay.shared.worker.model_loads.ROOM_WAIT_S", 0.3)
     host, results = make_host(repo)
     run(host, load("a"), load("b"))
     _demand(host, "a@1", 50)

@@ -1,0 +1,60 @@
+"""The prefill side's sockets to decode workers: one DEALER a decode worker, dialled on first use, polled
+together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle."""
+
+from collections.abc import Iterator
+
+import zmq
+
+from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire import zmq_auth
+from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES
+from kvrelay.shared.wire.zmq_auth import CurveKeys
+
+SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer can make us hold
+
+
+class PeerSockets:
+    def __init__(self, ctx: zmq.Context, curve: CurveKeys | None):
+        self.ctx, self.curve = ctx, curve
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.poller = zmq.Poller()
+        self.waker = Waker()
+        self.poller.register(self.waker.fd, zmq.POLLIN)
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.waker.close()
+
+    def replies(self, timeout_ms: int) -> Iterator[list[bytes]]:
+        """Every reply that arrives within ``timeout_ms`` (or a wake-up ends the wait), one at a time."""
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock == self.waker.fd:
+                self.waker.drain()
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                yield frames
+
+    def send(self, addr: str, parts: list) -> bool:
+        """Queue one message for the decode worker at ``addr``; False when its queue is full."""
+        try:
+            self._socket(addr).send_multipart(parts, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def _socket(self, addr: str) -> zmq.Socket:
+        sock = self.sockets.get(addr)
+        if sock is None:
+            sock = self.sockets[addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
+            zmq_auth.dial(sock, self.curve)
+            sock.connect(addr)
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
