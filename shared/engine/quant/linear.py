@@ -6,6 +6,11 @@ Fused projections (q|k|v, gate|up) load part by part as the plain layers do: eve
 which of its dimensions is the output one (``output_dim``), so a part's rows land in the right slice of
 packed or per-channel tensors alike. Per-channel and per-group quantization treat each output row on
 its own, so quantizing one part at a time gives exactly what quantizing the fused weight would.
+
+Under tensor parallelism (int8, fp8) a rank's cut of the outputs (column-parallel: its heads, its rows)
+comes before quantizing, with its scales cut the same way, and a cut of the inputs (row-parallel) comes
+after: each output channel's scale is the whole row's, as on one rank, so the shards' partial sums add
+up to exactly the unsplit layer's.
 """
 
 from collections.abc import Callable
@@ -44,9 +49,10 @@ class QuantLinear(nn.Module):
     def checkpoint_suffixes(self) -> list[str]:
         raise NotImplementedError
 
-    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
         """Where the checkpoint tensor ``<layer>.<suffix>`` goes (``rows``: this part's output rows of a
-        fused layer; ``pre``: the model's own conversion of the tensor, applied first)."""
+        fused layer; ``pre``: the model's own conversion of the tensor, applied first, which may cut this
+        rank's output rows; ``inputs``: a row-parallel rank's cut of the weight's input columns)."""
         if suffix == "bias" and self.bias is not None:
             return self.bias, rows, pre
         return None
@@ -68,20 +74,26 @@ class ChannelLinear(QuantLinear):
         return ["weight"] + (["weight_scale"] if self.quant.prequantized else []) + \
             (["bias"] if self.bias is not None else [])
 
-    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
         part = self.weight_scale.data if rows is None else self.weight_scale.data[rows]
         if suffix == "weight" and not self.quant.prequantized:
             def quantize(t: torch.Tensor) -> torch.Tensor:
-                q, scale = quantize_channel(t, self.quant.method)
+                q, scale = quantize_channel(t, self.quant.method)  # over whole rows: before any input cut
                 part.copy_(scale)  # this part's scales; its rows of the weight are the loader's to copy
                 return q
-            return self.weight, rows, _then(pre, quantize)
+            quantized = _then(pre, quantize)
+            return self.weight, rows, quantized if inputs is None else _then(quantized, inputs)
         if suffix == "weight":
-            return self.weight, rows, pre
+            return self.weight, rows, pre if inputs is None else _then(pre, inputs)
         if suffix == "weight_scale" and self.quant.prequantized:
-            # a per-tensor scale ([] or [1]) covers every row of its part; a per-channel one is [N] or [N, 1]
-            return self.weight_scale, rows, lambda t: t.float().reshape(-1).expand(part.shape[0]) \
-                if t.numel() == 1 else t.float().reshape(-1)
+            def scales(t: torch.Tensor) -> torch.Tensor:
+                # a per-tensor scale ([] or [1]) covers every row of its part; a per-channel one ([N] or
+                # [N, 1]) is cut to this rank's rows as the weight is (an input cut leaves it whole)
+                flat = t.float().reshape(-1)
+                if flat.numel() == 1:
+                    return flat.expand(part.shape[0])
+                return flat if pre is None else pre(flat)
+            return self.weight_scale, rows, scales
         return super().route(suffix, rows, pre)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +126,8 @@ class W4Linear(QuantLinear):
         names = ["qweight", "qzeros", "scales"] + (["g_idx"] if self.quant.desc_act else [])
         return names + (["bias"] if self.bias is not None else [])
 
-    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
+        # never split across ranks (shared/engine/loader.py refuses awq and gptq under tensor parallelism)
         awq = self.quant.method == "awq"
         if suffix == "qweight":
             return self.qweight, rows, formats.awq_qweight_to_w4 if awq else None
