@@ -4,12 +4,17 @@ column-parallel rows cut with their scales, their row-parallel inputs cut after 
 cache on TP 2 and PP 2 ranks, handed off between the two layouts as fp8 bytes, gives one rank's fp8-KV
 tokens, and KV of another dtype is refused; the 4-bit formats under TP are one line naming both settings."""
 
+import math
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.quant.checkpoint import quantize_checkpoint
 from tests.conftest import random_prompts
 from tests.unit.test_tensor_parallel_handoff import MAX_NEW, handed_off
 
@@ -27,6 +32,38 @@ def greedy(model_dir, **kwargs) -> list[list[int]]:
 def test_tp2_quantized_equals_tp1(tiny_model_dirs, arch, method):
     one = greedy(tiny_model_dirs[arch], quantization=method)
     assert greedy(tiny_model_dirs[arch], quantization=method, tensor_parallel_size=2) == one
+
+
+def test_tp2_fp8_checkpoint_equals_tp1(tiny_model_dirs, tmp_path):
+    """A pre-quantized FP8 checkpoint: each rank cuts the per-channel weight_scale of q, k, v, gate and up
+    to its own heads and rows, as it cuts the weights (qwen2: q|k|v biases beside them)."""
+    ckpt = quantize_checkpoint(tiny_model_dirs["qwen2"], tmp_path / "fp8", "fp8", group_size=32)
+    assert greedy(ckpt, tensor_parallel_size=2) == greedy(ckpt)
+
+
+def test_pp2_quantized_stages_read_their_own_kv_scales(tiny_model_dirs, tmp_path):
+    """int8 weights and an fp8 KV cache over two pipeline stages: the second stage's layer divides by the
+    checkpoint's scales for layer 1, not layer 0's or 1.0, so its logprobs are one rank's."""
+    src, dst = tiny_model_dirs["llama"], tmp_path / "kv-scales"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors |= {"model.layers.0.self_attn.k_scale": torch.tensor(0.37), "model.layers.0.self_attn.v_scale":
+                torch.tensor(0.61), "model.layers.1.self_attn.k_scale": torch.tensor(2.3),
+                "model.layers.1.self_attn.v_scale": torch.tensor(0.53)}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    scored = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    got = []
+    for pp in (1, 2):
+        with LLM(model=str(dst), dtype="float32", max_model_len=128, block_size=8, quantization="int8",
+                 kv_cache_dtype="fp8", pipeline_parallel_size=pp) as llm:
+            got.append(llm.generate({"prompt_token_ids": PROMPTS[1]}, scored)[0])
+    one, two = got
+    assert one.outputs[0].token_ids == two.outputs[0].token_ids
+    for pos_one, pos_two in zip(one.prompt_logprobs[1:] + one.outputs[0].logprobs,
+                                two.prompt_logprobs[1:] + two.outputs[0].logprobs, strict=True):
+        assert pos_one.keys() == pos_two.keys()
+        for tok in pos_one:
+            assert math.isclose(pos_one[tok].logprob, pos_two[tok].logprob, abs_tol=1e-4)
 
 
 def _config(model_dir, tp: int = 1, pp: int = 1) -> EngineConfig:

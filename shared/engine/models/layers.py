@@ -218,6 +218,12 @@ class CausalLM(nn.Module, ABC):
             first += (self.embedding_module,)
         prune(self, stage, first, self.last_stage_modules)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype its activations are in: its norms' and biases', not a quantized projection's int8 or fp8
+        weight (which is the first parameter of a later pipeline stage, holding no embedding)."""
+        return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point and p.dtype.itemsize > 1)
+
     def held_layers(self) -> list[tuple[int, nn.Module]]:
         """(index, layer) of the decoder layers this stage holds, in order."""
         layers = self.decoder_layers()

@@ -43,7 +43,7 @@ class ShardRunner:
         # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own.
         # kv_scales: an fp8 cache's checkpoint scales by layer index; this rank's layers take theirs
         self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
-        self.dtype = kv_cache_dtype(config.cache.kv_cache_dtype, next(model.parameters()).dtype)  # the KV's
+        self.dtype = kv_cache_dtype(config.cache.kv_cache_dtype, model.compute_dtype)  # the KV's
         attach_kv_scales(model, device, kv_scales)
         self.block_size = config.cache.block_size
         self.kv_cache: torch.Tensor | None = None
