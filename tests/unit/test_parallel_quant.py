@@ -41,6 +41,12 @@ def test_tp2_fp8_checkpoint_equals_tp1(tiny_model_dirs, tmp_path):
     assert greedy(ckpt, tensor_parallel_size=2) == greedy(ckpt)
 
 
+def test_pp2_awq_checkpoint_equals_one_rank(tiny_model_dirs, tmp_path):
+    """A stage holds whole layers, so a 4-bit checkpoint loads on stages as it does on one rank."""
+    ckpt = quantize_checkpoint(tiny_model_dirs["llama"], tmp_path / "awq", "awq", group_size=32)
+    assert greedy(ckpt, pipeline_parallel_size=2) == greedy(ckpt)
+
+
 def test_pp2_quantized_stages_read_their_own_kv_scales(tiny_model_dirs, tmp_path):
     """int8 weights and an fp8 KV cache over two pipeline stages: the second stage's layer divides by the
     checkpoint's scales for layer 1, not layer 0's or 1.0, so its logprobs are one rank's."""

@@ -220,9 +220,11 @@ class CausalLM(nn.Module, ABC):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype its activations are in: its norms' and biases', not a quantized projection's int8 or fp8
-        weight (which is the first parameter of a later pipeline stage, holding no embedding)."""
-        return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point and p.dtype.itemsize > 1)
+        """The dtype its activations are in: its norms' and biases', not a quantized projection's weight or
+        scales (whose parameters come first on a later pipeline stage, holding no embedding)."""
+        quantized = {id(p) for m in self.modules() if isinstance(m, QuantLinear)
+                     for name, p in m.named_parameters() if name != "bias"}
+        return next(p.dtype for p in self.parameters() if id(p) not in quantized)
 
     def held_layers(self) -> list[tuple[int, nn.Module]]:
         """(index, layer) of the decoder layers this stage holds, in order."""
