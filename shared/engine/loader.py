@@ -25,7 +25,7 @@ from kvrelay.shared.engine.models import build_model, get_model_class
 from kvrelay.shared.engine.parallel.pipeline import make_stage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant import config as quant_config
-from kvrelay.shared.engine.quant.config import W4_METHODS
+from kvrelay.shared.engine.quant.config import QuantConfig
 from kvrelay.shared.engine.quant.linear import QuantLinear
 from kvrelay.shared.engine.weight_arena import ArenaSource, build_in_arena
 from kvrelay.shared.repo.model_shape import max_model_len
@@ -62,7 +62,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
     if (parallel.world_size > 1 or stage.size > 1) and arena is not None:
         raise ValueError("tensor_parallel_size > 1 loads unshared weights only (not from a shared weight arena)")
     if parallel.world_size > 1 and quant is not None:
-        check_split_quantization(quant.method, parallel.world_size)
+        check_split_quantization(quant, parallel.world_size)
     # built directly on the device in the dtype: no fp32 staging copy, no default-init pass
     if arena is None:
         model = build_model(hf_config, dtype, device, quant, parallel, stage)
@@ -79,12 +79,14 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
     return model, hf_config
 
 
-def check_split_quantization(method: str, world_size: int) -> None:
-    """int8 and fp8 split across tensor-parallel ranks (shared/engine/quant/linear.py); the 4-bit formats
-    do not (yet): one line naming both settings."""
-    if method in W4_METHODS:
-        raise ValueError(f"quantization {method} does not support tensor_parallel_size {world_size} yet: its "
-                         "4-bit weights load on one rank only (use fp8 or int8, or pipeline_parallel_size)")
+def check_split_quantization(quant: QuantConfig, world_size: int) -> None:
+    """Every quantization splits across tensor-parallel ranks (shared/engine/quant/linear.py) but GPTQ's
+    act-order: a row-parallel rank's inputs would read groups scattered over every rank's share of the
+    scales. One line naming both settings."""
+    if quant.desc_act:
+        raise ValueError(f"quantization {quant.method} with act-order (desc_act) does not support "
+                         f"tensor_parallel_size {world_size}: use a checkpoint without desc_act, or "
+                         "pipeline_parallel_size")
 
 
 def checkpoint_kv_scales(model_config: ModelConfig, root: Path | None = None) -> dict[int, list[float]]:

@@ -16,9 +16,9 @@ BAD = [
     ("pipeline_parallel_size: 3", "models[1].pipeline_parallel_size: b: pipeline_parallel_size 3 exceeds the "
                                   "model's 2 layers: a stage would hold no layers"),
     ("tensor_parallel_size: 0", "models[1].tensor_parallel_size: input should be greater than or equal to 1 (got 0)"),
-    ("tensor_parallel_size: 2, quantization: awq", "models[1].tensor_parallel_size: b: quantization awq does not "
-                                                  "support tensor_parallel_size 2 yet: its 4-bit weights load on one "
-                                                  "rank only (use fp8 or int8, or pipeline_parallel_size)"),
+    ("tensor_parallel_size: 2, quantization: awq", "models[1].tensor_parallel_size: b: GPT2LMHeadModel supports "
+                                                  "quantization int8 and fp8 of full-precision checkpoints only; got "
+                                                  "awq (a pre-quantized checkpoint)"),
 ]
 
 

@@ -2,8 +2,10 @@
 int8 and fp8 weights split over TP 2 give the greedy tokens of the same quantization on one rank (their
 column-parallel rows cut with their scales, their row-parallel inputs cut after quantizing); an fp8 KV
 cache on TP 2 and PP 2 ranks, handed off between the two layouts as fp8 bytes, gives one rank's fp8-KV
-tokens, and KV of another dtype is refused; the 4-bit formats under TP are one line naming both settings."""
+tokens, and KV of another dtype is refused; AWQ and GPTQ split over TP 2 (cut after unpacking) or PP 2 give
+one rank's tokens, and GPTQ's act-order under TP is one line naming both settings."""
 
+import json
 import math
 import shutil
 
@@ -101,6 +103,19 @@ def test_fp8_kv_on_tp2_and_pp2_ranks_hands_off_as_fp8(tiny_model_dirs):
         decode.shutdown()
 
 
-def test_four_bit_under_tp_is_one_line_naming_both_settings():
-    with pytest.raises(ValueError, match=r"^quantization awq does not support tensor_parallel_size 2 yet: "):
-        LLM(model="dummy:tiny-llama", quantization="awq", tensor_parallel_size=2)
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_tp2_four_bit_checkpoint_equals_tp1(tiny_model_dirs, tmp_path, method):
+    """AWQ and GPTQ cut after unpacking: q, k, v, gate and up by output columns with their scales and zero
+    points, o and down by whole groups of inputs (the tiny llama's o_proj shard has exactly one group)."""
+    ckpt = quantize_checkpoint(tiny_model_dirs["llama"], tmp_path / method, method, group_size=32)
+    assert greedy(ckpt, tensor_parallel_size=2) == greedy(ckpt)
+
+
+def test_gptq_act_order_under_tp_is_one_line_naming_both_settings(tiny_model_dirs, tmp_path):
+    ckpt = quantize_checkpoint(tiny_model_dirs["llama"], tmp_path / "gptq", "gptq", group_size=32)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^quantization gptq with act-order \(desc_act\) does not support "
+                                         r"tensor_parallel_size 2: "):
+        LLM(model=str(ckpt), tensor_parallel_size=2)

@@ -10,7 +10,8 @@ its own, so quantizing one part at a time gives exactly what quantizing the fuse
 Under tensor parallelism (int8, fp8) a rank's cut of the outputs (column-parallel: its heads, its rows)
 comes before quantizing, with its scales cut the same way, and a cut of the inputs (row-parallel) comes
 after: each output channel's scale is the whole row's, as on one rank, so the shards' partial sums add
-up to exactly the unsplit layer's.
+up to exactly the unsplit layer's. AWQ and GPTQ tensors are cut after unpacking to the W4 layout, their
+scales and zero points with them.
 """
 
 from collections.abc import Callable
@@ -127,20 +128,21 @@ class W4Linear(QuantLinear):
         return names + (["bias"] if self.bias is not None else [])
 
     def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
-        # never split across ranks (shared/engine/loader.py refuses awq and gptq under tensor parallelism)
         awq = self.quant.method == "awq"
-        if suffix == "qweight":
-            return self.qweight, rows, formats.awq_qweight_to_w4 if awq else None
-        if suffix == "qzeros":
-            minus_one = self.quant.zeros_minus_one
-            return self.qzeros, rows, formats.awq_qzeros_to_w4 if awq else (
-                lambda t: formats.gptq_qzeros_to_w4(t, minus_one))
-        if suffix == "scales":
-            return self.scales, rows, None
+        minus_one = self.quant.zeros_minus_one
+        to_w4 = {"qweight": formats.awq_qweight_to_w4 if awq else None,
+                 "qzeros": formats.awq_qzeros_to_w4 if awq else (lambda t: formats.gptq_qzeros_to_w4(t, minus_one)),
+                 "scales": None}
+        if suffix in to_w4:
+            # a rank's cuts come after unpacking: in the W4 layout every tensor is [inputs (in words of 8
+            # or in groups), outputs], so an output cut is clean at any width, and an input cut lands on word
+            # and group boundaries because this shard's own input size is a multiple of both (__init__)
+            return getattr(self, suffix), rows, _then_all(to_w4[suffix], _transposed(pre), _transposed(inputs))
         if suffix == "g_idx" and self.g_idx is not None:
             # one per input, shared by the parts of a fused layer (they see the same inputs, so GPTQ's
-            # act-order gives them the same order)
-            return self.g_idx, None, None
+            # act-order gives them the same order); a row-parallel rank keeps its inputs' (read only with
+            # act-order, which tensor parallelism refuses: shared/engine/loader.py)
+            return self.g_idx, None, None if inputs is None else (lambda t: inputs(t[None])[0])
         return super().route(suffix, rows, pre)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +157,19 @@ class W4Linear(QuantLinear):
         self.scales.fill_(DUMMY_STD / 4.6)
         if self.g_idx is not None:
             self.g_idx.copy_(torch.arange(self.in_features, device=self.g_idx.device) // self.quant.group_size)
+
+
+def _transposed(cut: Convert) -> Convert:
+    """A cut written for a [outputs, inputs] tensor, applied to a W4 one laid out [inputs, outputs]."""
+    return None if cut is None else (lambda t: cut(t.t()).t())
+
+
+def _then_all(*steps: Convert) -> Convert:
+    done: Convert = None
+    for step in steps:
+        if step is not None:
+            done = step if done is None else _then(done, step)
+    return done
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

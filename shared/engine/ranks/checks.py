@@ -26,8 +26,8 @@ def check_tensor_parallel(hf_config: dict, world_size: int, quant: QuantConfig |
     if world_size == 1:
         return
     if quant is not None:
-        check_split_quantization(quant.method, world_size)
-    # quantized too: its layers' own checks (a 4-bit group size that does not fit a shard's inputs) apply
+        check_split_quantization(quant, world_size)
+    # quantized too: its layers' own checks apply (a 4-bit group size that does not divide a shard's inputs)
     build_model(hf_config, torch.float32, "meta", quant, parallel=ParallelState(0, world_size))
 
 
