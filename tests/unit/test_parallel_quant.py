@@ -17,6 +17,7 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.quant.checkpoint import quantize_checkpoint
+from kvrelay.shared.engine.ranks.checks import rank_weight_bytes
 from tests.conftest import random_prompts
 from tests.unit.test_tensor_parallel_handoff import MAX_NEW, handed_off
 
@@ -119,3 +120,13 @@ def test_gptq_act_order_under_tp_is_one_line_naming_both_settings(tiny_model_dir
     with pytest.raises(ValueError, match=r"^quantization gptq with act-order \(desc_act\) does not support "
                                          r"tensor_parallel_size 2: "):
         LLM(model=str(ckpt), tensor_parallel_size=2)
+
+
+def test_a_quantized_groups_shards_weigh_their_quantized_bytes(tiny_model_dirs):
+    """Placement and eviction count each rank's shard as it loads: quantized projections in their bytes."""
+    def shards(quantization: str | None) -> list[int]:
+        return rank_weight_bytes(EngineConfig(ModelConfig(str(tiny_model_dirs["llama"]), dtype="float32",
+                                                          quantization=quantization), device="cpu",
+                                              tensor_parallel_size=2, pipeline_parallel_size=2))
+    full, int8 = shards(None), shards("int8")
+    assert len(int8) == 4 and all(q < f for q, f in zip(int8, full, strict=True))
