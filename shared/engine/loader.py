@@ -25,6 +25,7 @@ from kvrelay.shared.engine.models import build_model, get_model_class
 from kvrelay.shared.engine.parallel.pipeline import make_stage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
 from kvrelay.shared.engine.quant import config as quant_config
+from kvrelay.shared.engine.quant.config import QuantConfig
 from kvrelay.shared.engine.quant.linear import QuantLinear
 from kvrelay.shared.engine.weight_arena import ArenaSource, build_in_arena
 from kvrelay.shared.repo.model_shape import max_model_len
@@ -58,9 +59,10 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
 
     quant = quant_config.resolve(model_config.quantization, hf_config, device, dummy)
     stage = make_stage(*pipeline, hf_config)
-    if (parallel.world_size > 1 or stage.size > 1) and (quant is not None or arena is not None):
-        raise ValueError("tensor_parallel_size > 1 loads full-precision, unshared weights only "
-                         f"({'quantization ' + quant.method if quant is not None else 'a shared weight arena'})")
+    if (parallel.world_size > 1 or stage.size > 1) and arena is not None:
+        raise ValueError("tensor_parallel_size > 1 loads unshared weights only (not from a shared weight arena)")
+    if parallel.world_size > 1 and quant is not None:
+        check_split_quantization(quant, parallel.world_size)
     # built directly on the device in the dtype: no fp32 staging copy, no default-init pass
     if arena is None:
         model = build_model(hf_config, dtype, device, quant, parallel, stage)
@@ -75,6 +77,16 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
         model.load_weights(iter_safetensors(files, progress))
     model.eval().requires_grad_(False)
     return model, hf_config
+
+
+def check_split_quantization(quant: QuantConfig, world_size: int) -> None:
+    """Every quantization splits across tensor-parallel ranks (shared/engine/quant/linear.py) but GPTQ's
+    act-order: a row-parallel rank's inputs would read groups scattered over every rank's share of the
+    scales. One line naming both settings."""
+    if quant.desc_act:
+        raise ValueError(f"quantization {quant.method} with act-order (desc_act) does not support "
+                         f"tensor_parallel_size {world_size}: use a checkpoint without desc_act, or "
+                         "pipeline_parallel_size")
 
 
 def checkpoint_kv_scales(model_config: ModelConfig, root: Path | None = None) -> dict[int, list[float]]:

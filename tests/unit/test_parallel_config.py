@@ -16,8 +16,9 @@ BAD = [
     ("pipeline_parallel_size: 3", "models[1].pipeline_parallel_size: b: pipeline_parallel_size 3 exceeds the "
                                   "model's 2 layers: a stage would hold no layers"),
     ("tensor_parallel_size: 0", "models[1].tensor_parallel_size: input should be greater than or equal to 1 (got 0)"),
-    ("tensor_parallel_size: 2, kv_cache_dtype: fp8", "models[1].tensor_parallel_size: b: tensor_parallel_size > 1 "
-                                                     "does not support kv_cache_dtype fp8 yet"),
+    ("tensor_parallel_size: 2, quantization: awq", "models[1].tensor_parallel_size: b: GPT2LMHeadModel supports "
+                                                  "quantization int8 and fp8 of full-precision checkpoints only; got "
+                                                  "awq (a pre-quantized checkpoint)"),
 ]
 
 

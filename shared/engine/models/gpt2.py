@@ -22,6 +22,7 @@ from kvrelay.shared.engine.models.layers import (
     lm_head,
     on_the_fly_only,
     quant_linear,
+    split_cut,
     submodule_route,
     vocab_embedding,
 )
@@ -161,9 +162,9 @@ class GPT2LMHeadModel(CausalLM):
         return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
     def route(self, name: str) -> Route | None:
-        shard = self.shard(name)
         if self._conv1d.search(name):  # Conv1D [in, out] -> Linear [out, in], then this rank's part
-            return submodule_route(self, name, lambda w: w.t() if shard is None else shard(w.t()))
+            outputs, inputs = split_cut(self.shard(name))
+            return submodule_route(self, name, lambda w: w.t() if outputs is None else outputs(w.t()), inputs)
         return super().route(name)  # biases: the base route applies ``shard`` too
 
     def shard(self, name: str):

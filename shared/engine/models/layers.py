@@ -8,6 +8,7 @@ init: it would cost seconds on CPU for a real model and would touch memory twice
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.shared.engine.kv_dtype import KV_SCALE_NAME
+from kvrelay.shared.engine.parallel import linear as tp
 from kvrelay.shared.engine.parallel.embedding import VocabParallelEmbedding, parallel_logits, vocab_range, vocab_rows
 from kvrelay.shared.engine.parallel.pipeline import WHOLE, PipelineStage, held, prune
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -58,12 +60,21 @@ def on_the_fly_only(quant: QuantConfig | None, model: str) -> None:
                          f"got {quant.method}{' (a pre-quantized checkpoint)' if quant.prequantized else ''}")
 
 
-def submodule_route(model: nn.Module, name: str,
-                    convert: Callable[[torch.Tensor], torch.Tensor] | None) -> "Route | None":
+def split_cut(cut: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[Callable | None, Callable | None]:
+    """A rank's cut of a projection's tensor as (before quantizing, after quantizing): a row-parallel cut of
+    the inputs goes after, so each output channel's scale is taken over its whole row as on one rank
+    (shared/engine/quant/linear.py); any other cut (outputs, a bias) goes before."""
+    if isinstance(cut, partial) and cut.func is tp.row:
+        return None, cut
+    return cut, None
+
+
+def submodule_route(model: nn.Module, name: str, convert: Callable[[torch.Tensor], torch.Tensor] | None,
+                    inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Route | None":
     """``linear_route`` for the projection a full tensor name ends in."""
     path, _, suffix = name.rpartition(".")
     try:
-        return linear_route(model.get_submodule(path), suffix, None, convert)
+        return linear_route(model.get_submodule(path), suffix, None, convert, inputs)
     except AttributeError:
         return None
 
@@ -95,12 +106,18 @@ def silu_project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
 
 
 def linear_route(module: nn.Module, suffix: str, rows: slice | None,
-                 convert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Route | None":
-    """Where checkpoint tensor ``<module>.<suffix>`` (``rows`` of a fused projection) goes."""
+                 convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Route | None":
+    """Where checkpoint tensor ``<module>.<suffix>`` (``rows`` of a fused projection) goes; ``inputs``: a
+    row-parallel rank's cut of the weight's inputs, after ``convert`` (and after quantizing)."""
     if isinstance(module, QuantLinear):
-        return module.route(suffix, rows, convert)
+        return module.route(suffix, rows, convert, inputs)
     param = getattr(module, suffix, None) if suffix in ("weight", "bias") else None
-    return None if param is None else (param, rows, convert)
+    if param is None:
+        return None
+    if inputs is not None:
+        convert = inputs if convert is None else (lambda t, first=convert: inputs(first(t)))
+    return param, rows, convert
 
 
 def linear_names(prefix: str, module: nn.Module) -> list[str]:
@@ -201,6 +218,14 @@ class CausalLM(nn.Module, ABC):
             first += (self.embedding_module,)
         prune(self, stage, first, self.last_stage_modules)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype its activations are in: its norms' and biases', not a quantized projection's weight or
+        scales (whose parameters come first on a later pipeline stage, holding no embedding)."""
+        quantized = {id(p) for m in self.modules() if isinstance(m, QuantLinear)
+                     for name, p in m.named_parameters() if name != "bias"}
+        return next(p.dtype for p in self.parameters() if id(p) not in quantized)
+
     def held_layers(self) -> list[tuple[int, nn.Module]]:
         """(index, layer) of the decoder layers this stage holds, in order."""
         layers = self.decoder_layers()
@@ -233,8 +258,8 @@ class CausalLM(nn.Module, ABC):
                 module = self.get_submodule(path) if path else None
             except AttributeError:
                 module = None
-            if isinstance(module, QuantLinear):
-                return module.route(suffix, None)
+            if isinstance(module, QuantLinear):  # this rank's cut of it, around the quantization
+                return module.route(suffix, None, *split_cut(self.shard(name)))
         param = dict(self.named_parameters()).get(name)
         return None if param is None else (param, None, self.shard(name))
 

@@ -111,7 +111,9 @@ class LlamaForCausalLM(CausalLM):
     carried_tensors = 2  # the hidden states and the residual stream
     ignored_names = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
     vocab_tensors = ("model.embed_tokens.weight", "lm_head.weight")
-    _row_parallel = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+    # weight and bias, or a 4-bit format's tensors (an int8 / fp8 weight_scale is per output: never cut)
+    _row_parallel = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias|qweight|qzeros|"
+                               r"scales|g_idx)$")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
                  parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> None:

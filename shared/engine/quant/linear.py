@@ -6,6 +6,12 @@ Fused projections (q|k|v, gate|up) load part by part as the plain layers do: eve
 which of its dimensions is the output one (``output_dim``), so a part's rows land in the right slice of
 packed or per-channel tensors alike. Per-channel and per-group quantization treat each output row on
 its own, so quantizing one part at a time gives exactly what quantizing the fused weight would.
+
+Under tensor parallelism (int8, fp8) a rank's cut of the outputs (column-parallel: its heads, its rows)
+comes before quantizing, with its scales cut the same way, and a cut of the inputs (row-parallel) comes
+after: each output channel's scale is the whole row's, as on one rank, so the shards' partial sums add
+up to exactly the unsplit layer's. AWQ and GPTQ tensors are cut after unpacking to the W4 layout, their
+scales and zero points with them.
 """
 
 from collections.abc import Callable
@@ -44,9 +50,10 @@ class QuantLinear(nn.Module):
     def checkpoint_suffixes(self) -> list[str]:
         raise NotImplementedError
 
-    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
         """Where the checkpoint tensor ``<layer>.<suffix>`` goes (``rows``: this part's output rows of a
-        fused layer; ``pre``: the model's own conversion of the tensor, applied first)."""
+        fused layer; ``pre``: the model's own conversion of the tensor, applied first, which may cut this
+        rank's output rows; ``inputs``: a row-parallel rank's cut of the weight's input columns)."""
         if suffix == "bias" and self.bias is not None:
             return self.bias, rows, pre
         return None
@@ -68,20 +75,26 @@ class ChannelLinear(QuantLinear):
         return ["weight"] + (["weight_scale"] if self.quant.prequantized else []) + \
             (["bias"] if self.bias is not None else [])
 
-    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
         part = self.weight_scale.data if rows is None else self.weight_scale.data[rows]
         if suffix == "weight" and not self.quant.prequantized:
             def quantize(t: torch.Tensor) -> torch.Tensor:
-                q, scale = quantize_channel(t, self.quant.method)
+                q, scale = quantize_channel(t, self.quant.method)  # over whole rows: before any input cut
                 part.copy_(scale)  # this part's scales; its rows of the weight are the loader's to copy
                 return q
-            return self.weight, rows, _then(pre, quantize)
+            quantized = _then(pre, quantize)
+            return self.weight, rows, quantized if inputs is None else _then(quantized, inputs)
         if suffix == "weight":
-            return self.weight, rows, pre
+            return self.weight, rows, pre if inputs is None else _then(pre, inputs)
         if suffix == "weight_scale" and self.quant.prequantized:
-            # a per-tensor scale ([] or [1]) covers every row of its part; a per-channel one is [N] or [N, 1]
-            return self.weight_scale, rows, lambda t: t.float().reshape(-1).expand(part.shape[0]) \
-                if t.numel() == 1 else t.float().reshape(-1)
+            def scales(t: torch.Tensor) -> torch.Tensor:
+                # a per-tensor scale ([] or [1]) covers every row of its part; a per-channel one ([N] or
+                # [N, 1]) is cut to this rank's rows as the weight is (an input cut leaves it whole)
+                flat = t.float().reshape(-1)
+                if flat.numel() == 1:
+                    return flat.expand(part.shape[0])
+                return flat if pre is None else pre(flat)
+            return self.weight_scale, rows, scales
         return super().route(suffix, rows, pre)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,20 +127,22 @@ class W4Linear(QuantLinear):
         names = ["qweight", "qzeros", "scales"] + (["g_idx"] if self.quant.desc_act else [])
         return names + (["bias"] if self.bias is not None else [])
 
-    def route(self, suffix: str, rows: slice | None, pre: Convert = None) -> QuantRoute | None:
+    def route(self, suffix: str, rows: slice | None, pre: Convert = None, inputs: Convert = None) -> QuantRoute | None:
         awq = self.quant.method == "awq"
-        if suffix == "qweight":
-            return self.qweight, rows, formats.awq_qweight_to_w4 if awq else None
-        if suffix == "qzeros":
-            minus_one = self.quant.zeros_minus_one
-            return self.qzeros, rows, formats.awq_qzeros_to_w4 if awq else (
-                lambda t: formats.gptq_qzeros_to_w4(t, minus_one))
-        if suffix == "scales":
-            return self.scales, rows, None
+        minus_one = self.quant.zeros_minus_one
+        to_w4 = {"qweight": formats.awq_qweight_to_w4 if awq else None,
+                 "qzeros": formats.awq_qzeros_to_w4 if awq else (lambda t: formats.gptq_qzeros_to_w4(t, minus_one)),
+                 "scales": None}
+        if suffix in to_w4:
+            # a rank's cuts come after unpacking: in the W4 layout every tensor is [inputs (in words of 8
+            # or in groups), outputs], so an output cut is clean at any width, and an input cut lands on word
+            # and group boundaries because this shard's own input size is a multiple of both (__init__)
+            return getattr(self, suffix), rows, _then_all(to_w4[suffix], _transposed(pre), _transposed(inputs))
         if suffix == "g_idx" and self.g_idx is not None:
             # one per input, shared by the parts of a fused layer (they see the same inputs, so GPTQ's
-            # act-order gives them the same order)
-            return self.g_idx, None, None
+            # act-order gives them the same order); a row-parallel rank keeps its inputs' (read only with
+            # act-order, which tensor parallelism refuses: shared/engine/loader.py)
+            return self.g_idx, None, None if inputs is None else (lambda t: inputs(t[None])[0])
         return super().route(suffix, rows, pre)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +157,19 @@ class W4Linear(QuantLinear):
         self.scales.fill_(DUMMY_STD / 4.6)
         if self.g_idx is not None:
             self.g_idx.copy_(torch.arange(self.in_features, device=self.g_idx.device) // self.quant.group_size)
+
+
+def _transposed(cut: Convert) -> Convert:
+    """A cut written for a [outputs, inputs] tensor, applied to a W4 one laid out [inputs, outputs]."""
+    return None if cut is None else (lambda t: cut(t.t()).t())
+
+
+def _then_all(*steps: Convert) -> Convert:
+    done: Convert = None
+    for step in steps:
+        if step is not None:
+            done = step if done is None else _then(done, step)
+    return done
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

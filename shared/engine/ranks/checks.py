@@ -1,6 +1,6 @@
 """Tensor- and pipeline-parallel mistakes found before anything loads: a size the ranks cannot split, more
-stages than layers, more ranks than devices, a quantized model, a setting the ranks do not support yet; and
-what each rank's shard weighs.
+stages than layers, more ranks than devices, a quantization the ranks cannot split, a setting the ranks do
+not support yet; and what each rank's shard weighs.
 
 The model classes themselves compute every rank's share (through ``linear.even`` and ``kv_heads``), so
 building the model on the meta device as rank 0 of the group raises exactly the error loading would,
@@ -13,27 +13,34 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
 from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
-from kvrelay.shared.engine.loader import read_hf_config
+from kvrelay.shared.engine.loader import check_split_quantization, read_hf_config
 from kvrelay.shared.engine.models import build_model
 from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.pipeline import config_layers, make_stage, stage_bounds
 from kvrelay.shared.engine.parallel.state import ParallelState
+from kvrelay.shared.engine.quant import config as quant_config
+from kvrelay.shared.engine.quant.config import QuantConfig
 
 
-def check_tensor_parallel(hf_config: dict, world_size: int, quantized: bool) -> None:
+def check_tensor_parallel(hf_config: dict, world_size: int, quant: QuantConfig | None = None) -> None:
     if world_size == 1:
         return
-    if quantized:
-        raise ValueError("tensor_parallel_size > 1 serves full-precision models only, not quantized ones")
-    build_model(hf_config, torch.float32, "meta", parallel=ParallelState(0, world_size))
+    if quant is not None:
+        check_split_quantization(quant, world_size)
+    # quantized too: its layers' own checks apply (a 4-bit group size that does not divide a shard's inputs)
+    build_model(hf_config, torch.float32, "meta", quant, parallel=ParallelState(0, world_size))
 
 
-def check_pipeline_parallel(hf_config: dict, stages: int, quantized: bool) -> None:
+def check_pipeline_parallel(hf_config: dict, stages: int) -> None:
     if stages == 1:
         return
-    if quantized:
-        raise ValueError("pipeline_parallel_size > 1 serves full-precision models only, not quantized ones")
     stage_bounds(config_layers(hf_config), stages)  # raises when a stage would hold no layers
+
+
+def _quant(model_config: ModelConfig, hf_config: dict) -> QuantConfig | None:
+    """The quantization the model loads with (the flag, or its checkpoint's), as the loader resolves it."""
+    dummy = model_config.load_format == "dummy" or model_config.model.startswith(DUMMY_PREFIX)
+    return quant_config.choose(model_config.quantization, hf_config, dummy)
 
 
 def _hf_config(model_config: ModelConfig, root: Path | None) -> dict:
@@ -46,9 +53,8 @@ def check_model(model_config: ModelConfig, world_size: int, root: Path | None = 
     """``check_tensor_parallel`` and ``check_pipeline_parallel`` for the model a ModelConfig names (its
     config.json or dummy preset)."""
     hf_config = _hf_config(model_config, root)
-    quantized = model_config.quantization is not None or hf_config.get("quantization_config") is not None
-    check_tensor_parallel(hf_config, world_size, quantized)
-    check_pipeline_parallel(hf_config, stages, quantized)
+    check_tensor_parallel(hf_config, world_size, _quant(model_config, hf_config))
+    check_pipeline_parallel(hf_config, stages)
 
 
 def group_size_name(config: EngineConfig) -> str:
@@ -77,8 +83,6 @@ def check_group(config: EngineConfig, root: Path | None = None) -> None:
     flag = "tensor_parallel_size" if config.pipeline_parallel_size == 1 else "pipeline_parallel_size"
     if config.async_scheduling:
         raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
-    if config.cache.kv_cache_dtype != "auto":  # the ranks' own caches are allocated in the model's dtype
-        raise ValueError(f"{flag} > 1 does not support kv_cache_dtype fp8 yet")
     # the model's split first: a size it cannot split is wrong on any machine, a device count only on this one
     check_model(config.model, config.tensor_parallel_size, root, config.pipeline_parallel_size)
     check_devices(config)
@@ -88,12 +92,13 @@ def rank_weight_bytes(config: EngineConfig, root: Path | None = None) -> list[in
     """The bytes of weights each rank of the group holds (rank order), in the dtype they load in: its model
     built on the meta device with its tensor-parallel shard and its pipeline stage, as the rank builds it."""
     hf_config = _hf_config(config.model, root)
+    quant = _quant(config.model, hf_config)  # a quantized shard weighs its quantized bytes
     dtype = config.model.torch_dtype(torch.device(config.device).type)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     sizes = []
     for rank in range(tp * pp):
         at = RankLayout(rank, tp, pp)
-        model = build_model(hf_config, dtype, "meta", parallel=ParallelState(at.tp_rank, tp),
+        model = build_model(hf_config, dtype, "meta", quant, parallel=ParallelState(at.tp_rank, tp),
                             stage=make_stage(at.stage, pp, hf_config))
         sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
     return sizes

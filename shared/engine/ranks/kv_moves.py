@@ -18,6 +18,7 @@ way. The price is one hop of the KV over the group's links (NVLink or loopback),
 
 import torch
 
+from kvrelay.kernels.kv_quant import FP8_KV_DTYPE
 from kvrelay.shared.engine.parallel.kv_heads import merge_heads, split_heads
 from kvrelay.shared.engine.parallel.pipeline import stage_bounds
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -51,10 +52,19 @@ def _padded(t: torch.Tensor, layers: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((layers - t.shape[LAYER_DIM],) + t.shape[1:])], dim=LAYER_DIM)
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes: moved as they are (gloo has no float8 type), under the scales both sides
+    read from the same checkpoint."""
+    return t.view(torch.uint8) if t.dtype == FP8_KV_DTYPE else t
+
+
 def export_blocks(state: ParallelState, kv_cache: torch.Tensor, block_ids: list[int], num_kv_heads: int,
                   stages: list[tuple[int, int]]) -> torch.Tensor | None:
     """``[L, 2, n, bs, num_kv_heads, D]``: every rank's part of ``block_ids`` on rank 0 (None elsewhere).
     ``state``: the whole group, ranks in stage order (parallel/layout.py); ``stages``: ``stage_layers``."""
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        full = export_blocks(state, _as_bytes(kv_cache), block_ids, num_kv_heads, stages)
+        return None if full is None else full.view(FP8_KV_DTYPE)
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     longest = max(end - start for start, end in stages)
     parts = state.gather_to_driver(_padded(kv_cache.index_select(2, index), longest))
@@ -70,6 +80,9 @@ def import_blocks(state: ParallelState, kv_cache: torch.Tensor, block_ids: list[
                   stages: list[tuple[int, int]]) -> None:
     """Write this rank's part of ``full`` (rank 0's ``[L, 2, n, bs, Hkv, D]``; None elsewhere): its
     stage's layers, its heads of them, into ``block_ids`` of its cache."""
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        import_blocks(state, _as_bytes(kv_cache), block_ids, None if full is None else _as_bytes(full), stages)
+        return
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     longest = max(end - start for start, end in stages)
     mine = kv_cache.new_empty((longest,) + kv_cache.shape[1:2] + (len(block_ids),) + kv_cache.shape[3:])
@@ -102,6 +115,8 @@ def driver_import(ranks: RankGroup | None, kv_cache: torch.Tensor, block_ids: li
     check_block_ids(kv_cache, block_ids)
     if full.shape[LAYER_DIM] != stages[-1][1]:
         raise ValueError(f"KV of {full.shape[LAYER_DIM]} layers for a model of {stages[-1][1]}")
+    if full.dtype != kv_cache.dtype:  # fp8 bytes under the wrong dtype would be read as other values
+        raise ValueError(f"KV of dtype {full.dtype} for a cache of {kv_cache.dtype}")
     if ranks is None:
         import_blocks(SINGLE, kv_cache, block_ids, full, stages)
         return

@@ -51,7 +51,7 @@ def send_carried(state: ParallelState, carried: tuple[torch.Tensor, ...], peer: 
 def recv_carried(state: ParallelState, model, num_tokens: int, peer: int, micro_batch: int) -> Pending:
     """Start receiving the previous stage's output from ``peer``: ``model.carried_tensors`` tensors of
     [num_tokens, hidden], there once the result's ``wait`` returns."""
-    dtype = next(model.parameters()).dtype
+    dtype = model.compute_dtype
     pending = Pending()
     for i in range(model.carried_tensors):
         t = torch.empty(num_tokens, model.hidden_size, dtype=dtype, device=state.device)

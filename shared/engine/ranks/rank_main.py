@@ -11,7 +11,8 @@ from pathlib import Path
 
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.kv_dtype import FP8_NAMES
+from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
 from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
@@ -47,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     state, model_state = join_groups(layout, Path(folder), device)
     model, _ = load_model(config.model, device, progress=False, root=root, parallel=model_state,
                           pipeline=(layout.stage, layout.pp))
-    ShardRunner(model, config, state, device, layout).serve(receiver, parent)
+    # an fp8 cache reads blocks under rank 0's scales: the same checkpoint's, each rank its own layers'
+    kv_scales = checkpoint_kv_scales(config.model, root) if config.cache.kv_cache_dtype in FP8_NAMES else None
+    ShardRunner(model, config, state, device, layout, kv_scales).serve(receiver, parent)
     receiver.close()
     return 0
 

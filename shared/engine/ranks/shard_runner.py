@@ -13,6 +13,7 @@ import torch
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
+from kvrelay.shared.engine.kv_dtype import attach_kv_scales, kv_cache_dtype
 from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
@@ -38,10 +39,12 @@ IDLE_POLL_MS = 500  # how often an idle rank checks that rank 0 is still there
 
 class ShardRunner:
     def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device,
-                 layout: RankLayout) -> None:
-        # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own
+                 layout: RankLayout, kv_scales: dict[int, list[float]] | None = None) -> None:
+        # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own.
+        # kv_scales: an fp8 cache's checkpoint scales by layer index; this rank's layers take theirs
         self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = kv_cache_dtype(config.cache.kv_cache_dtype, model.compute_dtype)  # the KV's
+        attach_kv_scales(model, device, kv_scales)
         self.block_size = config.cache.block_size
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None
