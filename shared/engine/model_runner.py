@@ -170,7 +170,7 @@ class ModelRunner:
         return (self.ranks.state if self.ranks is not None else SINGLE).min_int(blocks)
 
     def set_kv_stream(self, stream) -> None:
-        """A prefill worker's layer-by-layer handoff (shared/handoff/sender.py ``LayerStream``): told
+        """A prefill worker's layer-by-layer handoff (shared/handoff/layer_stream.py ``LayerStream``): told
         before each eager forward which prompts it finishes, and after each decoder layer that the layer's
         KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
         if self.ranks is not None:
