@@ -33,6 +33,29 @@ def copy_bandwidth(gib: float = 1.0, reps: int = 20) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
+def graph_seconds(calls: list, reps: int = 20) -> float:
+    """Median seconds of one call: ``calls`` (each run once eagerly first, to compile and warm up) captured
+    in one CUDA graph, replayed ``reps`` times and timed with CUDA events."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / len(calls)
+
+
 def matmul_flops(n: int = 8192, reps: int = 10) -> float:
     """bf16 FLOP/s of an n x n x n product on random data (zeros run faster and would flatter it)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

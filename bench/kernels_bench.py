@@ -29,6 +29,7 @@ if OPTS.smoke:
 
 from importlib import import_module  # noqa: E402
 
+from kvrelay.bench.gpu_measure import graph_seconds  # noqa: E402
 from kvrelay.kernels import reference  # noqa: E402
 from kvrelay.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -40,29 +41,14 @@ ROTATE_BYTES = (1 << 30) if DEV == "cuda" else 1 << 12  # each graph touches >= 
 
 def time_calls(calls: list, reps: int = 15) -> float:
     """Median seconds per call over graph replays of all ``calls`` (host timer in smoke mode)."""
-    for c in calls:
-        c()  # compile + warm up outside the capture
     if DEV == "cpu":
+        for c in calls:
+            c()  # compile + warm up
         t0 = time.perf_counter()
         for c in calls:
             c()
         return (time.perf_counter() - t0) / len(calls)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / len(calls)
+    return graph_seconds(calls, reps)
 
 
 def n_sets(set_bytes: int, cap: int = 64) -> int:

@@ -16,39 +16,17 @@ and zero points included) over the copy bandwidth measured in the same process.
 import argparse
 import itertools
 import json
-import statistics
 from importlib import import_module
 
 import torch
 import torch.nn.functional as F
 
+from kvrelay.bench.gpu_measure import graph_seconds
 from kvrelay.kernels import quant
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
 L2_BYTES = 60 << 20
-
-
-def graph_time(calls: list, reps: int = 20) -> float:
-    """Median seconds of one call: ``calls`` captured once in a CUDA graph, replayed ``reps`` times."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / len(calls)
 
 
 def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list[dict]:
@@ -151,7 +129,7 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
             row.setdefault("wrong", []).append(f"{cfg}: rel err {err:.3g}")
             continue
         try:
-            t = graph_time([kernel_call(fmt, x, d, rows, cfg) for d in sets])
+            t = graph_seconds([kernel_call(fmt, x, d, rows, cfg) for d in sets])
         except Exception as exc:  # e.g. an op that cannot be captured in a graph: recorded, the sweep goes on
             row.setdefault("refused", []).append(f"{cfg}: timing: {type(exc).__name__}: {str(exc)[:200]}")
             continue

@@ -10,12 +10,11 @@ each variant runs as a CUDA graph of ``--calls`` launches so launch cost does no
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from kvrelay.bench.gpu_measure import copy_bandwidth
+from kvrelay.bench.gpu_measure import copy_bandwidth, graph_seconds
 from kvrelay.kernels import reference
 from kvrelay.kernels.triton import skinny_linear as sl
 from kvrelay.kernels.triton.rms_norm import rms_norm
@@ -31,26 +30,7 @@ CONFIGS += [(bn, bk, w, 1, "fma") for bn, bk, w in itertools.product((4, 8, 16),
 
 def graph_ms(fn, calls: int, reps: int = 5) -> float:
     """Median GPU ms of one ``fn()`` over graph replays of ``calls`` launches."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return graph_seconds([fn] * calls, reps) * 1e3
 
 
 class Rotating:
