@@ -24,8 +24,11 @@ CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "r
           "--model-repo": str(Path(__file__).parent), "--tokenizer": str(Path(__file__).parent),
           "--tool-call-parser": "hermes", "--quantization": "int8"}
 # --config: the models file (tests/unit/test_config_yaml.py and the e2e serve_config test); the ZMQ secret's
-# two flags exclude each other and the secret the tests run under (tests/unit/test_zmq_secret.py)
-SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq"}
+# two flags exclude each other and the secret the tests run under (tests/unit/test_zmq_secret.py); a rank
+# group's sizes are checked against the model, the devices and async scheduling before any child starts, so
+# they cannot take arbitrary values beside every other flag: test_parallel_sizes_reach_every_worker below
+GROUP = {"--tensor-parallel-size", "--pipeline-parallel-size"}
+SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP}
 
 
 def types(annotation: typing.Any) -> set:
@@ -139,3 +142,15 @@ def test_every_role_flag_reaches_its_config(command):
     for flag in flags:
         want = "<set>" if flag.option == "--admin-key" else given[flag.option]
         assert resolved(flag.path, config) == want, f"{command}: {flag.option}"
+
+
+@pytest.mark.parametrize("mode", ["unified", "disaggregated"])
+def test_parallel_sizes_reach_every_worker(mode):
+    children = print_config(["serve", "--mode", mode, "--model", "dummy:tiny-llama", "--device", "cpu",
+                             "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"])
+    workers = [c["config"] for c in children.values() if c["command"] != "gateway"]
+    assert workers
+    flags = [f for f in WORKER_FLAGS if f.option in GROUP]
+    assert len(flags) == len(GROUP)
+    for flag in flags:
+        assert all(resolved(flag.path, config) == 2 for config in workers), flag.option

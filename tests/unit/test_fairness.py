@@ -14,7 +14,7 @@ from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import Scheduler
 from kvrelay.shared.wire.block_hash import cache_namespace
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from tests.unit.test_scheduler import BS, EOS, FakeRunner, assert_clean
+from tests.unit.scheduler_runner import BS, EOS, FakeRunner, assert_clean
 
 
 def make(fair=True, quota=None, num_blocks=256, budget=32, max_seqs=4, policy="fcfs", max_model_len=64) -> Scheduler:
