@@ -73,10 +73,10 @@ class SchedulerConfig:
     # inter-token SLO, where a full 2048-token chunk makes ~37 ms; and 512 per step still prefills ~30k
     # tokens/s beside the decodes.
     max_prefill_tokens_with_decodes: int = setting(
-        512, "prefill tokens per step at most while requests are decoding, so no decode step waits behind a "
-             "whole prompt chunk (a step with no decodes still uses --max-num-batched-tokens; 0: no cap). 512 "
-             "keeps a step near the cost of ~512 decode rows: on an H200 with an 8B model ~15 ms, against "
-             "~37 ms for a 2048-token chunk; needs chunked prefill", ge=0)
+        512, "prompt tokens per step at most while requests decode, so decodes never wait behind a whole "
+             "chunk (with nothing decoding a step takes --max-num-batched-tokens; 0: no cap; needs chunked "
+             "prefill). Each prompt token costs about a decode row of compute: 512 keep an 8B model's step on "
+             "an H200 near 15 ms, where a 2048-token chunk takes ~37 ms", ge=0)
     policy: Literal["fcfs", "priority"] = setting("fcfs", "admission order (priority: lower value first, then "
                                                   "arrival)", flag="--scheduling-policy")
     # On by default: with one tenant it orders exactly like the plain policy, so only multi-tenant traffic

@@ -2,6 +2,12 @@
 stall-free batching): capped while anything decodes, the whole budget when nothing does, decodes
 never lose their step to a prompt chunk, and greedy outputs are the same with or without the cap."""
 
+import json
+import subprocess
+import sys
+
+import pytest
+
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager
@@ -111,3 +117,12 @@ def test_greedy_outputs_same_with_and_without_cap(tiny_model_dirs):
         outputs[cap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
     assert outputs[0] == outputs[16] and all(len(t) == 12 for t in outputs[0])
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], 512), (["--max-prefill-tokens-with-decodes", "96"], 96)])
+def test_serve_hands_the_cap_to_the_unified_worker(argv, want):
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", "--mode", "unified", "--model",
+                           "dummy:tiny-llama", *argv, "--print-config"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    workers = [c["config"] for c in json.loads(proc.stdout).values() if c["command"] == "unified-worker"]
+    assert [w["engine"]["scheduler"]["max_prefill_tokens_with_decodes"] for w in workers] == [want]
