@@ -10,10 +10,10 @@ chunks in the budget: a prompt chunk is granted only what leaves a token for eve
 the list. While any request decodes, the step's prompt tokens are also capped at
 ``max_prefill_tokens_with_decodes`` (Sarathi-Serve's stall-free batching), so a decode step costs about
 the same with or without a long prompt beside it; with nothing decoding a prompt takes the whole budget.
-When a running request
-cannot get blocks, the lowest-priority running request (the list's tail) is preempted: swapped to
-host memory when there is room, otherwise dropped and recomputed later. The scheduler only moves block
-ids; the runner executes the copies in ``SchedulerOutput`` and the compute.
+
+When a running request cannot get blocks, the lowest-priority running request (the list's tail) is
+preempted: swapped to host memory when there is room, otherwise dropped and recomputed later. The
+scheduler only moves block ids; the runner executes the copies in ``SchedulerOutput`` and the compute.
 
 Tenants (``SchedulerConfig.tenant_fairness``, on by default): admission picks between tenants by the
 tokens each has been served (``fair_queue.py``), so one tenant's flood cannot starve another; within a
@@ -227,7 +227,7 @@ class Scheduler:
         # After a preemption blocks are short: admitting more would only thrash.
         held = self._tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
-        while not out.preempted and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while not out.preempted and min(budget, prefill_left) > 0 and len(self._running) < self.config.max_num_seqs:
             req = self._waiting.pick(skip=over_quota)
             if req is None:
                 break
