@@ -12,12 +12,12 @@ for cap in ${CAPS:-0 512 256}; do
   python3 -m kvrelay.cli serve --mode unified --port 8011 --model dummy:llama-3-8b --load-format dummy \
     --max-model-len 2048 --max-num-seqs 128 --max-prefill-tokens-with-decodes "$cap" > "$OUT/serve-cap$cap.log" 2>&1 &
   server=$!
-  for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/ready')" 2> /dev/null && break; sleep 1; done
+  for _ in $(seq 240); do kill -0 "$server" 2> /dev/null || break; python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/ready')" 2> /dev/null && break; sleep 1; done
   for rate in ${RATES:-8 16 24}; do
     timeout 120 python3 -m kvrelay.cli --log-level WARNING bench serve --base-url http://127.0.0.1:8011/v1 \
       --input-len 1024 --output-len 128 --num-prompts 200 --request-rate "$rate" --cold-cache \
       --json "$OUT/cap$cap-$rate.json" > "$OUT/cap$cap-$rate.txt" 2>&1
-    echo "cap $cap rate $rate rc $? TTFT/ITL p50 p99 (ms): $(grep -E '^(Median|P99) (TTFT|ITL)' \
+    echo "cap $cap rate $rate rc $? TTFT/ITL p50 p99 (ms): $(grep -E '^(Median|P99) (TTFT|ITL) \(ms\)' \
       "$OUT/cap$cap-$rate.txt" | awk '{print $NF}' | xargs)" | tee -a "$OUT/summary.txt"
   done
   kill "$server"; wait "$server"
