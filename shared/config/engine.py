@@ -64,6 +64,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = setting(
         None, "tokens per step at most (default: 2048 with chunked prefill, else --max-model-len)", ge=1)
     enable_chunked_prefill: bool = setting(True, "split long prompts across steps, mixed with decodes")
+    # Sarathi-Serve's stall-free batching. Not vLLM's --long-prefill-token-threshold, which caps every
+    # request's chunk whether or not anything decodes (a lone prompt would take more steps than it needs);
+    # this caps the step's prefill tokens only while they would delay decodes. Why 512: a decode row costs
+    # little (the step's weight reads are paid once for all rows), a prefill token about a decode row of
+    # compute, so a step's time grows with its prefill tokens. An 8B model on an H200 reads its weights in
+    # ~3-4 ms and computes ~15-25 us per token: 512 prefill tokens make a step of ~12-16 ms, under a 25 ms
+    # inter-token SLO, where a full 2048-token chunk makes ~37 ms; and 512 per step still prefills ~30k
+    # tokens/s beside the decodes.
+    max_prefill_tokens_with_decodes: int = setting(
+        512, "prompt tokens per step at most while requests decode, so decodes never wait behind a whole "
+             "chunk (with nothing decoding a step takes --max-num-batched-tokens; 0: no cap; needs chunked "
+             "prefill). Each prompt token costs about a decode row of compute: 512 keep an 8B model's step on "
+             "an H200 near 15 ms, where a 2048-token chunk takes ~37 ms", ge=0)
     policy: Literal["fcfs", "priority"] = setting("fcfs", "admission order (priority: lower value first, then "
                                                   "arrival)", flag="--scheduling-policy")
     # On by default: with one tenant it orders exactly like the plain policy, so only multi-tenant traffic

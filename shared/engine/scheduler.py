@@ -5,10 +5,15 @@ to ``num_tokens - num_computed_tokens`` new tokens under the step's token budget
 reaches ``num_tokens`` gets a token sampled by the runner. A long prompt is therefore just a request
 that needs many tokens, and (with chunked prefill) takes them over several steps next to decodes.
 
-Each step serves running requests first, in order, then admits waiting ones. When a running request
-cannot get blocks, the lowest-priority running request (the list's tail) is preempted: swapped to
-host memory when there is room, otherwise dropped and recomputed later. The scheduler only moves block
-ids; the runner executes the copies in ``SchedulerOutput`` and the compute.
+Each step serves running requests first, in order, then admits waiting ones. Decodes come before prompt
+chunks in the budget: a prompt chunk is granted only what leaves a token for every decode after it in
+the list. While any request decodes, the step's prompt tokens are also capped at
+``max_prefill_tokens_with_decodes`` (Sarathi-Serve's stall-free batching), so a decode step costs about
+the same with or without a long prompt beside it; with nothing decoding a prompt takes the whole budget.
+
+When a running request cannot get blocks, the lowest-priority running request (the list's tail) is
+preempted: swapped to host memory when there is room, otherwise dropped and recomputed later. The
+scheduler only moves block ids; the runner executes the copies in ``SchedulerOutput`` and the compute.
 
 Tenants (``SchedulerConfig.tenant_fairness``, on by default): admission picks between tenants by the
 tokens each has been served (``fair_queue.py``), so one tenant's flood cannot starve another; within a
@@ -181,12 +186,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
+        # Decodes not yet reached in the list: a prompt chunk leaves a token for each of them.
+        reserve = sum(map(self._decoding, self._running))
+        cap = self.config.max_prefill_tokens_with_decodes
+        # Without chunking a prompt cannot be split to fit a cap, so it would only wait.
+        prefill_left = cap if reserve and chunked and cap else budget
 
         # a pool can only shrink between steps (a co-resident model takes chunks back), not during one
         capacity = self.block_manager.capacity
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
+            decoding = self._decoding(req)
+            reserve -= decoding
             if req.num_pending and (self._ends_by_length(req) or self._never_fits(req, capacity, req.num_pending)):
                 # async: its unread token ends it, or it can never fit: no step for it; reading the token
                 # ends it, or the next schedule aborts it as synchronous stepping would (aborting it now
@@ -200,20 +212,22 @@ class Scheduler:
                 out.aborted.append(req)
                 continue
             n = req.num_tokens + req.num_pending - req.num_computed_tokens
-            if n <= 0 or (not chunked and n > budget):  # chunking off: never split a running request
+            limit = budget if decoding else min(budget - reserve, prefill_left)
+            if n <= 0 or limit <= 0 or (not chunked and n > limit):  # chunking off: never split a running request
                 i += 1
                 continue
-            n = min(n, budget)
+            n = min(n, limit)
             if self._allocate_or_preempt(req, n, out):
                 out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
                 self._waiting.charge(req.tenant, n)
                 budget -= n
+                prefill_left -= 0 if decoding else n
             i += 1  # if req preempted itself it was the tail, and the loop ends here
 
         # After a preemption blocks are short: admitting more would only thrash.
         held = self._tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
-        while not out.preempted and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while not out.preempted and min(budget, prefill_left) > 0 and len(self._running) < self.config.max_num_seqs:
             req = self._waiting.pick(skip=over_quota)
             if req is None:
                 break
@@ -223,7 +237,7 @@ class Scheduler:
                 self._end(req, RequestStatus.FINISHED_ABORTED, reason)
                 out.aborted.append(req)
                 continue
-            n = self._admit(req, budget, chunked, out, held)
+            n = self._admit(req, min(budget, prefill_left), chunked, out, held)
             if n == _OVER_QUOTA:
                 over_quota.add(req.tenant)  # it waits; other tenants are not held up behind it
                 continue
@@ -232,9 +246,17 @@ class Scheduler:
             self._waiting.remove(req)
             self._waiting.charge(req.tenant, n)
             budget -= n
+            prefill_left -= n
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """Past its prompt, needing one token: a decode row (with async scheduling the token it needs
+        is the pending one)."""
+        return bool(req.num_output_tokens + req.num_pending) and \
+            req.num_tokens + req.num_pending - req.num_computed_tokens == 1
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         # Victims come from the tail, which the running loop has not reached yet, so a request that is
