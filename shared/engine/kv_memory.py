@@ -53,7 +53,15 @@ class FixedMemory:
     growable = False
 
     def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int, why_fixed: str):
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if device.type == "cpu":
+            # an anonymous mapping reads as zeros and takes memory only where blocks are written; torch.zeros
+            # writes every byte, so each engine held its whole KV resident from the start (a test process
+            # with a few engines alive took gigabytes)
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        else:
+            self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.nbytes, self.chunk_bytes, self.why_fixed = nbytes, chunk_bytes, why_fixed
         self.committed_from_start = nbytes
 
