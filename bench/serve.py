@@ -115,8 +115,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _check_sweep_args(args: argparse.Namespace) -> None:
-    from kvrelay.bench.rate_search import SearchSpace
-    from kvrelay.bench.serve_sweep import Slo
+    from kvrelay.rate_search import SearchSpace, Slo
 
     if args.request_rate != float("inf"):
         raise SystemExit("--sweep chooses the rates; give the first with --sweep-start, not --request-rate")
@@ -295,8 +294,8 @@ def _targets(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 
 
 async def _sweep_one(args: argparse.Namespace, base_url: str, label: str, prompts: list, warmup) -> dict:
-    from kvrelay.bench.rate_search import SearchSpace
-    from kvrelay.bench.serve_sweep import Slo, sweep_server
+    from kvrelay.bench.serve_sweep import sweep_server
+    from kvrelay.rate_search import SearchSpace, Slo
 
     spec = await _request_spec(args, base_url, warmup)  # the server's one warm-up, before its first trial
     return await sweep_server(base_url, spec, prompts, label, Slo(args.slo_ttft_ms, args.slo_itl_ms),

@@ -7,41 +7,17 @@ A trial with a failed request fails, whatever its latencies: a server that drops
 """
 
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from kvrelay.bench.rate_search import SearchSpace, Trial, next_rate, outcome
 from kvrelay.bench.serve_client import Prompt, RequestSpec, arrival_offsets, run_load
 from kvrelay.bench.serve_metrics import summarize
+from kvrelay.rate_search import SearchSpace, Slo, Trial, next_rate, outcome, verdict
 
 WIDTH = 92
 # what each trial keeps in the result JSON: the per-request lists of summarize() would make a sweep of
 # dozens of 200-request trials many MB for nothing the table does not already say
 KEPT = ("completed", "failed", "duration", "request_throughput", "output_throughput",
         *(f"{stat}_{key}_ms" for key in ("ttft", "itl", "tpot", "e2el") for stat in ("median", "p99", "mean")))
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_ms: float  # p99 time to first token
-    itl_ms: float  # p99 inter-token latency
-
-    def check(self) -> None:
-        if not (self.ttft_ms > 0 and self.itl_ms > 0):
-            raise ValueError("--slo-ttft-ms and --slo-itl-ms must be positive")
-
-
-def verdict(m: dict, slo: Slo) -> list[str]:
-    """Why a trial's metrics (summarize()'s dict) miss the SLOs; empty when it passes."""
-    why = []
-    if m["failed"]:
-        why.append(f"{m['failed']} failed")
-    if m["completed"] == 0:
-        return why or ["none completed"]
-    if m["p99_ttft_ms"] > slo.ttft_ms:
-        why.append("TTFT")
-    if m["p99_itl_ms"] > slo.itl_ms:
-        why.append("ITL")
-    return why
 
 
 def _print_header(label: str, slo: Slo) -> None:

@@ -70,7 +70,12 @@ models:
         seen = jobs.wait(ids, timeout=WAIT_S)
         assert all(s.finish_reason == "length" and len(s.tokens) == 8 for s in seen)
         log = cluster.log("p1")
-        assert "evicting tail@1 (busy" in log and "evicting hot@1" not in log, log[-3000:]
+        # the low-demand model goes, the hot one stays. Usually tail is mid-request (the busy path, drained first);
+        # on a loaded box its client thread can leave it without a request for over the idle grace, and then it
+        # goes as idle: the same choice by the same demand rule (the busy path's own checks: test_eviction_policy.py
+        # and the drain tests in tests/unit/test_model_host.py)
+        assert ("evicting tail@1 (busy" in log or "evicting tail@1 (idle" in log) and "evicting hot@1" not in log, \
+            log[-3000:]
         tail_before = len(done["tail"])
         deadline = time.monotonic() + WAIT_S
         while len(done["tail"]) < tail_before + 2:  # reloaded once cold's queue was served: serving again

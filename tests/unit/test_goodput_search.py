@@ -5,8 +5,7 @@ tests/e2e/test_bench_serve_sweep.py."""
 
 import pytest
 
-from kvrelay.bench.rate_search import SearchSpace, Trial, bounds, next_rate, outcome
-from kvrelay.bench.serve_sweep import Slo, verdict
+from kvrelay.rate_search import SearchSpace, Slo, Trial, bounds, next_rate, outcome, verdict
 
 
 def search(oracle, space: SearchSpace) -> tuple[list[Trial], dict]:

@@ -20,7 +20,7 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.host_stats import HostCollector
 from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.metrics_server import MergedMetrics
-from tests.unit.test_scheduler import BS, FakeRunner
+from tests.unit.scheduler_runner import BS, FakeRunner
 
 
 def samples(registry) -> dict[tuple, float]:

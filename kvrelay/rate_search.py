@@ -5,7 +5,8 @@ already fails halves the rate (doubling down) until a trial passes, the rate wou
 or below the resolution, whichever comes first: a trial's length grows as 1 / rate, so the floor is what
 keeps a server that misses the SLOs at every rate from costing minutes per halving.
 
-Pure functions of the trials so far, so the search is tested without a server and the sweep's driver is
+Pure functions of the trials so far (kept outside bench/, which tests never import), so the search is tested
+without a server and the sweep's driver is
 a plain loop: ``while (rate := next_rate(trials, ...)) is not None: trials.append(Trial(rate, run(rate)))``.
 """
 
@@ -73,3 +74,27 @@ def outcome(trials: list[Trial], space: SearchSpace) -> dict:
         resolved = hi is not None and hi - lo <= space.resolution
     return {"found_rate": lo, "lowest_failing_rate": hi, "trials_run": len(trials),
             "stopped": "resolved" if resolved else "trial cap"}
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float  # p99 time to first token
+    itl_ms: float  # p99 inter-token latency
+
+    def check(self) -> None:
+        if not (self.ttft_ms > 0 and self.itl_ms > 0):
+            raise ValueError("--slo-ttft-ms and --slo-itl-ms must be positive")
+
+
+def verdict(m: dict, slo: Slo) -> list[str]:
+    """Why a trial's metrics (summarize()'s dict) miss the SLOs; empty when it passes."""
+    why = []
+    if m["failed"]:
+        why.append(f"{m['failed']} failed")
+    if m["completed"] == 0:
+        return why or ["none completed"]
+    if m["p99_ttft_ms"] > slo.ttft_ms:
+        why.append("TTFT")
+    if m["p99_itl_ms"] > slo.itl_ms:
+        why.append("ITL")
+    return why
