@@ -32,8 +32,10 @@ serve: $(STAMP)
 TEST_JOBS ?= 2
 
 test: $(STAMP)
-	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
+	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import.
+	# PYTHONSAFEPATH: no process of the run (pytest, the servers it starts) puts this folder first on sys.path,
+	# where kernels/ would shadow the Hugging Face `kernels` package that transformers imports.
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 PYTHONSAFEPATH=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 # ruff, then the architecture: the import contracts in pyproject.toml and no import cycles
 lint: $(STAMP)

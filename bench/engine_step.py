@@ -15,6 +15,7 @@ import time
 import torch
 
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.engine.profile import phase_points
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -86,7 +87,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"as-is": [], "frozen": []}
     for _ in range(2):
         for mode in runs:
-            argv = [sys.executable, "-m", "kvrelay.bench.engine_step", "--child", mode, *sys.argv[1:]]
+            argv = [*module_argv("kvrelay.bench.engine_step"), "--child", mode, *sys.argv[1:]]
             out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             runs[mode].append(r)

@@ -11,7 +11,8 @@ import argparse
 import json
 import os
 import subprocess
-import sys
+
+from kvrelay.shared.config.handover import module_argv
 
 VARIANTS = {"base": False, "rope": True}
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for name in args.variants.split(","):
-        cmd = [sys.executable, "-m", "kvrelay.bench.fused_probe", "--model", args.model, "--batch", str(args.batch),
+        cmd = [*module_argv("kvrelay.bench.fused_probe"), "--model", args.model, "--batch", str(args.batch),
                "--variant", name]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -18,11 +18,11 @@ import gc
 import json
 import os
 import subprocess
-import sys
 
 import torch
 
 from kvrelay.bench import gpu_measure as m
+from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.engine.profile import decode_graphs, model_shape, set_eager
 from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
@@ -76,7 +76,7 @@ def _variants(args: argparse.Namespace) -> list[dict]:
     results = []
     for kernels in ("triton", "reference"):
         env = dict(os.environ, KVRELAY_KERNELS=kernels, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "kvrelay.bench.gpu", "--child", "--model", args.model,
+        cmd = [*module_argv("kvrelay.bench.gpu"), "--child", "--model", args.model,
                "--variant-batches", args.variant_batches]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
+from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV
 from kvrelay.shared.handoff.blocks import DTYPES
 from kvrelay.shared.handoff.frames import max_message_bytes
@@ -69,7 +70,7 @@ class Peer:
     def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool,
                  kv_shape: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM), dtype: str = "bfloat16"):
         blocks = 2 * (max_tokens // BLOCK) + 8
-        argv = [sys.executable, "-m", "kvrelay.bench.handoff_peer", "--device", device, "--transport", transport,
+        argv = [*module_argv("kvrelay.bench.handoff_peer"), "--device", device, "--transport", transport,
                 "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}",
                 "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype]
         self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True)

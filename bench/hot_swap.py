@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.repo.model_import import version_manifest
 from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository
 
@@ -86,7 +87,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         serve_args += ["--max-model-len", str(args.max_model_len)]
     log_path = work / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--log-level", "INFO", "serve", "--config",
+        proc = subprocess.Popen([*module_argv("kvrelay.cli"), "--log-level", "INFO", "serve", "--config",
                                  str(cfg), "--port", str(port), "--mode", args.mode, "--state-dir", str(work / "state"),
                                  *serve_args],
                                 stdout=log, stderr=subprocess.STDOUT,

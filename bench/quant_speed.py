@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from kvrelay.shared.config.handover import module_argv
+
 VARIANTS = ("bf16", "fp8", "int8", "awq")
 
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for name in args.variants.split(","):
-        cmd = [sys.executable, "-m", "kvrelay.bench.quant_speed", "--model", args.model, "--prompts",
+        cmd = [*module_argv("kvrelay.bench.quant_speed"), "--model", args.model, "--prompts",
                str(args.prompts), "--len", str(args.len), "--variant", name] + (["--throughput"] if args.throughput else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

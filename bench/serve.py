@@ -31,6 +31,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
+from kvrelay.shared.config.handover import module_argv
+
 READY_TIMEOUT_S = 600.0  # a first run imports SmolLM2's GGUF before the workers start
 STOP_GRACE_S = 30.0
 
@@ -174,7 +176,7 @@ def launched(mode: str, engine_args: list[str], log_dir: Path) -> Iterator[str]:
     # host and port last: they must win over anything in the pass-through args; a fresh state folder (the
     # embedded Redis's data) per launch, so one run's tenants and counters never reach the next
     state_dir = tempfile.mkdtemp(prefix=f"state-{mode}-", dir=log_dir)
-    argv = [sys.executable, "-m", "kvrelay.cli", "serve", "--mode", mode, *engine_args,
+    argv = [*module_argv("kvrelay.cli"), "serve", "--mode", mode, *engine_args,
             "--host", "127.0.0.1", "--port", str(port), "--state-dir", state_dir]
     base_url = f"http://127.0.0.1:{port}/v1"
     with open(log_path, "wb") as log:

@@ -7,12 +7,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
@@ -42,7 +42,7 @@ class LocalCluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=self.redis_url,
                    **{ZMQ_SECRET_ENV: self.zmq_secret})
         with open(self.log_dir / f"{name}.log", "wb") as log:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.cli_flags, *argv],
+            self.procs[name] = subprocess.Popen([*module_argv("kvrelay.cli"), *self.cli_flags, *argv],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def start_gateway(self, name: str = "gateway", extra: Sequence[str] = ()) -> int:

@@ -23,7 +23,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -31,7 +30,7 @@ import redis
 
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
-from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode
+from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode, module_argv
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
@@ -63,7 +62,7 @@ def _start(child: Child, args: argparse.Namespace, threads: int | None, print_co
            status_fd: int | None = None) -> subprocess.Popen:
     """The child reads its whole config from stdin; with --print-config it prints what it resolved.
     ``status_fd``: where it says it is ready, or why it could not start (kvrelay/supervisor.py)."""
-    argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", args.log_level, child.command, CONFIG_FROM_STDIN]
+    argv = [*module_argv("kvrelay.cli"), "--log-level", args.log_level, child.command, CONFIG_FROM_STDIN]
     env = _env(child, threads) | (Supervisor.status_env(status_fd) if status_fd is not None else {})
     proc = subprocess.Popen(argv + (["--print-config"] if print_config else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE if print_config else None, preexec_fn=_die_with_parent,

@@ -15,6 +15,14 @@ from kvrelay.shared.wire.redis_conn import redact
 CONFIG_FROM_STDIN = "--config-from-stdin"
 
 
+def module_argv(module: str) -> list[str]:
+    """The command line that starts a kvrelay child running ``module``. ``-P``: without it ``-m`` puts the
+    working directory first on sys.path, and started from a checkout of this repository its top-level
+    folders (``kernels/``, ``shared/``) would shadow installed packages of those names; transformers
+    imports the Hugging Face ``kernels`` package and fails on ours."""
+    return [sys.executable, "-P", "-m", module]
+
+
 def encode(config: Any, exclude: set[str] | None = None) -> bytes:
     return TypeAdapter(type(config)).dump_json(config, exclude=exclude)
 

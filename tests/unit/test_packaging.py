@@ -3,6 +3,8 @@ subpackages: nothing generic (``shared``, ``kernels``, ``bench``, ...) lands at 
 where it would overwrite or shadow another distribution's (Hugging Face ships a ``kernels`` package that
 transformers probes for)."""
 
+import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -47,3 +49,27 @@ def test_every_source_folder_is_a_regular_package():
     missing = [str(d.relative_to(ROOT)) for folder in FOLDERS for d in [ROOT / folder, *(ROOT / folder).rglob("*")]
                if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
     assert missing == []
+
+
+def test_a_child_started_from_the_checkout_imports_what_transformers_probes():
+    # kvrelay starts its workers and ranks with module_argv; `make serve` runs in the checkout, where a
+    # plain `-m` would put kernels/ first on sys.path and transformers (>= 5.25 depends on Hugging Face's
+    # `kernels`) would import ours.
+    from kvrelay.shared.config.handover import module_argv
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    run = subprocess.run([*module_argv("transformers.activations")], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    plain = subprocess.run([sys.executable, "-m", "transformers.activations"], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+    if _has_distribution("kernels"):  # the hazard this guards against is real here: the plain form fails
+        assert "from 'kernels'" in plain.stderr, plain.stderr[-2000:]
+
+
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -92,7 +91,7 @@ class RankGroup:
         payload = handover.encode(config)
         for rank in range(1, world):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvrelay.shared.engine.ranks.rank_main", str(rank), str(world),
+                [*handover.module_argv("kvrelay.shared.engine.ranks.rank_main"), str(rank), str(world),
                  str(self._folder), str(os.getpid()), str(root or ""), str(int(_long_lived_thread()))],
                 stdin=subprocess.PIPE)
             self._procs.append(proc)
