@@ -5,6 +5,7 @@ import atexit
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,13 @@ import pytest
 import torch
 
 import tests.zmq_secret  # noqa: F401  (sets $KVRELAY_ZMQ_SECRET before any process starts)
+
+# A bare `python -m pytest` in the checkout puts it first on sys.path, where kernels/ shadows the Hugging
+# Face `kernels` package that transformers imports: the root goes last (it stays importable for `tests.*`),
+# and the processes the tests start inherit PYTHONSAFEPATH (`make test` sets both up front).
+_ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [p for p in sys.path if p not in ("", _ROOT)] + [_ROOT]
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 # kvrelay serve's default --state-dir is under $XDG_DATA_HOME: a test that starts serve without its own
 # state folder must not write into the user's home (tests give each serve its own: tests/e2e/served.py)
