@@ -55,11 +55,19 @@ class Served:
 
     def required(self) -> dict[str, Capacity]:
         """The names that need live workers before this gateway is ready, and the workers they have: those
-        published directly, the registered ones that are pinned or keep replicas, and those kvrelay serve
-        started; a registered model loaded on demand does not (its first request loads it)."""
-        needed = [*self.direct, *(name for name, s in self.specs.items()
-                                  if s.pinned or s.min_replicas > 0 or name in self.startup)]
+        kvrelay serve started, the registered ones that are pinned or keep replicas, and those published
+        directly while a live worker still holds them (one phase down is not ready); a registered model
+        loaded on demand does not (its first request loads it). A direct model whose workers are all gone
+        is what a finished deployment left in Redis (its record outlives them by ``MODEL_TTL_S``): it
+        answers 503 until then, but never holds back the models that are served."""
+        needed = [*(name for name in self.direct if name in self.startup or self._held(name)),
+                  *(name for name, s in self.specs.items()
+                    if s.pinned or s.min_replicas > 0 or name in self.startup)]
         return {name: self.capacity(name) for name in needed}
+
+    def _held(self, name: str) -> bool:
+        held = self.capacity(name)
+        return held.prefill > 0 or held.decode > 0
 
 
 async def served(app: web.Application, fresh: bool = False) -> Served:

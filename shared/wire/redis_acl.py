@@ -31,7 +31,7 @@ COMMANDS = {
                           "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
                           "sadd", "srem", "smembers", "scard", "lpush",
                           "xadd", "xlen", "xrange", "xinfo", "xpending", "publish", "wait"),
-    "worker": _COMMON + ("get", "set", "mget", "del", "exists", "sadd", "srem", "smembers", "brpop",
+    "worker": _COMMON + ("get", "set", "mget", "del", "exists", "expire", "sadd", "srem", "smembers", "brpop",
                          "xadd", "xlen", "xrange", "xreadgroup", "xack", "xdel", "xautoclaim", "xclaim",
                          "xgroup", "xinfo", "xpending", "subscribe", "unsubscribe"),
 }

@@ -9,7 +9,8 @@ with them. Values stored under these keys are ``shared.wire.protocol`` messages 
     dead_letter_stream(model) stream; jobs delivered more than MAX_DELIVERIES times, same field
     worker_key(worker_id)     string, encode(WorkerInfo), SET with EX=HEARTBEAT_TTL_S every
                               HEARTBEAT_INTERVAL_S; the id is also SADDed to WORKERS_INDEX
-    model_key(name)           string, encode(ModelInfo), no TTL; the name is SADDed to MODELS_INDEX
+    model_key(name)           string, encode(ModelInfo), EX=MODEL_TTL_S renewed by every heartbeat of a
+                              worker that holds it; the name is SADDed to MODELS_INDEX
     ABORT_CHANNEL             pub/sub; gateway PUBLISHes encode(Abort); every worker subscribes
     gateway_key(reply_addr)   string, the gateway's id, SET with EX=GATEWAY_TTL_S every
                               GATEWAY_HEARTBEAT_S by each gateway, keyed by the ZMQ PULL address its Jobs
@@ -64,6 +65,9 @@ HEARTBEAT_INTERVAL_S = 2.0
 # Several missed heartbeats before a worker counts as dead: a GC pause or a long prefill step must not
 # make the gateway answer 503.
 HEARTBEAT_TTL_S = 10
+# A model record outlives the last worker holding it by this much: a worker restarting keeps its model
+# known (503 and Retry-After, not 404), and a deployment that is gone leaves no name behind for good.
+MODEL_TTL_S = 300
 # Gateways beat as workers do: a gateway killed with -9 stops beating, and within GATEWAY_TTL_S the
 # workers free its requests' decode seats and KV instead of decoding for nobody until max_tokens.
 GATEWAY_HEARTBEAT_S = 1.0

@@ -60,7 +60,7 @@ class Registration:
                          eos_token_ids=slot.eos_ids, block_size=core.block_size,
                          dtype=str(core.dtype).removeprefix("torch."), served_name=slot.name,
                          version=slot.version)
-        self.redis.set(keys.model_key(info.name), encode(info))
+        self.redis.set(keys.model_key(info.name), encode(info), ex=keys.MODEL_TTL_S)
         self.redis.sadd(keys.MODELS_INDEX, info.name)
 
     def heartbeat(self) -> None:
@@ -134,8 +134,8 @@ class Registration:
             self._restore_due = False
             return
         pipe = self.redis.pipeline(transaction=False)
-        for slot in slots:
-            pipe.exists(keys.model_key(slot.instance))
+        for slot in slots:  # renewed while held; EXPIRE answers 0 for a record that is gone
+            pipe.expire(keys.model_key(slot.instance), keys.MODEL_TTL_S)
         missing = [s for s, found in zip(slots, pipe.execute(), strict=True) if not found]
         if missing:  # lost some other way (deleted by hand): gateways must see the models again
             self._publish_models(missing)
