@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvrelay.shared.engine.kv_pool import KVPool
     from kvrelay.shared.engine.outputs import EngineCoreOutput
     from kvrelay.shared.engine.request import Request
-    from kvrelay.shared.engine.scheduler import SchedulerOutput
+    from kvrelay.shared.engine.scheduler_output import SchedulerOutput
 
 _HOMES = {
     "EngineCore": "kvrelay.shared.engine.engine_core",
@@ -25,7 +25,7 @@ _HOMES = {
     "KVPool": "kvrelay.shared.engine.kv_pool",
     "EngineCoreOutput": "kvrelay.shared.engine.outputs",
     "Request": "kvrelay.shared.engine.request",
-    "SchedulerOutput": "kvrelay.shared.engine.scheduler",  # what an EngineObserver is shown of a step
+    "SchedulerOutput": "kvrelay.shared.engine.scheduler_output",  # what an EngineObserver is shown of a step
 }
 
 __all__ = ["EngineCore", "EngineObserver", "EngineKV", "LayerSaver", "detached_kv", "KVPool", "EngineCoreOutput",

@@ -102,7 +102,7 @@ class KVPool(KVChunks):
         now (at least ``floor_blocks``). Raises KVPoolFull when even reclaiming cannot cover the floor.
         ``within_base``: the view covers only the pool's own size (``base_bytes``), never the range reserved
         for growth, so the model's block ids stay below ``base_bytes // block_bytes`` however far the pool
-        grows (a parallel group, whose other ranks hold a cache of its view's length: model_runner.py)."""
+        grows (a parallel group, whose other ranks hold a cache of its view's length: kv_cache.py)."""
         if key in self.members:
             raise ValueError(f"{key!r} is already attached to this KV pool")
         if floor_blocks < 1:

@@ -1,9 +1,6 @@
 """Turns a scheduler decision (request ids, token counts, block ids) into tensors, runs the model and
-the sampler, and holds the paged KV cache (plus the host swap space) of one model.
-
-The KV cache is this model's view of a KVPool (shared/engine/kv_pool.py): a pool shared with co-resident
-models when the worker passes one, else a private pool of exactly the size computed here, all of it
-owned by this model (so a lone model behaves as if it owned a plain tensor).
+the sampler, and holds the paged KV cache (plus the host swap space) of one model: its allocation and
+swap copies are kv_cache.py's, what a KV handoff asks of it handoff_hooks.py's (both mixed in here).
 
 On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
 (shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
@@ -13,8 +10,6 @@ host sync is the sampler reading back the sampled ids. With async scheduling ``l
 reads them later (shared/engine/async_step.py).
 """
 
-import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +18,10 @@ import torch
 
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
+from kvrelay.shared.engine.handoff_hooks import HandoffHooks
+from kvrelay.shared.engine.kv_cache import RunnerKVCache
 from kvrelay.shared.engine.kv_dtype import FP8_NAMES, attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
@@ -35,19 +31,13 @@ from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
-from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, stage_layers, total_kv_heads
 from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
-from kvrelay.shared.engine.scheduler import SchedulerOutput
+from kvrelay.shared.engine.scheduler_output import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
-from kvrelay.shared.wire.rank_step import RankAlloc, RankProfile, RankSwap
-
-log = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -57,7 +47,7 @@ class StepResult:
     # the prompt tokens after it): a chunk covering positions p.. predicts prompt tokens p+1..
 
 
-class ModelRunner:
+class ModelRunner(RunnerKVCache, HandoffHooks):
     def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
                  kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None):
         """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
@@ -94,110 +84,16 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
         self.structured: StructuredOutputManager | None = None  # set by the engine core
-        max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        if kv_pool is None:
-            num_blocks = self._num_kv_blocks()
-            if num_blocks < max_blocks_per_seq:
-                raise ValueError(
-                    f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens hold "
-                    f"{num_blocks * self.block_size} tokens, but one sequence of max_model_len={self.max_model_len} "
-                    f"needs {max_blocks_per_seq} blocks; raise the KV memory or lower max_model_len"
-                )
-            kv_pool, kv_floor_blocks = KVPool(num_blocks * self.block_bytes, self.device), num_blocks
-        self.kv_pool = kv_pool
-        self.kv_pool_key = kv_pool_key or str(config.model.model)
-        m = self.model
-        # kv_cache: [L, 2, N, bs, Hkv, D] over the whole pool; only kv_block_ids are ours to use now. A group's
-        # view stops at the pool's own size: its other ranks each allocate a cache of the view's length
-        # (RankAlloc), and a growable pool's view spans the range reserved for growth (its size plus the
-        # worker's weights budget), which would be a cache that large, allocated whole, on every other rank.
-        # Growing their caches in step with rank 0's chunks would need growable memory on every rank's device
-        # and a message per grow; held to the pool's own size, rank 0's block manager is never lent an id
-        # past the other ranks' caches (the pool gives no block beyond a view), and those caches are what
-        # they were over a fixed pool. The group's KV still grows within that size, taking other models' chunks.
-        self.kv_cache, self.kv_block_ids = kv_pool.attach(
-            self.kv_pool_key, m.kv_layers, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype,
-            floor_blocks=kv_floor_blocks or max_blocks_per_seq, within_base=self.ranks is not None)
-        self.num_blocks = len(self.kv_block_ids)
-        self.num_host_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
-        if self.ranks is not None:  # every rank's cache has rank 0's block count, holding its own heads
-            self.ranks.send(RankAlloc(self.kv_cache.shape[2], self.num_host_blocks))
-        self.host_cache = None
-        if self.num_host_blocks:
-            pin = self.device.type == "cuda"
-            self.host_cache = torch.zeros(self.kv_shape(self.num_host_blocks), dtype=self.kv_dtype, pin_memory=pin)
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s); swap: %d blocks", self.num_blocks,
-                 self.block_size, self.num_blocks * self.block_bytes / 2**20,
-                 str(self.kv_dtype).removeprefix("torch."), self.num_host_blocks)
+        self._allocate_kv_cache(kv_pool, kv_floor_blocks, kv_pool_key)
         self._tables = BlockTableCache()
         # read every step, so a benchmark may flip it to time eager decode on the same loaded model
         self.enforce_eager = config.model.enforce_eager
-        self.kv_stream = None  # see set_kv_stream
-        self._streaming = self._hooked = False
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not self.enforce_eager and self.ranks is None:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
                                   self.block_size)
             if graphs.capture():
                 self.graphs = graphs
-
-    # -- sizing ---------------------------------------------------------------------------------
-    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        m = self.model
-        return (m.kv_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-
-    @property
-    def block_bytes(self) -> int:
-        m = self.model
-        return m.kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks is not None:
-            return cache.num_gpu_blocks
-        if cache.kv_cache_memory is not None:
-            return cache.kv_cache_memory // self.block_bytes
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BYTES // self.block_bytes
-        # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak
-        sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
-        rows = min(num_tokens, sched.max_num_seqs)
-        if self.ranks is not None:  # every rank profiles its own device; the group keeps what fits on all
-            self.ranks.send(RankProfile(num_tokens, rows))
-        blocks = free_kv_blocks(self.model, num_tokens, rows, self.block_size, self.kv_dtype, self.device,
-                                cache.gpu_memory_utilization, self.block_bytes)
-        return (self.ranks.state if self.ranks is not None else SINGLE).min_int(blocks)
-
-    def set_kv_stream(self, stream) -> None:
-        """A prefill worker's layer-by-layer handoff (shared/handoff/layer_stream.py ``LayerStream``): told
-        before each eager forward which prompts it finishes, and after each decoder layer that the layer's
-        KV is written (queued on the compute stream), so their KV can leave while later layers compute."""
-        if self.ranks is not None:
-            raise ValueError("layer-by-layer KV streaming does not support tensor_parallel_size > 1 yet")
-        if self.kv_stream is None and not self._hooked:
-            self._hooked = True
-            for i, layer in enumerate(self.model.decoder_layers()):
-                layer.register_forward_hook(lambda _mod, _args, _out, i=i: self._layer_done(i))
-        self.kv_stream = stream
-
-    def _layer_done(self, layer: int) -> None:
-        if self._streaming:
-            self.kv_stream.layer_done(layer)
-
-    def _forward(self, out: SchedulerOutput, t, meta: AttentionMetadata) -> torch.Tensor:
-        """The eager forward, reporting layers to ``kv_stream`` when this step finishes a prompt it wants."""
-        if self.kv_stream is not None:
-            finishing = [(sr.request.request_id, sr.block_ids) for sr in out.scheduled
-                         if sr.request.num_computed_tokens < sr.request.num_prompt_tokens
-                         and sr.request.num_computed_tokens + sr.num_new_tokens == sr.request.num_tokens]
-            self._streaming = bool(finishing) and self.kv_stream.begin(finishing)
-        try:
-            return self.model(t.input_ids, t.positions, self.kv_cache, meta)  # [T, hidden]
-        finally:
-            if self._streaming:
-                self._streaming = False
-                self.kv_stream.end()
 
     # -- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -361,41 +257,6 @@ class ModelRunner:
                     prompt_rows.append((req, (row0, count, start)))
         return batch, sample_reqs, prompt_rows
 
-    def _swap(self, out: SchedulerOutput) -> None:
-        if self.ranks is not None and (out.swap_out or out.swap_in):  # every rank swaps its own heads
-            self.ranks.send(RankSwap([list(p) for p in out.swap_out], [list(p) for p in out.swap_in]))
-        # swap-outs first: a block freed by a swap-out may be reused by a swap-in of the same step. Blocks
-        # move as their bytes (an fp8 cache's stay fp8 under the same fixed scales)
-        if not (out.swap_out or out.swap_in):
-            return
-        dev, host = _raw(self.kv_cache), _raw(self.host_cache)
-        if out.swap_out:
-            dev_ids, host_ids = zip(*out.swap_out, strict=True)
-            host[:, :, list(host_ids)] = dev[:, :, list(dev_ids)].to("cpu")
-        if out.swap_in:
-            host_ids, dev_ids = zip(*out.swap_in, strict=True)
-            dev[:, :, list(dev_ids)] = host[:, :, list(host_ids)].to(self.device)
-
-    # -- KV as full blocks (every layer, every head), for a handoff between any parallel layouts -----
-    @property
-    def total_kv_heads(self) -> int:
-        return total_kv_heads(self.model)
-
-    @property
-    def world_size(self) -> int:
-        """The processes this model runs in: tensor-parallel ranks times pipeline stages."""
-        return 1 if self.ranks is None else self.ranks.world_size
-
-    @torch.inference_mode()
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """``[all layers, 2, n, bs, all KV heads, D]`` of ``block_ids``, gathered from every rank."""
-        return driver_export(self.ranks, self.kv_cache, block_ids, self.total_kv_heads, stage_layers(self.model))
-
-    @torch.inference_mode()
-    def import_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
-        """Write full blocks into ``block_ids``, each rank its own stage's layers and its own heads."""
-        driver_import(self.ranks, self.kv_cache, block_ids, full, stage_layers(self.model))
-
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)
         self._tables.drop(request_id)
@@ -409,11 +270,6 @@ class ModelRunner:
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
         if self.ranks is not None:
             self.ranks.close()
-
-
-def _raw(kv: torch.Tensor) -> torch.Tensor:
-    """An fp8 cache as uint8 (the same bytes): index copies need not support float8 on every device."""
-    return kv.view(torch.uint8) if kv.element_size() == 1 else kv
 
 
 def token_at(req: Request, pos: int) -> int:

@@ -72,7 +72,7 @@ class LoadRoom:
         floor = self._floor_bytes(plan)
         # the KV pool gives back what it borrowed of the weights budget (kv_cap), keeping what is in use
         cap = self._kv_cap(weights)
-        # a group's KV stays within the pool's own size (its other ranks' caches mirror it: model_runner.py)
+        # a group's KV stays within the pool's own size (its other ranks' caches mirror it: engine/kv_cache.py)
         within = plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1
         kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap, within)
         if need <= 0 and kv_short <= 0:

@@ -79,7 +79,7 @@ def kv_floor_bytes(engine: EngineConfig, root: Path | None = None) -> int:
     heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads
-    # a group's floor is rank 0's part of the shared pool: its own KV heads, its stage's layers (model_runner.py)
+    # a group's floor is rank 0's part of the shared pool: its own KV heads, its stage's layers (engine/kv_cache.py)
     tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
     kv_heads = kv_heads // tp if kv_heads >= tp else 1
     layers = -(-layers // pp) if layers >= pp else layers  # stage 0 holds the most (parallel/pipeline.py)

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["gateway", "shared", "prefill_worker", "decode_worker", "unified_worker", "kvrelay", "bench", "kernels"]
 ENGINE = ROOT / "shared" / "engine"
 INTERNAL_MODULES = {"scheduler", "block_manager", "model_runner", "swap", "fair_queue", "step_inputs",
-                    "cuda_graphs", "weight_upload", "sampler", "async_step"}
+                    "cuda_graphs", "weight_upload", "sampler", "async_step", "scheduler_output", "admission",
+                    "token_budget", "kv_cache", "handoff_hooks"}
 INTERNAL_ATTRIBUTES = {"scheduler", "block_manager", "runner"}
 
 

@@ -16,10 +16,11 @@ from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes
 from tests.conftest import make_tiny_model
+from tests.unit.model_host_requests import serve_greedy
 
 BLOCK = 4096  # the tiny llama's KV block: 2 layers x K/V x 8 tokens x 2 heads x 16 dims x fp32
 BASE_BLOCKS = 32  # the pool's own size: both floors (8 blocks each, max_model_len 64) and 16 more
-PROMPT, NEW = 40, 4  # 5 blocks to admit, 6 to finish: a 24-block share runs 4 of these at once
+PROMPT, NEW, N = 40, 4, 12  # 5 blocks to admit, 6 to finish: a 24-block share runs 4 of these at once
 
 
 @pytest.fixture(scope="module")
@@ -78,36 +79,19 @@ def run(host: ModelHost, cmd: ControlCommand) -> None:
     assert not host.loading
 
 
-def serve_many(host: ModelHost, instance: str, n: int = 12) -> tuple[int, list[list[int]]]:
-    """``n`` greedy requests at once on ``instance``: (the most running together, each one's tokens)."""
-    core = host.slots[instance].core
-    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(n)]
-    for i, rid in enumerate(ids):
-        prompt = [(7 * i + t) % 500 + 1 for t in range(PROMPT)]
-        core.add_request(core.make_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=NEW)))
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    peak = 0
-    while core.has_unfinished():
-        for o in core.step():
-            out[o.request_id] += o.new_token_ids
-        peak = max(peak, core.num_running)
-        host.tick()  # as the worker loop does between steps
-    return peak, [out[rid] for rid in ids]
-
-
 def test_unloading_a_model_grows_the_others_kv_and_loading_it_shrinks_it(repo):
     host = make_host(repo)
     pool = host.pool
     run(host, command("load", "a"))
     run(host, command("load", "b"))
     assert pool.cap == BASE_BLOCKS * BLOCK  # the weights budget is all in use: the pool is its own size
-    peak_shared, tokens = serve_many(host, "a@1")
+    peak_shared, tokens = serve_greedy(host, "a@1", N, PROMPT, NEW)
     assert 2 <= peak_shared <= 4  # a's share of the pool: 24 blocks
     assert pool.committed_bytes <= BASE_BLOCKS * BLOCK
 
     run(host, command("unload", "b"))
     assert "b@1" not in host.slots and pool.cap == BASE_BLOCKS * BLOCK + host.weights_budget // 2
-    peak_alone, tokens_alone = serve_many(host, "a@1")
+    peak_alone, tokens_alone = serve_greedy(host, "a@1", N, PROMPT, NEW)
     assert peak_alone == 12 > peak_shared  # all of them at once, in memory b's weights held
     assert pool.committed_bytes > BASE_BLOCKS * BLOCK  # grown beyond the pool's old size
     assert tokens_alone == tokens  # greedy: the same tokens from blocks anywhere in the range
@@ -116,9 +100,9 @@ def test_unloading_a_model_grows_the_others_kv_and_loading_it_shrinks_it(repo):
     assert "b@1" in host.slots and pool.cap == BASE_BLOCKS * BLOCK
     assert pool.committed_bytes <= BASE_BLOCKS * BLOCK  # a's grown chunks were given back for b's weights
     assert host.slots["a@1"].core.num_total_blocks <= BASE_BLOCKS - 8
-    peak_again, tokens_again = serve_many(host, "a@1")
+    peak_again, tokens_again = serve_greedy(host, "a@1", N, PROMPT, NEW)
     assert peak_again <= 4 and tokens_again == tokens
-    assert serve_many(host, "b@1", n=2)[1][0]  # b serves from the pool it got back
+    assert serve_greedy(host, "b@1", 2, PROMPT, NEW)[1][0]  # b serves from the pool it got back
 
 
 def test_a_load_is_refused_while_the_grown_kv_is_in_use_and_loads_once_it_is_free(repo):

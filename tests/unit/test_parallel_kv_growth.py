@@ -9,7 +9,6 @@ import time
 import psutil
 import pytest
 
-from kvrelay import SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.kv_memory import PAGE
 from kvrelay.shared.engine.kv_pool import KVPool
@@ -17,6 +16,7 @@ from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, group_weight_bytes, kv_floor_bytes
 from tests.conftest import make_tiny_model
+from tests.unit.model_host_requests import serve_greedy
 from tests.unit.parallel_ranks import children
 from tests.unit.test_model_host import Hooks, run
 
@@ -43,21 +43,6 @@ def _load(name: str) -> ControlCommand:
     return ControlCommand(command_id=f"load-{name}-{time.monotonic_ns()}", op="load", name=name)
 
 
-def _serve_many(host: ModelHost, instance: str) -> list[list[int]]:
-    """``N`` greedy requests at once on ``instance``, the host ticking between steps as the worker loop does."""
-    core = host.slots[instance].core
-    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(N)]
-    for i, rid in enumerate(ids):
-        prompt = [(7 * i + t) % 500 + 1 for t in range(PROMPT)]
-        core.add_request(core.make_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=NEW)))
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    while core.has_unfinished():
-        for o in core.step():
-            out[o.request_id] += o.new_token_ids
-        host.tick()
-    return [out[rid] for rid in ids]
-
-
 @pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_a_group_on_a_growable_pool_stays_within_its_own_size(llama, sizes):
     before = children()
@@ -81,11 +66,12 @@ def test_a_group_on_a_growable_pool_stays_within_its_own_size(llama, sizes):
         assert block_bytes == kv_floor_bytes(_engine(llama, *sizes)) // 8 == BLOCK // 2
         assert group.runner.kv_cache.shape[2] == group.block_manager.id_space == BASE // block_bytes
 
-        want = _serve_many(host, "one")  # more than the pool's own size: it grows into the weights budget
+        # more than the pool's own size: it grows into the weights budget
+        _, want = serve_greedy(host, "one", N, PROMPT, NEW)
         assert pool.committed_bytes > BASE
         assert max(c for c in pool.members["one"].chunks) * pool.chunk_bytes >= BASE
 
-        got = _serve_many(host, "group")  # takes the one model's free chunks within its own size
+        _, got = serve_greedy(host, "group", N, PROMPT, NEW)  # takes the one's free chunks within its own size
         assert got == want
         # the other rank has long allocated its cache (its steps ran): a reserved-range one would be resident
         (pid,) = group.runner.ranks.pids

@@ -1,0 +1,36 @@
+"""What the scheduler decides for one step, in block ids: the requests scheduled with their token counts
+and block tables, the swap copies, the preempted and the aborted. The runner turns it into tensors
+(model_runner.py); the scheduler (scheduler.py) produces it and advances requests by it."""
+
+from dataclasses import dataclass, field
+
+from kvrelay.shared.engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # full block table after allocation
+    # This step computes the request's last known token, so the runner samples one. Fixed at schedule
+    # time because update_from_output moves num_computed_tokens.
+    sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        req = self.request  # a pending token (async scheduling) is known to exist, so it counts
+        self.sample = req.num_computed_tokens + self.num_new_tokens == req.num_tokens + req.num_pending
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    aborted: list[Request] = field(default_factory=list)  # ended by the scheduler: can never fit
+
+    @property
+    def empty(self) -> bool:
+        # Swap copies alone still need the runner: a swapped-out block may be reused next step.
+        return not (self.scheduled or self.swap_out or self.swap_in)

@@ -1,0 +1,69 @@
+"""One step's token budget: how many new tokens the scheduler may still grant, and to whom.
+
+Decodes come before prompt chunks in the budget: a prompt chunk is granted only what leaves a token for
+every decode after it in the running list. While any request decodes, the step's prompt tokens are also
+capped at ``max_prefill_tokens_with_decodes`` (Sarathi-Serve's stall-free batching), so a decode step
+costs about the same with or without a long prompt beside it; with nothing decoding a prompt takes the
+whole budget. Without chunked prefill a prompt is never split: it runs whole or waits.
+"""
+
+from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.engine.request import Request
+
+
+def max_batched_tokens(config: SchedulerConfig, max_model_len: int) -> int:
+    """The tokens one step may compute: ``max_num_batched_tokens``, or its default."""
+    budget = config.max_num_batched_tokens
+    if budget is None:
+        budget = 2048 if config.enable_chunked_prefill else max_model_len
+    if budget < 1:
+        raise ValueError(f"max_num_batched_tokens must be at least 1, got {budget}")
+    if not config.enable_chunked_prefill and budget < max_model_len:
+        # Without chunking a whole prompt must fit one step, or the longest prompts could never run.
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
+            "when chunked prefill is disabled"
+        )
+    return budget
+
+
+def is_decode(req: Request) -> bool:
+    """Past its prompt, needing one token: a decode row (with async scheduling the token it needs
+    is the pending one)."""
+    return bool(req.num_output_tokens + req.num_pending) and \
+        req.num_tokens + req.num_pending - req.num_computed_tokens == 1
+
+
+class StepBudget:
+    """What is left of one step's budget: ``tokens`` in all, ``prefill_left`` of them for prompt tokens,
+    and ``reserve``, a token for each decode of the running list not yet reached."""
+
+    def __init__(self, total: int, running: list[Request], config: SchedulerConfig):
+        self.total = self.tokens = total
+        self.chunked = config.enable_chunked_prefill
+        self.reserve = sum(map(is_decode, running))
+        cap = config.max_prefill_tokens_with_decodes
+        # Without chunking a prompt cannot be split to fit a cap, so it would only wait.
+        self.prefill_left = cap if self.reserve and self.chunked and cap else total
+
+    def reach(self, decode: bool) -> int:
+        """The running list's next request is reached (``decode``: it is a decode row); what it may take."""
+        self.reserve -= decode
+        return self.tokens if decode else min(self.tokens - self.reserve, self.prefill_left)
+
+    @property
+    def for_waiting(self) -> int:
+        """What a waiting request may take (its tokens are all prompt tokens)."""
+        return min(self.tokens, self.prefill_left)
+
+    def fit(self, n: int, limit: int) -> int:
+        """``n`` wanted tokens cut to ``limit``; 0 without chunking when not all of them fit."""
+        return 0 if not self.chunked and n > limit else min(n, limit)
+
+    def take(self, n: int, decode: bool) -> None:
+        self.tokens -= n
+        self.prefill_left -= 0 if decode else n
+
+    @property
+    def used(self) -> int:
+        return self.total - self.tokens
