@@ -154,8 +154,17 @@ class PrefillWorker:
     def _fetch(self, slot: ModelSlot, block_ms: int) -> int:
         jobs = self.intake.fetch(slot, block_ms)
         for entry_id, job in jobs:
-            if job.request_id in self.handoff.transfers:
+            t = self.handoff.transfers.get(job.request_id)
+            if t is not None and (t.entry_id == entry_id or not t.computed):
                 continue  # our own pending job reclaimed back to us: it is still in progress here
+            if t is not None:
+                # a new entry of a job we are handing off: the gateway queued it again because the decode
+                # worker that told it it held the job died, and it claimed the re-run (shared/wire/rerun.py);
+                # that worker will never ack, so the old transfer ends now rather than when we see it gone
+                log.warning("request %s: decode worker %s left; its gateway queued it again already",
+                            job.request_id, t.target_id)
+                self.handoff.cancel(job.request_id)
+                self.intake.ack(slot.instance, t.entry_id)
             admitted = self.intake.admit(slot, entry_id, job)
             if admitted is not None:
                 _rec, req = admitted
