@@ -23,7 +23,7 @@ model given by path; streams, ModelInfo and WorkerInfo.models use instance keys)
     load_lock_key(instance)   string SET NX EX LOAD_LOCK_TTL_S by the gateway placing a load, so
                               concurrent requests on several gateways start one load, not many
     RECONCILE_LOCK            string SET NX EX: the one gateway reconciling the registry this round
-    rerun_key(job_id, worker)  string SET NX EX by whichever of the gateway and the prefill worker first sees
+    rerun_key(job, worker)    string SET NX EX by whichever of the gateway and the prefill worker first sees
                               the decode worker ``worker`` die holding the job in the window where both may
                               re-run it (it told the gateway, the prefill side never got its ack): only the
                               one that set it runs the job again (shared/wire/rerun.py)

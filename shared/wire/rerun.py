@@ -12,7 +12,10 @@ one side ever asks (before the announcement only the prefill worker knows; after
 gateway), so the claim is always its own.
 
 The key names the decode worker, so a re-run whose new holder dies again is claimed afresh; it lives
-until the job's deadline (plus a margin), after which nobody could re-run it anyway.
+until the job's deadline (plus a margin), after which nobody could re-run it anyway. Default worker ids
+(host-pid-random) never repeat; a decode worker restarted under the same explicit ``--worker-id`` that dies
+again in the same window holding the same job finds the claim taken on both sides, and that request ends
+with ``worker_lost`` (or at its deadline) instead of a third run.
 """
 
 import time
