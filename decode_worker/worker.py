@@ -21,7 +21,9 @@ KV until no prefill worker holds it any more, then finishes its running requests
 
 import logging
 import math
+import os
 import time
+from pathlib import Path
 
 import redis
 import zmq
@@ -42,6 +44,10 @@ from kvrelay.shared.worker.token_event import token_event
 log = logging.getLogger(__name__)
 
 LIVE_ASKERS_CACHE_S = 1.0  # how stale our view of which prefill workers heartbeat may be
+# For tests only, never set in a deployment: a file path here makes the worker, once it has told the gateway
+# it holds a request and before its ack leaves for the prefill worker, create that file and stop, so a test
+# can kill -9 it in exactly that window (tests/e2e/test_rerun_once.py).
+TEST_HOLD_BEFORE_ACK_ENV = "KVRELAY_TEST_HOLD_BEFORE_ACK"
 
 
 class DecodeWorker:
@@ -157,6 +163,9 @@ class DecodeWorker:
         self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, output_index=1,
                                                          worker_id=self.config.worker_id))
         self.runtime.events.flush()
+        hold = os.environ.get(TEST_HOLD_BEFORE_ACK_ENV)
+        if hold:
+            _hold_for_test(hold)
 
     def _abandon(self) -> None:
         for rec in self.inflight.abandon():
@@ -167,6 +176,13 @@ class DecodeWorker:
             if slot is not None:
                 slot.core.kv.free(rid)  # KV never came; its prefill worker times the handoff out
         self.receiver.grants.clear()
+
+
+def _hold_for_test(marker: str) -> None:
+    log.warning("%s is set: holding before the ack until killed (a test's switch)", TEST_HOLD_BEFORE_ACK_ENV)
+    Path(marker).touch()
+    while True:
+        time.sleep(1.0)
 
 
 def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int, advertise_host: str | None = None, *,

@@ -66,6 +66,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
                       dataclasses.replace(gateway, zmq_port=gateway.zmq_port + i if gateway.zmq_port else 0))
                 for i in range(args.api_server_count)]
     commands = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
+    decode_sizes = _decode_sizes(args)
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
@@ -76,6 +77,8 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             "worker_port": args.worker_port + i if args.worker_port else 0,
             "worker_monitoring_port": None if args.worker_monitoring_port is None else args.worker_monitoring_port + i,
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
+        if command == "decode-worker":
+            given |= decode_sizes
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
         if command == "prefill-worker" and given.get("async_scheduling"):
@@ -84,3 +87,13 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"}))
     return children
+
+
+def _decode_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The decode worker's own parallel sizes, where --decode-*-parallel-size gives them."""
+    sizes = {f"{kind}_parallel_size": getattr(args, f"decode_{kind}_parallel_size") for kind in ("tensor", "pipeline")}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if sizes and args.mode != "disaggregated":
+        flag = "--decode-" + next(iter(sizes)).replace("_", "-")
+        raise ConfigError(f"argument {flag}: only with --mode disaggregated (a unified worker has one size)")
+    return sizes

@@ -19,7 +19,9 @@ and a gateway's abort cancels that.
 A worker killed anywhere before the XACK leaves the job pending for a peer to reclaim; the decode side
 refuses a request id it already holds, so a reclaimed job never yields two streams. A decode worker that
 leaves the registry after the KV went out but before its ack (prefill_worker/handoff.py) held nothing:
-the job goes back to the stream when a re-run repeats its text exactly, else it ends with an error.
+the job goes back to the stream when a re-run repeats its text exactly, else it ends with an error. Having
+admitted it, that worker may have told the gateway it held it, and the gateway re-runs such a job too:
+one claim in Redis lets exactly one of them do it (shared/wire/rerun.py).
 
 SIGTERM drains: no new jobs are read, those in the engine and in handoff finish (up to the drain
 timeout), and what is left is handed back to the stream for a peer (``_abandon``).
@@ -32,10 +34,13 @@ engine; one step serves each in turn, and one HandoffManager carries all their K
 import logging
 import time
 
+import redis
+
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.outputs import EngineCoreOutput
+from kvrelay.shared.wire import rerun
 from kvrelay.shared.wire.job_queue import replayable
 from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
@@ -149,8 +154,17 @@ class PrefillWorker:
     def _fetch(self, slot: ModelSlot, block_ms: int) -> int:
         jobs = self.intake.fetch(slot, block_ms)
         for entry_id, job in jobs:
-            if job.request_id in self.handoff.transfers:
+            t = self.handoff.transfers.get(job.request_id)
+            if t is not None and (t.entry_id == entry_id or not t.computed):
                 continue  # our own pending job reclaimed back to us: it is still in progress here
+            if t is not None:
+                # a new entry of a job we are handing off: the gateway queued it again because the decode
+                # worker that told it it held the job died, and it claimed the re-run (shared/wire/rerun.py);
+                # that worker will never ack, so the old transfer ends now rather than when we see it gone
+                log.warning("request %s: decode worker %s left; its gateway queued it again already",
+                            job.request_id, t.target_id)
+                self.handoff.cancel(job.request_id)
+                self.intake.ack(slot.instance, t.entry_id)
             admitted = self.intake.admit(slot, entry_id, job)
             if admitted is not None:
                 _rec, req = admitted
@@ -223,14 +237,27 @@ class PrefillWorker:
         if t.target_lost and not t.computed:
             return  # its prompt is still computing: its first token starts a transfer to another decode worker
         if t.target_lost and replayable(t.job):
-            # its decode worker left before admitting it, so nothing holds it: run it again (here or on a
-            # peer), and the gateway keeps the tokens its client has and takes the rest of the same text
+            # its decode worker left before acking it, so nothing holds it: run it again (here or on a
+            # peer), and the gateway keeps the tokens its client has and takes the rest of the same text;
+            # unless the gateway, which that worker may have told it held the request, re-ran it first
+            if not self._claim_rerun(t):
+                log.warning("request %s: %s; its gateway queued it again already", t.job.request_id, t.reason)
+                self.intake.ack(slot.instance, t.entry_id)
+                return
             log.warning("request %s: %s; its job goes back to the stream", t.job.request_id, t.reason)
             self.intake.hand_back([(slot.instance, t.entry_id)])
             return
         self.intake.answer(slot.instance, t.entry_id, t.job, TokenEvent(
             request_id=t.job.request_id, finish_reason="error", error=f"KV handoff failed: {t.reason}",
             output_index=1))
+
+    def _claim_rerun(self, t: Transfer) -> bool:
+        """Is the re-run of a job whose decode worker died unacked ours (shared/wire/rerun.py)?"""
+        try:
+            return rerun.claim(self.runtime.redis, t.job.request_id, t.target_id, t.job.deadline,
+                               self.config.worker_id)
+        except redis.RedisError:
+            return True  # cannot tell: hand it back, which a Redis that is down defers to a peer's reclaim
 
     def _abandon(self) -> None:
         """Drain timeout: jobs not yet prefilled go back to the stream. So do those waiting for a decode

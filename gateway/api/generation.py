@@ -29,6 +29,7 @@ from kvrelay.gateway.queued_jobs import QueuedRequest
 from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire import rerun
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.job_queue import replayable
 from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent
@@ -262,12 +263,34 @@ class Generation:
         if not dead:
             return
         lost = [c for c in self.choices if not c.finished and self._holders.get(c.job_id) in dead]
-        if self._requeues < MAX_REQUEUES and all(replayable(self._job(c)) for c in lost) and await self._requeue(lost):
-            log.warning("request %s (client id %s): decode worker %s stopped; %d job(s) queued again", self.request_id,
-                        self.client_request_id, ", ".join(sorted(dead)), len(lost))
-            return
+        if self._requeues < MAX_REQUEUES and all(replayable(self._job(c)) for c in lost):
+            ours = await self._claim_reruns(lost)
+            if ours is not None and (not ours or await self._requeue(ours)):
+                log.warning("request %s (client id %s): decode worker %s stopped; %d job(s) queued again, %d by "
+                            "their prefill worker", self.request_id, self.client_request_id, ", ".join(sorted(dead)),
+                            len(ours), len(lost) - len(ours))
+                return
         raise APIError(503, f"the worker serving this request stopped ({', '.join(sorted(dead))})",
                        code="worker_lost", headers={"Retry-After": str(self.app[CONFIG].retry_after_s)})
+
+    async def _claim_reruns(self, lost: list[ChoiceState]) -> list[ChoiceState] | None:
+        """The jobs whose re-run is ours (shared/wire/rerun.py); the others' prefill worker saw their decode
+        worker die before it acked them and runs them again itself: forget their dead holder and wait for
+        the re-run's events. None when Redis does not answer."""
+        ours = []
+        try:
+            for choice in lost:
+                holder = self._holders[choice.job_id]
+                if await rerun.claim_async(self.app[REDIS], choice.job_id, holder, self.deadline, "gateway"):
+                    ours.append(choice)
+                else:
+                    del self._holders[choice.job_id]
+        except redis.RedisError as exc:
+            redis_failed(self.app, exc)
+            return None
+        if len(ours) < len(lost):
+            self._requeues += 1  # a re-run all the same: a second death of the request's holder fails it
+        return ours
 
     async def _requeue(self, lost: list[ChoiceState]) -> bool:
         """Queue the jobs a dead decode worker held again, from their prompt: its KV died with it, and a

@@ -28,6 +28,14 @@ class ServeConfig:
     crash_window: float = setting(300.0, "seconds over which --max-crashes counts a child's exits", gt=0)
     # The embedded Redis holds tenants, API keys, registered models, limits and counters: kept in a folder
     # of the user's (kvrelay/state_dir.py), they survive a restart of Redis and of serve.
+    # like SGLang's --disaggregation-decode-tp: a prefill batch wants compute, a decode batch room for KV, so
+    # the two roles of one model may split it differently (the handoff regroups KV heads and layers)
+    decode_tensor_parallel_size: int | None = setting(
+        None, "the decode worker's --tensor-parallel-size (--mode disaggregated); default: --tensor-parallel-size",
+        ge=1)
+    decode_pipeline_parallel_size: int | None = setting(
+        None, "the decode worker's --pipeline-parallel-size (--mode disaggregated); default: "
+        "--pipeline-parallel-size", ge=1)
     state_dir: str | None = setting(None, "folder (0700) where the embedded Redis keeps its append-only file, "
                                     "its passwords and its socket, so tenants, API keys and registered models "
                                     "survive restarts; one kvrelay serve at a time; unused with --redis-url",

@@ -175,7 +175,7 @@ class HandoffSender:
         if target is None:
             self._fail(t, f"{after}; no other decode worker to try" if after else "no decode worker for this model")
             return
-        t.target = target.zmq_addr
+        t.target, t.target_id = target.zmq_addr, target.worker_id
         t.to(Event.ASK)
         t.tried.add(target.worker_id)
         t.asked_at = time.monotonic()

@@ -27,6 +27,7 @@ class Transfer:
     first: FirstToken | None = None  # None while an early ask's prompt is not computed yet
     state: State = State.NEW
     target: str = ""  # the decode worker's address
+    target_id: str = ""  # and its worker id (what the gateway knows it by)
     tried: set[str] = field(default_factory=set)
     waits_for_room: bool = False  # the last refusal was for lack of room: it may wait past the handoff timeout
     seat_wait_from: float = 0.0  # perf_counter when a refusal for lack of room made the prefilled KV wait

@@ -38,12 +38,13 @@ COMMANDS = {
 
 # Globs over redis_keys.py's names. A worker: the job streams (it reads, acks, dead-letters and moves
 # jobs), its registration and its models', the registry (a worker registers the model it was started
-# with), its control queue and results, the gateways' liveness keys, and the salt its /metrics hashes
-# tenant names with (shared/wire/tenant_label.py: whichever process starts first sets it).
+# with), its control queue and results, the gateways' liveness keys, the salt its /metrics hashes
+# tenant names with (shared/wire/tenant_label.py: whichever process starts first sets it), and the claims
+# that decide who re-runs a job its decode worker died holding (shared/wire/rerun.py).
 WORKER_KEYS = (f"{keys.PREFIX}:prefill:*", f"{keys.PREFIX}:prefill-worker:*", f"{keys.PREFIX}:deadletter:*",
                keys.worker_key("*"), keys.WORKERS_INDEX, keys.model_key("*"), keys.MODELS_INDEX,
                keys.registry_key("*"), keys.REGISTRY_INDEX, keys.control_key("*"), keys.control_result_key("*"),
-               keys.gateway_key("*"), keys.METRICS_SALT)
+               keys.gateway_key("*"), keys.METRICS_SALT, keys.rerun_key("*", "*"))
 KEYS = {"gateway": (f"{keys.PREFIX}:*",), "worker": WORKER_KEYS}
 CHANNELS = {"gateway": (keys.ABORT_CHANNEL,), "worker": (keys.ABORT_CHANNEL,)}
 

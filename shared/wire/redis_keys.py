@@ -24,6 +24,10 @@ model given by path; streams, ModelInfo and WorkerInfo.models use instance keys)
     load_lock_key(instance)   string SET NX EX LOAD_LOCK_TTL_S by the gateway placing a load, so
                               concurrent requests on several gateways start one load, not many
     RECONCILE_LOCK            string SET NX EX: the one gateway reconciling the registry this round
+    rerun_key(job, worker)    string SET NX EX by whichever of the gateway and the prefill worker first sees
+                              the decode worker ``worker`` die holding the job in the window where both may
+                              re-run it (it told the gateway, the prefill side never got its ack): only the
+                              one that set it runs the job again (shared/wire/rerun.py)
 
 Tenants (gateway only; plain hash fields, not protocol messages, so operators can read them):
     TENANTS_INDEX             set of tenant names; non-empty means every API request needs a key
@@ -130,6 +134,10 @@ def gateway_key(reply_addr: str) -> str:
     return f"{PREFIX}:gateway:{reply_addr}"
 
 
+def rerun_key(job_id: str, worker_id: str) -> str:
+    return f"{PREFIX}:rerun:{job_id}:{worker_id}"
+
+
 def model_key(name: str) -> str:
     return f"{MODELS_INDEX}:{name}"
 
@@ -176,4 +184,4 @@ SLOT_GROUPS: dict[str, tuple] = {
     "tenant limits": (limit_key,),
 }
 SINGLE_KEY: tuple = (gateway_key, control_key, control_result_key, load_lock_key, RECONCILE_LOCK, usage_key,
-                     usage_models_key, USAGE_TENANTS, response_cache_key, METRICS_SALT)
+                     usage_models_key, USAGE_TENANTS, response_cache_key, METRICS_SALT, rerun_key)

@@ -28,7 +28,8 @@ CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "r
 # group's sizes are checked against the model, the devices and async scheduling before any child starts, so
 # they cannot take arbitrary values beside every other flag: test_parallel_sizes_reach_every_worker below
 GROUP = {"--tensor-parallel-size", "--pipeline-parallel-size"}
-SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP}
+DECODE_GROUP = {"--decode-tensor-parallel-size", "--decode-pipeline-parallel-size"}  # serve's, disaggregated only
+SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP, *DECODE_GROUP}
 
 
 def types(annotation: typing.Any) -> set:
@@ -154,3 +155,18 @@ def test_parallel_sizes_reach_every_worker(mode):
     assert len(flags) == len(GROUP)
     for flag in flags:
         assert all(resolved(flag.path, config) == 2 for config in workers), flag.option
+
+
+def test_the_decode_workers_own_parallel_sizes_reach_it_alone():
+    children = print_config(["serve", "--model", "dummy:tiny-llama", "--device", "cpu", "--tensor-parallel-size", "2",
+                             "--decode-tensor-parallel-size", "1", "--decode-pipeline-parallel-size", "2"])
+    sizes = {c["command"]: (c["config"]["engine"]["tensor_parallel_size"],
+                            c["config"]["engine"]["pipeline_parallel_size"])
+             for c in children.values() if c["command"] != "gateway"}
+    assert sizes == {"prefill-worker": (2, 1), "decode-worker": (1, 2)}
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", "--mode", "unified", "--model",
+                           "dummy:tiny-llama", "--decode-pipeline-parallel-size", "2", "--print-config"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("kvrelay serve: error: argument --decode-pipeline-parallel-size: "
+                                                    "only with --mode disaggregated (a unified worker has one size)")

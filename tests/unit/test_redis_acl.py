@@ -20,7 +20,7 @@ from tests.zmq_secret import SECRET
 # every key a worker touches, by the name redis_keys.py gives its family
 WORKER_FAMILIES = {"prefill_stream", "prefill_worker_stream", "dead_letter_stream", "worker_key", "WORKERS_INDEX",
                    "model_key", "MODELS_INDEX", "registry_key", "REGISTRY_INDEX", "control_key", "control_result_key",
-                   "gateway_key", "METRICS_SALT"}
+                   "gateway_key", "METRICS_SALT", "rerun_key"}
 GATEWAY_ONLY = {"tenant_key", "api_key_key", "limit_key", "usage_key", "usage_models_key", "response_cache_key",
                 "load_lock_key", "TENANTS_INDEX", "API_KEYS_INDEX", "USAGE_TENANTS", "RECONCILE_LOCK"}
 NOT_KEYS = {"PREFIX", "PREFILL_GROUP", "JOB_FIELD", "ABORT_CHANNEL"}  # a prefix, a group, a field, a channel
