@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zmq
 
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.kv_dtype import FP8_NAMES, attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
@@ -36,6 +38,7 @@ from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, stage_layers, total_kv_heads
+from kvrelay.shared.engine.ranks.kv_parts import PartSender, driver_send
 from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
@@ -43,7 +46,7 @@ from kvrelay.shared.engine.scheduler import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
-from kvrelay.shared.wire.rank_step import RankAlloc, RankProfile, RankSwap
+from kvrelay.shared.wire.rank_step import RankAlloc, RankKVSend, RankProfile, RankSwap
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +62,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
-                 kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None):
+                 kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None,
+                 kv_links: KVLinks | None = None):
         """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
         that reads weights while its other models keep serving; else loaded here (``model_root``: the
-        repository its files must resolve inside)."""
+        repository its files must resolve inside). ``kv_links``: with ranks, each sends its own part of
+        handed-off KV (ranks/kv_parts.py)."""
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
@@ -70,7 +75,8 @@ class ModelRunner:
         # a KV pool shared with co-resident models, this rank's cache is its view of the pool and the others
         # each allocate a cache of the view's block count (RankAlloc), so every block id rank 0's block
         # manager is lent indexes the same block on every rank (holding each rank's own heads or layers)
-        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root)
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root, links=kv_links)
+        self.parts = PartSender(kv_links) if self.ranks is not None and kv_links is not None else None
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
         self.pipeline = config.pipeline_parallel_size
@@ -396,6 +402,20 @@ class ModelRunner:
         """Write full blocks into ``block_ids``, each rank its own stage's layers and its own heads."""
         driver_import(self.ranks, self.kv_cache, block_ids, full, stage_layers(self.model))
 
+    @torch.inference_mode()
+    def send_kv_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str,
+                      deadline_s: float) -> int:
+        """Every rank sends its own part of ``block_ids`` to ``peer`` (EngineKV.send_parts); rank 0's bytes."""
+        msg = RankKVSend(request_id, list(block_ids), peer, requester, deadline_s)
+        try:
+            return driver_send(self.ranks, self.parts, self.model, self.kv_cache, msg)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"KV parts for {peer}: {exc}") from exc
+
+    def flush_kv_parts(self) -> bool:
+        self.ranks.check()  # a dead rank's part never comes: the transfer cannot complete
+        return self.parts.flush()
+
     def free_request(self, request_id: str) -> None:
         self.sampler.free(request_id)
         self._tables.drop(request_id)
@@ -409,6 +429,8 @@ class ModelRunner:
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.parts is not None:
+            self.parts.close()
 
 
 def _raw(kv: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import zmq
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import sync_client
@@ -66,7 +67,9 @@ class WorkerRuntime:
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
             drain_timeout_s=config.drain_timeout_s,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
-            shared=_shared_weights(config), parallel_sizes=config.parallel_sizes)
+            shared=_shared_weights(config), parallel_sizes=config.parallel_sizes,
+            # a prefill worker's ranks send their own parts of a prompt's KV, authenticated as the worker is
+            kv_links=KVLinks.of(keys_from_secret(config.zmq_secret, config.insecure_zmq)) if hold_finished_kv else None)
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()
