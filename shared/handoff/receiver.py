@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # its steps are slow (HandoffRequest.hold_s). A grant holds a seat and blocks: this bounds what a live
 # asker that forgot one can cost
 MAX_GRANT_HOLD_S = 120.0
+MAX_SENDERS_COUNTED = 1024  # sending sockets whose KV bytes ``kv_bytes_by_sender`` keeps (the most recent)
 
 
 @dataclass
@@ -230,7 +231,7 @@ class KVInbox(ABC):
                 inc = self._open(peer, rid, Frames.name)
         if inc is None or (inc.peer != peer and not msg.is_part):
             return  # the rest of a transfer already failed or superseded; its sender got the nack
-        self.kv_bytes_by_sender[peer] = self.kv_bytes_by_sender.get(peer, 0) + sum(f.buffer.nbytes for f in payload)
+        self._count_from(peer, sum(f.buffer.nbytes for f in payload))
         try:
             inc.receiver.add(msg, [f.buffer for f in payload])
         except ValueError as exc:
@@ -239,6 +240,11 @@ class KVInbox(ABC):
         # a transfer fails for no progress, not for length: layers streamed during a slow forward come
         # over as long a time as that forward takes
         inc.deadline = time.monotonic() + inc.ttl_s
+
+    def _count_from(self, peer: bytes, nbytes: int) -> None:
+        self.kv_bytes_by_sender[peer] = self.kv_bytes_by_sender.pop(peer, 0) + nbytes  # most recent last
+        if len(self.kv_bytes_by_sender) > MAX_SENDERS_COUNTED:  # peers that reconnect come back under new ids
+            del self.kv_bytes_by_sender[next(iter(self.kv_bytes_by_sender))]
 
     def _part_of(self, rid: str, requester: str) -> Incoming | None:
         """The transfer a rank's part belongs to: the grant's (opened by the first part), its asker the part's

@@ -262,7 +262,7 @@ class HandoffSender:
         t = self.transfers.get(request_id)
         if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
             return None
-        if self.core_for(instance).kv.sharded:  # its blocks are gathered between steps (sharded.py)
+        if self.core_for(instance).kv.sharded:  # its ranks send (or rank 0 gathers) between steps (sharded.py)
             return None
         src = blocks[: len(t.grant.block_ids)]
         if len(src) != len(t.grant.block_ids):
@@ -280,7 +280,7 @@ class HandoffSender:
             t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
             return True
         kv, transports = engine_kv.kv_cache, self.transports
-        if engine_kv.sharded:  # every rank's heads of the blocks, gathered into one full-head copy
+        if engine_kv.sharded:  # no links for its ranks: every rank's part gathered into one full-head copy
             (kv, src_blocks), transports = exported(engine_kv, src_blocks), frames_only(transports)
         for transport in transports:
             sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.peers.waker.wake)
