@@ -156,6 +156,8 @@ BENCHES = {
               "SLOs (goodput), as a fraction of the offline engine's req/s"),
     "handoff": ("kvrelay.bench.handoff", "run", "KV handoff between two processes: GB/s of frames against raw "
                 "ZMQ, and of CUDA IPC against an in-process device copy, with where the time goes"),
+    "rank-handoff": ("kvrelay.bench.rank_handoff", "run", "a tensor-parallel prefill's KV handoff: GB/s with each "
+                     "rank sending its own KV heads against rank 0 gathering them first, in the same run"),
     "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: tok/s of one KV pool "
                     "arbitrated by demand and of a static split, and the ratio"),
     "pool": ("kvrelay.bench.pool_density", "run", "N distinct models of one shape under a Zipf mix: how many fit, "

@@ -25,7 +25,7 @@ import torch
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.block_manager import BlockManager
-from kvrelay.shared.engine.kv_connector import EngineKV
+from kvrelay.shared.engine.kv_connector import EngineKV, KVLinks
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.model_runner import ModelRunner
 from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
@@ -50,14 +50,16 @@ class EngineObserver(Protocol):
 class EngineCore:
     def __init__(self, config: EngineConfig, hold_finished_kv: bool = False, kv_pool: KVPool | None = None,
                  kv_floor_blocks: int | None = None, kv_pool_key: str | None = None, loaded: tuple | None = None,
-                 model_root: Path | None = None):
+                 model_root: Path | None = None, kv_links: KVLinks | None = None):
         """``kv_pool``: a KV pool shared with co-resident models (shared/engine/kv_pool.py), attached to under
         ``kv_pool_key`` (default the model path) with a floor of ``kv_floor_blocks`` (default: one
         max_model_len sequence). Without one the model gets a private pool sized as configured.
         ``model_root``: the model repository the model's files must resolve inside, when the engine loads
-        them itself (``loaded`` not given)."""
+        them itself (``loaded`` not given). ``kv_links``: a tensor- or pipeline-parallel engine's ranks send
+        their own parts of handed-off KV with these (EngineKV.send_parts); without, rank 0 gathers it."""
         self.config = config
-        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root)
+        self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root,
+                                           kv_links)
         self.max_model_len = runner.max_model_len
         self.vocab_size: int = runner.model.vocab_size
         pool, key = runner.kv_pool, runner.kv_pool_key
@@ -74,7 +76,9 @@ class EngineCore:
         )
         self.kv = EngineKV(self.block_manager, lambda: runner.kv_cache, self.scheduler.release_held,
                            runner.set_kv_stream, world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
-                           num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv)
+                           num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv,
+                           **({} if runner.parts is None else dict(send_parts=runner.send_kv_parts,
+                                                                   flush_parts=runner.flush_kv_parts)))
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
         tokenizer_dir, no_tokenizer = structured_tokenizer(config)

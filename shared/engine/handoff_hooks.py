@@ -1,21 +1,25 @@
 """What a KV handoff (shared/handoff) asks of the model runner, through the engine's KV connector
 (kv_connector.py): a finishing prompt's KV streamed out layer by layer while later layers compute, and
 whole blocks (every layer, every head) out of and into the cache, for a handoff between any parallel
-layouts. A mixin of ModelRunner (model_runner.py), which sets the attributes declared below.
+layouts, and each rank's own part sent straight to the decode worker. A mixin of ModelRunner (model_runner.py), which sets the attributes declared below.
 """
 
 import torch
+import zmq
 
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.engine.ranks.group import RankGroup
 from kvrelay.shared.engine.ranks.kv_moves import driver_export, driver_import, stage_layers, total_kv_heads
+from kvrelay.shared.engine.ranks.kv_parts import PartSender, driver_send
 from kvrelay.shared.engine.scheduler_output import SchedulerOutput
+from kvrelay.shared.wire.rank_step import RankKVSend
 
 
 class HandoffHooks:
     model: torch.nn.Module
     ranks: RankGroup | None
     kv_cache: torch.Tensor
+    parts: PartSender | None  # with kv_links: each rank sends its own part (ranks/kv_parts.py)
     kv_stream = None  # see set_kv_stream
     _streaming = _hooked = False
 
@@ -69,3 +73,17 @@ class HandoffHooks:
     def import_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
         """Write full blocks into ``block_ids``, each rank its own stage's layers and its own heads."""
         driver_import(self.ranks, self.kv_cache, block_ids, full, stage_layers(self.model))
+
+    @torch.inference_mode()
+    def send_kv_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str,
+                      deadline_s: float) -> int:
+        """Every rank sends its own part of ``block_ids`` to ``peer`` (EngineKV.send_parts); rank 0's bytes."""
+        msg = RankKVSend(request_id, list(block_ids), peer, requester, deadline_s)
+        try:
+            return driver_send(self.ranks, self.parts, self.model, self.kv_cache, msg)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"KV parts for {peer}: {exc}") from exc
+
+    def flush_kv_parts(self) -> bool:
+        self.ranks.check()  # a dead rank's part never comes: the transfer cannot complete
+        return self.parts.flush()

@@ -14,18 +14,45 @@ Worker side (where the KV is):
   - ``set_layer_saver``: the forward reports each decoder layer written (vLLM's ``save_kv_layer``), so
     the KV of the prompts it finishes can leave while later layers compute.
   - ``sharded``: the KV is split over the processes of a tensor-parallel group (its heads) or a pipeline
-    (its layers), and ``kv_cache`` holds rank 0's share alone; KV then moves as full blocks of every layer
-    and head (``export_blocks`` / ``import_blocks``, every layer at once, between steps) and never layer
-    by layer.
+    (its layers), and ``kv_cache`` holds rank 0's share alone. Leaving, each rank sends its own part to
+    the decode worker (``send_parts``, shared/engine/ranks/kv_parts.py) when the engine was given the
+    ``KVLinks`` its ranks dial with; arriving, the KV is imported as full blocks of every layer and head
+    (``import_blocks``, every layer at once, between steps). ``export_blocks`` (a gather to rank 0) is what
+    a sharded sender without links, and a reader of a whole copy, use. Never layer by layer.
 """
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import zmq
 
 from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.wire.zmq_auth import CurveKeys
+
+
+@dataclass(frozen=True)
+class KVLinks:
+    """What a tensor- or pipeline-parallel engine's ranks need to send their parts of the KV to decode workers
+    themselves: the deployment's CURVE secret (Z85; None under --insecure-zmq). Handed to each rank with its
+    config on stdin (shared/engine/ranks/rank_config.py), never argv."""
+
+    secret: str | None = None
+
+    @classmethod
+    def of(cls, keys: CurveKeys | None) -> "KVLinks":
+        return cls(None if keys is None else keys.secret.decode())
+
+    def keys(self) -> CurveKeys | None:
+        if self.secret is None:
+            return None
+        secret = self.secret.encode()
+        return CurveKeys(public=zmq.curve_public(secret), secret=secret)
+
+    def __repr__(self) -> str:  # a config or exception printing its holder never shows the secret
+        return f"KVLinks(curve={self.secret is not None})"
 
 
 class LayerSaver(Protocol):
@@ -49,10 +76,13 @@ class EngineKV:
                  release_held: Callable[[str], None], set_layer_saver: Callable[[LayerSaver | None], None],
                  world_size: int = 1, num_kv_heads: int | None = None, num_layers: int | None = None,
                  export: Callable[[list[int]], torch.Tensor] | None = None,
-                 import_: Callable[[list[int], torch.Tensor], None] | None = None):
+                 import_: Callable[[list[int], torch.Tensor], None] | None = None,
+                 send_parts: Callable[[str, list[int], str, str, float], int] | None = None,
+                 flush_parts: Callable[[], bool] | None = None):
         """``world_size``: the model's processes (tensor-parallel ranks x pipeline stages);
         ``num_kv_heads`` / ``num_layers``: the model's, over every rank (default: the cache's); ``export`` /
-        ``import_``: full blocks out of / into every rank's cache (needed when ``world_size`` > 1)."""
+        ``import_``: full blocks out of / into every rank's cache (needed when ``world_size`` > 1);
+        ``send_parts`` / ``flush_parts``: every rank sends its own part (``send_parts`` below)."""
         self._blocks = block_manager
         self._kv_cache = kv_cache
         self._release_held = release_held
@@ -60,6 +90,7 @@ class EngineKV:
         self.sharded = world_size > 1
         self._num_kv_heads, self._num_layers = num_kv_heads, num_layers
         self._export, self._import = export, import_
+        self._send_parts, self._flush_parts = send_parts, flush_parts
 
     # -- scheduler side ---------------------------------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -114,6 +145,23 @@ class EngineKV:
         if self._export is None:
             return self.kv_cache[:, :, block_ids]
         return self._export(block_ids)
+
+    @property
+    def sends_by_rank(self) -> bool:
+        """Sharded, and each rank can send its own part of the KV (``send_parts``)."""
+        return self.sharded and self._send_parts is not None
+
+    def send_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, deadline_s: float) -> int:
+        """Every rank sends its part of ``block_ids`` (its layers, its KV heads) to the decode worker at
+        ``peer`` as KVLayers parts of ``request_id`` naming ``requester``; returns rank 0's part's bytes. Each
+        rank has copied its part out before the next step, so the blocks may be released at once. Call
+        between steps; raises when a rank is gone."""
+        return self._send_parts(request_id, block_ids, peer, requester, deadline_s)
+
+    def flush_parts(self) -> bool:
+        """Rank 0 queues what is left of its parts; True once nothing waits. Raises when a rank is gone (its
+        part may never arrive)."""
+        return self._flush_parts()
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write full ``blocks`` (``export_blocks``'s shape) into ``block_ids``, each rank its layers and heads."""

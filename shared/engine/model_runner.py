@@ -22,6 +22,7 @@ from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.handoff_hooks import HandoffHooks
 from kvrelay.shared.engine.kv_cache import RunnerKVCache
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.kv_dtype import FP8_NAMES, attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
@@ -31,6 +32,7 @@ from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
+from kvrelay.shared.engine.ranks.kv_parts import PartSender
 from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
@@ -49,10 +51,12 @@ class StepResult:
 
 class ModelRunner(RunnerKVCache, HandoffHooks):
     def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None, kv_floor_blocks: int | None = None,
-                 kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None):
+                 kv_pool_key: str | None = None, loaded: tuple | None = None, model_root: Path | None = None,
+                 kv_links: KVLinks | None = None):
         """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
         that reads weights while its other models keep serving; else loaded here (``model_root``: the
-        repository its files must resolve inside)."""
+        repository its files must resolve inside). ``kv_links``: with ranks, each sends its own part of
+        handed-off KV (ranks/kv_parts.py)."""
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
@@ -60,7 +64,8 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         # a KV pool shared with co-resident models, this rank's cache is its view of the pool and the others
         # each allocate a cache of the view's block count (RankAlloc), so every block id rank 0's block
         # manager is lent indexes the same block on every rank (holding each rank's own heads or layers)
-        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root)
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root, links=kv_links)
+        self.parts = PartSender(kv_links) if self.ranks is not None and kv_links is not None else None
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
         self.pipeline = config.pipeline_parallel_size
@@ -270,6 +275,8 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.parts is not None:
+            self.parts.close()
 
 
 def token_at(req: Request, pos: int) -> int:

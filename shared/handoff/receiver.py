@@ -26,6 +26,7 @@ import zmq
 from kvrelay.shared.handoff.base import KVReceiver, Transport
 from kvrelay.shared.handoff.blocks import check_layout
 from kvrelay.shared.handoff.frames import Frames
+from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.sharded import ImportingReceiver
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # its steps are slow (HandoffRequest.hold_s). A grant holds a seat and blocks: this bounds what a live
 # asker that forgot one can cost
 MAX_GRANT_HOLD_S = 120.0
+MAX_SENDERS_COUNTED = 1024  # sending sockets whose KV bytes ``kv_bytes_by_sender`` keeps (the most recent)
 
 
 @dataclass
@@ -97,6 +99,8 @@ class KVInbox(ABC):
         self.asker_alive = asker_alive
         self.transports = default_transports() if transports is None else transports
         self._by_name = {t.name: t for t in self.transports}
+        # a sharded prefill worker's ranks send their parts themselves: taken whatever the transports chosen
+        self._by_name.setdefault(RankParts.name, RankParts())
         self.grants: dict[str, Grant] = {}
         self.incoming: dict[str, Incoming] = {}
         self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, owner key of parked blocks)
@@ -106,6 +110,8 @@ class KVInbox(ABC):
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self.bytes_received = 0
+        # KV bytes taken per sending socket: a sharded prefill worker's ranks each send from their own
+        self.kv_bytes_by_sender: dict[bytes, int] = {}
 
     @abstractmethod
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
@@ -217,11 +223,15 @@ class KVInbox(ABC):
 
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
         rid = msg.request_id
-        inc = self.incoming.get(rid)
-        if inc is None and rid in self.grants:
-            inc = self._open(peer, rid, Frames.name)
-        if inc is None or inc.peer != peer:
+        if msg.is_part:
+            inc = self._part_of(rid, msg.requester)
+        else:
+            inc = self.incoming.get(rid)
+            if inc is None and rid in self.grants:
+                inc = self._open(peer, rid, Frames.name)
+        if inc is None or (inc.peer != peer and not msg.is_part):
             return  # the rest of a transfer already failed or superseded; its sender got the nack
+        self._count_from(peer, sum(f.buffer.nbytes for f in payload))
         try:
             inc.receiver.add(msg, [f.buffer for f in payload])
         except ValueError as exc:
@@ -230,6 +240,22 @@ class KVInbox(ABC):
         # a transfer fails for no progress, not for length: layers streamed during a slow forward come
         # over as long a time as that forward takes
         inc.deadline = time.monotonic() + inc.ttl_s
+
+    def _count_from(self, peer: bytes, nbytes: int) -> None:
+        self.kv_bytes_by_sender[peer] = self.kv_bytes_by_sender.pop(peer, 0) + nbytes  # most recent last
+        if len(self.kv_bytes_by_sender) > MAX_SENDERS_COUNTED:  # peers that reconnect come back under new ids
+            del self.kv_bytes_by_sender[next(iter(self.kv_bytes_by_sender))]
+
+    def _part_of(self, rid: str, requester: str) -> Incoming | None:
+        """The transfer a rank's part belongs to: the grant's (opened by the first part), its asker the part's
+        requester; None for a part of a transfer that failed, was superseded, or is not its requester's."""
+        inc = self.incoming.get(rid)
+        if inc is not None:
+            return inc if inc.requester == requester and inc.transport == RankParts.name else None
+        grant = self.grants.get(rid)
+        if grant is None or grant.requester != requester:
+            return None
+        return self._open(grant.peer, rid, RankParts.name)  # replies go to the grant's asker, rank 0
 
     def _on_header(self, peer: bytes, header: KVHeader, payload: list) -> None:
         rid = header.request_id

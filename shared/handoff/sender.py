@@ -23,6 +23,7 @@ from kvrelay.shared.handoff.blocks import DTYPE_NAMES, layout_of
 from kvrelay.shared.handoff.grant_hold import GrantHold
 from kvrelay.shared.handoff.layer_stream import LayerStream
 from kvrelay.shared.handoff.peer_sockets import PeerSockets
+from kvrelay.shared.handoff.rank_parts import RankParts, RankPartsSender
 from kvrelay.shared.handoff.sharded import exported, frames_only
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
@@ -134,6 +135,8 @@ class HandoffSender:
             self._on_reply(frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
+            if t.transport == RankParts.name and t.state in (State.SENDING, State.ACK_WAIT):
+                self._check_ranks(t)
             if t.state in (State.SENDING, State.STREAMING):
                 self._pump(t)
             if not t.computed and t.state in (State.GRANT_WAIT, State.GRANTED):
@@ -259,7 +262,7 @@ class HandoffSender:
         t = self.transfers.get(request_id)
         if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
             return None
-        if self.core_for(instance).kv.sharded:  # its blocks are gathered between steps (sharded.py)
+        if self.core_for(instance).kv.sharded:  # its ranks send (or rank 0 gathers) between steps (sharded.py)
             return None
         src = blocks[: len(t.grant.block_ids)]
         if len(src) != len(t.grant.block_ids):
@@ -272,8 +275,12 @@ class HandoffSender:
 
     def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
         engine_kv, age = self.core_for(t.job.model).kv, time.monotonic() - t.asked_at
+        if engine_kv.sends_by_rank:  # each rank sends its own layers and heads; we keep the control
+            sender = RankPartsSender(engine_kv, t.job.request_id, src_blocks, t.target, self.worker_id, self.timeout_s)
+            t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
+            return True
         kv, transports = engine_kv.kv_cache, self.transports
-        if engine_kv.sharded:  # every rank's heads of the blocks, gathered into one full-head copy
+        if engine_kv.sharded:  # no links for its ranks: every rank's part gathered into one full-head copy
             (kv, src_blocks), transports = exported(engine_kv, src_blocks), frames_only(transports)
         for transport in transports:
             sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.peers.waker.wake)
@@ -282,6 +289,19 @@ class HandoffSender:
                 return True
         self._fail(t, "no transport can serve the grant")
         return False
+
+    def _check_ranks(self, t: Transfer) -> None:
+        """A transfer whose parts the ranks send: a rank that died may never send its part. The group's
+        error goes up (the worker is down, its job is run again elsewhere, as after any rank's death) once
+        the decode side was told to free the blocks it holds for the transfer now, not at its TTL."""
+        core = self.core_for(t.job.model)
+        if core is None:
+            return
+        try:
+            core.kv.flush_parts()
+        except Exception as exc:
+            self._cancel_grant(t, f"a rank of the sender failed: {exc}")
+            raise
 
     def _header(self, t: Transfer) -> KVHeader:
         job, first, kv = t.job, t.first, self.core_for(t.job.model).kv

@@ -1,17 +1,19 @@
 """The handoff of a worker whose KV is split over ranks (``EngineKV.sharded``): its heads over tensor-
 parallel ranks, its layers over pipeline stages, or both.
 
-Blocks always travel with every layer and every KV head in checkpoint order, the layout of a one-rank
-cache, and the KVHeader states how many (``num_layers``, ``num_kv_heads``), so prefill and decode workers
-of any parallel layouts meet in the middle and a peer of another model's shape is refused by
-``check_layout``. A sharded sender first gathers its ranks' parts of the prompt's blocks into one full
-copy (``export_blocks``) and sends that as an ordinary cache of ``n`` blocks; a sharded receiver takes
-the frames into a full staging copy and, once every layer is checked, gives each rank its layers and
-heads (``import_blocks``).
+The header always states the model's whole layout (``num_layers``, ``num_kv_heads``, in checkpoint order),
+so prefill and decode workers of any parallel layouts meet in the middle and a peer of another model's
+shape is refused by ``check_layout``. A sharded sender's ranks each send their own part of the prompt's
+blocks straight to the decode worker (rank_parts.py, shared/engine/ranks/kv_parts.py); rank 0 keeps the
+grant, the header and the ack. One without links for its ranks (``EngineKV.sends_by_rank`` false: the
+offline API, some tests) still gathers a full copy to rank 0 (``exported``) and sends it as ordinary
+frames. A sharded receiver takes the frames, whole or in parts, into a full staging copy and, once every
+layer (and head) is checked, gives each rank its layers and heads (``import_blocks``): only rank 0 holds the
+decode worker's socket.
 
-Only host-staged frames: the gather and scatter are collectives of the group, which run between steps
-on the worker's loop, so neither layer-by-layer streaming during the forward nor a peer's direct
-writes into rank 0's cache can take part.
+Only host-staged frames: the ranks' copies and the scatter run between steps on the worker's loop, so
+neither layer-by-layer streaming during the forward nor a peer's direct writes into rank 0's cache can
+take part.
 """
 
 from collections.abc import Callable

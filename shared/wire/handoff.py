@@ -121,8 +121,10 @@ class HandoffGrants:
 
 
 # how a KVHeader's KV travelled: "layers", KVLayers messages of host-staged frames (shared/handoff/frames.py);
-# "ipc", written by the sender straight into the granted blocks (shared/handoff/direct.py)
-KV_TRANSPORTS = ("layers", "ipc")
+# "ipc", written by the sender straight into the granted blocks (shared/handoff/direct.py); "rank_layers",
+# KVLayers parts sent by each rank of a tensor- or pipeline-parallel sender, each its own layers and KV heads
+# (shared/handoff/rank_parts.py), while the header and the ack stay with its rank 0
+KV_TRANSPORTS = ("layers", "ipc", "rank_layers")
 
 
 @dataclass
@@ -179,10 +181,22 @@ class KVLayers:
     first: int
     nbytes: int  # of each layer
     checksums: list[int]  # CRC32 of each layer's bytes
+    # a "rank_layers" part: [first, count] of the model's KV heads the frame holds (``[count, 2, n_blocks, bs,
+    # heads count, D]``); empty: every head, one sender for the whole transfer ("layers")
+    heads: list[int] = field(default_factory=list)
+    # a part's sender: the worker id that asked for the grant (its ranks send from sockets of their own, so
+    # the decode side matches parts to the grant by this, not by the connection the grant went out on)
+    requester: str = field(default="", metadata=_ID)
 
     def check(self) -> None:
         if self.first < 0 or self.nbytes < 0 or not 1 <= len(self.checksums) <= MAX_MAP_LEN:
             raise ValueError("KVLayers: first and nbytes must be non-negative, with 1..4096 checksums")
+        if self.heads and (len(self.heads) != 2 or self.heads[0] < 0 or self.heads[1] < 1 or not self.requester):
+            raise ValueError("KVLayers.heads must be [first, count] (count >= 1) of a part naming its requester")
+
+    @property
+    def is_part(self) -> bool:
+        return bool(self.heads)
 
 
 @dataclass

@@ -5,10 +5,13 @@ by one raw frame, the step's packed int32 inputs (shared/engine/step_inputs.py `
 rebuilds the same tensors rank 0 runs on, without a per-step encoding of every list.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvrelay.shared.wire.codec import register
+from kvrelay.shared.wire.codec import MAX_ID_LEN, register
+
+_ID = {"max_len": MAX_ID_LEN}
+_ADDR = {"max_len": 1024}  # a peer's ZMQ address (an ipc:// path may be long)
 
 # which logits a step computes: none (a mid-prompt chunk), the sampled rows, or every row (prompt logprobs)
 LOGITS_NONE, LOGITS_SAMPLED, LOGITS_ALL = 0, 1, 2
@@ -106,12 +109,36 @@ class RankKVImport:
 
 
 @dataclass
+class RankKVSend:
+    """Send this rank's part of ``block_ids`` (its stage's layers, its KV heads of them) to the decode worker
+    at ``peer`` as KVLayers parts of ``request_id``, from this rank's own socket (shared/engine/ranks/
+    kv_parts.py). A replica of heads an earlier rank holds sends nothing. Rank 0 keeps the transfer's control
+    (grant, header, ack); ``deadline_s``: how long a part may wait for room on the socket before it is dropped
+    (the decode side then fails the transfer for the missing part)."""
+
+    TAG: ClassVar[str] = "rank_kv_send"
+    request_id: str = field(metadata=_ID)
+    block_ids: list[int]
+    peer: str = field(metadata=_ADDR)
+    requester: str = field(metadata=_ID)
+    deadline_s: float
+
+    def check(self) -> None:
+        if not self.block_ids or min(self.block_ids) < 0:
+            raise ValueError("RankKVSend.block_ids must be non-empty, non-negative")
+        if not self.peer.startswith(("tcp://", "ipc://")):
+            raise ValueError("RankKVSend.peer must be a tcp:// or ipc:// address")
+        if not 0.0 < self.deadline_s < float("inf"):
+            raise ValueError("RankKVSend.deadline_s must be a positive number of seconds")
+
+
+@dataclass
 class RankStop:
     """The group is shutting down: exit."""
 
     TAG: ClassVar[str] = "rank_stop"
 
 
-RankMessage = RankAlloc | RankProfile | RankSwap | RankStep | RankKVExport | RankKVImport | RankStop
+RankMessage = RankAlloc | RankProfile | RankSwap | RankStep | RankKVExport | RankKVImport | RankKVSend | RankStop
 
-register(RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankStop)
+register(RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankKVSend, RankStop)

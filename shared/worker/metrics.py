@@ -145,7 +145,8 @@ class WorkerMetrics:
         self.seat_waiting: Callable[[], int] = lambda: 0
         Gauge("kvrelay_handoff_waiting_for_seat", "Prefilled requests waiting now for a decode seat, their KV "
               "held here", m, registry=r).labels(model_name).set_function(lambda: self.seat_waiting())
-        self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers) and by "
+        self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers, rank_layers: "
+                                 "sent by each rank of a sharded worker) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",
                                  m + ["transport", "streamed"], registry=r)
         r.register(_PrefixCacheCollector(core, model_name))

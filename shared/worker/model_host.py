@@ -36,6 +36,7 @@ from collections.abc import Callable
 from kvrelay.shared.config.common import DRAIN_TIMEOUT_S
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus
@@ -61,7 +62,8 @@ class ModelHost(ModelLoads, LoadRoom):
                  report: Callable[[ControlResult], None] | None = None,
                  min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
                  skip_warmup: bool = False, shared: SharedWeights | None = None,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S, parallel_sizes: dict[str, tuple[int, int]] | None = None):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, parallel_sizes: dict[str, tuple[int, int]] | None = None,
+                 kv_links: KVLinks | None = None):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
@@ -70,8 +72,11 @@ class ModelHost(ModelLoads, LoadRoom):
         shared with the other worker processes on this device (shared/worker/shared_weights.py).
         ``drain_timeout_s``: what a busy model evicted for a load gives its running requests to finish, as a
         SIGTERM drain gives a worker's (--drain-timeout). ``parallel_sizes``: name -> (tensor_parallel_size,
-        pipeline_parallel_size) of the models the config file gives their own; the others take ``base``'s."""
+        pipeline_parallel_size) of the models the config file gives their own; the others take ``base``'s.
+        ``kv_links``: the ranks of a model split over processes send their own parts of its KV to decode
+        workers with these (the worker's CURVE keys)."""
         self.drain_timeout_s = drain_timeout_s
+        self.kv_links = kv_links
         self.base = base
         self.hold_finished_kv = hold_finished_kv
         self.pool = pool

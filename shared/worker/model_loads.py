@@ -18,6 +18,7 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
@@ -61,6 +62,7 @@ class ModelLoads:
 
     base: EngineConfig
     hold_finished_kv: bool
+    kv_links: KVLinks | None
     pool: KVPool | None
     repo: ModelRepository | None
     configured_paths: dict[str, str]
@@ -148,7 +150,8 @@ class ModelLoads:
         with self.lock if cuda else contextlib.nullcontext():
             core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
                               kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
-                              kv_pool_key=plan.instance, loaded=loaded, model_root=plan.root)
+                              kv_pool_key=plan.instance, loaded=loaded, model_root=plan.root,
+                              kv_links=self.kv_links)
         try:
             if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
                 warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)

@@ -27,6 +27,7 @@ import zmq
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import sync_client
@@ -59,6 +60,7 @@ class WorkerRuntime:
         self.control = ControlChannel(self.redis, config.worker_id, lambda: self.registration.beat_soon(),
                                       self.health)
         pool, budget = host_budget(config)
+        self.curve = keys_from_secret(config.zmq_secret, config.insecure_zmq)  # every socket of ours authenticates with it
         self.host = ModelHost(
             config.engine, hold_finished_kv=hold_finished_kv, pool=pool, weights_budget=budget,
             repo=ModelRepository(config.model_repo) if config.model_repo else None,
@@ -66,11 +68,12 @@ class WorkerRuntime:
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
             drain_timeout_s=config.drain_timeout_s,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
-            shared=_shared_weights(config), parallel_sizes=config.parallel_sizes)
+            shared=_shared_weights(config), parallel_sizes=config.parallel_sizes,
+            # a prefill worker's ranks send their own parts of a prompt's KV, authenticated as the worker is
+            kv_links=KVLinks.of(self.curve) if hold_finished_kv else None)
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()
-        self.curve = keys_from_secret(config.zmq_secret, config.insecure_zmq)  # every socket of ours authenticates with it
         self.events = EventSink(self.ctx, curve=self.curve)
         self.aborts = AbortListener(self.redis, self.health)
         self.gateways = GatewayWatch(self.redis, self.health)

@@ -10,9 +10,10 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.served import Served
+from tests.e2e.test_serve_rank_handoff import handoffs_by_transport
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPT = "The capital of France is"
@@ -54,8 +55,9 @@ def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decod
                                                       tmp_path):
     """Gateway -> prefill worker -> KV handoff over ZMQ frames -> decode worker, the two of different tensor-
     or pipeline-parallel sizes on the tiny llama (2 KV heads: one per rank at TP 2; 2 layers: one per stage at
-    PP 2): the KV heads are regrouped, or each stage's layers gathered and placed, on the way, and the greedy
-    text is the offline engine's in one process."""
+    PP 2): each prefill rank sends its own heads or layers (the "rank_layers" transport, counted by the prefill
+    worker's kvrelay_handoffs_total), placed by head and layer on the decode side, and the greedy text is the
+    offline engine's in one process."""
     prompts = random_prompts(3, lo=5, hi=60, seed=7)
     with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
         want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
@@ -64,14 +66,18 @@ def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decod
     cluster.redis.flushall()
     try:
         cluster.start_gateway()
-        cluster.start_worker("prefill", "p1", [f"--{kind}-parallel-size", str(prefill_size)])
+        metrics = free_port()
+        cluster.start_worker("prefill", "p1", [f"--{kind}-parallel-size", str(prefill_size),
+                                               "--monitoring-port", str(metrics)])
         cluster.start_worker("decode", "d1", [f"--{kind}-parallel-size", str(decode_size)])
         cluster.wait_ready(timeout=300)
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
                for p in prompts]
+        counted = handoffs_by_transport(metrics)
     finally:
         cluster.stop()
     assert got == want
+    assert counted == {"rank_layers" if prefill_size > 1 else "layers": len(prompts)}, counted
     for worker in ("p1", "d1"):  # stopped, each worker stops its ranks: none dies under it
         assert "the group is down" not in cluster.log(worker)

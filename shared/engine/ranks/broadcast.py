@@ -14,6 +14,7 @@ from kvrelay.shared.wire.rank_step import (
     RankAlloc,
     RankKVExport,
     RankKVImport,
+    RankKVSend,
     RankMessage,
     RankProfile,
     RankStep,
@@ -21,7 +22,7 @@ from kvrelay.shared.wire.rank_step import (
     RankSwap,
 )
 
-_KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankStop)
+_KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankKVSend, RankStop)
 # messages queued for a rank that has not read them yet; ranks run in lockstep, so a full queue means a
 # rank stopped reading
 SEND_HWM = 64

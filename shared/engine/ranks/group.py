@@ -23,10 +23,12 @@ import zmq
 
 from kvrelay.shared.config import handover
 from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepSender
 from kvrelay.shared.engine.ranks.checks import check_group
+from kvrelay.shared.engine.ranks.rank_config import RankConfig
 from kvrelay.shared.wire.rank_step import RankMessage, RankStop
 
 log = logging.getLogger(__name__)
@@ -40,11 +42,12 @@ class TensorParallelError(RuntimeError):
     the engine cannot step."""
 
 
-def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) -> "RankGroup | None":
+def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None,
+                links: KVLinks | None = None) -> "RankGroup | None":
     """The group's other ranks, started and joined (None with tensor_parallel_size 1), after every check:
     a setting the group cannot serve or a size the ranks cannot split fails here, before a process starts
     or a weight loads. ``shared``: the caller loaded the weights already; ``root``: the model repository the
-    model's files must resolve inside."""
+    model's files must resolve inside; ``links``: what the ranks dial decode workers with (kv_parts.py)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     world = tp * pp
     if world == 1:
@@ -53,7 +56,7 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None) ->
         flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
         raise ValueError(f"{flag} > 1: each rank loads its own shard (no preloaded or shared weights)")
     check_group(config, root)
-    return RankGroup(config, root)
+    return RankGroup(config, root, links)
 
 
 def _long_lived_thread() -> bool:
@@ -72,7 +75,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class RankGroup:
-    def __init__(self, config: EngineConfig, root: Path | None = None) -> None:
+    def __init__(self, config: EngineConfig, root: Path | None = None, links: KVLinks | None = None) -> None:
         """Start ranks 1..N-1 and join the group with them as rank 0 (returns once all have joined)."""
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world_size = world
@@ -88,7 +91,7 @@ class RankGroup:
         self._sender = StepSender(self._folder, world)
         # the processes are killed at interpreter exit even if close() is never called
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._sender, self._folder)
-        payload = handover.encode(config)
+        payload = handover.encode(RankConfig(config, links))
         for rank in range(1, world):
             proc = subprocess.Popen(
                 [*handover.module_argv("kvrelay.shared.engine.ranks.rank_main"), str(rank), str(world),

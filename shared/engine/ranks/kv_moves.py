@@ -1,5 +1,6 @@
 """KV blocks leaving or entering a tensor- or pipeline-parallel group as full tensors (every layer, every
-KV head): the KV handoff between workers of any parallel layouts (shared/engine/parallel/kv_heads.py).
+KV head), through rank 0: the import of KV handed over by another worker, and the export of a whole copy
+(shared/engine/parallel/kv_heads.py regroups the heads).
 
 Every rank runs the same function for the same message (rank 0 after sending it, ranks 1..N-1 on
 receiving it), so the collective inside lines up like a step's. It runs over the whole group: under a
@@ -7,13 +8,14 @@ pipeline each stage's ranks hold their own layers (and, with TP within the stage
 them), so an export gathers every rank's part of the blocks to rank 0, which regroups the heads of each
 stage and stacks the stages' layers in order; an import cuts rank 0's full tensor the same way and
 scatters each rank its part. Both move every layer at once, between steps; a model's per-layer hooks run
-inside the forward, where no other collective may interleave, so a sharded group's KV never leaves
+inside the forward, where no other collective may interleave, so a sharded group's KV never moves
 layer by layer.
 
-The stages are gathered to rank 0 rather than sent by each stage to the decode worker itself: only rank 0
-is a worker (registered, dialled, holding the handoff's sockets and keys), so one transfer keeps one grant,
-one header and one ack whatever either side's layout, and the decode side may split the layers any other
-way. The price is one hop of the KV over the group's links (NVLink or loopback), small beside the frames.
+A prefill worker's handoff does not export: each rank sends its own part to the decode worker itself
+(kv_parts.py), and rank 0 keeps only the transfer's control. The export stays for an engine without the
+links its ranks would dial with (the offline API, tests reading a whole copy back). The import is still
+rank 0's: a sharded decode worker takes the frames into a full staging copy (only rank 0 holds the
+handoff's socket) and scatters it here, one hop of the KV over the group's links.
 """
 
 import torch

@@ -1,5 +1,5 @@
 """The process of one tensor-parallel rank (or pipeline stage) other than 0: ``python -m kvrelay.shared.engine.ranks.rank_main
-RANK WORLD FOLDER PARENT_PID ROOT DEATHSIG``, its EngineConfig as JSON on stdin (never argv, never pickle). Joins the
+RANK WORLD FOLDER PARENT_PID ROOT DEATHSIG``, its RankConfig (rank_config.py) as JSON on stdin (never argv, never pickle). Joins the
 group, loads its shard of the weights, and runs rank 0's steps until told to stop or rank 0 is gone."""
 
 import ctypes
@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 from kvrelay.shared.config import handover
-from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.kv_dtype import FP8_NAMES
 from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
 from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
+from kvrelay.shared.engine.ranks.kv_parts import PartSender
+from kvrelay.shared.engine.ranks.rank_config import RankConfig
 from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
 
 PR_SET_PDEATHSIG = 1
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != parent:
         return 1  # rank 0 died before the signal was armed
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
-    config = handover.receive(EngineConfig, sys.stdin)
+    handed = handover.receive(RankConfig, sys.stdin)
+    config = handed.engine
     device = rank_device(config.device, rank)
     receiver = StepReceiver(Path(folder), rank)
     layout = RankLayout(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
@@ -50,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                           pipeline=(layout.stage, layout.pp))
     # an fp8 cache reads blocks under rank 0's scales: the same checkpoint's, each rank its own layers'
     kv_scales = checkpoint_kv_scales(config.model, root) if config.cache.kv_cache_dtype in FP8_NAMES else None
-    ShardRunner(model, config, state, device, layout, kv_scales).serve(receiver, parent)
+    parts = PartSender(handed.links) if handed.links is not None else None
+    ShardRunner(model, config, state, device, layout, kv_scales, parts).serve(receiver, parent)
     receiver.close()
+    if parts is not None:
+        parts.close()
     return 0
 
 

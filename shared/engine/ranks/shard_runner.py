@@ -18,6 +18,7 @@ from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.kv_moves import export_blocks, import_blocks, stage_layers, total_kv_heads
+from kvrelay.shared.engine.ranks.kv_parts import PartSender, rank_part
 from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_carried, send_carried, send_logits
 from kvrelay.shared.engine.step_inputs import Layout, views
 from kvrelay.shared.wire.rank_step import (
@@ -26,6 +27,7 @@ from kvrelay.shared.wire.rank_step import (
     RankAlloc,
     RankKVExport,
     RankKVImport,
+    RankKVSend,
     RankProfile,
     RankStep,
     RankStop,
@@ -35,11 +37,13 @@ from kvrelay.shared.wire.rank_step import (
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle rank checks that rank 0 is still there
+PARTS_POLL_MS = 5  # how often a rank whose KV parts wait for room on their socket tries again
 
 
 class ShardRunner:
     def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device,
-                 layout: RankLayout, kv_scales: dict[int, list[float]] | None = None) -> None:
+                 layout: RankLayout, kv_scales: dict[int, list[float]] | None = None,
+                 parts: PartSender | None = None) -> None:
         # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own.
         # kv_scales: an fp8 cache's checkpoint scales by layer index; this rank's layers take theirs
         self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
@@ -48,11 +52,13 @@ class ShardRunner:
         self.block_size = config.cache.block_size
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None
+        self.parts = parts  # this rank's sockets to decode workers: it sends its own part of handed-off KV
 
     def serve(self, receiver: StepReceiver, parent_pid: int) -> None:
         """Run rank 0's messages until it says stop or is gone."""
         while True:
-            got = receiver.recv(IDLE_POLL_MS)
+            waiting = self.parts is not None and not self.parts.flush()
+            got = receiver.recv(PARTS_POLL_MS if waiting else IDLE_POLL_MS)
             if got is None:
                 if os.getppid() != parent_pid:
                     log.error("rank 0 (pid %d) is gone; exiting", parent_pid)
@@ -85,6 +91,10 @@ class ShardRunner:
         elif isinstance(msg, RankKVExport):
             export_blocks(self.state, self.kv_cache, msg.block_ids, total_kv_heads(self.model),
                           stage_layers(self.model))
+        elif isinstance(msg, RankKVSend):
+            if self.parts is None:  # rank 0 was given links and hands them to every rank: a bug if not
+                raise ValueError("RankKVSend to a rank started without links to decode workers")
+            self.parts.send(msg, self.kv_cache, rank_part(self.model, self.layout))
         elif isinstance(msg, RankKVImport):
             import_blocks(self.state, self.kv_cache, msg.block_ids, None, stage_layers(self.model))
         elif isinstance(msg, RankAlloc):

@@ -1,0 +1,14 @@
+"""What rank 0 hands each rank process on its stdin (shared/config/handover.py: typed JSON, validated on
+arrival, never argv, never pickle): the engine's config, and the links its ranks send their parts of a
+prompt's KV over (the deployment's CURVE secret), when the engine has them."""
+
+from dataclasses import dataclass
+
+from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.engine.kv_connector import KVLinks
+
+
+@dataclass
+class RankConfig:
+    engine: EngineConfig
+    links: KVLinks | None = None  # None: the ranks send no KV themselves (rank 0 gathers it)
