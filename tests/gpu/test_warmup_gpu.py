@@ -10,6 +10,7 @@ chunked prompts, prefix-cache hits and every sampler path.
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +91,9 @@ def probe(preset: str, eager: bool, device: str = "cuda") -> None:
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "smollm2-135m"])
 def test_nothing_compiles_or_captures_after_warmup(preset, eager):
-    code = f"from tests.gpu.test_warmup_gpu import probe; probe({preset!r}, {eager})"
+    # the checkout goes last on sys.path (the children of the suite run under PYTHONSAFEPATH: tests/conftest.py)
+    code = (f"import sys; sys.path.append({str(Path(__file__).resolve().parents[2])!r}); "
+            f"from tests.gpu.test_warmup_gpu import probe; probe({preset!r}, {eager})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

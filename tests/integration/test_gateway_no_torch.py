@@ -11,7 +11,8 @@ from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.integration.gateway_harness import MODEL, REPLY, FakeWorker, build_tokenizer, free_port
 
 _GATEWAY = """
-import asyncio, json, sys
+import asyncio, json, os, sys
+sys.path.append(os.getcwd())  # `tests`, after site-packages: the checkout's kernels/ must not shadow anything
 import aiohttp
 from aiohttp import web
 from kvrelay.gateway.app import create_app
