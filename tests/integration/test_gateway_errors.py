@@ -143,14 +143,14 @@ def test_openai_sdk_maps_errors(stack):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
-def _register(r, name: str, heartbeat_age: float | None) -> None:
+def _register(r, name: str, heartbeat_age: float | None, role: str = "unified") -> None:
     info = ModelInfo(name=name, path="/nonexistent", max_model_len=64, vocab_size=100, eos_token_ids=[0],
                      block_size=16, dtype="float32")
     r.set(keys.model_key(name), encode(info))
     r.sadd(keys.MODELS_INDEX, name)
     if heartbeat_age is not None:  # a worker whose key is still there but whose heartbeat is stale
         now = time.time()
-        worker = WorkerInfo(worker_id=f"{name}-w", role="unified", models=[name], zmq_addr="tcp://127.0.0.1:1",
+        worker = WorkerInfo(worker_id=f"{name}-w", role=role, models=[name], zmq_addr="tcp://127.0.0.1:1",
                             free_blocks=1, total_blocks=1, running=0, waiting=0, pid=1, host="h", started=now,
                             heartbeat=now - heartbeat_age)
         r.set(keys.worker_key(worker.worker_id), encode(worker), ex=60)
@@ -166,15 +166,22 @@ def test_no_live_worker_is_503_with_retry_after(stack):
             resp = _post(stack, "/v1/completions", {"model": name, "prompt": [1, 2]})
             err = _error(resp, 503, "service_unavailable_error")
             assert int(resp.headers["Retry-After"]) > 0 and name in err["message"]
+        # Models whose workers are all gone (what an ended deployment leaves in Redis until their records
+        # expire) do not take the served model's gateway out of rotation...
         ready = requests.get(f"{stack.url}/ready")
-        assert ready.status_code == 503 and ready.json()["models"]["orphan"]["prefill_workers"] == 0
+        assert ready.status_code == 200 and set(ready.json()["models"]) == {MODEL}
         assert ready.json()["models"][MODEL]["decode_workers"] == 1
+        # ...but a model with one phase's worker alive and the other's gone is not ready
+        _register(r, "half", heartbeat_age=0.0, role="prefill")
+        ready = requests.get(f"{stack.url}/ready")
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["models"]["half"] == {"prefill_workers": 1, "decode_workers": 0}
         # only what a request can be served by now
         assert {m["id"] for m in requests.get(f"{stack.url}/v1/models").json()["data"]} == {MODEL}
         # With several models registered, a request must name one.
         _error(_post(stack, "/v1/completions", {"prompt": "hi"}), 400, "invalid_request_error", "model")
     finally:
-        for name in ("orphan", "stale"):
+        for name in ("orphan", "stale", "half"):
             r.delete(keys.model_key(name), keys.worker_key(f"{name}-w"))
             r.srem(keys.MODELS_INDEX, name)
             r.srem(keys.WORKERS_INDEX, f"{name}-w")
