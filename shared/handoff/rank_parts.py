@@ -50,11 +50,11 @@ class RankPartsSender(KVSender):
     transport = RankParts.name
 
     def __init__(self, kv: EngineKV, request_id: str, src_blocks: list[int], peer: str, requester: str,
-                 deadline_s: float):
+                 deadline_s: float, targets: list | None = None):
         self.kv = kv
         self.num_layers = kv.num_layers
         self.nbytes = kv.num_layers * frame_nbytes(kv.kv_cache, len(src_blocks), kv.num_kv_heads)
-        self.driver_nbytes = kv.send_parts(request_id, src_blocks, peer, requester, deadline_s)
+        self.driver_nbytes = kv.send_parts(request_id, src_blocks, peer, requester, deadline_s, targets)
 
     def stage_through(self, layer: int) -> None:
         return None  # a sharded group's KV moves between steps, never during the forward

@@ -22,6 +22,7 @@ import torch
 
 from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.handoff.base import KVReceiver, Transport
+from kvrelay.shared.handoff.rank_parts import PartAssembler
 from kvrelay.shared.wire.handoff import KVLayers
 
 
@@ -63,3 +64,38 @@ class ImportingReceiver(KVReceiver):
 
     def abandon(self) -> None:
         self.inner.abandon()
+
+
+class ByRankReceiver(KVReceiver):
+    """A "rank_layers" transfer whose parts go to each of this worker's ranks itself (``EngineKV.part_targets``):
+    rank 0 takes its own share into its own cache, and the transfer is complete once every other rank reported
+    its share in (shared/engine/ranks/kv_inlet.py). No staging copy, no scatter."""
+
+    def __init__(self, kv: EngineKV, request_id: str, block_ids: list[int], on_done: Callable[..., None]):
+        self.kv, self.request_id = kv, request_id
+        self.inner = PartAssembler(kv.kv_cache, block_ids, on_done=on_done)  # rank 0's share starts at (0, 0)
+        self.ranks_done = False
+
+    def add(self, msg: KVLayers, frames: list) -> None:
+        self.inner.add(msg, frames)
+
+    def error(self) -> Exception | None:
+        error = self.inner.error()
+        if error is not None:
+            return error
+        self.ranks_done, failed = self.kv.ranks_received(self.request_id)
+        return ValueError(f"a rank's share of the KV failed: {failed}") if failed else None
+
+    @property
+    def complete(self) -> bool:
+        if not self.ranks_done:
+            self.ranks_done = self.kv.ranks_received(self.request_id)[0]
+        return self.ranks_done and self.inner.complete
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self.kv.drop_parts(self.request_id, done=True)
+
+    def abandon(self) -> None:
+        self.inner.abandon()
+        self.kv.drop_parts(self.request_id)  # before the blocks go back: no rank still writes them
