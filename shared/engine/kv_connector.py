@@ -16,8 +16,9 @@ Worker side (where the KV is):
   - ``sharded``: the KV is split over the processes of a tensor-parallel group (its heads) or a pipeline
     (its layers), and ``kv_cache`` holds rank 0's share alone. Leaving, each rank sends its own part to
     the decode worker (``send_parts``, shared/engine/ranks/kv_parts.py) when the engine was given the
-    ``KVLinks`` its ranks dial with; arriving, the KV is imported as full blocks of every layer and head
-    (``import_blocks``, every layer at once, between steps). ``export_blocks`` (a gather to rank 0) is what
+    ``KVLinks`` its ranks dial with; arriving, each rank takes its own share on its own socket when the links
+    name an ``inlet_host`` (``part_targets``, shared/engine/ranks/kv_inlet.py), else the KV is imported as full
+    blocks of every layer and head (``import_blocks``, every layer at once, between steps). ``export_blocks`` (a gather to rank 0) is what
     a sharded sender without links, and a reader of a whole copy, use. Never layer by layer.
 """
 

@@ -2,7 +2,9 @@
 
 One socket per rank carries these in order (shared/engine/ranks/broadcast.py). A ``RankStep`` is followed
 by one raw frame, the step's packed int32 inputs (shared/engine/step_inputs.py ``Layout``): the rank
-rebuilds the same tensors rank 0 runs on, without a per-step encoding of every list.
+rebuilds the same tensors rank 0 runs on, without a per-step encoding of every list. The other way, a decode
+group's ranks report to rank 0 where they take their shares of arriving KV and when each share is in
+(``RankInletHello``, ``RankKVDone``; shared/engine/ranks/kv_inlet.py).
 """
 
 from dataclasses import dataclass, field

@@ -9,7 +9,9 @@ order), so rank 0 may release the prompt's blocks at once: a later step reusing 
 copy. Each part is KVLayers messages of whole layers (~4 MB a message) of the rank's heads, a CRC32 per
 layer, saying which layers (``first``) and which of the model's KV heads (``heads``) the frame holds; the
 decode side places them by layer and head whatever its own layout. A head several ranks hold (fewer KV
-heads than ranks) is sent by the first of them only.
+heads than ranks) is sent by the first of them only. When the grant names the decode worker's ranks
+(``RankKVSend.targets``: each one's address, layers and heads), the part is split among them (``shares``) and
+each decode rank gets what it holds at its own socket (kv_inlet.py), a replica of a head its own copy.
 
 The frames are staged on the host (a device gather, then a copy to host memory), so the code is the same
 on CPU and CUDA; under CUDA each rank sends over its own host's link rather than funnelling every byte
