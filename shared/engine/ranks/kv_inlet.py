@@ -97,18 +97,20 @@ class Inlet:
     def _run(self) -> None:
         self._report(RankInletHello(self.rank, self.address))
         while not self._stop.is_set():
-            if not self._sock.poll(POLL_MS):
+            try:
+                ready = self._sock.poll(POLL_MS)
                 with self._lock:
+                    while ready:
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
                     self._advance()
-                continue
-            with self._lock:
-                while True:
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_message(frames)
-                self._advance()
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # noqa: BLE001 - this thread must outlive a bad message; rank 0's TTL fails its transfer
+                log.exception("rank %d: KV inlet", self.rank)
 
     def _on_message(self, frames: list) -> None:
         try:

@@ -58,5 +58,7 @@ class ShareAssembler:
         with torch.inference_mode(self.cache.is_inference()):
             dst = self.cache.narrow(0, layer, count).narrow(4, head, count_heads)
             dst.index_copy_(2, self.index, part.to(self.cache.device))
+            if self.cache.is_cuda:  # reported done only once written, whatever stream the steps run on
+                torch.cuda.current_stream(self.cache.device).synchronize()
             cells.fill_(False)  # made with the cache, on the step loop's thread
         self.nbytes += data.nbytes
