@@ -13,13 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvrelay import LLM, SamplingParams
 from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.ranks.group import TensorParallelError
 from kvrelay.shared.handoff import receiver as receiver_module
-from tests.integration.test_rank_handoff import BLOCK, _decode, _prefill, _start, _until_ended
+from tests.conftest import random_prompts
+from tests.integration.test_rank_handoff import BLOCK, MAX_NEW, _decode, _prefill, _start, _until_ended
 from tests.integration.test_tensor_parallel_handoff import Link
 from tests.zmq_secret import CURVE
 
@@ -43,14 +45,11 @@ def _no_staging(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def prompts():
-    from tests.conftest import random_prompts
     return random_prompts(2, lo=5, hi=40, seed=5)
 
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dirs, prompts):
-    from kvrelay import LLM, SamplingParams
-    from tests.integration.test_rank_handoff import MAX_NEW
     with LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, block_size=BLOCK) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     return [o.outputs[0].token_ids for o in outs]
