@@ -53,7 +53,7 @@ TEST_HOLD_BEFORE_ACK_ENV = "KVRELAY_TEST_HOLD_BEFORE_ACK"
 class DecodeWorker:
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.runtime = WorkerRuntime(config)
+        self.runtime = WorkerRuntime(config, receives_kv=True)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
                                            config.advertise_host, curve=self.runtime.curve)
         self.receiver = HandoffReceiver(self.sock, self._core_for, config.handoff_timeout_s,

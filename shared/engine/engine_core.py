@@ -78,7 +78,8 @@ class EngineCore:
                            runner.set_kv_stream, world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
                            num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv,
                            **({} if runner.parts is None else dict(send_parts=runner.send_kv_parts,
-                                                                   flush_parts=runner.flush_kv_parts)))
+                                                                   flush_parts=runner.flush_kv_parts)),
+                           inlets=runner.inlets)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
         # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
         tokenizer_dir, no_tokenizer = structured_tokenizer(config)

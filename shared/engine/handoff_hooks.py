@@ -76,9 +76,10 @@ class HandoffHooks:
 
     @torch.inference_mode()
     def send_kv_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str,
-                      deadline_s: float) -> int:
-        """Every rank sends its own part of ``block_ids`` to ``peer`` (EngineKV.send_parts); rank 0's bytes."""
-        msg = RankKVSend(request_id, list(block_ids), peer, requester, deadline_s)
+                      deadline_s: float, targets: list | None = None) -> int:
+        """Every rank sends its own part of ``block_ids`` to ``peer``, or to the decode ranks of ``targets``
+        holding it (EngineKV.send_parts); rank 0's bytes."""
+        msg = RankKVSend(request_id, list(block_ids), peer, requester, deadline_s, list(targets or []))
         try:
             return driver_send(self.ranks, self.parts, self.model, self.kv_cache, msg)
         except zmq.ZMQError as exc:

@@ -16,8 +16,9 @@ Worker side (where the KV is):
   - ``sharded``: the KV is split over the processes of a tensor-parallel group (its heads) or a pipeline
     (its layers), and ``kv_cache`` holds rank 0's share alone. Leaving, each rank sends its own part to
     the decode worker (``send_parts``, shared/engine/ranks/kv_parts.py) when the engine was given the
-    ``KVLinks`` its ranks dial with; arriving, the KV is imported as full blocks of every layer and head
-    (``import_blocks``, every layer at once, between steps). ``export_blocks`` (a gather to rank 0) is what
+    ``KVLinks`` its ranks dial with; arriving, each rank takes its own share on its own socket when the links
+    name an ``inlet_host`` (``part_targets``, shared/engine/ranks/kv_inlet.py), else the KV is imported as full
+    blocks of every layer and head (``import_blocks``, every layer at once, between steps). ``export_blocks`` (a gather to rank 0) is what
     a sharded sender without links, and a reader of a whole copy, use. Never layer by layer.
 """
 
@@ -40,10 +41,15 @@ class KVLinks:
     config on stdin (shared/engine/ranks/rank_config.py), never argv."""
 
     secret: str | None = None
+    # a decode worker's: each rank binds a socket of its own on this host and takes its own share of handed-off
+    # KV there (shared/engine/ranks/kv_inlet.py); None: the KV arrives through rank 0
+    inlet_host: str | None = None
+    inlet_advertise: str | None = None  # the address peers dial for it (default: ``inlet_host``)
 
     @classmethod
-    def of(cls, keys: CurveKeys | None) -> "KVLinks":
-        return cls(None if keys is None else keys.secret.decode())
+    def of(cls, keys: CurveKeys | None, inlet_host: str | None = None,
+           inlet_advertise: str | None = None) -> "KVLinks":
+        return cls(None if keys is None else keys.secret.decode(), inlet_host, inlet_advertise)
 
     def keys(self) -> CurveKeys | None:
         if self.secret is None:
@@ -52,7 +58,7 @@ class KVLinks:
         return CurveKeys(public=zmq.curve_public(secret), secret=secret)
 
     def __repr__(self) -> str:  # a config or exception printing its holder never shows the secret
-        return f"KVLinks(curve={self.secret is not None})"
+        return f"KVLinks(curve={self.secret is not None}, inlet_host={self.inlet_host!r})"
 
 
 class LayerSaver(Protocol):
@@ -77,12 +83,13 @@ class EngineKV:
                  world_size: int = 1, num_kv_heads: int | None = None, num_layers: int | None = None,
                  export: Callable[[list[int]], torch.Tensor] | None = None,
                  import_: Callable[[list[int], torch.Tensor], None] | None = None,
-                 send_parts: Callable[[str, list[int], str, str, float], int] | None = None,
-                 flush_parts: Callable[[], bool] | None = None):
+                 send_parts: Callable[..., int] | None = None,
+                 flush_parts: Callable[[], bool] | None = None, inlets=None):
         """``world_size``: the model's processes (tensor-parallel ranks x pipeline stages);
         ``num_kv_heads`` / ``num_layers``: the model's, over every rank (default: the cache's); ``export`` /
         ``import_``: full blocks out of / into every rank's cache (needed when ``world_size`` > 1);
-        ``send_parts`` / ``flush_parts``: every rank sends its own part (``send_parts`` below)."""
+        ``send_parts`` / ``flush_parts``: every rank sends its own part (``send_parts`` below); ``inlets``:
+        every rank takes its own share of arriving KV (shared/engine/ranks/kv_inlet.py ``InletDriver``)."""
         self._blocks = block_manager
         self._kv_cache = kv_cache
         self._release_held = release_held
@@ -91,6 +98,7 @@ class EngineKV:
         self._num_kv_heads, self._num_layers = num_kv_heads, num_layers
         self._export, self._import = export, import_
         self._send_parts, self._flush_parts = send_parts, flush_parts
+        self._inlets = inlets
 
     # -- scheduler side ---------------------------------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -151,17 +159,44 @@ class EngineKV:
         """Sharded, and each rank can send its own part of the KV (``send_parts``)."""
         return self.sharded and self._send_parts is not None
 
-    def send_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, deadline_s: float) -> int:
+    def send_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, deadline_s: float,
+                   targets: list | None = None) -> int:
         """Every rank sends its part of ``block_ids`` (its layers, its KV heads) to the decode worker at
-        ``peer`` as KVLayers parts of ``request_id`` naming ``requester``; returns rank 0's part's bytes. Each
+        ``peer`` as KVLayers parts of ``request_id`` naming ``requester`` or, given the grant's ``targets``
+        (``KVTarget``), each decode rank its share at its own address; returns rank 0's part's bytes. Each
         rank has copied its part out before the next step, so the blocks may be released at once. Call
         between steps; raises when a rank is gone."""
-        return self._send_parts(request_id, block_ids, peer, requester, deadline_s)
+        return self._send_parts(request_id, block_ids, peer, requester, deadline_s, targets)
 
     def flush_parts(self) -> bool:
         """Rank 0 queues what is left of its parts; True once nothing waits. Raises when a rank is gone (its
         part may never arrive)."""
         return self._flush_parts()
+
+    # -- arriving at a sharded receiver's ranks, each its own share ----------------------------------
+    def part_targets(self, request_id: str, requester: str, block_ids: list[int]) -> list:
+        """A grant's ``KVTarget``s when every rank takes its own share of the KV (its layers, its heads): each
+        rank is told to expect ``request_id``'s parts into ``block_ids``; empty (the KV comes to rank 0 and is
+        imported) otherwise. Rank 0's target has no address: the grant's socket."""
+        return [] if self._inlets is None else self._inlets.targets(request_id, requester, block_ids)
+
+    def receives_by_rank(self, request_id: str) -> bool:
+        """Its ranks were told to expect ``request_id`` (``part_targets``) and are still at it."""
+        return self._inlets is not None and self._inlets.expects(request_id)
+
+    def ranks_received(self, request_id: str) -> tuple[bool, str]:
+        """(every other rank has its share of ``request_id`` in, CRC-checked; why one failed, or "")."""
+        return self._inlets.state(request_id)
+
+    def drop_parts(self, request_id: str, done: bool = False) -> None:
+        """The ranks forget ``request_id`` (told unless ``done``: each dropped it when it reported)."""
+        if self._inlets is not None:
+            self._inlets.forget(request_id) if done else self._inlets.drop(request_id)
+
+    @property
+    def rank_bytes_received(self) -> dict[int, int]:
+        """KV bytes each rank 1..N-1 took on its own socket."""
+        return {} if self._inlets is None else dict(self._inlets.bytes_by_rank)
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write full ``blocks`` (``export_blocks``'s shape) into ``block_ids``, each rank its layers and heads."""

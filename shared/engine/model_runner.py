@@ -32,6 +32,7 @@ from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
+from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
 from kvrelay.shared.engine.ranks.kv_parts import PartSender
 from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
 from kvrelay.shared.engine.request import Request
@@ -69,8 +70,11 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
         self.pipeline = config.pipeline_parallel_size
+        self.inlets: InletDriver | None = None
         try:
             self._setup(kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root)
+            if self.ranks is not None and kv_links is not None and kv_links.inlet_host is not None:
+                self.inlets = InletDriver(self.ranks, self.model)  # each rank takes its own share of arriving KV
         except BaseException:
             self.close()
             raise
@@ -277,6 +281,8 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             self.ranks.close()
         if self.parts is not None:
             self.parts.close()
+        if self.inlets is not None:
+            self.inlets.close()
 
 
 def token_at(req: Request, pos: int) -> int:

@@ -27,7 +27,7 @@ from kvrelay.shared.handoff.base import KVReceiver, Transport
 from kvrelay.shared.handoff.blocks import check_layout
 from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.rank_parts import RankParts
-from kvrelay.shared.handoff.sharded import ImportingReceiver
+from kvrelay.shared.handoff.sharded import ByRankReceiver, ImportingReceiver
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import decode_any, encode
@@ -196,7 +196,9 @@ class KVInbox(ABC):
         ttl, now = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic()
         self.grants[rid] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl, now,
                                  offered=offer is not None)
-        return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl)
+        # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
+        targets = engine_kv.part_targets(rid, req.requester, blocks) if engine_kv.sharded else []
+        return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl, targets=targets)
 
     def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:
         """The grant's KV starts arriving: from here the sender is done writing blocks itself, so a
@@ -209,9 +211,15 @@ class KVInbox(ABC):
             chosen = self._by_name[transport]
             if kv.sharded and chosen.writes_directly:
                 raise ValueError(f"KV over {transport!r} into parallel ranks; they take frames only")
-            receiver = (ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, self.waker.wake) if kv.sharded
-                        else chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake))
+            if kv.receives_by_rank(rid) and transport == RankParts.name:
+                receiver = ByRankReceiver(kv, rid, grant.block_ids, self.waker.wake)
+            elif kv.sharded:
+                kv.drop_parts(rid)  # the KV comes another way, to rank 0
+                receiver = ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, self.waker.wake)
+            else:
+                receiver = chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake)
         except ValueError as exc:
+            kv.drop_parts(rid)
             kv.free(rid)
             log.warning("rejected KV for %s: %s", rid, exc)
             self._nack(peer, rid, str(exc))
@@ -324,6 +332,7 @@ class KVInbox(ABC):
     def _release_grant(self, rid: str) -> None:
         grant = self.grants.pop(rid)
         kv = self.core_for(grant.model).kv
+        kv.drop_parts(rid)  # its ranks stop expecting it before its blocks go back
         if not grant.offered:
             kv.free(rid)
             return

@@ -276,7 +276,8 @@ class HandoffSender:
     def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
         engine_kv, age = self.core_for(t.job.model).kv, time.monotonic() - t.asked_at
         if engine_kv.sends_by_rank:  # each rank sends its own layers and heads; we keep the control
-            sender = RankPartsSender(engine_kv, t.job.request_id, src_blocks, t.target, self.worker_id, self.timeout_s)
+            sender = RankPartsSender(engine_kv, t.job.request_id, src_blocks, t.target, self.worker_id, self.timeout_s,
+                                     t.grant.targets)
             t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
             return True
         kv, transports = engine_kv.kv_cache, self.transports

@@ -7,9 +7,12 @@ shape is refused by ``check_layout``. A sharded sender's ranks each send their o
 blocks straight to the decode worker (rank_parts.py, shared/engine/ranks/kv_parts.py); rank 0 keeps the
 grant, the header and the ack. One without links for its ranks (``EngineKV.sends_by_rank`` false: the
 offline API, some tests) still gathers a full copy to rank 0 (``exported``) and sends it as ordinary
-frames. A sharded receiver takes the frames, whole or in parts, into a full staging copy and, once every
-layer (and head) is checked, gives each rank its layers and heads (``import_blocks``): only rank 0 holds the
-decode worker's socket.
+frames. A sharded receiver whose ranks each listen on a socket of their own names them in the grant
+(``EngineKV.part_targets``): a sharded sender's ranks then send each decode rank its own layers and heads, rank 0
+takes its share into its own cache and lands the transfer once every other rank reported its share in
+(``ByRankReceiver``; shared/engine/ranks/kv_inlet.py). KV sent whole (a one-rank sender's frames, or before the
+ranks said where they listen) goes into a full staging copy on rank 0 and, once every layer is checked, each
+rank gets its layers and heads from it (``import_blocks``).
 
 Only host-staged frames: the ranks' copies and the scatter run between steps on the worker's loop, so
 neither layer-by-layer streaming during the forward nor a peer's direct writes into rank 0's cache can
@@ -22,6 +25,7 @@ import torch
 
 from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.handoff.base import KVReceiver, Transport
+from kvrelay.shared.handoff.rank_parts import PartAssembler
 from kvrelay.shared.wire.handoff import KVLayers
 
 
@@ -63,3 +67,38 @@ class ImportingReceiver(KVReceiver):
 
     def abandon(self) -> None:
         self.inner.abandon()
+
+
+class ByRankReceiver(KVReceiver):
+    """A "rank_layers" transfer whose parts go to each of this worker's ranks itself (``EngineKV.part_targets``):
+    rank 0 takes its own share into its own cache, and the transfer is complete once every other rank reported
+    its share in (shared/engine/ranks/kv_inlet.py). No staging copy, no scatter."""
+
+    def __init__(self, kv: EngineKV, request_id: str, block_ids: list[int], on_done: Callable[..., None]):
+        self.kv, self.request_id = kv, request_id
+        self.inner = PartAssembler(kv.kv_cache, block_ids, on_done=on_done)  # rank 0's share starts at (0, 0)
+        self.ranks_done = False
+
+    def add(self, msg: KVLayers, frames: list) -> None:
+        self.inner.add(msg, frames)
+
+    def error(self) -> Exception | None:
+        error = self.inner.error()
+        if error is not None:
+            return error
+        self.ranks_done, failed = self.kv.ranks_received(self.request_id)
+        return ValueError(f"a rank's share of the KV failed: {failed}") if failed else None
+
+    @property
+    def complete(self) -> bool:
+        if not self.ranks_done:
+            self.ranks_done = self.kv.ranks_received(self.request_id)[0]
+        return self.ranks_done and self.inner.complete
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self.kv.drop_parts(self.request_id, done=True)
+
+    def abandon(self) -> None:
+        self.inner.abandon()
+        self.kv.drop_parts(self.request_id)  # before the blocks go back: no rank still writes them

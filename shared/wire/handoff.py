@@ -94,6 +94,28 @@ class KVIpcHandle:
 
 
 @dataclass
+class KVTarget:
+    """Where a sharded sender's ranks send one decode rank's share of a "rank_layers" transfer: the model's
+    layers ``layers`` = [start, end) and KV heads ``heads`` = [first, count] that rank holds, at ``address``
+    (its own socket; "" = the grant's, the decode worker's rank 0). Only inside a grant."""
+
+    address: str = field(metadata={"max_len": 1024})
+    layers: list[int]
+    heads: list[int]
+
+    def check(self) -> None:
+        if self.address and not self.address.startswith(("tcp://", "ipc://")):
+            raise ValueError("KVTarget.address must be empty or a tcp:// or ipc:// address")
+        if len(self.layers) != 2 or not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError("KVTarget.layers must be [start, end) with start < end")
+        if len(self.heads) != 2 or self.heads[0] < 0 or self.heads[1] < 1:
+            raise ValueError("KVTarget.heads must be [first, count] with count >= 1")
+
+
+MAX_TARGETS = 64  # decode ranks a grant names: a tensor- times pipeline-parallel group's world
+
+
+@dataclass
 class HandoffGrant:
     """Decode -> prefill: the decode side allocated ``block_ids`` (SGLang style) or refused, with why."""
 
@@ -106,6 +128,13 @@ class HandoffGrant:
     busy: bool = False
     ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
     ttl_s: float = 0.0  # the grant lapses this long after it was sent; IPC writes must land well inside it
+    # a sharded decode worker whose ranks receive their own shares: where a sharded sender's ranks send each
+    # decode rank's layers and heads ("rank_layers"); empty: everything to the grant's socket, as ever
+    targets: list[KVTarget] = field(default_factory=list)
+
+    def check(self) -> None:
+        if len(self.targets) > MAX_TARGETS:
+            raise ValueError(f"HandoffGrant carries at most {MAX_TARGETS} targets")
 
 
 @dataclass

@@ -2,13 +2,16 @@
 
 One socket per rank carries these in order (shared/engine/ranks/broadcast.py). A ``RankStep`` is followed
 by one raw frame, the step's packed int32 inputs (shared/engine/step_inputs.py ``Layout``): the rank
-rebuilds the same tensors rank 0 runs on, without a per-step encoding of every list.
+rebuilds the same tensors rank 0 runs on, without a per-step encoding of every list. The other way, a decode
+group's ranks report to rank 0 where they take their shares of arriving KV and when each share is in
+(``RankInletHello``, ``RankKVDone``; shared/engine/ranks/kv_inlet.py).
 """
 
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvrelay.shared.wire.codec import MAX_ID_LEN, register
+from kvrelay.shared.wire.handoff import MAX_TARGETS, KVTarget
 
 _ID = {"max_len": MAX_ID_LEN}
 _ADDR = {"max_len": 1024}  # a peer's ZMQ address (an ipc:// path may be long)
@@ -122,14 +125,69 @@ class RankKVSend:
     peer: str = field(metadata=_ADDR)
     requester: str = field(metadata=_ID)
     deadline_s: float
+    # the grant's decode ranks (HandoffGrant.targets): each gets the (layer, head)s of this rank's part it
+    # holds, at its own address ("" = ``peer``); empty: the whole part to ``peer``
+    targets: list[KVTarget] = field(default_factory=list)
 
     def check(self) -> None:
         if not self.block_ids or min(self.block_ids) < 0:
             raise ValueError("RankKVSend.block_ids must be non-empty, non-negative")
+        if len(self.targets) > MAX_TARGETS:
+            raise ValueError(f"RankKVSend carries at most {MAX_TARGETS} targets")
         if not self.peer.startswith(("tcp://", "ipc://")):
             raise ValueError("RankKVSend.peer must be a tcp:// or ipc:// address")
         if not 0.0 < self.deadline_s < float("inf"):
             raise ValueError("RankKVSend.deadline_s must be a positive number of seconds")
+
+
+@dataclass
+class RankKVExpect:
+    """A sharded decode worker granted ``block_ids`` to ``requester``'s ``request_id``: this rank takes its own
+    layers and heads of the transfer on its inlet socket (shared/engine/ranks/kv_inlet.py) and reports them
+    done to rank 0 (``RankKVDone``)."""
+
+    TAG: ClassVar[str] = "rank_kv_expect"
+    request_id: str = field(metadata=_ID)
+    requester: str = field(metadata=_ID)
+    block_ids: list[int]
+
+    def check(self) -> None:
+        if not self.block_ids or min(self.block_ids) < 0:
+            raise ValueError("RankKVExpect.block_ids must be non-empty, non-negative")
+
+
+@dataclass
+class RankKVDrop:
+    """Forget an expected transfer (cancelled, failed, expired, or arriving another way): its blocks go back."""
+
+    TAG: ClassVar[str] = "rank_kv_drop"
+    request_id: str = field(metadata=_ID)
+
+
+@dataclass
+class RankInletHello:
+    """A decode rank -> rank 0, once: the address its inlet socket listens on."""
+
+    TAG: ClassVar[str] = "rank_inlet_hello"
+    rank: int
+    address: str = field(metadata=_ADDR)
+
+    def check(self) -> None:
+        if self.rank < 1 or not self.address.startswith(("tcp://", "ipc://")):
+            raise ValueError("RankInletHello: a rank >= 1 and a tcp:// or ipc:// address")
+
+
+@dataclass
+class RankKVDone:
+    """A decode rank -> rank 0: its share of ``request_id`` is in its blocks, every layer CRC-checked (``ok``),
+    or failed (``reason``); ``nbytes``: the KV bytes it took."""
+
+    TAG: ClassVar[str] = "rank_kv_done"
+    rank: int
+    request_id: str = field(metadata=_ID)
+    ok: bool
+    nbytes: int = 0
+    reason: str = field(default="", metadata={"max_len": 1024})
 
 
 @dataclass
@@ -139,6 +197,8 @@ class RankStop:
     TAG: ClassVar[str] = "rank_stop"
 
 
-RankMessage = RankAlloc | RankProfile | RankSwap | RankStep | RankKVExport | RankKVImport | RankKVSend | RankStop
+RankMessage = (RankAlloc | RankProfile | RankSwap | RankStep | RankKVExport | RankKVImport | RankKVSend | RankKVExpect
+               | RankKVDrop | RankStop)
 
-register(RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankKVSend, RankStop)
+register(RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankKVSend, RankKVExpect, RankKVDrop,
+         RankStop, RankInletHello, RankKVDone)

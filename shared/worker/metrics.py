@@ -149,6 +149,13 @@ class WorkerMetrics:
                                  "sent by each rank of a sharded worker) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",
                                  m + ["transport", "streamed"], registry=r)
+        world = core.config.tensor_parallel_size * core.config.pipeline_parallel_size
+        if world > 1:  # a sharded decode worker's ranks 1..N-1 each take their own share of arriving KV
+            rank_bytes = Gauge("kvrelay_handoff_rank_received_bytes", "KV bytes a rank other than 0 took on its "
+                               "own socket (its share of handed-off KV; lifetime total)", m + ["rank"], registry=r)
+            for rank in range(1, world):
+                rank_bytes.labels(model_name, str(rank)).set_function(
+                    lambda rank=rank: core.kv.rank_bytes_received.get(rank, 0))
         r.register(_PrefixCacheCollector(core, model_name))
         if process_collectors:
             r.register(HostCollector(*nvml_for(device)))

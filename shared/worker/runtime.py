@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, hold_finished_kv: bool = False):
+    def __init__(self, config: WorkerConfig, hold_finished_kv: bool = False, receives_kv: bool = False):
         self.config = config
         self.redis = sync_client(config.redis_url)
         self.health = RedisHealth(log)  # every thread reports outages here; the heartbeat says when it ends
@@ -69,8 +69,10 @@ class WorkerRuntime:
             drain_timeout_s=config.drain_timeout_s,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
             shared=_shared_weights(config), parallel_sizes=config.parallel_sizes,
-            # a prefill worker's ranks send their own parts of a prompt's KV, authenticated as the worker is
-            kv_links=KVLinks.of(self.curve) if hold_finished_kv else None)
+            # a prefill worker's ranks send their own parts of a prompt's KV, a decode worker's take their own
+            # shares of it on sockets of their own (beside the worker's), authenticated as the worker is
+            kv_links=(KVLinks.of(self.curve) if hold_finished_kv
+                      else KVLinks.of(self.curve, config.host, config.advertise_host) if receives_kv else None))
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
         self.ctx = zmq.Context()

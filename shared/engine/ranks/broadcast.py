@@ -12,6 +12,8 @@ import zmq
 from kvrelay.shared.wire import codec
 from kvrelay.shared.wire.rank_step import (
     RankAlloc,
+    RankKVDrop,
+    RankKVExpect,
     RankKVExport,
     RankKVImport,
     RankKVSend,
@@ -22,7 +24,8 @@ from kvrelay.shared.wire.rank_step import (
     RankSwap,
 )
 
-_KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankKVSend, RankStop)
+_KINDS = (RankAlloc, RankProfile, RankSwap, RankStep, RankKVExport, RankKVImport, RankKVSend, RankKVExpect, RankKVDrop,
+          RankStop)
 # messages queued for a rank that has not read them yet; ranks run in lockstep, so a full queue means a
 # rank stopped reading
 SEND_HWM = 64

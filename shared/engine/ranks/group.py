@@ -132,6 +132,11 @@ class RankGroup:
         raise TensorParallelError(f"{self._kind} group of {self.world_size} did not form: {reason}")
 
     @property
+    def folder(self) -> Path:
+        """The group's private folder (mode 0700): its ipc:// sockets' access control."""
+        return self._folder
+
+    @property
     def pids(self) -> list[int]:
         """The process ids of ranks 1..N-1."""
         return [p.pid for p in self._procs]

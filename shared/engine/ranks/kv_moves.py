@@ -13,9 +13,9 @@ layer by layer.
 
 A prefill worker's handoff does not export: each rank sends its own part to the decode worker itself
 (kv_parts.py), and rank 0 keeps only the transfer's control. The export stays for an engine without the
-links its ranks would dial with (the offline API, tests reading a whole copy back). The import is still
-rank 0's: a sharded decode worker takes the frames into a full staging copy (only rank 0 holds the
-handoff's socket) and scatters it here, one hop of the KV over the group's links.
+links its ranks would dial with (the offline API, tests reading a whole copy back). Likewise a sharded decode
+worker's ranks each take their own share of KV its sender's ranks send (kv_inlet.py); the import here is for KV
+that arrives whole at rank 0 (a one-rank sender's frames), staged and scattered, one hop over the group's links.
 """
 
 import torch

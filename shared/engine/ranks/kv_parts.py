@@ -9,7 +9,9 @@ order), so rank 0 may release the prompt's blocks at once: a later step reusing 
 copy. Each part is KVLayers messages of whole layers (~4 MB a message) of the rank's heads, a CRC32 per
 layer, saying which layers (``first``) and which of the model's KV heads (``heads``) the frame holds; the
 decode side places them by layer and head whatever its own layout. A head several ranks hold (fewer KV
-heads than ranks) is sent by the first of them only.
+heads than ranks) is sent by the first of them only. When the grant names the decode worker's ranks
+(``RankKVSend.targets``: each one's address, layers and heads), the part is split among them (``shares``) and
+each decode rank gets what it holds at its own socket (kv_inlet.py), a replica of a head its own copy.
 
 The frames are staged on the host (a device gather, then a copy to host memory), so the code is the same
 on CPU and CUDA; under CUDA each rank sends over its own host's link rather than funnelling every byte
@@ -34,7 +36,7 @@ from kvrelay.shared.engine.parallel.linear import kv_heads
 from kvrelay.shared.engine.ranks.kv_moves import check_block_ids, stage_layers, total_kv_heads
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import encode
-from kvrelay.shared.wire.handoff import KVLayers
+from kvrelay.shared.wire.handoff import KVLayers, KVTarget
 from kvrelay.shared.wire.rank_step import RankKVSend
 
 log = logging.getLogger(__name__)
@@ -63,15 +65,36 @@ def rank_part(model, layout: RankLayout) -> Part | None:
     return Part(range(start, end), first, count)
 
 
+def shares(part: Part, targets: list[KVTarget]) -> list[tuple[str, Part]]:
+    """(address, the share of ``part`` that target holds) for every target holding any of it; a decode rank's
+    replica of a head gets its own copy. No targets: the whole part to the grant's socket ("")."""
+    if not targets:
+        return [("", part)]
+    out = []
+    for t in targets:
+        start, end = max(part.layers.start, t.layers[0]), min(part.layers.stop, t.layers[1])
+        first = max(part.first_head, t.heads[0])
+        last = min(part.first_head + part.num_heads, t.heads[0] + t.heads[1])
+        if start < end and first < last:
+            out.append((t.address, Part(range(start, end), first, last - first)))
+    return out
+
+
 def part_messages(kv_cache: torch.Tensor, block_ids: list[int], part: Part, request_id: str,
-                  requester: str) -> list[list]:
-    """The part's KVLayers messages, each ``[encoded message, frame]`` (frames over a host copy)."""
+                  requester: str, share: Part | None = None) -> list[list]:
+    """The KVLayers messages of ``share`` (default: all) of the rank's ``part``, each ``[encoded message,
+    frame]`` (frames over a host copy)."""
     raw = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_KV_DTYPE else kv_cache
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    host = raw.index_select(2, index).cpu().contiguous()  # [L_stage, 2, n, bs, heads, D]
+    host = raw.index_select(2, index).cpu()  # [L_stage, 2, n, bs, heads, D]
     if host.shape[0] != len(part.layers) or host.shape[4] != part.num_heads:
         raise ValueError(f"a rank's cache of {host.shape[0]} layers x {host.shape[4]} heads for a part of "
                          f"{len(part.layers)} x {part.num_heads}")
+    if share is not None and share != part:
+        host = host.narrow(0, share.layers.start - part.layers.start, len(share.layers))
+        host = host.narrow(4, share.first_head - part.first_head, share.num_heads)
+        part = share
+    host = host.contiguous()
     data = memoryview(host.view(torch.uint8).reshape(-1).numpy())
     layer_nbytes = data.nbytes // host.shape[0]
     per = max(1, min(host.shape[0], MESSAGE_TARGET // max(layer_nbytes, 1)))
@@ -106,10 +129,11 @@ class PartSender:
         """Queue this rank's part of ``msg``'s blocks for its peer; the part's bytes (0 for a replica)."""
         if part is None:
             return 0
-        messages = part_messages(kv_cache, msg.block_ids, part, msg.request_id, msg.requester)
-        give_up = time.monotonic() + msg.deadline_s
-        self._pending.extend((give_up, msg.peer, m) for m in messages)
-        nbytes = sum(m[1].nbytes for m in messages)
+        give_up, nbytes = time.monotonic() + msg.deadline_s, 0
+        for address, share in shares(part, msg.targets):
+            messages = part_messages(kv_cache, msg.block_ids, part, msg.request_id, msg.requester, share)
+            self._pending.extend((give_up, address or msg.peer, m) for m in messages)
+            nbytes += sum(m[1].nbytes for m in messages)
         self.bytes_sent += nbytes
         self.parts_sent += 1
         self.flush()

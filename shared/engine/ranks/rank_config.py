@@ -1,6 +1,7 @@
 """What rank 0 hands each rank process on its stdin (shared/config/handover.py: typed JSON, validated on
 arrival, never argv, never pickle): the engine's config, and the links its ranks send their parts of a
-prompt's KV over (the deployment's CURVE secret), when the engine has them."""
+prompt's KV over (the deployment's CURVE secret), when the engine has them; a decode group's links also name
+the host each rank binds its own socket on, to take its share of arriving KV (kv_inlet.py)."""
 
 from dataclasses import dataclass
 

@@ -15,6 +15,7 @@ from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
 from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
+from kvrelay.shared.engine.ranks.kv_inlet import Inlet, share_of
 from kvrelay.shared.engine.ranks.kv_parts import PartSender
 from kvrelay.shared.engine.ranks.rank_config import RankConfig
 from kvrelay.shared.engine.ranks.shard_runner import ShardRunner
@@ -52,11 +53,19 @@ def main(argv: list[str] | None = None) -> int:
                           pipeline=(layout.stage, layout.pp))
     # an fp8 cache reads blocks under rank 0's scales: the same checkpoint's, each rank its own layers'
     kv_scales = checkpoint_kv_scales(config.model, root) if config.cache.kv_cache_dtype in FP8_NAMES else None
-    parts = PartSender(handed.links) if handed.links is not None else None
-    ShardRunner(model, config, state, device, layout, kv_scales, parts).serve(receiver, parent)
+    links = handed.links
+    parts = PartSender(links) if links is not None else None
+    inlet = None
+    if links is not None and links.inlet_host is not None:  # a decode group: this rank takes its own share
+        share = share_of(model, layout)
+        inlet = Inlet(rank, links.keys(), links.inlet_host, Path(folder), (share.layers[0], share.heads[0]),
+                      links.inlet_advertise)
+    ShardRunner(model, config, state, device, layout, kv_scales, parts, inlet).serve(receiver, parent)
     receiver.close()
     if parts is not None:
         parts.close()
+    if inlet is not None:
+        inlet.close()
     return 0
 
 

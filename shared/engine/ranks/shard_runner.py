@@ -17,6 +17,7 @@ from kvrelay.shared.engine.kv_dtype import attach_kv_scales, kv_cache_dtype
 from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
+from kvrelay.shared.engine.ranks.kv_inlet import Inlet
 from kvrelay.shared.engine.ranks.kv_moves import export_blocks, import_blocks, stage_layers, total_kv_heads
 from kvrelay.shared.engine.ranks.kv_parts import PartSender, rank_part
 from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_carried, send_carried, send_logits
@@ -25,6 +26,8 @@ from kvrelay.shared.wire.rank_step import (
     LOGITS_ALL,
     LOGITS_SAMPLED,
     RankAlloc,
+    RankKVDrop,
+    RankKVExpect,
     RankKVExport,
     RankKVImport,
     RankKVSend,
@@ -43,7 +46,7 @@ PARTS_POLL_MS = 5  # how often a rank whose KV parts wait for room on their sock
 class ShardRunner:
     def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device,
                  layout: RankLayout, kv_scales: dict[int, list[float]] | None = None,
-                 parts: PartSender | None = None) -> None:
+                 parts: PartSender | None = None, inlet: Inlet | None = None) -> None:
         # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own.
         # kv_scales: an fp8 cache's checkpoint scales by layer index; this rank's layers take theirs
         self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
@@ -53,6 +56,7 @@ class ShardRunner:
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None
         self.parts = parts  # this rank's sockets to decode workers: it sends its own part of handed-off KV
+        self.inlet = inlet  # a decode group's: this rank's socket for its own share of arriving KV
 
     def serve(self, receiver: StepReceiver, parent_pid: int) -> None:
         """Run rank 0's messages until it says stop or is gone."""
@@ -95,6 +99,13 @@ class ShardRunner:
             if self.parts is None:  # rank 0 was given links and hands them to every rank: a bug if not
                 raise ValueError("RankKVSend to a rank started without links to decode workers")
             self.parts.send(msg, self.kv_cache, rank_part(self.model, self.layout))
+        elif isinstance(msg, (RankKVExpect, RankKVDrop)):
+            if self.inlet is None:  # rank 0 was given an inlet host and hands it to every rank: a bug if not
+                raise ValueError(f"{type(msg).__name__} to a rank started without an inlet")
+            if isinstance(msg, RankKVExpect):
+                self.inlet.expect(msg, self.kv_cache)
+            else:
+                self.inlet.drop(msg)
         elif isinstance(msg, RankKVImport):
             import_blocks(self.state, self.kv_cache, msg.block_ids, None, stage_layers(self.model))
         elif isinstance(msg, RankAlloc):

@@ -1,0 +1,43 @@
+"""``kvrelay serve --mode disaggregated --tensor-parallel-size 2``: the decode worker's rank 1 takes its own KV heads
+of every handed-off prompt on a socket of its own (counted by the decode worker's
+kvrelay_handoff_rank_received_bytes), not through rank 0; the openai SDK gets the offline engine's greedy text."""
+
+import urllib.request
+
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from tests.conftest import random_prompts
+from tests.e2e.cluster import free_port
+from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.served import Served
+from tests.e2e.test_serve_rank_handoff import handoffs_by_transport
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def rank_received_bytes(port: int) -> dict[str, float]:
+    """kvrelay_handoff_rank_received_bytes by ``rank``, from a decode worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {line.split('rank="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("kvrelay_handoff_rank_received_bytes{")}
+
+
+def test_served_decode_rank_takes_its_own_heads_and_the_text_is_one_process(tiny_model_dir, tmp_path):
+    prompts = random_prompts(3, lo=5, hi=60, seed=8)
+    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
+        want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
+    metrics = free_port()  # the prefill worker's; the decode worker's is the next one
+    argv = ["--mode", "disaggregated", "--model", str(tiny_model_dir), *TINY_ENGINE, "--tensor-parallel-size", "2",
+            "--worker-monitoring-port", str(metrics)]
+    with Served(argv, tmp_path / "serve.log", timeout=300) as served:
+        client = served.client(timeout=120)
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
+               for p in prompts]
+        counted = handoffs_by_transport(metrics)
+        received = rank_received_bytes(metrics + 1)
+    assert got == want
+    assert counted == {"rank_layers": len(prompts)}, counted
+    assert list(received) == ["1"] and received["1"] > 0, received

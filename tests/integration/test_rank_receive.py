@@ -1,0 +1,152 @@
+"""A sharded DECODE worker whose ranks each take their own share of handed-off KV (real rank processes over gloo,
+real CURVE ZMQ sockets, a real HandoffManager and HandoffReceiver polled from the test's thread): the grant
+names every decode rank's socket, layers and heads; each sharded prefill rank splits its part among them; each
+decode rank's socket takes exactly its share (rank 0's socket only rank 0's, no staging copy of the whole KV,
+no scatter), and the decode engine continues with the greedy tokens of one process. A decode rank killed with
+-9 while its share is due fails the transfer at once (no hang); the request handed off again to a restarted
+decode worker completes."""
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.prefill_worker.handoff import State
+from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
+from kvrelay.shared.engine.engine_core import EngineCore
+from kvrelay.shared.engine.kv_connector import KVLinks
+from kvrelay.shared.engine.ranks.group import TensorParallelError
+from kvrelay.shared.handoff import receiver as receiver_module
+from tests.conftest import random_prompts
+from tests.integration.test_rank_handoff import BLOCK, MAX_NEW, _decode, _prefill, _start, _until_ended
+from tests.integration.test_tensor_parallel_handoff import Link
+from tests.zmq_secret import CURVE
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _engine(model_dir, tp: int, pp: int, prefill: bool) -> EngineCore:
+    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", max_model_len=128),
+                          cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=64), device="cpu",
+                          tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    links = KVLinks.of(CURVE) if prefill else KVLinks.of(CURVE, "127.0.0.1")
+    return EngineCore(config, hold_finished_kv=prefill, kv_links=links)
+
+
+def _no_staging(monkeypatch) -> None:
+    """Rank 0 never builds a full staging copy nor scatters one: the test fails if it does."""
+    def refuse(*_a, **_k):
+        raise AssertionError("a full staging copy on the decode worker's rank 0")
+    monkeypatch.setattr(receiver_module, "ImportingReceiver", refuse)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(2, lo=5, hi=40, seed=5)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dirs, prompts):
+    with LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, block_size=BLOCK) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads
+LAYOUTS = [((2, 1), (2, 1)), ((1, 2), (1, 2)), ((2, 1), (1, 2))]
+
+
+@pytest.mark.parametrize(("sender", "receiver"), LAYOUTS, ids=["tp2-to-tp2", "pp2-to-pp2", "tp2-to-pp2"])
+def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_process(
+        tiny_model_dirs, prompts, one_process, sender, receiver, monkeypatch):
+    _no_staging(monkeypatch)
+    model = tiny_model_dirs["llama"]
+    prefill = _engine(model, *sender, prefill=True)
+    decode = _engine(model, *receiver, prefill=False)
+    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    firsts = {}
+    try:
+        deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:  # rank 1 says where it listens once it is up
+            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
+        for i, prompt in enumerate(prompts):
+            rid = f"r{i}"
+            first = _prefill(prefill, rid, prompt)
+            before = dict(link.receiver.kv_bytes_by_sender)
+            ranks_before = decode.kv.rank_bytes_received
+            _start(link, rid, prompt, first)
+            t = _until_ended(link, rid)
+            assert t.state is State.DONE, t.reason
+            assert t.transport == "rank_layers" and rid in link.admitted
+            # the decode worker's rank 0 socket took its half of the KV only; rank 1 took the other half itself
+            to_rank0 = sum(n - before.get(peer, 0) for peer, n in link.receiver.kv_bytes_by_sender.items())
+            to_rank1 = decode.kv.rank_bytes_received.get(1, 0) - ranks_before.get(1, 0)
+            assert (to_rank0, to_rank1) == (t.nbytes // 2, t.nbytes // 2)
+            firsts[rid] = (prompt, first)
+        got = _decode(decode, firsts)
+    finally:
+        link.close()
+        prefill.shutdown()
+        decode.shutdown()
+    assert [got[f"r{i}"] for i in range(len(prompts))] == one_process
+
+
+def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_rerun_completes(
+        tiny_model_dirs, prompts, one_process):
+    model = tiny_model_dirs["llama"]
+    prefill = _engine(model, 2, 1, prefill=True)
+    decode = _engine(model, 2, 1, prefill=False)
+    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    prompt, rid = prompts[0], "r0"
+    (pid,) = decode.runner.ranks.pids
+    try:
+        deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:
+            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
+        first = _prefill(prefill, rid, prompt)
+        os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes nothing: its share stays due
+        _start(link, rid, prompt, first)
+        while not (rid in link.receiver.incoming and link.receiver.incoming[rid].header is not None):
+            assert time.monotonic() < deadline, "rank 0's share and the header never reached the decode side"
+            link.receiver.poll(5, lambda h: None)
+            assert not link.manager.poll(5)
+        assert not link.receiver.incoming[rid].receiver.complete  # rank 1's share is missing
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        ended = None
+        while ended is None:  # the decode side fails the transfer for the dead rank; the sender hears the nack
+            assert time.monotonic() - started < 60, "a dead decode rank's transfer never failed"
+            link.receiver.poll(5, lambda h: None)
+            ended = next((t for t in link.manager.poll(5) if t.job.request_id == rid), None)
+        assert ended.state is not State.DONE and rid not in link.receiver.incoming
+        with pytest.raises(TensorParallelError, match="was killed by signal 9"):
+            decode.runner.check()  # the group is down: the worker goes down as after any rank's death
+    finally:
+        link.close()
+        decode.shutdown()
+    # the decode worker restarted (as its supervisor does); the request is handed off again and completes
+    decode = _engine(model, 2, 1, prefill=False)
+    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    try:
+        deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:
+            assert time.monotonic() < deadline
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
+        first = _prefill(prefill, "r0b", prompt)
+        _start(link, "r0b", prompt, first)
+        t = _until_ended(link, "r0b")
+        assert t.state is State.DONE and t.transport == "rank_layers", t.reason
+        got = _decode(decode, {"r0b": (prompt, first)})
+    finally:
+        link.close()
+        prefill.shutdown()
+        decode.shutdown()
+    assert got["r0b"] == one_process[0]
