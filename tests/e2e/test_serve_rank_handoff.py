@@ -1,7 +1,8 @@
 """``kvrelay serve --mode disaggregated --tensor-parallel-size 2``: both workers run the model on two ranks, and
 each prefill rank sends its own KV heads to the decode worker (the handoff's "rank_layers" transport, counted
-by the prefill worker's kvrelay_handoffs_total), whose ranks take their heads of them; the openai SDK gets the
-offline engine's greedy text in one process."""
+by the prefill worker's kvrelay_handoffs_total), whose rank 1 takes its heads on a socket of its own, not
+through rank 0 (the decode worker's kvrelay_handoff_rank_received_bytes); the openai SDK gets the offline
+engine's greedy text in one process."""
 
 import urllib.request
 
@@ -28,8 +29,16 @@ def handoffs_by_transport(port: int) -> dict[str, float]:
     return out
 
 
-def test_served_prefill_ranks_send_their_own_heads_and_the_text_is_one_process(tiny_model_dir, tmp_path):
-    prompts = random_prompts(3, lo=5, hi=60, seed=7)
+def rank_received_bytes(port: int) -> dict[str, float]:
+    """kvrelay_handoff_rank_received_bytes by ``rank``, from a decode worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {line.split('rank="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("kvrelay_handoff_rank_received_bytes{")}
+
+
+def test_each_rank_sends_and_takes_its_own_heads_and_the_text_is_one_process(tiny_model_dir, tmp_path):
+    prompts = random_prompts(3, lo=5, hi=60, seed=8)
     with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
         want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
@@ -41,5 +50,7 @@ def test_served_prefill_ranks_send_their_own_heads_and_the_text_is_one_process(t
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
                for p in prompts]
         counted = handoffs_by_transport(metrics)
+        received = rank_received_bytes(metrics + 1)
     assert got == want
     assert counted == {"rank_layers": len(prompts)}, counted
+    assert list(received) == ["1"] and received["1"] > 0, received
