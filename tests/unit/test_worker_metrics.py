@@ -39,7 +39,7 @@ class Engine:
 
     def __init__(self, role: str, hold: bool = False):
         self.block_manager = BlockManager(64, BS)
-        self.config = SimpleNamespace(cache=CacheConfig(block_size=BS))
+        self.config = SimpleNamespace(cache=CacheConfig(block_size=BS), tensor_parallel_size=1, pipeline_parallel_size=1)
         self.block_size, self.dtype, self.kv_dtype, self.num_total_blocks = BS, "float32", "float32", 64
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), self.block_manager, 64,
                                    hold_finished_kv=hold)
