@@ -16,7 +16,8 @@ Worker side (where the KV is):
   - ``sharded``: the KV is split over the processes of a tensor-parallel group (its heads) or a pipeline
     (its layers), and ``kv_cache`` holds rank 0's share alone. Leaving, each rank sends its own part to
     the decode worker (``send_parts``, shared/engine/ranks/kv_parts.py) when the engine was given the
-    ``KVLinks`` its ranks dial with; arriving, each rank takes its own share on its own socket when the links
+    ``KVLinks`` its ranks dial with (so does an engine of one process, to a decode worker whose ranks each
+    take their own share: ``sends_parts_to``); arriving, each rank takes its own share on its own socket when the links
     name an ``inlet_host`` (``part_targets``, shared/engine/ranks/kv_inlet.py), else the KV is imported as full
     blocks of every layer and head (``import_blocks``, every layer at once, between steps). ``export_blocks`` (a gather to rank 0) is what
     a sharded sender without links, and a reader of a whole copy, use. Never layer by layer.
@@ -158,6 +159,11 @@ class EngineKV:
     def sends_by_rank(self) -> bool:
         """Sharded, and each rank can send its own part of the KV (``send_parts``)."""
         return self.sharded and self._send_parts is not None
+
+    def sends_parts_to(self, targets: list) -> bool:
+        """The KV leaves as parts (``send_parts``): a sharded engine's always, each rank its own; one
+        process's when the grant names the decode worker's ranks (``targets``): its whole KV split among them."""
+        return self._send_parts is not None and (self.sharded or bool(targets))
 
     def send_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, deadline_s: float,
                    targets: list | None = None) -> int:

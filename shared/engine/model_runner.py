@@ -57,7 +57,8 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         """``loaded``: (model, hf config) from ``load_model`` already, e.g. by a worker's loading thread
         that reads weights while its other models keep serving; else loaded here (``model_root``: the
         repository its files must resolve inside). ``kv_links``: with ranks, each sends its own part of
-        handed-off KV (ranks/kv_parts.py)."""
+        handed-off KV (ranks/kv_parts.py); one process sends its KV as parts to a decode worker whose ranks
+        each take their own share."""
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
@@ -66,7 +67,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         # each allocate a cache of the view's block count (RankAlloc), so every block id rank 0's block
         # manager is lent indexes the same block on every rank (holding each rank's own heads or layers)
         self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root, links=kv_links)
-        self.parts = PartSender(kv_links) if self.ranks is not None and kv_links is not None else None
+        self.parts = PartSender(kv_links) if kv_links is not None else None  # no socket before its first part
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
         self.pipeline = config.pipeline_parallel_size

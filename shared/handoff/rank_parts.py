@@ -1,6 +1,7 @@
 """KV sent by the ranks of a tensor- or pipeline-parallel prefill worker, each rank its own part (its stage's
 layers, its KV heads: shared/engine/ranks/kv_parts.py), from a socket of its own; KVHeader.transport
-"rank_layers". Rank 0 keeps the transfer's control plane: it asks for the grant, sends the header once its
+"rank_layers". A one-rank prefill worker sends the same parts, every layer and head, when the grant names the
+decode worker's ranks (``EngineKV.sends_parts_to``). Rank 0 keeps the transfer's control plane: it asks for the grant, sends the header once its
 ranks were told to send (so it may arrive before some parts: the decode side waits for them), reads the
 ack, cancels, and holds the deadlines.
 
@@ -47,7 +48,8 @@ class RankParts(Transport):
 
 class RankPartsSender(KVSender):
     """Rank 0's view of a transfer its ranks send: every rank is told at once (``EngineKV.send_parts``), and
-    the header may follow as soon as rank 0's own part is queued."""
+    the header may follow as soon as rank 0's own part (a one-rank sender's: every decode rank's share) is
+    queued."""
 
     transport = RankParts.name
 

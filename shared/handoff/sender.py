@@ -262,8 +262,9 @@ class HandoffSender:
         t = self.transfers.get(request_id)
         if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
             return None
-        if self.core_for(instance).kv.sharded:  # its ranks send (or rank 0 gathers) between steps (sharded.py)
-            return None
+        kv = self.core_for(instance).kv
+        if kv.sharded or kv.sends_parts_to(t.grant.targets):  # parts (or rank 0's gather) go between steps
+            return None  # (sharded.py); complete() sends them once the prompt's last chunk ran
         src = blocks[: len(t.grant.block_ids)]
         if len(src) != len(t.grant.block_ids):
             return None  # complete() sends it the plain way, which reports the mismatch
@@ -275,7 +276,8 @@ class HandoffSender:
 
     def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
         engine_kv, age = self.core_for(t.job.model).kv, time.monotonic() - t.asked_at
-        if engine_kv.sends_by_rank:  # each rank sends its own layers and heads; we keep the control
+        # each rank sends its own layers and heads (one process: each decode rank its share); we keep the control
+        if engine_kv.sends_parts_to(t.grant.targets):
             sender = RankPartsSender(engine_kv, t.job.request_id, src_blocks, t.target, self.worker_id, self.timeout_s,
                                      t.grant.targets)
             t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes

@@ -8,11 +8,12 @@ blocks straight to the decode worker (rank_parts.py, shared/engine/ranks/kv_part
 grant, the header and the ack. One without links for its ranks (``EngineKV.sends_by_rank`` false: the
 offline API, some tests) still gathers a full copy to rank 0 (``exported``) and sends it as ordinary
 frames. A sharded receiver whose ranks each listen on a socket of their own names them in the grant
-(``EngineKV.part_targets``): a sharded sender's ranks then send each decode rank its own layers and heads, rank 0
+(``EngineKV.part_targets``): a sharded sender's ranks then send each decode rank its own layers and heads (a
+one-rank sender with links splits its whole KV among them the same way, ``EngineKV.sends_parts_to``), rank 0
 takes its share into its own cache and lands the transfer once every other rank reported its share in
-(``ByRankReceiver``; shared/engine/ranks/kv_inlet.py). KV sent whole (a one-rank sender's frames, or before the
-ranks said where they listen) goes into a full staging copy on rank 0 and, once every layer is checked, each
-rank gets its layers and heads from it (``import_blocks``).
+(``ByRankReceiver``; shared/engine/ranks/kv_inlet.py). KV sent whole (frames of a sender without links, or
+before the ranks said where they listen) goes into a full staging copy on rank 0 and, once every layer is
+checked, each rank gets its layers and heads from it (``import_blocks``).
 
 Only host-staged frames: the ranks' copies and the scatter run between steps on the worker's loop, so
 neither layer-by-layer streaming during the forward nor a peer's direct writes into rank 0's cache can

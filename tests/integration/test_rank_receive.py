@@ -2,7 +2,8 @@
 real CURVE ZMQ sockets, a real HandoffManager and HandoffReceiver polled from the test's thread): the grant
 names every decode rank's socket, layers and heads; each sharded prefill rank splits its part among them; each
 decode rank's socket takes exactly its share (rank 0's socket only rank 0's, no staging copy of the whole KV,
-no scatter), and the decode engine continues with the greedy tokens of one process. A decode rank killed with
+no scatter), and the decode engine continues with the greedy tokens of one process. A prefill worker of one
+process (TP 1) sends each decode rank its share the same way, from its own process. A decode rank killed with
 -9 while its share is due fails the transfer at once (no hang); the request handed off again to a restarted
 decode worker completes."""
 
@@ -55,11 +56,13 @@ def one_process(tiny_model_dirs, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-# (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads
-LAYOUTS = [((2, 1), (2, 1)), ((1, 2), (1, 2)), ((2, 1), (1, 2))]
+# (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads. A prefill worker of one process
+# splits its whole KV among the decode ranks itself, as a sharded one's ranks split their parts
+LAYOUTS = [((2, 1), (2, 1)), ((1, 2), (1, 2)), ((2, 1), (1, 2)), ((1, 1), (2, 1)), ((1, 1), (1, 2))]
 
 
-@pytest.mark.parametrize(("sender", "receiver"), LAYOUTS, ids=["tp2-to-tp2", "pp2-to-pp2", "tp2-to-pp2"])
+@pytest.mark.parametrize(("sender", "receiver"), LAYOUTS,
+                         ids=["tp2-to-tp2", "pp2-to-pp2", "tp2-to-pp2", "tp1-to-tp2", "tp1-to-pp2"])
 def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_process(
         tiny_model_dirs, prompts, one_process, sender, receiver, monkeypatch):
     _no_staging(monkeypatch)
@@ -79,6 +82,7 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
             first = _prefill(prefill, rid, prompt)
             before = dict(link.receiver.kv_bytes_by_sender)
             ranks_before = decode.kv.rank_bytes_received
+            sent_before = 0 if prefill.runner.parts is None else prefill.runner.parts.bytes_sent
             _start(link, rid, prompt, first)
             t = _until_ended(link, rid)
             assert t.state is State.DONE, t.reason
@@ -87,6 +91,8 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
             to_rank0 = sum(n - before.get(peer, 0) for peer, n in link.receiver.kv_bytes_by_sender.items())
             to_rank1 = decode.kv.rank_bytes_received.get(1, 0) - ranks_before.get(1, 0)
             assert (to_rank0, to_rank1) == (t.nbytes // 2, t.nbytes // 2)
+            if sender == (1, 1):  # both shares left the prefill worker's own process, nothing through a rank
+                assert prefill.runner.ranks is None and prefill.runner.parts.bytes_sent - sent_before == t.nbytes
             firsts[rid] = (prompt, first)
         got = _decode(decode, firsts)
     finally:

@@ -14,8 +14,9 @@ layer by layer.
 A prefill worker's handoff does not export: each rank sends its own part to the decode worker itself
 (kv_parts.py), and rank 0 keeps only the transfer's control. The export stays for an engine without the
 links its ranks would dial with (the offline API, tests reading a whole copy back). Likewise a sharded decode
-worker's ranks each take their own share of KV its sender's ranks send (kv_inlet.py); the import here is for KV
-that arrives whole at rank 0 (a one-rank sender's frames), staged and scattered, one hop over the group's links.
+worker's ranks each take their own share of KV its sender's ranks (or a one-rank sender) send (kv_inlet.py); the
+import here is for KV that arrives whole at rank 0 (frames, before every rank said where it listens, or from a
+sender without links), staged and scattered, one hop over the group's links.
 """
 
 import torch

@@ -11,7 +11,9 @@ layer, saying which layers (``first``) and which of the model's KV heads (``head
 decode side places them by layer and head whatever its own layout. A head several ranks hold (fewer KV
 heads than ranks) is sent by the first of them only. When the grant names the decode worker's ranks
 (``RankKVSend.targets``: each one's address, layers and heads), the part is split among them (``shares``) and
-each decode rank gets what it holds at its own socket (kv_inlet.py), a replica of a head its own copy.
+each decode rank gets what it holds at its own socket (kv_inlet.py), a replica of a head its own copy. A
+prefill worker of one process sends this way too when the grant names decode ranks: it is the group of one
+rank, whose part is every layer and head, and its worker's process is that rank (``driver_send``).
 
 The frames are staged on the host (a device gather, then a copy to host memory), so the code is the same
 on CPU and CUDA; under CUDA each rank sends over its own host's link rather than funnelling every byte
@@ -175,7 +177,11 @@ class PartSender:
 
 
 def driver_send(ranks, sender: PartSender, model, kv_cache: torch.Tensor, msg: RankKVSend) -> int:
-    """Rank 0: every rank sends its part of ``msg``'s blocks; rank 0's own part's bytes."""
+    """Rank 0: every rank sends its part of ``msg``'s blocks; rank 0's own part's bytes. An engine of one
+    process (``ranks`` None) is the group of one rank: its part is every layer and head, split among the
+    grant's decode ranks like any rank's."""
     check_block_ids(kv_cache, msg.block_ids)
+    if ranks is None:
+        return sender.send(msg, kv_cache, rank_part(model, RankLayout(0, 1, 1)))
     ranks.send(msg)
     return sender.send(msg, kv_cache, rank_part(model, ranks.layout))
