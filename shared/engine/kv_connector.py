@@ -190,8 +190,9 @@ class EngineKV:
         """Its ranks were told to expect ``request_id`` (``part_targets``) and are still at it."""
         return self._inlets is not None and self._inlets.expects(request_id)
 
-    def ranks_received(self, request_id: str) -> tuple[bool, str]:
-        """(every other rank has its share of ``request_id`` in, CRC-checked; why one failed, or "")."""
+    def ranks_received(self, request_id: str) -> tuple[bool, str, bool]:
+        """(every other rank has its share of ``request_id`` in, CRC-checked; why one failed, or ""; whether
+        the group is down)."""
         return self._inlets.state(request_id)
 
     def drop_parts(self, request_id: str, done: bool = False) -> None:

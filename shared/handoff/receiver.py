@@ -27,7 +27,7 @@ from kvrelay.shared.handoff.base import KVReceiver, Transport
 from kvrelay.shared.handoff.blocks import check_layout
 from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.rank_parts import RankParts
-from kvrelay.shared.handoff.sharded import ByRankReceiver, ImportingReceiver
+from kvrelay.shared.handoff.sharded import ByRankReceiver, ImportingReceiver, WorkerDown
 from kvrelay.shared.handoff.transports import default_transports
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import decode_any, encode
@@ -306,7 +306,7 @@ class KVInbox(ABC):
         for rid, inc in list(self.incoming.items()):
             error = inc.receiver.error()
             if error is not None:
-                self._abort_incoming(rid, str(error))
+                self._abort_incoming(rid, str(error), worker_down=isinstance(error, WorkerDown))
             elif inc.receiver.complete and inc.header is not None:
                 inc.receiver.finish()
                 del self.incoming[rid]
@@ -322,12 +322,12 @@ class KVInbox(ABC):
             return self._nack(peer, header.request_id, str(exc))
         self._reply(peer, HandoffAck(request_id=header.request_id, ok=True))
 
-    def _abort_incoming(self, rid: str, reason: str) -> None:
+    def _abort_incoming(self, rid: str, reason: str, worker_down: bool = False) -> None:
         inc = self.incoming.pop(rid)
         inc.receiver.abandon()  # no write may still be landing when the blocks go back
         self.core_for(inc.model).kv.free(rid)
         log.warning("rejected KV for %s: %s", rid, reason)
-        self._nack(inc.peer, rid, reason)
+        self._nack(inc.peer, rid, reason, worker_down)
 
     def _release_grant(self, rid: str) -> None:
         grant = self.grants.pop(rid)
@@ -366,8 +366,8 @@ class KVInbox(ABC):
         return (bool(requester) and self.asker_alive is not None and now - since < MAX_GRANT_HOLD_S
                 and self.asker_alive(requester))
 
-    def _nack(self, peer: bytes, rid: str, reason: str) -> None:
-        self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason))
+    def _nack(self, peer: bytes, rid: str, reason: str, worker_down: bool = False) -> None:
+        self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason, worker_down=worker_down))
 
     def _reply(self, peer: bytes, msg) -> None:
         try:

@@ -240,6 +240,7 @@ class HandoffSender:
             if msg.ok:
                 t.to(Event.ACK)
             else:
+                t.target_lost = msg.worker_down  # its worker runs the job again (prefill_worker/worker.py)
                 self._fail(t, f"decode worker rejected the KV: {msg.reason}")
 
     def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:

@@ -40,6 +40,11 @@ def exported(kv: EngineKV, block_ids: list[int]) -> tuple[torch.Tensor, list[int
     return kv.export_blocks(block_ids), list(range(len(block_ids)))
 
 
+class WorkerDown(ValueError):
+    """This worker's rank group is down: it admits nothing more (it is leaving), so the prefill side runs the
+    request again elsewhere rather than failing it."""
+
+
 class ImportingReceiver(KVReceiver):
     """A transport's receiver into a full staging cache of the granted blocks (every layer, every head);
     ``finish`` scatters it to the ranks' caches."""
@@ -87,7 +92,9 @@ class ByRankReceiver(KVReceiver):
         error = self.inner.error()
         if error is not None:
             return error
-        self.ranks_done, failed = self.kv.ranks_received(self.request_id)
+        self.ranks_done, failed, down = self.kv.ranks_received(self.request_id)
+        if down:
+            return WorkerDown(f"a rank's share of the KV failed: {failed}")
         return ValueError(f"a rank's share of the KV failed: {failed}") if failed else None
 
     @property

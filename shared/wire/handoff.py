@@ -247,6 +247,9 @@ class HandoffAck:
     request_id: str = field(metadata=_ID)
     ok: bool
     reason: str = ""
+    # not ok because the decode worker itself is going down (a rank of its group died): the request was
+    # never admitted, so the prefill side runs it again rather than failing it
+    worker_down: bool = False
 
 
 register(HandoffRequest, HandoffRequests, HandoffGrant, HandoffGrants, KVHeader, KVLayers, HandoffCancel, HandoffAck)

@@ -209,16 +209,16 @@ class InletDriver:
     def expects(self, rid: str) -> bool:
         return rid in self._reports
 
-    def state(self, rid: str) -> tuple[bool, str]:
-        """(every rank's share is in, why one failed or "")."""
+    def state(self, rid: str) -> tuple[bool, str, bool]:
+        """(every rank's share is in, why one failed or "", whether the group is down)."""
         try:
             self.ranks.check()  # a dead rank's share never comes: fail now, not at the TTL
         except RuntimeError as exc:
-            return False, str(exc)
+            return False, str(exc), True
         self.poll()
         reports = self._reports.get(rid, {})
         failed = next((f"rank {r}: {m.reason}" for r, m in sorted(reports.items()) if not m.ok), "")
-        return len(reports) == self.world - 1 and not failed, failed
+        return len(reports) == self.world - 1 and not failed, failed, False
 
     def forget(self, rid: str) -> None:
         """Its ranks finished (each dropped it on reporting): nothing to tell them."""
