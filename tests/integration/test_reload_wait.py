@@ -38,8 +38,11 @@ def test_the_request_reloads_its_model_or_ends_with_the_workers_reason(env):
         r = env.complete("alpha")  # the gateway's cached view now has alpha@1 served, for a minute
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY
         unload = ControlCommand(command_id=uuid.uuid4().hex, op="unload", name="alpha", version=1, drain=False)
-        sync_client(env.redis_url).lpush(keys.control_key("reload-1"), encode(unload))  # another gateway's unload
-        until(lambda: "alpha@1" not in w.serving, "alpha@1 unloaded")
+        db = sync_client(env.redis_url)
+        db.lpush(keys.control_key("reload-1"), encode(unload))  # another gateway's unload
+        # answered once its instance stopped reading its queue: one still reading would take the next job and
+        # vanish with it (worker_lost)
+        until(lambda: db.exists(keys.control_result_key(unload.command_id)), "alpha@1 unloaded")
         w.refuse = OOM
         r = env.complete("alpha")
         assert r.status_code == 503, r.text

@@ -79,9 +79,12 @@ class Inlet:
 
     def expect(self, msg: RankKVExpect, kv_cache: torch.Tensor) -> None:
         with self._lock:
-            self._drop(msg.request_id)  # a newer grant for the same id supersedes the old
+            # a newer grant for the same id supersedes the old: its parts go, but not those already here for
+            # this grant (its sender may be quicker than this rank's loop, which was in a step)
+            self._expected.pop(msg.request_id, None)
+            parked, self._parked = [p for p in self._parked if p[1].request_id != msg.request_id
+                                    or p[1].requester == msg.requester], []
             self._expected[msg.request_id] = (msg.requester, ShareAssembler(kv_cache, msg.block_ids, self.origin))
-            parked, self._parked = self._parked, []
             for _, part, frames in parked:
                 self._take(part, frames)
 
