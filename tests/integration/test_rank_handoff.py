@@ -15,16 +15,7 @@ import pytest
 from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.engine.ranks.group import TensorParallelError
 from tests.conftest import random_prompts
-from tests.integration.rank_handoff_harness import (
-    closing,
-    decode_engine,
-    decoded,
-    first_token,
-    handed_off_by_rank_layers,
-    linked,
-    one_process_tokens,
-    prefill_engine,
-)
+from tests.integration import rank_handoff_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,7 +27,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dirs, prompts):
-    return one_process_tokens(tiny_model_dirs["llama"], prompts)
+    return harness.one_process_tokens(tiny_model_dirs["llama"], prompts)
 
 
 # (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads
@@ -47,14 +38,14 @@ LAYOUTS = [((2, 1), (1, 1)), ((1, 2), (1, 1)), ((2, 1), (2, 1)), ((1, 2), (2, 1)
 def test_each_prefill_rank_sends_its_own_part_and_decode_continues_like_one_process(
         tiny_model_dirs, prompts, one_process, sender, receiver):
     model = tiny_model_dirs["llama"]
-    prefill = prefill_engine(model, *sender)
-    decode = decode_engine(model, *receiver)
-    link = linked(decode, prefill)
+    prefill = harness.prefill_engine(model, *sender)
+    decode = harness.decode_engine(model, *receiver)
+    link = harness.linked(decode, prefill)
     firsts = {}
-    with closing(link, prefill, decode):
+    with harness.closing(link, prefill, decode):
         for i, prompt in enumerate(prompts):
             rid = f"r{i}"
-            first = first_token(prefill, rid, prompt)
+            first = harness.first_token(prefill, rid, prompt)
             before = dict(link.receiver.kv_bytes_by_sender)
             rank0_before = prefill.runner.parts.bytes_sent
             t = link.hand_off(rid, len(prompt), first)
@@ -68,21 +59,21 @@ def test_each_prefill_rank_sends_its_own_part_and_decode_continues_like_one_proc
             assert prefill.runner.parts.bytes_sent - rank0_before == t.nbytes // 2
             assert prefill.kv.num_free_blocks == prefill.num_total_blocks  # released once the ranks copied
             firsts[rid] = (prompt, first)
-        got = decoded(decode, firsts)
+        got = harness.decoded(decode, firsts)
     assert [got[f"r{i}"] for i in range(len(prompts))] == one_process
 
 
 def test_a_rank_killed_while_its_part_is_due_fails_the_transfer_and_a_rerun_completes(tiny_model_dirs, prompts,
                                                                                        one_process):
     model = tiny_model_dirs["llama"]
-    decode = decode_engine(model, 1, 1)
+    decode = harness.decode_engine(model, 1, 1)
     free_before = decode.kv.num_free_blocks
-    prefill = prefill_engine(model, 2, 1)
-    link = linked(decode, prefill)
+    prefill = harness.prefill_engine(model, 2, 1)
+    link = harness.linked(decode, prefill)
     prompt, rid = prompts[0], "r0"
     (pid,) = prefill.runner.ranks.pids
-    with closing(link, prefill):
-        first = first_token(prefill, rid, prompt)
+    with harness.closing(link, prefill):
+        first = harness.first_token(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # rank 1 takes no message: its part is not sent
         # should rank 0 ever block on rank 1 (a gather), this ends the wait and the test fails below
         backstop = threading.Timer(60, os.kill, (pid, signal.SIGKILL))
@@ -110,8 +101,8 @@ def test_a_rank_killed_while_its_part_is_due_fails_the_transfer_and_a_rerun_comp
                 break
         assert rid not in link.receiver.incoming and decode.kv.num_free_blocks == free_before
     # the worker restarted (as its supervisor does): the job is run again and handed off
-    prefill = prefill_engine(model, 2, 1)
-    link = linked(decode, prefill)
-    with closing(link, prefill, decode):
-        got = handed_off_by_rank_layers(link, prefill, decode, rid, prompt)
+    prefill = harness.prefill_engine(model, 2, 1)
+    link = harness.linked(decode, prefill)
+    with harness.closing(link, prefill, decode):
+        got = harness.handed_off_by_rank_layers(link, prefill, decode, rid, prompt)
     assert got == one_process[0]

@@ -17,17 +17,7 @@ from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.engine.ranks.group import TensorParallelError
 from kvrelay.shared.handoff import receiver as receiver_module
 from tests.conftest import random_prompts
-from tests.integration.rank_handoff_harness import (
-    closing,
-    decode_engine,
-    decoded,
-    first_token,
-    handed_off_by_rank_layers,
-    linked,
-    one_process_tokens,
-    prefill_engine,
-    wait_for_rank_inlets,
-)
+from tests.integration import rank_handoff_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -46,7 +36,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dirs, prompts):
-    return one_process_tokens(tiny_model_dirs["llama"], prompts)
+    return harness.one_process_tokens(tiny_model_dirs["llama"], prompts)
 
 
 # (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads. A prefill worker of one process
@@ -60,15 +50,15 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
         tiny_model_dirs, prompts, one_process, sender, receiver, monkeypatch):
     _no_staging(monkeypatch)
     model = tiny_model_dirs["llama"]
-    prefill = prefill_engine(model, *sender)
-    decode = decode_engine(model, *receiver, rank_inlets=True)
-    link = linked(decode, prefill)
+    prefill = harness.prefill_engine(model, *sender)
+    decode = harness.decode_engine(model, *receiver, rank_inlets=True)
+    link = harness.linked(decode, prefill)
     firsts = {}
-    with closing(link, prefill, decode):
-        wait_for_rank_inlets(decode)
+    with harness.closing(link, prefill, decode):
+        harness.wait_for_rank_inlets(decode)
         for i, prompt in enumerate(prompts):
             rid = f"r{i}"
-            first = first_token(prefill, rid, prompt)
+            first = harness.first_token(prefill, rid, prompt)
             before = dict(link.receiver.kv_bytes_by_sender)
             ranks_before = decode.kv.rank_bytes_received
             sent_before = 0 if prefill.runner.parts is None else prefill.runner.parts.bytes_sent
@@ -82,21 +72,21 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
             if sender == (1, 1):  # both shares left the prefill worker's own process, nothing through a rank
                 assert prefill.runner.ranks is None and prefill.runner.parts.bytes_sent - sent_before == t.nbytes
             firsts[rid] = (prompt, first)
-        got = decoded(decode, firsts)
+        got = harness.decoded(decode, firsts)
     assert [got[f"r{i}"] for i in range(len(prompts))] == one_process
 
 
 def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_rerun_completes(
         tiny_model_dirs, prompts, one_process):
     model = tiny_model_dirs["llama"]
-    prefill = prefill_engine(model, 2, 1)
-    decode = decode_engine(model, 2, 1, rank_inlets=True)
-    link = linked(decode, prefill)
+    prefill = harness.prefill_engine(model, 2, 1)
+    decode = harness.decode_engine(model, 2, 1, rank_inlets=True)
+    link = harness.linked(decode, prefill)
     prompt, rid = prompts[0], "r0"
     (pid,) = decode.runner.ranks.pids
-    with closing(link, decode):
-        wait_for_rank_inlets(decode)
-        first = first_token(prefill, rid, prompt)
+    with harness.closing(link, decode):
+        harness.wait_for_rank_inlets(decode)
+        first = harness.first_token(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes nothing: its share stays due
         link.start(rid, len(prompt), first)
         deadline = time.monotonic() + 60
@@ -118,9 +108,9 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
         with pytest.raises(TensorParallelError, match="was killed by signal 9"):
             decode.runner.check()  # the group is down: the worker goes down as after any rank's death
     # the decode worker restarted (as its supervisor does); the request is handed off again and completes
-    decode = decode_engine(model, 2, 1, rank_inlets=True)
-    link = linked(decode, prefill)
-    with closing(link, prefill, decode):
-        wait_for_rank_inlets(decode)
-        got = handed_off_by_rank_layers(link, prefill, decode, "r0b", prompt)
+    decode = harness.decode_engine(model, 2, 1, rank_inlets=True)
+    link = harness.linked(decode, prefill)
+    with harness.closing(link, prefill, decode):
+        harness.wait_for_rank_inlets(decode)
+        got = harness.handed_off_by_rank_layers(link, prefill, decode, "r0b", prompt)
     assert got == one_process[0]
