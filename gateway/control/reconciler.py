@@ -3,7 +3,9 @@
 Every ``reconcile_interval_s`` the gateway that wins a short Redis lock:
   * loads pinned models and those with ``min_replicas`` > 0 wherever they are missing (after a worker
     restart, a registration whose first load failed, ...);
-  * clears a finished swap's ``previous_version`` once no worker holds the old instance any more.
+  * clears a finished swap's ``previous_version`` once no worker holds the old instance any more;
+  * gives a model record that no live worker holds and that has no TTL (written by an older kvrelay) the
+    TTL its workers would have given it (model_record_ttl.py).
 Beside it, every gateway prewarms the models whose queues hold jobs while no worker holds them
 (prewarm.py).
 Overlapping runs (a lock that lapsed during a long load) are harmless: the loads themselves take the
@@ -20,6 +22,7 @@ import redis
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.control.model_record_ttl import expire_unheld_records
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, ModelRegistry, SpecConflict
 from kvrelay.gateway.control.placement import PLACEMENT, LoadError, Placement, instance_state
 from kvrelay.gateway.control.prewarm import PREWARM_EVERY_S, Prewarmer
@@ -56,6 +59,9 @@ class Reconciler:
         try:
             for spec in (await self._models.specs(fresh=True)).values():
                 await self._reconcile(spec)
+            for instance in await expire_unheld_records(self._redis, self._registry):
+                log.info("%s: no live worker holds its record and it had no TTL: it expires in %d s",
+                         instance, keys.MODEL_TTL_S)
         finally:
             if await self._redis.get(RECONCILE_LOCK) == token.encode():
                 await self._redis.delete(RECONCILE_LOCK)

@@ -58,8 +58,9 @@ class Served:
         kvrelay serve started, the registered ones that are pinned or keep replicas, and those published
         directly while a live worker still holds them (one phase down is not ready); a registered model
         loaded on demand does not (its first request loads it). A direct model whose workers are all gone
-        is what a finished deployment left in Redis (its record outlives them by ``MODEL_TTL_S``): it
-        answers 503 until then, but never holds back the models that are served."""
+        is what a finished deployment left in Redis (its record outlives them by ``MODEL_TTL_S``, one an
+        older kvrelay wrote without a TTL too: ``model_record_ttl.py``): it answers 503 until then, but
+        never holds back the models that are served."""
         needed = [*(name for name in self.direct if name in self.startup or self._held(name)),
                   *(name for name, s in self.specs.items()
                     if s.pinned or s.min_replicas > 0 or name in self.startup)]

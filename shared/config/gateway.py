@@ -97,8 +97,9 @@ class GatewayConfig:
     model_repo: ExistingDir | None = common.model_repo()
     model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
                                         "its load", gt=0)
-    reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models and "
-                                          "ends finished swaps (0: off, prewarm too); each gateway's prewarm, which "
+    reconcile_interval_s: float = setting(5.0, "how often one gateway loads missing pinned/min-replica models, "
+                                          "ends finished swaps and gives model records an older kvrelay left "
+                                          "without a TTL one (0: off, prewarm too); each gateway's prewarm, which "
                                           "loads models whose queues hold jobs while no worker holds them, runs "
                                           "every second or this often if shorter", ge=0)
     generation_config: Literal["auto", "vllm"] = setting(

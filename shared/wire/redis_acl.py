@@ -27,7 +27,7 @@ ROLE_OF_COMMAND = {"gateway": "gateway", "prefill-worker": "worker", "decode-wor
 _COMMON = ("ping", "select", "info", "time", "multi", "exec", "discard", "watch", "unwatch",
            "eval", "evalsha", "script|load", "script|exists", "cluster|slots", "command", "asking")
 COMMANDS = {
-    "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire",
+    "gateway": _COMMON + ("get", "set", "mget", "del", "exists", "expire", "ttl",
                           "hget", "hgetall", "hset", "hsetnx", "hdel", "hincrby", "hkeys", "hexists",
                           "sadd", "srem", "smembers", "scard", "lpush",
                           "xadd", "xlen", "xrange", "xinfo", "xpending", "publish", "wait"),

@@ -4,7 +4,6 @@ handoff -> decode worker -> token events, driven by the ``openai`` SDK over real
 import asyncio
 import signal
 import time
-import urllib.request
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
+from tests.e2e.handoff_metrics import handoffs_by
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
@@ -62,18 +62,6 @@ def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir):
         assert len(choice.logprobs.tokens) == len(want)
 
 
-def _handoffs(port: int) -> dict[str, float]:
-    """kvrelay_handoffs_total by its ``streamed`` label, from a prefill worker's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvrelay_handoffs_total{"):
-            streamed = line.split('streamed="', 1)[1].split('"', 1)[0]
-            out[streamed] = out.get(streamed, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
     """Prompts of several chunks: the prefill worker holds an early grant by the time its last chunk
     runs, so its KV leaves layer by layer during that forward (kvrelay_handoffs_total{streamed="true"});
@@ -85,7 +73,7 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
     # one request through both workers first: a decode worker that has registered may still be finishing its
     # start, and grants it sends late make every handoff a whole one
     assert _client(cluster).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens
-    before = _handoffs(port)
+    before = handoffs_by(port, "streamed")
     prompts = random_prompts(6, lo=100, hi=200, seed=7)
     offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)
     tok = offline.get_tokenizer()
@@ -98,7 +86,7 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
                                                                 temperature=0.0) for p in prompts))
 
     assert [r.choices[0].text for r in asyncio.run(run())] == expected
-    counts = {k: v - before.get(k, 0) for k, v in _handoffs(port).items()}
+    counts = {k: v - before.get(k, 0) for k, v in handoffs_by(port, "streamed").items()}
     assert counts.get("true", 0) >= 1 and sum(counts.values()) == len(prompts), counts
 
 

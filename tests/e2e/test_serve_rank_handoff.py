@@ -4,37 +4,16 @@ by the prefill worker's kvrelay_handoffs_total), whose rank 1 takes its heads on
 through rank 0 (the decode worker's kvrelay_handoff_rank_received_bytes); the openai SDK gets the offline
 engine's greedy text in one process."""
 
-import urllib.request
-
 import pytest
 
 from kvrelay import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.e2e.cluster import free_port
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.handoff_metrics import handoffs_by, rank_received_bytes
 from tests.e2e.served import Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def handoffs_by_transport(port: int) -> dict[str, float]:
-    """kvrelay_handoffs_total by its ``transport`` label, from a prefill worker's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvrelay_handoffs_total{"):
-            transport = line.split('transport="', 1)[1].split('"', 1)[0]
-            out[transport] = out.get(transport, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def rank_received_bytes(port: int) -> dict[str, float]:
-    """kvrelay_handoff_rank_received_bytes by ``rank``, from a decode worker's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return {line.split('rank="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("kvrelay_handoff_rank_received_bytes{")}
 
 
 def test_each_rank_sends_and_takes_its_own_heads_and_the_text_is_one_process(tiny_model_dir, tmp_path):
@@ -49,7 +28,7 @@ def test_each_rank_sends_and_takes_its_own_heads_and_the_text_is_one_process(tin
         client = served.client(timeout=120)
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
                for p in prompts]
-        counted = handoffs_by_transport(metrics)
+        counted = handoffs_by(metrics, "transport")
         received = rank_received_bytes(metrics + 1)
     assert got == want
     assert counted == {"rank_layers": len(prompts)}, counted

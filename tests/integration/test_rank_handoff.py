@@ -9,65 +9,15 @@ import os
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from kvrelay import LLM, SamplingParams
-from kvrelay.prefill_worker.handoff import FirstToken, State
-from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
-from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.engine.kv_connector import KVLinks
+from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.engine.ranks.group import TensorParallelError
-from kvrelay.shared.handoff.standalone import synthetic_job
 from tests.conftest import random_prompts
-from tests.integration.test_tensor_parallel_handoff import MODEL, Link
-from tests.zmq_secret import CURVE
+from tests.integration import rank_handoff_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-BLOCK = 8
-MAX_NEW = 8
-
-
-def _engine(model_dir, tp: int, pp: int, prefill: bool) -> EngineCore:
-    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", max_model_len=128),
-                          cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=64), device="cpu",
-                          tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    return EngineCore(config, hold_finished_kv=prefill, kv_links=KVLinks.of(CURVE) if prefill else None)
-
-
-def _prefill(core: EngineCore, rid: str, prompt: list[int]) -> int:
-    core.add_request(core.make_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1)))
-    outs = []
-    while core.has_unfinished():
-        outs += [o for o in core.step() if o.request_id == rid]
-    (out,) = outs
-    return out.new_token_ids[0]
-
-
-def _start(link: Link, rid: str, prompt: list[int], first: int) -> None:
-    link.manager.start(synthetic_job(rid, len(prompt), MODEL), rid.encode(), FirstToken(first))
-
-
-def _until_ended(link: Link, rid: str):
-    for _ in range(3000):
-        link.receiver.poll(5, lambda h: link.admitted.setdefault(h.request_id, h))
-        for t in link.manager.poll(5):
-            if t.job.request_id == rid:
-                return t
-    raise AssertionError(f"handoff of {rid} did not end")
-
-
-def _decode(core: EngineCore, firsts: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
-    tokens = {}
-    for rid, (prompt, first) in firsts.items():
-        core.add_remote_prefilled(core.make_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=MAX_NEW)),
-                                  first, 0)
-        tokens[rid] = [first]
-    while core.has_unfinished():
-        for o in core.step():
-            tokens[o.request_id] += o.new_token_ids
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +27,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dirs, prompts):
-    with LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, block_size=BLOCK) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    return [o.outputs[0].token_ids for o in outs]
+    return harness.one_process_tokens(tiny_model_dirs["llama"], prompts)
 
 
 # (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads
@@ -90,18 +38,17 @@ LAYOUTS = [((2, 1), (1, 1)), ((1, 2), (1, 1)), ((2, 1), (2, 1)), ((1, 2), (2, 1)
 def test_each_prefill_rank_sends_its_own_part_and_decode_continues_like_one_process(
         tiny_model_dirs, prompts, one_process, sender, receiver):
     model = tiny_model_dirs["llama"]
-    prefill = _engine(model, *sender, prefill=True)
-    decode = _engine(model, *receiver, prefill=False)
-    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    prefill = harness.prefill_engine(model, *sender)
+    decode = harness.decode_engine(model, *receiver)
+    link = harness.linked(decode, prefill)
     firsts = {}
-    try:
+    with harness.closing(link, prefill, decode):
         for i, prompt in enumerate(prompts):
             rid = f"r{i}"
-            first = _prefill(prefill, rid, prompt)
+            first = harness.first_token(prefill, rid, prompt)
             before = dict(link.receiver.kv_bytes_by_sender)
             rank0_before = prefill.runner.parts.bytes_sent
-            _start(link, rid, prompt, first)
-            t = _until_ended(link, rid)
+            t = link.hand_off(rid, len(prompt), first)
             assert t.state is State.DONE, t.reason
             assert t.transport == "rank_layers" and rid in link.admitted
             # every rank's part came from its own socket, each exactly its share of the KV (both layouts split
@@ -112,30 +59,26 @@ def test_each_prefill_rank_sends_its_own_part_and_decode_continues_like_one_proc
             assert prefill.runner.parts.bytes_sent - rank0_before == t.nbytes // 2
             assert prefill.kv.num_free_blocks == prefill.num_total_blocks  # released once the ranks copied
             firsts[rid] = (prompt, first)
-        got = _decode(decode, firsts)
-    finally:
-        link.close()
-        prefill.shutdown()
-        decode.shutdown()
+        got = harness.decoded(decode, firsts)
     assert [got[f"r{i}"] for i in range(len(prompts))] == one_process
 
 
 def test_a_rank_killed_while_its_part_is_due_fails_the_transfer_and_a_rerun_completes(tiny_model_dirs, prompts,
                                                                                        one_process):
     model = tiny_model_dirs["llama"]
-    decode = _engine(model, 1, 1, prefill=False)
+    decode = harness.decode_engine(model, 1, 1)
     free_before = decode.kv.num_free_blocks
-    prefill = _engine(model, 2, 1, prefill=True)
-    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    prefill = harness.prefill_engine(model, 2, 1)
+    link = harness.linked(decode, prefill)
     prompt, rid = prompts[0], "r0"
     (pid,) = prefill.runner.ranks.pids
-    try:
-        first = _prefill(prefill, rid, prompt)
+    with harness.closing(link, prefill):
+        first = harness.first_token(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # rank 1 takes no message: its part is not sent
         # should rank 0 ever block on rank 1 (a gather), this ends the wait and the test fails below
         backstop = threading.Timer(60, os.kill, (pid, signal.SIGKILL))
         backstop.start()
-        _start(link, rid, prompt, first)
+        link.start(rid, len(prompt), first)
         deadline = time.monotonic() + 60
         while not (rid in link.receiver.incoming and link.receiver.incoming[rid].header is not None
                    and link.receiver.incoming[rid].receiver.parts == 1):
@@ -157,20 +100,9 @@ def test_a_rank_killed_while_its_part_is_due_fails_the_transfer_and_a_rerun_comp
             if rid not in link.receiver.incoming:
                 break
         assert rid not in link.receiver.incoming and decode.kv.num_free_blocks == free_before
-    finally:
-        link.close()
-        prefill.shutdown()
     # the worker restarted (as its supervisor does): the job is run again and handed off
-    prefill = _engine(model, 2, 1, prefill=True)
-    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
-    try:
-        first = _prefill(prefill, rid, prompt)
-        _start(link, rid, prompt, first)
-        t = _until_ended(link, rid)
-        assert t.state is State.DONE and t.transport == "rank_layers", t.reason
-        got = _decode(decode, {rid: (prompt, first)})
-    finally:
-        link.close()
-        prefill.shutdown()
-        decode.shutdown()
-    assert got[rid] == one_process[0]
+    prefill = harness.prefill_engine(model, 2, 1)
+    link = harness.linked(decode, prefill)
+    with harness.closing(link, prefill, decode):
+        got = harness.handed_off_by_rank_layers(link, prefill, decode, rid, prompt)
+    assert got == one_process[0]

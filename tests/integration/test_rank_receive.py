@@ -10,31 +10,16 @@ decode worker completes."""
 import os
 import signal
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from kvrelay import LLM, SamplingParams
 from kvrelay.prefill_worker.handoff import State
-from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
-from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.ranks.group import TensorParallelError
 from kvrelay.shared.handoff import receiver as receiver_module
 from tests.conftest import random_prompts
-from tests.integration.test_rank_handoff import BLOCK, MAX_NEW, _decode, _prefill, _start, _until_ended
-from tests.integration.test_tensor_parallel_handoff import Link
-from tests.zmq_secret import CURVE
+from tests.integration import rank_handoff_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _engine(model_dir, tp: int, pp: int, prefill: bool) -> EngineCore:
-    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", max_model_len=128),
-                          cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=64), device="cpu",
-                          tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    links = KVLinks.of(CURVE) if prefill else KVLinks.of(CURVE, "127.0.0.1")
-    return EngineCore(config, hold_finished_kv=prefill, kv_links=links)
 
 
 def _no_staging(monkeypatch) -> None:
@@ -51,9 +36,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dirs, prompts):
-    with LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, block_size=BLOCK) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    return [o.outputs[0].token_ids for o in outs]
+    return harness.one_process_tokens(tiny_model_dirs["llama"], prompts)
 
 
 # (prefill tp, pp) -> (decode tp, pp) on the tiny llama: 2 layers, 2 KV heads. A prefill worker of one process
@@ -67,24 +50,19 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
         tiny_model_dirs, prompts, one_process, sender, receiver, monkeypatch):
     _no_staging(monkeypatch)
     model = tiny_model_dirs["llama"]
-    prefill = _engine(model, *sender, prefill=True)
-    decode = _engine(model, *receiver, prefill=False)
-    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    prefill = harness.prefill_engine(model, *sender)
+    decode = harness.decode_engine(model, *receiver, rank_inlets=True)
+    link = harness.linked(decode, prefill)
     firsts = {}
-    try:
-        deadline = time.monotonic() + 60
-        while len(decode.runner.inlets.addresses) < 1:  # rank 1 says where it listens once it is up
-            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
-            decode.runner.inlets.poll()
-            time.sleep(0.05)
+    with harness.closing(link, prefill, decode):
+        harness.wait_for_rank_inlets(decode)
         for i, prompt in enumerate(prompts):
             rid = f"r{i}"
-            first = _prefill(prefill, rid, prompt)
+            first = harness.first_token(prefill, rid, prompt)
             before = dict(link.receiver.kv_bytes_by_sender)
             ranks_before = decode.kv.rank_bytes_received
             sent_before = 0 if prefill.runner.parts is None else prefill.runner.parts.bytes_sent
-            _start(link, rid, prompt, first)
-            t = _until_ended(link, rid)
+            t = link.hand_off(rid, len(prompt), first)
             assert t.state is State.DONE, t.reason
             assert t.transport == "rank_layers" and rid in link.admitted
             # the decode worker's rank 0 socket took its half of the KV only; rank 1 took the other half itself
@@ -94,31 +72,24 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
             if sender == (1, 1):  # both shares left the prefill worker's own process, nothing through a rank
                 assert prefill.runner.ranks is None and prefill.runner.parts.bytes_sent - sent_before == t.nbytes
             firsts[rid] = (prompt, first)
-        got = _decode(decode, firsts)
-    finally:
-        link.close()
-        prefill.shutdown()
-        decode.shutdown()
+        got = harness.decoded(decode, firsts)
     assert [got[f"r{i}"] for i in range(len(prompts))] == one_process
 
 
 def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_rerun_completes(
         tiny_model_dirs, prompts, one_process):
     model = tiny_model_dirs["llama"]
-    prefill = _engine(model, 2, 1, prefill=True)
-    decode = _engine(model, 2, 1, prefill=False)
-    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    prefill = harness.prefill_engine(model, 2, 1)
+    decode = harness.decode_engine(model, 2, 1, rank_inlets=True)
+    link = harness.linked(decode, prefill)
     prompt, rid = prompts[0], "r0"
     (pid,) = decode.runner.ranks.pids
-    try:
-        deadline = time.monotonic() + 60
-        while len(decode.runner.inlets.addresses) < 1:
-            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
-            decode.runner.inlets.poll()
-            time.sleep(0.05)
-        first = _prefill(prefill, rid, prompt)
+    with harness.closing(link, decode):
+        harness.wait_for_rank_inlets(decode)
+        first = harness.first_token(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes nothing: its share stays due
-        _start(link, rid, prompt, first)
+        link.start(rid, len(prompt), first)
+        deadline = time.monotonic() + 60
         while not (rid in link.receiver.incoming and link.receiver.incoming[rid].header is not None):
             assert time.monotonic() < deadline, "rank 0's share and the header never reached the decode side"
             link.receiver.poll(5, lambda h: None)
@@ -136,25 +107,10 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
         assert ended.target_lost, ended.reason
         with pytest.raises(TensorParallelError, match="was killed by signal 9"):
             decode.runner.check()  # the group is down: the worker goes down as after any rank's death
-    finally:
-        link.close()
-        decode.shutdown()
     # the decode worker restarted (as its supervisor does); the request is handed off again and completes
-    decode = _engine(model, 2, 1, prefill=False)
-    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
-    try:
-        deadline = time.monotonic() + 60
-        while len(decode.runner.inlets.addresses) < 1:
-            assert time.monotonic() < deadline
-            decode.runner.inlets.poll()
-            time.sleep(0.05)
-        first = _prefill(prefill, "r0b", prompt)
-        _start(link, "r0b", prompt, first)
-        t = _until_ended(link, "r0b")
-        assert t.state is State.DONE and t.transport == "rank_layers", t.reason
-        got = _decode(decode, {"r0b": (prompt, first)})
-    finally:
-        link.close()
-        prefill.shutdown()
-        decode.shutdown()
-    assert got["r0b"] == one_process[0]
+    decode = harness.decode_engine(model, 2, 1, rank_inlets=True)
+    link = harness.linked(decode, prefill)
+    with harness.closing(link, prefill, decode):
+        harness.wait_for_rank_inlets(decode)
+        got = harness.handed_off_by_rank_layers(link, prefill, decode, "r0b", prompt)
+    assert got == one_process[0]

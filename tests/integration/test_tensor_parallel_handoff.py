@@ -7,27 +7,19 @@ killed with -9 makes the gather or scatter raise promptly, naming the rank, inst
 import os
 import signal
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
-import zmq
 
-from kvrelay.decode_worker.receiver import HandoffReceiver
-from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
+from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.ranks.group import TensorParallelError
-from kvrelay.shared.handoff.fake import in_process
-from kvrelay.shared.handoff.frames import Frames
-from kvrelay.shared.handoff.standalone import decode_info, endpoint, serves, synthetic_job
-from kvrelay.shared.wire import zmq_auth
+from kvrelay.shared.handoff.standalone import endpoint
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from tests.zmq_secret import CURVE
+from tests.integration.rank_handoff_harness import BLOCK, MODEL, Link, linked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-MODEL = "tiny"
-BLOCK = 8
 PROMPT = list(range(3, 40))  # 37 tokens: 5 blocks, the last partly filled
 
 
@@ -37,40 +29,10 @@ def _engine(model_dir, hold: bool) -> EngineCore:
                       hold_finished_kv=hold)
 
 
-class Link:
-    """A decode side's ROUTER and a prefill side's manager, both polled from the test's thread (a sharded
-    engine's collectives must all run on one thread, as they do on a worker's loop)."""
-
-    def __init__(self, decode_core, prefill_runtime):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        zmq_auth.serve(self.sock, CURVE)
-        addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.receiver = HandoffReceiver(self.sock, serves(MODEL, decode_core), 10.0,
-                                        transports=[in_process(), Frames()])
-        self.manager = HandoffManager(self.ctx, prefill_runtime, 10.0, workers=lambda: [decode_info(addr, MODEL)],
-                                      transports=[in_process(), Frames()], curve=CURVE)
-        self.admitted: dict = {}
-
-    def hand_off(self, rid: str, num_tokens: int):
-        self.manager.start(synthetic_job(rid, num_tokens, MODEL), rid.encode(), FirstToken(2))
-        for _ in range(3000):
-            self.receiver.poll(5, lambda h: self.admitted.setdefault(h.request_id, h))
-            for t in self.manager.poll(5):
-                if t.job.request_id == rid:
-                    return t
-        raise AssertionError(f"handoff of {rid} did not end")
-
-    def close(self) -> None:
-        self.manager.close()
-        self.ctx.destroy(linger=0)
-
-
 def test_tp2_prefill_sends_its_ranks_heads_as_frames(tiny_model_dirs):
     prefill = _engine(tiny_model_dirs["llama"], hold=True)
     decode = endpoint(torch.zeros((2, 2, 64, BLOCK, 2, 16)), "d1", MODEL)  # one rank: both KV heads
-    link = Link(decode.core, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    link = linked(decode.core, prefill)
     try:
         prefill.add_request(prefill.make_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
         while prefill.has_unfinished():
@@ -116,8 +78,7 @@ def _kill_rank(core: EngineCore) -> int:
 def test_a_rank_killed_before_the_handoff_fails_it_promptly_naming_the_rank(tiny_model_dirs, side):
     sharded = _engine(tiny_model_dirs["llama"], hold=side == "prefill")
     other = endpoint(torch.zeros((2, 2, 64, BLOCK, 2, 16)), "x", MODEL)
-    link = (Link(other.core, SimpleNamespace(core=sharded, config=SimpleNamespace(worker_id="p1"), redis=None))
-            if side == "prefill" else Link(sharded, other))
+    link = linked(other.core, sharded) if side == "prefill" else Link(sharded, other)
     try:
         if side == "prefill":
             sharded.add_request(sharded.make_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
