@@ -1,5 +1,6 @@
 """A worker's handoff counters read from its /metrics (``--monitoring-port``), summed by one label."""
 
+import time
 import urllib.request
 
 
@@ -23,3 +24,12 @@ def handoffs_by(port: int, label: str) -> dict[str, float]:
 def rank_received_bytes(port: int) -> dict[str, float]:
     """kvrelay_handoff_rank_received_bytes by ``rank``, from a decode worker."""
     return by_label(port, "kvrelay_handoff_rank_received_bytes", "rank")
+
+
+def handoffs_settled(port: int, label: str, at_least: float, bound_s: float = 30.0) -> dict[str, float]:
+    """``handoffs_by`` once they sum to ``at_least`` (or at ``bound_s``): a prefill worker counts a handoff when
+    it reads the decode worker's ack, which may come after the client already has its answer."""
+    end = time.monotonic() + bound_s
+    while sum((counts := handoffs_by(port, label)).values()) < at_least and time.monotonic() < end:
+        time.sleep(0.05)
+    return counts

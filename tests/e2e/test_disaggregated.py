@@ -13,7 +13,7 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
-from tests.e2e.handoff_metrics import handoffs_by
+from tests.e2e.handoff_metrics import handoffs_settled
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
@@ -73,7 +73,7 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
     # one request through both workers first: a decode worker that has registered may still be finishing its
     # start, and grants it sends late make every handoff a whole one
     assert _client(cluster).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens
-    before = handoffs_by(port, "streamed")
+    before = handoffs_settled(port, "streamed", 1)
     prompts = random_prompts(6, lo=100, hi=200, seed=7)
     offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)
     tok = offline.get_tokenizer()
@@ -86,7 +86,8 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
                                                                 temperature=0.0) for p in prompts))
 
     assert [r.choices[0].text for r in asyncio.run(run())] == expected
-    counts = {k: v - before.get(k, 0) for k, v in handoffs_by(port, "streamed").items()}
+    after = handoffs_settled(port, "streamed", sum(before.values()) + len(prompts))
+    counts = {k: v - before.get(k, 0) for k, v in after.items()}
     assert counts.get("true", 0) >= 1 and sum(counts.values()) == len(prompts), counts
 
 

@@ -10,7 +10,7 @@ from kvrelay import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.e2e.cluster import free_port
 from tests.e2e.conftest import TINY_ENGINE
-from tests.e2e.handoff_metrics import handoffs_by, rank_received_bytes
+from tests.e2e.handoff_metrics import handoffs_settled, rank_received_bytes
 from tests.e2e.served import Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -28,7 +28,7 @@ def test_each_rank_sends_and_takes_its_own_heads_and_the_text_is_one_process(tin
         client = served.client(timeout=120)
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
                for p in prompts]
-        counted = handoffs_by(metrics, "transport")
+        counted = handoffs_settled(metrics, "transport", len(prompts))
         received = rank_received_bytes(metrics + 1)
     assert got == want
     assert counted == {"rank_layers": len(prompts)}, counted

@@ -12,7 +12,7 @@ from kvrelay import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
-from tests.e2e.handoff_metrics import handoffs_by
+from tests.e2e.handoff_metrics import handoffs_settled
 from tests.e2e.served import Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -74,7 +74,7 @@ def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decod
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
                for p in prompts]
-        counted = handoffs_by(metrics, "transport")
+        counted = handoffs_settled(metrics, "transport", len(prompts))
     finally:
         cluster.stop()
     assert got == want
