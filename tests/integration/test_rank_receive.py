@@ -20,7 +20,7 @@ from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.ranks.group import TensorParallelError
-from kvrelay.shared.handoff import receiver as receiver_module
+from kvrelay.shared.handoff import incoming as incoming_module
 from tests.conftest import random_prompts
 from tests.integration.test_rank_handoff import BLOCK, MAX_NEW, _decode, _prefill, _start, _until_ended
 from tests.integration.test_tensor_parallel_handoff import Link
@@ -41,7 +41,7 @@ def _no_staging(monkeypatch) -> None:
     """Rank 0 never builds a full staging copy nor scatters one: the test fails if it does."""
     def refuse(*_a, **_k):
         raise AssertionError("a full staging copy on the decode worker's rank 0")
-    monkeypatch.setattr(receiver_module, "ImportingReceiver", refuse)
+    monkeypatch.setattr(incoming_module, "ImportingReceiver", refuse)
 
 
 @pytest.fixture(scope="module")
