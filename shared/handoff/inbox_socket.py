@@ -1,6 +1,7 @@
 """The decode side's socket: the ROUTER that prefill workers' asks, KV and cancels arrive on and replies leave
-from, polled together with a ``Waker`` so writes finished by pool threads are acked at once even when the
-loop is idle."""
+from, polled together with a ``Waker`` and the sockets the transfers in flight wait on (``KVReceiver.wakes_on``:
+a sharded worker's ranks' reports), so writes finished by pool threads and shares taken by other ranks are
+acked at once even when the loop is idle."""
 
 from collections.abc import Iterator
 
@@ -17,9 +18,19 @@ class InboxSocket:
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.waker.fd, zmq.POLLIN)
+        self._watched: set[zmq.Socket] = set()
+
+    def watch(self, sockets: set[zmq.Socket]) -> None:
+        """From now on a message on any of ``sockets`` ends the wait too (and none on those watched until now)."""
+        for sock in self._watched - sockets:
+            self.poller.unregister(sock)
+        for sock in sockets - self._watched:
+            self.poller.register(sock, zmq.POLLIN)
+        self._watched = sockets
 
     def messages(self, timeout_ms: int) -> Iterator[list]:
-        """Every message that arrives within ``timeout_ms`` (or a wake-up ends the wait), one at a time."""
+        """Every message that arrives within ``timeout_ms`` (or a wake-up, or a watched socket's message, ends
+        the wait), one at a time."""
         ready = dict(self.poller.poll(timeout_ms))
         if self.waker.fd in ready:
             self.waker.drain()

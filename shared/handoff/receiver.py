@@ -90,6 +90,8 @@ class KVInbox(ABC):
         """Handle every waiting message; ``admit(header)`` adds an arrived request to the batch.
         Returns the number of messages handled."""
         handled = 0
+        # every transfer's receiver reads its socket in _advance (or the transfer ends): none stays ready
+        self.socket.watch({s for inc in self.incoming.values() if (s := inc.receiver.wakes_on) is not None})
         for frames in self.socket.messages(timeout_ms):
             handled += 1
             self._on_message(frames)

@@ -5,7 +5,7 @@ decode rank's socket takes exactly its share (rank 0's socket only rank 0's, no 
 no scatter), and the decode engine continues with the greedy tokens of one process. A prefill worker of one
 process (TP 1) sends each decode rank its share the same way, from its own process. A decode rank killed with
 -9 while its share is due fails the transfer at once (no hang); the request handed off again to a restarted
-decode worker completes."""
+decode worker completes. Rank 0's loop, waiting, wakes for the report of the last rank to take its share."""
 
 import os
 import signal
@@ -44,6 +44,15 @@ def _no_staging(monkeypatch) -> None:
     monkeypatch.setattr(incoming_module, "ImportingReceiver", refuse)
 
 
+def _inlets_up(decode: EngineCore) -> None:
+    """Wait until decode rank 1 says where it listens (once it is up)."""
+    deadline = time.monotonic() + 60
+    while len(decode.runner.inlets.addresses) < 1:
+        assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
+        decode.runner.inlets.poll()
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(2, lo=5, hi=40, seed=5)
@@ -72,11 +81,7 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
     link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
     firsts = {}
     try:
-        deadline = time.monotonic() + 60
-        while len(decode.runner.inlets.addresses) < 1:  # rank 1 says where it listens once it is up
-            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
-            decode.runner.inlets.poll()
-            time.sleep(0.05)
+        _inlets_up(decode)
         for i, prompt in enumerate(prompts):
             rid = f"r{i}"
             first = _prefill(prefill, rid, prompt)
@@ -111,11 +116,8 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
     prompt, rid = prompts[0], "r0"
     (pid,) = decode.runner.ranks.pids
     try:
+        _inlets_up(decode)
         deadline = time.monotonic() + 60
-        while len(decode.runner.inlets.addresses) < 1:
-            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
-            decode.runner.inlets.poll()
-            time.sleep(0.05)
         first = _prefill(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes nothing: its share stays due
         _start(link, rid, prompt, first)
@@ -143,11 +145,7 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
     decode = _engine(model, 2, 1, prefill=False)
     link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
     try:
-        deadline = time.monotonic() + 60
-        while len(decode.runner.inlets.addresses) < 1:
-            assert time.monotonic() < deadline
-            decode.runner.inlets.poll()
-            time.sleep(0.05)
+        _inlets_up(decode)
         first = _prefill(prefill, "r0b", prompt)
         _start(link, "r0b", prompt, first)
         t = _until_ended(link, "r0b")
@@ -158,3 +156,44 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
         prefill.shutdown()
         decode.shutdown()
     assert got["r0b"] == one_process[0]
+
+
+@pytest.mark.timeout(240)  # without the wake the poll below outwaits this: the test fails here
+def test_rank_0s_waiting_loop_wakes_for_the_last_ranks_report_and_lands_the_transfer(tiny_model_dirs, prompts):
+    model = tiny_model_dirs["llama"]
+    prefill = _engine(model, 1, 1, prefill=True)
+    decode = _engine(model, 2, 1, prefill=False)
+    link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
+    prompt, rid = prompts[0], "r0"
+    (pid,) = decode.runner.ranks.pids
+
+    def admit(header) -> None:
+        link.admitted.setdefault(header.request_id, header)
+
+    try:
+        _inlets_up(decode)
+        first = _prefill(prefill, rid, prompt)
+        os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes its share only once rank 0 waits for nothing else
+        _start(link, rid, prompt, first)
+        deadline = time.monotonic() + 60
+
+        def rank_0s_share_and_header_in() -> bool:
+            inc = link.receiver.incoming.get(rid)
+            return inc is not None and inc.header is not None and inc.receiver.inner.complete
+
+        while not rank_0s_share_and_header_in():
+            assert time.monotonic() < deadline, "rank 0's share and the header never reached the decode side"
+            link.receiver.poll(5, admit)
+            assert not link.manager.poll(5)
+        link.receiver.poll(0, admit)  # takes any wake-up its own writes left
+        assert rid not in link.admitted and not link.receiver.incoming[rid].receiver.complete
+        os.kill(pid, signal.SIGCONT)
+        link.receiver.poll(3_600_000, admit)  # returns for rank 1's report: nothing else is due
+        assert rid in link.admitted and rid not in link.receiver.incoming
+        t = _until_ended(link, rid)
+        assert t.state is State.DONE and t.transport == "rank_layers", t.reason
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        link.close()
+        prefill.shutdown()
+        decode.shutdown()
