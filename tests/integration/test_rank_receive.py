@@ -44,15 +44,6 @@ def _no_staging(monkeypatch) -> None:
     monkeypatch.setattr(incoming_module, "ImportingReceiver", refuse)
 
 
-def _inlets_up(decode: EngineCore) -> None:
-    """Wait until decode rank 1 says where it listens (once it is up)."""
-    deadline = time.monotonic() + 60
-    while len(decode.runner.inlets.addresses) < 1:
-        assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
-        decode.runner.inlets.poll()
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(2, lo=5, hi=40, seed=5)
@@ -81,7 +72,11 @@ def test_each_decode_rank_takes_its_own_share_and_decode_continues_like_one_proc
     link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
     firsts = {}
     try:
-        _inlets_up(decode)
+        deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:  # rank 1 says where it listens once it is up
+            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
         for i, prompt in enumerate(prompts):
             rid = f"r{i}"
             first = _prefill(prefill, rid, prompt)
@@ -116,8 +111,11 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
     prompt, rid = prompts[0], "r0"
     (pid,) = decode.runner.ranks.pids
     try:
-        _inlets_up(decode)
         deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:
+            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
         first = _prefill(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes nothing: its share stays due
         _start(link, rid, prompt, first)
@@ -145,7 +143,11 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
     decode = _engine(model, 2, 1, prefill=False)
     link = Link(decode, SimpleNamespace(core=prefill, config=SimpleNamespace(worker_id="p1"), redis=None))
     try:
-        _inlets_up(decode)
+        deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:
+            assert time.monotonic() < deadline
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
         first = _prefill(prefill, "r0b", prompt)
         _start(link, "r0b", prompt, first)
         t = _until_ended(link, "r0b")
@@ -171,7 +173,11 @@ def test_rank_0s_waiting_loop_wakes_for_the_last_ranks_report_and_lands_the_tran
         link.admitted.setdefault(header.request_id, header)
 
     try:
-        _inlets_up(decode)
+        deadline = time.monotonic() + 60
+        while len(decode.runner.inlets.addresses) < 1:
+            assert time.monotonic() < deadline, "decode rank 1 never reported its inlet"
+            decode.runner.inlets.poll()
+            time.sleep(0.05)
         first = _prefill(prefill, rid, prompt)
         os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes its share only once rank 0 waits for nothing else
         _start(link, rid, prompt, first)
