@@ -8,7 +8,8 @@ from collections.abc import Callable
 from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES
-from kvrelay.shared.handoff.receiver import Busy, KVInbox
+from kvrelay.shared.handoff.grants import Busy
+from kvrelay.shared.handoff.receiver import KVInbox
 from kvrelay.shared.wire.handoff import HandoffRequest
 
 

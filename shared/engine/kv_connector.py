@@ -195,6 +195,12 @@ class EngineKV:
         the group is down)."""
         return self._inlets.state(request_id)
 
+    @property
+    def rank_reports(self) -> zmq.Socket | None:
+        """The socket the ranks report their shares on (``ranks_received`` reads it): a loop waiting for a
+        transfer to complete waits on it too. None when the KV arrives through rank 0."""
+        return None if self._inlets is None else self._inlets.reports
+
     def drop_parts(self, request_id: str, done: bool = False) -> None:
         """The ranks forget ``request_id`` (told unless ``done``: each dropped it when it reported)."""
         if self._inlets is not None:

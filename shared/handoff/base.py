@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+import zmq
 
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest, KVIpcHandle, KVLayers
 
@@ -50,6 +51,10 @@ class KVReceiver(ABC):
     """One transfer's KV arriving on the decode side in the blocks it granted. Nobody reads those
     blocks before ``finish()``, so a transfer that fails half-way harms nothing once ``abandon()``
     returned and the blocks are freed."""
+
+    # a socket whose messages may complete it besides its own writes (which call ``on_done``): the decode
+    # loop wakes for it too; ``error`` reads what arrived on it
+    wakes_on: zmq.Socket | None = None
 
     @abstractmethod
     def add(self, msg: KVLayers, frames: list) -> None:

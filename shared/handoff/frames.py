@@ -12,26 +12,20 @@ and zlib release the GIL), so a 268 MB transfer does not stall either worker's m
 loops only hand messages to and from the sockets.
 """
 
-import os
-import warnings
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 import torch
 
+from kvrelay.shared.handoff.assembler import FrameAssembler, check_crcs, frame_bytes
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
 from kvrelay.shared.handoff.blocks import frame_nbytes, gather_blocks, scatter_blocks, side_stream
+from kvrelay.shared.handoff.pool import INLINE_BYTES, submit
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.handoff import HandoffGrant, KVLayers
 
-# enough threads to keep CRC (~3.5 GB/s per core) off the critical path, few enough to leave the
-# engine's own threads alone
-_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kv-transfer")
 MESSAGE_TARGET = 4 << 20  # bytes of KV per KVLayers message (whole layers)
-# below this a transfer is staged / checked and written on the calling thread: a pool round trip
-# (two thread wake-ups) costs more than the ~0.3 ms of work, and there is nothing to overlap
-INLINE_BYTES = 1 << 20
 
 
 class Frames(Transport):
@@ -64,14 +58,6 @@ def layers_per_message(num_layers: int, layer_nbytes: int) -> int:
 
 def _as_bytes(frame: torch.Tensor) -> memoryview:
     return memoryview(frame.view(torch.uint8).reshape(-1).numpy())
-
-
-def _frame_tensor(kv_cache: torch.Tensor, num_blocks: int, frame, num_layers: int) -> torch.Tensor:
-    """``frame`` as ``[num_layers, 2, num_blocks, bs, Hkv, D]`` of the cache's dtype, without a copy."""
-    with warnings.catch_warnings():  # read-only receive buffers: we only ever read from them
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.frombuffer(memoryview(frame), dtype=torch.uint8)
-    return data.view(kv_cache.dtype).view((num_layers, 2, num_blocks) + tuple(kv_cache.shape[3:]))
 
 
 class StagedKV(KVSender):
@@ -121,9 +107,9 @@ class StagedKV(KVSender):
                     self._host[g.start:g.stop].copy_(gather_blocks(self.kv_cache, g, self.index), non_blocking=True)
                     self._events.append(torch.cuda.Event())
                     self._events[-1].record(stream)
-                future = _submit(self.inline, _crc_after, self._host[g.start:g.stop], self._events[-1])
+                future = submit(self.inline, _crc_after, self._host[g.start:g.stop], self._events[-1])
             else:
-                future = _submit(self.inline, _gather_crc, self.kv_cache, self.index, g)
+                future = submit(self.inline, _gather_crc, self.kv_cache, self.index, g)
             self._futures.append(future)
             if self.on_ready is not None:
                 future.add_done_callback(self.on_ready)
@@ -165,17 +151,6 @@ class StagedKV(KVSender):
         wait(self._futures)
 
 
-def _submit(inline: bool, fn, *args) -> Future:
-    if not inline:
-        return _POOL.submit(fn, *args)
-    future: Future = Future()
-    try:
-        future.set_result(fn(*args))
-    except Exception as exc:  # delivered through the future, exactly as from the pool
-        future.set_exception(exc)
-    return future
-
-
 def _crc_after(layers: torch.Tensor, event) -> tuple[memoryview, list[int]]:
     event.synchronize()
     return _crcs(_as_bytes(layers), len(layers))
@@ -190,22 +165,16 @@ def _crcs(frame: memoryview, num_layers: int) -> tuple[memoryview, list[int]]:
     return frame, [zlib.crc32(frame[i * size:(i + 1) * size]) for i in range(num_layers)]
 
 
-class LayerAssembler(KVReceiver):
+class LayerAssembler(FrameAssembler):
     """One incoming transfer: each KVLayers message's frame is counted and sized on arrival against
     this cache's layout, then CRC-checked and written into the granted blocks by a pool thread. The
     header, which comes last, must describe the same layout (``check_layout``)."""
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_done=None):
-        self.kv_cache = kv_cache
         self.num_layers = kv_cache.shape[0]
-        self.num_blocks = len(block_ids)
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
-        self.inline = self.layer_nbytes * self.num_layers <= INLINE_BYTES
-        self.stream = side_stream(kv_cache.device) if kv_cache.is_cuda else None
-        self.index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-        self.futures: list[Future] = []
+        super().__init__(kv_cache, block_ids, self.layer_nbytes * self.num_layers, on_done)
         self.arrived = 0  # layers
-        self.on_done = on_done
 
     def add(self, msg: KVLayers, frames: list) -> None:
         count = len(msg.checksums)
@@ -218,38 +187,15 @@ class LayerAssembler(KVReceiver):
         if msg.nbytes != self.layer_nbytes or size != count * self.layer_nbytes:
             raise ValueError(f"KV layers frame of {size} bytes for {count} layers of {msg.nbytes}, expected "
                              f"{count} x {self.layer_nbytes}")
-        self.futures.append(_submit(self.inline, self._check_and_write, msg.first, msg.checksums, frames[0]))
+        self._write(self._check_and_write, msg.first, msg.checksums, frames[0])
         self.arrived += count
-        if self.on_done is not None:
-            self.futures[-1].add_done_callback(self.on_done)
-
-    def _check_and_write(self, first: int, checksums: list[int], frame) -> None:
-        data, size = memoryview(frame), self.layer_nbytes
-        for i, checksum in enumerate(checksums):
-            if zlib.crc32(data[i * size:(i + 1) * size]) != checksum:
-                raise ValueError(f"KV checksum mismatch in layer {first + i}")
-        layers = _frame_tensor(self.kv_cache, self.num_blocks, data, len(checksums))
-        if self.stream is None:
-            scatter_blocks(self.kv_cache, first, self.index, layers)
-            return
-        with torch.cuda.stream(self.stream):
-            scatter_blocks(self.kv_cache, first, self.index, layers.to(self.kv_cache.device))
-
-    def error(self) -> Exception | None:
-        for f in self.futures:
-            if f.done() and f.exception() is not None:
-                return f.exception()
-        return None
 
     @property
-    def complete(self) -> bool:
-        return self.arrived == self.num_layers and all(f.done() for f in self.futures)
+    def all_arrived(self) -> bool:
+        return self.arrived == self.num_layers
 
-    def finish(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def abandon(self) -> None:
-        wait(self.futures)
-        if self.stream is not None:
-            self.stream.synchronize()
+    def _check_and_write(self, first: int, checksums: list[int], frame) -> None:
+        check_crcs(memoryview(frame), first, checksums)
+        shape = (len(checksums), 2, self.num_blocks) + tuple(self.kv_cache.shape[3:])
+        layers = frame_bytes(frame).view(self.kv_cache.dtype).view(shape)
+        self._to_device(lambda src: scatter_blocks(self.kv_cache, first, self.index, src), layers)

@@ -17,17 +17,14 @@ rank died) leaves the transfer incomplete: the decode side fails it when no prog
 grant's TTL, and the prefill side cancels it at once when it sees its group go down.
 """
 
-import warnings
-import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, wait
 
 import torch
 
 from kvrelay.shared.engine.kv_connector import EngineKV
+from kvrelay.shared.handoff.assembler import FrameAssembler, check_crcs, frame_bytes
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
-from kvrelay.shared.handoff.blocks import frame_nbytes, side_stream
-from kvrelay.shared.handoff.frames import INLINE_BYTES, _submit
+from kvrelay.shared.handoff.blocks import frame_nbytes
 from kvrelay.shared.wire.handoff import HandoffGrant, KVLayers
 
 
@@ -73,22 +70,16 @@ class RankPartsSender(KVSender):
         return None
 
 
-class PartAssembler(KVReceiver):
+class PartAssembler(FrameAssembler):
     """One transfer arriving in parts: each KVLayers part is sized against this cache's layout and the
     (layer, head) grid on arrival, then CRC-checked and written into its layers and heads of the granted
     blocks by a pool thread."""
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_done=None):
-        self.kv_cache = kv_cache
         self.num_layers, self.num_heads = kv_cache.shape[0], kv_cache.shape[4]
-        self.num_blocks = len(block_ids)
         self.head_nbytes = frame_nbytes(kv_cache, len(block_ids), 1)  # one layer of one head
-        self.inline = self.head_nbytes * self.num_heads * self.num_layers <= INLINE_BYTES
-        self.stream = side_stream(kv_cache.device) if kv_cache.is_cuda else None
-        self.index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+        super().__init__(kv_cache, block_ids, self.head_nbytes * self.num_heads * self.num_layers, on_done)
         self.missing = torch.ones(self.num_layers, self.num_heads, dtype=torch.bool)  # (layer, head) not yet here
-        self.futures: list[Future] = []
-        self.on_done = on_done
         self.parts = 0
 
     def add(self, msg: KVLayers, frames: list) -> None:
@@ -110,46 +101,20 @@ class PartAssembler(KVReceiver):
                              f"{count} x {want}")
         cells.fill_(False)
         self.parts += 1
-        self.futures.append(_submit(self.inline, self._check_and_write, msg.first, first_head, msg.checksums,
-                                    frames[0]))
-        if self.on_done is not None:
-            self.futures[-1].add_done_callback(self.on_done)
+        self._write(self._check_and_write, msg.first, first_head, msg.checksums, frames[0])
+
+    @property
+    def all_arrived(self) -> bool:
+        return not bool(self.missing.any())
 
     def _check_and_write(self, first: int, first_head: int, checksums: list[int], frame) -> None:
         data = memoryview(frame)
+        check_crcs(data, first, checksums)
         size = data.nbytes // len(checksums)
-        for i, checksum in enumerate(checksums):
-            if zlib.crc32(data[i * size:(i + 1) * size]) != checksum:
-                raise ValueError(f"KV checksum mismatch in layer {first + i}")
         shape = (len(checksums), 2, self.num_blocks, self.kv_cache.shape[3], size // self.head_nbytes,
                  self.kv_cache.shape[5])
         # an fp8 cache as its bytes: index copies need not support float8 on every device
         cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
-        with warnings.catch_warnings():  # read-only receive buffers: we only ever read from them
-            warnings.simplefilter("ignore", UserWarning)
-            part = torch.frombuffer(data, dtype=torch.uint8).view(cache.dtype).view(shape)
+        part = frame_bytes(data).view(cache.dtype).view(shape)
         dst = cache.narrow(0, first, shape[0]).narrow(4, first_head, shape[4])
-        if self.stream is None:
-            dst.index_copy_(2, self.index, part)
-            return
-        with torch.cuda.stream(self.stream):
-            dst.index_copy_(2, self.index, part.to(self.kv_cache.device))
-
-    def error(self) -> Exception | None:
-        for f in self.futures:
-            if f.done() and f.exception() is not None:
-                return f.exception()
-        return None
-
-    @property
-    def complete(self) -> bool:
-        return not bool(self.missing.any()) and all(f.done() for f in self.futures)
-
-    def finish(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def abandon(self) -> None:
-        wait(self.futures)
-        if self.stream is not None:
-            self.stream.synchronize()
+        self._to_device(lambda src: dst.index_copy_(2, self.index, src), part)

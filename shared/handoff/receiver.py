@@ -1,36 +1,32 @@
-"""The decode side's handoff mechanics: grants recorded and offered, KV received into the granted
-blocks by the transport the sender chose, the header checked against the grant, admission, and the
-ack that lets the prefill side XACK the job. Which requests get blocks is the decode role's
-(``reserve``, decode_worker/receiver.py).
+"""The decode side's handoff mechanics: one socket's loop over grants (grants.py) and the transfers arriving
+into them (incoming.py), the ack that lets the prefill side XACK the job. Which requests get blocks is the
+decode role's (``reserve``, decode_worker/receiver.py).
 
-Per request: HandoffRequest (or one of a step's HandoffRequests, answered by one HandoffGrants) ->
-granted (blocks reserved, expiry armed; a direct-write offer when the asker shares our device) -> the transfer's first KVLayers message, or a header saying the KV was
-written directly, opens a ``KVReceiver`` (base.py) -> the header, which comes last and carries the
-first token, must match the grant and our layout -> once the receiver is complete: admitted and
-acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks and nacks
-(while its asker still heartbeats, only MAX_GRANT_HOLD_S does: a step of its can outlast the TTL).
-HandoffCancel frees a grant (or a transfer's blocks) the sender gave up on. A grant whose KV never
-arrives expires and its blocks return to the pool, except that blocks offered for direct writes stay
-quarantined for one more TTL: the asker writes them only within half the TTL of asking, so by the
-end of the quarantine no write can still land in them.
+Per request: HandoffRequest (or one of a step's HandoffRequests, answered by one HandoffGrants) -> granted
+(blocks reserved, expiry armed; a direct-write offer when the asker shares our device) -> the transfer's first
+KVLayers message, or a header saying the KV was written directly, opens a ``KVReceiver`` (base.py) -> the
+header, which comes last and carries the first token, must match the grant and our layout -> once the receiver
+is complete: admitted and acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
+and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
+transfer's blocks) the sender gave up on.
 """
 
 import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
-from kvrelay.shared.handoff.base import KVReceiver, Transport
-from kvrelay.shared.handoff.blocks import check_layout
+from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.frames import Frames
+from kvrelay.shared.handoff.grants import Busy, Grant, GrantBook
+from kvrelay.shared.handoff.inbox_socket import InboxSocket
+from kvrelay.shared.handoff.incoming import Incoming, check_header, receiver_for
 from kvrelay.shared.handoff.rank_parts import RankParts
-from kvrelay.shared.handoff.sharded import ByRankReceiver, ImportingReceiver, WorkerDown
+from kvrelay.shared.handoff.sharded import WorkerDown
 from kvrelay.shared.handoff.transports import default_transports
-from kvrelay.shared.handoff.waker import Waker
-from kvrelay.shared.wire.codec import decode_any, encode
+from kvrelay.shared.wire.codec import decode_any
 from kvrelay.shared.wire.handoff import (
     HandoffAck,
     HandoffCancel,
@@ -44,47 +40,7 @@ from kvrelay.shared.wire.handoff import (
 
 log = logging.getLogger(__name__)
 
-# the longest a grant (or a transfer that stopped progressing) is kept for a live asker: past its TTL
-# while its asker still heartbeats (a slow step, shared/handoff/grant_hold.py), or for an asker that says
-# its steps are slow (HandoffRequest.hold_s). A grant holds a seat and blocks: this bounds what a live
-# asker that forgot one can cost
-MAX_GRANT_HOLD_S = 120.0
 MAX_SENDERS_COUNTED = 1024  # sending sockets whose KV bytes ``kv_bytes_by_sender`` keeps (the most recent)
-
-
-@dataclass
-class Grant:
-    peer: bytes  # the asker's ZMQ identity
-    requester: str  # its worker id (HandoffRequest.requester), for asking whether it still lives
-    model: str
-    block_ids: list[int]
-    num_tokens: int
-    expires: float
-    ttl_s: float  # its lifetime: the handoff timeout, or longer for an asker with slow steps
-    since: float  # monotonic time it was granted
-    offered: bool = False  # a direct-write handle went out with it
-
-
-@dataclass
-class Incoming:
-    """A transfer whose KV is arriving (or, written directly, has arrived) in granted blocks."""
-
-    peer: bytes
-    requester: str
-    model: str
-    block_ids: list[int]
-    num_tokens: int
-    transport: str
-    receiver: KVReceiver
-    ttl_s: float  # the grant's: no progress for this long fails the transfer
-    deadline: float
-    since: float  # monotonic time its grant was made
-    header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
-
-
-class Busy(str):
-    """A refusal for lack of room now (a full batch, no free blocks): the asker keeps its KV and asks again,
-    as a request waits in vLLM's queue for a seat, rather than failing."""
 
 
 class KVInbox(ABC):
@@ -95,20 +51,13 @@ class KVInbox(ABC):
         whether that prefill worker still heartbeats; its grants and stalled transfers then outlive their
         TTL (up to MAX_GRANT_HOLD_S): it reads our replies only between its engine steps, and one step
         can be longer than the TTL. None: every grant lapses at its TTL."""
-        self.sock, self.core_for, self.grant_ttl_s = sock, core_for, grant_ttl_s
-        self.asker_alive = asker_alive
+        self.socket, self.core_for = InboxSocket(sock), core_for
         self.transports = default_transports() if transports is None else transports
         self._by_name = {t.name: t for t in self.transports}
         # a sharded prefill worker's ranks send their parts themselves: taken whatever the transports chosen
         self._by_name.setdefault(RankParts.name, RankParts())
-        self.grants: dict[str, Grant] = {}
+        self.book = GrantBook(core_for, grant_ttl_s, self.transports, asker_alive)
         self.incoming: dict[str, Incoming] = {}
-        self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, owner key of parked blocks)
-        self._quarantined = 0
-        self.waker = Waker()  # finished layer writes wake poll(), so the ack goes out at once
-        self.poller = zmq.Poller()
-        self.poller.register(sock, zmq.POLLIN)
-        self.poller.register(self.waker.fd, zmq.POLLIN)
         self.bytes_received = 0
         # KV bytes taken per sending socket: a sharded prefill worker's ranks each send from their own
         self.kv_bytes_by_sender: dict[bytes, int] = {}
@@ -121,14 +70,17 @@ class KVInbox(ABC):
         of them its asker holds."""
 
     @property
+    def grants(self) -> dict[str, Grant]:
+        """Granted, the KV not yet arriving, by request id."""
+        return self.book.grants
+
+    @property
     def busy(self) -> bool:
         """KV granted or arriving: a draining worker waits for it."""
         return bool(self.grants or self.incoming)
 
     def has_model(self, model: str) -> bool:
-        return (any(g.model == model for g in self.grants.values())
-                or any(i.model == model for i in self.incoming.values())
-                or any(q[1] == model for q in self.quarantine))
+        return self.book.has_model(model) or any(i.model == model for i in self.incoming.values())
 
     def forget_model(self, model: str) -> None:
         for transport in self.transports:
@@ -138,17 +90,11 @@ class KVInbox(ABC):
         """Handle every waiting message; ``admit(header)`` adds an arrived request to the batch.
         Returns the number of messages handled."""
         handled = 0
-        ready = dict(self.poller.poll(timeout_ms))
-        if self.waker.fd in ready:
-            self.waker.drain()
-        if self.sock in ready:
-            while True:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                handled += 1
-                self._on_message(frames)
+        # every transfer's receiver reads its socket in _advance (or the transfer ends): none stays ready
+        self.socket.watch({s for inc in self.incoming.values() if (s := inc.receiver.wakes_on) is not None})
+        for frames in self.socket.messages(timeout_ms):
+            handled += 1
+            self._on_message(frames)
         self._advance(admit)
         self._expire()
         return handled
@@ -181,24 +127,13 @@ class KVInbox(ABC):
         if rid in self.incoming:
             self._abort_incoming(rid, "superseded by a newer request for the same id")
         if rid in self.grants:
-            self._release_grant(rid)
+            self.book.release(rid)
         mine = [(g.peer, g.model) for g in self.grants.values()] + [(i.peer, i.model) for i in self.incoming.values()]
         pending = sum(1 for _, model in mine if model == req.model)
         blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
             return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy))
-        engine_kv = self.core_for(req.model).kv
-        # a sharded cache takes frames only (sharded.py): nothing to offer for direct writes
-        offer = None if engine_kv.sharded else next(
-            (o for t in self.transports if (o := t.offer(req.model, engine_kv.kv_cache, req)) is not None), None)
-        # the asker reads our reply only between its engine steps: a grant lives at least as long as it
-        # says those take, or its KV would arrive after we had taken the blocks back
-        ttl, now = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic()
-        self.grants[rid] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl, now,
-                                 offered=offer is not None)
-        # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
-        targets = engine_kv.part_targets(rid, req.requester, blocks) if engine_kv.sharded else []
-        return HandoffGrant(request_id=rid, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl, targets=targets)
+        return self.book.add(peer, req, blocks)
 
     def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:
         """The grant's KV starts arriving: from here the sender is done writing blocks itself, so a
@@ -206,27 +141,14 @@ class KVInbox(ABC):
         grant = self.grants.pop(rid)
         kv = self.core_for(grant.model).kv
         try:
-            if transport not in self._by_name:
-                raise ValueError(f"KV over {transport!r}, which this worker does not take")
-            chosen = self._by_name[transport]
-            if kv.sharded and chosen.writes_directly:
-                raise ValueError(f"KV over {transport!r} into parallel ranks; they take frames only")
-            if kv.receives_by_rank(rid) and transport == RankParts.name:
-                receiver = ByRankReceiver(kv, rid, grant.block_ids, self.waker.wake)
-            elif kv.sharded:
-                kv.drop_parts(rid)  # the KV comes another way, to rank 0
-                receiver = ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, self.waker.wake)
-            else:
-                receiver = chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, self.waker.wake)
+            receiver = receiver_for(kv, rid, grant, transport, self._by_name, self.socket.waker.wake)
         except ValueError as exc:
             kv.drop_parts(rid)
             kv.free(rid)
             log.warning("rejected KV for %s: %s", rid, exc)
             self._nack(peer, rid, str(exc))
             return None
-        inc = self.incoming[rid] = Incoming(peer, grant.requester, grant.model, grant.block_ids, grant.num_tokens,
-                                            transport, receiver, grant.ttl_s, time.monotonic() + grant.ttl_s,
-                                            grant.since)
+        inc = self.incoming[rid] = Incoming.of(grant, transport, receiver, time.monotonic())
         return inc
 
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
@@ -279,14 +201,7 @@ class KVInbox(ABC):
             if inc is None:
                 return
         try:
-            if header.block_ids != inc.block_ids or header.model != inc.model:
-                raise ValueError("KV addressed to blocks that were not granted")
-            if header.transport != inc.transport or payload:
-                raise ValueError(f"a {header.transport!r} header after {inc.transport!r} KV")
-            if len(header.job.prompt_token_ids) != inc.num_tokens:
-                raise ValueError("prompt length differs from the granted one")
-            kv = self.core_for(inc.model).kv
-            check_layout(kv.kv_cache, header, kv.num_kv_heads, kv.num_layers)
+            check_header(header, payload, inc, self.core_for(inc.model).kv)
         except ValueError as exc:
             return self._abort_incoming(rid, str(exc))
         inc.header = header  # _advance lands it once all its KV is written
@@ -299,7 +214,7 @@ class KVInbox(ABC):
             inc.receiver.abandon()
             self.core_for(inc.model).kv.free(rid)
         elif rid in self.grants:
-            self._release_grant(rid)
+            self.book.release(rid)
         log.debug("handoff of %s cancelled by its sender: %s", rid, msg.reason)
 
     def _advance(self, admit) -> None:
@@ -329,48 +244,18 @@ class KVInbox(ABC):
         log.warning("rejected KV for %s: %s", rid, reason)
         self._nack(inc.peer, rid, reason, worker_down)
 
-    def _release_grant(self, rid: str) -> None:
-        grant = self.grants.pop(rid)
-        kv = self.core_for(grant.model).kv
-        kv.drop_parts(rid)  # its ranks stop expecting it before its blocks go back
-        if not grant.offered:
-            kv.free(rid)
-            return
-        # the asker may still be writing these blocks directly: park them under a private owner key
-        # (the request id may be granted again at once) and free them one TTL later
-        self._quarantined += 1
-        key = f"ipc-quarantine\x00{self._quarantined}"
-        kv.park(rid, key)
-        self.quarantine.append((time.monotonic() + grant.ttl_s, grant.model, key))
-
     def _expire(self) -> None:
+        self.book.expire()
         now = time.monotonic()
-        for rid, g in [(r, g) for r, g in self.grants.items() if g.expires < now]:
-            if self._waited_on(g.requester, g.since, now):
-                g.expires = now + g.ttl_s
-                continue
-            log.warning("grant for %s expired without KV; freeing its blocks", rid)
-            self._release_grant(rid)
         for rid, inc in [(r, inc) for r, inc in self.incoming.items() if inc.deadline < now]:
-            if self._waited_on(inc.requester, inc.since, now):
+            if self.book.waited_on(inc.requester, inc.since, now):
                 inc.deadline = now + inc.ttl_s
                 continue
             self._abort_incoming(rid, f"KV layers stalled: nothing more arrived within {inc.ttl_s}s")
-        while self.quarantine and self.quarantine[0][0] < now:
-            _, model, key = self.quarantine.pop(0)
-            self.core_for(model).kv.free(key)
-
-    def _waited_on(self, requester: str, since: float, now: float) -> bool:
-        """A lapsed grant (or stalled transfer) whose asker lives: it is in a long step, not gone, and will
-        use it or cancel it (a failed or abandoned transfer is cancelled)."""
-        return (bool(requester) and self.asker_alive is not None and now - since < MAX_GRANT_HOLD_S
-                and self.asker_alive(requester))
 
     def _nack(self, peer: bytes, rid: str, reason: str, worker_down: bool = False) -> None:
         self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason, worker_down=worker_down))
 
     def _reply(self, peer: bytes, msg) -> None:
-        try:
-            self.sock.send_multipart([peer, encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:
+        if not self.socket.reply(peer, msg):
             log.warning("could not reply to a prefill worker (its queue is full)")

@@ -83,6 +83,7 @@ class ByRankReceiver(KVReceiver):
     def __init__(self, kv: EngineKV, request_id: str, block_ids: list[int], on_done: Callable[..., None]):
         self.kv, self.request_id = kv, request_id
         self.inner = PartAssembler(kv.kv_cache, block_ids, on_done=on_done)  # rank 0's share starts at (0, 0)
+        self.wakes_on = kv.rank_reports  # the other ranks' reports land the transfer as soon as the last is in
         self.ranks_done = False
 
     def add(self, msg: KVLayers, frames: list) -> None:

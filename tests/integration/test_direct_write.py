@@ -13,7 +13,7 @@ import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, State
-from kvrelay.shared.handoff import receiver as receiver_module
+from kvrelay.shared.handoff import grants as grants_module
 from kvrelay.shared.handoff.direct import DirectWrite, IpcError
 from kvrelay.shared.handoff.fake import InProcess, in_process
 from kvrelay.shared.handoff.frames import Frames
@@ -119,7 +119,7 @@ def test_blocks_offered_for_direct_writes_stay_parked_one_more_ttl(monkeypatch, 
     cancelled, so those blocks are not reused until a second TTL has passed (the asker only writes
     within half of one)."""
     now = [1000.0]
-    monkeypatch.setattr(receiver_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(grants_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     side = endpoint(torch.zeros(SHAPE), "d1", MODEL)
     kv, total = side.core.kv, side.core.kv.num_free_blocks
     ctx = zmq.Context()

@@ -15,7 +15,7 @@ import pytest
 
 from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.engine.ranks.group import TensorParallelError
-from kvrelay.shared.handoff import receiver as receiver_module
+from kvrelay.shared.handoff import incoming as incoming_module
 from tests.conftest import random_prompts
 from tests.integration import rank_handoff_harness as harness
 
@@ -26,7 +26,7 @@ def _no_staging(monkeypatch) -> None:
     """Rank 0 never builds a full staging copy nor scatters one: the test fails if it does."""
     def refuse(*_a, **_k):
         raise AssertionError("a full staging copy on the decode worker's rank 0")
-    monkeypatch.setattr(receiver_module, "ImportingReceiver", refuse)
+    monkeypatch.setattr(incoming_module, "ImportingReceiver", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,41 @@ def test_a_decode_rank_killed_while_its_share_is_due_fails_the_transfer_and_a_re
         harness.wait_for_rank_inlets(decode)
         got = harness.handed_off_by_rank_layers(link, prefill, decode, "r0b", prompt)
     assert got == one_process[0]
+
+
+@pytest.mark.timeout(240)  # without the wake the poll below outwaits this: the test fails here
+def test_rank_0s_waiting_loop_wakes_for_the_last_ranks_report_and_lands_the_transfer(tiny_model_dirs, prompts):
+    model = tiny_model_dirs["llama"]
+    prefill = harness.prefill_engine(model, 1, 1)
+    decode = harness.decode_engine(model, 2, 1, rank_inlets=True)
+    link = harness.linked(decode, prefill)
+    prompt, rid = prompts[0], "r0"
+    (pid,) = decode.runner.ranks.pids
+
+    def admit(header) -> None:
+        link.admitted.setdefault(header.request_id, header)
+
+    def rank_0s_share_and_header_in() -> bool:
+        inc = link.receiver.incoming.get(rid)
+        return inc is not None and inc.header is not None and inc.receiver.inner.complete
+
+    with harness.closing(link, prefill, decode):
+        try:
+            harness.wait_for_rank_inlets(decode)
+            first = harness.first_token(prefill, rid, prompt)
+            os.kill(pid, signal.SIGSTOP)  # decode rank 1 takes its share only once rank 0 waits for nothing else
+            link.start(rid, len(prompt), first)
+            deadline = time.monotonic() + 60
+            while not rank_0s_share_and_header_in():
+                assert time.monotonic() < deadline, "rank 0's share and the header never reached the decode side"
+                link.receiver.poll(5, admit)
+                assert not link.manager.poll(5)
+            link.receiver.poll(0, admit)  # takes any wake-up its own writes left
+            assert rid not in link.admitted and not link.receiver.incoming[rid].receiver.complete
+            os.kill(pid, signal.SIGCONT)
+            link.receiver.poll(3_600_000, admit)  # returns for rank 1's report: nothing else is due
+            assert rid in link.admitted and rid not in link.receiver.incoming
+            t = link.until_ended(rid)
+            assert t.state is State.DONE and t.transport == "rank_layers", t.reason
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -177,6 +177,11 @@ class InletDriver:
         self._reports: dict[str, dict[int, RankKVDone]] = {}  # expected transfer -> its ranks' reports
         self.bytes_by_rank: dict[int, int] = {}  # KV bytes each rank took itself (for tests and metrics)
 
+    @property
+    def reports(self) -> zmq.Socket:
+        """Where the ranks' reports arrive: rank 0's loop may wait on it (``poll`` and ``state`` read it)."""
+        return self._sock
+
     def poll(self) -> None:
         while True:
             try:

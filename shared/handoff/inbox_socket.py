@@ -1,0 +1,51 @@
+"""The decode side's socket: the ROUTER that prefill workers' asks, KV and cancels arrive on and replies leave
+from, polled together with a ``Waker`` and the sockets the transfers in flight wait on (``KVReceiver.wakes_on``:
+a sharded worker's ranks' reports), so writes finished by pool threads and shares taken by other ranks are
+acked at once even when the loop is idle."""
+
+from collections.abc import Iterator
+
+import zmq
+
+from kvrelay.shared.handoff.waker import Waker
+from kvrelay.shared.wire.codec import encode
+
+
+class InboxSocket:
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.waker = Waker()
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.waker.fd, zmq.POLLIN)
+        self._watched: set[zmq.Socket] = set()
+
+    def watch(self, sockets: set[zmq.Socket]) -> None:
+        """From now on a message on any of ``sockets`` ends the wait too (and none on those watched until now)."""
+        for sock in self._watched - sockets:
+            self.poller.unregister(sock)
+        for sock in sockets - self._watched:
+            self.poller.register(sock, zmq.POLLIN)
+        self._watched = sockets
+
+    def messages(self, timeout_ms: int) -> Iterator[list]:
+        """Every message that arrives within ``timeout_ms`` (or a wake-up, or a watched socket's message, ends
+        the wait), one at a time."""
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.waker.fd in ready:
+            self.waker.drain()
+        if self.sock not in ready:
+            return
+        while True:
+            try:
+                yield self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+
+    def reply(self, peer: bytes, msg) -> bool:
+        """Queue ``msg`` for the prefill worker at ``peer``; False when its queue is full."""
+        try:
+            self.sock.send_multipart([peer, encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
