@@ -6,6 +6,8 @@ there; the host reads them one step later (a non-blocking copy into pinned memor
 waited on only after step N+1 is queued) to append them to the requests, check stops and emit outputs.
 So at any time at most one step is unread, and each ``EngineCore.step`` call returns the previous step's
 tokens.
+With a tensor- or pipeline-parallel group, rank 0 schedules and samples, and its other ranks take the fed
+ids from rank 0's device in a broadcast the step's message announces (shared/engine/ranks/driver_step.py).
 
 What that costs and how outputs stay identical to synchronous stepping:
 - a request sampled at step N counts its unread token as pending (``Request.num_pending``): the scheduler
