@@ -9,16 +9,17 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvrelay.shared.engine.engine_core import EngineCore, EngineObserver
+    from kvrelay.shared.engine.engine_core import EngineCore
     from kvrelay.shared.engine.kv_connector import EngineKV, LayerSaver, detached_kv
     from kvrelay.shared.engine.kv_pool import KVPool
+    from kvrelay.shared.engine.observer import EngineObserver
     from kvrelay.shared.engine.outputs import EngineCoreOutput
     from kvrelay.shared.engine.request import Request
     from kvrelay.shared.engine.scheduler_output import SchedulerOutput
 
 _HOMES = {
     "EngineCore": "kvrelay.shared.engine.engine_core",
-    "EngineObserver": "kvrelay.shared.engine.engine_core",
+    "EngineObserver": "kvrelay.shared.engine.observer",
     "EngineKV": "kvrelay.shared.engine.kv_connector",
     "LayerSaver": "kvrelay.shared.engine.kv_connector",
     "detached_kv": "kvrelay.shared.engine.kv_connector",

@@ -6,6 +6,8 @@ there; the host reads them one step later (a non-blocking copy into pinned memor
 waited on only after step N+1 is queued) to append them to the requests, check stops and emit outputs.
 So at any time at most one step is unread, and each ``EngineCore.step`` call returns the previous step's
 tokens.
+With a tensor- or pipeline-parallel group, rank 0 schedules and samples, and its other ranks take the fed
+ids from rank 0's device in a broadcast the step's message announces (shared/engine/ranks/driver_step.py).
 
 What that costs and how outputs stay identical to synchronous stepping:
 - a request sampled at step N counts its unread token as pending (``Request.num_pending``): the scheduler
@@ -30,6 +32,7 @@ from typing import Protocol
 import torch
 
 from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.observer import EngineObserver
 from kvrelay.shared.engine.outputs import EngineCoreOutput, PositionLogprobs
 from kvrelay.shared.engine.request import Request, RequestStatus
 from kvrelay.shared.engine.sampler import DeviceSample, SampleResult
@@ -96,12 +99,6 @@ class _Runner(Protocol):
                before_mask: Callable[[], None] | None = None) -> LaunchedStep | None: ...
 
 
-class _Observer(Protocol):  # engine_core.EngineObserver, which imports this module
-    def on_step(self, started: float, out: SchedulerOutput, finished: list[Request]) -> None: ...
-
-    def on_removed(self, requests: list[Request]) -> None: ...
-
-
 class AsyncStepper:
     """``EngineCore.step`` with async scheduling: launch the next step, then read the previous one.
     ``output`` builds a request's EngineCoreOutput (and forgets a finished one), as the core does;
@@ -110,7 +107,7 @@ class AsyncStepper:
     def __init__(self, scheduler: Scheduler, runner: _Runner, block_manager: BlockManager,
                  output: Callable[[Request, SampleResult | None, bool], EngineCoreOutput],
                  prompt_logprobs: dict[str, list[PositionLogprobs | None]],
-                 observer: Callable[[], _Observer | None]) -> None:
+                 observer: Callable[[], EngineObserver | None]) -> None:
         self.scheduler, self.runner, self.block_manager = scheduler, runner, block_manager
         self.output, self.prompt_logprobs, self.observer = output, prompt_logprobs, observer
         self.inflight: LaunchedStep | None = None

@@ -12,39 +12,28 @@ This class is the engine's one public surface: workers, the handoff and benchmar
 and never its scheduler, block manager or runner.
 """
 
-import math
 import os
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.block_manager import BlockManager
-from kvrelay.shared.engine.kv_connector import EngineKV, KVLinks
+from kvrelay.shared.engine.kv_connector import KVLinks, engine_kv
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.model_runner import ModelRunner
-from kvrelay.shared.engine.outputs import EngineCoreOutput, Logprob, PositionLogprobs
+from kvrelay.shared.engine.observer import EngineObserver
+from kvrelay.shared.engine.outputs import EngineCoreOutput, PositionLogprobs
 from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
-from kvrelay.shared.engine.sampler import SampleResult
-from kvrelay.shared.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.shared.engine.request_checks import check_request
+from kvrelay.shared.engine.scheduler import Scheduler
+from kvrelay.shared.engine.structured.compiling import CompilingRequests
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager, structured_tokenizer
 from kvrelay.shared.wire.sampling_params import SamplingParams
-
-
-class EngineObserver(Protocol):
-    """Watches the engine without steering it (worker metrics). Called on the engine's thread."""
-
-    def on_step(self, started: float, out: SchedulerOutput, finished: list[Request]) -> None:
-        """After every step: its unix start time, what was scheduled, and the requests it finished."""
-
-    def on_removed(self, requests: list[Request]) -> None:
-        """Requests ended from outside the step: aborts, stop strings."""
 
 
 class EngineCore:
@@ -74,17 +63,11 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             hold_finished_kv=hold_finished_kv,
         )
-        self.kv = EngineKV(self.block_manager, lambda: runner.kv_cache, self.scheduler.release_held,
-                           runner.set_kv_stream, world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
-                           num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv,
-                           **({} if runner.parts is None else dict(send_parts=runner.send_kv_parts,
-                                                                   flush_parts=runner.flush_kv_parts)),
-                           inlets=runner.inlets)
+        self.kv = engine_kv(runner, self.block_manager, self.scheduler.release_held)
         self._prompt_logprobs: dict[str, list[PositionLogprobs | None]] = {}
-        # structured outputs: requests whose constraint is still compiling stay here, out of the scheduler
         tokenizer_dir, no_tokenizer = structured_tokenizer(config)
         self.structured = runner.structured = StructuredOutputManager(tokenizer_dir, no_tokenizer)
-        self._compiling: dict[str, tuple[Request, tuple[int, int] | None]] = {}  # id -> (request, remote prefill)
+        self._compiling = CompilingRequests()
         self.observer: EngineObserver | None = None
         self.stepper: AsyncStepper | None = None
         if config.async_scheduling:
@@ -105,37 +88,8 @@ class EngineCore:
     ) -> Request:
         """Validate one n=1 request against this model; raises ValueError naming the problem.
         ``arrival``: unix time it entered the system (workers pass the Job's); default now."""
-        if params.n != 1 or params.use_beam_search:
-            raise ValueError("the engine core takes n=1 requests; fan out n and beams above it")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.logit_bias or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.allowed_token_ids or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if params.structured_outputs is not None and (params.min_tokens or params.ignore_eos):
-            # a complete document allows only its end: holding EOS back would leave no token to sample
-            raise ValueError(f"structured_outputs cannot be combined with "
-                             f"{'min_tokens' if params.min_tokens else 'ignore_eos'}")
-        n_prompt = len(prompt_token_ids)
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n_prompt} tokens long, but max_model_len is {self.max_model_len} "
-                "(the prompt plus at least one generated token must fit)"
-            )
-        room = self.max_model_len - n_prompt
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        blocks_needed = math.ceil((n_prompt + max_tokens) / self.block_manager.block_size)
-        if blocks_needed > self.block_manager.capacity:
-            raise ValueError(
-                f"prompt ({n_prompt}) plus max_tokens ({max_tokens}) needs {blocks_needed} KV blocks, "
-                f"more than the cache holds ({self.block_manager.capacity})"
-            )
+        max_tokens = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len,
+                                   self.block_manager.block_size, self.block_manager.capacity)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             eos_token_id=eos_token_id, max_tokens=max_tokens, priority=priority, cache_salt=cache_salt,
@@ -152,10 +106,8 @@ class EngineCore:
             # the first prompt token has no logprob; positions are filled as chunks compute (a recompute
             # after preemption overwrites the same slots)
             self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
-        if req.grammar is not None and not req.grammar.ready:
-            self._compiling[req.request_id] = (req, None)
-            return
-        self.scheduler.add_request(req)
+        if not self._compiling.hold(req, remote=False):
+            self.scheduler.add_request(req)
 
     def add_remote_prefilled(self, req: Request, first_token_id: int, num_cached_tokens: int) -> None:
         """Admit a request whose prompt KV was computed elsewhere and sits in the blocks ``kv.reserve``
@@ -165,34 +117,26 @@ class EngineCore:
         req.output_token_ids = [first_token_id]
         req.num_computed_tokens = req.num_prompt_tokens
         req.num_cached_tokens = num_cached_tokens
-        if req.grammar is not None and not req.grammar.ready:
-            self._compiling[req.request_id] = (req, (first_token_id, num_cached_tokens))
-            return
-        self.scheduler.add_prefilled_request(req)
+        if not self._compiling.hold(req, remote=True):
+            self.scheduler.add_prefilled_request(req)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Requests whose constraint finished compiling join the scheduler; those whose constraint does not
         compile end with an "error" output carrying the compile's message."""
         if not self._compiling:
             return []
-        if not self.scheduler.has_unfinished():  # nothing else to run: wait a little instead of spinning
-            futures.wait([r.grammar.compiled for r, _ in self._compiling.values()], timeout=0.01,
-                         return_when=futures.FIRST_COMPLETED)
         outputs, failed = [], []
-        for rid, (req, remote) in list(self._compiling.items()):
-            if not req.grammar.ready:
-                continue
-            del self._compiling[rid]
-            error = req.grammar.error
+        for req, remote in self._compiling.take_ready(idle=not self.scheduler.has_unfinished()):
+            rid, error = req.request_id, req.grammar.error
             if error is not None:
-                if remote is not None:
+                if remote:
                     self.kv.free(rid)
                 req.status = RequestStatus.FINISHED_ABORTED
                 self._forget(rid)
                 failed.append(req)
                 outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error,
                                                 num_prompt_tokens=req.num_prompt_tokens))
-            elif remote is not None:
+            elif remote:
                 self.scheduler.add_prefilled_request(req)
             else:
                 self.scheduler.add_request(req)
@@ -222,11 +166,11 @@ class EngineCore:
 
     def _drop_compiling(self, request_id: str) -> Request | None:
         """Take a request still waiting for its compile out of the engine (aborted); None if it is not one."""
-        entry = self._compiling.pop(request_id, None)
+        entry = self._compiling.drop(request_id)
         if entry is None:
             return None
         req, remote = entry
-        if remote is not None:
+        if remote:
             self.kv.free(request_id)
         req.status = RequestStatus.FINISHED_ABORTED
         return req
@@ -270,7 +214,7 @@ class EngineCore:
         item = EngineCoreOutput(
             request_id=rid,
             new_token_ids=[sample.token_id] if sample else [],
-            new_logprobs=[sample_logprobs(sample)] if sample and req.sampling_params.logprobs is not None else None,
+            new_logprobs=[sample.position_logprobs()] if sample and req.sampling_params.logprobs is not None else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
@@ -308,25 +252,23 @@ class EngineCore:
 
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:
-        entry = self._compiling.get(request_id)
-        if entry is not None and entry[1] is not None:  # handed off, waiting for its compile: it holds a seat
-            return True
-        return any(r.request_id == request_id for r in self.scheduler.running)
+        return self._compiling.holds_seat(request_id) or any(r.request_id == request_id
+                                                             for r in self.scheduler.running)
 
     def scheduling_order(self) -> Iterator[Request]:
         """Unfinished requests in the order a step serves them: running first, then waiting."""
         yield from self.scheduler.running
         yield from self.scheduler.waiting
-        yield from (req for req, _ in self._compiling.values())
+        yield from self._compiling.requests()
 
     @property
     def num_running(self) -> int:
         # a handed-off request waiting for its compile holds a decode seat already
-        return self.scheduler.num_running + sum(remote is not None for _, remote in self._compiling.values())
+        return self.scheduler.num_running + self._compiling.num_remote
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + sum(remote is None for _, remote in self._compiling.values())
+        return self.scheduler.num_waiting + self._compiling.num_local
 
     @property
     def max_num_seqs(self) -> int:
@@ -389,14 +331,4 @@ class EngineCore:
         return self.block_manager.num_blocks
 
 
-def sample_logprobs(sample: SampleResult) -> PositionLogprobs:
-    entry: PositionLogprobs = {sample.token_id: Logprob(sample.logprob)}
-    for rank, (tok, lp) in enumerate(sample.top_logprobs or [], start=1):
-        if tok == sample.token_id:
-            entry[tok].rank = rank
-        else:
-            entry[tok] = Logprob(lp, rank=rank)
-    return entry
-
-
-__all__ = ["EngineCore", "sample_logprobs"]
+__all__ = ["EngineCore", "EngineObserver"]

@@ -233,3 +233,15 @@ def detached_kv(kv_cache: torch.Tensor, scatter_seed: int | None = None) -> Engi
         raise RuntimeError("a KV cache without a model runs no forward to save layers from")
 
     return EngineKV(blocks, lambda: kv_cache, blocks.free, no_forward)
+
+
+def engine_kv(runner, block_manager: BlockManager, release_held: Callable[[str], None]) -> EngineKV:
+    """An engine core's EngineKV: the KV its model runner (shared/engine/model_runner.py) holds in the blocks
+    ``block_manager`` lends, ``release_held`` its scheduler's. A runner of a split model also moves whole
+    blocks through its ranks (export/import); given ``KVLinks`` its ranks send their own parts
+    (``runner.parts``) and, a decode worker's, take their own shares of arriving KV (``runner.inlets``)."""
+    parts = {} if runner.parts is None else dict(send_parts=runner.send_kv_parts, flush_parts=runner.flush_kv_parts)
+    return EngineKV(block_manager, lambda: runner.kv_cache, release_held, runner.set_kv_stream,
+                    world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
+                    num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv,
+                    **parts, inlets=runner.inlets)

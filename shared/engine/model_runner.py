@@ -30,7 +30,7 @@ from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
-from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_message
+from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_frame, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
 from kvrelay.shared.engine.ranks.kv_parts import PartSender
@@ -107,10 +107,23 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
 
     # -- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
+        return self._in_group(self._execute, out)
+
+    def launch(self, out: SchedulerOutput, fed: FedIds | None,
+               before_mask: Callable[[], None] | None = None) -> LaunchedStep | None:
+        """Async scheduling: queue the step and its sampling without waiting for the device. A decode
+        row whose token is still pending takes it from ``fed`` (the previous step's sampled ids on the
+        device; a rank group's other ranks get them in a broadcast from there, ranks/driver_step.py). None
+        when nothing is scheduled (swap copies alone ran). With constrained rows (structured outputs),
+        ``before_mask`` runs once the forward is queued and before their mask is filled: the caller reads
+        the previous step's ids there, which the mask needs on the host."""
+        return self._in_group(self._launch, out, fed, before_mask)
+
+    def _in_group(self, run, *args):
         if self.ranks is None:
-            return self._execute(out)
+            return run(*args)
         try:
-            return self._execute(out)
+            return run(*args)
         except TensorParallelError:
             raise
         except RuntimeError as exc:  # a collective broke: a rank died, or the group is out of step
@@ -122,7 +135,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         if not out.scheduled:
             return StepResult({}, {})
         if self.pipeline > 1:  # micro-batches through the stages; the logits come back from the last
-            sample_reqs, sample_logits, prompt = pipeline_step(self, out)
+            sample_reqs, sample_logits, prompt, _ = pipeline_step(self, out)
         else:
             batch, sample_reqs, prompt_rows = self._build(out)
             sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), every_row=bool(prompt_rows))
@@ -135,25 +148,21 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         return result
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, fed: FedIds | None,
-               before_mask: Callable[[], None] | None = None) -> LaunchedStep | None:
-        """Async scheduling: queue the step and its sampling without waiting for the device. A decode
-        row whose token is still pending takes it from ``fed`` (the previous step's sampled ids on the
-        device). None when nothing is scheduled (swap copies alone ran). With constrained rows
-        (structured outputs), ``before_mask`` runs once the forward is queued and before their mask is
-        filled: the caller reads the previous step's ids there, which the mask needs on the host."""
+    def _launch(self, out: SchedulerOutput, fed: FedIds | None,
+                before_mask: Callable[[], None] | None) -> LaunchedStep | None:
         self._swap(out)
         if not out.scheduled:
             return None
-        fills: list[tuple[int, int]] = []  # (token row, index into fed.ids)
-        batch, sample_reqs, prompt_rows = self._build(out, fed.rows if fed is not None else None, fills)
-        fill = None
-        if fills:
-            rows, src = to_device_ints(list(zip(*fills, strict=True)), self.device)  # 2 x [F]
-            fill = (rows, fed.ids.index_select(0, src))
-        sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), fill)
-        # prompt logprobs are read back here, a host sync: only steps that carry such a prompt pay it
-        step = LaunchedStep(out, sample_reqs, self._prompt_logprobs(prompt_rows, logits_of), len(fills))
+        # prompt logprobs are read back in the step, a host sync: only steps that carry such a prompt pay it
+        if self.pipeline > 1:
+            sample_reqs, sample_logits, prompt, num_fed = pipeline_step(self, out, fed)
+        else:
+            fills: list[tuple[int, int]] = []  # (token row, index into fed.ids)
+            batch, sample_reqs, prompt_rows = self._build(out, fed.rows if fed is not None else None, fills)
+            sample_logits, logits_of = self._logits(out, batch, bool(sample_reqs), self._fed_fill(fills, fed),
+                                                    every_row=bool(prompt_rows), fed_rows=[r for r, _ in fills])
+            prompt, num_fed = self._prompt_logprobs(prompt_rows, logits_of), len(fills)
+        step = LaunchedStep(out, sample_reqs, prompt, num_fed)
         if sample_reqs:
             read_early = before_mask is not None and any(r.grammar is not None and r.num_pending for r in sample_reqs)
             if read_early:
@@ -166,6 +175,14 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
                     if r.finished:
                         self.sampler.free(r.request_id)
         return step
+
+    def _fed_fill(self, fills: list[tuple[int, int]], fed: FedIds | None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token rows, their ids taken from ``fed`` on the device) of ``_build``'s ``fills``; None without."""
+        if not fills:
+            return None
+        rows, src = to_device_ints(list(zip(*fills, strict=True)), self.device)  # 2 x [F]
+        return rows, fed.ids.index_select(0, src)
 
     def _grammar_mask(self, reqs: list[Request]) -> GrammarMask | None:
         """The constrained rows' token bitmask (structured outputs), filled on the host: called after the
@@ -183,9 +200,11 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         return torch.where(src >= 0, fed.ids.index_select(0, src.clamp(min=0)).long(), -1)
 
     def _logits(self, out: SchedulerOutput, batch: StepBatch, samples: bool,
-                fill: tuple[torch.Tensor, torch.Tensor] | None = None, every_row: bool = False):
+                fill: tuple[torch.Tensor, torch.Tensor] | None = None, every_row: bool = False,
+                fed_rows: list[int] | None = None):
         """Run the forward pass; returns (logits of the sampled rows [R, V] or None, logits_of(start,
-        count) for prompt-logprob rows). ``fill``: (token rows, ids) written into the device input ids.
+        count) for prompt-logprob rows). ``fill``: (token rows, ids) written into the device input ids,
+        ``fed_rows`` the same rows on the host (for the ranks' frame).
         ``every_row``: prompt-logprob rows follow (tensor parallelism forms all logits in one collective)."""
         graphs = self.graphs
         if graphs is not None and not self.enforce_eager and graphs.fits(batch):
@@ -196,12 +215,15 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
 
             return (all_logits if batch.samples_every_row else all_logits.index_select(0, rows)), logits_of
         filled = to_host(batch, self.device) if self.ranks is not None else None
-        t = to_device(batch, self.device, filled)
-        if fill is not None:
-            t.input_ids.index_copy_(0, fill[0], fill[1])
         if self.ranks is not None:  # every rank runs this step: its inputs go out before the forward
             mode = logits_mode(samples, every_row)
-            self.ranks.send(step_message(batch, filled[0], mode), memoryview(filled[1].numpy()))
+            fed_rows = fed_rows or []
+            self.ranks.send(step_message(batch, filled[0], mode, len(fed_rows)), step_frame(filled[1], fed_rows))
+            if fill is not None:  # the ranks take the fed ids from this device, never from the frame
+                self.ranks.state.broadcast_from_driver(fill[1])
+        t = to_device(batch, self.device, filled)  # on the CPU: views of the frame's buffer, so filled after it
+        if fill is not None:
+            t.input_ids.index_copy_(0, fill[0], fill[1])
         meta = AttentionMetadata(
             slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
             block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,

@@ -43,6 +43,7 @@ from kvrelay.shared.engine.logits_processors import (
     to_device,
 )
 from kvrelay.shared.engine.logprobs import pack_topk
+from kvrelay.shared.engine.outputs import Logprob, PositionLogprobs
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.structured.bitmask import apply_token_bitmask
 
@@ -56,6 +57,16 @@ class SampleResult:
     logprob: float | None  # of token_id under the raw model distribution; None when no row of the step
     # asked for logprobs (computing them costs a full pass over the logits)
     top_logprobs: list[tuple[int, float]] | None  # k best (token id, logprob), highest first; None unless asked
+
+    def position_logprobs(self) -> PositionLogprobs:
+        """This position as the API reports it: the sampled token, then the k best with their ranks."""
+        entry: PositionLogprobs = {self.token_id: Logprob(self.logprob)}
+        for rank, (tok, lp) in enumerate(self.top_logprobs or [], start=1):
+            if tok == self.token_id:
+                entry[tok].rank = rank
+            else:
+                entry[tok] = Logprob(lp, rank=rank)
+        return entry
 
 
 @dataclass

@@ -74,11 +74,16 @@ class RankStep:
     # a pipeline's step split into this many micro-batches: their RankSteps follow one another at once,
     # so each stage can take them all before it runs the first (pipe_step.py)
     micro_batches: int = 1
+    # async scheduling: decode rows whose input id rank 0 sampled a step ago and has not read on its host; their
+    # row indices follow the packed inputs in the frame, their ids come in a broadcast from rank 0 (driver_step.py)
+    num_fed: int = 0
 
     def check(self) -> None:
         if min(self.num_tokens, self.num_seqs, self.width, self.max_query_len, self.max_seq_len,
                self.micro_batches) < 1:
             raise ValueError("RankStep sizes must be positive")
+        if not 0 <= self.num_fed <= self.num_tokens:
+            raise ValueError("RankStep.num_fed must be within the step's tokens")
         if not 0 <= self.num_sample_rows <= self.num_tokens:
             raise ValueError("RankStep.num_sample_rows must be within the step's tokens")
         if self.logits not in (LOGITS_NONE, LOGITS_SAMPLED, LOGITS_ALL):

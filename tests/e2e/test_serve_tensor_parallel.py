@@ -4,6 +4,9 @@ worker down with a clear error, the supervisor restarts the worker, the request 
 Disaggregated, a prefill and a decode worker of different tensor- or pipeline-parallel sizes hand KV off to each
 other."""
 
+import contextlib
+from collections.abc import Iterator
+
 import openai
 import psutil
 import pytest
@@ -49,6 +52,35 @@ def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_
     assert not alive
 
 
+def _one_process_texts(model_dir, prompts: list[list[int]]) -> list[str]:
+    """The offline engine's greedy text of each prompt, in one process."""
+    with LLM(model=str(model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
+        return [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
+
+
+@contextlib.contextmanager
+def _disaggregated(redis_url, model_dir, tmp_path, prefill_args: list[str], decode_args: list[str]
+                   ) -> Iterator[Cluster]:
+    """A gateway, prefill worker p1 and decode worker d1 (each with its own flags), ready; stopped on leaving."""
+    cluster = Cluster(redis_url, str(model_dir), TINY_ENGINE, tmp_path)
+    cluster.redis.flushall()
+    try:
+        cluster.start_gateway()
+        cluster.start_worker("prefill", "p1", prefill_args)
+        cluster.start_worker("decode", "d1", decode_args)
+        cluster.wait_ready(timeout=300)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _served_texts(cluster: Cluster, prompts: list[list[int]]) -> list[str]:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
+    return [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
+            for p in prompts]
+
+
 @pytest.mark.parametrize(("kind", "prefill_size", "decode_size"),
                          [("tensor", 2, 1), ("tensor", 1, 2), ("pipeline", 2, 1), ("pipeline", 1, 2)])
 def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decode_size, tiny_model_dir, redis_url,
@@ -59,25 +91,28 @@ def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decod
     worker's kvrelay_handoffs_total), placed by head and layer on the decode side; a one-rank prefill worker
     sends each decode rank its share the same way; and the greedy text is the offline engine's in one process."""
     prompts = random_prompts(3, lo=5, hi=60, seed=7)
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
-    cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
-    cluster.redis.flushall()
-    try:
-        cluster.start_gateway()
-        metrics = free_port()
-        cluster.start_worker("prefill", "p1", [f"--{kind}-parallel-size", str(prefill_size),
-                                               "--monitoring-port", str(metrics)])
-        cluster.start_worker("decode", "d1", [f"--{kind}-parallel-size", str(decode_size)])
-        cluster.wait_ready(timeout=300)
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0).choices[0].text
-               for p in prompts]
+    want = _one_process_texts(tiny_model_dir, prompts)
+    metrics = free_port()
+    with _disaggregated(redis_url, tiny_model_dir, tmp_path, [f"--{kind}-parallel-size", str(prefill_size),
+                                                             "--monitoring-port", str(metrics)],
+                        [f"--{kind}-parallel-size", str(decode_size)]) as cluster:
+        got = _served_texts(cluster, prompts)
         counted = handoffs_settled(metrics, "transport", len(prompts))
-    finally:
-        cluster.stop()
     assert got == want
     assert counted == {"rank_layers": len(prompts)}, counted
     for worker in ("p1", "d1"):  # stopped, each worker stops its ranks: none dies under it
         assert "the group is down" not in cluster.log(worker)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_a_decode_group_scheduling_asynchronously_answers_like_one_process(kind, tiny_model_dir, redis_url, tmp_path):
+    """A decode worker of two ranks (or stages) with --async-scheduling behind a one-process prefill worker: each
+    rank takes its share of the handed-off KV, and rank 0 feeds every rank the ids it sampled a step ago from its
+    device; the greedy text is the offline engine's in one process."""
+    prompts = random_prompts(4, lo=5, hi=60, seed=9)
+    want = _one_process_texts(tiny_model_dir, prompts)
+    with _disaggregated(redis_url, tiny_model_dir, tmp_path, [],
+                        [f"--{kind}-parallel-size", "2", "--async-scheduling"]) as cluster:
+        got = _served_texts(cluster, prompts)
+    assert got == want
+    assert "the group is down" not in cluster.log("d1")

@@ -58,11 +58,6 @@ def test_the_flag_is_named_when_it_is_the_flags_size(tmp_path):
                                       "--pipeline-parallel-size", "4"])
     with pytest.raises(ConfigError, match=r"^argument --pipeline-parallel-size: pipeline_parallel_size 4 exceeds"):
         worker_config("unified", args)
-    args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
-                                      "--tensor-parallel-size", "2", "--async-scheduling"])
-    with pytest.raises(ConfigError, match=r"^argument --tensor-parallel-size: tensor_parallel_size > 1 does not "
-                                          r"support async_scheduling yet$"):
-        worker_config("unified", args)
 
 
 def test_a_lazy_models_sizes_are_checked_at_start_and_kept_for_its_load(tmp_path, capsys):

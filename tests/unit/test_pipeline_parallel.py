@@ -91,8 +91,6 @@ def test_stage_counts_the_model_cannot_split_fail_before_any_process_starts(tiny
         _llm(tiny_model_dirs["llama"], 0)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the attention heads 4"):
         _llm(tiny_model_dirs["llama"], 2, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not support async_scheduling"):
-        _llm(tiny_model_dirs["llama"], 2, async_scheduling=True)
     assert _children() == before
 
 

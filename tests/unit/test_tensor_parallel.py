@@ -148,8 +148,6 @@ def test_sizes_the_ranks_cannot_split_fail_before_any_process_starts(tiny_model_
         _llm(tiny_model_dirs["bloom"], 8)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         _llm(tiny_model_dirs["gpt2"], 0)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not support async_scheduling"):
-        _llm(tiny_model_dirs["llama"], 2, async_scheduling=True)
     assert _children() == before
 
 

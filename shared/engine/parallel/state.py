@@ -68,6 +68,15 @@ class ParallelState:
         self.group.scatter([out], inputs, opts).wait()
         return out
 
+    def broadcast_from_driver(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype on all), in place."""
+        if self.group is None:
+            return t
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+        return t
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` any rank holds (KV blocks that fit on every rank)."""
         if self.group is None:

@@ -1,6 +1,6 @@
 """Tensor- and pipeline-parallel mistakes found before anything loads: a size the ranks cannot split, more
-stages than layers, more ranks than devices, a quantization the ranks cannot split, a setting the ranks do
-not support yet; and what each rank's shard weighs.
+stages than layers, more ranks than devices, a quantization the ranks cannot split; and
+what each rank's shard weighs.
 
 The model classes themselves compute every rank's share (through ``linear.even`` and ``kv_heads``), so
 building the model on the meta device as rank 0 of the group raises exactly the error loading would,
@@ -80,9 +80,6 @@ def check_group(config: EngineConfig, root: Path | None = None) -> None:
     """Every check a group's settings and model must pass before a process starts or a weight loads."""
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return
-    flag = "tensor_parallel_size" if config.pipeline_parallel_size == 1 else "pipeline_parallel_size"
-    if config.async_scheduling:
-        raise ValueError(f"{flag} > 1 does not support async_scheduling yet")
     # the model's split first: a size it cannot split is wrong on any machine, a device count only on this one
     check_model(config.model, config.tensor_parallel_size, root, config.pipeline_parallel_size)
     check_devices(config)

@@ -3,14 +3,16 @@ scheduled requests are cut into up to one micro-batch per stage, contiguous and 
 Every micro-batch's inputs go out to the stages first; then rank 0 runs stage 0 on each in turn, handing
 each on without waiting, so stage 1 works on micro-batch 0 while stage 0 works on micro-batch 1; last, rank
 0 receives each micro-batch's logits from the last stage. Sampling sees the micro-batches' sampled rows
-concatenated, in the scheduler's order."""
+concatenated, in the scheduler's order. Under async scheduling each micro-batch's fed rows take their ids
+from rank 0's device: broadcast to every rank after the last message, before any forward (driver_step.py)."""
 
 from dataclasses import replace
 
 import torch
 
 from kvrelay.kernels import AttentionMetadata
-from kvrelay.shared.engine.ranks.driver_step import logits_mode, step_message
+from kvrelay.shared.engine.async_step import FedIds
+from kvrelay.shared.engine.ranks.driver_step import logits_mode, step_frame, step_message
 from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_logits, send_carried
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -34,23 +36,32 @@ def split(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledR
     return parts
 
 
-def pipeline_step(runner, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None, dict]:
+def pipeline_step(runner, out: SchedulerOutput, fed: FedIds | None = None
+                  ) -> tuple[list[Request], torch.Tensor | None, dict, int]:
     """Run one step of ``runner`` (rank 0's ModelRunner, stage 0) through the pipeline: (the requests that
-    sample, in order; their logits [R, V] or None; the step's prompt logprobs by request id)."""
+    sample, in order; their logits [R, V] or None; the step's prompt logprobs by request id; the decode rows
+    whose input id came from ``fed``, the previous step's ids on the device, under async scheduling)."""
     ranks, device = runner.ranks, runner.device
     at, state = ranks.layout, ranks.state
     built = []
     parts = split(out.scheduled, at.pp)
     for part in parts:  # every stage gets the whole step before any of them runs
-        batch, sample_reqs, prompt_rows = runner._build(replace(out, scheduled=part))
+        fills: list[tuple[int, int]] = []
+        batch, sample_reqs, prompt_rows = runner._build(replace(out, scheduled=part),
+                                                        fed.rows if fed is not None else None, fills)
         filled = to_host(batch, device)
         mode = logits_mode(bool(sample_reqs), bool(prompt_rows))
-        ranks.send(replace(step_message(batch, filled[0], mode), micro_batches=len(parts)),
-                   memoryview(filled[1].numpy()))
-        built.append((batch, sample_reqs, prompt_rows, filled, mode))
+        ranks.send(step_message(batch, filled[0], mode, len(fills), len(parts)),
+                   step_frame(filled[1], [row for row, _ in fills]))
+        built.append((batch, sample_reqs, prompt_rows, filled, mode, runner._fed_fill(fills, fed)))
+    for *_, fill in built:  # then the fed ids, before any rank runs a forward (driver_step.py)
+        if fill is not None:
+            state.broadcast_from_driver(fill[1])
     outgoing, rows = Pending(), []
-    for i, (batch, _, _, filled, _) in enumerate(built):
+    for i, (batch, _, _, filled, _, fill) in enumerate(built):
         t = to_device(batch, device, filled)
+        if fill is not None:
+            t.input_ids.index_copy_(0, fill[0], fill[1])
         meta = AttentionMetadata(
             slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
             block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
@@ -61,7 +72,7 @@ def pipeline_step(runner, out: SchedulerOutput) -> tuple[list[Request], torch.Te
     reqs: list[Request] = []
     logits: list[torch.Tensor] = []
     prompt: dict = {}
-    for i, ((batch, sample_reqs, prompt_rows, _, mode), sample_rows) in enumerate(zip(built, rows, strict=True)):
+    for i, ((batch, sample_reqs, prompt_rows, _, mode, _), sample_rows) in enumerate(zip(built, rows, strict=True)):
         sampled, logits_of = recv_logits(state, runner.model.vocab_size, batch, sample_rows, mode,
                                          at.logits_sender, i)
         if sample_reqs:
@@ -69,4 +80,5 @@ def pipeline_step(runner, out: SchedulerOutput) -> tuple[list[Request], torch.Te
             logits.append(sampled)
         prompt.update(runner._prompt_logprobs(prompt_rows, logits_of))
     outgoing.wait()
-    return reqs, (torch.cat(logits) if len(logits) > 1 else logits[0] if logits else None), prompt
+    num_fed = sum(len(fill[0]) for *_, fill in built if fill is not None)
+    return reqs, (torch.cat(logits) if len(logits) > 1 else logits[0] if logits else None), prompt, num_fed

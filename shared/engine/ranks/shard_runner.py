@@ -134,11 +134,13 @@ class ShardRunner:
             self.kv_cache[:, :, list(dev_ids)] = self.host_cache[:, :, list(host_ids)].to(self.device)
 
     def _inputs(self, msg: RankStep, frame: bytes):
-        """(the step's input tensors on this rank's device, its attention metadata), rebuilt from the frame."""
+        """(the step's input tensors on this rank's device, its attention metadata, the rows whose ids rank 0
+        broadcasts or None), rebuilt from the frame."""
         layout = Layout(tokens=msg.num_tokens, seqs=msg.num_seqs, width=msg.width)
         host = torch.frombuffer(bytearray(frame), dtype=torch.int32)
-        if host.numel() != layout.size:
-            raise ValueError(f"step inputs of {host.numel()} ints where the layout needs {layout.size}")
+        if host.numel() != layout.size + msg.num_fed:
+            raise ValueError(f"step inputs of {host.numel()} ints where the layout and its fed rows need "
+                             f"{layout.size + msg.num_fed}")
         buf = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
         t = views(buf, layout, msg.num_tokens, msg.num_seqs, msg.num_sample_rows)
         host_view = views(host, layout, msg.num_tokens, msg.num_seqs, msg.num_sample_rows)
@@ -148,7 +150,13 @@ class ShardRunner:
             seq_lens_cpu=host_view.seq_lens.tolist(), max_query_len=msg.max_query_len,
             max_seq_len=msg.max_seq_len,
         )
-        return t, meta
+        return t, meta, buf[layout.size:].long() if msg.num_fed else None
+
+    def _take_fed(self, t, fed_rows: torch.Tensor | None) -> None:
+        """Async scheduling: the fed rows' ids, sampled by rank 0 a step ago, from rank 0's broadcast."""
+        if fed_rows is not None:
+            ids = torch.empty(fed_rows.numel(), dtype=torch.int32, device=self.device)
+            t.input_ids.index_copy_(0, fed_rows, self.state.broadcast_from_driver(ids))
 
     @torch.inference_mode()
     def _stage_steps(self, steps: list[tuple[RankStep, bytes]]) -> None:
@@ -156,10 +164,12 @@ class ShardRunner:
         from the previous stage is posted first, then each micro-batch runs as soon as its input is here."""
         stage, at = self.model.stage, self.layout
         inputs = [self._inputs(msg, frame) for msg, frame in steps]
+        for t, _, fed_rows in inputs:  # rank 0 broadcasts them after the step's last message (pipe_driver.py)
+            self._take_fed(t, fed_rows)
         incoming = [None if stage.first else recv_carried(self.state, self.model, msg.num_tokens, at.prev_peer, i)
                     for i, (msg, _) in enumerate(steps)]
         outgoing = Pending()
-        for i, ((msg, _), (t, meta), pending) in enumerate(zip(steps, inputs, incoming, strict=True)):
+        for i, ((msg, _), (t, meta, _), pending) in enumerate(zip(steps, inputs, incoming, strict=True)):
             carried = None if pending is None else pending.wait()
             out = self.model(t.input_ids, t.positions, self.kv_cache, meta, carried)
             if stage.last:
@@ -170,7 +180,8 @@ class ShardRunner:
         outgoing.wait()
 
     def _step(self, msg: RankStep, frame: bytes) -> None:
-        t, meta = self._inputs(msg, frame)
+        t, meta, fed_rows = self._inputs(msg, frame)
+        self._take_fed(t, fed_rows)
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, meta)
         if msg.logits == LOGITS_ALL:
             self.model.compute_logits(hidden)
