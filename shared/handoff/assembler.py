@@ -2,8 +2,6 @@
 and head): each frame, sized and placed on arrival by the subclass, is CRC-checked and written into the
 granted blocks by a pool thread (pool.py); on CUDA the writes queue on the side stream."""
 
-import warnings
-import zlib
 from abc import abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -64,17 +62,3 @@ class FrameAssembler(KVReceiver):
         wait(self.futures)
         self.finish()
 
-
-def check_crcs(frame: memoryview, first: int, checksums: list[int]) -> None:
-    """ValueError unless each of the frame's equal-sized layers (layer ``first`` on) has its checksum."""
-    size = frame.nbytes // len(checksums)
-    for i, checksum in enumerate(checksums):
-        if zlib.crc32(frame[i * size:(i + 1) * size]) != checksum:
-            raise ValueError(f"KV checksum mismatch in layer {first + i}")
-
-
-def frame_bytes(frame) -> torch.Tensor:
-    """A received frame as a uint8 tensor over the same memory, without a copy."""
-    with warnings.catch_warnings():  # read-only receive buffers: we only ever read from them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memoryview(frame), dtype=torch.uint8)

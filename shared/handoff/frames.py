@@ -12,13 +12,13 @@ and zlib release the GIL), so a 268 MB transfer does not stall either worker's m
 loops only hand messages to and from the sockets.
 """
 
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 
 import torch
 
-from kvrelay.shared.handoff.assembler import FrameAssembler, check_crcs, frame_bytes
+from kvrelay.shared.engine.kv_frame import check_crcs, frame_bytes, layer_crcs
+from kvrelay.shared.handoff.assembler import FrameAssembler
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
 from kvrelay.shared.handoff.blocks import frame_nbytes, gather_blocks, scatter_blocks, side_stream
 from kvrelay.shared.handoff.pool import INLINE_BYTES, submit
@@ -161,8 +161,7 @@ def _gather_crc(kv_cache: torch.Tensor, index: torch.Tensor, layers: range) -> t
 
 
 def _crcs(frame: memoryview, num_layers: int) -> tuple[memoryview, list[int]]:
-    size = frame.nbytes // num_layers
-    return frame, [zlib.crc32(frame[i * size:(i + 1) * size]) for i in range(num_layers)]
+    return frame, layer_crcs(frame, num_layers)
 
 
 class LayerAssembler(FrameAssembler):

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from kvrelay.shared.engine.kv_connector import EngineKV
-from kvrelay.shared.handoff.assembler import FrameAssembler, check_crcs, frame_bytes
+from kvrelay.shared.engine.kv_frame import check_crcs, frame_bytes
+from kvrelay.shared.handoff.assembler import FrameAssembler
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
 from kvrelay.shared.handoff.blocks import frame_nbytes
 from kvrelay.shared.wire.handoff import HandoffGrant, KVLayers

@@ -24,7 +24,6 @@ transfer for the missing part, and rank 0 gives it up.
 
 import logging
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ import zmq
 
 from kvrelay.kernels.kv_quant import FP8_KV_DTYPE
 from kvrelay.shared.engine.kv_connector import KVLinks
+from kvrelay.shared.engine.kv_frame import layer_crcs
 from kvrelay.shared.engine.parallel.layout import RankLayout
 from kvrelay.shared.engine.parallel.linear import kv_heads
 from kvrelay.shared.engine.ranks.kv_moves import check_block_ids, stage_layers, total_kv_heads
@@ -104,7 +104,7 @@ def part_messages(kv_cache: torch.Tensor, block_ids: list[int], part: Part, requ
     for g in range(0, host.shape[0], per):
         count = min(per, host.shape[0] - g)
         frame = data[g * layer_nbytes:(g + count) * layer_nbytes]
-        crcs = [zlib.crc32(frame[i * layer_nbytes:(i + 1) * layer_nbytes]) for i in range(count)]
+        crcs = layer_crcs(frame, count)
         msg = KVLayers(request_id=request_id, first=part.layers.start + g, nbytes=layer_nbytes, checksums=crcs,
                        heads=[part.first_head, part.num_heads], requester=requester)
         messages.append([encode(msg), frame])

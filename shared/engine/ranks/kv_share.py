@@ -6,12 +6,11 @@ failing a layer's CRC32 is refused; the share is complete once every (layer, hea
 rank 0 does the same with shared/handoff/rank_parts.py ``PartAssembler``; this one writes synchronously, on
 the inlet's own thread, so nothing is still landing once it returns."""
 
-import warnings
-import zlib
 
 import torch
 
 from kvrelay.kernels.kv_quant import FP8_KV_DTYPE
+from kvrelay.shared.engine.kv_frame import check_crcs, frame_bytes
 from kvrelay.shared.wire.handoff import KVLayers
 
 
@@ -47,13 +46,9 @@ class ShareAssembler:
         if msg.nbytes != want or data.nbytes != count * want:
             raise ValueError(f"KV part frame of {data.nbytes} bytes for {count} layers of {msg.nbytes}, expected "
                              f"{count} x {want}")
-        for i, checksum in enumerate(msg.checksums):
-            if zlib.crc32(data[i * want:(i + 1) * want]) != checksum:
-                raise ValueError(f"KV checksum mismatch in layer {msg.first + i}")
+        check_crcs(data, msg.first, msg.checksums)
         shape = (count, self.cache.shape[1], len(self.index), self.cache.shape[3], count_heads, self.cache.shape[5])
-        with warnings.catch_warnings():  # read-only receive buffers: we only ever read from them
-            warnings.simplefilter("ignore", UserWarning)
-            part = torch.frombuffer(data, dtype=torch.uint8).view(self.cache.dtype).view(shape)
+        part = frame_bytes(data).view(self.cache.dtype).view(shape)
         # the rank's cache is made under inference mode, which is per thread: this thread re-enters it
         with torch.inference_mode(self.cache.is_inference()):
             dst = self.cache.narrow(0, layer, count).narrow(4, head, count_heads)
