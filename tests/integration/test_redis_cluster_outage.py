@@ -35,7 +35,9 @@ def test_a_cluster_that_is_down_is_a_connection_error(own_cluster):
         for attempt in (lambda: before.get("{t}k"), lambda: loop.run_until_complete(before_async.get("{t}k")),
                         lambda: sync_client(own_cluster.url),
                         lambda: loop.run_until_complete(async_client(own_cluster.url).get("{t}k"))):
-            with pytest.raises(redis.ConnectionError, match="cannot be connected") as err:
+            # redis-py's "cannot be connected" made one, or its retries' last refused connection (which one
+            # depends on when its retries give up): either way a ConnectionError
+            with pytest.raises(redis.ConnectionError) as err:
                 attempt()
             assert health.absorb(err.value) and not health.reachable
         own_cluster.restart_all()
