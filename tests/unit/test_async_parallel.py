@@ -35,10 +35,10 @@ ABORT_AFTER = {0: 3, 7: 5}  # request index -> tokens seen when the client hangs
 _reference: dict[str, dict] = {}
 
 
-def generate(model_dir, **kwargs) -> tuple[dict[str, list], int | None]:
+def generate(model_dir, device: str = "cpu", **kwargs) -> tuple[dict[str, list], int | None]:
     """Each request's (token ids, finish reason, stop reason) and the decode tokens fed device to device."""
     with LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_batched_tokens=32, block_size=8,
-             **kwargs) as llm:
+             device=device, **kwargs) as llm:
         engine = llm.engine
         prompts = random_prompts(14, lo=3, hi=50, seed=4)
         ids = [engine.add_request({"prompt_token_ids": p}, PARAMS[i % len(PARAMS)]) for i, p in enumerate(prompts)]
