@@ -120,7 +120,7 @@ models:
         info = cluster.worker(wid)
         assert sorted(info.models) == ["smollm2", "tiny-gpt2@1", "tiny-llama@1"]
         assert all(i.state == "ready" and i.kv_blocks > 0 for i in info.instances)
-    deadline = time.monotonic() + 5  # the gateway's registry view is cached for half a second
+    deadline = time.monotonic() + 30  # the gateway's registry view is cached for half a second
     while {m.id for m in client.models.list().data} < {"tiny-llama", "tiny-gpt2", "smollm2"}:
         assert time.monotonic() < deadline, client.models.list()
         time.sleep(0.2)
