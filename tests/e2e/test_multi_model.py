@@ -151,6 +151,15 @@ models:
                - w["weights_used"] for w in body["workers"]), body["workers"]
 
 
+def advertised(cluster: Cluster, wid: str, want: list[str], bound_s: float = 30.0) -> list[str]:
+    """The worker's models as its heartbeat record says, once they are ``want`` (or at ``bound_s``): a load or an
+    eviction only asks the heartbeat thread to publish soon, and a request may be answered before it has."""
+    end = time.monotonic() + bound_s
+    while (models := sorted(cluster.worker(wid).models)) != want and time.monotonic() < end:
+        time.sleep(0.1)
+    return models
+
+
 def test_lazy_load_evicts_the_idle_model_never_the_pinned_one(cluster, repo, tmp_path, tiny_model_dir):
     for name, seed in (("pinned", 0), ("idle", 1), ("lazy", 2)):
         import_model(repo, str(variant(tiny_model_dir, tmp_path / name, seed)), name, progress=False)
@@ -171,11 +180,11 @@ models:
     time.sleep(1.5)  # "idle" now idle past the grace period; "pinned" was never used
     assert complete(client, "lazy") == want["lazy"]  # waits for the load, which evicts "idle"
     for wid in ("p1", "d1"):
-        assert sorted(cluster.worker(wid).models) == ["lazy@1", "pinned@1"]
+        assert advertised(cluster, wid, ["lazy@1", "pinned@1"]) == ["lazy@1", "pinned@1"]
     assert complete(client, "pinned") == want["pinned"]
     time.sleep(1.5)
     assert complete(client, "idle") == want["idle"]  # loaded again, evicting "lazy", not "pinned"
-    assert sorted(cluster.worker("p1").models) == ["idle@1", "pinned@1"]
+    assert advertised(cluster, "p1", ["idle@1", "pinned@1"]) == ["idle@1", "pinned@1"]
 
 
 def test_version_swap_under_load_fails_no_request(cluster, repo, tmp_path, tiny_model_dir):
