@@ -259,9 +259,13 @@ models:
     assert complete(client, "good") == offline_text(tiny_model_dir)
     for wid in ("p1", "d1"):
         assert cluster.worker(wid).models == ["good@1"]
-    # the prefill side is asked first; its failure ends the load before the decode side is bothered
-    assert any(i.instance == "bad@1" and i.state == "failed" and "corrupt" in i.error
-               for i in cluster.worker("p1").instances)
+    # the prefill side is asked first; its failure ends the load before the decode side is bothered (its
+    # heartbeat record says so once the thread the failure woke has rewritten it)
+    deadline = time.monotonic() + 30
+    while not any(i.instance == "bad@1" and i.state == "failed" and "corrupt" in i.error
+                  for i in cluster.worker("p1").instances):
+        assert time.monotonic() < deadline, cluster.worker("p1").instances
+        time.sleep(0.1)
     # and the admin API refuses what could reach outside the repository
     for bad in ({"name": "../etc", "version": 1}, {"name": "good", "version": 1, "path": "/etc"}):
         assert admin(cluster.port, "POST", "/admin/models", bad)[0] == 400
