@@ -97,7 +97,7 @@ def test_jobs_routed_to_a_killed_prefill_worker_are_answered(cluster):
         t.start()
     private = keys.prefill_worker_stream(cluster.worker("p2").models[0], "p1")
     seen = 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # or until p1's heartbeat key expires, whichever comes first
     while seen == 0 and time.monotonic() < deadline and cluster.redis.exists(keys.worker_key("p1")):
         seen = cluster.redis.xlen(private)
         time.sleep(0.05)

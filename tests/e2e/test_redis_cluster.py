@@ -113,7 +113,11 @@ def test_admin_register_load_unload(deployment):
     assert status in (200, 201), body
     status, body = admin(c.port, "POST", "/admin/models/other/load")
     assert status == 200, body
-    assert "other@1" in c.worker("u1").models
+    # the worker writes the load's result, then wakes its heartbeat thread to advertise the model
+    deadline = time.monotonic() + 30
+    while "other@1" not in c.worker("u1").models:
+        assert time.monotonic() < deadline, c.worker("u1").models
+        time.sleep(0.2)
     assert complete(client, "other") != complete(client, "chat")
     status, body = admin(c.port, "POST", "/admin/models/other/unload")
     assert status == 202, body

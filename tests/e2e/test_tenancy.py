@@ -143,19 +143,22 @@ def test_worker_metrics_move_and_settle(cluster, jobs):
     client.completions.create(model=MODEL, prompt=[17, 42, 99, 7], max_tokens=3, temperature=0.0,
                               extra_body={"ignore_eos": True})
 
-    deadline = time.monotonic() + 20
+    def moved(name: str, worker: str, **labels) -> float:
+        return total(after[worker], name, **labels) - total(before[worker], name, **labels)
+
+    deadline = time.monotonic() + 60
     while True:  # gauges are read at scrape time: once the work is done they read zero again
         after = {n: worker_metrics(cluster, n) for n in ("p1", "d1")}
         gauges = [total(after[n], g) for n in after for g in ("vllm:num_requests_running",
                                                               "vllm:num_requests_waiting",
                                                               "vllm:kv_cache_usage_perc")]
-        if not any(gauges) or time.monotonic() > deadline:
+        # the prefill worker frees a handoff's KV when it reads the ack, and counts the handoff only after
+        # that poll has handled every ack it read: a scrape between the two sees the KV gone, the count not yet
+        settled = not any(gauges) and moved("kvrelay_handoff_seconds_count", "p1") >= 7
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert gauges == [0.0] * 6
-
-    def moved(name: str, worker: str, **labels) -> float:
-        return total(after[worker], name, **labels) - total(before[worker], name, **labels)
 
     p, d = "p1", "d1"
     assert moved("vllm:time_to_first_token_seconds_count", p) == 7
