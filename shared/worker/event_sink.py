@@ -61,6 +61,9 @@ class EventSink:
     def take_lost(self) -> list[str]:
         return self.links.take_lost()
 
+    def reached(self, addr: str) -> bool:
+        return self.links.reached(addr)
+
     def forget(self, addr: str) -> None:
         """Its requests are gone: drop what it has not taken and the connection (a new one is made if
         events for it come again)."""

@@ -169,6 +169,11 @@ class Lifecycle:
         for addr in self.runtime.events.take_stalled():
             self._orphan(addr, "stopped reading its events", lambda rec: True)
         for addr in self.runtime.events.take_lost():
+            if not self.runtime.events.reached(addr) and self.runtime.gateways.alive(addr):
+                # never connected, but it beats: a live gateway this box has not connected to yet (seen under
+                # load), or one that died since its last beat, which its liveness key then tells
+                log.warning("gateway %s: no event connection yet, but it beats; its liveness key decides", addr)
+                continue
             # its process ended: no grace for young requests, and no waiting out its liveness key's TTL
             self.lost_gateways[addr] = self.runtime.gateways.take_holder(addr)
             while len(self.lost_gateways) > MAX_LOST:

@@ -22,11 +22,13 @@ class LinkWatch:
         self._monitors: dict[str, zmq.Socket] = {}
         self._down_since: dict[str, float] = {}  # address -> monotonic time its connection went (or was dialed)
         self._reported: set[str] = set()  # down and already reported: not again until it comes back
+        self._reached: set[str] = set()  # connected at least once since it was added
 
     def add(self, addr: str, sock: zmq.Socket) -> None:
         """Watch ``sock`` (call before it connects, so its first connection is seen)."""
         self._monitors[addr] = sock.get_monitor_socket(_EVENTS)
         self._down_since[addr] = time.monotonic()
+        self._reached.discard(addr)
 
     def remove(self, addr: str, sock: zmq.Socket) -> None:
         mon = self._monitors.pop(addr, None)
@@ -35,6 +37,12 @@ class LinkWatch:
             mon.close(linger=0)
         self._down_since.pop(addr, None)
         self._reported.discard(addr)
+        self._reached.discard(addr)
+
+    def reached(self, addr: str) -> bool:
+        """Whether its connection was ever up (a lost one that never was may be a live gateway not yet dialed
+        through, on a loaded box)."""
+        return addr in self._reached
 
     def take_lost(self) -> list[str]:
         """Addresses down for LOST_AFTER_S since the last report; never blocks."""
@@ -47,6 +55,7 @@ class LinkWatch:
                 except zmq.Again:
                     break
                 if event == zmq.EVENT_CONNECTED:
+                    self._reached.add(addr)
                     self._down_since.pop(addr, None)
                     self._reported.discard(addr)
                 elif event == zmq.EVENT_DISCONNECTED:

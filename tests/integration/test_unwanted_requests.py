@@ -157,3 +157,28 @@ def test_a_gateway_whose_process_ended_loses_its_requests_at_once_and_its_later_
     unified.step()
     assert slot.core.is_running("next")
     redis.delete(keys.gateway_key(addr))
+
+
+
+def test_a_beating_gateway_not_yet_connected_to_is_not_lost(unified):
+    """A connection never made (nothing accepts on the address: as for a gateway this loaded box has not
+    connected to yet) does not make the gateway lost while its liveness key says it beats; without the key
+    it does."""
+    from kvrelay.shared.worker import link_watch
+    from tests.integration.gateway_harness import free_port
+
+    (slot,) = unified.runtime.slots.values()
+    redis, stream = unified.runtime.redis, keys.prefill_stream(slot.instance)
+    addrs = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("beats", "silent")}  # nothing listens on either
+    redis.set(keys.gateway_key(addrs["beats"]), "host-1", ex=60)
+    for name, addr in addrs.items():
+        redis.xadd(stream, {"data": encode(_job(name, slot.instance, addr, max_tokens=10_000))})
+    deadline = time.monotonic() + 30
+    while addrs["silent"] not in unified.inflight.lost_gateways:
+        assert time.monotonic() < deadline, "a gateway that never connected and does not beat was not found lost"
+        unified.step()
+    again = time.monotonic() + 2 * link_watch.LOST_AFTER_S  # dialed as long as the silent one: past its grace
+    while time.monotonic() < again:
+        unified.step()
+    assert addrs["beats"] not in unified.inflight.lost_gateways
+    redis.delete(keys.gateway_key(addrs["beats"]))
