@@ -18,6 +18,7 @@ import redis
 from aiohttp import web
 
 from kvrelay.gateway.api.choice import ChoiceDelta, ChoiceState
+from kvrelay.gateway.api.hangup import client_hung_up
 from kvrelay.gateway.api.output_constraints import compile_error
 from kvrelay.gateway.api.prompts import Prepared
 from kvrelay.gateway.control.reload_wait import ReloadWatch
@@ -182,10 +183,10 @@ class Generation:
         if config.max_queue_depth and depth + len(self.choices) > config.max_queue_depth:
             raise APIError(429, f"{depth} requests are queued for model {model!r} (limit "
                                 f"{config.max_queue_depth}); retry later", code="queue_full", headers=retry)
-        # The last look at the client before its jobs are queued: a busy loop reads a hang-up (the transport
-        # closes at once) a callback round before aiohttp cancels this handler, which may wake up in between;
+        # The last look at the client before its jobs are queued, at the socket itself: a busy loop may wake
+        # this handler before it reads the hang-up (or before aiohttp cancels the handler after reading it);
         # a job queued for nobody would cost a worker a prefill until the abort reaches it.
-        if self._is_disconnected():
+        if client_hung_up(self._request.transport):
             raise ClientGone()
         router = self.app[ROUTER]
         pipe = self.app[REDIS].pipeline(transaction=False)

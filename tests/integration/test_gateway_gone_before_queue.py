@@ -4,8 +4,10 @@ A busy gateway loop reads a hang-up (the transport is closing from then on) a ca
 cancels the handler, and the handler may wake up in between: it would queue jobs for nobody, aborted only
 later. This test makes that order happen on a real gateway, real Redis and a real socket. A first request
 shows where a request waits inside ``Generation._submit`` before its XADD; for the second, the gateway's loop
-is held (as a loaded loop is) while the request waits at the last of those places and its client sends
-FIN, so the loop then reads the hang-up in the same round as the handler's wake-up.
+is held (as a loaded loop is) at the last of those places while its client sends FIN: either while the
+request still waits there (the loop then reads the hang-up in the same round as the Redis reply that wakes
+the handler) or once the reply was read and the handler's wake-up is queued (the loop runs the handler
+before it reads the hang-up at all, so only the socket itself can tell).
 """
 
 import asyncio
@@ -63,13 +65,23 @@ async def _waits_in_submit(started: threading.Event) -> list[Wait]:
     raise AssertionError("no request went through _submit")
 
 
-async def _hold_loop_at(wait: Wait, started: threading.Event, may_hang_up: threading.Event,
-                        hung_up: threading.Event) -> None:
-    """On the gateway's loop: once a request waits at ``wait``, block the loop until its client hung up."""
+def _woken(task: asyncio.Task) -> bool:
+    """Whether the future the task waits on is done: its wake-up is queued (asyncio keeps that future in
+    ``_fut_waiter``; the coroutine chain ends in an iterator that does not show it)."""
+    waiter = task._fut_waiter
+    return waiter is not None and waiter.done()
+
+
+async def _hold_loop_at(line: tuple[str, int], woken: bool, started: threading.Event,
+                        may_hang_up: threading.Event, hung_up: threading.Event) -> None:
+    """On the gateway's loop: once a request waits at ``line`` of ``_submit`` (however deep inside redis-py,
+    whose chain of awaits differs between requests), and its wake-up is queued if ``woken``, block the loop
+    until its client hung up."""
     started.set()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if any(_wait_in_submit(t) == wait for t in asyncio.all_tasks()):
+        if any((w := _wait_in_submit(t)) is not None and w[0] == line and (_woken(t) or not woken)
+               for t in asyncio.all_tasks()):
             may_hang_up.set()
             hung_up.wait(10)
             time.sleep(0.3)  # the FIN arrives before the loop looks at its sockets again
@@ -98,7 +110,8 @@ def _client_aborts(samples: dict) -> float:
     return sample(samples, "kvrelay_http_requests_total", route=ROUTE, status="499")
 
 
-def test_a_client_gone_before_its_job_is_queued_gets_no_job_queued(tmp_path):
+@pytest.mark.parametrize("woken", [False, True], ids=["hang-up read with the reply", "handler woken first"])
+def test_a_client_gone_before_its_job_is_queued_gets_no_job_queued(tmp_path, woken):
     # the worker list cached: the queue-length lookup is then the request's one Redis round trip in _submit
     with running_stack(tmp_path, registry_cache_s=60.0) as stack:
         assert requests.post(f"{stack.url}{ROUTE}", json=BODY).status_code == 200  # connections and caches warm
@@ -107,13 +120,13 @@ def test_a_client_gone_before_its_job_is_queued_gets_no_job_queued(tmp_path):
         assert requests.post(f"{stack.url}{ROUTE}", json=BODY).status_code == 200
         seen = watch.result(30)
         xadd_line = seen[-1][0][1]  # _submit's line while its XADD is in flight
-        last_wait = [w for w in seen if w[0][1] != xadd_line][-1]
+        last_line = [w[0] for w in seen if w[0][1] != xadd_line][-1]  # the queue-length round trip
 
         r = sync_client(stack.redis_url)
         streams = [keys.prefill_stream(MODEL), keys.prefill_worker_stream(MODEL, stack.worker.worker_id)]
         ids, jobs, before = _last_ids(r, streams), len(stack.worker.jobs), scrape(stack.url)
         started, may_hang_up, hung_up = threading.Event(), threading.Event(), threading.Event()
-        held = _on_gateway_loop(stack, _hold_loop_at(last_wait, started, may_hang_up, hung_up), started)
+        held = _on_gateway_loop(stack, _hold_loop_at(last_line, woken, started, may_hang_up, hung_up), started)
         body = json.dumps(BODY).encode()
         with socket.create_connection(("127.0.0.1", stack.server.config.port)) as sock:
             sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
