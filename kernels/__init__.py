@@ -96,10 +96,11 @@ def fp8_linear(x, weight, scale, bias=None):
     return implementation("fp8_linear", x)(x, weight, scale, bias)
 
 
-def warm_up_prefill_attention(q_like, num_kv_heads, max_len):
-    # runs once what the first prompt of each length up to max_len would otherwise wait for (cuDNN's
-    # per-shape plans, kernels/sdpa_prefill.py); returns how many shapes, 0 where nothing needs it
-    return implementation("warm_up_prefill_attention", q_like)(q_like, num_kv_heads, max_len)
+def warm_up_prefill_attention(q_like, num_kv_heads, max_len, max_tokens):
+    # runs once what the first prompts of each length up to max_len, in steps of at most max_tokens, would
+    # otherwise wait for (cuDNN's per-shape plans, kernels/sdpa_prefill.py); returns how many shapes, 0 where
+    # nothing needs it
+    return implementation("warm_up_prefill_attention", q_like)(q_like, num_kv_heads, max_len, max_tokens)
 
 
 def gelu(x, approximate="tanh"):

@@ -177,7 +177,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return F.linear(silu_mul(x), weight, bias)
 
 
-def warm_up_prefill_attention(q_like: torch.Tensor, num_kv_heads: int, max_len: int) -> int:
+def warm_up_prefill_attention(q_like: torch.Tensor, num_kv_heads: int, max_len: int, max_tokens: int) -> int:
     return 0  # nothing here builds per-shape state on first use
 
 

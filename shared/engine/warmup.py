@@ -124,7 +124,7 @@ def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True,
     if compiles:
         attention = _warm_prefill_attention(core)
         if attention:
-            log.info("warm-up: prefill attention at %d prompt lengths", attention)
+            log.info("warm-up: prefill attention in %d call shapes (prompts x padded length)", attention)
     if bm.num_used:
         raise RuntimeError(f"warm-up left {bm.num_used} KV blocks allocated")
     bm.prefix_queries, bm.prefix_hits = counters
@@ -139,8 +139,8 @@ def _warm_prefill_attention(core: EngineCore) -> int:
     shape on first use (kernels/sdpa_prefill.py); a whole prompt is at most one step's tokens."""
     model, runner = core.runner.model, core.runner
     q_like = torch.empty(1, model.num_heads, model.head_dim, dtype=core.dtype, device=runner.device)
-    longest = min(core.scheduler.max_num_batched_tokens, core.max_model_len)
-    return kernels.warm_up_prefill_attention(q_like, model.num_kv_heads, longest)
+    budget = core.scheduler.max_num_batched_tokens
+    return kernels.warm_up_prefill_attention(q_like, model.num_kv_heads, min(budget, core.max_model_len), budget)
 
 
 def _blocks(shape: Shape, block_size: int) -> int:

@@ -60,9 +60,11 @@ def test_prefill_tilings(tk, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_whole_prompts_through_sdpa(tk, dtype):
+@pytest.mark.parametrize("lens", [[1500, 1500, 1100], [1024, 1024, 2048], [2048, 2048]],
+                         ids=["padded", "exact-views-and-one-more", "the-whole-step-on-views"])
+def test_whole_prompts_through_sdpa(tk, dtype, lens):
     # whole prompts, long enough per call: the registered op takes torch's SDPA (kernels/sdpa_prefill.py)
-    cases.check_paged_attention(tk, DEV, [1500, 1500, 1100], [1500, 1500, 1100], 32, 8, 128, 16, dtype)
+    cases.check_paged_attention(tk, DEV, lens, lens, 32, 8, 128, 16, dtype)
 
 
 @pytest.mark.parametrize("decode", [True, False])
