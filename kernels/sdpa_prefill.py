@@ -110,7 +110,7 @@ def plan_shapes(max_len: int, max_tokens: int) -> list[tuple[int, int]]:
     """Every (prompts, padded length) a call can have when one prompt is at most ``max_len`` tokens and a
     step at most ``max_tokens``."""
     sizes = buckets(max_len)
-    shortest = [MIN_LEN] + [padded + 1 for padded in sizes[:-1]]  # the shortest prompt of each padded length
+    shortest = ([MIN_LEN] + [padded + 1 for padded in sizes])[:len(sizes)]  # the shortest prompt of each
     return [(n, padded) for padded, low in zip(sizes, shortest, strict=True)
             for n in range(1, max(1, min(MAX_PER_CALL, max_tokens // low)) + 1)]
 

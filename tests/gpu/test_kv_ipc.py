@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,8 +63,11 @@ def test_gpu_identity_is_known():
 
 
 def test_ipc_copy_between_two_processes_equals_the_source_blocks(decode_side):
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.test_kv_ipc", decode_side.addr], capture_output=True,
-                          text=True, timeout=300)
+    # PYTHONSAFEPATH (tests/conftest.py) keeps the working folder off the child's path, so it is named here
+    root = str(Path(__file__).resolve().parents[2])
+    code = (f"import sys; sys.path.append({root!r}); "
+            "from tests.gpu.test_kv_ipc import _prefill_process; _prefill_process(sys.argv[1])")
+    proc = subprocess.run([sys.executable, "-c", code, decode_side.addr], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["rid"] for r in results] == [rid for rid, _ in CASES]
@@ -165,7 +169,3 @@ def test_layer_by_layer_senders_follow_the_compute_stream(sender):
         got = torch.cat([torch.frombuffer(bytearray(s.result(g)[0]), dtype=torch.bfloat16)
                          for g in range(s.num_messages)])
         assert torch.equal(got.view_as(final[:, :, blocks].cpu()), final[:, :, blocks].cpu())
-
-
-if __name__ == "__main__":
-    _prefill_process(sys.argv[1])

@@ -86,3 +86,4 @@ def test_padded_grouped_attention_matches_the_reference(lens):
 def test_warm_up_runs_each_call_shape_for_half_precision_only():
     assert warm_up(torch.empty(1, 4, 16, dtype=torch.bfloat16), 2, 1500, 3000) == len(plan_shapes(1500, 3000)) == 10
     assert warm_up(torch.empty(1, 4, 16), 2, 1500, 3000) == 0  # fp32 keeps the Triton kernel
+    assert warm_up(torch.empty(1, 4, 16, dtype=torch.bfloat16), 2, 512, 512) == 0  # no prompt long enough
