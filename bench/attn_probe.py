@@ -140,8 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="2x4096,8x1024,4x2048,4096+2500+1234,1100+1100+3000+1500")
     p.add_argument("--model-run", action="store_true")
+    p.add_argument("--with-engine", action="store_true", help="time the layer with a loaded Llama-3-8B engine beside it")
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if args.with_engine:  # as bench gpu times it: the engine's KV cache holds most of the memory
+        from kvrelay import LLM
+        engine = LLM(model="dummy:llama-3-8b", load_format="dummy", max_model_len=4104, max_num_batched_tokens=8192)
+        print("engine loaded:", engine.engine.core.vocab_size, flush=True)
     for shape in args.shapes.split(","):
         if "x" in shape:
             count, n = (int(x) for x in shape.split("x"))
