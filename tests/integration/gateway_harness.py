@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
 import zmq
 from aiohttp import web
 
@@ -334,3 +335,13 @@ def running_stack(tmp_dir: Path, chat_template: str = CHAT_TEMPLATE, max_model_l
         finally:
             server.stop()
             worker.stop()
+
+
+def ready_after_tokenizers(url: str, bound_s: float = 60.0) -> requests.Response:
+    """``/ready``'s answer once the gateway's tokenizers loaded: the stack does not wait for them, and until they
+    have, /ready says 503 with ``tokenizers_loading`` (and must say nothing else meanwhile)."""
+    bound = time.monotonic() + bound_s
+    while (r := requests.get(f"{url}/ready")).status_code == 503 and r.json().get("tokenizers_loading"):
+        assert time.monotonic() < bound, r.text
+        time.sleep(0.1)
+    return r

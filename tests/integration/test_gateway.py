@@ -12,7 +12,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
-from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, REPLY, running_stack
+from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, REPLY, ready_after_tokenizers, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -282,11 +282,7 @@ def test_tokenize_detokenize(stack):
 
 def test_health_and_ready(stack):
     assert requests.get(f"{stack.url}/health").status_code == 200
-    # the stack does not wait for the gateway's tokenizers; until they load, /ready says just that
-    bound = time.monotonic() + 60
-    while (r := requests.get(f"{stack.url}/ready")).status_code == 503 and time.monotonic() < bound:
-        assert set(r.json()) >= {"tokenizers_loading"}, r.text
-        time.sleep(0.1)
+    r = ready_after_tokenizers(stack.url)
     assert r.status_code == 200, r.text
     assert r.json()["models"][MODEL] == {"prefill_workers": 1, "decode_workers": 1}
 

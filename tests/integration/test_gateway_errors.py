@@ -18,7 +18,14 @@ from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import Abort, ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_conn import async_client, sync_client
-from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, GatewayServer, gateway_config, running_stack
+from tests.integration.gateway_harness import (
+    MAX_MODEL_LEN,
+    MODEL,
+    GatewayServer,
+    gateway_config,
+    ready_after_tokenizers,
+    running_stack,
+)
 from tests.zmq_secret import CURVE
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,8 +175,8 @@ def test_no_live_worker_is_503_with_retry_after(stack):
             assert int(resp.headers["Retry-After"]) > 0 and name in err["message"]
         # Models whose workers are all gone (what an ended deployment leaves in Redis until their records
         # expire) do not take the served model's gateway out of rotation...
-        ready = requests.get(f"{stack.url}/ready")
-        assert ready.status_code == 200 and set(ready.json()["models"]) == {MODEL}
+        ready = ready_after_tokenizers(stack.url)
+        assert ready.status_code == 200 and set(ready.json()["models"]) == {MODEL}, ready.text
         assert ready.json()["models"][MODEL]["decode_workers"] == 1
         # ...but a model with one phase's worker alive and the other's gone is not ready
         _register(r, "half", heartbeat_age=0.0, role="prefill")
