@@ -221,7 +221,7 @@ class HandoffSender:
         if t is None:
             return  # a late reply for a transfer that already timed out or was cancelled
         if isinstance(msg, HandoffGrant) and msg.accepted and t.state is State.PARKED:
-            self._cancel_grant(t, "granted after the asker stopped waiting")  # the decode side keeps grants
+            self._cancel_grant(t, "granted after the asker stopped waiting", msg.epoch)  # the decode side keeps grants
             return  # of live askers: this one must be given back, or it holds a seat
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
             if msg.accepted and not t.computed:
@@ -236,7 +236,7 @@ class HandoffSender:
                 if msg.busy:
                     t.wait_for_seat()
                 self._retry(t, f"decode worker refused: {msg.reason}")
-        elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
+        elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT and t.grant and msg.epoch == t.grant.epoch:
             if msg.ok:
                 t.to(Event.ACK)
             else:
@@ -280,7 +280,7 @@ class HandoffSender:
         # each rank sends its own layers and heads (one process: each decode rank its share); we keep the control
         if engine_kv.sends_parts_to(t.grant.targets):
             sender = RankPartsSender(engine_kv, t.job.request_id, src_blocks, t.target, self.worker_id, self.timeout_s,
-                                     t.grant.targets)
+                                     t.grant)
             t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
             return True
         kv, transports = engine_kv.kv_cache, self.transports
@@ -313,7 +313,7 @@ class HandoffSender:
             job=job, **layout_of(kv.kv_cache, kv.num_kv_heads, kv.num_layers), transport=t.transport, num_blocks=len(t.grant.block_ids),
             block_ids=t.grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
             first_logprob=first.logprob, first_top_logprobs=first.top_logprobs, prompt_logprobs=None,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens, epoch=t.grant.epoch,
         )
 
     def _fresh(self, t: Transfer) -> bool:
@@ -321,8 +321,11 @@ class HandoffSender:
         side quarantines lapsed direct-write grants for as long again)."""
         return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
 
-    def _cancel_grant(self, t: Transfer, reason: str) -> None:
-        self.peers.send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
+    def _cancel_grant(self, t: Transfer, reason: str, epoch: int | None = None) -> None:
+        """Give back ``t``'s grant (or the one of ``epoch``); with none yet, whichever its ask gets."""
+        if epoch is None:
+            epoch = 0 if t.grant is None else t.grant.epoch
+        self.peers.send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason, epoch=epoch))])
         t.grant = None
 
     def _pump(self, t: Transfer) -> None:
