@@ -75,11 +75,11 @@ class HandoffHooks:
         driver_import(self.ranks, self.kv_cache, block_ids, full, stage_layers(self.model))
 
     @torch.inference_mode()
-    def send_kv_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str,
+    def send_kv_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, epoch: int,
                       deadline_s: float, targets: list | None = None) -> int:
         """Every rank sends its own part of ``block_ids`` to ``peer``, or to the decode ranks of ``targets``
         holding it (EngineKV.send_parts); rank 0's bytes."""
-        msg = RankKVSend(request_id, list(block_ids), peer, requester, deadline_s, list(targets or []))
+        msg = RankKVSend(request_id, list(block_ids), peer, requester, deadline_s, list(targets or []), epoch)
         try:
             return driver_send(self.ranks, self.parts, self.model, self.kv_cache, msg)
         except zmq.ZMQError as exc:

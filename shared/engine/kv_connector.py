@@ -165,14 +165,14 @@ class EngineKV:
         process's when the grant names the decode worker's ranks (``targets``): its whole KV split among them."""
         return self._send_parts is not None and (self.sharded or bool(targets))
 
-    def send_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, deadline_s: float,
-                   targets: list | None = None) -> int:
+    def send_parts(self, request_id: str, block_ids: list[int], peer: str, requester: str, epoch: int,
+                   deadline_s: float, targets: list | None = None) -> int:
         """Every rank sends its part of ``block_ids`` (its layers, its KV heads) to the decode worker at
-        ``peer`` as KVLayers parts of ``request_id`` naming ``requester`` or, given the grant's ``targets``
-        (``KVTarget``), each decode rank its share at its own address; returns rank 0's part's bytes. Each
-        rank has copied its part out before the next step, so the blocks may be released at once. Call
-        between steps; raises when a rank is gone."""
-        return self._send_parts(request_id, block_ids, peer, requester, deadline_s, targets)
+        ``peer`` as KVLayers parts of ``request_id`` naming ``requester`` and the grant's ``epoch`` or, given
+        the grant's ``targets`` (``KVTarget``), each decode rank its share at its own address; returns rank 0's
+        part's bytes. Each rank has copied its part out before the next step, so the blocks may be released
+        at once. Call between steps; raises when a rank is gone."""
+        return self._send_parts(request_id, block_ids, peer, requester, epoch, deadline_s, targets)
 
     def flush_parts(self) -> bool:
         """Rank 0 queues what is left of its parts; True once nothing waits. Raises when a rank is gone (its
@@ -180,11 +180,11 @@ class EngineKV:
         return self._flush_parts()
 
     # -- arriving at a sharded receiver's ranks, each its own share ----------------------------------
-    def part_targets(self, request_id: str, requester: str, block_ids: list[int]) -> list:
+    def part_targets(self, request_id: str, requester: str, epoch: int, block_ids: list[int]) -> list:
         """A grant's ``KVTarget``s when every rank takes its own share of the KV (its layers, its heads): each
-        rank is told to expect ``request_id``'s parts into ``block_ids``; empty (the KV comes to rank 0 and is
-        imported) otherwise. Rank 0's target has no address: the grant's socket."""
-        return [] if self._inlets is None else self._inlets.targets(request_id, requester, block_ids)
+        rank is told to expect the parts of ``request_id``'s grant ``epoch`` into ``block_ids``; empty (the KV
+        comes to rank 0 and is imported) otherwise. Rank 0's target has no address: the grant's socket."""
+        return [] if self._inlets is None else self._inlets.targets(request_id, requester, epoch, block_ids)
 
     def receives_by_rank(self, request_id: str) -> bool:
         """Its ranks were told to expect ``request_id`` (``part_targets``) and are still at it."""

@@ -33,7 +33,7 @@ class Frames(Transport):
 
     def sender(self, model: str, kv_cache: torch.Tensor, src_blocks: list[int], grant: HandoffGrant, peer: str,
                grant_age_s: float, deferred: bool, on_ready: Callable[..., None]) -> KVSender:
-        return StagedKV(kv_cache, src_blocks, on_ready=on_ready, deferred=deferred)
+        return StagedKV(kv_cache, src_blocks, on_ready=on_ready, deferred=deferred, epoch=grant.epoch)
 
     def receiver(self, kv_cache: torch.Tensor, block_ids: list[int], offered: bool,
                  on_done: Callable[..., None]) -> KVReceiver:
@@ -72,8 +72,9 @@ class StagedKV(KVSender):
 
     transport = Frames.name
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_ready=None, deferred: bool = False):
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_ready=None, deferred: bool = False,
+                 epoch: int = 0):
+        self.kv_cache, self.epoch = kv_cache, epoch  # the grant's, stamped on every message
         self.num_layers = kv_cache.shape[0]
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
         self.nbytes = self.layer_nbytes * self.num_layers
@@ -127,7 +128,8 @@ class StagedKV(KVSender):
 
     def message(self, request_id: str, group: int) -> list:
         frame, crcs = self.result(group)
-        msg = KVLayers(request_id=request_id, first=group * self.per_message, nbytes=self.layer_nbytes, checksums=crcs)
+        msg = KVLayers(request_id=request_id, first=group * self.per_message, nbytes=self.layer_nbytes, checksums=crcs,
+                       epoch=self.epoch)
         return [encode(msg), frame]
 
     def pump(self, request_id: str, send: Send) -> bool:

@@ -5,7 +5,9 @@ direct writes stay quarantined for one more TTL: the asker writes them only with
 by the end of the quarantine no write can still land in them. Which requests get blocks is the decode role's
 (``KVInbox.reserve``, receiver.py)."""
 
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ class Grant:
     expires: float
     ttl_s: float  # its lifetime: the handoff timeout, or longer for an asker with slow steps
     since: float  # monotonic time it was granted
+    epoch: int  # HandoffGrant.epoch: KV of any other grant of the request is not this one's
     offered: bool = False  # a direct-write handle went out with it
 
 
@@ -50,6 +53,9 @@ class GrantBook:
         self.grants: dict[str, Grant] = {}
         self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, owner key of parked blocks)
         self._quarantined = 0
+        # epochs count up from a random start: unique among this worker's grants, and unlike those of an earlier
+        # run of it at the same address, whose senders may still have parts in flight
+        self._epochs = itertools.count(1 + secrets.randbelow(1 << 62))
 
     def has_model(self, model: str) -> bool:
         return any(g.model == model for g in self.grants.values()) or any(q[1] == model for q in self.quarantine)
@@ -62,13 +68,13 @@ class GrantBook:
             (o for t in self.transports if (o := t.offer(req.model, engine_kv.kv_cache, req)) is not None), None)
         # the asker reads our reply only between its engine steps: a grant lives at least as long as it
         # says those take, or its KV would arrive after we had taken the blocks back
-        ttl, now = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic()
+        ttl, now, epoch = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic(), next(self._epochs)
         self.grants[req.request_id] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl,
-                                            now, offered=offer is not None)
+                                            now, epoch, offered=offer is not None)
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
-        targets = engine_kv.part_targets(req.request_id, req.requester, blocks) if engine_kv.sharded else []
+        targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,
-                            targets=targets)
+                            targets=targets, epoch=epoch)
 
     def release(self, rid: str) -> None:
         """Give a grant's blocks back: at once, or after the quarantine when they were offered for direct writes."""

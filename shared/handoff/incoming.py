@@ -26,12 +26,13 @@ class Incoming:
     ttl_s: float  # the grant's: no progress for this long fails the transfer
     deadline: float
     since: float  # monotonic time its grant was made
+    epoch: int  # its grant's: KV of any other grant of the request is dropped
     header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
 
     @classmethod
     def of(cls, grant: Grant, transport: str, receiver: KVReceiver, now: float) -> "Incoming":
         return cls(grant.peer, grant.requester, grant.model, grant.block_ids, grant.num_tokens, transport, receiver,
-                   grant.ttl_s, now + grant.ttl_s, grant.since)
+                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch)
 
 
 def receiver_for(kv: EngineKV, rid: str, grant: Grant, transport: str, by_name: dict[str, Transport],

@@ -5,16 +5,17 @@ decode worker's ranks (``EngineKV.sends_parts_to``). Rank 0 keeps the transfer's
 ranks were told to send (so it may arrive before some parts: the decode side waits for them), reads the
 ack, cancels, and holds the deadlines.
 
-The decode side knows a part by ``KVLayers.heads`` and matches it to the grant by ``KVLayers.requester``
-(the connection it comes from is a rank's, not the grant's). ``PartAssembler`` places each part by layer
-and head into the granted blocks of a one-rank cache, or of a sharded receiver's rank 0 when the grant named
-every decode rank's share (``HandoffGrant.targets``: each prefill rank splits its part among them, and each
-other decode rank takes its share itself, shared/engine/ranks/kv_inlet.py; sharded.py ``ByRankReceiver``),
-so the heads are regrouped on the way whatever either side's layout. Its state per transfer
-is the (layer, head) grid: a part overlapping one already taken, or of the wrong size, is refused; the
-transfer is complete once every (layer, head) arrived and passed its CRC. A part that never comes (its
-rank died) leaves the transfer incomplete: the decode side fails it when no progress was made for the
-grant's TTL, and the prefill side cancels it at once when it sees its group go down.
+The decode side knows a part by ``KVLayers.heads`` and matches it to the grant by ``KVLayers.requester`` (the
+connection it comes from is a rank's, not the grant's) and ``KVLayers.epoch`` (a part of an earlier grant of the
+request, given up, may still be on its way from a rank's socket when the request is granted again).
+``PartAssembler`` places each part by layer and head into the granted blocks of a one-rank cache, or of a
+sharded receiver's rank 0 when the grant named every decode rank's share (``HandoffGrant.targets``: each prefill
+rank splits its part among them, and each other decode rank takes its share itself,
+shared/engine/ranks/kv_inlet.py; sharded.py ``ByRankReceiver``), so the heads are regrouped on the way whatever
+either side's layout. Its state per transfer is the (layer, head) grid: a part overlapping one already taken, or
+of the wrong size, is refused; the transfer is complete once every (layer, head) arrived and passed its CRC. A
+part that never comes (its rank died) leaves the transfer incomplete: the decode side fails it when no progress
+was made for the grant's TTL, and the prefill side cancels it at once when it sees its group go down.
 """
 
 from collections.abc import Callable
@@ -52,11 +53,12 @@ class RankPartsSender(KVSender):
     transport = RankParts.name
 
     def __init__(self, kv: EngineKV, request_id: str, src_blocks: list[int], peer: str, requester: str,
-                 deadline_s: float, targets: list | None = None):
+                 deadline_s: float, grant: HandoffGrant):
         self.kv = kv
         self.num_layers = kv.num_layers
         self.nbytes = kv.num_layers * frame_nbytes(kv.kv_cache, len(src_blocks), kv.num_kv_heads)
-        self.driver_nbytes = kv.send_parts(request_id, src_blocks, peer, requester, deadline_s, targets)
+        self.driver_nbytes = kv.send_parts(request_id, src_blocks, peer, requester, grant.epoch, deadline_s,
+                                           grant.targets)
 
     def stage_through(self, layer: int) -> None:
         return None  # a sharded group's KV moves between steps, never during the forward

@@ -8,7 +8,8 @@ KVLayers message, or a header saying the KV was written directly, opens a ``KVRe
 header, which comes last and carries the first token, must match the grant and our layout -> once the receiver
 is complete: admitted and acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
 and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
-transfer's blocks) the sender gave up on.
+transfer's blocks) the sender gave up on. Every grant has its epoch (grants.py), which its KV, header, ack and
+cancel carry: a request id granted again has a new one, and what comes for the old grant is dropped (``stale``).
 """
 
 import logging
@@ -61,6 +62,7 @@ class KVInbox(ABC):
         self.bytes_received = 0
         # KV bytes taken per sending socket: a sharded prefill worker's ranks each send from their own
         self.kv_bytes_by_sender: dict[bytes, int] = {}
+        self.stale = 0  # KV, headers and cancels of an earlier grant of a request id granted again, dropped
 
     @abstractmethod
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
@@ -146,13 +148,34 @@ class KVInbox(ABC):
             kv.drop_parts(rid)
             kv.free(rid)
             log.warning("rejected KV for %s: %s", rid, exc)
-            self._nack(peer, rid, str(exc))
+            self._nack(peer, rid, str(exc), grant.epoch)
             return None
         inc = self.incoming[rid] = Incoming.of(grant, transport, receiver, time.monotonic())
         return inc
 
+    def _epoch_of(self, rid: str) -> int | None:
+        """The epoch of the grant of ``rid`` made here, granted or arriving; None if there is none."""
+        inc = self.incoming.get(rid)
+        if inc is not None:
+            return inc.epoch
+        grant = self.grants.get(rid)
+        return None if grant is None else grant.epoch
+
+    def _is_stale(self, what: str, rid: str, epoch: int) -> bool:
+        """Whether ``what`` of ``rid``'s grant ``epoch`` belongs to another grant than the one live here (one
+        given up, whose parts were still in flight when the request was granted again): counted, then dropped."""
+        live = self._epoch_of(rid)
+        if live is None or live == epoch:
+            return False
+        self.stale += 1
+        log.info("dropped %s of %s for grant epoch %d; its grant here is epoch %d (%d stale so far)", what, rid, epoch,
+                 live, self.stale)
+        return True
+
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
         rid = msg.request_id
+        if self._is_stale("a KV part" if msg.is_part else "KV layers", rid, msg.epoch):
+            return
         if msg.is_part:
             inc = self._part_of(rid, msg.requester)
         else:
@@ -189,14 +212,17 @@ class KVInbox(ABC):
 
     def _on_header(self, peer: bytes, header: KVHeader, payload: list) -> None:
         rid = header.request_id
+        if self._is_stale("a KV header", rid, header.epoch):
+            # the nack names the header's grant: the asker's transfer of the live one does not take it for its own
+            return self._nack(peer, rid, "a header of a grant given up: the request was granted again", header.epoch)
         inc = self.incoming.get(rid)
         if inc is None or inc.peer != peer or inc.header is not None:
             grant = self.grants.get(rid)
             if grant is None:
-                return self._nack(peer, rid, "no grant for this request (expired or never asked)")
+                return self._nack(peer, rid, "no grant for this request (expired or never asked)", header.epoch)
             if header.block_ids != grant.block_ids or header.model != grant.model:
                 # a stale sender of a superseded grant: refuse it without touching the live grant
-                return self._nack(peer, rid, "KV addressed to blocks that were not granted")
+                return self._nack(peer, rid, "KV addressed to blocks that were not granted", header.epoch)
             inc = self._open(peer, rid, header.transport)
             if inc is None:
                 return
@@ -208,6 +234,8 @@ class KVInbox(ABC):
 
     def _on_cancel(self, peer: bytes, msg: HandoffCancel) -> None:
         rid = msg.request_id
+        if msg.epoch and self._is_stale("a cancel", rid, msg.epoch):
+            return
         inc = self.incoming.get(rid)
         if inc is not None and inc.peer == peer:
             inc = self.incoming.pop(rid)
@@ -234,15 +262,15 @@ class KVInbox(ABC):
             admit(header)
         except ValueError as exc:  # the request itself is invalid here (e.g. a smaller context)
             self.core_for(header.model).kv.free(header.request_id)
-            return self._nack(peer, header.request_id, str(exc))
-        self._reply(peer, HandoffAck(request_id=header.request_id, ok=True))
+            return self._nack(peer, header.request_id, str(exc), header.epoch)
+        self._reply(peer, HandoffAck(request_id=header.request_id, ok=True, epoch=header.epoch))
 
     def _abort_incoming(self, rid: str, reason: str, worker_down: bool = False) -> None:
         inc = self.incoming.pop(rid)
         inc.receiver.abandon()  # no write may still be landing when the blocks go back
         self.core_for(inc.model).kv.free(rid)
         log.warning("rejected KV for %s: %s", rid, reason)
-        self._nack(inc.peer, rid, reason, worker_down)
+        self._nack(inc.peer, rid, reason, inc.epoch, worker_down)
 
     def _expire(self) -> None:
         self.book.expire()
@@ -253,8 +281,8 @@ class KVInbox(ABC):
                 continue
             self._abort_incoming(rid, f"KV layers stalled: nothing more arrived within {inc.ttl_s}s")
 
-    def _nack(self, peer: bytes, rid: str, reason: str, worker_down: bool = False) -> None:
-        self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason, worker_down=worker_down))
+    def _nack(self, peer: bytes, rid: str, reason: str, epoch: int, worker_down: bool = False) -> None:
+        self._reply(peer, HandoffAck(request_id=rid, ok=False, reason=reason, worker_down=worker_down, epoch=epoch))
 
     def _reply(self, peer: bytes, msg) -> None:
         if not self.socket.reply(peer, msg):

@@ -10,6 +10,7 @@ reports all the KV out, the header (which carries the first token) follows, and 
 ends the transfer. Our blocks are released once nothing reads them any more (copied / staged), not at
 the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. A peer that
 stops answering or reading fails its transfer at the deadline instead of stalling the worker's loop.
+What goes out for a transfer (the ask, its KV's sender, the header) is built by outbound.py.
 """
 
 import logging
@@ -19,12 +20,11 @@ from collections.abc import Callable
 import zmq
 
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.handoff.blocks import DTYPE_NAMES, layout_of
 from kvrelay.shared.handoff.grant_hold import GrantHold
 from kvrelay.shared.handoff.layer_stream import LayerStream
+from kvrelay.shared.handoff.outbound import header_for, request_for, sender_for
 from kvrelay.shared.handoff.peer_sockets import PeerSockets
-from kvrelay.shared.handoff.rank_parts import RankParts, RankPartsSender
-from kvrelay.shared.handoff.sharded import exported, frames_only
+from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.handoff.transports import default_transports
@@ -37,7 +37,6 @@ from kvrelay.shared.wire.handoff import (
     HandoffGrants,
     HandoffRequest,
     HandoffRequests,
-    KVHeader,
 )
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.zmq_auth import CurveKeys
@@ -101,7 +100,7 @@ class HandoffSender:
         t.first, t.holds_source = first, True
         t.started = time.perf_counter()  # the handoff's budget and its measured time start now
         if t.state is State.STREAMING:
-            t.header = self._header(t)
+            t.header = header_for(t, self.core_for(t.job.model).kv)
             t.to(Event.SEND)
             self._pump(t)
         elif t.state is State.GRANTED:
@@ -183,14 +182,7 @@ class HandoffSender:
         t.tried.add(target.worker_id)
         t.asked_at = time.monotonic()
         t.deadline = t.asked_at + self.timeout_s
-        kv = self.core_for(t.job.model).kv
-        # a sharded worker's KV leaves through frames only: it asks for no direct-write offer
-        transports = frames_only(self.transports) if kv.sharded else self.transports
-        locality = next((place for tr in transports if (place := tr.locality(kv.kv_cache))), "")
-        req = HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
-                             block_size=kv.block_size, kv_dtype=DTYPE_NAMES[kv.kv_cache.dtype],
-                             device_uuid=locality,
-                             requester=self.worker_id, hold_s=self.hold.hold_s)
+        req = request_for(t, self.core_for(t.job.model).kv, self.transports, self.worker_id, self.hold.hold_s)
         self.asks.setdefault(t.target, []).append((t, req))  # sent by poll(), with the step's other asks
 
     def _send_asks(self) -> None:
@@ -221,7 +213,7 @@ class HandoffSender:
         if t is None:
             return  # a late reply for a transfer that already timed out or was cancelled
         if isinstance(msg, HandoffGrant) and msg.accepted and t.state is State.PARKED:
-            self._cancel_grant(t, "granted after the asker stopped waiting")  # the decode side keeps grants
+            self._cancel_grant(t, "granted after the asker stopped waiting", msg.epoch)  # the decode side keeps grants
             return  # of live askers: this one must be given back, or it holds a seat
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
             if msg.accepted and not t.computed:
@@ -236,7 +228,8 @@ class HandoffSender:
                 if msg.busy:
                     t.wait_for_seat()
                 self._retry(t, f"decode worker refused: {msg.reason}")
-        elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT:
+        # an answer about an earlier grant of the request (a stale header's nack) is not one about this grant
+        elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT and t.grant and msg.epoch == t.grant.epoch:
             if msg.ok:
                 t.to(Event.ACK)
             else:
@@ -252,7 +245,7 @@ class HandoffSender:
         t.seat_found()
         if not self._open_sender(t, src_blocks, deferred=False):
             return
-        t.header = self._header(t)
+        t.header = header_for(t, self.core_for(t.job.model).kv)
         t.deadline = time.monotonic() + self.timeout_s
         t.to(Event.SEND)
         self._pump(t)
@@ -276,23 +269,13 @@ class HandoffSender:
         return t
 
     def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
-        engine_kv, age = self.core_for(t.job.model).kv, time.monotonic() - t.asked_at
-        # each rank sends its own layers and heads (one process: each decode rank its share); we keep the control
-        if engine_kv.sends_parts_to(t.grant.targets):
-            sender = RankPartsSender(engine_kv, t.job.request_id, src_blocks, t.target, self.worker_id, self.timeout_s,
-                                     t.grant.targets)
-            t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
-            return True
-        kv, transports = engine_kv.kv_cache, self.transports
-        if engine_kv.sharded:  # no links for its ranks: every rank's part gathered into one full-head copy
-            (kv, src_blocks), transports = exported(engine_kv, src_blocks), frames_only(transports)
-        for transport in transports:
-            sender = transport.sender(t.job.model, kv, src_blocks, t.grant, t.target, age, deferred, self.peers.waker.wake)
-            if sender is not None:
-                t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
-                return True
-        self._fail(t, "no transport can serve the grant")
-        return False
+        sender = sender_for(t, self.core_for(t.job.model).kv, self.transports, src_blocks, self.worker_id,
+                           self.timeout_s, deferred, self.peers.waker.wake)
+        if sender is None:
+            self._fail(t, "no transport can serve the grant")
+            return False
+        t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
+        return True
 
     def _check_ranks(self, t: Transfer) -> None:
         """A transfer whose parts the ranks send: a rank that died may never send its part. The group's
@@ -307,22 +290,16 @@ class HandoffSender:
             self._cancel_grant(t, f"a rank of the sender failed: {exc}")
             raise
 
-    def _header(self, t: Transfer) -> KVHeader:
-        job, first, kv = t.job, t.first, self.core_for(t.job.model).kv
-        return KVHeader(
-            job=job, **layout_of(kv.kv_cache, kv.num_kv_heads, kv.num_layers), transport=t.transport, num_blocks=len(t.grant.block_ids),
-            block_ids=t.grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
-            first_logprob=first.logprob, first_top_logprobs=first.top_logprobs, prompt_logprobs=None,
-            num_cached_tokens=first.num_cached_tokens,
-        )
-
     def _fresh(self, t: Transfer) -> bool:
         """Direct writes, and streamed layers, must land well inside the grant's lifetime (the decode
         side quarantines lapsed direct-write grants for as long again)."""
         return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
 
-    def _cancel_grant(self, t: Transfer, reason: str) -> None:
-        self.peers.send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason))])
+    def _cancel_grant(self, t: Transfer, reason: str, epoch: int | None = None) -> None:
+        """Give back ``t``'s grant (or the one of ``epoch``); with none yet, whichever its ask gets."""
+        if epoch is None:
+            epoch = 0 if t.grant is None else t.grant.epoch
+        self.peers.send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason, epoch=epoch))])
         t.grant = None
 
     def _pump(self, t: Transfer) -> None:

@@ -8,6 +8,10 @@
                     <-----------------     HandoffAck (the prefill side may XACK)
     HandoffCancel: a grant the asker will not use.
 
+Every grant has an epoch, unique on its decode worker; the KV and the header sent for it, and the ack
+answering them, carry it. A request id granted again (to the same asker, after a cancel or a failure) gets a
+new one, so a part of the old grant still in flight is told from the new grant's and dropped.
+
 Encoded by shared/wire/codec.py, like every other message; raw KV bytes never go through
 msgpack, they follow a KVLayers message as their own ZMQ frame.
 """
@@ -131,6 +135,8 @@ class HandoffGrant:
     # a sharded decode worker whose ranks receive their own shares: where a sharded sender's ranks send each
     # decode rank's layers and heads ("rank_layers"); empty: everything to the grant's socket, as ever
     targets: list[KVTarget] = field(default_factory=list)
+    # which grant of ``request_id`` this is (>= 1 when accepted): its KV, header and ack carry it
+    epoch: int = 0
 
     def check(self) -> None:
         if len(self.targets) > MAX_TARGETS:
@@ -178,6 +184,7 @@ class KVHeader:
     first_top_logprobs: TopLogprobs | None
     prompt_logprobs: list[TopLogprobs | None] | None
     num_cached_tokens: int
+    epoch: int = 0  # the grant's (HandoffGrant.epoch): a header of another grant of the request is not this one's
 
     @property
     def request_id(self) -> str:
@@ -216,6 +223,9 @@ class KVLayers:
     # a part's sender: the worker id that asked for the grant (its ranks send from sockets of their own, so
     # the decode side matches parts to the grant by this, not by the connection the grant went out on)
     requester: str = field(default="", metadata=_ID)
+    # the grant's (HandoffGrant.epoch): a part of an earlier grant of the same request id, still in flight, is
+    # dropped rather than taken for this one's
+    epoch: int = 0
 
     def check(self) -> None:
         if self.first < 0 or self.nbytes < 0 or not 1 <= len(self.checksums) <= MAX_MAP_LEN:
@@ -237,6 +247,7 @@ class HandoffCancel:
     TAG: ClassVar[str] = "handoff_cancel"
     request_id: str = field(metadata=_ID)
     reason: str = ""
+    epoch: int = 0  # the grant given up (HandoffGrant.epoch); 0: whichever the asker holds for the request
 
 
 @dataclass
@@ -250,6 +261,7 @@ class HandoffAck:
     # not ok because the decode worker itself is going down (a rank of its group died): the request was
     # never admitted, so the prefill side runs it again rather than failing it
     worker_down: bool = False
+    epoch: int = 0  # the grant's whose KV this answers: an answer to an earlier grant of the request is not this one's
 
 
 register(HandoffRequest, HandoffRequests, HandoffGrant, HandoffGrants, KVHeader, KVLayers, HandoffCancel, HandoffAck)

@@ -133,6 +133,7 @@ class RankKVSend:
     # the grant's decode ranks (HandoffGrant.targets): each gets the (layer, head)s of this rank's part it
     # holds, at its own address ("" = ``peer``); empty: the whole part to ``peer``
     targets: list[KVTarget] = field(default_factory=list)
+    epoch: int = 0  # the grant's (HandoffGrant.epoch), stamped on every part
 
     def check(self) -> None:
         if not self.block_ids or min(self.block_ids) < 0:
@@ -149,12 +150,13 @@ class RankKVSend:
 class RankKVExpect:
     """A sharded decode worker granted ``block_ids`` to ``requester``'s ``request_id``: this rank takes its own
     layers and heads of the transfer on its inlet socket (shared/engine/ranks/kv_inlet.py) and reports them
-    done to rank 0 (``RankKVDone``)."""
+    done to rank 0 (``RankKVDone``). Parts of any other grant ``epoch`` of the request are not taken for it."""
 
     TAG: ClassVar[str] = "rank_kv_expect"
     request_id: str = field(metadata=_ID)
     requester: str = field(metadata=_ID)
     block_ids: list[int]
+    epoch: int = 0  # the grant's (HandoffGrant.epoch)
 
     def check(self) -> None:
         if not self.block_ids or min(self.block_ids) < 0:
@@ -163,10 +165,12 @@ class RankKVExpect:
 
 @dataclass
 class RankKVDrop:
-    """Forget an expected transfer (cancelled, failed, expired, or arriving another way): its blocks go back."""
+    """Forget an expected transfer (cancelled, failed, expired, or arriving another way): its blocks go back. Only
+    its grant ``epoch`` and earlier ones: parts of a later grant of the request, come early, stay parked."""
 
     TAG: ClassVar[str] = "rank_kv_drop"
     request_id: str = field(metadata=_ID)
+    epoch: int = 0
 
 
 @dataclass
@@ -185,7 +189,8 @@ class RankInletHello:
 @dataclass
 class RankKVDone:
     """A decode rank -> rank 0: its share of ``request_id`` is in its blocks, every layer CRC-checked (``ok``),
-    or failed (``reason``); ``nbytes``: the KV bytes it took."""
+    or failed (``reason``); ``nbytes``: the KV bytes it took; ``epoch``: the grant's it expected (a report on an
+    earlier grant of the request, read after it was granted again, is not one on this grant)."""
 
     TAG: ClassVar[str] = "rank_kv_done"
     rank: int
@@ -193,6 +198,7 @@ class RankKVDone:
     ok: bool
     nbytes: int = 0
     reason: str = field(default="", metadata={"max_len": 1024})
+    epoch: int = 0
 
 
 @dataclass

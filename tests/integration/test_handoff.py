@@ -26,6 +26,7 @@ from kvrelay.shared.wire.handoff import (
     HandoffRequest,
     HandoffRequests,
     KVHeader,
+    KVLayers,
 )
 from tests.integration.handoff_harness import (
     BLOCK,
@@ -123,12 +124,13 @@ def _header(kv: torch.Tensor, rid: str, grant: HandoffGrant, num_tokens: int, **
     n = len(grant.block_ids)
     fields = dict(job=synthetic_job(rid, num_tokens, MODEL), **layout_of(kv), num_blocks=n, block_ids=grant.block_ids,
                   nbytes=kv[:, :, :n].numel() * kv.element_size(), first_token_id=2, first_logprob=None,
-                  first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0, transport="layers")
+                  first_top_logprobs=None, prompt_logprobs=None, num_cached_tokens=0, transport="layers",
+                  epoch=grant.epoch)
     return KVHeader(**{**fields, **over})
 
 
-def _layer_messages(kv: torch.Tensor, rid: str, src: list[int]) -> list[list]:
-    staged = StagedKV(kv, src)
+def _layer_messages(kv: torch.Tensor, rid: str, src: list[int], grant: HandoffGrant) -> list[list]:
+    staged = StagedKV(kv, src, epoch=grant.epoch)
     return [staged.message(rid, g) for g in range(staged.num_messages)]
 
 
@@ -140,8 +142,8 @@ def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, deco
     num_tokens = 30 * BLOCK
     src = list(range(30))
 
-    messages = _layer_messages(kv, "bad-layers", src)  # one flipped bit in the last layer
     grant = _ask(evil, "bad-layers", num_tokens)
+    messages = _layer_messages(kv, "bad-layers", src, grant)  # one flipped bit in the last layer
     last = bytearray(messages[-1][-1])
     last[-100] ^= 0x01
     messages[-1][-1] = bytes(last)
@@ -154,7 +156,7 @@ def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, deco
     evil.close()  # its header may draw a second nack (the transfer is gone): the next case on a fresh socket
     evil = _dealer(side.addr)
     grant = _ask(evil, "short", num_tokens)  # every layer intact, the header promises another prompt length
-    for parts in _layer_messages(kv, "short", src):
+    for parts in _layer_messages(kv, "short", src, grant):
         evil.send_multipart(parts)
     evil.send(encode(_header(kv, "short", grant, num_tokens, job=synthetic_job("short", num_tokens - 1, MODEL))))
     ack = decode(evil.recv(), HandoffAck)
@@ -163,7 +165,7 @@ def test_corrupted_payloads_are_refused_and_harm_no_other_transfer(prefill, deco
     evil = _dealer(side.addr)
 
     grant = _ask(evil, "switched", num_tokens)  # layers sent, then a header saying they were written directly
-    for parts in _layer_messages(kv, "switched", src):
+    for parts in _layer_messages(kv, "switched", src, grant):
         evil.send_multipart(parts)
     evil.send(encode(_header(kv, "switched", grant, num_tokens, transport="ipc")))
     ack = decode(evil.recv(), HandoffAck)
@@ -221,15 +223,46 @@ def test_decode_peer_that_stalls_after_granting_fails_the_transfer(prefill):
     granter.close()
 
 
+def test_the_sender_stamps_its_grants_epoch_and_takes_no_answer_about_another_grant(prefill):
+    """Every KV message and the header carry the grant's epoch; a nack about an earlier grant of the same request
+    (its header, say, arriving after the request was granted again) does not fail the transfer of this one."""
+    rt, make = prefill
+    granter = zmq.Context.instance().socket(zmq.ROUTER)
+    granter.setsockopt(zmq.LINGER, 0)
+    zmq_auth.serve(granter, CURVE)
+    addr = f"tcp://127.0.0.1:{granter.bind_to_random_port('tcp://127.0.0.1')}"
+    manager = make(addr)
+    rt.core.kv.reserve("r1", 4 * BLOCK)
+    manager.start(synthetic_job("r1", 4 * BLOCK, MODEL), b"r1", FirstToken(2))
+    layers, header, ended = [], None, []
+    while header is None:
+        ended += manager.poll(20)
+        while granter.poll(0):
+            peer, raw, *frames = granter.recv_multipart()
+            msg = decode_any(raw, HandoffRequest, KVLayers, KVHeader)
+            if isinstance(msg, HandoffRequest):
+                grant = HandoffGrant("r1", accepted=True, block_ids=[7, 8, 9, 10], ttl_s=5.0, epoch=5)
+                granter.send_multipart([peer, encode(grant)])
+            elif isinstance(msg, KVLayers):
+                layers.append(msg)
+            else:
+                header = msg
+    assert layers and {m.epoch for m in layers} == {5} and header.epoch == 5
+    granter.send_multipart([peer, encode(HandoffAck("r1", ok=False, reason="no grant for this request", epoch=4))])
+    granter.send_multipart([peer, encode(HandoffAck("r1", ok=True, epoch=5))])
+    ended += poll_until(manager, lambda: not manager.transfers, "the ack")
+    assert [(t.state, t.reason) for t in ended] == [(State.DONE, "")]
+    granter.close()
+
+
 def test_prefill_peer_that_stalls_mid_transfer_times_out_on_the_decode_side(prefill, decode_side):
     rt, make = prefill
     side = decode_side(ttl_s=1.0)
     kv, total = rt.core.kv.kv_cache, side.rt.core.kv.num_free_blocks
     stalled = _dealer(side.addr)
     num_tokens = 40 * BLOCK
-    messages = _layer_messages(kv, "half", list(range(40)))
+    messages = _layer_messages(kv, "half", list(range(40)), _ask(stalled, "half", num_tokens))
     assert len(messages) > 1
-    _ask(stalled, "half", num_tokens)
     stalled.send_multipart(messages[0])  # ... and nothing more
     ack = decode(stalled.recv(), HandoffAck)
     assert not ack.ok and "stalled" in ack.reason

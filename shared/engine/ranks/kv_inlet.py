@@ -11,7 +11,10 @@ staging copy. Rank 0 keeps the transfer's control (grant, header, ack, cancel, d
     cancel, failure, expiry: RankKVDrop          --> dropped (any write still landing is waited for first)
 
 Rank 0 lands the request (admits it, acks) only once its own share and every rank's ``RankKVDone`` are in. A
-part that comes before its RankKVExpect (the rank's loop was in a step) is parked, bounded in count and age.
+part that comes before its RankKVExpect (the rank's loop was in a step) is parked, bounded in count and age. A
+part is its grant's by requester and epoch (HandoffGrant.epoch, which grows with every grant): one of an earlier
+grant of the request (given up, its parts still in flight when the request was granted again) is dropped and
+counted (``stale``), never taken for the new one; one of a later grant waits, parked, for its RankKVExpect.
 A rank that dies takes the group down (group.py); rank 0's transfer then fails at once and the request is run
 again, as for any dead worker. Until every rank has said where it listens, grants carry no targets and the KV
 goes through rank 0 as before (shared/handoff/sharded.py).
@@ -21,6 +24,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -42,6 +46,14 @@ POLL_MS = 20  # the inlet thread's wait for parts; also how soon a finished shar
 MAX_PARKED = 256  # parts held for a transfer not yet expected (the rank's loop is in a step)
 PARK_S = 30.0  # a parked part nobody expects after this long is dropped
 MAX_FRAME = 256 << 20  # one KVLayers frame (~4 MB by design; bounded so a peer cannot make us buffer more)
+
+
+class Expected(NamedTuple):
+    """A grant this rank takes its share of: whose, which, and the share's assembler."""
+
+    requester: str
+    epoch: int
+    share: ShareAssembler
 
 
 def reports_address(folder: Path) -> str:
@@ -71,8 +83,9 @@ class Inlet:
         self._reports.setsockopt(zmq.LINGER, 0)
         self._reports.connect(reports_address(folder))
         self._lock = threading.Lock()  # the thread's work vs. the step loop's expect/drop
-        self._expected: dict[str, tuple[str, ShareAssembler]] = {}  # request id -> (requester, assembler)
+        self._expected: dict[str, Expected] = {}  # by request id
         self._parked: list[tuple[float, KVLayers, list]] = []
+        self.stale = 0  # parts of an earlier grant (or another requester's) of a request expected here, dropped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-inlet-{rank}", daemon=True)
         self._thread.start()
@@ -81,21 +94,21 @@ class Inlet:
         with self._lock:
             # a newer grant for the same id supersedes the old: its parts go, but not those already here for
             # this grant (its sender may be quicker than this rank's loop, which was in a step)
-            self._expected.pop(msg.request_id, None)
-            parked, self._parked = [p for p in self._parked if p[1].request_id != msg.request_id
-                                    or p[1].requester == msg.requester], []
-            self._expected[msg.request_id] = (msg.requester, ShareAssembler(kv_cache, msg.block_ids, self.origin))
+            rid = msg.request_id
+            parked = [p for p in self._parked if p[1].request_id == rid]
+            self._parked = [p for p in self._parked if p[1].request_id != rid]
+            self._expected[rid] = Expected(msg.requester, msg.epoch,
+                                           ShareAssembler(kv_cache, msg.block_ids, self.origin))
             for _, part, frames in parked:
                 self._take(part, frames)
 
     def drop(self, msg: RankKVDrop) -> None:
         """Before this returns no write of the transfer's is still landing: its blocks may be reused."""
         with self._lock:
-            self._drop(msg.request_id)
-
-    def _drop(self, rid: str) -> None:
-        self._expected.pop(rid, None)  # its writes are synchronous, under the lock: none is landing
-        self._parked = [p for p in self._parked if p[1].request_id != rid]
+            held = self._expected.get(msg.request_id)
+            if held is not None and held.epoch <= msg.epoch:
+                del self._expected[msg.request_id]  # its writes are synchronous, under the lock: none is landing
+            self._parked = [p for p in self._parked if p[1].request_id != msg.request_id or p[1].epoch > msg.epoch]
 
     def _run(self) -> None:
         self._report(RankInletHello(self.rank, self.address))
@@ -127,15 +140,21 @@ class Inlet:
 
     def _take(self, msg: KVLayers, frames: list) -> None:
         held = self._expected.get(msg.request_id)
-        if held is None or held[0] != msg.requester:
+        if held is None or msg.epoch > held.epoch:  # expected later: this rank's loop was in a step
             if len(self._parked) < MAX_PARKED:
                 self._parked.append((time.monotonic(), msg, frames))
             return
+        if (msg.requester, msg.epoch) != (held.requester, held.epoch):
+            self.stale += 1
+            log.info("rank %d: dropped a KV part of %s for %s's grant epoch %d; its grant here is %s's epoch %d "
+                     "(%d stale so far)", self.rank, msg.request_id, msg.requester, msg.epoch, held.requester,
+                     held.epoch, self.stale)
+            return
         try:
-            held[1].add(msg, frames)
+            held.share.add(msg, frames)
         except Exception as exc:  # noqa: BLE001 - whatever breaks a share fails its transfer, not this thread
             return self._finish(msg.request_id, str(exc))
-        if held[1].complete:
+        if held.share.complete:
             self._finish(msg.request_id, "")
 
     def _advance(self) -> None:
@@ -143,10 +162,11 @@ class Inlet:
         self._parked = [p for p in self._parked if now - p[0] < PARK_S]
 
     def _finish(self, rid: str, error: str) -> None:
-        _, assembler = self._expected.pop(rid)
+        held = self._expected.pop(rid)
         if error:
             log.warning("rank %d: KV share of %s failed: %s", self.rank, rid, error)
-        self._report(RankKVDone(self.rank, rid, ok=not error, nbytes=assembler.nbytes, reason=error[:1000]))
+        self._report(RankKVDone(self.rank, rid, ok=not error, nbytes=held.share.nbytes, reason=error[:1000],
+                                epoch=held.epoch))
 
     def _report(self, msg) -> None:
         try:
@@ -174,7 +194,8 @@ class InletDriver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(reports_address(ranks.folder))
         self.addresses: dict[int, str] = {}
-        self._reports: dict[str, dict[int, RankKVDone]] = {}  # expected transfer -> its ranks' reports
+        # expected transfer -> (its grant's epoch, its ranks' reports)
+        self._reports: dict[str, tuple[int, dict[int, RankKVDone]]] = {}
         self.bytes_by_rank: dict[int, int] = {}  # KV bytes each rank took itself (for tests and metrics)
 
     @property
@@ -196,21 +217,24 @@ class InletDriver:
             if isinstance(msg, RankInletHello):
                 self.addresses[msg.rank] = msg.address
             elif msg.request_id in self._reports and 0 < msg.rank < self.world:
-                self._reports[msg.request_id][msg.rank] = msg
+                epoch, reports = self._reports[msg.request_id]
+                if msg.epoch != epoch:
+                    continue  # on an earlier grant of the request, read after it was granted again
+                reports[msg.rank] = msg
                 self.bytes_by_rank[msg.rank] = self.bytes_by_rank.get(msg.rank, 0) + msg.nbytes
 
-    def targets(self, rid: str, requester: str, block_ids: list[int]) -> list[KVTarget]:
-        """Tell every rank to expect its share of ``rid``; the grant's targets (rank 0's address left empty:
-        the grant's socket). Empty until every rank has said where it listens."""
+    def targets(self, rid: str, requester: str, epoch: int, block_ids: list[int]) -> list[KVTarget]:
+        """Tell every rank to expect its share of ``rid``'s grant ``epoch``; the grant's targets (rank 0's address
+        left empty: the grant's socket). Empty until every rank has said where it listens."""
         self.poll()
         self.drop(rid)
         if len(self.addresses) < self.world - 1:
             return []
         try:
-            self.ranks.send(RankKVExpect(rid, requester, list(block_ids)))
+            self.ranks.send(RankKVExpect(rid, requester, list(block_ids), epoch))
         except (RuntimeError, zmq.ZMQError):  # the group is down: the engine's next step raises it
             return []
-        self._reports[rid] = {}
+        self._reports[rid] = (epoch, {})
         return [self.shares[0]] + [KVTarget(self.addresses[r], s.layers, s.heads)
                                    for r, s in enumerate(self.shares) if r > 0]
 
@@ -224,7 +248,7 @@ class InletDriver:
         except RuntimeError as exc:
             return False, str(exc), True
         self.poll()
-        reports = self._reports.get(rid, {})
+        reports = self._reports[rid][1] if rid in self._reports else {}
         failed = next((f"rank {r}: {m.reason}" for r, m in sorted(reports.items()) if not m.ok), "")
         return len(reports) == self.world - 1 and not failed, failed, False
 
@@ -233,9 +257,10 @@ class InletDriver:
         self._reports.pop(rid, None)
 
     def drop(self, rid: str) -> None:
-        if self._reports.pop(rid, None) is not None:
+        expected = self._reports.pop(rid, None)
+        if expected is not None:
             try:
-                self.ranks.send(RankKVDrop(rid))
+                self.ranks.send(RankKVDrop(rid, expected[0]))
             except (RuntimeError, zmq.ZMQError):
                 pass  # the group is down: no rank writes anything any more
 

@@ -83,9 +83,9 @@ def shares(part: Part, targets: list[KVTarget]) -> list[tuple[str, Part]]:
 
 
 def part_messages(kv_cache: torch.Tensor, block_ids: list[int], part: Part, request_id: str,
-                  requester: str, share: Part | None = None) -> list[list]:
-    """The KVLayers messages of ``share`` (default: all) of the rank's ``part``, each ``[encoded message,
-    frame]`` (frames over a host copy)."""
+                  requester: str, share: Part | None = None, epoch: int = 0) -> list[list]:
+    """The KVLayers messages of ``share`` (default: all) of the rank's ``part`` for the grant ``epoch``, each
+    ``[encoded message, frame]`` (frames over a host copy)."""
     raw = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_KV_DTYPE else kv_cache
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     host = raw.index_select(2, index).cpu()  # [L_stage, 2, n, bs, heads, D]
@@ -106,7 +106,7 @@ def part_messages(kv_cache: torch.Tensor, block_ids: list[int], part: Part, requ
         frame = data[g * layer_nbytes:(g + count) * layer_nbytes]
         crcs = layer_crcs(frame, count)
         msg = KVLayers(request_id=request_id, first=part.layers.start + g, nbytes=layer_nbytes, checksums=crcs,
-                       heads=[part.first_head, part.num_heads], requester=requester)
+                       heads=[part.first_head, part.num_heads], requester=requester, epoch=epoch)
         messages.append([encode(msg), frame])
     return messages
 
@@ -133,7 +133,7 @@ class PartSender:
             return 0
         give_up, nbytes = time.monotonic() + msg.deadline_s, 0
         for address, share in shares(part, msg.targets):
-            messages = part_messages(kv_cache, msg.block_ids, part, msg.request_id, msg.requester, share)
+            messages = part_messages(kv_cache, msg.block_ids, part, msg.request_id, msg.requester, share, msg.epoch)
             self._pending.extend((give_up, address or msg.peer, m) for m in messages)
             nbytes += sum(m[1].nbytes for m in messages)
         self.bytes_sent += nbytes
