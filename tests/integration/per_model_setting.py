@@ -1,6 +1,7 @@
 """The checks every per-model setting (``quantization``, ``kv_cache_dtype``) passes: the admin API registers
-it and both roles' load commands carry it, an unknown value is a 400 naming the field, and the multi-model
-config file takes it per entry (a bad value: one line naming the entry's key)."""
+it and both roles' load commands carry it, an unknown value is a 400 naming the field, the multi-model
+config file takes it per entry (a bad value: one line naming the entry's key), and a worker's config holds
+what its flag and its config file say."""
 
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 
 from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.worker import WorkerConfig
 from tests.integration.model_pool_harness import Env
 
 
@@ -44,3 +46,18 @@ def check_config_file_takes_it_per_model(tmp_path: Path, field: str, value: str,
     with pytest.raises(ConfigError, match=rf"models\[0\]\.{field}: ") as exc:
         load_serve_config(cfg)
     assert "\n" not in str(exc.value)
+
+
+def worker_config_with(tmp_path: Path, redis_url: str, role: str, field: str, entry_value: str,
+                       flag_value: str) -> WorkerConfig:
+    """A ``role`` worker's config from ``--<field> flag_value`` and a config file of two models, the first
+    with ``field: entry_value``."""
+    from kvrelay.cli import build_parser
+    from kvrelay.workers import worker_config
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"models:\n  - {{name: a, path: 'dummy:tiny-llama', {field}: {entry_value}}}\n"
+                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
+    args = build_parser().parse_args([f"{role}-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
+                                      redis_url, "--" + field.replace("_", "-"), flag_value])
+    return worker_config(role, args)

@@ -20,6 +20,7 @@ from tests.integration.per_model_setting import (
     check_config_file_takes_it_per_model,
     check_registered_setting_reaches_every_load,
     check_unknown_value_is_a_400_naming_the_field,
+    worker_config_with,
 )
 from tests.unit.test_model_host import generate, load, make_host, run
 
@@ -48,15 +49,7 @@ def test_config_file_takes_kv_cache_dtype_per_model(tmp_path):
 
 
 def test_worker_flags_and_config_file_reach_each_models_engine(tmp_path, redis_url):
-    from kvrelay.cli import build_parser
-    from kvrelay.workers import worker_config
-
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: auto}\n"
-                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
-    args = build_parser().parse_args(["decode-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
-                                      redis_url, "--kv-cache-dtype", "fp8"])
-    config = worker_config("decode", args)
+    config = worker_config_with(tmp_path, redis_url, "decode", "kv_cache_dtype", "auto", "fp8")
     assert [m.engine.cache.kv_cache_dtype for m in config.more_models] == ["auto", "fp8"]
     assert [s.kv_cache_dtype for s in config.register] == ["auto", ""]
 

@@ -14,6 +14,7 @@ from tests.integration.per_model_setting import (
     check_config_file_takes_it_per_model,
     check_registered_setting_reaches_every_load,
     check_unknown_value_is_a_400_naming_the_field,
+    worker_config_with,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,12 +45,7 @@ def test_worker_flags_and_config_file_reach_each_models_engine(tmp_path, redis_u
     from kvrelay.cli import build_parser
     from kvrelay.workers import worker_config
 
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: int8}\n"
-                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
-    args = build_parser().parse_args(["unified-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
-                                      redis_url, "--quantization", "fp8"])
-    config = worker_config("unified", args)
+    config = worker_config_with(tmp_path, redis_url, "unified", "quantization", "int8", "fp8")
     assert [m.engine.model.quantization for m in config.more_models] == ["int8", "fp8"]
     assert [s.quantization for s in config.register] == ["int8", ""]
     args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",
