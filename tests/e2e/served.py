@@ -16,9 +16,25 @@ from pathlib import Path
 
 import openai
 
+from kvrelay.shared.config.handover import module_argv
 from tests.e2e.cluster import free_port
 
 ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
+
+
+def start_serve(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``kvrelay serve *argv`` in exactly ``env``, its output in ``log``; ``until_ready`` waits for it."""
+    with open(log, "wb") as out:
+        return subprocess.Popen([*module_argv("kvrelay.cli"), "serve", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+
+
+def until_ready(proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+    """Until serve printed its ready line; an assertion error with its log if it exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while b"kvrelay ready" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
 
 
 class Served:

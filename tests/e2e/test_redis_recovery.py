@@ -11,7 +11,6 @@ again, their model and consumer groups are back, and the gateway routes to them.
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.restartable_redis import RestartableRedis
+from tests.e2e.served import start_serve, until_ready
 from tests.e2e.sse_client import Outcome, post_json, stream_completion
 
 pytestmark = pytest.mark.slow
@@ -210,15 +210,10 @@ def test_config_models_are_served_again_after_an_empty_restart(tiny_model_dir, t
                    "models:\n  - {name: tiny, version: 1, precision: float32}\n")
     port, log = free_port(), tmp_path / "serve.log"
     flags = [a for a in TINY_ENGINE if a not in ("--served-model-name", "tiny")]
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             "--redis-url", redis.url, "--mode", "unified", *flags],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    proc = start_serve(["--config", str(cfg), "--port", str(port), "--redis-url", redis.url, "--mode", "unified",
+                        *flags], log, dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log)
         m = asyncio.run(outage(redis, port, "tiny", keep_data=False))
         _report("--config, empty Redis", m, {"serve": log.read_text(errors="replace")})
         assert not m["failed_after_recovery"], m["failed_after_recovery"][:5]
