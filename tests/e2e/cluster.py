@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvrelay.shared.wire import redis_keys as keys
@@ -73,6 +73,16 @@ class Cluster:
             yield self
         finally:
             self.stop()
+
+    def start_unified_as_roles(self, role_url: Callable[[str], str], gateway_extra: list[str] = ()) -> int:
+        """Unified worker u1 as Redis's worker user and a gateway as its gateway user (``role_url(user)``: that
+        user's URL), ready; the gateway's port."""
+        self.redis_url = role_url("worker")
+        self.start_worker("unified", "u1")
+        self.redis_url = role_url("gateway")
+        port = self.start_gateway(extra=gateway_extra)
+        self.wait_ready()
+        return port
 
     @property
     def base_url(self) -> str:

@@ -123,12 +123,8 @@ def test_master_killed_under_load_fails_over(tiny_model_dir, tmp_path):
     ha = SentinelRedis().start()
     c = Cluster(ha.url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     try:
-        c.redis_url = ha.role_url("worker")
-        c.start_worker("unified", "u1")
-        c.redis_url = ha.role_url("gateway")
         # above the failover time, so requests whose jobs were replicated wait for it rather than fail
-        port = c.start_gateway(extra=["--redis-outage-s", "10", "--admin-key", ADMIN_KEY])
-        c.wait_ready()
+        port = c.start_unified_as_roles(ha.role_url, ["--redis-outage-s", "10", "--admin-key", ADMIN_KEY])
         # every request carries a tenant's key made before the kill: the tenant and its key must survive
         _, key = Admin(f"http://127.0.0.1:{port}").tenant_with_key()
         pids = {name: proc.pid for name, proc in c.procs.items()}
