@@ -37,6 +37,17 @@ def until_ready(proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> No
         time.sleep(0.2)
 
 
+def stop_serve(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
+    """``sig`` (Ctrl-C's unless said) to serve if it still runs; killed if it has not ended 60 s later."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Served:
     """``kvrelay serve *argv --port P --state-dir D`` with ``KVRELAY_ADMIN_KEY`` set; a context manager.
     ``state_dir``: the embedded Redis's folder (give the same one to start again on its data), else a
@@ -64,13 +75,7 @@ class Served:
         return self
 
     def __exit__(self, *_exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_serve(self.proc)
 
     def admin(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,

@@ -10,7 +10,6 @@ again, their model and consumer groups are back, and the gateway routes to them.
 
 import asyncio
 import os
-import subprocess
 import time
 
 import httpx
@@ -23,7 +22,7 @@ from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.load_records import Sample, until
 from tests.e2e.restartable_redis import RestartableRedis
-from tests.e2e.served import start_serve, until_ready
+from tests.e2e.served import start_serve, stop_serve, until_ready
 from tests.e2e.sse_client import Outcome, post_json, stream_completion
 
 pytestmark = pytest.mark.slow
@@ -212,13 +211,7 @@ def test_config_models_are_served_again_after_an_empty_restart(tiny_model_dir, t
         assert text.count(UNREACHABLE) == text.count(RECOVERED) == 2, text[-4000:]  # gateway, unified worker
         assert "Traceback" not in text, text[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(2)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)
         redis.stop()
 
 

@@ -4,7 +4,6 @@ password is in any process's argv or environment, nor in serve's log."""
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import openai
@@ -13,7 +12,7 @@ import pytest
 
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.cluster import free_port
-from tests.e2e.served import start_serve, until_ready
+from tests.e2e.served import start_serve, stop_serve, until_ready
 
 pytestmark = pytest.mark.slow
 TINY = ["--max-model-len", "256", "--kv-cache-memory", str(16 << 20)]
@@ -57,8 +56,4 @@ def test_children_use_their_roles_users_and_no_password_leaks(tmp_path, mode):
         users = {c["user"] for c in admin.client_list() if c["id"] != str(admin.client_id())}
         assert users == {"gateway", "worker"}, admin.client_list()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_serve(proc, signal.SIGTERM)

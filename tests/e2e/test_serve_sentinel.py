@@ -4,8 +4,6 @@ serves, logs the URL without its passwords, and keeps serving after the master i
 sentinels promote the replica; no child is restarted)."""
 
 import os
-import signal
-import subprocess
 import time
 
 import openai
@@ -13,7 +11,7 @@ import pytest
 
 from tests.e2e.cluster import free_port
 from tests.e2e.sentinel_redis import SentinelRedis
-from tests.e2e.served import start_serve, until_ready
+from tests.e2e.served import start_serve, stop_serve, until_ready
 
 pytestmark = pytest.mark.slow
 TINY = ["--max-model-len", "256", "--kv-cache-memory", str(16 << 20)]
@@ -57,11 +55,5 @@ def test_serve_follows_the_master_through_a_failover(tmp_path):
         assert "; restarting it in" not in text and "started again" not in text, text[-3000:]  # no child restarted
         assert "Traceback" not in text, text[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)
         ha.stop()
