@@ -36,9 +36,8 @@ def paged_attention(
         return reference.paged_attention(q, kv_cache, meta, scale, alibi_slopes, kv_scale=kv_scale)
     if meta.decode_only:
         return _decode(q, kv_cache, meta, scale, kv_scale)
-    if k is not None and v is not None and kv_quant.is_fp8(kv_cache):
-        k_scale, v_scale = kv_quant.scales(kv_scale)
-        k, v = kv_quant.round_trip(k, k_scale), kv_quant.round_trip(v, v_scale)
+    if k is not None and v is not None:
+        k, v = kv_quant.as_cached(k, v, kv_cache, kv_scale)
     return _prefill(q, kv_cache, meta, scale, k, v, kv_scale)
 
 
@@ -51,8 +50,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     shape = (num_seqs, -1, kv_cache.shape[3], head_dim)
     keys = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)  # [S, Hkv, L, D]
     values = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
-    k_scale, v_scale = kv_quant.scales(kv_scale)
-    keys, values = kv_quant.dequantize(keys, k_scale, q.dtype), kv_quant.dequantize(values, v_scale, q.dtype)
+    keys, values = kv_quant.dequantize_kv(keys, values, kv_scale, q.dtype)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=True)  # [S, H, 1, D]
     return out.squeeze(2)

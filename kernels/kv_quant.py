@@ -37,6 +37,22 @@ def scales(kv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Te
     return (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
 
 
+def dequantize_kv(keys: torch.Tensor, values: torch.Tensor, kv_scale: torch.Tensor | None,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's cached keys and values as ``dtype``, each fp8 one times its own scale."""
+    k_scale, v_scale = scales(kv_scale)
+    return dequantize(keys, k_scale, dtype), dequantize(values, v_scale, dtype)
+
+
+def as_cached(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+              kv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's own keys and values as ``kv_cache`` gives them back (rounded through fp8 if it is fp8)."""
+    if not is_fp8(kv_cache):
+        return k, v
+    k_scale, v_scale = scales(kv_scale)
+    return round_trip(k, k_scale), round_trip(v, v_scale)
+
+
 def round_trip(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``x`` as an fp8 cache would give it back: attention over a step's own K/V (not read through the
     cache) must see the same values as attention that reads them from the cache."""

@@ -40,8 +40,7 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, d
     n_blocks = (length + block_size - 1) // block_size
     blocks = kv_cache[:, block_table[:n_blocks].long()]  # [2, n, bs, Hkv, D]
     kv = blocks.flatten(1, 2)[:, :length]  # [2, length, Hkv, D]
-    k_scale, v_scale = kv_quant.scales(kv_scale)
-    return kv_quant.dequantize(kv[0], k_scale, dtype), kv_quant.dequantize(kv[1], v_scale, dtype)
+    return kv_quant.dequantize_kv(kv[0], kv[1], kv_scale, dtype)
 
 
 def _alibi_bias(slopes: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,8 +92,7 @@ def _decode_attention(q, kv_cache, meta, scale, alibi_slopes, kv_scale=None):
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:, :max_blocks].long()
     kv = kv_cache[:, tables].flatten(2, 3)  # [2, S, L, Hkv, D]
-    k_scale, v_scale = kv_quant.scales(kv_scale)
-    k, v = kv_quant.dequantize(kv[0], k_scale, q.dtype), kv_quant.dequantize(kv[1], v_scale, q.dtype)
+    k, v = kv_quant.dequantize_kv(kv[0], kv[1], kv_scale, q.dtype)
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,slkd->skgl", qg.float(), k.float()) * scale  # [S, Hkv, G, L]

@@ -115,10 +115,7 @@ def redis_url():
             yield url
 
 
-@pytest.fixture(scope="session")
-def redis_cluster():
-    """A real three-master Redis Cluster on loopback (tests/redis_cluster_server.py), with kvrelay's ACL
-    users on every node."""
+def _loopback_redis_cluster():
     from tests.redis_cluster_server import LoopbackRedisCluster
 
     cluster = LoopbackRedisCluster()
@@ -127,6 +124,19 @@ def redis_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real three-master Redis Cluster on loopback (tests/redis_cluster_server.py), with kvrelay's ACL
+    users on every node."""
+    yield from _loopback_redis_cluster()
+
+
+@pytest.fixture()
+def own_cluster():
+    """A Redis Cluster as ``redis_cluster``, the test's own: it may take it down."""
+    yield from _loopback_redis_cluster()
 
 
 def random_prompts(n: int, vocab: int = 512, lo: int = 3, hi: int = 60, seed: int = 0) -> list[list[int]]:

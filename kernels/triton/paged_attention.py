@@ -30,9 +30,7 @@ def paged_attention(
     if k is not None and v is not None and alibi_slopes is None and q.dtype in (torch.float16, torch.bfloat16):
         spans = prompt_spans(meta)
         if spans is not None:
-            if kv_quant.is_fp8(kv_cache):
-                k_scale, v_scale = kv_quant.scales(kv_scale)
-                k, v = kv_quant.round_trip(k, k_scale), kv_quant.round_trip(v, v_scale)
+            k, v = kv_quant.as_cached(k, v, kv_cache, kv_scale)
             return sdpa_prefill(q, k, v, spans, scale)
     # mixed batches (chunked prefill + decodes) take the prefill kernel: a decode row is a 1-token tile
     return prefill_attention(q, kv_cache, meta, scale, alibi_slopes, k, v, kv_scale=kv_scale)

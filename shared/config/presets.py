@@ -7,6 +7,10 @@ DUMMY_PREFIX = "dummy:"  # --model dummy:<preset>: the preset's shape with rando
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
           "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+_GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_inner": None, "activation_function": "gelu_new",
+         "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
+_BLOOM = {"architectures": ["BloomForCausalLM"], "model_type": "bloom", "layer_norm_epsilon": 1e-5,
+          "apply_residual_connection_post_layernorm": False, "tie_word_embeddings": True}
 
 PRESETS: dict[str, dict] = {
     "llama-3-8b": {
@@ -35,14 +39,11 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     },
     "gpt2": {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024,
-        "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None, "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
+        **_GPT2, "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+        "bos_token_id": 50256, "eos_token_id": 50256,
     },
     "bloom-560m": {
-        "architectures": ["BloomForCausalLM"], "model_type": "bloom", "vocab_size": 250880, "hidden_size": 1024,
-        "n_layer": 24, "n_head": 16, "layer_norm_epsilon": 1e-5, "seq_length": 2048,
-        "apply_residual_connection_post_layernorm": False, "tie_word_embeddings": True,
+        **_BLOOM, "vocab_size": 250880, "hidden_size": 1024, "n_layer": 24, "n_head": 16, "seq_length": 2048,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
     },
     "tiny-llama": {
@@ -52,14 +53,11 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 1, "eos_token_id": 2,
     },
     "tiny-gpt2": {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 512, "n_positions": 512,
-        "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None, "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+        **_GPT2, "vocab_size": 512, "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4,
+        "bos_token_id": 0, "eos_token_id": 0,
     },
     "tiny-bloom": {
-        "architectures": ["BloomForCausalLM"], "model_type": "bloom", "vocab_size": 512, "hidden_size": 64,
-        "n_layer": 2, "n_head": 4, "layer_norm_epsilon": 1e-5, "seq_length": 512,
-        "apply_residual_connection_post_layernorm": False, "tie_word_embeddings": True,
+        **_BLOOM, "vocab_size": 512, "hidden_size": 64, "n_layer": 2, "n_head": 4, "seq_length": 512,
         "bos_token_id": 1, "eos_token_id": 2,
     },
 }

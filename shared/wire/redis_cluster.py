@@ -92,35 +92,48 @@ def _unreachable(exc: Exception) -> redis.ConnectionError:
     return redis.ConnectionError(" ".join(str(exc).split()))
 
 
+class _Unreachable:
+    """Raises what its block raised of ``down`` as the ConnectionError of an unreachable Redis."""
+
+    def __init__(self, down: type[Exception] | tuple[type[Exception], ...]) -> None:
+        self.down = down
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if isinstance(exc, self.down):
+            raise _unreachable(exc) from exc
+        return False
+
+
+_OUTAGE = _Unreachable(_DOWN)
+_NO_SLOT_MAP = _Unreachable(RedisClusterException)
+
+
 def _outage_is_a_connection_error(nodes_manager: redis.cluster.NodesManager) -> None:
     """The sync client reads the slot map in one place, at start and after a failed command."""
     read = nodes_manager.initialize
 
     def initialize(*args, **kwargs):
-        try:
+        with _NO_SLOT_MAP:
             return read(*args, **kwargs)
-        except RedisClusterException as exc:
-            raise _unreachable(exc) from exc
 
     nodes_manager.initialize = initialize  # type: ignore[method-assign]
 
 
 class _SyncRedisCluster(redis.cluster.RedisCluster):
     def execute_command(self, *args, **kwargs):
-        try:
+        with _OUTAGE:
             return super().execute_command(*args, **kwargs)
-        except _DOWN as exc:
-            raise _unreachable(exc) from exc
 
     def pipeline(self, transaction=None, shard_hint=None):
         pipe = super().pipeline(transaction, shard_hint)
         execute = pipe.execute
 
         def guarded(*args, **kwargs):
-            try:
+            with _OUTAGE:
                 return execute(*args, **kwargs)
-            except _DOWN as exc:
-                raise _unreachable(exc) from exc
 
         pipe.execute = guarded  # type: ignore[method-assign]
         return pipe
@@ -128,10 +141,8 @@ class _SyncRedisCluster(redis.cluster.RedisCluster):
 
 class _AsyncClusterPipeline(redis.asyncio.cluster.ClusterPipeline):
     async def execute(self, *args, **kwargs):
-        try:
+        with _OUTAGE:
             return await super().execute(*args, **kwargs)
-        except _DOWN as exc:
-            raise _unreachable(exc) from exc
 
 
 class _AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
@@ -139,16 +150,12 @@ class _AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
     connection, through ``initialize``."""
 
     async def initialize(self, *args, **kwargs) -> redis.asyncio.cluster.RedisCluster:
-        try:
+        with _OUTAGE:
             return await super().initialize(*args, **kwargs)
-        except _DOWN as exc:
-            raise _unreachable(exc) from exc
 
     async def execute_command(self, *args, **kwargs):
-        try:
+        with _OUTAGE:
             return await super().execute_command(*args, **kwargs)
-        except _DOWN as exc:
-            raise _unreachable(exc) from exc
 
     def pipeline(self, transaction=None, shard_hint=None) -> _AsyncClusterPipeline:
         if shard_hint:
@@ -163,12 +170,10 @@ def sync_cluster_client(url: str, connect_timeout: float, reply_timeout: float, 
     as it is made: an unreachable cluster raises ConnectionError here. redis-py's sync cluster client takes
     no health-check interval nor retry_on_error (its retry covers broken connections, with a new map)."""
     parsed = parse(url)
-    try:
+    with _NO_SLOT_MAP:
         client = _SyncRedisCluster(
             startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in parsed.nodes],
             retry=redis.retry.Retry(backoff, retries), **_common(parsed, connect_timeout, reply_timeout))
-    except RedisClusterException as exc:
-        raise _unreachable(exc) from exc
     _outage_is_a_connection_error(client.nodes_manager)
     return client
 

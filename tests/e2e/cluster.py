@@ -1,6 +1,7 @@
 """A real kvrelay deployment for tests: an embedded redis-server and every role as its own process
 (``python -m kvrelay.cli ...``), exactly as production runs them, on loopback."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvrelay.shared.wire import redis_keys as keys
@@ -59,6 +61,28 @@ class Cluster:
 
     def start_worker(self, role: str, name: str, extra: list[str] = ()) -> None:
         self._spawn(name, [f"{role}-worker", "--model", self.model, "--worker-id", name, *self.engine_args, *extra])
+
+    @contextlib.contextmanager
+    def disaggregated(self, gateway_extra: list[str] = ()) -> Iterator["Cluster"]:
+        """A gateway, prefill worker p1 and decode worker d1, ready; every process stopped after."""
+        self.start_gateway(extra=gateway_extra)
+        self.start_worker("prefill", "p1")
+        self.start_worker("decode", "d1")
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            self.stop()
+
+    def start_unified_as_roles(self, role_url: Callable[[str], str], gateway_extra: list[str] = ()) -> int:
+        """Unified worker u1 as Redis's worker user and a gateway as its gateway user (``role_url(user)``: that
+        user's URL), ready; the gateway's port."""
+        self.redis_url = role_url("worker")
+        self.start_worker("unified", "u1")
+        self.redis_url = role_url("gateway")
+        port = self.start_gateway(extra=gateway_extra)
+        self.wait_ready()
+        return port
 
     @property
     def base_url(self) -> str:

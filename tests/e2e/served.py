@@ -16,9 +16,36 @@ from pathlib import Path
 
 import openai
 
+from kvrelay.shared.config.handover import module_argv
 from tests.e2e.cluster import free_port
 
 ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
+
+
+def start_serve(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``kvrelay serve *argv`` in exactly ``env``, its output in ``log``; ``until_ready`` waits for it."""
+    with open(log, "wb") as out:
+        return subprocess.Popen([*module_argv("kvrelay.cli"), "serve", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+
+
+def until_ready(proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+    """Until serve printed its ready line; an assertion error with its log if it exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while b"kvrelay ready" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
+def stop_serve(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
+    """``sig`` (Ctrl-C's unless said) to serve if it still runs; killed if it has not ended 60 s later."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Served:
@@ -48,13 +75,7 @@ class Served:
         return self
 
     def __exit__(self, *_exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_serve(self.proc)
 
     def admin(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,

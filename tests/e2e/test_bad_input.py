@@ -109,15 +109,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def gateway_url(tiny_model_dir, tmp_path_factory):
     with EmbeddedRedis() as redis_url:
-        c = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path_factory.mktemp("bad-input"))
-        c.start_gateway()
-        c.start_worker("prefill", "p1")
-        c.start_worker("decode", "d1")
-        try:
-            c.wait_ready()
+        with Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE,
+                     tmp_path_factory.mktemp("bad-input")).disaggregated() as c:
             yield f"http://127.0.0.1:{c.port}"
-        finally:
-            c.stop()
 
 
 def check_error_body(resp: httpx.Response) -> dict:

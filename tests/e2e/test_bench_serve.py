@@ -20,15 +20,8 @@ COLD = 2  # --cold-requests: the first 2 requests' TTFT beside the other 4's
 @pytest.fixture()
 def cluster(tiny_dir, tmp_path):
     with EmbeddedRedis() as redis_url:
-        c = Cluster(redis_url, str(tiny_dir), ENGINE + ["--served-model-name", "tiny"], tmp_path)
-        c.start_gateway()
-        c.start_worker("prefill", "p1")
-        c.start_worker("decode", "d1")
-        try:
-            c.wait_ready()
+        with Cluster(redis_url, str(tiny_dir), ENGINE + ["--served-model-name", "tiny"], tmp_path).disaggregated() as c:
             yield c
-        finally:
-            c.stop()
 
 
 def test_bench_serve_counts_every_token(cluster, tiny_dir, tmp_path, capsys):

@@ -14,6 +14,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.handoff_metrics import handoffs_settled
+from tests.e2e.openai_stream import streamed_tokens_and_finish
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
@@ -96,21 +97,10 @@ def test_64_concurrent_streams_complete(cluster):
     cluster.start_worker("decode", "d1")
     cluster.wait_ready()
 
-    async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt=[5 + i, 6, 7], max_tokens=20, stream=True,
-                                                 extra_body={"ignore_eos": True},
-                                                 stream_options={"include_usage": True})
-        usage, finish = None, None
-        async for chunk in stream:
-            if chunk.usage:
-                usage = chunk.usage
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-        return usage.completion_tokens, finish
-
     async def run():
         client = _aclient(cluster, timeout=120)
-        return await asyncio.gather(*(one(client, i) for i in range(64)))
+        return await asyncio.gather(*(streamed_tokens_and_finish(client, MODEL, [5 + i, 6, 7], 20)
+                                      for i in range(64)))
 
     assert asyncio.run(run()) == [(20, "length")] * 64
 

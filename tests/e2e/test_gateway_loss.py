@@ -5,9 +5,11 @@ and gateway B's streams go on with no gap over MAX_GAP_S, also when A's requests
 and A's queued jobs were next in line for them."""
 
 import asyncio
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -52,27 +54,35 @@ async def stream_times(client: httpx.AsyncClient, url: str, payload: dict, stamp
     stamps.ended = time.monotonic()
 
 
-def test_a_killed_gateway_leaves_the_other_gateways_streams_and_the_decode_batch_clean(tiny_model_dir, tmp_path):
+@contextlib.contextmanager
+def two_gateways(model_dir, tmp_path, *decode_flags: str) -> Iterator[tuple[Cluster, int, int, int]]:
+    """Embedded Redis, p1, d1 (with ``decode_flags``) and gateways A and B, ready: (the cluster, A's port,
+    B's port, d1's metrics port); stopped after."""
     with EmbeddedRedis() as url:
-        c = Cluster(url, str(tiny_model_dir), LONG_ENGINE, tmp_path)
+        c = Cluster(url, str(model_dir), LONG_ENGINE, tmp_path)
         c.start_worker("prefill", "p1")
         metrics_port = free_port()
-        c.start_worker("decode", "d1", extra=["--monitoring-port", str(metrics_port)])
+        c.start_worker("decode", "d1", extra=["--monitoring-port", str(metrics_port), *decode_flags])
         port_a = c.start_gateway("gw-a")
         port_b = c.start_gateway("gw-b")
         try:
             c.wait_ready(port=port_a)
             c.wait_ready(port=port_b)
-            gaps, left_after, new_request = asyncio.run(_kill_a_under_load(c, port_a, port_b, metrics_port))
-            print(f"A's requests left the decode batch {left_after}s after the kill; "
-                  f"B's longest gap across it {max(gaps):.2f}s")
-            assert max(gaps) <= MAX_GAP_S, f"gateway B's streams stalled for {max(gaps):.2f}s"
-            assert left_after is not None, f"A's requests still decoding {LEAVE_BATCH_S}s after the kill:\n" \
-                                           + c.log("d1")[-3000:]
-            assert new_request.ok or new_request.status == 200, new_request
-            assert c.procs["d1"].poll() is None and c.procs["p1"].poll() is None
+            yield c, port_a, port_b, metrics_port
         finally:
             c.stop()
+
+
+def test_a_killed_gateway_leaves_the_other_gateways_streams_and_the_decode_batch_clean(tiny_model_dir, tmp_path):
+    with two_gateways(tiny_model_dir, tmp_path) as (c, port_a, port_b, metrics_port):
+        gaps, left_after, new_request = asyncio.run(_kill_a_under_load(c, port_a, port_b, metrics_port))
+        print(f"A's requests left the decode batch {left_after}s after the kill; "
+              f"B's longest gap across it {max(gaps):.2f}s")
+        assert max(gaps) <= MAX_GAP_S, f"gateway B's streams stalled for {max(gaps):.2f}s"
+        assert left_after is not None, f"A's requests still decoding {LEAVE_BATCH_S}s after the kill:\n" \
+                                       + c.log("d1")[-3000:]
+        assert new_request.ok or new_request.status == 200, new_request
+        assert c.procs["d1"].poll() is None and c.procs["p1"].poll() is None
 
 
 async def until_chunks(streams: list[Stamps], n: int = 5) -> None:
@@ -89,16 +99,23 @@ async def running(client: httpx.AsyncClient, metrics_port: int) -> float:
                if line.startswith("vllm:num_requests_running{"))
 
 
+def start_streams(client: httpx.AsyncClient, port: int, bodies: range,
+                  max_tokens: int) -> tuple[list[Stamps], list[asyncio.Task]]:
+    """A stream of ``body(i, max_tokens)`` on the gateway at ``port`` for each i of ``bodies``: their stamps and
+    tasks."""
+    stamps = [Stamps() for _ in bodies]
+    tasks = [asyncio.create_task(stream_times(client, f"http://127.0.0.1:{port}/v1/completions",
+                                              body(i, max_tokens), s)) for i, s in zip(bodies, stamps, strict=True)]
+    return stamps, tasks
+
+
 async def _kill_a_under_load(c: Cluster, port_a: int, port_b: int, metrics_port: int):
     async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=100)) as client:
-        on_a = [Stamps() for _ in range(ON_A)]
-        on_b = [Stamps() for _ in range(ON_B)]
-        tasks = [asyncio.create_task(stream_times(client, f"http://127.0.0.1:{port_a}/v1/completions",
-                                                  body(i, 500), on_a[i])) for i in range(ON_A)]
+        on_a, tasks = start_streams(client, port_a, range(ON_A), 500)
         await until_chunks(on_a)
         # B's streams start last, so they outlast the 10 s watched after the kill
-        tasks += [asyncio.create_task(stream_times(client, f"http://127.0.0.1:{port_b}/v1/completions",
-                                                   body(100 + i, 500), on_b[i])) for i in range(ON_B)]
+        on_b, more = start_streams(client, port_b, range(100, 100 + ON_B), 500)
+        tasks += more
         await until_chunks(on_b)
         c.kill("gw-a")
         killed = time.monotonic()
@@ -130,39 +147,25 @@ def gaps_after(streams: list[Stamps], killed: float, until: float) -> list[float
 def test_a_killed_gateways_requests_give_their_decode_seats_to_the_other_gateway_at_once(tiny_model_dir, tmp_path):
     """Every decode seat is A's, and A's other 32 requests are prefilled and waiting for one when A dies:
     B's new streams get the seats at once, and none of A's requests takes one after the kill."""
-    with EmbeddedRedis() as url:
-        c = Cluster(url, str(tiny_model_dir), LONG_ENGINE, tmp_path)
-        c.start_worker("prefill", "p1")
-        metrics_port = free_port()
-        c.start_worker("decode", "d1", extra=["--monitoring-port", str(metrics_port), "--max-num-seqs", str(SEATS)])
-        port_a = c.start_gateway("gw-a")
-        port_b = c.start_gateway("gw-b")
-        try:
-            c.wait_ready(port=port_a)
-            c.wait_ready(port=port_b)
-            gaps, most_running, on_b = asyncio.run(_kill_a_holding_every_seat(c, port_a, port_b, metrics_port))
-            print(f"B's longest gap from the kill, every seat A's before it: {max(gaps):.2f}s; "
-                  f"decode batch after the kill at most {most_running:g}")
-            assert [len(s.times) for s in on_b] == [30] * ON_B, "B's streams did not all complete"
-            assert max(gaps) <= MAX_GAP_S, f"gateway B's streams waited {max(gaps):.2f}s for a seat"
-            assert most_running <= ON_B, f"{most_running:g} running: A's queued requests took decode seats"
-        finally:
-            c.stop()
+    with two_gateways(tiny_model_dir, tmp_path, "--max-num-seqs", str(SEATS)) as (c, port_a, port_b, metrics_port):
+        gaps, most_running, on_b = asyncio.run(_kill_a_holding_every_seat(c, port_a, port_b, metrics_port))
+        print(f"B's longest gap from the kill, every seat A's before it: {max(gaps):.2f}s; "
+              f"decode batch after the kill at most {most_running:g}")
+        assert [len(s.times) for s in on_b] == [30] * ON_B, "B's streams did not all complete"
+        assert max(gaps) <= MAX_GAP_S, f"gateway B's streams waited {max(gaps):.2f}s for a seat"
+        assert most_running <= ON_B, f"{most_running:g} running: A's queued requests took decode seats"
 
 
 async def _kill_a_holding_every_seat(c: Cluster, port_a: int, port_b: int, metrics_port: int):
     async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=100)) as client:
-        on_a = [Stamps() for _ in range(ON_A)]
-        on_b = [Stamps() for _ in range(ON_B)]
-        tasks = [asyncio.create_task(stream_times(client, f"http://127.0.0.1:{port_a}/v1/completions",
-                                                  body(i, 500), on_a[i])) for i in range(ON_A)]
+        on_a, tasks = start_streams(client, port_a, range(ON_A), 500)
         async with asyncio.timeout(90):  # A's first streams decoding (past the first token from prefill)
             while sum(len(s.times) >= 3 for s in on_a) < SEATS or await running(client, metrics_port) < SEATS:
                 await asyncio.sleep(0.05)
         c.kill("gw-a")
         killed = time.monotonic()
-        tasks += [asyncio.create_task(stream_times(client, f"http://127.0.0.1:{port_b}/v1/completions",
-                                                   body(100 + i, 30), on_b[i])) for i in range(ON_B)]
+        on_b, more = start_streams(client, port_b, range(100, 100 + ON_B), 30)
+        tasks += more
         most_running = 0.0
         async with asyncio.timeout(CLIENT_TIMEOUT_S):  # until B is done, and for a second past LEAVE_BATCH_S
             while not all(s.ended < math.inf for s in on_b) or time.monotonic() < killed + LEAVE_BATCH_S + 1:

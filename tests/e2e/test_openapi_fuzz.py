@@ -32,14 +32,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
         c = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE + ["--max-model-len", "96"],
                     tmp_path_factory.mktemp("fuzz"))
         # a short request timeout keeps the biggest legal requests (n=128, long outputs) bounded
-        c.start_gateway(extra=["--request-timeout", "60"])
-        c.start_worker("prefill", "p1")
-        c.start_worker("decode", "d1")
-        try:
-            c.wait_ready()
+        with c.disaggregated(gateway_extra=["--request-timeout", "60"]):
             yield c
-        finally:
-            c.stop()
 
 
 def test_served_openapi_matches_the_routes(cluster):

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.openai_stream import streamed_tokens_and_finish
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"  # TINY_ENGINE's --served-model-name
@@ -79,18 +80,6 @@ def test_four_times_more_streams_than_decode_seats_all_complete(cluster):
     cluster.start_worker("decode", "d1", ["--max-num-seqs", "4"])
     cluster.wait_ready()
 
-    async def stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
-        chunks = await client.completions.create(model=MODEL, prompt=[5 + i, 6, 7, 8], max_tokens=64, stream=True,
-                                                 extra_body={"ignore_eos": True},
-                                                 stream_options={"include_usage": True})
-        usage, finish = None, None
-        async for chunk in chunks:
-            if chunk.usage:
-                usage = chunk.usage
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-        return usage.completion_tokens, finish
-
     waiting_seen: list[float] = []
 
     async def watch_waiting() -> None:  # the live gauge, while the streams run
@@ -102,7 +91,8 @@ def test_four_times_more_streams_than_decode_seats_all_complete(cluster):
     async def run():
         client = _client(cluster)
         watcher = asyncio.create_task(watch_waiting())
-        streams = await asyncio.gather(*(stream(client, i) for i in range(16)))
+        streams = await asyncio.gather(*(streamed_tokens_and_finish(client, MODEL, [5 + i, 6, 7, 8], 64)
+                                         for i in range(16)))
         watcher.cancel()
         return streams, await _n_choices(client, 64, "Once upon a time")
 

@@ -8,12 +8,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.cluster import free_port
+from tests.e2e.served import start_serve, until_ready
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).parents[2] / "README.md"
@@ -59,15 +59,10 @@ def _run(lang: str, code: str, timeout: float = SNIPPET_TIMEOUT_S) -> str:
 def make_serve(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme")
     port, log = free_port(), folder / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--state-dir",
-                             str(folder / "state")],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = start_serve(["--port", str(port), "--state-dir", str(folder / "state")], log,
+                       dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        deadline = time.monotonic() + 300
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log, timeout=300)
         yield f"127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -9,19 +9,10 @@ import httpx
 import pytest
 
 from tests.e2e.cluster import Cluster
-from tests.redis_cluster_server import LoopbackRedisCluster
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--served-model-name", "tiny", "--max-model-len", "256", "--kv-cache-memory", str(16 << 20)]
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
-
-
-@pytest.fixture()
-def own_cluster():
-    cluster = LoopbackRedisCluster()
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 def test_the_cluster_gone_and_back(own_cluster, tmp_path):

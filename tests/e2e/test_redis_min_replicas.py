@@ -38,11 +38,8 @@ def test_job_writes_wait_for_a_replica_and_count_when_none_confirms(tiny_model_d
     ha = SentinelRedis().start()
     c = Cluster(ha.url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     try:
-        c.redis_url = ha.role_url("worker")
-        c.start_worker("unified", "u1")
-        c.redis_url = ha.role_url("gateway")
-        port = c.start_gateway(extra=["--redis-min-replicas", "1", "--redis-replica-wait-ms", str(WAIT_MS)])
-        c.wait_ready()
+        port = c.start_unified_as_roles(ha.role_url, ["--redis-min-replicas", "1", "--redis-replica-wait-ms",
+                                                      str(WAIT_MS)])
         replica = ha.data_ports[1]
         with_replica = [_complete(port) for _ in range(REQUESTS)]
         assert _unreplicated(port) == 0  # the replica confirmed every job write

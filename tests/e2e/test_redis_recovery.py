@@ -10,10 +10,7 @@ again, their model and consumer groups are back, and the gateway routes to them.
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -23,7 +20,9 @@ from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.load_records import Sample, until
 from tests.e2e.restartable_redis import RestartableRedis
+from tests.e2e.served import start_serve, stop_serve, until_ready
 from tests.e2e.sse_client import Outcome, post_json, stream_completion
 
 pytestmark = pytest.mark.slow
@@ -34,13 +33,6 @@ DOWN_S = 4.0  # longer than the gateway's redis_outage_s (3 s): every path sees 
 RECOVERY_BOUND_S = 60.0  # liveness bound, not a speed claim: past it the stack did not recover
 AFTER = 40  # requests after the burst that must all succeed too
 UNREACHABLE, RECOVERED = "redis unreachable:", "redis reachable again after"
-
-
-@dataclass
-class Sample:
-    started: float  # monotonic
-    ended: float
-    out: Outcome
 
 
 class Load:
@@ -82,13 +74,6 @@ class Load:
         return sum(1 for s in self.samples if s.started >= t and not s.out.ok)
 
 
-async def _until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.05)
-
-
 async def _health(client: httpx.AsyncClient, port: int) -> httpx.Response:
     return await client.get(f"http://127.0.0.1:{port}/health")
 
@@ -102,7 +87,7 @@ async def outage(redis: RestartableRedis, port: int, model: str, keep_data: bool
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         tasks = load.run(client)
         load.active = WIDE
-        await _until(lambda: load.ok_since(0) >= 2 * WIDE, 90, "requests before the kill")
+        await until(lambda: load.ok_since(0) >= 2 * WIDE, 90, "requests before the kill")
         load.active = 1
         await asyncio.sleep(0.5)  # the wide loops finish what they started
         if keep_data:
@@ -123,12 +108,12 @@ async def outage(redis: RestartableRedis, port: int, model: str, keep_data: bool
         failed_down = sum(1 for s in load.samples if s.ended >= killed and not s.out.ok)  # answered while down
         restarted = time.monotonic()
         redis.start(keep_data=keep_data)
-        await _until(lambda: load.ok_since(restarted) >= 1, RECOVERY_BOUND_S, "a request answered after the restart")
+        await until(lambda: load.ok_since(restarted) >= 1, RECOVERY_BOUND_S, "a request answered after the restart")
         first_ok = min(s.ended for s in load.samples if s.started >= restarted and s.out.ok)
         await asyncio.gather(*(load.one(client, 1000 + i) for i in range(BURST)))
         load.active = CLIENTS
         burst_done = time.monotonic()
-        await _until(lambda: load.ok_since(burst_done) >= AFTER, RECOVERY_BOUND_S, f"{AFTER} requests after the burst")
+        await until(lambda: load.ok_since(burst_done) >= AFTER, RECOVERY_BOUND_S, f"{AFTER} requests after the burst")
         health_after = await _health(client, port)
         load.stop.set()
         await asyncio.gather(*tasks)
@@ -210,15 +195,10 @@ def test_config_models_are_served_again_after_an_empty_restart(tiny_model_dir, t
                    "models:\n  - {name: tiny, version: 1, precision: float32}\n")
     port, log = free_port(), tmp_path / "serve.log"
     flags = [a for a in TINY_ENGINE if a not in ("--served-model-name", "tiny")]
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             "--redis-url", redis.url, "--mode", "unified", *flags],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    proc = start_serve(["--config", str(cfg), "--port", str(port), "--redis-url", redis.url, "--mode", "unified",
+                        *flags], log, dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log)
         m = asyncio.run(outage(redis, port, "tiny", keep_data=False))
         _report("--config, empty Redis", m, {"serve": log.read_text(errors="replace")})
         assert not m["failed_after_recovery"], m["failed_after_recovery"][:5]
@@ -231,13 +211,7 @@ def test_config_models_are_served_again_after_an_empty_restart(tiny_model_dir, t
         assert text.count(UNREACHABLE) == text.count(RECOVERED) == 2, text[-4000:]  # gateway, unified worker
         assert "Traceback" not in text, text[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(2)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)
         redis.stop()
 
 
@@ -273,7 +247,7 @@ def test_a_stream_in_flight_keeps_streaming_while_redis_is_down(smollm2_dir, tmp
 
         async def run() -> tuple[list[str], float, float]:
             task = asyncio.create_task(stream())
-            await _until(lambda: len(arrivals) >= 2, 60, "the stream's first tokens")
+            await until(lambda: len(arrivals) >= 2, 60, "the stream's first tokens")
             killed = time.monotonic()
             redis.kill()
             await asyncio.sleep(3.0)

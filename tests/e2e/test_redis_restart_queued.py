@@ -17,6 +17,7 @@ import pytest
 from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.load_records import until
 from tests.e2e.restartable_redis import RestartableRedis
 from tests.e2e.sse_client import Outcome, post_json, stream_completion
 
@@ -54,13 +55,6 @@ def queued_jobs(c: Cluster) -> int:
     return c.redis.xlen(keys.prefill_stream("tiny")) + c.redis.xlen(keys.prefill_worker_stream("tiny", "u1"))
 
 
-async def _until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.05)
-
-
 def _restarts_seen(c: Cluster) -> int:
     return c.log("gateway").count(RESTARTED)
 
@@ -71,7 +65,7 @@ async def _queue(c: Cluster, client: httpx.AsyncClient, reqs: list[tuple[dict, b
     before = queued_jobs(c)
     tasks = [asyncio.create_task((stream_completion if streamed else post_json)(client, url, b)) for b, streamed in reqs]
     jobs = sum(b.get("n", 1) for b, _ in reqs)
-    await _until(lambda: queued_jobs(c) == before + jobs, 30, f"{jobs} jobs queued")
+    await until(lambda: queued_jobs(c) == before + jobs, 30, f"{jobs} jobs queued")
     return tasks
 
 

@@ -14,7 +14,6 @@ lost its job in the failover window was told so (503 ``queue_lost``), and the ga
 import asyncio
 import signal
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.load_records import Sample, until
 from tests.e2e.sentinel_redis import SentinelRedis
 from tests.e2e.sse_client import Outcome, post_json, stream_completion
 from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer
@@ -34,13 +34,6 @@ RESUME_BOUND_S = 30.0  # liveness bound: past it serving did not resume
 PROBES = 4  # requests queued in the failover window, on the master alone
 AFTER = 30  # successes after serving resumed before the load stops
 CLEAN_CODES = {"queue_lost", "auth_unavailable", "queue_unavailable", "store_unavailable", "worker_lost", "no_worker"}
-
-
-@dataclass
-class Sample:
-    started: float  # monotonic
-    ended: float
-    out: Outcome
 
 
 class Load:
@@ -72,13 +65,6 @@ class Load:
         return sum(1 for s in self.samples if s.started >= t and s.out.ok)
 
 
-async def _until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.05)
-
-
 def _queued(ha: SentinelRedis, port: int) -> int:
     """Jobs in the model's job streams on the server at ``port`` (queued, or read and not yet acked)."""
     r = ha.data(port)
@@ -99,7 +85,7 @@ async def failover(ha: SentinelRedis, c: Cluster, port: int, key: str) -> dict:
     load = Load(port)
     async with httpx.AsyncClient(timeout=ANSWER_BOUND_S + 10, headers=bearer(key)) as client:
         tasks = [asyncio.create_task(load.loop(client, n)) for n in range(CLIENTS)]
-        await _until(lambda: load.ok_since(0) >= 3 * CLIENTS, 60, "steady load before the kill")
+        await until(lambda: load.ok_since(0) >= 3 * CLIENTS, 60, "steady load before the kill")
         old = ha.master_port()
         # The failover window, made certain: the worker frozen (the steady clients' requests queue, and are
         # replicated), then replication cut and PROBES requests queued on the master alone, then the kill.
@@ -120,10 +106,10 @@ async def failover(ha: SentinelRedis, c: Cluster, port: int, key: str) -> dict:
             assert time.monotonic() - killed < RESUME_BOUND_S, "no sentinel named a new master"
             await asyncio.sleep(0.05)
         promoted = time.monotonic()
-        await _until(lambda: any(s.ended >= promoted and s.out.ok for s in load.samples), RESUME_BOUND_S,
+        await until(lambda: any(s.ended >= promoted and s.out.ok for s in load.samples), RESUME_BOUND_S,
                      "a request answered after the promotion")
         resumed = min(s.ended for s in load.samples if s.ended >= promoted and s.out.ok)
-        await _until(lambda: load.ok_since(resumed) >= AFTER, RESUME_BOUND_S, f"{AFTER} requests after resuming")
+        await until(lambda: load.ok_since(resumed) >= AFTER, RESUME_BOUND_S, f"{AFTER} requests after resuming")
         load.stop.set()
         await asyncio.gather(*tasks, *probe_tasks)
         metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
@@ -137,12 +123,8 @@ def test_master_killed_under_load_fails_over(tiny_model_dir, tmp_path):
     ha = SentinelRedis().start()
     c = Cluster(ha.url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     try:
-        c.redis_url = ha.role_url("worker")
-        c.start_worker("unified", "u1")
-        c.redis_url = ha.role_url("gateway")
         # above the failover time, so requests whose jobs were replicated wait for it rather than fail
-        port = c.start_gateway(extra=["--redis-outage-s", "10", "--admin-key", ADMIN_KEY])
-        c.wait_ready()
+        port = c.start_unified_as_roles(ha.role_url, ["--redis-outage-s", "10", "--admin-key", ADMIN_KEY])
         # every request carries a tenant's key made before the kill: the tenant and its key must survive
         _, key = Admin(f"http://127.0.0.1:{port}").tenant_with_key()
         pids = {name: proc.pid for name, proc in c.procs.items()}

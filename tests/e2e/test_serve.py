@@ -6,8 +6,6 @@ import asyncio
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import openai
@@ -17,6 +15,7 @@ import pytest
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.cluster import free_port
+from tests.e2e.served import start_serve, until_ready
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -27,16 +26,10 @@ def served(request, smollm2_dir, tmp_path_factory, redis_url):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     sync_client(redis_url).flushall()  # registrations left by earlier tests' killed workers
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
-         "--max-model-len", "1024", "--mode", request.param],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = start_serve(["--port", str(port), "--redis-url", redis_url, "--max-model-len", "1024", "--mode",
+                        request.param], log, dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log)
         yield f"http://127.0.0.1:{port}/v1", proc, redis_url
     finally:
         if proc.poll() is None:
@@ -105,16 +98,11 @@ def test_api_server_count_runs_gateways_that_share_the_port(tmp_path, redis_url)
 
     port, log, zmq_port = free_port(), tmp_path / "serve.log", two_free_ports()
     sync_client(redis_url).flushall()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--redis-url", redis_url,
-         "--model", "dummy:tiny-llama", "--max-model-len", "256", "--kv-cache-memory", str(16 << 20),
-         "--api-server-count", "2", "--zmq-port", str(zmq_port)],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = start_serve(["--port", str(port), "--redis-url", redis_url, "--model", "dummy:tiny-llama",
+                        "--max-model-len", "256", "--kv-cache-memory", str(16 << 20), "--api-server-count", "2",
+                        "--zmq-port", str(zmq_port)], log, dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log)
         gateways = [c for c in psutil.Process(proc.pid).children() if "gateway" in c.cmdline()]
         assert len(gateways) == 2
         # --zmq-port reached the gateways (it was once accepted by serve and dropped): one port each

@@ -4,9 +4,6 @@ answering its own requests exactly as the offline engine does."""
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
@@ -16,6 +13,7 @@ from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.cluster import free_port
+from tests.e2e.served import start_serve, until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +37,10 @@ models:
 """)
     sync_client(redis_url).flushall()
     port, log = free_port(), tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             "--redis-url", redis_url, "--max-model-len", "128", "--mode", "unified"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    proc = start_serve(["--config", str(cfg), "--port", str(port), "--redis-url", redis_url, "--max-model-len", "128",
+                        "--mode", "unified"], log, dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     try:
-        deadline = time.monotonic() + 120
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log, timeout=120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert {m.id for m in client.models.list().data} == {"tiny-llama", "tiny-gpt2"}
         prompt = [5, 17, 99, 203, 7]

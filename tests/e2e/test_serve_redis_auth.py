@@ -4,9 +4,6 @@ password is in any process's argv or environment, nor in serve's log."""
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import openai
@@ -15,6 +12,7 @@ import pytest
 
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.cluster import free_port
+from tests.e2e.served import start_serve, stop_serve, until_ready
 
 pytestmark = pytest.mark.slow
 TINY = ["--max-model-len", "256", "--kv-cache-memory", str(16 << 20)]
@@ -34,15 +32,10 @@ def _embedded_redis(serve: psutil.Process) -> tuple[psutil.Process, dict[str, st
 def test_children_use_their_roles_users_and_no_password_leaks(tmp_path, mode):
     port, log, state = free_port(), tmp_path / "serve.log", tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "KVRELAY_REDIS_URL"} | {"PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--model",
-                             "dummy:tiny-llama", "--served-model-name", "tiny", "--mode", mode, *TINY,
-                             "--state-dir", str(state)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    proc = start_serve(["--port", str(port), "--model", "dummy:tiny-llama", "--served-model-name", "tiny", "--mode",
+                        mode, *TINY, "--state-dir", str(state)], log, env)
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        until_ready(proc, log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4
@@ -63,8 +56,4 @@ def test_children_use_their_roles_users_and_no_password_leaks(tmp_path, mode):
         users = {c["user"] for c in admin.client_list() if c["id"] != str(admin.client_id())}
         assert users == {"gateway", "worker"}, admin.client_list()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_serve(proc, signal.SIGTERM)

@@ -5,12 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
 
 from tests.e2e.cluster import free_port
+from tests.e2e.served import start_serve, until_ready
 from tests.e2e.test_redis_cluster import ADMIN_KEY, admin
 
 pytestmark = pytest.mark.slow
@@ -20,15 +20,11 @@ def test_kvrelay_serve_on_the_cluster(redis_cluster, tmp_path):
     redis_cluster.flushall()
     port, log = free_port(), tmp_path / "serve.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_REDIS_URL=redis_cluster.url)
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--model",
-                             "dummy:tiny-llama", "--served-model-name", "serve-tiny", "--mode", "unified",
-                             "--max-model-len", "256", "--kv-cache-memory", str(16 << 20), "--admin-key", ADMIN_KEY],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    proc = start_serve(["--port", str(port), "--model", "dummy:tiny-llama", "--served-model-name", "serve-tiny",
+                        "--mode", "unified", "--max-model-len", "256", "--kv-cache-memory", str(16 << 20),
+                        "--admin-key", ADMIN_KEY], log, env)
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        until_ready(proc, log)
         assert "redis-cluster://admin:***@127.0.0.1:" in log.read_text()
         assert admin(port, "POST", "/admin/tenants", {"name": "serve-tests"})[0] in (200, 201)
         status, body = admin(port, "POST", "/admin/keys", {"tenant": "serve-tests"})

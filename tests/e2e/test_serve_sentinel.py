@@ -4,9 +4,6 @@ serves, logs the URL without its passwords, and keeps serving after the master i
 sentinels promote the replica; no child is restarted)."""
 
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import openai
@@ -14,6 +11,7 @@ import pytest
 
 from tests.e2e.cluster import free_port
 from tests.e2e.sentinel_redis import SentinelRedis
+from tests.e2e.served import start_serve, stop_serve, until_ready
 
 pytestmark = pytest.mark.slow
 TINY = ["--max-model-len", "256", "--kv-cache-memory", str(16 << 20)]
@@ -24,15 +22,10 @@ def test_serve_follows_the_master_through_a_failover(tmp_path):
     ha = SentinelRedis().start()
     port, log = free_port(), tmp_path / "serve.log"
     env = os.environ | {"PYTHONUNBUFFERED": "1", "KVRELAY_REDIS_URL": ha.url}
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--model",
-                             "dummy:tiny-llama", "--served-model-name", "tiny", "--mode", "unified", *TINY,
-                             "--redis-outage-s", "10"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    proc = start_serve(["--port", str(port), "--model", "dummy:tiny-llama", "--served-model-name", "tiny", "--mode",
+                        "unified", *TINY, "--redis-outage-s", "10"], log, env)
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        until_ready(proc, log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
 
         def complete() -> int:
@@ -62,11 +55,5 @@ def test_serve_follows_the_master_through_a_failover(tmp_path):
         assert "; restarting it in" not in text and "started again" not in text, text[-3000:]  # no child restarted
         assert "Traceback" not in text, text[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)
         ha.stop()

@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from tests.e2e.cluster import free_port
+from tests.e2e.served import until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,7 @@ def test_serve_stops_everything_before_its_redis_without_a_traceback(tmp_path, h
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         start_new_session=True)  # a process group of its own, as a shell gives a foreground job
     try:
-        deadline = time.monotonic() + 180
-        while b"kvrelay ready" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        until_ready(proc, log)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any(c.name() == "redis-server" for c in children), children
         if how == "ctrl-c":

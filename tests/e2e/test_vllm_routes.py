@@ -20,14 +20,8 @@ MODEL = "tiny"
 def cluster(tiny_model_dir, redis_url, tmp_path_factory):
     c = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path_factory.mktemp("vllm-routes"))
     c.redis.flushall()
-    c.start_gateway()
-    c.start_worker("prefill", "p1")
-    c.start_worker("decode", "d1")
-    try:
-        c.wait_ready()
+    with c.disaggregated():
         yield c
-    finally:
-        c.stop()
 
 
 def url(c: Cluster, path: str) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import requests
 import zmq
 from aiohttp import web
@@ -321,6 +322,15 @@ class Stack:
 
     def jobs_for(self, prefix: str) -> list[Job]:
         return [j for j in self.worker.jobs if j.request_id.startswith(prefix)]
+
+
+def api_path(body: dict) -> str:
+    """The OpenAI route a request body is for: completions with a prompt, chat completions with messages."""
+    return "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+
+
+def post(stack: Stack, body: dict) -> httpx.Response:
+    return httpx.post(f"{stack.url}{api_path(body)}", json=body, timeout=60)
 
 
 @contextlib.contextmanager

@@ -24,23 +24,11 @@ from tests.integration.handoff_harness import (
     BLOCK,
     MODEL,
     SHAPE,
-    decode_sides,
     early,
     hand_off_tiny,
     poll_until,
-    prefill_side,
     wait_for,
 )
-
-
-@pytest.fixture()
-def prefill():
-    yield from prefill_side()
-
-
-@pytest.fixture()
-def decode_side():
-    yield from decode_sides()
 
 
 class Unmappable(InProcess):

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.integration.gateway_harness import MODEL, REPLY, running_stack
+from tests.integration.gateway_harness import MODEL, REPLY, api_path, post, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,11 +24,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 def stack(tmp_path_factory):
     with running_stack(tmp_path_factory.mktemp("beams")) as s:
         yield s
-
-
-def post(stack, body: dict) -> httpx.Response:
-    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-    return httpx.post(f"{stack.url}{path}", json=body, timeout=60)
 
 
 @pytest.mark.parametrize("body", [PROMPT, CHAT])
@@ -115,7 +110,7 @@ def test_logprobs_are_each_beam_tokens_and_their_best_alternatives(stack):
 def test_a_streamed_search_sends_each_choice_whole_when_it_ends(stack, body):
     whole = post(stack, body).json()
     events = []
-    with httpx.stream("POST", f"{stack.url}{'/v1/completions' if 'prompt' in body else '/v1/chat/completions'}",
+    with httpx.stream("POST", f"{stack.url}{api_path(body)}",
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]

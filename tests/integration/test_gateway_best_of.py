@@ -4,10 +4,9 @@ for, and what cannot work a 400 naming best_of. Real Redis, ZMQ and gateway with
 tests/integration/gateway_harness.py, whose choices all score alike; tests/e2e/test_best_of_beam_search.py checks
 the ranking on a real model."""
 
-import httpx
 import pytest
 
-from tests.integration.gateway_harness import MODEL, running_stack
+from tests.integration.gateway_harness import MODEL, post, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,11 +18,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 def stack(tmp_path_factory):
     with running_stack(tmp_path_factory.mktemp("best-of")) as s:
         yield s
-
-
-def post(stack, body: dict) -> httpx.Response:
-    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-    return httpx.post(f"{stack.url}{path}", json=body, timeout=60)
 
 
 @pytest.mark.parametrize("body", [PROMPT, CHAT])

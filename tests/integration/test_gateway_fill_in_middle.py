@@ -4,10 +4,9 @@ what cannot be filled, a 400 naming suffix. Real Redis, ZMQ and gateway; the fak
 tests/integration/gateway_harness.py records the jobs. SmolLM2 has no markers: tests/e2e/test_request_fields.py
 sees its 400."""
 
-import httpx
 import pytest
 
-from tests.integration.gateway_harness import MODEL, running_stack
+from tests.integration.gateway_harness import MODEL, post, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,10 +24,6 @@ def fim_stack(tmp_path_factory):
 def plain_stack(tmp_path_factory):
     with running_stack(tmp_path_factory.mktemp("fim-plain")) as s:
         yield s
-
-
-def post(stack, body: dict) -> httpx.Response:
-    return httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
 
 
 def test_the_prompt_asks_for_the_middle(fim_stack):

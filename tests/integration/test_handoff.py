@@ -32,24 +32,12 @@ from tests.integration.handoff_harness import (
     BLOCK,
     MODEL,
     SHAPE,
-    decode_sides,
     early,
     hand_off_tiny,
     poll_until,
-    prefill_side,
     wait_for,
 )
 from tests.zmq_secret import CURVE
-
-
-@pytest.fixture()
-def prefill():
-    yield from prefill_side()
-
-
-@pytest.fixture()
-def decode_side():
-    yield from decode_sides()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

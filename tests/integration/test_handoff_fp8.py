@@ -10,19 +10,9 @@ from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.engine import detached_kv
 from kvrelay.shared.handoff.fake import in_process
 from kvrelay.shared.handoff.frames import Frames
-from tests.integration.handoff_harness import BLOCK, decode_sides, hand_off_tiny, prefill_side, wait_for
+from tests.integration.handoff_harness import BLOCK, hand_off_tiny, wait_for
 
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture()
-def prefill():
-    yield from prefill_side()
-
-
-@pytest.fixture()
-def decode_side():
-    yield from decode_sides()
 
 
 def _fp8_prefill(rt) -> None:

@@ -6,7 +6,6 @@ request, n=128 siblings included). A short TTL and sleeps stand in for that host
 
 import time
 
-import pytest
 import torch
 import zmq
 
@@ -18,10 +17,8 @@ from kvrelay.shared.wire.handoff import HandoffCancel, HandoffGrant, HandoffRequ
 from tests.integration.handoff_harness import (
     BLOCK,
     MODEL,
-    decode_sides,
     early,
     poll_until,
-    prefill_side,
     wait_for,
 )
 from tests.integration.test_handoff import _dealer
@@ -29,16 +26,6 @@ from tests.zmq_secret import CURVE
 
 TTL_S = 0.2
 STEP_S = 0.8  # one engine step of the prefill worker: four grant lifetimes
-
-
-@pytest.fixture()
-def prefill():
-    yield from prefill_side()
-
-
-@pytest.fixture()
-def decode_side():
-    yield from decode_sides()
 
 
 def test_a_grant_read_after_a_step_longer_than_its_ttl_still_takes_the_kv(prefill, decode_side):

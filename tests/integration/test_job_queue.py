@@ -8,17 +8,8 @@ import pytest
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
-from kvrelay.shared.wire.job_queue import JobQueue
-from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
-from kvrelay.shared.wire.sampling_params import SamplingParams
-
-MODEL = "m"
-
-
-def _job(rid: str) -> Job:
-    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4), tenant="t",
-               priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
+from tests.integration.job_queue_harness import MODEL, make_job, make_queue
 
 
 @pytest.fixture()
@@ -28,16 +19,10 @@ def r(redis_url):
     return client
 
 
-def _queue(r, consumer: str, idle_ms: int = 0, on_dead=None) -> JobQueue:
-    q = JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead)
-    q._last_reclaim = 0.0  # reclaim on every fetch in tests
-    return q
-
-
 def test_each_job_goes_to_one_consumer_and_ack_clears_it(r):
-    a, b = _queue(r, "a", idle_ms=60_000), _queue(r, "b", idle_ms=60_000)
+    a, b = make_queue(r, "a", idle_ms=60_000), make_queue(r, "b", idle_ms=60_000)
     for i in range(4):
-        r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job(f"r{i}"))})
+        r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(make_job(f"r{i}"))})
     got_a = a.fetch(2, block_ms=10)
     got_b = b.fetch(10, block_ms=10)
     ids = sorted(j.request_id for _, j in got_a + got_b)
@@ -49,12 +34,12 @@ def test_each_job_goes_to_one_consumer_and_ack_clears_it(r):
 
 def test_dead_consumers_jobs_are_reclaimed_then_dead_lettered(r):
     dead = []
-    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("poison"))})
-    assert [j.request_id for _, j in _queue(r, "w1").fetch(1, block_ms=10)] == ["poison"]  # delivery 1
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(make_job("poison"))})
+    assert [j.request_id for _, j in make_queue(r, "w1").fetch(1, block_ms=10)] == ["poison"]  # delivery 1
     for n, consumer in enumerate(["w2", "w3"], start=2):  # each "dies" without acking
-        got = _queue(r, consumer).fetch(1, block_ms=10)
+        got = make_queue(r, consumer).fetch(1, block_ms=10)
         assert [j.request_id for _, j in got] == ["poison"], f"delivery {n} not reclaimed"
-    last = _queue(r, "w4", on_dead=lambda job, why: dead.append((job.request_id, why)))
+    last = make_queue(r, "w4", on_dead=lambda job, why: dead.append((job.request_id, why)))
     assert last.fetch(1, block_ms=10) == []  # delivery 4 > max_deliveries: not handed out again
     assert [rid for rid, _ in dead] == ["poison"]
     assert r.xlen(keys.dead_letter_stream(MODEL)) == 1
@@ -62,19 +47,19 @@ def test_dead_consumers_jobs_are_reclaimed_then_dead_lettered(r):
 
 
 def test_malformed_job_goes_straight_to_dead_letter(r):
-    q = _queue(r, "w", idle_ms=60_000)
+    q = make_queue(r, "w", idle_ms=60_000)
     r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: b"\x93not a job"})
-    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("good"))})
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(make_job("good"))})
     assert [j.request_id for _, j in q.fetch(5, block_ms=10)] == ["good"]
     entries = r.xrange(keys.dead_letter_stream(MODEL))
     assert len(entries) == 1 and b"malformed" in entries[0][1][b"reason"]
 
 
 def test_group_is_recreated_after_redis_loses_it(r):
-    q = _queue(r, "w", idle_ms=60_000)
+    q = make_queue(r, "w", idle_ms=60_000)
     r.flushall()  # as after a Redis restart without persistence
     assert q.fetch(1, block_ms=10) == []
-    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("after"))})
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(make_job("after"))})
     assert [j.request_id for _, j in q.fetch(1, block_ms=10)] == ["after"]
 
 
@@ -82,8 +67,8 @@ def test_a_job_kept_by_its_worker_is_not_reclaimed_however_long_it_runs(r):
     """A unified worker generating for longer than reclaim_idle_ms: without ``keep`` its job is taken by
     XAUTOCLAIM (a peer's, or its own), a delivery counted each time, so a crash later dead-lettered it
     instead of letting the restarted worker resume it."""
-    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(_job("long"))})
-    a, b = _queue(r, "a", idle_ms=1000), _queue(r, "b", idle_ms=1000)
+    r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: encode(make_job("long"))})
+    a, b = make_queue(r, "a", idle_ms=1000), make_queue(r, "b", idle_ms=1000)
     ((entry_id, _),) = a.fetch(1, block_ms=10)
     for _ in range(4):  # 1.6 s in all: past reclaim_idle_ms, though never idle that long at once
         time.sleep(0.4)

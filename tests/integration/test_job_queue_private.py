@@ -12,12 +12,9 @@ import pytest
 from kvrelay.shared.wire import job_queue
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
-from kvrelay.shared.wire.job_queue import JobQueue
-from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
-from kvrelay.shared.wire.sampling_params import SamplingParams
+from tests.integration.job_queue_harness import MODEL, make_job, make_queue
 
-MODEL = "m"
 SHARED = keys.prefill_stream(MODEL)
 
 
@@ -25,13 +22,8 @@ def private(worker: str) -> str:
     return keys.prefill_worker_stream(MODEL, worker)
 
 
-def _job(rid: str) -> Job:
-    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4), tenant="t",
-               priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
-
-
 def put(r, stream: str, rid: str) -> None:
-    r.xadd(stream, {keys.JOB_FIELD: encode(_job(rid))})
+    r.xadd(stream, {keys.JOB_FIELD: encode(make_job(rid))})
 
 
 @pytest.fixture()
@@ -41,18 +33,12 @@ def r(redis_url):
     return client
 
 
-def _queue(r, consumer: str, idle_ms: int = 0, on_dead=None) -> JobQueue:
-    q = JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead)
-    q._last_reclaim = q._last_adopt = 0.0  # reclaim and adopt on the first fetch
-    return q
-
-
 def ids(got) -> list[str]:
     return [job.request_id for _, job in got]
 
 
 def test_private_jobs_come_first_and_count_spans_both_streams(r):
-    q = _queue(r, "a", idle_ms=60_000)
+    q = make_queue(r, "a", idle_ms=60_000)
     put(r, SHARED, "s0")
     put(r, private("a"), "p0")
     put(r, private("a"), "p1")
@@ -61,7 +47,7 @@ def test_private_jobs_come_first_and_count_spans_both_streams(r):
 
 
 def test_one_blocking_read_wakes_for_either_stream(r):
-    q = _queue(r, "a", idle_ms=60_000)
+    q = make_queue(r, "a", idle_ms=60_000)
     q.fetch(1, block_ms=0)  # the reclaim/adopt passes are done; the next fetch goes straight to the read
     for stream, rid in ((private("a"), "p"), (SHARED, "s")):
         timer = threading.Timer(0.2, put, (r, stream, rid))
@@ -73,7 +59,7 @@ def test_one_blocking_read_wakes_for_either_stream(r):
 def test_a_busy_read_of_both_streams_is_one_round_trip(r, monkeypatch):
     """A busy worker reads its streams every engine step: one command for both, not one per stream, and
     still exactly ``count`` jobs, private first."""
-    q = _queue(r, "a", idle_ms=60_000)
+    q = make_queue(r, "a", idle_ms=60_000)
     q.fetch(1, block_ms=0)  # the reclaim/adopt passes are done; the next fetches go straight to the read
     put(r, private("a"), "p0")
     put(r, SHARED, "s0")
@@ -93,7 +79,7 @@ def test_a_surplus_job_is_kept_from_reclaim_until_served(r):
     """Both streams answering one blocking read deliver more than asked for; what waits for room is ours, so a
     peer's reclaim must not take it while we still mean to run it."""
     r.set(keys.worker_key("a"), b"alive")  # a live peer's private stream is left alone
-    q = _queue(r, "a", idle_ms=100)
+    q = make_queue(r, "a", idle_ms=100)
     q.fetch(1, block_ms=0)
     put(r, private("a"), "p0")
     put(r, SHARED, "s0")
@@ -101,13 +87,13 @@ def test_a_surplus_job_is_kept_from_reclaim_until_served(r):
     assert ids(running) == ["p0"]  # s0 delivered too, held back as surplus
     time.sleep(0.2)
     q.keep([entry for entry, _ in running])
-    peer = _queue(r, "b", idle_ms=100)
+    peer = make_queue(r, "b", idle_ms=100)
     assert peer.fetch(4, block_ms=0) == []
     assert ids(q.fetch(4, block_ms=0)) == ["s0"]
 
 
 def test_acked_private_jobs_leave_the_stream(r):
-    q = _queue(r, "a", idle_ms=60_000)
+    q = make_queue(r, "a", idle_ms=60_000)
     put(r, private("a"), "p0")
     (entry, _), = q.fetch(1, block_ms=0)
     q.ack(entry)
@@ -116,12 +102,12 @@ def test_acked_private_jobs_leave_the_stream(r):
 
 
 def test_a_dead_workers_private_jobs_are_adopted_pending_and_undelivered(r):
-    dead = _queue(r, "dead", idle_ms=60_000)
+    dead = make_queue(r, "dead", idle_ms=60_000)
     for rid in ("p0", "p1", "p2"):
         put(r, private("dead"), rid)
     assert ids(dead.fetch(1, block_ms=0)) == ["p0"]  # in progress when it dies; p1, p2 never delivered
     r.set(keys.worker_key("dead"), b"alive")
-    peer = _queue(r, "peer")
+    peer = make_queue(r, "peer")
     assert peer.fetch(10, block_ms=0) == []  # a live worker's private stream is its own
     r.delete(keys.worker_key("dead"))  # heartbeat gone
     peer._last_adopt = 0.0
@@ -134,18 +120,18 @@ def test_a_dead_workers_private_jobs_are_adopted_pending_and_undelivered(r):
 def test_poison_in_a_private_stream_is_dead_lettered_after_max_deliveries(r):
     dead_jobs = []
     put(r, private("w1"), "poison")
-    assert ids(_queue(r, "w1").fetch(1, block_ms=0)) == ["poison"]  # delivery 1, then w1 "dies"
+    assert ids(make_queue(r, "w1").fetch(1, block_ms=0)) == ["poison"]  # delivery 1, then w1 "dies"
     for n, consumer in enumerate(["w2", "w3"], start=2):  # each adopts it and dies without acking
-        assert ids(_queue(r, consumer).fetch(1, block_ms=0)) == ["poison"], f"delivery {n} not adopted"
-    last = _queue(r, "w4", on_dead=lambda job, why: dead_jobs.append(job.request_id))
+        assert ids(make_queue(r, consumer).fetch(1, block_ms=0)) == ["poison"], f"delivery {n} not adopted"
+    last = make_queue(r, "w4", on_dead=lambda job, why: dead_jobs.append(job.request_id))
     assert last.fetch(1, block_ms=0) == []
     assert dead_jobs == ["poison"]
     assert r.xlen(keys.dead_letter_stream(MODEL)) == 1 and r.xlen(private("w1")) == 0
 
 
 def test_hand_back_moves_private_jobs_to_the_shared_stream(r):
-    draining = _queue(r, "a", idle_ms=60_000)
-    peer = _queue(r, "b", idle_ms=60_000)
+    draining = make_queue(r, "a", idle_ms=60_000)
+    peer = make_queue(r, "b", idle_ms=60_000)
     peer.fetch(1, block_ms=0)  # b's first adopt pass: a is alive (its private stream is not b's)
     r.set(keys.worker_key("a"), b"alive")
     for rid in ("p0", "p1"):
@@ -164,8 +150,8 @@ def test_hand_back_moves_private_jobs_to_the_shared_stream(r):
 
 def test_a_long_gone_peers_empty_stream_and_consumer_are_forgotten(r, monkeypatch):
     monkeypatch.setattr(job_queue, "FORGET_AFTER_S", -1.0)
-    _queue(r, "gone")  # registered, then died with nothing routed to it
-    peer = _queue(r, "peer")
+    make_queue(r, "gone")  # registered, then died with nothing routed to it
+    peer = make_queue(r, "peer")
     put(r, private("gone"), "p0")
     got = peer.fetch(5, block_ms=0)
     assert ids(got) == ["p0"] and r.exists(private("gone"))  # a job still there: not forgotten yet
@@ -189,7 +175,7 @@ def test_queue_gauges_and_depth_count_private_streams(r, redis_url):
         finally:
             await client.aclose()
 
-    q = _queue(r, "a", idle_ms=60_000)
+    q = make_queue(r, "a", idle_ms=60_000)
     put(r, SHARED, "s0")
     for rid in ("p0", "p1"):
         put(r, private("a"), rid)

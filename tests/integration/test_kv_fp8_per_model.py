@@ -12,12 +12,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvrelay.serve_config import load_serve_config
-from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from tests.conftest import make_tiny_model
 from tests.integration.model_pool_harness import Env, add_version, model_pool
+from tests.integration.per_model_setting import (
+    check_config_file_takes_it_per_model,
+    check_registered_setting_reaches_every_load,
+    check_unknown_value_is_a_400_naming_the_field,
+    worker_config_with,
+)
 from tests.unit.test_model_host import generate, load, make_host, run
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,47 +37,19 @@ def env(redis_url, tmp_path_factory) -> Iterator[Env]:
 
 
 def test_registered_kv_cache_dtype_reaches_every_workers_load(env):
-    p, d = env.worker("kpf-1", role="prefill"), env.worker("kdc-1", role="decode")
-    try:
-        r = env.admin("POST", "/admin/models", json={"name": "small", "kv_cache_dtype": "fp8"})
-        assert r.status_code == 201 and r.json()["kv_cache_dtype"] == "fp8", r.text
-        assert env.admin("POST", "/admin/models/small/load").status_code == 200
-        assert [c.kv_cache_dtype for c in p.ops("load") + d.ops("load")] == ["fp8", "fp8"]  # both roles agree
-        env.admin("POST", "/admin/models", json={"name": "plain"})
-        assert env.admin("POST", "/admin/models/plain/load").status_code == 200
-        assert [c.kv_cache_dtype for c in p.ops("load") if c.name == "plain"] == [""]  # the worker's own flag
-    finally:
-        p.stop()
-        d.stop()
+    check_registered_setting_reaches_every_load(env, "kv_cache_dtype", "small", "fp8", ("kpf-1", "kdc-1"))
 
 
 def test_unknown_kv_cache_dtype_is_a_400_naming_the_field(env):
-    r = env.admin("POST", "/admin/models", json={"name": "small", "kv_cache_dtype": "fp16"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_cache_dtype", r.text
+    check_unknown_value_is_a_400_naming_the_field(env, "kv_cache_dtype", "small", "fp16")
 
 
 def test_config_file_takes_kv_cache_dtype_per_model(tmp_path):
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: fp8}\n"
-                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
-    _, [a, b] = load_serve_config(cfg)
-    assert (a.kv_cache_dtype, b.kv_cache_dtype) == ("fp8", "")
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: int8}\n")
-    with pytest.raises(ConfigError, match=r"models\[0\]\.kv_cache_dtype: ") as exc:
-        load_serve_config(cfg)
-    assert "\n" not in str(exc.value)
+    check_config_file_takes_it_per_model(tmp_path, "kv_cache_dtype", "fp8", "int8")
 
 
 def test_worker_flags_and_config_file_reach_each_models_engine(tmp_path, redis_url):
-    from kvrelay.cli import build_parser
-    from kvrelay.workers import worker_config
-
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', kv_cache_dtype: auto}\n"
-                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
-    args = build_parser().parse_args(["decode-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
-                                      redis_url, "--kv-cache-dtype", "fp8"])
-    config = worker_config("decode", args)
+    config = worker_config_with(tmp_path, redis_url, "decode", "kv_cache_dtype", "auto", "fp8")
     assert [m.engine.cache.kv_cache_dtype for m in config.more_models] == ["auto", "fp8"]
     assert [s.kv_cache_dtype for s in config.register] == ["auto", ""]
 

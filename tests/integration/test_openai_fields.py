@@ -10,7 +10,7 @@ import openai
 import pytest
 import requests
 
-from tests.integration.gateway_harness import MODEL, REPLY, running_stack
+from tests.integration.gateway_harness import MODEL, REPLY, api_path, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,8 +30,7 @@ def client(stack):
 
 
 def post(stack, body: dict) -> requests.Response:
-    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-    return requests.post(f"{stack.url}{path}", json=body, timeout=30)
+    return requests.post(f"{stack.url}{api_path(body)}", json=body, timeout=30)
 
 
 def assert_400(r: requests.Response, param: str) -> str:

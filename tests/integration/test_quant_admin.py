@@ -9,9 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvrelay.serve_config import load_serve_config
-from kvrelay.shared.config.declare import ConfigError
 from tests.integration.model_pool_harness import Env, add_version, model_pool
+from tests.integration.per_model_setting import (
+    check_config_file_takes_it_per_model,
+    check_registered_setting_reaches_every_load,
+    check_unknown_value_is_a_400_naming_the_field,
+    worker_config_with,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,47 +30,22 @@ def env(redis_url, tmp_path_factory) -> Iterator[Env]:
 
 
 def test_registered_quantization_reaches_every_workers_load(env):
-    p, d = env.worker("qpf-1", role="prefill"), env.worker("qdc-1", role="decode")
-    try:
-        r = env.admin("POST", "/admin/models", json={"name": "q4", "quantization": "awq"})
-        assert r.status_code == 201 and r.json()["quantization"] == "awq", r.text
-        assert env.admin("POST", "/admin/models/q4/load").status_code == 200
-        assert [c.quantization for c in p.ops("load") + d.ops("load")] == ["awq", "awq"]
-        env.admin("POST", "/admin/models", json={"name": "plain"})
-        assert env.admin("POST", "/admin/models/plain/load").status_code == 200
-        assert [c.quantization for c in p.ops("load") if c.name == "plain"] == [""]  # the worker's own choice
-    finally:
-        p.stop()
-        d.stop()
+    check_registered_setting_reaches_every_load(env, "quantization", "q4", "awq", ("qpf-1", "qdc-1"))
 
 
 def test_unknown_quantization_is_a_400_naming_the_field(env):
-    r = env.admin("POST", "/admin/models", json={"name": "q4", "quantization": "int4"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "quantization", r.text
+    check_unknown_value_is_a_400_naming_the_field(env, "quantization", "q4", "int4")
 
 
 def test_config_file_takes_quantization_per_model(tmp_path):
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: int8}\n"
-                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
-    _, [a, b] = load_serve_config(cfg)
-    assert (a.quantization, b.quantization) == ("int8", "")
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: nf4}\n")
-    with pytest.raises(ConfigError, match=r"models\[0\]\.quantization: ") as exc:
-        load_serve_config(cfg)
-    assert "\n" not in str(exc.value)
+    check_config_file_takes_it_per_model(tmp_path, "quantization", "int8", "nf4")
 
 
 def test_worker_flags_and_config_file_reach_each_models_engine(tmp_path, redis_url):
     from kvrelay.cli import build_parser
     from kvrelay.workers import worker_config
 
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama', quantization: int8}\n"
-                   "  - {name: b, path: 'dummy:tiny-llama'}\n")
-    args = build_parser().parse_args(["unified-worker", "--config", str(cfg), "--device", "cpu", "--redis-url",
-                                      redis_url, "--quantization", "fp8"])
-    config = worker_config("unified", args)
+    config = worker_config_with(tmp_path, redis_url, "unified", "quantization", "int8", "fp8")
     assert [m.engine.model.quantization for m in config.more_models] == ["int8", "fp8"]
     assert [s.quantization for s in config.register] == ["int8", ""]
     args = build_parser().parse_args(["unified-worker", "--model", "dummy:tiny-llama", "--device", "cpu",

@@ -13,15 +13,6 @@ import redis
 
 from kvrelay.shared.wire.redis_conn import async_client, sync_client
 from kvrelay.shared.wire.redis_health import RedisHealth
-from tests.redis_cluster_server import LoopbackRedisCluster
-
-
-@pytest.fixture()
-def own_cluster():
-    cluster = LoopbackRedisCluster()
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 def test_a_cluster_that_is_down_is_a_connection_error(own_cluster):

@@ -17,21 +17,11 @@ from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 from kvrelay.shared.wire.zmq_auth import CurveKeys, keys_from_secret
-from tests.integration.handoff_harness import BLOCK, MODEL, decode_sides, hand_off_tiny, prefill_side, wait_for
+from tests.integration.handoff_harness import BLOCK, MODEL, hand_off_tiny, wait_for
 from tests.zmq_secret import CURVE
 
 FLOOD = 256
 SILENCE_S = 1.0  # how long an outsider waits for an answer that must never come
-
-
-@pytest.fixture()
-def prefill():
-    yield from prefill_side()
-
-
-@pytest.fixture()
-def decode_side():
-    yield from decode_sides()
 
 
 def _stranger_knowing_the_public_key() -> CurveKeys:

@@ -5,23 +5,13 @@ scales and match attention over the cache dequantized first (tests/kernels/fp8_k
 
 Run: ``TRITON_INTERPRET=1 python -m pytest tests/kernels/test_fp8_kv_interpret.py -q``."""
 
-import os
-import sys
 
 import pytest
 import torch
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA present: tests/gpu/test_fp8_kv_gpu.py covers these kernels", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.kernels.interpreted import interpret_triton_kernels
 
-if not isinstance(triton.language.standard.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run with it in the environment",
-                allow_module_level=True)
-for _name in [m for m in sys.modules if m == "kvrelay.kernels.triton" or m.startswith("kvrelay.kernels.triton.")]:
-    del sys.modules[_name]
+interpret_triton_kernels("tests/gpu/test_fp8_kv_gpu.py")
 import kvrelay.kernels.triton as tk  # noqa: E402
 from tests.kernels import fp8_kv_cases as cases  # noqa: E402
 

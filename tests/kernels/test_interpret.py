@@ -7,29 +7,12 @@ The kernels are called directly, not through the ``kernels.*`` dispatcher, which
 reference on CPU.
 """
 
-import os
-import sys
-
 import pytest
 import torch
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA present: tests/kernels/test_triton_gpu.py covers these kernels", allow_module_level=True)
-# Triton decides interpreted-or-compiled when a function is decorated: its own standard library
-# (tl.zeros, tl.max, ...) at the first `import triton`, our kernels when kernels.triton is imported.
-# conftest.py sets the flag before the first; a copy of kernels.triton built without it is dropped.
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.kernels.interpreted import interpret_triton_kernels
 
-if not isinstance(triton.language.standard.zeros, InterpretedFunction):
-    pytest.skip(
-        "triton was imported before TRITON_INTERPRET=1 was set; run with it in the environment: "
-        "TRITON_INTERPRET=1 python -m pytest tests/kernels/test_interpret.py",
-        allow_module_level=True,
-    )
-for _name in [m for m in sys.modules if m == "kvrelay.kernels.triton" or m.startswith("kvrelay.kernels.triton.")]:
-    del sys.modules[_name]
+interpret_triton_kernels("tests/kernels/test_triton_gpu.py")
 import kvrelay.kernels.triton as tk  # noqa: E402
 from tests.kernels import triton_cases as cases  # noqa: E402
 

@@ -4,23 +4,13 @@ the same checks at real shapes on a GPU. Both shapes of each kernel are forced (
 ragged row and column counts, act-order ``g_idx``, and groups smaller than a K tile.
 """
 
-import os
-import sys
 
 import pytest
 import torch
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA present: tests/gpu/test_quant_gpu.py covers these kernels", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.kernels.interpreted import interpret_triton_kernels
 
-if not isinstance(triton.language.standard.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run with it in the environment",
-                allow_module_level=True)
-for _name in [m for m in sys.modules if m == "kvrelay.kernels.triton" or m.startswith("kvrelay.kernels.triton.")]:
-    del sys.modules[_name]
+interpret_triton_kernels("tests/gpu/test_quant_gpu.py")
 from kvrelay.kernels.triton import w4a16 as kernel  # noqa: E402
 from tests.kernels.quant_cases import check_int8, check_w4  # noqa: E402
 

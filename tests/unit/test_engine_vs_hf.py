@@ -1,47 +1,19 @@
 """Greedy tokens from our engine equal HF transformers ``generate`` on the same weights, for every
 architecture, through chunked prefill, prefix caching and forced preemption (recompute and swap)."""
 
-import functools
-
 import pytest
-import torch
 
 from kvrelay import LLM, SamplingParams
 from tests.conftest import ARCHS, random_prompts
+from tests.parity import engine_greedy, hf_greedy
 
 MAX_NEW = 12
-EOS = 2
-
-
-@functools.cache
-def _hf_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=0)
-            new = gen[0, len(p):].tolist()
-            outs.append(new[: new.index(EOS) + 1] if EOS in new else new)
-    return outs
 
 
 def _shared_prefix_prompts() -> list[list[int]]:
     base = random_prompts(3, lo=20, hi=40, seed=7)
     tails = random_prompts(9, lo=1, hi=20, seed=8)
     return [base[i % 3] + tails[i] for i in range(9)]
-
-
-def _engine_greedy(model_dir, prompts, **llm_kwargs) -> list[list[int]]:
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, **llm_kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    core = llm.engine.core
-    assert core.num_free_blocks == core.num_total_blocks, "KV blocks leaked"
-    return [o.outputs[0].token_ids for o in outs]
 
 
 MODES = {
@@ -58,8 +30,9 @@ MODES = {
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_hf(tiny_model_dirs, arch, mode):
     prompts = _shared_prefix_prompts() if mode == "prefix_cache" else random_prompts(10, lo=3, hi=60, seed=1)
-    expected = _hf_greedy(str(tiny_model_dirs[arch]), tuple(map(tuple, prompts)))
-    got = _engine_greedy(tiny_model_dirs[arch], prompts, **MODES[mode])
+    expected = hf_greedy(str(tiny_model_dirs[arch]), tuple(map(tuple, prompts)), MAX_NEW)
+    got = engine_greedy(LLM(model=str(tiny_model_dirs[arch]), dtype="float32", max_model_len=128, **MODES[mode]),
+                        prompts, MAX_NEW)
     assert got == expected
 
 

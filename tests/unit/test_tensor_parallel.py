@@ -2,7 +2,6 @@
 llama (GQA), gpt2 and bloom, and the same logprobs as one rank; a rank killed with -9 makes the engine
 raise promptly and leaves no process behind; sizes the ranks cannot split fail before anything starts."""
 
-import math
 import os
 import signal
 import subprocess
@@ -14,56 +13,32 @@ import psutil
 import pytest
 import torch
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import LLM
 from kvrelay.shared.engine.ranks.group import TensorParallelError
-from tests.conftest import random_prompts
-from tests.parity import hf_greedy
-from tests.unit.parallel_ranks import check_a_killed_rank_ends_the_engine
+from tests.unit.parallel_ranks import (
+    check_a_killed_rank_ends_the_engine,
+    check_swap_preemption_equals_hf,
+    check_two_ranks_equal_hf_and_one,
+    parallel_llm,
+)
 from tests.unit.parallel_ranks import children as _children
 
-MAX_NEW = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _llm(model_dir, tp: int, **kwargs) -> LLM:
-    # chunked prefill with a small budget: mixed prefill + decode steps, and steps that form no logits
-    return LLM(model=str(model_dir), dtype="float32", max_model_len=128, tensor_parallel_size=tp,
-               max_num_batched_tokens=32, **kwargs)
+    return parallel_llm(model_dir, tensor_parallel_size=tp, **kwargs)
 
 
 # qwen2: q/k/v biases sliced with their heads; smollm2: the LM head is the vocab-parallel embedding (tied)
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "qwen2", "smollm2"])
 def test_tp2_greedy_equals_hf_and_tp1(tiny_model_dirs, arch):
-    prompts = random_prompts(6, lo=3, hi=50, seed=1)
-    expected = hf_greedy(str(tiny_model_dirs[arch]), tuple(map(tuple, prompts)), MAX_NEW)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    scored = SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, prompt_logprobs=2)
-    got = {}
-    for tp in (1, 2):
-        with _llm(tiny_model_dirs[arch], tp, block_size=8) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-            core = llm.engine.core
-            assert core.num_free_blocks == core.num_total_blocks, "KV blocks leaked"
-            got[tp] = ([o.outputs[0].token_ids for o in outs],
-                       llm.generate({"prompt_token_ids": prompts[2]}, scored)[0])
-    assert got[2][0] == expected
-    assert got[1][0] == expected
-    one, two = got[1][1], got[2][1]
-    for pos_one, pos_two in zip(one.prompt_logprobs[1:] + one.outputs[0].logprobs,
-                                two.prompt_logprobs[1:] + two.outputs[0].logprobs, strict=True):
-        assert pos_one.keys() == pos_two.keys()
-        for tok in pos_one:
-            assert math.isclose(pos_one[tok].logprob, pos_two[tok].logprob, abs_tol=1e-4)
+    check_two_ranks_equal_hf_and_one(tiny_model_dirs[arch], "tensor_parallel_size")
 
 
 def test_tp2_swap_preemption_equals_hf(tiny_model_dirs):
     """Preemption by swap: every rank copies its own heads' blocks out to the host and back."""
-    prompts = random_prompts(10, lo=30, hi=60, seed=1)
-    expected = hf_greedy(str(tiny_model_dirs["llama"]), tuple(map(tuple, prompts)), MAX_NEW)
-    with _llm(tiny_model_dirs["llama"], 2, block_size=8, num_gpu_blocks=20, swap_space=0.001) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    check_swap_preemption_equals_hf(tiny_model_dirs["llama"], "tensor_parallel_size")
 
 
 def test_killed_rank_fails_the_engine_promptly_and_leaves_no_process(tiny_model_dirs):

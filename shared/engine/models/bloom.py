@@ -7,24 +7,22 @@ here shares, so the forward splits it the same way Llama does.
 
 import math
 import re
-from functools import partial
 
 import torch
 from torch import nn
 
 from kvrelay import kernels
 from kvrelay.shared.engine.models.layers import (
-    CausalLM,
     LayerNorm,
     Route,
     cfg_get,
     linear_names,
     lm_head,
-    on_the_fly_only,
     quant_linear,
     submodule_route,
     vocab_embedding,
 )
+from kvrelay.shared.engine.models.transformer_h import FusedQKVAttention, TransformerH
 from kvrelay.shared.engine.parallel import linear as tp
 from kvrelay.shared.engine.parallel.pipeline import WHOLE, MissingLayer, PipelineStage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -50,26 +48,16 @@ def _regroup_qkv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.reshape(num_heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-class BloomAttention(nn.Module):
-    kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
-
+class BloomAttention(FusedQKVAttention):
     def __init__(self, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype,
                  quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
-        # num_heads: this rank's; dense's bias is rank 0's alone, so the all-reduce adds it once
-        super().__init__()
-        self.num_heads, self.head_dim, self.width = num_heads, head_dim, num_heads * head_dim
-        self.scale = self.head_dim ** -0.5
-        self.parallel = parallel
+        super().__init__(num_heads, head_dim, head_dim ** -0.5, parallel)
         self.query_key_value = quant_linear(hidden, 3 * self.width, True, dtype, quant)  # q | k | v after load
         self.dense = quant_linear(self.width, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
                 slopes: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.query_key_value(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D]
-        kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
-        out = kernels.paged_attention(q, kv_cache, meta, self.scale, slopes, kv_scale=self.kv_scale)  # [T, H, D]
-        return self.parallel.all_reduce(self.dense(out.reshape(num_tokens, self.width)))
+        return self.attend(self.query_key_value, self.dense, x, kv_cache, meta, slopes)
 
 
 class BloomMLP(nn.Module):
@@ -115,7 +103,7 @@ class BloomModel(nn.Module):
         self.ln_f = LayerNorm(hidden, eps, dtype)
 
 
-class BloomForCausalLM(CausalLM):
+class BloomForCausalLM(TransformerH):
     has_position_limit = False
     _qkv = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
     _split = re.compile(r"\.(self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.(weight|bias)$")
@@ -127,17 +115,9 @@ class BloomForCausalLM(CausalLM):
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
                  parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
-        on_the_fly_only(quant, "BloomForCausalLM")
-        self.quant = quant
-        self.parallel = p = parallel
-        self.hidden_size = hidden = cfg_get(hf_config, "hidden_size", "n_embed")
-        self.total_num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
-        self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
-        first, self.num_heads = tp.even(self.total_num_heads, p.rank, p.world_size, "the attention heads")
-        self.num_kv_heads = self.num_heads
-        self.head_dim = hidden // self.total_num_heads
-        self.vocab_size = cfg_get(hf_config, "vocab_size")
-        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
+        hidden = cfg_get(hf_config, "hidden_size", "n_embed")
+        first = self.read_heads(hf_config, hidden, quant, parallel)
+        p = parallel
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
         post_ln = bool(hf_config.get("apply_residual_connection_post_layernorm", False))
         blocks = [BloomBlock(hidden, self.num_heads, self.head_dim, eps, post_ln, dtype, quant, p)
@@ -159,20 +139,7 @@ class BloomForCausalLM(CausalLM):
             x = self.transformer.word_embeddings_layernorm(self.transformer.word_embeddings(input_ids))  # [T, hidden]
         else:
             x = carried[0]
-        first = self.stage.start
-        for i in self.stage.layers(self.num_layers):
-            x = self.transformer.h[i](x, kv_caches[i - first], meta, self.alibi_slopes)
-        return self.transformer.ln_f(x) if self.stage.last else (x,)
-
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.transformer.h
-
-    def output_embedding(self) -> torch.Tensor:
-        return self.transformer.word_embeddings.weight if self.tie_word_embeddings else self.lm_head.weight
-
-    def normalize_name(self, name: str) -> str:
-        # bigscience checkpoints were saved from BloomModel, without the prefix
-        return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+        return self.run_layers(x, kv_caches, meta, self.alibi_slopes)
 
     def route(self, name: str) -> Route | None:
         if self._qkv.search(name):  # this rank's heads (still interleaved), then regrouped
@@ -186,11 +153,7 @@ class BloomForCausalLM(CausalLM):
         match = self._split.search(name) if p.world_size > 1 else None
         if match is None:
             return super().shard(name)
-        if match[1] == "mlp.dense_h_to_4h":
-            return partial(tp.column, rank=p.rank, world=p.world_size)
-        if match[2] == "bias":
-            return partial(tp.row_bias, rank=p.rank)
-        return partial(tp.row, rank=p.rank, world=p.world_size)
+        return self.column_or_row(match[1] == "mlp.dense_h_to_4h", match[2])
 
     def checkpoint_names(self) -> list[str]:
         names = ["transformer.word_embeddings.weight"]

@@ -13,19 +13,18 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.shared.engine.models.layers import (
-    CausalLM,
     Embedding,
     LayerNorm,
     Route,
     cfg_get,
     linear_names,
     lm_head,
-    on_the_fly_only,
     quant_linear,
     split_cut,
     submodule_route,
     vocab_embedding,
 )
+from kvrelay.shared.engine.models.transformer_h import FusedQKVAttention, TransformerH
 from kvrelay.shared.engine.parallel import linear as tp
 from kvrelay.shared.engine.parallel.pipeline import WHOLE, MissingLayer, PipelineStage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -35,25 +34,15 @@ from kvrelay.shared.engine.quant.config import QuantConfig
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
-class GPT2Attention(nn.Module):
-    kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
-
+class GPT2Attention(FusedQKVAttention):
     def __init__(self, hidden: int, num_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  quant: QuantConfig | None = None, parallel: ParallelState = SINGLE) -> None:
-        # num_heads: this rank's; c_proj's bias is rank 0's alone, so the all-reduce adds it once
-        super().__init__()
-        self.num_heads, self.head_dim, self.width = num_heads, head_dim, num_heads * head_dim
-        self.scale = scale
-        self.parallel = parallel
+        super().__init__(num_heads, head_dim, scale, parallel)
         self.c_attn = quant_linear(hidden, 3 * self.width, True, dtype, quant)  # rows: q | k | v
         self.c_proj = quant_linear(self.width, hidden, True, dtype, quant)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.c_attn(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
-        kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
-        out = kernels.paged_attention(q, kv_cache, meta, self.scale, kv_scale=self.kv_scale)  # [T, H, D]
-        return self.parallel.all_reduce(self.c_proj(out.reshape(num_tokens, self.width)))
+        return self.attend(self.c_attn, self.c_proj, x, kv_cache, meta)
 
 
 class GPT2MLP(nn.Module):
@@ -93,7 +82,7 @@ class GPT2Model(nn.Module):
         self.ln_f = LayerNorm(hidden, eps, dtype)
 
 
-class GPT2LMHeadModel(CausalLM):
+class GPT2LMHeadModel(TransformerH):
     # causal-mask buffers older checkpoints saved next to the weights
     ignored_names = re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
     _conv1d = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
@@ -106,23 +95,15 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None,
                  parallel: ParallelState = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
-        on_the_fly_only(quant, "GPT2LMHeadModel")
-        self.quant = quant
-        self.parallel = p = parallel
         act = cfg_get(hf_config, "activation_function", default="gelu_new")
         if act not in _GELU:
             raise ValueError(f"GPT2LMHeadModel supports activation_function in {sorted(_GELU)}, got {act!r}")
         if hf_config.get("add_cross_attention"):
             raise ValueError("GPT2LMHeadModel with cross-attention is not supported")
-        self.hidden_size = hidden = cfg_get(hf_config, "n_embd", "hidden_size")
-        num_heads = cfg_get(hf_config, "n_head", "num_attention_heads")
-        self.num_layers = cfg_get(hf_config, "n_layer", "num_hidden_layers")
-        self.total_num_heads = num_heads
-        self.num_heads = self.num_kv_heads = tp.even(num_heads, p.rank, p.world_size, "the attention heads")[1]
-        self.head_dim = hidden // num_heads
-        self.vocab_size = cfg_get(hf_config, "vocab_size")
+        hidden = cfg_get(hf_config, "n_embd", "hidden_size")
+        self.read_heads(hf_config, hidden, quant, parallel)
+        p = parallel
         self.max_positions = cfg_get(hf_config, "n_positions", "max_position_embeddings")
-        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
         inner = tp.even(cfg_get(hf_config, "n_inner", default=4 * hidden), p.rank, p.world_size,
                         "the inner size")[1]
         eps = cfg_get(hf_config, "layer_norm_epsilon", default=1e-5)
@@ -146,20 +127,7 @@ class GPT2LMHeadModel(CausalLM):
                 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # input_ids, positions: [T] -> [T, hidden] (a pipeline stage before the last: (hidden,))
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions) if carried is None else carried[0]
-        first = self.stage.start
-        for i in self.stage.layers(self.num_layers):
-            x = self.transformer.h[i](x, kv_caches[i - first], meta)
-        return self.transformer.ln_f(x) if self.stage.last else (x,)
-
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.transformer.h
-
-    def output_embedding(self) -> torch.Tensor:
-        return self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
-
-    def normalize_name(self, name: str) -> str:
-        # the original openai-community checkpoints were saved from GPT2Model, without the prefix
-        return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+        return self.run_layers(x, kv_caches, meta)
 
     def route(self, name: str) -> Route | None:
         if self._conv1d.search(name):  # Conv1D [in, out] -> Linear [out, in], then this rank's part
@@ -175,11 +143,7 @@ class GPT2LMHeadModel(CausalLM):
         module, kind = match[1], match[2]
         if module == "attn.c_attn":  # q | k | v, each split by heads
             return partial(tp.stacked_qkv, num_heads=self.total_num_heads, rank=p.rank, world=p.world_size)
-        if module == "mlp.c_fc":
-            return partial(tp.column, rank=p.rank, world=p.world_size)
-        if kind == "bias":  # the c_proj of either: row-parallel
-            return partial(tp.row_bias, rank=p.rank)
-        return partial(tp.row, rank=p.rank, world=p.world_size)
+        return self.column_or_row(module == "mlp.c_fc", kind)  # else the c_proj of either: row-parallel
 
     def checkpoint_names(self) -> list[str]:
         names = ["transformer.wte.weight", "transformer.wpe.weight",

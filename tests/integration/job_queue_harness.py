@@ -1,0 +1,20 @@
+"""What the job-queue tests (test_job_queue.py, test_job_queue_private.py, and test_job_queue_cluster.py, which
+runs both again on a Redis Cluster) share: a job of model MODEL and a queue of it."""
+
+import time
+
+from kvrelay.shared.wire.job_queue import JobQueue
+from kvrelay.shared.wire.protocol import Job
+from kvrelay.shared.wire.sampling_params import SamplingParams
+
+MODEL = "m"
+
+
+def make_job(rid: str) -> Job:
+    return Job(request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4), tenant="t",
+               priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
+
+
+def make_queue(r, consumer: str, idle_ms: int = 0, on_dead=None) -> JobQueue:
+    """A new queue reclaims and adopts on its first fetch; a job's third delivery is its last."""
+    return JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead)
