@@ -8,6 +8,7 @@ the client gets the rest of the same text. A worker whose rank dies while it is 
 run with ``--step-timeout 0``: a rank that is only stopped is test_stuck_rank.py's.)"""
 
 import concurrent.futures
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import redis
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import random_prompts
-from tests.e2e.cluster import Cluster, free_port
+from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.handoff_metrics import by_label
 from tests.e2e.served import Served
@@ -84,10 +85,12 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, k
         with Served(argv, tmp_path / "serve.log") as served:
             # a decode peer with more KV blocks than serve's is the one prefill workers hand KV to first
             more = ["--num-gpu-blocks-override", "16384"] if role == "decode" else []
-            port = free_port()
             cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--reclaim-idle-ms", str(RECLAIM_MS),
-                                              "--step-timeout", "0", "--monitoring-port", str(port), *more])
+                                              "--step-timeout", "0", "--monitoring-port", "0", *more])
             cluster.wait_worker(peer, timeout=300)
+            # an ephemeral port (a free port picked here could be taken before the worker binds it), logged
+            # before the worker registers
+            port = int(re.search(r"metrics on http://[^:]+:(\d+)/metrics", cluster.log(peer)).group(1))
             client = served.client(timeout=REQUEST_BOUND_S)
             rank = _rank(psutil.Process(cluster.procs[peer].pid))
             if when == "stopped":
