@@ -250,6 +250,11 @@ class EngineCore:
         a worker with nothing to step would otherwise stay registered with a group that cannot serve."""
         self.runner.check()
 
+    def abandon_ranks(self, waited_s: float) -> bool:
+        """From another thread, while a step has waited ``waited_s`` on the model's rank group (a rank stopped
+        or wedged): take the group down, so the step raises ``TensorParallelError``. False without a group."""
+        return self.runner.abandon_ranks(waited_s)
+
     # -- introspection for workers and metrics --------------------------------------------------
     def is_running(self, request_id: str) -> bool:
         return self._compiling.holds_seat(request_id) or any(r.request_id == request_id

@@ -298,6 +298,11 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         if self.ranks is not None:
             self.ranks.check()
 
+    def abandon_ranks(self, waited_s: float) -> bool:
+        """Take the rank group down from another thread, a step having waited ``waited_s`` on it
+        (ranks/group.py ``abandon``). False without a group, or when it is down already."""
+        return self.ranks is not None and self.ranks.abandon(waited_s)
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
         if self.ranks is not None:

@@ -46,6 +46,10 @@ class Registration:
         self.zmq_addr = ""  # set by the role once it binds its socket
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self._beat_now = threading.Event()
+        # a beat that waited for a step (the step lock) must not bring back the record ``unregister`` deleted
+        # while it waited: a worker that exits would stay listed until the record's TTL
+        self._publishing = threading.Lock()
+        self._unregistered = False
 
     def register_models(self) -> None:
         """The models the config asks to register, unless registered already (by a peer, or the admin API)."""
@@ -92,10 +96,13 @@ class Registration:
 
     def _publish_heartbeat(self, info: WorkerInfo) -> bool:
         """True when Redis is another server than at the last beat (restarted, maybe empty)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
-        pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
-        pipe.execute()
+        with self._publishing:
+            if self._unregistered:
+                return False
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(keys.worker_key(info.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
+            pipe.sadd(keys.WORKERS_INDEX, info.worker_id)
+            pipe.execute()
         # apart from the MULTI: a Redis Cluster refuses a keyless command in a pipeline
         server = self.redis.info("server")
         run_id, self._run_id = self._run_id, server.get("run_id")
@@ -156,8 +163,11 @@ class Registration:
                     self.publish_model(slot)
 
     def unregister(self) -> None:
-        try:
-            self.redis.delete(keys.worker_key(self.config.worker_id))
-            self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
-        except redis.RedisError as exc:  # Redis gone: the TTL removes the registration anyway
-            log.warning("could not unregister from Redis: %s", exc)
+        """Leave the registry, for good: later beats publish nothing."""
+        with self._publishing:
+            self._unregistered = True
+            try:
+                self.redis.delete(keys.worker_key(self.config.worker_id))
+                self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
+            except redis.RedisError as exc:  # Redis gone: the TTL removes the registration anyway
+                log.warning("could not unregister from Redis: %s", exc)

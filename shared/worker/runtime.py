@@ -5,7 +5,8 @@ events back to gateways, and a clean shutdown.
 Threads: the heartbeat (registration.py), the control listener (control.py), the abort listener
 (abort_listener.py) and the gateway watch (gateway_watch.py) only talk to Redis and hand commands, ids and
 dead gateways to the main loop through queues; the engines, their tensors and every ZMQ socket belong to
-the main loop alone (model loads build a new engine on their own thread, see model_host). A thread rides
+the main loop alone (model loads build a new engine on their own thread, see model_host); the stall watch
+(stall_watch.py) takes down the rank groups of a step that has waited too long on them. A thread rides
 out Redis errors only: anything else is a bug, which stops the worker with a non-zero exit for its
 supervisor to restart, rather than a warning a second for ever.
 
@@ -46,6 +47,7 @@ from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
 from kvrelay.shared.worker.shared_weights import SharedWeights, default_dir
+from kvrelay.shared.worker.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ class WorkerRuntime:
             "heartbeat": self.registration.run,
             "abort listener": self.aborts.run,
             "gateway watch": self.gateways.run,
+            "stall watch": StallWatch(self.host, self.config.step_timeout_s).run,
         }
         if self.config.model_repo:
             loops["control listener"] = lambda stop: self.control.listen(stop, self.host.commands)

@@ -10,6 +10,7 @@ wait until that thread holds the lock, so it gets in after at most the step in p
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 
@@ -22,6 +23,8 @@ class StepLock:
         self._waiting = 0  # threads other than the loop queued for the lock
         self._owner: int | None = None
         self._depth = 0
+        self.turn_since: float | None = None  # time.monotonic() when the loop's turn in progress began
+
 
     def acquire(self) -> bool:
         if self._owner == threading.get_ident():
@@ -56,9 +59,14 @@ class StepLock:
             with self._cond:
                 self._cond.wait_for(lambda: self._waiting == 0)
         self._take()
+        outer = self._depth == 1
+        if outer:
+            self.turn_since = time.monotonic()
         try:
             yield
         finally:
+            if outer:
+                self.turn_since = None
             self.release()
 
     def _take(self) -> None:

@@ -4,11 +4,14 @@ stages). The peer's group goes down, the peer exits and leaves the registry, no 
 request of the stream (openai SDK, several in flight) completes with the offline engine's greedy text within
 its bound: a prefill peer's jobs are re-delivered to serve's prefill worker; a prompt whose KV was on its way
 to a decode peer is prefilled again; a request a decode peer was decoding is queued again by the gateway, and
-the client gets the rest of the same text. A worker whose rank dies while it is idle leaves too."""
+the client gets the rest of the same text. A worker whose rank dies while it is idle leaves too. (The peers
+run with ``--step-timeout 0``: a rank that is only stopped is test_stuck_rank.py's.)"""
 
 import concurrent.futures
+import re
 import threading
 import time
+from collections.abc import Callable
 
 import openai
 import psutil
@@ -20,6 +23,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.handoff_metrics import by_label
 from tests.e2e.served import Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -45,6 +49,12 @@ def _holds_jobs(cluster: Cluster, worker_id: str) -> bool:
     return held > 0
 
 
+def _generated(port: int) -> float:
+    """The tokens a worker has sampled (``vllm:generation_tokens`` on its /metrics), as of now: it counts a
+    step's tokens before the worker sends them to the gateway."""
+    return sum(by_label(port, "vllm:generation_tokens_total", "model_name").values())
+
+
 def _wait(what: str, ready, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -53,7 +63,7 @@ def _wait(what: str, ready, timeout: float = 60) -> None:
 
 
 # when the rank dies: its worker's group hung on its first work (the rank stopped until the kill: mid-step for
-# a prefill, holding handed-off KV for a decode), or a decode worker decoding requests
+# a prefill, holding handed-off KV for a decode), or a decode worker decoding a request it cannot have finished
 WHEN = [("prefill", "tensor", "stopped"), ("decode", "pipeline", "stopped"), ("decode", "tensor", "decoding")]
 
 
@@ -61,7 +71,7 @@ WHEN = [("prefill", "tensor", "stopped"), ("decode", "pipeline", "stopped"), ("d
 def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, kind, when, tiny_model_dir, redis_url,
                                                                          tmp_path):
     prompts = random_prompts(16, lo=5, hi=60, seed=11)
-    max_tokens = MAX_TOKENS if when == "stopped" else 120  # long enough to be decoding there when it dies
+    max_tokens = MAX_TOKENS if when == "stopped" else 180  # prompts are at most 60 tokens: 240 fit in 256
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
         want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
@@ -76,15 +86,18 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, k
             # a decode peer with more KV blocks than serve's is the one prefill workers hand KV to first
             more = ["--num-gpu-blocks-override", "16384"] if role == "decode" else []
             cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--reclaim-idle-ms", str(RECLAIM_MS),
-                                              *more])
+                                              "--step-timeout", "0", "--monitoring-port", "0", *more])
             cluster.wait_worker(peer, timeout=300)
+            # an ephemeral port (a free port picked here could be taken before the worker binds it), logged
+            # before the worker registers
+            port = int(re.search(r"metrics on http://[^:]+:(\d+)/metrics", cluster.log(peer)).group(1))
             client = served.client(timeout=REQUEST_BOUND_S)
             rank = _rank(psutil.Process(cluster.procs[peer].pid))
             if when == "stopped":
                 rank.suspend()
             first_token = threading.Event()
 
-            def ask(prompt: list[int]) -> str | openai.APIError:
+            def ask(prompt: list[int], on_chunk: Callable[[int], None] = lambda n: None) -> str | openai.APIError:
                 text = []
                 try:
                     for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
@@ -92,18 +105,39 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, k
                                                            extra_body={"ignore_eos": True}):
                         first_token.set()
                         text.append(chunk.choices[0].text if chunk.choices else "")
+                        on_chunk(len(text))
                 except openai.APIError as exc:
                     return exc
                 return "".join(text)
 
+            def decoding_there(pool: concurrent.futures.Executor) -> list[concurrent.futures.Future]:
+                """Requests one at a time until the peer, its rank stopped, holds one it cannot finish: the sole
+                request it has sampled tokens for since, and too few of them (a group whose rank is stopped
+                completes at most the steps already in flight). The first one is it, unless the peer took no
+                part in it (prefill workers chose the other decode worker) or ran far ahead of its client."""
+                asked = []
+                for prompt in prompts:
+                    before, second = _generated(port), threading.Event()
+                    asked.append(pool.submit(ask, prompt, lambda n, second=second: n >= 2 and second.set()))
+                    asked[-1].add_done_callback(lambda _, second=second: second.set())  # or it ended without one
+                    _wait("a second token", second.is_set, REQUEST_BOUND_S)
+                    rank.suspend()
+                    if 0 < _generated(port) - before <= max_tokens // 2:
+                        return asked
+                    rank.resume()
+                    asked[-1].result(timeout=REQUEST_BOUND_S)  # its tokens are all counted before the next
+                raise AssertionError("the decode peer never held a request it could not finish")
+
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                futures = [pool.submit(ask, p) for p in prompts]
+                if when == "decoding":
+                    futures = decoding_there(pool)
+                    futures += [pool.submit(ask, p) for p in prompts[len(futures):]]
+                else:
+                    futures = [pool.submit(ask, p) for p in prompts]
                 if role == "prefill":
                     _wait("the prefill peer holding jobs", lambda: _holds_jobs(cluster, peer))
                 elif when == "stopped":  # a first token is out: its KV goes to the decode worker with most room
                     _wait("a first token", first_token.is_set)
-                else:
-                    _wait("the decode peer decoding", lambda: cluster.worker(peer).running > 0)
                 rank.kill()
                 got = [f.result(timeout=REQUEST_BOUND_S + 30) for f in futures]
             assert cluster.procs[peer].wait(timeout=60) != 0

@@ -5,7 +5,9 @@ stops them.
 Ranks die together. Each rank exits when rank 0 dies (the kernel's parent-death signal, and a check of
 its parent while idle). When a rank dies, a watchdog thread here kills the others at once, so a
 collective rank 0 is blocked in fails on the closed connections instead of waiting for its timeout; the
-engine's next (or current) step raises ``TensorParallelError`` naming the rank and how it ended.
+engine's next (or current) step raises ``TensorParallelError`` naming the rank and how it ended. A rank
+that hangs instead (stopped, wedged) is not seen here: whoever knows how long a step may take (a worker,
+shared/worker/stall_watch.py) calls ``abandon``, which ends the step the same way.
 """
 
 import logging
@@ -168,6 +170,23 @@ class RankGroup:
         self._kill()
         return TensorParallelError(self._failure)
 
+    def abandon(self, waited_s: float) -> bool:
+        """Take the group down from another thread because rank 0 has waited ``waited_s`` on a step: a rank
+        that stopped (SIGSTOP) or wedged never joins the collective, and nothing else ends the wait before the
+        collective timeout. The ranks are killed, so the step in progress fails on the closed connections with
+        this as its error. False when the group is down or closing already."""
+        with self._lock:
+            if self._failure is not None or self._closing:
+                return False
+            stuck = "".join(f"; rank {r} (pid {p.pid}) is stopped" for r, p in enumerate(self._procs, start=1)
+                            if _stopped(p.pid))
+            self._failure = (f"{self._kind} group of {self.world_size} is stuck: a step has waited "
+                             f"{waited_s:.1f} s on its ranks{stuck}; the group is down")
+            log.error("%s", self._failure)
+        self._kill()
+        self._abort_collectives()
+        return True
+
     def _watch(self) -> None:
         while not self._closing and self._failure is None:
             for rank, proc in enumerate(self._procs, start=1):
@@ -228,6 +247,15 @@ class RankGroup:
                 proc.kill()
                 proc.wait()
         self._finalizer()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal or a tracer (Linux; False where /proc says nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
 
 
 def _kill_all(procs: list[subprocess.Popen], sender: StepSender, folder: Path) -> None:
