@@ -139,10 +139,12 @@ async def _storm(c: Cluster, ports: dict[str, int], clients: int) -> tuple[float
         deadline = time.monotonic() + HANG_S
         while in_flight(c) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        let_go = time.monotonic()
         while not idle(c, ports):
             assert time.monotonic() < deadline, "still busy after the storm:\n" + "\n".join(
                 f"{name}: running, waiting, KV {gauges(port)}" for name, port in ports.items())
             await asyncio.sleep(0.05)
+        print(f"every worker idle {time.monotonic() - let_go:.2f}s after the gateway let go of the last request")
         storm_tokens = generated(ports) - before
         woke = {}
         quiet_until = time.monotonic() + STAY_IDLE_S

@@ -127,11 +127,13 @@ async def _kill_a_under_load(c: Cluster, port_a: int, port_b: int, metrics_port:
         assert await running(client, metrics_port) == ON_A + ON_B
         async with beating_for(c, "gw-a"):
             c.kill("gw-a")
-            deadline = time.monotonic() + HANG_S
+            killed = time.monotonic()
+            deadline = killed + HANG_S
             while await running(client, metrics_port) > ON_B:
                 assert time.monotonic() < deadline, "A's requests still decoding:\n" + c.log("d1")[-3000:]
                 await asyncio.sleep(0.1)
             left = [s.tokens for s in on_b]
+            print(f"A's requests left the decode batch {time.monotonic() - killed:.2f}s after the kill")
             while not all(s.tokens >= n + GOING_ON or s.ended for s, n in zip(on_b, left, strict=True)):
                 assert time.monotonic() < deadline, f"B's streams stalled at {[s.tokens for s in on_b]} tokens"
                 await asyncio.sleep(0.1)
