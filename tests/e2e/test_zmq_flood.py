@@ -34,7 +34,9 @@ def _seat_waits(cluster: Cluster, handoffs: int) -> float:
     one when it reads the decode worker's ack, which may come after the client has its answer)."""
     port = cluster.metrics_ports["p1"]
     assert sum(handoffs_settled(port, "transport", handoffs, bound_s=60).values()) >= handoffs
-    return sum(by_label(port, SEAT_WAITS, "model_name").values())
+    waits = by_label(port, SEAT_WAITS, "model_name")
+    assert waits, f"p1 exposes no {SEAT_WAITS}"  # or the comparison below would hold for any flood
+    return sum(waits.values())
 
 
 @pytest.fixture()
