@@ -1,13 +1,12 @@
 """Tenants on real workers: a prefill and a decode worker process (tiny model, CPU), a gateway, an
 embedded Redis, and jobs XADDed the way the gateway queues them, with tenants, salts and arrival times
-of our choosing (``jobs.py``). Fair admission keeps a trickling tenant's TTFT near its unloaded value
-while another floods; per-tenant prefix caches never serve one tenant's KV to another; the workers'
+of our choosing (``jobs.py``). Fair admission serves a trickling tenant's requests ahead of another
+tenant's flood that came first; per-tenant prefix caches never serve one tenant's KV to another; the workers'
 Prometheus endpoints (``--monitoring-port``) move as requests flow and go back to idle; and every metric
 the deploy/ alerts and dashboard use is one a live worker or gateway exposes."""
 
 import random
 import shutil
-import statistics
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +27,7 @@ MODEL = "tiny"
 # 8192 blocks hold the whole flood's KV; the 1 GiB CPU default only costs start-up time here
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--served-model-name", MODEL,
           "--num-gpu-blocks-override", "8192"]
-# A small prefill budget makes the flood a backlog of seconds on CI's CPUs; FCFS would put B behind it.
+# A small prefill budget makes the flood a backlog of hundreds of scheduler steps; FCFS would put B behind it.
 PREFILL = ["--max-num-batched-tokens", "64"]
 
 
@@ -105,29 +104,19 @@ def test_prefix_caches_are_never_shared_across_tenants(jobs):
 
 def test_flooding_tenant_does_not_starve_a_trickling_one(jobs):
     rng = random.Random(1)
-    unloaded = []
-    for i in range(5):
-        jobs.submit(f"solo-{i}", prompt(rng, 16), tenant="b", max_tokens=2)
-        unloaded.append(jobs.wait([f"solo-{i}"])[0].ttft)
     flood = [(f"flood-{i}", prompt(rng, 200), "a") for i in range(200)]
     jobs.submit_many(flood, max_tokens=2)
-    time.sleep(0.2)  # the prefill worker has taken the flood in and is working through it
     trickle = []
-    for i in range(5):
+    for i in range(5):  # one at a time, each once the last one is answered: a user who waits for replies
         jobs.submit(f"trickle-{i}", prompt(rng, 16), tenant="b", max_tokens=2)
-        trickle.append(f"trickle-{i}")
-        time.sleep(0.15)
-    loaded = [s.ttft for s in jobs.wait(trickle, timeout=60)]
-    a = jobs.wait([rid for rid, _, _ in flood], timeout=180)
-    a_ttft = sorted(s.ttft for s in a)
-    u, m = statistics.median(unloaded), statistics.median(loaded)
-    print(f"\nB TTFT unloaded median {u * 1000:.1f} ms {[round(x * 1000) for x in unloaded]}; "
-          f"during A's flood median {m * 1000:.1f} ms {[round(x * 1000) for x in loaded]}; "
-          f"A's TTFT median {statistics.median(a_ttft):.2f} s, max {a_ttft[-1]:.2f} s")
-    # The flood is a real backlog (in one FCFS queue B would wait about as long as A's later requests)...
-    assert a_ttft[-1] > 5 * u + 0.5
-    # ...yet B's requests are admitted within a few scheduler steps of arriving.
-    assert m < 5 * u + 0.5
+        trickle += jobs.wait([f"trickle-{i}"], timeout=120)
+    a = jobs.wait([rid for rid, _, _ in flood], timeout=600)
+    # In one FCFS queue each of B's requests, queued after the whole flood, would get its first token after
+    # every one of A's; admitted by tokens served, each goes ahead of most of A's backlog, however fast the
+    # machine works through it.
+    ahead_of = [sum(s.first > t.first for s in a) for t in trickle]
+    print(f"\neach of B's requests got its first token before this many of A's {len(flood)}: {ahead_of}")
+    assert all(n > len(flood) // 2 for n in ahead_of), ahead_of
 
 
 def test_worker_metrics_move_and_settle(cluster, jobs):

@@ -120,7 +120,7 @@ class FakeWorker:
             thread = threading.Thread(target=target, args=args, daemon=True)
             thread.start()
             self._threads.append(thread)
-        assert pubsub_ready.wait(5)
+        assert pubsub_ready.wait(60)  # a hang bound: the abort thread has subscribed
         return self
 
     def stop(self) -> None:

@@ -211,13 +211,13 @@ def test_worker_error_non_stream_and_stream(stack):
 def test_a_dead_holder_announced_before_any_decode_token_fails_the_stream(stack):
     """The decode side names itself (an event with no tokens) before the prefill side drops the job; if it
     dies before its first token, the gateway must fail the stream within its poll, not hang, and the
-    announcement itself must not reach the client as an empty chunk."""
-    started = time.monotonic()
+    announcement itself must not reach the client as an empty chunk. A hang would end at the request
+    timeout with a timeout_error; the error naming the stopped worker is the poll's."""
     raw = _post(stack, "/v1/completions", {"model": MODEL, "prompt": "[orphan] go", "stream": True,
                                            "max_tokens": 5}).text
-    assert time.monotonic() - started < 15
     events = [e for e in raw.split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and "stopped" in events[-2] and '"error"' in events[-2]
+    assert "timeout_error" not in events[-2]
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert [c["choices"][0]["text"] for c in chunks] and all(c["choices"][0]["text"] for c in chunks)
 
@@ -237,7 +237,7 @@ def test_malformed_token_batches_are_dropped(stack):
     assert out.status_code == 200
 
 
-async def _next_abort(pubsub, timeout: float = 5.0) -> Abort:
+async def _next_abort(pubsub, timeout: float = 60.0) -> Abort:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
@@ -274,14 +274,14 @@ def _silent_jobs(stack) -> list[str]:
 
 
 def test_request_timeout_is_a_clean_error(stack):
-    """A job nobody answers ends at the deadline with a 504 (or an SSE error), never a hang, and is aborted."""
+    """A job nobody answers ends at the deadline with a 504 (or an SSE error), never a hang, and is aborted.
+    The client's own timeout only bounds a hang: the 504 is the gateway's, sent at its deadline."""
     server = GatewayServer(gateway_config(stack.redis_url, request_timeout=1.0)).start()
     try:
-        started = time.monotonic()
-        resp = requests.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "[silent] go"}, timeout=10)
+        resp = requests.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "[silent] go"}, timeout=60)
         err = _error(resp, 504, "timeout_error")
-        assert "timed out" in err["message"] and time.monotonic() - started < 5
-        resp = requests.post(f"{server.url}/v1/chat/completions", timeout=10,
+        assert "timed out after 1s" in err["message"]
+        resp = requests.post(f"{server.url}/v1/chat/completions", timeout=60,
                              json={**CHAT, "messages": [{"role": "user", "content": "[silent]"}], "stream": True})
         events = resp.text.split("\n\n")
         assert resp.status_code == 200 and events[-2] == "data: [DONE]" and "timeout_error" in events[-3]

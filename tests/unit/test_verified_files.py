@@ -66,7 +66,7 @@ def test_concurrent_callers_share_one_hash(tmp_path, hashes):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(60)
     assert len(set(out)) == 1 and len(out) == 4
     assert len(hashes) == 1
 
