@@ -3,6 +3,7 @@ workers share kvrelay serve's terminal), its "serving" line names a real address
 come from, never an empty one, and its warm-up ends before that line."""
 
 import re
+import time
 
 import pytest
 
@@ -25,6 +26,10 @@ def test_each_worker_names_its_role_and_where_it_serves(tmp_path, redis_url, smo
         cluster.start_worker("prefill", "p1", ["--no-share-weights"])
         cluster.start_worker("decode", "d1", ["--skip-warmup", "--no-share-weights"])
         cluster.wait_ready()
+        # a worker registers, starts its threads and then says where it serves: the gateway can be ready first
+        bound = time.monotonic() + 60
+        while not all(" serving " in cluster.log(w) for w in ("p1", "d1")) and time.monotonic() < bound:
+            time.sleep(0.1)
         prefill, decode = cluster.log("p1"), cluster.log("d1")
     finally:
         cluster.stop()
