@@ -102,7 +102,8 @@ def model_run(prompts: int, length: int) -> None:
     step were made of whole prompts). Every run has prompts of its own (no prefix-cache hits)."""
     import random
 
-    from kvrelay import LLM, SamplingParams
+    from kvrelay import LLM
+    from kvrelay.bench.prefill_steps import run_once
     llm = LLM(model="dummy:llama-3-8b", load_format="dummy", max_model_len=length + 8, max_num_seqs=128,
               max_num_batched_tokens=8192)
     vocab = llm.engine.core.vocab_size
@@ -115,14 +116,6 @@ def model_run(prompts: int, length: int) -> None:
         rng = random.Random(seed)
         return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
 
-    def seconds(batch: list[list[int]]) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in batch], params)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     rng = random.Random(0)
     sets = {f"{prompts} x {length}": [length] * prompts,
             f"{prompts} of 1,024-{length} tokens": [rng.randint(1024, length) for _ in range(prompts)]}
@@ -130,8 +123,8 @@ def model_run(prompts: int, length: int) -> None:
         for _rep in range(2):
             for name, fn in (("whole prompts through SDPA", spans), ("the paged Triton kernel", lambda meta: None)):
                 registered.prompt_spans = fn
-                seconds(prompt_set(lengths[:4]))
-                secs = seconds(prompt_set(lengths))
+                run_once(llm, prompt_set(lengths[:4]))
+                secs = run_once(llm, prompt_set(lengths))
                 print(f"prefill {set_name}, {name}: {sum(lengths) / secs:,.0f} tok/s ({secs:.3f} s)", flush=True)
     registered.prompt_spans = spans
 

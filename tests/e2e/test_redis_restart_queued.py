@@ -23,8 +23,8 @@ from tests.e2e.sse_client import Outcome, post_json, stream_completion
 
 pytestmark = pytest.mark.slow
 CLIENT_TIMEOUT_S = 120  # far above any answer here (the gateway's request timeout is its default 600 s)
-# liveness bound for a loaded CI box: a request whose job is gone is answered within it of the restart, far
-# below the request timeout (600 s) a missed loss would wait out
+# a hang bound, not a speed claim: a request whose job is gone is answered within it of the restart, far below
+# the request timeout (600 s) a missed loss would wait out
 LOST_BOUND_S = 120.0
 POLL_S = 1.0  # the gateway's disconnect_poll_s: how often a waiting request looks at its state
 RESTARTED = "redis restarted (run_id"

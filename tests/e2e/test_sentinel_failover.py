@@ -30,7 +30,7 @@ from tests.integration.tenant_harness import ADMIN_KEY, Admin, bearer
 pytestmark = pytest.mark.slow
 CLIENTS = 8
 ANSWER_BOUND_S = 30.0  # every client gets an answer within this, failover or not
-RESUME_BOUND_S = 120.0  # liveness bound for a loaded CI box: past it serving did not resume
+RESUME_BOUND_S = 120.0  # a hang bound, not a speed claim: past it serving did not resume
 PROBES = 4  # requests queued in the failover window, on the master alone
 AFTER = 30  # successes after serving resumed before the load stops
 CLEAN_CODES = {"queue_lost", "auth_unavailable", "queue_unavailable", "store_unavailable", "worker_lost", "no_worker"}

@@ -14,7 +14,7 @@ from kvrelay.shared.wire.redis_conn import sync_client
 from tests.e2e.restartable_redis import RestartableRedis
 from tests.integration.gateway_harness import GatewayServer, gateway_config
 
-BOUND_S = 60.0  # liveness bound for a loaded CI box: the gateway's watch probes every 0.5 s
+BOUND_S = 60.0  # a hang bound, not a speed claim: the gateway's watch probes every 0.5 s
 
 
 def _put(r, spec: ModelSpec) -> None:

@@ -9,7 +9,7 @@ import zmq
 from kvrelay.shared.worker import link_watch
 from kvrelay.shared.worker.link_watch import LinkWatch
 
-BOUND_S = 60.0  # liveness bound for a loaded CI box; the watch itself reports after LOST_AFTER_S
+BOUND_S = 60.0  # a hang bound, not a speed claim; the watch itself reports after LOST_AFTER_S
 
 
 def lost_within(watch: LinkWatch, seconds: float) -> list[str]:
