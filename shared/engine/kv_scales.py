@@ -37,7 +37,7 @@ def cache_kv_scales(model_config: ModelConfig, kv_cache_dtype: str, root: Path |
     if _dummy(model_config):
         return [] if kv_cache_dtype in FP8_NAMES else None
     if kv_cache_dtype in FP8_NAMES:
-        scales = checkpoint_kv_scales(model_config, root)
+        scales = _checkpoint_scales(model_config, root)
         if not scales:
             log.info("%s carries no KV cache scales: the fp8 KV cache uses 1.0 for every layer", model_config.model)
         return scales
@@ -47,10 +47,8 @@ def cache_kv_scales(model_config: ModelConfig, kv_cache_dtype: str, root: Path |
     return None
 
 
-def checkpoint_kv_scales(model_config: ModelConfig, root: Path | None = None) -> KVScales:
+def _checkpoint_scales(model_config: ModelConfig, root: Path | None) -> KVScales:
     """[layer][K, V] of the KV scales the checkpoint carries for every layer, [] when it carries none."""
-    if _dummy(model_config):
-        return []
     found: dict[tuple[int, int], float] = {}  # (layer, 0 = K / 1 = V) -> scale
     for file, names in _scale_names(model_config, root).items():
         with safe_open(str(file), framework="pt", device="cpu") as reader:
