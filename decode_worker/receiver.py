@@ -37,6 +37,9 @@ class HandoffReceiver(KVInbox):
         if req.kv_dtype and req.kv_dtype != mine:
             return (f"KV cache dtype mismatch: the prefill worker's KV is {req.kv_dtype}, this decode worker's "
                     f"is {mine}; give both the same --kv-cache-dtype")
+        if req.kv_scales and req.kv_scales != core.kv.scales_digest:
+            return (f"KV cache scales mismatch: the prefill worker's fp8 KV scales (digest {req.kv_scales}) are not "
+                    f"this decode worker's ({core.kv.scales_digest or 'none'}); load the same checkpoint on both")
         if core.is_running(req.request_id):
             return "duplicate request id"  # a reclaimed job must never stream twice
         cap = self.max_per_peer or max(1, core.max_num_seqs // 2)

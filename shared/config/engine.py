@@ -52,10 +52,10 @@ class CacheConfig:
                                 ge=0)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a prompt's already computed prefix")
     # vLLM's flag and names: fp8 is fp8_e4m3 (float8_e4m3fn, one fixed float32 scale per layer for K and
-    # one for V: shared/engine/kv_dtype.py says which and why)
+    # one for V: shared/engine/kv_dtype.py says which and why, shared/engine/kv_scales.py reads them)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = setting(
         "auto", "KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the bytes of bf16, "
-                "twice the blocks in the same memory)")
+                "twice the blocks in the same memory; per-layer K/V scales from the checkpoint, else 1.0)")
 
 
 @dataclass(config=CONFIG)

@@ -85,12 +85,14 @@ class EngineKV:
                  export: Callable[[list[int]], torch.Tensor] | None = None,
                  import_: Callable[[list[int], torch.Tensor], None] | None = None,
                  send_parts: Callable[..., int] | None = None,
-                 flush_parts: Callable[[], bool] | None = None, inlets=None):
+                 flush_parts: Callable[[], bool] | None = None, inlets=None, scales_digest: str = ""):
         """``world_size``: the model's processes (tensor-parallel ranks x pipeline stages);
         ``num_kv_heads`` / ``num_layers``: the model's, over every rank (default: the cache's); ``export`` /
         ``import_``: full blocks out of / into every rank's cache (needed when ``world_size`` > 1);
         ``send_parts`` / ``flush_parts``: every rank sends its own part (``send_parts`` below); ``inlets``:
-        every rank takes its own share of arriving KV (shared/engine/ranks/kv_inlet.py ``InletDriver``)."""
+        every rank takes its own share of arriving KV (shared/engine/ranks/kv_inlet.py ``InletDriver``);
+        ``scales_digest``: of an fp8 cache's per-layer scales ("" for another dtype, shared/engine/kv_scales.py),
+        which a peer's must equal for its blocks to mean the same here."""
         self._blocks = block_manager
         self._kv_cache = kv_cache
         self._release_held = release_held
@@ -100,6 +102,7 @@ class EngineKV:
         self._export, self._import = export, import_
         self._send_parts, self._flush_parts = send_parts, flush_parts
         self._inlets = inlets
+        self.scales_digest = scales_digest
 
     # -- scheduler side ---------------------------------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -244,4 +247,4 @@ def engine_kv(runner, block_manager: BlockManager, release_held: Callable[[str],
     return EngineKV(block_manager, lambda: runner.kv_cache, release_held, runner.set_kv_stream,
                     world_size=runner.world_size, num_kv_heads=runner.total_kv_heads,
                     num_layers=runner.model.num_layers, export=runner.export_kv, import_=runner.import_kv,
-                    **parts, inlets=runner.inlets)
+                    **parts, inlets=runner.inlets, scales_digest=runner.kv_scales_digest)

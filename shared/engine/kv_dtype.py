@@ -4,16 +4,17 @@
 half the bytes of bf16, so the same memory holds twice the blocks. A layer stores ``x / scale`` and
 reads ``stored * scale`` (kernels/kv_quant.py), one float32 scale for K and one for V per layer.
 
-The scheme: the scales an FP8 checkpoint carries for its layers (``checkpoint_kv_scales`` in
-shared/engine/loader.py reads them under vLLM's names), else 1.0, as vLLM does when there are none.
+The scheme: the scales an FP8 checkpoint carries for its layers (shared/engine/kv_scales.py reads them
+under vLLM's names), else 1.0, as vLLM does when there are none.
 - Fixed for the cache's life: a block written under one scale and read under another is misread, and
   blocks outlive the requests that wrote them (prefix caching, swap, a handoff to another worker). A
   scale measured at the first write would be measured on whichever prompt came first and could never
   be corrected afterwards.
 - The same on every worker without coordination: a prefill worker's blocks are read by a decode worker
-  with nothing but the dtype and the model version to agree on (the handoff refuses a mismatch of
-  either), and both read the same checkpoint's scales. A process whose weights are mapped from another
-  (shared/worker/shared_weights.py) reads them from the checkpoint too: they are not weights.
+  with nothing but the dtype, the model version and a digest of the scales to agree on (the handoff
+  refuses a mismatch of any), and both read the same checkpoint's scales. A process whose weights are
+  mapped from another (shared/worker/shared_weights.py) reads them from the checkpoint too: they are not
+  weights.
 - 1.0 suffices: e4m3 spans 2^-9 .. 448 with 3 mantissa bits, so post-projection K and V (magnitudes
   from ~1e-2 to a few hundred in the models served here) keep ~6% relative precision per element,
   and values past ±448 clamp instead of becoming inf. A checkpoint calibrated its scales on real
@@ -64,22 +65,24 @@ def kv_scale_entry(name: str, value: torch.Tensor) -> tuple[int, tuple[int, ...]
     kind = match.group(2)
     which = (0, 1) if kind == "kv_scale" else (0,) if kind.startswith("k") else (1,)
     flat = value.float().reshape(-1)
-    if flat.numel() != 1 or not math.isfinite(scale := float(flat[0])) or scale <= 0:
+    if flat.numel() != 1:
+        raise ValueError(f"KV scale {name!r} has {flat.numel()} values: one scale per layer is supported "
+                         "(not per head)")
+    if not math.isfinite(scale := float(flat[0])) or scale <= 0:
         raise ValueError(f"KV scale {name!r} must be one positive finite number; the checkpoint has "
                          f"{flat.tolist()[:4]}")
     return int(match.group(1)), which, scale
 
 
 def attach_kv_scales(model: nn.Module, device: torch.device,
-                     checkpoint: dict[int, list[float]] | None = None) -> torch.Tensor:
+                     checkpoint: list[list[float]] | None = None) -> torch.Tensor:
     """Give each decoder layer's attention its ``kv_scale`` ([2] float32: K, V) and return them all as
-    ``[L, 2]``: ``checkpoint``'s (layer index -> [K, V]) where it has the layer, 1.0 elsewhere. Attention
-    modules declare the attribute; the kernels read it only for an fp8 cache."""
+    ``[L, 2]``: ``checkpoint``'s ([layer][K, V] for every layer of the model, shared/engine/kv_scales.py), 1.0
+    when it has none. Attention modules declare the attribute; the kernels read it only for an fp8 cache."""
     held = model.held_layers()  # a pipeline stage: its own layers, by their index in the whole model
     scales = torch.ones(len(held), 2, dtype=torch.float32)
-    for i, (index, _) in enumerate(held):
-        if checkpoint and index in checkpoint:
-            scales[i] = torch.tensor(checkpoint[index], dtype=torch.float32)
+    if checkpoint:
+        scales = torch.tensor([checkpoint[index] for index, _ in held], dtype=torch.float32)
     scales = scales.to(device)
     for i, (_, layer) in enumerate(held):
         attn = next(m for m in layer.modules() if hasattr(m, "kv_scale"))

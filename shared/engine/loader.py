@@ -20,7 +20,6 @@ from torch import nn
 from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
-from kvrelay.shared.engine.kv_dtype import KV_SCALE_NAME, kv_scale_entry
 from kvrelay.shared.engine.models import build_model, get_model_class
 from kvrelay.shared.engine.parallel.pipeline import make_stage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -87,25 +86,6 @@ def check_split_quantization(quant: QuantConfig, world_size: int) -> None:
         raise ValueError(f"quantization {quant.method} with act-order (desc_act) does not support "
                          f"tensor_parallel_size {world_size}: use a checkpoint without desc_act, or "
                          "pipeline_parallel_size")
-
-
-def checkpoint_kv_scales(model_config: ModelConfig, root: Path | None = None) -> dict[int, list[float]]:
-    """Layer index -> [K scale, V scale] of the KV scales the checkpoint carries (shared/engine/kv_dtype.py;
-    1.0 for one it lacks), read from the files directly: a process whose weights are mapped from another
-    loads no tensors of its own, and its cache must read blocks as the other's does. Dummy weights: none."""
-    if model_config.load_format == "dummy" or model_config.model.startswith(DUMMY_PREFIX):
-        return {}
-    scales: dict[int, list[float]] = {}
-    for file in safetensors_files(Path(model_config.model), root):
-        names = [n for n in read_safetensors_header(file) if KV_SCALE_NAME.search(n)]
-        if not names:
-            continue
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for name in names:
-                layer, which, scale = kv_scale_entry(name, reader.get_tensor(name))
-                for w in which:
-                    scales.setdefault(layer, [1.0, 1.0])[w] = scale
-    return scales
 
 
 def model_file(model_dir: Path, name: str, root: Path | None = None) -> Path:

@@ -23,9 +23,10 @@ from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
 from kvrelay.shared.engine.handoff_hooks import HandoffHooks
 from kvrelay.shared.engine.kv_cache import RunnerKVCache
 from kvrelay.shared.engine.kv_connector import KVLinks
-from kvrelay.shared.engine.kv_dtype import FP8_NAMES, attach_kv_scales, check_device, kv_cache_dtype
+from kvrelay.shared.engine.kv_dtype import attach_kv_scales, check_device, kv_cache_dtype
 from kvrelay.shared.engine.kv_pool import KVPool
-from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
+from kvrelay.shared.engine.kv_scales import cache_kv_scales, scales_digest
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
@@ -62,11 +63,14 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         self.config = config
         self.device = torch.device(config.device)
         check_device(config.cache.kv_cache_dtype, self.device)
+        # read (and checked) before any rank starts: every rank's layers take theirs from this table
+        self.kv_scale_table = cache_kv_scales(config.model, config.cache.kv_cache_dtype, model_root)
         # tensor parallelism: ranks 1..N-1 start (and join the group) before this rank loads its shard. With
         # a KV pool shared with co-resident models, this rank's cache is its view of the pool and the others
         # each allocate a cache of the view's block count (RankAlloc), so every block id rank 0's block
         # manager is lent indexes the same block on every rank (holding each rank's own heads or layers)
-        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root, links=kv_links)
+        self.ranks: RankGroup | None = start_ranks(config, shared=loaded is not None, root=model_root, links=kv_links,
+                                                   kv_scales=self.kv_scale_table)
         self.parts = PartSender(kv_links) if kv_links is not None else None  # no socket before its first part
         # the model's tensor-parallel peers (none in a pipeline); stage 0 of a pipeline is this rank's
         self.parallel = self.ranks.model_state if self.ranks is not None else SINGLE
@@ -88,8 +92,8 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         self.dtype = next(self.model.parameters()).dtype
         # what the KV cache stores (--kv-cache-dtype): the model's dtype, or fp8 with per-layer scales
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        kv_scales = checkpoint_kv_scales(config.model, root) if config.cache.kv_cache_dtype in FP8_NAMES else None
-        self.kv_scales = attach_kv_scales(self.model, self.device, kv_scales)  # [L, 2]: K, V
+        self.kv_scales = attach_kv_scales(self.model, self.device, self.kv_scale_table)  # [L, 2]: K, V
+        self.kv_scales_digest = scales_digest(self.kv_scale_table, self.model.num_layers)  # "" unless fp8
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.sampler = Sampler()

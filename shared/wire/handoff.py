@@ -45,6 +45,9 @@ class HandoffRequest:
     # what the asker's KV cache stores ("bfloat16", "float8_e4m3fn", ...; "" = not said): a decode worker
     # whose cache stores another dtype refuses before any byte moves, rather than misread them
     kv_dtype: str = field(default="", metadata=_ID)
+    # an fp8 cache's per-layer K/V scales, digested (shared/engine/kv_scales.py; "" = not said): the same bytes
+    # under other scales are other values, refused like another dtype
+    kv_scales: str = field(default="", metadata=_ID)
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:

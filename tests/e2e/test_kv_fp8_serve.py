@@ -1,7 +1,8 @@
 """``--kv-cache-dtype fp8`` with real processes: a disaggregated pair (prefill -> fp8 blocks over the ZMQ
 handoff -> decode) gives the tokens of a unified worker with the same fp8 cache, both served by one
 gateway and driven by the ``openai`` SDK; a prefill worker whose KV is fp8 handing off to a decode
-worker whose KV is not gets the decode worker's refusal, which names the mismatch, and misreads nothing.
+worker whose KV is not, or is fp8 under another checkpoint's KV scales, gets the decode worker's refusal,
+which names the mismatch, and misreads nothing.
 
 fp8 rounding can turn a last-bit fp32 difference (batch shapes differ between the two paths) into a
 ~1e-3 logit change, so two runs may part at a near tie: tokens must agree up to the first position
@@ -13,6 +14,7 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster
+from tests.kv_scale_checkpoint import self_attn_scales, with_kv_scales
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--max-num-batched-tokens", "32"]
@@ -59,3 +61,17 @@ def test_a_kv_dtype_mismatch_across_the_handoff_is_refused(cluster):
         _complete(cluster, "tiny", [5, 6, 7, 8, 9])
     assert ("KV cache dtype mismatch: the prefill worker's KV is float8_e4m3fn, this decode worker's is float32; "
             "give both the same --kv-cache-dtype") in str(err.value), err.value
+
+
+def test_fp8_kv_under_another_checkpoints_scales_is_refused(cluster, tiny_dir, tmp_path):
+    """The prefill worker loads a copy of the model calibrated with KV scales, the decode worker the model
+    without: the same fp8 bytes mean other values on each side."""
+    scaled = with_kv_scales(tiny_dir, tmp_path / "scaled", self_attn_scales({0: (0.37, 1.9), 1: (2.3, 0.53)}))
+    fp8 = ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8"]
+    cluster.start_worker("prefill", "p1", [*fp8, "--model", str(scaled)])
+    cluster.start_worker("decode", "d1", fp8)
+    cluster.wait_ready()
+    with pytest.raises(openai.APIError) as err:
+        _complete(cluster, "tiny", [5, 6, 7, 8, 9])
+    assert "KV cache scales mismatch: the prefill worker's fp8 KV scales (digest " in str(err.value), err.value
+    assert "load the same checkpoint on both" in str(err.value), err.value

@@ -1,16 +1,18 @@
 """The KV handoff with an fp8 (float8_e4m3fn) cache, over real ZMQ sockets (tests/integration/
 handoff_harness.py): fp8 blocks move as their bytes, bit for bit, through host-staged frames and through
-direct writes; a decode worker whose cache stores another dtype refuses the ask, with a reason that
-says so, before any byte moves (its bytes would be misread as bf16/fp32 values)."""
+direct writes; a decode worker whose cache stores another dtype, or fp8 under other per-layer scales (another
+checkpoint's, shared/engine/kv_scales.py), refuses the ask, with a reason that says so, before any byte moves
+(its bytes would be misread as bf16/fp32 values, or as other fp8 values)."""
 
 import pytest
 import torch
 
 from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.engine import detached_kv
+from kvrelay.shared.engine.kv_scales import scales_digest
 from kvrelay.shared.handoff.fake import in_process
 from kvrelay.shared.handoff.frames import Frames
-from tests.integration.handoff_harness import BLOCK, hand_off_tiny, wait_for
+from tests.integration.handoff_harness import BLOCK, SHAPE, hand_off_tiny, wait_for
 
 FP8 = torch.float8_e4m3fn
 
@@ -54,3 +56,27 @@ def test_a_kv_dtype_mismatch_is_refused_before_any_byte_moves(prefill, decode_si
             f"is {names[decode_dtype]}; give both the same --kv-cache-dtype") in t.reason, t.reason
     assert side.receiver.bytes_received == 0 and "r" not in side.admitted
     assert side.rt.core.kv.num_free_blocks == free  # nothing reserved for it on the decode side
+
+
+@pytest.mark.parametrize("decode_scales", ["same", "unit", "other"])
+def test_fp8_kv_under_other_scales_is_refused_before_any_byte_moves(prefill, decode_side, decode_scales):
+    rt, make = prefill
+    _fp8_prefill(rt)
+    layers = SHAPE[0]
+    calibrated = [[0.37, 1.9]] * layers
+    rt.core.kv.scales_digest = scales_digest(calibrated, layers)
+    side = decode_side(dtype=FP8)
+    other = {"same": calibrated, "unit": [], "other": [[0.37, 1.9]] * (layers - 1) + [[0.37, 1.8]]}[decode_scales]
+    side.rt.core.kv.scales_digest = scales_digest(other, layers)
+    manager = make(side.addr)
+    free = side.rt.core.kv.num_free_blocks
+    t, _ = hand_off_tiny(manager, rt, "r", 3 * BLOCK)
+    if decode_scales == "same":
+        assert t.state is State.DONE, t.reason
+        return
+    assert t.state is State.FAILED
+    assert (f"KV cache scales mismatch: the prefill worker's fp8 KV scales (digest {rt.core.kv.scales_digest}) are "
+            f"not this decode worker's ({side.rt.core.kv.scales_digest}); load the same checkpoint on both"
+            ) in t.reason, t.reason
+    assert side.receiver.bytes_received == 0 and "r" not in side.admitted
+    assert side.rt.core.kv.num_free_blocks == free

@@ -172,11 +172,12 @@ def test_fp8_kv_reads_the_checkpoints_kv_scales(tiny_model_dirs, tmp_path):
         o.outputs[0].token_ids for o in _engine(str(src), prompts[:2], "auto", **MODES["chunked"])]
 
 
-def test_a_corrupt_kv_scale_is_one_line_naming_it(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("bad", [-0.5, 0.0, float("nan"), float("inf")])
+def test_a_corrupt_kv_scale_is_one_line_naming_it(tiny_model_dirs, tmp_path, bad):
     dst = tmp_path / "bad-scale"
     shutil.copytree(tiny_model_dirs["llama"], dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(-0.5)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(bad)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"KV scale 'model.layers.1.self_attn.v_scale' must be one positive"):
         LLM(model=str(dst), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")

@@ -7,11 +7,9 @@ one rank's tokens, and GPTQ's act-order under TP is one line naming both setting
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
@@ -19,6 +17,7 @@ from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.quant.checkpoint import quantize_checkpoint
 from kvrelay.shared.engine.ranks.checks import rank_weight_bytes
 from tests.conftest import random_prompts
+from tests.kv_scale_checkpoint import self_attn_scales, with_kv_scales
 from tests.unit.test_tensor_parallel_handoff import MAX_NEW, handed_off
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -50,21 +49,18 @@ def test_pp2_awq_checkpoint_equals_one_rank(tiny_model_dirs, tmp_path):
     assert greedy(ckpt, pipeline_parallel_size=2) == greedy(ckpt)
 
 
-def test_pp2_quantized_stages_read_their_own_kv_scales(tiny_model_dirs, tmp_path):
-    """int8 weights and an fp8 KV cache over two pipeline stages: the second stage's layer divides by the
-    checkpoint's scales for layer 1, not layer 0's or 1.0, so its logprobs are one rank's."""
-    src, dst = tiny_model_dirs["llama"], tmp_path / "kv-scales"
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors |= {"model.layers.0.self_attn.k_scale": torch.tensor(0.37), "model.layers.0.self_attn.v_scale":
-                torch.tensor(0.61), "model.layers.1.self_attn.k_scale": torch.tensor(2.3),
-                "model.layers.1.self_attn.v_scale": torch.tensor(0.53)}
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 1)])
+def test_quantized_ranks_read_the_checkpoints_kv_scales(tiny_model_dirs, tmp_path, tp, pp):
+    """int8 weights and an fp8 KV cache over two pipeline stages or tensor-parallel ranks: rank 1's layers
+    (its heads of every layer) divide by the checkpoint's scales for their layer, not another's or 1.0, so
+    the logprobs are one rank's."""
+    dst = with_kv_scales(tiny_model_dirs["llama"], tmp_path / "kv-scales",
+                         self_attn_scales({0: (0.37, 0.61), 1: (2.3, 0.53)}))
     scored = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=2)
     got = []
-    for pp in (1, 2):
+    for split in (dict(), dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)):
         with LLM(model=str(dst), dtype="float32", max_model_len=128, block_size=8, quantization="int8",
-                 kv_cache_dtype="fp8", pipeline_parallel_size=pp) as llm:
+                 kv_cache_dtype="fp8", **split) as llm:
             got.append(llm.generate({"prompt_token_ids": PROMPTS[1]}, scored)[0])
     one, two = got
     assert one.outputs[0].token_ids == two.outputs[0].token_ids

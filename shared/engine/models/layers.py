@@ -298,7 +298,7 @@ class CausalLM(nn.Module, ABC):
             if self.ignored_names.search(name) or (self.quant is not None and self._quant_ignored.search(name)):
                 continue
             if KV_SCALE_NAME.search(name):
-                continue  # the KV cache's, read by checkpoint_kv_scales (shared/engine/loader.py)
+                continue  # the KV cache's, read by shared/engine/kv_scales.py
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the one source of truth, as in HF's tie_weights
             if not held(self, name):

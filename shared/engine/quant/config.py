@@ -7,7 +7,8 @@ Checkpoint formats read (``quant_method`` in config.json):
   checkpoint format stores zero points minus one, ``gptq_v2`` stores them as they are;
 - ``fp8``: weights float8_e4m3fn with a ``weight_scale`` per tensor (vLLM / AutoFP8);
 - ``compressed-tensors`` whose weights are 8-bit floats (FP8) or unpacked symmetric 8-bit integers with
-  16-bit activations (W8A16), per tensor or per channel (llm-compressor's formats).
+  16-bit activations (W8A16), per tensor or per channel (llm-compressor's formats); one with only a
+  ``kv_cache_scheme`` quantizes no weights (its KV scales are the fp8 KV cache's).
 Static activation scales (``input_scale``) are ignored: activations are always scaled per token.
 """
 
@@ -59,6 +60,8 @@ def from_checkpoint(hf_config: dict) -> QuantConfig | None:
             raise ValueError("quantization_config: fp8 with weight_block_size (block-wise FP8) is not supported")
         return QuantConfig("fp8", True)
     if method == "compressed-tensors":
+        if not qc.get("config_groups") and qc.get("kv_cache_scheme"):
+            return None  # the KV cache's scales alone (shared/engine/kv_scales.py), full-precision weights
         kinds = set()
         for group in (qc.get("config_groups") or {}).values():
             weights = group.get("weights") or {}

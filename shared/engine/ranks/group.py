@@ -44,12 +44,13 @@ class TensorParallelError(RuntimeError):
     the engine cannot step."""
 
 
-def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None,
-                links: KVLinks | None = None) -> "RankGroup | None":
+def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None, links: KVLinks | None = None,
+                kv_scales: list[list[float]] | None = None) -> "RankGroup | None":
     """The group's other ranks, started and joined (None with tensor_parallel_size 1), after every check:
     a setting the group cannot serve or a size the ranks cannot split fails here, before a process starts
     or a weight loads. ``shared``: the caller loaded the weights already; ``root``: the model repository the
-    model's files must resolve inside; ``links``: what the ranks dial decode workers with (kv_parts.py)."""
+    model's files must resolve inside; ``links``: what the ranks dial decode workers with (kv_parts.py);
+    ``kv_scales``: an fp8 cache's per-layer scales (shared/engine/kv_scales.py), each rank takes its layers'."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     world = tp * pp
     if world == 1:
@@ -58,7 +59,7 @@ def start_ranks(config: EngineConfig, shared: bool, root: Path | None = None,
         flag = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
         raise ValueError(f"{flag} > 1: each rank loads its own shard (no preloaded or shared weights)")
     check_group(config, root)
-    return RankGroup(config, root, links)
+    return RankGroup(config, root, links, kv_scales)
 
 
 def _long_lived_thread() -> bool:
@@ -77,7 +78,8 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class RankGroup:
-    def __init__(self, config: EngineConfig, root: Path | None = None, links: KVLinks | None = None) -> None:
+    def __init__(self, config: EngineConfig, root: Path | None = None, links: KVLinks | None = None,
+                 kv_scales: list[list[float]] | None = None) -> None:
         """Start ranks 1..N-1 and join the group with them as rank 0 (returns once all have joined)."""
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world_size = world
@@ -93,7 +95,7 @@ class RankGroup:
         self._sender = StepSender(self._folder, world)
         # the processes are killed at interpreter exit even if close() is never called
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._sender, self._folder)
-        payload = handover.encode(RankConfig(config, links))
+        payload = handover.encode(RankConfig(config, links, kv_scales))
         for rank in range(1, world):
             proc = subprocess.Popen(
                 [*handover.module_argv("kvrelay.shared.engine.ranks.rank_main"), str(rank), str(world),

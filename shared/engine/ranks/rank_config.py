@@ -13,3 +13,5 @@ from kvrelay.shared.engine.kv_connector import KVLinks
 class RankConfig:
     engine: EngineConfig
     links: KVLinks | None = None  # None: the ranks send no KV themselves (rank 0 gathers it)
+    # an fp8 cache's scales, [layer][K, V] of the whole model as rank 0 read them (shared/engine/kv_scales.py)
+    kv_scales: list[list[float]] | None = None

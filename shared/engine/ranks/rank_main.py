@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from kvrelay.shared.config import handover
-from kvrelay.shared.engine.kv_dtype import FP8_NAMES
-from kvrelay.shared.engine.loader import checkpoint_kv_scales, load_model
+from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.parallel.layout import RankLayout, join_groups
 from kvrelay.shared.engine.ranks.broadcast import StepReceiver
 from kvrelay.shared.engine.ranks.group import rank_device
@@ -51,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     state, model_state = join_groups(layout, Path(folder), device)
     model, _ = load_model(config.model, device, progress=False, root=root, parallel=model_state,
                           pipeline=(layout.stage, layout.pp))
-    # an fp8 cache reads blocks under rank 0's scales: the same checkpoint's, each rank its own layers'
-    kv_scales = checkpoint_kv_scales(config.model, root) if config.cache.kv_cache_dtype in FP8_NAMES else None
     links = handed.links
     parts = PartSender(links) if links is not None else None
     inlet = None
@@ -60,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         share = share_of(model, layout)
         inlet = Inlet(rank, links.keys(), links.inlet_host, Path(folder), (share.layers[0], share.heads[0]),
                       links.inlet_advertise)
-    ShardRunner(model, config, state, device, layout, kv_scales, parts, inlet).serve(receiver, parent)
+    ShardRunner(model, config, state, device, layout, handed.kv_scales, parts, inlet).serve(receiver, parent)
     receiver.close()
     if parts is not None:
         parts.close()

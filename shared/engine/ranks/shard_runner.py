@@ -45,10 +45,10 @@ PARTS_POLL_MS = 5  # how often a rank whose KV parts wait for room on their sock
 
 class ShardRunner:
     def __init__(self, model, config: EngineConfig, state: ParallelState, device: torch.device,
-                 layout: RankLayout, kv_scales: dict[int, list[float]] | None = None,
+                 layout: RankLayout, kv_scales: list[list[float]] | None = None,
                  parts: PartSender | None = None, inlet: Inlet | None = None) -> None:
         # state: the whole group (a pipeline's send/recv, agreeing on KV blocks); the model holds its own.
-        # kv_scales: an fp8 cache's checkpoint scales by layer index; this rank's layers take theirs
+        # kv_scales: an fp8 cache's scales, rank 0's table of every layer; this rank's layers take theirs
         self.model, self.config, self.state, self.device, self.layout = model, config, state, device, layout
         self.dtype = kv_cache_dtype(config.cache.kv_cache_dtype, model.compute_dtype)  # the KV's
         attach_kv_scales(model, device, kv_scales)
