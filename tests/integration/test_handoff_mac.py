@@ -5,12 +5,14 @@ at all) is refused before a byte lands, while the worker goes on serving."""
 
 import dataclasses
 import os
+import subprocess
 
 import pytest
 import torch
 import zmq
 
 from kvrelay.prefill_worker.handoff import State
+from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffCancel, HandoffGrant, KVLayers
@@ -118,3 +120,15 @@ def test_crc_frames_on_the_bulk_socket_are_dropped_unopened(prefill, decode_side
     assert torch.equal(side.rt.core.kv.kv_cache[:, :, grant.block_ids], kv[:, :, list(range(30))])
     control.close()
     bulk.close()
+
+
+def test_the_benchmark_prints_macd_encrypted_and_insecure_frames_side_by_side():
+    """``kvrelay bench handoff --sections cpu`` at a toy size, as its own process: one call, each of the three ways
+    the frames go (the benchmark raises unless each transfer ended DONE over frames)."""
+    proc = subprocess.run([*module_argv("kvrelay.bench.handoff"), "--sections", "cpu", "--transports",
+                           "tcp", "--tokens", "8", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.split("how the frames are protected")[1].splitlines()
+    assert "| KV size | tokens | MAC'd frames, plain bulk socket GB/s | CURVE-encrypted frames GB/s | ratio | " \
+           "--insecure-zmq frames GB/s | ratio |" in out
+    assert [line.count("|") for line in out if line.startswith("| 1 MiB | 8 |")] == [8]
