@@ -7,7 +7,7 @@
 # tests/gpu/test_structured_gpu.py also want SmolLM2's tokenizer files in .tok/ (carry it; KVRELAY_SMOLLM2_TOKENIZER).
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
 # SUITE=0 skips the tests, BENCH=0 the engine benchmark (BENCH_ARGS: more flags for it); HANDOFF=1 adds
-# `bench handoff --sections cuda`; QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS); KV=1 adds
+# `bench handoff --sections cuda` (HANDOFF_ARGS: other flags); QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS); KV=1 adds
 # `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS); QK=1 last runs the
 # quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS); FP8PROBE=1 first
 # checks the fp8 KV store's rounding against torch's (bench/fp8_cast_probe.py).
@@ -33,7 +33,9 @@ if [ "${BENCH:-1}" = 1 ]; then
   tail -14 "$OUT/bench.txt"
 fi
 if [ "${HANDOFF:-0}" = 1 ]; then  # the KV handoff between two processes on the GPU
-  timeout "${HANDOFF_S:-150}" python3 -m kvrelay.cli bench handoff --sections cuda > "$OUT/handoff.txt" 2>&1
+  # HANDOFF_ARGS="--sections cpu --transports tcp --tokens 256,2048 --repeats 3": the host's frames MAC'd, encrypted
+  # and insecure side by side (BENCHMARKS.md: MAC'd frames on a plain socket)
+  timeout "${HANDOFF_S:-150}" python3 -m kvrelay.cli bench handoff ${HANDOFF_ARGS:---sections cuda} > "$OUT/handoff.txt" 2>&1
   tail -20 "$OUT/handoff.txt"
 fi
 if [ "${QUANT:-0}" = 1 ]; then  # weight quantization, each variant against its own weight-read floor

@@ -14,8 +14,11 @@ ack round trips count. Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf1
   per contiguous run, d2d ``copy_``); and the host-staged layer frames from and to GPU caches,
   against raw ZMQ of the same bytes from host memory.
 Every number is the median of ``--repeats`` timed transfers after one warm-up; GB/s = 1e9 bytes/s.
-Our sockets authenticate and encrypt (CURVE) as a deployment's do, with a secret generated per run;
-``--insecure-zmq`` measures them without. The raw ZMQ baselines are plain sockets either way.
+Our sockets authenticate and encrypt (CURVE) as a deployment's do, with a secret generated per run, and the
+frames go as a deployment's do by default: on the decode side's plain bulk socket, each MAC'd. The CPU section
+also runs them as ``--frame-modes`` lists (``curve``: encrypted on the CURVE socket, ``--encrypt-kv-frames``;
+``insecure``: no CURVE anywhere, ``--insecure-zmq``) and prints them side by side with ratios.
+``--insecure-zmq`` measures every section without CURVE. The raw ZMQ baselines are plain sockets either way.
 """
 
 import argparse
@@ -25,9 +28,9 @@ import sys
 import torch
 
 from kvrelay.bench.handoff_copy import copy_paths, device_copy, use_copy
-from kvrelay.bench.handoff_measure import kv_bytes, protocol, raw_zmq
+from kvrelay.bench.handoff_measure import Handoffs, interleaved, kv_bytes, protocol, raw_zmq
 from kvrelay.bench.handoff_overlap import overlap
-from kvrelay.bench.handoff_peer import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, Peer
+from kvrelay.bench.handoff_peer import BLOCK, FRAME_MODES, HEAD_DIM, KV_HEADS, LAYERS, Peer
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.handoff.frames import MESSAGE_TARGET
 
@@ -49,6 +52,33 @@ def _table(title: str, ours: str, mine: dict[int, float], *baselines: tuple[str,
         print(f"| {nbytes / 2**20:.0f} MiB | {num_tokens} | {a:,.2f} | " + " | ".join(cells) + " |", flush=True)
 
 
+FRAME_LABELS = {"mac": "MAC'd frames, plain bulk socket", "curve": "CURVE-encrypted frames",
+                "insecure": "--insecure-zmq frames"}
+
+
+def _cpu_frames(transport: str, tokens: list[int], repeats: int, modes: list[str]) -> None:
+    """The first of ``modes`` against raw ZMQ; each mode's phases; the first against the others (their transfers
+    take turns: ``interleaved``)."""
+    peers = {}
+    try:
+        for mode in modes:
+            peers[mode] = Peer("cpu", transport, max(tokens), scatter=True, frames=mode)
+        by_mode = interleaved({m: Handoffs("cpu", peer, max(tokens), ipc=False) for m, peer in peers.items()},
+                              tokens, repeats)
+        raw, raw4 = raw_zmq(peers[modes[0]], tokens, repeats), raw_zmq(peers[modes[0]], tokens, repeats, MESSAGE_TARGET)
+    finally:
+        for peer in peers.values():
+            peer.close()
+    title = f"CPU caches, layer frames over {transport}"
+    _table(f"{title} ({FRAME_LABELS[modes[0]]})", "kvrelay frames", by_mode[modes[0]][0], ("raw ZMQ, 1 message", raw),
+           ("raw ZMQ, 4 MiB messages", raw4))
+    for mode in modes:
+        _phase_table(f"{title} ({FRAME_LABELS[mode]})", "grant -> last frame queued", by_mode[mode][1])
+    if len(modes) > 1:
+        _table(f"{title}: how the frames are protected (ratio: first column over each)", FRAME_LABELS[modes[0]],
+               by_mode[modes[0]][0], *((FRAME_LABELS[m], by_mode[m][0]) for m in modes[1:]))
+
+
 def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     os.environ.pop(ZMQ_SECRET_ENV, None)
@@ -58,16 +88,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"KV handoff, Llama-3-8B KV shape ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}, bf16, "
           f"{BLOCK}-token blocks), median of {args.repeats}")
     if "cpu" in args.sections.split(","):
+        modes = ["insecure"] if args.insecure_zmq else args.frame_modes.split(",")
+        if not modes or not set(modes) <= set(FRAME_MODES):
+            raise SystemExit(f"--frame-modes: a list of {', '.join(FRAME_MODES)}")
         for transport in args.transports.split(","):
-            peer = Peer("cpu", transport, max(tokens), scatter=True)
-            try:
-                ours, phases = protocol("cpu", peer, tokens, args.repeats, ipc=False)
-                raw, raw4 = raw_zmq(peer, tokens, args.repeats), raw_zmq(peer, tokens, args.repeats, MESSAGE_TARGET)
-            finally:
-                peer.close()
-            _table(f"CPU caches, layer frames over {transport}", "kvrelay frames", ours, ("raw ZMQ, 1 message", raw),
-                   ("raw ZMQ, 4 MiB messages", raw4))
-            _phase_table(f"CPU caches, layer frames over {transport}", "grant -> last frame queued", phases)
+            _cpu_frames(transport, tokens, args.repeats, modes)
     if "overlap" in args.sections.split(","):
         model = args.overlap_model or ("dummy:llama-3-8b" if device == "cuda" else "dummy:smollm2-135m")
         overlap(device, model, [int(t) for t in args.overlap_tokens.split(",")], args.repeats)
@@ -118,6 +143,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-tokens", default="256,1024,2048", help="prompt lengths of the overlap section")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--insecure-zmq", action="store_true", help="our sockets without CURVE (default: with, as served)")
+    p.add_argument("--frame-modes", default=",".join(FRAME_MODES),
+                   help="how the CPU section's frames go, the first against raw ZMQ and against each other: mac (plain "
+                   "bulk socket, a MAC a frame: the default served), curve (encrypted: --encrypt-kv-frames), "
+                   "insecure (--insecure-zmq)")
 
 
 if __name__ == "__main__":  # `kvrelay bench handoff`

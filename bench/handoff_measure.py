@@ -7,7 +7,7 @@ import time
 import torch
 import zmq
 
-from kvrelay.bench.handoff_peer import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, MODEL, Peer, curve
+from kvrelay.bench.handoff_peer import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, MODEL, Peer
 from kvrelay.prefill_worker.handoff import HandoffManager, State
 from kvrelay.shared.handoff.frames import Frames
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off
@@ -24,36 +24,62 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+class Handoffs:
+    """Whole handoffs from this process (a real ``HandoffManager`` over its own KV cache) to ``peer``."""
+
+    def __init__(self, device: str, peer: Peer, max_tokens: int, ipc: bool, scatter: bool = True):
+        kv = torch.randn((LAYERS, 2, 2 * (max_tokens // BLOCK) + 8, BLOCK, KV_HEADS, HEAD_DIM),
+                         dtype=torch.bfloat16, device=device)
+        self.rt = endpoint(kv, "bench-prefill", MODEL, scatter_seed=2 if scatter else None)
+        self.ctx = zmq.Context()
+        self.ipc, self.n = ipc, 0
+        # without CUDA IPC among its transports the sender offers nothing to map: the host-staged frames
+        self.manager = HandoffManager(self.ctx, self.rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
+                                      transports=None if ipc else [Frames()], curve=peer.keys)
+
+    def one(self, num_tokens: int) -> tuple[float, list[float]]:
+        """Seconds of one whole handoff, and its phases (s): request -> grant, grant -> KV out, -> ack."""
+        self.n += 1
+        t0 = time.perf_counter()
+        t, _ = hand_off(self.manager, self.rt, f"r{self.n}", num_tokens, MODEL)
+        secs = time.perf_counter() - t0
+        if t.state is not State.DONE or t.transport != ("ipc" if self.ipc else "layers"):
+            raise RuntimeError(f"handoff ended {t.state.value} over {t.transport!r}: {t.reason}")
+        return secs, [t.granted - t.started, t.sent - t.granted, t.ended - t.sent]
+
+    def close(self) -> None:
+        self.manager.close()
+        self.ctx.destroy(linger=0)
+
+
 def protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: bool,
               scatter: bool = True) -> tuple[dict[int, float], dict[int, list[float]]]:
     """Median seconds of one whole handoff per size, and the median of each phase (ms): request ->
     grant, grant -> KV out (copied, or the last frame queued), -> ack."""
-    kv = torch.randn((LAYERS, 2, 2 * (max(tokens) // BLOCK) + 8, BLOCK, KV_HEADS, HEAD_DIM),
-                     dtype=torch.bfloat16, device=device)
-    rt = endpoint(kv, "bench-prefill", MODEL, scatter_seed=2 if scatter else None)
-    ctx = zmq.Context()
-    # without CUDA IPC among its transports the sender offers nothing to map: the host-staged frames
-    manager = HandoffManager(ctx, rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
-                             transports=None if ipc else [Frames()], curve=curve())
-    out, phases, n = {}, {}, 0
+    return interleaved({"": Handoffs(device, peer, max(tokens), ipc, scatter)}, tokens, repeats)[""]
+
+
+def interleaved(handoffs: dict[str, Handoffs], tokens: list[int], repeats: int
+                ) -> dict[str, tuple[dict[int, float], dict[int, list[float]]]]:
+    """``protocol`` for each of ``handoffs``, taking turns transfer by transfer, so a box whose load changes
+    during the run weighs on each alike; closes them."""
+    out = {name: ({}, {}) for name in handoffs}
     try:
         for num_tokens in tokens:
-            seen = []
-
-            def one(num_tokens=num_tokens, seen=seen):
-                nonlocal n
-                n += 1
-                t, _ = hand_off(manager, rt, f"r{n}", num_tokens, MODEL)
-                if t.state is not State.DONE or t.transport != ("ipc" if ipc else "layers"):
-                    raise RuntimeError(f"handoff ended {t.state.value} over {t.transport!r}: {t.reason}")
-                seen.append([t.granted - t.started, t.sent - t.granted, t.ended - t.sent])
-
-            out[num_tokens] = median_s(one, repeats)
-            phases[num_tokens] = [statistics.median(p) * 1e3 for p in zip(*seen[-repeats:], strict=True)]
+            for h in handoffs.values():  # warm-up: connections, first use of each kernel, pinned pools, IPC maps
+                h.one(num_tokens)
+                h.one(num_tokens)
+            runs: dict[str, list] = {name: [] for name in handoffs}
+            for _ in range(repeats):
+                for name, h in handoffs.items():
+                    runs[name].append(h.one(num_tokens))
+            for name, seen in runs.items():
+                out[name][0][num_tokens] = statistics.median(secs for secs, _ in seen)
+                out[name][1][num_tokens] = [statistics.median(p) * 1e3 for p in zip(*(ph for _, ph in seen), strict=True)]
     finally:
-        manager.close()
-        ctx.destroy(linger=0)
-    return out, phases
+        for h in handoffs.values():
+            h.close()
+    return out
 
 
 def raw_zmq(peer: Peer, tokens: list[int], repeats: int, chunk: int | None = None) -> dict[int, float]:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 import zmq
 
-from kvrelay.bench.handoff_peer import BLOCK, MODEL, Peer, curve
+from kvrelay.bench.handoff_peer import BLOCK, MODEL, Peer
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES, frame_nbytes
 from kvrelay.shared.handoff.standalone import decode_info, synthetic_job
@@ -34,7 +34,7 @@ def overlap(device: str, model: str, tokens: list[int], repeats: int) -> dict[in
     runtime = SimpleNamespace(core=engine, zmq_addr="", redis=None, config=SimpleNamespace(worker_id="bench-prefill"))
     ctx = zmq.Context()
     manager = HandoffManager(ctx, runtime, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
-                             curve=curve())
+                             curve=peer.keys)
     engine.kv.set_layer_saver(manager.stream_for(MODEL))
     gen = torch.Generator().manual_seed(0)
     n = 0

@@ -33,8 +33,12 @@ def _peer(args: argparse.Namespace) -> None:
     frame_max = max_message_bytes(kv, args.blocks)
     router, pull, ack = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     addrs = []
-    zmq_auth.serve(router, curve())
-    for i, sock in enumerate((router, pull, ack)):
+    keys = curve()
+    zmq_auth.serve(router, keys)
+    bulk = ctx.socket(zmq.ROUTER) if keys is not None and args.frames == "mac" else None  # as a decode worker's
+    for i, sock in enumerate((router, pull, ack, bulk)):
+        if sock is None:
+            continue
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, frame_max * (LAYERS if sock is pull else 1))  # pull: raw, 1 message
         if args.transport == "tcp":
@@ -42,7 +46,8 @@ def _peer(args: argparse.Namespace) -> None:
         else:
             addrs.append(f"ipc:///tmp/kvrelay-bench-{args.tag}-{i}")
             sock.bind(addrs[-1])
-    receiver = HandoffReceiver(router, serves(MODEL, rt.core), grant_ttl_s=60.0)
+    receiver = HandoffReceiver(router, serves(MODEL, rt.core), grant_ttl_s=60.0,
+                               bulk=(bulk, addrs[3]) if bulk is not None else None)
     stop = threading.Event()
 
     def raw_echo():  # the baseline: take the bytes, say so, nothing else
@@ -53,7 +58,7 @@ def _peer(args: argparse.Namespace) -> None:
             ack.send(b"k")
 
     threading.Thread(target=raw_echo, daemon=True).start()
-    print("READY", *addrs, flush=True)
+    print("READY", *addrs[:3], flush=True)
     while not stop.is_set():
         receiver.poll(50, lambda h: rt.core.kv.free(h.request_id))  # the bench only moves KV
     ctx.destroy(linger=0)
@@ -66,14 +71,24 @@ def curve() -> CurveKeys | None:
 
 
 
+# how the frames travel: "mac", on the peer's plain bulk socket, each MAC'd (a CURVE deployment's default);
+# "curve", encrypted on its CURVE socket with CRCs (--encrypt-kv-frames); "insecure", every socket without
+# CURVE, CRCs (--insecure-zmq). Without a secret in the environment every mode is "insecure"
+FRAME_MODES = ("mac", "curve", "insecure")
+
+
 class Peer:
     def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool,
-                 kv_shape: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM), dtype: str = "bfloat16"):
+                 kv_shape: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM), dtype: str = "bfloat16",
+                 frames: str = "mac"):
         blocks = 2 * (max_tokens // BLOCK) + 8
         argv = [*module_argv("kvrelay.bench.handoff_peer"), "--device", device, "--transport", transport,
                 "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}",
-                "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype]
-        self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True)
+                "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype, "--frames", frames]
+        env = {k: v for k, v in os.environ.items() if k != ZMQ_SECRET_ENV or frames != "insecure"}
+        self.keys = curve() if frames != "insecure" else None  # this side's, as the peer's
+        self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True,
+                                     env=env)
         line = self.proc.stdout.readline().split()
         if not line or line[0] != "READY":
             raise RuntimeError("handoff bench peer failed to start")
@@ -99,6 +114,7 @@ def _peer_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--scatter", action="store_true")
     parser.add_argument("--kv-shape", default=f"{LAYERS},{KV_HEADS},{HEAD_DIM}", help="layers,KV heads,head dim")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--frames", default="mac", choices=FRAME_MODES)
     return parser.parse_args(argv)
 
 

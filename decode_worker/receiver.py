@@ -16,12 +16,13 @@ from kvrelay.shared.wire.handoff import HandoffRequest
 class HandoffReceiver(KVInbox):
     def __init__(self, sock, core_for: Callable[[str], EngineCore | None], grant_ttl_s: float,
                  transports: list[Transport] | None = None, max_per_peer: int | None = None,
-                 asker_alive: Callable[[str], bool] | None = None):
+                 asker_alive: Callable[[str], bool] | None = None, bulk=None):
         """``core_for(model)``: the engine serving that model instance here, or None; a worker hosting
         several models routes each request by its model. ``max_per_peer``: handoffs of one model one
         asker may hold granted or arriving (default: half the model's max_num_seqs), so a peer that asks
-        and never sends cannot take every seat."""
-        super().__init__(sock, core_for, grant_ttl_s, transports, asker_alive)
+        and never sends cannot take every seat. ``bulk``: (plain socket, its address) where MAC'd frames
+        come (shared/handoff/receiver.py)."""
+        super().__init__(sock, core_for, grant_ttl_s, transports, asker_alive, bulk)
         self.max_per_peer = max_per_peer
         self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
 

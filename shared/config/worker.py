@@ -45,6 +45,13 @@ class WorkerConfig:
     zmq_secret_file: str | None = common.zmq_secret_file()
     insecure_zmq: bool = common.insecure_zmq()
     zmq_secret: str | None = common.zmq_secret()
+    encrypt_kv_frames: bool = setting(
+        False, "decode: host-staged KV frames come encrypted on the CURVE socket (for networks between hosts that "
+        "are not trusted; ~1/3 the unencrypted speed on a 16-core host: one core a socket); off, they come on a "
+        "plain socket of their own, each frame MAC'd under its grant's fresh key (authenticated, not secret). "
+        "Under --insecure-zmq frames come on the one socket, CRC-checked, either way")
+    kv_frames_port: Port = setting(0, "decode: TCP port of that plain socket for MAC'd KV frames (0: ephemeral; "
+                                   "unused with --encrypt-kv-frames or --insecure-zmq)")
     max_handoffs_per_peer: int | None = setting(
         None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
         "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",

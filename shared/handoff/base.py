@@ -5,7 +5,7 @@ never look at which transport they hold; a worker picks its transports once, in 
 
 - ``DirectWrite(CudaIpc())`` (direct.py, cuda_ipc.py): the decode worker shares its KV cache with an
   asker on the same GPU, which copies its blocks straight into the granted ones; ZMQ carries control.
-- ``Frames()`` (frames.py): host-staged layers over ZMQ, CRC-checked; works between any two hosts.
+- ``Frames()`` (frames.py): host-staged layers over ZMQ, CRC- or MAC-checked; works between any two hosts.
 - ``DirectWrite(InProcess())`` (fake.py): direct writes between caches of one process, so the
   direct-write logic (offers, mappings, quarantine, streamed copies) runs in CPU tests.
 """
@@ -28,6 +28,8 @@ class KVSender(ABC):
     transport: ClassVar[str]  # KVHeader.transport
     nbytes: int  # of KV, all layers
     num_layers: int
+    # where its messages go: the grant's plain bulk socket (HandoffGrant.frames_addr); "": the grant's own
+    to: str = ""
 
     @abstractmethod
     def stage_through(self, layer: int) -> None:
@@ -98,9 +100,10 @@ class Transport(ABC):
 
     @abstractmethod
     def receiver(self, kv_cache: torch.Tensor, block_ids: list[int], offered: bool,
-                 on_done: Callable[..., None]) -> KVReceiver:
-        """A receiver into ``block_ids``; ``offered``: this grant carried our offer. ValueError when a
-        transfer over this transport cannot be accepted for that grant."""
+                 on_done: Callable[..., None], frames_key: bytes = b"") -> KVReceiver:
+        """A receiver into ``block_ids``; ``offered``: this grant carried our offer; ``frames_key``: the
+        grant's key of MAC'd frames (HandoffGrant.frames_key). ValueError when a transfer over this
+        transport cannot be accepted for that grant."""
 
     def forget(self, model: str) -> None:
         """The model instance was unloaded here: drop what is held for it (nothing, by default)."""

@@ -105,7 +105,7 @@ class DirectWrite(Transport):
         return copy
 
     def receiver(self, kv_cache: torch.Tensor, block_ids: list[int], offered: bool,
-                 on_done: Callable[..., None]) -> KVReceiver:
+                 on_done: Callable[..., None], frames_key: bytes = b"") -> KVReceiver:
         if not offered:
             raise ValueError("KV claims to be written through CUDA IPC, which this grant did not offer")
         return Written()

@@ -6,9 +6,16 @@ gather on CPU), then the KVHeader. Staging, the CRC, the wire and the receiver's
 layers overlap instead of running back to back. The receiver sizes every frame against its own layout
 and checks every CRC before a byte lands in the granted blocks.
 
+A grant that names a bulk socket (``HandoffGrant.frames_addr``, a CURVE deployment's default) takes its
+frames there instead: a plain socket, so the frames are NOT secret on the wire (CURVE, which encrypts on one
+libzmq I/O thread a socket, cut them to a third), but each carries a MAC under the grant's own random key
+in place of the CRCs, checked before any byte lands: only the peer the grant went to (over CURVE) can make
+one, and no frame passes for another grant's or another layer's. ``--encrypt-kv-frames`` keeps them on
+the CURVE socket, for networks between hosts that are not trusted.
+
 Frames reach ZMQ zero-copy (memoryviews over the staging buffer); the receiver is bounded by ZMQ's
-MAXMSGSIZE (``max_message_bytes``). Gathers, CRCs and writes run on a small thread pool (numpy, torch
-and zlib release the GIL), so a 268 MB transfer does not stall either worker's main loop; the main
+MAXMSGSIZE (``max_message_bytes``). Gathers, CRCs or MACs and writes run on a small thread pool (numpy, torch,
+zlib and OpenSSL release the GIL), so a 268 MB transfer does not stall either worker's main loop; the main
 loops only hand messages to and from the sockets.
 """
 
@@ -17,7 +24,7 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from kvrelay.shared.engine.kv_frame import check_crcs, frame_bytes, layer_crcs
+from kvrelay.shared.engine.kv_frame import check_crcs, check_mac, frame_bytes, frame_mac, layer_crcs
 from kvrelay.shared.handoff.assembler import FrameAssembler
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
 from kvrelay.shared.handoff.blocks import frame_nbytes, gather_blocks, scatter_blocks, side_stream
@@ -33,11 +40,12 @@ class Frames(Transport):
 
     def sender(self, model: str, kv_cache: torch.Tensor, src_blocks: list[int], grant: HandoffGrant, peer: str,
                grant_age_s: float, deferred: bool, on_ready: Callable[..., None]) -> KVSender:
-        return StagedKV(kv_cache, src_blocks, on_ready=on_ready, deferred=deferred, epoch=grant.epoch)
+        return StagedKV(kv_cache, src_blocks, on_ready=on_ready, deferred=deferred, epoch=grant.epoch,
+                        key=grant.frames_key, to=grant.frames_addr)
 
     def receiver(self, kv_cache: torch.Tensor, block_ids: list[int], offered: bool,
-                 on_done: Callable[..., None]) -> KVReceiver:
-        return LayerAssembler(kv_cache, block_ids, on_done=on_done)
+                 on_done: Callable[..., None], frames_key: bytes = b"") -> KVReceiver:
+        return LayerAssembler(kv_cache, block_ids, on_done=on_done, key=frames_key)
 
 
 def max_message_bytes(kv_cache: torch.Tensor, max_blocks: int, num_kv_heads: int | None = None) -> int:
@@ -66,15 +74,17 @@ class StagedKV(KVSender):
 
     On CUDA a group's gather and device-to-host copy is queued on the side stream (after the compute
     stream, which wrote the KV), into one pinned buffer, with an event per group; pool threads wait for
-    a group's event and CRC its layers. On CPU the pool threads gather and CRC.
+    a group's event and CRC its layers (or, with the grant's ``key``, MAC the frame). On CPU the pool
+    threads gather and CRC (or MAC).
     All groups are staged at once, or with ``deferred`` group by group as ``stage_through(layer)`` says
     the prefill has written that layer (the layer-by-layer overlap with the prompt's last chunk)."""
 
     transport = Frames.name
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_ready=None, deferred: bool = False,
-                 epoch: int = 0):
+                 epoch: int = 0, key: bytes = b"", to: str = ""):
         self.kv_cache, self.epoch = kv_cache, epoch  # the grant's, stamped on every message
+        self.key, self.to = key, to
         self.num_layers = kv_cache.shape[0]
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
         self.nbytes = self.layer_nbytes * self.num_layers
@@ -108,9 +118,9 @@ class StagedKV(KVSender):
                     self._host[g.start:g.stop].copy_(gather_blocks(self.kv_cache, g, self.index), non_blocking=True)
                     self._events.append(torch.cuda.Event())
                     self._events[-1].record(stream)
-                future = submit(self.inline, _crc_after, self._host[g.start:g.stop], self._events[-1])
+                future = submit(self.inline, self._seal_after, self._host[g.start:g.stop], self._events[-1], g)
             else:
-                future = submit(self.inline, _gather_crc, self.kv_cache, self.index, g)
+                future = submit(self.inline, self._gather_seal, g)
             self._futures.append(future)
             if self.on_ready is not None:
                 future.add_done_callback(self.on_ready)
@@ -122,14 +132,15 @@ class StagedKV(KVSender):
     def ready(self, group: int) -> bool:
         return group < len(self._futures) and self._futures[group].done()
 
-    def result(self, group: int) -> tuple[memoryview, list[int]]:
-        """(frame, CRC32 of each layer in it) of a staged group of layers; blocks until it is staged."""
+    def result(self, group: int) -> tuple[memoryview, list[int], bytes]:
+        """(frame, CRC32 of each layer in it or none, its MAC or b"") of a staged group of layers; blocks until
+        it is staged."""
         return self._futures[group].result()
 
     def message(self, request_id: str, group: int) -> list:
-        frame, crcs = self.result(group)
+        frame, crcs, mac = self.result(group)
         msg = KVLayers(request_id=request_id, first=group * self.per_message, nbytes=self.layer_nbytes, checksums=crcs,
-                       epoch=self.epoch)
+                       epoch=self.epoch, mac=mac)
         return [encode(msg), frame]
 
     def pump(self, request_id: str, send: Send) -> bool:
@@ -153,50 +164,58 @@ class StagedKV(KVSender):
         wait(self._futures)
 
 
-def _crc_after(layers: torch.Tensor, event) -> tuple[memoryview, list[int]]:
-    event.synchronize()
-    return _crcs(_as_bytes(layers), len(layers))
+    def _seal_after(self, layers: torch.Tensor, event, group: range) -> tuple[memoryview, list[int], bytes]:
+        event.synchronize()
+        return self._seal(_as_bytes(layers), group)
 
+    def _gather_seal(self, group: range) -> tuple[memoryview, list[int], bytes]:
+        return self._seal(_as_bytes(gather_blocks(self.kv_cache, group, self.index)), group)
 
-def _gather_crc(kv_cache: torch.Tensor, index: torch.Tensor, layers: range) -> tuple[memoryview, list[int]]:
-    return _crcs(_as_bytes(gather_blocks(kv_cache, layers, index)), len(layers))
-
-
-def _crcs(frame: memoryview, num_layers: int) -> tuple[memoryview, list[int]]:
-    return frame, layer_crcs(frame, num_layers)
+    def _seal(self, frame: memoryview, group: range) -> tuple[memoryview, list[int], bytes]:
+        if self.key:  # the MAC is the stronger check: no CRC besides
+            return frame, [], frame_mac(self.key, frame, group.start, self.layer_nbytes)
+        return frame, layer_crcs(frame, len(group)), b""
 
 
 class LayerAssembler(FrameAssembler):
     """One incoming transfer: each KVLayers message's frame is counted and sized on arrival against
-    this cache's layout, then CRC-checked and written into the granted blocks by a pool thread. The
-    header, which comes last, must describe the same layout (``check_layout``)."""
+    this cache's layout, then CRC-checked (or, its grant having a ``key``, MAC-checked) and written into
+    the granted blocks by a pool thread. The header, which comes last, must describe the same layout
+    (``check_layout``)."""
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_done=None):
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_done=None, key: bytes = b""):
         self.num_layers = kv_cache.shape[0]
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
         super().__init__(kv_cache, block_ids, self.layer_nbytes * self.num_layers, on_done)
+        self.key = key
         self.arrived = 0  # layers
 
     def add(self, msg: KVLayers, frames: list) -> None:
-        count = len(msg.checksums)
+        if len(frames) != 1:
+            raise ValueError(f"a KV layers message has {len(frames)} frames, not 1")
+        if msg.mac and not self.key:
+            raise ValueError("a MAC'd KV frame for a grant that gave no key")
+        size = memoryview(frames[0]).nbytes
+        count = len(msg.checksums) or size // max(msg.nbytes, 1)
         if msg.first != self.arrived or self.arrived + count > self.num_layers:
             raise ValueError(f"KV layers {msg.first}..{msg.first + count - 1} arrived where layer {self.arrived} "
                              f"of {self.num_layers} was due")
-        if len(frames) != 1:
-            raise ValueError(f"a KV layers message has {len(frames)} frames, not 1")
-        size = memoryview(frames[0]).nbytes
-        if msg.nbytes != self.layer_nbytes or size != count * self.layer_nbytes:
+        if msg.nbytes != self.layer_nbytes or size != count * self.layer_nbytes or count < 1:
             raise ValueError(f"KV layers frame of {size} bytes for {count} layers of {msg.nbytes}, expected "
                              f"{count} x {self.layer_nbytes}")
-        self._write(self._check_and_write, msg.first, msg.checksums, frames[0])
+        self._write(self._check_and_write, msg, count, frames[0])
         self.arrived += count
 
     @property
     def all_arrived(self) -> bool:
         return self.arrived == self.num_layers
 
-    def _check_and_write(self, first: int, checksums: list[int], frame) -> None:
-        check_crcs(memoryview(frame), first, checksums)
-        shape = (len(checksums), 2, self.num_blocks) + tuple(self.kv_cache.shape[3:])
+    def _check_and_write(self, msg: KVLayers, count: int, frame) -> None:
+        first = msg.first
+        if msg.mac:
+            check_mac(self.key, memoryview(frame), first, self.layer_nbytes, msg.mac)
+        else:
+            check_crcs(memoryview(frame), first, msg.checksums)
+        shape = (count, 2, self.num_blocks) + tuple(self.kv_cache.shape[3:])
         layers = frame_bytes(frame).view(self.kv_cache.dtype).view(shape)
         self._to_device(lambda src: scatter_blocks(self.kv_cache, first, self.index, src), layers)

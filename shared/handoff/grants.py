@@ -10,10 +10,10 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest
+from kvrelay.shared.wire.handoff import FRAME_KEY_BYTES, HandoffGrant, HandoffRequest
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,18 @@ class Grant:
     since: float  # monotonic time it was granted
     epoch: int  # HandoffGrant.epoch: KV of any other grant of the request is not this one's
     offered: bool = False  # a direct-write handle went out with it
+    frames_key: bytes = field(default=b"", repr=False)  # HandoffGrant.frames_key: its frames' MACs are under it
 
 
 class GrantBook:
     """The grants whose KV has not started arriving, by request id, and the quarantined blocks."""
 
     def __init__(self, core_for, grant_ttl_s: float, transports: list[Transport],
-                 asker_alive: Callable[[str], bool] | None):
+                 asker_alive: Callable[[str], bool] | None, frames_addr: str = ""):
+        """``frames_addr``: our plain bulk socket, where each grant's frames go MAC'd under a key of its own
+        ("": frames come to the grant's socket, CRC-checked)."""
         self.core_for, self.grant_ttl_s, self.transports = core_for, grant_ttl_s, transports
+        self.frames_addr = frames_addr
         self.asker_alive = asker_alive
         self.grants: dict[str, Grant] = {}
         self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, owner key of parked blocks)
@@ -69,12 +73,15 @@ class GrantBook:
         # the asker reads our reply only between its engine steps: a grant lives at least as long as it
         # says those take, or its KV would arrive after we had taken the blocks back
         ttl, now, epoch = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic(), next(self._epochs)
+        # fresh per grant: a frame MAC'd for one grant is nothing to any other, and only its asker (it
+        # travels in the grant, over CURVE) can make one
+        key = secrets.token_bytes(FRAME_KEY_BYTES) if self.frames_addr else b""
         self.grants[req.request_id] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl,
-                                            now, epoch, offered=offer is not None)
+                                            now, epoch, offered=offer is not None, frames_key=key)
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
         targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,
-                            targets=targets, epoch=epoch)
+                            targets=targets, epoch=epoch, frames_addr=self.frames_addr, frames_key=key)
 
     def release(self, rid: str) -> None:
         """Give a grant's blocks back: at once, or after the quarantine when they were offered for direct writes."""

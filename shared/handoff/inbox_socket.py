@@ -1,7 +1,8 @@
 """The decode side's socket: the ROUTER that prefill workers' asks, KV and cancels arrive on and replies leave
 from, polled together with a ``Waker`` and the sockets the transfers in flight wait on (``KVReceiver.wakes_on``:
 a sharded worker's ranks' reports), so writes finished by pool threads and shares taken by other ranks are
-acked at once even when the loop is idle."""
+acked at once even when the loop is idle. With a bulk socket (plain: host-staged frames MAC'd under their grant's
+key arrive there, frames.py) that one is polled too."""
 
 from collections.abc import Iterator
 
@@ -12,11 +13,13 @@ from kvrelay.shared.wire.codec import encode
 
 
 class InboxSocket:
-    def __init__(self, sock: zmq.Socket):
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket, bulk: zmq.Socket | None = None):
+        self.sock, self.bulk = sock, bulk
         self.waker = Waker()
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
+        if bulk is not None:
+            self.poller.register(bulk, zmq.POLLIN)
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self._watched: set[zmq.Socket] = set()
 
@@ -28,19 +31,18 @@ class InboxSocket:
             self.poller.register(sock, zmq.POLLIN)
         self._watched = sockets
 
-    def messages(self, timeout_ms: int) -> Iterator[list]:
+    def messages(self, timeout_ms: int) -> Iterator[tuple[list, bool]]:
         """Every message that arrives within ``timeout_ms`` (or a wake-up, or a watched socket's message, ends
-        the wait), one at a time."""
+        the wait), one at a time, each with whether it came on the bulk socket."""
         ready = dict(self.poller.poll(timeout_ms))
         if self.waker.fd in ready:
             self.waker.drain()
-        if self.sock not in ready:
-            return
-        while True:
-            try:
-                yield self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for sock in (self.sock, self.bulk):
+            while sock is not None and sock in ready:
+                try:
+                    yield sock.recv_multipart(zmq.NOBLOCK, copy=False), sock is self.bulk
+                except zmq.Again:
+                    break
 
     def reply(self, peer: bytes, msg) -> bool:
         """Queue ``msg`` for the prefill worker at ``peer``; False when its queue is full."""

@@ -47,8 +47,8 @@ def receiver_for(kv: EngineKV, rid: str, grant: Grant, transport: str, by_name: 
         return ByRankReceiver(kv, rid, grant.block_ids, on_done)
     if kv.sharded:
         kv.drop_parts(rid)  # the KV comes another way, to rank 0
-        return ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, on_done)
-    return chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, on_done)
+        return ImportingReceiver(kv, grant.block_ids, chosen, grant.offered, on_done, grant.frames_key)
+    return chosen.receiver(kv.kv_cache, grant.block_ids, grant.offered, on_done, grant.frames_key)
 
 
 def check_header(header: KVHeader, payload: list, inc: Incoming, kv: EngineKV) -> None:

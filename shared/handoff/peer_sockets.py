@@ -1,5 +1,7 @@
 """The prefill side's sockets to decode workers: one DEALER a decode worker, dialled on first use, polled
-together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle."""
+together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle; and one
+plain DEALER a decode worker's bulk socket (HandoffGrant.frames_addr), which only sends: MAC'd frames, each
+authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py)."""
 
 from collections.abc import Iterator
 
@@ -17,12 +19,13 @@ class PeerSockets:
     def __init__(self, ctx: zmq.Context, curve: CurveKeys | None):
         self.ctx, self.curve = ctx, curve
         self.sockets: dict[str, zmq.Socket] = {}
+        self.bulk: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self.waker = Waker()
         self.poller.register(self.waker.fd, zmq.POLLIN)
 
     def close(self) -> None:
-        for sock in self.sockets.values():
+        for sock in (*self.sockets.values(), *self.bulk.values()):
             sock.close(linger=0)
         self.waker.close()
 
@@ -39,22 +42,25 @@ class PeerSockets:
                     break
                 yield frames
 
-    def send(self, addr: str, parts: list) -> bool:
-        """Queue one message for the decode worker at ``addr``; False when its queue is full."""
+    def send(self, addr: str, parts: list, bulk: bool = False) -> bool:
+        """Queue one message for the decode worker at ``addr`` (``bulk``: its plain bulk socket there); False
+        when its queue is full."""
         try:
-            self._socket(addr).send_multipart(parts, zmq.NOBLOCK, copy=False)
+            self._socket(addr, bulk).send_multipart(parts, zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             return False
 
-    def _socket(self, addr: str) -> zmq.Socket:
-        sock = self.sockets.get(addr)
+    def _socket(self, addr: str, bulk: bool) -> zmq.Socket:
+        sockets = self.bulk if bulk else self.sockets
+        sock = sockets.get(addr)
         if sock is None:
-            sock = self.sockets[addr] = self.ctx.socket(zmq.DEALER)
+            sock = sockets[addr] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
-            zmq_auth.dial(sock, self.curve)
+            if not bulk:  # nothing comes back on the bulk one: not polled
+                zmq_auth.dial(sock, self.curve)
+                self.poller.register(sock, zmq.POLLIN)
             sock.connect(addr)
-            self.poller.register(sock, zmq.POLLIN)
         return sock

@@ -41,7 +41,7 @@ class RankParts(Transport):
         return None
 
     def receiver(self, kv_cache: torch.Tensor, block_ids: list[int], offered: bool,
-                 on_done: Callable[..., None]) -> KVReceiver:
+                 on_done: Callable[..., None], frames_key: bytes = b"") -> KVReceiver:
         return PartAssembler(kv_cache, block_ids, on_done=on_done)
 
 

@@ -10,6 +10,10 @@ is complete: admitted and acked. A bad layer, a bad header, or no progress for t
 and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
 transfer's blocks) the sender gave up on. Every grant has its epoch (grants.py), which its KV, header, ack and
 cancel carry: a request id granted again has a new one, and what comes for the old grant is dropped (``stale``).
+
+With a bulk socket (plain, no CURVE: ``bulk``), every grant names it and carries a fresh key, and the frames come
+there, each MAC'd under its grant's key (frames.py). Anyone who reaches that socket can send to it, so only MAC'd
+frames of a frames transfer are taken from it, and a bad MAC fails the transfer before a byte lands.
 """
 
 import logging
@@ -46,23 +50,25 @@ MAX_SENDERS_COUNTED = 1024  # sending sockets whose KV bytes ``kv_bytes_by_sende
 
 class KVInbox(ABC):
     def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None,
-                 asker_alive: Callable[[str], bool] | None = None):
+                 asker_alive: Callable[[str], bool] | None = None, bulk: tuple[zmq.Socket, str] | None = None):
         """``core_for(model)``: the EngineCore serving that model instance here, or None; the inbox works
         on its KV only through ``core.kv`` (shared/engine/kv_connector.py). ``asker_alive(worker_id)``:
         whether that prefill worker still heartbeats; its grants and stalled transfers then outlive their
         TTL (up to MAX_GRANT_HOLD_S): it reads our replies only between its engine steps, and one step
-        can be longer than the TTL. None: every grant lapses at its TTL."""
-        self.socket, self.core_for = InboxSocket(sock), core_for
+        can be longer than the TTL. None: every grant lapses at its TTL. ``bulk``: (a plain socket, the
+        address senders dial it at) for MAC'd frames; None: frames come on ``sock`` with CRCs."""
+        self.socket, self.core_for = InboxSocket(sock, bulk[0] if bulk else None), core_for
         self.transports = default_transports() if transports is None else transports
         self._by_name = {t.name: t for t in self.transports}
         # a sharded prefill worker's ranks send their parts themselves: taken whatever the transports chosen
         self._by_name.setdefault(RankParts.name, RankParts())
-        self.book = GrantBook(core_for, grant_ttl_s, self.transports, asker_alive)
+        self.book = GrantBook(core_for, grant_ttl_s, self.transports, asker_alive, bulk[1] if bulk else "")
         self.incoming: dict[str, Incoming] = {}
         self.bytes_received = 0
         # KV bytes taken per sending socket: a sharded prefill worker's ranks each send from their own
         self.kv_bytes_by_sender: dict[bytes, int] = {}
         self.stale = 0  # KV, headers and cancels of an earlier grant of a request id granted again, dropped
+        self.refused_bulk = 0  # messages on the bulk socket that were no MAC'd frames
 
     @abstractmethod
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
@@ -94,9 +100,12 @@ class KVInbox(ABC):
         handled = 0
         # every transfer's receiver reads its socket in _advance (or the transfer ends): none stays ready
         self.socket.watch({s for inc in self.incoming.values() if (s := inc.receiver.wakes_on) is not None})
-        for frames in self.socket.messages(timeout_ms):
+        for frames, bulk in self.socket.messages(timeout_ms):
             handled += 1
-            self._on_message(frames)
+            if bulk:
+                self._on_bulk(frames)
+            else:
+                self._on_message(frames)
         self._advance(admit)
         self._expire()
         return handled
@@ -121,6 +130,19 @@ class KVInbox(ABC):
             self._on_layer(peer, msg, payload)
         else:
             self._on_header(peer, msg, payload)
+
+    def _on_bulk(self, frames: list) -> None:
+        """A message on the plain bulk socket, where anyone can send: a MAC'd frame goes on to be checked,
+        anything else is counted and dropped (logged only at debug: no stranger fills our log)."""
+        try:
+            msg = decode_any(frames[1].bytes, KVLayers) if len(frames) >= 2 else None
+        except ValueError:
+            msg = None
+        if msg is None or not msg.mac:
+            self.refused_bulk += 1
+            log.debug("dropped a message on the bulk socket that is no MAC'd KV frame (%d so far)", self.refused_bulk)
+            return
+        self._on_layer(frames[0].bytes, msg, frames[2:], bulk=True)
 
     def _grant(self, peer: bytes, req: HandoffRequest) -> HandoffGrant:
         rid = req.request_id
@@ -172,7 +194,9 @@ class KVInbox(ABC):
                  live, self.stale)
         return True
 
-    def _on_layer(self, peer: bytes, msg: KVLayers, payload: list) -> None:
+    def _on_layer(self, peer: bytes, msg: KVLayers, payload: list, bulk: bool = False) -> None:
+        """``bulk``: it came on the bulk socket, from whoever holds its grant's key (the MAC, checked before
+        the frame lands, says who), not from the grant's connection."""
         rid = msg.request_id
         if self._is_stale("a KV part" if msg.is_part else "KV layers", rid, msg.epoch):
             return
@@ -181,8 +205,8 @@ class KVInbox(ABC):
         else:
             inc = self.incoming.get(rid)
             if inc is None and rid in self.grants:
-                inc = self._open(peer, rid, Frames.name)
-        if inc is None or (inc.peer != peer and not msg.is_part):
+                inc = self._open(self.grants[rid].peer if bulk else peer, rid, Frames.name)
+        if inc is None or (inc.peer != peer and not msg.is_part and not bulk) or (bulk and inc.transport != Frames.name):
             return  # the rest of a transfer already failed or superseded; its sender got the nack
         self._count_from(peer, sum(f.buffer.nbytes for f in payload))
         try:

@@ -305,7 +305,8 @@ class HandoffSender:
     def _pump(self, t: Transfer) -> None:
         """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which
         carries the first token, follows the KV (never before it: it must not promise KV not there)."""
-        out = t.sender.pump(t.job.request_id, lambda parts: self.peers.send(t.target, parts))
+        to = t.sender.to  # its grant's bulk socket, or the grant's own
+        out = t.sender.pump(t.job.request_id, lambda parts: self.peers.send(to or t.target, parts, bulk=bool(to)))
         if t.holds_source and t.sender.source_free():
             self._release_source(t)
         if out and t.state is State.SENDING and self.peers.send(t.target, [encode(t.header)]):

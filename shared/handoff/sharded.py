@@ -50,12 +50,12 @@ class ImportingReceiver(KVReceiver):
     ``finish`` scatters it to the ranks' caches."""
 
     def __init__(self, kv: EngineKV, block_ids: list[int], transport: Transport, offered: bool,
-                 on_done: Callable[..., None]):
+                 on_done: Callable[..., None], frames_key: bytes = b""):
         cache = kv.kv_cache
         _, two, _, block_size, _, head_dim = cache.shape
         self.kv, self.block_ids = kv, block_ids
         self.staging = cache.new_empty((kv.num_layers, two, len(block_ids), block_size, kv.num_kv_heads, head_dim))
-        self.inner = transport.receiver(self.staging, list(range(len(block_ids))), offered, on_done)
+        self.inner = transport.receiver(self.staging, list(range(len(block_ids))), offered, on_done, frames_key)
 
     def add(self, msg: KVLayers, frames: list) -> None:
         self.inner.add(msg, frames)

@@ -56,6 +56,7 @@ class HandoffRequest:
             raise ValueError("HandoffRequest.hold_s must be a finite number of seconds >= 0")
 
 
+FRAME_KEY_BYTES = FRAME_MAC_BYTES = 32  # HMAC-SHA256's (shared/engine/kv_frame.py)
 MAX_ASKS = 256  # HandoffRequests / HandoffGrants per message: a step finishes at most max-num-seqs prompts
 
 
@@ -140,10 +141,19 @@ class HandoffGrant:
     targets: list[KVTarget] = field(default_factory=list)
     # which grant of ``request_id`` this is (>= 1 when accepted): its KV, header and ack carry it
     epoch: int = 0
+    # host-staged frames go to the decode worker's plain bulk socket at ``frames_addr``, each MAC'd under
+    # ``frames_key``, this grant's own random key (it travels only here, on the CURVE channel); "": frames go
+    # to the grant's socket with CRCs
+    frames_addr: str = field(default="", metadata={"max_len": 1024})
+    frames_key: bytes = field(default=b"", repr=False)
 
     def check(self) -> None:
         if len(self.targets) > MAX_TARGETS:
             raise ValueError(f"HandoffGrant carries at most {MAX_TARGETS} targets")
+        if bool(self.frames_addr) != bool(self.frames_key) or len(self.frames_key) not in (0, FRAME_KEY_BYTES):
+            raise ValueError(f"HandoffGrant.frames_addr needs a frames_key of {FRAME_KEY_BYTES} bytes, and only it")
+        if self.frames_addr and not self.frames_addr.startswith(("tcp://", "ipc://")):
+            raise ValueError("HandoffGrant.frames_addr must be a tcp:// or ipc:// address")
 
 
 @dataclass
@@ -229,9 +239,14 @@ class KVLayers:
     # the grant's (HandoffGrant.epoch): a part of an earlier grant of the same request id, still in flight, is
     # dropped rather than taken for this one's
     epoch: int = 0
+    # the frame's MAC under the grant's frames_key (shared/engine/kv_frame.py), in place of the checksums (then
+    # empty): the frame holds its size over ``nbytes`` layers. Whole-layer frames only, never a rank's part
+    mac: bytes = b""
 
     def check(self) -> None:
-        if self.first < 0 or self.nbytes < 0 or not 1 <= len(self.checksums) <= MAX_MAP_LEN:
+        if self.mac and (len(self.mac) != FRAME_MAC_BYTES or self.checksums or self.heads or self.nbytes < 1):
+            raise ValueError(f"KVLayers: a MAC of {FRAME_MAC_BYTES} bytes, for whole layers without checksums")
+        if self.first < 0 or self.nbytes < 0 or not (self.mac or 1 <= len(self.checksums) <= MAX_MAP_LEN):
             raise ValueError("KVLayers: first and nbytes must be non-negative, with 1..4096 checksums")
         if self.heads and (len(self.heads) != 2 or self.heads[0] < 0 or self.heads[1] < 1 or not self.requester):
             raise ValueError("KVLayers.heads must be [first, count] (count >= 1) of a part naming its requester")

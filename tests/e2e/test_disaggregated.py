@@ -38,9 +38,12 @@ def _aclient(c: Cluster, **kw) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=c.base_url, api_key="none", max_retries=0, **kw)
 
 
-def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir):
+@pytest.mark.parametrize("frames", [[], ["--encrypt-kv-frames"]], ids=["macd-frames", "encrypted-frames"])
+def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir, frames):
+    """Either way the KV frames go (the decode worker's plain bulk socket, each MAC'd, or encrypted on its CURVE
+    socket), the tokens are the offline engine's."""
     cluster.start_worker("prefill", "p1")
-    cluster.start_worker("decode", "d1")
+    cluster.start_worker("decode", "d1", extra=frames)
     cluster.wait_ready()
     prompts = random_prompts(12, lo=5, hi=80, seed=42)
     offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)

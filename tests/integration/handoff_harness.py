@@ -25,16 +25,24 @@ BLOCK = SHAPE[3]
 class DecodeSide:
     """A decode worker's handoff half on its own thread; admitted requests keep their blocks."""
 
-    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None):
+    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None, bulk: bool = False):
+        """``bulk``: with a plain bulk socket, as a decode worker under CURVE has: frames come there MAC'd."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))  # as the decode worker
         zmq_auth.serve(self.sock, CURVE)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.bulk = None
+        if bulk:
+            self.bulk = self.ctx.socket(zmq.ROUTER)
+            self.bulk.setsockopt(zmq.LINGER, 0)
+            self.bulk.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))
+            self.bulk_addr = f"tcp://127.0.0.1:{self.bulk.bind_to_random_port('tcp://127.0.0.1')}"
         self.rt = endpoint(kv, "d1", MODEL)
         self.receiver = HandoffReceiver(self.sock, serves(MODEL, self.rt.core), ttl_s, transports=transports,
-                                        asker_alive=asker_alive)
+                                        asker_alive=asker_alive,
+                                        bulk=(self.bulk, self.bulk_addr) if bulk else None)
         self.admitted: dict[str, KVHeader] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -136,6 +136,48 @@ def test_layer_assembler_refuses_bad_layers():
         kt.LayerAssembler(torch.zeros(SHAPE, dtype=torch.float16), DST_BLOCKS).add(msg, [frame])
 
 
+def test_macd_layers_round_trip_and_a_frame_under_another_key_lands_nothing():
+    shape = (40, 2, 16, 16, 8, 64)
+    src, key = _cache(4, torch.bfloat16, shape), bytes(range(32))
+    staged = kt.StagedKV(src, [5, 2, 9, 3], key=key)
+    msgs = [decode(staged.message("r", g)[0], KVLayers) for g in range(staged.num_messages)]
+    frames = [staged.result(g)[0] for g in range(staged.num_messages)]
+    assert len(msgs) > 1 and all(len(m.mac) == 32 and not m.checksums for m in msgs)
+    dst = torch.zeros(shape, dtype=torch.bfloat16)
+    asm = kt.LayerAssembler(dst, [8, 0, 1, 6], key=key)
+    for msg, frame in zip(msgs, frames, strict=True):
+        asm.add(msg, [frame])
+    wait(asm.futures)
+    assert asm.complete and asm.error() is None
+    assert torch.equal(_blocks(dst, [8, 0, 1, 6]), _blocks(src, [5, 2, 9, 3]))
+    other = torch.zeros(shape, dtype=torch.bfloat16)
+    asm = kt.LayerAssembler(other, [8, 0, 1, 6], key=bytes(32))
+    asm.add(msgs[0], [frames[0]])
+    asm.abandon()
+    assert "MAC mismatch" in str(asm.error()) and not other.any()
+    with pytest.raises(ValueError, match="gave no key"):  # a grant without a key takes CRC'd frames only
+        kt.LayerAssembler(other, [8, 0, 1, 6]).add(msgs[0], [frames[0]])
+
+
+@pytest.mark.parametrize("over", [dict(checksums=[1]), dict(mac=b"short"), dict(heads=[0, 1], requester="p")],
+                         ids=["and checksums", "short", "a part"])
+def test_a_mac_is_32_bytes_for_whole_layers_instead_of_checksums(over):
+    msg = KVLayers(request_id="r", first=0, nbytes=8, checksums=[], mac=bytes(32))
+    assert decode(encode(msg), KVLayers).mac == bytes(32)
+    with pytest.raises(ValueError, match="MAC of 32 bytes"):
+        decode(encode(dataclasses.replace(msg, **over)), KVLayers)
+    with pytest.raises(ValueError, match="1..4096 checksums"):  # neither
+        decode(encode(dataclasses.replace(msg, mac=b"")), KVLayers)
+
+
+def test_a_grant_names_a_bulk_socket_with_its_key_or_neither():
+    grant = HandoffGrant(request_id="r", accepted=True, frames_addr="tcp://h:1", frames_key=bytes(32))
+    assert decode(encode(grant), HandoffGrant).frames_key == bytes(32) and "frames_key" not in repr(grant)
+    for over in (dict(frames_key=b""), dict(frames_addr=""), dict(frames_key=bytes(16)), dict(frames_addr="h:1")):
+        with pytest.raises(ValueError, match="frames_"):
+            decode(encode(dataclasses.replace(grant, **over)), HandoffGrant)
+
+
 def test_deferred_staging_follows_the_layers_written():
     """The layer-by-layer overlap: a group is staged only once ``stage_through`` says the prefill wrote
     its last layer, and what it stages is the cache as of then (later writes to other layers are not
@@ -154,7 +196,7 @@ def test_deferred_staging_follows_the_layers_written():
         staged.stage_through(layer)
         assert len(staged._futures) == (layer + 1) // per + (layer == shape[0] - 1 and shape[0] % per != 0)
     for g in range(staged.num_messages):
-        frame, crcs = staged.result(g)
+        frame, crcs, _ = staged.result(g)
         asm.add(KVLayers(request_id="r", first=g * per, nbytes=staged.layer_nbytes, checksums=crcs), [frame])
     wait(asm.futures)
     staged.wait_source()
