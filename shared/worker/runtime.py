@@ -5,7 +5,8 @@ events back to gateways, and a clean shutdown.
 Threads: the heartbeat (registration.py), the control listener (control.py), the abort listener
 (abort_listener.py) and the gateway watch (gateway_watch.py) only talk to Redis and hand commands, ids and
 dead gateways to the main loop through queues; the engines, their tensors and every ZMQ socket belong to
-the main loop alone (model loads build a new engine on their own thread, see model_host); the stall watch
+the main loop alone (model loads build a new engine on their own thread, see model_host). The heartbeat never
+waits for a step: it publishes a snapshot the loop takes at the end of a turn. The stall watch
 (stall_watch.py) takes down the rank groups of a step that has waited too long on them. A thread rides
 out Redis errors only: anything else is a bug, which stops the worker with a non-zero exit for its
 supervisor to restart, rather than a warning a second for ever.
@@ -186,6 +187,7 @@ class WorkerRuntime:
                         for slot in list(self.slots.values()):  # a dead rank ends the worker even when idle
                             slot.core.check()
                         step()
+                        self.registration.turn_ended()  # a snapshot for the heartbeat, if one is due
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     self.health.failed(exc)  # logged once; the heartbeat tells when Redis is back
                     self.stop.wait(0.5)
