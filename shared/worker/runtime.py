@@ -7,7 +7,8 @@ Threads: the heartbeat (registration.py), the control listener (control.py), the
 dead gateways to the main loop through queues; the engines, their tensors and every ZMQ socket belong to
 the main loop alone (model loads build a new engine on their own thread, see model_host). The heartbeat never
 waits for a step: it publishes a snapshot the loop takes at the end of a turn. The stall watch
-(stall_watch.py) takes down the rank groups of a step that has waited too long on them. A thread rides
+(stall_watch.py) ends a worker whose step has run longer than ``--step-timeout``: it takes down the rank
+groups the step waits on, or, when nothing can interrupt the step, unregisters and exits. A thread rides
 out Redis errors only: anything else is a bug, which stops the worker with a non-zero exit for its
 supervisor to restart, rather than a warning a second for ever.
 
@@ -121,7 +122,7 @@ class WorkerRuntime:
             "heartbeat": self.registration.run,
             "abort listener": self.aborts.run,
             "gateway watch": self.gateways.run,
-            "stall watch": StallWatch(self.host, self.config.step_timeout_s).run,
+            "stall watch": StallWatch(self.host, self.config.step_timeout_s, self.registration.unregister).run,
         }
         if self.config.model_repo:
             loops["control listener"] = lambda stop: self.control.listen(stop, self.host.commands)
