@@ -4,9 +4,9 @@ when what it advertises changed), and a ``ModelInfo`` per hosted model for gatew
 The heartbeat runs on its own thread, only talks to Redis and never waits for a step (the host's lock): a
 step longer than the TTL (a long prefill on a CPU) leaves a live worker registered, and a step that is stuck
 is the stall watch's to end (shared/worker/stall_watch.py). What it publishes is a snapshot (``_Advert``)
-the engine loop takes at the end of a turn, still holding the lock, so no count is read from structures a
-step is changing: each beat asks the loop for one and waits up to FRESH_WAIT_S for the turn in progress to
-end, then publishes the latest (at most a step old).
+the engine loop takes at the end of a turn, still holding the lock (shared/worker/turn_snapshot.py), so no
+count is read from structures a step is changing: each beat asks the loop for one and waits up to
+FRESH_WAIT_S for the turn in progress to end, then publishes the latest (at most a step old).
 
 It is also the worker's Redis prober (``RedisHealth``): after an outage, or when Redis's ``run_id``
 says it restarted (a restart between two beats shows no outage), it publishes everything again, as
@@ -33,6 +33,7 @@ from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_slot import ModelSlot
+from kvrelay.shared.worker.turn_snapshot import TurnSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,7 @@ class Registration:
         self.zmq_addr = ""  # set by the role once it binds its socket
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self._beat_now = threading.Event()
-        self._advert: _Advert | None = None  # the latest snapshot; replaced whole, never changed
-        self._wanted = False  # a beat (or a change) asks the loop for a snapshot at the end of its turn
-        self._fresh = threading.Event()  # set once the loop took the snapshot asked for
+        self.advert = TurnSnapshot(self._advert_now)  # the engine loop takes it at the end of a turn
         # a beat that waited (for a snapshot, or for Redis) must not bring back the record ``unregister``
         # deleted meanwhile: a worker that exits would stay listed until the record's TTL
         self._publishing = threading.Lock()
@@ -98,31 +97,16 @@ class Registration:
     def heartbeat(self) -> None:
         """Publish now, from the loop's thread between its turns (at start, when a drain begins)."""
         with self.host.lock:  # a load may be attaching to the pool
-            self.snapshot()
-        restarted = self._publish_heartbeat(_stamped(self._advert).info)
+            advert = self.advert.take_now()
+        restarted = self._publish_heartbeat(_stamped(advert).info)
         if self.health.ok() or restarted:  # the heartbeat thread publishes the rest, now
             self._restore_due = True
             self._beat_now.set()
 
-    def snapshot(self) -> None:
-        """Take what the heartbeat publishes, as of now. The caller holds the host's lock: nothing changes it."""
+    def _advert_now(self) -> _Advert:
+        """What the heartbeat publishes, as of now: run with the host's lock held, nothing changes it."""
         slots = list(self.host.slots.values())
-        self._advert = _Advert(self._worker_info(), tuple(self._model_info(s) for s in slots))
-        self._fresh.set()
-
-    def turn_ended(self) -> None:
-        """The engine loop, at the end of each turn, still holding the host's lock: a snapshot if one is due."""
-        if self._wanted:
-            self._wanted = False
-            self.snapshot()
-
-    def _latest(self) -> _Advert:
-        """The snapshot of the turn in progress once it ends, or, when it is longer than FRESH_WAIT_S (or the
-        loop is not turning), the last one taken."""
-        self._fresh.clear()
-        self._wanted = True
-        self._fresh.wait(FRESH_WAIT_S)
-        return _stamped(self._advert)
+        return _Advert(self._worker_info(), tuple(self._model_info(s) for s in slots))
 
     def _worker_info(self) -> WorkerInfo:
         slots = list(self.host.slots.values())
@@ -162,7 +146,6 @@ class Registration:
     def beat_soon(self) -> None:
         """What we advertise changed (a model loaded or left): tell placement now, not in 2 s (the beat
         asks for a snapshot, which the turn making the change takes as it ends)."""
-        self._wanted = True
         self._beat_now.set()
 
     def run(self, stop: threading.Event) -> None:
@@ -184,7 +167,7 @@ class Registration:
                 delay = REREGISTER_RETRY_S
 
     def _beat(self) -> None:
-        advert = self._latest()
+        advert = _stamped(self.advert.latest(FRESH_WAIT_S))
         restarted = self._publish_heartbeat(advert.info)
         if self.health.ok() or restarted:
             self._restore_due = True

@@ -1,9 +1,10 @@
-"""A unified worker whose engine step is slow, or stuck, serving a request through a gateway. A step longer
-than the registration's TTL (a long prefill on a CPU) is not a dead worker: its heartbeat does not wait for
-the step, so its record never lapses and the request completes there. A step that never returns (here the
-engine's step blocks for good, a stand-in for a device that stopped answering, run before the CLI in the
-worker's process) outlasts ``--step-timeout``: the worker leaves the registry and exits, and the request, whose
-job it never finished, completes on a peer with the offline engine's greedy text."""
+"""A unified worker whose engine step is slow, or stuck, serving a request through a gateway, beside a peer.
+A step longer than the registration's TTL and the peers' reclaim time (a long prefill on a CPU) is not a dead
+worker: its heartbeat and its job keeper do not wait for the step, so its record never lapses, no peer
+reclaims its job, and the request completes there. A step that never returns outlasts ``--step-timeout``: the
+worker leaves the registry and exits, and the request, whose job it never finished, completes on a peer with
+the offline engine's greedy text. The held step (until the test says, or for good) stands in for a long
+prefill or a device that stopped answering: Python run before the CLI in the worker's process."""
 
 import concurrent.futures
 import time
@@ -25,7 +26,7 @@ SLOW_S = keys.HEARTBEAT_TTL_S + 2 * keys.HEARTBEAT_INTERVAL_S  # two beats past 
 
 # the first step with a request in it takes ``{hold}``; warm-up is skipped, or its steps would be the first
 _FIRST_STEP = """
-import threading, time
+import os, threading, time
 from kvrelay.shared.engine.engine_core import EngineCore
 step = EngineCore.step
 held = []
@@ -38,7 +39,6 @@ def first_step_held(self):
     return step(self)
 EngineCore.step = first_step_held
 """
-SLOW = _FIRST_STEP.format(hold=f"time.sleep({SLOW_S})")
 STUCK = _FIRST_STEP.format(hold="threading.Event().wait()")
 
 
@@ -58,13 +58,16 @@ def _ask(cluster: Cluster, pool: concurrent.futures.Executor, prompt: list[int])
                        temperature=0.0, extra_body={"ignore_eos": True})
 
 
-def test_a_step_longer_than_the_registration_ttl_keeps_its_worker_registered(greedy, tiny_model_dir, redis_url,
-                                                                              tmp_path):
+def test_a_step_longer_than_the_ttl_and_the_reclaim_time_keeps_its_worker_and_its_job(greedy, tiny_model_dir,
+                                                                                       redis_url, tmp_path):
     prompt, want = greedy
+    over = tmp_path / "step-over"
+    held = _FIRST_STEP.format(hold=f"while not os.path.exists({str(over)!r}): time.sleep(0.1)")
     cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     cluster.redis.flushall()
     cluster.start_gateway()
-    cluster.start_worker("unified", "u-slow", ["--skip-warmup"], prelude=SLOW)
+    reclaim = ["--reclaim-idle-ms", str(RECLAIM_MS)]
+    cluster.start_worker("unified", "u-slow", ["--skip-warmup", *reclaim], prelude=held)
     lapsed = 0
     try:
         cluster.wait_ready(timeout=300)
@@ -72,15 +75,22 @@ def test_a_step_longer_than_the_registration_ttl_keeps_its_worker_registered(gre
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = _ask(cluster, pool, prompt)
             _wait("the slow step", lambda: "the held step begins" in cluster.log("u-slow"))
-            while not answer.done():  # all through the step: its record never lapses
+            cluster.start_worker("unified", "u-peer", reclaim)  # only now: the job had to go to u-slow
+            cluster.wait_worker("u-peer", timeout=300)
+            # the peer up, the step goes on past the record's TTL and many times the reclaim time
+            until = time.monotonic() + SLOW_S
+            while time.monotonic() < until:
                 lapsed += cluster.worker("u-slow") is None
                 time.sleep(0.2)
-            text = answer.result().choices[0].text
-        assert "the held step ends" in cluster.log("u-slow")
+            over.touch()
+            text = answer.result(timeout=240).choices[0].text
+        _wait("the slow step's end", lambda: "the held step ends" in cluster.log("u-slow"))
         assert cluster.procs["u-slow"].poll() is None
+        reclaimed = "reclaimed job" in cluster.log("u-peer")
     finally:
         cluster.stop()
     assert lapsed == 0
+    assert not reclaimed
     assert text == want
 
 

@@ -43,7 +43,7 @@ def test_a_beat_during_a_step_publishes_the_last_turn_s_counts_without_waiting_f
             core.num_running, core.num_free_blocks = 3, 40  # the step is changing what the worker advertises
             in_step.set()
             release.wait(120)
-            reg.turn_ended()
+            reg.advert.turn_ended()
 
     loop = threading.Thread(target=step)
     loop.start()
