@@ -65,12 +65,13 @@ class WorkerConfig:
     # requests (shared/worker/stall_watch.py)
     step_timeout_s: float = setting(
         120.0,
-        "seconds one engine step may run before the worker counts as stuck: it takes down the rank groups the step "
-        "waits on (a rank stopped, wedged in a collective), or, when nothing can interrupt the step, leaves the "
-        "registry and exits, for its supervisor to restart and its peers to run its requests again. Far above the "
-        "longest legitimate step, a full --max-num-batched-tokens chunk prefilled on a CPU (tens of seconds for a "
-        "1B model; compiles and CUDA graph captures happen in warm-up, before a model serves); a slow step "
-        "under it keeps the worker registered (0: no watch)",
+        "seconds one engine step may run (or the loop wait for its turn while a model load holds it) before the "
+        "worker counts as stuck: it takes down the rank groups the step waits on (a rank stopped, wedged in a "
+        "collective), or, when nothing can interrupt the step, leaves the registry and exits, for its supervisor "
+        "to restart and its peers to run its requests again. Far above the longest legitimate step, a full "
+        "--max-num-batched-tokens chunk prefilled on a CPU (tens of seconds for a 1B model; compiles and CUDA "
+        "graph captures happen in warm-up, before a model serves); a slow step under it keeps the worker "
+        "registered (0: no watch)",
         flag="--step-timeout", shared=True, ge=0)
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
     metrics_tenant_labels: bool = common.metrics_tenant_labels()

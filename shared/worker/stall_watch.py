@@ -16,6 +16,9 @@ What it does then:
   see it gone at once, and ends the process with STUCK_EXIT_CODE (``os._exit``: the loop's thread cannot be
   joined, and a clean shutdown would wait for it). Its supervisor restarts it; its unacknowledged jobs are
   reclaimed by peers and the requests it was decoding run again, as for a worker that died.
+* a loop that has waited ``step_timeout_s`` for its turn: another thread has held the lock that long (a model
+  load building an engine or capturing CUDA graphs under it) and is as stuck, and the worker ends the same way.
+  Before the heartbeat stopped waiting for the lock, such a worker's registration lapsed; now this is the bound.
 """
 
 import logging
@@ -51,29 +54,36 @@ class StallWatch:
             self.check()
 
     def check(self) -> None:
+        if self._ended:
+            return
+        waiting = self.host.lock.wait_since
+        waited_turn = 0.0 if waiting is None else time.monotonic() - waiting
+        if waited_turn >= self.timeout_s:
+            self._end(f"the engine loop has waited {waited_turn:.1f} s (--step-timeout) for its turn, which another "
+                      "thread (a model load) holds,")
+            return
         since = self.host.lock.turn_since
-        if since is None or self._ended:
+        if since is None:
             return
         waited = time.monotonic() - since
         if waited < self.timeout_s:
             return
         if since == self._handled:
             if waited >= 2 * self.timeout_s:  # its groups went down, and it still has not returned
-                self._end(waited)
+                self._end(f"a step has not returned in {waited:.1f} s (--step-timeout)")
             return
         self._handled = since
         # the loop holds the lock and is stuck: nothing changes the slots meanwhile
         down = [slot.instance for slot in list(self.host.slots.values()) if slot.core.abandon_ranks(waited)]
         if not down:
-            self._end(waited)
+            self._end(f"a step has not returned in {waited:.1f} s (--step-timeout)")
             return
         log.error("a step has not returned in %.1f s (--step-timeout): took the rank groups of %s down; the "
                   "worker exits", waited, ", ".join(down))
 
-    def _end(self, waited: float) -> None:
-        log.error("a step has not returned in %.1f s (--step-timeout) and nothing can interrupt it: the worker "
-                  "leaves the registry and exits (code %d) for its supervisor to restart; peers run its requests "
-                  "again", waited, STUCK_EXIT_CODE)
+    def _end(self, stuck: str) -> None:
+        log.error("%s and nothing can interrupt it: the worker leaves the registry and exits (code %d) for its "
+                  "supervisor to restart; peers run its requests again", stuck, STUCK_EXIT_CODE)
         self._ended = True
         try:
             self.leave()

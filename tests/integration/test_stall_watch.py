@@ -15,7 +15,7 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.engine.ranks.group import TensorParallelError
-from kvrelay.shared.worker import stall_watch
+from kvrelay.shared.worker import stall_watch, step_lock
 from kvrelay.shared.worker.stall_watch import STUCK_EXIT_CODE, StallWatch
 from kvrelay.shared.worker.step_lock import StepLock
 from tests.conftest import random_prompts
@@ -96,4 +96,40 @@ def test_a_step_whose_groups_went_down_and_that_still_does_not_return_ends_the_w
         assert done == []  # the step is given the time to raise
         now[0] = 7200.0
         watch.check()
+    assert done == ["left", STUCK_EXIT_CODE]
+
+
+def test_a_loop_kept_from_its_turn_past_the_timeout_ends_the_worker(monkeypatch):
+    """Another thread (a model load on CUDA) holds the step lock and does not let go."""
+    host = SimpleNamespace(lock=StepLock(), slots={})
+    done = []
+    watch = StallWatch(host, timeout_s=3600.0, leave=lambda: done.append("left"), end_process=done.append)
+    now = [0.0]
+    monkeypatch.setattr(stall_watch, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(step_lock, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    holding, release = threading.Event(), threading.Event()
+
+    def load() -> None:
+        with host.lock:
+            holding.set()
+            release.wait(120)
+
+    def loop() -> None:
+        with host.lock.turn():
+            pass
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    holding.wait(60)
+    turn = threading.Thread(target=loop)
+    turn.start()
+    while host.lock.wait_since is None:  # the loop waits for its turn
+        turn.join(0.01)
+    watch.check()
+    assert done == []
+    now[0] = 3600.0
+    watch.check()
+    release.set()
+    loader.join(60)
+    turn.join(60)
     assert done == ["left", STUCK_EXIT_CODE]
