@@ -68,14 +68,17 @@ class WorkerConfig:
                                   "stream", ge=1)
     reclaim_idle_ms: int = setting(15_000, "a pending job idle this long belongs to a dead prefill worker and is "
                                    "claimed", ge=1)
-    # a step holds the lock the heartbeat needs: past the TTL less two beats, peers would take the worker's
-    # requests while it lives on (shared/worker/stall_watch.py)
+    # the heartbeat does not wait for steps, so this is the one bound on how long a stuck worker keeps its
+    # requests (shared/worker/stall_watch.py)
     step_timeout_s: float = setting(
-        keys.HEARTBEAT_TTL_S - 2 * keys.HEARTBEAT_INTERVAL_S,
-        "seconds a step of a tensor- or pipeline-parallel model may wait on its ranks: past it a rank stopped "
-        "answering (stopped, wedged in a collective), and the worker takes the group down and exits for its "
-        "supervisor to restart, as when a rank dies; longer than the default, its registration expires first "
-        "and peers take its requests while it lives on (0: wait for the collective's own timeout)",
+        120.0,
+        "seconds one engine step may run (or the loop wait for its turn while a model load holds it) before the "
+        "worker counts as stuck: it takes down the rank groups the step waits on (a rank stopped, wedged in a "
+        "collective), or, when nothing can interrupt the step, leaves the registry and exits, for its supervisor "
+        "to restart and its peers to run its requests again. Far above the longest legitimate step, a full "
+        "--max-num-batched-tokens chunk prefilled on a CPU (tens of seconds for a 1B model; compiles and CUDA "
+        "graph captures happen in warm-up, before a model serves); a slow step under it keeps the worker "
+        "registered (0: no watch)",
         flag="--step-timeout", shared=True, ge=0)
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
     metrics_tenant_labels: bool = common.metrics_tenant_labels()

@@ -1,8 +1,16 @@
 """Jobs in, for the roles that read the model streams (prefill, unified): one JobQueue per hosted
 instance, read up to what the engine has room for, checked, and tracked in the worker's Lifecycle until
 the request leaves, when its entry is ACKed (``release``). What each role then does with the engine's
-output is its own (prefill_worker/worker.py, unified_worker/worker.py)."""
+output is its own (prefill_worker/worker.py, unified_worker/worker.py).
 
+The jobs it holds are kept (``JobQueue.keep``) by a thread of their own, the job keeper, three times per
+``reclaim_idle_ms``, from the entry ids the loop snapshots at the end of a turn: kept between steps only, a
+step longer than the reclaim time (a long prefill on a CPU) would let peers reclaim and run again the jobs of a
+worker that is alive and serving them. An id that left meanwhile costs nothing (XCLAIM skips an entry no
+longer pending); one handed back meanwhile waits up to ``reclaim_idle_ms`` more for a peer."""
+
+import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -16,12 +24,16 @@ from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
+from kvrelay.shared.worker.turn_snapshot import TurnSnapshot
+
+log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 50  # one model and nothing running: the read blocks this long for a job
 IDLE_SLEEP_S = 0.005  # several models: each stream is polled without blocking, then this nap
 # While Redis is unreachable no new job can come, but what the engine holds runs on: reads are tried
 # again this often, not every step (each failed read costs its retries, about a second).
 OUTAGE_RETRY_S = 1.0
+KEEPS_PER_RECLAIM = 3  # a job is kept this often within the time after which peers reclaim it
 
 
 class JobIntake:
@@ -35,9 +47,12 @@ class JobIntake:
         self.queues: dict[str, JobQueue] = {}
         # no worker_id on events: a dead stream worker's jobs are reclaimed by a peer, not failed
         self.inflight = Lifecycle(runtime, release=self._release)
-        self._kept_at: dict[str, float] = {}  # instance -> when its in-flight jobs were last kept
         # instance -> entry ids of our jobs held past the engine (a prefill worker's awaiting their handoff)
         self.held_elsewhere: Callable[[str], list[bytes]] = lambda instance: []
+        self.held = TurnSnapshot(self._held_now)
+        self._fetched: dict[str, list[bytes]] = {}  # instance -> entry ids of its latest read, maybe not admitted yet
+        runtime.turn_snapshots.append(self.held)
+        runtime.role_threads["job keeper"] = self.keep_held
         runtime.registration.on_restore.append(self.restore)
         self._retry_at = 0.0  # monotonic: no read before it (Redis unreachable)
 
@@ -71,14 +86,17 @@ class JobIntake:
                 time.sleep(block_ms / 1000)
             return []
         try:
-            return self._fetch(slot, block_ms)
+            jobs = self._fetch(slot, block_ms)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.runtime.health.failed(exc)
             self._retry_at = time.monotonic() + OUTAGE_RETRY_S
             return []
+        self._fetched[slot.instance] = [entry_id for entry_id, _ in jobs]
+        if jobs:  # kept from now on, though the step that runs them may not end for long
+            self.held.take_now()
+        return jobs
 
     def _fetch(self, slot: ModelSlot, block_ms: int) -> list[tuple[bytes, Job]]:
-        self._keep_in_flight(slot.instance)
         room = slot.core.max_num_seqs - self.inflight.count(slot.instance)
         if room <= 0 or self.runtime.draining or not slot.reading:  # not reading: evicted, finishing what runs
             return []
@@ -88,17 +106,29 @@ class JobIntake:
             return []
         return jobs
 
-    def _keep_in_flight(self, instance: str) -> None:
-        """Our jobs still running must not look abandoned to XAUTOCLAIM (JobQueue.keep): refreshed three
-        times per reclaim_idle_ms."""
-        now = time.monotonic()
-        if now - self._kept_at.get(instance, 0.0) < self.config.reclaim_idle_ms / 3000:
-            return
-        self._kept_at[instance] = now
-        ids = [r.entry_id for r in self.inflight.requests.values() if r.instance == instance and r.entry_id]
-        ids += self.held_elsewhere(instance)
-        if instance in self.queues:
-            self.queues[instance].keep(ids)
+    def keep_held(self, stop: threading.Event) -> None:
+        """The job keeper's thread, until ``stop``: our jobs must not look abandoned to XAUTOCLAIM."""
+        period = self.config.reclaim_idle_ms / 1000 / KEEPS_PER_RECLAIM
+        while not stop.wait(period / 2):
+            held = self.held.latest(period / 2) or {}  # the turn in progress may end meanwhile
+            try:
+                for instance, ids in held.items():
+                    queue = self.queues.get(instance)
+                    if queue is not None:
+                        queue.keep(ids)
+            except redis.RedisError as exc:  # an outage: kept again once Redis is back
+                if not self.runtime.health.absorb(exc):
+                    log.warning("could not keep our jobs: %s", exc)
+
+    def _held_now(self) -> dict[str, list[bytes]]:
+        """instance -> entry ids of the jobs we hold; taken by the loop at the end of a turn."""
+        held: dict[str, list[bytes]] = {instance: [] for instance in self.queues}
+        for r in self.inflight.requests.values():
+            if r.entry_id and r.instance in held:
+                held[r.instance].append(r.entry_id)
+        for instance, ids in held.items():
+            ids += self.held_elsewhere(instance) + self._fetched.get(instance, [])
+        return held
 
     def admit(self, slot: ModelSlot, entry_id: bytes, job: Job) -> tuple[InFlight, Request] | None:
         """The tracked record and engine request of a fetched job; None for one that is ours already (our

@@ -1,19 +1,28 @@
 """A worker's registration in Redis: its ``WorkerInfo`` under a TTL, refreshed every heartbeat (at once
-when what it advertises changed), and a ``ModelInfo`` per hosted model for gateways to find. The
-heartbeat runs on its own thread and only talks to Redis; it reads the host's models under the host's
-lock. It is also the worker's Redis prober (``RedisHealth``): after an outage, or when Redis's ``run_id``
+when what it advertises changed), and a ``ModelInfo`` per hosted model for gateways to find.
+
+The heartbeat runs on its own thread, only talks to Redis and never waits for a step (the host's lock): a
+step longer than the TTL (a long prefill on a CPU) leaves a live worker registered, and a step that is stuck
+is the stall watch's to end (shared/worker/stall_watch.py). What it publishes is a snapshot (``_Advert``)
+the engine loop takes at the end of a turn, still holding the lock (shared/worker/turn_snapshot.py), so no
+count is read from structures a step is changing: each beat asks the loop for one and waits up to
+FRESH_WAIT_S for the turn in progress to end, then publishes the latest (at most a step old).
+
+It is also the worker's Redis prober (``RedisHealth``): after an outage, or when Redis's ``run_id``
 says it restarted (a restart between two beats shows no outage), it publishes everything again, as
 soon as Redis answers: its registration, its models, the registry entries of its config (SET NX: a
 restored Redis keeps what the admin changed) and whatever the role keeps there (``on_restore``: the
 consumer groups). While Redis is down it retries every REREGISTER_RETRY_S, silently: the health
 object logs the outage once."""
 
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 
@@ -24,10 +33,22 @@ from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_slot import ModelSlot
+from kvrelay.shared.worker.turn_snapshot import TurnSnapshot
 
 log = logging.getLogger(__name__)
 
 REREGISTER_RETRY_S = 0.2
+# a beat waits this long for the loop's turn in progress to end and give it fresh counts; past it, it
+# publishes those of the last turn that ended: a beat is never later than this for a step
+FRESH_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class _Advert:
+    """What the heartbeat publishes, as the loop saw it at the end of a turn."""
+
+    info: WorkerInfo
+    models: tuple[ModelInfo, ...]
 
 
 class Registration:
@@ -46,8 +67,9 @@ class Registration:
         self.zmq_addr = ""  # set by the role once it binds its socket
         self.tokenizer_dirs: dict[str, str] = {}  # instance -> tokenizer directory published for gateways
         self._beat_now = threading.Event()
-        # a beat that waited for a step (the step lock) must not bring back the record ``unregister`` deleted
-        # while it waited: a worker that exits would stay listed until the record's TTL
+        self.advert = TurnSnapshot(self._advert_now)  # the engine loop takes it at the end of a turn
+        # a beat that waited (for a snapshot, or for Redis) must not bring back the record ``unregister``
+        # deleted meanwhile: a worker that exits would stay listed until the record's TTL
         self._publishing = threading.Lock()
         self._unregistered = False
 
@@ -58,20 +80,33 @@ class Registration:
                 self.redis.sadd(keys.REGISTRY_INDEX, spec.name)
 
     def publish_model(self, slot: ModelSlot) -> None:
+        self._publish_model(self._model_info(slot))
+
+    def _model_info(self, slot: ModelSlot) -> ModelInfo:
         core = slot.core
-        info = ModelInfo(name=slot.instance, path=self.tokenizer_dirs.get(slot.instance, slot.path),
+        return ModelInfo(name=slot.instance, path=self.tokenizer_dirs.get(slot.instance, slot.path),
                          max_model_len=core.max_model_len, vocab_size=core.vocab_size,
                          eos_token_ids=slot.eos_ids, block_size=core.block_size,
                          dtype=str(core.dtype).removeprefix("torch."), served_name=slot.name,
                          version=slot.version)
+
+    def _publish_model(self, info: ModelInfo) -> None:
         self.redis.set(keys.model_key(info.name), encode(info), ex=keys.MODEL_TTL_S)
         self.redis.sadd(keys.MODELS_INDEX, info.name)
 
     def heartbeat(self) -> None:
-        restarted = self._publish_heartbeat(self._worker_info())
+        """Publish now, from the loop's thread between its turns (at start, when a drain begins)."""
+        with self.host.lock:  # a load may be attaching to the pool
+            advert = self.advert.take_now()
+        restarted = self._publish_heartbeat(_stamped(advert).info)
         if self.health.ok() or restarted:  # the heartbeat thread publishes the rest, now
             self._restore_due = True
             self._beat_now.set()
+
+    def _advert_now(self) -> _Advert:
+        """What the heartbeat publishes, as of now: run with the host's lock held, nothing changes it."""
+        slots = list(self.host.slots.values())
+        return _Advert(self._worker_info(), tuple(self._model_info(s) for s in slots))
 
     def _worker_info(self) -> WorkerInfo:
         slots = list(self.host.slots.values())
@@ -109,7 +144,8 @@ class Registration:
         return run_id is not None and run_id != self._run_id
 
     def beat_soon(self) -> None:
-        """What we advertise changed (a model loaded or left): tell placement now, not in 2 s."""
+        """What we advertise changed (a model loaded or left): tell placement now, not in 2 s (the beat
+        asks for a snapshot, which the turn making the change takes as it ends)."""
         self._beat_now.set()
 
     def run(self, stop: threading.Event) -> None:
@@ -131,36 +167,30 @@ class Registration:
                 delay = REREGISTER_RETRY_S
 
     def _beat(self) -> None:
-        with self.host.lock:  # the loop may be adding or removing a model; Redis waits outside
-            info, slots = self._worker_info(), list(self.host.slots.values())
-        restarted = self._publish_heartbeat(info)
+        advert = _stamped(self.advert.latest(FRESH_WAIT_S))
+        restarted = self._publish_heartbeat(advert.info)
         if self.health.ok() or restarted:
             self._restore_due = True
         if self._restore_due:  # until it all went through: Redis may fail again half way
-            self.restore(slots)
+            self.restore(advert.models)
             self._restore_due = False
             return
         pipe = self.redis.pipeline(transaction=False)
-        for slot in slots:  # renewed while held; EXPIRE answers 0 for a record that is gone
-            pipe.expire(keys.model_key(slot.instance), keys.MODEL_TTL_S)
-        missing = [s for s, found in zip(slots, pipe.execute(), strict=True) if not found]
-        if missing:  # lost some other way (deleted by hand): gateways must see the models again
-            self._publish_models(missing)
+        for model in advert.models:  # renewed while held; EXPIRE answers 0 for a record that is gone
+            pipe.expire(keys.model_key(model.name), keys.MODEL_TTL_S)
+        for model, found in zip(advert.models, pipe.execute(), strict=True):
+            if not found:  # lost some other way (deleted by hand): gateways must see the models again
+                self._publish_model(model)
 
-    def restore(self, slots: list[ModelSlot]) -> None:
+    def restore(self, models: tuple[ModelInfo, ...]) -> None:
         """Publish again whatever a Redis that restarted may have lost."""
         self.register_models()
-        self._publish_models(slots)
+        for model in models:
+            self._publish_model(model)
         for restore in self.on_restore:
             restore()
         log.info("registration published again after the redis outage or restart: %d model(s), %d registry "
-                 "entries", len(slots), len(self.config.register))
-
-    def _publish_models(self, slots: list[ModelSlot]) -> None:
-        with self.host.lock:
-            for slot in slots:
-                if self.host.slots.get(slot.instance) is slot:  # not unloaded meanwhile
-                    self.publish_model(slot)
+                 "entries", len(models), len(self.config.register))
 
     def unregister(self) -> None:
         """Leave the registry, for good: later beats publish nothing."""
@@ -171,3 +201,8 @@ class Registration:
                 self.redis.srem(keys.WORKERS_INDEX, self.config.worker_id)
             except redis.RedisError as exc:  # Redis gone: the TTL removes the registration anyway
                 log.warning("could not unregister from Redis: %s", exc)
+
+
+def _stamped(advert: _Advert | None) -> _Advert:
+    assert advert is not None, "heartbeat() takes the first snapshot before the heartbeat thread starts"
+    return dataclasses.replace(advert, info=dataclasses.replace(advert.info, heartbeat=time.time()))

@@ -5,10 +5,12 @@ events back to gateways, and a clean shutdown.
 Threads: the heartbeat (registration.py), the control listener (control.py), the abort listener
 (abort_listener.py) and the gateway watch (gateway_watch.py) only talk to Redis and hand commands, ids and
 dead gateways to the main loop through queues; the engines, their tensors and every ZMQ socket belong to
-the main loop alone (model loads build a new engine on their own thread, see model_host); the stall watch
-(stall_watch.py) takes down the rank groups of a step that has waited too long on them. A thread rides
-out Redis errors only: anything else is a bug, which stops the worker with a non-zero exit for its
-supervisor to restart, rather than a warning a second for ever.
+the main loop alone (model loads build a new engine on their own thread, see model_host). Neither the
+heartbeat nor a role's job keeper (intake.py) waits for a step: each works from a snapshot the loop takes at
+the end of a turn (turn_snapshot.py). The stall watch (stall_watch.py) ends a worker whose step has run longer
+than ``--step-timeout``: it takes down the rank groups the step waits on, or, when nothing can interrupt the
+step, unregisters and exits. A thread rides out Redis errors only: anything else is a bug, which stops the
+worker with a non-zero exit for its supervisor to restart, rather than a warning a second for ever.
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (the role stops taking new work and its loop runs
 until nothing is in flight or ``drain_timeout_s`` passed, then the role hands back or ends what is
@@ -48,6 +50,7 @@ from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
 from kvrelay.shared.worker.shared_weights import SharedWeights, default_dir
 from kvrelay.shared.worker.stall_watch import StallWatch
+from kvrelay.shared.worker.turn_snapshot import TurnSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,9 @@ class WorkerRuntime:
                       else KVLinks.of(self.curve, config.host, config.advertise_host) if receives_kv else None))
         self.registration = Registration(self.redis, config, self.host, draining=lambda: self.draining,
                                          health=self.health)
+        # what threads that must not wait for a step read: the loop takes each at the end of a turn, if asked
+        self.turn_snapshots: list[TurnSnapshot] = [self.registration.advert]
+        self.role_threads: dict[str, Callable[[threading.Event], None]] = {}  # a role's own, started with ours
         self.ctx = zmq.Context()
         self.events = EventSink(self.ctx, curve=self.curve)
         self.aborts = AbortListener(self.redis, self.health)
@@ -120,7 +126,8 @@ class WorkerRuntime:
             "heartbeat": self.registration.run,
             "abort listener": self.aborts.run,
             "gateway watch": self.gateways.run,
-            "stall watch": StallWatch(self.host, self.config.step_timeout_s).run,
+            "stall watch": StallWatch(self.host, self.config.step_timeout_s, self.registration.unregister).run,
+            **self.role_threads,
         }
         if self.config.model_repo:
             loops["control listener"] = lambda stop: self.control.listen(stop, self.host.commands)
@@ -186,6 +193,8 @@ class WorkerRuntime:
                         for slot in list(self.slots.values()):  # a dead rank ends the worker even when idle
                             slot.core.check()
                         step()
+                        for snapshot in self.turn_snapshots:
+                            snapshot.turn_ended()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     self.health.failed(exc)  # logged once; the heartbeat tells when Redis is back
                     self.stop.wait(0.5)

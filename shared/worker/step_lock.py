@@ -24,6 +24,7 @@ class StepLock:
         self._owner: int | None = None
         self._depth = 0
         self.turn_since: float | None = None  # time.monotonic() when the loop's turn in progress began
+        self.wait_since: float | None = None  # when the loop began waiting for its turn (another thread holds it)
 
 
     def acquire(self) -> bool:
@@ -56,9 +57,13 @@ class StepLock:
     def turn(self) -> Iterator[None]:
         """The loop's hold for one step: first lets every thread already waiting have the lock."""
         if self._owner != threading.get_ident():
+            self.wait_since = time.monotonic()
             with self._cond:
                 self._cond.wait_for(lambda: self._waiting == 0)
-        self._take()
+            self._take()
+            self.wait_since = None
+        else:
+            self._take()
         outer = self._depth == 1
         if outer:
             self.turn_since = time.monotonic()

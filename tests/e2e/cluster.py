@@ -28,6 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RUN_CLI = "\nimport sys\nfrom kvrelay.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
 class Cluster:
     def __init__(self, redis_url: str, model: str, engine_args: list[str], log_dir: Path):
         self.redis_url = redis_url
@@ -39,7 +42,8 @@ class Cluster:
         self.redis = sync_client(redis_url)
         self.share_dir = Path(tempfile.mkdtemp(prefix="kvrelay-test-weights-", dir=_SHM))
 
-    def _spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], redis_url: str | None = None, prelude: str = "") -> subprocess.Popen:
+        """``prelude``: Python run in the child before the CLI (a test's stand-in for a broken part)."""
         log = open(self.log_dir / f"{name}.log", "wb")
         # several processes share CI's 2 cores: one math thread each avoids oversubscription stalls
         # the URL holds a password: the environment, not argv, which every local user can read
@@ -47,8 +51,8 @@ class Cluster:
         # the clusters of test files running alongside on this host
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=redis_url or self.redis_url,
                    KVRELAY_SHARE_WEIGHTS_DIR=str(self.share_dir))
-        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        run = [sys.executable, "-P", "-c", prelude + _RUN_CLI] if prelude else [sys.executable, "-m", "kvrelay.cli"]
+        proc = subprocess.Popen([*run, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
         return proc
 
@@ -59,8 +63,9 @@ class Cluster:
             self.port = port
         return port
 
-    def start_worker(self, role: str, name: str, extra: list[str] = ()) -> None:
-        self._spawn(name, [f"{role}-worker", "--model", self.model, "--worker-id", name, *self.engine_args, *extra])
+    def start_worker(self, role: str, name: str, extra: list[str] = (), prelude: str = "") -> None:
+        self._spawn(name, [f"{role}-worker", "--model", self.model, "--worker-id", name, *self.engine_args, *extra],
+                    prelude=prelude)
 
     @contextlib.contextmanager
     def disaggregated(self, gateway_extra: list[str] = ()) -> Iterator["Cluster"]:

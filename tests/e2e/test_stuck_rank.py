@@ -1,9 +1,8 @@
 """A rank stopped with SIGSTOP (it hangs rather than dies) under a unified worker serving a request: the worker's
-step waits in a collective that never completes, and its heartbeat waits for the step. Once the step has waited
-``--step-timeout`` (the default: less than the registration's TTL, so no peer takes its requests while it lives
-on), the worker takes its group down as when a rank dies: it logs which rank is stopped, kills the ranks, leaves
-the registry and exits non-zero; and the request, whose job it never finished, completes on a peer with the
-offline engine's greedy text."""
+step waits in a collective that never completes. Once the step has waited ``--step-timeout`` (short here; the
+default bounds a legitimate step, far longer), the worker takes its group down as when a rank dies: it logs which
+rank is stopped, kills the ranks, leaves the registry and exits non-zero; and the request, whose job it never
+finished, completes on a peer with the offline engine's greedy text."""
 
 import concurrent.futures
 
@@ -32,7 +31,7 @@ def test_a_stopped_rank_takes_its_worker_down_and_its_request_completes_on_a_pee
     cluster.redis.flushall()
     cluster.start_gateway()
     reclaim = ["--reclaim-idle-ms", str(RECLAIM_MS)]
-    cluster.start_worker("unified", "u-stuck", ["--tensor-parallel-size", "2", *reclaim])
+    cluster.start_worker("unified", "u-stuck", ["--tensor-parallel-size", "2", "--step-timeout", "5", *reclaim])
     try:
         cluster.wait_ready(timeout=300)
         cluster.wait_worker("u-stuck", timeout=300)

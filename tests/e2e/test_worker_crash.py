@@ -20,12 +20,12 @@ def test_a_bug_in_a_worker_thread_ends_the_worker_with_a_non_zero_exit(tiny_mode
     """The heartbeat's own code fails (not Redis): the process must end, not warn every 0.2 s."""
     bug = ("import sys, threading\n"
            "from kvrelay.shared.worker import registration\n"
-           "info = registration.Registration._worker_info\n"
-           "def broken(self):\n"
+           "publish = registration.Registration._publish_heartbeat\n"
+           "def broken(self, info):\n"
            "    if threading.current_thread().name == 'heartbeat':\n"
            "        raise ZeroDivisionError('a bug in the heartbeat')\n"
-           "    return info(self)\n"
-           "registration.Registration._worker_info = broken\n"
+           "    return publish(self, info)\n"
+           "registration.Registration._publish_heartbeat = broken\n"
            "from kvrelay.cli import main\n"
            "sys.exit(main(sys.argv[1:]))\n")
     with EmbeddedRedis() as url:
