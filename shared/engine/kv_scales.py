@@ -37,6 +37,7 @@ def cache_kv_scales(model_config: ModelConfig, kv_cache_dtype: str, root: Path |
     if _dummy(model_config):
         return [] if kv_cache_dtype in FP8_NAMES else None
     if kv_cache_dtype in FP8_NAMES:
+        _check_scheme(model_config, root)
         scales = _checkpoint_scales(model_config, root)
         if not scales:
             log.info("%s carries no KV cache scales: the fp8 KV cache uses 1.0 for every layer", model_config.model)
@@ -45,6 +46,20 @@ def cache_kv_scales(model_config: ModelConfig, kv_cache_dtype: str, root: Path |
         log.info("%s carries fp8 KV cache scales; --kv-cache-dtype %s ignores them (they apply to "
                  "--kv-cache-dtype fp8 only)", model_config.model, kv_cache_dtype)
     return None
+
+
+def _check_scheme(model_config: ModelConfig, root: Path | None) -> None:
+    """A compressed-tensors ``kv_cache_scheme`` other than 8-bit float per tensor calibrated scales for another
+    cache (int8 KV, per-head): read as fp8 per-layer scales they would misread every block, so refuse."""
+    qc = read_hf_config(Path(model_config.model), root).get("quantization_config") or {}
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
+        return
+    kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy", "tensor")
+    if kind != "float" or bits != 8 or strategy != "tensor":
+        raise ValueError(f"quantization_config.kv_cache_scheme {{type {kind!r}, num_bits {bits!r}, strategy "
+                         f"{strategy!r}}}: --kv-cache-dtype fp8 reads 8-bit float scales per tensor (one per layer) "
+                         "only")
 
 
 def _checkpoint_scales(model_config: ModelConfig, root: Path | None) -> KVScales:

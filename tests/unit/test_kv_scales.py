@@ -49,6 +49,22 @@ def test_a_compressed_tensors_checkpoint_quantizing_only_the_kv_cache_loads(tiny
     assert _runner(ckpt).kv_scales.flatten().tolist() == pytest.approx([0.4, 1.3, 2.2, 0.8])
 
 
+@pytest.mark.parametrize("scheme", [{"type": "int", "num_bits": 8, "strategy": "tensor"},
+                                    {"type": "float", "num_bits": 8, "strategy": "attn_head"}])
+def test_a_kv_cache_scheme_for_another_cache_is_one_line(tiny_model_dirs, tmp_path, scheme):
+    """int8 KV or per-head scales are not fp8 per-layer scales: read as such they would misread every block."""
+    ckpt = with_kv_scales(tiny_model_dirs["llama"], tmp_path / "scheme", self_attn_scales({0: (0.4, 1.3),
+                                                                                         1: (2.2, 0.8)}))
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "kv_cache_scheme": KV_SCHEME | scheme, "format": "dense"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^quantization_config.kv_cache_scheme {{type '{scheme['type']}', num_bits 8, "
+                                         rf"strategy '{scheme['strategy']}'}}: --kv-cache-dtype fp8 reads 8-bit float "
+                                         r"scales per tensor \(one per layer\) only$"):
+        _runner(ckpt)
+
+
 @pytest.mark.parametrize(("tensors", "missing"), [
     (self_attn_scales({0: (0.5, 2.0)}), "model.layers.1.self_attn.k_scale"),
     ({"model.layers.0.self_attn.k_scale": 0.5, "model.layers.1.self_attn.k_scale": 0.5},
