@@ -8,7 +8,9 @@ while that chunk computes. The grant names the destination blocks; the first tra
 it (base.py: direct writes on one GPU, else frames) gives the transfer a ``KVSender``; once the sender
 reports all the KV out, the header (which carries the first token) follows, and the decode side's ack
 ends the transfer. Our blocks are released once nothing reads them any more (copied / staged), not at
-the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. A peer that
+the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. Only the answer
+to a transfer's latest ask counts (its number, echoed, and the worker it came from: ``_answers_ask``); a grant
+answering an ask given up is cancelled on the worker that made it. A peer that
 stops answering or reading fails its transfer at the deadline instead of stalling the worker's loop.
 What goes out for a transfer (the ask, its KV's sender, the header) is built by outbound.py.
 """
