@@ -81,7 +81,8 @@ class GrantBook:
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
         targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,
-                            targets=targets, epoch=epoch, frames_addr=self.frames_addr, frames_key=key)
+                            targets=targets, epoch=epoch, frames_addr=self.frames_addr, frames_key=key,
+                            ask=req.ask)
 
     def release(self, rid: str) -> None:
         """Give a grant's blocks back: at once, or after the quarantine when they were offered for direct writes."""

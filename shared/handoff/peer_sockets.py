@@ -20,6 +20,7 @@ class PeerSockets:
         self.ctx, self.curve = ctx, curve
         self.sockets: dict[str, zmq.Socket] = {}
         self.bulk: dict[str, zmq.Socket] = {}
+        self.addr_of: dict[zmq.Socket, str] = {}  # a polled socket's decode worker: whose reply it carries
         self.poller = zmq.Poller()
         self.waker = Waker()
         self.poller.register(self.waker.fd, zmq.POLLIN)
@@ -29,8 +30,9 @@ class PeerSockets:
             sock.close(linger=0)
         self.waker.close()
 
-    def replies(self, timeout_ms: int) -> Iterator[list[bytes]]:
-        """Every reply that arrives within ``timeout_ms`` (or a wake-up ends the wait), one at a time."""
+    def replies(self, timeout_ms: int) -> Iterator[tuple[str, list[bytes]]]:
+        """Every reply that arrives within ``timeout_ms`` (or a wake-up ends the wait), one at a time, with the
+        address of the decode worker that sent it."""
         for sock, _ in self.poller.poll(timeout_ms):
             if sock == self.waker.fd:
                 self.waker.drain()
@@ -40,7 +42,7 @@ class PeerSockets:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                yield frames
+                yield self.addr_of[sock], frames
 
     def send(self, addr: str, parts: list, bulk: bool = False) -> bool:
         """Queue one message for the decode worker at ``addr`` (``bulk``: its plain bulk socket there); False
@@ -62,5 +64,6 @@ class PeerSockets:
             if not bulk:  # nothing comes back on the bulk one: not polled
                 zmq_auth.dial(sock, self.curve)
                 self.poller.register(sock, zmq.POLLIN)
+                self.addr_of[sock] = addr
             sock.connect(addr)
         return sock

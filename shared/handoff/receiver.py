@@ -156,7 +156,8 @@ class KVInbox(ABC):
         pending = sum(1 for _, model in mine if model == req.model)
         blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
-            return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy))
+            return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy),
+                                ask=req.ask)
         return self.book.add(peer, req, blocks)
 
     def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:

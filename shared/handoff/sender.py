@@ -8,7 +8,9 @@ while that chunk computes. The grant names the destination blocks; the first tra
 it (base.py: direct writes on one GPU, else frames) gives the transfer a ``KVSender``; once the sender
 reports all the KV out, the header (which carries the first token) follows, and the decode side's ack
 ends the transfer. Our blocks are released once nothing reads them any more (copied / staged), not at
-the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. A peer that
+the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. Only the answer
+to a transfer's latest ask counts (its number, echoed, and the worker it came from: ``_answers_ask``); a grant
+answering an ask given up is cancelled on the worker that made it. A peer that
 stops answering or reading fails its transfer at the deadline instead of stalling the worker's loop.
 What goes out for a transfer (the ask, its KV's sender, the header) is built by outbound.py.
 """
@@ -130,8 +132,8 @@ class HandoffSender:
         DONE or FAILED."""
         self.hold.polled()
         self._send_asks()
-        for frames in self.peers.replies(timeout_ms):
-            self._on_reply(frames)
+        for peer, frames in self.peers.replies(timeout_ms):
+            self._on_reply(peer, frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
             if t.transport == RankParts.name and t.state in (State.SENDING, State.ACK_WAIT):
@@ -180,6 +182,7 @@ class HandoffSender:
         t.target, t.target_id = target.zmq_addr, target.worker_id
         t.to(Event.ASK)
         t.tried.add(target.worker_id)
+        t.ask += 1
         t.asked_at = time.monotonic()
         t.deadline = t.asked_at + self.timeout_s
         req = request_for(t, self.core_for(t.job.model).kv, self.transports, self.worker_id, self.hold.hold_s)
@@ -199,22 +202,27 @@ class HandoffSender:
                     for t, _ in batch:
                         self._retry(t, f"decode worker {target} is not reading its requests")
 
-    def _on_reply(self, frames: list[bytes]) -> None:
+    def _on_reply(self, peer: str, frames: list[bytes]) -> None:
+        """A message from the decode worker at ``peer``."""
         try:
             msg = decode_any(frames[0], HandoffGrant, HandoffGrants, HandoffAck)
         except ValueError as exc:
             log.warning("dropped a malformed handoff reply: %s", exc)
             return
         for reply in msg.grants if isinstance(msg, HandoffGrants) else [msg]:
-            self._on_answer(reply)
+            self._on_answer(peer, reply)
 
-    def _on_answer(self, msg: HandoffGrant | HandoffAck) -> None:
+    def _on_answer(self, peer: str, msg: HandoffGrant | HandoffAck) -> None:
         t = self.transfers.get(msg.request_id)
+        if isinstance(msg, HandoffGrant) and (t is None or t.state is State.PARKED or not self._answers_ask(t, peer, msg)):
+            # an answer to an ask given up: the transfer ended, stopped waiting, or asked again since (there or
+            # elsewhere). The decode side keeps the grants of live askers: a grant in it must be given back, or it
+            # holds a seat there
+            if msg.accepted:
+                self._give_back(peer, msg.request_id, "granted for an ask given up", msg.epoch)
+            return
         if t is None:
-            return  # a late reply for a transfer that already timed out or was cancelled
-        if isinstance(msg, HandoffGrant) and msg.accepted and t.state is State.PARKED:
-            self._cancel_grant(t, "granted after the asker stopped waiting", msg.epoch)  # the decode side keeps grants
-            return  # of live askers: this one must be given back, or it holds a seat
+            return  # a late ack for a transfer that already timed out or was cancelled
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
             if msg.accepted and not t.computed:
                 t.grant = msg
@@ -295,12 +303,21 @@ class HandoffSender:
         side quarantines lapsed direct-write grants for as long again)."""
         return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
 
-    def _cancel_grant(self, t: Transfer, reason: str, epoch: int | None = None) -> None:
-        """Give back ``t``'s grant (or the one of ``epoch``); with none yet, whichever its ask gets."""
-        if epoch is None:
-            epoch = 0 if t.grant is None else t.grant.epoch
-        self.peers.send(t.target, [encode(HandoffCancel(request_id=t.job.request_id, reason=reason, epoch=epoch))])
+    @staticmethod
+    def _answers_ask(t: Transfer, peer: str, grant: HandoffGrant) -> bool:
+        """Whether ``grant`` (from ``peer``) answers ``t``'s latest ask. One that does not echo the ask's number (0:
+        a decode worker older than the numbers) is taken for the answer to the latest ask of the worker it came from."""
+        return peer == t.target and grant.ask in (t.ask, 0)
+
+    def _cancel_grant(self, t: Transfer, reason: str) -> None:
+        """Give back ``t``'s grant; with none yet, whichever its ask gets."""
+        self._give_back(t.target, t.job.request_id, reason, 0 if t.grant is None else t.grant.epoch)
         t.grant = None
+
+    def _give_back(self, peer: str, request_id: str, reason: str, epoch: int) -> None:
+        """Cancel the grant of ``epoch`` (0: whichever it holds) that the decode worker at ``peer`` made for
+        ``request_id``, freeing its seat and blocks there now rather than when the grant expires."""
+        self.peers.send(peer, [encode(HandoffCancel(request_id=request_id, reason=reason, epoch=epoch))])
 
     def _pump(self, t: Transfer) -> None:
         """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which

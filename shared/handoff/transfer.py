@@ -33,6 +33,7 @@ class Transfer:
     seat_wait_from: float = 0.0  # perf_counter when a refusal for lack of room made the prefilled KV wait
     seat_wait_s: float = 0.0  # how long it waited for a decode seat, once it got one (or failed)
     grant: HandoffGrant | None = None
+    ask: int = 0  # the number of its latest HandoffRequest (HandoffRequest.ask): only its answer is taken
     asked_at: float = 0.0  # monotonic time of the last HandoffRequest
     deadline: float = 0.0
     sender: KVSender | None = None  # while the KV moves

@@ -10,7 +10,10 @@
 
 Every grant has an epoch, unique on its decode worker; the KV and the header sent for it, and the ack
 answering them, carry it. A request id granted again (to the same asker, after a cancel or a failure) gets a
-new one, so a part of the old grant still in flight is told from the new grant's and dropped.
+new one, so a part of the old grant still in flight is told from the new grant's and dropped. Every ask of a
+transfer has its number, which the grant (or refusal) answering it echoes: a late answer to an earlier ask
+(the asker has since asked again, there or elsewhere) is not taken for the answer to the latest, and a grant
+in it is given back (HandoffCancel), or it would hold a seat.
 
 Encoded by shared/wire/codec.py, like every other message; raw KV bytes never go through
 msgpack, they follow a KVLayers message as their own ZMQ frame.
@@ -48,6 +51,9 @@ class HandoffRequest:
     # an fp8 cache's per-layer K/V scales, digested (shared/engine/kv_scales.py; "" = not said): the same bytes
     # under other scales are other values, refused like another dtype
     kv_scales: str = field(default="", metadata=_ID)
+    # which of its transfer's asks this is (they count up from 1; 0 = not numbered): the grant or refusal
+    # answering it echoes it, so the asker, which may have asked again elsewhere since, knows which ask it answers
+    ask: int = 0
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:
@@ -146,6 +152,9 @@ class HandoffGrant:
     # to the grant's socket with CRCs
     frames_addr: str = field(default="", metadata={"max_len": 1024})
     frames_key: bytes = field(default=b"", repr=False)
+    # the ask answered (HandoffRequest.ask, echoed; 0 from a decode worker that does not echo it: the asker then
+    # takes it for the answer to its latest ask of this decode worker, as it did before asks were numbered)
+    ask: int = 0
 
     def check(self) -> None:
         if len(self.targets) > MAX_TARGETS:

@@ -44,13 +44,24 @@ class DecodeSide:
                                         asker_alive=asker_alive,
                                         bulk=(self.bulk, self.bulk_addr) if bulk else None)
         self.admitted: dict[str, KVHeader] = {}
+        self.paused, self.resting = threading.Event(), threading.Event()  # see pause()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.is_set():
+            if self.paused.is_set():
+                self.resting.set()
+                time.sleep(0.01)
+                continue
             self.receiver.poll(20, lambda h: self.admitted.setdefault(h.request_id, h))
+
+    def pause(self) -> None:
+        """Read nothing from now until ``paused`` is cleared, as a decode worker in a long step."""
+        self.resting.clear()
+        self.paused.set()
+        assert self.resting.wait(10), "the decode side did not pause"
 
     def blocks(self, rid: str) -> list[int]:
         return self.rt.core.kv.block_ids(rid)
@@ -62,16 +73,17 @@ class DecodeSide:
 
 
 def prefill_side() -> Iterator:
-    """For a fixture: (the prefill endpoint, ``make(addr, timeout_s, transports)`` of managers sending
-    to the decode worker at ``addr``); closes them after."""
+    """For a fixture: (the prefill endpoint, ``make(addr, timeout_s, transports, also)`` of managers sending
+    to the decode worker at ``addr``, or when it does not answer, to those at ``also``, in order); closes them after."""
     kv = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     rt = endpoint(kv, "p1", MODEL, scatter_seed=3)
     ctx = zmq.Context()
     managers = []
 
-    def make(addr: str, timeout_s: float = 5.0, transports=None) -> HandoffManager:
-        managers.append(HandoffManager(ctx, rt, timeout_s, workers=lambda: [decode_info(addr, MODEL)],
-                                       transports=transports, curve=CURVE))
+    def make(addr: str, timeout_s: float = 5.0, transports=None, also: tuple[str, ...] = ()) -> HandoffManager:
+        workers = [decode_info(a, MODEL, f"d{i + 1}") for i, a in enumerate((addr, *also))]
+        managers.append(HandoffManager(ctx, rt, timeout_s, workers=lambda: workers, transports=transports,
+                                       curve=CURVE))
         return managers[-1]
 
     yield rt, make
@@ -95,6 +107,15 @@ def decode_sides() -> Iterator:
 
 def hand_off_tiny(manager: HandoffManager, rt, rid: str, num_tokens: int) -> tuple[Transfer, list[int]]:
     return hand_off(manager, rt, rid, num_tokens, MODEL, timeout_s=30)
+
+
+def peer_router() -> tuple[zmq.Socket, str]:
+    """A decode worker's socket driven by hand (a test decides what it answers, and when), and its address."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 15_000)
+    zmq_auth.serve(sock, CURVE)
+    return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
 
 
 def wait_for(cond, what: str) -> None:

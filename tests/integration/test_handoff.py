@@ -72,9 +72,9 @@ def test_one_steps_asks_go_out_in_one_message_and_are_granted_in_one(prefill, de
         asks.append(decode_any(frames[1].bytes))
         on_message(frames)
 
-    def seen_by_prefill(frames):
+    def seen_by_prefill(peer, frames):
         replies.append(decode_any(frames[0]))
-        on_reply(frames)
+        on_reply(peer, frames)
 
     side.receiver._on_message, manager._on_reply = seen_by_decode, seen_by_prefill
     sizes = {"a": 5, "b": 3 * BLOCK, "c": 7 * BLOCK + 1}
