@@ -199,16 +199,24 @@ models:
   - {{name: chat, version: 1, precision: float32}}
 """)
     client = start(cluster, repo, cfg)
-    seen: list[tuple[float, str]] = []
+    seen: list[tuple[float, float, str]] = []  # (sent, answered, text)
     errors: list[BaseException] = []
     stop = threading.Event()
 
     def load() -> None:
         while not stop.is_set():
+            sent = time.monotonic()
             try:
-                seen.append((time.monotonic(), complete(client, "chat")))
+                text = complete(client, "chat")
+                seen.append((sent, time.monotonic(), text))
             except BaseException as exc:  # every failure counts
                 errors.append(exc)
+
+    def answered(what: str, done) -> None:
+        deadline = time.monotonic() + 120  # a hang bound
+        while not done() and not errors:
+            assert time.monotonic() < deadline, f"{what}: not within 120 s"
+            time.sleep(0.1)
 
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
@@ -218,17 +226,19 @@ models:
         time.sleep(0.1)
     time.sleep(1)
     status, body = admin(cluster.port, "POST", "/admin/models/chat/swap", {"version": 2})
-    swapped = time.monotonic()
     assert status == 200, body
-    time.sleep(3)
+    answered("an answer of the new version", lambda: any(text == v2 for *_, text in seen))
+    switched = min(at for _, at, text in seen if text == v2)
+    answered("requests sent after it", lambda: sum(sent > switched for sent, *_ in seen) >= 8)
     stop.set()
     for t in threads:
         t.join(120)
     assert not errors, errors[:3]
-    texts = [text for _, text in seen]
+    texts = [text for *_, text in seen]
     assert set(texts) <= {v1, v2}
-    assert v1 in texts and texts[-1] == v2
-    assert all(text == v2 for at, text in seen if at > swapped + 1.0)  # requests sent after the flip
+    assert v1 in texts
+    # once the new version has answered, the old one answers no request sent after
+    assert all(text == v2 for sent, _, text in seen if sent > switched)
     deadline = time.monotonic() + 60  # the old version drains, then leaves both workers
     while time.monotonic() < deadline and any("chat@1" in cluster.worker(w).models for w in ("p1", "d1")):
         time.sleep(0.3)

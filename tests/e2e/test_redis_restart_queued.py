@@ -27,7 +27,11 @@ CLIENT_TIMEOUT_S = 120  # far above any answer here (the gateway's request timeo
 # the request timeout (600 s) a missed loss would wait out
 LOST_BOUND_S = 120.0
 POLL_S = 1.0  # the gateway's disconnect_poll_s: how often a waiting request looks at its state
+# Redis is down here only until the gateway has seen it go, far shorter than this: every loss is found by
+# asking the restarted server, never by an outage's timeout, however loaded the box
+OUTAGE_S = 300.0
 RESTARTED = "redis restarted (run_id"
+UNREACHABLE = "redis unreachable:"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     # reclaimed after 1.5 s rather than the default 15
     c = Cluster(r.url, str(tiny_model_dir), TINY_ENGINE, tmp_path_factory.mktemp("queued"))
     c.start_worker("unified", "u1", ["--reclaim-idle-ms", "1500"])
-    c.start_gateway()
+    c.start_gateway(extra=["--redis-outage-s", str(OUTAGE_S)])
     try:
         c.wait_ready()
         yield r, c
@@ -59,6 +63,13 @@ def queued_jobs(c: Cluster) -> int:
 
 def _restarts_seen(c: Cluster) -> int:
     return c.log("gateway").count(RESTARTED)
+
+
+async def _kill_until_seen(r: RestartableRedis, c: Cluster) -> None:
+    """Kill Redis and return once the gateway has found it unreachable: down, not yet an outage (OUTAGE_S)."""
+    seen = c.log("gateway").count(UNREACHABLE)
+    r.kill()
+    await until(lambda: c.log("gateway").count(UNREACHABLE) > seen, 60, "the gateway to see Redis down")
 
 
 async def _queue(c: Cluster, client: httpx.AsyncClient, reqs: list[tuple[dict, bool]]) -> list[asyncio.Task]:
@@ -88,8 +99,7 @@ def test_jobs_the_restored_redis_kept_are_served_and_the_one_it_lost_fails_at_on
                 r.save()  # what the restarted server will hold
                 [late] = await _queue(c, client, [(body(4), False)])  # not in the file
                 seen = _restarts_seen(c)
-                r.kill()
-                await asyncio.sleep(1.0)  # down for less than redis_outage_s: this is a restart, not an outage
+                await _kill_until_seen(r, c)
                 restarted = time.monotonic()
                 r.start(keep_data=True)
                 late_out = await asyncio.wait_for(late, LOST_BOUND_S)
@@ -122,8 +132,7 @@ def test_an_empty_restart_fails_every_queued_request_at_once(stack):
             c.signal("u1", signal.SIGSTOP)
             try:
                 tasks = await _queue(c, client, reqs)
-                r.kill()
-                await asyncio.sleep(1.0)
+                await _kill_until_seen(r, c)
                 restarted = time.monotonic()
                 r.start(keep_data=False)
                 outs = await asyncio.wait_for(asyncio.gather(*tasks), LOST_BOUND_S)

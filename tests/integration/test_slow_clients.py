@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(180)
 
 PARTIAL = b"GET /health HTTP/1.1\r\nHost: gateway\r\nX-Slow: "  # and then nothing
 HEADER_TIMEOUT_S = 1.0
+PATIENT_HEADER_TIMEOUT_S = 300.0
+IDLE_LIMIT = 10
 BODY_TIMEOUT_S = 2.0
 SLACK_S = 15.0  # a loaded CI machine: generous, it only proves the socket is not held forever
 
@@ -47,6 +49,17 @@ def start_gateway(redis_url: str, *flags: str) -> tuple[subprocess.Popen, int]:
 def gateway(redis_url) -> Iterator[int]:
     proc, port = start_gateway(redis_url, "--timeout-header-read", str(HEADER_TIMEOUT_S),
                                "--timeout-body-read", str(BODY_TIMEOUT_S))
+    yield port
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def patient_gateway(redis_url) -> Iterator[int]:
+    """A header timeout that the clients here stay far inside however loaded the box (a trickle of a fraction
+    of a second, idle connections opened one by one), and at most IDLE_LIMIT idle connections."""
+    proc, port = start_gateway(redis_url, "--timeout-header-read", str(PATIENT_HEADER_TIMEOUT_S),
+                               "--limit-idle-connections", str(IDLE_LIMIT))
     yield port
     proc.terminate()
     proc.wait(30)
@@ -86,46 +99,60 @@ def test_partial_headers_are_cut_and_a_normal_request_meanwhile_succeeds(gateway
         sock.close()
 
 
-def test_idle_connections_past_the_limit_are_closed_longest_idle_first(redis_url):
-    proc, port = start_gateway(redis_url, "--limit-idle-connections", "10", "--timeout-header-read", "300")
-    try:
-        socks = []
-        for _ in range(30):  # one by one, so "longest idle" is the order they were opened in
-            socks.append(connect(port))
-            socks[-1].sendall(PARTIAL[:10])
-        assert all(closed_by_server(sock) for sock in socks[:20])
-        for sock in socks[20:]:  # the 10 newest are still open and still serve their request
-            sock.sendall(PARTIAL[10:].removesuffix(b"X-Slow: ") + b"\r\n")
-            reply = sock.recv(65536)
-            assert reply.startswith(b"HTTP/1.1 200"), reply[:100]
-        assert closed_count(port, "idle_limit") >= 20
-        for sock in socks:
-            sock.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def test_idle_connections_past_the_limit_are_closed_longest_idle_first(patient_gateway):
+    socks = []
+    for _ in range(3 * IDLE_LIMIT):  # one by one, so "longest idle" is the order they were opened in
+        socks.append(connect(patient_gateway))
+        socks[-1].sendall(PARTIAL[:10])
+    assert all(closed_by_server(sock) for sock in socks[:-IDLE_LIMIT])
+    for sock in socks[-IDLE_LIMIT:]:  # the newest are still open and still serve their request
+        sock.sendall(PARTIAL[10:].removesuffix(b"X-Slow: ") + b"\r\n")
+        reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:100]
+    assert closed_count(patient_gateway, "idle_limit") >= 2 * IDLE_LIMIT
+    for sock in socks:
+        sock.close()
 
 
-def test_a_slow_but_steady_client_is_not_cut(gateway, redis_url, tmp_path):
-    """Headers trickled in within the timeout, then a stream lasting many header timeouts, then a second
-    request on the same connection: nothing is cut."""
+def test_headers_trickled_in_are_read(patient_gateway):
+    """A client sending its headers a few bytes at a time, within the header timeout, is served."""
+    sock = connect(patient_gateway)
+    head = b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nAccept: application/json\r\nX-Slow: steady\r\n\r\n"
+    for i in range(0, len(head), 8):
+        sock.sendall(head[i:i + 8])
+        time.sleep(0.01)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
+def header_timeout_passes(port: int) -> None:
+    """Returns once a header timeout has passed since the call: a connection opened now with partial
+    headers has been cut. Any connection whose header timer started earlier would have been cut before it."""
+    canary = connect(port)
+    canary.sendall(PARTIAL)
+    assert closed_by_server(canary), "a connection with partial headers was not cut"
+    canary.close()
+
+
+def test_a_request_under_way_and_its_kept_alive_connection_outlast_header_timeouts(gateway, redis_url, tmp_path):
+    """Once a request's headers are in, its connection is off the header clock: neither its streamed
+    response nor the idle keep-alive after it is cut while header timeouts pass, and a second request on
+    that connection is served."""
     worker = FakeWorker(redis_url, build_tokenizer(tmp_path / "tok")).start()
     try:
         sock = connect(gateway)
         body = json.dumps({"model": MODEL, "prompt": "[slow] hi", "max_tokens": 64, "stream": True}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
-        for i in range(0, len(head), 16):  # a few bytes at a time, all within the timeout
-            sock.sendall(head[i:i + 16])
-            time.sleep(HEADER_TIMEOUT_S / 40)
-        sock.sendall(body)
+        sock.sendall(body_head(len(body)) + body)
         received = b""
-        # to the chunked body's last chunk; [slow]: a token every 10 fake steps, some 5 s in all
+        while b"data: " not in received:  # the response has begun: the request is under way
+            received += receive(sock, received)
+        header_timeout_passes(gateway)
+        # [slow]: a token every 10 fake steps; read to the chunked body's last chunk
         while not (b"data: [DONE]" in received and received.endswith(b"0\r\n\r\n")):
-            chunk = sock.recv(65536)
-            assert chunk, f"the gateway cut a streaming response: {received[:600]!r}"
-            received += chunk
+            received += receive(sock, received)
         assert received.startswith(b"HTTP/1.1 200") and b"finish_reason" in received
+        for _ in range(2):  # the first may start before the gateway has marked the response sent; the second not
+            header_timeout_passes(gateway)
         conn = http.client.HTTPConnection("127.0.0.1", gateway, timeout=SLACK_S)
         conn.sock = sock  # the same connection, kept alive: its header timer restarts with the request
         conn.request("GET", "/v1/models")
@@ -133,6 +160,12 @@ def test_a_slow_but_steady_client_is_not_cut(gateway, redis_url, tmp_path):
         sock.close()
     finally:
         worker.stop()
+
+
+def receive(sock: socket.socket, so_far: bytes) -> bytes:
+    chunk = sock.recv(65536)
+    assert chunk, f"the gateway cut a request under way: {so_far[:600]!r}"
+    return chunk
 
 
 def body_head(length: int) -> bytes:
