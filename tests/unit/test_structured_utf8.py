@@ -6,12 +6,13 @@ given a character left incomplete by the tokens before, and still allows every v
 import json
 
 import pytest
+import torch
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.structured.bitmask import allowed_ids, new_bitmask
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
-from kvrelay.shared.engine.structured.utf8 import COMPLETE, REJECT
+from kvrelay.shared.engine.structured.utf8 import COMPLETE, REJECT, Utf8Table
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 EOS = 2
@@ -52,10 +53,10 @@ def _byte_tokens(vocab: list[bytes], data: bytes) -> list[int]:
     return [ids[b] for b in data]
 
 
-def _allowed(manager, schema: dict, output: list[int]) -> set[int]:
+def _allowed(manager, schema: dict | StructuredOutputs, output: list[int]) -> set[int]:
     """The token ids the engine's mask allows after ``output``."""
-    req = Request("r", [1], SamplingParams(max_tokens=64, structured_outputs=StructuredOutputs(json=json.dumps(schema))),
-                  eos_token_id=EOS)
+    so = schema if isinstance(schema, StructuredOutputs) else StructuredOutputs(json=json.dumps(schema))
+    req = Request("r", [1], SamplingParams(max_tokens=64, structured_outputs=so), eos_token_id=EOS)
     manager.attach(req)
     req.output_token_ids = list(output)
     rows, mask = manager.bitmask([req])
@@ -124,6 +125,13 @@ def test_a_sequence_whose_bytes_went_invalid_ends_instead_of_breaking_the_step(m
     assert allowed == {EOS}
 
 
+def test_a_grammar_that_demands_a_surrogate_ends_where_nothing_valid_continues(manager, vocab):
+    """An EBNF literal "\\uD800" compiles to the bytes ED A0 80: after ED nothing is both grammatical and valid,
+    so the row allows only the stop token instead of nothing (an all -inf row to sample from)."""
+    so = StructuredOutputs(grammar='root ::= "a\\uD800"')
+    assert _allowed(manager, so, _byte_tokens(vocab, b"a\xed")) == {EOS}
+
+
 def test_valid_characters_of_every_width_pass_token_by_token(manager, vocab, smollm2_dir):
     from kvrelay.shared.text.tokenizer import load_tokenizer
 
@@ -182,3 +190,17 @@ def test_the_table_walks_tokens_like_pythons_decoder(manager, vocab):
             verdict = "invalid" if after == REJECT else "complete" if after == COMPLETE else "pending"
             assert verdict == _utf8(pending + data), (pending, data, after)
 
+
+
+def test_a_token_hiding_an_invalid_sequence_is_taken_out_after_a_complete_character():
+    """A vocabulary unlike SmolLM2's, built here: a token that starts like a character but holds a surrogate
+    further on is taken out of a row after a complete character, and that row is reported narrowed."""
+    vocab = [bytes([b]) for b in range(128)] + [b"a\xed\xa0\x80", "é".encode(), b"\xed\x9f\xbf"]
+    table = Utf8Table(vocab, [], words=5)
+    hidden, accented, last = 128, 129, 130
+    mask = torch.zeros((2, 5), dtype=torch.int32)
+    for t in (ord("a"), hidden, accented, last):
+        mask[:, t // 32] |= 1 << (t % 32)
+    assert table.restrict(mask, [0, 1], [COMPLETE, COMPLETE]) == [0, 1]
+    assert set(allowed_ids(mask[0], len(vocab))) == {ord("a"), accented, last}
+    assert table.restrict(mask, [0, 1], [COMPLETE, COMPLETE]) == []  # nothing left to take
