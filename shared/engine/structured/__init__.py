@@ -8,5 +8,7 @@ bitmask per step for the rows that carry one, applied in the sampler.
 - compile_cache.py: compiles off the step loop in a thread pool, an LRU of results per constraint text;
 - matcher.py: one sequence's grammar state, advanced over the tokens it has generated;
 - bitmask.py: the batch's mask on the host and its application to the logits on the device;
+- utf8.py: which tokens keep the output valid UTF-8 after its last partial character (xgrammar lets some
+  invalid sequences through);
 - manager.py: what the engine core and the model runner call.
 """

@@ -10,6 +10,9 @@ past it (a checkpoint's padded embedding rows, or a dummy model's larger vocabul
 any grammar, and the mask applies that itself (bitmask.py) instead of xgrammar filling bits for them —
 declaring 79k unknown ids to xgrammar made every fill ~10x slower (a 49,152-token tokenizer under a
 128,256-row model). The mask's bits past the model's vocabulary are never read.
+
+xgrammar lets some invalid UTF-8 through (utf8.py): ``utf8`` holds which tokens keep an output valid after
+each partial character, built here once per tokenizer (milliseconds: only non-ASCII tokens are walked).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 from typing import TYPE_CHECKING
 
 from kvrelay.shared.engine.structured.json_strings import strict_counted_strings
+from kvrelay.shared.engine.structured.utf8 import Utf8Table
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -40,6 +44,8 @@ class GrammarBackend:
                                                        stop_token_ids=stops or None)
         # one compile at a time per engine: the pool that calls this has one thread (compile_cache.py)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.utf8 = Utf8Table([bytes(b) for b in self.info.decoded_vocab],
+                              [*self.info.special_token_ids, *self.info.stop_token_ids], self.mask_words)
         self._xgr = xgr
 
     @property

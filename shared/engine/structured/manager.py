@@ -6,6 +6,8 @@
 - a request with ``allowed_token_ids`` as well samples from what both allow (its mask row ANDed with the
   allowed ids' bits); when nothing is both, the sequence ends there with its stop token rather than
   sampling from an all -inf row;
+- tokens that would make the output invalid UTF-8 (which xgrammar lets through: utf8.py) are masked out
+  too, given the sequence's last partial character; where that leaves nothing, the sequence ends likewise;
 - ``bitmask`` (each step, after the forward is launched and before sampling): catches each constrained
   sampling row's matcher up with its tokens and fills the rows' masks in one batch call, on the host while
   the device computes. One thread fills: at batch 64 over a 49k vocabulary xgrammar's own thread pool made
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvrelay.shared.config.engine import EngineConfig
@@ -63,6 +66,7 @@ class StructuredOutputManager:
         backend = self.cache.backend()
         mask = new_bitmask(len(rows), backend.mask_words)
         matchers, filled = [], []
+        narrowed: list[int] = []  # rows a mask other than xgrammar's took tokens from: they may allow none
         for j, i in enumerate(rows):
             req = reqs[i]
             if req.num_pending:
@@ -81,18 +85,29 @@ class StructuredOutputManager:
             if self._batch_matcher is None:
                 self._batch_matcher = backend.batch_matcher(threads=1)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, filled)
+            narrowed += backend.utf8.restrict(mask, filled, [reqs[rows[j]].grammar.utf8_state for j in filled])
         for j in filled:
             req = reqs[rows[j]]
             if req.sampling_params.allowed_token_ids:
                 mask[j] &= req.grammar.allowed_mask(req.sampling_params.allowed_token_ids, backend.mask_words)
-                if not mask[j].any():  # nothing is both allowed and grammatical: the sequence ends here
-                    log.warning("request %s: none of its allowed_token_ids continues its %s constraint; ending it",
-                                req.request_id, req.grammar.constraint.kind)
-                    _allow_stop_only(mask, j, req)
+                narrowed.append(j)
+        for j in _empty_rows(mask, sorted(set(narrowed))):
+            req = reqs[rows[j]]  # nothing is allowed, grammatical and valid UTF-8: the sequence ends here
+            why = ("none of its allowed_token_ids continues" if req.sampling_params.allowed_token_ids
+                   else "no token keeps valid UTF-8 under")
+            log.warning("request %s: %s its %s constraint; ending it", req.request_id, why, req.grammar.constraint.kind)
+            _allow_stop_only(mask, j, req)
         return torch.tensor(rows, dtype=torch.int64), mask
 
     def close(self) -> None:
         self.cache.close()
+
+
+def _empty_rows(mask: torch.Tensor, rows: list[int]) -> list[int]:
+    """Those of ``rows`` whose mask allows no token."""
+    if not rows:
+        return []
+    return [rows[i] for i in np.flatnonzero(~mask.numpy()[rows].any(axis=1))]
 
 
 def _allow_stop_only(mask: torch.Tensor, row: int, req: Request) -> None:

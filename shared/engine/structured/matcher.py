@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrelay.shared.engine.structured.utf8 import COMPLETE, REJECT
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class SequenceGrammar:
         self.compiled = compiled
         self.matcher = None
         self.num_accepted = 0  # output tokens the matcher has consumed
+        self.utf8_state = COMPLETE  # what the last character of those tokens' bytes still needs (utf8.py)
         self._allowed: torch.Tensor | None = None  # the request's allowed_token_ids as mask bits, built once
 
     @property
@@ -55,6 +57,11 @@ class SequenceGrammar:
             if not self.matcher.accept_token(token):
                 raise GrammarViolation(f"token {token} at output position {self.num_accepted} breaks the "
                                        f"{self.constraint.kind} constraint")
+            state = backend.utf8.advance(self.utf8_state, token)
+            if state == REJECT:
+                raise GrammarViolation(f"token {token} at output position {self.num_accepted} makes the output "
+                                       "invalid UTF-8")
+            self.utf8_state = state
             self.num_accepted += 1
 
     def allowed_mask(self, allowed_token_ids: list[int], words: int) -> torch.Tensor:
