@@ -81,6 +81,8 @@ async def scrape(request: web.Request) -> web.Response:
         registry = request.app[WORKER_REGISTRY]
         models = sorted(await registry.models())
         await metrics.queues.refresh(request.app[REDIS], models)
+        view = await served(request.app)
+        metrics.vllm.know(name for name in view.known if view.servable(name))
         metrics.engines.workers = await registry.workers()
     except redis.RedisError as exc:
         # The gateway's own counters are still worth a scrape; the queue gauges and the engines' series

@@ -5,7 +5,7 @@ pointed at the gateway. They read a request in flight through ``RequestView``, w
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,8 +111,13 @@ class VllmRequestMetrics:
                                                "choice of a prompt generated, per prompt whose choices all ended",
                                                m, buckets=TOKEN_BUCKETS, registry=registry)
         self._live: dict[str, _Live] = {}  # by request id: requests queued and not yet ended
-        self._models: set[str] = set()  # every model served so far: its gauges read 0 when idle, as vLLM's
+        self._models: set[str] = set()  # every model served or servable so far: its gauges read 0 when idle
         registry.register(_RequestStates(self))
+
+    def know(self, models: Iterable[str]) -> None:
+        """Models a request may name: their gauges show (at 0) before their first request, as vLLM's do from
+        start-up, so a dashboard's series exist and an alert on them does not start as "no data"."""
+        self._models.update(models)
 
     def start(self, request: RequestView) -> None:
         """The request's jobs are queued."""

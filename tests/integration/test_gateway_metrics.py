@@ -125,6 +125,18 @@ def test_vllm_running_waiting_and_abort(stack):
     assert _delta(after, before, "vllm:e2e_request_latency_seconds_count", **m) == 1  # aborts have no latency
 
 
+def test_a_servable_models_request_gauges_read_0_before_its_first_request(tmp_path):
+    """As vLLM's from start-up: a dashboard's series exist, an alert on them does not start as "no data"."""
+    with running_stack(tmp_path) as fresh:
+        deadline = time.monotonic() + 60  # bounds a hang: the worker publishes its model as it starts
+        while MODEL not in {m["id"] for m in requests.get(f"{fresh.url}/v1/models").json()["data"]}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        samples = scrape(fresh.url)
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            assert samples[(name, frozenset({"model_name": MODEL}.items()))] == 0
+
+
 def _post_until_timeout(url: str, key: str, prompt: str, timeout: float) -> None:
     with contextlib.suppress(requests.exceptions.Timeout):
         requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8},
