@@ -3,10 +3,8 @@ HandoffReceiver (decode side) in another, or a hand-driven socket where a test n
 misbehaves (corrupts a payload, stalls); the two sides are tests/integration/handoff_harness.py. Frames are the transport
 unless a test says otherwise (tests/integration/test_direct_write.py covers direct writes)."""
 
-import dataclasses
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -301,56 +299,6 @@ def test_layers_streamed_during_the_last_chunk_land_before_their_header(prefill,
     assert not rt.core.kv.block_ids("s")  # our blocks went back once staged
 
 
-def test_early_grants_are_cancelled_or_parked_never_left_to_expire(prefill, decode_side):
-    """A prompt that ends at its first token, or one aborted mid-stream, cancels its grant (the decode
-    side frees the blocks at once); one refused early, or whose grant went stale while it waited, asks
-    again once computed and lands."""
-    rt, make = prefill
-    side = decode_side(ttl_s=1.0)
-    manager = make(side.addr)
-    kv = side.rt.core.kv
-    total = kv.num_free_blocks
-    t = early(manager, "eos", 4 * BLOCK)
-    poll_until(manager, lambda: t.state is State.GRANTED, "a grant")
-    assert kv.num_free_blocks == total - 4
-    manager.cancel("eos")  # it ended at its first token
-    wait_for(lambda: kv.num_free_blocks == total, "the cancelled grant's blocks")
-
-    src = rt.core.kv.reserve("aborted", 40 * BLOCK)
-    t = early(manager, "aborted", 40 * BLOCK)
-    poll_until(manager, lambda: t.state is State.GRANTED, "a grant")
-    stream = manager.stream_for(MODEL)
-    assert stream.begin([("aborted", src)])
-    stream.layer_done(t.sender.per_message - 1)  # the first group of layers is written
-    poll_until(manager, lambda: "aborted" in side.receiver.incoming, "the first streamed layers")
-    assert t.sender.sent == 1
-    stream.end()
-    manager.cancel("aborted")  # the client went away: the half-received KV is dropped
-    wait_for(lambda: kv.num_free_blocks == total and not side.receiver.incoming, "the dropped transfer")
-    rt.core.kv.free("aborted")
-
-    hog = kv.reserve("hog", (total - 2) * BLOCK)  # the decode side is nearly full
-    src = rt.core.kv.reserve("refused", 4 * BLOCK)
-    t = early(manager, "refused", 4 * BLOCK)
-    poll_until(manager, lambda: t.state is State.PARKED, "the refusal")
-    kv.free("hog")
-    assert hog
-    stale = early(manager, "stale", 4 * BLOCK)
-    stale_src = rt.core.kv.reserve("stale", 4 * BLOCK)
-    poll_until(manager, lambda: stale.state is State.GRANTED, "a grant")
-    time.sleep(0.6)  # half the grant's TTL: the prompt is still queued, so the grant goes back
-    poll_until(manager, lambda: stale.state is State.PARKED, "the stale grant cancelled")
-    wait_for(lambda: kv.num_free_blocks == total, "the stale grant's blocks")
-    for rid in ("refused", "stale"):
-        assert manager.complete(rid, FirstToken(3))
-    ended = poll_until(manager, lambda: not manager.transfers, "both handoffs")
-    assert sorted((e.job.request_id, e.state, e.streamed) for e in ended) == [
-        ("refused", State.DONE, False), ("stale", State.DONE, False)]
-    wait_for(lambda: {"refused", "stale"} <= set(side.admitted), "admission")
-    for rid, blocks in (("refused", src), ("stale", stale_src)):
-        assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks(rid)], rt.core.kv.kv_cache[:, :, blocks])
-
-
 def test_overlap_benchmark_runs_both_paths_through_a_real_engine():
     """``kvrelay bench handoff --sections overlap`` at a toy size, as its own process (benchmarks and
     tests never import each other): a real prefill engine, a decode-side process, each prompt handed
@@ -361,44 +309,3 @@ def test_overlap_benchmark_runs_both_paths_through_a_real_engine():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| 40 ") or line.startswith("| 100 ")]
     assert [r[0] for r in rows] == ["| 40", "| 100"] and all(len(r) == 10 for r in rows)
-
-
-def test_a_prefilled_handoff_waits_for_room_past_the_handoff_timeout(prefill, decode_side):
-    """A full decode side (no free blocks, a full batch) is load, not failure: a computed handoff refused
-    for lack of room keeps its KV and asks again until its job's deadline, then lands once room is free."""
-    rt, make = prefill
-    side = decode_side()
-    manager = make(side.addr, timeout_s=0.5)
-    kv = side.rt.core.kv
-    total = kv.num_free_blocks
-    kv.reserve("hog", (total - 2) * BLOCK)  # too full for the prompt's 4 blocks
-    src = rt.core.kv.reserve("waits", 4 * BLOCK)
-    t = manager.start(synthetic_job("waits", 4 * BLOCK, MODEL), b"waits", FirstToken(3))
-    ended: list = []
-    until = time.monotonic() + 2.0  # four handoff timeouts
-    while time.monotonic() < until:
-        ended += manager.poll(20)
-    assert ended == [] and t.state not in (State.DONE, State.FAILED) and t.waits_for_room
-    assert manager.waiting_for_seat(MODEL) == 1  # what kvrelay_handoff_waiting_for_seat shows
-    kv.free("hog")
-    ended += poll_until(manager, lambda: not manager.transfers, "the handoff")
-    assert [(e.job.request_id, e.state) for e in ended] == [("waits", State.DONE)]
-    assert ended[0].seat_wait_s >= 2.0  # what kvrelay_handoff_seat_wait_seconds records
-    wait_for(lambda: "waits" in side.admitted, "admission")
-    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("waits")], rt.core.kv.kv_cache[:, :, src])
-
-
-def test_a_handoff_waiting_for_room_fails_at_its_jobs_deadline(prefill, decode_side):
-    rt, make = prefill
-    side = decode_side()
-    manager = make(side.addr, timeout_s=0.3)
-    kv = side.rt.core.kv
-    kv.reserve("hog", (kv.num_free_blocks - 2) * BLOCK)
-    rt.core.kv.reserve("late", 4 * BLOCK)
-    job = dataclasses.replace(synthetic_job("late", 4 * BLOCK, MODEL), deadline=time.time() + 1.0)
-    manager.start(job, b"late", FirstToken(3))
-    ended = poll_until(manager, lambda: not manager.transfers, "the deadline")
-    assert [(e.job.request_id, e.state) for e in ended] == [("late", State.FAILED)]
-    assert "no free KV blocks" in ended[0].reason
-    assert time.time() >= job.deadline
-    kv.free("hog")
