@@ -176,15 +176,17 @@ def test_sampled_strings_stay_valid_utf8_within_max_length(llm, vocab):
 
 
 def test_the_table_walks_tokens_like_pythons_decoder(manager, vocab):
-    """Every token from every state: the table's verdict is the strict decoder's, the state after it too."""
+    """Every token from every state: the table's verdict is the strict decoder's, the state after it too;
+    a stop or special token (no text) ends nothing but a complete character."""
     table = manager.cache.backend().utf8
+    textless = {EOS, *manager.cache.backend().info.special_token_ids}
     for pending in [b"", *PENDING]:
         state = COMPLETE
         for t in _byte_tokens(vocab, pending):
             state = table.advance(state, t)
         for t, data in enumerate(vocab):
             after = table.advance(state, t)
-            if t == EOS:
+            if t in textless:
                 assert (after == REJECT) == bool(pending)
                 continue
             verdict = "invalid" if after == REJECT else "complete" if after == COMPLETE else "pending"

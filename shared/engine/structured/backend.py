@@ -13,6 +13,7 @@ declaring 79k unknown ids to xgrammar made every fill ~10x slower (a 49,152-toke
 
 xgrammar lets some invalid UTF-8 through (utf8.py): ``utf8`` holds which tokens keep an output valid after
 each partial character, built here once per tokenizer (milliseconds: only non-ASCII tokens are walked).
+Special tokens are never text under any grammar; only a stop token ends one (tokenizer_info.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 from typing import TYPE_CHECKING
 
 from kvrelay.shared.engine.structured.json_strings import strict_counted_strings
+from kvrelay.shared.engine.structured.tokenizer_info import tokenizer_info
 from kvrelay.shared.engine.structured.utf8 import Utf8Table
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
@@ -40,8 +42,7 @@ class GrammarBackend:
         stops = [t for t in stop_token_ids if 0 <= t < self.vocab_size]
         if not stops and tokenizer.eos_token_id is not None:
             stops = [tokenizer.eos_token_id]
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=stops or None)
+        self.info = tokenizer_info(tokenizer, self.vocab_size, stops or None)
         # one compile at a time per engine: the pool that calls this has one thread (compile_cache.py)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.utf8 = Utf8Table([bytes(b) for b in self.info.decoded_vocab],
