@@ -98,3 +98,22 @@ def test_special_tokens_are_textless_for_the_utf8_mask(setup):
     for t in special:
         assert backend.info.decoded_vocab[t] == b""
         assert backend.utf8.advance(0, t) == 0 and backend.utf8.advance(1, t) != 0  # never mid-character
+
+
+def test_generation_pushed_towards_control_tokens_still_spells_text_and_ends(smollm2_dir):
+    """SmolLM2 greedy, every special token's logit raised by 100: inside the JSON string none is sampled,
+    and the output ends with its EOS as soon as the document is complete (EOS is pushed too)."""
+    from kvrelay import LLM, SamplingParams
+
+    tok = load_tokenizer(smollm2_dir)
+    special = special_token_ids(tok)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 24}}, "required": ["s"],
+              "additionalProperties": False}
+    llm = LLM(model=str(smollm2_dir), max_model_len=256, device="cpu", seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputs(json=json.dumps(schema)),
+                            logit_bias={t: 100.0 for t in special})
+    (out,) = llm.generate([{"prompt_token_ids": tok.encode("<|im_start|>user\nSay hi<|im_end|>\n")}], [params])
+    c = out.outputs[0]
+    assert c.finish_reason == "stop", c
+    assert not set(c.token_ids) & set(special) - {tok.eos_token_id}, c.token_ids
+    assert isinstance(json.loads(c.text)["s"], str), c.text
