@@ -11,6 +11,7 @@ import pytest
 from kvrelay.shared.engine.structured.backend import GrammarBackend
 from kvrelay.shared.engine.structured.bitmask import allowed_ids, new_bitmask
 from kvrelay.shared.engine.structured.tokenizer_info import special_token_ids
+from kvrelay.shared.engine.structured.utf8 import COMPLETE, REJECT
 from kvrelay.shared.text.tokenizer import load_tokenizer
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 from tests.integration.gateway_harness import build_tokenizer
@@ -77,6 +78,7 @@ def test_no_special_token_is_ever_allowed_but_a_stop_where_the_grammar_ends(setu
     while True:  # the walk's text spelled greedily by the longest allowed token, whatever the tokenizer
         allowed = _allowed(backend, matcher)
         assert not (allowed & special) - set(stops), f"{kind} before {rest!r}"
+        assert (tok.eos_token_id in allowed) == matcher.is_completed(), f"{kind} before {rest!r}"
         if not rest:
             break
         token = max((t for t in allowed if spelling[t] and rest.startswith(spelling[t])), key=lambda t: len(spelling[t]))
@@ -97,7 +99,7 @@ def test_special_tokens_are_textless_for_the_utf8_mask(setup):
     _, backend, special = setup
     for t in special:
         assert backend.info.decoded_vocab[t] == b""
-        assert backend.utf8.advance(0, t) == 0 and backend.utf8.advance(1, t) != 0  # never mid-character
+        assert backend.utf8.advance(COMPLETE, t) == COMPLETE and backend.utf8.advance(1, t) == REJECT  # never mid-character
 
 
 def test_generation_pushed_towards_control_tokens_still_spells_text_and_ends(smollm2_dir):
