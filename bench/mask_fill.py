@@ -20,6 +20,7 @@ import torch
 
 from kvrelay.bench.grammar_backends import SCHEMA10
 from kvrelay.shared.engine.structured.bitmask import allowed_ids
+from kvrelay.shared.engine.structured.tokenizer_info import tokenizer_info
 from kvrelay.shared.text.tokenizer import load_tokenizer
 
 BATCH = 64
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     known = len(tok)
     print(f"cores available: {len(os.sched_getaffinity(0))}; tokenizer {known} tokens; batch {BATCH}")
     for vocab in (known, args.padded_vocab):
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[tok.eos_token_id])
+        info = tokenizer_info(tok, vocab, [tok.eos_token_id])  # as the engine builds it
         compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA10),
                                                                                 any_whitespace=False)
         for threads in args.threads:

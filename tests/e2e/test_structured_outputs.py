@@ -4,7 +4,8 @@ the engine's grammar backend) through the openai SDK, as issue 25's done-when as
   - a json_schema request sampled at temperature 1 validates against its schema in 200 of 200 samples;
   - ``tool_choice="required"`` and a named function always give parseable calls, streamed and not;
   - the other constraints (choice, regex, grammar, json_object) hold on both endpoints;
-  - a json_schema request and a forced call hold in the disaggregated mode too, across the handoff.
+  - a json_schema request and a forced call hold in the disaggregated mode too, across the handoff;
+  - a constraint that spells a UTF-16 surrogate is a 400 naming its field.
 The gateway's mapping of every field is tested fast in tests/integration/test_gateway_structured_outputs.py
 and test_gateway_forced_calls.py."""
 
@@ -216,3 +217,21 @@ def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_the_field(client, s
     # the worker goes on serving
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"guided_choice": ["a"]}
                                      ).choices[0].text == "a"
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("guided_grammar", 'root ::= "\\uD800"', "guided_grammar"),
+    ("structured_outputs", {"regex": "[0-9]\\uD83D\\uDE00"}, "structured_outputs.regex"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "code", "schema": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]\\uDC00$"}}}}},
+     "response_format.json_schema.schema"),
+], ids=["grammar", "regex-pair", "json-pattern"])
+def test_a_constraint_no_utf8_text_meets_is_a_400_naming_the_field(client, field, value, param):
+    """A constraint that spells a UTF-16 surrogate (xgrammar would take it as bytes no UTF-8 text holds)
+    is refused by the engine's compile, and the answer names the request's field."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Say", max_tokens=5, extra_body={field: value})
+    error = info.value.body
+    assert error["param"] == param, error
+    assert re.match(rf"{re.escape(param)} does not compile: it spells U\+D[89A-F][0-9A-F]{{2}}, a UTF-16 surrogate",
+                    error["message"]), error

@@ -13,6 +13,8 @@ declaring 79k unknown ids to xgrammar made every fill ~10x slower (a 49,152-toke
 
 xgrammar lets some invalid UTF-8 through (utf8.py): ``utf8`` holds which tokens keep an output valid after
 each partial character, built here once per tokenizer (milliseconds: only non-ASCII tokens are walked).
+Special tokens are never text under any grammar; only a stop token ends one (tokenizer_info.py). A grammar
+that spells a UTF-16 surrogate, which the UTF-8 mask would leave no token, does not compile (utf8_grammar.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ import json
 import re
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kvrelay.shared.engine.structured.bitmask import new_bitmask
 from kvrelay.shared.engine.structured.json_strings import strict_counted_strings
+from kvrelay.shared.engine.structured.tokenizer_info import tokenizer_info
 from kvrelay.shared.engine.structured.utf8 import Utf8Table
+from kvrelay.shared.engine.structured.utf8_grammar import starts_validly, surrogate_literal
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -40,8 +47,7 @@ class GrammarBackend:
         stops = [t for t in stop_token_ids if 0 <= t < self.vocab_size]
         if not stops and tokenizer.eos_token_id is not None:
             stops = [tokenizer.eos_token_id]
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=stops or None)
+        self.info = tokenizer_info(tokenizer, self.vocab_size, stops or None)
         # one compile at a time per engine: the pool that calls this has one thread (compile_cache.py)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.utf8 = Utf8Table([bytes(b) for b in self.info.decoded_vocab],
@@ -56,21 +62,45 @@ class GrammarBackend:
     def compile(self, so: StructuredOutputs) -> xgrammar.CompiledGrammar:
         """Compile one constraint; ValueError naming ``structured_outputs.<kind>`` when it does not."""
         kind = so.kind
-        c = self.compiler
         try:
-            if kind == "json":
-                # compact separators and no free whitespace: a small model given free whitespace can emit
-                # newlines until max_tokens (vLLM's --disable-any-whitespace)
-                return c.compile_json_schema(strict_counted_strings(so.json), any_whitespace=False)
-            if kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return c.compile_regex(so.regex)
-            if kind == "choice":
-                return c.compile_grammar(choice_grammar(so.choice))
-            return c.compile_grammar(so.grammar)
+            compiled = self._compile(so)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/its own errors
             raise ValueError(f"structured_outputs.{kind} does not compile: {_reason(exc)}") from None
+        why = self._not_utf8(compiled)
+        if why:
+            raise ValueError(f"structured_outputs.{kind} does not compile: {why}")
+        return compiled
+
+    def _compile(self, so: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        kind, c = so.kind, self.compiler
+        if kind == "json":
+            # compact separators and no free whitespace: a small model given free whitespace can emit
+            # newlines until max_tokens (vLLM's --disable-any-whitespace)
+            return c.compile_json_schema(strict_counted_strings(so.json), any_whitespace=False)
+        if kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return c.compile_regex(so.regex)
+        if kind == "choice":
+            return c.compile_grammar(choice_grammar(so.choice))
+        return c.compile_grammar(so.grammar)
+
+    def _not_utf8(self, compiled: xgrammar.CompiledGrammar) -> str:
+        """Why no valid UTF-8 text meets ``compiled`` (utf8_grammar.py); empty when some may."""
+        code = surrogate_literal(str(compiled.grammar))
+        if code is not None:
+            return (f"it spells U+{code:04X}, a UTF-16 surrogate, which no UTF-8 text holds (write a character "
+                    "past U+FFFF as itself, not as the escapes of its UTF-16 surrogate pair)")
+        matcher = self.matcher(compiled)
+        if not starts_validly(matcher, self.utf8, self._allowed, self.info.stop_token_ids):
+            return "no valid UTF-8 text can start it (it begins with a UTF-16 surrogate, U+D800..DFFF)"
+        return ""
+
+    def _allowed(self, matcher: xgrammar.GrammarMatcher) -> np.ndarray:
+        """[vocab] bool: the tokens ``matcher``'s mask allows next."""
+        mask = new_bitmask(1, self.mask_words)
+        matcher.fill_next_token_bitmask(mask, 0)
+        return np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
 
     def batch_matcher(self, threads: int) -> xgrammar.BatchGrammarMatcher:
         """Fills many matchers' mask rows in one call, over ``threads`` host threads."""

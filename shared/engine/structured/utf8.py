@@ -80,6 +80,10 @@ class Utf8Table:
         """The state after ``token`` (REJECT when it makes the bytes invalid)."""
         return self._next[state][token]
 
+    def after(self, state: int) -> np.ndarray:
+        """[vocab] uint8: the state after each token."""
+        return np.frombuffer(self._next[state], dtype=np.uint8)
+
     def restrict(self, mask: torch.Tensor, rows: list[int], states: list[int]) -> list[int]:
         """AND row ``rows[i]`` of the host mask with what may follow ``states[i]``, in place; returns the rows
         it took a token from (the only ones it can have left allowing nothing).
