@@ -78,6 +78,16 @@ def decode_any(data: bytes | memoryview, *classes: type) -> Any:
     return _build(cls, raw, cls.__name__)
 
 
+def peek_strings(data: bytes | memoryview, *names: str) -> dict[str, str]:
+    """The named top-level string fields of a message that did not decode (a newer sender's, say), bounded as
+    ``decode`` is and otherwise unchecked: what a receiver needs to tell the sender's client why it refused."""
+    try:
+        raw = _unpack(data)
+    except ValueError:
+        return {}
+    return {name: value for name in names if isinstance(value := raw.get(name), str)}
+
+
 def _unpack(data: bytes | memoryview) -> dict:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ValueError(f"expected bytes, got {type(data).__name__}")
