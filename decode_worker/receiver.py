@@ -11,6 +11,7 @@ from kvrelay.shared.handoff.blocks import DTYPE_NAMES
 from kvrelay.shared.handoff.grants import Busy
 from kvrelay.shared.handoff.receiver import KVInbox
 from kvrelay.shared.wire.handoff import HandoffRequest
+from kvrelay.shared.wire.version import version_refusal
 
 
 class HandoffReceiver(KVInbox):
@@ -29,6 +30,8 @@ class HandoffReceiver(KVInbox):
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
         if not self.accepting:
             return "decode worker is draining"
+        if refusal := version_refusal(req.protocol, "the prefill worker"):
+            return refusal
         core = self.core_for(req.model)
         if core is None:
             return f"model {req.model!r} is not served here"

@@ -2,6 +2,7 @@
 
     GET    /admin/models                 per model, instance and worker: state, version, memory, KV use,
                                          queue depth (XLEN of the instance's stream); plus the workers
+                                         (with their wire protocol versions) and those refused
     POST   /admin/models                 register {name, version?, dtype, quantization?, kv_cache_dtype?,
                                          max_model_len, pinned, min_replicas, keep_alive_s}: 201, or 200
                                          when updating hints;
@@ -33,6 +34,7 @@ from kvrelay.gateway.state import CONFIG, REDIS, spawn
 from kvrelay.shared.repo.model_repo import NAME_RE, ModelRepository, ModelVersion, RepositoryError
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import InstanceStatus, ModelSpec, WorkerInfo, instance_key
+from kvrelay.shared.wire.version import PROTOCOL_VERSION
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -258,5 +260,6 @@ async def list_models(request: web.Request) -> web.Response:
              "weights_budget": w.weights_budget, "weights_used": w.weights_used, "kv_pool_bytes": w.kv_pool_bytes,
              "kv_committed_bytes": w.kv_committed_bytes, "kv_cap_bytes": w.kv_cap_bytes,
              "kv_free_bytes": w.kv_free_bytes, "free_blocks": w.free_blocks, "total_blocks": w.total_blocks,
-             "running": w.running, "waiting": w.waiting} for w in workers]
-    return web.json_response({"object": "list", "data": data, "workers": pool})
+             "running": w.running, "waiting": w.waiting, "protocol": w.protocol} for w in workers]
+    return web.json_response({"object": "list", "data": data, "workers": pool, "protocol": PROTOCOL_VERSION,
+                              "refused_workers": registry.refused})

@@ -16,6 +16,7 @@ from aiohttp import web
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
+from kvrelay.shared.wire.version import PROTOCOL_VERSION, version_refusal
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -60,6 +61,8 @@ class WorkerRegistry:
         self._cache_s = cache_s
         self._models: tuple[float, dict[str, ModelInfo]] | None = None
         self._workers: tuple[float, list[WorkerInfo]] | None = None
+        self.refused: dict[str, str] = {}  # worker id -> why its heartbeat is not taken, as of the last read
+        self._noted: dict[str, str] = {}  # worker id -> what was last logged of it: once per worker, not per read
 
     def _fresh(self, entry: tuple[float, object] | None) -> bool:
         return entry is not None and time.monotonic() - entry[0] < self._cache_s
@@ -85,17 +88,28 @@ class WorkerRegistry:
         ids = sorted(w.decode() for w in await self._redis.smembers(keys.WORKERS_INDEX))
         raw = await self._redis.mget([keys.worker_key(w) for w in ids]) if ids else []
         now = time.time()
-        workers = []
+        workers, refused, noted = [], {}, {}
         for worker_id, data in zip(ids, raw, strict=True):
             if data is None:
                 continue
             try:
                 info = decode(data, WorkerInfo)
-            except ValueError as exc:
-                log.warning("ignoring malformed WorkerInfo for %r: %s", worker_id, exc)
+            except ValueError as exc:  # a newer worker's must-understand field says so here
+                refused[worker_id] = noted[worker_id] = f"ignoring malformed WorkerInfo for {worker_id!r}: {exc}"
                 continue
-            if now - info.heartbeat <= keys.HEARTBEAT_TTL_S:
-                workers.append(info)
+            if now - info.heartbeat > keys.HEARTBEAT_TTL_S:
+                continue
+            if why := version_refusal(info.protocol, f"worker {worker_id!r}"):
+                refused[worker_id] = noted[worker_id] = why
+                continue
+            if info.protocol != PROTOCOL_VERSION:
+                noted[worker_id] = (f"worker {worker_id!r} speaks wire protocol {info.protocol}, this gateway "
+                                    f"{PROTOCOL_VERSION}: one version apart, served")
+            workers.append(info)
+        for worker_id, line in noted.items():
+            if self._noted.get(worker_id) != line:
+                (log.warning if worker_id in refused else log.info)("%s", line)
+        self.refused, self._noted = refused, noted
         self._workers = (time.monotonic(), workers)
         return workers
 

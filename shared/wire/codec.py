@@ -1,10 +1,19 @@
 """The codec every cross-process message goes through: dataclasses as msgpack maps.
 
 Never pickle: a pickle on a socket is remote code execution. ``decode`` treats the bytes as hostile:
-size-bounded, every field type-checked against the dataclass annotations, unknown fields rejected,
-cross-field invariants checked by ``check()``. Any violation raises ``ValueError`` so a receiver can drop
-the message with one ``except``. Each encoded message carries a ``type`` tag so one socket can carry
-several kinds (``decode_any``); the message modules (protocol.py, handoff.py) ``register`` theirs.
+size-bounded, every field type-checked against the dataclass annotations, cross-field invariants checked by
+``check()``. Any violation raises ``ValueError`` so a receiver can drop the message with one ``except``.
+Each encoded message carries a ``type`` tag so one socket can carry several kinds (``decode_any``); the
+message modules (protocol.py, handoff.py) ``register`` theirs.
+
+Rolling upgrades (one component at a time, peers one protocol version apart: version.py):
+- a field equal to its default is not sent, so a newer sender that does not use a feature is read by an
+  older peer as ever. A default therefore means "feature not used" and is part of the protocol: never
+  change one; a field added later needs one (an older sender never sends it).
+- a field declared ``IGNORABLE`` (metadata) is one a peer that does not know it may drop: the encoder names
+  the ignorable fields it sent under ``IGNORABLE_KEY``; the decoder drops unknown fields named there and
+  rejects any other unknown field (a must-understand one: the sender is newer and relies on it), so a
+  request using a feature this process cannot honour fails loudly instead of running wrong.
 """
 
 from __future__ import annotations
@@ -23,6 +32,12 @@ MAX_STR_LEN = 1024 * 1024
 MAX_MAP_LEN = 4096
 MAX_ID_LEN = 256  # request / worker ids, model names
 
+# field metadata: a peer that does not know the field may ignore it (it needs a default: older peers never send it)
+IGNORABLE = {"ignorable": True}
+IGNORABLE_KEY = "~ignorable"  # the ignorable fields a map carries (never a field name: not an identifier)
+# field metadata "absent": what a missing field means when that is not the field's default (version.py's field)
+ABSENT = "absent"
+
 _BY_TAG: dict[str, type] = {}
 M = TypeVar("M")
 
@@ -30,6 +45,8 @@ M = TypeVar("M")
 def register(*classes: type) -> None:
     """Make ``classes`` encodable and decodable; each tag names one class."""
     for cls in classes:
+        for f in dataclasses.fields(cls):
+            _absent_value(f)  # an ignorable field without a default is refused here, where it is declared
         if _BY_TAG.setdefault(cls.TAG, cls) is not cls:
             raise ValueError(f"message tag {cls.TAG!r} is taken by {_BY_TAG[cls.TAG].__name__}")
 
@@ -61,6 +78,16 @@ def decode_any(data: bytes | memoryview, *classes: type) -> Any:
     return _build(cls, raw, cls.__name__)
 
 
+def peek_strings(data: bytes | memoryview, *names: str) -> dict[str, str]:
+    """The named top-level string fields of a message that did not decode (a newer sender's, say), bounded as
+    ``decode`` is and otherwise unchecked: what a receiver needs to tell the sender's client why it refused."""
+    try:
+        raw = _unpack(data)
+    except ValueError:
+        return {}
+    return {name: value for name in names if isinstance(value := raw.get(name), str)}
+
+
 def _unpack(data: bytes | memoryview) -> dict:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ValueError(f"expected bytes, got {type(data).__name__}")
@@ -78,13 +105,14 @@ def _unpack(data: bytes | memoryview) -> dict:
 
 
 _PLAIN, _MESSAGE, _MESSAGES, _INT_MAP = 0, 1, 2, 3
-_WIRE: dict[type, tuple[tuple[str, int, bool], ...]] = {}
+_REQUIRED = object()  # a field with no default: always sent
+_WIRE: dict[type, tuple[tuple[str, int, Any, bool], ...]] = {}
 
 
-def _wire_fields(cls: type) -> tuple[tuple[str, int, bool], ...]:
-    """(field name, whether it holds a message / a list of messages, whether None is its default) per
-    field, from the annotations, worked out once per class: encoding runs once per decode step for every
-    gateway (a TokenBatch of up to max_num_seqs events), where asking each value whether it is a
+def _wire_fields(cls: type) -> tuple[tuple[str, int, Any, bool], ...]:
+    """(field name, whether it holds a message / a list of messages, the value left off the wire, whether it is
+    ignorable) per field, from the annotations, worked out once per class: encoding runs once per decode step
+    for every gateway (a TokenBatch of up to max_num_seqs events), where asking each value whether it is a
     dataclass cost ~5 µs an event."""
     spec, hints = [], _hints(cls)
     for f in dataclasses.fields(cls):
@@ -98,20 +126,36 @@ def _wire_fields(cls: type) -> tuple[tuple[str, int, bool], ...]:
                 kind = _MESSAGES
             elif _int_keyed(option):
                 kind = _INT_MAP
-        spec.append((name, kind, f.default is None))
+        spec.append((name, kind, _absent_value(f), bool(f.metadata.get("ignorable"))))
     _WIRE[cls] = spec = tuple(spec)
     return spec
 
 
+def _absent_value(f: dataclasses.Field) -> Any:
+    """What a decoder takes a missing field ``f`` for (the value its encoder leaves out); _REQUIRED if none."""
+    if ABSENT in f.metadata:
+        return f.metadata[ABSENT]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    if f.metadata.get("ignorable"):
+        raise TypeError(f"ignorable field {f.name!r} needs a default: a peer that does not know it never sends it")
+    return _REQUIRED
+
+
 def _to_wire(msg: Any) -> dict:
-    """The fields as a map; a None that is the field's default is left out (the decoder's default
-    restores it): most of a TokenEvent's fields are None, and each one cost both ends a map entry."""
-    out = {}
-    for name, kind, none_default in _WIRE.get(type(msg)) or _wire_fields(type(msg)):
+    """The fields as a map, less those equal to their default (the decoder's default restores them): most of
+    a TokenEvent's fields are None, and each one cost both ends a map entry; a newer sender not using a
+    feature sends nothing an older peer would not know. The ignorable fields sent are named."""
+    out, ignorable = {}, None
+    for name, kind, absent, may_ignore in _WIRE.get(type(msg)) or _wire_fields(type(msg)):
         value = getattr(msg, name)
         if value is None:
-            if not none_default:
+            if absent is not None:
                 out[name] = None
+            continue
+        if value is absent or (absent is not _REQUIRED and value == absent):
             continue
         if kind == _MESSAGE:
             value = _to_wire(value)
@@ -120,6 +164,11 @@ def _to_wire(msg: Any) -> dict:
         elif kind == _INT_MAP:
             value = [list(value), list(value.values())]
         out[name] = value
+        if may_ignore:
+            ignorable = ignorable or []
+            ignorable.append(name)
+    if ignorable:
+        out[IGNORABLE_KEY] = ignorable
     return out
 
 
@@ -302,10 +351,11 @@ def _compile(tp: Any):
 
 def _compile_message(cls: type):
     hints = _hints(cls)
-    fields = []  # (name, checker, required, choices, max_len)
+    fields = []  # (name, absent, required, choices, max_len)
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        fields.append((f.name, None, required, f.metadata.get("choices"), f.metadata.get("max_len")))
+        absent = f.metadata.get(ABSENT, dataclasses.MISSING)  # MISSING: the class's default
+        fields.append((f.name, absent, required, f.metadata.get("choices"), f.metadata.get("max_len")))
     known = frozenset(f[0] for f in fields)
     checkers: dict[str, Any] = {}
     has_check = hasattr(cls, "check")
@@ -314,13 +364,14 @@ def _compile_message(cls: type):
         if not isinstance(raw, dict):
             raise _Mismatch(f"expected a map, got {type(raw).__name__}")
         if not known.issuperset(raw):
-            unknown = set(raw) - known
-            raise _Mismatch(f"unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+            raw = _known_part(raw, known)
         kwargs = {}
-        for name, _, required, choices, max_len in fields:
+        for name, absent, required, choices, max_len in fields:
             if name not in raw:
                 if required:
                     raise _Mismatch(f"missing field {name!r}")
+                if absent is not dataclasses.MISSING:
+                    kwargs[name] = absent
                 continue
             check = checkers.get(name)
             if check is None:  # resolved lazily: messages may refer to classes defined after them
@@ -345,6 +396,20 @@ def _compile_message(cls: type):
                 raise _Mismatch(str(exc)) from None
         return msg
     return build
+
+
+def _known_part(raw: dict, known: frozenset) -> dict:
+    """``raw`` less the unknown fields its sender declared ignorable; any other unknown field is refused: the
+    sender is newer and relies on it being understood."""
+    listed = raw.get(IGNORABLE_KEY, [])
+    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+        raise _Mismatch(f"{IGNORABLE_KEY} must be a list of field names")
+    unknown = set(raw) - known - {IGNORABLE_KEY}
+    refused = unknown.difference(listed)
+    if refused:
+        raise _Mismatch(f"unknown field(s) {', '.join(sorted(map(str, refused)))} that must be understood: the "
+                        "sender speaks a newer wire protocol and uses a feature this process lacks (upgrade it)")
+    return {k: v for k, v in raw.items() if k in known}
 
 
 def _short(value: Any) -> str:

@@ -24,8 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvrelay.shared.wire.codec import MAX_MAP_LEN, register
+from kvrelay.shared.wire.codec import IGNORABLE, MAX_MAP_LEN, register
 from kvrelay.shared.wire.protocol import _ID, Job, TopLogprobs
+from kvrelay.shared.wire.version import protocol_field
+
+_IGNORABLE_ID = {**_ID, **IGNORABLE}
 
 
 @dataclass
@@ -39,21 +42,26 @@ class HandoffRequest:
     num_tokens: int
     block_size: int
     # CUDA IPC offer: the asker's GPU UUID ("" = no CUDA) and worker id (one IPC export per asker, so
-    # torch's per-consumer reference count on the decode's KV allocation stays exact)
-    device_uuid: str = field(default="", metadata=_ID)
+    # torch's per-consumer reference count on the decode's KV allocation stays exact). Ignorable: a decode
+    # worker that does not take the offer grants without IPC, and the KV goes as frames
+    device_uuid: str = field(default="", metadata=_IGNORABLE_ID)
     requester: str = field(default="", metadata=_ID)
     # seconds the asker may take to use a grant (it reads replies only between its engine steps): the
-    # decode side keeps the grant at least this long, within its own bound (shared/handoff/grant_hold.py)
-    hold_s: float = 0.0
+    # decode side keeps the grant at least this long, within its own bound (shared/handoff/grant_hold.py).
+    # Ignorable: a grant that lapses first is refused when used, and the asker asks again
+    hold_s: float = field(default=0.0, metadata=IGNORABLE)
     # what the asker's KV cache stores ("bfloat16", "float8_e4m3fn", ...; "" = not said): a decode worker
     # whose cache stores another dtype refuses before any byte moves, rather than misread them
     kv_dtype: str = field(default="", metadata=_ID)
     # an fp8 cache's per-layer K/V scales, digested (shared/engine/kv_scales.py; "" = not said): the same bytes
-    # under other scales are other values, refused like another dtype
+    # under other scales are other values, refused like another dtype. Must be understood: a decode worker that
+    # cannot check scales refuses the ask rather than take KV it would misread
     kv_scales: str = field(default="", metadata=_ID)
     # which of its transfer's asks this is (they count up from 1; 0 = not numbered): the grant or refusal
-    # answering it echoes it, so the asker, which may have asked again elsewhere since, knows which ask it answers
-    ask: int = 0
+    # answering it echoes it, so the asker, which may have asked again elsewhere since, knows which ask it
+    # answers. Ignorable: the asker takes an answer without it (0) for the answer to its latest ask there
+    ask: int = field(default=0, metadata=IGNORABLE)
+    protocol: int = protocol_field()  # the asker's wire protocol version: one too far apart is refused
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:
@@ -137,7 +145,7 @@ class HandoffGrant:
     request_id: str = field(metadata=_ID)
     accepted: bool
     block_ids: list[int] = field(default_factory=list)
-    reason: str = ""
+    reason: str = field(default="", metadata=IGNORABLE)
     # refused for lack of room now (a full batch, no free blocks): the asker keeps its KV and asks again
     busy: bool = False
     ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
@@ -149,12 +157,14 @@ class HandoffGrant:
     epoch: int = 0
     # host-staged frames go to the decode worker's plain bulk socket at ``frames_addr``, each MAC'd under
     # ``frames_key``, this grant's own random key (it travels only here, on the CURVE channel); "": frames go
-    # to the grant's socket with CRCs
-    frames_addr: str = field(default="", metadata={"max_len": 1024})
-    frames_key: bytes = field(default=b"", repr=False)
+    # to the grant's socket with CRCs. Ignorable (both go together): an asker that does not know them sends
+    # its frames to the grant's socket with CRCs, which the decode worker takes for any grant
+    frames_addr: str = field(default="", metadata={"max_len": 1024, **IGNORABLE})
+    frames_key: bytes = field(default=b"", repr=False, metadata=IGNORABLE)
     # the ask answered (HandoffRequest.ask, echoed; 0 from a decode worker that does not echo it: the asker then
     # takes it for the answer to its latest ask of this decode worker, as it did before asks were numbered)
-    ask: int = 0
+    ask: int = field(default=0, metadata=IGNORABLE)
+    protocol: int = protocol_field()  # the decode worker's wire protocol version
 
     def check(self) -> None:
         if len(self.targets) > MAX_TARGETS:
@@ -249,7 +259,8 @@ class KVLayers:
     # dropped rather than taken for this one's
     epoch: int = 0
     # the frame's MAC under the grant's frames_key (shared/engine/kv_frame.py), in place of the checksums (then
-    # empty): the frame holds its size over ``nbytes`` layers. Whole-layer frames only, never a rank's part
+    # empty): the frame holds its size over ``nbytes`` layers. Whole-layer frames only, never a rank's part. Must be
+    # understood, but only sent for a grant that gave a key, which only a decode worker that checks MACs gives
     mac: bytes = b""
 
     def check(self) -> None:
@@ -273,7 +284,7 @@ class HandoffCancel:
 
     TAG: ClassVar[str] = "handoff_cancel"
     request_id: str = field(metadata=_ID)
-    reason: str = ""
+    reason: str = field(default="", metadata=IGNORABLE)
     epoch: int = 0  # the grant given up (HandoffGrant.epoch); 0: whichever the asker holds for the request
 
 
@@ -284,7 +295,7 @@ class HandoffAck:
     TAG: ClassVar[str] = "handoff_ack"
     request_id: str = field(metadata=_ID)
     ok: bool
-    reason: str = ""
+    reason: str = field(default="", metadata=IGNORABLE)
     # not ok because the decode worker itself is going down (a rank of its group died): the request was
     # never admitted, so the prefill side runs it again rather than failing it
     worker_down: bool = False

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 import redis
 
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.codec import decode, peek_strings
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_health import RedisHealth
 
@@ -81,7 +81,8 @@ def _lost_group(exc: redis.ResponseError) -> bool:
 
 class JobQueue:
     def __init__(self, client: redis.Redis, model: str, consumer: str, reclaim_idle_ms: int,
-                 max_deliveries: int = keys.MAX_DELIVERIES, on_dead: Callable[[Job, str], None] | None = None,
+                 max_deliveries: int = keys.MAX_DELIVERIES,
+                 on_dead: Callable[[str, str, str], None] | None = None,
                  health: RedisHealth | None = None):
         self.redis = client
         self.health = health or RedisHealth(log)  # where a failed ACK reports an outage
@@ -92,7 +93,8 @@ class JobQueue:
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_deliveries = max_deliveries
-        self.on_dead = on_dead  # tells the job's client why it will get no answer
+        # on_dead(request id, reply address, why): tells the job's client why it will get no answer
+        self.on_dead = on_dead
         self._last_reclaim = 0.0
         self._last_adopt = 0.0
         self._unacked: list[bytes] = []  # ACKs deferred or failed; sent by the next ack() or read
@@ -193,7 +195,7 @@ class JobQueue:
                 self.dead_letter(tagged, fields, reason)
                 job = self._parse(tagged, fields)
                 if job is not None and self.on_dead is not None:
-                    self.on_dead(job, reason)
+                    self.on_dead(job.request_id, job.reply_addr, f"request failed repeatedly: {reason}")
             else:
                 log.info("reclaimed job %s (delivery %d)", tagged, deliveries)
                 kept.append((tagged, fields))
@@ -250,6 +252,10 @@ class JobQueue:
             return decode(raw, Job)
         except ValueError as exc:
             self.dead_letter(entry_id, fields, f"malformed job: {exc}")
+            # a job of a newer gateway using what this worker lacks: its client hears so now, not at its deadline
+            addressed = peek_strings(raw, "request_id", "reply_addr") if raw is not None else {}
+            if len(addressed) == 2 and self.on_dead is not None:
+                self.on_dead(addressed["request_id"], addressed["reply_addr"], f"this worker cannot run the job: {exc}")
             return None
 
     def ack(self, *entry_ids: bytes) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvrelay.shared.wire.codec import MAX_ID_LEN, register
+from kvrelay.shared.wire.codec import IGNORABLE, MAX_ID_LEN, register
 from kvrelay.shared.wire.engine_stats import EngineStats
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.wire.version import protocol_field
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 WORKER_ROLES = ("prefill", "decode", "unified")
@@ -140,16 +141,17 @@ class InstanceStatus:
     kv_free_blocks: int = 0
     running: int = 0
     waiting: int = 0  # in the engine plus jobs this worker holds but has not admitted
-    idle_s: float = 0.0  # since the last request ended or arrived
+    idle_s: float = field(default=0.0, metadata=IGNORABLE)  # since the last request ended or arrived
     pinned: bool = False
     load_s: float = 0.0  # how long its load took: the reload cost eviction weighs
     error: str = ""  # why a load failed (state "failed")
-    engine: EngineStats | None = None  # its engine's vLLM series, relayed by the gateway's /metrics
+    # its engine's vLLM series, relayed by the gateway's /metrics (a gateway without them relays fewer)
+    engine: EngineStats | None = field(default=None, metadata=IGNORABLE)
     # one placement on tensor_parallel_size x pipeline_parallel_size devices; weight_bytes above is what it
     # counts against the worker's weights budget (shared/worker/model_memory.py group_weight_bytes)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    ranks: list[RankStatus] = field(default_factory=list)  # rank 0 (this worker's process) first
+    ranks: list[RankStatus] = field(default_factory=list, metadata=IGNORABLE)  # rank 0 (this worker's process) first
 
 
 @dataclass
@@ -172,11 +174,16 @@ class WorkerInfo:
     instances: list[InstanceStatus] = field(default_factory=list)
     weights_budget: int = 0  # bytes this worker may hold in model weights (0: unknown / no loading)
     weights_used: int = 0
-    kv_pool_bytes: int = 0  # the pool's configured size (--kv-cache-memory)
-    kv_free_bytes: int = 0  # not owned by any model, or free and above a model's floor (reclaimable)
-    kv_committed_bytes: int = 0  # backed by memory now: grows into unused weights budget, shrinks for loads
-    kv_cap_bytes: int = 0  # the most it may commit now: its size plus the weights budget no weights use
+    # the KV pool's bytes, shown by /admin/models only: a gateway that does not know one may ignore it
+    kv_pool_bytes: int = field(default=0, metadata=IGNORABLE)  # the pool's configured size (--kv-cache-memory)
+    # not owned by any model, or free and above a model's floor (reclaimable)
+    kv_free_bytes: int = field(default=0, metadata=IGNORABLE)
+    # backed by memory now: grows into unused weights budget, shrinks for loads
+    kv_committed_bytes: int = field(default=0, metadata=IGNORABLE)
+    # the most it may commit now: its size plus the weights budget no weights use
+    kv_cap_bytes: int = field(default=0, metadata=IGNORABLE)
     can_load: bool = False  # has a model repository and takes ControlCommands
+    protocol: int = protocol_field()  # the worker's wire protocol version (shared/wire/version.py)
 
     @property
     def can_prefill(self) -> bool:

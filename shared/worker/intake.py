@@ -182,9 +182,8 @@ class JobIntake:
         for q in self.queues.values():
             q.ack()
 
-    def _dead_job(self, job: Job, reason: str) -> None:
-        self.runtime.events.add(job.reply_addr, TokenEvent(request_id=job.request_id, finish_reason="error",
-                                                           error=f"request failed repeatedly: {reason}"))
+    def _dead_job(self, request_id: str, reply_addr: str, why: str) -> None:
+        self.runtime.events.add(reply_addr, TokenEvent(request_id=request_id, finish_reason="error", error=why))
 
 
 def queued(r, instance: str, worker_id: str) -> int:

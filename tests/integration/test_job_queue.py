@@ -39,7 +39,7 @@ def test_dead_consumers_jobs_are_reclaimed_then_dead_lettered(r):
     for n, consumer in enumerate(["w2", "w3"], start=2):  # each "dies" without acking
         got = make_queue(r, consumer).fetch(1, block_ms=10)
         assert [j.request_id for _, j in got] == ["poison"], f"delivery {n} not reclaimed"
-    last = make_queue(r, "w4", on_dead=lambda job, why: dead.append((job.request_id, why)))
+    last = make_queue(r, "w4", on_dead=lambda rid, addr, why: dead.append((rid, why)))
     assert last.fetch(1, block_ms=10) == []  # delivery 4 > max_deliveries: not handed out again
     assert [rid for rid, _ in dead] == ["poison"]
     assert r.xlen(keys.dead_letter_stream(MODEL)) == 1

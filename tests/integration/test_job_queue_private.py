@@ -123,7 +123,7 @@ def test_poison_in_a_private_stream_is_dead_lettered_after_max_deliveries(r):
     assert ids(make_queue(r, "w1").fetch(1, block_ms=0)) == ["poison"]  # delivery 1, then w1 "dies"
     for n, consumer in enumerate(["w2", "w3"], start=2):  # each adopts it and dies without acking
         assert ids(make_queue(r, consumer).fetch(1, block_ms=0)) == ["poison"], f"delivery {n} not adopted"
-    last = make_queue(r, "w4", on_dead=lambda job, why: dead_jobs.append(job.request_id))
+    last = make_queue(r, "w4", on_dead=lambda rid, addr, why: dead_jobs.append(rid))
     assert last.fetch(1, block_ms=0) == []
     assert dead_jobs == ["poison"]
     assert r.xlen(keys.dead_letter_stream(MODEL)) == 1 and r.xlen(private("w1")) == 0
