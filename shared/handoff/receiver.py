@@ -8,8 +8,9 @@ KVLayers message, or a header saying the KV was written directly, opens a ``KVRe
 header, which comes last and carries the first token, must match the grant and our layout -> once the receiver
 is complete: admitted and acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
 and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
-transfer's blocks) the sender gave up on. Every grant has its epoch (grants.py), which its KV, header, ack and
-cancel carry: a request id granted again has a new one, and what comes for the old grant is dropped (``stale``).
+transfer's blocks) the sender gave up on, when it comes from the peer the grant was made to. Every grant has its
+epoch (grants.py), which its KV, header, ack and cancel carry: a request id granted again has a new one, and what
+comes for the old grant is dropped (``stale``).
 
 With a bulk socket (plain, no CURVE: ``bulk``), every grant names it and carries a fresh key, and the frames come
 there, each MAC'd under its grant's key (frames.py). Anyone who reaches that socket can send to it, so only MAC'd
@@ -261,13 +262,16 @@ class KVInbox(ABC):
         rid = msg.request_id
         if msg.epoch and self._is_stale("a cancel", rid, msg.epoch):
             return
-        inc = self.incoming.get(rid)
+        inc, grant = self.incoming.get(rid), self.grants.get(rid)
         if inc is not None and inc.peer == peer:
             inc = self.incoming.pop(rid)
             inc.receiver.abandon()
             self.core_for(inc.model).kv.free(rid)
-        elif rid in self.grants:
+        elif grant is not None and grant.peer == peer:
             self.book.release(rid)
+        else:  # request ids are no secret: only the asker a grant was made to may give it up
+            log.debug("ignored a cancel of %s from a peer holding no grant of it", rid)
+            return
         log.debug("handoff of %s cancelled by its sender: %s", rid, msg.reason)
 
     def _advance(self, admit) -> None:
