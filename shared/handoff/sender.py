@@ -10,7 +10,8 @@ reports all the KV out, the header (which carries the first token) follows, and 
 ends the transfer. Our blocks are released once nothing reads them any more (copied / staged), not at
 the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. Only the answer
 to a transfer's latest ask counts (its number, echoed, and the worker it came from: ``_answers_ask``); a grant
-answering an ask given up is cancelled on the worker that made it. A peer that
+answering an ask given up is cancelled on the worker that made it. Only the worker the KV went to acks or nacks
+it: another's answer about the request is ignored. A peer that
 stops answering or reading fails its transfer at the deadline instead of stalling the worker's loop.
 What goes out for a transfer (the ask, its KV's sender, the header) is built by outbound.py.
 """
@@ -236,6 +237,9 @@ class HandoffSender:
                 if msg.busy:
                     t.wait_for_seat()
                 self._retry(t, f"decode worker refused: {msg.reason}")
+        elif isinstance(msg, HandoffAck) and peer != t.target:
+            # only the decode worker holding the KV can say whether it landed
+            log.debug("ignored an answer about %s's KV from %s; it went to %s", msg.request_id, peer, t.target)
         # an answer about an earlier grant of the request (a stale header's nack) is not one about this grant
         elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT and t.grant and msg.epoch == t.grant.epoch:
             if msg.ok:
