@@ -28,7 +28,7 @@ def test_another_peers_cancel_leaves_the_grant_to_its_owner(prefill, decode_side
     """A peer cancels a grant made to another by its request id, with epoch 0 (whichever is held) and with the
     grant's own epoch: the grant stays, and its owner's KV lands in it. The peer's own grant it may cancel."""
     rt, make = prefill
-    side = decode_side()
+    side = decode_side(ttl_s=30.0)  # the grant stays fresh for the prompt, however slow the box
     manager = make(side.addr)
     kv, total = side.rt.core.kv, side.rt.core.kv.num_free_blocks
     t = early(manager, "r", NUM_TOKENS)
@@ -60,7 +60,7 @@ def test_an_answer_about_the_kv_from_another_decode_worker_is_ignored(prefill, d
     rt, make = prefill
     a, a_addr = peer_router()
     b = decode_side()
-    manager = make(a_addr, also=(b.addr,))
+    manager = make(a_addr, timeout_s=30.0, also=(b.addr,))  # B may be paused for long on a slow box
     answers, on_answer = [], manager._on_answer
     manager._on_answer = lambda peer, msg: (answers.append((peer, type(msg))), on_answer(peer, msg))
     src = rt.core.kv.reserve("r", NUM_TOKENS)
