@@ -5,8 +5,10 @@ through ``LayerStream``, its ``LayerSaver``.
 
 base.py       the interfaces: a Transport gives a KVSender (prefill side) and a KVReceiver (decode side)
 states.py     the state table of a transfer on the prefill side
-sender.py     the prefill side's mechanics (outbound.py builds what it sends); receiver.py the decode side's
-              (with grants.py, incoming.py, inbox_socket.py)
+sender.py     the prefill side's mechanics: its transfers' state machine; sender_io.py their asks, replies and
+              cancels; kv_out.py a granted transfer's KV leaving (outbound.py builds what goes out)
+receiver.py   the decode side's mechanics: the messages it takes; seats.py what it holds for which request
+              (grants.py the grants, incoming.py the transfers arriving into them); inbox_socket.py its socket
 frames.py     host-staged frames over ZMQ (any two hosts); rank_parts.py the parts a sharded worker's ranks
               send; assembler.py what their receivers share; pool.py the threads that check and write them
 direct.py     direct writes into the decode worker's cache, reached through cuda_ipc.py (one GPU) or

@@ -3,7 +3,7 @@ TTL (while its asker still heartbeats, only MAX_GRANT_HOLD_S bounds it: a step o
 TTL). A grant whose KV never arrives expires and its blocks return to the pool, except that blocks offered for
 direct writes stay quarantined for one more TTL: the asker writes them only within half the TTL of asking, so
 by the end of the quarantine no write can still land in them. Which requests get blocks is the decode role's
-(``KVInbox.reserve``, receiver.py)."""
+(``Seats.reserve``, seats.py)."""
 
 import itertools
 import logging

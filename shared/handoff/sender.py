@@ -1,6 +1,6 @@
 """The prefill side's handoff mechanics: one state machine per transfer (states.py), driven by the
 decode side's replies, the transfers' deadlines and, while a prompt's last chunk computes, the
-forward's layers (``LayerStream``, shared/handoff/layer_stream.py). Its sockets are peer_sockets.py's.
+forward's layers (``LayerStream``, shared/handoff/layer_stream.py).
 
 A transfer asks a decode worker for blocks (HandoffRequest) once its prefill finished, or early,
 before the prompt's last chunk runs (SGLang-style pre-allocation), so the KV can leave layer by layer
@@ -10,9 +10,10 @@ reports all the KV out, the header (which carries the first token) follows, and 
 ends the transfer. Our blocks are released once nothing reads them any more (copied / staged), not at
 the ack. A grant a prompt will not use is cancelled (HandoffCancel), never left to expire. Only the answer
 to a transfer's latest ask counts (its number, echoed, and the worker it came from: ``_answers_ask``); a grant
-answering an ask given up is cancelled on the worker that made it. A peer that
-stops answering or reading fails its transfer at the deadline instead of stalling the worker's loop.
-What goes out for a transfer (the ask, its KV's sender, the header) is built by outbound.py.
+answering an ask given up is cancelled on the worker that made it. Only the worker the KV went to acks or nacks
+it: another's answer about the request is ignored. A peer that stops answering or reading fails its transfer at
+the deadline instead of stalling the worker's loop.
+The asks, replies and cancels go through sender_io.py; a granted transfer's KV leaves through kv_out.py.
 """
 
 import logging
@@ -23,23 +24,12 @@ import zmq
 
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.grant_hold import GrantHold
-from kvrelay.shared.handoff.layer_stream import LayerStream
-from kvrelay.shared.handoff.outbound import header_for, request_for, sender_for
-from kvrelay.shared.handoff.peer_sockets import PeerSockets
+from kvrelay.shared.handoff.kv_out import KVOut
+from kvrelay.shared.handoff.outbound import header_for, request_for
 from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
-from kvrelay.shared.handoff.transports import default_transports
-from kvrelay.shared.wire.codec import decode_any, encode
-from kvrelay.shared.wire.handoff import (
-    MAX_ASKS,
-    HandoffAck,
-    HandoffCancel,
-    HandoffGrant,
-    HandoffGrants,
-    HandoffRequest,
-    HandoffRequests,
-)
+from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 
@@ -52,24 +42,15 @@ NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask (or
 Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model) -> a decode worker to ask
 
 
-class HandoffSender:
+class HandoffSender(KVOut):
     def __init__(self, ctx: zmq.Context, worker_id: str, timeout_s: float, core_for, pick: Pick,
                  transports: list[Transport] | None = None, *, curve: CurveKeys | None):
         """``core_for(model)``: the EngineCore holding that model instance's KV (its ``kv``: the connector
         seam, shared/engine/kv_connector.py); ``pick``: whom to ask next;
         ``curve``: the deployment's keys, without which decode workers do not let us in."""
-        self.worker_id, self.timeout_s = worker_id, timeout_s
-        self.core_for, self.pick = core_for, pick
-        self.transports = default_transports() if transports is None else transports
-        self.peers = PeerSockets(ctx, curve)
-        self.transfers: dict[str, Transfer] = {}
-        self.asks: dict[str, list[tuple[Transfer, HandoffRequest]]] = {}  # per decode worker, until poll()
+        super().__init__(ctx, worker_id, timeout_s, core_for, transports, curve)
+        self.pick = pick
         self.hold = GrantHold()  # how long our grants must live, from how often we read replies
-
-    def close(self) -> None:
-        self.peers.close()
-        for transport in self.transports:
-            transport.close()
 
     @property
     def busy(self) -> bool:
@@ -77,14 +58,6 @@ class HandoffSender:
 
     def has_model(self, model: str) -> bool:
         return any(t.job.model == model for t in self.transfers.values())
-
-    def forget_model(self, model: str) -> None:
-        for transport in self.transports:
-            transport.forget(model)
-
-    def retain_peers(self, live_addrs: set[str]) -> None:
-        for transport in self.transports:
-            transport.retain(live_addrs)
 
     def start(self, job: Job, entry_id: bytes, first: FirstToken | None = None) -> Transfer:
         """Hand off a prompt whose prefill finished (its blocks held by the engine), or with no
@@ -123,9 +96,6 @@ class HandoffSender:
         if t.state not in (State.DONE, State.FAILED):
             self._fail(t, "cancelled by the prefill worker")
         return t
-
-    def stream_for(self, instance: str) -> LayerStream:
-        return LayerStream(self._begin_stream, self._pump, instance)
 
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
         """Send the asks made since the last call; advance every transfer; return those that reached
@@ -188,30 +158,6 @@ class HandoffSender:
         req = request_for(t, self.core_for(t.job.model).kv, self.transports, self.worker_id, self.hold.hold_s)
         self.asks.setdefault(t.target, []).append((t, req))  # sent by poll(), with the step's other asks
 
-    def _send_asks(self) -> None:
-        """Each decode worker's pending asks in one message (a step finishes many prompts at once)."""
-        while self.asks:
-            target, asks = self.asks.popitem()
-            # a transfer cancelled or retried elsewhere since it asked is no longer waiting for this grant
-            asks = [(t, req) for t, req in asks if self.transfers.get(t.job.request_id) is t
-                    and t.state is State.GRANT_WAIT and t.target == target]
-            for i in range(0, len(asks), MAX_ASKS):
-                batch = asks[i:i + MAX_ASKS]
-                msg = batch[0][1] if len(batch) == 1 else HandoffRequests([req for _, req in batch])
-                if not self.peers.send(target, [encode(msg)]):
-                    for t, _ in batch:
-                        self._retry(t, f"decode worker {target} is not reading its requests")
-
-    def _on_reply(self, peer: str, frames: list[bytes]) -> None:
-        """A message from the decode worker at ``peer``."""
-        try:
-            msg = decode_any(frames[0], HandoffGrant, HandoffGrants, HandoffAck)
-        except ValueError as exc:
-            log.warning("dropped a malformed handoff reply: %s", exc)
-            return
-        for reply in msg.grants if isinstance(msg, HandoffGrants) else [msg]:
-            self._on_answer(peer, reply)
-
     def _on_answer(self, peer: str, msg: HandoffGrant | HandoffAck) -> None:
         t = self.transfers.get(msg.request_id)
         if isinstance(msg, HandoffGrant) and (t is None or t.state is State.PARKED or not self._answers_ask(t, peer, msg)):
@@ -236,6 +182,9 @@ class HandoffSender:
                 if msg.busy:
                     t.wait_for_seat()
                 self._retry(t, f"decode worker refused: {msg.reason}")
+        elif isinstance(msg, HandoffAck) and peer != t.target:
+            # only the decode worker holding the KV can say whether it landed
+            log.debug("ignored an answer about %s's KV from %s; it went to %s", msg.request_id, peer, t.target)
         # an answer about an earlier grant of the request (a stale header's nack) is not one about this grant
         elif isinstance(msg, HandoffAck) and t.state is State.ACK_WAIT and t.grant and msg.epoch == t.grant.epoch:
             if msg.ok:
@@ -243,65 +192,6 @@ class HandoffSender:
             else:
                 t.target_lost = msg.worker_down  # its worker runs the job again (prefill_worker/worker.py)
                 self._fail(t, f"decode worker rejected the KV: {msg.reason}")
-
-    def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:
-        src_blocks = self.core_for(t.job.model).kv.block_ids(t.job.request_id)[: len(grant.block_ids)]
-        if len(src_blocks) != len(grant.block_ids):
-            self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
-            return
-        t.grant, t.granted = grant, time.perf_counter()
-        t.seat_found()
-        if not self._open_sender(t, src_blocks, deferred=False):
-            return
-        t.header = header_for(t, self.core_for(t.job.model).kv)
-        t.deadline = time.monotonic() + self.timeout_s
-        t.to(Event.SEND)
-        self._pump(t)
-
-    def _begin_stream(self, request_id: str, instance: str, blocks: list[int]) -> Transfer | None:
-        """The forward about to run computes the last chunk of ``request_id``'s prompt: if it holds a
-        fresh grant, start streaming it and return it (its sender moves layers as they are written)."""
-        t = self.transfers.get(request_id)
-        if t is None or t.state is not State.GRANTED or t.job.model != instance or not self._fresh(t):
-            return None
-        kv = self.core_for(instance).kv
-        if kv.sharded or kv.sends_parts_to(t.grant.targets):  # parts (or rank 0's gather) go between steps
-            return None  # (sharded.py); complete() sends them once the prompt's last chunk ran
-        src = blocks[: len(t.grant.block_ids)]
-        if len(src) != len(t.grant.block_ids):
-            return None  # complete() sends it the plain way, which reports the mismatch
-        if not self._open_sender(t, src, deferred=True):
-            return None
-        t.granted, t.deadline, t.streamed = time.perf_counter(), time.monotonic() + self.timeout_s, True
-        t.to(Event.STREAM)
-        return t
-
-    def _open_sender(self, t: Transfer, src_blocks: list[int], deferred: bool) -> bool:
-        sender = sender_for(t, self.core_for(t.job.model).kv, self.transports, src_blocks, self.worker_id,
-                           self.timeout_s, deferred, self.peers.waker.wake)
-        if sender is None:
-            self._fail(t, "no transport can serve the grant")
-            return False
-        t.sender, t.transport, t.nbytes = sender, sender.transport, sender.nbytes
-        return True
-
-    def _check_ranks(self, t: Transfer) -> None:
-        """A transfer whose parts the ranks send: a rank that died may never send its part. The group's
-        error goes up (the worker is down, its job is run again elsewhere, as after any rank's death) once
-        the decode side was told to free the blocks it holds for the transfer now, not at its TTL."""
-        core = self.core_for(t.job.model)
-        if core is None:
-            return
-        try:
-            core.kv.flush_parts()
-        except Exception as exc:
-            self._cancel_grant(t, f"a rank of the sender failed: {exc}")
-            raise
-
-    def _fresh(self, t: Transfer) -> bool:
-        """Direct writes, and streamed layers, must land well inside the grant's lifetime (the decode
-        side quarantines lapsed direct-write grants for as long again)."""
-        return time.monotonic() - t.asked_at < t.grant.ttl_s / 2
 
     @staticmethod
     def _answers_ask(t: Transfer, peer: str, grant: HandoffGrant) -> bool:
@@ -313,23 +203,6 @@ class HandoffSender:
         """Give back ``t``'s grant; with none yet, whichever its ask gets."""
         self._give_back(t.target, t.job.request_id, reason, 0 if t.grant is None else t.grant.epoch)
         t.grant = None
-
-    def _give_back(self, peer: str, request_id: str, reason: str, epoch: int) -> None:
-        """Cancel the grant of ``epoch`` (0: whichever it holds) that the decode worker at ``peer`` made for
-        ``request_id``, freeing its seat and blocks there now rather than when the grant expires."""
-        self.peers.send(peer, [encode(HandoffCancel(request_id=request_id, reason=reason, epoch=epoch))])
-
-    def _pump(self, t: Transfer) -> None:
-        """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which
-        carries the first token, follows the KV (never before it: it must not promise KV not there)."""
-        to = t.sender.to  # its grant's bulk socket, or the grant's own
-        out = t.sender.pump(t.job.request_id, lambda parts: self.peers.send(to or t.target, parts, bulk=bool(to)))
-        if t.holds_source and t.sender.source_free():
-            self._release_source(t)
-        if out and t.state is State.SENDING and self.peers.send(t.target, [encode(t.header)]):
-            t.sent, t.deadline = time.perf_counter(), time.monotonic() + self.timeout_s
-            t.to(Event.KV_OUT)
-            t.sender = None  # ZMQ keeps the frames it still has to send alive by itself
 
     def _retry(self, t: Transfer, reason: str) -> None:
         if t.state is not State.GRANT_WAIT or (len(t.tried) >= MAX_ATTEMPTS and not self._in_budget(t)):
@@ -357,15 +230,3 @@ class HandoffSender:
         self._release_source(t, wait=True)
         t.reason, t.sender = reason, None
         t.to(Event.FAIL)
-
-    def _release_source(self, t: Transfer, wait: bool = False) -> None:
-        """Free our prefill blocks; with ``wait``, first let in-flight copies out of them finish (also
-        when the engine, not us, frees them: a streamed prompt that ended at its first token)."""
-        if wait and t.sender is not None:
-            t.sender.wait_source()
-        if not t.holds_source:
-            return
-        core = self.core_for(t.job.model)
-        if core is not None:
-            core.kv.release_held(t.job.request_id)
-        t.holds_source = False
