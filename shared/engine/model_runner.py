@@ -35,7 +35,13 @@ from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, s
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
 from kvrelay.shared.engine.ranks.kv_parts import PartSender
-from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
+from kvrelay.shared.engine.ranks.pipe_driver import (
+    MicroBatch,
+    land_micro_batch,
+    launch_micro_batch,
+    pipeline_step,
+    receive,
+)
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler_output import SchedulerOutput
@@ -123,6 +129,20 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         the previous step's ids there, which the mask needs on the host."""
         return self._in_group(self._launch, out, fed, before_mask)
 
+    def launch_micro(self, out: SchedulerOutput, in_flight: list[MicroBatch]) -> MicroBatch | None:
+        """Pipeline batch queue (shared/engine/batch_queue.py): run ``out``'s swap copies, then launch it as
+        one micro-batch behind ``in_flight`` without waiting for the later stages; None when nothing is
+        scheduled."""
+        return self._in_group(self._launch_micro, out, in_flight)
+
+    def land(self, mb: MicroBatch) -> LaunchedStep:
+        """Take a launched micro-batch's logits from the last stage and sample them."""
+        return self._in_group(self._land, mb)
+
+    def receive(self, mb: MicroBatch) -> None:
+        """Wait until every stage is done with ``mb`` (its logits are here), sampling nothing yet."""
+        self._in_group(receive, self, mb)
+
     def _in_group(self, run, *args):
         if self.ranks is None:
             return run(*args)
@@ -178,6 +198,23 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
                 for r in sample_reqs:  # per-request sampler state again (seeded generators, bias tensors)
                     if r.finished:
                         self.sampler.free(r.request_id)
+        return step
+
+    @torch.inference_mode()
+    def _launch_micro(self, out: SchedulerOutput, in_flight: list[MicroBatch]) -> MicroBatch | None:
+        self._swap(out)
+        return launch_micro_batch(self, out, in_flight) if out.scheduled else None
+
+    @torch.inference_mode()
+    def _land(self, mb: MicroBatch) -> LaunchedStep:
+        sample_reqs, sample_logits, prompt = land_micro_batch(self, mb)
+        step = LaunchedStep(mb.out, sample_reqs, prompt, 0)
+        step.started = mb.started
+        if sample_reqs:
+            step.start_read(self.sampler.sample(sample_logits, sample_reqs, None, self._grammar_mask(sample_reqs)))
+            for r in sample_reqs:  # ended while in flight (an abort): this sampling made its sampler state again
+                if r.finished:
+                    self.sampler.free(r.request_id)
         return step
 
     def _fed_fill(self, fills: list[tuple[int, int]], fed: FedIds | None
