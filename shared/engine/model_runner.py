@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
@@ -45,7 +44,7 @@ from kvrelay.shared.engine.ranks.pipe_driver import (
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler_output import SchedulerOutput
-from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints, to_host
+from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, device_inputs, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
 
@@ -262,14 +261,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             self.ranks.send(step_message(batch, filled[0], mode, len(fed_rows)), step_frame(filled[1], fed_rows))
             if fill is not None:  # the ranks take the fed ids from this device, never from the frame
                 self.ranks.state.broadcast_from_driver(fill[1])
-        t = to_device(batch, self.device, filled)  # on the CPU: views of the frame's buffer, so filled after it
-        if fill is not None:
-            t.input_ids.index_copy_(0, fill[0], fill[1])
-        meta = AttentionMetadata(
-            slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
-            block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
-        )
+        t, meta = device_inputs(batch, self.device, filled, fill)
         hidden = self._forward(out, t, meta)  # [T, hidden]
         if self.ranks is not None:
             return group_logits(self.model, hidden, batch, t.sample_rows, mode)

@@ -1,16 +1,18 @@
 """The pipeline batch queue (shared/engine/batch_queue.py) in real processes over gloo: two stages keep two
 micro-batches of disjoint requests in flight across steps, and the greedy tokens stay HF's (and so one
 process's) while requests of many lengths finish and waiting ones join mid-flight, with prompt and sampled
-logprobs, under swap preemption, with two tensor-parallel ranks per stage, and when requests are aborted
-while their micro-batch is in flight. A request put in two micro-batches at once would decode from a token
+logprobs, with structured outputs, under swap preemption, with two tensor-parallel ranks per stage, and when
+requests are aborted while their micro-batch is in flight. A request put in two micro-batches at once would decode from a token
 not sampled yet, so every token check below fails if the queue shared requests between micro-batches."""
 
 import math
+import re
 
 import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.engine.batch_queue import BatchQueueStepper
+from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 from tests.conftest import random_prompts
 from tests.parity import hf_greedy
 from tests.unit.parallel_ranks import children, parallel_llm
@@ -115,3 +117,21 @@ def test_pp2_batch_queue_equals_synchronous_one_process_as_requests_end_every_wa
                             pipeline_batch_queue=True)
     assert got == expected
     assert num_fed == 0
+
+
+def test_pp2_batch_queue_constrained_outputs_equal_one_process(smollm2_dir):
+    """Structured outputs: each micro-batch's grammar masks are filled from every token its requests sampled."""
+    so = StructuredOutputs(regex=r"[A-Z][a-z]{1,6} [0-9]{2}")
+    params = [SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=so),
+              SamplingParams(temperature=0.0, max_tokens=12)] * 3
+    prompts = [f"Name a city and a number, request {i}:" for i in range(len(params))]
+    got = {}
+    for pp in (1, 2):
+        with LLM(model=str(smollm2_dir), max_model_len=256, device="cpu", pipeline_parallel_size=pp,
+                 pipeline_batch_queue=True) as llm:
+            got[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            if pp == 2:
+                assert llm.engine.core.stepper.max_in_flight == 2
+                texts = [o.outputs[0].text for o in llm.generate(prompts[:1], params[:1])]
+                assert re.fullmatch(r"[A-Z][a-z]{1,6} [0-9]{2}", texts[0]), texts
+    assert got[2] == got[1]

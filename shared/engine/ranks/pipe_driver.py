@@ -4,20 +4,23 @@ Every micro-batch's inputs go out to the stages first; then rank 0 runs stage 0 
 each on without waiting, so stage 1 works on micro-batch 0 while stage 0 works on micro-batch 1; last, rank
 0 receives each micro-batch's logits from the last stage. Sampling sees the micro-batches' sampled rows
 concatenated, in the scheduler's order. Under async scheduling each micro-batch's fed rows take their ids
-from rank 0's device: broadcast to every rank after the last message, before any forward (driver_step.py)."""
+from rank 0's device: broadcast to every rank after the last message, before any forward (driver_step.py).
+
+That drains the pipeline every step. The batch queue (shared/engine/batch_queue.py, its lifecycle there)
+keeps it full instead: ``launch_micro_batch`` sends one micro-batch of requests not otherwise in flight
+through stage 0 and returns; ``land_micro_batch`` takes its logits later, after the queue has launched others."""
 
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.engine.async_step import FedIds
 from kvrelay.shared.engine.ranks.driver_step import logits_mode, step_frame, step_message
 from kvrelay.shared.engine.ranks.pipe_step import Pending, logits_answer, post_logits, recv_logits, send_carried
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kvrelay.shared.engine.step_inputs import StepBatch, to_device, to_host
+from kvrelay.shared.engine.step_inputs import StepBatch, device_inputs, to_host
 
 
 def split(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledRequest]]:
@@ -40,14 +43,7 @@ def split(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledR
 def _run_stage_0(runner, batch: StepBatch, filled, fill, micro_batch: int, outgoing: Pending) -> torch.Tensor:
     """Stage 0's forward of one micro-batch on rank 0, its output on its way to stage 1; the batch's sample
     rows on the device."""
-    t = to_device(batch, runner.device, filled)
-    if fill is not None:
-        t.input_ids.index_copy_(0, fill[0], fill[1])
-    meta = AttentionMetadata(
-        slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
-        block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
-        seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
-    )
+    t, meta = device_inputs(batch, runner.device, filled, fill)
     hidden = runner.model(t.input_ids, t.positions, runner.kv_cache, meta)
     send_carried(runner.ranks.state, hidden, runner.ranks.layout.next_peer, micro_batch, outgoing)
     return t.sample_rows
