@@ -15,7 +15,7 @@ from kvrelay.shared.engine.batch_queue import BatchQueueStepper
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 from tests.conftest import random_prompts
 from tests.parity import hf_greedy
-from tests.unit.parallel_ranks import children, parallel_llm
+from tests.unit.parallel_ranks import check_a_killed_rank_ends_the_engine, children, parallel_llm
 from tests.unit.test_async_parallel import generate, synchronous_one_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -135,3 +135,8 @@ def test_pp2_batch_queue_constrained_outputs_equal_one_process(smollm2_dir):
                 texts = [o.outputs[0].text for o in llm.generate(prompts[:1], params[:1])]
                 assert re.fullmatch(r"[A-Z][a-z]{1,6} [0-9]{2}", texts[0]), texts
     assert got[2] == got[1]
+
+
+def test_a_stage_killed_with_micro_batches_in_flight_ends_the_engine(tiny_model_dirs):
+    before = children()
+    check_a_killed_rank_ends_the_engine(_queued(tiny_model_dirs["llama"]), "pipeline", before)
