@@ -171,6 +171,8 @@ BENCHES = {
               "AWQ int4 weights, each in its own process in one call, each against its weight-read floor"),
     "kv": ("kvrelay.bench.kv_capacity", "run", "one GPU: the largest batch at an 8k context and the decode "
            "tok/s at it, KV in the model's dtype beside --kv-cache-dtype fp8, from the same KV memory in one process"),
+    "pp-queue": ("kvrelay.bench.pp_queue", "run", "pipeline parallelism draining every step against the batch "
+                 "queue (--pipeline-batch-queue) on the same model and prompts in one call: output tok/s and the ratio"),
     "swap": ("kvrelay.bench.hot_swap", "run", "a version swap under load: swap time, failed requests, and the "
              "other model's latency before, during and after it"),
 }

@@ -37,6 +37,7 @@ class LLM:
         async_scheduling: bool = False,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        pipeline_batch_queue: bool = False,
     ):
         resolved = resolve_model(model, load_format)
         self.engine = LLMEngine(EngineConfig(
@@ -52,7 +53,7 @@ class LLM:
                                       max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                                       enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
             device=device, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, pipeline_batch_queue=pipeline_batch_queue,
         ))
 
     def shutdown(self) -> None:

@@ -103,6 +103,11 @@ class EngineConfig:
     # vLLM's flag: contiguous layer stages, one rank each; rank 0 holds stage 0 and schedules (shared/engine/ranks/)
     pipeline_parallel_size: int = setting(1, "split each model's layers into this many stages (processes; one "
                                           "device each on CUDA), run one after the other", ge=1)
+    # vLLM V1's batch queue: with M stages, up to M micro-batches of disjoint requests in flight across steps,
+    # so the pipeline does not drain at every step (shared/engine/batch_queue.py)
+    pipeline_batch_queue: bool = setting(False, "with --pipeline-parallel-size M >= 2, keep up to M micro-batches "
+                                         "of disjoint requests in flight across steps (same outputs; no effect "
+                                         "without a pipeline)")
 
     def __post_init__(self) -> None:
         if self.device == "auto":

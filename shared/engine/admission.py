@@ -37,6 +37,7 @@ class Admission:
     _running: list[Request]
     _waiting: FairWaitingQueue
     _held: dict[str, Request]
+    _busy: frozenset[str]
 
     def _order(self, req: Request) -> tuple[int, float]:
         return (req.priority, req.arrival_time)
@@ -61,12 +62,14 @@ class Admission:
 
     # ---- admission ----
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        """Admit waiting requests into the running set while the step's budget and max_num_seqs allow."""
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget, room: int) -> None:
+        """Admit waiting requests into the running set while the step's budget and max_num_seqs allow, and
+        the step holds fewer than ``room`` requests."""
         # After a preemption blocks are short: admitting more would only thrash.
         held = self._tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
-        while not out.preempted and budget.for_waiting > 0 and len(self._running) < self.config.max_num_seqs:
+        while (not out.preempted and budget.for_waiting > 0 and len(self._running) < self.config.max_num_seqs
+               and len(out.scheduled) < room):
             req = self._waiting.pick(skip=over_quota)
             if req is None:
                 break
@@ -142,9 +145,12 @@ class Admission:
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         # Victims come from the tail, which the running loop has not reached yet, so a request that is
-        # already scheduled this step is never preempted.
+        # already scheduled this step is never preempted; nor is one in flight (busy), whose blocks its
+        # micro-batch still writes and whose token is not sampled yet: req itself is the last resort.
         while not self.block_manager.allocate_slots(req, n):
-            victim = self._running.pop()
+            at = next(j for j in range(len(self._running) - 1, -1, -1)
+                      if self._running[j].request_id not in self._busy)
+            victim = self._running.pop(at)
             self._preempt(victim, out)
             if victim is req:
                 return False

@@ -113,6 +113,11 @@ class AsyncStepper:
         self.inflight: LaunchedStep | None = None
         self.num_fed = 0  # decode tokens fed on the device (tests check the path is really taken)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a step is in flight that the ranks still work on (never: this step's logits are back)."""
+        return False
+
     def step(self) -> list[EngineCoreOutput]:
         sched, observer = self.scheduler, self.observer()
         outputs: list[EngineCoreOutput] = []
@@ -151,13 +156,16 @@ class AsyncStepper:
                 observer.on_removed(list(out.aborted))
         return outputs
 
+    def _apply(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The read tokens of ``out`` into the scheduler (advanced when launched); the requests they finish."""
+        return self.scheduler.apply_sampled(out, sampled)
+
     def _finish(self, step: LaunchedStep) -> list[EngineCoreOutput]:
         """Read a launched step and turn it into outputs, as the synchronous step does."""
         sampled = step.read()
         # requests that ended after this step was launched: their rows ran for nothing
         live = [s for s in step.out.scheduled if not s.request.status.finished]
-        finished = {r.request_id: r for r in self.scheduler.apply_sampled(
-            step.out, {rid: s.token_id for rid, s in sampled.items()})}
+        finished = {r.request_id: r for r in self._apply(step.out, {rid: s.token_id for rid, s in sampled.items()})}
         observer = self.observer()
         if observer is not None:
             observer.on_step(step.started, dataclasses.replace(step.out, scheduled=live, aborted=[]),

@@ -21,6 +21,7 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import AsyncStepper
+from kvrelay.shared.engine.batch_queue import BatchQueueStepper
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.kv_connector import KVLinks, engine_kv
 from kvrelay.shared.engine.kv_pool import KVPool
@@ -70,15 +71,21 @@ class EngineCore:
         self._compiling = CompilingRequests()
         self.observer: EngineObserver | None = None
         self.stepper: AsyncStepper | None = None
-        if config.async_scheduling:
+        if config.pipeline_batch_queue and config.pipeline_parallel_size > 1:
+            self.stepper = self.new_stepper()
+        elif config.async_scheduling:
             if hold_finished_kv:  # the handoff wants each prompt's first token and its KV at once
                 raise ValueError("--async-scheduling is for unified and decode engines, not a prefill worker's")
             self.stepper = self.new_stepper()
 
     def new_stepper(self) -> AsyncStepper:
-        """The async-scheduling step of this core (benchmarks switch it on and off between runs)."""
-        return AsyncStepper(self.scheduler, self.runner, self.block_manager, self._output, self._prompt_logprobs,
-                            lambda: self.observer)
+        """The async-scheduling step of this core (benchmarks switch it on and off between runs); under
+        pipeline parallelism with ``pipeline_batch_queue``, the batch queue's, which supersedes it."""
+        args = (self.scheduler, self.runner, self.block_manager, self._output, self._prompt_logprobs,
+                lambda: self.observer)
+        if self.config.pipeline_batch_queue and self.config.pipeline_parallel_size > 1:
+            return BatchQueueStepper(*args, depth=self.config.pipeline_parallel_size)
+        return AsyncStepper(*args)
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
@@ -176,7 +183,9 @@ class EngineCore:
         return req
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        # a batch queue's micro-batches in flight must land even when all their requests ended meanwhile
+        busy = self.stepper is not None and self.stepper.busy
+        return self.scheduler.has_unfinished() or bool(self._compiling) or busy
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

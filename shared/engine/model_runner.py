@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import FedIds, LaunchedStep
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
@@ -35,11 +34,17 @@ from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, s
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
 from kvrelay.shared.engine.ranks.kv_parts import PartSender
-from kvrelay.shared.engine.ranks.pipe_driver import pipeline_step
+from kvrelay.shared.engine.ranks.pipe_driver import (
+    MicroBatch,
+    land_micro_batch,
+    launch_micro_batch,
+    pipeline_step,
+    receive,
+)
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.sampler import GrammarMask, Sampler, SampleResult
 from kvrelay.shared.engine.scheduler_output import SchedulerOutput
-from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, to_device, to_device_ints, to_host
+from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, device_inputs, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
 
@@ -123,6 +128,20 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         the previous step's ids there, which the mask needs on the host."""
         return self._in_group(self._launch, out, fed, before_mask)
 
+    def launch_micro(self, out: SchedulerOutput, in_flight: list[MicroBatch]) -> MicroBatch | None:
+        """Pipeline batch queue (shared/engine/batch_queue.py): run ``out``'s swap copies, then launch it as
+        one micro-batch behind ``in_flight`` without waiting for the later stages; None when nothing is
+        scheduled."""
+        return self._in_group(self._launch_micro, out, in_flight)
+
+    def land(self, mb: MicroBatch) -> LaunchedStep:
+        """Take a launched micro-batch's logits from the last stage and sample them."""
+        return self._in_group(self._land, mb)
+
+    def receive(self, mb: MicroBatch) -> None:
+        """Wait until every stage is done with ``mb`` (its logits are here), sampling nothing yet."""
+        self._in_group(receive, self, mb)
+
     def _in_group(self, run, *args):
         if self.ranks is None:
             return run(*args)
@@ -180,6 +199,23 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
                         self.sampler.free(r.request_id)
         return step
 
+    @torch.inference_mode()
+    def _launch_micro(self, out: SchedulerOutput, in_flight: list[MicroBatch]) -> MicroBatch | None:
+        self._swap(out)
+        return launch_micro_batch(self, out, in_flight) if out.scheduled else None
+
+    @torch.inference_mode()
+    def _land(self, mb: MicroBatch) -> LaunchedStep:
+        sample_reqs, sample_logits, prompt = land_micro_batch(self, mb)
+        step = LaunchedStep(mb.out, sample_reqs, prompt, 0)
+        step.started = mb.started
+        if sample_reqs:
+            step.start_read(self.sampler.sample(sample_logits, sample_reqs, None, self._grammar_mask(sample_reqs)))
+            for r in sample_reqs:  # ended while in flight (an abort): this sampling made its sampler state again
+                if r.finished:
+                    self.sampler.free(r.request_id)
+        return step
+
     def _fed_fill(self, fills: list[tuple[int, int]], fed: FedIds | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token rows, their ids taken from ``fed`` on the device) of ``_build``'s ``fills``; None without."""
@@ -225,14 +261,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             self.ranks.send(step_message(batch, filled[0], mode, len(fed_rows)), step_frame(filled[1], fed_rows))
             if fill is not None:  # the ranks take the fed ids from this device, never from the frame
                 self.ranks.state.broadcast_from_driver(fill[1])
-        t = to_device(batch, self.device, filled)  # on the CPU: views of the frame's buffer, so filled after it
-        if fill is not None:
-            t.input_ids.index_copy_(0, fill[0], fill[1])
-        meta = AttentionMetadata(
-            slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
-            block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
-        )
+        t, meta = device_inputs(batch, self.device, filled, fill)
         hidden = self._forward(out, t, meta)  # [T, hidden]
         if self.ranks is not None:
             return group_logits(self.model, hidden, batch, t.sample_rows, mode)

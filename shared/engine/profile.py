@@ -45,6 +45,17 @@ def set_async_scheduling(core: EngineCore, on: bool) -> None:
     core.stepper = core.new_stepper() if on else None
 
 
+def set_pipeline_batch_queue(core: EngineCore, on: bool) -> None:
+    """Step a pipeline with its batch queue (True, shared/engine/batch_queue.py) or draining every step
+    (False) from the next step on; only between runs, when no micro-batch is in flight."""
+    if core.has_unfinished():
+        raise RuntimeError("switch the pipeline batch queue between runs, with no request unfinished")
+    core.config.pipeline_batch_queue = on
+    core.stepper = core.new_stepper() if on else None
+    if not on and core.runner.ranks is not None:
+        core.runner.ranks.before_other = None
+
+
 def set_token_budget(core: EngineCore, tokens: int) -> None:
     """Schedule at most ``tokens`` per step from the next step on (``max_num_batched_tokens``); benchmarks
     compare budgets on one loaded model."""

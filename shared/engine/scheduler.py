@@ -46,6 +46,7 @@ class Scheduler(Admission):
         self._waiting = FairWaitingQueue(config.policy, config.tenant_fairness)
         self._requests: dict[str, Request] = {}  # running + waiting
         self._held: dict[str, Request] = {}
+        self._busy: frozenset[str] = frozenset()  # this schedule's requests still in flight (batch_queue.py)
 
     # ---- queues ----
 
@@ -103,14 +104,23 @@ class Scheduler(Admission):
 
     # ---- scheduling ----
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[str] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+        """``busy``: ids of running requests in a micro-batch still in flight (pipeline batch queue,
+        batch_queue.py): neither scheduled nor preempted. ``max_seqs``: schedule at most this many requests."""
         out = SchedulerOutput()
-        budget = StepBudget(self.max_num_batched_tokens, self._running, self.config)
+        self._busy = busy
+        budget = StepBudget(self.max_num_batched_tokens,
+                            [r for r in self._running if r.request_id not in busy] if busy else self._running,
+                            self.config)
         # a pool can only shrink between steps (a co-resident model takes chunks back), not during one
         capacity = self.block_manager.capacity
+        room = self.config.max_num_seqs if max_seqs is None else max_seqs
         i = 0
-        while i < len(self._running) and budget.tokens > 0:
+        while i < len(self._running) and budget.tokens > 0 and len(out.scheduled) < room:
             req = self._running[i]
+            if req.request_id in busy:
+                i += 1
+                continue
             decode = is_decode(req)
             limit = budget.reach(decode)
             if req.num_pending and (self._ends_by_length(req) or self._never_fits(req, capacity, req.num_pending)):
@@ -135,7 +145,7 @@ class Scheduler(Admission):
                 budget.take(n, decode)
             i += 1  # if req preempted itself it was the tail, and the loop ends here
 
-        self._admit_waiting(out, budget)
+        self._admit_waiting(out, budget, room)
         out.num_batched_tokens = budget.used
         return out
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrelay.kernels import AttentionMetadata
+
 
 @dataclass
 class StepBatch:
@@ -194,6 +196,20 @@ def to_device(batch: StepBatch, device: torch.device,
     layout, host = filled or to_host(batch, device)
     dev = host if device.type == "cpu" else host.to(device, non_blocking=True)
     return views(dev, layout, batch.num_tokens, batch.num_seqs, len(batch.sample_rows))
+
+
+def device_inputs(batch: StepBatch, device: torch.device, filled: tuple[Layout, torch.Tensor] | None,
+                  fill: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[StepTensors, AttentionMetadata]:
+    """An eager step's tensors on ``device`` (``to_device``) with the ``fill`` (token rows, ids on the device)
+    written into its input ids, and its attention metadata."""
+    t = to_device(batch, device, filled)  # on the CPU: views of the frame's buffer, so filled after it
+    if fill is not None:
+        t.input_ids.index_copy_(0, fill[0], fill[1])
+    return t, AttentionMetadata(
+        slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
+        block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
+    )
 
 
 def to_device_ints(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:

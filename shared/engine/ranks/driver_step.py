@@ -13,7 +13,8 @@ No host waits on step N's ids: rank 0 queues step N+1 on every rank first and re
 overlap: a rank other than 0 copies its frame to its device from pageable memory, a copy CUDA may hold until
 that device's queued work (its part of step N) is done, as in synchronous stepping; and a pipeline still
 drains every step, since the first stage of step N+1 needs step N's ids (filling the stages across steps
-would need step N+1's rows to be other requests'). On the CPU (gloo) nothing overlaps, as with one process.
+needs step N+1's rows to be other requests': the batch queue, shared/engine/batch_queue.py). On the CPU
+(gloo) nothing overlaps, as with one process.
 """
 
 from collections.abc import Callable

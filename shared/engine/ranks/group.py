@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from kvrelay.shared.engine.parallel.state import ParallelState
 from kvrelay.shared.engine.ranks.broadcast import StepSender
 from kvrelay.shared.engine.ranks.checks import check_group
 from kvrelay.shared.engine.ranks.rank_config import RankConfig
-from kvrelay.shared.wire.rank_step import RankMessage, RankStop
+from kvrelay.shared.wire.rank_step import RankMessage, RankStep, RankStop
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class RankGroup:
         self._lock = threading.Lock()
         self._procs: list[subprocess.Popen] = []
         self._sender = StepSender(self._folder, world)
+        # run before any message but a step's: a pipeline's batch queue waits there for its micro-batches
+        # in flight, whose stages would otherwise be busy when the message pairs them with rank 0
+        self.before_other: Callable[[], None] | None = None
         # the processes are killed at interpreter exit even if close() is never called
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._sender, self._folder)
         payload = handover.encode(RankConfig(config, links, kv_scales))
@@ -147,6 +151,8 @@ class RankGroup:
 
     def send(self, msg: RankMessage, frame: memoryview | None = None) -> None:
         self.check()
+        if self.before_other is not None and not isinstance(msg, RankStep):
+            self.before_other()
         try:
             self._sender.send(msg, frame)
         except zmq.Again:
@@ -239,8 +245,10 @@ class RankGroup:
         self._closing = True
         if self._failure is None:
             try:
+                if self.before_other is not None:
+                    self.before_other()  # the ranks' last steps land before they are asked to stop
                 self._sender.send(RankStop())
-            except zmq.ZMQError:
+            except (zmq.ZMQError, RuntimeError):  # a rank died meanwhile: the ranks are stopped below all the same
                 pass
         for proc in self._procs:
             try:

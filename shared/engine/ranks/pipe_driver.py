@@ -4,19 +4,23 @@ Every micro-batch's inputs go out to the stages first; then rank 0 runs stage 0 
 each on without waiting, so stage 1 works on micro-batch 0 while stage 0 works on micro-batch 1; last, rank
 0 receives each micro-batch's logits from the last stage. Sampling sees the micro-batches' sampled rows
 concatenated, in the scheduler's order. Under async scheduling each micro-batch's fed rows take their ids
-from rank 0's device: broadcast to every rank after the last message, before any forward (driver_step.py)."""
+from rank 0's device: broadcast to every rank after the last message, before any forward (driver_step.py).
 
-from dataclasses import replace
+That drains the pipeline every step. The batch queue (shared/engine/batch_queue.py, its lifecycle there)
+keeps it full instead: ``launch_micro_batch`` sends one micro-batch of requests not otherwise in flight
+through stage 0 and returns; ``land_micro_batch`` takes its logits later, after the queue has launched others."""
+
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvrelay.kernels import AttentionMetadata
 from kvrelay.shared.engine.async_step import FedIds
 from kvrelay.shared.engine.ranks.driver_step import logits_mode, step_frame, step_message
-from kvrelay.shared.engine.ranks.pipe_step import Pending, recv_logits, send_carried
+from kvrelay.shared.engine.ranks.pipe_step import Pending, logits_answer, post_logits, recv_logits, send_carried
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kvrelay.shared.engine.step_inputs import to_device, to_host
+from kvrelay.shared.engine.step_inputs import StepBatch, device_inputs, to_host
 
 
 def split(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledRequest]]:
@@ -34,6 +38,15 @@ def split(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledR
         parts[-1].append(sr)
         done += sr.num_new_tokens
     return parts
+
+
+def _run_stage_0(runner, batch: StepBatch, filled, fill, micro_batch: int, outgoing: Pending) -> torch.Tensor:
+    """Stage 0's forward of one micro-batch on rank 0, its output on its way to stage 1; the batch's sample
+    rows on the device."""
+    t, meta = device_inputs(batch, runner.device, filled, fill)
+    hidden = runner.model(t.input_ids, t.positions, runner.kv_cache, meta)
+    send_carried(runner.ranks.state, hidden, runner.ranks.layout.next_peer, micro_batch, outgoing)
+    return t.sample_rows
 
 
 def pipeline_step(runner, out: SchedulerOutput, fed: FedIds | None = None
@@ -59,16 +72,7 @@ def pipeline_step(runner, out: SchedulerOutput, fed: FedIds | None = None
             state.broadcast_from_driver(fill[1])
     outgoing, rows = Pending(), []
     for i, (batch, _, _, filled, _, fill) in enumerate(built):
-        t = to_device(batch, device, filled)
-        if fill is not None:
-            t.input_ids.index_copy_(0, fill[0], fill[1])
-        meta = AttentionMetadata(
-            slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
-            block_tables=t.block_tables, query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens, max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens),
-        )
-        send_carried(state, runner.model(t.input_ids, t.positions, runner.kv_cache, meta), at.next_peer, i, outgoing)
-        rows.append(t.sample_rows)
+        rows.append(_run_stage_0(runner, batch, filled, fill, i, outgoing))
     reqs: list[Request] = []
     logits: list[torch.Tensor] = []
     prompt: dict = {}
@@ -82,3 +86,60 @@ def pipeline_step(runner, out: SchedulerOutput, fed: FedIds | None = None
     outgoing.wait()
     num_fed = sum(len(fill[0]) for *_, fill in built if fill is not None)
     return reqs, (torch.cat(logits) if len(logits) > 1 else logits[0] if logits else None), prompt, num_fed
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of the batch queue (shared/engine/batch_queue.py): launched through stage 0, its
+    logits from the last stage taken by ``receive``."""
+
+    out: SchedulerOutput
+    batch: StepBatch
+    sample_reqs: list[Request]
+    prompt_rows: list
+    mode: int
+    sample_rows: torch.Tensor
+    outgoing: Pending
+    posted: tuple | None = None  # its logits' receive, once started (pipe_step.py ``post_logits``)
+    logits: tuple | None = None  # (sampled rows' logits or None, logits_of or None), once received
+    started: float = field(default_factory=time.time)
+
+    def post(self, runner) -> None:
+        """Start receiving the logits (once)."""
+        if self.posted is None and self.logits is None:
+            self.posted = post_logits(runner.ranks.state, runner.model.vocab_size, self.batch, self.mode,
+                                      runner.ranks.layout.logits_sender, 0) or ()
+
+
+def launch_micro_batch(runner, out: SchedulerOutput, in_flight: list[MicroBatch]) -> MicroBatch:
+    """Send the stages ``out`` as one micro-batch (a step of its own to them), run stage 0 on it and hand
+    it on; returns without waiting for the other stages. No fed ids: a queued micro-batch's requests have
+    read every token they sampled. The logits of the micro-batches ``in_flight`` (launched before) are
+    received before this one's hidden states are sent: the last stage sends them before it receives this
+    one's, and with two stages NCCL orders both directions between ranks 0 and 1 on one stream."""
+    batch, sample_reqs, prompt_rows = runner._build(out)
+    filled = to_host(batch, runner.device)
+    mode = logits_mode(bool(sample_reqs), bool(prompt_rows))
+    runner.ranks.send(step_message(batch, filled[0], mode), step_frame(filled[1], []))
+    for mb in in_flight:
+        mb.post(runner)
+    outgoing = Pending()
+    rows = _run_stage_0(runner, batch, filled, None, 0, outgoing)
+    return MicroBatch(out, batch, sample_reqs, prompt_rows, mode, rows, outgoing)
+
+
+def receive(runner, mb: MicroBatch) -> None:
+    """Wait for ``mb``'s logits from the last stage (once): every stage is done with it then. Micro-batches
+    travel one tag, so they must be received in launch order (each pair of ranks keeps its order)."""
+    if mb.logits is None:
+        mb.post(runner)
+        mb.logits = logits_answer(mb.posted or None, mb.batch, mb.sample_rows, mb.mode)
+        mb.posted = None
+        mb.outgoing.wait()
+
+
+def land_micro_batch(runner, mb: MicroBatch) -> tuple[list[Request], torch.Tensor | None, dict]:
+    """(the requests that sample, their logits, the prompt logprobs by request id) of a launched micro-batch."""
+    receive(runner, mb)
+    sampled, logits_of = mb.logits
+    return mb.sample_reqs, sampled, runner._prompt_logprobs(mb.prompt_rows, logits_of)

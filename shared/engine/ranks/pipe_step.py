@@ -73,16 +73,32 @@ def send_logits(state: ParallelState, model, hidden: torch.Tensor, sample_rows: 
         state.group.send([logits.contiguous()], 0, _LOGITS_TAG + micro_batch).wait()
 
 
+def post_logits(state: ParallelState, vocab_size: int, batch: StepBatch, mode: int, peer: int, micro_batch: int
+                ) -> tuple[torch.Tensor, object] | None:
+    """Rank 0: start receiving the logits rank 0 asked for (``mode``): (their tensor, the receive to wait
+    for), None when it asked for none."""
+    if mode == LOGITS_NONE:
+        return None
+    rows = batch.num_tokens if mode == LOGITS_ALL or batch.samples_every_row else len(batch.sample_rows)
+    logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=state.device)
+    return logits, state.group.recv([logits], peer, _LOGITS_TAG + micro_batch)
+
+
 def recv_logits(state: ParallelState, vocab_size: int, batch: StepBatch, sample_rows: torch.Tensor, mode: int,
                 peer: int, micro_batch: int) -> tuple[torch.Tensor | None, Callable[[int, int], torch.Tensor] | None]:
     """Rank 0: (logits of the sampled rows or None, logits_of(start, count) of prompt-logprob rows or None),
     the same shape of answer ``driver_step.group_logits`` gives."""
-    if mode == LOGITS_NONE:
+    return logits_answer(post_logits(state, vocab_size, batch, mode, peer, micro_batch), batch, sample_rows, mode)
+
+
+def logits_answer(posted: tuple[torch.Tensor, object] | None, batch: StepBatch, sample_rows: torch.Tensor, mode: int
+                  ) -> tuple[torch.Tensor | None, Callable[[int, int], torch.Tensor] | None]:
+    """``recv_logits``'s answer from ``post_logits``' receive, once it is here."""
+    if posted is None:
         return None, None
+    logits, work = posted
+    work.wait()
     every = batch.samples_every_row
-    rows = batch.num_tokens if mode == LOGITS_ALL or every else len(batch.sample_rows)
-    logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=state.device)
-    state.group.recv([logits], peer, _LOGITS_TAG + micro_batch).wait()
     if mode == LOGITS_SAMPLED:
         return logits, None
     sampled = (logits if every else logits.index_select(0, sample_rows)) if batch.sample_rows else None
