@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (`run` tool, nvidia-h200, carry .whl as bench/h200_suite.sh says), under 9 minutes: issue #23
 # item 3, how the prefill and decode processes share the GPU. For each --gpu-share mode (MODES, default
-# timeslice priority mps green) `kvrelay bench serve --launch disaggregated --sweep` starts kvrelay serve on the
+# timeslice priority mps mps-priority green) `kvrelay bench serve --launch disaggregated --sweep` starts kvrelay serve on the
 # Llama-3-8B shape with dummy weights under that mode and searches, 1,024 -> 128, for the highest Poisson rate
 # with p99 TTFT <= 300 ms and p99 ITL <= 25 ms: from 16 req/s, doubling to 32 on a pass and bisecting (24, then
 # 20 or 28), 4 trials at most and never below 8, so a mode that passes 16 is also measured at 24. The first mode
@@ -21,12 +21,12 @@ if [ "${TESTS:-0}" = 1 ]; then
     2>&1 | tee "$OUT/gpu_share_tests.txt" | tail -12
 fi
 ENGINE=${ENGINE:-"--model dummy:llama-3-8b --load-format dummy --max-model-len 2048 --max-num-seqs 128"}
-MODES=${MODES:-timeslice priority mps green}
+MODES=${MODES:-timeslice priority mps mps-priority green}
 first=1
 for mode in $MODES; do
   start=$(date +%s)
-  offline="" limit=${MODE_S:-100}
-  if [ $first = 1 ]; then offline="--compare-offline" limit=${FIRST_S:-160}; first=0; fi
+  offline="" limit=${MODE_S:-90}
+  if [ $first = 1 ]; then offline="--compare-offline" limit=${FIRST_S:-150}; first=0; fi
   # SIGINT, so bench serve's own clean-up stops its server (and serve its workers and MPS daemon) before the next mode
   timeout -s INT -k 30 "$limit" python3 -m kvrelay.cli --log-level WARNING bench serve --launch disaggregated --sweep $offline \
     --input-len 1024 --output-len 128 --sweep-requests "${REQUESTS:-150}" --sweep-start 16 --sweep-resolution 4 \

@@ -37,6 +37,7 @@ from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
 from kvrelay.shared.wire.startup_report import FATAL, READY
 from kvrelay.shared.worker.directory import live_workers
+from kvrelay.shared.worker.gpu_share import MPS_MODES
 from kvrelay.startup_checks import StartupError, check_ports, check_quantization, check_redis
 from kvrelay.state_dir import FLAG as STATE_DIR_FLAG
 from kvrelay.state_dir import StateDir, default_state_dir
@@ -128,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
             starts[STORE] = lambda fd: _start_store(embedded, fd)  # first: the others need it up
         else:
             redis_url = args.redis_url
-        if any(getattr(c.config, "gpu_share", None) == "mps" for c in children):
+        if any(getattr(c.config, "gpu_share", None) in MPS_MODES for c in children):
             daemon = MpsDaemon().start()  # a daemon that cannot start is one line, before any worker starts
             stack.callback(daemon.stop)  # after every worker stopped (the stack unwinds after _stop_all)
             for child in children:

@@ -7,6 +7,8 @@
 * ``mps``: both processes are clients of one CUDA MPS server (kvrelay/mps_daemon.py), so their kernels run at
   the same time, each limited to ``--gpu-sm-percent`` of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read when
   the process creates its context: set here before anything touches the device).
+* ``mps-priority``: both; under MPS the two processes' work shares one server context, so there the streams'
+  priorities order the two roles' kernels against each other.
 * ``green``: the worker computes on the stream of a CUDA green context holding ``--gpu-sm-percent`` of the SMs.
 
 The compute stream is made current on the worker's main loop (steps, warm-up, CUDA graph capture and replay:
@@ -24,6 +26,8 @@ if TYPE_CHECKING:  # kvrelay serve checks configs with this module and imports n
     import torch
 
 FLAG = "argument --gpu-share"
+PRIORITY_MODES = ("priority", "mps-priority")
+MPS_MODES = ("mps", "mps-priority")
 # CUDA maps a priority beyond its range to the nearest end: 0 is the lowest (every default stream's),
 # a large negative number the highest the device has
 PRIORITY = {"decode": -(1 << 20), "prefill": 0}
@@ -42,8 +46,8 @@ def check(config: WorkerConfig) -> None:
     if not config.engine.device.startswith("cuda"):
         raise ConfigError(f"{FLAG}: {mode} needs a CUDA device (--device {config.engine.device}); on the CPU only "
                           "timeslice")
-    if config.role == "unified" and mode == "priority":
-        raise ConfigError(f"{FLAG}: priority orders a prefill worker's stream below a decode worker's; a unified "
+    if config.role == "unified" and mode in PRIORITY_MODES:
+        raise ConfigError(f"{FLAG}: {mode} orders a prefill worker's stream below a decode worker's; a unified "
                           "worker is both")
     if config.engine.tensor_parallel_size * config.engine.pipeline_parallel_size > 1:
         raise ConfigError(f"{FLAG}: {mode} is for one process per role; --tensor-parallel-size and "
@@ -55,7 +59,7 @@ def check(config: WorkerConfig) -> None:
 
 def child_env(config: WorkerConfig) -> dict[str, str]:
     """What a launcher sets in this worker's environment (the MPS daemon's folders come from the launcher)."""
-    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(config.gpu_sm_percent)} if config.gpu_share == "mps" else {}
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(config.gpu_sm_percent)} if config.gpu_share in MPS_MODES else {}
 
 
 def green_supported() -> bool:
@@ -88,7 +92,7 @@ def compute_stream(mode: str, role: str, device: "torch.device", sm_percent: int
     """The stream the worker computes on under ``mode``; None: the device's default stream."""
     import torch
 
-    if mode == "priority":
+    if mode in PRIORITY_MODES:
         return torch.cuda.Stream(device, priority=PRIORITY["decode" if role == "decode" else "prefill"])
     if mode == "green":
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -34,9 +34,9 @@ def timesliced(tmp_path_factory) -> list[str]:
     return greedy("timeslice", tmp_path_factory.mktemp("timeslice"))
 
 
-@pytest.mark.parametrize("mode", ["priority", "mps", "green"])
+@pytest.mark.parametrize("mode", ["priority", "mps", "mps-priority", "green"])
 def test_each_mode_serves_timeslices_greedy_tokens(mode, timesliced, tmp_path):
-    if mode == "mps" and shutil.which("nvidia-cuda-mps-control") is None:
+    if mode.startswith("mps") and shutil.which("nvidia-cuda-mps-control") is None:
         pytest.skip("no nvidia-cuda-mps-control on this machine")
     if mode == "green" and not gpu_share.green_supported():
         pytest.skip(f"torch {torch.__version__} has no CUDA green contexts")

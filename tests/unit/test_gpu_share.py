@@ -51,6 +51,8 @@ def test_serve_gives_each_role_its_share_and_mps_its_environment():
     children = serve_plan(["--device", "cuda", "--gpu-share", "mps", "--gpu-sm-percent", "60",
                            "--decode-gpu-sm-percent", "80"])  # MPS lets shares overlap
     assert _env(children["decode-worker"], None)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
+    children = serve_plan(["--device", "cuda", "--gpu-share", "mps-priority", "--gpu-sm-percent", "40"])
+    assert _env(children["decode-worker"], None)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
     children = serve_plan(["--device", "cuda", "--gpu-share", "priority", "--gpu-sm-percent", "60"])
     assert [children[c].config.gpu_share for c in ("prefill-worker", "decode-worker")] == ["priority", "priority"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in _env(children["prefill-worker"], None)  # no MPS, no share
@@ -110,9 +112,10 @@ def test_priority_puts_decode_above_prefill(monkeypatch):
     decode = gpu_share.compute_stream("priority", "decode", "cuda", 50)
     prefill = gpu_share.compute_stream("priority", "prefill", "cuda", 50)
     assert made == [decode, prefill] and decode < prefill == 0  # lower is sooner; 0 is CUDA's lowest
+    assert gpu_share.compute_stream("mps-priority", "decode", "cuda", 50) == decode
     assert gpu_share.compute_stream("timeslice", "decode", "cuda", 50) is None
     assert gpu_share.compute_stream("mps", "decode", "cuda", 50) is None
-    assert made == [decode, prefill]
+    assert made == [decode, prefill, decode]
 
 
 def test_mps_without_its_control_program_is_one_line(monkeypatch, tmp_path):
