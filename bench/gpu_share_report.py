@@ -10,23 +10,41 @@ import json
 import sys
 from pathlib import Path
 
+from kvrelay.rate_search import Trial, bounds
+
 RATES = (16.0, 24.0)
 
 
 def mode_row(out: Path, mode: str) -> str:
-    result = out / f"goodput-{mode}.json"
-    if not result.exists():
-        return f"{mode:<10} no result: {_why(out / f'goodput-{mode}.txt')}"
-    sweep = json.loads(result.read_text())["sweep"]
-    (served,) = sweep["modes"]
-    found = served["found_rate"]
+    result, log = out / f"goodput-{mode}.json", out / f"goodput-{mode}.txt"
+    if result.exists():
+        (served,) = json.loads(result.read_text())["sweep"]["modes"]
+        found, trials, partial = served["found_rate"], served["trials"], ""
+    else:  # stopped by its time limit: the trials it printed before
+        trials = _printed_trials(log)
+        if not trials:
+            return f"{mode:<10} no result: {_why(log)}"
+        found, _ = bounds([Trial(t["rate"], t["passed"]) for t in trials])
+        partial = "  (cut short: the trials it finished)"
     cells = [f"{'none' if found is None else f'{found:g}':>7}"]
     for rate in RATES:
-        trial = next((t for t in served["trials"] if t["rate"] == rate), None)
+        trial = next((t for t in trials if t["rate"] == rate), None)
         cells.append(f"{'-':>31}" if trial is None else
                      f"  {trial['median_ttft_ms']:>7.0f} /{trial['p99_ttft_ms']:>6.0f}{trial['median_itl_ms']:>7.1f} /"
                      f"{trial['p99_itl_ms']:>5.1f}")
-    return f"{mode:<10}" + "".join(cells)
+    return f"{mode:<10}" + "".join(cells) + partial
+
+
+def _printed_trials(log: Path) -> list[dict]:
+    """The rows bench/serve_sweep.py prints as each trial ends: trial, rate, done, TTFT p50, p99, ITL p50, p99."""
+    trials = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        cols = line.split()
+        if len(cols) >= 8 and cols[0].isdigit() and cols[7] in ("pass", "fail"):
+            rate, _, ttft50, ttft99, itl50, itl99 = map(float, cols[1:7])
+            trials.append({"rate": rate, "median_ttft_ms": ttft50, "p99_ttft_ms": ttft99, "median_itl_ms": itl50,
+                           "p99_itl_ms": itl99, "passed": cols[7] == "pass"})
+    return trials
 
 
 def offline_rps(out: Path, modes: list[str]) -> float | None:

@@ -25,8 +25,8 @@ MODES=${MODES:-timeslice priority mps mps-priority green}
 first=1
 for mode in $MODES; do
   start=$(date +%s)
-  offline="" limit=${MODE_S:-90}
-  if [ $first = 1 ]; then offline="--compare-offline" limit=${FIRST_S:-150}; first=0; fi
+  offline="" limit=${MODE_S:-85}
+  if [ $first = 1 ]; then offline="--compare-offline" limit=${FIRST_S:-140}; first=0; fi
   # SIGINT, so bench serve's own clean-up stops its server (and serve its workers and MPS daemon) before the next mode
   timeout -s INT -k 30 "$limit" python3 -m kvrelay.cli --log-level WARNING bench serve --launch disaggregated --sweep $offline \
     --input-len 1024 --output-len 128 --sweep-requests "${REQUESTS:-150}" --sweep-start 16 --sweep-resolution 4 \
