@@ -28,6 +28,7 @@ import urllib.request
 
 import redis
 
+from kvrelay.mps_daemon import MpsDaemon
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode, module_argv
@@ -36,6 +37,7 @@ from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
 from kvrelay.shared.wire.startup_report import FATAL, READY
 from kvrelay.shared.worker.directory import live_workers
+from kvrelay.shared.worker.gpu_share import MPS_MODES
 from kvrelay.startup_checks import StartupError, check_ports, check_quantization, check_redis
 from kvrelay.state_dir import FLAG as STATE_DIR_FLAG
 from kvrelay.state_dir import StateDir, default_state_dir
@@ -127,6 +129,12 @@ def serve(args: argparse.Namespace) -> int:
             starts[STORE] = lambda fd: _start_store(embedded, fd)  # first: the others need it up
         else:
             redis_url = args.redis_url
+        if any(getattr(c.config, "gpu_share", None) in MPS_MODES for c in children):
+            daemon = MpsDaemon().start()  # a daemon that cannot start is one line, before any worker starts
+            stack.callback(daemon.stop)  # after every worker stopped (the stack unwinds after _stop_all)
+            for child in children:
+                if not child.is_gateway:
+                    child.env |= daemon.env
         for child in children:  # on the embedded Redis, each child gets its role's least-privilege user
             url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
             child.config = dataclasses.replace(child.config, redis_url=url)
@@ -183,7 +191,7 @@ def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int |
 
 def _env(child: Child, threads: int | None) -> dict[str, str]:
     """The admin key reaches the gateway inside its config, and no other process: workers have no use for it."""
-    env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV} | child.env
     if threads is not None and not child.is_gateway:
         env["OMP_NUM_THREADS"] = str(threads)
     return env

@@ -11,6 +11,7 @@ from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
+from kvrelay.shared.worker import gpu_share
 from kvrelay.workers import worker_config
 
 # Workers sharing one GPU must split --gpu-memory-utilization: each sizes its KV cache from its own
@@ -26,6 +27,7 @@ class Child:
     command: str  # the kvrelay subcommand: gateway | prefill-worker | decode-worker | unified-worker
     config: GatewayConfig | WorkerConfig
     generated: set[str] = dataclasses.field(default_factory=set)  # fields the child generates (its worker id)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # set in its environment, over serve's
 
     @property
     def is_gateway(self) -> bool:
@@ -67,6 +69,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
                 for i in range(args.api_server_count)]
     commands = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
     decode_sizes = _decode_sizes(args)
+    decode_sm_percent = _decode_sm_percent(args)
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
@@ -78,15 +81,27 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             "worker_monitoring_port": None if args.worker_monitoring_port is None else args.worker_monitoring_port + i,
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
         if command == "decode-worker":
-            given |= decode_sizes
+            given |= decode_sizes | {"gpu_sm_percent": decode_sm_percent}
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
         if command == "prefill-worker" and given.get("async_scheduling"):
             # a prefill step ends at the first token, which the handoff needs at once: nothing to overlap
             given["async_scheduling"] = False
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
-        children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"}))
+        gpu_share.check(config)
+        children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
+                              gpu_share.child_env(config)))
     return children
+
+
+def _decode_sm_percent(args: argparse.Namespace) -> int:
+    """The decode worker's share of the SMs: --decode-gpu-sm-percent, else what the prefill worker leaves."""
+    if args.decode_gpu_sm_percent is not None and args.mode != "disaggregated":
+        raise ConfigError("argument --decode-gpu-sm-percent: only with --mode disaggregated (a unified worker has "
+                          "one share, --gpu-sm-percent)")
+    if args.decode_gpu_sm_percent is not None:
+        return args.decode_gpu_sm_percent
+    return 100 - args.gpu_sm_percent if args.gpu_sm_percent < 100 else 100
 
 
 def _decode_sizes(args: argparse.Namespace) -> dict[str, int]:

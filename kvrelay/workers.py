@@ -19,6 +19,10 @@ from kvrelay.shared.wire.protocol import ModelSpec
 
 def run_worker(config: WorkerConfig) -> int:
     label_process(f"{config.role} worker", line=1 if config.role == "decode" else 0)  # kvrelay serve's order
+    from kvrelay.shared.worker import gpu_share
+
+    gpu_share.check(config)
+    gpu_share.setup(config)
     if config.role == "prefill":
         from kvrelay.prefill_worker.worker import PrefillWorker as cls
     elif config.role == "decode":

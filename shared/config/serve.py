@@ -36,6 +36,9 @@ class ServeConfig:
     decode_pipeline_parallel_size: int | None = setting(
         None, "the decode worker's --pipeline-parallel-size (--mode disaggregated); default: "
         "--pipeline-parallel-size", ge=1)
+    decode_gpu_sm_percent: int | None = setting(
+        None, "the decode worker's --gpu-sm-percent (--mode disaggregated, --gpu-share mps or green); default: 100 "
+        "minus --gpu-sm-percent", ge=1, le=100)
     state_dir: str | None = setting(None, "folder (0700) where the embedded Redis keeps its append-only file, "
                                     "its passwords and its socket, so tenants, API keys and registered models "
                                     "survive restarts; one kvrelay serve at a time; unused with --redis-url",

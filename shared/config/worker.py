@@ -80,6 +80,16 @@ class WorkerConfig:
         "graph captures happen in warm-up, before a model serves); a slow step under it keeps the worker "
         "registered (0: no watch)",
         flag="--step-timeout", shared=True, ge=0)
+    # how this worker's kernels share the GPU with the other role's process on it (shared/worker/gpu_share.py)
+    gpu_share: Literal["timeslice", "priority", "mps", "mps-priority", "green"] = setting(
+        "timeslice", "how the prefill and decode processes on one GPU share it: timeslice (the driver alternates "
+        "them), priority (decode computes on a high-priority CUDA stream, prefill on a low-priority one), mps "
+        "(CUDA MPS, each process limited to --gpu-sm-percent of the SMs; kvrelay serve runs the daemon), "
+        "mps-priority (both: under MPS the two processes' streams are ordered against each other), green "
+        "(a CUDA green context of --gpu-sm-percent of the SMs; torch >= 2.9, CUDA >= 12.8)")
+    gpu_sm_percent: int = setting(50, "--gpu-share mps or green: percent of the GPU's SMs this worker's kernels may "
+                                  "use (kvrelay serve: the prefill worker's; the decode worker's is "
+                                  "--decode-gpu-sm-percent)", ge=1, le=100)
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
     metrics_tenant_labels: bool = common.metrics_tenant_labels()
     drain_timeout_s: float = common.drain_timeout()

@@ -141,11 +141,16 @@ class DecodeGraphs:
             return False
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
+        # recorded on the worker's compute stream when it has one of its own (--gpu-share priority or green:
+        # shared/worker/gpu_share.py), so the graphs are its kernels; the default stream cannot capture, and
+        # torch then records on a side stream of its own
+        current = torch.cuda.current_stream(self.device)
+        stream = None if current == torch.cuda.default_stream(self.device) else current
         for batch in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             for max_len in self.len_classes:
                 self._forward(batch, max_len)  # compiles any Triton specialisation outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._forward(batch, max_len)
                 self._graphs[batch, max_len] = graph
         torch.cuda.synchronize(self.device)

@@ -26,6 +26,7 @@ from kvrelay.shared.engine.warmup import warm_up
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult
+from kvrelay.shared.worker import gpu_share
 from kvrelay.shared.worker.eviction import DemandRate
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 from kvrelay.shared.worker.model_memory import plan_weight_bytes
@@ -248,6 +249,7 @@ class ModelLoads:
         ld.thread.start()
 
     def _load_thread(self, ld: Loading) -> None:
+        gpu_share.enter()  # its warm-up captures the decode graphs: on the worker's compute stream
         try:
             ld.slot = self._build(ld.plan)
         except Exception as exc:  # any failure to load is this instance's, never the worker's

@@ -22,13 +22,15 @@ CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "r
           "--gpu-memory-utilization": 0.5, "--admin-key": "0123456789abcdef-admin", "--block-size": 32,
           "--tenant-kv-quota": 0.25, "--api-server-count": 2, "--mode": "unified",
           "--model-repo": str(Path(__file__).parent), "--tokenizer": str(Path(__file__).parent),
-          "--tool-call-parser": "hermes", "--quantization": "int8"}
+          "--tool-call-parser": "hermes", "--quantization": "int8",
+          "--gpu-share": "mps"}  # priority is for two roles (not --mode unified), green for a torch that has it
 # --config: the models file (tests/unit/test_config_yaml.py and the e2e serve_config test); the ZMQ secret's
 # two flags exclude each other and the secret the tests run under (tests/unit/test_zmq_secret.py); a rank
 # group's sizes are checked against the model, the devices and async scheduling before any child starts, so
 # they cannot take arbitrary values beside every other flag: test_parallel_sizes_reach_every_worker below
 GROUP = {"--tensor-parallel-size", "--pipeline-parallel-size"}
-DECODE_GROUP = {"--decode-tensor-parallel-size", "--decode-pipeline-parallel-size"}  # serve's, disaggregated only
+DECODE_GROUP = {"--decode-tensor-parallel-size", "--decode-pipeline-parallel-size",  # serve's, disaggregated only
+                "--decode-gpu-sm-percent"}
 SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP, *DECODE_GROUP}
 
 
@@ -88,6 +90,8 @@ def expected(option: str, value: typing.Any, child: str, command: str, index: in
         return "<set>"  # masked when printed
     if option == "--async-scheduling" and command == "prefill-worker":
         return False  # a prefill step ends at the first token: serve keeps it synchronous (kvrelay/serve_plan.py)
+    if option == "--gpu-sm-percent" and command == "decode-worker":
+        return 100 - value  # the prefill worker's share, the decode worker the rest (kvrelay/serve_plan.py)
     if option == "--gpu-memory-utilization":  # workers sharing a GPU split it: prefill 30%, decode 70%
         return round(value * {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}[command], 4)
     return value

@@ -1,0 +1,59 @@
+"""Each ``--gpu-share`` mode on a GPU (``pytest -m gpu tests/gpu/test_gpu_share_gpu.py``; skips without CUDA):
+``kvrelay serve --mode disaggregated`` starts under it and answers greedy prompts with timeslice's tokens
+(CUDA graphs captured and replayed on the mode's compute stream), and the priority streams are what each role
+asks for. A mode this machine cannot run (no MPS control program, a torch without green contexts) is a skip
+that says why; serve itself refuses it in one line (tests/unit/test_gpu_share.py)."""
+
+import shutil
+
+import pytest
+import torch
+
+from kvrelay.shared.worker import gpu_share
+from tests.e2e.served import Served
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.timeout(600)]
+
+PROMPTS = [[5, 17, 99, 203, 7], list(range(40, 140)), [1] * 33]
+ENGINE = ["--model", "dummy:smollm2-135m", "--load-format", "dummy", "--device", "cuda", "--max-model-len", "512",
+          "--gpu-memory-utilization", "0.3", "--max-num-seqs", "8"]
+
+
+def greedy(mode: str, tmp_path) -> list[str]:
+    with Served(["--mode", "disaggregated", *ENGINE, "--gpu-share", mode], tmp_path / f"serve-{mode}.log",
+                timeout=300) as served:
+        client = served.client()
+        model = client.models.list().data[0].id
+        return [client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0.0).choices[0].text
+                for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def timesliced(tmp_path_factory) -> list[str]:
+    return greedy("timeslice", tmp_path_factory.mktemp("timeslice"))
+
+
+@pytest.mark.parametrize("mode", ["priority", "mps", "mps-priority", "green"])
+def test_each_mode_serves_timeslices_greedy_tokens(mode, timesliced, tmp_path):
+    if mode.startswith("mps") and shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("no nvidia-cuda-mps-control on this machine")
+    if mode == "green" and not gpu_share.green_supported():
+        pytest.skip(f"torch {torch.__version__} has no CUDA green contexts")
+    assert greedy(mode, tmp_path) == timesliced
+
+
+def test_decode_computes_on_a_higher_priority_stream_than_prefill():
+    device = torch.device("cuda")
+    decode = gpu_share.compute_stream("priority", "decode", device, 50)
+    prefill = gpu_share.compute_stream("priority", "prefill", device, 50)
+    # lower is sooner; 0 is CUDA's lowest and every default stream's
+    assert decode.priority < prefill.priority == torch.cuda.current_stream().priority == 0
+
+
+@pytest.mark.skipif(not gpu_share.green_supported(), reason="this torch has no CUDA green contexts")
+def test_a_green_share_is_whole_sm_groups():
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = gpu_share.green_sms(0, 50)
+    assert sms % gpu_share.GREEN_SM_GRANULE == 0 and 0 < sms <= total // 2 + gpu_share.GREEN_SM_GRANULE
+    assert gpu_share.compute_stream("green", "prefill", torch.device("cuda"), 50) is not None
