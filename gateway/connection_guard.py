@@ -65,8 +65,11 @@ class ConnectionGuard:
         try:
             response = await handler(request)
             if not response.prepared:  # written here, so the connection is busy until it is sent
-                await response.prepare(request)
-                await response.write_eof()
+                try:
+                    await response.prepare(request)
+                    await response.write_eof()
+                except ConnectionError:  # the client left first: as aiohttp's own write, nothing to log
+                    pass
             return response
         finally:
             conn.request_finished()

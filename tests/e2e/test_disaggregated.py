@@ -19,6 +19,7 @@ from tests.e2e.openai_stream import streamed_tokens_and_finish
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8"]
 MODEL = "tiny"
+HANG_S = 120.0  # a hang bound, not a speed claim
 
 
 @pytest.fixture()
@@ -182,37 +183,41 @@ def test_killed_decode_worker_ends_streams_cleanly(cluster):
     cluster.start_worker("decode", "d1")
     cluster.wait_ready()
     events = [0] * 4
+    finished = [False] * 4  # its finish reason came: complete before the worker was stopped, nothing to cut
 
     async def one(client, i):
         error = None
         try:
             stream = await client.completions.create(model=MODEL, prompt=[20 + i, 5], max_tokens=200, stream=True,
                                                      extra_body={"ignore_eos": True})
-            async for _chunk in stream:
+            async for chunk in stream:
                 events[i] += 1
+                finished[i] |= any(c.finish_reason for c in chunk.choices)
         except openai.APIError as exc:
             error = exc
         return error
 
     async def run():
-        client = _aclient(cluster, timeout=60)
+        client = _aclient(cluster, timeout=HANG_S)  # a hung stream ends at it, with a timeout, not an error event
         tasks = [asyncio.create_task(one(client, i)) for i in range(4)]
         # Frozen once every stream is under way, then killed: the tiny model can decode 200 tokens in
         # well under a second, so a kill after a fixed sleep may find the streams already finished.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while min(events) == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         cluster.signal("d1", signal.SIGSTOP)
         assert min(events) > 0
         cluster.kill("d1")
-        start = time.monotonic()
-        errors = await asyncio.gather(*tasks)
-        return errors, time.monotonic() - start
+        return await asyncio.gather(*tasks)
 
-    errors, waited = asyncio.run(run())
-    assert waited < 30, "clients hung after the decode worker died"
-    for error in errors:
+    errors = asyncio.run(run())
+    # a stream that got its last token before the stop (one that began well before the last began, on a
+    # loaded box) was not cut; the one that began last was
+    cut = [error for error, done in zip(errors, finished, strict=True) if not done]
+    assert cut, "no stream was under way when the decode worker was stopped"
+    for error in cut:  # an error event from the gateway: not silence, nor the client's own timeout
         assert error is not None, "a stream cut by a dead worker must end with an error event"
+        assert not isinstance(error, openai.APIConnectionError), error
 
 
 def test_bad_inputs_get_clear_errors_and_workers_keep_serving(cluster):

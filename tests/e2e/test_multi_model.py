@@ -26,6 +26,7 @@ from tests.e2e.model_variants import PROMPT, offline_text, variant
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "admin-key-for-multi-model-tests"
+HANG_S = 120.0  # a hang bound, not a speed claim: what is waited for comes within seconds
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--kv-cache-memory", str(48 << 20)]
 
 
@@ -151,7 +152,14 @@ models:
                - w["weights_used"] for w in body["workers"]), body["workers"]
 
 
-def advertised(cluster: Cluster, wid: str, want: list[str], bound_s: float = 30.0) -> list[str]:
+def until(done, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not within {HANG_S:g} s"
+        time.sleep(0.1)
+
+
+def advertised(cluster: Cluster, wid: str, want: list[str], bound_s: float = HANG_S) -> list[str]:
     """The worker's models as its heartbeat record says, once they are ``want`` (or at ``bound_s``): a load or an
     eviction only asks the heartbeat thread to publish soon, and a request may be answered before it has."""
     end = time.monotonic() + bound_s
@@ -213,18 +221,12 @@ models:
                 errors.append(exc)
 
     def answered(what: str, done) -> None:
-        deadline = time.monotonic() + 120  # a hang bound
-        while not done() and not errors:
-            assert time.monotonic() < deadline, f"{what}: not within 120 s"
-            time.sleep(0.1)
+        until(lambda: done() or errors, what)
 
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60  # v1 answers first (the first requests load the gateway's tokenizer)
-    while not seen and not errors and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1)
+    answered("an answer of the first version", lambda: seen)  # the swap comes under load
     status, body = admin(cluster.port, "POST", "/admin/models/chat/swap", {"version": 2})
     assert status == 200, body
     answered("an answer of the new version", lambda: any(text == v2 for *_, text in seen))
@@ -239,9 +241,10 @@ models:
     assert v1 in texts
     # once the new version has answered, the old one answers no request sent after
     assert all(text == v2 for sent, _, text in seen if sent > switched)
-    deadline = time.monotonic() + 60  # the old version drains, then leaves both workers
-    while time.monotonic() < deadline and any("chat@1" in cluster.worker(w).models for w in ("p1", "d1")):
-        time.sleep(0.3)
+    # nothing runs for the old version any more (every request was answered): the prefill worker unloads it
+    # at its next turn, the decode worker once the prefill worker's record no longer holds it, and each
+    # record says so at its next heartbeat
+    until(lambda: not any("chat@1" in cluster.worker(w).models for w in ("p1", "d1")), "the old version to leave")
     assert [cluster.worker(w).models for w in ("p1", "d1")] == [["chat@2"], ["chat@2"]]
 
 

@@ -2,14 +2,14 @@
 liveness key lapsed leave the engine with their KV freed, those of a gateway that beats stay, and a
 gateway never seen beating gets GATEWAY_TTL_S from each request's arrival before its requests go."""
 
-import time
+from types import SimpleNamespace
 
 import pytest
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from kvrelay.shared.worker import gateway_watch
+from kvrelay.shared.worker import gateway_watch, lifecycle
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.runtime import WorkerRuntime
 
@@ -40,14 +40,25 @@ def admit(rt: WorkerRuntime, life: Lifecycle, rid: str, reply_addr: str, arrival
                         arrival=arrival, job=job))
 
 
-def watch_round(rt: WorkerRuntime) -> None:
-    """What the runtime's gateway-watch thread does each second, run here."""
+@pytest.fixture()
+def clock(monkeypatch) -> list[float]:
+    """The lifecycle's and the gateway watch's clock, as the test moves it: however slow a loaded box runs a
+    step, only the time the test adds passes for a request's grace and a key's confirmation."""
+    now = [1_000_000.0]
+    monkeypatch.setattr(lifecycle, "time", SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(gateway_watch, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def watch_round(rt: WorkerRuntime, clock: list[float]) -> None:
+    """What the runtime's gateway-watch thread does each second, run here: a key missing now and CONFIRM_S
+    later."""
     rt.gateways.check()
-    time.sleep(gateway_watch.CONFIRM_S)
+    clock[0] += gateway_watch.CONFIRM_S
     rt.gateways.check()
 
 
-def test_a_dead_gateways_requests_leave_and_free_their_kv_after_their_grace(runtime):
+def test_a_dead_gateways_requests_leave_and_free_their_kv_after_their_grace(runtime, clock):
     rt = runtime
     core = rt.core
     r = rt.redis
@@ -56,21 +67,21 @@ def test_a_dead_gateways_requests_leave_and_free_their_kv_after_their_grace(runt
     released: list[str] = []
     life = Lifecycle(rt, release=lambda rec: released.append(rec.request_id))
     free_before = core.num_free_blocks
-    long_ago = time.time() - 60
+    long_ago = clock[0] - 60
     admit(rt, life, "beating", BEATING, long_ago)
     admit(rt, life, "silent-old", SILENT, long_ago)
-    admit(rt, life, "silent-new", SILENT, time.time())
+    admit(rt, life, "silent-new", SILENT, clock[0])
     core.step()  # prefilled: every request holds KV blocks
     assert core.num_running == 3
 
-    watch_round(rt)
+    watch_round(rt, clock)
     life.sweep()
     assert released == ["silent-old"]  # its gateway never beat and its grace is long over
     assert set(life.requests) == {"beating", "silent-new"}
     assert core.num_running == 2
 
-    time.sleep(max(0.0, life.requests["silent-new"].arrival + keys.GATEWAY_TTL_S - time.time()) + 0.1)
-    watch_round(rt)
+    clock[0] = life.requests["silent-new"].arrival + keys.GATEWAY_TTL_S
+    watch_round(rt, clock)
     life.sweep()
     assert released == ["silent-old", "silent-new"]
     assert set(life.requests) == {"beating"}

@@ -5,6 +5,7 @@ comes), and one whose gateway stopped beating (its jobs still in the stream), so
 blocks."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,8 +16,10 @@ from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.handoff import KVHeader
 from kvrelay.shared.wire.protocol import Abort, Job
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from kvrelay.shared.worker import gateway_watch
+from kvrelay.shared.worker import gateway_watch, lifecycle
 from kvrelay.unified_worker.worker import UnifiedWorker
+
+HANG_S = 60.0  # a hang bound, not a speed claim: what the steps wait for comes within a few of them
 
 
 def _config(role: str, redis_url: str):
@@ -74,7 +77,7 @@ def test_a_job_aborted_while_still_in_its_stream_is_answered_and_acked_unrun(uni
     assert not slot.core.is_running("gone")
     assert slot.core.is_running("kept")
     assert "gone" not in unified.inflight
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while redis.xpending(stream, keys.PREFILL_GROUP)["pending"] != 1 and time.monotonic() < deadline:
         unified.step()
     assert redis.xpending(stream, keys.PREFILL_GROUP)["pending"] == 1  # "gone" ACKed, "kept" running
@@ -97,20 +100,25 @@ def test_a_handoff_landing_after_its_abort_frees_its_blocks_unrun(decode):
     assert core.kv.num_free_blocks == free
 
 
-def test_jobs_of_a_gateway_that_stopped_beating_are_dropped_unrun_unless_it_is_back(unified):
+def test_jobs_of_a_gateway_that_stopped_beating_are_dropped_unrun_unless_it_is_back(unified, monkeypatch):
+    # the lifecycle's and the gateway watch's clock is the test's: a loaded box that runs a step slowly does not
+    # move a request past its grace (GATEWAY_TTL_S from its arrival) or a key past its confirmation
+    now = [time.time()]
+    monkeypatch.setattr(lifecycle, "time", SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(gateway_watch, "time", SimpleNamespace(monotonic=lambda: now[0]))
     (slot,) = unified.runtime.slots.values()
     rt, redis = unified.runtime, unified.runtime.redis
     dead = "tcp://127.0.0.1:13"
     redis.delete(keys.gateway_key(dead))
     rt.gateways.watch({dead})  # as if it had requests here: the watch finds its key missing, twice
     rt.gateways.check()
-    time.sleep(gateway_watch.CONFIRM_S)
+    now[0] += gateway_watch.CONFIRM_S
     rt.gateways.check()
     unified.step()  # the loop learns the gateway is gone
     stream = keys.prefill_stream(slot.instance)
-    long_ago = time.time() - 60
+    long_ago = now[0] - 60
     redis.xadd(stream, {"data": encode(_job("orphan", slot.instance, dead, long_ago))})
-    redis.xadd(stream, {"data": encode(_job("fresh", slot.instance, dead))})  # within its grace: kept
+    redis.xadd(stream, {"data": encode(_job("fresh", slot.instance, dead, now[0]))})  # within its grace: kept
     unified.step()
     assert not slot.core.is_running("orphan") and "orphan" not in unified.inflight
     assert slot.core.is_running("fresh")
@@ -137,12 +145,12 @@ def test_a_gateway_whose_process_ended_loses_its_requests_at_once_and_its_later_
     redis.set(keys.gateway_key(addr), "host-1", ex=60)
     stream = keys.prefill_stream(slot.instance)
     redis.xadd(stream, {"data": encode(_job("running", slot.instance, addr, max_tokens=10_000))})
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     while not gateway.poll(0) and time.monotonic() < deadline:
         unified.step()  # until its first events reached the gateway: the connection is up
     assert slot.core.is_running("running")
     gateway.close()  # its process ended
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     # on a loaded box the request may reach max_model_len before the lost connection is seen (LOST_AFTER_S
     # after it closed): that, not the request's end, is what takes the key
     while ("running" in unified.inflight or redis.exists(keys.gateway_key(addr))) and time.monotonic() < deadline:
@@ -173,7 +181,7 @@ def test_a_beating_gateway_not_yet_connected_to_is_not_lost(unified):
     redis.set(keys.gateway_key(addrs["beats"]), "host-1", ex=60)
     for name, addr in addrs.items():
         redis.xadd(stream, {"data": encode(_job(name, slot.instance, addr, max_tokens=10_000))})
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while addrs["silent"] not in unified.inflight.lost_gateways:
         assert time.monotonic() < deadline, "a gateway that never connected and does not beat was not found lost"
         unified.step()
