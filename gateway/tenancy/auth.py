@@ -13,15 +13,18 @@ replica. Keys are never logged; the error messages do not echo them either.
 """
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 
 import redis
 from aiohttp import web
 
 from kvrelay.gateway.errors import APIError
+from kvrelay.gateway.redis_watch import redis_failed
 from kvrelay.gateway.state import CONFIG
 from kvrelay.gateway.tenancy.tenants import TENANTS, Tenant
 
+log = logging.getLogger("kvrelay.gateway")
 TENANT = web.RequestKey("tenant", Tenant)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -37,7 +40,11 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers=_CHALLENGE)
 
 
-def _store_unavailable() -> APIError:
+def _store_unavailable(request: web.Request, exc: redis.RedisError) -> APIError:
+    # an outage is logged once by the Redis watch (and marks the gateway unready); any other Redis error is
+    # this request's to log, else a 503 would leave the operator nothing to read
+    if not redis_failed(request.app, exc):
+        log.warning("tenant store: redis error on %s %s: %s", request.method, request.path, exc)
     return APIError(503, "the tenant store is unavailable; retry later", code="auth_unavailable",
                     headers={"Retry-After": "1"})
 
@@ -53,8 +60,8 @@ async def _authorize_admin(request: web.Request) -> None:
         return
     try:
         tenant = await request.app[TENANTS].authenticate(token)
-    except redis.RedisError:
-        raise _store_unavailable() from None
+    except redis.RedisError as exc:
+        raise _store_unavailable(request, exc) from None
     if tenant is not None:
         raise APIError(403, "API keys cannot use the admin API; use the admin key", code="admin_key_required")
     raise _unauthorized("Invalid admin key")
@@ -70,8 +77,8 @@ async def _tenant(request: web.Request) -> Tenant:
         if token is None:
             raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
         tenant = await store.authenticate(token)
-    except redis.RedisError:
-        raise _store_unavailable() from None
+    except redis.RedisError as exc:
+        raise _store_unavailable(request, exc) from None
     if tenant is None:
         raise _unauthorized("Invalid API key (unknown or revoked)")
     return tenant
