@@ -24,6 +24,7 @@ from kvrelay.shared.wire.handoff import (
     HandoffRequest,
     HandoffRequests,
 )
+from kvrelay.shared.wire.version import PROTOCOL_VERSION
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class SenderIO(ABC):
         self.peers = PeerSockets(ctx, curve)
         self.transfers: dict[str, Transfer] = {}
         self.asks: dict[str, list[tuple[Transfer, HandoffRequest]]] = {}  # per decode worker, until poll()
+        self.protocols: dict[str, int] = {}  # the decode workers speaking another protocol version: theirs
 
     @abstractmethod
     def _on_answer(self, peer: str, msg: HandoffGrant | HandoffAck) -> None:
@@ -61,6 +63,7 @@ class SenderIO(ABC):
             transport.forget(model)
 
     def retain_peers(self, live_addrs: set[str]) -> None:
+        self.protocols = {addr: v for addr, v in self.protocols.items() if addr in live_addrs}
         for transport in self.transports:
             transport.retain(live_addrs)
 
@@ -91,7 +94,15 @@ class SenderIO(ABC):
                 self._on_unread_grant(peer, grant, str(exc))
             return
         for reply in msg.grants if isinstance(msg, HandoffGrants) else [msg]:
+            if isinstance(reply, HandoffGrant):
+                self._note_protocol(peer, reply.protocol)
             self._on_answer(peer, reply)
+
+    def _note_protocol(self, peer: str, protocol: int) -> None:
+        """One line per decode worker speaking another protocol version (one too far apart refuses our asks)."""
+        if protocol != PROTOCOL_VERSION and self.protocols.get(peer) != protocol:
+            self.protocols[peer] = protocol
+            log.info("decode worker %s speaks wire protocol %d, this process %d", peer, protocol, PROTOCOL_VERSION)
 
     def _give_back(self, peer: str, request_id: str, reason: str, epoch: int) -> None:
         """Cancel the grant of ``epoch`` (0: whichever it holds) that the decode worker at ``peer`` made for
