@@ -9,7 +9,8 @@ KVLayers message, or a header saying the KV was written directly, opens a ``KVRe
 header, which comes last and carries the first token, must match the grant and our layout -> once the receiver
 is complete: admitted and acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
 and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
-transfer's blocks) the sender gave up on, when it comes from the peer the grant was made to. Every grant has its
+transfer's blocks) the sender gave up on, when it comes from the peer the grant was made to. An ask that does not
+decode (a newer asker's must-understand field) is refused with the codec's line (unreadable.py). Every grant has its
 epoch (grants.py), which its KV, header, ack and cancel carry: a request id granted again has a new one, and what
 comes for the old grant is dropped (``stale``).
 
@@ -31,6 +32,7 @@ from kvrelay.shared.handoff.incoming import Incoming, check_header
 from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.seats import Seats
 from kvrelay.shared.handoff.sharded import WorkerDown
+from kvrelay.shared.handoff.unreadable import refusal, unread_asks
 from kvrelay.shared.wire.codec import decode_any
 from kvrelay.shared.wire.handoff import (
     HandoffAck,
@@ -87,7 +89,11 @@ class KVInbox(Seats):
         try:
             msg = decode_any(frames[1].bytes, HandoffRequest, HandoffRequests, KVHeader, KVLayers, HandoffCancel)
         except ValueError as exc:
-            log.warning("dropped a malformed handoff message: %s", exc)
+            # a newer asker's ask (a field it must have understood) is refused at once: no wait for a timeout there
+            asks = unread_asks(frames[1].bytes)
+            log.warning("%s handoff message: %s", "refused a" if asks else "dropped a malformed", exc)
+            if asks:
+                self._reply(peer, refusal(asks, str(exc)))
             return
         if isinstance(msg, HandoffRequest):
             self._reply(peer, self._grant(peer, msg))

@@ -29,6 +29,7 @@ from kvrelay.shared.handoff.outbound import header_for, request_for
 from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
+from kvrelay.shared.handoff.unreadable import Unread
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.zmq_auth import CurveKeys
@@ -193,8 +194,17 @@ class HandoffSender(KVOut):
                 t.target_lost = msg.worker_down  # its worker runs the job again (prefill_worker/worker.py)
                 self._fail(t, f"decode worker rejected the KV: {msg.reason}")
 
+    def _on_unread_grant(self, peer: str, grant: Unread, reason: str) -> None:
+        t = self.transfers.get(grant.request_id)
+        answers = t is not None and t.state is State.GRANT_WAIT and self._answers_ask(t, peer, grant)
+        # without its epoch, a cancel gives up whichever grant the worker holds: only ours if this answers our ask
+        if grant.accepted and (grant.epoch or answers):
+            self._give_back(peer, grant.request_id, "a grant this worker cannot read", grant.epoch)
+        if answers:
+            self._retry(t, f"decode worker's grant could not be read: {reason}")
+
     @staticmethod
-    def _answers_ask(t: Transfer, peer: str, grant: HandoffGrant) -> bool:
+    def _answers_ask(t: Transfer, peer: str, grant: HandoffGrant | Unread) -> bool:
         """Whether ``grant`` (from ``peer``) answers ``t``'s latest ask. One that does not echo the ask's number (0:
         a decode worker older than the numbers) is taken for the answer to the latest ask of the worker it came from."""
         return peer == t.target and grant.ask in (t.ask, 0)

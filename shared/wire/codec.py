@@ -78,13 +78,18 @@ def decode_any(data: bytes | memoryview, *classes: type) -> Any:
     return _build(cls, raw, cls.__name__)
 
 
-def peek_strings(data: bytes | memoryview, *names: str) -> dict[str, str]:
-    """The named top-level string fields of a message that did not decode (a newer sender's, say), bounded as
-    ``decode`` is and otherwise unchecked: what a receiver needs to tell the sender's client why it refused."""
+def peek(data: bytes | memoryview) -> dict:
+    """The map of a message that did not decode (a newer sender's, say), bounded as ``decode`` is and otherwise
+    unchecked ({} when it is not even a map): what a receiver reads to tell the sender why it refused."""
     try:
-        raw = _unpack(data)
+        return _unpack(data)
     except ValueError:
         return {}
+
+
+def peek_strings(data: bytes | memoryview, *names: str) -> dict[str, str]:
+    """The named top-level string fields of a message that did not decode (``peek``)."""
+    raw = peek(data)
     return {name: value for name in names if isinstance(value := raw.get(name), str)}
 
 

@@ -1,18 +1,17 @@
 """A decode worker of this version answering the asks of a prefill worker of the next one, over real ZMQ
 sockets: an ask carrying an unknown field declared ignorable is granted; one carrying an unknown
-must-understand field is dropped with a clear line (never granted); a protocol more than one version apart is
+must-understand field is refused at once with the codec's line (never granted); a protocol more than one version apart is
 refused with the reason. And the grant's MAC'd-frames fields are safe to ignore: an asker that does not know
 them sends its frames to the grant's socket with CRCs, which the decode worker takes."""
 
 import dataclasses
-import logging
 
 import msgpack
 import zmq
 
 from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.wire.codec import IGNORABLE_KEY, decode, encode
-from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest
+from kvrelay.shared.wire.handoff import HandoffGrant, HandoffGrants, HandoffRequest, HandoffRequests
 from kvrelay.shared.wire.version import PROTOCOL_VERSION
 from tests.integration.handoff_harness import BLOCK, MODEL, hand_off_tiny, wait_for
 from tests.integration.test_handoff import _dealer
@@ -39,15 +38,30 @@ def test_an_ask_with_an_unknown_ignorable_field_is_granted(decode_side):
     sock.close()
 
 
-def test_an_ask_with_an_unknown_must_understand_field_is_never_granted(decode_side, caplog):
+def test_an_ask_with_an_unknown_must_understand_field_is_refused_at_once_naming_it(decode_side):
+    """Refused, not dropped: the asker hears why now instead of waiting out its ask timeout."""
     side = decode_side()
     sock = _dealer(side.addr)
-    with caplog.at_level(logging.WARNING):
-        sock.send(_newer_ask("strict", kv_zero_points="digest"))  # KV this worker would misread
-        grant = _answer(sock, _newer_ask("plain"))  # the next ask is answered; the first never is
-    assert grant.accepted and grant.request_id == "plain"
+    grant = _answer(sock, _newer_ask("strict", kv_zero_points="digest"))  # KV this worker would misread
+    assert grant.request_id == "strict" and not grant.accepted and not grant.busy and grant.ask == 1
+    assert "unknown field(s) kv_zero_points that must be understood" in grant.reason
     assert not side.blocks("strict") and "strict" not in side.receiver.grants
-    assert any("unknown field(s) kv_zero_points that must be understood" in r.getMessage() for r in caplog.records)
+    assert _answer(sock, _newer_ask("plain")).accepted  # the asker's next ask is served as ever
+    sock.close()
+
+
+def test_a_step_of_asks_one_of_which_must_be_understood_is_refused_whole(decode_side):
+    """One HandoffRequests does not decode for one ask's field: every ask in it is refused, its number echoed."""
+    side = decode_side()
+    sock = _dealer(side.addr)
+    asks = [{k: v for k, v in msgpack.unpackb(_newer_ask(rid)).items() if k != "type"} for rid in ("a", "b")]
+    asks[1].update(ask=2, kv_zero_points="digest")
+    sock.send(msgpack.packb({"type": HandoffRequests.TAG, "requests": asks}, use_bin_type=True))
+    grants = decode(sock.recv(), HandoffGrants).grants
+    assert [(g.request_id, g.accepted, g.ask) for g in grants] == [("a", False, 1), ("b", False, 2)]
+    assert all("kv_zero_points" in g.reason for g in grants) and not side.receiver.grants
+    sock.send(msgpack.packb(["not", "a", "map"]))  # names no ask: dropped, as ever
+    assert _answer(sock, _newer_ask("plain")).request_id == "plain"
     sock.close()
 
 
