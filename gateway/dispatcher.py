@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from kvrelay.gateway.tasks import cancel_and_wait
 from kvrelay.shared.wire import zmq_auth
-from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES, decode
+from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.limits import MAX_MESSAGE_BYTES
 from kvrelay.shared.wire.protocol import TokenBatch, TokenEvent
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 

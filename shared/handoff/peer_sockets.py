@@ -9,7 +9,7 @@ import zmq
 
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire import zmq_auth
-from kvrelay.shared.wire.codec import MAX_MESSAGE_BYTES
+from kvrelay.shared.wire.limits import MAX_MESSAGE_BYTES
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 
 SEND_HWM = 256  # queued messages per decode worker; bounds what a stalled peer can make us hold

@@ -6,8 +6,9 @@ even a map of an ask's or grant's tag names no request: nothing to answer."""
 
 from dataclasses import dataclass
 
-from kvrelay.shared.wire.codec import MAX_ID_LEN, peek
+from kvrelay.shared.wire.codec import peek
 from kvrelay.shared.wire.handoff import MAX_ASKS, HandoffGrant, HandoffGrants, HandoffRequest, HandoffRequests
+from kvrelay.shared.wire.limits import MAX_ID_LEN
 
 MAX_REASON_CHARS = 1024  # of a codec line echoed back: it names the unknown fields, which the sender chose
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvrelay.shared.wire.codec import IGNORABLE, MAX_MAP_LEN, register
+from kvrelay.shared.wire.codec import register
+from kvrelay.shared.wire.limits import IGNORABLE, MAX_MAP_LEN
 from kvrelay.shared.wire.protocol import _ID, Job, TopLogprobs
 from kvrelay.shared.wire.version import protocol_field
 

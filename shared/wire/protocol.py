@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvrelay.shared.wire.codec import IGNORABLE, MAX_ID_LEN, register
+from kvrelay.shared.wire.codec import register
 from kvrelay.shared.wire.engine_stats import EngineStats
+from kvrelay.shared.wire.limits import IGNORABLE, MAX_ID_LEN
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.wire.version import protocol_field
 

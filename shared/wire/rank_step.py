@@ -10,8 +10,9 @@ group's ranks report to rank 0 where they take their shares of arriving KV and w
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvrelay.shared.wire.codec import MAX_ID_LEN, register
+from kvrelay.shared.wire.codec import register
 from kvrelay.shared.wire.handoff import MAX_TARGETS, KVTarget
+from kvrelay.shared.wire.limits import MAX_ID_LEN
 
 _ID = {"max_len": MAX_ID_LEN}
 _ADDR = {"max_len": 1024}  # a peer's ZMQ address (an ipc:// path may be long)

@@ -8,7 +8,7 @@ changes what travels (a field added, a meaning changed).
 
 from dataclasses import field
 
-from kvrelay.shared.wire.codec import ABSENT
+from kvrelay.shared.wire.limits import ABSENT
 
 PROTOCOL_VERSION = 1
 MAX_VERSION_GAP = 1

@@ -4,8 +4,9 @@ numbers, epochs, checked for type only and bounded; anything else names no reque
 import msgpack
 
 from kvrelay.shared.handoff.unreadable import MAX_REASON_CHARS, Unread, refusal, unread_asks, unread_grants
-from kvrelay.shared.wire.codec import MAX_ID_LEN, decode_any, encode
+from kvrelay.shared.wire.codec import decode_any, encode
 from kvrelay.shared.wire.handoff import MAX_ASKS, HandoffGrant, HandoffGrants, HandoffRequest, HandoffRequests
+from kvrelay.shared.wire.limits import MAX_ID_LEN
 
 
 def _packed(obj) -> bytes:

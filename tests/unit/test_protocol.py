@@ -6,7 +6,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from kvrelay.shared.wire import codec
+from kvrelay.shared.wire import codec, limits
 from kvrelay.shared.wire import handoff as h
 from kvrelay.shared.wire import protocol as p
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -179,7 +179,7 @@ def test_rejects_non_bytes():
     ("prompt_token_ids", [1, True]),  # bool is not an int on the wire
     ("priority", 1.5), ("deadline", "soon"), ("sampling", [1]), ("sampling", {1: 2}),
     ("cache_salt", 7), ("prompt_token_ids", []), ("prompt_token_ids", [-1]),
-    ("request_id", "x" * (codec.MAX_ID_LEN + 1)),
+    ("request_id", "x" * (limits.MAX_ID_LEN + 1)),
 ])
 def test_rejects_wrong_field_types(field, value):
     raw = _raw(_job())

@@ -8,7 +8,7 @@ from typing import ClassVar
 import msgpack
 import pytest
 
-from kvrelay.shared.wire import codec
+from kvrelay.shared.wire import codec, limits
 from kvrelay.shared.wire import handoff as h
 from kvrelay.shared.wire import protocol as p
 from kvrelay.shared.wire.version import PROTOCOL_VERSION, version_refusal
@@ -82,7 +82,7 @@ def test_a_field_listed_ignorable_that_this_process_knows_is_still_checked():
     with pytest.raises(ValueError, match=r"\.ask"):
         codec.decode(_pack(raw), h.HandoffRequest)
     raw = _raw(_ask(ask=2))
-    raw["device_uuid"] = "x" * (codec.MAX_ID_LEN + 1)
+    raw["device_uuid"] = "x" * (limits.MAX_ID_LEN + 1)
     raw[codec.IGNORABLE_KEY].append("device_uuid")
     with pytest.raises(ValueError, match="longer than"):
         codec.decode(_pack(raw), h.HandoffRequest)
@@ -100,7 +100,7 @@ def test_an_ignorable_field_needs_a_default():
     @dataclasses.dataclass
     class Careless:
         TAG: ClassVar[str] = "careless_compat_test"
-        hint: int = dataclasses.field(metadata=codec.IGNORABLE)
+        hint: int = dataclasses.field(metadata=limits.IGNORABLE)
 
     with pytest.raises(TypeError, match="needs a default"):
         codec.register(Careless)
