@@ -27,10 +27,6 @@ from kvrelay.kernels import reference
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.shared.config.handover import module_argv
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) beside the current FP32_CONFIG; tests/kernels/test_interpret.py
-# checks each on CPU, so any of them may become FP32_CONFIG after a measurement
-PREFILL_TILINGS = [(32, 32, 4, 1), (16, 32, 2, 1), (32, 64, 4, 1), (16, 16, 1, 1)]
-DECODE_BLOCK_NS = [32, 16]  # beside the current FP32_BLOCK_N
 KERNELS = ("prefill", "fp8-prefill", "decode")
 TOL = 2e-4  # the fp32 tolerance of tests/kernels/triton_cases.py
 FP8_SCALES = (0.5, 2.0)
@@ -40,8 +36,10 @@ def candidates() -> list[tuple[str, tuple]]:
     from kvrelay.kernels.triton import decode_attention as da
     from kvrelay.kernels.triton import prefill_attention as pa
 
-    prefill = [pa.FP32_CONFIG] + [c for c in PREFILL_TILINGS if c != pa.FP32_CONFIG]
-    decode = [(da.FP32_BLOCK_N,)] + [(n,) for n in DECODE_BLOCK_NS if n != da.FP32_BLOCK_N]
+    # the kernels' own candidate lists: tests/kernels/test_interpret.py checks each on CPU, so any of them may
+    # become FP32_CONFIG / FP32_BLOCK_N after a measurement
+    prefill = [pa.FP32_CONFIG] + [c for c in pa.FP32_CANDIDATES if c != pa.FP32_CONFIG]
+    decode = [(da.FP32_BLOCK_N,)] + [(n,) for n in da.FP32_BLOCK_N_CANDIDATES if n != da.FP32_BLOCK_N]
     return [(k, c) for k in ("prefill", "fp8-prefill") for c in prefill] + [("decode", c) for c in decode]
 
 

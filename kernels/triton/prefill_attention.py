@@ -212,6 +212,7 @@ SHORT_CONFIG = (64, 64, 4, 2)
 # to unrolled FMAs, so compile time grows with the tile. bench/triton_fp32_compile.py times the candidates
 # (tests/kernels/test_interpret.py checks each); the long tilings' stages would not fit in shared memory anyway.
 FP32_CONFIG = (64, 64, 4, 2)
+FP32_CANDIDATES = ((32, 32, 4, 1), (16, 32, 2, 1), (32, 64, 4, 1), (16, 16, 1, 1))  # what the bench times beside it
 
 
 def prefill_attention(
