@@ -4,11 +4,13 @@ longest tests are fp32 cases compiling the prefill kernel for 90-115 s each).
 fp32 serves correctness runs, so a tiling is judged by its compile time and its result alone. An IEEE fp32
 ``tl.dot`` is compiled to unrolled FMAs, so a smaller tile should compile much faster. Each (kernel, tiling)
 runs in its own child process with its own empty TRITON_CACHE_DIR, so no compiled kernel or JIT state leaks
-between candidates; children run a few at a time (compiling is CPU work, the H200 host has 16 cores), so
-compile times are comparable within one run, not with a lone compile. Each child times its first call
-(compile + run) and a warm call, and compares the output with kernels/reference.py in float32.
+between candidates. Children run a few at a time (compiling is CPU work and the H200 host has 16 cores; six at
+once start both current prefill tilings, the slowest, at once), so compile times compare within one run, not
+with a lone compile. Each child times its first call (compile + run; one specialisation, where the GPU tests
+compile two: with and without the step's own k/v) and a warm call, and compares the output with
+kernels/reference.py in float32.
 
-    python -m kvrelay.bench.triton_fp32_compile [--budget 230] [--jobs 4]
+    python -m kvrelay.bench.triton_fp32_compile [--budget 230] [--jobs 6]
 
 The current tiling (FP32_CONFIG, FP32_BLOCK_N) comes first in each kernel's rows.
 """
@@ -185,7 +187,7 @@ def print_table(rows: list[tuple[str, tuple, dict]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=230.0, help="seconds for the whole sweep")
-    p.add_argument("--jobs", type=int, default=4, help="candidates compiled at once")
+    p.add_argument("--jobs", type=int, default=6, help="candidates compiled at once")
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"subset of {','.join(KERNELS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--child", nargs=2, metavar=("KERNEL", "TILING"), help=argparse.SUPPRESS)
