@@ -10,12 +10,19 @@
 # `bench handoff --sections cuda` (HANDOFF_ARGS: other flags); QUANT=1 adds `bench quant` (bf16 / fp8 / int8 / awq; QUANT_ARGS); KV=1 adds
 # `bench kv` (fp8 KV cache capacity and decode at 8k context beside bf16; KV_ARGS); QK=1 last runs the
 # quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS); FP8PROBE=1 first
-# checks the fp8 KV store's rounding against torch's (bench/fp8_cast_probe.py).
+# checks the fp8 KV store's rounding against torch's (bench/fp8_cast_probe.py). FP32_COMPILE=1 first times the fp32
+# attention kernels' compile per candidate tiling, each in a fresh Triton cache (bench/triton_fp32_compile.py,
+# <= 4 min; FP32_COMPILE_ARGS: --budget, --jobs, --kernels) into fp32_compile.txt. The suite prints its 15 slowest tests.
 set -u
 . bench/h200_setup.sh || exit 1
 if [ "${FP8PROBE:-0}" = 1 ]; then  # does the fp8 KV store round as torch does on this GPU
   timeout 90 python3 -m kvrelay.bench.fp8_cast_probe > "$OUT/fp8_probe.txt" 2>&1
   grep -v '^    ' "$OUT/fp8_probe.txt" | tail -22
+fi
+if [ "${FP32_COMPILE:-0}" = 1 ]; then  # before the suite, so its 12 processes do not slow the compiles down
+  timeout "${FP32_COMPILE_S:-250}" python3 -m kvrelay.bench.triton_fp32_compile ${FP32_COMPILE_ARGS:-} \
+    > "$OUT/fp32_compile.txt" 2>&1
+  tail -20 "$OUT/fp32_compile.txt"
 fi
 if [ "${SUITE:-1}" = 1 ]; then
 start=$(date +%s)

@@ -27,6 +27,8 @@ from kvrelay.kernels.triton.write_kv import fp8_store_scales, from_cache, scale_
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner-loop tile
+FP32_BLOCK_N = 64  # fp32 (correctness runs): an IEEE dot's compile time grows with the tile (bench/triton_fp32_compile.py)
+FP32_BLOCK_N_CANDIDATES = (32, 16)  # what the bench times beside it; the interpret tests check each
 NUM_WARPS = 4
 NUM_STAGES = 3
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's merge traffic outweighs the parallelism it adds
@@ -202,7 +204,7 @@ def decode_attention(
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [S, H, D] (one token per sequence); kv_cache: [2, N, bs, Hkv, D] -> out [S, H, D];
@@ -222,7 +224,7 @@ def rotary_decode_attention(
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    return _attend(q, kv_cache, meta, scale, None, num_splits, BLOCK_N, (positions, cache, k, v), kv_scale)
+    return _attend(q, kv_cache, meta, scale, None, num_splits, None, (positions, cache, k, v), kv_scale)
 
 
 def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope, kv_scale=None) -> torch.Tensor:
@@ -245,6 +247,8 @@ def _attend(q, kv_cache, meta, scale, alibi_slopes, num_splits, block_n, rope, k
     else:
         part_o = part_m = part_l = out  # unused: the single-split kernel normalises and writes `out`
     positions, cs, k, v = rope if rope is not None else (meta.seq_lens, q, q, q)  # unused without ROPE
+    if block_n is None:
+        block_n = FP32_BLOCK_N if q.dtype == torch.float32 else BLOCK_N
     interp = interpreting()
     bd = pow2(head_dim, 16)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](

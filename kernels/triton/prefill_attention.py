@@ -208,6 +208,11 @@ def _prefill_kernel(
 LONG_CONFIG = (128, 64, 8, 3)
 PREFIX_CONFIG = (128, 128, 8, 3)
 SHORT_CONFIG = (64, 64, 4, 2)
+# fp32 is for correctness runs, where only the result and the compile time count: an IEEE fp32 dot is compiled
+# to unrolled FMAs, so compile time grows with the tile. bench/triton_fp32_compile.py times the candidates
+# (tests/kernels/test_interpret.py checks each); the long tilings' stages would not fit in shared memory anyway.
+FP32_CONFIG = (64, 64, 4, 2)
+FP32_CANDIDATES = ((32, 32, 4, 1), (16, 32, 2, 1), (32, 64, 4, 1), (16, 16, 1, 1))  # what the bench times beside it
 
 
 def prefill_attention(
@@ -243,11 +248,11 @@ def prefill_attention(
     interp = interpreting()
     bd = pow2(head_dim, 16)
     if config is None:
-        # the long tilings were sized for 2-byte K/V: in fp32 their stages need 262 KB of shared memory
-        # against the H200's 227 KB (OutOfResources at launch), so fp32 (the correctness runs) tiles short
-        long = meta.max_query_len * group >= 512 and bd <= 128 and q.element_size() <= 2 and not interp
+        long = meta.max_query_len * group >= 512 and bd <= 128 and not interp
         prefix = meta.max_seq_len >= 2 * meta.max_query_len
         config = (PREFIX_CONFIG if prefix else LONG_CONFIG) if long else SHORT_CONFIG
+        if q.dtype == torch.float32:
+            config = FP32_CONFIG
         if bd > 128:
             config = (config[0], 32, config[2], config[3])
     block_m, block_n, warps, stages = config

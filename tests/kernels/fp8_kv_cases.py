@@ -91,9 +91,10 @@ def check_rotary_write_kv(tk, device: str, tokens: int, heads: int, kv_heads: in
 
 def check_paged_attention(tk, device: str, q_lens: list[int], seq_lens: list[int], num_heads: int,
                           num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
-                          num_splits: int | None = None, seed: int = 0) -> None:
+                          num_splits: int | None = None, seed: int = 0, configs: tuple = ()) -> None:
     """Decode (split or not) and prefill/mixed batches over an fp8 cache, with the step's own k/v passed
-    too (as the models pass them): the kernels must still attend over the stored, rounded values."""
+    too (as the models pass them): the kernels must still attend over the stored, rounded values.
+    ``configs``: explicit prefill tilings, each checked as well."""
     q, bf_cache, meta = make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, page, dtype, device, seed)
     scale = kv_scale(device)
     cache = fp8_cache_like(bf_cache * 3, scale)
@@ -109,6 +110,9 @@ def check_paged_attention(tk, device: str, q_lens: list[int], seq_lens: list[int
     if not meta.decode_only:
         k, v = fresh_kv(bf_cache * 3, meta)  # unrounded: the kernel must not prefer them to the cache
         assert_close(tk.paged_attention(q, cache, meta, sm_scale, k=k, v=v, kv_scale=scale), expected, dtype)
+    for config in configs:
+        prefill = import_module("kvrelay.kernels.triton.prefill_attention").prefill_attention
+        assert_close(prefill(q, cache, meta, sm_scale, config=config, kv_scale=scale), expected, dtype)
     # the reference path the CPU engine runs agrees with the same dequantize-first reference
     assert_close(reference.paged_attention(q.float(), cache, meta, sm_scale, kv_scale=scale), expected, torch.float32)
 

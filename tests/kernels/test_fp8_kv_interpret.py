@@ -13,6 +13,7 @@ from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/gpu/test_fp8_kv_gpu.py")
 import kvrelay.kernels.triton as tk  # noqa: E402
+from kvrelay.kernels.triton.prefill_attention import FP32_CANDIDATES  # noqa: E402
 from tests.kernels import fp8_kv_cases as cases  # noqa: E402
 
 DEV = "cpu"
@@ -42,6 +43,13 @@ def test_decode_split_k():
 def test_prefill_attention(dtype):
     # plain prefill, chunked prefill over a cached prefix, and decode rows in one mixed batch
     cases.check_paged_attention(tk, DEV, [5, 1, 40, 17], [5, 70, 100, 17], 8, 2, 32, 8, dtype, seed=5)
+
+
+@pytest.mark.parametrize("config", FP32_CANDIDATES, ids=str)
+def test_prefill_fp32_candidate_tilings(config):
+    # the fp32 prefill tilings bench/triton_fp32_compile.py times, over an fp8 cache
+    cases.check_paged_attention(tk, DEV, [5, 1, 40, 17], [5, 70, 100, 17], 8, 2, 32, 8, torch.float32, seed=5,
+                                configs=[config])
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])

@@ -14,6 +14,8 @@ from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/kernels/test_triton_gpu.py")
 import kvrelay.kernels.triton as tk  # noqa: E402
+from kvrelay.kernels.triton.decode_attention import FP32_BLOCK_N_CANDIDATES  # noqa: E402
+from kvrelay.kernels.triton.prefill_attention import FP32_CANDIDATES  # noqa: E402
 from tests.kernels import triton_cases as cases  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -46,6 +48,21 @@ def test_prefill_tilings():
     # (prefix, prefix tail, unmasked and diagonal fresh tiles) runs at several (M, N)
     cases.check_paged_attention(tk, DEV, [70, 1, 33], [70, 90, 140], 4, 2, 32, 8, torch.float32,
                                 configs=[(16, 32, 4, 2), (32, 16, 4, 2), (16, 64, 4, 2)])
+
+
+@pytest.mark.parametrize("config", FP32_CANDIDATES, ids=str)
+def test_prefill_fp32_candidate_tilings(config):
+    # each tiling bench/triton_fp32_compile.py times, any of which may become FP32_CONFIG: GQA rows, a prefix
+    # with a ragged end, the causal diagonal, a decode row
+    cases.check_paged_attention(tk, DEV, [70, 1, 33], [70, 90, 140], 8, 2, 32, 8, torch.float32, configs=[config])
+
+
+@pytest.mark.parametrize("block_n", FP32_BLOCK_N_CANDIDATES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_fp32_candidate_block_n(block_n, num_splits):
+    # the decode key tiles the same bench times, over one split and several (a ragged last tile in each)
+    cases.check_paged_attention(tk, DEV, [1] * 4, [200, 5, 129, 1], 8, 2, 32, 8, torch.float32,
+                                num_splits=num_splits, block_n=block_n)
 
 
 @pytest.mark.parametrize("decode", [True, False])

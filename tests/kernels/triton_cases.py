@@ -69,14 +69,14 @@ def alibi_slopes(num_heads: int, device: str) -> torch.Tensor:
 def check_paged_attention(
     tk, device: str, q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
     head_dim: int, page: int, dtype: torch.dtype, alibi: bool = False, num_splits: int | None = None,
-    seed: int = 0, configs: tuple = (),
+    seed: int = 0, configs: tuple = (), block_n: int | None = None,
 ) -> None:
     q, kv_cache, meta = make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, page, dtype, device, seed)
     slopes = alibi_slopes(num_heads, device) if alibi else None
     scale = head_dim ** -0.5
-    if num_splits is not None:  # force the split-K + merge path regardless of the heuristic
+    if num_splits is not None or block_n is not None:  # a forced split-K + merge path or decode key tile
         decode = import_module("kvrelay.kernels.triton.decode_attention").decode_attention
-        out = decode(q, kv_cache, meta, scale, slopes, num_splits=num_splits)
+        out = decode(q, kv_cache, meta, scale, slopes, num_splits=num_splits, block_n=block_n)
     else:
         out = tk.paged_attention(q, kv_cache, meta, scale, slopes)
     expected = reference.paged_attention(q.float(), kv_cache.float(), meta, scale, slopes)
