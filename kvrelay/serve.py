@@ -69,8 +69,12 @@ def _start(child: Child, args: argparse.Namespace, threads: int | None, print_co
     proc = subprocess.Popen(argv + (["--print-config"] if print_config else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE if print_config else None, preexec_fn=_die_with_parent,
                             start_new_session=True, env=env, pass_fds=() if status_fd is None else (status_fd,))
-    proc.stdin.write(encode(child.config, exclude=child.generated))
-    proc.stdin.close()
+    try:
+        proc.stdin.write(encode(child.config, exclude=child.generated))
+        proc.stdin.close()
+    except BrokenPipeError:  # it died before reading its config (killed at birth): the supervisor sees it exit
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
     return proc
 
 
