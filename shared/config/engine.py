@@ -109,6 +109,10 @@ class EngineConfig:
                                          "of disjoint requests in flight across steps (same outputs; no effect "
                                          "without a pipeline)")
 
+    @property
+    def uses_batch_queue(self) -> bool:
+        return self.pipeline_batch_queue and self.pipeline_parallel_size > 1
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             import torch

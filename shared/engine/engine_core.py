@@ -71,7 +71,7 @@ class EngineCore:
         self._compiling = CompilingRequests()
         self.observer: EngineObserver | None = None
         self.stepper: AsyncStepper | None = None
-        if config.pipeline_batch_queue and config.pipeline_parallel_size > 1:
+        if config.uses_batch_queue:
             self.stepper = self.new_stepper()
         elif config.async_scheduling:
             if hold_finished_kv:  # the handoff wants each prompt's first token and its KV at once
@@ -83,7 +83,7 @@ class EngineCore:
         pipeline parallelism with ``pipeline_batch_queue``, the batch queue's, which supersedes it."""
         args = (self.scheduler, self.runner, self.block_manager, self._output, self._prompt_logprobs,
                 lambda: self.observer)
-        if self.config.pipeline_batch_queue and self.config.pipeline_parallel_size > 1:
+        if self.config.uses_batch_queue:
             return BatchQueueStepper(*args, depth=self.config.pipeline_parallel_size)
         return AsyncStepper(*args)
 

@@ -1,6 +1,5 @@
 """A child that dies before it has read its config (killed at birth) is the supervisor's to count as a crash:
-starting it must not raise in `kvrelay serve` (a BrokenPipeError there once took serve down with a traceback
-instead of a restart)."""
+writing its config to a closed pipe must not raise in `kvrelay serve`, whose supervisor then sees the exit."""
 
 import argparse
 import signal
