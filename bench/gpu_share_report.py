@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvrelay.rate_search import Trial, bounds
 
-RATES = (16.0, 24.0)
+RATES = (12.0, 16.0, 24.0)
 
 
 def mode_row(out: Path, mode: str) -> str:

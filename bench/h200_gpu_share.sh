@@ -2,7 +2,8 @@
 # One device call (`run` tool, nvidia-h200, carry .whl as bench/h200_suite.sh says), under 9 minutes: issue #23
 # item 3, how the prefill and decode processes share the GPU. For each --gpu-share mode (MODES, default
 # timeslice priority mps mps-priority green) `kvrelay bench serve --launch disaggregated --sweep` starts kvrelay serve on the
-# Llama-3-8B shape with dummy weights under that mode and searches, 1,024 -> 128, for the highest Poisson rate
+# Llama-3-8B shape with dummy weights under that mode (an entry MODE_P_D also sets SM shares: mps_100_70 gives prefill 100%, decode 70%)
+# and searches, 1,024 -> 128, for the highest Poisson rate
 # with p99 TTFT <= 300 ms and p99 ITL <= 25 ms: from 16 req/s, doubling to 32 on a pass and bisecting (24, then
 # 20 or 28), 4 trials at most and never below 8, so a mode that passes 16 is also measured at 24. The first mode
 # also runs the offline engine on the same prompts once (--compare-offline). A mode that does not start (no MPS
@@ -25,13 +26,18 @@ MODES=${MODES:-timeslice priority mps mps-priority green}
 first=1
 for mode in $MODES; do
   start=$(date +%s)
+  # a mode may name SM shares: mps_80_60 is --gpu-share mps with 80% for prefill and 60% for decode
+  IFS=_ read -r share prefill_pct decode_pct <<< "$mode"
+  shares=""
+  [ -n "$prefill_pct" ] && shares="--gpu-sm-percent $prefill_pct"
+  [ -n "$decode_pct" ] && shares="$shares --decode-gpu-sm-percent $decode_pct"
   offline="" limit=${MODE_S:-85}
   if [ $first = 1 ]; then offline="--compare-offline" limit=${FIRST_S:-140}; first=0; fi
   # SIGINT, so bench serve's own clean-up stops its server (and serve its workers and MPS daemon) before the next mode
   timeout -s INT -k 30 "$limit" python3 -m kvrelay.cli --log-level WARNING bench serve --launch disaggregated --sweep $offline \
-    --input-len 1024 --output-len 128 --sweep-requests "${REQUESTS:-150}" --sweep-start 16 --sweep-resolution 4 \
+    --input-len 1024 --output-len 128 --sweep-requests "${REQUESTS:-150}" --sweep-start 16 --sweep-resolution "${RESOLUTION:-4}" \
     --sweep-min-rate 8 --sweep-max-trials 4 --json "$OUT/goodput-$mode.json" \
-    -- $ENGINE --gpu-share "$mode" > "$OUT/goodput-$mode.txt" 2>&1
+    -- $ENGINE --gpu-share "$share" $shares > "$OUT/goodput-$mode.txt" 2>&1
   rc=$?
   echo "== $mode: rc $rc, $(( $(date +%s) - start )) s"
   grep -E "^ +[0-9]+ +[0-9.]+ |highest rate|no rate met|did not become ready|error:" "$OUT/goodput-$mode.txt" | tail -8
