@@ -20,8 +20,9 @@ uint8 zero points and fp16 scales [K/G, N]; optional act-order ``g_idx``):
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvrelay.kernels.quant import PACK, unpack_w4, w4_groups
+from kvrelay.kernels.quant import PACK, pack_w4, unpack_w4, w4_groups
 
 TILE_KS = (128, 64, 32, 16)  # tl.dot needs a K tile of 16 or more; a tile must not straddle two groups
 
@@ -41,12 +42,21 @@ class W4Packed:
         return self.qweight.shape[1], self.qweight.shape[0] * PACK
 
 
-def default_tile_k(group_size: int, k: int) -> int:
-    """The largest tile in ``TILE_KS`` that divides both the group size and K."""
-    for t in TILE_KS:
-        if group_size % t == 0 and k % t == 0:
-            return t
-    raise ValueError(f"group size {group_size} (K {k}) is not a multiple of 16: the repacked W4 kernel cannot read it")
+def tile_k_for(group_size: int, k: int) -> int | None:
+    """The largest tile in ``TILE_KS`` that divides both the group size and K; None where none does."""
+    return next((t for t in TILE_KS if group_size % t == 0 and k % t == 0), None)
+
+
+def interleave_w4(qweight: torch.Tensor, tile_k: int) -> torch.Tensor:
+    """W4 words in input order [K/8, N] -> the same values interleaved per tile of ``tile_k`` inputs. A cut
+    of the inputs on tile boundaries commutes with it (each tile is rearranged on its own)."""
+    q = unpack_w4(qweight)
+    k, n = q.shape
+    q = q.reshape(k // tile_k, PACK, tile_k // PACK, n)  # [tile, slab j, row r, N]
+    words = torch.zeros(k // tile_k, tile_k // PACK, n, dtype=torch.int32, device=q.device)
+    for j in range(PACK):
+        words |= q[:, j] << (4 * j)  # nibble 7 sets int32's sign bit: the same 32 bits
+    return words.reshape(k // PACK, n).contiguous()
 
 
 def _sort_groups(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -59,22 +69,18 @@ def _sort_groups(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def repack_w4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
               g_idx: torch.Tensor | None = None, tile_k: int | None = None) -> W4Packed:
-    k, n = qweight.shape[0] * PACK, qweight.shape[1]
-    tile_k = tile_k or default_tile_k(group_size, k)
-    if group_size % tile_k or k % tile_k or tile_k % 16:
-        raise ValueError(f"tile_k {tile_k} must be a multiple of 16 dividing the group size {group_size} and K {k}")
-    q = unpack_w4(qweight)  # [K, N]
+    k = qweight.shape[0] * PACK
+    tile_k = tile_k or tile_k_for(group_size, k)
+    if tile_k is None or group_size % tile_k or k % tile_k or tile_k % 16:
+        raise ValueError(f"the repacked W4 kernel needs a K tile, a multiple of 16, that divides the group size "
+                         f"{group_size} and K {k} (tile_k {tile_k})")
     perm = None
     if g_idx is not None and not torch.equal(g_idx.long(), w4_groups(k, group_size, None, g_idx.device)):
         perm = _sort_groups(g_idx, group_size)
-        q = q[perm]
+        qweight = pack_w4(unpack_w4(qweight)[perm])
         perm = perm.to(torch.int32)
-    q = q.reshape(k // tile_k, PACK, tile_k // PACK, n)  # [tile, slab j, row r, N]
-    words = torch.zeros(k // tile_k, tile_k // PACK, n, dtype=torch.int32, device=q.device)
-    for j in range(PACK):
-        words |= q[:, j] << (4 * j)  # nibble 7 sets int32's sign bit: the same 32 bits
-    return W4Packed(words.reshape(k // PACK, n).contiguous(), scales.half().contiguous(),
-                    zeros.to(torch.uint8).contiguous(), perm, group_size, tile_k)
+    return W4Packed(interleave_w4(qweight, tile_k), scales.half().contiguous(), zeros.to(torch.uint8).contiguous(),
+                    perm, group_size, tile_k)
 
 
 def dequantize_packed(p: W4Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -88,3 +94,8 @@ def dequantize_packed(p: W4Packed, dtype: torch.dtype = torch.float32) -> torch.
     if p.perm is not None:
         w = torch.empty_like(w).index_copy_(0, p.perm.long(), w)
     return w.t().to(dtype)
+
+
+def w4_packed_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: dequantize the repacked weight, then matmul."""
+    return F.linear(x, dequantize_packed(p, x.dtype), bias)
