@@ -14,7 +14,11 @@ uint8 zero points and fp16 scales [K/G, N]; optional act-order ``g_idx``):
 - zero points and scales stay as they are (uint8 and fp16 [K/G, N]): the kernel folds ``1024 + z``, the
   value a nibble OR'd into the mantissa of 0x6400 (fp16 1024.0) must lose, once per K tile and column, so
   ``w = (bits - (1024 + z)) * scale`` per element with no integer conversion. Stored folded in fp16 they
-  would add 3% to the bytes a decode step reads, for work done once per 128 elements.
+  would add 1.5% to the bytes a decode step reads (groups of 128), for work done once per group and column.
+
+The model's W4Linear interleaves each qweight as it loads (``interleave_w4``; shared/engine/quant/linear.py);
+``repack_w4`` does the whole conversion at once, act-order included, for the benchmark and the tests: the
+model does not sort act-order rows yet (they keep the plain layout and kernels/triton/w4a16.py).
 """
 
 from dataclasses import dataclass
