@@ -5,7 +5,10 @@ Per (K, N) and row count: bf16 ``F.linear`` (cuBLAS) as the baseline; FP8 throug
 with per-token activation quantization (kernels/triton/fp8_linear.py); the Triton weight-only kernels
 for int8, for an fp8 weight read the same way (the weight-only FP8 path a decode row could take instead
 of quantizing its activations), and for W4 with groups of 128 — each over a sweep of tile shapes and
-warps, checked against the dequantize-then-matmul reference before it is timed. Every time is the median
+warps, checked against the dequantize-then-matmul reference before it is timed. ``w4_fast`` (and
+``w4_fast64``, K tiles of 64) is the same W4 weight repacked at load (kernels/w4_repack.py) through
+kernels/triton/w4_fast.py: magic-number fp16 dequantization, tensor-core products and split K; its sweep
+starts with its default configuration (cfg ``null``), the one the model runs. Every time is the median
 of CUDA-graph replays over enough weight copies that each replay reads several times the 60 MB L2 (so a
 decode step's cold reads are what is timed), and is printed beside its floor: the weight bytes (scales
 and zero points included) over the copy bandwidth measured in the same process.
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from kvrelay.bench.gpu_measure import graph_seconds
 from kvrelay.kernels import quant
+from kvrelay.kernels.w4_repack import repack_w4
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
@@ -40,14 +44,18 @@ def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list
             out.append({"w": w.cuda(), "s": s.cuda()})
         else:
             q = torch.randint(0, 16, (k, n), generator=gen)
-            out.append({"w": quant.pack_w4(q).cuda(),
-                        "z": torch.randint(0, 16, (k // GROUP, n), generator=gen).to(torch.uint8).cuda(),
-                        "s": (torch.rand(k // GROUP, n, generator=gen) * 0.5 / k ** 0.5 + 0.01 / k ** 0.5).half().cuda()})
+            d = {"w": quant.pack_w4(q).cuda(),
+                 "z": torch.randint(0, 16, (k // GROUP, n), generator=gen).to(torch.uint8).cuda(),
+                 "s": (torch.rand(k // GROUP, n, generator=gen) * 0.5 / k ** 0.5 + 0.01 / k ** 0.5).half().cuda()}
+            if fmt.startswith("w4_fast"):  # the same weight, repacked; "unpacked" is the reference's
+                p = repack_w4(d["w"], d["z"], d["s"], GROUP, tile_k=64 if fmt == "w4_fast64" else None)
+                d = {"w": p.qweight, "z": p.zeros, "s": p.scales, "packed": p, "unpacked": d}
+            out.append(d)
     return out
 
 
 def nbytes(d: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in d.values())
+    return sum(t.numel() * t.element_size() for t in d.values() if isinstance(t, torch.Tensor))
 
 
 def reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
@@ -57,7 +65,8 @@ def reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
     x = x.float()
     if fmt == "bf16":
         return F.linear(x, d["w"].float())
-    if fmt == "w4":
+    if fmt.startswith("w4"):
+        d = d.get("unpacked", d)
         return quant.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP)
     return F.linear(x, quant.dequantize_channel(d["w"], d["s"]))
 
@@ -68,6 +77,12 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
     if fmt.endswith("_sk"):
         ns, ks, ws = ((8,), (1024,), (4,)) if quick else ((4, 8, 16), (512, 1024, 2048), (4, 8))
         return list(itertools.product(ns, ks, ws))
+    if fmt.startswith("w4_fast"):  # (BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages); None: the default
+        ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
+        ns, splits = ((32, 64, 128), (1, 2, 4, 8)) if rows <= 16 else ((64, 128), (1, 2))
+        launch = ((4, 3),) if quick else ((4, 3), (4, 4))
+        return [None] + [(bm, bn, sp, *ws) for bm, bn, sp, ws in
+                         itertools.product(ms, ns, splits[:2] if quick else splits, launch)]
     if rows <= 8:
         ns, ks, ws = ((16, 32), (128,), (4,)) if quick else ((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8))
         return [(1, bn, bk, w, 2) for bn, bk, w in itertools.product(ns, ks, ws)]
@@ -82,6 +97,7 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
     fp8_linear = import_module("kvrelay.kernels.triton.fp8_linear")
     skinny = import_module("kvrelay.kernels.triton.skinny_linear")
     w4a16 = import_module("kvrelay.kernels.triton.w4a16")
+    w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
 
     gemv = rows <= w4a16.GEMV_MAX_ROWS
     if fmt == "bf16":
@@ -90,6 +106,8 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
         return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
     if fmt.endswith("_sk"):
         return lambda: skinny.scaled_linear(x, d["w"], d["s"], cfg=cfg)
+    if fmt.startswith("w4_fast"):
+        return lambda: w4_fast.w4_packed_linear(x, d["packed"], cfg=cfg)
     if fmt == "w4":
         return lambda: w4a16.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP, gemv=gemv, cfg=cfg)
     return lambda: w4a16.int8_linear(x, d["w"], d["s"], gemv=gemv, cfg=cfg)  # int8, and fp8 weight-only
@@ -112,7 +130,7 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
     floor_us = nbytes(one) / bandwidth * 1e6
     row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
-    expected = reference(fmt if fmt in ("bf16", "fp8_mm", "w4") else store, x, one)
+    expected = reference(fmt if fmt in ("bf16", "fp8_mm") or fmt.startswith("w4") else store, x, one)
     if fmt.endswith("_sk") and rows > 1:
         return row  # the skinny loop is for one row
     tries = [None] if fmt in ("bf16", "fp8_mm") else configs(fmt, rows, quick)
@@ -133,6 +151,8 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
         except Exception as exc:  # e.g. an op that cannot be captured in a graph: recorded, the sweep goes on
             row.setdefault("refused", []).append(f"{cfg}: timing: {type(exc).__name__}: {str(exc)[:200]}")
             continue
+        if cfg is None:
+            row["default_us"] = t * 1e6
         if best is None or t < best[0]:
             best = (t, cfg, err)
     if best is not None:
@@ -144,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
     p.add_argument("--rows", default="1,128,4096")
-    p.add_argument("--formats", default="bf16,fp8_mm,fp8_sk,int8_sk,fp8_wo,int8,w4")
+    p.add_argument("--formats", default="bf16,fp8_mm,fp8_sk,int8_sk,fp8_wo,int8,w4,w4_fast,w4_fast64")
     p.add_argument("--json", default=None, help="also write every row here")
     args = p.parse_args(argv)
     from kvrelay.bench.gpu_measure import copy_bandwidth

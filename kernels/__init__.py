@@ -86,6 +86,11 @@ def w4a16_linear(x, qweight, zeros, scales, group_size, g_idx=None, bias=None):
     return implementation("w4a16_linear", x)(x, qweight, zeros, scales, group_size, g_idx, bias)
 
 
+def w4_packed_linear(x, packed, bias=None):
+    # the W4 weight repacked at load (kernels/w4_repack.py: interleaved nibbles, groups in order)
+    return implementation("w4_packed_linear", x)(x, packed, bias)
+
+
 def int8_linear(x, weight, scale, bias=None):
     # int8 [N, K] weight, fp32 per-output-channel scale [N]; activations stay in x's dtype
     return implementation("int8_linear", x)(x, weight, scale, bias)
@@ -110,7 +115,8 @@ def gelu(x, approximate="tanh"):
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
-    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "int8_linear", "fp8_linear",
+    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "int8_linear",
+    "fp8_linear",
 ]
 
 

@@ -12,6 +12,7 @@ from kvrelay.kernels.metadata import AttentionMetadata
 
 # the quantized matmuls' references live with their weight layouts
 from kvrelay.kernels.quant import fp8_linear, int8_linear, w4a16_linear  # noqa: F401
+from kvrelay.kernels.w4_repack import w4_packed_linear  # noqa: F401
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

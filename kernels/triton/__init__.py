@@ -16,6 +16,7 @@ from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
 from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.triton.skinny_linear import linear, rms_norm_linear, silu_mul_linear
+from kvrelay.kernels.triton.w4_fast import w4_packed_linear
 from kvrelay.kernels.triton.w4a16 import int8_linear, w4a16_linear
 from kvrelay.kernels.triton.write_kv import write_kv
 
@@ -35,6 +36,7 @@ OPS = {
     "silu_mul_linear": silu_mul_linear,
     "warm_up_prefill_attention": sdpa_prefill.warm_up,
     "w4a16_linear": w4a16_linear,
+    "w4_packed_linear": w4_packed_linear,
     "int8_linear": int8_linear,
     "fp8_linear": fp8_linear,  # per-token quantization here, the matmul cuBLASLt's through torch
 }
@@ -48,5 +50,5 @@ def register_all() -> None:
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
     "rotary_write_kv", "rotary_attention", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
-    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "int8_linear", "fp8_linear",
+    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "w4_packed_linear", "int8_linear", "fp8_linear",
 ]

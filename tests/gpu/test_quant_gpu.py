@@ -1,15 +1,16 @@
 """Weight quantization on a GPU (``pytest -m gpu tests/gpu/test_quant_gpu.py``): the W4A16 / W8A16 Triton
 kernels at Llama-3-8B projection shapes against dequantize-then-matmul, the FP8 matmul (per-token
 activations, torch._scaled_mm) against the dequantized reference, and whole models in each quantization
-generating the CPU reference's tokens. tests/kernels/test_quant_interpret.py runs the kernel checks at
-small shapes on CPU.
+generating the CPU reference's tokens; the repacked W4 kernel (kernels/triton/w4_fast.py) the same way.
+tests/kernels/test_quant_interpret.py and test_w4_fast_interpret.py run the kernel checks at small shapes
+on CPU.
 """
 
 import pytest
 import torch
 
 from kvrelay.kernels import quant
-from tests.kernels.quant_cases import check_int8, check_w4
+from tests.kernels.quant_cases import check_int8, check_w4, check_w4_packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 # Llama-3-8B: qkv, o, gate|up, down (K, N)
@@ -33,6 +34,25 @@ def test_w4_real_shapes(kernel, k, n, rows):
 @pytest.mark.parametrize("rows", [1, 300])
 def test_w4_act_order(kernel, rows):
     check_w4(kernel, "cuda", rows, 4096, 4096, 128, torch.float16, act_order=True, bias=True)
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 4, 256, 1000])
+def test_w4_repacked_real_shapes(k, n, rows):
+    # kernels/triton/w4_fast.py: the default configuration splits K at these shapes for few rows
+    pytest.importorskip("triton")
+    from kvrelay.kernels.triton import w4_fast
+
+    check_w4_packed(w4_fast, "cuda", rows, k, n, 128, torch.bfloat16, "awq")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_w4_repacked_act_order(dtype, rows):
+    pytest.importorskip("triton")
+    from kvrelay.kernels.triton import w4_fast
+
+    check_w4_packed(w4_fast, "cuda", rows, 4096, 4096, 128, dtype, "gptq_act_order", bias=True)
 
 
 @pytest.mark.parametrize("k, n", SHAPES)

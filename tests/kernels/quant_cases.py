@@ -8,8 +8,8 @@ from kvrelay.kernels import quant
 from tests.kernels.triton_cases import assert_close
 
 
-def check_w4(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: torch.dtype, act_order: bool,
-             gemv: bool | None = None, bias: bool = False, cfg: tuple[int, int, int] | None = None) -> None:
+def w4_case(rows: int, k: int, n: int, group: int, dtype: torch.dtype, act_order: bool, bias: bool):
+    """(q [K, N] values 0..15, zero points, fp16 scales, g_idx or None, x [rows, K], bias or None)."""
     gen = torch.Generator().manual_seed(rows * 131 + k + n + group)
     q = torch.randint(0, 16, (k, n), generator=gen)
     zeros = torch.randint(0, 16, (k // group, n), generator=gen).to(torch.uint8)
@@ -18,6 +18,12 @@ def check_w4(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: 
     g_idx = (torch.randperm(k, generator=gen) // group).to(torch.int32) if act_order else None
     x = torch.randn(rows, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return q, zeros, scales, g_idx, x, b
+
+
+def check_w4(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: torch.dtype, act_order: bool,
+             gemv: bool | None = None, bias: bool = False, cfg: tuple[int, int, int] | None = None) -> None:
+    q, zeros, scales, g_idx, x, b = w4_case(rows, k, n, group, dtype, act_order, bias)
     args = [t.to(device) if t is not None else None for t in (quant.pack_w4(q), zeros, scales)]
     g = g_idx.to(device) if g_idx is not None else None
     got = kernel.w4a16_linear(x.to(device), *args, group, g, b.to(device) if b is not None else None,
@@ -40,3 +46,31 @@ def check_int8(kernel, device: str, rows: int, k: int, n: int, dtype: torch.dtyp
     else:
         got = op(x.to(device), weight.to(device), scale.to(device))
     assert_close(got.cpu(), quant.int8_linear(x.float(), weight, scale), dtype)
+
+
+def check_w4_packed(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: torch.dtype,
+                    source: str, bias: bool = False, cfg: tuple[int, ...] | None = None) -> None:
+    """A W4 weight published as ``source`` ("awq", "gptq", "gptq_act_order"; "w4_act_order": kernels/quant.py's
+    layout as is, which, packing along K only, allows any output count), converted to the W4 layout as the
+    loader does, repacked (kernels/w4_repack.py), through ``kernel.w4_packed_linear`` against
+    dequantize-then-matmul of the original values."""
+    from kvrelay.kernels.w4_repack import repack_w4
+    from kvrelay.shared.engine.quant import formats
+
+    q, zeros, scales, g_idx, x, b = w4_case(rows, k, n, group, dtype, source.endswith("act_order"), bias)
+    if source.startswith("w4"):
+        qweight = quant.pack_w4(q)
+    elif source == "awq":
+        awq = formats.to_awq(q, zeros, scales)
+        qweight, zeros = formats.awq_qweight_to_w4(awq["qweight"]), formats.awq_qzeros_to_w4(awq["qzeros"])
+    else:
+        gptq = formats.to_gptq(q, zeros.int(), scales, group)
+        qweight, zeros = gptq["qweight"], formats.gptq_qzeros_to_w4(gptq["qzeros"], minus_one=True)
+        g_idx = gptq["g_idx"] if g_idx is None else g_idx
+    packed = repack_w4(*(t.to(device) for t in (qweight, zeros, scales)), group,
+                       g_idx.to(device) if g_idx is not None else None)
+    got = kernel.w4_packed_linear(x.to(device), packed, b.to(device) if b is not None else None, cfg=cfg)
+    expected = quant.w4a16_linear(x.float(), quant.pack_w4(q), zeros.cpu(), scales, group, g_idx,
+                                  b.float() if b is not None else None)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert_close(got.cpu(), expected, dtype)

@@ -85,7 +85,7 @@ def test_awq_layout_round_trip(k, n, group):
     layer = W4Linear(k, n, False, torch.float32, QuantConfig("awq", True, group))
     _load(layer, published)
     expected = dequant_reference(q, z, s, torch.arange(k) // group)
-    got = kq.dequantize_w4(layer.qweight, layer.qzeros, layer.scales, group)
+    got = layer.dequantize()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -103,7 +103,7 @@ def test_gptq_layout_round_trip(act_order):
     layer = W4Linear(k, n, False, torch.float32, QuantConfig("gptq", True, group, desc_act=act_order))
     _load(layer, published)
     expected = dequant_reference(q, z, s, g_idx)
-    got = kq.dequantize_w4(layer.qweight, layer.qzeros, layer.scales, group, layer.g_idx if act_order else None)
+    got = layer.dequantize()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
-from kvrelay.kernels.quant import quantize_channel
+from kvrelay.kernels.quant import dequantize_w4, quantize_channel
+from kvrelay.kernels.w4_repack import W4Packed, dequantize_packed, interleave_w4, tile_k_for
 from kvrelay.shared.engine.quant import formats
 from kvrelay.shared.engine.quant.config import W4_METHODS, QuantConfig
 
@@ -110,7 +111,10 @@ class ChannelLinear(QuantLinear):
 
 
 class W4Linear(QuantLinear):
-    """AWQ or GPTQ 4-bit weight, converted at load into kernels/quant.py's W4 layout."""
+    """AWQ or GPTQ 4-bit weight, converted at load into kernels/quant.py's W4 layout, and its nibbles
+    interleaved as it arrives (``tile_k``: kernels/w4_repack.py) for kernels/triton/w4_fast.py. GPTQ's
+    act-order, whose rows must be sorted by a g_idx that may arrive after them, and group sizes with no
+    K tile of 16 or more keep the plain layout and its kernel (``tile_k`` None)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantConfig):
         super().__init__(in_features, out_features, bias, dtype, quant)
@@ -122,6 +126,7 @@ class W4Linear(QuantLinear):
         self.qzeros = _param(torch.empty(k // g, n, dtype=torch.uint8), 1)
         self.scales = _param(torch.empty(k // g, n, dtype=torch.float16), 1)
         self.g_idx = _param(torch.empty(k, dtype=torch.int32), None) if quant.method == "gptq" else None
+        self.tile_k = None if quant.desc_act else tile_k_for(g, k)
 
     def checkpoint_suffixes(self) -> list[str]:
         names = ["qweight", "qzeros", "scales"] + (["g_idx"] if self.quant.desc_act else [])
@@ -137,7 +142,9 @@ class W4Linear(QuantLinear):
             # a rank's cuts come after unpacking: in the W4 layout every tensor is [inputs (in words of 8
             # or in groups), outputs], so an output cut is clean at any width, and an input cut lands on word
             # and group boundaries because this shard's own input size is a multiple of both (__init__)
-            return getattr(self, suffix), rows, _then_all(to_w4[suffix], _transposed(pre), _transposed(inputs))
+            interleave = (lambda t: interleave_w4(t, self.tile_k)) if suffix == "qweight" and self.tile_k else None
+            return getattr(self, suffix), rows, _then_all(to_w4[suffix], _transposed(pre), _transposed(inputs),
+                                                          interleave)
         if suffix == "g_idx" and self.g_idx is not None:
             # one per input, shared by the parts of a fused layer (they see the same inputs, so GPTQ's
             # act-order gives them the same order); a row-parallel rank keeps its inputs' (read only with
@@ -145,9 +152,25 @@ class W4Linear(QuantLinear):
             return self.g_idx, None, None if inputs is None else (lambda t: inputs(t[None])[0])
         return super().route(suffix, rows, pre)
 
+    def packed(self) -> W4Packed | None:
+        if self.tile_k is None:
+            return None
+        return W4Packed(self.qweight, self.scales, self.qzeros, None, self.quant.group_size, self.tile_k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed()
+        if packed is not None:
+            return kernels.w4_packed_linear(x, packed, self.bias)
         g_idx = self.g_idx if self.quant.desc_act else None
         return kernels.w4a16_linear(x, self.qweight, self.qzeros, self.scales, self.quant.group_size, g_idx, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] weight in fp32, whichever layout this layer holds."""
+        packed = self.packed()
+        if packed is not None:
+            return dequantize_packed(packed)
+        return dequantize_w4(self.qweight, self.qzeros, self.scales, self.quant.group_size,
+                             self.g_idx if self.quant.desc_act else None)
 
     @torch.no_grad()
     def init_dummy(self, gen: torch.Generator) -> None:
