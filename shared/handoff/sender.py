@@ -41,6 +41,7 @@ MAX_ATTEMPTS = 3
 # A transfer with no decode worker to ask (none registered, or every one refused) looks again after
 # NO_WORKER_RETRY_S, each round in a row twice as long up to MAX_NO_WORKER_RETRY_S: a cluster whose decode workers
 # all refuse (a version apart too far, a KV layout they cannot take) is not asked five times a second per prompt.
+# Refused for lack of room, it keeps to NO_WORKER_RETRY_S.
 NO_WORKER_RETRY_S = 0.2
 MAX_NO_WORKER_RETRY_S = 2.0
 
@@ -154,8 +155,10 @@ class HandoffSender(KVOut):
             # one refused for lack of room: that is backpressure, not failure. Keep the KV and ask them
             # all again later, the last time as the budget ends, so the transfer fails at it, not past it.
             t.tried.clear()
-            wait = min(reask_wait_s(t.rounds_refused), self._budget_left(t))
-            t.rounds_refused += 1
+            # a full batch frees a seat whenever one of its requests ends: no backing off from that
+            wait = NO_WORKER_RETRY_S if t.waits_for_room else reask_wait_s(t.rounds_refused)
+            t.rounds_refused += not t.waits_for_room
+            wait = min(wait, self._budget_left(t))
             t.target, t.deadline = "", time.monotonic() + wait
             t.to(Event.ASK)
             return

@@ -1,5 +1,6 @@
 """A computed transfer that every decode worker refuses looks again, each round in a row twice as long after the
-last, up to a cap, and fails with the refusal's reason as its budget ends, over real ZMQ sockets. The sender's clock
+last, up to a cap, and fails with the refusal's reason as its budget ends, over real ZMQ sockets; refused for lack
+of room, it keeps the first pace. The sender's clock
 is the test's: the schedule is read off it, never measured. A grant starts the waits over."""
 
 import pytest
@@ -44,6 +45,10 @@ def _refuse(ask: HandoffRequest) -> HandoffGrant:
     return HandoffGrant(ask.request_id, accepted=False, reason="a KV layout this worker cannot take", ask=ask.ask)
 
 
+def _full(ask: HandoffRequest) -> HandoffGrant:
+    return HandoffGrant(ask.request_id, accepted=False, busy=True, reason="no free seat", ask=ask.ask)
+
+
 def _rounds(manager, t, clock, routers, answer, rounds: int | None = None) -> tuple[int, list[float]]:
     """Drive ``t`` until it ends (or has waited ``rounds`` times): (asks answered, each wait before a new round)."""
     asked, waits = 0, []
@@ -83,6 +88,18 @@ def test_refused_by_every_decode_worker_it_backs_off_and_fails_as_its_budget_end
     assert t.reason == "decode worker refused: a KV layout this worker cannot take; no other decode worker to try"
     a.close()
     b.close()
+
+
+def test_refused_for_lack_of_room_it_keeps_asking_at_the_first_pace(prefill, clock):
+    """A full batch frees a seat whenever one of its requests ends: a transfer waiting for one does not back off."""
+    rt, make = prefill
+    a, a_addr = peer_router()
+    manager = make(a_addr, timeout_s=BUDGET_S)
+    t = _computed(manager, rt, "r", 4 * BLOCK)
+    t.started = clock.now
+    assert _rounds(manager, t, clock, (a,), _full, rounds=6)[1] == pytest.approx([NO_WORKER_RETRY_S] * 6, abs=1e-4)
+    assert _rounds(manager, t, clock, (a,), _refuse, rounds=2)[1] == pytest.approx([0.2, 0.4], abs=1e-4)
+    a.close()
 
 
 def test_a_grant_starts_the_waits_over(prefill, clock):
