@@ -1,5 +1,6 @@
 """A model's job streams seen by one consumer: new jobs through the consumer group, jobs of dead peers
-through ``XAUTOCLAIM``, poison and malformed jobs to the dead-letter stream.
+through ``XAUTOCLAIM``, poison and malformed jobs, and those of a gateway more than one wire protocol version
+apart, to the dead-letter stream, their clients told why.
 
 Two streams feed a worker: the model's shared stream, which any free worker takes from, and its private
 stream, where the gateway routes jobs whose prompt prefix this worker likely has cached (prefix
