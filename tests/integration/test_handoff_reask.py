@@ -75,43 +75,47 @@ def test_the_waits_double_from_the_first_up_to_the_cap():
     assert reask_wait_s(10_000) == MAX_NO_WORKER_RETRY_S and reask_wait_s(0) == NO_WORKER_RETRY_S
 
 
-def test_refused_by_every_decode_worker_it_backs_off_and_fails_as_its_budget_ends(prefill, clock):
+@pytest.fixture()
+def asking(prefill, clock):
+    """``asking(workers)``: a computed transfer on the test's clock, its manager, and the sockets of the ``workers``
+    decode workers it asks, in order; closed after."""
     rt, make = prefill
-    (a, a_addr), (b, b_addr) = peer_router(), peer_router()
-    manager = make(a_addr, timeout_s=BUDGET_S, also=(b_addr,))
-    t = _computed(manager, rt, "r", 4 * BLOCK)
-    t.started = clock.now
-    asked, waits = _rounds(manager, t, clock, (a, b), _refuse)
+    sockets = []
+
+    def start(workers: int):
+        routers = [peer_router() for _ in range(workers)]
+        sockets.extend(sock for sock, _ in routers)
+        manager = make(routers[0][1], timeout_s=BUDGET_S, also=tuple(addr for _, addr in routers[1:]))
+        t = _computed(manager, rt, "r", 4 * BLOCK)
+        t.started = clock.now
+        return manager, t, tuple(sock for sock, _ in routers)
+
+    yield start
+    for sock in sockets:
+        sock.close()
+
+
+def test_refused_by_every_decode_worker_it_backs_off_and_fails_as_its_budget_ends(asking, clock):
+    manager, t, routers = asking(2)
+    asked, waits = _rounds(manager, t, clock, routers, _refuse)
     # 0.2 + 0.4 + 0.8 + 1.6 + 2 + 2 + 2 = 9 s of waits, the last one cut to what is left of the 10 s budget
     assert waits == pytest.approx([0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 1.0], abs=1e-4)
     assert asked == 2 * (len(waits) + 1)  # each round asks both workers once, the last as the budget ends
     assert t.reason == "decode worker refused: a KV layout this worker cannot take; no other decode worker to try"
-    a.close()
-    b.close()
 
 
-def test_refused_for_lack_of_room_it_keeps_asking_at_the_first_pace(prefill, clock):
+def test_refused_for_lack_of_room_it_keeps_asking_at_the_first_pace(asking, clock):
     """A full batch frees a seat whenever one of its requests ends: a transfer waiting for one does not back off."""
-    rt, make = prefill
-    a, a_addr = peer_router()
-    manager = make(a_addr, timeout_s=BUDGET_S)
-    t = _computed(manager, rt, "r", 4 * BLOCK)
-    t.started = clock.now
-    assert _rounds(manager, t, clock, (a,), _full, rounds=6)[1] == pytest.approx([NO_WORKER_RETRY_S] * 6, abs=1e-4)
-    assert _rounds(manager, t, clock, (a,), _refuse, rounds=2)[1] == pytest.approx([0.2, 0.4], abs=1e-4)
-    a.close()
+    manager, t, routers = asking(1)
+    assert _rounds(manager, t, clock, routers, _full, rounds=6)[1] == pytest.approx([NO_WORKER_RETRY_S] * 6, abs=1e-4)
+    assert _rounds(manager, t, clock, routers, _refuse, rounds=2)[1] == pytest.approx([0.2, 0.4], abs=1e-4)
 
 
-def test_a_grant_starts_the_waits_over(prefill, clock):
-    rt, make = prefill
-    a, a_addr = peer_router()
-    manager = make(a_addr, timeout_s=BUDGET_S)
-    t = _computed(manager, rt, "r", 4 * BLOCK)
-    t.started = clock.now
-    assert _rounds(manager, t, clock, (a,), _refuse, rounds=3)[1] == pytest.approx([0.2, 0.4, 0.8], abs=1e-4)
+def test_a_grant_starts_the_waits_over(asking, clock):
+    manager, t, routers = asking(1)
+    assert _rounds(manager, t, clock, routers, _refuse, rounds=3)[1] == pytest.approx([0.2, 0.4, 0.8], abs=1e-4)
     assert t.rounds_refused == 3
-    poll_until(manager, lambda: _answer_asks((a,), lambda ask: HandoffGrant(
+    poll_until(manager, lambda: _answer_asks(routers, lambda ask: HandoffGrant(
         ask.request_id, accepted=True, block_ids=[1, 2, 3, 4], ttl_s=5.0, epoch=1, ask=ask.ask)), "the next ask")
     poll_until(manager, lambda: t.grant is not None, "the grant")
     assert t.rounds_refused == 0  # a later round in which nobody takes it waits NO_WORKER_RETRY_S again
-    a.close()
