@@ -4,8 +4,8 @@ worker XACK the job) is shared/handoff/sender.py's.
 
 A decode worker is chosen among the live ones registered in Redis that serve the model, most free KV
 blocks first, then the lightest batch: that spreads load and avoids a grant refusal. One refused or
-silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again while the handoff timeout
-allows: a full decode batch is backpressure, not failure).
+silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again, after a wait that doubles each
+round up to 2 s, while the handoff timeout allows: a full decode batch is backpressure, not failure).
 
 A decode worker that leaves the registry for good (its rank was killed and took it down, or it stopped)
 while it holds a transfer owes no answer: the transfer goes to another one at once when only asked or

@@ -10,7 +10,8 @@ header, which comes last and carries the first token, must match the grant and o
 is complete: admitted and acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
 and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
 transfer's blocks) the sender gave up on, when it comes from the peer the grant was made to. An ask that does not
-decode (a newer asker's must-understand field) is refused with the codec's line (unreadable.py). Every grant has its
+decode (a newer asker's must-understand field) is refused with the codec's line (unreadable.py); in a step of
+asks, only that ask: the others are granted as ever. Every grant has its
 epoch (grants.py), which its KV, header, ack and cancel carry: a request id granted again has a new one, and what
 comes for the old grant is dropped (``stale``).
 
@@ -32,11 +33,12 @@ from kvrelay.shared.handoff.incoming import Incoming, check_header
 from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.seats import Seats
 from kvrelay.shared.handoff.sharded import WorkerDown
-from kvrelay.shared.handoff.unreadable import refusal, unread_asks
+from kvrelay.shared.handoff.unreadable import asks_one_by_one, refusal, unread_asks
 from kvrelay.shared.wire.codec import decode_any
 from kvrelay.shared.wire.handoff import (
     HandoffAck,
     HandoffCancel,
+    HandoffGrant,
     HandoffGrants,
     HandoffRequest,
     HandoffRequests,
@@ -89,6 +91,12 @@ class KVInbox(Seats):
         try:
             msg = decode_any(frames[1].bytes, HandoffRequest, HandoffRequests, KVHeader, KVLayers, HandoffCancel)
         except ValueError as exc:
+            if answers := asks_one_by_one(frames[1].bytes):  # a step of asks: only those unreadable are refused
+                log.warning("refused %d of a step's %d handoff asks: %s",
+                            sum(isinstance(a, HandoffGrant) for a in answers), len(answers), exc)
+                self._reply(peer, HandoffGrants([a if isinstance(a, HandoffGrant) else self._grant(peer, a)
+                                                 for a in answers]))
+                return
             # a newer asker's ask (a field it must have understood) is refused at once: no wait for a timeout there
             asks = unread_asks(frames[1].bytes)
             log.warning("%s handoff message: %s", "refused a" if asks else "dropped a malformed", exc)

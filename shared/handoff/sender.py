@@ -17,6 +17,7 @@ The asks, replies and cancels go through sender_io.py; a granted transfer's KV l
 """
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -37,7 +38,17 @@ from kvrelay.shared.wire.zmq_auth import CurveKeys
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-NO_WORKER_RETRY_S = 0.2  # how often a transfer with no decode worker to ask (or none with room) looks again
+# A transfer with no decode worker to ask (none registered, or every one refused) looks again after
+# NO_WORKER_RETRY_S, each round in a row twice as long up to MAX_NO_WORKER_RETRY_S: a cluster whose decode workers
+# all refuse (a version apart too far, a KV layout they cannot take) is not asked five times a second per prompt.
+# Refused for lack of room, it keeps to NO_WORKER_RETRY_S.
+NO_WORKER_RETRY_S = 0.2
+MAX_NO_WORKER_RETRY_S = 2.0
+
+
+def reask_wait_s(rounds: int) -> float:
+    """The wait after ``rounds`` rounds in a row (0: the first) in which no decode worker took the transfer."""
+    return min(NO_WORKER_RETRY_S * 2 ** min(rounds, 16), MAX_NO_WORKER_RETRY_S)
 
 
 Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model) -> a decode worker to ask
@@ -142,9 +153,13 @@ class HandoffSender(KVOut):
         if target is None and self._in_budget(t):
             # None registered (Redis just restarted, the only decode worker is being replaced) or every
             # one refused for lack of room: that is backpressure, not failure. Keep the KV and ask them
-            # all again shortly, within the handoff timeout.
+            # all again later, the last time as the budget ends, so the transfer fails at it, not past it.
             t.tried.clear()
-            t.target, t.deadline = "", time.monotonic() + NO_WORKER_RETRY_S
+            # a full batch frees a seat whenever one of its requests ends: no backing off from that
+            wait = NO_WORKER_RETRY_S if t.waits_for_room else reask_wait_s(t.rounds_refused)
+            t.rounds_refused += not t.waits_for_room
+            wait = min(wait, self._budget_left(t))
+            t.target, t.deadline = "", time.monotonic() + wait
             t.to(Event.ASK)
             return
         if target is None:
@@ -171,6 +186,8 @@ class HandoffSender(KVOut):
         if t is None:
             return  # a late ack for a transfer that already timed out or was cancelled
         if isinstance(msg, HandoffGrant) and t.state is State.GRANT_WAIT:
+            if msg.accepted:
+                t.rounds_refused = 0
             if msg.accepted and not t.computed:
                 t.grant = msg
                 t.to(Event.GRANTED)
@@ -220,16 +237,22 @@ class HandoffSender(KVOut):
             log.warning("handoff of %s: %s", t.job.request_id, reason)
             self._fail(t, reason)
             return
-        log.debug("handoff of %s: %s; asking again", t.job.request_id, reason)  # under load: every 0.2 s
+        log.debug("handoff of %s: %s; asking again", t.job.request_id, reason)  # under load: a round at most every 0.2 s
         self._send_request(t, after=reason)
 
     def _in_budget(self, t: Transfer) -> bool:
+        return self._budget_left(t) > 0
+
+    def _budget_left(self, t: Transfer) -> float:
         """A transfer may keep looking for a decode worker with room until the handoff timeout; one that
         live decode workers refused only for lack of room waits for a seat until its job's deadline, as a
         request waits in vLLM's queue: a full batch is load, not an error."""
-        if t.waits_for_room and (not t.job.deadline or time.time() < t.job.deadline):
-            return True
-        return time.perf_counter() - t.started < self.timeout_s
+        left = self.timeout_s - (time.perf_counter() - t.started)
+        if t.waits_for_room:
+            until_deadline = t.job.deadline - time.time() if t.job.deadline else math.inf
+            if until_deadline > 0:
+                return max(left, until_deadline)
+        return left
 
     def _fail(self, t: Transfer, reason: str) -> None:
         if t.target and t.state not in (State.NEW, State.PARKED, State.DONE, State.FAILED):

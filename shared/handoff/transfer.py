@@ -29,6 +29,7 @@ class Transfer:
     target: str = ""  # the decode worker's address
     target_id: str = ""  # and its worker id (what the gateway knows it by)
     tried: set[str] = field(default_factory=set)
+    rounds_refused: int = 0  # rounds in a row no decode worker took it (a grant resets it): how long it waits next
     waits_for_room: bool = False  # the last refusal was for lack of room: it may wait past the handoff timeout
     seat_wait_from: float = 0.0  # perf_counter when a refusal for lack of room made the prefilled KV wait
     seat_wait_s: float = 0.0  # how long it waited for a decode seat, once it got one (or failed)

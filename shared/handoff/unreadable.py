@@ -6,7 +6,7 @@ even a map of an ask's or grant's tag names no request: nothing to answer."""
 
 from dataclasses import dataclass
 
-from kvrelay.shared.wire.codec import peek
+from kvrelay.shared.wire.codec import decode_each, peek
 from kvrelay.shared.wire.handoff import MAX_ASKS, HandoffGrant, HandoffGrants, HandoffRequest, HandoffRequests
 from kvrelay.shared.wire.limits import MAX_ID_LEN
 
@@ -31,6 +31,19 @@ def unread_grants(data: bytes | memoryview) -> list[Unread]:
     return _unread(data, HandoffGrant.TAG, HandoffGrants.TAG, "grants")
 
 
+def asks_one_by_one(data: bytes | memoryview) -> list[HandoffRequest | HandoffGrant]:
+    """A step of asks that did not decode whole, ask by ask: each readable ask itself, each unreadable one that
+    names its request as its refusal (the codec's line for it, its number echoed), so one newer ask does not cost
+    the others their grants. [] when ``data`` is no step of asks, or the step is unreadable as a whole."""
+    out: list[HandoffRequest | HandoffGrant] = []
+    for item, ask in decode_each(data, HandoffRequests, "requests", HandoffRequest, MAX_ASKS):
+        if isinstance(ask, HandoffRequest):
+            out.append(ask)
+        elif (unread := _read(item)) is not None:
+            out.append(refusal([unread], str(ask)))
+    return out
+
+
 def refusal(asks: list[Unread], reason: str) -> HandoffGrant | HandoffGrants:
     """The answer to ``asks`` (1..MAX_ASKS), which did not decode for ``reason``: each refused, its number echoed."""
     reason = reason[:MAX_REASON_CHARS]
@@ -44,12 +57,15 @@ def _unread(data: bytes | memoryview, single: str, batch: str, key: str) -> list
     items = [raw] if tag == single else raw.get(key) if tag == batch else None
     if not isinstance(items, list):
         return []
-    out = []
-    for item in items[:MAX_ASKS]:  # no more than a message of them may carry
-        rid = item.get("request_id") if isinstance(item, dict) else None
-        if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN:
-            out.append(Unread(rid, _count(item, "ask"), _count(item, "epoch"), item.get("accepted") is not False))
-    return out
+    # no more than a message of them may carry
+    return [unread for item in items[:MAX_ASKS] if (unread := _read(item)) is not None]
+
+
+def _read(item) -> Unread | None:
+    rid = item.get("request_id") if isinstance(item, dict) else None
+    if not (isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN):
+        return None
+    return Unread(rid, _count(item, "ask"), _count(item, "epoch"), item.get("accepted") is not False)
 
 
 def _count(item: dict, name: str) -> int:

@@ -68,6 +68,31 @@ def decode_any(data: bytes | memoryview, *classes: type) -> Any:
     return build(cls, raw, cls.__name__)
 
 
+def decode_each(data: bytes | memoryview, batch: type, key: str, cls: type[M],
+                max_items: int) -> list[tuple[Any, M | ValueError]]:
+    """A ``batch`` message that did not decode whole, its items (the list under ``key``) decoded one by one: each
+    raw item with its ``cls`` message or the ValueError it raised, so a receiver refuses only the items it cannot
+    read (a newer sender's). [] when ``data`` is no such batch, has more than ``max_items``, or fails for more than
+    its items (the batch's own fields): then nothing of it is taken."""
+    raw = peek(data)
+    items = raw.get(key) if raw.get("type") == batch.TAG else None
+    if not isinstance(items, list) or len(items) > max_items:
+        return []
+    out: list[tuple[Any, Any]] = []
+    for i, item in enumerate(items):
+        try:
+            out.append((item, build(cls, item, f"{batch.__name__}.{key}[{i}]")))
+        except ValueError as exc:
+            out.append((item, exc))
+    readable = [item for item, msg in out if not isinstance(msg, ValueError)]
+    if readable:  # the batch itself, less the unreadable items, must be sound before any item is taken
+        try:
+            build(batch, {**{k: v for k, v in raw.items() if k != "type"}, key: readable}, batch.__name__)
+        except ValueError:
+            return []
+    return out
+
+
 def peek(data: bytes | memoryview) -> dict:
     """The map of a message that did not decode (a newer sender's, say), bounded as ``decode`` is and otherwise
     unchecked ({} when it is not even a map): what a receiver reads to tell the sender why it refused."""

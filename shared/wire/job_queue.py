@@ -1,5 +1,6 @@
 """A model's job streams seen by one consumer: new jobs through the consumer group, jobs of dead peers
-through ``XAUTOCLAIM``, poison and malformed jobs to the dead-letter stream.
+through ``XAUTOCLAIM``, poison and malformed jobs, and those of a gateway more than one wire protocol version
+apart, to the dead-letter stream, their clients told why.
 
 Two streams feed a worker: the model's shared stream, which any free worker takes from, and its private
 stream, where the gateway routes jobs whose prompt prefix this worker likely has cached (prefix
@@ -34,6 +35,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, peek_strings
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_health import RedisHealth
+from kvrelay.shared.wire.version import version_refusal
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class JobQueue:
         # entries a blocking read delivered beyond ``count`` (both streams answered at once); served first
         self._surplus: list[tuple[bytes, dict]] = []
         self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
+        self._far_gateways: set[str] = set()  # reply addresses of gateways refused as too many versions apart
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -249,14 +252,29 @@ class JobQueue:
         try:
             if raw is None:
                 raise ValueError(f"no {keys.JOB_FIELD!r} field")
-            return decode(raw, Job)
+            job = decode(raw, Job)
         except ValueError as exc:
-            self.dead_letter(entry_id, fields, f"malformed job: {exc}")
             # a job of a newer gateway using what this worker lacks: its client hears so now, not at its deadline
             addressed = peek_strings(raw, "request_id", "reply_addr") if raw is not None else {}
-            if len(addressed) == 2 and self.on_dead is not None:
-                self.on_dead(addressed["request_id"], addressed["reply_addr"], f"this worker cannot run the job: {exc}")
+            self._refuse(entry_id, fields, addressed.get("request_id"), addressed.get("reply_addr"),
+                         f"malformed job: {exc}", f"this worker cannot run the job: {exc}")
             return None
+        if why := version_refusal(job.protocol, f"the gateway at {job.reply_addr}"):
+            # said once per gateway: every job of a gateway too far apart is refused alike
+            if job.reply_addr not in self._far_gateways:
+                self._far_gateways.add(job.reply_addr)
+                log.warning("refusing the jobs of %s", why)
+            self._refuse(entry_id, fields, job.request_id, job.reply_addr, why,
+                         f"this worker cannot run the job: {why}", quiet=True)
+            return None
+        return job
+
+    def _refuse(self, entry_id: bytes, fields: dict, request_id: str | None, reply_addr: str | None, reason: str,
+                to_client: str, quiet: bool = False) -> None:
+        """Dead-letter (so ACK) a job this worker will not run and tell its client why, when it can be addressed."""
+        self.dead_letter(entry_id, fields, reason, level=logging.DEBUG if quiet else logging.WARNING)
+        if request_id is not None and reply_addr is not None and self.on_dead is not None:
+            self.on_dead(request_id, reply_addr, to_client)
 
     def ack(self, *entry_ids: bytes) -> None:
         """ACK and delete ``entry_ids``, and any earlier ACK that failed (even while draining, when no
@@ -344,9 +362,9 @@ class JobQueue:
         move.execute()
         log.info("moved %d job(s) from %s to the shared stream", len(ids), stream)
 
-    def dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
+    def dead_letter(self, entry_id: bytes, fields: dict, reason: str, level: int = logging.WARNING) -> None:
         stream, raw_id = self._where(entry_id)
-        log.warning("job %s -> dead letter: %s", entry_id, reason)
+        log.log(level, "job %s -> dead letter: %s", entry_id, reason)
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.dead, {**fields, b"reason": reason.encode(), b"entry": raw_id}, maxlen=keys.STREAM_MAXLEN,
                   approximate=True)

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 from kvrelay.shared.wire.codec import register
 from kvrelay.shared.wire.engine_stats import EngineStats
-from kvrelay.shared.wire.limits import IGNORABLE, MAX_ID_LEN
+from kvrelay.shared.wire.limits import ABSENT, IGNORABLE, MAX_ID_LEN
 from kvrelay.shared.wire.sampling_params import SamplingParams
-from kvrelay.shared.wire.version import protocol_field
+from kvrelay.shared.wire.version import PROTOCOL_VERSION, protocol_field
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 WORKER_ROLES = ("prefill", "decode", "unified")
@@ -42,6 +42,10 @@ class Job:
     deadline: float  # unix seconds; a worker drops (finish_reason "abort") what is past it
     arrival: float  # unix seconds, when the gateway accepted the request
     cache_salt: str | None = None
+    # the gateway's wire protocol version; one too far apart is refused (job_queue.py). Jobs carried none through
+    # protocol 1, so a missing one is 1 and a protocol-1 gateway leaves it off; from 2 on a worker of protocol 1
+    # that predates the field drops it as ignorable.
+    protocol: int = field(default=PROTOCOL_VERSION, metadata={ABSENT: 1, **IGNORABLE})
 
     def check(self) -> None:
         if not self.prompt_token_ids:

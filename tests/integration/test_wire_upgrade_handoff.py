@@ -1,6 +1,7 @@
 """A decode worker of this version answering the asks of a prefill worker of the next one, over real ZMQ
 sockets: an ask carrying an unknown field declared ignorable is granted; one carrying an unknown
-must-understand field is refused at once with the codec's line (never granted); a protocol more than one version apart is
+must-understand field is refused at once with the codec's line (never granted), in a step of asks only that
+ask; a protocol more than one version apart is
 refused with the reason. And the grant's MAC'd-frames fields are safe to ignore: an asker that does not know
 them sends its frames to the grant's socket with CRCs, which the decode worker takes."""
 
@@ -50,18 +51,38 @@ def test_an_ask_with_an_unknown_must_understand_field_is_refused_at_once_naming_
     sock.close()
 
 
-def test_a_step_of_asks_one_of_which_must_be_understood_is_refused_whole(decode_side):
-    """One HandoffRequests does not decode for one ask's field: every ask in it is refused, its number echoed."""
+def _step(asks: list[dict], **fields) -> bytes:
+    return msgpack.packb({"type": HandoffRequests.TAG, "requests": asks, **fields}, use_bin_type=True)
+
+
+def test_a_step_of_asks_one_of_which_must_be_understood_has_only_that_one_refused(decode_side):
+    """One HandoffRequests does not decode for one ask's field: that ask is refused with the codec's line, its
+    number echoed, and the others in the step are granted as ever."""
+    side = decode_side()
+    sock = _dealer(side.addr)
+    asks = [{k: v for k, v in msgpack.unpackb(_newer_ask(rid)).items() if k != "type"} for rid in ("a", "b", "c")]
+    asks[1].update(ask=2, kv_zero_points="digest")
+    sock.send(_step(asks))
+    grants = decode(sock.recv(), HandoffGrants).grants
+    assert [(g.request_id, g.accepted, g.ask) for g in grants] == [("a", True, 1), ("b", False, 2), ("c", True, 1)]
+    assert grants[1].reason.startswith("HandoffRequests.requests[1]: unknown field(s) kv_zero_points that must be "
+                                       "understood")
+    assert sorted(side.receiver.grants) == ["a", "c"] and side.blocks("a") == grants[0].block_ids
+    assert not side.blocks("b")
+    sock.send(msgpack.packb(["not", "a", "map"]))  # names no ask: dropped, as ever
+    assert _answer(sock, _newer_ask("plain")).request_id == "plain"
+    sock.close()
+
+
+def test_a_step_of_asks_that_must_be_understood_as_a_whole_is_refused_whole(decode_side):
+    """A must-understand field of the step itself (not of one ask) bears on every ask in it: none is granted."""
     side = decode_side()
     sock = _dealer(side.addr)
     asks = [{k: v for k, v in msgpack.unpackb(_newer_ask(rid)).items() if k != "type"} for rid in ("a", "b")]
-    asks[1].update(ask=2, kv_zero_points="digest")
-    sock.send(msgpack.packb({"type": HandoffRequests.TAG, "requests": asks}, use_bin_type=True))
+    sock.send(_step(asks, all_or_nothing=True))
     grants = decode(sock.recv(), HandoffGrants).grants
-    assert [(g.request_id, g.accepted, g.ask) for g in grants] == [("a", False, 1), ("b", False, 2)]
-    assert all("kv_zero_points" in g.reason for g in grants) and not side.receiver.grants
-    sock.send(msgpack.packb(["not", "a", "map"]))  # names no ask: dropped, as ever
-    assert _answer(sock, _newer_ask("plain")).request_id == "plain"
+    assert [(g.request_id, g.accepted) for g in grants] == [("a", False), ("b", False)]
+    assert all("all_or_nothing" in g.reason for g in grants) and not side.receiver.grants
     sock.close()
 
 

@@ -3,7 +3,14 @@ numbers, epochs, checked for type only and bounded; anything else names no reque
 
 import msgpack
 
-from kvrelay.shared.handoff.unreadable import MAX_REASON_CHARS, Unread, refusal, unread_asks, unread_grants
+from kvrelay.shared.handoff.unreadable import (
+    MAX_REASON_CHARS,
+    Unread,
+    asks_one_by_one,
+    refusal,
+    unread_asks,
+    unread_grants,
+)
 from kvrelay.shared.wire.codec import decode_any, encode
 from kvrelay.shared.wire.handoff import MAX_ASKS, HandoffGrant, HandoffGrants, HandoffRequest, HandoffRequests
 from kvrelay.shared.wire.limits import MAX_ID_LEN
@@ -42,3 +49,24 @@ def test_the_refusal_echoes_each_ask_and_a_bounded_reason():
     step = decode_any(encode(refusal([Unread("a", 1), Unread("b", 2)], "x" * (2 * MAX_REASON_CHARS))))
     assert isinstance(step, HandoffGrants) and [(g.request_id, g.ask) for g in step.grants] == [("a", 1), ("b", 2)]
     assert all(len(g.reason) == MAX_REASON_CHARS and not g.accepted for g in step.grants)
+
+
+def _step(asks: list, **fields) -> bytes:
+    return _packed({"type": HandoffRequests.TAG, "requests": asks, **fields})
+
+
+def test_a_step_of_asks_is_read_ask_by_ask_refusing_only_the_unreadable_ones():
+    good = {k: v for k, v in msgpack.unpackb(encode(HandoffRequest("a", "m", 8, 4, ask=1))).items() if k != "type"}
+    newer = {**good, "request_id": "b", "ask": 2, "kv_zero_points": "digest"}
+    nameless = {**newer, "request_id": 7}
+    read = asks_one_by_one(_step([good, newer, nameless]))
+    assert read[0] == HandoffRequest("a", "m", 8, 4, ask=1)
+    assert (read[1].request_id, read[1].accepted, read[1].ask) == ("b", False, 2) and len(read) == 2
+    assert read[1].reason.startswith("HandoffRequests.requests[1]: unknown field(s) kv_zero_points")
+
+
+def test_a_step_unreadable_as_a_whole_is_not_read_ask_by_ask():
+    good = {k: v for k, v in msgpack.unpackb(encode(HandoffRequest("a", "m", 8, 4))).items() if k != "type"}
+    for data in (_step([good], all_or_nothing=True), _step([good] * (MAX_ASKS + 1)), _step([]),
+                 _packed({"type": HandoffRequest.TAG, **good, "x": 1}), b"\xc1"):
+        assert asks_one_by_one(data) == []

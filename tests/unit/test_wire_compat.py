@@ -120,3 +120,15 @@ def test_peers_one_version_apart_are_served_and_further_ones_refused():
     why = version_refusal(PROTOCOL_VERSION + 2, "worker 'w'")
     assert why.startswith(f"worker 'w' speaks wire protocol {PROTOCOL_VERSION + 2}, this process {PROTOCOL_VERSION}")
     assert "more than 1 version apart" in why
+
+
+def test_a_job_carries_its_gateways_version_as_an_ignorable_field_left_off_at_protocol_1():
+    """Jobs carried no version through protocol 1: a missing one is 1, so a protocol-1 gateway sends nothing a
+    worker from before the field would refuse, and a later one sends it as ignorable."""
+    job = p.Job(request_id="r", model="m", prompt_token_ids=[1], sampling=p.SamplingParams(), tenant="t", priority=0,
+                reply_addr="tcp://127.0.0.1:1", deadline=2.0, arrival=1.0)
+    raw = _raw(dataclasses.replace(job, protocol=1))
+    assert "protocol" not in raw and codec.decode(_pack(raw), p.Job).protocol == 1
+    raw = _raw(dataclasses.replace(job, protocol=2))
+    assert raw["protocol"] == 2 and raw[codec.IGNORABLE_KEY] == ["protocol"]
+    assert codec.decode(_pack(raw), p.Job).protocol == 2
