@@ -4,7 +4,7 @@
 # 12 16 20` starts kvrelay serve on the Llama-3-8B shape with dummy weights, disaggregated (the default
 # --gpu-share) and then unified, and loads each at 12, 16 and 20 Poisson req/s, 1,024 -> 128, judged against
 # p99 TTFT <= 300 ms and p99 ITL <= 25 ms. Under each trial's row: the server's TTFT split into stages
-# (gateway, redis, prefill_wait, prefill_step, return; gateway/ttft_stages.py), p50 / p99 / mean of each, the
+# (gateway, redis, prefill_wait, prefill_step, worker_send, return; gateway/ttft_stages.py), p50 / p99 / mean of each, the
 # mean of each over the slowest >= 5% of requests, and the gateway's mean TTFT beside the stages' sum.
 # Results in $OUT: gpu.txt, ttft.{txt,json}, serve-{disaggregated,unified}.log. REQUESTS per trial (default
 # 200), RATES, LIMIT_S (the whole bench, default 480), EXTRA (more engine flags, e.g. "--gpu-share mps").

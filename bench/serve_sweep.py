@@ -68,7 +68,7 @@ async def sweep_server(base_url: str, spec: RequestSpec, prompts: list[Prompt], 
         print_breakdown(stages)
     found = outcome(trials, space)
     if rates:
-        found["stopped"] = "rates given"
+        found["stopped"] = "as given"
     print(_found_line(label, found), flush=True)
     return {"label": label, "base_url": base_url, "model_id": spec.model, **found, "trials": records}
 

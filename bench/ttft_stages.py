@@ -144,5 +144,5 @@ def print_breakdown(b: dict, indent: int = 5) -> None:
     tail = b["tail"]
     if tail:
         values = [tail["mean_ms"].get(s, 0.0) for s in names]
-        label = f"slowest {tail['requests']} mean (>{tail['ttft_above_ms']:g})"
+        label = f"slowest {tail['requests']} (>{tail['ttft_above_ms']:.0f} ms) mean"
         print(f"{pad}{label:<26}" + "".join(f"{v:>13.1f}" for v in values) + f"{sum(values):>9.1f}", flush=True)

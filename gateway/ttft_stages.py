@@ -7,7 +7,9 @@ The stages tile the gateway's TTFT (arrival here to the first token here) withou
 - ``prefill_wait``: read to the start of the engine step that sampled its first token: waiting for a step
   slot, and the steps that computed its earlier prompt chunks
 - ``prefill_step``: that step, to its first token sampled
-- ``return``: sampled to the token here (the rest of the worker's loop, ZMQ, the gateway's loop)
+- ``worker_send``: sampled to its event sent, at the end of the worker's loop (a prefill worker starts the
+  KV handoff and polls its transfers in between)
+- ``return``: sent to the token here (ZMQ, the gateway's loop)
 
 Worker stamps arrive on the first TokenEvent (``first_token_times``). Across processes the clocks are wall
 clocks (time.time()): exact on one host, off by the clock skew between hosts otherwise; a negative stage
@@ -18,16 +20,19 @@ reader can say what the slowest requests spent their time on (bench/ttft_stages.
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-STAGES = ("gateway", "redis", "prefill_wait", "prefill_step", "return")
+from kvrelay.shared.wire.protocol import FIRST_TOKEN_STAMPS
+
+STAGES = ("gateway", "redis", "prefill_wait", "prefill_step", "worker_send", "return")
 # fine enough (about 12% apart from 1 ms to 10 s) that a p99 read from the buckets lands within a bucket's width
 STAGE_BUCKETS = tuple(round(0.001 * 1.12 ** i, 5) for i in range(82))
-# TTFT classes for the per-class sums: the tail of a sweep's trial lies between tens of ms and a few seconds
-TTFT_CLASSES = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# TTFT classes for the per-class sums, 20% apart from 5 ms to 18 s: fine enough that the slowest classes
+# holding 5% of a trial's requests hold not many more
+TTFT_CLASSES = tuple(round(0.005 * 1.2 ** i, 5) for i in range(46))
 
 
 def split(arrival: float, queued: float, times: dict[str, float], first_token: float) -> dict[str, float]:
     """Each stage's seconds for one request (unix times; the worker's from ``first_token_times``)."""
-    marks = (arrival, queued, times["fetched"], times["step_started"], times["sampled"], first_token)
+    marks = (arrival, queued, *(times[name] for name in FIRST_TOKEN_STAMPS), first_token)
     return {stage: marks[i + 1] - marks[i] for i, stage in enumerate(STAGES)}
 
 
@@ -40,7 +45,7 @@ class TtftStages:
     def __init__(self, registry: CollectorRegistry):
         m = ["model_name"]
         self.seconds = Histogram("kvrelay_ttft_stage_seconds", "The gateway's time to first token split into "
-                                 "stages: gateway, redis, prefill_wait, prefill_step, return (README)",
+                                 "stages: gateway, redis, prefill_wait, prefill_step, worker_send, return (README)",
                                  m + ["stage"], buckets=STAGE_BUCKETS, registry=registry)
         self.by_ttft = Counter("kvrelay_ttft_stage_by_ttft_seconds", "Seconds spent in each TTFT stage, summed per "
                                "class of the request's TTFT (ttft_le: the class's upper bound)",
@@ -49,7 +54,7 @@ class TtftStages:
                                 m + ["ttft_le"], registry=registry)
 
     def observe(self, model: str, arrival: float, queued: float, times: dict[str, float], first_token: float) -> None:
-        if not queued or any(name not in times for name in ("fetched", "step_started", "sampled")):
+        if not queued or any(name not in times for name in FIRST_TOKEN_STAMPS):
             return  # a worker that stamps nothing (an older one), or a job queued again: no split
         le = ttft_class(first_token - arrival)
         self.requests.labels(model, le).inc()

@@ -21,8 +21,8 @@ INSTANCE_STATES = ("loading", "ready", "draining", "failed")
 CONTROL_OPS = ("load", "unload")
 KV_CACHE_DTYPES = ("", "auto", "fp8", "fp8_e4m3")  # ModelSpec.kv_cache_dtype ("": the worker's --kv-cache-dtype)
 # TokenEvent.first_token_times: the job read from its stream, the start of the engine step that sampled
-# the first token, and that token sampled
-FIRST_TOKEN_STAMPS = ("fetched", "step_started", "sampled")
+# the first token, that token sampled, and its event sent at the end of the worker's loop
+FIRST_TOKEN_STAMPS = ("fetched", "step_started", "sampled", "flushed")
 
 _ID = {"max_len": MAX_ID_LEN}
 # [token_id, logprob] pairs, most likely first.

@@ -26,7 +26,7 @@ def test_each_trial_reports_its_ttft_stages(tiny_dir, tmp_path, capsys):
     assert code == 0, printed
     for mode in json.loads(out.read_text())["sweep"]["modes"]:
         [trial] = mode["trials"]
-        assert (trial["rate"], mode["stopped"]) == (RATE, "rates given")  # --sweep-rates: that rate, no search
+        assert (trial["rate"], mode["stopped"]) == (RATE, "as given")  # --sweep-rates: that rate, no search
         b = trial["ttft_stages"]
         assert b["requests"] == REQUESTS  # the warm-up request came before the trial's first scrape
         assert list(b["stages"]) == list(STAGES)

@@ -16,21 +16,22 @@ def _observe(stages: TtftStages, arrival: float, ms: tuple[float, ...], model: s
     marks = [arrival]
     for m in ms:
         marks.append(marks[-1] + m / 1000)
-    times = {"fetched": marks[2], "step_started": marks[3], "sampled": marks[4]}
-    stages.observe(model, arrival, marks[1], times, marks[5])
+    times = {"fetched": marks[2], "step_started": marks[3], "sampled": marks[4], "flushed": marks[5]}
+    stages.observe(model, arrival, marks[1], times, marks[6])
 
 
 def test_split_tiles_the_ttft():
-    times = {"fetched": 10.3, "step_started": 10.5, "sampled": 10.9}
+    times = {"fetched": 10.3, "step_started": 10.5, "sampled": 10.9, "flushed": 10.95}
     parts = split(10.0, 10.1, times, 11.0)
     assert list(parts) == list(STAGES)
     assert parts == pytest.approx({"gateway": 0.1, "redis": 0.2, "prefill_wait": 0.2, "prefill_step": 0.4,
-                                   "return": 0.1})
+                                   "worker_send": 0.05, "return": 0.05})
     assert sum(parts.values()) == pytest.approx(1.0)
 
 
 def test_ttft_class_is_the_first_bound_at_or_above():
-    assert (ttft_class(0.01), ttft_class(0.3), ttft_class(0.31), ttft_class(60.0)) == ("0.025", "0.3", "0.4", "+Inf")
+    assert (ttft_class(0.001), ttft_class(0.006), ttft_class(0.0072), ttft_class(60.0)) == ("0.005", "0.006", "0.0072",
+                                                                                          "+Inf")
 
 
 def test_quantile_interpolates_within_a_bucket_as_histogram_quantile():
@@ -44,9 +45,9 @@ def test_quantile_interpolates_within_a_bucket_as_histogram_quantile():
 def test_a_trial_diff_gives_each_stage_and_the_tail_its_time():
     registry = CollectorRegistry()
     stages = TtftStages(registry)
-    _observe(stages, 0.0, (900, 900, 900, 900, 900))  # before the trial: must not count
+    _observe(stages, 0.0, (900,) * 6)  # before the trial: must not count
     before = parse(generate_latest(registry).decode())
-    fast, slow = (2, 5, 10, 40, 3), (2, 5, 250, 40, 3)  # TTFTs 60 and 300 ms: the tail waited for a step
+    fast, slow = (2, 5, 10, 40, 1, 2), (2, 5, 250, 40, 1, 2)  # TTFTs 60 and 300 ms: the tail waited for a step
     for i in range(95):
         _observe(stages, float(i), fast)
     for i in range(5):
@@ -60,13 +61,15 @@ def test_a_trial_diff_gives_each_stage_and_the_tail_its_time():
         assert s["mean_ms"] == pytest.approx((95 * fast[i] + 5 * slow[i]) / 100)
     assert b["stages"]["prefill_wait"]["p99_ms"] >= 250 / width
     tail = b["tail"]
-    assert (tail["requests"], tail["ttft_above_ms"]) == (5, 250)
+    assert tail["requests"] == 5 and 300 / 1.2 <= tail["ttft_above_ms"] < 300  # the class bound below 300 ms
     assert tail["mean_ms"] == pytest.approx(dict(zip(STAGES, slow, strict=True)))
 
 
 def test_a_request_without_worker_stamps_is_not_split():
     registry = CollectorRegistry()
-    TtftStages(registry).observe("m", 0.0, 0.1, {}, 1.0)
-    TtftStages(CollectorRegistry()).observe("m", 0.0, 0.0, {"fetched": 0.2, "step_started": 0.3, "sampled": 0.4}, 1.0)
+    stages = TtftStages(registry)
+    stages.observe("m", 0.0, 0.1, {}, 1.0)
+    stages.observe("m", 0.0, 0.1, {"fetched": 0.2, "step_started": 0.3, "sampled": 0.4}, 1.0)  # a stamp short
+    stages.observe("m", 0.0, 0.0, dict.fromkeys(("fetched", "step_started", "sampled", "flushed"), 0.5), 1.0)
     b = breakdown(parse(generate_latest(registry).decode()))
     assert (b["requests"], b["stages"], b["tail"]) == (0, {}, None)
