@@ -6,7 +6,9 @@ The stages tile the gateway's TTFT (arrival here to the first token here) withou
 - ``redis``: sent to a worker reading the job from its stream (the XADD, the stream, the worker's read)
 - ``prefill_wait``: read to the start of the engine step that sampled its first token: waiting for a step
   slot, and the steps that computed its earlier prompt chunks
-- ``prefill_step``: that step, to its first token sampled
+- ``prefill_step``: that step, to its first token sampled (a unified worker with --async-scheduling gets
+  a step's tokens from the step after it, so there this is that later step and the sampling step is in
+  ``prefill_wait``)
 - ``worker_send``: sampled to its event sent, at the end of the worker's loop (a prefill worker starts the
   KV handoff and polls its transfers in between)
 - ``return``: sent to the token here (ZMQ, the gateway's loop)
