@@ -89,6 +89,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-min-rate", type=float, default=0.0, metavar="REQ_S",
                    help="when the start rate fails, halve it no lower than this (0: down to --sweep-resolution); "
                         "a trial lasts --sweep-requests / rate seconds, so low rates are slow to try")
+    g.add_argument("--sweep-rates", type=float, nargs="+", default=None, metavar="REQ_S",
+                   help="try exactly these rates, in order, instead of searching (each trial still judged "
+                        "against the SLOs and split into TTFT stages)")
     g.add_argument("--sweep-requests", type=int, default=200,
                    help="requests per trial (the same prompts each time; enough for a meaningful p99; default: %(default)s)")
     p.add_argument("engine_args", nargs="*", help="after --: engine flags for --launch and --compare-offline")
@@ -102,6 +105,8 @@ def _check_args(args: argparse.Namespace) -> None:
         args.output_len = 128 if args.sweep else 32
     if args.sweep:
         _check_sweep_args(args)
+    elif args.sweep_rates:
+        raise SystemExit("--sweep-rates names the rates of a --sweep")
     if args.dataset == "random" and args.endpoint == "chat":
         raise SystemExit("--dataset random sends token ids, which only --endpoint completions accepts")
     if args.num_prompts < 1 or args.output_len < 1 or (args.dataset == "random" and args.input_len < 1):
@@ -125,6 +130,8 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
         raise SystemExit("--sweep warms each server once before its first trial; drop --cold-start")
     if args.sweep_requests < 1:
         raise SystemExit("--sweep-requests must be at least 1")
+    if args.sweep_rates and min(args.sweep_rates) <= 0:
+        raise SystemExit("--sweep-rates must be positive")
     try:
         SearchSpace(args.sweep_start, args.sweep_resolution, args.sweep_max_trials, args.sweep_min_rate).check()
         Slo(args.slo_ttft_ms, args.slo_itl_ms).check()
@@ -303,7 +310,7 @@ async def _sweep_one(args: argparse.Namespace, base_url: str, label: str, prompt
     return await sweep_server(base_url, spec, prompts, label, Slo(args.slo_ttft_ms, args.slo_itl_ms),
                               SearchSpace(args.sweep_start, args.sweep_resolution, args.sweep_max_trials,
                                           args.sweep_min_rate),
-                              args.seed, args.max_concurrency, args.request_timeout)
+                              args.seed, args.max_concurrency, args.request_timeout, args.sweep_rates)
 
 
 def _run_sweep(args: argparse.Namespace, prompts: list, warmup) -> int:

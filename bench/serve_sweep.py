@@ -1,7 +1,8 @@
 """``kvrelay bench serve --sweep``: goodput, the highest Poisson request rate at which a server holds both
 latency SLOs (p99 TTFT and p99 ITL), searched as bench/rate_search.py does, each trial a load of the same
 prompts through the bench's own client against one already running server; then the found rate beside
-the offline engine's capacity (its requests/s with every prompt at once) on those prompts.
+the offline engine's capacity (its requests/s with every prompt at once) on those prompts. Under each
+trial's row, the server's own split of that trial's TTFT into stages (bench/ttft_stages.py).
 
 A trial with a failed request fails, whatever its latencies: a server that drops requests meets no SLO.
 """
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 from kvrelay.bench.serve_client import Prompt, RequestSpec, arrival_offsets, run_load
 from kvrelay.bench.serve_metrics import summarize
+from kvrelay.bench.ttft_stages import breakdown, diff, print_breakdown, scrape
 from kvrelay.rate_search import SearchSpace, Slo, Trial, next_rate, outcome, verdict
 
 WIDTH = 92
@@ -34,26 +36,39 @@ def _print_row(i: int, t: dict) -> None:
 
 
 async def sweep_server(base_url: str, spec: RequestSpec, prompts: list[Prompt], label: str, slo: Slo,
-                       space: SearchSpace, seed: int, max_concurrency: int | None, timeout_s: float) -> dict:
+                       space: SearchSpace, seed: int, max_concurrency: int | None, timeout_s: float,
+                       rates: list[float] | None = None) -> dict:
     """The search against one running server; ``spec`` has been warmed already, so no trial warms again.
-    Prints the table row by row as trials finish; returns every trial and what the search found."""
+    Prints the table row by row as trials finish; returns every trial and what the search found. Given
+    ``rates``, it tries those in order instead of searching."""
     _print_header(label, slo)
     trials: list[Trial] = []
     records: list[dict] = []
-    while (rate := next_rate(trials, space)) is not None:
+
+    def next_trial_rate() -> float | None:
+        if rates:
+            return rates[len(trials)] if len(trials) < len(rates) else None
+        return next_rate(trials, space)
+
+    while (rate := next_trial_rate()) is not None:
         # one seed for every trial: the same arrival pattern, only compressed in time as the rate grows
         offsets = arrival_offsets(len(prompts), rate, seed)
         # a fresh salt per trial, so a trial never finds the previous one's prompts in the prefix cache
         trial_spec = replace(spec, cache_salt=uuid.uuid4().hex) if spec.cache_salt is not None else spec
+        before = await scrape(base_url)
         results, duration = await run_load(base_url, trial_spec, prompts, offsets, max_concurrency, timeout_s)
+        stages = breakdown(diff(before, await scrape(base_url)))
         m = summarize(label, results, duration)
         missed = verdict(m, slo)
         record = {"rate": rate, **{k: m[k] for k in KEPT}, "passed": not missed, "missed": missed,
-                  "errors": sorted({e for e in m["errors"] if e})[:5]}
+                  "errors": sorted({e for e in m["errors"] if e})[:5], "ttft_stages": stages}
         trials.append(Trial(rate, record["passed"]))
         records.append(record)
         _print_row(len(records), record)
+        print_breakdown(stages)
     found = outcome(trials, space)
+    if rates:
+        found["stopped"] = "as given"
     print(_found_line(label, found), flush=True)
     return {"label": label, "base_url": base_url, "model_id": spec.model, **found, "trials": records}
 

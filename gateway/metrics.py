@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from kvrelay.gateway.engine_metrics import EngineMetrics
 from kvrelay.gateway.queue_stats import QueueStats
 from kvrelay.gateway.request_metrics import TTFT_BUCKETS, VllmRequestMetrics
+from kvrelay.gateway.ttft_stages import TtftStages
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 UNMATCHED_ROUTE = "unmatched"  # 404s keep their own label: raw paths would make label values unbounded
@@ -64,6 +65,7 @@ class GatewayMetrics:
         self.queues = QueueStats(queue_cache_s)
         registry.register(self.queues)
         self.vllm = VllmRequestMetrics(registry)
+        self.ttft_stages = TtftStages(registry)
         self.engines = EngineMetrics()  # the workers' engine series, renewed from their heartbeats when scraped
         registry.register(self.engines)
         ProcessCollector(registry=registry)  # process_* (CPU, RSS, open fds), as the default registry has

@@ -46,7 +46,7 @@ from kvrelay.shared.wire.protocol import TokenEvent
 from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
 from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
-from kvrelay.shared.worker.token_event import token_event
+from kvrelay.shared.worker.token_event import stamp_first_token, token_event
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,9 @@ class PrefillWorker:
         for slot in slots:
             if slot.core.has_unfinished():
                 stepped = True
+                step_started = time.time()
                 for out in slot.core.step():
-                    self._on_output(slot, out)
+                    self._on_output(slot, out, step_started)
         for t in self.handoff.poll(timeout_ms=0 if stepped else 5):
             self._on_transfer_end(t)
         self.runtime.events.flush()
@@ -193,7 +194,7 @@ class PrefillWorker:
             self.handoff.start_early(rec.job, rec.entry_id)
 
     # -- results --------------------------------------------------------------------------------
-    def _on_output(self, slot: ModelSlot, out: EngineCoreOutput) -> None:
+    def _on_output(self, slot: ModelSlot, out: EngineCoreOutput, step_started: float) -> None:
         rid = out.request_id
         rec = self.inflight.get(rid)
         if rec is None or rec.job is None:
@@ -205,6 +206,7 @@ class PrefillWorker:
         # no worker_id: after the handoff this worker no longer holds the request, and if it dies
         # first the job is reclaimed by a peer rather than failed at the gateway
         event = token_event(out, output_index=0, worker_id="")
+        stamp_first_token(event, rec.fetched_at, step_started)
         if finished_for_real:
             event.finish_reason = out.finish_reason or "length"
             if slot.metrics is not None:

@@ -18,7 +18,7 @@ from kvrelay.shared.wire.job_queue import replayable
 from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
 from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
-from kvrelay.shared.worker.token_event import token_event
+from kvrelay.shared.worker.token_event import stamp_first_token, token_event
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,13 @@ class UnifiedWorker:
 
     def _step_model(self, slot: ModelSlot) -> None:
         slot.touch()
+        step_started = time.time()
         for out in slot.core.step():
             rec = self.inflight.get(out.request_id)
             if rec is None:
                 continue
             event = token_event(out, rec.sent, worker_id="")
+            stamp_first_token(event, rec.fetched_at, step_started)
             if out.finished:
                 self.inflight.finish(rec.request_id, event)
             else:

@@ -73,6 +73,7 @@ class Generation:
         self.arrival = time.time()
         self.deadline = self.arrival + config.request_timeout
         self.first_token_at: float | None = None  # unix seconds; arrival to here is the client's TTFT
+        self.queued_wall = 0.0  # unix seconds its jobs went to Redis (the end of TTFT's gateway stage)
         params = prepared.params
         self.choices: list[ChoiceState] = []
         for p, prompt in enumerate(prepared.prompts):
@@ -206,6 +207,8 @@ class Generation:
             streams.append(None)
         if config.redis_min_replicas:
             pipe.wait(config.redis_min_replicas, config.redis_replica_wait_ms)  # WAIT covers its own connection's writes
+        # before the XADD, not after: a worker blocked on its stream reads the job before this coroutine resumes
+        self.queued_wall = time.time()
         try:
             replies = await pipe.execute()
             queued_at = time.monotonic()
@@ -338,7 +341,11 @@ class Generation:
                 continue
             if self.first_token_at is None and delta.token_ids:
                 self.first_token_at = time.time()
-            self.app[METRICS].vllm.delta(self, choice, len(delta.token_ids))
+            metrics = self.app[METRICS]
+            if event.first_token_times and delta.token_ids and not self._requeues:
+                metrics.ttft_stages.observe(self.model_name, self.arrival, self.queued_wall, event.first_token_times,
+                                            time.time())
+            metrics.vllm.delta(self, choice, len(delta.token_ids))
             if choice.finished:
                 pending.discard(choice.job_id)
                 self.app[DISPATCHER].unregister([choice.job_id])

@@ -20,6 +20,9 @@ WORKER_ROLES = ("prefill", "decode", "unified")
 INSTANCE_STATES = ("loading", "ready", "draining", "failed")
 CONTROL_OPS = ("load", "unload")
 KV_CACHE_DTYPES = ("", "auto", "fp8", "fp8_e4m3")  # ModelSpec.kv_cache_dtype ("": the worker's --kv-cache-dtype)
+# TokenEvent.first_token_times: the job read from its stream, the start of the engine step that sampled
+# the first token, that token sampled, and its event sent at the end of the worker's loop
+FIRST_TOKEN_STAMPS = ("fetched", "step_started", "sampled", "flushed")
 
 _ID = {"max_len": MAX_ID_LEN}
 # [token_id, logprob] pairs, most likely first.
@@ -81,6 +84,9 @@ class TokenEvent:
     num_cached_tokens: int = 0
     output_index: int = 0
     worker_id: str = field(default="", metadata=_ID)  # the sender, for logs
+    # on a request's first token: unix times (FIRST_TOKEN_STAMPS) of its way through the worker, from which
+    # the gateway splits its TTFT into stages (gateway/ttft_stages.py); wall clocks, since they cross processes
+    first_token_times: dict[str, float] | None = field(default=None, metadata=IGNORABLE)
 
     def check(self) -> None:
         if self.output_index < 0:
@@ -98,6 +104,10 @@ class TokenEvent:
                 raise ValueError("TokenEvent.prompt_logprob_ranks must match prompt_logprobs entry for entry")
         if self.error is not None and self.finish_reason != "error":
             raise ValueError("TokenEvent.error requires finish_reason 'error'")
+        if self.first_token_times is not None and (
+                not set(self.first_token_times) <= set(FIRST_TOKEN_STAMPS)
+                or not all(type(t) in (int, float) for t in self.first_token_times.values())):
+            raise ValueError(f"TokenEvent.first_token_times maps {', '.join(FIRST_TOKEN_STAMPS)} to unix seconds")
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,7 @@
 gateway address, sent without ever blocking the engine loop."""
 
 import logging
+import time
 
 import zmq
 
@@ -34,7 +35,11 @@ class EventSink:
         self.pending.setdefault(reply_addr, []).append(event)
 
     def flush(self) -> None:
+        now = time.time()
         for addr, events in self.pending.items():
+            for event in events:
+                if event.first_token_times is not None:  # the end of the first token's way through the worker
+                    event.first_token_times["flushed"] = now
             try:
                 self._socket(addr).send(encode(TokenBatch(events=events)), zmq.NOBLOCK)
             except zmq.Again:

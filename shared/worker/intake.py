@@ -148,7 +148,8 @@ class JobIntake:
             return None
         slot.note_request()
         rec = InFlight(request_id=rid, instance=slot.instance, reply_addr=job.reply_addr, deadline=job.deadline,
-                       arrival=job.arrival, max_tokens=req.max_tokens, job=job, entry_id=entry_id)
+                       arrival=job.arrival, max_tokens=req.max_tokens, job=job, entry_id=entry_id,
+                       fetched_at=time.time())
         self.inflight.track(rec)
         return rec, req
 

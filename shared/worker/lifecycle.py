@@ -49,6 +49,7 @@ class InFlight:
     sent: int = 0  # tokens its gateway has: the next event's output_index
     job: Job | None = None  # a stream role's job
     entry_id: bytes = b""  # ... and its stream entry, ACKed once the request leaves
+    fetched_at: float = 0.0  # unix seconds it was read from its stream (0: not from a stream)
 
 
 def engine_request(slot: ModelSlot, job: Job) -> Request:

@@ -1,5 +1,7 @@
 """An engine output as the wire's ``TokenEvent``, the one shape every role sends its tokens back in."""
 
+import time
+
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.wire.protocol import TokenEvent
 
@@ -22,3 +24,10 @@ def token_event(out: EngineCoreOutput, output_index: int, worker_id: str) -> Tok
                       stop_reason=out.stop_reason if isinstance(out.stop_reason, int | str) else None,
                       num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                       output_index=output_index, worker_id=worker_id)
+
+
+def stamp_first_token(event: TokenEvent, fetched_at: float, step_started: float) -> None:
+    """Carry the first token's way through this worker (wall clocks, as the gateway's are) on ``event``,
+    for the gateway's TTFT stages; a job that did not come from a stream (``fetched_at`` 0) has none."""
+    if fetched_at and event.token_ids and event.output_index == 0:
+        event.first_token_times = {"fetched": fetched_at, "step_started": step_started, "sampled": time.time()}

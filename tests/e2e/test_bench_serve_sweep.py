@@ -46,7 +46,9 @@ def test_sweep_searches_each_mode_on_one_server_and_reports_a_fraction_of_offlin
             # ITL from the streamed chunks: OUTPUT_LEN - 1 gaps per request, each a real interval
             assert 0 < t["median_itl_ms"] <= t["p99_itl_ms"] and 0 < t["median_ttft_ms"] <= t["p99_ttft_ms"]
         # its table: a header, one row per trial in the order run, the found rate
-        table = printed.split(f"Goodput sweep ({label})")[1].splitlines()
+        # (less the TTFT stage rows under each trial's: tests/e2e/test_bench_serve_ttft_stages.py reads those)
+        table = [line for line in printed.split(f"Goodput sweep ({label})")[1].splitlines()
+                 if not line.startswith(" " * 5)]
         assert table[1].split() == ["trial", "rate", "req/s", "done", "req/s", "TTFT", "p50", "TTFT", "p99",
                                     "ITL", "p50", "ITL", "p99", "result"]
         rows = [line.split() for line in table[2:2 + TRIALS]]

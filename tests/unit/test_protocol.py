@@ -220,11 +220,21 @@ def test_optional_fields_default_when_absent():
     {"error": "boom"},  # an error without finish_reason "error"
     {"output_index": -1},
     {"stop_reason": [1]},
+    {"first_token_times": {"fetched": 1.0, "decoded": 2.0}},  # a stamp the gateway does not know
+    {"first_token_times": {"fetched": "soon"}},
 ])
 def test_token_event_invariants(over):
     raw = {"type": "token_event", "request_id": "r", "token_ids": [1, 2], **over}
     with pytest.raises(ValueError):
         codec.decode(_pack(raw), p.TokenEvent)
+
+
+def test_first_token_times_cross_the_wire_as_an_ignorable_field():
+    times = {"fetched": 1e9, "step_started": 1e9 + 0.25, "sampled": 1e9 + 0.5}
+    raw = msgpack.unpackb(codec.encode(p.TokenEvent(request_id="r", token_ids=[1], first_token_times=times)))
+    assert raw[codec.IGNORABLE_KEY] == ["first_token_times"]  # a gateway that does not know them drops them
+    assert codec.decode(codec.encode(p.TokenEvent(request_id="r", first_token_times=times)),
+                        p.TokenEvent).first_token_times == times
 
 
 def test_nested_event_errors_name_their_place():
