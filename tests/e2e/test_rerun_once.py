@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import SamplingParams
 from kvrelay.decode_worker.worker import TEST_HOLD_BEFORE_ACK_ENV
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
@@ -26,11 +26,10 @@ PREFILL_RERUNS = "its job goes back to the stream"
 PREFILL_LEAVES_IT = "its gateway queued it again already"
 
 
-def test_a_decode_worker_killed_between_announcing_and_acking_is_re_run_once(tiny_model_dir, redis_url, tmp_path,
-                                                                              monkeypatch):
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        want = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                   ignore_eos=True))[0].outputs[0].text
+def test_a_decode_worker_killed_between_announcing_and_acking_is_re_run_once(tiny_model_dir, tiny_offline, redis_url,
+                                                                              tmp_path, monkeypatch):
+    want = tiny_offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                        ignore_eos=True))[0].outputs[0].text
     held = tmp_path / "held"
     cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     cluster.redis.flushall()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster
@@ -68,14 +68,13 @@ WHEN = [("prefill", "tensor", "stopped"), ("decode", "pipeline", "stopped"), ("d
 
 
 @pytest.mark.parametrize(("role", "kind", "when"), WHEN, ids=["-".join(w) for w in WHEN])
-def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, kind, when, tiny_model_dir, redis_url,
-                                                                         tmp_path):
+def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, kind, when, tiny_model_dir, tiny_offline,
+                                                                         redis_url, tmp_path):
     prompts = random_prompts(16, lo=5, hi=60, seed=11)
     max_tokens = MAX_TOKENS if when == "stopped" else 180  # prompts are at most 60 tokens: 240 fit in 256
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
-                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    want = [tiny_offline.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
+            for o in tiny_offline.generate([{"prompt_token_ids": p} for p in prompts], params)]
     cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     cluster.redis.flushall()
     peer = f"{role[0]}-{kind}"

@@ -6,7 +6,7 @@ worker: its sizes, every rank's process (alive, under serve), device and shard, 
 import psutil
 import pytest
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import SamplingParams
 from tests.e2e.served import Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -15,13 +15,13 @@ ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "
 
 
 @pytest.mark.parametrize("mode", ["unified", "disaggregated"])
-def test_models_of_their_own_parallel_sizes_are_served_and_shown_as_groups(mode, tiny_model_dir, tmp_path):
+def test_models_of_their_own_parallel_sizes_are_served_and_shown_as_groups(mode, tiny_model_dir, tiny_offline,
+                                                                           tmp_path):
     """Disaggregated, each role hosts each group (the pair's KV handed from prefill ranks to decode ranks,
     each side's cache in its worker's pool); the stages are the unified worker's alone (the handoff's roles
     take pipeline parallelism elsewhere)."""
     names = ("single", "pair", "stages") if mode == "unified" else ("single", "pair")
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256) as llm:
-        want = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    want = tiny_offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
     cfg = tmp_path / "serve.yaml"
     sizes = {"single": "", "pair": ", tensor_parallel_size: 2", "stages": ", pipeline_parallel_size: 2"}
     cfg.write_text("models:\n" + "".join(f"  - {{name: {n}, path: '{tiny_model_dir}'{sizes[n]}}}\n" for n in names))

@@ -6,7 +6,7 @@ engine's greedy text in one process."""
 
 import pytest
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import SamplingParams
 from tests.conftest import random_prompts
 from tests.e2e.cluster import free_port
 from tests.e2e.conftest import TINY_ENGINE
@@ -16,11 +16,11 @@ from tests.e2e.served import Served
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_each_rank_sends_and_takes_its_own_heads_and_the_text_is_one_process(tiny_model_dir, tmp_path):
+def test_each_rank_sends_and_takes_its_own_heads_and_the_text_is_one_process(tiny_model_dir, tiny_offline, tmp_path):
     prompts = random_prompts(3, lo=5, hi=60, seed=8)
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
+    llm = tiny_offline
+    want = [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
     metrics = free_port()  # the prefill worker's; the decode worker's is the next one
     argv = ["--mode", "disaggregated", "--model", str(tiny_model_dir), *TINY_ENGINE, "--tensor-parallel-size", "2",
             "--worker-monitoring-port", str(metrics)]

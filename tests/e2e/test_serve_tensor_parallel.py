@@ -27,10 +27,9 @@ def _ranks(serve: psutil.Process) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
-def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_model_dir, tmp_path):
+def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_model_dir, tiny_offline, tmp_path):
     """Size 2 either way: the worker's second process is a rank (tensor) or a stage (pipeline)."""
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256) as llm:
-        want = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    want = tiny_offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
     argv = ["--mode", "unified", "--model", str(tiny_model_dir), *TINY_ENGINE, f"--{kind}-parallel-size", "2"]
     with Served(argv, tmp_path / "serve.log") as served:
         client = served.client()
@@ -52,11 +51,10 @@ def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_
     assert not alive
 
 
-def _one_process_texts(model_dir, prompts: list[list[int]]) -> list[str]:
+def _one_process_texts(llm: LLM, prompts: list[list[int]]) -> list[str]:
     """The offline engine's greedy text of each prompt, in one process."""
-    with LLM(model=str(model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        return [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
+    return [llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=12))]
 
 
 @contextlib.contextmanager
@@ -83,15 +81,15 @@ def _served_texts(cluster: Cluster, prompts: list[list[int]]) -> list[str]:
 
 @pytest.mark.parametrize(("kind", "prefill_size", "decode_size"),
                          [("tensor", 2, 1), ("tensor", 1, 2), ("pipeline", 2, 1), ("pipeline", 1, 2)])
-def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decode_size, tiny_model_dir, redis_url,
-                                                      tmp_path):
+def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decode_size, tiny_model_dir, tiny_offline,
+                                                      redis_url, tmp_path):
     """Gateway -> prefill worker -> KV handoff over ZMQ frames -> decode worker, the two of different tensor-
     or pipeline-parallel sizes on the tiny llama (2 KV heads: one per rank at TP 2; 2 layers: one per stage at
     PP 2): each prefill rank sends its own heads or layers (the "rank_layers" transport, counted by the prefill
     worker's kvrelay_handoffs_total), placed by head and layer on the decode side; a one-rank prefill worker
     sends each decode rank its share the same way; and the greedy text is the offline engine's in one process."""
     prompts = random_prompts(3, lo=5, hi=60, seed=7)
-    want = _one_process_texts(tiny_model_dir, prompts)
+    want = _one_process_texts(tiny_offline, prompts)
     metrics = free_port()
     with _disaggregated(redis_url, tiny_model_dir, tmp_path, [f"--{kind}-parallel-size", str(prefill_size),
                                                              "--monitoring-port", str(metrics)],
@@ -105,12 +103,13 @@ def test_disaggregated_handoff_across_parallel_layouts(kind, prefill_size, decod
 
 
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
-def test_a_decode_group_scheduling_asynchronously_answers_like_one_process(kind, tiny_model_dir, redis_url, tmp_path):
+def test_a_decode_group_scheduling_asynchronously_answers_like_one_process(kind, tiny_model_dir, tiny_offline,
+                                                                           redis_url, tmp_path):
     """A decode worker of two ranks (or stages) with --async-scheduling behind a one-process prefill worker: each
     rank takes its share of the handed-off KV, and rank 0 feeds every rank the ids it sampled a step ago from its
     device; the greedy text is the offline engine's in one process."""
     prompts = random_prompts(4, lo=5, hi=60, seed=9)
-    want = _one_process_texts(tiny_model_dir, prompts)
+    want = _one_process_texts(tiny_offline, prompts)
     with _disaggregated(redis_url, tiny_model_dir, tmp_path, [],
                         [f"--{kind}-parallel-size", "2", "--async-scheduling"]) as cluster:
         got = _served_texts(cluster, prompts)

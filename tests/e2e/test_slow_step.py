@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.worker.stall_watch import STUCK_EXIT_CODE
 from tests.conftest import random_prompts
@@ -43,13 +43,12 @@ STUCK = _FIRST_STEP.format(hold="threading.Event().wait()")
 
 
 @pytest.fixture()
-def greedy(tiny_model_dir):
+def greedy(tiny_offline):
     """A prompt and the offline engine's greedy text for it."""
     (prompt,) = random_prompts(1, lo=5, hi=30, seed=7)
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        (out,) = llm.generate({"prompt_token_ids": prompt},
-                              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        return prompt, llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    (out,) = tiny_offline.generate({"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return prompt, tiny_offline.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
 
 def _ask(cluster: Cluster, pool: concurrent.futures.Executor, prompt: list[int]) -> concurrent.futures.Future:

@@ -10,7 +10,7 @@ import openai
 import psutil
 import pytest
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import SamplingParams
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
@@ -20,13 +20,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 MAX_TOKENS = 16
 
 
-def test_a_stopped_rank_takes_its_worker_down_and_its_request_completes_on_a_peer(tiny_model_dir, redis_url,
-                                                                                   tmp_path):
+def test_a_stopped_rank_takes_its_worker_down_and_its_request_completes_on_a_peer(tiny_model_dir, tiny_offline,
+                                                                                   redis_url, tmp_path):
     (prompt,) = random_prompts(1, lo=5, hi=30, seed=5)
-    with LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256, block_size=8) as llm:
-        (out,) = llm.generate({"prompt_token_ids": prompt},
-                              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        want = llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    (out,) = tiny_offline.generate({"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    want = tiny_offline.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
     cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
     cluster.redis.flushall()
     cluster.start_gateway()
