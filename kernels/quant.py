@@ -6,9 +6,9 @@ kernel is written once:
 - W4 (AWQ, GPTQ): ``qweight`` int32 [K/8, N], eight 4-bit values per word along the input dimension
   (nibble j of row r, low nibble first, is input k = 8r + j: GPTQ's own packing); ``zeros`` uint8
   [K/G, N] unpacked; ``scales`` fp16 [K/G, N]; ``g_idx`` int32 [K] (the group of each input, GPTQ's
-  act-order) or None for k // G. ``w[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]``. Without
-  act-order the loader interleaves the nibbles further per K tile (kernels/w4_repack.py) for the faster
-  kernel, kernels/triton/w4_fast.py.
+  act-order) or None for k // G. ``w[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]``. The
+  loader interleaves the nibbles further per K tile (kernels/w4_repack.py; act-order's rows sorted into
+  whole groups first) for the faster kernel, kernels/triton/w4_fast.py.
 - int8 (W8A16): ``weight`` int8 [N, K], ``scale`` fp32 [N]: ``w[n, k] = q[n, k] * scale[n]``.
 - fp8 (e4m3): ``weight`` float8_e4m3fn [N, K], ``scale`` fp32 [N], the same form. On CUDA with compute
   capability >= 8.9 activations are quantized per token on the fly and the matmul runs on FP8 tensor

@@ -16,9 +16,8 @@ uint8 zero points and fp16 scales [K/G, N]; optional act-order ``g_idx``):
   ``w = (bits - (1024 + z)) * scale`` per element with no integer conversion. Stored folded in fp16 they
   would add 1.5% to the bytes a decode step reads (groups of 128), for work done once per group and column.
 
-The model's W4Linear interleaves each qweight as it loads (``interleave_w4``; shared/engine/quant/linear.py);
-``repack_w4`` does the whole conversion at once, act-order included, for the benchmark and the tests: the
-model does not sort act-order rows yet (they keep the plain layout and kernels/triton/w4a16.py).
+The model's W4Linear interleaves each qweight as it loads (``interleave_w4``; shared/engine/quant/linear.py),
+or with act-order calls ``repack_w4`` once every weight has loaded (its ``finish_loading``), g_idx included.
 """
 
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrelay.kernels.quant import PACK, pack_w4, unpack_w4, w4_groups
+from kvrelay.kernels.quant import PACK, pack_w4, unpack_w4
 
 TILE_KS = (128, 64, 32, 16)  # tl.dot needs a K tile of 16 or more; a tile must not straddle two groups
 
@@ -63,12 +62,17 @@ def interleave_w4(qweight: torch.Tensor, tile_k: int) -> torch.Tensor:
     return words.reshape(k // PACK, n).contiguous()
 
 
-def _sort_groups(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
+def act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """int32 [K]: the inputs sorted by group (stable, so the same g_idx gives the same order anywhere);
+    None where g_idx is k // G already."""
     k = g_idx.numel()
+    in_groups = torch.arange(k, device=g_idx.device) // group_size
+    if torch.equal(g_idx.long(), in_groups):
+        return None
     perm = torch.argsort(g_idx.long(), stable=True)
-    if not torch.equal(g_idx.long()[perm], torch.arange(k, device=g_idx.device) // group_size):
+    if not torch.equal(g_idx.long()[perm], in_groups):
         raise ValueError(f"g_idx is not a permutation of whole groups of {group_size}: it cannot be sorted into them")
-    return perm
+    return perm.to(torch.int32)
 
 
 def repack_w4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -78,11 +82,9 @@ def repack_w4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, 
     if tile_k is None or group_size % tile_k or k % tile_k or tile_k % 16:
         raise ValueError(f"the repacked W4 kernel needs a K tile, a multiple of 16, that divides the group size "
                          f"{group_size} and K {k} (tile_k {tile_k})")
-    perm = None
-    if g_idx is not None and not torch.equal(g_idx.long(), w4_groups(k, group_size, None, g_idx.device)):
-        perm = _sort_groups(g_idx, group_size)
-        qweight = pack_w4(unpack_w4(qweight)[perm])
-        perm = perm.to(torch.int32)
+    perm = None if g_idx is None else act_order_perm(g_idx, group_size)
+    if perm is not None:
+        qweight = pack_w4(unpack_w4(qweight)[perm.long()])
     return W4Packed(interleave_w4(qweight, tile_k), scales.half().contiguous(), zeros.to(torch.uint8).contiguous(),
                     perm, group_size, tile_k)
 

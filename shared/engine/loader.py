@@ -67,15 +67,28 @@ def load_model(model_config: ModelConfig, device: str | torch.device, progress: 
         model = build_model(hf_config, dtype, device, quant, parallel, stage)
     else:
         model = build_in_arena(hf_config, dtype, device, arena, quant)
-    if arena is not None and arena.filled:
-        pass  # mapped: the process that filled it loaded these exact weights
+    mapped = arena is not None and arena.filled
+    if mapped:
+        pass  # the process that filled it loaded these exact weights
     elif dummy:
         init_dummy_weights(model, model_config.seed)
     else:
         files = safetensors_files(Path(model_config.model), root)
         model.load_weights(iter_safetensors(files, progress))
+    finish_loading(model, mapped)
     model.eval().requires_grad_(False)
     return model, hf_config
+
+
+def finish_loading(model: nn.Module, mapped: bool) -> None:
+    """Each module's optional ``finish_loading(mapped)``, once every weight is in: a step that needs
+    several tensors which may arrive in any order (GPTQ act-order's row sort). It runs in the process that
+    fills a shared arena before the arena is offered to others, so what it writes there is shared; a
+    process that maps the arena (``mapped``) must write nothing to it, only derive its private state."""
+    for module in model.modules():
+        hook = getattr(module, "finish_loading", None)
+        if callable(hook):
+            hook(mapped)
 
 
 def check_split_quantization(quant: QuantConfig, world_size: int) -> None:

@@ -12,7 +12,11 @@ interpret_triton_kernels("tests/gpu/test_quant_gpu.py")
 from kvrelay.kernels import quant  # noqa: E402
 from kvrelay.kernels.triton import w4_fast as kernel  # noqa: E402
 from kvrelay.kernels.w4_repack import dequantize_packed, repack_w4  # noqa: E402
+from kvrelay.shared.engine.quant import formats  # noqa: E402
+from kvrelay.shared.engine.quant.config import QuantConfig  # noqa: E402
+from kvrelay.shared.engine.quant.linear import W4Linear  # noqa: E402
 from tests.kernels.quant_cases import check_w4_packed, w4_case  # noqa: E402
+from tests.kernels.triton_cases import assert_close  # noqa: E402
 
 SOURCES = ["awq", "gptq", "gptq_act_order"]
 
@@ -53,3 +57,18 @@ def test_dtypes_rows_and_ragged_outputs(dtype, rows):
 def test_split_k(source, cfg):
     # the partial sums meet in an fp32 buffer; 3 splits of 8 tiles leave the last one short; the bias once
     check_w4_packed(kernel, "cpu", 3, 256, 40, 32, torch.bfloat16, source, bias=True, cfg=cfg)
+
+
+def test_a_gptq_act_order_layer_sorted_once_loaded():
+    # g_idx routed last, as a checkpoint may order it: the rows are sorted only once everything is in
+    q, zeros, scales, g_idx, x, b = w4_case(5, 128, 40, 32, torch.bfloat16, True, True)
+    layer = W4Linear(128, 40, True, torch.bfloat16, QuantConfig("gptq", True, 32, desc_act=True))
+    published = formats.to_gptq(q, zeros.int(), scales, 32) | {"g_idx": g_idx, "bias": b}
+    for suffix, t in published.items():
+        param, _, convert = layer.route(suffix, None)
+        param.data.copy_(convert(t) if convert else t)
+    layer.finish_loading(mapped=False)
+    packed = layer.packed()
+    assert packed is not None and packed.perm is not None
+    got = kernel.w4_packed_linear(x, packed, layer.bias)
+    assert_close(got, quant.w4a16_linear(x.float(), quant.pack_w4(q), zeros, scales, 32, g_idx, b.float()), x.dtype)

@@ -103,8 +103,39 @@ def test_gptq_layout_round_trip(act_order):
     layer = W4Linear(k, n, False, torch.float32, QuantConfig("gptq", True, group, desc_act=act_order))
     _load(layer, published)
     expected = dequant_reference(q, z, s, g_idx)
-    got = layer.dequantize()
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(layer.dequantize(), expected, rtol=0, atol=0)  # act-order: the plain layout
+    layer.finish_loading(mapped=False)  # act-order: rows sorted into whole groups, for the repacked kernel
+    assert layer.packed() is not None and (layer.perm is not None) == act_order
+    torch.testing.assert_close(layer.dequantize(), expected, rtol=0, atol=0)
+
+
+def test_gptq_act_order_mapped_from_an_arena_derives_the_same_order_and_writes_nothing():
+    k, n, group = 128, 40, 32
+    q, z, s = _random_w4(k, n, group, seed=5)
+    g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(1)) // group).to(torch.int32)
+    published = {"qweight": gptq_pack_rows_reference(q), "qzeros": gptq_pack_zeros_reference(z), "scales": s,
+                 "g_idx": g_idx}
+    config = QuantConfig("gptq", True, group, desc_act=True)
+    exporter, importer = W4Linear(k, n, False, torch.float32, config), W4Linear(k, n, False, torch.float32, config)
+    _load(exporter, published)
+    exporter.finish_loading(mapped=False)
+    importer.load_state_dict(exporter.state_dict())  # the arena's bytes, as the exporter left them
+    written = importer.qweight.clone()
+    importer.finish_loading(mapped=True)
+    assert torch.equal(importer.qweight, written) and torch.equal(importer.perm, exporter.perm)
+    torch.testing.assert_close(importer.dequantize(), dequant_reference(q, z, s, g_idx), rtol=0, atol=0)
+
+
+def test_gptq_g_idx_scattering_a_group_keeps_the_plain_layout():
+    k, n, group = 64, 16, 32
+    q, z, s = _random_w4(k, n, group, seed=9)
+    g_idx = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)  # group 0 holds 40 inputs
+    layer = W4Linear(k, n, False, torch.float32, QuantConfig("gptq", True, group, desc_act=True))
+    _load(layer, {"qweight": gptq_pack_rows_reference(q), "qzeros": gptq_pack_zeros_reference(z), "scales": s,
+                  "g_idx": g_idx})
+    layer.finish_loading(mapped=False)
+    assert layer.packed() is None and layer.perm is None
+    torch.testing.assert_close(layer.dequantize(), dequant_reference(q, z, s, g_idx), rtol=0, atol=0)
 
 
 def test_rtn_quantizer_beats_plain_min_max_rounding():

@@ -18,6 +18,8 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.kernels import quant as kq
 from kvrelay.shared.engine.quant import formats
 from kvrelay.shared.engine.quant.checkpoint import quantize_checkpoint
+from kvrelay.shared.engine.quant.linear import W4Linear
+from tests.unit.act_order_checkpoints import write_act_order_gptq
 
 GROUP = 32  # divides the tiny models' 64 and 128 inputs
 PROJECTIONS = {
@@ -79,6 +81,15 @@ def test_quantized_checkpoint(tiny_model_dirs, tmp_path, method):
     assert greedy(ckpt) == reference  # detected from config.json
     assert greedy(ckpt, quantization=method) == reference
     assert weight_bytes(ckpt) < weight_bytes(src)
+
+
+def test_gptq_act_order_checkpoint_runs_the_repacked_kernel(tiny_model_dirs, tmp_path):
+    """GPTQ's act-order: the rows are sorted into whole groups once loaded, for the repacked kernel."""
+    ckpt, deq = write_act_order_gptq(tiny_model_dirs["llama"], tmp_path, GROUP)
+    llm = LLM(model=str(ckpt), kv_cache_memory=1 << 22)
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, W4Linear)]
+    assert layers and all(m.packed() is not None and m.perm is not None for m in layers)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)] == greedy(deq)
 
 
 def test_checkpoint_layout_contradicting_its_config(tiny_model_dirs, tmp_path):

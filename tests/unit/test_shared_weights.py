@@ -14,8 +14,10 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
 from kvrelay.shared.engine.loader import load_model
+from kvrelay.shared.engine.quant.linear import W4Linear
 from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.weight_registry import WeightRegistry
+from tests.unit.act_order_checkpoints import write_act_order_gptq
 
 ENGINE = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy", max_model_len=128, seed=7), device="cpu")
 
@@ -27,8 +29,9 @@ _PEER = textwrap.dedent("""
     from kvrelay.shared.engine.loader import load_model
     from kvrelay.shared.worker.shared_weights import SharedWeights
     quantization = sys.argv[3] if len(sys.argv) > 3 else None
-    engine = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy", max_model_len=128, seed=7,
-                                      quantization=quantization), device="cpu")
+    model = sys.argv[4] if len(sys.argv) > 4 else "dummy:tiny-llama"
+    engine = EngineConfig(ModelConfig(model, load_format="dummy" if model.startswith("dummy:") else "auto",
+                                      max_model_len=128, seed=7, quantization=quantization), device="cpu")
     shared = SharedWeights("cpu", Path(sys.argv[1]))
     arena = shared.arena(shared.key(engine), "tiny")
     if sys.argv[2] == "unfinished":
@@ -45,8 +48,8 @@ _PEER = textwrap.dedent("""
 def peer(tmp_path):
     procs: list[subprocess.Popen] = []
 
-    def start(mode: str = "ready", *quantization: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", _PEER, str(tmp_path / "shared"), mode, *quantization],
+    def start(mode: str = "ready", *quantization_and_model: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", _PEER, str(tmp_path / "shared"), mode, *quantization_and_model],
                                 stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         assert proc.stdout.readline().strip() == "exported"
@@ -108,6 +111,25 @@ def test_a_quantized_model_is_shared_apart_from_its_full_precision_copy(tmp_path
     assert any(p.dtype in (torch.int8, torch.int32, torch.float8_e4m3fn) for p in mapped.parameters())
     dims = [[getattr(p, "output_dim", None) for p in m.parameters()] for m in (mapped, private)]
     assert dims[0] == dims[1]
+    del mapped
+    shared.release("tiny")
+
+
+def test_gptq_act_order_rows_are_sorted_once_by_the_exporter(tiny_model_dirs, tmp_path, peer):
+    """The exporter sorts the rows in the arena before offering it; a process that maps it derives the same
+    order from the shared g_idx and sorts nothing again (its mapping is read-only)."""
+    ckpt, _ = write_act_order_gptq(tiny_model_dirs["llama"], tmp_path, 32)
+    engine = EngineConfig(ModelConfig(str(ckpt), max_model_len=128, seed=7, quantization="gptq"), device="cpu")
+    peer("ready", "gptq", str(ckpt))
+    shared = SharedWeights("cpu", tmp_path / "shared")
+    arena = shared.arena(shared.key(engine), "tiny")
+    mapped, _ = load_model(engine.model, "cpu", progress=False, arena=arena)
+    shared.loaded(arena)
+    private, _ = load_model(engine.model, "cpu", progress=False)
+    assert arena.how == "mapped" and same_weights(mapped, private)
+    layers = [[m for m in model.modules() if isinstance(m, W4Linear)] for model in (mapped, private)]
+    assert layers[0] and all(a.perm is not None and torch.equal(a.perm, b.perm) and
+                             torch.equal(a.dequantize(), b.dequantize()) for a, b in zip(*layers, strict=True))
     del mapped
     shared.release("tiny")
 

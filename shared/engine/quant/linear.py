@@ -21,7 +21,7 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.kernels.quant import dequantize_w4, quantize_channel
-from kvrelay.kernels.w4_repack import W4Packed, dequantize_packed, interleave_w4, tile_k_for
+from kvrelay.kernels.w4_repack import W4Packed, act_order_perm, dequantize_packed, interleave_w4, repack_w4, tile_k_for
 from kvrelay.shared.engine.quant import formats
 from kvrelay.shared.engine.quant.config import W4_METHODS, QuantConfig
 
@@ -112,9 +112,10 @@ class ChannelLinear(QuantLinear):
 
 class W4Linear(QuantLinear):
     """AWQ or GPTQ 4-bit weight, converted at load into kernels/quant.py's W4 layout, and its nibbles
-    interleaved as it arrives (``tile_k``: kernels/w4_repack.py) for kernels/triton/w4_fast.py. GPTQ's
-    act-order, whose rows must be sorted by a g_idx that may arrive after them, and group sizes with no
-    K tile of 16 or more keep the plain layout and its kernel (``tile_k`` None)."""
+    interleaved (``tile_k``: kernels/w4_repack.py) for kernels/triton/w4_fast.py: as it arrives, or with
+    GPTQ's act-order in ``finish_loading``, once g_idx (which may arrive after the rows) has sorted the
+    rows into whole groups (``perm``). Group sizes with no K tile of 16 or more, and a g_idx that is not
+    whole groups, keep the plain layout and kernels/triton/w4a16.py (``tile_k`` None)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantConfig):
         super().__init__(in_features, out_features, bias, dtype, quant)
@@ -126,7 +127,8 @@ class W4Linear(QuantLinear):
         self.qzeros = _param(torch.empty(k // g, n, dtype=torch.uint8), 1)
         self.scales = _param(torch.empty(k // g, n, dtype=torch.float16), 1)
         self.g_idx = _param(torch.empty(k, dtype=torch.int32), None) if quant.method == "gptq" else None
-        self.tile_k = None if quant.desc_act else tile_k_for(g, k)
+        self.tile_k = None if quant.desc_act else tile_k_for(g, k)  # act-order: set by finish_loading
+        self.register_buffer("perm", None, persistent=False)  # not in a weight arena: each process derives it
 
     def checkpoint_suffixes(self) -> list[str]:
         names = ["qweight", "qzeros", "scales"] + (["g_idx"] if self.quant.desc_act else [])
@@ -152,10 +154,29 @@ class W4Linear(QuantLinear):
             return self.g_idx, None, None if inputs is None else (lambda t: inputs(t[None])[0])
         return super().route(suffix, rows, pre)
 
+    @torch.no_grad()
+    def finish_loading(self, mapped: bool) -> None:
+        """Act-order: sort the rows by g_idx into whole groups and interleave them, in place, keeping the
+        order as ``perm``. ``mapped``: the parameters are a shared arena another process filled, and this
+        step already rewrote them there (they must hold the same bytes in every process, and a second
+        sort would scramble them), so only ``perm`` is derived, from the shared g_idx: a stable sort of
+        the same g_idx gives the same order in every process."""
+        tile_k = tile_k_for(self.quant.group_size, self.in_features)
+        if not self.quant.desc_act or self.tile_k is not None or tile_k is None:
+            return  # not act-order, done already, or no K tile: the plain layout stays
+        try:
+            perm = act_order_perm(self.g_idx, self.quant.group_size)
+        except ValueError:  # g_idx scatters a group: the plain layout's kernel reads it as it is
+            return
+        if not mapped:
+            packed = repack_w4(self.qweight, self.qzeros, self.scales, self.quant.group_size, self.g_idx, tile_k)
+            self.qweight.copy_(packed.qweight)
+        self.perm, self.tile_k = perm, tile_k
+
     def packed(self) -> W4Packed | None:
         if self.tile_k is None:
             return None
-        return W4Packed(self.qweight, self.scales, self.qzeros, None, self.quant.group_size, self.tile_k)
+        return W4Packed(self.qweight, self.scales, self.qzeros, self.perm, self.quant.group_size, self.tile_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed()
