@@ -12,8 +12,9 @@ from dataclasses import replace
 
 from kvrelay.bench.serve_client import Prompt, RequestSpec, arrival_offsets, run_load
 from kvrelay.bench.serve_metrics import summarize
-from kvrelay.bench.ttft_stages import breakdown, diff, print_breakdown, scrape
+from kvrelay.bench.ttft_stages import print_breakdown, scrape
 from kvrelay.rate_search import SearchSpace, Slo, Trial, next_rate, outcome, verdict
+from kvrelay.ttft_readout import breakdown, diff
 
 WIDTH = 92
 # what each trial keeps in the result JSON: the per-request lists of summarize() would make a sweep of

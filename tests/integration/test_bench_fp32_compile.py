@@ -9,6 +9,7 @@ import pytest
 from kvrelay.shared.config.handover import module_argv
 
 pytest.importorskip("triton")
+from kvrelay.kernels.triton.decode_attention import FP32_BLOCK_N, FP32_BLOCK_N_CANDIDATES  # noqa: E402
 
 
 def _bench(*args: str) -> list[list[str]]:
@@ -22,7 +23,9 @@ def _bench(*args: str) -> list[list[str]]:
 
 def test_every_decode_candidate_gets_a_checked_row():
     rows = _bench("--kernels", "decode", "--jobs", "3", "--budget", "200")
-    assert [r[1] for r in rows] == ["BLOCK_N=64", "BLOCK_N=32", "BLOCK_N=16"]  # the current tiling first
+    # the current tiling first, then the others
+    assert [r[1] for r in rows] == [f"BLOCK_N={n}" for n in (FP32_BLOCK_N, *FP32_BLOCK_N_CANDIDATES)]
+    assert len(rows) == 3
     assert all(r[5] == "yes" and float(r[4]) < 1e-4 for r in rows), rows
 
 

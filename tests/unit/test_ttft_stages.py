@@ -1,5 +1,5 @@
 """The TTFT stage split: the gateway's series (gateway/ttft_stages.py) written into a real registry and
-read back by the sweep's scrape-and-diff (bench/ttft_stages.py): quantiles from buckets, and the
+read back by the sweep's scrape-and-diff (kvrelay/ttft_readout.py): quantiles from buckets, and the
 slowest requests' mean per stage from the per-TTFT-class sums."""
 
 import math
@@ -7,8 +7,8 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvrelay.bench.ttft_stages import breakdown, diff, parse, quantile
 from kvrelay.gateway.ttft_stages import STAGE_BUCKETS, STAGES, TtftStages, split, ttft_class
+from kvrelay.ttft_readout import breakdown, diff, parse, quantile
 
 
 def _observe(stages: TtftStages, arrival: float, ms: tuple[float, ...], model: str = "m") -> None:
