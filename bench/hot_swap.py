@@ -34,6 +34,7 @@ from pathlib import Path
 from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.repo.model_import import version_manifest
 from kvrelay.shared.repo.model_repo import MANIFEST, ModelRepository
+from kvrelay.shared.wire.loopback_ports import free_port
 
 ADMIN_KEY = "bench-swap-admin-key-0123456789"
 
@@ -81,7 +82,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     cfg = work / "swap.yaml"
     cfg.write_text(f"model_repo: {{type: local, path: {repo.root}}}\nmodels:\n"
                    "  - {name: main, version: 1}\n  - {name: other, version: 1}\n")
-    port = _free_port()
+    port = free_port()
     serve_args = [a for a in args.serve_args if a != "--"]
     if "--max-model-len" not in serve_args:
         serve_args += ["--max-model-len", str(args.max_model_len)]
@@ -265,13 +266,6 @@ def link_version(repo: ModelRepository, src: Path, name: str, version: int) -> N
 
 
 # -- plumbing ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout

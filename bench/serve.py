@@ -32,6 +32,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from kvrelay.shared.config.handover import module_argv
+from kvrelay.shared.wire.loopback_ports import free_port
 
 READY_TIMEOUT_S = 600.0  # a first run imports SmolLM2's GGUF before the workers start
 STOP_GRACE_S = 30.0
@@ -150,10 +151,6 @@ def _check_loopback(base_url: str) -> None:
                          "pass --allow-remote to load-test it anyway")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(base_url: str) -> bool:
@@ -178,7 +175,7 @@ def _wait_ready(base_url: str) -> None:
 @contextlib.contextmanager
 def launched(mode: str, engine_args: list[str], log_dir: Path) -> Iterator[str]:
     """``kvrelay serve --mode MODE`` on a free loopback port until the block ends; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     log_path = log_dir / f"serve-{mode}.log"
     # host and port last: they must win over anything in the pass-through args; a fresh state folder (the
     # embedded Redis's data) per launch, so one run's tenants and counters never reach the next

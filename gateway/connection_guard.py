@@ -158,6 +158,11 @@ class GuardedSite(web.SockSite):
         super().__init__(runner, sock, backlog=backlog)
         self.guard = guard
 
+    @property
+    def port(self) -> int:
+        """The port bound: the one asked for, or the kernel's pick for port 0."""
+        return self._sock.getsockname()[1]
+
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers with the runner, which stops it at cleanup
         server = self._runner.server

@@ -108,7 +108,7 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
     # reuse_port: the kernel spreads new connections over every gateway process bound to the port
     site = GuardedSite(runner, app[CONNECTION_GUARD], host, port, backlog=2048, reuse_port=reuse_port)
     await site.start()
-    log.info("gateway listening on http://%s:%d", host, port)
+    log.info("gateway listening on http://%s:%d", host, site.port)
     report_ready()  # to kvrelay serve: this process holds the port, so the /ready it polls is ours
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

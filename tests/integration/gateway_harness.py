@@ -14,7 +14,6 @@ calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_c
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.loopback_ports import free_port
 from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from tests.zmq_secret import CURVE, SECRET
@@ -262,10 +262,6 @@ class FakeWorker:
 ORPHAN_HOLDER = "decode-that-died"  # never registered: its heartbeat is as gone as a killed worker's
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayServer:

@@ -43,7 +43,7 @@ def test_a_response_to_a_client_that_left_is_dropped_quietly(caplog):
         await runner.setup()
         site = GuardedSite(runner, guard, "127.0.0.1", 0, backlog=8)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = site.port
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /slow HTTP/1.1\r\nHost: gateway\r\n\r\n")

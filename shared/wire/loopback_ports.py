@@ -1,0 +1,66 @@
+"""Loopback ports for servers a launcher starts (``kvrelay serve``'s children, the local clusters of
+benchmarks and tests), picked where the kernel never hands ports out.
+
+A port found free by binding port 0 and closing the socket stays free only until someone else binds it,
+and the kernel hands the same ephemeral range to every bind(0) and every connect() on the host. A child
+that takes seconds of imports before it binds can find its port taken, and worse, a probe of that port
+then reaches the other server. Below the ephemeral range (``ip_local_port_range``) no bind(0) or
+connect() ever lands, so a port here is taken only by another launcher: each process walks its own
+stretch from a random start, one port after the next, and skips a port it finds bound.
+"""
+
+import random
+import socket
+import threading
+from pathlib import Path
+
+LOWEST = 15000  # above the ports services are commonly configured on (8000s, 9000s)
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_lock = threading.Lock()
+_next: int | None = None
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(also_free_at: int = 0) -> int:
+    """A loopback port nothing is bound to, outside the ephemeral range; with ``also_free_at`` N, one
+    whose port + N is free and outside it too (a Redis cluster node's bus listens at port + 10000)."""
+    global _next
+    top = ephemeral_start() - also_free_at
+    if top - LOWEST < 1000:  # an ephemeral range reaching low: only bind(0) is left (the old race with it)
+        return _ephemeral(also_free_at)
+    span = top - LOWEST
+    with _lock:
+        if _next is None:
+            _next = random.randrange(span)
+        for _ in range(span):
+            port = LOWEST + _next % span  # one cursor for every span: a pair's is shorter
+            _next = (_next + 1) % span
+            if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
+                return port
+    raise RuntimeError(f"no free loopback port in {LOWEST}-{top}")
+
+
+def _ephemeral(also_free_at: int) -> int:
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not also_free_at or (port + also_free_at < 65536 and _bindable(port + also_free_at)):
+            return port
+    raise RuntimeError("no free loopback port")
