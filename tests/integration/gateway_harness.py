@@ -76,6 +76,9 @@ class _Seq:
     steps: int = 0
 
 
+THREAD_BOUND_S = 60.0  # a hang bound: each loop of a fake worker checks its stop flag every 50 ms or so
+
+
 @dataclass
 class FakeWorker:
     redis_url: str
@@ -126,7 +129,9 @@ class FakeWorker:
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(5)
+            # a thread still reading after stop would take the next test's jobs from the shared stream
+            thread.join(THREAD_BOUND_S)
+            assert not thread.is_alive(), f"{self.worker_id}: {thread.name} did not stop"
         r = sync_client(self.redis_url)
         r.delete(keys.worker_key(self.worker_id))
         r.srem(keys.WORKERS_INDEX, self.worker_id)

@@ -23,9 +23,18 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, InstanceStatus, WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
-from tests.integration.gateway_harness import FakeWorker, GatewayServer, build_tokenizer, gateway_config
+from tests.integration.gateway_harness import (
+    THREAD_BOUND_S,
+    FakeWorker,
+    GatewayServer,
+    build_tokenizer,
+    gateway_config,
+)
 
 ADMIN_KEY = "admin-key-0123456789abcdef"
+# a hang bound, not a speed claim: a scripted load builds a tokenizer, which on a loaded 2-core CI box beside
+# another file's real worker processes can take longer than the 15 s this was
+LOAD_BOUND_S = 60.0
 
 
 @dataclasses.dataclass
@@ -59,6 +68,8 @@ class ScriptedWorker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._loads: list[threading.Thread] = []  # stop waits for them: a load finishing after it would leave a
+        # fake worker reading the instance's stream, taking the next test's jobs
         self._redis = sync_client(redis_url)
 
     def start(self) -> "ScriptedWorker":
@@ -69,7 +80,9 @@ class ScriptedWorker:
     def stop(self) -> None:
         self._stop.set()
         self.gate.set()
-        self._thread.join(5)
+        for thread in [self._thread, *self._loads]:
+            thread.join(THREAD_BOUND_S)
+            assert not thread.is_alive(), f"{self.worker_id}: {thread.name} did not stop"
         for worker in list(self.serving.values()):
             worker.stop()
         self._redis.delete(keys.worker_key(self.worker_id))
@@ -120,7 +133,8 @@ class ScriptedWorker:
                 self.states[cmd.instance] = InstanceStatus(instance=cmd.instance, name=cmd.name, version=cmd.version,
                                                            state="loading", pinned=cmd.pinned)
             self._heartbeat()
-            threading.Thread(target=self._load, args=(cmd,), daemon=True).start()
+            self._loads.append(threading.Thread(target=self._load, args=(cmd,), daemon=True))
+            self._loads[-1].start()
         else:
             with self._lock:
                 self.states.pop(cmd.instance, None)
@@ -208,7 +222,7 @@ def model_pool(redis_url: str, repo: Path, tmp: Path, db: int, **config) -> Iter
     url = own_db(redis_url, db)
     sync_client(url).flushdb()
     server = GatewayServer(gateway_config(url, **{"admin_key": ADMIN_KEY, "model_repo": str(repo),
-                                                  "model_load_timeout": 15.0, "reconcile_interval_s": 0.0,
+                                                  "model_load_timeout": LOAD_BOUND_S, "reconcile_interval_s": 0.0,
                                                   **config})).start()
     try:
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}

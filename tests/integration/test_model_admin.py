@@ -170,7 +170,7 @@ def test_responses_show_the_clients_model_name(env, workers):
     workers("loader-2")
     env.admin("POST", "/admin/models", json={"name": "alpha"})
     r = env.complete("alpha")
-    assert r.status_code == 200 and r.json()["model"] == "alpha"
+    assert r.status_code == 200 and r.json()["model"] == "alpha", r.text
 
 
 def test_503_with_the_workers_reason_when_every_worker_refuses(env, workers):
@@ -208,7 +208,8 @@ def test_prefill_and_decode_workers_each_get_a_load(env, workers):
 def test_swap_flips_only_once_the_new_version_is_ready(env, workers):
     w = workers("swapper-1")
     env.admin("POST", "/admin/models", json={"name": "beta", "version": 1})
-    assert env.complete("beta").status_code == 200
+    r = env.complete("beta")
+    assert r.status_code == 200, r.text
     assert [j.model for j in _jobs(w, "beta@1")] == ["beta@1"]
 
     w.gate.clear()  # the new version stays "loading" until the test lets it finish
