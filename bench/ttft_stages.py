@@ -24,8 +24,16 @@ async def scrape(base_url: str) -> Scrape:
 
 def print_breakdown(b: dict, indent: int = 5) -> None:
     """Rows under a trial's row: p50, p99 and mean of each stage, and the slowest requests' mean; a mean
-    row's sum beside the gateway's mean TTFT, which it should match."""
+    row's sum beside the gateway's mean TTFT, which it should match unless some requests were not split
+    (said last)."""
     pad = " " * indent
+    _print_stages(b, pad)
+    if b["unsplit"]:
+        print(f"{pad}{b['unsplit']} request(s) not split (their workers sent no stamps): in the gateway's mean "
+              "TTFT, not in the stages", flush=True)
+
+
+def _print_stages(b: dict, pad: str) -> None:
     if not b["stages"]:
         print(f"{pad}TTFT stages: none reported (a server without kvrelay_ttft_stage_seconds)")
         return

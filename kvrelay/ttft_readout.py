@@ -1,8 +1,9 @@
 """Reading the gateway's TTFT stage split (gateway/ttft_stages.py) out of two /metrics scrapes: the
 histograms diffed, each stage's p50 and p99 read from its buckets (linear within a bucket, as PromQL's
 histogram_quantile), and for the slowest requests (the top TTFT classes holding at least TAIL of them) the
-mean of each stage, which says where the tail's time went. `kvrelay bench serve --sweep` prints it per trial
-(bench/ttft_stages.py)."""
+mean of each stage, which says where the tail's time went; and how many requests were not split (their workers
+sent no stamps), whose TTFT the gateway's mean holds but the stages do not. `kvrelay bench serve --sweep` prints
+it per trial (bench/ttft_stages.py)."""
 
 import math
 from collections import defaultdict
@@ -14,6 +15,7 @@ from kvrelay.gateway.ttft_stages import TTFT_CLASSES
 STAGE_SECONDS = "kvrelay_ttft_stage_seconds"
 BY_TTFT = "kvrelay_ttft_stage_by_ttft_seconds"
 REQUESTS = "kvrelay_ttft_requests_by_ttft"
+UNSPLIT = "kvrelay_ttft_unsplit"
 TTFT = "vllm:time_to_first_token_seconds"  # the gateway's TTFT, which the stages tile
 TAIL = 0.05
 # series key: (sample name, sorted labels without model_name); a trial's requests all name one model
@@ -23,7 +25,7 @@ Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def parse(text: str) -> Scrape:
     out: Scrape = defaultdict(float)
     for family in text_string_to_metric_families(text):
-        if family.name not in (STAGE_SECONDS, BY_TTFT, REQUESTS, TTFT):
+        if family.name not in (STAGE_SECONDS, BY_TTFT, REQUESTS, UNSPLIT, TTFT):
             continue
         for s in family.samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
@@ -63,6 +65,7 @@ def breakdown(delta: Scrape) -> dict:
     counts: dict[str, float] = defaultdict(float)
     by_class: dict[float, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     requests: dict[float, float] = defaultdict(float)
+    unsplit = 0.0
     ttft: dict[str, float] = defaultdict(float)
     for (name, labels), value in delta.items():
         lab = dict(labels)
@@ -76,6 +79,8 @@ def breakdown(delta: Scrape) -> dict:
             by_class[_le(lab["ttft_le"])][lab["stage"]] += value
         elif name == f"{REQUESTS}_total":
             requests[_le(lab["ttft_le"])] += value
+        elif name == f"{UNSPLIT}_total":
+            unsplit += value
         elif name in (f"{TTFT}_sum", f"{TTFT}_count"):
             ttft[name.rsplit("_", 1)[1]] += value
     stages = {}
@@ -83,9 +88,12 @@ def breakdown(delta: Scrape) -> dict:
         p50, p99 = quantile(0.5, b), quantile(0.99, b)
         if p50 is None:
             continue
+        if not sums[stage]:  # every one 0 (``requeue`` without requeues): not the midpoint of the first bucket
+            p50 = p99 = 0.0
         stages[stage] = {"p50_ms": p50 * 1000, "p99_ms": p99 * 1000,
                          "mean_ms": sums[stage] / counts[stage] * 1000 if counts[stage] else 0.0}
-    return {"requests": round(sum(requests.values())), "stages": stages, "tail": _tail(by_class, requests),
+    return {"requests": round(sum(requests.values())), "unsplit": round(unsplit), "stages": stages,
+            "tail": _tail(by_class, requests),
             "ttft_mean_ms": ttft["sum"] / ttft["count"] * 1000 if ttft["count"] else None}
 
 

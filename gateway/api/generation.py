@@ -73,7 +73,8 @@ class Generation:
         self.arrival = time.time()
         self.deadline = self.arrival + config.request_timeout
         self.first_token_at: float | None = None  # unix seconds; arrival to here is the client's TTFT
-        self.queued_wall = 0.0  # unix seconds its jobs went to Redis (the end of TTFT's gateway stage)
+        # job id -> unix seconds its job went to Redis, first to last (a requeue adds one): TTFT's stages
+        self._enqueued: dict[str, list[float]] = {}
         params = prepared.params
         self.choices: list[ChoiceState] = []
         for p, prompt in enumerate(prepared.prompts):
@@ -208,7 +209,8 @@ class Generation:
         if config.redis_min_replicas:
             pipe.wait(config.redis_min_replicas, config.redis_replica_wait_ms)  # WAIT covers its own connection's writes
         # before the XADD, not after: a worker blocked on its stream reads the job before this coroutine resumes
-        self.queued_wall = time.time()
+        now = time.time()
+        self._enqueued = {c.job_id: [now] for c in self.choices}
         try:
             replies = await pipe.execute()
             queued_at = time.monotonic()
@@ -303,8 +305,10 @@ class Generation:
         self._requeues += 1
         config = self.app[CONFIG]
         pipe = self.app[REDIS].pipeline(transaction=False)
+        now = time.time()  # before the XADD, as in _submit
         for choice in lost:
             del self._holders[choice.job_id]
+            self._enqueued[choice.job_id].append(now)
             pipe.xadd(keys.prefill_stream(self.prepared.model.name), {keys.JOB_FIELD: encode(self._job(choice))},
                       maxlen=config.stream_maxlen, approximate=True)
         try:
@@ -336,15 +340,17 @@ class Generation:
                 self._holders[choice.job_id] = event.worker_id
             if not (event.token_ids or event.finish_reason or event.error or event.prompt_logprobs):
                 continue  # a decode worker announcing it holds the request: nothing to stream
+            had_tokens = bool(choice.token_ids)
             delta = choice.receive(event)
             if delta is None:
                 continue
             if self.first_token_at is None and delta.token_ids:
                 self.first_token_at = time.time()
             metrics = self.app[METRICS]
-            if event.first_token_times and delta.token_ids and not self._requeues:
-                metrics.ttft_stages.observe(self.model_name, self.arrival, self.queued_wall, event.first_token_times,
-                                            time.time())
+            # the choice's first token: on ``event`` (output index 0, the one stamped; later ones wait for it)
+            if delta.token_ids and not had_tokens:
+                metrics.ttft_stages.observe(self.model_name, self.arrival, self._enqueued[choice.job_id],
+                                            event.first_token_times, time.time())
             metrics.vllm.delta(self, choice, len(delta.token_ids))
             if choice.finished:
                 pending.discard(choice.job_id)

@@ -27,6 +27,7 @@ rather than raised into the middle of an engine step, whose other outputs would 
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import redis
@@ -64,6 +65,9 @@ for _, key in ipairs(KEYS) do
 end
 return out
 """
+# Gateways refused as too far apart that are remembered (so warned about once): a restarted gateway comes back
+# under a new reply address, and the oldest of a few hundred is long gone by the time it is forgotten.
+FAR_GATEWAYS_KEPT = 256
 # Idle time given to handed-back jobs: past any worker's reclaim_idle_ms, so the next XAUTOCLAIM of any
 # consumer takes them.
 HAND_BACK_IDLE_MS = 24 * 3600 * 1000
@@ -103,7 +107,8 @@ class JobQueue:
         # entries a blocking read delivered beyond ``count`` (both streams answered at once); served first
         self._surplus: list[tuple[bytes, dict]] = []
         self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
-        self._far_gateways: set[str] = set()  # reply addresses of gateways refused as too many versions apart
+        # reply addresses of gateways refused as too many versions apart, least recently refused first
+        self._far_gateways: OrderedDict[str, None] = OrderedDict()
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -260,14 +265,22 @@ class JobQueue:
                          f"malformed job: {exc}", f"this worker cannot run the job: {exc}")
             return None
         if why := version_refusal(job.protocol, f"the gateway at {job.reply_addr}"):
-            # said once per gateway: every job of a gateway too far apart is refused alike
-            if job.reply_addr not in self._far_gateways:
-                self._far_gateways.add(job.reply_addr)
+            if self._first_refusal(job.reply_addr):
                 log.warning("refusing the jobs of %s", why)
             self._refuse(entry_id, fields, job.request_id, job.reply_addr, why,
                          f"this worker cannot run the job: {why}", quiet=True)
             return None
         return job
+
+    def _first_refusal(self, reply_addr: str) -> bool:
+        """Is this gateway's job the first refused? Said once per gateway: every job of a gateway too far apart
+        is refused alike. The least recently refused are forgotten past FAR_GATEWAYS_KEPT."""
+        known = reply_addr in self._far_gateways
+        self._far_gateways[reply_addr] = None
+        self._far_gateways.move_to_end(reply_addr)
+        while len(self._far_gateways) > FAR_GATEWAYS_KEPT:
+            self._far_gateways.popitem(last=False)
+        return not known
 
     def _refuse(self, entry_id: bytes, fields: dict, request_id: str | None, reply_addr: str | None, reason: str,
                 to_client: str, quiet: bool = False) -> None:

@@ -9,7 +9,10 @@ worker. Its output is deterministic: the tokens of REPLY, then EOS. Prompts stee
 that does not compile), ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
 each pair of events in swapped order (as a prefill and a decode worker may), ``[dup]`` sends every event
 twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way), ``[calls]`` CALLS_REPLY (two
-calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_choice's output).
+calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_choice's output). Its first token
+carries no stamps (``first_token_times``, as a worker older than them) unless ``[stamped]``; ``[requeue]``'s
+first delivery announces a holder that is gone (ORPHAN_HOLDER) before any token and says no more, its next one
+answers stamped (a job the gateway queued again).
 """
 
 import asyncio
@@ -31,7 +34,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.loopback_ports import free_port
-from kvrelay.shared.wire.protocol import Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
+from kvrelay.shared.wire.protocol import FIRST_TOKEN_STAMPS, Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from tests.zmq_secret import CURVE, SECRET
 
@@ -72,6 +75,7 @@ class _Seq:
     job: Job
     plan: list[int]  # token ids still to send
     mode: str
+    stamped: bool = False  # its first token carries first_token_times
     sent: int = 0
     steps: int = 0
 
@@ -165,14 +169,18 @@ class FakeWorker:
         pubsub.close()
         r.close()
 
-    def _plan(self, job: Job) -> _Seq:
+    def _plan(self, job: Job, again: bool) -> _Seq:
+        """``again``: the job was delivered before."""
         prompt = self.tokenizer.decode(job.prompt_token_ids)
-        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool", "calls", "args")
-                     if f"[{m}]" in prompt), "normal")
+        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool", "calls", "args",
+                                 "requeue") if f"[{m}]" in prompt), "normal")
+        stamped = "[stamped]" in prompt or mode == "requeue"
+        if mode == "requeue" and again:
+            mode = "normal"
         text = {"tool": TOOL_REPLY, "calls": CALLS_REPLY, "args": ARGS_REPLY}.get(mode, REPLY)
         reply = self.tokenizer.encode(text, add_special_tokens=False)
         plan = reply * 20 if mode == "slow" else reply + [self.eos]
-        return _Seq(job=job, plan=plan, mode=mode)
+        return _Seq(job=job, plan=plan, mode=mode, stamped=stamped)
 
     def _event(self, seq: _Seq) -> TokenEvent | None:
         """The next step of ``seq``, or None if it has nothing to say this step."""
@@ -180,6 +188,8 @@ class FakeWorker:
         seq.steps += 1
         if seq.mode == "silent" or (seq.mode == "slow" and seq.steps % 10):
             return None
+        if seq.mode == "requeue":  # its first delivery: a holder announced, then nothing
+            return TokenEvent(request_id=seq.job.request_id, worker_id=ORPHAN_HOLDER) if seq.steps == 1 else None
         first = seq.sent == 0
         num_prompt = len(seq.job.prompt_token_ids)
         common = dict(request_id=seq.job.request_id, output_index=seq.sent, worker_id=self.worker_id,
@@ -209,8 +219,9 @@ class FakeWorker:
             top = [known if params.logprobs == -1 else known[: params.logprobs]]  # -1: all it knows
         if first and params.prompt_logprobs is not None:
             prompt_lp = [None] + [[(t, -1.0)] for t in seq.job.prompt_token_ids[1:]]
+        stamps = dict.fromkeys(FIRST_TOKEN_STAMPS, time.time()) if first and seq.stamped else None
         return TokenEvent(**common, token_ids=[token], logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt_lp,
-                          finish_reason=finish, stop_reason=stop_reason)
+                          finish_reason=finish, stop_reason=stop_reason, first_token_times=stamps)
 
     def _run_jobs(self) -> None:
         r = sync_client(self.redis_url)
@@ -228,8 +239,9 @@ class FakeWorker:
                         job = decode(fields[keys.JOB_FIELD.encode()], Job)
                         r.xack(stream, keys.PREFILL_GROUP, entry_id)
                         with self._lock:
+                            again = any(j.request_id == job.request_id for j in self.jobs)
                             self.jobs.append(job)
-                        active[job.request_id] = self._plan(job)
+                        active[job.request_id] = self._plan(job, again)
                 for rid in self.aborted & active.keys():
                     del active[rid]
                 batches: dict[str, list[TokenEvent]] = {}

@@ -75,3 +75,19 @@ def test_a_job_of_a_gateway_two_versions_apart_is_refused_to_its_client_acked_an
         f"refusing the jobs of the gateway at {far_b} speaks wire protocol {PROTOCOL_VERSION + 3}, this process "
         f"{PROTOCOL_VERSION}: more than 1 version apart, refused (upgrade one version at a time)"]
     assert len(warned) == 2  # the second job of far_a is dead-lettered without another warning
+
+
+def test_far_gateways_are_remembered_up_to_a_bound_the_least_recently_refused_forgotten_first(r, caplog, monkeypatch):
+    """Gateways restart under new reply addresses: the memory of whom it warned about stays bounded, and a gateway
+    still sending jobs stays remembered, so its warning still comes once."""
+    monkeypatch.setattr(job_queue, "FAR_GATEWAYS_KEPT", 2)
+    q = make_queue(r, "w", idle_ms=60_000)
+    order = ["a", "b", "a", "c", "a", "b", "a"]  # c pushes b out (a was refused after b); b comes back: warned again
+    for i, gateway in enumerate(order):
+        r.xadd(keys.prefill_stream(MODEL), {keys.JOB_FIELD: _job_of_gateway(f"{gateway}{i}", PROTOCOL_VERSION + 2,
+                                                                            f"tcp://{gateway}:1")})
+    with caplog.at_level(logging.WARNING, logger=job_queue.__name__):
+        assert q.fetch(10, block_ms=10) == []
+    warned = [rec.getMessage().split()[7] for rec in caplog.records if rec.getMessage().startswith("refusing")]
+    assert warned == ["tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://b:1"]
+    assert len(r.xrange(keys.dead_letter_stream(MODEL))) == len(order)  # every job refused, warned or not
