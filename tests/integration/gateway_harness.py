@@ -104,6 +104,11 @@ class FakeWorker:
         self._threads: list[threading.Thread] = []
 
     @property
+    def holder_id(self) -> str:
+        """The registered worker its events name: the gateway watches that one's heartbeat."""
+        return self.worker_id
+
+    @property
     def aborted(self) -> set[str]:
         with self._lock:
             return set(self._aborted)
@@ -192,7 +197,7 @@ class FakeWorker:
             return TokenEvent(request_id=seq.job.request_id, worker_id=ORPHAN_HOLDER) if seq.steps == 1 else None
         first = seq.sent == 0
         num_prompt = len(seq.job.prompt_token_ids)
-        common = dict(request_id=seq.job.request_id, output_index=seq.sent, worker_id=self.worker_id,
+        common = dict(request_id=seq.job.request_id, output_index=seq.sent, worker_id=self.holder_id,
                       num_prompt_tokens=num_prompt if first else 0, num_cached_tokens=num_prompt // 2 if first else 0)
         if seq.mode == "error":
             constraint = params.structured_outputs  # what the engine answers a constraint it cannot compile

@@ -44,6 +44,11 @@ class InstanceWorker(FakeWorker):
 
     served: str = ""
     version: int = 0
+    holder: str = ""  # the ScriptedWorker's id: registered and heartbeating, as a real worker serving it is
+
+    @property
+    def holder_id(self) -> str:
+        return self.holder
 
     def model_info(self):
         return dataclasses.replace(super().model_info(), served_name=self.served, version=self.version)
@@ -114,7 +119,7 @@ class ScriptedWorker:
             return
         worker = InstanceWorker(self.redis_url, self.tokenizer_dir, model=cmd.instance,
                                 worker_id=f"{self.worker_id}/{cmd.instance}", served=cmd.name,
-                                version=cmd.version).start()
+                                version=cmd.version, holder=self.worker_id).start()
         with self._lock:
             self.serving[cmd.instance] = worker
             self.states[cmd.instance].state = "ready"
