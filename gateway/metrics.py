@@ -3,9 +3,10 @@ tests run them, never share counters), served at ``GET /metrics``.
 
 The ``kvrelay_*`` ones only the front door sees: HTTP traffic, time to first token as the client
 experiences it (queueing included), rate-limit rejections, tokens per tenant, response-cache hits,
-requests in flight, and the queues (``queue_stats.py``). Beside them, vLLM's request-level series
-(``request_metrics.py``) and the engines' series the workers' heartbeats carry (``engine_metrics.py``),
-so a dashboard built for vLLM's API server works pointed at the gateway.
+requests in flight, the queues (``queue_stats.py``) and the workers' engine loops (``worker_steps.py``).
+Beside them, vLLM's request-level series (``request_metrics.py``) and the engines' series the workers'
+heartbeats carry (``engine_metrics.py``), so a dashboard built for vLLM's API server works pointed at the
+gateway.
 """
 
 import asyncio
@@ -19,6 +20,7 @@ from kvrelay.gateway.engine_metrics import EngineMetrics
 from kvrelay.gateway.queue_stats import QueueStats
 from kvrelay.gateway.request_metrics import TTFT_BUCKETS, VllmRequestMetrics
 from kvrelay.gateway.ttft_stages import TtftStages
+from kvrelay.gateway.worker_steps import WorkerSteps
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 UNMATCHED_ROUTE = "unmatched"  # 404s keep their own label: raw paths would make label values unbounded
@@ -68,6 +70,8 @@ class GatewayMetrics:
         self.ttft_stages = TtftStages(registry)
         self.engines = EngineMetrics()  # the workers' engine series, renewed from their heartbeats when scraped
         registry.register(self.engines)
+        self.worker_steps = WorkerSteps()  # renewed with the engines'
+        registry.register(self.worker_steps)
         ProcessCollector(registry=registry)  # process_* (CPU, RSS, open fds), as the default registry has
 
     def render(self) -> bytes:

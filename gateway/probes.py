@@ -83,12 +83,13 @@ async def scrape(request: web.Request) -> web.Response:
         await metrics.queues.refresh(request.app[REDIS], models)
         view = await served(request.app)
         metrics.vllm.know(name for name in view.known if view.servable(name))
-        metrics.engines.workers = await registry.workers()
+        metrics.engines.workers = metrics.worker_steps.workers = await registry.workers()
+        metrics.worker_steps.stalled = set(registry.stalls.ages)
     except redis.RedisError as exc:
         # The gateway's own counters are still worth a scrape; the queue gauges and the engines' series
         # are left out, not shown stale.
         if not redis_failed(request.app, exc):
             log.warning("queue metrics unavailable: %s", exc)
         metrics.queues.snapshot = {}
-        metrics.engines.workers = []
+        metrics.engines.workers = metrics.worker_steps.workers = []
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -167,7 +167,7 @@ class Generation:
         retry = {"Retry-After": str(config.retry_after_s)}
         unavailable = APIError(503, "the request queue is unavailable", code="queue_unavailable", headers=retry)
         try:
-            workers = candidates(await self.app[WORKER_REGISTRY].workers(), model)
+            workers = candidates(await self.app[WORKER_REGISTRY].routable(), model)  # none stalled
             # Workers delete the entries they ACK, so the lengths are what is queued or being prefilled,
             # shared stream and the live workers' private ones alike; a dead worker's leftovers are its
             # peers' to adopt within seconds and are not counted.

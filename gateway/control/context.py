@@ -20,7 +20,8 @@ from kvrelay.shared.repo.model_repo import ModelRepository
 
 async def control_ctx(app: web.Application) -> AsyncIterator[None]:
     client, config = app[REDIS], app[CONFIG]
-    registry = app[WORKER_REGISTRY] = WorkerRegistry(client, config.registry_cache_s)
+    registry = app[WORKER_REGISTRY] = WorkerRegistry(client, config.registry_cache_s,
+                                                             config.stalled_step_timeout_s)
     models = app[MODEL_REGISTRY] = ModelRegistry(client, config.registry_cache_s)
     watch = app[REDIS_WATCH]
 

@@ -2,7 +2,8 @@
 
     GET    /admin/models                 per model, instance and worker: state, version, memory, KV use,
                                          queue depth (XLEN of the instance's stream); plus the workers
-                                         (with their wire protocol versions) and those refused
+                                         (with their wire protocol versions, and whether their engine
+                                         loop is stalled: stalled_workers.py) and those refused
     POST   /admin/models                 register {name, version?, dtype, quantization?, kv_cache_dtype?,
                                          max_model_len, pinned, min_replicas, keep_alive_s}: 201, or 200
                                          when updating hints;
@@ -260,6 +261,7 @@ async def list_models(request: web.Request) -> web.Response:
              "weights_budget": w.weights_budget, "weights_used": w.weights_used, "kv_pool_bytes": w.kv_pool_bytes,
              "kv_committed_bytes": w.kv_committed_bytes, "kv_cap_bytes": w.kv_cap_bytes,
              "kv_free_bytes": w.kv_free_bytes, "free_blocks": w.free_blocks, "total_blocks": w.total_blocks,
-             "running": w.running, "waiting": w.waiting, "protocol": w.protocol} for w in workers]
+             "running": w.running, "waiting": w.waiting, "protocol": w.protocol, "step_age_s": w.step_age_s,
+             "stalled": w.worker_id in registry.stalls.ages} for w in workers]
     return web.json_response({"object": "list", "data": data, "workers": pool, "protocol": PROTOCOL_VERSION,
                               "refused_workers": registry.refused})

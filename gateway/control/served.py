@@ -140,16 +140,23 @@ async def load_model(app: web.Application, name: str) -> ModelInfo:
 
 
 async def require_capacity(app: web.Application, model: ModelInfo, served: str | None = None) -> ModelInfo:
-    """``model`` if live workers serve both its phases; a registered model no worker holds any more
-    (evicted, idle-unloaded, its worker restarted) is loaded again."""
-    capacity = await app[WORKER_REGISTRY].capacity(model.name)
+    """``model`` if routable workers serve both its phases; a registered model no worker holds any more
+    (evicted, idle-unloaded, its worker restarted) is loaded again. One whose only workers for a phase are
+    stalled (stalled_workers.py) answers 503 naming them: a load would find it loaded, and a job would wait."""
+    registry = app[WORKER_REGISTRY]
+    capacity = await registry.capacity(model.name)
     if not capacity.servable:
         # the cached view may predate the workers' registration (another gateway's /ready saw them):
         # a miss is read again from Redis before it becomes a 503
-        capacity = await app[WORKER_REGISTRY].capacity(model.name, fresh=True)
+        capacity = await registry.capacity(model.name, fresh=True)
     if capacity.servable:
         return model
+    missing = "prefill" if capacity.prefill == 0 else "decode"
+    live = await registry.workers()
+    if capacity_of(live, model.name).servable:
+        stalled = registry.stalls.describe([w for w in live if model.name in w.models])
+        raise APIError(503, f"every {missing} worker of model {model.name!r} is stalled: {stalled}; retry later",
+                       code="worker_stalled", headers={"Retry-After": str(app[CONFIG].retry_after_s)})
     if served is not None and served in await app[MODEL_REGISTRY].specs():
         return await load_model(app, served)
-    missing = "prefill" if capacity.prefill == 0 else "decode"
     raise unavailable(f"no live {missing} worker for model {model.name!r}; retry later", app[CONFIG].retry_after_s)

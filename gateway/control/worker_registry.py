@@ -1,7 +1,8 @@
 """The gateway's read-only view of what workers published in Redis: models and live workers.
 
 Views are cached for ``registry_cache_s`` so a burst of requests costs one Redis round trip, not one
-each; registration changes show up within that delay. Whoever waits for a change it caused (a model
+each; registration changes show up within that delay. Live workers whose engine loop stopped stepping are
+live all the same, but not ``routable`` (stalled_workers.py). Whoever waits for a change it caused (a model
 load) reads with ``fresh=True``. Model names here are instance keys ("name@3"); the client-facing
 names live in ``model_registry.py``.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.control.stalled_workers import Stalls
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
@@ -56,9 +58,10 @@ async def read_indexed(client: redis.asyncio.Redis, index: str, key_of, cls) -> 
 
 
 class WorkerRegistry:
-    def __init__(self, client: redis.asyncio.Redis, cache_s: float):
+    def __init__(self, client: redis.asyncio.Redis, cache_s: float, stalled_step_timeout_s: float = 0.0):
         self._redis = client
         self._cache_s = cache_s
+        self.stalls = Stalls(stalled_step_timeout_s)
         self._models: tuple[float, dict[str, ModelInfo]] | None = None
         self._workers: tuple[float, list[WorkerInfo]] | None = None
         self.refused: dict[str, str] = {}  # worker id -> why its heartbeat is not taken, as of the last read
@@ -110,11 +113,17 @@ class WorkerRegistry:
             if self._noted.get(worker_id) != line:
                 (log.warning if worker_id in refused else log.info)("%s", line)
         self.refused, self._noted = refused, noted
+        self.stalls.update(workers)
         self._workers = (time.monotonic(), workers)
         return workers
 
+    async def routable(self, fresh: bool = False) -> list[WorkerInfo]:
+        """Live workers new jobs may go to: those whose engine loop steps."""
+        return self.stalls.routable(await self.workers(fresh))
+
     async def capacity(self, model: str, fresh: bool = False) -> Capacity:
-        return capacity_of(await self.workers(fresh), model)
+        """The routable workers' capacity for ``model``."""
+        return capacity_of(await self.routable(fresh), model)
 
 
 WORKER_REGISTRY = web.AppKey("worker_registry", WorkerRegistry)

@@ -3,10 +3,12 @@ when what it advertises changed), and a ``ModelInfo`` per hosted model for gatew
 
 The heartbeat runs on its own thread, only talks to Redis and never waits for a step (the host's lock): a
 step longer than the TTL (a long prefill on a CPU) leaves a live worker registered, and a step that is stuck
-is the stall watch's to end (shared/worker/stall_watch.py). What it publishes is a snapshot (``_Advert``)
-the engine loop takes at the end of a turn, still holding the lock (shared/worker/turn_snapshot.py), so no
-count is read from structures a step is changing: each beat asks the loop for one and waits up to
-FRESH_WAIT_S for the turn in progress to end, then publishes the latest (at most a step old).
+is the stall watch's to end (shared/worker/stall_watch.py); until then each beat says how long the loop's turn
+has run (``WorkerInfo.step_age_s``), so gateways stop routing to a loop that stopped stepping. What it publishes
+is a snapshot (``_Advert``) the engine loop takes at the end of a turn, still holding the lock
+(shared/worker/turn_snapshot.py), so no count is read from structures a step is changing: each beat asks the
+loop for one and waits up to FRESH_WAIT_S for the turn in progress to end, then publishes the latest (at most a
+step old).
 
 It is also the worker's Redis prober (``RedisHealth``): after an outage, or when Redis's ``run_id``
 says it restarted (a restart between two beats shows no outage), it publishes everything again, as
@@ -98,7 +100,7 @@ class Registration:
         """Publish now, from the loop's thread between its turns (at start, when a drain begins)."""
         with self.host.lock:  # a load may be attaching to the pool
             advert = self.advert.take_now()
-        restarted = self._publish_heartbeat(_stamped(advert).info)
+        restarted = self._publish_heartbeat(_stamped(advert, 0.0).info)  # between turns
         if self.health.ok() or restarted:  # the heartbeat thread publishes the rest, now
             self._restore_due = True
             self._beat_now.set()
@@ -167,7 +169,7 @@ class Registration:
                 delay = REREGISTER_RETRY_S
 
     def _beat(self) -> None:
-        advert = _stamped(self.advert.latest(FRESH_WAIT_S))
+        advert = _stamped(self.advert.latest(FRESH_WAIT_S), self.host.lock.turn_age())
         restarted = self._publish_heartbeat(advert.info)
         if self.health.ok() or restarted:
             self._restore_due = True
@@ -203,6 +205,9 @@ class Registration:
                 log.warning("could not unregister from Redis: %s", exc)
 
 
-def _stamped(advert: _Advert | None) -> _Advert:
+def _stamped(advert: _Advert | None, step_age_s: float) -> _Advert:
+    """``advert`` as of now: a loop stuck in a step took its snapshot before, and its step's age is new."""
     assert advert is not None, "heartbeat() takes the first snapshot before the heartbeat thread starts"
-    return dataclasses.replace(advert, info=dataclasses.replace(advert.info, heartbeat=time.time()))
+    # rounded: a loop between fast steps reads as 0, the default, which the record then leaves off
+    info = dataclasses.replace(advert.info, heartbeat=time.time(), step_age_s=round(step_age_s, 1))
+    return dataclasses.replace(advert, info=info)

@@ -26,6 +26,11 @@ class StepLock:
         self.turn_since: float | None = None  # time.monotonic() when the loop's turn in progress began
         self.wait_since: float | None = None  # when the loop began waiting for its turn (another thread holds it)
 
+    def turn_age(self) -> float:
+        """Seconds since the loop last ended a turn, while it is in one or waiting for one; 0 between turns. A
+        turn of a working loop ends within a step, an idle one's within its wait for a job (intake.py)."""
+        since = self.wait_since or self.turn_since  # waiting first, then in the turn it waited for
+        return 0.0 if since is None else max(time.monotonic() - since, 0.0)
 
     def acquire(self) -> bool:
         if self._owner == threading.get_ident():

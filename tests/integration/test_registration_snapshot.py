@@ -1,6 +1,6 @@
 """The heartbeat against a real Redis while the engine loop holds the step lock: a beat does not wait for the
 step, and what it publishes is the loop's snapshot from the end of a turn, never the state a step is halfway
-through changing. The host is the worker's step lock with one model whose engine counts the test sets; the
+through changing, with how long the step in progress has run. The host is the worker's step lock with one model whose engine counts the test sets; the
 config is what a registration reads of it."""
 
 import threading
@@ -59,8 +59,10 @@ def test_a_beat_during_a_step_publishes_the_last_turn_s_counts_without_waiting_f
     assert beat_done, "the beat waited for the step"
     assert published.heartbeat > first
     assert (published.running, published.free_blocks) == (0, 64)  # the turn before, not the step's half-way state
+    assert published.step_age_s > 0  # but how long the step has run is of now: gateways route by it
     reg._beat()
     assert (_published(reg).running, _published(reg).free_blocks) == (3, 40)  # the snapshot of the turn's end
+    assert _published(reg).step_age_s == 0  # between turns
 
 
 def test_no_beat_brings_back_the_record_unregister_deleted(redis_url):

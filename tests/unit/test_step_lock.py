@@ -1,4 +1,5 @@
-"""The engine loop's step lock: a waiting heartbeat or loader gets in after at most the step in progress."""
+"""The engine loop's step lock: a waiting heartbeat or loader gets in after at most the step in progress; the
+age of the loop's turn, which heartbeats publish, counts from its wait for the turn to the turn's end."""
 
 import threading
 import time
@@ -52,3 +53,16 @@ def test_reentrant_in_the_loop_and_in_other_threads():
     assert box == [1]
     with lock.turn():  # fully released by both
         pass
+
+
+def test_the_turn_age_counts_from_the_wait_for_a_turn_to_its_end():
+    lock = StepLock()
+    assert lock.turn_age() == 0.0  # between turns
+    lock.wait_since = time.monotonic() - 10  # the loop waits for its turn while a model load holds the lock
+    assert lock.turn_age() >= 10
+    lock.wait_since = None
+    with lock.turn():
+        lock.turn_since -= 75  # a step that has run 75 s
+        with lock.turn():  # re-entered inside the step: still that turn
+            assert lock.turn_age() >= 75
+    assert lock.turn_age() == 0.0

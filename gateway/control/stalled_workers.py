@@ -1,0 +1,47 @@
+"""Workers whose engine loop stopped stepping: live by their heartbeat, which does not wait for steps
+(shared/worker/registration.py), but in one step for longer than ``--stalled-step-timeout-s`` (a GPU hang, a
+deadlocked kernel, a stuck handoff). No new job is routed to one: its private stream gets none, and a model
+only such workers hold answers 503 naming them, rather than queue requests that wait out their deadlines. What
+it already holds is its own to finish or, past the workers' ``--step-timeout``, lose when it exits.
+
+Judged afresh at each read of the workers (``WorkerRegistry.workers``), and logged once per stall: when it
+begins and when the worker steps again, never per request.
+"""
+
+import logging
+
+from kvrelay.shared.wire.protocol import WorkerInfo
+
+log = logging.getLogger("kvrelay.gateway")
+
+
+class Stalls:
+    def __init__(self, timeout_s: float):
+        """``timeout_s``: the longest step a routable worker may be in (0: none is ever stalled)."""
+        self.timeout_s = timeout_s
+        self.ages: dict[str, float] = {}  # worker id -> its step's age, for those stalled as of the last read
+
+    def stalled(self, worker: WorkerInfo) -> bool:
+        return 0 < self.timeout_s < worker.step_age_s
+
+    def update(self, workers: list[WorkerInfo]) -> None:
+        """Judge a new read of the live workers."""
+        ages = {w.worker_id: w.step_age_s for w in workers if self.stalled(w)}
+        for worker_id in sorted(ages.keys() - self.ages.keys()):
+            log.warning("worker %r is stalled (%s): no new jobs go to it until it steps again", worker_id,
+                        self._why(ages[worker_id]))
+        live = {w.worker_id for w in workers}
+        for worker_id in sorted((self.ages.keys() - ages.keys()) & live):  # one that left says so itself
+            log.info("worker %r steps again: new jobs go to it again", worker_id)
+        self.ages = ages
+
+    def routable(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        return [w for w in workers if w.worker_id not in self.ages]
+
+    def describe(self, workers: list[WorkerInfo]) -> str:
+        """Those of ``workers`` that are stalled, and why: for a client's 503."""
+        return "; ".join(f"{w.worker_id} ({self._why(self.ages[w.worker_id])})"
+                         for w in workers if w.worker_id in self.ages)
+
+    def _why(self, age: float) -> str:
+        return f"its engine has been in one step for {age:.0f} s, over --stalled-step-timeout-s {self.timeout_s:g}"

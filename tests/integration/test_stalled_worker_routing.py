@@ -1,0 +1,93 @@
+"""The real gateway beside a worker whose heartbeat says its engine loop has been in one step past
+--stalled-step-timeout-s: a prompt whose prefix affinity names that worker goes to the shared stream, where a
+stepping worker (the fake one) takes it; a model only stalled workers hold answers 503 + Retry-After naming
+them; /metrics shows the stall. The stalled worker is its heartbeat record and its private stream, as a real
+worker whose step hangs leaves them."""
+
+import time
+
+import pytest
+import requests
+
+from kvrelay.gateway.control.routing import Policy, route
+from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
+from kvrelay.shared.wire.redis_conn import sync_client
+from tests.integration.gateway_harness import MODEL, running_stack
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUT_S = 5.0
+STUCK = "w-stuck"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("stalled"), stalled_step_timeout_s=TIMEOUT_S) as s:
+        yield s
+
+
+def _stalled(r, worker_id: str, model: str) -> None:
+    """The heartbeat of a worker whose loop has been in one step for twice the timeout, and its private stream."""
+    now = time.time()
+    info = WorkerInfo(worker_id=worker_id, role="unified", models=[model], zmq_addr="tcp://127.0.0.1:1",
+                      free_blocks=100, total_blocks=100, running=1, waiting=0, pid=1, host="h", started=now,
+                      heartbeat=now, step_age_s=2 * TIMEOUT_S)
+    r.set(keys.worker_key(worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
+    r.sadd(keys.WORKERS_INDEX, worker_id)
+    stream = keys.prefill_worker_stream(model, worker_id)
+    if not r.exists(stream):
+        r.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
+
+
+def _routed_to(r, worker_id: str, workers: list[str], block_size: int) -> list[int]:
+    """A prompt of two full blocks the gateway's router sends to ``worker_id`` were every one of ``workers``
+    stepping (the same function, over their heartbeat records)."""
+    infos = [decode(r.get(keys.worker_key(w)), WorkerInfo) for w in workers]
+    for token in range(10, 200):
+        prompt = [token] * (2 * block_size)
+        if route(prompt, MODEL, block_size, "default", None, infos, {}, Policy()) == worker_id:
+            return prompt
+    raise AssertionError(f"no prompt goes to {worker_id}")
+
+
+def test_a_prompt_whose_affinity_names_a_stalled_worker_is_served_by_one_that_steps(stack):
+    r = sync_client(stack.redis_url)
+    try:
+        _stalled(r, STUCK, MODEL)
+        prompt = _routed_to(r, STUCK, [STUCK, stack.worker.worker_id], stack.worker.model_info().block_size)
+        resp = requests.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
+                             timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert r.xlen(keys.prefill_worker_stream(MODEL, STUCK)) == 0
+        assert any(j.prompt_token_ids == prompt for j in stack.worker.jobs)
+        scrape = requests.get(f"{stack.url}/metrics", timeout=30).text
+        assert f'kvrelay_worker_stalled{{role="unified",worker_id="{STUCK}"}} 1.0' in scrape
+        assert f'kvrelay_worker_stalled{{role="unified",worker_id="{stack.worker.worker_id}"}} 0.0' in scrape
+    finally:
+        r.delete(keys.worker_key(STUCK), keys.prefill_worker_stream(MODEL, STUCK))
+        r.srem(keys.WORKERS_INDEX, STUCK)
+        r.close()
+
+
+def test_a_model_only_stalled_workers_hold_is_503_naming_them(stack):
+    r = sync_client(stack.redis_url)
+    only = "held-by-stalled"
+    info = ModelInfo(name=only, path="/nonexistent", max_model_len=64, vocab_size=100, eos_token_ids=[0],
+                     block_size=16, dtype="float32")
+    try:
+        r.set(keys.model_key(only), encode(info))
+        r.sadd(keys.MODELS_INDEX, only)
+        _stalled(r, f"{only}-w", only)
+        resp = requests.post(f"{stack.url}/v1/completions", json={"model": only, "prompt": [1, 2]}, timeout=60)
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["Retry-After"]) > 0
+        err = resp.json()["error"]
+        assert err["code"] == "worker_stalled"
+        assert f"{only}-w" in err["message"] and "stalled" in err["message"]
+        assert "--stalled-step-timeout-s" in err["message"]
+    finally:
+        r.delete(keys.model_key(only), keys.worker_key(f"{only}-w"), keys.prefill_worker_stream(only, f"{only}-w"))
+        r.srem(keys.MODELS_INDEX, only)
+        r.srem(keys.WORKERS_INDEX, f"{only}-w")
+        r.close()
