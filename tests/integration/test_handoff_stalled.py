@@ -11,6 +11,9 @@ import torch
 import zmq
 
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
+from kvrelay.prefill_worker.worker import PrefillWorker
+from kvrelay.shared.config.engine import EngineConfig, ModelConfig
+from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, synthetic_job
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
@@ -122,3 +125,15 @@ def test_an_early_ask_with_only_stalled_decode_workers_waits_for_the_prefill(reg
     assert t.state is State.PARKED and t.target == ""
     assert not stuck.poll(0), "the stalled worker was asked"
     stuck.close()
+
+
+def test_a_prefill_worker_judges_stalls_by_its_stalled_step_timeout(redis_url):
+    config = WorkerConfig("prefill", EngineConfig(ModelConfig("dummy:tiny-llama"), device="cpu"),
+                          model_name="tiny", redis_url=redis_url, insecure_zmq=True, stalled_step_timeout_s=7.0)
+    worker = PrefillWorker(config)  # nothing started: no model loaded, nothing registered
+    try:
+        assert worker.handoff.stalled_step_timeout_s == 7.0
+    finally:
+        worker.handoff.close()
+        worker.runtime.ctx.destroy(linger=0)
+        worker.runtime.redis.close()
