@@ -12,6 +12,17 @@ while it holds a transfer owes no answer: the transfer goes to another one at on
 granted, and when its KV went out it fails as ``target_lost`` (nothing admitted the request), so the
 worker runs the job again instead of failing it after the handoff timeout. Gone means absent for longer
 than a registration takes to come back after Redis lost it (GONE_AFTER_S).
+
+A decode worker whose heartbeat says its engine loop has been in one step past ``--stalled-step-timeout-s``
+(shared/wire/step_stall.py) is not asked, as the gateway routes it no job: it would read the ask only once it
+steps again, and the transfer would wait out the handoff timeout on it before asking another. With only stalled
+ones serving the model none is asked either: that is the "no decode worker" case, handled as when the only one
+is being replaced, since a stall may end (a long step) as a restart does. The prefill keeps its KV and looks
+again each round (0.2 s, doubling up to 2 s), so a worker that steps again, or a new one, is asked within a
+round of its heartbeat saying so; at the handoff timeout, when an ask to a stalled one would have ended too,
+the transfer fails with a reason naming the stalled workers. Asking a stalled one instead would spend that
+wait blind to any other decode worker that comes meanwhile; failing at once would throw away a prefill that a
+stall a few seconds shorter would have let through.
 """
 
 import logging
@@ -27,6 +38,7 @@ from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
+from kvrelay.shared.wire.step_stall import stalled, why_stalled
 from kvrelay.shared.wire.zmq_auth import CurveKeys
 from kvrelay.shared.worker.directory import live_workers
 
@@ -42,12 +54,15 @@ HELD_BY_TARGET = (State.GRANT_WAIT, State.GRANTED, State.STREAMING, State.SENDIN
 
 class HandoffManager(HandoffSender):
     def __init__(self, ctx: zmq.Context, runtime, timeout_s: float, workers=None, core_for=None,
-                 transports: list[Transport] | None = None, *, curve: CurveKeys | None):
+                 transports: list[Transport] | None = None, *, curve: CurveKeys | None,
+                 stalled_step_timeout_s: float = 0.0):
         """``workers()`` lists the candidate decode workers; by default the live ones registered in Redis.
-        ``core_for(model)`` is the engine holding that model instance's KV (default: ``runtime.core``)."""
+        ``core_for(model)`` is the engine holding that model instance's KV (default: ``runtime.core``).
+        ``stalled_step_timeout_s``: a decode worker in one step for longer is not asked (0: any is)."""
         super().__init__(ctx, runtime.config.worker_id, timeout_s, core_for or (lambda model: runtime.core),
                          self._pick_decode_worker, transports, curve=curve)
         self._list_workers = workers or (lambda: live_workers(runtime.redis))
+        self.stalled_step_timeout_s = stalled_step_timeout_s
         # test and bench endpoints stand in for a runtime with no Redis: they get a health of their own
         self._health = getattr(runtime, "health", None) or RedisHealth(log)
         self._workers: list[WorkerInfo] = []
@@ -113,10 +128,19 @@ class HandoffManager(HandoffSender):
 
     def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
         self._refresh()
-        live = [w for w in self._workers
-                if w.role == "decode" and model in w.models and w.worker_id not in exclude]
+        live = [w for w in self._serving(model)
+                if w.worker_id not in exclude and not stalled(w, self.stalled_step_timeout_s)]
         live.sort(key=lambda w: (-_free_kv(w, model), _load(w, model)))
         return live[0] if live else None
+
+    def skipped(self, model: str) -> str:
+        """The stalled decode workers of ``model`` (as of the last read), and why: for a failed transfer's reason."""
+        why = [f"{w.worker_id} ({why_stalled(w.step_age_s, self.stalled_step_timeout_s)})"
+               for w in self._serving(model) if stalled(w, self.stalled_step_timeout_s)]
+        return f"; stalled: {'; '.join(why)}" if why else ""
+
+    def _serving(self, model: str) -> list[WorkerInfo]:
+        return [w for w in self._workers if w.role == "decode" and model in w.models]
 
 
 def _free_kv(w: WorkerInfo, model: str) -> int:

@@ -63,7 +63,8 @@ class PrefillWorker:
         self.intake = JobIntake(self.runtime, config)
         self.inflight = self.intake.inflight
         self.handoff = HandoffManager(self.runtime.ctx, self.runtime, config.handoff_timeout_s,
-                                      core_for=self._core_for, curve=self.runtime.curve)
+                                      core_for=self._core_for, curve=self.runtime.curve,
+                                      stalled_step_timeout_s=config.stalled_step_timeout_s)
         # a prefilled job waiting for a decode grant (none while its decode worker restarts) is still ours:
         # reclaimed as abandoned, each XAUTOCLAIM would count a delivery until it was dead-lettered
         self.intake.held_elsewhere = lambda instance: [

@@ -1,6 +1,6 @@
 """Workers whose engine loop stopped stepping: live by their heartbeat, which does not wait for steps
-(shared/worker/registration.py), but in one step for longer than ``--stalled-step-timeout-s`` (a GPU hang, a
-deadlocked kernel, a stuck handoff). No new job is routed to one: its private stream gets none, and a model
+(shared/worker/registration.py), but in one step for longer than ``--stalled-step-timeout-s``
+(shared/wire/step_stall.py). No new job is routed to one: its private stream gets none, and a model
 only such workers hold answers 503 naming them, rather than queue requests that wait out their deadlines. What
 it already holds is its own to finish or, past the workers' ``--step-timeout``, lose when it exits.
 
@@ -11,6 +11,7 @@ begins and when the worker steps again, never per request.
 import logging
 
 from kvrelay.shared.wire.protocol import WorkerInfo
+from kvrelay.shared.wire.step_stall import stalled, why_stalled
 
 log = logging.getLogger("kvrelay.gateway")
 
@@ -21,12 +22,9 @@ class Stalls:
         self.timeout_s = timeout_s
         self.ages: dict[str, float] = {}  # worker id -> its step's age, for those stalled as of the last read
 
-    def stalled(self, worker: WorkerInfo) -> bool:
-        return 0 < self.timeout_s < worker.step_age_s
-
     def update(self, workers: list[WorkerInfo]) -> None:
         """Judge a new read of the live workers."""
-        ages = {w.worker_id: w.step_age_s for w in workers if self.stalled(w)}
+        ages = {w.worker_id: w.step_age_s for w in workers if stalled(w, self.timeout_s)}
         for worker_id in sorted(ages.keys() - self.ages.keys()):
             log.warning("worker %r is stalled (%s): no new jobs go to it until it steps again", worker_id,
                         self._why(ages[worker_id]))
@@ -44,4 +42,4 @@ class Stalls:
                          for w in workers if w.worker_id in self.ages)
 
     def _why(self, age: float) -> str:
-        return f"its engine has been in one step for {age:.0f} s, over --stalled-step-timeout-s {self.timeout_s:g}"
+        return why_stalled(age, self.timeout_s)

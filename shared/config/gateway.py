@@ -36,12 +36,7 @@ class GatewayConfig:
     stream_maxlen: int = setting(STREAM_MAXLEN, "XADD MAXLEN ~ of the per-model prefill streams", ge=1)
     registry_cache_s: float = setting(0.5, "seconds a Redis view of models and workers is reused across requests",
                                       ge=0)
-    # a worker's heartbeat does not wait for its steps (shared/worker/registration.py): a live record is no proof
-    # that its engine loop steps. Under the workers' --step-timeout (120 s), which ends a stuck worker
-    stalled_step_timeout_s: float = setting(
-        60.0, "seconds a worker's engine loop may be in one step (as its heartbeat says) before no new job is routed "
-        "to it; with no other worker for a model, its requests get 503 + Retry-After. Generous: a first step's "
-        "Triton compile or a long prefill is legit (0: never)", ge=0)
+    stalled_step_timeout_s: float = common.stalled_step_timeout()
     # The environment is the better place for it: argv shows in `ps` to every local user.
     admin_key: str | None = setting(None, f"bearer key of the /admin API; also makes the API require tenant keys "
                                     f"(default: ${ADMIN_KEY_ENV})", secret=True, env=ADMIN_KEY_ENV, min_length=16)

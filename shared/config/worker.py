@@ -61,6 +61,7 @@ class WorkerConfig:
     handoff_timeout_s: float = setting(10.0, "seconds a prefill worker waits for a decode worker to take a KV "
                                        "handoff (a full decode batch makes it wait, not fail)",
                                        flag="--handoff-timeout", gt=0)
+    stalled_step_timeout_s: float = common.stalled_step_timeout()  # prefill: which decode workers it hands KV to
     stream_kv_layers: bool = setting(True, "prefill workers ask decode workers for blocks just before a prompt's "
                                      "last chunk and send its KV layer by layer while that chunk computes (off: "
                                      "after the prefill)", flag="--kv-stream-layers")

@@ -64,6 +64,11 @@ class HandoffSender(KVOut):
         self.pick = pick
         self.hold = GrantHold()  # how long our grants must live, from how often we read replies
 
+    def skipped(self, model: str) -> str:
+        """Said after "no decode worker" in a failed transfer's reason: those of ``model`` ``pick`` passes over
+        (none here), and why."""
+        return ""
+
     @property
     def busy(self) -> bool:
         return bool(self.transfers)
@@ -163,7 +168,9 @@ class HandoffSender(KVOut):
             t.to(Event.ASK)
             return
         if target is None:
-            self._fail(t, f"{after}; no other decode worker to try" if after else "no decode worker for this model")
+            skipped = self.skipped(t.job.model)
+            self._fail(t, f"{after}; no other decode worker to try{skipped}" if after
+                       else f"no decode worker for this model{skipped}")
             return
         t.target, t.target_id = target.zmq_addr, target.worker_id
         t.to(Event.ASK)

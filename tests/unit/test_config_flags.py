@@ -107,6 +107,14 @@ def test_the_drain_timeout_default_is_written_once():
     assert GatewayConfig().drain_timeout == worker.drain_timeout_s == 30.0
 
 
+def test_the_stalled_step_timeout_is_one_setting_of_the_gateway_and_the_prefill_worker():
+    """The gateway routes no job, and a prefill worker hands no KV, to a worker stalled past the same timeout."""
+    worker = WorkerConfig("prefill", EngineConfig(ModelConfig("m"), device="cpu"))
+    assert GatewayConfig().stalled_step_timeout_s == worker.stalled_step_timeout_s == 60.0
+    for command in ("gateway", "prefill-worker", "serve"):
+        assert "--stalled-step-timeout-s" in options(command), command
+
+
 def test_config_from_stdin_is_the_whole_config(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["gateway", "--config-from-stdin", "--port", "9000"])

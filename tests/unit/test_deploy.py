@@ -78,10 +78,23 @@ def selected_jobs(name: str, expr: str, jobs: set[str]) -> list[set[str]]:
     return admitted
 
 
+def template_queries(rule: dict) -> list[str]:
+    """The PromQL queries a rule's annotations run (``printf "..." | query``), with their Go escapes undone."""
+    texts = rule.get("annotations", {}).values()
+    return [q.replace('\\"', '"') for t in texts for q in re.findall(r'printf\s+"((?:[^"\\]|\\.)*)"', t)]
+
+
+def alert_tests() -> dict:
+    return yaml.safe_load((PROMETHEUS / "alerts_test.yml").read_text())
+
+
 def referenced_metrics() -> set[str]:
-    """Every metric name the alert rules and the dashboard query."""
+    """Every metric name the alert rules (their annotations' queries too), the dashboard and the alerts' promtool
+    test query or feed."""
     names: set[str] = set()
-    for expr in [r["expr"] for r in alert_rules()] + dashboard_exprs():
+    queries = [q for r in alert_rules() for q in [r["expr"], *template_queries(r)]]
+    series = [s["series"] for case in alert_tests()["tests"] for s in case["input_series"]]
+    for expr in queries + dashboard_exprs() + series:
         names |= _names_in(expr)
     return names
 
@@ -137,6 +150,21 @@ def test_alert_rules_parse_and_cover_the_required_conditions():
     assert "< 0.7" in rules["GPUUnderutilized"]["expr"] and "num_requests_running" in rules["GPUUnderutilized"]["expr"]
     assert "kvrelay_queue_depth" in rules["QueueGrowing"]["expr"]
     assert rules["WorkerDown"]["expr"].startswith("up{")
+    # one alert per worker stalled for minutes, from the gateways' judgement, not one per gateway scraped
+    stalled = rules["WorkerStalled"]
+    assert re.fullmatch(r'max by \(role, worker_id\) \(kvrelay_worker_stalled\{job="kvrelay-gateway"\}\) == 1',
+                        stalled["expr"].strip()) and re.fullmatch(r"\d+m", stalled["for"]), stalled
+    assert template_queries(stalled) == ['max(kvrelay_worker_step_age_seconds{job="kvrelay-gateway", worker_id=%q})']
+
+
+def test_the_promtool_cases_test_alerts_that_exist():
+    """What ``promtool test rules`` checks, as far as it can be without promtool: its cases name rules of
+    alerts.yml (a renamed rule would leave its case testing nothing), the stalled-worker alert among them."""
+    doc = alert_tests()
+    assert doc["rule_files"] == ["alerts.yml"]
+    tested = {c["alertname"] for case in doc["tests"] for c in case["alert_rule_test"]}
+    assert tested <= {r["alert"] for r in alert_rules()}, tested
+    assert {"HighLatency", "HighErrorRate", "WorkerDown", "WorkerStalled"} <= tested
 
 
 def test_prometheus_scrapes_gateway_and_workers():
