@@ -30,6 +30,7 @@ import redis
 
 from kvrelay.mps_daemon import MpsDaemon
 from kvrelay.serve_plan import Child, models_to_serve, plan
+from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode, module_argv
 from kvrelay.shared.wire import redis_keys as keys
@@ -185,11 +186,8 @@ def _cpu_threads_per_worker(args: argparse.Namespace, num_workers: int) -> int |
     several processes spinning on the same cores slow a step down by an order of magnitude."""
     if num_workers <= 1 or "OMP_NUM_THREADS" in os.environ or args.device not in ("cpu", "auto"):
         return None  # decided before importing torch: ~3 s of CPU for a supervisor that needs nothing else of it
-    if args.device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return None
+    if args.device == "auto" and auto_device() == "cuda":
+        return None
     return max(1, (os.cpu_count() or 1) // num_workers)
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic.dataclasses import dataclass
 
+from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, ModelName, PowerOfTwo, setting
 
 if TYPE_CHECKING:
@@ -115,6 +116,4 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.device == "auto":
-            import torch
-
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = auto_device()

@@ -15,6 +15,8 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec
 
+MIN_RESIDENCY_S = 15.0
+
 
 def _worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -94,6 +96,10 @@ class WorkerConfig:
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
     metrics_tenant_labels: bool = common.metrics_tenant_labels()
     drain_timeout_s: float = common.drain_timeout()
+    min_residency_s: float = setting(
+        MIN_RESIDENCY_S, "seconds a model just loaded keeps its place against a load in no more than twice its "
+        "demand, however busy (at least 5 of its reloads: shared/worker/eviction.py); long enough for its demand "
+        "to show, so two models of similar demand do not take turns reloading", ge=0)
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
     model_repo: ExistingDir | None = common.model_repo()
     weights_memory: int | None = setting(None, "bytes of model weights this worker may hold at once, per device (a "

@@ -231,14 +231,19 @@ class Sampler:
 
     def _noise(self, requests: list[Request], greedy: list[bool], shape: torch.Size, device: torch.device) -> Tensor:
         """Exp(1) draws [S, V] for the exponential race: the shared generator's, except that each seeded
-        sampled row takes V draws from its own generator (so its stream ignores its batch-mates)."""
-        vocab = shape[1]
-        noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(
-            generator=self._shared_generator(device))
-        for i, (r, g) in enumerate(zip(requests, greedy, strict=True)):
-            if r.sampling_params.seed is not None and not g:
+        sampled row takes V draws from its own generator (so its stream ignores its batch-mates). A batch with
+        no unseeded sampled row leaves the shared stream alone: its [S, V] draw would all be overwritten or
+        unused (greedy rows' draws are discarded, so they get ones)."""
+        own = [r.sampling_params.seed is not None and not g for r, g in zip(requests, greedy, strict=True)]
+        noise = torch.empty(shape, dtype=torch.float32, device=device)
+        if all(o or g for o, g in zip(own, greedy, strict=True)):
+            noise.fill_(1.0)
+        else:
+            noise.exponential_(generator=self._shared_generator(device))
+        for i, r in enumerate(requests):
+            if own[i]:
                 gen = self._request_generator(r, device)
-                noise[i] = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
+                noise[i] = torch.empty(shape[1], dtype=torch.float32, device=device).exponential_(generator=gen)
         return noise
 
     def _sample(self, logits: Tensor, requests: list[Request], greedy: list[bool]) -> Tensor:

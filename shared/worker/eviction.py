@@ -18,8 +18,8 @@ The rule (``choose_victims``, a pure function; shared/worker/model_host.py appli
     higher than its own. It is drained, not dropped: its stream is no longer read, what runs finishes
     (bounded by the worker's --drain-timeout, else the load is refused and the instance kept), then it is unloaded; its
     queued jobs stay in Redis and its next request loads it again (gateway/control/reload_wait.py).
-  * No thrash: a busy instance loaded less than ``min_residency_s(reload_s)`` ago (MIN_RESIDENCY_S, at
-    least RESIDENCY_RELOADS reloads) is evicted only for a load of more than THRASH_MARGIN times its
+  * No thrash: a busy instance loaded less than ``min_residency_s(reload_s)`` ago (the worker's
+    --min-residency-s, MIN_RESIDENCY_S by default, at least RESIDENCY_RELOADS reloads) is evicted only for a load of more than THRASH_MARGIN times its
     demand; of equal or lower demand, never. The bound keeps two models of similar demand that take
     turns on one slot from spending more than 1/RESIDENCY_RELOADS of their time reloading, and is long
     enough for the decayed rate of a model just loaded to reflect its traffic (a half-life and more).
@@ -29,8 +29,9 @@ The rule (``choose_victims``, a pure function; shared/worker/model_host.py appli
 import math
 from dataclasses import dataclass
 
+from kvrelay.shared.config.worker import MIN_RESIDENCY_S
+
 DEMAND_HALF_LIFE_S = 10.0  # long enough to see a Zipf tail's steady rate, short enough to follow a shift
-MIN_RESIDENCY_S = 15.0
 RESIDENCY_RELOADS = 5
 THRASH_MARGIN = 2.0
 
@@ -58,8 +59,8 @@ def waiting_demand(waiting: int) -> float:
     return waiting * _DECAY
 
 
-def min_residency_s(reload_s: float) -> float:
-    return max(MIN_RESIDENCY_S, RESIDENCY_RELOADS * reload_s)
+def min_residency_s(reload_s: float, floor_s: float = MIN_RESIDENCY_S) -> float:
+    return max(floor_s, RESIDENCY_RELOADS * reload_s)
 
 
 @dataclass(frozen=True)
@@ -83,27 +84,28 @@ class Incoming:
     waiting: int  # requests waiting for this load now
 
 
-def eligible(c: Candidate, load: Incoming) -> bool:
+def eligible(c: Candidate, load: Incoming, residency_s: float = MIN_RESIDENCY_S) -> bool:
     if c.pinned or not c.ready:
         return False
     if c.idle:
         return True
     if load.waiting <= 0 or not c.demand < load.demand:
         return False
-    return c.resident_s >= min_residency_s(c.reload_s) or load.demand > THRASH_MARGIN * c.demand
+    return c.resident_s >= min_residency_s(c.reload_s, residency_s) or load.demand > THRASH_MARGIN * c.demand
 
 
 def cost(c: Candidate) -> float:
     return c.demand * max(c.reload_s, 0.1)
 
 
-def choose_victims(candidates: list[Candidate], need_weights: int, need_kv: int,
-                   load: Incoming) -> list[Candidate] | None:
+def choose_victims(candidates: list[Candidate], need_weights: int, need_kv: int, load: Incoming,
+                   residency_s: float = MIN_RESIDENCY_S) -> list[Candidate] | None:
     """The instances to evict so that ``need_weights`` and ``need_kv`` bytes are freed, cheapest first;
-    [] when nothing is needed, None when even every eligible one would not free enough."""
+    [] when nothing is needed, None when even every eligible one would not free enough. ``residency_s``: the
+    shortest minimum residency (--min-residency-s)."""
     if need_weights <= 0 and need_kv <= 0:
         return []
-    order = sorted((c for c in candidates if eligible(c, load)),
+    order = sorted((c for c in candidates if eligible(c, load, residency_s)),
                    key=lambda c: (not c.preferred, not c.idle, cost(c), -c.idle_s / max(c.reload_s, 0.1)))
     chosen, freed_w, freed_kv = [], 0, 0
     for c in order:

@@ -36,6 +36,7 @@ class LoadRoom:
 
     pool: KVPool | None
     weights_budget: int
+    min_residency_s: float
     shared: SharedWeights | None
     slots: dict[str, ModelSlot]
     loading: dict[str, Loading]
@@ -84,7 +85,7 @@ class LoadRoom:
                                 idle=self._evictable(s), pinned=s.pinned, ready=s.state == "ready" and s.reading,
                                 preferred=s.instance in prefer, idle_s=s.idle_s)
                       for s in self.slots.values()]
-        chosen = choose_victims(candidates, need, kv_short, load)
+        chosen = choose_victims(candidates, need, kv_short, load, self.min_residency_s)
         if chosen is None or (chosen and not evict):
             gib = 2**30
             raise ValueError(

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from kvrelay.shared.config.common import DRAIN_TIMEOUT_S
 from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.config.worker import MIN_RESIDENCY_S
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.kv_pool import KVPool
@@ -63,7 +64,7 @@ class ModelHost(ModelLoads, LoadRoom):
                  min_replicas: Callable[[str], int] | None = None, freeze_gc: bool = False,
                  skip_warmup: bool = False, shared: SharedWeights | None = None,
                  drain_timeout_s: float = DRAIN_TIMEOUT_S, parallel_sizes: dict[str, tuple[int, int]] | None = None,
-                 kv_links: KVLinks | None = None):
+                 kv_links: KVLinks | None = None, min_residency_s: float = MIN_RESIDENCY_S):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
@@ -74,7 +75,9 @@ class ModelHost(ModelLoads, LoadRoom):
         SIGTERM drain gives a worker's (--drain-timeout). ``parallel_sizes``: name -> (tensor_parallel_size,
         pipeline_parallel_size) of the models the config file gives their own; the others take ``base``'s.
         ``kv_links``: the ranks of a model split over processes send their own parts of its KV to decode
-        workers with these (the worker's CURVE keys)."""
+        workers with these (the worker's CURVE keys). ``min_residency_s``: how long a model just loaded keeps
+        its place against a load not far above its demand (--min-residency-s, shared/worker/eviction.py)."""
+        self.min_residency_s = min_residency_s
         self.drain_timeout_s = drain_timeout_s
         self.kv_links = kv_links
         self.base = base

@@ -71,7 +71,7 @@ class WorkerRuntime:
             repo=ModelRepository(config.model_repo) if config.model_repo else None,
             configured_paths={m.name: m.engine.model.model for m in config.startup_models()},
             verify_checksums=config.verify_checksums, eos_ids=_eos_ids, report=self.control.report,
-            drain_timeout_s=config.drain_timeout_s,
+            drain_timeout_s=config.drain_timeout_s, min_residency_s=config.min_residency_s,
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
             shared=_shared_weights(config), parallel_sizes=config.parallel_sizes,
             # a prefill worker's ranks send their own parts of a prompt's KV, a decode worker's take their own

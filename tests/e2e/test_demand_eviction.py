@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 WAIT_S = 150  # generous: loads and drains on a busy 2-core CI box
 LONG = 160  # tokens per request of the busy low-demand model: it is always running something
 TAIL_PAUSE = 0.5
+RESIDENCY_S = 2.0  # the workers' --min-residency-s: tail is past it once its traffic has run a while
 COLD_JOBS = 48  # as a rate (eviction.py: each an arrival just now) ~3.3 requests a second, above tail's 2 at most
 
 
@@ -50,7 +51,8 @@ models:
   - {{name: tail, version: 1, precision: float32}}
   - {{name: cold, version: 1, precision: float32, load: lazy}}
 """)
-    client = start(cluster, repo, cfg, extra=["--weights-memory", str(int(weights * 2.5))])  # two of three
+    client = start(cluster, repo, cfg, extra=["--weights-memory", str(int(weights * 2.5)),  # two of three
+                                              "--min-residency-s", str(RESIDENCY_S)])
     client = client.with_options(timeout=WAIT_S)
     stop, errors = threading.Event(), []
     done = {"hot": [], "tail": []}
@@ -62,7 +64,7 @@ models:
         t.start()
     jobs = JobClient(cluster.redis, "cold@1")
     try:
-        time.sleep(16)  # past tail's minimum residency; its demand now reads its steady rate
+        time.sleep(3 * RESIDENCY_S)  # past tail's minimum residency; both demands now read their traffic
         assert not errors, errors
         ids = [f"cold-{i}" for i in range(COLD_JOBS)]
         for rid in ids:  # a queue no worker reads: the gateway's prewarm loads it, with this demand

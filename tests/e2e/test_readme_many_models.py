@@ -40,7 +40,7 @@ def script(blocks: list[tuple[str, str]], network_setup: str) -> str:
         # the server's terminal: in the background, until it says it is ready
         out.append(SERVE_LINE.sub(lambda m: (
             f"{m.group(0)} > serve.log 2>&1 &\nSERVE_PID=$!\n"
-            "for _ in $(seq 600); do grep -q 'kvrelay ready' serve.log && break; kill -0 $SERVE_PID; sleep 1; done\n"
+            "for _ in $(seq 3000); do grep -q 'kvrelay ready' serve.log && break; kill -0 $SERVE_PID; sleep 0.2; done\n"
             "grep 'kvrelay ready' serve.log"), body))
     return "\n".join(out) + "\n"
 

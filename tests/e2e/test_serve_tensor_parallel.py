@@ -20,6 +20,7 @@ from tests.e2e.served import Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPT = "The capital of France is"
+RECLAIM_MS = 2000  # the killed worker's pending job goes to its restarted self this soon (default 15 s)
 
 
 def _ranks(serve: psutil.Process) -> list[psutil.Process]:
@@ -30,7 +31,8 @@ def _ranks(serve: psutil.Process) -> list[psutil.Process]:
 def test_unified_answers_like_one_process_and_survives_a_killed_rank(kind, tiny_model_dir, tiny_offline, tmp_path):
     """Size 2 either way: the worker's second process is a rank (tensor) or a stage (pipeline)."""
     want = tiny_offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
-    argv = ["--mode", "unified", "--model", str(tiny_model_dir), *TINY_ENGINE, f"--{kind}-parallel-size", "2"]
+    argv = ["--mode", "unified", "--model", str(tiny_model_dir), *TINY_ENGINE, f"--{kind}-parallel-size", "2",
+            "--reclaim-idle-ms", str(RECLAIM_MS)]
     with Served(argv, tmp_path / "serve.log") as served:
         client = served.client()
 

@@ -86,3 +86,12 @@ def test_the_decayed_rate_reads_a_steady_rate_and_halves_every_half_life():
         r.note(k * 0.25)
     assert abs(r.rate(500.0) - 4.0) < 0.2
     assert abs(r.rate(500.0 + DEMAND_HALF_LIFE_S) - r.rate(500.0) / 2) < 1e-6
+
+
+def test_the_minimum_residency_is_the_workers_to_set():
+    just_loaded = [cand("new", 1.0, resident_s=5.0)]
+    load = Incoming(demand=1.5, waiting=1)  # under THRASH_MARGIN times its demand: residency decides
+    assert choose_victims(just_loaded, GB, 0, load) is None
+    assert names(choose_victims(just_loaded, GB, 0, load, residency_s=2.0)) == ["new"]
+    slow_to_reload = [cand("new", 1.0, resident_s=5.0, reload_s=2.0)]  # still at least RESIDENCY_RELOADS reloads
+    assert choose_victims(slow_to_reload, GB, 0, load, residency_s=2.0) is None

@@ -239,3 +239,20 @@ def test_a_victim_that_does_not_drain_in_time_serves_on_and_the_load_is_refused(
     assert ok["b@1"].ok  # it serves on: its load is answered
     b = host.slots["b@1"]
     assert b.state == "ready" and b.reading and sorted(host.slots) == ["a@1", "b@1"]
+
+
+def test_a_worker_with_a_shorter_minimum_residency_evicts_a_busy_model_loaded_that_long_ago(repo, monkeypatch):
+    monkeypatch.setattr("kvrelay.shared.worker.model_loads.ROOM_WAIT_S", 0.3)
+    for residency_s, evicted in ((15.0, []), (5.0, ["b@1"])):  # the default, then --min-residency-s 5
+        host, results = make_host(repo, min_residency_s=residency_s)
+        run(host, load("a"), load("b"))
+        _demand(host, "a@1", 50)
+        _demand(host, "b@1", 10)
+        host.slots["b@1"].loaded_at -= 10  # past 5 s and its reloads, not the default 15 s
+        host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}
+        host.commands.put(load("c", waiting=15))  # 1.5 times b's demand: under the no-thrash margin
+        host.tick()
+        host.hooks.running = {"a@1"}  # b's running requests finish (if it drains)
+        run(host)
+        c = next(r for r in results if r.instance == "c@1")
+        assert c.ok == bool(evicted) and c.evicted == evicted, c

@@ -87,6 +87,18 @@ def test_free_drops_the_generator_so_a_new_request_restarts_the_stream() -> None
     assert again == first
 
 
+def test_a_batch_with_no_unseeded_sampled_row_leaves_the_shared_stream_where_it_was() -> None:
+    logits = _step_logits(0, 500).unsqueeze(0)  # [1, V]
+
+    def unseeded(sampler: Sampler) -> list[int]:
+        return [sampler(logits, [make_request(f"u{i}")])[0].token_id for i in range(6)]
+
+    fresh = unseeded(Sampler(seed=4))
+    sampler = Sampler(seed=4)
+    sampler(logits.repeat(2, 1), [make_request("s", seed=5), make_request("g", temperature=0.0)])
+    assert unseeded(sampler) == fresh
+
+
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())

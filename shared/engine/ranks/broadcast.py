@@ -5,6 +5,8 @@ Never pickle. Collectives (all-reduce, all-gather) go over torch.distributed; on
 travel here, so a rank waits on this socket, not on a collective, while the engine is idle.
 """
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -32,6 +34,8 @@ SEND_HWM = 64
 # how long a send may wait: for a rank whose socket is still connecting (the first message), or whose
 # queue is full; past it the rank counts as gone
 SEND_TIMEOUT_MS = 10_000
+# while a send waits, how often it asks whether the group is down (a dead rank's socket never takes a message)
+GONE_POLL_MS = 50
 
 
 def address(folder: Path, rank: int) -> str:
@@ -47,16 +51,25 @@ class StepSender:
         for rank in range(1, world_size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(address(folder, rank))
             self._socks.append(sock)
 
-    def send(self, msg: RankMessage, frame: memoryview | None = None) -> None:
-        """Raises ``zmq.Again`` when a rank took no message for SEND_TIMEOUT_MS."""
+    def send(self, msg: RankMessage, frame: memoryview | None = None, gone: Callable[[], bool] = lambda: False
+             ) -> None:
+        """Raises ``zmq.Again`` when a rank took no message for SEND_TIMEOUT_MS, or once ``gone()`` says the
+        group is down (its watchdog saw a rank die), without waiting that long."""
         parts = [codec.encode(msg)] + ([frame] if frame is not None else [])
         for sock in self._socks:
-            sock.send_multipart(parts)
+            deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
+            while True:
+                try:
+                    sock.send_multipart(parts, flags=zmq.NOBLOCK)  # all parts or none: ZMQ's multipart is atomic
+                    break
+                except zmq.Again:
+                    if gone() or time.monotonic() >= deadline:
+                        raise
+                    sock.poll(GONE_POLL_MS, zmq.POLLOUT)
 
     def close(self) -> None:
         for sock in self._socks:

@@ -154,7 +154,7 @@ class RankGroup:
         if self.before_other is not None and not isinstance(msg, RankStep):
             self.before_other()
         try:
-            self._sender.send(msg, frame)
+            self._sender.send(msg, frame, gone=lambda: self._failure is not None)
         except zmq.Again:
             raise self.down(RuntimeError("a rank stopped reading its steps")) from None
 
