@@ -6,7 +6,7 @@ and the kernel hands the same ephemeral range to every bind(0) and every connect
 that takes seconds of imports before it binds can find its port taken, and worse, a probe of that port
 then reaches the other server. Below the ephemeral range (``ip_local_port_range``) no bind(0) or
 connect() ever lands, so a port here is taken only by another launcher: each process walks its own
-stretch from a random start, one port after the next, and skips a port it finds bound.
+stretch from a random start, one block of ports after the next, and skips a block where it finds one bound.
 """
 
 import random
@@ -15,6 +15,9 @@ import threading
 from pathlib import Path
 
 LOWEST = 15000  # above the ports services are commonly configured on (8000s, 9000s)
+# ports handed out together: a caller may number ports up from the one it got (kvrelay serve gives its i-th
+# worker --worker-monitoring-port + i, its i-th gateway --zmq-port + i)
+BLOCK = 8
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _lock = threading.Lock()
 _next: int | None = None
@@ -38,20 +41,22 @@ def _bindable(port: int) -> bool:
 
 
 def free_port(also_free_at: int = 0) -> int:
-    """A loopback port nothing is bound to, outside the ephemeral range; with ``also_free_at`` N, one
-    whose port + N is free and outside it too (a Redis cluster node's bus listens at port + 10000)."""
+    """A loopback port outside the ephemeral range with nothing bound to it or to the BLOCK - 1 ports after
+    it, which no later call hands out; with ``also_free_at`` N, port + N is free and outside the range too (a
+    Redis cluster node's bus listens at port + 10000)."""
     global _next
-    top = ephemeral_start() - also_free_at
+    top = ephemeral_start() - also_free_at - BLOCK
     if top - LOWEST < 1000:  # an ephemeral range reaching low: only bind(0) is left (the old race with it)
         return _ephemeral(also_free_at)
-    span = top - LOWEST
+    blocks = (top - LOWEST) // BLOCK
     with _lock:
         if _next is None:
-            _next = random.randrange(span)
-        for _ in range(span):
-            port = LOWEST + _next % span  # one cursor for every span: a pair's is shorter
-            _next = (_next + 1) % span
-            if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
+            _next = random.randrange(blocks)
+        for _ in range(blocks):
+            port = LOWEST + (_next % blocks) * BLOCK  # one cursor for every span: a pair's is shorter
+            _next = (_next + 1) % blocks
+            if all(map(_bindable, range(port, port + BLOCK))) and (
+                    not also_free_at or _bindable(port + also_free_at)):
                 return port
     raise RuntimeError(f"no free loopback port in {LOWEST}-{top}")
 

@@ -4,22 +4,25 @@ calls, and never one something holds."""
 import socket
 
 from kvrelay.shared.wire import loopback_ports
-from kvrelay.shared.wire.loopback_ports import LOWEST, ephemeral_start, free_port
+from kvrelay.shared.wire.loopback_ports import BLOCK, LOWEST, ephemeral_start, free_port
 
 
-def test_ports_lie_below_the_ephemeral_range_and_differ():
+def test_ports_lie_below_the_ephemeral_range_and_each_brings_its_block():
     ports = [free_port() for _ in range(50)]
-    assert len(set(ports)) == 50
     assert all(LOWEST <= p < ephemeral_start() for p in ports)
+    # kvrelay serve numbers its workers' ports up from the one given: no later call hands those out
+    taken = sorted(q for p in ports for q in range(p, p + BLOCK))
+    assert len(set(taken)) == len(taken)
 
 
-def test_a_port_someone_holds_is_skipped(monkeypatch):
+def test_a_block_with_a_port_someone_holds_is_skipped(monkeypatch):
     port = free_port()
-    monkeypatch.setattr(loopback_ports, "_next", port - LOWEST)  # the walk comes to it next
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port))
-        assert free_port() not in (port, None)
-    monkeypatch.setattr(loopback_ports, "_next", port - LOWEST)
+    for held in (port, port + BLOCK - 1):
+        monkeypatch.setattr(loopback_ports, "_next", (port - LOWEST) // BLOCK)  # the walk comes to it next
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", held))
+            assert free_port() != port
+    monkeypatch.setattr(loopback_ports, "_next", (port - LOWEST) // BLOCK)
     assert free_port() == port  # free again: handed out
 
 
