@@ -34,8 +34,8 @@ def worker(redis_url, smollm2_dir, request):
     from kvrelay.workers import worker_config
 
     sync_client(redis_url).flushall()
-    # the job keeper's thread does not run here (attach, not start): past the reclaim idle time, which a loaded
-    # CI box's 80-token jobs can outlast, the worker's own fetch would reclaim its held jobs as failed deliveries
+    # the job keeper's thread does not run here (attach, not start): a job held past the reclaim idle time would
+    # be reclaimed by the worker's own fetch as a failed delivery
     args = build_parser().parse_args(["unified-worker", "--model", str(smollm2_dir), "--device", "cpu",
                                       "--redis-url", redis_url, "--max-model-len", "512", "--skip-warmup",
                                       "--reclaim-idle-ms", str(HANG_BOUND_S * 1000), *request.param])
