@@ -11,6 +11,16 @@ reclaiming what is pending, so nothing routed to a dead worker is lost. A peer g
 empty stream and its consumer entry removed; the gateway only XADDs to a private stream that exists, so
 a job can never land in one nobody reads.
 
+A stalled worker (live by its heartbeat, which does not wait for steps, but in one engine step past
+``--stalled-step-timeout-s``: shared/wire/step_stall.py) gets no new job, but what was routed to it before
+would wait for its stall watch to end it (``--step-timeout``). Its peers take what it never read; what it
+did read stays pending with it, to finish should it step again, or to be reclaimed as a dead worker's once it
+is ended. None is taken twice: the private stream has one consumer group (PREFILL_GROUP), which its owner
+reads as its consumer and a peer as its own, and an XREADGROUP ``>`` delivers the entries past the group's
+last-delivered id and moves that id in the same command (Redis runs one at a time), so each entry goes to
+exactly one consumer: never to two peers, nor to a peer and the owner once it wakes. A taken entry is pending
+under the peer's name in the owner's stream, kept, ACKed and handed back as any adopted one.
+
 A job stays pending (un-ACKed) until the caller says it is done, which for a prefill worker means the
 decode side confirmed it holds the KV: a worker killed at any point before that leaves the job to be
 reclaimed by a peer once it has been idle ``reclaim_idle_ms``. A draining worker need not wait for
@@ -36,12 +46,14 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, peek_strings
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_health import RedisHealth
+from kvrelay.shared.wire.step_stall import stalled_record, why_stalled
 from kvrelay.shared.wire.version import version_refusal
 
 log = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 1.0
-# Peers' private streams are looked at less often: a dead peer's heartbeat takes HEARTBEAT_TTL_S to lapse.
+# Peers' private streams are looked at less often: a dead peer's heartbeat takes HEARTBEAT_TTL_S to lapse, and a
+# stalled one's step age is published once a heartbeat.
 ADOPT_EVERY_S = keys.HEARTBEAT_INTERVAL_S
 # A peer gone this long is no gateway's routing candidate (their registry caches are far shorter), so its
 # emptied private stream and its consumer entry can go.
@@ -89,7 +101,9 @@ class JobQueue:
     def __init__(self, client: redis.Redis, model: str, consumer: str, reclaim_idle_ms: int,
                  max_deliveries: int = keys.MAX_DELIVERIES,
                  on_dead: Callable[[str, str, str], None] | None = None,
-                 health: RedisHealth | None = None):
+                 health: RedisHealth | None = None, stalled_step_timeout_s: float = 0.0):
+        """``stalled_step_timeout_s``: a live peer in one step for longer has its undelivered private jobs taken
+        (0: never)."""
         self.redis = client
         self.health = health or RedisHealth(log)  # where a failed ACK reports an outage
         self.model = model
@@ -99,6 +113,7 @@ class JobQueue:
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_deliveries = max_deliveries
+        self.stalled_step_timeout_s = stalled_step_timeout_s
         # on_dead(request id, reply address, why): tells the job's client why it will get no answer
         self.on_dead = on_dead
         self._last_reclaim = 0.0
@@ -107,6 +122,7 @@ class JobQueue:
         # entries a blocking read delivered beyond ``count`` (both streams answered at once); served first
         self._surplus: list[tuple[bytes, dict]] = []
         self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
+        self._stalled_peers: set[str] = set()  # as of the last adopt pass: said once per stall
         # reply addresses of gateways refused as too many versions apart, least recently refused first
         self._far_gateways: OrderedDict[str, None] = OrderedDict()
         self.ensure_group()
@@ -210,36 +226,46 @@ class JobQueue:
         return kept
 
     def _adopt(self, count: int) -> list:
-        """Pending and undelivered jobs of peers whose heartbeat is gone, from their private streams."""
+        """From peers' private streams: pending and undelivered jobs of those whose heartbeat is gone,
+        undelivered ones of those stalled."""
         peers = [c for c in self.redis.xinfo_consumers(self.stream, keys.PREFILL_GROUP)
                  if c["name"].decode() != self.consumer]
         if not peers:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for peer in peers:
-            pipe.exists(keys.worker_key(peer["name"].decode()))
-        alive = pipe.execute()
+            pipe.get(keys.worker_key(peer["name"].decode()))
+        records = pipe.execute()
         entries: list = []
         now = time.monotonic()
-        for peer, is_alive in zip(peers, alive, strict=True):
+        stalled_now = set()
+        for peer, record in zip(peers, records, strict=True):
             name = peer["name"].decode()
-            if is_alive:
-                self._gone_since.pop(name, None)
-                continue
             stream = keys.prefill_worker_stream(self.model, name)
-            entries += self._take_from_peer(stream, count - len(entries))
-            if now - self._gone_since.setdefault(name, now) > FORGET_AFTER_S and peer["pending"] == 0:
-                self._forget(name, stream)
+            if record is None:
+                entries += self._take_from_peer(stream, count - len(entries))
+                if now - self._gone_since.setdefault(name, now) > FORGET_AFTER_S and peer["pending"] == 0:
+                    self._forget(name, stream)
+                continue
+            self._gone_since.pop(name, None)
+            if (worker := stalled_record(record, self.stalled_step_timeout_s)) is not None:
+                stalled_now.add(name)
+                if name not in self._stalled_peers:
+                    log.warning("peer %r is stalled (%s): taking the jobs routed to it that it has not read", name,
+                                why_stalled(worker.step_age_s, self.stalled_step_timeout_s))
+                entries += self._take_from_peer(stream, count - len(entries), pending=False)
+        self._stalled_peers = stalled_now
         if entries:
-            log.info("adopted %d job(s) of dead peers", len(entries))
+            log.info("adopted %d job(s) of dead or stalled peers", len(entries))
         return entries
 
-    def _take_from_peer(self, stream: str, count: int) -> list:
+    def _take_from_peer(self, stream: str, count: int, pending: bool = True) -> list:
+        """Undelivered jobs of a peer's private stream, after its ``pending`` ones (a dead peer's)."""
         if count <= 0:
             return []
         try:
-            entries = self._reclaim(stream, count)  # pending: XAUTOCLAIM counts the delivery
-            return entries + self._new(stream, count - len(entries)) if len(entries) < count else entries
+            entries = self._reclaim(stream, count) if pending else []  # XAUTOCLAIM counts the delivery
+            return entries + self._new(stream, count - len(entries))
         except redis.ResponseError as exc:
             if not _lost_group(exc):
                 raise
@@ -341,7 +367,8 @@ class JobQueue:
         lost if we die here) but look idle for a day, so the next reclaim pass of any worker takes them;
         JUSTID keeps their delivery count, so a hand-back does not push a job toward the dead-letter
         stream. Private ones, and whatever our private stream still holds undelivered, move to the shared
-        stream (peers do not read a live worker's private stream), their delivery count carried along."""
+        stream (peers read a live worker's private stream only while it is stalled), their delivery count carried
+        along."""
         entry_ids = [*entry_ids, *(eid for eid, _ in self._surplus)]
         self._surplus = []
         for stream, ids in self._by_stream(entry_ids).items():

@@ -59,7 +59,8 @@ class JobIntake:
     def attach(self, slot: ModelSlot) -> None:
         c = self.config
         self.queues[slot.instance] = JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
-                                              c.max_deliveries, on_dead=self._dead_job, health=self.runtime.health)
+                                              c.max_deliveries, on_dead=self._dead_job, health=self.runtime.health,
+                                              stalled_step_timeout_s=c.stalled_step_timeout_s)
 
     def restore(self) -> None:
         """Redis restarted (the heartbeat thread calls this): our consumer groups again, where it lost

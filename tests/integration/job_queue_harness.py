@@ -15,6 +15,7 @@ def make_job(rid: str) -> Job:
                priority=0, reply_addr="tcp://127.0.0.1:1", deadline=time.time() + 60, arrival=time.time())
 
 
-def make_queue(r, consumer: str, idle_ms: int = 0, on_dead=None) -> JobQueue:
+def make_queue(r, consumer: str, idle_ms: int = 0, on_dead=None, stalled_step_timeout_s: float = 0.0) -> JobQueue:
     """A new queue reclaims and adopts on its first fetch; a job's third delivery is its last."""
-    return JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead)
+    return JobQueue(r, MODEL, consumer, reclaim_idle_ms=idle_ms, max_deliveries=3, on_dead=on_dead,
+                    stalled_step_timeout_s=stalled_step_timeout_s)

@@ -1,9 +1,10 @@
 """Private (prefix-affinity) job streams against a real Redis: a worker reads its own stream before the
-shared one, peers adopt a dead worker's stream (undelivered and pending jobs alike) but leave a live
-one's alone, delivery counting still dead-letters poison, and a hand-back moves private jobs to the
-shared stream where a peer takes them."""
+shared one, peers adopt a dead worker's stream (undelivered and pending jobs alike) and a stalled one's
+undelivered jobs (each by one peer only) but leave a stepping one's alone, delivery counting still
+dead-letters poison, and a hand-back moves private jobs to the shared stream where a peer takes them."""
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -12,10 +13,12 @@ import pytest
 from kvrelay.shared.wire import job_queue
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
+from kvrelay.shared.wire.protocol import WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.integration.job_queue_harness import MODEL, make_job, make_queue
 
 SHARED = keys.prefill_stream(MODEL)
+STALLED_AFTER_S = 30.0
 
 
 def private(worker: str) -> str:
@@ -187,3 +190,81 @@ def test_queue_gauges_and_depth_count_private_streams(r, redis_url):
     q.ack(*(entry for entry, _ in got))
     snap = asyncio.run(snapshot())
     assert (snap.depth, snap.pending) == (1, 0)
+
+
+def heartbeat(worker: str, step_age_s: float) -> bytes:
+    """``worker``'s heartbeat record, its engine loop in one step for ``step_age_s``."""
+    now = time.time()
+    return encode(WorkerInfo(worker_id=worker, role="unified", models=[MODEL], zmq_addr="tcp://127.0.0.1:1",
+                             free_blocks=1, total_blocks=1, running=1, waiting=0, pid=1, host="h", started=now,
+                             heartbeat=now, step_age_s=step_age_s))
+
+
+def stuck_with(r, pending: list[str], undelivered: list[str]):
+    """A worker that read ``pending`` from its private stream, then stalled with ``undelivered`` routed to it."""
+    stuck = make_queue(r, "stuck", idle_ms=60_000)
+    for rid in pending:
+        put(r, private("stuck"), rid)
+    assert ids(stuck.fetch(len(pending), block_ms=0)) == pending
+    for rid in undelivered:
+        put(r, private("stuck"), rid)
+    r.set(keys.worker_key("stuck"), heartbeat("stuck", 2 * STALLED_AFTER_S))
+    return stuck
+
+
+def pending_of(r, worker: str) -> dict[bytes, int]:
+    """Consumer -> how many entries of ``worker``'s private stream it holds pending."""
+    return {c["name"]: c["pending"] for c in r.xinfo_consumers(private(worker), keys.PREFILL_GROUP) if c["pending"]}
+
+
+def test_a_stalled_peers_undelivered_private_jobs_are_taken_and_its_pending_ones_left(r, caplog):
+    stuck = stuck_with(r, pending=["p0"], undelivered=["p1", "p2"])
+    peer = make_queue(r, "peer", stalled_step_timeout_s=STALLED_AFTER_S)
+    with caplog.at_level(logging.WARNING, logger=job_queue.__name__):
+        got = peer.fetch(10, block_ms=0)
+        assert sorted(ids(got)) == ["p1", "p2"]
+        assert pending_of(r, "stuck") == {b"stuck": 1, b"peer": 2}
+        peer._last_adopt = 0.0
+        assert peer.fetch(10, block_ms=0) == []  # p0 is still the stalled worker's to finish
+    assert [rec.getMessage() for rec in caplog.records if "stalled" in rec.getMessage()] == [
+        "peer 'stuck' is stalled (its engine has been in one step for 60 s, over --stalled-step-timeout-s 30): "
+        "taking the jobs routed to it that it has not read"]
+    assert stuck.fetch(10, block_ms=0) == []  # awake again: what the peer took is not delivered to it as well
+    peer.ack(*(entry for entry, _ in got))
+    assert r.xlen(private("stuck")) == 1
+
+
+def test_a_stepping_peers_private_jobs_are_left_alone(r):
+    stuck_with(r, pending=["p0"], undelivered=["p1"])
+    never = make_queue(r, "never")  # --stalled-step-timeout-s 0: no worker is ever stalled
+    assert never.fetch(10, block_ms=0) == []
+    peer = make_queue(r, "peer", stalled_step_timeout_s=STALLED_AFTER_S)
+    # in a step, but not for long; a record this worker cannot read (a newer worker's) is not judged
+    for record in (heartbeat("stuck", STALLED_AFTER_S / 2), b"not a WorkerInfo"):
+        r.set(keys.worker_key("stuck"), record)
+        peer._last_adopt = 0.0
+        assert peer.fetch(10, block_ms=0) == []
+    assert pending_of(r, "stuck") == {b"stuck": 1}
+    assert r.xlen(private("stuck")) == 2
+
+
+def test_two_peers_never_take_the_same_job_of_a_stalled_peer(r):
+    routed = [f"p{i}" for i in range(40)]
+    stuck = stuck_with(r, pending=[], undelivered=routed)
+    peers = [make_queue(r, name, stalled_step_timeout_s=STALLED_AFTER_S) for name in ("b", "c")]
+    taken: dict[str, list[str]] = {"b": [], "c": []}
+    start = threading.Barrier(len(peers))
+
+    def adopt(peer) -> None:
+        start.wait()
+        while got := peer.fetch(3, block_ms=0):
+            taken[peer.consumer] += ids(got)
+            peer._last_adopt = 0.0
+
+    threads = [threading.Thread(target=adopt, args=(peer,)) for peer in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(taken["b"] + taken["c"]) == sorted(routed)  # each once: none twice, none left
+    assert stuck.fetch(10, block_ms=0) == []
