@@ -126,10 +126,10 @@ def test_a_sequence_whose_bytes_went_invalid_ends_instead_of_breaking_the_step(m
 
 
 def test_a_grammar_that_demands_a_surrogate_ends_where_nothing_valid_continues(manager, vocab):
-    """An EBNF class of surrogates past the start (one the compile's checks let through, utf8_grammar.py)
-    compiles to bytes ED A0..BF xx: after ED nothing is both grammatical and valid, so the row allows only the
-    stop token instead of nothing (an all -inf row to sample from)."""
-    so = StructuredOutputs(grammar='root ::= "a" [\\uD800-\\uDFFF]')
+    """An EBNF class of surrogates and U+0800 past the start (not surrogates only, so the compile's checks let
+    it through, utf8_grammar.py) takes bytes ED A0..BF xx: after ED nothing is both grammatical and valid (U+0800
+    starts with E0), so the row allows only the stop token instead of nothing (an all -inf row to sample from)."""
+    so = StructuredOutputs(grammar='root ::= "a" [\\uD800-\\uDFFF\\u0800]')
     assert _allowed(manager, so, _byte_tokens(vocab, b"a\xed")) == {EOS}
 
 

@@ -29,7 +29,7 @@ from kvrelay.shared.engine.structured.bitmask import new_bitmask
 from kvrelay.shared.engine.structured.json_strings import strict_counted_strings
 from kvrelay.shared.engine.structured.tokenizer_info import tokenizer_info
 from kvrelay.shared.engine.structured.utf8 import Utf8Table
-from kvrelay.shared.engine.structured.utf8_grammar import starts_validly, surrogate_literal
+from kvrelay.shared.engine.structured.utf8_grammar import starts_validly, surrogate_class, surrogate_literal
 from kvrelay.shared.wire.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -91,6 +91,10 @@ class GrammarBackend:
         if code is not None:
             return (f"it spells U+{code:04X}, a UTF-16 surrogate, which no UTF-8 text holds (write a character "
                     "past U+FFFF as itself, not as the escapes of its UTF-16 surrogate pair)")
+        code = surrogate_class(str(compiled.grammar))
+        if code is not None:
+            return (f"a character class of UTF-16 surrogates only (from U+{code:04X}) matches no UTF-8 text (name "
+                    "a character past U+FFFF as itself, not as a range of surrogates)")
         matcher = self.matcher(compiled)
         if not starts_validly(matcher, self.utf8, self._allowed, self.info.stop_token_ids):
             return "no valid UTF-8 text can start it (it begins with a UTF-16 surrogate, U+D800..DFFF)"
