@@ -38,9 +38,11 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """Ready when Redis answers, every model this deployment was started with (``startup_models``,
     ``lazy_models``) is known, and every model that needs live workers (``Served.required``) has a live
-    prefill-capable and a live decode-capable worker: a request sent the moment this says 200 is
-    served. Before any worker registers, a deployment started with a model is not ready; nor while the
-    tokenizers of a model with live workers still load. The body says which part is missing."""
+    prefill-capable and a live decode-capable worker that steps (a stalled one takes no new job:
+    stalled_workers.py): a request sent the moment this says 200 is served. Before any worker registers,
+    a deployment started with a model is not ready; nor while the tokenizers of a model with live workers
+    still load. The body says which part is missing: the workers counted are the routable ones, and
+    ``stalled`` names the models whose only workers of a phase are stalled, and them."""
     retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
     config = request.app[CONFIG]
     if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
@@ -59,6 +61,10 @@ async def ready(request: web.Request) -> web.Response:
     body = {"status": "ready", "redis": True,
             "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
                           for name, c in required.items()}, **missing}}
+    registry = request.app[WORKER_REGISTRY]
+    stalled = {name: why for name in required if (why := registry.stalled_out(view.workers, view.instance(name)))}
+    if stalled:
+        body["stalled"] = stalled
     if not missing and all(c.servable for c in required.values()):
         # The first request must not pay the tokenizer load (seconds for a large vocabulary): each model
         # with live workers has its tokenizers loaded before this gateway says ready.

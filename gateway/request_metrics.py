@@ -4,7 +4,6 @@ pointed at the gateway. They read a request in flight through ``RequestView``, w
 ``Generation`` satisfies: the metrics know nothing of the API that feeds them.
 """
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -129,9 +128,8 @@ class VllmRequestMetrics:
             self.params_n.labels(request.model_name).observe(n)
         self._live[request.request_id] = _Live(request, {c.job_id: _Clock() for c in request.choices})
 
-    def delta(self, request: RequestView, choice: ChoiceView, new_tokens: int) -> None:
-        """``choice`` moved on by ``new_tokens`` tokens, or ended."""
-        now = time.time()
+    def delta(self, request: RequestView, choice: ChoiceView, new_tokens: int, now: float) -> None:
+        """``choice`` moved on by ``new_tokens`` tokens, or ended, at ``now`` (unix seconds)."""
         model = request.model_name
         clock = self._live[request.request_id].clocks[choice.job_id]
         if new_tokens:

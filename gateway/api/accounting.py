@@ -109,5 +109,3 @@ class Meter:
             metrics.tenant_tokens.labels(metrics.tenant(tenant), self.model, "prompt").inc(prompt)
         if completion:
             metrics.tenant_tokens.labels(metrics.tenant(tenant), self.model, "completion").inc(completion)
-        if gen is not None and gen.first_token_at is not None:
-            metrics.ttft.labels(self.model).observe(max(gen.first_token_at - gen.arrival, 0.0))

@@ -19,6 +19,7 @@ from aiohttp import web
 from kvrelay.gateway.api.choice import TokenLogprob
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.prompts import Prepared
+from kvrelay.gateway.state import METRICS
 from kvrelay.shared.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -39,7 +40,8 @@ class BeamChoice:
 
 
 class BeamSearch:
-    """What a Meter reads of a generation (usage, arrival, first token), for the search's steps together."""
+    """What a Meter reads of a generation (usage, choices), for the search's steps together. The search's TTFT
+    is its first step's end: the steps are not whole requests, and observe none."""
 
     def __init__(self, request: web.Request, prepared: Prepared, request_id: str) -> None:
         self._request = request
@@ -85,11 +87,13 @@ class BeamSearch:
             prompts = [s.prompt_ids + b.tokens for s in active for b in s.live]
             step_prepared = dataclasses.replace(self.prepared, prompts=prompts, params=step, returned_n=None,
                                                 constraint_param=None)
-            async with Generation(self._request, step_prepared) as gen:
+            async with Generation(self._request, step_prepared, whole_request=False) as gen:
                 async for _ in gen:
                     pass
             if self.first_token_at is None:
                 self.first_token_at = time.time()
+                self._request.app[METRICS].ttft.labels(self.prepared.model_name).observe(
+                    max(self.first_token_at - self.arrival, 0.0))
             entries = iter(gen.choices)
             for search in active:
                 candidates = []

@@ -61,8 +61,11 @@ async def publish_abort(app: web.Application, job_ids: list[str], reason: str) -
 
 
 class Generation:
-    def __init__(self, request: web.Request, prepared: Prepared):
+    def __init__(self, request: web.Request, prepared: Prepared, whole_request: bool = True):
+        """``whole_request``: False for one step of a larger request (a beam search's), whose TTFT that request
+        observes."""
         self.app = app = request.app
+        self._whole_request = whole_request
         self.prepared = prepared
         # Our own id, never the client's X-Request-Id: job ids must be unique across every client.
         self.request_id = uuid.uuid4().hex
@@ -344,14 +347,19 @@ class Generation:
             delta = choice.receive(event)
             if delta is None:
                 continue
-            if self.first_token_at is None and delta.token_ids:
-                self.first_token_at = time.time()
+            # one stamp for every series that reads this delta, so the TTFT histograms and the stage split
+            # agree exactly; observed now, not when the request ends, so a scrape mid-stream counts it
+            now = time.time()
             metrics = self.app[METRICS]
+            if self.first_token_at is None and delta.token_ids:
+                self.first_token_at = now
+                if self._whole_request:
+                    metrics.ttft.labels(self.model_name).observe(max(now - self.arrival, 0.0))
             # the choice's first token: on ``event`` (output index 0, the one stamped; later ones wait for it)
             if delta.token_ids and not had_tokens:
                 metrics.ttft_stages.observe(self.model_name, self.arrival, self._enqueued[choice.job_id],
-                                            event.first_token_times, time.time())
-            metrics.vllm.delta(self, choice, len(delta.token_ids))
+                                            event.first_token_times, now)
+            metrics.vllm.delta(self, choice, len(delta.token_ids), now)
             if choice.finished:
                 pending.discard(choice.job_id)
                 self.app[DISPATCHER].unregister([choice.job_id])

@@ -27,6 +27,7 @@ class Served:
     models: dict[str, ModelInfo]  # every published instance, by instance key ("name@3", or a direct name)
     direct: dict[str, ModelInfo]  # published by a worker started with --model; a registered name wins
     workers: list[WorkerInfo]  # live ones
+    routable: list[WorkerInfo]  # the live ones that step: new jobs go to them (stalled_workers.py)
     startup: set[str]  # what kvrelay serve started: /ready waits for its workers
 
     @property
@@ -54,17 +55,18 @@ class Served:
         return name in self.specs or self.loaded(name)
 
     def required(self) -> dict[str, Capacity]:
-        """The names that need live workers before this gateway is ready, and the workers they have: those
-        kvrelay serve started, the registered ones that are pinned or keep replicas, and those published
-        directly while a live worker still holds them (one phase down is not ready); a registered model
-        loaded on demand does not (its first request loads it). A direct model whose workers are all gone
-        is what a finished deployment left in Redis (its record outlives them by ``MODEL_TTL_S``, one an
-        older kvrelay wrote without a TTL too: ``model_record_ttl.py``): it answers 503 until then, but
-        never holds back the models that are served."""
+        """The names that need live workers before this gateway is ready, and the routable workers they have
+        (a stalled one takes no new job, so it serves no request now): those kvrelay serve started, the
+        registered ones that are pinned or keep replicas, and those published directly while a live worker
+        still holds them (one phase down, or only stalled, is not ready); a registered model loaded on demand
+        does not (its first request loads it). A direct model whose workers are all gone is what a finished
+        deployment left in Redis (its record outlives them by ``MODEL_TTL_S``, one an older kvrelay wrote
+        without a TTL too: ``model_record_ttl.py``): it answers 503 until then, but never holds back the
+        models that are served."""
         needed = [*(name for name in self.direct if name in self.startup or self._held(name)),
                   *(name for name, s in self.specs.items()
                     if s.pinned or s.min_replicas > 0 or name in self.startup)]
-        return {name: self.capacity(name) for name in needed}
+        return {name: capacity_of(self.routable, self.instance(name)) for name in needed}
 
     def _held(self, name: str) -> bool:
         held = self.capacity(name)
@@ -77,7 +79,7 @@ async def served(app: web.Application, fresh: bool = False) -> Served:
     specs = await app[MODEL_REGISTRY].specs(fresh)
     workers = await registry.workers(fresh)
     direct = {name: m for name, m in models.items() if is_direct(m) and name not in specs}
-    return Served(specs, models, direct, workers, set(app[CONFIG].startup_models))
+    return Served(specs, models, direct, workers, registry.stalls.routable(workers), set(app[CONFIG].startup_models))
 
 
 async def resolve_served(app: web.Application, name: str | None,
@@ -151,12 +153,10 @@ async def require_capacity(app: web.Application, model: ModelInfo, served: str |
         capacity = await registry.capacity(model.name, fresh=True)
     if capacity.servable:
         return model
-    missing = "prefill" if capacity.prefill == 0 else "decode"
-    live = await registry.workers()
-    if capacity_of(live, model.name).servable:
-        stalled = registry.stalls.describe([w for w in live if model.name in w.models])
-        raise APIError(503, f"every {missing} worker of model {model.name!r} is stalled: {stalled}; retry later",
-                       code="worker_stalled", headers={"Retry-After": str(app[CONFIG].retry_after_s)})
+    if stalled := registry.stalled_out(await registry.workers(), model.name):
+        raise APIError(503, f"{stalled}; retry later", code="worker_stalled",
+                       headers={"Retry-After": str(app[CONFIG].retry_after_s)})
     if served is not None and served in await app[MODEL_REGISTRY].specs():
         return await load_model(app, served)
+    missing = "prefill" if capacity.prefill == 0 else "decode"
     raise unavailable(f"no live {missing} worker for model {model.name!r}; retry later", app[CONFIG].retry_after_s)

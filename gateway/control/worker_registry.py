@@ -125,5 +125,15 @@ class WorkerRegistry:
         """The routable workers' capacity for ``model``."""
         return capacity_of(await self.routable(fresh), model)
 
+    def stalled_out(self, live: list[WorkerInfo], model: str) -> str | None:
+        """Why instance ``model`` takes no new job though ``live`` (the last read of the workers) holds both its
+        phases: every live worker of one phase is stalled. None when it takes jobs, or lacks a live phase."""
+        routable = capacity_of(self.stalls.routable(live), model)
+        if routable.servable or not capacity_of(live, model).servable:
+            return None
+        missing = "prefill" if routable.prefill == 0 else "decode"
+        stalled = self.stalls.describe([w for w in live if model in w.models])
+        return f"every {missing} worker of model {model!r} is stalled: {stalled}"
+
 
 WORKER_REGISTRY = web.AppKey("worker_registry", WorkerRegistry)

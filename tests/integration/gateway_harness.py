@@ -6,7 +6,8 @@ elsewhere): it reads jobs from the model's stream through the consumer group, re
 PUSH socket with one TokenBatch per step, honours aborts from the pub/sub channel and heartbeats like a
 worker. Its output is deterministic: the tokens of REPLY, then EOS. Prompts steer it:
 ``[silent]`` never answers, ``[error]`` fails (a job with an output constraint as the engine fails one
-that does not compile), ``[slow]`` emits a token every 50 ms, ``[reverse]`` sends
+that does not compile), ``[slow]`` emits a token every 50 ms, ``[hold]`` its first token and then nothing until
+aborted (a stream held open mid-generation), ``[reverse]`` sends
 each pair of events in swapped order (as a prefill and a decode worker may), ``[dup]`` sends every event
 twice, ``[tool]`` answers TOOL_REPLY (text and two tool calls, the hermes way), ``[calls]`` CALLS_REPLY (two
 calls as a required tool_choice's output), ``[args]`` ARGS_REPLY (a named tool_choice's output). Its first token
@@ -177,8 +178,8 @@ class FakeWorker:
     def _plan(self, job: Job, again: bool) -> _Seq:
         """``again``: the job was delivered before."""
         prompt = self.tokenizer.decode(job.prompt_token_ids)
-        mode = next((m for m in ("silent", "error", "slow", "reverse", "dup", "orphan", "tool", "calls", "args",
-                                 "requeue") if f"[{m}]" in prompt), "normal")
+        mode = next((m for m in ("silent", "error", "slow", "hold", "reverse", "dup", "orphan", "tool", "calls",
+                                 "args", "requeue") if f"[{m}]" in prompt), "normal")
         stamped = "[stamped]" in prompt or mode == "requeue"
         if mode == "requeue" and again:
             mode = "normal"
@@ -191,7 +192,7 @@ class FakeWorker:
         """The next step of ``seq``, or None if it has nothing to say this step."""
         params = seq.job.sampling
         seq.steps += 1
-        if seq.mode == "silent" or (seq.mode == "slow" and seq.steps % 10):
+        if seq.mode == "silent" or (seq.mode == "slow" and seq.steps % 10) or (seq.mode == "hold" and seq.sent):
             return None
         if seq.mode == "requeue":  # its first delivery: a holder announced, then nothing
             return TokenEvent(request_id=seq.job.request_id, worker_id=ORPHAN_HOLDER) if seq.steps == 1 else None

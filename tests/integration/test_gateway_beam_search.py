@@ -1,7 +1,7 @@
 """``use_beam_search`` through the gateway: the search runs over the workers, one job per live beam and step
 (one greedy token, the best keep = 2 x width logprobs), and returns the n best hypotheses, with their tokens'
-logprobs when asked, streamed when asked (each choice whole); what beam search cannot honour is a 400 naming
-the field. Real Redis, ZMQ and gateway with the fake worker of
+logprobs when asked, streamed when asked (each choice whole), one request to the TTFT histogram; what beam
+search cannot honour is a 400 naming the field. Real Redis, ZMQ and gateway with the fake worker of
 tests/integration/gateway_harness.py, whose every job offers the same three tokens (the reply's next token at
 -0.5, the id after it at -1.5, id 0 at -inf), so the search's path is known; tests/e2e/test_best_of_beam_search.py
 compares it with the offline engine's beam search on a real model."""
@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.integration.gateway_harness import MODEL, REPLY, api_path, post, running_stack
+from tests.integration.tenant_harness import sample, scrape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,6 +47,14 @@ def test_the_search_steps_over_the_workers_and_returns_the_best_beams(stack, bod
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["finish_reason"] == "length" for c in out["choices"])
     assert out["usage"]["completion_tokens"] == 6 and out["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_a_search_is_one_request_to_the_ttft_histogram_however_many_steps_it_takes(stack):
+    before = scrape(stack.url)
+    assert post(stack, PROMPT).status_code == 200
+    after = scrape(stack.url)
+    assert sample(after, "kvrelay_ttft_seconds_count", model=MODEL) - sample(before, "kvrelay_ttft_seconds_count",
+                                                                             model=MODEL) == 1
 
 
 def test_best_of_widens_the_beam(stack):

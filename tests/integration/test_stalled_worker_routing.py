@@ -1,8 +1,8 @@
 """The real gateway beside a worker whose heartbeat says its engine loop has been in one step past
 --stalled-step-timeout-s: a prompt whose prefix affinity names that worker goes to the shared stream, where a
 stepping worker (the fake one) takes it; a model only stalled workers hold answers 503 + Retry-After naming
-them; /metrics shows the stall. The stalled worker is its heartbeat record and its private stream, as a real
-worker whose step hangs leaves them."""
+them, and /ready is 503 naming them (it counts the workers that step only); /metrics shows the stall. The
+stalled worker is its heartbeat record and its private stream, as a real worker whose step hangs leaves them."""
 
 import time
 
@@ -14,7 +14,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
-from tests.integration.gateway_harness import MODEL, running_stack
+from tests.integration.gateway_harness import MODEL, ready_after_tokenizers, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 5.0
@@ -27,12 +27,13 @@ def stack(tmp_path_factory):
         yield s
 
 
-def _stalled(r, worker_id: str, model: str) -> None:
-    """The heartbeat of a worker whose loop has been in one step for twice the timeout, and its private stream."""
+def _stalled(r, worker_id: str, model: str, step_age_s: float = 2 * TIMEOUT_S) -> None:
+    """The heartbeat of a worker whose loop has been in one step for twice the timeout (``step_age_s``: for
+    so long), and its private stream."""
     now = time.time()
     info = WorkerInfo(worker_id=worker_id, role="unified", models=[model], zmq_addr="tcp://127.0.0.1:1",
                       free_blocks=100, total_blocks=100, running=1, waiting=0, pid=1, host="h", started=now,
-                      heartbeat=now, step_age_s=2 * TIMEOUT_S)
+                      heartbeat=now, step_age_s=step_age_s)
     r.set(keys.worker_key(worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
     r.sadd(keys.WORKERS_INDEX, worker_id)
     stream = keys.prefill_worker_stream(model, worker_id)
@@ -70,14 +71,25 @@ def test_a_prompt_whose_affinity_names_a_stalled_worker_is_served_by_one_that_st
         r.close()
 
 
+def _publish(r, model: str) -> None:
+    """The record of a model published directly (a worker given it by path), as its worker leaves it."""
+    info = ModelInfo(name=model, path="/nonexistent", max_model_len=64, vocab_size=100, eos_token_ids=[0],
+                     block_size=16, dtype="float32")
+    r.set(keys.model_key(model), encode(info))
+    r.sadd(keys.MODELS_INDEX, model)
+
+
+def _forget(r, model: str) -> None:
+    r.delete(keys.model_key(model), keys.worker_key(f"{model}-w"), keys.prefill_worker_stream(model, f"{model}-w"))
+    r.srem(keys.MODELS_INDEX, model)
+    r.srem(keys.WORKERS_INDEX, f"{model}-w")
+
+
 def test_a_model_only_stalled_workers_hold_is_503_naming_them(stack):
     r = sync_client(stack.redis_url)
     only = "held-by-stalled"
-    info = ModelInfo(name=only, path="/nonexistent", max_model_len=64, vocab_size=100, eos_token_ids=[0],
-                     block_size=16, dtype="float32")
     try:
-        r.set(keys.model_key(only), encode(info))
-        r.sadd(keys.MODELS_INDEX, only)
+        _publish(r, only)
         _stalled(r, f"{only}-w", only)
         resp = requests.post(f"{stack.url}/v1/completions", json={"model": only, "prompt": [1, 2]}, timeout=60)
         assert resp.status_code == 503, resp.text
@@ -87,7 +99,41 @@ def test_a_model_only_stalled_workers_hold_is_503_naming_them(stack):
         assert f"{only}-w" in err["message"] and "stalled" in err["message"]
         assert "--stalled-step-timeout-s" in err["message"]
     finally:
-        r.delete(keys.model_key(only), keys.worker_key(f"{only}-w"), keys.prefill_worker_stream(only, f"{only}-w"))
-        r.srem(keys.MODELS_INDEX, only)
-        r.srem(keys.WORKERS_INDEX, f"{only}-w")
+        _forget(r, only)
+        r.close()
+
+
+def test_ready_is_503_while_a_models_only_workers_are_stalled_naming_them(stack):
+    r = sync_client(stack.redis_url)
+    only = "ready-stalled"
+    try:
+        assert ready_after_tokenizers(stack.url).status_code == 200
+        _publish(r, only)
+        _stalled(r, f"{only}-w", only)
+        ready = requests.get(f"{stack.url}/ready", timeout=30)
+        assert ready.status_code == 503, ready.text
+        body = ready.json()
+        assert body["models"][only] == {"prefill_workers": 0, "decode_workers": 0}  # the routable ones
+        assert body["models"][MODEL] == {"prefill_workers": 1, "decode_workers": 1}
+        assert list(body["stalled"]) == [only]
+        assert f"{only}-w" in body["stalled"][only] and "--stalled-step-timeout-s" in body["stalled"][only]
+        _stalled(r, f"{only}-w", only, step_age_s=0.0)  # it steps again
+        ready = ready_after_tokenizers(stack.url)
+        assert ready.status_code == 200 and "stalled" not in ready.json(), ready.text
+        assert ready.json()["models"][only] == {"prefill_workers": 1, "decode_workers": 1}
+    finally:
+        _forget(r, only)
+        r.close()
+
+
+def test_ready_counts_only_the_stepping_workers_of_a_model_some_of_which_step(stack):
+    r = sync_client(stack.redis_url)
+    try:
+        _stalled(r, STUCK, MODEL)
+        ready = ready_after_tokenizers(stack.url)
+        assert ready.status_code == 200 and "stalled" not in ready.json(), ready.text
+        assert ready.json()["models"][MODEL] == {"prefill_workers": 1, "decode_workers": 1}
+    finally:
+        r.delete(keys.worker_key(STUCK), keys.prefill_worker_stream(MODEL, STUCK))
+        r.srem(keys.WORKERS_INDEX, STUCK)
         r.close()

@@ -77,3 +77,16 @@ async def test_the_registry_routes_and_counts_capacity_by_the_workers_that_step(
     assert (capacity.prefill, capacity.decode) == (1, 1)
     await registry_redis.set(keys.worker_key("w-fine"), encode(_worker("w-fine", TIMEOUT_S + 1)))
     assert not (await registry.capacity("m")).servable
+
+
+async def test_a_model_is_stalled_out_when_every_live_worker_of_one_phase_is_stalled(registry_redis):
+    """What routing's and /ready's 503 say: only where the stall, not a missing phase, keeps the model from jobs."""
+    registry = WorkerRegistry(registry_redis, cache_s=0.0, stalled_step_timeout_s=TIMEOUT_S)
+    stuck, decode = _worker("p-stuck", TIMEOUT_S + 1, role="prefill"), _worker("d", role="decode")
+    registry.stalls.update([stuck, decode])
+    why = registry.stalled_out([stuck, decode], "m")
+    assert why is not None and why.startswith("every prefill worker of model 'm' is stalled: p-stuck (")
+    assert registry.stalled_out([stuck], "m") is None  # no live decode worker: the stall is not what is missing
+    assert registry.stalled_out([stuck, decode], "other") is None
+    registry.stalls.update([fine := _worker("p"), stuck, decode])
+    assert registry.stalled_out([fine, stuck, decode], "m") is None  # a prefill worker that steps takes its jobs
