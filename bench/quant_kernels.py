@@ -7,13 +7,17 @@ for int8, for an fp8 weight read the same way (the weight-only FP8 path a decode
 of quantizing its activations), and for W4 with groups of 128 — each over a sweep of tile shapes and
 warps, checked against the dequantize-then-matmul reference before it is timed. ``w4_fast`` (and
 ``w4_fast64``, K tiles of 64) is the same W4 weight repacked at load (kernels/w4_repack.py) through
-kernels/triton/w4_fast.py: magic-number fp16 dequantization, tensor-core products and split K; its sweep
-starts with its default configuration (cfg ``null``), the one the model runs. Every time is the median
+kernels/triton/w4_fast.py: magic-number fp16 dequantization, tensor-core products and split K (with more
+than one split, the second launch that sums the splits is in the time); its sweep starts with its default
+configuration (cfg ``null``), the one the model runs, and the table sets that configuration
+(``default_config``'s BLOCK_M, BLOCK_N, SPLIT) and its time beside the winner's. Every time is the median
 of CUDA-graph replays over enough weight copies that each replay reads several times the 60 MB L2 (so a
 decode step's cold reads are what is timed), and is printed beside its floor: the weight bytes (scales
 and zero points included) over the copy bandwidth measured in the same process.
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
+``--rows 1,4,16 --formats w4_fast,w4_fast64``: the decode sweep that ``default_config``'s tiles and split
+are to be set from.
 """
 
 import argparse
@@ -79,8 +83,8 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
         return list(itertools.product(ns, ks, ws))
     if fmt.startswith("w4_fast"):  # (BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages); None: the default
         ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
-        ns, splits = ((32, 64, 128), (1, 2, 4, 8)) if rows <= 16 else ((64, 128), (1, 2))
-        launch = ((4, 3),) if quick else ((4, 3), (4, 4))
+        ns, splits = ((32, 64, 128), (1, 2, 4, 8, 16)) if rows <= 16 else ((64, 128), (1, 2))
+        launch = ((4, 3),) if quick else ((4, 3), (4, 4), (8, 3))
         return [None] + [(bm, bn, sp, *ws) for bm, bn, sp, ws in
                          itertools.product(ms, ns, splits[:2] if quick else splits, launch)]
     if rows <= 8:
@@ -134,6 +138,9 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     if fmt.endswith("_sk") and rows > 1:
         return row  # the skinny loop is for one row
     tries = [None] if fmt in ("bf16", "fp8_mm") else configs(fmt, rows, quick)
+    if fmt.startswith("w4_fast"):  # what cfg None runs
+        w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
+        row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)
     best = None
     for cfg in tries:
         try:
@@ -183,14 +190,16 @@ def main(argv: list[str] | None = None) -> None:
                     r["vs_bf16"] = base / r["us"]
                 rows_out.append(r)
                 print(json.dumps(r), flush=True)
-    print("\n| rows | proj | fmt | us | floor us | of floor | vs bf16 | best cfg |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| rows | proj | fmt | us | floor us | of floor | vs bf16 | best cfg | default us | default cfg |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_out:
         if r["fmt"].endswith("_sk") and r["rows"] > 1:
             continue
         if "us" in r:
+            default_us = f"{r['default_us']:.1f}" if "default_us" in r else "-"
             print(f"| {r['rows']} | {r['proj']} | {r['fmt']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
-                  f"{r['of_floor']:.0%} | {r.get('vs_bf16', 0):.2f}x | {r['cfg']} |")
+                  f"{r['of_floor']:.0%} | {r.get('vs_bf16', 0):.2f}x | {r['cfg']} | {default_us} | "
+                  f"{r.get('default_cfg', '-')} |")
         else:
             print(f"| {r['rows']} | {r['proj']} | {r['fmt']} | failed: {r.get('wrong') or r.get('refused')} |")
     if args.json:

@@ -17,7 +17,8 @@ uint8 zero points and fp16 scales [K/G, N]; optional act-order ``g_idx``):
   would add 1.5% to the bytes a decode step reads (groups of 128), for work done once per group and column.
 
 The model's W4Linear interleaves each qweight as it loads (``interleave_w4``; shared/engine/quant/linear.py),
-or with act-order calls ``repack_w4`` once every weight has loaded (its ``finish_loading``), g_idx included.
+or with act-order sorts and interleaves it (``act_order_perm``, ``sort_and_interleave``) once every weight
+has loaded (its ``finish_loading``), g_idx included.
 """
 
 from dataclasses import dataclass
@@ -83,10 +84,16 @@ def repack_w4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"the repacked W4 kernel needs a K tile, a multiple of 16, that divides the group size "
                          f"{group_size} and K {k} (tile_k {tile_k})")
     perm = None if g_idx is None else act_order_perm(g_idx, group_size)
+    return W4Packed(sort_and_interleave(qweight, perm, tile_k), scales.half().contiguous(),
+                    zeros.to(torch.uint8).contiguous(), perm, group_size, tile_k)
+
+
+def sort_and_interleave(qweight: torch.Tensor, perm: torch.Tensor | None, tile_k: int) -> torch.Tensor:
+    """W4 words in input order [K/8, N] -> the packed layout's words: rows in ``perm``'s order (act-order's
+    ``act_order_perm``; None: as they are), then interleaved per tile of ``tile_k`` inputs."""
     if perm is not None:
         qweight = pack_w4(unpack_w4(qweight)[perm.long()])
-    return W4Packed(interleave_w4(qweight, tile_k), scales.half().contiguous(), zeros.to(torch.uint8).contiguous(),
-                    perm, group_size, tile_k)
+    return interleave_w4(qweight, tile_k)
 
 
 def dequantize_packed(p: W4Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:

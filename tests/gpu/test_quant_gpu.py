@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrelay.kernels import quant
-from tests.kernels.quant_cases import check_int8, check_w4, check_w4_packed
+from tests.kernels.quant_cases import check_int8, check_w4, check_w4_packed, w4_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 # Llama-3-8B: qkv, o, gate|up, down (K, N)
@@ -53,6 +53,21 @@ def test_w4_repacked_act_order(dtype, rows):
     from kvrelay.kernels.triton import w4_fast
 
     check_w4_packed(w4_fast, "cuda", rows, 4096, 4096, 128, dtype, "gptq_act_order", bias=True)
+
+
+@pytest.mark.parametrize("split", [1, 4, 16])
+def test_w4_repacked_split_k_gives_the_same_bits_every_call(split):
+    # the splits' partial sums are added in a fixed order (kernels/triton/w4_fast.py), not by atomics;
+    # fp32 activations and outputs, so no rounding to bf16 could hide an order that changed
+    pytest.importorskip("triton")
+    from kvrelay.kernels.triton import w4_fast
+    from kvrelay.kernels.w4_repack import repack_w4
+
+    q, zeros, scales, _, x, _ = w4_case(16, 14336, 4096, 128, torch.float32, False, False)
+    packed = repack_w4(quant.pack_w4(q).cuda(), zeros.cuda(), scales.cuda(), 128)
+    first = w4_fast.w4_packed_linear(x.cuda(), packed, cfg=(16, 64, split))
+    for _ in range(5):
+        assert torch.equal(w4_fast.w4_packed_linear(x.cuda(), packed, cfg=(16, 64, split)), first)
 
 
 @pytest.mark.parametrize("k, n", SHAPES)

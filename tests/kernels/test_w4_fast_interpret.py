@@ -53,10 +53,31 @@ def test_dtypes_rows_and_ragged_outputs(dtype, rows):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("cfg", [(16, 16, 2), (16, 32, 3), (32, 16, 8)])
+@pytest.mark.parametrize("cfg", [(16, 16, 1), (16, 16, 2), (16, 32, 3), (32, 16, 8)])
 def test_split_k(source, cfg):
-    # the partial sums meet in an fp32 buffer; 3 splits of 8 tiles leave the last one short; the bias once
+    # one split stores the output itself; more store fp32 slots that a second launch sums; 3 splits of 8
+    # tiles leave the last one short; the bias once
     check_w4_packed(kernel, "cpu", 3, 256, 40, 32, torch.bfloat16, source, bias=True, cfg=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_dtypes_and_bias(dtype, split, bias):
+    check_w4_packed(kernel, "cpu", 2, 256, 40, 64, dtype, "w4_act_order", bias=bias, cfg=(16, 32, split))
+
+
+def test_split_k_scratch_needs_no_zeroing(monkeypatch):
+    # the split slots come unzeroed from torch.empty: poisoned with NaN here, any slot the kernel left
+    # unwritten would reach the output
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    check_w4_packed(kernel, "cpu", 3, 256, 40, 32, torch.bfloat16, "awq", bias=True, cfg=(16, 16, 3))
 
 
 def test_a_gptq_act_order_layer_sorted_once_loaded():

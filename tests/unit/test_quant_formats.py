@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from kvrelay.kernels import quant as kq
+from kvrelay.kernels import w4_repack
+from kvrelay.kernels.w4_repack import act_order_perm
 from kvrelay.shared.engine.quant import config as qc
 from kvrelay.shared.engine.quant import formats
+from kvrelay.shared.engine.quant import linear as quant_linear
 from kvrelay.shared.engine.quant.config import QuantConfig
 from kvrelay.shared.engine.quant.linear import W4Linear
 
@@ -107,6 +110,27 @@ def test_gptq_layout_round_trip(act_order):
     layer.finish_loading(mapped=False)  # act-order: rows sorted into whole groups, for the repacked kernel
     assert layer.packed() is not None and (layer.perm is not None) == act_order
     torch.testing.assert_close(layer.dequantize(), expected, rtol=0, atol=0)
+
+
+def test_gptq_act_order_derives_its_order_once_and_sorts_as_repack_w4_does(monkeypatch):
+    k, n, group = 128, 40, 32
+    q, z, s = _random_w4(k, n, group, seed=11)
+    g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(2)) // group).to(torch.int32)
+    layer = W4Linear(k, n, False, torch.float32, QuantConfig("gptq", True, group, desc_act=True))
+    _load(layer, {"qweight": gptq_pack_rows_reference(q), "qzeros": gptq_pack_zeros_reference(z), "scales": s,
+                  "g_idx": g_idx})
+    expected = w4_repack.repack_w4(layer.qweight.clone(), layer.qzeros, layer.scales, group, g_idx)
+    derived = []
+
+    def counted(*args):
+        derived.append(args)
+        return act_order_perm(*args)
+
+    monkeypatch.setattr(w4_repack, "act_order_perm", counted)
+    monkeypatch.setattr(quant_linear, "act_order_perm", counted)
+    layer.finish_loading(mapped=False)
+    assert len(derived) == 1  # an argsort of K inputs, and its check, per layer at load
+    assert torch.equal(layer.qweight, expected.qweight) and torch.equal(layer.perm, expected.perm)
 
 
 def test_gptq_act_order_mapped_from_an_arena_derives_the_same_order_and_writes_nothing():

@@ -21,7 +21,14 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.kernels.quant import dequantize_w4, quantize_channel
-from kvrelay.kernels.w4_repack import W4Packed, act_order_perm, dequantize_packed, interleave_w4, repack_w4, tile_k_for
+from kvrelay.kernels.w4_repack import (
+    W4Packed,
+    act_order_perm,
+    dequantize_packed,
+    interleave_w4,
+    sort_and_interleave,
+    tile_k_for,
+)
 from kvrelay.shared.engine.quant import formats
 from kvrelay.shared.engine.quant.config import W4_METHODS, QuantConfig
 
@@ -168,9 +175,8 @@ class W4Linear(QuantLinear):
             perm = act_order_perm(self.g_idx, self.quant.group_size)
         except ValueError:  # g_idx scatters a group: the plain layout's kernel reads it as it is
             return
-        if not mapped:
-            packed = repack_w4(self.qweight, self.qzeros, self.scales, self.quant.group_size, self.g_idx, tile_k)
-            self.qweight.copy_(packed.qweight)
+        if not mapped:  # sorted, row i is in group i // G: the zero points and scales stay where they are
+            self.qweight.copy_(sort_and_interleave(self.qweight, perm, tile_k))
         self.perm, self.tile_k = perm, tile_k
 
     def packed(self) -> W4Packed | None:
