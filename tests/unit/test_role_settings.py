@@ -1,0 +1,120 @@
+"""A worker setting only some roles read (``setting(roles=...)``, shared/config/role_settings.py) is applied by
+those roles and rejected by the others, never accepted and ignored: on a worker's command line its flag is one
+line naming it (exit 2, before anything loads), a config handed over with a value for it is refused, and
+``kvrelay serve`` gives each worker only what its role reads, refusing a value no process it starts reads."""
+
+import io
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from kvrelay.cli import build_parser, main
+from kvrelay.cli_args import SERVE_WORKER_FLAGS, WORKER_FLAGS
+from kvrelay.serve_plan import models_to_serve, plan
+from kvrelay.shared.config import handover, role_settings
+from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.engine import EngineConfig, ModelConfig
+from kvrelay.shared.config.worker import WorkerConfig
+
+ROLED = [f for f in WORKER_FLAGS if role_settings.roles_of(f.info)]
+TINY = ["--model", "dummy:tiny-llama", "--device", "cpu"]
+
+
+def _argv(flag) -> list[str]:
+    """The flag with a value other than its default."""
+    if flag.info.annotation is bool:
+        return [flag.option if not flag.default else "--no-" + flag.option[2:]]
+    return [flag.option, "7"]
+
+
+def test_the_settings_that_only_some_roles_read():
+    assert {f.option: role_settings.roles_of(f.info) for f in ROLED} == {
+        "--encrypt-kv-frames": ("decode",), "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
+        "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill",),
+        "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
+        "--reclaim-idle-ms": ("prefill", "unified")}
+
+
+@pytest.mark.parametrize("role,flag", [(r, f) for f in ROLED for r in role_settings.ROLES
+                                       if not role_settings.reads(f.info, r)],
+                         ids=lambda x: getattr(x, "option", x))
+def test_a_role_that_does_not_read_a_setting_rejects_its_flag_in_one_line(capsys, role, flag):
+    with pytest.raises(SystemExit) as exc:
+        main([f"{role}-worker", *TINY, *_argv(flag)])
+    assert exc.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (f"kvrelay {role}-worker: error: argument {_argv(flag)[0]}: "
+                    f"{role_settings.who_reads(role_settings.roles_of(flag.info))} (this is a {role} worker)")
+
+
+def test_the_brief_cases_read_as_said(capsys):
+    for argv, said in ((["unified-worker", "--handoff-timeout", "5"],
+                        "argument --handoff-timeout: only the prefill and decode workers use it"),
+                       (["decode-worker", "--stalled-step-timeout-s", "5"],
+                        "argument --stalled-step-timeout-s: only the prefill worker uses it"),
+                       (["prefill-worker", "--kv-frames-port", "5601"],
+                        "argument --kv-frames-port: only the decode worker uses it")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role,flag", [(r, f) for f in ROLED for r in role_settings.roles_of(f.info)],
+                         ids=lambda x: getattr(x, "option", x))
+def test_a_role_that_reads_a_setting_takes_its_flag(capsys, role, flag):
+    assert main([f"{role}-worker", *TINY, *_argv(flag), "--print-config"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config[flag.path[-1]] == (not flag.default if flag.info.annotation is bool else 7)
+
+
+def test_a_config_with_a_value_its_role_does_not_read_is_refused():
+    engine = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy"), device="cpu")
+    with pytest.raises(ValidationError, match="argument --handoff-timeout: only the prefill and decode workers"):
+        WorkerConfig("unified", engine, handoff_timeout_s=3.0)
+    sent = handover.encode(WorkerConfig("prefill", engine, stalled_step_timeout_s=5.0)).decode()
+    with pytest.raises(ConfigError) as exc:
+        handover.receive(WorkerConfig, io.StringIO(sent.replace('"role":"prefill"', '"role":"decode"')))
+    assert str(exc.value) == ("config from the parent: argument --stalled-step-timeout-s: only the prefill worker "
+                              "uses it (this is a decode worker)")
+    assert WorkerConfig("decode", engine, handoff_timeout_s=3.0).handoff_timeout_s == 3.0
+
+
+def _plan(argv: list[str]) -> dict:
+    args = build_parser().parse_args(["serve", *TINY, *argv])
+    return {c.command: c for c in plan(args, models_to_serve(args), "redis://127.0.0.1:6379/0")}
+
+
+def test_serve_gives_each_worker_only_the_settings_its_role_reads():
+    argv = [a for f in ROLED for a in _argv(f)]
+    children = _plan(argv)
+    for command in ("prefill-worker", "decode-worker"):
+        config, role = children[command].config, command.removesuffix("-worker")
+        for flag in ROLED:
+            want = (not flag.default if flag.info.annotation is bool else 7) if role_settings.reads(flag.info, role) \
+                else flag.default
+            assert getattr(config, flag.path[-1]) == want, (command, flag.option)
+        # what the child receives is its config whole, checked again on arrival
+        assert handover.receive(WorkerConfig, io.StringIO(handover.encode(config).decode())) == config
+    assert children["gateway"].config.stalled_step_timeout_s == 7
+
+
+@pytest.mark.parametrize("flag", [f for f in SERVE_WORKER_FLAGS if role_settings.roles_of(f.info)
+                                  and not role_settings.reads(f.info, "unified")
+                                  and f.option != "--stalled-step-timeout-s"],  # the gateway reads it
+                         ids=lambda f: f.option)
+def test_serve_refuses_a_setting_no_process_it_starts_reads(flag):
+    with pytest.raises(ConfigError) as exc:
+        _plan(["--mode", "unified", *_argv(flag)])
+    assert str(exc.value) == (f"argument {flag.option}: {role_settings.who_reads(role_settings.roles_of(flag.info))} "
+                              "(--mode unified starts none)")
+
+
+def test_serve_unified_takes_the_stalled_step_timeout_for_its_gateway():
+    children = _plan(["--mode", "unified", "--stalled-step-timeout-s", "5", "--reclaim-idle-ms", "9"])
+    assert children["gateway"].config.stalled_step_timeout_s == 5
+    unified = children["unified-worker"].config
+    assert unified.stalled_step_timeout_s == 60.0 and unified.reclaim_idle_ms == 9
+    for command, child in children.items():
+        if command != "gateway":
+            assert handover.receive(WorkerConfig, io.StringIO(handover.encode(child.config).decode())) == child.config
