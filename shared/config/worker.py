@@ -43,10 +43,13 @@ class WorkerConfig:
     engine: EngineConfig  # the engine flags every model gets; with --model, also the first model
     redis_url: RedisUrl = common.redis_url()
     model_name: str = ""  # the name clients use (served_model_name) of ``engine``'s model; "" for none
-    host: str = setting("127.0.0.1", "ZMQ bind address (loopback unless configured)")
-    port: Port = setting(0, "ZMQ port (0: ephemeral)")
-    advertise_host: str | None = setting(None, "the address peers dial to reach this worker (default: --host); "
-                                         "set it when --host is a wildcard, e.g. to the pod IP or service name")
+    host: str = setting("127.0.0.1", "bind address of the decode worker's ZMQ sockets and of every worker's "
+                        "/metrics (loopback unless configured)")
+    # prefill and unified workers bind no ZMQ socket: a prefill worker dials decode workers, nothing dials it
+    port: Port = setting(0, "decode: ZMQ port of KV handoffs (0: ephemeral)", roles=DECODE)
+    advertise_host: str | None = setting(None, "decode: the address prefill workers dial to reach this worker "
+                                         "(default: --host); set it when --host is a wildcard, e.g. to the pod IP "
+                                         "or service name", roles=DECODE)
     zmq_secret_file: str | None = common.zmq_secret_file()
     insecure_zmq: bool = common.insecure_zmq()
     zmq_secret: str | None = common.zmq_secret()

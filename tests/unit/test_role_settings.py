@@ -18,19 +18,26 @@ from kvrelay.shared.config.engine import EngineConfig, ModelConfig
 from kvrelay.shared.config.worker import WorkerConfig
 
 ROLED = [f for f in WORKER_FLAGS if role_settings.roles_of(f.info)]
+SERVE_ROLED = [f for f in SERVE_WORKER_FLAGS if role_settings.roles_of(f.info)]  # --worker-port, ...
 TINY = ["--model", "dummy:tiny-llama", "--device", "cpu"]
 
 
-def _argv(flag) -> list[str]:
-    """The flag with a value other than its default."""
+def _value(flag):
+    """A value other than the flag's default."""
     if flag.info.annotation is bool:
-        return [flag.option if not flag.default else "--no-" + flag.option[2:]]
-    return [flag.option, "7"]
+        return not flag.default
+    return "host-7" if flag.path[-1] == "advertise_host" else 7
+
+
+def _argv(flag) -> list[str]:
+    if flag.info.annotation is bool:
+        return [flag.option if _value(flag) else "--no-" + flag.option[2:]]
+    return [flag.option, str(_value(flag))]
 
 
 def test_the_settings_that_only_some_roles_read():
     assert {f.option: role_settings.roles_of(f.info) for f in ROLED} == {
-        "--encrypt-kv-frames": ("decode",), "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
+        "--port": ("decode",), "--advertise-host": ("decode",), "--encrypt-kv-frames": ("decode",), "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
         "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill",),
         "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
         "--reclaim-idle-ms": ("prefill", "unified")}
@@ -65,7 +72,7 @@ def test_the_brief_cases_read_as_said(capsys):
 def test_a_role_that_reads_a_setting_takes_its_flag(capsys, role, flag):
     assert main([f"{role}-worker", *TINY, *_argv(flag), "--print-config"]) == 0
     config = json.loads(capsys.readouterr().out)
-    assert config[flag.path[-1]] == (not flag.default if flag.info.annotation is bool else 7)
+    assert config[flag.path[-1]] == _value(flag)
 
 
 def test_a_config_with_a_value_its_role_does_not_read_is_refused():
@@ -86,21 +93,19 @@ def _plan(argv: list[str]) -> dict:
 
 
 def test_serve_gives_each_worker_only_the_settings_its_role_reads():
-    argv = [a for f in ROLED for a in _argv(f)]
-    children = _plan(argv)
-    for command in ("prefill-worker", "decode-worker"):
+    children = _plan([a for f in SERVE_ROLED for a in _argv(f)])
+    for i, command in enumerate(("prefill-worker", "decode-worker")):
         config, role = children[command].config, command.removesuffix("-worker")
-        for flag in ROLED:
-            want = (not flag.default if flag.info.annotation is bool else 7) if role_settings.reads(flag.info, role) \
-                else flag.default
-            assert getattr(config, flag.path[-1]) == want, (command, flag.option)
+        for flag in SERVE_ROLED:
+            want = _value(flag) + i if flag.option == "--worker-port" else _value(flag)  # one port per worker
+            got = getattr(config, flag.path[-1])
+            assert got == (want if role_settings.reads(flag.info, role) else flag.default), (command, flag.option)
         # what the child receives is its config whole, checked again on arrival
         assert handover.receive(WorkerConfig, io.StringIO(handover.encode(config).decode())) == config
     assert children["gateway"].config.stalled_step_timeout_s == 7
 
 
-@pytest.mark.parametrize("flag", [f for f in SERVE_WORKER_FLAGS if role_settings.roles_of(f.info)
-                                  and not role_settings.reads(f.info, "unified")
+@pytest.mark.parametrize("flag", [f for f in SERVE_ROLED if not role_settings.reads(f.info, "unified")
                                   and f.option != "--stalled-step-timeout-s"],  # the gateway reads it
                          ids=lambda f: f.option)
 def test_serve_refuses_a_setting_no_process_it_starts_reads(flag):
