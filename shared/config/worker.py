@@ -70,7 +70,8 @@ class WorkerConfig:
                                        "handoff (a full decode batch makes it wait, not fail); on a decode worker, "
                                        "how long a grant's blocks wait for their KV", flag="--handoff-timeout",
                                        gt=0, roles=("prefill", "decode"))
-    stalled_step_timeout_s: float = common.stalled_step_timeout(roles=PREFILL)  # which decode workers get KV
+    # a prefill worker's: which decode workers it hands KV to; a job reader's: which peers' unread jobs it takes
+    stalled_step_timeout_s: float = common.stalled_step_timeout(roles=JOB_READERS)
     stream_kv_layers: bool = setting(True, "prefill workers ask decode workers for blocks just before a prompt's "
                                      "last chunk and send its KV layer by layer while that chunk computes (off: "
                                      "after the prefill)", flag="--kv-stream-layers", roles=PREFILL)

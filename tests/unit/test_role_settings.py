@@ -38,7 +38,7 @@ def _argv(flag) -> list[str]:
 def test_the_settings_that_only_some_roles_read():
     assert {f.option: role_settings.roles_of(f.info) for f in ROLED} == {
         "--port": ("decode",), "--advertise-host": ("decode",), "--encrypt-kv-frames": ("decode",), "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
-        "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill",),
+        "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill", "unified"),
         "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
         "--reclaim-idle-ms": ("prefill", "unified")}
 
@@ -59,7 +59,7 @@ def test_the_brief_cases_read_as_said(capsys):
     for argv, said in ((["unified-worker", "--handoff-timeout", "5"],
                         "argument --handoff-timeout: only the prefill and decode workers use it"),
                        (["decode-worker", "--stalled-step-timeout-s", "5"],
-                        "argument --stalled-step-timeout-s: only the prefill worker uses it"),
+                        "argument --stalled-step-timeout-s: only the prefill and unified workers use it"),
                        (["prefill-worker", "--kv-frames-port", "5601"],
                         "argument --kv-frames-port: only the decode worker uses it")):
         with pytest.raises(SystemExit):
@@ -82,8 +82,8 @@ def test_a_config_with_a_value_its_role_does_not_read_is_refused():
     sent = handover.encode(WorkerConfig("prefill", engine, stalled_step_timeout_s=5.0)).decode()
     with pytest.raises(ConfigError) as exc:
         handover.receive(WorkerConfig, io.StringIO(sent.replace('"role":"prefill"', '"role":"decode"')))
-    assert str(exc.value) == ("config from the parent: argument --stalled-step-timeout-s: only the prefill worker "
-                              "uses it (this is a decode worker)")
+    assert str(exc.value) == ("config from the parent: argument --stalled-step-timeout-s: only the prefill and "
+                              "unified workers use it (this is a decode worker)")
     assert WorkerConfig("decode", engine, handoff_timeout_s=3.0).handoff_timeout_s == 3.0
 
 
@@ -105,8 +105,7 @@ def test_serve_gives_each_worker_only_the_settings_its_role_reads():
     assert children["gateway"].config.stalled_step_timeout_s == 7
 
 
-@pytest.mark.parametrize("flag", [f for f in SERVE_ROLED if not role_settings.reads(f.info, "unified")
-                                  and f.option != "--stalled-step-timeout-s"],  # the gateway reads it
+@pytest.mark.parametrize("flag", [f for f in SERVE_ROLED if not role_settings.reads(f.info, "unified")],
                          ids=lambda f: f.option)
 def test_serve_refuses_a_setting_no_process_it_starts_reads(flag):
     with pytest.raises(ConfigError) as exc:
@@ -115,11 +114,11 @@ def test_serve_refuses_a_setting_no_process_it_starts_reads(flag):
                               "(--mode unified starts none)")
 
 
-def test_serve_unified_takes_the_stalled_step_timeout_for_its_gateway():
+def test_serve_unified_takes_the_job_readers_settings():
     children = _plan(["--mode", "unified", "--stalled-step-timeout-s", "5", "--reclaim-idle-ms", "9"])
     assert children["gateway"].config.stalled_step_timeout_s == 5
     unified = children["unified-worker"].config
-    assert unified.stalled_step_timeout_s == 60.0 and unified.reclaim_idle_ms == 9
+    assert unified.stalled_step_timeout_s == 5 and unified.reclaim_idle_ms == 9
     for command, child in children.items():
         if command != "gateway":
             assert handover.receive(WorkerConfig, io.StringIO(handover.encode(child.config).decode())) == child.config
