@@ -9,6 +9,7 @@ from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_WORKER_FLAGS, gateway_config_f
 from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.flags import given
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
@@ -98,11 +99,11 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
 
 
 def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
-    """A worker setting given a value that no process serve starts reads is an error, not ignored."""
+    """A worker setting that no process serve starts reads is an error where the command line gives it."""
     gateway = {f.dest for f in GATEWAY_FLAGS}
     for flag in SERVE_WORKER_FLAGS:
         read = flag.dest in gateway or any(role_settings.reads(flag.info, role) for role in roles)
-        if not read and getattr(args, flag.dest) != flag.default:
+        if not read and flag.dest in given(args):
             raise ConfigError(f"argument {flag.option}: {role_settings.who_reads(role_settings.roles_of(flag.info))} "
                               f"(--mode {args.mode} starts none)")
 

@@ -19,6 +19,29 @@ from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.declare import CONFIG, ConfigError
 from kvrelay.shared.wire.redis_conn import redact
 
+GIVEN = "given_flags"  # the namespace attribute holding the destinations of the flags a command line gave
+
+
+def given(args: argparse.Namespace) -> set[str]:
+    """The destinations of the flags the command line gave, a value equal to the default included."""
+    return getattr(args, GIVEN, set())
+
+
+class _Noted:
+    """An action that also notes its flag as given (``given``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        setattr(namespace, GIVEN, given(namespace) | {self.dest})
+
+
+class _Store(_Noted, argparse._StoreAction):
+    pass
+
+
+class _Switch(_Noted, argparse.BooleanOptionalAction):
+    pass
+
 
 class Parser(argparse.ArgumentParser):
     """argparse whose mistakes are one line (``kvrelay serve: error: argument --max-num-seqs: ...``)."""
@@ -86,7 +109,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
         kw: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.info.description}
         if flag.info.annotation is bool:
             kw["help"] += " (default: on)" if default else " (default: off)"
-            group.add_argument(flag.option, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag.option, action=_Switch, **kw)
             continue
         if flag.dest in (notes or {}):
             kw["help"] += f" ({notes[flag.dest]})"
@@ -94,9 +117,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
             kw["help"] += f" (default: {redact(str(default))})".replace("%", "%%")
         choices = _literal_choices(flag.info.annotation)
         if choices:
-            group.add_argument(flag.option, choices=choices, **kw)
+            group.add_argument(flag.option, action=_Store, choices=choices, **kw)
         else:
-            group.add_argument(flag.option, type=_checker(flag), **kw)
+            group.add_argument(flag.option, action=_Store, type=_checker(flag), **kw)
 
 
 def read(flags: Iterable[Flag], args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Worker settings that only some roles read (``setting(roles=...)``): applied by those roles, rejected by
 any other, never accepted and ignored. On a worker's command line such a flag is an error as it is parsed
 (``flags.add_flags(role=...)``); in a config built or handed over whole (kvrelay serve's, on stdin) a value
-other than the setting's default is; kvrelay serve hands each worker only the settings its role reads."""
+other than the setting's default is; kvrelay serve hands each worker only the settings its role reads and
+refuses one its command line gives that no process it starts reads (``flags.given``)."""
 
 from typing import Any
 
