@@ -38,7 +38,8 @@ def _argv(flag) -> list[str]:
 
 def test_the_settings_that_only_some_roles_read():
     assert {f.option: role_settings.roles_of(f.info) for f in ROLED} == {
-        "--port": ("decode",), "--advertise-host": ("decode",), "--encrypt-kv-frames": ("decode",), "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
+        "--port": ("decode",), "--advertise-host": ("decode",), "--encrypt-kv-frames": ("decode",),
+        "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
         "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill", "unified"),
         "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
         "--reclaim-idle-ms": ("prefill", "unified")}
@@ -56,7 +57,7 @@ def test_a_role_that_does_not_read_a_setting_rejects_its_flag_in_one_line(capsys
                     f"{role_settings.who_reads(role_settings.roles_of(flag.info))} (this is a {role} worker)")
 
 
-def test_the_brief_cases_read_as_said(capsys):
+def test_the_line_names_the_flag_and_the_roles_that_read_it(capsys):
     for argv, said in ((["unified-worker", "--handoff-timeout", "5"],
                         "argument --handoff-timeout: only the prefill and decode workers use it"),
                        (["decode-worker", "--stalled-step-timeout-s", "5"],
