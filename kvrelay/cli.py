@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "gateway":
             add_gateway_args(p)
         else:
-            add_worker_args(p)
+            add_worker_args(p, role)
         _add_print_config(p)
         p.add_argument(CONFIG_FROM_STDIN, action="store_true", help=argparse.SUPPRESS)
         p.set_defaults(func=_role)

@@ -34,8 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, ENGINE_FLAGS, TITLES)
 
 
-def add_worker_args(p: argparse.ArgumentParser) -> None:
-    add_flags(p, WORKER_FLAGS, TITLES)
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_flags(p, WORKER_FLAGS, TITLES, role=role)
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:

@@ -5,9 +5,11 @@ the child whole (shared/config/handover.py), so no flag is lost between serve an
 import argparse
 import dataclasses
 
-from kvrelay.cli_args import SERVE_WORKER_FLAGS, gateway_config_from_args, zmq_secret
+from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_WORKER_FLAGS, gateway_config_from_args, zmq_secret
 from kvrelay.serve_config import ServedModel, load_serve_config
+from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.flags import given
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.repo.model_source import resolve_model
@@ -68,6 +70,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
                       dataclasses.replace(gateway, zmq_port=gateway.zmq_port + i if gateway.zmq_port else 0))
                 for i in range(args.api_server_count)]
     commands = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
+    _check_read(args, [ROLE_OF[c] for c in commands])
     decode_sizes = _decode_sizes(args)
     decode_sm_percent = _decode_sm_percent(args)
     for i, command in enumerate(commands):
@@ -80,6 +83,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             "worker_port": args.worker_port + i if args.worker_port else 0,
             "worker_monitoring_port": None if args.worker_monitoring_port is None else args.worker_monitoring_port + i,
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
+        given |= _unread_defaults(ROLE_OF[command])
         if command == "decode-worker":
             given |= decode_sizes | {"gpu_sm_percent": decode_sm_percent}
         if not args.config:
@@ -92,6 +96,21 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))
     return children
+
+
+def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
+    """A worker setting that no process serve starts reads is an error where the command line gives it."""
+    gateway = {f.dest for f in GATEWAY_FLAGS}
+    for flag in SERVE_WORKER_FLAGS:
+        read = flag.dest in gateway or any(role_settings.reads(flag.info, role) for role in roles)
+        if not read and flag.dest in given(args):
+            raise ConfigError(f"argument {flag.option}: {role_settings.who_reads(role_settings.roles_of(flag.info))} "
+                              f"(--mode {args.mode} starts none)")
+
+
+def _unread_defaults(role: str) -> dict:
+    """The settings ``role`` does not read, at their defaults: its config holds no value it would ignore."""
+    return {f.dest: f.default for f in SERVE_WORKER_FLAGS if not role_settings.reads(f.info, role)}
 
 
 def _decode_sm_percent(args: argparse.Namespace) -> int:

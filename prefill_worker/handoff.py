@@ -14,10 +14,10 @@ worker runs the job again instead of failing it after the handoff timeout. Gone 
 than a registration takes to come back after Redis lost it (GONE_AFTER_S).
 
 A decode worker whose heartbeat says its engine loop has been in one step past ``--stalled-step-timeout-s``
-(shared/wire/step_stall.py) is not asked, as the gateway routes it no job: it would read the ask only once it
-steps again, and the transfer would wait out the handoff timeout on it before asking another. With only stalled
-ones serving the model none is asked either: that is the "no decode worker" case, handled as when the only one
-is being replaced, since a stall may end (a long step) as a restart does. The prefill keeps its KV and looks
+(shared/wire/step_stall.py) is not asked (logged once when its stall begins and once when it steps again, never
+per request), as the gateway routes it no job: it would read the ask only once it steps again, and the transfer
+would wait out the handoff timeout on it before asking another. With only stalled ones serving the model none
+is asked either: that is the "no decode worker" case, handled as when the only one is being replaced, since a stall may end (a long step) as a restart does. The prefill keeps its KV and looks
 again each round (0.2 s, doubling up to 2 s), so a worker that steps again, or a new one, is asked within a
 round of its heartbeat saying so; at the handoff timeout, when an ask to a stalled one would have ended too,
 the transfer fails with a reason naming the stalled workers. Asking a stalled one instead would spend that
@@ -68,6 +68,7 @@ class HandoffManager(HandoffSender):
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
         self._missing: dict[str, float] = {}  # decode worker address -> since when it is not registered
+        self._stalled: set[str] = set()  # decode workers skipped as stalled, as of the last read
 
     def start_early(self, job: Job, entry_id: bytes) -> Transfer:
         """Ask for a grant before the prompt is prefilled, so its KV can stream during the last chunk."""
@@ -121,10 +122,24 @@ class HandoffManager(HandoffSender):
             try:
                 self._workers = self._list_workers()
                 self.retain_peers({w.zmq_addr for w in self._workers})
+                self._note_stalls()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Redis unreachable: the last list still names who was alive, and a dead one refuses
                 # or stays silent like any other; the prefill step goes on.
                 self._health.failed(exc)
+
+    def _note_stalls(self) -> None:
+        """Logged once per stall, at the read that shows it begin and at the one that shows the worker step
+        again; never per request."""
+        decode = [w for w in self._workers if w.role == "decode"]
+        ages = {w.worker_id: w.step_age_s for w in decode if stalled(w, self.stalled_step_timeout_s)}
+        for worker_id in sorted(ages.keys() - self._stalled):
+            log.warning("decode worker %r is stalled (%s): no KV is handed to it until it steps again", worker_id,
+                        why_stalled(ages[worker_id], self.stalled_step_timeout_s))
+        live = {w.worker_id for w in decode}
+        for worker_id in sorted((self._stalled - ages.keys()) & live):  # one that left is not asked either way
+            log.info("decode worker %r steps again: KV is handed to it again", worker_id)
+        self._stalled = set(ages)
 
     def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
         self._refresh()

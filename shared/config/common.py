@@ -27,14 +27,14 @@ def drain_timeout() -> Any:
                    "before the rest are handed back or ended", flag="--drain-timeout", shared=True, ge=0)
 
 
-def stalled_step_timeout() -> Any:
+def stalled_step_timeout(roles: tuple[str, ...] = ()) -> Any:
     # a worker's heartbeat does not wait for its steps (shared/worker/registration.py): a live record is no proof
     # that its engine loop steps. Under the workers' --step-timeout (120 s), which ends a stuck worker
     return setting(STALLED_STEP_TIMEOUT_S, "seconds a worker's engine loop may be in one step (as its heartbeat "
                    "says) before it counts as stalled (shared/wire/step_stall.py): the gateway routes no new job to "
                    "it (with no other worker for a model, its requests get 503 + Retry-After) and prefill workers "
                    "hand it no KV. Generous: a first step's Triton compile or a long prefill is legit (0: never)",
-                   shared=True, ge=0)
+                   shared=True, roles=roles, ge=0)
 
 
 def model_repo() -> Any:

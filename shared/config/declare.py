@@ -92,12 +92,15 @@ class ConfigError(ValueError):
 
 
 def setting(default: Any = PydanticUndefined, help: str = "", *, flag: str | None = None, shared: bool = False,
-            secret: bool = False, env: str | None = None, default_factory=None, **constraints) -> Any:
+            secret: bool = False, env: str | None = None, roles: tuple[str, ...] = (), default_factory=None,
+            **constraints) -> Any:
     """A config field with a flag. ``flag`` overrides the generated ``--field-name``; ``shared`` marks a setting
     two roles have with the same meaning, which ``kvrelay serve`` takes once for both; ``secret`` is masked
-    when printed; ``env`` names an environment variable that gives the flag's default. A field declared
-    without ``setting`` has no flag: its launcher derives it (the model's name, the role) or it is internal."""
-    extra = {"flag": flag, "shared": shared, "secret": secret, "env": env}
+    when printed; ``env`` names an environment variable that gives the flag's default; ``roles`` names the
+    worker roles that read a worker setting (empty: every role), and any other role rejects it
+    (shared/config/role_settings.py). A field declared without ``setting`` has no flag: its launcher derives
+    it (the model's name, the role) or it is internal."""
+    extra = {"flag": flag, "shared": shared, "secret": secret, "env": env, "roles": list(roles)}
     if default_factory is not None:
         return Field(default_factory=default_factory, description=help, json_schema_extra=extra,
                      repr=not secret, **constraints)

@@ -15,8 +15,32 @@ from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.declare import CONFIG, ConfigError
 from kvrelay.shared.wire.redis_conn import redact
+
+GIVEN = "given_flags"  # the namespace attribute holding the destinations of the flags a command line gave
+
+
+def given(args: argparse.Namespace) -> set[str]:
+    """The destinations of the flags the command line gave, a value equal to the default included."""
+    return getattr(args, GIVEN, set())
+
+
+class _Noted:
+    """An action that also notes its flag as given (``given``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        setattr(namespace, GIVEN, given(namespace) | {self.dest})
+
+
+class _Store(_Noted, argparse._StoreAction):
+    pass
+
+
+class _Switch(_Noted, argparse.BooleanOptionalAction):
+    pass
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,12 +87,17 @@ def flags_of(cls: type, rename: Mapping[str, str] | None = None, _path: tuple[st
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Mapping[str, str],
-              defaults: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None) -> None:
+              defaults: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None,
+              role: str | None = None) -> None:
     """Adds each flag to its group (``titles``: group -> title shown by --help); a flag already present
     with the same destination is a shared setting and stays as it is. ``defaults`` and ``notes`` (said in
-    the help) are per destination, for a launcher whose default differs (kvrelay serve's Redis)."""
+    the help) are per destination, for a launcher whose default differs (kvrelay serve's Redis). ``role``:
+    a worker role's command line, where a flag of a setting that role does not read is an error."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in flags:
+        if role is not None and not role_settings.reads(flag.info, role):
+            _add_rejected(parser, flag, role)
+            continue
         if flag.option in parser._option_string_actions:
             if parser._option_string_actions[flag.option].dest != flag.dest or not flag.meta("shared"):
                 raise ValueError(f"{flag.option} is declared twice with different meanings")
@@ -80,7 +109,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
         kw: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.info.description}
         if flag.info.annotation is bool:
             kw["help"] += " (default: on)" if default else " (default: off)"
-            group.add_argument(flag.option, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag.option, action=_Switch, **kw)
             continue
         if flag.dest in (notes or {}):
             kw["help"] += f" ({notes[flag.dest]})"
@@ -88,9 +117,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
             kw["help"] += f" (default: {redact(str(default))})".replace("%", "%%")
         choices = _literal_choices(flag.info.annotation)
         if choices:
-            group.add_argument(flag.option, choices=choices, **kw)
+            group.add_argument(flag.option, action=_Store, choices=choices, **kw)
         else:
-            group.add_argument(flag.option, type=_checker(flag), **kw)
+            group.add_argument(flag.option, action=_Store, type=_checker(flag), **kw)
 
 
 def read(flags: Iterable[Flag], args: argparse.Namespace) -> dict[str, Any]:
@@ -123,6 +152,19 @@ def flag_error(exc: ValidationError, flags: Iterable[Flag]) -> ConfigError:
     where = next((f"argument {f.option}" for f in flags if loc[:len(f.path)] == f.path), ".".join(loc))
     message = err["msg"].removeprefix("Value error, ")
     return ConfigError(f"{where}: {message}" if where else message)
+
+
+def _add_rejected(parser: argparse.ArgumentParser, flag: Flag, role: str) -> None:
+    """The flag (and its --no- form) as an error naming it, not in --help; its setting keeps its default."""
+    why = role_settings.who_reads(role_settings.roles_of(flag.info))
+
+    class Rejected(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"argument {option_string}: {why} (this is a {role} worker)")
+
+    options = [flag.option] + (["--no-" + flag.option[2:]] if flag.info.annotation is bool else [])
+    parser.add_argument(*options, action=Rejected, nargs="?", dest=flag.dest, default=flag.default,
+                        help=argparse.SUPPRESS)
 
 
 def _literal_choices(annotation: Any) -> list[str] | None:

@@ -33,7 +33,9 @@ def receive(cls: type, stream: IO[str] | None = None) -> Any:
         return TypeAdapter(cls).validate_json(text, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(f"config from the parent: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        where = ".".join(map(str, err["loc"]))  # none for a check of the whole config (role_settings.check)
+        message = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"config from the parent: {where + ': ' if where else ''}{message}") from None
 
 
 def printable(config: Any) -> str:

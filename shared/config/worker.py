@@ -9,13 +9,16 @@ from typing import Literal
 
 from pydantic.dataclasses import dataclass
 
-from kvrelay.shared.config import common
+from kvrelay.shared.config import common, role_settings
 from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec
 
 MIN_RESIDENCY_S = 15.0
+# the roles that read a setting, where not every role does (shared/config/role_settings.py)
+PREFILL, DECODE = ("prefill",), ("decode",)
+JOB_READERS = ("prefill", "unified")  # those that read jobs from the model's stream
 
 
 def _worker_id() -> str:
@@ -40,10 +43,13 @@ class WorkerConfig:
     engine: EngineConfig  # the engine flags every model gets; with --model, also the first model
     redis_url: RedisUrl = common.redis_url()
     model_name: str = ""  # the name clients use (served_model_name) of ``engine``'s model; "" for none
-    host: str = setting("127.0.0.1", "ZMQ bind address (loopback unless configured)")
-    port: Port = setting(0, "ZMQ port (0: ephemeral)")
-    advertise_host: str | None = setting(None, "the address peers dial to reach this worker (default: --host); "
-                                         "set it when --host is a wildcard, e.g. to the pod IP or service name")
+    host: str = setting("127.0.0.1", "bind address of the decode worker's ZMQ sockets and of every worker's "
+                        "/metrics (loopback unless configured)")
+    # prefill and unified workers bind no ZMQ socket: a prefill worker dials decode workers, nothing dials it
+    port: Port = setting(0, "decode: ZMQ port of KV handoffs (0: ephemeral)", roles=DECODE)
+    advertise_host: str | None = setting(None, "decode: the address prefill workers dial to reach this worker "
+                                         "(default: --host); set it when --host is a wildcard, e.g. to the pod IP "
+                                         "or service name", roles=DECODE)
     zmq_secret_file: str | None = common.zmq_secret_file()
     insecure_zmq: bool = common.insecure_zmq()
     zmq_secret: str | None = common.zmq_secret()
@@ -51,26 +57,28 @@ class WorkerConfig:
         False, "decode: host-staged KV frames come encrypted on the CURVE socket (for networks between hosts that "
         "are not trusted; ~1/3 the unencrypted speed on a 16-core host: one core a socket); off, they come on a "
         "plain socket of their own, each frame MAC'd under its grant's fresh key (authenticated, not secret). "
-        "Under --insecure-zmq frames come on the one socket, CRC-checked, either way")
+        "Under --insecure-zmq frames come on the one socket, CRC-checked, either way", roles=DECODE)
     kv_frames_port: Port = setting(0, "decode: TCP port of that plain socket for MAC'd KV frames (0: ephemeral; "
-                                   "unused with --encrypt-kv-frames or --insecure-zmq)")
+                                   "unused with --encrypt-kv-frames or --insecure-zmq)", roles=DECODE)
     max_handoffs_per_peer: int | None = setting(
         None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
         "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",
-        ge=1)
+        ge=1, roles=DECODE)
     worker_id: str = setting(help="this worker's name in Redis (default: host-pid-random)", default_factory=_worker_id)
     model_path: str = ""  # directory with the tokenizer, published for gateways
     handoff_timeout_s: float = setting(10.0, "seconds a prefill worker waits for a decode worker to take a KV "
-                                       "handoff (a full decode batch makes it wait, not fail)",
-                                       flag="--handoff-timeout", gt=0)
-    stalled_step_timeout_s: float = common.stalled_step_timeout()  # prefill: which decode workers it hands KV to
+                                       "handoff (a full decode batch makes it wait, not fail); on a decode worker, "
+                                       "how long a grant's blocks wait for their KV", flag="--handoff-timeout",
+                                       gt=0, roles=("prefill", "decode"))
+    # a prefill worker's: which decode workers it hands KV to; a job reader's: which peers' unread jobs it takes
+    stalled_step_timeout_s: float = common.stalled_step_timeout(roles=JOB_READERS)
     stream_kv_layers: bool = setting(True, "prefill workers ask decode workers for blocks just before a prompt's "
                                      "last chunk and send its KV layer by layer while that chunk computes (off: "
-                                     "after the prefill)", flag="--kv-stream-layers")
+                                     "after the prefill)", flag="--kv-stream-layers", roles=PREFILL)
     max_deliveries: int = setting(keys.MAX_DELIVERIES, "deliveries of a job before it goes to the dead-letter "
-                                  "stream", ge=1)
+                                  "stream", ge=1, roles=JOB_READERS)
     reclaim_idle_ms: int = setting(15_000, "a pending job idle this long belongs to a dead prefill worker and is "
-                                   "claimed", ge=1)
+                                   "claimed", ge=1, roles=JOB_READERS)
     # the heartbeat does not wait for steps, so this is the one bound on how long a stuck worker keeps its
     # requests (shared/worker/stall_watch.py)
     step_timeout_s: float = setting(
@@ -121,6 +129,9 @@ class WorkerConfig:
     # load of it, at startup or later, is its own rank group of that size; other models take ``engine``'s
     parallel_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
+
+    def __post_init__(self) -> None:
+        role_settings.check(self)
 
     def startup_models(self) -> list[StartupModel]:
         first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []

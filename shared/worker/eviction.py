@@ -27,6 +27,7 @@ The rule (``choose_victims``, a pure function; shared/worker/model_host.py appli
 """
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvrelay.shared.config.worker import MIN_RESIDENCY_S
@@ -34,6 +35,12 @@ from kvrelay.shared.config.worker import MIN_RESIDENCY_S
 DEMAND_HALF_LIFE_S = 10.0  # long enough to see a Zipf tail's steady rate, short enough to follow a shift
 RESIDENCY_RELOADS = 5
 THRASH_MARGIN = 2.0
+# A load requests wait for, with no room yet, waits for some before it is refused: a busy model passing its
+# minimum residency and then its demand falling under the load's, or an idle one's queue emptying. So twice the
+# longest residency a hosted model may keep against it (as long again for the demands to cross), never less
+# than ROOM_WAIT_MIN_S (the default residency's twice).
+ROOM_WAIT_RESIDENCIES = 2.0
+ROOM_WAIT_MIN_S = 30.0
 
 _DECAY = math.log(2) / DEMAND_HALF_LIFE_S
 
@@ -61,6 +68,13 @@ def waiting_demand(waiting: int) -> float:
 
 def min_residency_s(reload_s: float, floor_s: float = MIN_RESIDENCY_S) -> float:
     return max(floor_s, RESIDENCY_RELOADS * reload_s)
+
+
+def room_wait_s(reloads_s: Iterable[float], floor_s: float = MIN_RESIDENCY_S) -> float:
+    """How long a load requests wait for may wait for room, the hosted models reloading in ``reloads_s``
+    seconds each and ``floor_s`` the worker's --min-residency-s."""
+    longest = max((min_residency_s(r, floor_s) for r in reloads_s), default=floor_s)
+    return max(ROOM_WAIT_MIN_S, ROOM_WAIT_RESIDENCIES * longest)
 
 
 @dataclass(frozen=True)

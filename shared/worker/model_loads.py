@@ -2,8 +2,9 @@
 made for it (shared/worker/load_room.py), then a thread that verifies the manifest checksums and builds the
 EngineCore while the co-resident models keep serving; READY once warmed up, or "failed" with its error.
 
-A load requests wait for, with no room yet, waits up to ROOM_WAIT_S for some; a load that evicted busy
-models waits for their drain (up to drain_timeout_s) before its build starts.
+A load requests wait for, with no room yet, waits for some as long as the hosted models' minimum residency
+may keep it (eviction.room_wait_s); a load that evicted busy models waits for their drain (up to
+drain_timeout_s) before its build starts.
 """
 
 import contextlib
@@ -27,7 +28,7 @@ from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult
 from kvrelay.shared.worker import gpu_share
-from kvrelay.shared.worker.eviction import DemandRate
+from kvrelay.shared.worker.eviction import DemandRate, room_wait_s
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 from kvrelay.shared.worker.model_memory import plan_weight_bytes
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
@@ -35,10 +36,6 @@ from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
 
 log = logging.getLogger(__name__)
-
-# A load requests wait for, with no room yet, waits this long for some (a busy model passing its minimum
-# residency, or an idle one its queue has emptied, eviction.py) before it is refused: twice the shortest residency.
-ROOM_WAIT_S = 30.0
 
 
 @dataclass
@@ -73,6 +70,7 @@ class ModelLoads:
     skip_warmup: bool
     shared: SharedWeights | None
     drain_timeout_s: float
+    min_residency_s: float
     slots: dict[str, ModelSlot]
     loading: dict[str, Loading]
     failed: dict[str, tuple[str, str, int, float]]
@@ -203,8 +201,9 @@ class ModelLoads:
         except (RepositoryError, ValueError, OSError) as exc:
             self.failed[inst] = (str(exc), cmd.name, cmd.version, time.time())
             return self._answer(cmd, False, str(exc), time.perf_counter() - t0)
+        wait_s = room_wait_s((s.load_s for s in self.slots.values()), self.min_residency_s) if cmd.waiting > 0 else 0.0
         ld = Loading(plan, [cmd.command_id], time.perf_counter(), command=cmd, waiting=cmd.waiting,
-                      wait_until=time.monotonic() + (ROOM_WAIT_S if cmd.waiting > 0 else 0.0))
+                     wait_until=time.monotonic() + wait_s)
         self.loading[inst] = ld  # first: once room is made its weights count (weights_used, the KV cap)
         self._advance(ld)
         if ld.failed and ld.thread is None and not ld.after:  # no room, and none to wait for: refused now

@@ -82,7 +82,8 @@ def test_a_disconnect_storm_stops_the_work_and_leaves_every_worker_idle(tiny_mod
         roles = [("prefill", "p1"), ("decode", "d1")] if mode == "disaggregated" else [("unified", "u1")]
         ports = {name: free_port() for _, name in roles}
         for role, name in roles:
-            c.start_worker(role, name, ["--monitoring-port", str(ports[name]), *NO_RECLAIM])
+            # the decode worker reads no jobs: it rejects --reclaim-idle-ms
+            c.start_worker(role, name, ["--monitoring-port", str(ports[name]), *(NO_RECLAIM if role != "decode" else [])])
         c.start_gateway()
         try:
             c.wait_ready()

@@ -83,9 +83,10 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_completes(role, k
     try:
         with Served(argv, tmp_path / "serve.log") as served:
             # a decode peer with more KV blocks than serve's is the one prefill workers hand KV to first
-            more = ["--num-gpu-blocks-override", "16384"] if role == "decode" else []
-            cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--reclaim-idle-ms", str(RECLAIM_MS),
-                                              "--step-timeout", "0", "--monitoring-port", "0", *more])
+            # (the decode worker reads no jobs: it rejects --reclaim-idle-ms)
+            more = ["--num-gpu-blocks-override", "16384"] if role == "decode" else ["--reclaim-idle-ms", str(RECLAIM_MS)]
+            cluster.start_worker(role, peer, [f"--{kind}-parallel-size", "2", "--step-timeout", "0",
+                                              "--monitoring-port", "0", *more])
             cluster.wait_worker(peer, timeout=300)
             # an ephemeral port (a free port picked here could be taken before the worker binds it), logged
             # before the worker registers

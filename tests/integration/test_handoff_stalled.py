@@ -3,6 +3,7 @@
 which the HandoffManager reads as a prefill worker's does, naming real sockets: a decode side of
 tests/integration/handoff_harness.py, or a socket nobody answers on, as a decode worker's while its step hangs."""
 
+import logging
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import redis
 import torch
 import zmq
 
+from kvrelay.prefill_worker import handoff
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
 from kvrelay.prefill_worker.worker import PrefillWorker
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
@@ -112,6 +114,26 @@ def test_a_stalled_decode_worker_is_asked_once_it_steps_again(registry, prefill_
     ended = poll_until(manager, lambda: not manager.transfers, "the handoff")
     assert [e.state for e in ended] == [State.DONE], ended[0].reason
     assert t.target == side.addr and "r" in side.admitted
+
+
+def test_a_stall_is_logged_once_when_it_begins_and_once_when_it_ends_not_per_request(registry, prefill_of, decode_side,
+                                                                                     caplog, monkeypatch):
+    monkeypatch.setattr(handoff, "WORKER_CACHE_S", 0.0)  # every choice of a decode worker reads the registry
+    rt, make = prefill_of
+    side = decode_side()
+    register(registry, "d1", side.addr, step_age_s=2 * STALLED_AFTER_S)
+    manager = make(timeout_s=60.0)
+    with caplog.at_level(logging.INFO, logger=handoff.__name__):
+        transfers = [prefilled(rt, manager, f"r{i}") for i in range(3)]  # three requests, each a read, one stall
+        poll_until(manager, lambda: all(t.rounds_refused >= 2 for t in transfers), "two rounds of each refused")
+        register(registry, "d1", side.addr, step_age_s=0.0)
+        ended = poll_until(manager, lambda: not manager.transfers, "the handoffs")
+    assert [e.state for e in ended] == [State.DONE] * 3, [e.reason for e in ended]
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == handoff.__name__]
+    assert [level for level, _ in lines] == ["WARNING", "INFO"], lines
+    assert lines[0][1].startswith("decode worker 'd1' is stalled (its engine has been in one step for 10 s, over "
+                                  "--stalled-step-timeout-s 5)"), lines
+    assert lines[1][1].startswith("decode worker 'd1' steps again"), lines
 
 
 def test_an_early_ask_with_only_stalled_decode_workers_waits_for_the_prefill(registry, prefill_of):

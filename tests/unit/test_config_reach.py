@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_FLAGS, WORKER_FLAGS
+from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.flags import Flag
 from kvrelay.shared.config.serve import WORKER_RENAMES
 
@@ -61,10 +62,16 @@ def other_value(flag: Flag) -> typing.Any:
     return value
 
 
-def argv_for(flags: list[Flag]) -> tuple[list[str], dict[str, typing.Any]]:
+def reads(flag: Flag, roles: list[str]) -> bool:
+    return any(role_settings.reads(flag.info, role) for role in roles)
+
+
+def argv_for(flags: list[Flag], roles: typing.Sequence[str] = role_settings.ROLES) -> tuple[list[str], dict[str, typing.Any]]:
+    """``roles``: the workers that will read the flags; one that none of them reads is left out (it is an error)."""
     argv, given = [], {}
+    gateway = {f.option for f in GATEWAY_FLAGS}
     for flag in flags:
-        if flag.option in SKIPPED or flag.option in given:
+        if flag.option in SKIPPED or flag.option in given or not (flag.option in gateway or reads(flag, roles)):
             continue
         given[flag.option] = value = other_value(flag)
         if isinstance(value, bool):
@@ -109,7 +116,11 @@ def check(config: dict, flags: list[Flag], given: dict, child: str, command: str
     seen = set()
     for flag in (f for f in flags if f.option not in SKIPPED):
         option = rename.get(flag.path[-1], flag.option)
-        want, got = expected(option, given[option], child, command, index), resolved(flag.path, config)
+        got = resolved(flag.path, config)
+        if command != "gateway" and not reads(flag, [command.removesuffix("-worker")]):
+            assert got == flag.default, f"{child}: {option}, which it does not read, is {got!r}"
+            continue
+        want = expected(option, given[option], child, command, index)
         assert got == want, f"{child}: {option} {given[option]!r} arrived as {got!r}"
         seen.add(option)
     return seen
@@ -117,11 +128,11 @@ def check(config: dict, flags: list[Flag], given: dict, child: str, command: str
 
 @pytest.mark.parametrize("mode", ["unified", "disaggregated"])
 def test_every_serve_flag_reaches_the_child_that_uses_it(mode):
-    argv, given = argv_for(SERVE_FLAGS)
+    workers = ["unified-worker"] if mode == "unified" else ["prefill-worker", "decode-worker"]
+    argv, given = argv_for(SERVE_FLAGS, [w.removesuffix("-worker") for w in workers])
     given["--mode"] = mode
     argv[argv.index("--mode") + 1] = mode
     children = print_config(["serve", *argv])
-    workers = ["unified-worker"] if mode == "unified" else ["prefill-worker", "decode-worker"]
     # with a --model-repo one worker per role hosts every model, named after its role alone
     assert {n: c["command"] for n, c in children.items()} == {"gateway": "gateway", "gateway-1": "gateway",
                                                              **{w: w for w in workers}}
@@ -141,7 +152,8 @@ def test_every_serve_flag_reaches_the_child_that_uses_it(mode):
 
 @pytest.mark.parametrize("command", ["gateway", "prefill-worker", "decode-worker", "unified-worker"])
 def test_every_role_flag_reaches_its_config(command):
-    flags = [f for f in (GATEWAY_FLAGS if command == "gateway" else WORKER_FLAGS) if f.option not in SKIPPED]
+    flags = [f for f in (GATEWAY_FLAGS if command == "gateway" else WORKER_FLAGS) if f.option not in SKIPPED
+             and (command == "gateway" or reads(f, [command.removesuffix("-worker")]))]
     argv, given = argv_for(flags)
     config = print_config([command, *argv])
     for flag in flags:

@@ -75,8 +75,8 @@ def test_compose_containers_advertise_addresses_peers_can_dial(compose):
             # token events come from worker containers: a wildcard bind advertised under the service name
             assert (args.zmq_host, args.zmq_advertise_host, args.host) == ("0.0.0.0", name, "0.0.0.0")
             assert args.max_body_size == GatewayConfig().max_body_size
-        else:
-            assert (args.host, args.advertise_host) == ("0.0.0.0", name)
+        else:  # only a decode worker is dialled (prefill workers dial it): the others advertise nothing
+            assert (args.host, args.advertise_host) == ("0.0.0.0", name if args.command == "decode-worker" else None)
 
 
 def test_compose_workers_reserve_a_gpu_and_the_cpu_override_drops_it(compose):
@@ -204,11 +204,11 @@ def test_k8s_deployments_select_their_pods_and_roll_safely(k8s):
         grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > args.drain_timeout + 5  # preStop sleep + drain fit in the grace period
         env_names = {e["name"] for e in container.get("env", [])}
-        assert {"POD_IP"} <= env_names  # advertised addresses are the pod's own
+        assert ("POD_IP" in env_names) == (name != "prefill-worker")  # advertised addresses are the pod's own
         if name == "gateway":
             assert args.zmq_advertise_host == "10.0.0.7" and args.zmq_host == "0.0.0.0"
-        else:
-            assert args.advertise_host == "10.0.0.7" and args.host == "0.0.0.0"
+        else:  # a prefill worker dials decode workers and advertises nothing
+            assert args.advertise_host == ("10.0.0.7" if name == "decode-worker" else None) and args.host == "0.0.0.0"
             assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 

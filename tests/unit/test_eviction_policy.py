@@ -9,6 +9,7 @@ from kvrelay.shared.worker.eviction import (
     Incoming,
     choose_victims,
     min_residency_s,
+    room_wait_s,
 )
 
 GB = 1 << 30
@@ -95,3 +96,10 @@ def test_the_minimum_residency_is_the_workers_to_set():
     assert names(choose_victims(just_loaded, GB, 0, load, residency_s=2.0)) == ["new"]
     slow_to_reload = [cand("new", 1.0, resident_s=5.0, reload_s=2.0)]  # still at least RESIDENCY_RELOADS reloads
     assert choose_victims(slow_to_reload, GB, 0, load, residency_s=2.0) is None
+
+
+def test_a_load_waits_for_room_twice_the_longest_residency_a_hosted_model_may_keep():
+    assert room_wait_s([], 15.0) == room_wait_s([0.5, 1.0], 15.0) == 30.0  # the default: 2 x 15 s
+    assert room_wait_s([0.5], 60.0) == 120.0  # --min-residency-s 60
+    assert room_wait_s([0.5, 20.0], 15.0) == 200.0  # a model reloading in 20 s keeps its place 100 s
+    assert room_wait_s([0.5], 0.0) == 30.0  # never less: a busy model's queue may empty meanwhile

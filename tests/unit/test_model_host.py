@@ -184,13 +184,19 @@ def test_eviction_prefers_what_the_other_role_evicted(repo):
     assert sorted(host.slots) == ["a@1", "c@1"]
 
 
+def short_room_wait(monkeypatch) -> None:
+    """A load with no room waits 0.3 s for some, whatever the residencies (eviction.room_wait_s)."""
+    monkeypatch.setattr("kvrelay.shared.worker.eviction.ROOM_WAIT_RESIDENCIES", 0.0)
+    monkeypatch.setattr("kvrelay.shared.worker.eviction.ROOM_WAIT_MIN_S", 0.3)
+
+
 def _demand(host: ModelHost, instance: str, requests: int) -> None:
     for _ in range(requests):
         host.slots[instance].note_request()
 
 
 def test_a_busy_low_demand_model_is_drained_and_evicted_for_a_load_requests_wait_for(repo, monkeypatch):
-    monkeypatch.setattr("kvrelay.shared.worker.model_loads.ROOM_WAIT_S", 0.3)
+    short_room_wait(monkeypatch)
     host, results = make_host(repo)
     run(host, load("a"), load("b"))
     _demand(host, "a@1", 50)
@@ -216,7 +222,7 @@ def test_a_busy_low_demand_model_is_drained_and_evicted_for_a_load_requests_wait
 
 
 def test_nothing_busy_is_evicted_for_a_load_in_lower_demand(repo, monkeypatch):
-    monkeypatch.setattr("kvrelay.shared.worker.model_loads.ROOM_WAIT_S", 0.3)
+    short_room_wait(monkeypatch)
     host, results = make_host(repo)
     run(host, load("a"), load("b"))
     _demand(host, "a@1", 50)
@@ -242,7 +248,7 @@ def test_a_victim_that_does_not_drain_in_time_serves_on_and_the_load_is_refused(
 
 
 def test_a_worker_with_a_shorter_minimum_residency_evicts_a_busy_model_loaded_that_long_ago(repo, monkeypatch):
-    monkeypatch.setattr("kvrelay.shared.worker.model_loads.ROOM_WAIT_S", 0.3)
+    short_room_wait(monkeypatch)
     for residency_s, evicted in ((15.0, []), (5.0, ["b@1"])):  # the default, then --min-residency-s 5
         host, results = make_host(repo, min_residency_s=residency_s)
         run(host, load("a"), load("b"))
@@ -256,3 +262,26 @@ def test_a_worker_with_a_shorter_minimum_residency_evicts_a_busy_model_loaded_th
         run(host)
         c = next(r for r in results if r.instance == "c@1")
         assert c.ok == bool(evicted) and c.evicted == evicted, c
+
+
+def test_a_load_waits_for_room_as_long_as_the_minimum_residency_holds_it(repo):
+    """--min-residency-s 60: a busy model keeps its place for 60 s against a load under the no-thrash margin,
+    and the load waits that long for it, past the 30 s it once waited at most. Time passes by moving the
+    host's clock stamps back, as in the test above."""
+    host, results = make_host(repo, min_residency_s=60.0)
+    run(host, load("a"), load("b"))
+    _demand(host, "a@1", 50)
+    _demand(host, "b@1", 10)
+    host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}
+    host.commands.put(load("c", waiting=15))  # 1.5 times b's demand: b is evicted only past its residency
+    host.tick()
+    for _ in range(2):  # 31 s, then 61 s after b's load and c's request
+        host.loading["c@1"].wait_until -= 30.5
+        host.slots["b@1"].loaded_at -= 30.5
+        host.tick()
+        assert "c@1" in host.loading and not host.loading["c@1"].failed, results
+    assert host.slots["b@1"].state == "draining"  # past its residency: evicted for c
+    host.hooks.running = {"a@1"}
+    run(host)
+    c = next(r for r in results if r.instance == "c@1")
+    assert c.ok and c.evicted == ["b@1"], c
