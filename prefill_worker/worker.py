@@ -207,7 +207,7 @@ class PrefillWorker:
         # no worker_id: after the handoff this worker no longer holds the request, and if it dies
         # first the job is reclaimed by a peer rather than failed at the gateway
         event = token_event(out, output_index=0, worker_id="")
-        stamp_first_token(event, rec.fetched_at, step_started)
+        stamp_first_token(event, rec, step_started)
         if finished_for_real:
             event.finish_reason = out.finish_reason or "length"
             if slot.metrics is not None:

@@ -81,7 +81,7 @@ class UnifiedWorker:
             if rec is None:
                 continue
             event = token_event(out, rec.sent, worker_id="")
-            stamp_first_token(event, rec.fetched_at, step_started)
+            stamp_first_token(event, rec, step_started)
             if out.finished:
                 self.inflight.finish(rec.request_id, event)
             else:

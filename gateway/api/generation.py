@@ -358,7 +358,7 @@ class Generation:
             # the choice's first token: on ``event`` (output index 0, the one stamped; later ones wait for it)
             if delta.token_ids and not had_tokens:
                 metrics.ttft_stages.observe(self.model_name, self.arrival, self._enqueued[choice.job_id],
-                                            event.first_token_times, now)
+                                            event.first_token_times, now, event.fetch_asked)
             metrics.vllm.delta(self, choice, len(delta.token_ids), now)
             if choice.finished:
                 pending.discard(choice.job_id)

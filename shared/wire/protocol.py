@@ -87,6 +87,10 @@ class TokenEvent:
     # on a request's first token: unix times (FIRST_TOKEN_STAMPS) of its way through the worker, from which
     # the gateway splits its TTFT into stages (gateway/ttft_stages.py); wall clocks, since they cross processes
     first_token_times: dict[str, float] | None = field(default=None, metadata=IGNORABLE)
+    # beside them: when the worker issued the read that returned the job (unix seconds), so the gateway can
+    # tell the job waiting for the worker's running step from the read itself; a field of its own, which a
+    # gateway that does not know it drops, where a new key in first_token_times would be refused
+    fetch_asked: float | None = field(default=None, metadata=IGNORABLE)
 
     def check(self) -> None:
         if self.output_index < 0:
@@ -108,6 +112,8 @@ class TokenEvent:
                 not set(self.first_token_times) <= set(FIRST_TOKEN_STAMPS)
                 or not all(type(t) in (int, float) for t in self.first_token_times.values())):
             raise ValueError(f"TokenEvent.first_token_times maps {', '.join(FIRST_TOKEN_STAMPS)} to unix seconds")
+        if self.fetch_asked is not None and (type(self.fetch_asked) not in (int, float) or self.first_token_times is None):
+            raise ValueError("TokenEvent.fetch_asked is unix seconds, on an event with first_token_times")
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,7 @@ class JobIntake:
         runtime.role_threads["job keeper"] = self.keep_held
         runtime.registration.on_restore.append(self.restore)
         self._retry_at = 0.0  # monotonic: no read before it (Redis unreachable)
+        self._asked: dict[str, float] = {}  # instance -> unix seconds its latest read was issued
 
     def attach(self, slot: ModelSlot) -> None:
         c = self.config
@@ -87,6 +88,7 @@ class JobIntake:
                 time.sleep(block_ms / 1000)
             return []
         try:
+            self._asked[slot.instance] = time.time()
             jobs = self._fetch(slot, block_ms)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.runtime.health.failed(exc)
@@ -150,7 +152,7 @@ class JobIntake:
         slot.note_request()
         rec = InFlight(request_id=rid, instance=slot.instance, reply_addr=job.reply_addr, deadline=job.deadline,
                        arrival=job.arrival, max_tokens=req.max_tokens, job=job, entry_id=entry_id,
-                       fetched_at=time.time())
+                       fetched_at=time.time(), asked_at=self._asked.get(slot.instance, 0.0))
         self.inflight.track(rec)
         return rec, req
 

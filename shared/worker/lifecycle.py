@@ -50,6 +50,7 @@ class InFlight:
     job: Job | None = None  # a stream role's job
     entry_id: bytes = b""  # ... and its stream entry, ACKed once the request leaves
     fetched_at: float = 0.0  # unix seconds it was read from its stream (0: not from a stream)
+    asked_at: float = 0.0  # unix seconds the read that returned it was issued
 
 
 def engine_request(slot: ModelSlot, job: Job) -> Request:

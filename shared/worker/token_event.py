@@ -4,6 +4,7 @@ import time
 
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.wire.protocol import TokenEvent
+from kvrelay.shared.worker.lifecycle import InFlight
 
 
 def token_event(out: EngineCoreOutput, output_index: int, worker_id: str) -> TokenEvent:
@@ -26,8 +27,9 @@ def token_event(out: EngineCoreOutput, output_index: int, worker_id: str) -> Tok
                       output_index=output_index, worker_id=worker_id)
 
 
-def stamp_first_token(event: TokenEvent, fetched_at: float, step_started: float) -> None:
+def stamp_first_token(event: TokenEvent, rec: InFlight, step_started: float) -> None:
     """Carry the first token's way through this worker (wall clocks, as the gateway's are) on ``event``,
     for the gateway's TTFT stages; a job that did not come from a stream (``fetched_at`` 0) has none."""
-    if fetched_at and event.token_ids and event.output_index == 0:
-        event.first_token_times = {"fetched": fetched_at, "step_started": step_started, "sampled": time.time()}
+    if rec.fetched_at and event.token_ids and event.output_index == 0:
+        event.first_token_times = {"fetched": rec.fetched_at, "step_started": step_started, "sampled": time.time()}
+        event.fetch_asked = rec.asked_at or None

@@ -225,9 +225,11 @@ class FakeWorker:
             top = [known if params.logprobs == -1 else known[: params.logprobs]]  # -1: all it knows
         if first and params.prompt_logprobs is not None:
             prompt_lp = [None] + [[(t, -1.0)] for t in seq.job.prompt_token_ids[1:]]
-        stamps = dict.fromkeys(FIRST_TOKEN_STAMPS, time.time()) if first and seq.stamped else None
+        now = time.time()
+        stamps = dict.fromkeys(FIRST_TOKEN_STAMPS, now) if first and seq.stamped else None
         return TokenEvent(**common, token_ids=[token], logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt_lp,
-                          finish_reason=finish, stop_reason=stop_reason, first_token_times=stamps)
+                          finish_reason=finish, stop_reason=stop_reason, first_token_times=stamps,
+                          fetch_asked=now if stamps else None)
 
     def _run_jobs(self) -> None:
         r = sync_client(self.redis_url)

@@ -71,3 +71,31 @@ def test_a_steps_finished_jobs_are_answered_first_then_acked_in_one_round_trip(w
     answered, acked = acks[0]
     assert answered == {"r0", "r1", "r2"} and len(acked) == 3
     assert worker.runtime.redis.xpending(keys.prefill_stream(slot.instance), keys.PREFILL_GROUP)["pending"] == 0
+
+
+def test_a_first_token_says_when_the_read_that_returned_its_job_was_issued(worker):
+    """A job queued while the worker is busy (here: before it steps) is read by a read issued after the
+    enqueue; the first token's ``fetch_asked`` is that read's issue, between the enqueue and ``fetched``, so
+    the gateway can put the wait before it in ``stream_wait`` (gateway/ttft_stages.py)."""
+    (slot,) = worker.runtime.slots.values()
+    gateway = zmq.Context.instance().socket(zmq.PULL)
+    zmq_auth.serve(gateway, worker.runtime.curve)
+    reply_addr = f"tcp://127.0.0.1:{gateway.bind_to_random_port('tcp://127.0.0.1')}"
+    job = Job(request_id="r", model=slot.instance, prompt_token_ids=[3, 4, 5], tenant="t", priority=0,
+              sampling=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), reply_addr=reply_addr,
+              deadline=0.0, arrival=time.time())
+    enqueued = time.time()
+    worker.runtime.redis.xadd(keys.prefill_stream(slot.instance), {keys.JOB_FIELD: encode(job)})
+    time.sleep(0.05)  # the worker is in a step meanwhile
+    stepped = time.time()
+    first = None
+    deadline = time.monotonic() + 60
+    while first is None:
+        assert time.monotonic() < deadline
+        worker.step()
+        while gateway.poll(0):
+            events = decode(gateway.recv(), TokenBatch).events
+            first = first or next((e for e in events if e.token_ids), None)
+    gateway.close(linger=0)
+    assert first.first_token_times is not None and first.fetch_asked is not None
+    assert enqueued < stepped <= first.fetch_asked <= first.first_token_times["fetched"]

@@ -222,6 +222,8 @@ def test_optional_fields_default_when_absent():
     {"stop_reason": [1]},
     {"first_token_times": {"fetched": 1.0, "decoded": 2.0}},  # a stamp the gateway does not know
     {"first_token_times": {"fetched": "soon"}},
+    {"first_token_times": {"fetched": 1.0}, "fetch_asked": "soon"},
+    {"fetch_asked": 1.0},  # a read's issue time without the first token's stamps
 ])
 def test_token_event_invariants(over):
     raw = {"type": "token_event", "request_id": "r", "token_ids": [1, 2], **over}
@@ -233,6 +235,9 @@ def test_first_token_times_cross_the_wire_as_an_ignorable_field():
     times = {"fetched": 1e9, "step_started": 1e9 + 0.25, "sampled": 1e9 + 0.5}
     raw = msgpack.unpackb(codec.encode(p.TokenEvent(request_id="r", token_ids=[1], first_token_times=times)))
     assert raw[codec.IGNORABLE_KEY] == ["first_token_times"]  # a gateway that does not know them drops them
+    raw = msgpack.unpackb(codec.encode(p.TokenEvent(request_id="r", token_ids=[1], first_token_times=times,
+                                                    fetch_asked=1e9 - 0.1)))
+    assert sorted(raw[codec.IGNORABLE_KEY]) == ["fetch_asked", "first_token_times"]
     assert codec.decode(codec.encode(p.TokenEvent(request_id="r", first_token_times=times)),
                         p.TokenEvent).first_token_times == times
 
