@@ -88,9 +88,6 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             given |= decode_sizes | decode_share
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
-        if command == "prefill-worker" and given.get("async_scheduling"):
-            # a prefill step ends at the first token, which the handoff needs at once: nothing to overlap
-            given["async_scheduling"] = False
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
         gpu_share.check(config)
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
