@@ -11,7 +11,7 @@ from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.flags import given
 from kvrelay.shared.config.gateway import GatewayConfig
-from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.config.worker import SHARES_SMS, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.worker import gpu_share
 from kvrelay.workers import worker_config
@@ -72,7 +72,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     commands = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
     _check_read(args, [ROLE_OF[c] for c in commands])
     decode_sizes = _decode_sizes(args)
-    decode_sm_percent = _decode_sm_percent(args)
+    decode_share = _decode_sm_percent(args)
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
@@ -85,12 +85,9 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
         given |= _unread_defaults(ROLE_OF[command])
         if command == "decode-worker":
-            given |= decode_sizes | {"gpu_sm_percent": decode_sm_percent}
+            given |= decode_sizes | decode_share
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
-        if command == "prefill-worker" and given.get("async_scheduling"):
-            # a prefill step ends at the first token, which the handoff needs at once: nothing to overlap
-            given["async_scheduling"] = False
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
         gpu_share.check(config)
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
@@ -113,14 +110,20 @@ def _unread_defaults(role: str) -> dict:
     return {f.dest: f.default for f in SERVE_WORKER_FLAGS if not role_settings.reads(f.info, role)}
 
 
-def _decode_sm_percent(args: argparse.Namespace) -> int:
-    """The decode worker's share of the SMs: --decode-gpu-sm-percent, else what the prefill worker leaves."""
+def _decode_sm_percent(args: argparse.Namespace) -> dict[str, int]:
+    """The decode worker's share of the SMs, where --gpu-share gives one: --decode-gpu-sm-percent, else what
+    the prefill worker leaves. A share given with a mode that applies none is refused."""
     if args.decode_gpu_sm_percent is not None and args.mode != "disaggregated":
         raise ConfigError("argument --decode-gpu-sm-percent: only with --mode disaggregated (a unified worker has "
                           "one share, --gpu-sm-percent)")
+    for dest in ("gpu_sm_percent", "decode_gpu_sm_percent"):
+        if dest in given(args):
+            check_sm_share(args.gpu_share, "--" + dest.replace("_", "-"))
+    if args.gpu_share not in SHARES_SMS:
+        return {}
     if args.decode_gpu_sm_percent is not None:
-        return args.decode_gpu_sm_percent
-    return 100 - args.gpu_sm_percent if args.gpu_sm_percent < 100 else 100
+        return {"gpu_sm_percent": args.decode_gpu_sm_percent}
+    return {"gpu_sm_percent": 100 - args.gpu_sm_percent if args.gpu_sm_percent < 100 else 100}
 
 
 def _decode_sizes(args: argparse.Namespace) -> dict[str, int]:

@@ -10,8 +10,8 @@ from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_value
 from kvrelay.serve_config import load_serve_config
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.config.flags import Flag, build
-from kvrelay.shared.config.worker import StartupModel, WorkerConfig
+from kvrelay.shared.config.flags import Flag, build, given
+from kvrelay.shared.config.worker import StartupModel, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.text.progress import label_process
 from kvrelay.shared.wire.protocol import ModelSpec
@@ -38,6 +38,8 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     ``--model-repo`` alone starts it empty, to be loaded through the admin API. ``flags``: the command
     line's names for the worker's settings (kvrelay serve renames some); ``derived``: what the launcher
     decided (kvrelay serve's ZMQ secret)."""
+    if "gpu_sm_percent" in given(args):  # its default too: a share given is one applied, or refused
+        check_sm_share(args.gpu_share, "--gpu-sm-percent")
     if "zmq_secret" not in derived:  # first: a missing secret is said before any model is resolved
         derived["zmq_secret"] = zmq_secret(args)
     # no --model: the flags only give every model its engine settings

@@ -37,7 +37,6 @@ import time
 import redis
 
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
-from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.wire import rerun
@@ -55,9 +54,6 @@ EARLY_GRANT_STEPS = 2  # ask a decode worker for blocks once a prompt's last chu
 
 class PrefillWorker:
     def __init__(self, config: WorkerConfig):
-        if any(e.async_scheduling for e in (config.engine, *(m.engine for m in config.startup_models()))):
-            # its engine hands each prompt's KV off with the first token, which async scheduling reads a step late
-            raise ConfigError("--async-scheduling: not for a prefill worker; use it on decode and unified workers")
         self.config = config
         self.runtime = WorkerRuntime(config, hold_finished_kv=True)
         self.intake = JobIntake(self.runtime, config)

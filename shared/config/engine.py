@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# the worker roles whose requests decode (shared/config/role_settings.py): a prefill worker's end at their first
+# token, so a setting of decode steps is refused there; the offline LLM API has no role and takes every setting
+DECODING = ("decode", "unified")
 
 
 @dataclass(config=CONFIG)
@@ -77,7 +80,7 @@ class SchedulerConfig:
         512, "prompt tokens per step at most while requests decode, so decodes never wait behind a whole "
              "chunk (with nothing decoding a step takes --max-num-batched-tokens; 0: no cap; needs chunked "
              "prefill). Each prompt token costs about a decode row of compute: 512 keep an 8B model's step on "
-             "an H200 near 15 ms, where a 2048-token chunk takes ~37 ms", ge=0)
+             "an H200 near 15 ms, where a 2048-token chunk takes ~37 ms", ge=0, roles=DECODING)
     policy: Literal["fcfs", "priority"] = setting("fcfs", "admission order (priority: lower value first, then "
                                                   "arrival)", flag="--scheduling-policy")
     # On by default: with one tenant it orders exactly like the plain policy, so only multi-tenant traffic
@@ -95,9 +98,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: Device = setting("auto", "auto | cpu | cuda[:N] (auto: CUDA when present)")
     # vLLM's flag: sampled ids stay on the device and feed the next step, which is scheduled and launched
-    # while this one runs (shared/engine/async_step.py). Unified and decode roles; a prefill worker refuses it.
+    # while this one runs (shared/engine/async_step.py). A prefill step ends at the first token, which the
+    # handoff needs at once: nothing to overlap, so a prefill worker refuses it.
     async_scheduling: bool = setting(False, "schedule and launch the next step while the device runs this one "
-                                     "(same outputs; unified and decode workers)")
+                                     "(same outputs)", roles=DECODING)
     # vLLM's flag: one process per rank, rank 0 schedules and samples (shared/engine/ranks/)
     tensor_parallel_size: int = setting(1, "split each model over this many ranks (processes; one device "
                                         "each on CUDA): heads, MLP and vocabulary sharded", ge=1)

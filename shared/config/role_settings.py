@@ -1,11 +1,13 @@
-"""Worker settings that only some roles read (``setting(roles=...)``): applied by those roles, rejected by
-any other, never accepted and ignored. On a worker's command line such a flag is an error as it is parsed
-(``flags.add_flags(role=...)``); in a config built or handed over whole (kvrelay serve's, on stdin) a value
-other than the setting's default is; kvrelay serve hands each worker only the settings its role reads and
-refuses one its command line gives that no process it starts reads (``flags.given``)."""
+"""Worker and engine settings that only some worker roles read (``setting(roles=...)``): applied by those roles,
+rejected by any other, never accepted and ignored. On a worker's command line such a flag is an error as it is
+parsed (``flags.add_flags(role=...)``); in a config built or handed over whole (kvrelay serve's, on stdin) a value
+other than the setting's default is, in the worker's engine settings and in each of its models' too; kvrelay
+serve hands each worker only the settings its role reads and refuses one its command line gives that no process
+it starts reads (``flags.given``). An engine config alone (the offline LLM API) has no role: nothing refused."""
 
 from typing import Any
 
+from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 ROLES = ("prefill", "decode", "unified")
@@ -32,9 +34,14 @@ def option(name: str, info: FieldInfo) -> str:
     return (info.json_schema_extra or {}).get("flag") or "--" + name.replace("_", "-")
 
 
-def check(config: Any) -> None:
-    """A setting ``config.role`` does not read must hold its default: one line naming its flag."""
+def check(config: Any, role: str | None = None) -> None:
+    """A setting ``role`` (default: ``config.role``) does not read must hold its default, in ``config`` and in
+    the configs it holds (its engine's, each startup model's): one line naming its flag."""
+    role = role or config.role
     for name, info in type(config).__pydantic_fields__.items():
-        if not reads(info, config.role) and getattr(config, name) != info.get_default(call_default_factory=True):
-            raise ValueError(f"argument {option(name, info)}: {who_reads(roles_of(info))} (this is a "
-                             f"{config.role} worker)")
+        value = getattr(config, name)
+        for held in value if isinstance(value, list) else [value]:
+            if is_pydantic_dataclass(type(held)):
+                check(held, role)
+        if not reads(info, role) and value != info.get_default(call_default_factory=True):
+            raise ValueError(f"argument {option(name, info)}: {who_reads(roles_of(info))} (this is a {role} worker)")

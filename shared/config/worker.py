@@ -10,15 +10,24 @@ from typing import Literal
 from pydantic.dataclasses import dataclass
 
 from kvrelay.shared.config import common, role_settings
-from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
+from kvrelay.shared.config.declare import CONFIG, ConfigError, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.protocol import ModelSpec
 
 MIN_RESIDENCY_S = 15.0
+GPU_SM_PERCENT = 50
 # the roles that read a setting, where not every role does (shared/config/role_settings.py)
 PREFILL, DECODE = ("prefill",), ("decode",)
 JOB_READERS = ("prefill", "unified")  # those that read jobs from the model's stream
+SHARES_SMS = ("mps", "mps-priority", "green")  # the --gpu-share modes that give a worker a share of the SMs
+
+
+def check_sm_share(gpu_share: str, option: str) -> None:
+    """A share of the SMs (``option``) is only for the modes that apply it: one line naming both flags."""
+    if gpu_share not in SHARES_SMS:
+        raise ConfigError(f"argument {option}: only with --gpu-share {', '.join(SHARES_SMS[:-1])} or "
+                          f"{SHARES_SMS[-1]} (--gpu-share {gpu_share} gives no worker a share of the SMs)")
 
 
 def _worker_id() -> str:
@@ -98,9 +107,9 @@ class WorkerConfig:
         "(CUDA MPS, each process limited to --gpu-sm-percent of the SMs; kvrelay serve runs the daemon), "
         "mps-priority (both: under MPS the two processes' streams are ordered against each other), green "
         "(a CUDA green context of --gpu-sm-percent of the SMs; torch >= 2.9, CUDA >= 12.8)")
-    gpu_sm_percent: int = setting(50, "--gpu-share mps or green: percent of the GPU's SMs this worker's kernels may "
-                                  "use (kvrelay serve: the prefill worker's; the decode worker's is "
-                                  "--decode-gpu-sm-percent)", ge=1, le=100)
+    gpu_sm_percent: int = setting(GPU_SM_PERCENT, "--gpu-share mps, mps-priority or green: percent of the GPU's SMs "
+                                  "this worker's kernels may use; refused with the other modes (kvrelay serve: the "
+                                  "prefill worker's; the decode worker's is --decode-gpu-sm-percent)", ge=1, le=100)
     monitoring_port: Port | None = setting(None, "Prometheus /metrics port (default: not served; 0: ephemeral)")
     metrics_tenant_labels: bool = common.metrics_tenant_labels()
     drain_timeout_s: float = common.drain_timeout()
@@ -132,6 +141,8 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         role_settings.check(self)
+        if self.gpu_sm_percent != GPU_SM_PERCENT:
+            check_sm_share(self.gpu_share, "--gpu-sm-percent")
 
     def startup_models(self) -> list[StartupModel]:
         first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []

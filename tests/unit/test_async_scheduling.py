@@ -8,13 +8,12 @@ chunked prefill, prefix caching and forced preemption, and compares every field 
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
 from kvrelay.cli_args import add_engine_args, engine_config_from_args
 from kvrelay.llm import LLM
-from kvrelay.prefill_worker.worker import PrefillWorker
-from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.cuda_graphs import DecodeGraphs
@@ -202,10 +201,11 @@ def test_flag_and_roles(tiny_model_dirs):
 
 
 def test_prefill_worker_refuses_the_flag():
-    # checked before the worker touches Redis or loads a model: a one-line config error naming the flag
+    # its config is refused, before the worker touches Redis or loads a model: one line naming the flag
     engine = EngineConfig(ModelConfig("m"), device="cpu", async_scheduling=True)
-    with pytest.raises(ConfigError, match="^--async-scheduling: not for a prefill worker"):
-        PrefillWorker(WorkerConfig("prefill", engine, model_name="m"))
+    with pytest.raises(ValueError, match=re.escape("argument --async-scheduling: only the decode and unified workers "
+                                                   "use it (this is a prefill worker)")):
+        WorkerConfig("prefill", engine, model_name="m")
 
 
 def decode_role(model_dir, async_scheduling: bool) -> dict[str, list]:

@@ -95,8 +95,6 @@ def expected(option: str, value: typing.Any, child: str, command: str, index: in
         return f"{value}-{child}"
     if option == "--admin-key":
         return "<set>"  # masked when printed
-    if option == "--async-scheduling" and command == "prefill-worker":
-        return False  # a prefill step ends at the first token: serve keeps it synchronous (kvrelay/serve_plan.py)
     if option == "--gpu-sm-percent" and command == "decode-worker":
         return 100 - value  # the prefill worker's share, the decode worker the rest (kvrelay/serve_plan.py)
     if option == "--gpu-memory-utilization":  # workers sharing a GPU split it: prefill 30%, decode 70%

@@ -4,6 +4,7 @@ run (a CPU device, a unified worker's priority), and the compute stream each mod
 
 import dataclasses
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def test_serve_gives_each_role_its_share_and_mps_its_environment():
     assert _env(children["decode-worker"], None)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
     children = serve_plan(["--device", "cuda", "--gpu-share", "mps-priority", "--gpu-sm-percent", "40"])
     assert _env(children["decode-worker"], None)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
-    children = serve_plan(["--device", "cuda", "--gpu-share", "priority", "--gpu-sm-percent", "60"])
+    children = serve_plan(["--device", "cuda", "--gpu-share", "priority"])
     assert [children[c].config.gpu_share for c in ("prefill-worker", "decode-worker")] == ["priority", "priority"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in _env(children["prefill-worker"], None)  # no MPS, no share
 
@@ -78,6 +79,35 @@ def test_serve_refuses_a_mode_its_workers_cannot_run(argv, message):
     with pytest.raises(ConfigError) as err:
         serve_plan(argv)
     assert str(err.value) == message
+
+
+NO_SHARE = "only with --gpu-share mps, mps-priority or green (--gpu-share {} gives no worker a share of the SMs)"
+
+
+@pytest.mark.parametrize("mode", ["timeslice", "priority"])
+@pytest.mark.parametrize("option,value", [("--gpu-sm-percent", "60"), ("--gpu-sm-percent", "50"),
+                                          ("--decode-gpu-sm-percent", "70")])
+def test_serve_refuses_a_share_of_the_sms_that_its_mode_would_not_apply(mode, option, value):
+    with pytest.raises(ConfigError) as err:
+        serve_plan(["--device", "cuda", "--gpu-share", mode, option, value])
+    assert str(err.value) == f"argument {option}: {NO_SHARE.format(mode)}"
+
+
+@pytest.mark.parametrize("argv", [["--gpu-share", "priority", "--gpu-sm-percent", "60"],
+                                  ["--gpu-sm-percent", "50"]])  # given, its default is refused too
+def test_a_worker_refuses_a_share_of_the_sms_that_its_mode_would_not_apply(argv):
+    proc = cli(["decode-worker", "--model", "dummy:tiny-llama", "--device", "cuda", *argv, "--print-config"])
+    assert proc.returncode == 2
+    mode = argv[1] if argv[0] == "--gpu-share" else "timeslice"
+    assert proc.stderr.strip().splitlines()[-1] == (f"kvrelay decode-worker: error: argument --gpu-sm-percent: "
+                                                    f"{NO_SHARE.format(mode)}")
+
+
+def test_a_config_with_a_share_of_the_sms_its_mode_would_not_apply_is_refused():
+    config = serve_plan(["--device", "cuda", "--gpu-share", "priority"])["decode-worker"].config
+    assert config.gpu_sm_percent == 50  # the default: no share given
+    with pytest.raises(ValueError, match=re.escape(f"argument --gpu-sm-percent: {NO_SHARE.format('priority')}")):
+        dataclasses.replace(config, gpu_sm_percent=70)
 
 
 def test_a_rank_group_is_refused():

@@ -3,6 +3,7 @@ those roles and rejected by the others, never accepted and ignored: on a worker'
 line naming it (exit 2, before anything loads), a config handed over with a value for it is refused, and
 ``kvrelay serve`` gives each worker only what its role reads, refusing a value no process it starts reads."""
 
+import dataclasses
 import io
 import json
 import re
@@ -15,8 +16,8 @@ from kvrelay.cli_args import SERVE_WORKER_FLAGS, WORKER_FLAGS
 from kvrelay.serve_plan import models_to_serve, plan
 from kvrelay.shared.config import handover, role_settings
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.config.engine import EngineConfig, ModelConfig
-from kvrelay.shared.config.worker import WorkerConfig
+from kvrelay.shared.config.engine import EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 
 ROLED = [f for f in WORKER_FLAGS if role_settings.roles_of(f.info)]
 SERVE_ROLED = [f for f in SERVE_WORKER_FLAGS if role_settings.roles_of(f.info)]  # --worker-port, ...
@@ -42,7 +43,9 @@ def test_the_settings_that_only_some_roles_read():
         "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
         "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill", "unified"),
         "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
-        "--reclaim-idle-ms": ("prefill", "unified")}
+        "--reclaim-idle-ms": ("prefill", "unified"),
+        # engine settings of decode steps: a prefill worker's requests end at their first token
+        "--async-scheduling": ("decode", "unified"), "--max-prefill-tokens-with-decodes": ("decode", "unified")}
 
 
 @pytest.mark.parametrize("role,flag", [(r, f) for f in ROLED for r in role_settings.ROLES
@@ -74,7 +77,9 @@ def test_the_line_names_the_flag_and_the_roles_that_read_it(capsys):
 def test_a_role_that_reads_a_setting_takes_its_flag(capsys, role, flag):
     assert main([f"{role}-worker", *TINY, *_argv(flag), "--print-config"]) == 0
     config = json.loads(capsys.readouterr().out)
-    assert config[flag.path[-1]] == _value(flag)
+    for name in flag.path:
+        config = config[name]
+    assert config == _value(flag)
 
 
 def test_a_config_with_a_value_its_role_does_not_read_is_refused():
@@ -89,6 +94,25 @@ def test_a_config_with_a_value_its_role_does_not_read_is_refused():
     assert WorkerConfig("decode", engine, handoff_timeout_s=3.0).handoff_timeout_s == 3.0
 
 
+def test_an_engine_setting_its_role_does_not_read_is_refused_in_any_model_of_the_config():
+    engine = EngineConfig(ModelConfig("dummy:tiny-llama", load_format="dummy"), device="cpu")
+    decoding = dataclasses.replace(engine, scheduler=SchedulerConfig(max_prefill_tokens_with_decodes=64))
+    said = ("argument --max-prefill-tokens-with-decodes: only the decode and unified workers use it (this is a "
+            "prefill worker)")
+    with pytest.raises(ValidationError, match=re.escape(said)):
+        WorkerConfig("prefill", decoding)
+    with pytest.raises(ValidationError, match=re.escape(said)):  # a model loaded at startup besides the first
+        WorkerConfig("prefill", engine, more_models=[StartupModel("second", decoding)])
+    assert WorkerConfig("decode", engine, more_models=[StartupModel("second", decoding)]).more_models
+    assert EngineConfig(ModelConfig("m"), async_scheduling=True).async_scheduling  # no role: the offline API
+
+
+def _setting(config, path: tuple[str, ...]):
+    for name in path:
+        config = getattr(config, name)
+    return config
+
+
 def _plan(argv: list[str]) -> dict:
     args = build_parser().parse_args(["serve", *TINY, *argv])
     return {c.command: c for c in plan(args, models_to_serve(args), "redis://127.0.0.1:6379/0")}
@@ -100,7 +124,7 @@ def test_serve_gives_each_worker_only_the_settings_its_role_reads():
         config, role = children[command].config, command.removesuffix("-worker")
         for flag in SERVE_ROLED:
             want = _value(flag) + i if flag.option == "--worker-port" else _value(flag)  # one port per worker
-            got = getattr(config, flag.path[-1])
+            got = _setting(config, flag.path)
             assert got == (want if role_settings.reads(flag.info, role) else flag.default), (command, flag.option)
         # what the child receives is its config whole, checked again on arrival
         assert handover.receive(WorkerConfig, io.StringIO(handover.encode(config).decode())) == config
