@@ -72,8 +72,10 @@ def _bell(h: torch.Tensor, std: float) -> torch.Tensor:
     for shift in (16, 32):
         total += _shr(h, shift).bitwise_and_(_FIELD - 1)
     centred = total.mul_(2).sub_(4 * (_FIELD - 1)).to(torch.float32)  # twice the offset from the mean
-    scale = torch.tensor(std / _FIELD_STD / 2, dtype=torch.float32, device=h.device)
-    return centred * scale
+    # rounded to float32 first: a float32 product of two float32s is the same whether a device computes it
+    # in float32 or in double and rounds
+    scale = torch.tensor(std / _FIELD_STD / 2, dtype=torch.float32).item()
+    return centred.mul_(scale)
 
 
 def _fill(out: torch.Tensor, seed: int, name: str, values, chunk: int) -> torch.Tensor:
