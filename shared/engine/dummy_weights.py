@@ -14,6 +14,7 @@ CPU and CUDA libraries.
 """
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -78,7 +79,8 @@ def _bell(h: torch.Tensor, std: float) -> torch.Tensor:
     return centred.mul_(scale)
 
 
-def _fill(out: torch.Tensor, seed: int, name: str, values, chunk: int) -> torch.Tensor:
+def _fill(out: torch.Tensor, seed: int, name: str, values: Callable[[torch.Tensor], torch.Tensor],
+          chunk: int) -> torch.Tensor:
     if not out.is_contiguous():
         raise ValueError(f"dummy weight {name} is not contiguous")
     key, flat = stream_key(seed, name), out.view(-1)
