@@ -123,10 +123,12 @@ def read_hf_config(model_dir: Path, root: Path | None = None) -> dict:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights, a pure function of (seed, parameter name, shape, dtype): the same on every device
-    and share of one (shared/engine/dummy_weights.py). Matrices ~N(0, 0.02) (bell-shaped, bounded),
-    norm scales 1, biases 0. A tensor-parallel rank draws its shard as a tensor of its own under the
-    whole parameter's name (not a slice of the unsharded model's); a pipeline stage's layers keep the
-    whole model's names, so they hold the whole model's values.
+    and share of one (shared/engine/dummy_weights.py; an int8/fp8 projection's scales may differ in the
+    last place between CPU and CUDA, whose scalar division multiplies by the reciprocal). Matrices
+    ~N(0, 0.02) (bell-shaped, bounded), norm scales 1, biases 0. A tensor-parallel rank draws its shard
+    as a tensor of its own under the whole parameter's name (so every rank holds the same values, not a
+    slice of the unsharded model's); a pipeline stage's layers keep the whole model's names, so they hold
+    the whole model's values.
 
     Filled in place in the parameter's own dtype, a chunk at a time: little is allocated beyond the model."""
     done: set[int] = set()
