@@ -20,6 +20,7 @@ from torch import nn
 from kvrelay.shared.config.confined import inside, joined
 from kvrelay.shared.config.engine import ModelConfig
 from kvrelay.shared.config.presets import DUMMY_PREFIX, get_preset
+from kvrelay.shared.engine.dummy_weights import fill_normal_
 from kvrelay.shared.engine.models import build_model, get_model_class
 from kvrelay.shared.engine.parallel.pipeline import make_stage
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -121,15 +122,19 @@ def read_hf_config(model_dir: Path, root: Path | None = None) -> dict:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights, reproducible for one (seed, device): matrices N(0, 0.02), norm scales 1, biases 0.
+    """Random weights, a pure function of (seed, parameter name, shape, dtype): the same on every device
+    and share of one (shared/engine/dummy_weights.py; an int8/fp8 projection's scales may differ in the
+    last place between CPU and CUDA, whose scalar division multiplies by the reciprocal). Matrices
+    ~N(0, 0.02) (bell-shaped, bounded), norm scales 1, biases 0. A tensor-parallel rank draws its shard
+    as a tensor of its own under the whole parameter's name (so every rank holds the same values, not a
+    slice of the unsharded model's); a pipeline stage's layers keep the whole model's names, so they hold
+    the whole model's values.
 
-    Sampled in place in the parameter's own dtype, so nothing larger than the model is allocated."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    Filled in place in the parameter's own dtype, a chunk at a time: little is allocated beyond the model."""
     done: set[int] = set()
-    for module in model.modules():  # quantized projections draw a dense weight and quantize it
+    for prefix, module in model.named_modules():  # quantized projections draw a dense weight and quantize it
         if isinstance(module, QuantLinear):
-            module.init_dummy(gen)
+            module.init_dummy(seed, prefix)
             done.update(id(p) for name, p in module.named_parameters() if name != "bias")
     for name, param in model.named_parameters():
         if id(param) in done:
@@ -137,7 +142,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if param.dim() == 1:
             param.fill_(1.0 if name.endswith("weight") else 0.0)
         else:
-            param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+            fill_normal_(param, seed, name, DUMMY_INIT_STD)
 
 
 def safetensors_files(model_dir: Path, root: Path | None = None) -> list[Path]:

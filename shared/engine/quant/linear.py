@@ -29,6 +29,7 @@ from kvrelay.kernels.w4_repack import (
     sort_and_interleave,
     tile_k_for,
 )
+from kvrelay.shared.engine.dummy_weights import fill_bits_, fill_normal_
 from kvrelay.shared.engine.quant import formats
 from kvrelay.shared.engine.quant.config import W4_METHODS, QuantConfig
 
@@ -66,7 +67,8 @@ class QuantLinear(nn.Module):
             return self.bias, rows, pre
         return None
 
-    def init_dummy(self, gen: torch.Generator) -> None:
+    def init_dummy(self, seed: int, prefix: str) -> None:
+        """Dummy weights for the layer named ``prefix``, from shared/engine/dummy_weights.py's streams."""
         raise NotImplementedError
 
 
@@ -110,9 +112,10 @@ class ChannelLinear(QuantLinear):
         return op(x, self.weight, self.weight_scale, self.bias)
 
     @torch.no_grad()
-    def init_dummy(self, gen: torch.Generator) -> None:
+    def init_dummy(self, seed: int, prefix: str) -> None:
+        # the unquantized model's stream for this weight: the quantized dummy model approximates that one
         w = torch.empty(self.weight.shape, dtype=torch.bfloat16, device=self.weight.device)
-        q, scale = quantize_channel(w.normal_(0.0, DUMMY_STD, generator=gen), self.quant.method)
+        q, scale = quantize_channel(fill_normal_(w, seed, f"{prefix}.weight", DUMMY_STD), self.quant.method)
         self.weight.copy_(q)
         self.weight_scale.copy_(scale)
 
@@ -200,9 +203,9 @@ class W4Linear(QuantLinear):
                              self.g_idx if self.quant.desc_act else None)
 
     @torch.no_grad()
-    def init_dummy(self, gen: torch.Generator) -> None:
+    def init_dummy(self, seed: int, prefix: str) -> None:
         # uniform 4-bit values around zero point 8 have std ~4.6: scaled to the dense dummy's 0.02
-        self.qweight.random_(-(2**31), 2**31 - 1, generator=gen)  # all 32 bits: every nibble uniform
+        fill_bits_(self.qweight, seed, f"{prefix}.qweight")  # all 32 bits: every nibble uniform
         self.qzeros.fill_(8)
         self.scales.fill_(DUMMY_STD / 4.6)
         if self.g_idx is not None:
