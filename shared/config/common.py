@@ -32,8 +32,10 @@ def stalled_step_timeout(roles: tuple[str, ...] = ()) -> Any:
     # that its engine loop steps. Under the workers' --step-timeout (120 s), which ends a stuck worker
     return setting(STALLED_STEP_TIMEOUT_S, "seconds a worker's engine loop may be in one step (as its heartbeat "
                    "says) before it counts as stalled (shared/wire/step_stall.py): the gateway routes no new job to "
-                   "it (with no other worker for a model, its requests get 503 + Retry-After) and prefill workers "
-                   "hand it no KV. Generous: a first step's Triton compile or a long prefill is legit (0: never)",
+                   "it (with no other worker for a model, its requests get 503 + Retry-After), prefill workers "
+                   "hand it no KV, and prefill and unified workers take the jobs routed to it that it has not read "
+                   "(shared/wire/job_queue.py). Generous: a first step's Triton compile or a long prefill is legit "
+                   "(0: never)",
                    shared=True, roles=roles, ge=0)
 
 
