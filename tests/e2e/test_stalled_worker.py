@@ -77,11 +77,14 @@ def _prompts_routed_to(c: Cluster, worker_id: str, n: int) -> list[list[int]]:
 
 def _start(cluster: Cluster, hang_flag: Path) -> openai.OpenAI:
     """The gateway, workers uok and ustuck (whose step hangs while ``hang_flag`` exists), ready; a tenant's client."""
+    # --registry-cache-s 0: each request routes over the workers' records as Redis holds them, as
+    # _prompts_routed_to reads them; a view cached from before both workers were up routes elsewhere
     cluster.start_gateway(extra=["--admin-key", ADMIN_KEY, "--stalled-step-timeout-s", str(STALLED_AFTER_S),
-                                 "--request-timeout", "60"])
+                                 "--request-timeout", "60", "--registry-cache-s", "0"])
     cluster.start_worker("unified", "uok")
     cluster.start_worker("unified", "ustuck", prelude=_HELD.format(flag=str(hang_flag)))
     cluster.wait_ready(timeout=300)
+    _wait("both workers at the gateway", lambda: {"uok", "ustuck"} <= set(_workers(cluster)))
     _admin(cluster.port, "POST", "/admin/tenants", {"name": TENANT})
     key = _admin(cluster.port, "POST", "/admin/keys", {"tenant": TENANT})["key"]
     return openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0, timeout=120)
