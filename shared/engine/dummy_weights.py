@@ -18,7 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-CHUNK = 1 << 24  # elements per pass: a few int64 temporaries of this size, whatever the parameter's size
+# elements per pass, a few int64 temporaries of this size whatever the parameter's size: on the CPU small enough
+# that they stay in its L2 cache (1 << 16 filled 10M bf16 elements 25x faster than 1 << 24 on one core); on a GPU
+# large, so a 8B model's fill is a few hundred launches
+CPU_CHUNK, DEVICE_CHUNK = 1 << 16, 1 << 24
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -80,10 +83,11 @@ def _bell(h: torch.Tensor, std: float) -> torch.Tensor:
 
 
 def _fill(out: torch.Tensor, seed: int, name: str, values: Callable[[torch.Tensor], torch.Tensor],
-          chunk: int) -> torch.Tensor:
+          chunk: int | None) -> torch.Tensor:
     if not out.is_contiguous():
         raise ValueError(f"dummy weight {name} is not contiguous")
     key, flat = stream_key(seed, name), out.view(-1)
+    chunk = chunk or (CPU_CHUNK if out.device.type == "cpu" else DEVICE_CHUNK)
     for start in range(0, flat.numel(), chunk):
         end = min(start + chunk, flat.numel())
         flat[start:end].copy_(values(_hashes(key, start, end, out.device)))
@@ -91,14 +95,14 @@ def _fill(out: torch.Tensor, seed: int, name: str, values: Callable[[torch.Tenso
 
 
 @torch.no_grad()
-def fill_normal_(out: torch.Tensor, seed: int, name: str, std: float, chunk: int = CHUNK) -> torch.Tensor:
+def fill_normal_(out: torch.Tensor, seed: int, name: str, std: float, chunk: int | None = None) -> torch.Tensor:
     """``out`` filled in place with ~N(0, std) values of stream (seed, name), computed in float32 and cast
     to ``out``'s dtype."""
     return _fill(out, seed, name, lambda h: _bell(h, std), chunk)
 
 
 @torch.no_grad()
-def fill_bits_(out: torch.Tensor, seed: int, name: str, chunk: int = CHUNK) -> torch.Tensor:
+def fill_bits_(out: torch.Tensor, seed: int, name: str, chunk: int | None = None) -> torch.Tensor:
     """``out`` (int32) filled in place with uniform 32-bit patterns of stream (seed, name)."""
     if out.dtype != torch.int32:
         raise ValueError(f"fill_bits_ fills int32, not {out.dtype}")

@@ -16,8 +16,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.timeout(600)]
 
 PROMPTS = [[5, 17, 99, 203, 7], list(range(40, 140)), [1] * 33]
+# a fixed KV size, not a fraction of the device: the suite runs a dozen processes at once, and each of its
+# stacks sizing its KV from a share of the whole GPU ran the others out of memory
 ENGINE = ["--model", "dummy:smollm2-135m", "--load-format", "dummy", "--device", "cuda", "--max-model-len", "512",
-          "--gpu-memory-utilization", "0.3", "--max-num-seqs", "8"]
+          "--kv-cache-memory", str(512 << 20), "--max-num-seqs", "8"]
 
 
 def greedy(mode: str, tmp_path) -> list[str]:
