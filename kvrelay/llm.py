@@ -34,7 +34,7 @@ class LLM:
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         enforce_eager: bool = False,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         pipeline_batch_queue: bool = False,

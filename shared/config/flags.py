@@ -107,8 +107,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: Ma
         group = groups[flag.group]
         default = (defaults or {}).get(flag.dest, flag.default)
         kw: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.info.description}
-        if flag.info.annotation is bool:
-            kw["help"] += " (default: on)" if default else " (default: off)"
+        if is_switch(flag):
+            kw["help"] += " (default: auto)" if default is None else " (default: on)" if default else " (default: off)"
             group.add_argument(flag.option, action=_Switch, **kw)
             continue
         if flag.dest in (notes or {}):
@@ -162,9 +162,15 @@ def _add_rejected(parser: argparse.ArgumentParser, flag: Flag, role: str) -> Non
         def __call__(self, parser, namespace, values, option_string=None):
             parser.error(f"argument {option_string}: {why} (this is a {role} worker)")
 
-    options = [flag.option] + (["--no-" + flag.option[2:]] if flag.info.annotation is bool else [])
+    options = [flag.option] + (["--no-" + flag.option[2:]] if is_switch(flag) else [])
     parser.add_argument(*options, action=Rejected, nargs="?", dest=flag.dest, default=flag.default,
                         help=argparse.SUPPRESS)
+
+
+def is_switch(flag: Flag) -> bool:
+    """A yes/no setting, given as --x / --no-x; ``bool | None`` is one whose default (None) the engine
+    decides from what it runs on."""
+    return flag.info.annotation in (bool, bool | None)
 
 
 def _literal_choices(annotation: Any) -> list[str] | None:

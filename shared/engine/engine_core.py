@@ -77,6 +77,8 @@ class EngineCore:
             if hold_finished_kv:  # the handoff wants each prompt's first token and its KV at once
                 raise ValueError("--async-scheduling is for unified and decode engines, not a prefill worker's")
             self.stepper = self.new_stepper()
+        elif config.async_scheduling is None and runner.device.type == "cuda" and not hold_finished_kv:
+            self.stepper = self.new_stepper()
 
     def new_stepper(self) -> AsyncStepper:
         """The async-scheduling step of this core (benchmarks switch it on and off between runs); under

@@ -192,10 +192,14 @@ def test_flag_and_roles(tiny_model_dirs):
     config, _, _ = engine_config_from_args(parser.parse_args(
         ["--model", str(tiny_model_dirs["llama"]), "--async-scheduling", "--device", "cpu"]))
     assert config.async_scheduling
-    config_off, _, _ = engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dirs["llama"])]))
-    assert not config_off.async_scheduling
+    auto, _, _ = engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]))
+    config_off, _, _ = engine_config_from_args(parser.parse_args(
+        ["--model", str(tiny_model_dirs["llama"]), "--no-async-scheduling", "--device", "cpu"]))
+    assert auto.async_scheduling is None and config_off.async_scheduling is False
     assert EngineCore(config).stepper is not None
     assert EngineCore(config_off).stepper is None
+    assert EngineCore(auto).stepper is None  # auto on the CPU: its host is its device, nothing to overlap
+    assert EngineCore(auto, hold_finished_kv=True).stepper is None  # auto never asks a prefill engine for it
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineCore(config, hold_finished_kv=True)  # a prefill worker's engine
 
@@ -252,5 +256,5 @@ def test_serve_gives_async_scheduling_to_the_decode_and_unified_workers_only():
         return {c.command: c.config.engine.async_scheduling for c in plan(args, models_to_serve(args), "redis://x")
                 if not c.is_gateway}
 
-    assert engines("disaggregated") == {"prefill-worker": False, "decode-worker": True}
+    assert engines("disaggregated") == {"prefill-worker": None, "decode-worker": True}  # None: the engine decides
     assert engines("unified") == {"unified-worker": True}

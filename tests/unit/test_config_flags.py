@@ -13,6 +13,7 @@ from kvrelay.cli_args import ENGINE_FLAGS, GATEWAY_FLAGS, WORKER_FLAGS
 from kvrelay.shared.config import handover, role_settings
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig
+from kvrelay.shared.config.flags import is_switch
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.serve import WORKER_RENAMES
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
@@ -75,7 +76,7 @@ def test_every_declared_setting_has_a_flag_on_its_role_and_on_serve():
     """On every role that reads it: a worker setting of other roles is rejected (tests/unit/test_role_settings.py)."""
     for command, flags in (("gateway", GATEWAY_FLAGS), *((c, WORKER_FLAGS) for c in ROLES if c != "gateway")):
         flags = [f for f in flags if command == "gateway" or role_settings.reads(f.info, ROLES[command])]
-        negated = {"--no-" + f.option[2:] for f in flags if f.info.annotation is bool}
+        negated = {"--no-" + f.option[2:] for f in flags if is_switch(f)}
         assert {f.option for f in flags} | negated == options(command), command
     assert {f.option for f in ENGINE_FLAGS} <= options("unified-worker")
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_FLAGS, WORKER_FLAGS
 from kvrelay.shared.config import role_settings
-from kvrelay.shared.config.flags import Flag
+from kvrelay.shared.config.flags import Flag, is_switch
 from kvrelay.shared.config.serve import WORKER_RENAMES
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def other_value(flag: Flag) -> typing.Any:
     annotation = flag.info.annotation
     if flag.option in CHOSEN:
         value = CHOSEN[flag.option]
-    elif annotation is bool:
+    elif is_switch(flag):
         value = not flag.default
     elif typing.get_origin(annotation) is typing.Literal:
         value = next(c for c in typing.get_args(annotation) if c != flag.default)

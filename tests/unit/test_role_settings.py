@@ -17,6 +17,7 @@ from kvrelay.serve_plan import models_to_serve, plan
 from kvrelay.shared.config import handover, role_settings
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.config.flags import is_switch
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
 
 ROLED = [f for f in WORKER_FLAGS if role_settings.roles_of(f.info)]
@@ -26,13 +27,13 @@ TINY = ["--model", "dummy:tiny-llama", "--device", "cpu"]
 
 def _value(flag):
     """A value other than the flag's default."""
-    if flag.info.annotation is bool:
+    if is_switch(flag):
         return not flag.default
     return "host-7" if flag.path[-1] == "advertise_host" else 7
 
 
 def _argv(flag) -> list[str]:
-    if flag.info.annotation is bool:
+    if is_switch(flag):
         return [flag.option if _value(flag) else "--no-" + flag.option[2:]]
     return [flag.option, str(_value(flag))]
 
@@ -138,8 +139,8 @@ def test_serve_refuses_a_setting_no_process_it_starts_reads(flag):
            "starts none)"
     with pytest.raises(ConfigError, match=re.escape(said)):
         _plan(["--mode", "unified", *_argv(flag)])
-    if flag.info.annotation is bool:  # given as its default, it is refused all the same
-        at_default = [flag.option if flag.default else "--no-" + flag.option[2:]]
+    if is_switch(flag):  # given as its default, it is refused all the same (a default of None is no flag)
+        at_default = [] if flag.default is None else [flag.option if flag.default else "--no-" + flag.option[2:]]
     else:
         at_default = [flag.option, str(flag.default)] if flag.default is not None else []
     if at_default:
