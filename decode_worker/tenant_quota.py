@@ -22,6 +22,7 @@ two reads of our answers), so a gone head holds its tenant up by that much at mo
 older prefill worker) is not counted against any quota.
 """
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,9 +65,10 @@ class TenantQuota:
             self.on_wait(*key)
         line = self._lines.setdefault(key, line)
         line[req.request_id] = _Waiter(now, QUOTA_LINE_GRACE_S + req.hold_s)
-        limit = int(quota * core.num_total_blocks)
-        return OverQuota(f"tenant {req.tenant!r} holds {held} of its {limit} KV blocks here (--tenant-kv-quota "
-                         f"{quota}); {ahead} of its requests wait ahead of this one")
+        need = math.ceil(req.num_tokens / core.block_size)
+        return OverQuota(f"tenant {req.tenant!r} holds {held} KV blocks here and this request needs {need} more, past "
+                         f"its --tenant-kv-quota {quota} of {core.num_total_blocks} blocks; {ahead} of its requests "
+                         "wait ahead of it")
 
     def granted(self, core, req: HandoffRequest, blocks: list[int], pending: Callable[[str, str], int]) -> None:
         """``blocks`` were reserved for ``req``: it waits no more, and what its tenant holds here with them is

@@ -96,8 +96,8 @@ class DecodeWorker:
 
     # -- RoleHooks ----------------------------------------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
-        if slot.metrics is not None and slot.metrics.quota is not None:
-            slot.metrics.quota.waiting = lambda instance=slot.instance: self.receiver.quota.waiting(instance)
+        if slot.metrics is not None:
+            slot.metrics.quota_waiting = lambda instance=slot.instance: self.receiver.quota.waiting(instance)
 
     def _quota_metrics(self, model: str):
         slot = self.runtime.slots.get(model)

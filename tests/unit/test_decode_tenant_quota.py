@@ -70,7 +70,7 @@ def test_a_tenant_over_its_quota_waits_in_order_while_another_is_granted(decode_
     d = decode_side(0.25)
     assert d.ask("a1", "A").accepted  # A holds nothing: one request always starts
     a2 = d.ask("a2", "A")
-    assert _waits(a2) and "'A' holds 4 of its 4 KV blocks" in a2.reason
+    assert _waits(a2) and "'A' holds 4 KV blocks here and this request needs 4 more, past its --tenant-kv-quota 0.25 of 16" in a2.reason
     assert d.ask("b1", "B").accepted  # no head-of-line blocking across tenants
     assert _waits(d.ask("a3", "A"))
     assert d.receiver.quota.waiting(MODEL) == 2
