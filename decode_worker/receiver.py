@@ -29,6 +29,10 @@ class HandoffReceiver(KVInbox):
         self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
         self.quota = TenantQuota()
 
+    def poll(self, timeout_ms: int, admit) -> int:
+        self.quota.new_round()
+        return super().poll(timeout_ms, admit)
+
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
         answer = self._reserve(req, pending, from_peer)
         if isinstance(answer, str) and not isinstance(answer, Busy):

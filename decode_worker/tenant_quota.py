@@ -18,8 +18,10 @@ for its quota, oldest first, and while it is not empty only its head may be gran
 free, its oldest waiting ask is granted first. Other tenants' asks never look at that line. An ask that stops
 coming back (granted on another worker, aborted, failed) leaves the line once it has not been seen for
 ``QUOTA_LINE_GRACE_S`` plus the hold its asker asked for (HandoffRequest.hold_s: how long it may take between
-two reads of our answers), so a gone head holds its tenant up by that much at most. An ask naming no tenant (an
-older prefill worker) is not counted against any quota.
+two reads of our answers), so a gone head holds its tenant up by that much at most. An early ask (made before
+the prompt is prefilled, HandoffRequest.early) is refused without joining the line: its asker parks it until
+the prompt is computed, and a parked head would only hold its tenant up. An ask naming no tenant (an older
+prefill worker) is not counted against any quota.
 """
 
 import math
@@ -45,6 +47,17 @@ class TenantQuota:
         self._lines: dict[tuple[str, str], dict[str, _Waiter]] = {}
         self.on_wait: Callable[[str, str], None] = lambda model, tenant: None  # a request starts waiting
         self.on_grant: Callable[[str, str, int], None] = lambda model, tenant, blocks: None  # blocks held with it
+        self._engine_held: dict[str, dict[str, int]] = {}  # model -> tenant -> blocks its engine holds, this round
+
+    def new_round(self) -> None:
+        """The engine may have stepped since the last round of asks: count what its tenants hold again, once a
+        round (O(blocks in use) per count, where a round may answer a step's worth of asks)."""
+        self._engine_held.clear()
+
+    def _held(self, core, model: str, tenant: str, pending: Callable[[str, str], int]) -> int:
+        if model not in self._engine_held:
+            self._engine_held[model] = core.tenant_kv_blocks()
+        return self._engine_held[model].get(tenant, 0) + pending(model, tenant)
 
     def check(self, core, req: HandoffRequest, pending: Callable[[str, str], int]) -> OverQuota | None:
         """None if ``req`` may be granted under its tenant's quota on ``core`` (or none applies), else the refusal;
@@ -58,13 +71,16 @@ class TenantQuota:
         key = (req.model, req.tenant)
         line = self._lines.get(key, {})
         ahead = next((i for i, rid in enumerate(line) if rid == req.request_id), len(line))
-        held = core.tenant_kv_blocks(req.tenant) + pending(req.model, req.tenant)
+        held = self._held(core, req.model, req.tenant, pending)
         if ahead == 0 and not core.over_tenant_kv_quota(held, req.num_tokens):
             return None
-        if req.request_id not in line:
-            self.on_wait(*key)
-        line = self._lines.setdefault(key, line)
-        line[req.request_id] = _Waiter(now, QUOTA_LINE_GRACE_S + req.hold_s)
+        if req.early:  # parked until its prompt is prefilled: it joins the line when it asks again then
+            self.leave(req)
+        else:
+            if req.request_id not in line:
+                self.on_wait(*key)
+            line = self._lines.setdefault(key, line)
+            line[req.request_id] = _Waiter(now, QUOTA_LINE_GRACE_S + req.hold_s)
         need = math.ceil(req.num_tokens / core.block_size)
         return OverQuota(f"tenant {req.tenant!r} holds {held} KV blocks here and this request needs {need} more, past "
                          f"its --tenant-kv-quota {quota} of {core.num_total_blocks} blocks; {ahead} of its requests "
@@ -75,7 +91,7 @@ class TenantQuota:
         told ``on_grant`` (counted again, not taken from ``check``: the metric checks the check)."""
         self.leave(req)
         if core.tenant_kv_quota is not None and req.tenant:
-            held = core.tenant_kv_blocks(req.tenant) + pending(req.model, req.tenant) + len(blocks)
+            held = self._held(core, req.model, req.tenant, pending) + len(blocks)
             self.on_grant(req.model, req.tenant, held)
 
     def leave(self, req: HandoffRequest) -> None:

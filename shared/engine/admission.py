@@ -76,7 +76,7 @@ class Admission:
         """Admit waiting requests into the running set while the step's budget and max_num_seqs allow, and
         the step holds fewer than ``room`` requests."""
         # After a preemption blocks are short: admitting more would only thrash.
-        held = self._tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
+        held = self.tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
         while (not out.preempted and budget.for_waiting > 0 and len(self._running) < self.config.max_num_seqs
                and len(out.scheduled) < room):
@@ -137,16 +137,13 @@ class Admission:
         out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
         return n
 
-    def _tenant_blocks(self, also: Iterable[Request] = ()) -> dict[str, int]:
+    def tenant_blocks(self, also: Iterable[Request] = ()) -> dict[str, int]:
         """Distinct KV blocks each tenant holds (running and held-for-handoff requests, and ``also``); shared
         prefix blocks count once. O(blocks in use), and only computed when a quota is set."""
         blocks: dict[str, set[int]] = {}
         for req in [*self._running, *self._held.values(), *also]:
             blocks.setdefault(req.tenant, set()).update(self.block_manager.req_blocks.get(req.request_id, ()))
         return {t: len(b) for t, b in blocks.items()}
-
-    def tenant_blocks(self, tenant: str, also: Iterable[Request] = ()) -> int:
-        return self._tenant_blocks(also).get(tenant, 0)
 
     def over_quota(self, tenant_blocks: int, need: int) -> bool:
         return over_tenant_quota(self.config.tenant_kv_quota, tenant_blocks, need, self.block_manager.num_blocks)

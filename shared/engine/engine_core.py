@@ -349,10 +349,10 @@ class EngineCore:
     def tenant_kv_quota(self) -> float | None:
         return self.config.scheduler.tenant_kv_quota
 
-    def tenant_kv_blocks(self, tenant: str) -> int:
-        """KV blocks ``tenant``'s requests hold here (running, held for a handoff, seated while compiling).
+    def tenant_kv_blocks(self) -> dict[str, int]:
+        """KV blocks each tenant's requests hold here (running, held for a handoff, seated while compiling).
         O(blocks in use): asked only when a quota is set."""
-        return self.scheduler.tenant_blocks(tenant, self._compiling.requests())
+        return self.scheduler.tenant_blocks(self._compiling.requests())
 
     def over_tenant_kv_quota(self, tenant_blocks: int, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` tokens would take a tenant holding ``tenant_blocks`` blocks past

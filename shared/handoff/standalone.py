@@ -35,8 +35,8 @@ class DetachedCore:
     def block_size(self) -> int:
         return self.kv.block_size
 
-    def tenant_kv_blocks(self, tenant: str) -> int:
-        return 0
+    def tenant_kv_blocks(self) -> dict[str, int]:
+        return {}
 
     def over_tenant_kv_quota(self, tenant_blocks: int, num_tokens: int) -> bool:
         need = -(-num_tokens // self.block_size)

@@ -65,6 +65,10 @@ class HandoffRequest:
     # the job's tenant, for the decode worker's --tenant-kv-quota (decode_worker/tenant_quota.py; "" = not said:
     # no quota applies). Ignorable: a decode worker that enforces no quota there grants as ever
     tenant: str = field(default="", metadata=_IGNORABLE_ID)
+    # asked before the prompt is prefilled (so its KV can stream during the last chunk): refused, the asker parks
+    # it and asks again once prefilled, so until then it takes no place in its tenant's quota line there.
+    # Ignorable: such an ask is refused like any other
+    early: bool = field(default=False, metadata=IGNORABLE)
     protocol: int = protocol_field()  # the asker's wire protocol version: one too far apart is refused
 
     def check(self) -> None:

@@ -38,8 +38,9 @@ class Decode:
         self.asker.setsockopt(zmq.LINGER, 0)
         self.asker.connect(addr)
 
-    def ask(self, rid: str, tenant: str, num_tokens: int = PROMPT) -> HandoffGrant:
-        self.asker.send(encode(HandoffRequest(rid, MODEL, num_tokens=num_tokens, block_size=BLOCK, tenant=tenant)))
+    def ask(self, rid: str, tenant: str, num_tokens: int = PROMPT, early: bool = False) -> HandoffGrant:
+        self.asker.send(encode(HandoffRequest(rid, MODEL, num_tokens=num_tokens, block_size=BLOCK, tenant=tenant,
+                                              early=early)))
         while not self.asker.poll(10):
             self.receiver.poll(10, admit=lambda header: None)
         return decode(self.asker.recv(), HandoffGrant)
@@ -76,7 +77,9 @@ def test_a_tenant_over_its_quota_waits_in_order_while_another_is_granted(decode_
     assert d.receiver.quota.waiting(MODEL) == 2
     assert d.ask("b2", "B").busy  # B is at its own quota now, A's line does not grant it either
 
+    assert _waits(d.ask("a4", "A", early=True))  # asked before its prefill: it parks, taking no place in line
     d.cancel("a1")  # A's blocks free: its oldest waiting ask is granted first
+    assert _waits(d.ask("a4", "A", early=True))
     a3 = d.ask("a3", "A")
     assert _waits(a3) and "1 of its requests wait ahead" in a3.reason
     assert d.ask("a2", "A").accepted
