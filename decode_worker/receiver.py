@@ -1,10 +1,11 @@
 """The decode role's side of the KV handoff: which handed-off requests it takes. Blocks are reserved
 before a grant goes out (SGLang style: decode pre-allocates, prefill writes), and a request that
 cannot run here is refused up front rather than trusted; receiving, checking and acking the KV are
-shared/handoff/receiver.py's."""
+shared/handoff/receiver.py's. A tenant at its --tenant-kv-quota here waits for its grant (tenant_quota.py)."""
 
 from collections.abc import Callable
 
+from kvrelay.decode_worker.tenant_quota import TenantQuota
 from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES
@@ -26,8 +27,19 @@ class HandoffReceiver(KVInbox):
         super().__init__(sock, core_for, grant_ttl_s, transports, asker_alive, bulk)
         self.max_per_peer = max_per_peer
         self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
+        self.quota = TenantQuota()
+
+    def poll(self, timeout_ms: int, admit) -> int:
+        self.quota.new_round()
+        return super().poll(timeout_ms, admit)
 
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
+        answer = self._reserve(req, pending, from_peer)
+        if isinstance(answer, str) and not isinstance(answer, Busy):
+            self.quota.leave(req)  # refused for good: it will not ask here again
+        return answer
+
+    def _reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
         if not self.accepting:
             return "decode worker is draining"
         if refusal := version_refusal(req.protocol, "the prefill worker"):
@@ -46,12 +58,18 @@ class HandoffReceiver(KVInbox):
                     f"this decode worker's ({core.kv.scales_digest or 'none'}); load the same checkpoint on both")
         if core.is_running(req.request_id):
             return "duplicate request id"  # a reclaimed job must never stream twice
+        if req.num_tokens >= core.max_model_len:
+            return f"{req.num_tokens} tokens exceed max_model_len {core.max_model_len}"
+        # before the seats: a tenant's asks keep their order in its line while the batch is full too
+        if refusal := self.quota.check(core, req, self.tenant_blocks):
+            return refusal
         cap = self.max_per_peer or max(1, core.max_num_seqs // 2)
         if from_peer >= cap:  # refused like a full batch: the asker parks and asks again
             return Busy(f"this prefill worker already holds {from_peer} handoffs here (--max-handoffs-per-peer)")
         if core.num_running + pending >= core.max_num_seqs:
             return Busy("running batch is full (max_num_seqs)")
-        if req.num_tokens >= core.max_model_len:
-            return f"{req.num_tokens} tokens exceed max_model_len {core.max_model_len}"
         blocks = core.kv.reserve(req.request_id, req.num_tokens)
-        return Busy("no free KV blocks") if blocks is None else blocks
+        if blocks is None:
+            return Busy("no free KV blocks")
+        self.quota.granted(core, req, blocks, self.tenant_blocks)
+        return blocks

@@ -63,6 +63,7 @@ class DecodeWorker:
         self.receiver = HandoffReceiver(self.sock, self._core_for, config.handoff_timeout_s,
                                         max_per_peer=config.max_handoffs_per_peer, asker_alive=self._asker_alive,
                                         bulk=self.bulk)
+        self.receiver.quota.on_wait, self.receiver.quota.on_grant = self._quota_wait, self._quota_grant
         self._live_askers: tuple[float, set[str]] = (0.0, set())
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 
@@ -95,7 +96,20 @@ class DecodeWorker:
 
     # -- RoleHooks ----------------------------------------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
-        pass
+        if slot.metrics is not None:
+            slot.metrics.quota_waiting = lambda instance=slot.instance: self.receiver.quota.waiting(instance)
+
+    def _quota_metrics(self, model: str):
+        slot = self.runtime.slots.get(model)
+        return None if slot is None or slot.metrics is None else slot.metrics.quota
+
+    def _quota_wait(self, model: str, tenant: str) -> None:
+        if (metrics := self._quota_metrics(model)) is not None:
+            metrics.waited(tenant)
+
+    def _quota_grant(self, model: str, tenant: str, blocks_held: int) -> None:
+        if (metrics := self._quota_metrics(model)) is not None:
+            metrics.granted(tenant, blocks_held)
 
     def detach(self, slot: ModelSlot) -> None:
         self.receiver.forget_model(slot.instance)

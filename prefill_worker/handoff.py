@@ -79,9 +79,11 @@ class HandoffManager(HandoffSender):
         if not self.complete(job.request_id, first):
             self.start(job, entry_id, first)
 
-    def waiting_for_seat(self, model: str) -> int:
-        """Prefilled transfers of ``model`` waiting now for a decode seat (read by the metrics thread)."""
-        return sum(1 for t in list(self.transfers.values()) if t.job.model == model and t.seat_wait_from)
+    def waiting_for_seat(self, model: str, over_quota: bool = False) -> int:
+        """Prefilled transfers of ``model`` waiting now for a decode seat (``over_quota``: for their tenant's KV
+        quota there instead) (read by the metrics thread)."""
+        return sum(1 for t in list(self.transfers.values())
+                   if t.job.model == model and t.seat_wait_from and t.waits_for_quota == over_quota)
 
     def poll(self, timeout_ms: int = 0) -> list[Transfer]:
         targets = set()

@@ -83,6 +83,7 @@ class PrefillWorker:
         self.intake.attach(slot)
         if slot.metrics is not None:
             slot.metrics.seat_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance)
+            slot.metrics.quota_waiting = lambda instance=slot.instance: self.handoff.waiting_for_seat(instance, True)
         if self.config.stream_kv_layers and slot.core.kv.sharded:  # its blocks are gathered between steps
             log.info("%s runs on several ranks: its KV leaves after each prompt's prefill, not layer by layer",
                      slot.instance)

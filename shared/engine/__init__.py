@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvrelay.shared.engine.admission import over_tenant_quota
     from kvrelay.shared.engine.engine_core import EngineCore
     from kvrelay.shared.engine.kv_connector import EngineKV, LayerSaver, detached_kv
     from kvrelay.shared.engine.kv_pool import KVPool
@@ -27,10 +28,11 @@ _HOMES = {
     "EngineCoreOutput": "kvrelay.shared.engine.outputs",
     "Request": "kvrelay.shared.engine.request",
     "SchedulerOutput": "kvrelay.shared.engine.scheduler_output",  # what an EngineObserver is shown of a step
+    "over_tenant_quota": "kvrelay.shared.engine.admission",  # --tenant-kv-quota's rule, for stand-ins of EngineCore
 }
 
 __all__ = ["EngineCore", "EngineObserver", "EngineKV", "LayerSaver", "detached_kv", "KVPool", "EngineCoreOutput",
-           "Request", "SchedulerOutput"]
+           "Request", "SchedulerOutput", "over_tenant_quota"]
 
 
 def __getattr__(name: str) -> object:

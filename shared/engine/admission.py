@@ -12,10 +12,12 @@ tenant the policy's order holds. With ``tenant_kv_quota`` a tenant's request is 
 blocks of its whole known sequence fit under that share of the pool together with what the tenant
 holds; otherwise it waits, and other tenants are admitted past it. Running requests still grow by
 their decode tokens, and a tenant holding no blocks can always start one request, so a quota never
-makes a request unservable.
+makes a request unservable. A decode worker applies the same rule (``over_tenant_quota``) to the requests
+handed to it (decode_worker/tenant_quota.py), which enter the running set without passing admission.
 """
 
 import bisect
+from collections.abc import Iterable
 
 from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager, cdiv
@@ -26,6 +28,14 @@ from kvrelay.shared.engine.swap import HostBlockPool
 from kvrelay.shared.engine.token_budget import StepBudget
 
 _OVER_QUOTA = -1  # _admit: the request's tenant is at its KV quota; other tenants may still be admitted
+
+
+def over_tenant_quota(quota: float | None, tenant_blocks: int, need: int, num_blocks: int) -> bool:
+    """Whether a request needing ``need`` more blocks would take a tenant holding ``tenant_blocks`` of a pool of
+    ``num_blocks`` past the share ``quota`` (--tenant-kv-quota). A tenant holding none may always start one."""
+    if quota is None or tenant_blocks == 0:
+        return False
+    return tenant_blocks + need > quota * num_blocks
 
 
 class Admission:
@@ -66,7 +76,7 @@ class Admission:
         """Admit waiting requests into the running set while the step's budget and max_num_seqs allow, and
         the step holds fewer than ``room`` requests."""
         # After a preemption blocks are short: admitting more would only thrash.
-        held = self._tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
+        held = self.tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
         while (not out.preempted and budget.for_waiting > 0 and len(self._running) < self.config.max_num_seqs
                and len(out.scheduled) < room):
@@ -103,7 +113,7 @@ class Admission:
         n = budget.fit(req.num_tokens - req.num_computed_tokens, budget.for_waiting)
         # the whole known sequence, not this step's chunk: later chunks grow without another check
         need = cdiv(req.num_tokens, self.block_manager.block_size)
-        if n and self._over_quota(held.get(req.tenant, 0), need):
+        if n and self.over_quota(held.get(req.tenant, 0), need):
             if not swapped:
                 req.num_computed_tokens = 0
             return _OVER_QUOTA
@@ -127,19 +137,16 @@ class Admission:
         out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
         return n
 
-    def _tenant_blocks(self) -> dict[str, int]:
-        """Distinct KV blocks each tenant holds (running and held-for-handoff requests); shared prefix
-        blocks count once. O(blocks in use), and only computed when a quota is set."""
+    def tenant_blocks(self, also: Iterable[Request] = ()) -> dict[str, int]:
+        """Distinct KV blocks each tenant holds (running and held-for-handoff requests, and ``also``); shared
+        prefix blocks count once. O(blocks in use), and only computed when a quota is set."""
         blocks: dict[str, set[int]] = {}
-        for req in [*self._running, *self._held.values()]:
+        for req in [*self._running, *self._held.values(), *also]:
             blocks.setdefault(req.tenant, set()).update(self.block_manager.req_blocks.get(req.request_id, ()))
         return {t: len(b) for t, b in blocks.items()}
 
-    def _over_quota(self, tenant_blocks: int, need: int) -> bool:
-        quota = self.config.tenant_kv_quota
-        if quota is None or tenant_blocks == 0:
-            return False
-        return tenant_blocks + need > quota * self.block_manager.num_blocks
+    def over_quota(self, tenant_blocks: int, need: int) -> bool:
+        return over_tenant_quota(self.config.tenant_kv_quota, tenant_blocks, need, self.block_manager.num_blocks)
 
     # ---- preemption ----
 

@@ -22,7 +22,7 @@ import torch
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.batch_queue import BatchQueueStepper
-from kvrelay.shared.engine.block_manager import BlockManager
+from kvrelay.shared.engine.block_manager import BlockManager, cdiv
 from kvrelay.shared.engine.kv_connector import KVLinks, engine_kv
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.model_runner import ModelRunner
@@ -345,6 +345,21 @@ class EngineCore:
     def num_total_blocks(self) -> int:
         """Blocks this model owns now."""
         return self.block_manager.num_blocks
+
+    # -- tenant KV quota (--tenant-kv-quota), for a decode worker's grants ------------------------
+    @property
+    def tenant_kv_quota(self) -> float | None:
+        return self.config.scheduler.tenant_kv_quota
+
+    def tenant_kv_blocks(self) -> dict[str, int]:
+        """KV blocks each tenant's requests hold here (running, held for a handoff, seated while compiling).
+        O(blocks in use): asked only when a quota is set."""
+        return self.scheduler.tenant_blocks(self._compiling.requests())
+
+    def over_tenant_kv_quota(self, tenant_blocks: int, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens would take a tenant holding ``tenant_blocks`` blocks past
+        its quota: the rule admission applies to waiting requests (admission.py)."""
+        return self.scheduler.over_quota(tenant_blocks, cdiv(num_tokens, self.block_size))
 
 
 __all__ = ["EngineCore", "EngineObserver"]

@@ -29,6 +29,11 @@ class Busy(str):
     as a request waits in vLLM's queue for a seat, rather than failing."""
 
 
+class OverQuota(Busy):
+    """A refusal because the request's tenant holds its KV quota here (decode_worker/tenant_quota.py): the asker
+    waits and asks again as for a seat, and the answer says which wait it is (HandoffGrant.over_quota)."""
+
+
 @dataclass
 class Grant:
     peer: bytes  # the asker's ZMQ identity
@@ -42,6 +47,7 @@ class Grant:
     epoch: int  # HandoffGrant.epoch: KV of any other grant of the request is not this one's
     offered: bool = False  # a direct-write handle went out with it
     frames_key: bytes = field(default=b"", repr=False)  # HandoffGrant.frames_key: its frames' MACs are under it
+    tenant: str = ""  # HandoffRequest.tenant: whose KV quota its blocks count against
 
 
 class GrantBook:
@@ -77,7 +83,7 @@ class GrantBook:
         # travels in the grant, over CURVE) can make one
         key = secrets.token_bytes(FRAME_KEY_BYTES) if self.frames_addr else b""
         self.grants[req.request_id] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl,
-                                            now, epoch, offered=offer is not None, frames_key=key)
+                                            now, epoch, offered=offer is not None, frames_key=key, tenant=req.tenant)
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
         targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,

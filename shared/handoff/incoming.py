@@ -28,11 +28,12 @@ class Incoming:
     since: float  # monotonic time its grant was made
     epoch: int  # its grant's: KV of any other grant of the request is dropped
     header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
+    tenant: str = ""  # its grant's: whose KV quota its blocks count against
 
     @classmethod
     def of(cls, grant: Grant, transport: str, receiver: KVReceiver, now: float) -> "Incoming":
         return cls(grant.peer, grant.requester, grant.model, grant.block_ids, grant.num_tokens, transport, receiver,
-                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch)
+                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch, tenant=grant.tenant)
 
 
 def receiver_for(kv: EngineKV, rid: str, grant: Grant, transport: str, by_name: dict[str, Transport],

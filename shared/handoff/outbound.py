@@ -22,7 +22,8 @@ def request_for(t: Transfer, kv: EngineKV, transports: list[Transport], requeste
     locality = next((place for tr in transports if (place := tr.locality(kv.kv_cache))), "")
     return HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
                           block_size=kv.block_size, kv_dtype=DTYPE_NAMES[kv.kv_cache.dtype], device_uuid=locality,
-                          requester=requester, hold_s=hold_s, kv_scales=kv.scales_digest, ask=t.ask)
+                          requester=requester, hold_s=hold_s, kv_scales=kv.scales_digest, ask=t.ask,
+                          tenant=t.job.tenant, early=not t.computed)
 
 
 def sender_for(t: Transfer, engine_kv: EngineKV, transports: list[Transport], src_blocks: list[int],

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.handoff.grants import Busy, Grant, GrantBook
+from kvrelay.shared.handoff.grants import Busy, Grant, GrantBook, OverQuota
 from kvrelay.shared.handoff.inbox_socket import InboxSocket
 from kvrelay.shared.handoff.incoming import Incoming, receiver_for
 from kvrelay.shared.handoff.rank_parts import RankParts
@@ -50,6 +50,11 @@ class Seats(ABC):
         """KV granted or arriving: a draining worker waits for it."""
         return bool(self.grants or self.incoming)
 
+    def tenant_blocks(self, model: str, tenant: str) -> int:
+        """Blocks of ``model`` granted here to ``tenant``'s requests, or holding their arriving KV."""
+        held = [*self.grants.values(), *self.incoming.values()]
+        return sum(len(h.block_ids) for h in held if h.model == model and h.tenant == tenant)
+
     def has_model(self, model: str) -> bool:
         return self.book.has_model(model) or any(i.model == model for i in self.incoming.values())
 
@@ -70,7 +75,7 @@ class Seats(ABC):
         blocks = self.reserve(req, pending, mine.count((peer, req.model)))
         if isinstance(blocks, str):
             return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy),
-                                ask=req.ask)
+                                over_quota=isinstance(blocks, OverQuota), ask=req.ask)
         return self.book.add(peer, req, blocks)
 
     def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:

@@ -205,7 +205,7 @@ class HandoffSender(KVOut):
             else:
                 t.waits_for_room = msg.busy
                 if msg.busy:
-                    t.wait_for_seat()
+                    t.wait_for_seat(msg.over_quota)
                 self._retry(t, f"decode worker refused: {msg.reason}")
         elif isinstance(msg, HandoffAck) and peer != t.target:
             # only the decode worker holding the KV can say whether it landed

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvrelay.shared.engine import EngineKV, detached_kv
+from kvrelay.shared.engine import EngineKV, detached_kv, over_tenant_quota
 from kvrelay.shared.handoff.sender import HandoffSender
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
@@ -23,9 +23,24 @@ class DetachedCore:
     max_model_len: int
     max_num_seqs: int = 1024
     num_running: int = 0
+    tenant_kv_quota: float | None = None  # --tenant-kv-quota: only grants count against it (nothing runs)
+
+    def __post_init__(self) -> None:
+        self.num_total_blocks = self.kv.num_free_blocks
 
     def is_running(self, request_id: str) -> bool:
         return False
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    def tenant_kv_blocks(self) -> dict[str, int]:
+        return {}
+
+    def over_tenant_kv_quota(self, tenant_blocks: int, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.block_size)
+        return over_tenant_quota(self.tenant_kv_quota, tenant_blocks, need, self.num_total_blocks)
 
 
 def endpoint(kv_cache: torch.Tensor, worker_id: str, model: str, scatter_seed: int | None = None):

@@ -31,6 +31,8 @@ class Transfer:
     tried: set[str] = field(default_factory=set)
     rounds_refused: int = 0  # rounds in a row no decode worker took it (a grant resets it): how long it waits next
     waits_for_room: bool = False  # the last refusal was for lack of room: it may wait past the handoff timeout
+    # that refusal was its tenant's KV quota on the decode worker (HandoffGrant.over_quota), not a full batch
+    waits_for_quota: bool = False
     seat_wait_from: float = 0.0  # perf_counter when a refusal for lack of room made the prefilled KV wait
     seat_wait_s: float = 0.0  # how long it waited for a decode seat, once it got one (or failed)
     grant: HandoffGrant | None = None
@@ -59,8 +61,10 @@ class Transfer:
     def to(self, event: Event) -> None:
         self.state = next_state(self.state, event)
 
-    def wait_for_seat(self) -> None:
-        """Refused for lack of room: the prefilled KV waits for a decode seat from now (if not already)."""
+    def wait_for_seat(self, over_quota: bool = False) -> None:
+        """Refused for lack of room (``over_quota``: its tenant's): the prefilled KV waits for a decode seat from
+        now (if not already)."""
+        self.waits_for_quota = over_quota
         if not self.seat_wait_from:
             self.seat_wait_from = time.perf_counter()
 

@@ -62,6 +62,13 @@ class HandoffRequest:
     # answering it echoes it, so the asker, which may have asked again elsewhere since, knows which ask it
     # answers. Ignorable: the asker takes an answer without it (0) for the answer to its latest ask there
     ask: int = field(default=0, metadata=IGNORABLE)
+    # the job's tenant, for the decode worker's --tenant-kv-quota (decode_worker/tenant_quota.py; "" = not said:
+    # no quota applies). Ignorable: a decode worker that enforces no quota there grants as ever
+    tenant: str = field(default="", metadata=_IGNORABLE_ID)
+    # asked before the prompt is prefilled (so its KV can stream during the last chunk): refused, the asker parks
+    # it and asks again once prefilled, so until then it takes no place in its tenant's quota line there.
+    # Ignorable: such an ask is refused like any other
+    early: bool = field(default=False, metadata=IGNORABLE)
     protocol: int = protocol_field()  # the asker's wire protocol version: one too far apart is refused
 
     def check(self) -> None:
@@ -149,6 +156,10 @@ class HandoffGrant:
     reason: str = field(default="", metadata=IGNORABLE)
     # refused for lack of room now (a full batch, no free blocks): the asker keeps its KV and asks again
     busy: bool = False
+    # (with ``busy``) refused because the request's tenant holds its --tenant-kv-quota of this decode worker's KV:
+    # the asker waits and asks again like for a seat; told apart for its logs and metrics. Ignorable: an asker
+    # that does not know it waits as for a seat
+    over_quota: bool = field(default=False, metadata=IGNORABLE)
     ipc: KVIpcHandle | None = None  # offered when the asker shares this GPU: write the blocks directly
     ttl_s: float = 0.0  # the grant lapses this long after it was sent; IPC writes must land well inside it
     # a sharded decode worker whose ranks receive their own shares: where a sharded sender's ranks send each

@@ -35,6 +35,7 @@ from kvrelay.shared.engine import SchedulerOutput
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.engine_stats import ITERATION_TOKENS_BUCKETS, RELAYED_HISTOGRAMS, EngineStats, HistogramCounts
 from kvrelay.shared.worker.host_stats import HostCollector, nvml_for
+from kvrelay.shared.worker.quota_metrics import QuotaMetrics
 
 # vLLM's buckets, with finer steps below 10 ms for GPU decode and around the 500 ms e2e alert threshold.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -138,13 +139,22 @@ class WorkerMetrics:
         self.handoff_failures = Counter("kvrelay_handoff_failures", "Handoffs that failed (request ended in error)",
                                         m, registry=r).labels(model_name)
         self.seat_wait = Histogram("kvrelay_handoff_seat_wait_seconds",
-                                   "Time prefilled requests waited for a decode seat (refused for a full batch or "
-                                   "no free KV blocks) before their KV moved; only those that waited, so _count "
-                                   "is how many did", m, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+                                   "Time prefilled requests waited for a decode seat (refused for a full batch, "
+                                   "no free KV blocks, or their tenant's --tenant-kv-quota there) before their KV "
+                                   "moved; only those that waited, so _count is how many did", m,
+                                   buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
         # set by a prefill worker's role (prefill_worker/worker.py): its handoffs know who waits
         self.seat_waiting: Callable[[], int] = lambda: 0
-        Gauge("kvrelay_handoff_waiting_for_seat", "Prefilled requests waiting now for a decode seat, their KV "
-              "held here", m, registry=r).labels(model_name).set_function(lambda: self.seat_waiting())
+        Gauge("kvrelay_handoff_waiting_for_seat", "Prefilled requests waiting now for a decode seat (a full batch, "
+              "no free KV blocks), their KV held here", m, registry=r).labels(model_name).set_function(
+                  lambda: self.seat_waiting())
+        # set by the role: a prefill worker's transfers, a decode worker's asks in line (decode_worker/tenant_quota.py)
+        self.quota_waiting: Callable[[], int] = lambda: 0
+        Gauge("kvrelay_handoff_waiting_for_quota", "Handoffs waiting now for a decode worker's grant because their "
+              "tenant holds its --tenant-kv-quota there: on a prefill worker those whose KV it holds, on a decode "
+              "worker the asks in line there", m, registry=r).labels(model_name).set_function(
+                  lambda: self.quota_waiting())
+        self.quota = QuotaMetrics(r, model_name, tenant_label) if role == "decode" else None
         self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers, rank_layers: "
                                  "sent by each rank of a sharded worker) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",

@@ -102,3 +102,44 @@ def test_a_handoff_waiting_for_room_fails_at_its_jobs_deadline(prefill, decode_s
     assert "no free KV blocks" in ended[0].reason
     assert time.time() >= job.deadline
     kv.free("hog")
+
+
+def test_a_handoff_over_its_tenants_decode_quota_waits_apart_from_seat_waits_then_lands(prefill, decode_side):
+    """The decode side holds --tenant-kv-quota (decode_worker/tenant_quota.py): a computed handoff of a tenant whose
+    grants there already fill its share is answered "over quota", keeps its KV and asks again, counted as a quota
+    wait rather than a seat wait, and lands once the tenant's grant there is given back."""
+    rt, make = prefill
+    side = decode_side(ttl_s=30.0)  # the holder's early grant stays fresh, however slow the box
+    side.rt.core.tenant_kv_quota = 0.1  # of 96 blocks: 9.6
+    manager = make(side.addr, timeout_s=0.5)
+    holder = early(manager, "holder", 8 * BLOCK)  # the tenant's grant: 8 blocks
+    poll_until(manager, lambda: holder.state is State.GRANTED, "the holder's grant")
+    src = rt.core.kv.reserve("waits", 4 * BLOCK)
+    t = manager.start(synthetic_job("waits", 4 * BLOCK, MODEL), b"waits", FirstToken(3))
+    ended = poll_until(manager, lambda: t.seat_wait_from, "the refusal")
+    assert ended == [] and t.waits_for_room and t.waits_for_quota
+    assert (manager.waiting_for_seat(MODEL, over_quota=True), manager.waiting_for_seat(MODEL)) == (1, 0)
+    assert side.receiver.quota.waiting(MODEL) == 1
+    manager.cancel("holder")
+    ended = poll_until(manager, lambda: not manager.transfers, "the handoff")
+    assert [(e.job.request_id, e.state) for e in ended] == [("waits", State.DONE)]
+    wait_for(lambda: "waits" in side.admitted, "admission")
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("waits")], rt.core.kv.kv_cache[:, :, src])
+
+
+def test_a_handoff_waiting_for_its_tenants_quota_fails_at_its_jobs_deadline_saying_so(prefill, decode_side):
+    rt, make = prefill
+    side = decode_side(ttl_s=30.0)  # the holder's early grant stays fresh, however slow the box
+    side.rt.core.tenant_kv_quota = 0.1
+    manager = make(side.addr, timeout_s=0.3)
+    holder = early(manager, "holder", 8 * BLOCK)
+    poll_until(manager, lambda: holder.state is State.GRANTED, "the holder's grant")
+    rt.core.kv.reserve("late", 4 * BLOCK)
+    job = dataclasses.replace(synthetic_job("late", 4 * BLOCK, MODEL), deadline=time.time() + 1.0)
+    manager.start(job, b"late", FirstToken(3))
+    ended = poll_until(manager, lambda: "late" not in manager.transfers, "the deadline")
+    assert [(e.job.request_id, e.state) for e in ended] == [("late", State.FAILED)]
+    assert "tenant 'bench' holds 8 KV blocks here and this request needs 4 more, past its --tenant-kv-quota 0.1" in \
+        ended[0].reason
+    assert time.time() >= job.deadline
+    manager.cancel("holder")

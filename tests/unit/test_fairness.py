@@ -224,6 +224,19 @@ def test_kv_quota_never_makes_a_request_unservable():
     assert_clean(s)
 
 
+def test_handed_off_requests_count_against_the_quota_as_admission_counts_it():
+    """What a decode worker asks before granting a handoff (EngineCore.tenant_kv_blocks, over_tenant_kv_quota):
+    handed-off requests enter the running set without admission, and still count."""
+    s = make(quota=0.25, num_blocks=64)  # 16 blocks a tenant
+    r = rq("handed", "a", n_prompt=24)
+    assert s.block_manager.allocate_for_tokens("handed", 24)  # 6 blocks
+    r.output_token_ids, r.num_computed_tokens = [5], 24
+    s.add_prefilled_request(r)
+    assert s.tenant_blocks() == {"a": 6}
+    assert not s.over_quota(6, 10) and s.over_quota(6, 11)
+    assert not s.over_quota(0, 64)  # a tenant holding none may always start one
+
+
 def test_quota_must_be_a_fraction():
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="tenant_kv_quota"):

@@ -148,6 +148,22 @@ def test_decode_role_records_itl_e2e_and_finish_reasons():
     assert value(snap, "vllm:num_requests_running", model_name=m) == 0
 
 
+def test_decode_role_counts_quota_waits_and_the_most_a_tenant_held_at_a_grant():
+    e = Engine("decode")
+    quota = e.metrics.quota
+    for tenant in ("a", "a", "b"):
+        quota.waited(tenant)
+    for tenant, held in (("a", 5), ("a", 3), ("b", 2)):
+        quota.granted(tenant, held)
+    e.metrics.quota_waiting = lambda: 4  # as a decode worker's line reports it
+    snap = samples(e.metrics.registry)
+    for tenant, waits, peak in (("a", 2, 5), ("b", 1, 2)):
+        assert value(snap, "kvrelay_handoff_quota_waits_total", model_name="tiny", tenant=tenant) == waits
+        assert value(snap, "kvrelay_handoff_tenant_kv_blocks_peak", model_name="tiny", tenant=tenant) == peak
+    assert value(snap, "kvrelay_handoff_waiting_for_quota", model_name="tiny") == 4
+    assert Engine("prefill").metrics.quota is None  # a prefill worker shows only how many of its handoffs wait
+
+
 def test_unified_role_records_both_sides():
     e = Engine("unified")
     e.scheduler.add_request(req("u", "a", max_tokens=4))
