@@ -11,7 +11,8 @@ from kvrelay.gateway.tenancy.auth import TENANT
 async def list_models(request: web.Request) -> web.Response:
     """Exactly the names a request of this caller is served for (``Served.servable``, what request
     resolution decides from): the registered ones, loaded or not (a request loads them), and those live
-    workers publish directly; never an instance key, nor a model the caller's key may not use. kvrelay's
+    workers publish directly; never an instance key, nor a model the caller's key may not use, nor one whose
+    live workers of a phase are all stalled (its request gets 503 until they step again). kvrelay's
     own ``kvrelay`` field says whether live workers hold it now (``loaded``: no load before the first token)
     and whether it is registered (loaded on demand)."""
     try:

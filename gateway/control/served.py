@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvrelay.gateway.control.model_registry import MODEL_REGISTRY, is_direct
 from kvrelay.gateway.control.placement import PLACEMENT, LoadError
-from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, Capacity, capacity_of
+from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY, Capacity, capacity_of, stalled_out
 from kvrelay.gateway.errors import APIError, bad_request, unavailable
 from kvrelay.gateway.redis_watch import REDIS_WATCH
 from kvrelay.gateway.state import CONFIG
@@ -49,10 +49,16 @@ class Served:
         """Live workers hold it, both phases: a request for it is served without a load."""
         return name in self.known and self.capacity(name).servable
 
+    def stalled(self, name: str) -> bool:
+        """Every live worker of one of its phases is stalled (stalled_workers.py): a request for it gets 503
+        until one steps again, registered or not (a load would find it loaded)."""
+        return stalled_out(self.capacity(name), capacity_of(self.routable, self.instance(name)))
+
     def servable(self, name: str) -> bool:
         """A request for it is served: it is registered (its request loads it where no worker holds it) or
-        its workers are up. A direct model with no live worker gets 503, an unknown name 404."""
-        return name in self.specs or self.loaded(name)
+        its workers are up, and its workers of neither phase are all stalled. A direct model with no live
+        worker gets 503, one only stalled workers hold 503, an unknown name 404."""
+        return not self.stalled(name) and (name in self.specs or self.loaded(name))
 
     def required(self) -> dict[str, Capacity]:
         """The names that need live workers before this gateway is ready, and the routable workers they have

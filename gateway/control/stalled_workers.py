@@ -3,7 +3,7 @@
 (shared/wire/step_stall.py). No new job is routed to one: its private stream gets none, and a model
 only such workers hold answers 503 naming them, rather than queue requests that wait out their deadlines, and
 ``/ready`` counts it out. Jobs routed to its private stream that it has not read, its peers take
-(shared/wire/job_queue.py); those it read are its own to finish or, past the workers' ``--step-timeout``, lose
+(shared/wire/job_adoption.py); those it read are its own to finish or, past the workers' ``--step-timeout``, lose
 when it exits (their peers then run them again).
 
 Judged afresh at each read of the workers (``WorkerRegistry.workers``), and logged once per stall: when it

@@ -41,6 +41,12 @@ def capacity_of(workers: list[WorkerInfo], model: str) -> Capacity:
     return Capacity(prefill=sum(w.can_prefill for w in serving), decode=sum(w.can_decode for w in serving))
 
 
+def stalled_out(live: Capacity, routable: Capacity) -> bool:
+    """Live workers hold both phases of a model, but for one phase only stalled ones: its requests get 503
+    until they step again (``require_capacity``), and a load would find it loaded."""
+    return live.servable and not routable.servable
+
+
 async def read_indexed(client: redis.asyncio.Redis, index: str, key_of, cls) -> dict:
     """Every record named in the set ``index`` (one SMEMBERS, one MGET), decoded as ``cls``; missing
     records are skipped, malformed ones logged and skipped."""
@@ -129,7 +135,7 @@ class WorkerRegistry:
         """Why instance ``model`` takes no new job though ``live`` (the last read of the workers) holds both its
         phases: every live worker of one phase is stalled. None when it takes jobs, or lacks a live phase."""
         routable = capacity_of(self.stalls.routable(live), model)
-        if routable.servable or not capacity_of(live, model).servable:
+        if not stalled_out(capacity_of(live, model), routable):
             return None
         missing = "prefill" if routable.prefill == 0 else "decode"
         stalled = self.stalls.describe([w for w in live if model in w.models])

@@ -34,7 +34,7 @@ def stalled_step_timeout(roles: tuple[str, ...] = ()) -> Any:
                    "says) before it counts as stalled (shared/wire/step_stall.py): the gateway routes no new job to "
                    "it (with no other worker for a model, its requests get 503 + Retry-After), prefill workers "
                    "hand it no KV, and prefill and unified workers take the jobs routed to it that it has not read "
-                   "(shared/wire/job_queue.py). Generous: a first step's Triton compile or a long prefill is legit "
+                   "(shared/wire/job_adoption.py). Generous: a first step's Triton compile or a long prefill is legit "
                    "(0: never)",
                    shared=True, roles=roles, ge=0)
 

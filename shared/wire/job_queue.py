@@ -4,22 +4,8 @@ apart, to the dead-letter stream, their clients told why.
 
 Two streams feed a worker: the model's shared stream, which any free worker takes from, and its private
 stream, where the gateway routes jobs whose prompt prefix this worker likely has cached (prefix
-affinity, gateway/control/routing.py). Private jobs are read first. A worker whose heartbeat is gone leaves its
-private stream to its peers: they find it through the shared group's consumer list (every worker
-registers there as a consumer before it can be routed to) and adopt it, reading what is undelivered and
-reclaiming what is pending, so nothing routed to a dead worker is lost. A peer gone long enough has its
-empty stream and its consumer entry removed; the gateway only XADDs to a private stream that exists, so
-a job can never land in one nobody reads.
-
-A stalled worker (live by its heartbeat, which does not wait for steps, but in one engine step past
-``--stalled-step-timeout-s``: shared/wire/step_stall.py) gets no new job, but what was routed to it before
-would wait for its stall watch to end it (``--step-timeout``). Its peers take what it never read; what it
-did read stays pending with it, to finish should it step again, or to be reclaimed as a dead worker's once it
-is ended. None is taken twice: the private stream has one consumer group (PREFILL_GROUP), which its owner
-reads as its consumer and a peer as its own, and an XREADGROUP ``>`` delivers the entries past the group's
-last-delivered id and moves that id in the same command (Redis runs one at a time), so each entry goes to
-exactly one consumer: never to two peers, nor to a peer and the owner once it wakes. A taken entry is pending
-under the peer's name in the owner's stream, kept, ACKed and handed back as any adopted one.
+affinity, gateway/control/routing.py). Private jobs are read first. The private stream of a dead peer, and
+what a stalled one has not read of its, the others adopt (job_adoption.py).
 
 A job stays pending (un-ACKed) until the caller says it is done, which for a prefill worker means the
 decode side confirmed it holds the KV: a worker killed at any point before that leaves the job to be
@@ -44,25 +30,17 @@ import redis
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, peek_strings
+from kvrelay.shared.wire.job_adoption import ADOPT_EVERY_S, PeerAdoption
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_health import RedisHealth
-from kvrelay.shared.wire.step_stall import stalled_record, why_stalled
 from kvrelay.shared.wire.version import version_refusal
 
 log = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 1.0
-# Peers' private streams are looked at less often: a dead peer's heartbeat takes HEARTBEAT_TTL_S to lapse, and a
-# stalled one's step age is published once a heartbeat.
-ADOPT_EVERY_S = keys.HEARTBEAT_INTERVAL_S
-# A peer gone this long is no gateway's routing candidate (their registry caches are far shorter), so its
-# emptied private stream and its consumer entry can go.
-FORGET_AFTER_S = 60.0
 # Deliveries before a hand-back moved the entry to the shared stream, where its count starts again.
 PRIOR_FIELD = b"deliveries"
 _SEP = b"@"
-# Deletes a private stream only while it is empty, atomically with any XADD the gateway may be making.
-_DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
 # XREADGROUP of KEYS in turn (no BLOCK: allowed in a script) until ARGV[3] entries: exactly ``count`` from
 # both streams, where one XREADGROUP over both could deliver twice that (its COUNT is per stream).
 _READ_BOTH = """
@@ -113,7 +91,7 @@ class JobQueue:
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_deliveries = max_deliveries
-        self.stalled_step_timeout_s = stalled_step_timeout_s
+        self.adoption = PeerAdoption(client, model, consumer, stalled_step_timeout_s, self._take_from_peer)
         # on_dead(request id, reply address, why): tells the job's client why it will get no answer
         self.on_dead = on_dead
         self._last_reclaim = 0.0
@@ -121,8 +99,6 @@ class JobQueue:
         self._unacked: list[bytes] = []  # ACKs deferred or failed; sent by the next ack() or read
         # entries a blocking read delivered beyond ``count`` (both streams answered at once); served first
         self._surplus: list[tuple[bytes, dict]] = []
-        self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
-        self._stalled_peers: set[str] = set()  # as of the last adopt pass: said once per stall
         # reply addresses of gateways refused as too many versions apart, least recently refused first
         self._far_gateways: OrderedDict[str, None] = OrderedDict()
         self.ensure_group()
@@ -167,7 +143,7 @@ class JobQueue:
             entries += self._reclaim(self.stream, count - len(entries))
         if now - self._last_adopt >= ADOPT_EVERY_S:
             self._last_adopt = now
-            entries += self._adopt(count - len(entries))
+            entries += self.adoption.adopt(count - len(entries))
         if len(entries) < count and block_ms > 0 and not entries:
             # one call blocks on both streams; COUNT is per stream, so a rare double answer leaves a surplus
             got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {self.private: ">", self.stream: ">"},
@@ -225,42 +201,9 @@ class JobQueue:
                 kept.append((tagged, fields))
         return kept
 
-    def _adopt(self, count: int) -> list:
-        """From peers' private streams: pending and undelivered jobs of those whose heartbeat is gone,
-        undelivered ones of those stalled."""
-        peers = [c for c in self.redis.xinfo_consumers(self.stream, keys.PREFILL_GROUP)
-                 if c["name"].decode() != self.consumer]
-        if not peers:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for peer in peers:
-            pipe.get(keys.worker_key(peer["name"].decode()))
-        records = pipe.execute()
-        entries: list = []
-        now = time.monotonic()
-        stalled_now = set()
-        for peer, record in zip(peers, records, strict=True):
-            name = peer["name"].decode()
-            stream = keys.prefill_worker_stream(self.model, name)
-            if record is None:
-                entries += self._take_from_peer(stream, count - len(entries))
-                if now - self._gone_since.setdefault(name, now) > FORGET_AFTER_S and peer["pending"] == 0:
-                    self._forget(name, stream)
-                continue
-            self._gone_since.pop(name, None)
-            if (worker := stalled_record(record, self.stalled_step_timeout_s)) is not None:
-                stalled_now.add(name)
-                if name not in self._stalled_peers:
-                    log.warning("peer %r is stalled (%s): taking the jobs routed to it that it has not read", name,
-                                why_stalled(worker.step_age_s, self.stalled_step_timeout_s))
-                entries += self._take_from_peer(stream, count - len(entries), pending=False)
-        self._stalled_peers = stalled_now
-        if entries:
-            log.info("adopted %d job(s) of dead or stalled peers", len(entries))
-        return entries
-
-    def _take_from_peer(self, stream: str, count: int, pending: bool = True) -> list:
-        """Undelivered jobs of a peer's private stream, after its ``pending`` ones (a dead peer's)."""
+    def _take_from_peer(self, stream: str, count: int, pending: bool) -> list:
+        """Undelivered jobs of a peer's private stream, after its ``pending`` ones (a dead peer's): what
+        job_adoption.py adopts, read as ours."""
         if count <= 0:
             return []
         try:
@@ -270,13 +213,6 @@ class JobQueue:
             if not _lost_group(exc):
                 raise
             return []  # its stream is gone (forgotten by a peer, or Redis restarted): nothing routed there
-
-    def _forget(self, name: str, stream: str) -> None:
-        if self.redis.eval(_DELETE_IF_EMPTY, 1, stream) or not self.redis.exists(stream):
-            # only once nothing of its is left anywhere; a pending shared entry would die with the consumer
-            self.redis.xgroup_delconsumer(self.stream, keys.PREFILL_GROUP, name)
-            self._gone_since.pop(name, None)
-            log.info("forgot dead peer %s", name)
 
     def _parse(self, entry_id: bytes, fields: dict) -> Job | None:
         raw = fields.get(keys.JOB_FIELD.encode())

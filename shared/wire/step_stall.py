@@ -2,7 +2,7 @@
 (shared/worker/registration.py), but in one step (``WorkerInfo.step_age_s``) for longer than
 ``--stalled-step-timeout-s`` (a GPU hang, a deadlocked kernel, a stuck handoff). The gateway routes no new job to
 one (gateway/control/stalled_workers.py); a prefill worker hands it no KV (prefill_worker/handoff.py); its peers
-take the jobs routed to its private stream that it has not read (shared/wire/job_queue.py)."""
+take the jobs routed to its private stream that it has not read (shared/wire/job_adoption.py)."""
 
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import WorkerInfo

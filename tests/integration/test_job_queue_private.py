@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvrelay.shared.wire import job_queue
+from kvrelay.shared.wire import job_adoption, job_queue
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.protocol import WorkerInfo
@@ -152,7 +152,7 @@ def test_hand_back_moves_private_jobs_to_the_shared_stream(r):
 
 
 def test_a_long_gone_peers_empty_stream_and_consumer_are_forgotten(r, monkeypatch):
-    monkeypatch.setattr(job_queue, "FORGET_AFTER_S", -1.0)
+    monkeypatch.setattr(job_adoption, "FORGET_AFTER_S", -1.0)
     make_queue(r, "gone")  # registered, then died with nothing routed to it
     peer = make_queue(r, "peer")
     put(r, private("gone"), "p0")
@@ -220,7 +220,7 @@ def pending_of(r, worker: str) -> dict[bytes, int]:
 def test_a_stalled_peers_undelivered_private_jobs_are_taken_and_its_pending_ones_left(r, caplog):
     stuck = stuck_with(r, pending=["p0"], undelivered=["p1", "p2"])
     peer = make_queue(r, "peer", stalled_step_timeout_s=STALLED_AFTER_S)
-    with caplog.at_level(logging.WARNING, logger=job_queue.__name__):
+    with caplog.at_level(logging.WARNING, logger=job_adoption.__name__):
         got = peer.fetch(10, block_ms=0)
         assert sorted(ids(got)) == ["p1", "p2"]
         assert pending_of(r, "stuck") == {b"stuck": 1, b"peer": 2}

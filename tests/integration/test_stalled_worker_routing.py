@@ -1,7 +1,9 @@
 """The real gateway beside a worker whose heartbeat says its engine loop has been in one step past
 --stalled-step-timeout-s: a prompt whose prefix affinity names that worker goes to the shared stream, where a
 stepping worker (the fake one) takes it; a model only stalled workers hold answers 503 + Retry-After naming
-them, and /ready is 503 naming them (it counts the workers that step only); /metrics shows the stall. The
+them, and /ready is 503 naming them (it counts the workers that step only), and /v1/models leaves it out until
+a worker that steps holds it (a registered model no worker holds stays listed: its request loads it); /metrics
+shows the stall. The
 stalled worker is its heartbeat record and its private stream, as a real worker whose step hangs leaves them."""
 
 import time
@@ -12,7 +14,7 @@ import requests
 from kvrelay.gateway.control.routing import Policy, route
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
-from kvrelay.shared.wire.protocol import ModelInfo, WorkerInfo
+from kvrelay.shared.wire.protocol import ModelInfo, ModelSpec, WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.integration.gateway_harness import MODEL, ready_after_tokenizers, running_stack
 
@@ -71,10 +73,11 @@ def test_a_prompt_whose_affinity_names_a_stalled_worker_is_served_by_one_that_st
         r.close()
 
 
-def _publish(r, model: str) -> None:
-    """The record of a model published directly (a worker given it by path), as its worker leaves it."""
+def _publish(r, model: str, **fields) -> None:
+    """The record of a model published directly (a worker given it by path), as its worker leaves it; with
+    ``fields`` (``served_name``, ``version``), an instance of a registered model."""
     info = ModelInfo(name=model, path="/nonexistent", max_model_len=64, vocab_size=100, eos_token_ids=[0],
-                     block_size=16, dtype="float32")
+                     block_size=16, dtype="float32", **fields)
     r.set(keys.model_key(model), encode(info))
     r.sadd(keys.MODELS_INDEX, model)
 
@@ -136,4 +139,50 @@ def test_ready_counts_only_the_stepping_workers_of_a_model_some_of_which_step(st
     finally:
         r.delete(keys.worker_key(STUCK), keys.prefill_worker_stream(MODEL, STUCK))
         r.srem(keys.WORKERS_INDEX, STUCK)
+        r.close()
+
+
+def _listed(url: str) -> set[str]:
+    resp = requests.get(f"{url}/v1/models", timeout=30)
+    assert resp.status_code == 200, resp.text
+    return {m["id"] for m in resp.json()["data"]}
+
+
+def test_a_model_only_stalled_workers_hold_is_not_listed_until_a_worker_that_steps_holds_it(stack):
+    r = sync_client(stack.redis_url)
+    only = "list-stalled"
+    peer = f"{only}-peer"
+    try:
+        _publish(r, only)
+        _stalled(r, f"{only}-w", only)
+        assert only not in _listed(stack.url)  # a request for it gets 503
+        assert MODEL in _listed(stack.url)
+        _stalled(r, peer, only, step_age_s=0.0)  # a second worker, one that steps
+        assert only in _listed(stack.url)
+    finally:
+        r.delete(keys.worker_key(peer), keys.prefill_worker_stream(only, peer))
+        r.srem(keys.WORKERS_INDEX, peer)
+        _forget(r, only)
+        r.close()
+
+
+def test_a_registered_model_is_listed_unless_its_only_workers_are_stalled(stack):
+    r = sync_client(stack.redis_url)
+    spec = ModelSpec(name="reg-stalled", version=1)
+    held_by = f"{spec.instance}-w"
+    try:
+        r.set(keys.registry_key(spec.name), encode(spec))
+        r.sadd(keys.REGISTRY_INDEX, spec.name)
+        assert spec.name in _listed(stack.url)  # no worker holds it: its request loads it
+        _publish(r, spec.instance, served_name=spec.name, version=spec.version)
+        _stalled(r, held_by, spec.instance)
+        assert spec.name not in _listed(stack.url)
+        resp = requests.post(f"{stack.url}/v1/completions", json={"model": spec.name, "prompt": [1, 2]}, timeout=60)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "worker_stalled", resp.text
+        _stalled(r, held_by, spec.instance, step_age_s=0.0)  # it steps again
+        assert spec.name in _listed(stack.url)
+    finally:
+        r.delete(keys.registry_key(spec.name))
+        r.srem(keys.REGISTRY_INDEX, spec.name)
+        _forget(r, spec.instance)
         r.close()
