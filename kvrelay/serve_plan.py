@@ -8,8 +8,9 @@ import dataclasses
 from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_WORKER_FLAGS, gateway_config_from_args, zmq_secret
 from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config import role_settings
+from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.config.flags import given
+from kvrelay.shared.config.flags import GIVEN, given
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.worker import SHARES_SMS, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
@@ -73,19 +74,23 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     _check_read(args, [ROLE_OF[c] for c in commands])
     decode_sizes = _decode_sizes(args)
     decode_share = _decode_sm_percent(args)
+    # --gpu-memory-utilization is a CUDA device's (refused on the CPU): the roles split it only there
+    on_gpu = (auto_device() if args.device == "auto" else args.device) != "cpu"
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
         name = command if (args.config or repo) else f"{command}[{models[0].name}]"
         given = vars(args) | {
             "redis_url": redis_url,
-            "gpu_memory_utilization": round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4),
             "worker_port": args.worker_port + i if args.worker_port else 0,
             "worker_monitoring_port": None if args.worker_monitoring_port is None else args.worker_monitoring_port + i,
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
         given |= _unread_defaults(ROLE_OF[command])
+        if on_gpu:
+            given["gpu_memory_utilization"] = round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4)
         if command == "decode-worker":
             given |= decode_sizes | decode_share
+        given |= _without_pipeline(args, given, decode_sizes)
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
@@ -103,6 +108,16 @@ def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
         if not read and flag.dest in given(args):
             raise ConfigError(f"argument {flag.option}: {role_settings.who_reads(role_settings.roles_of(flag.info))} "
                               f"(--mode {args.mode} starts none)")
+
+
+def _without_pipeline(args: argparse.Namespace, worker: dict, decode_sizes: dict[str, int]) -> dict:
+    """--pipeline-batch-queue for a worker without a pipeline while the other role has one (its own
+    --decode-pipeline-parallel-size): that worker's config holds the default, and its flag counts as not
+    given. With no pipeline in either role the flag stays, for the worker to refuse."""
+    pipelines = max(args.pipeline_parallel_size, decode_sizes.get("pipeline_parallel_size", 1)) > 1
+    if worker["pipeline_parallel_size"] > 1 or not pipelines:
+        return {}
+    return {"pipeline_batch_queue": False, GIVEN: given(args) - {"pipeline_batch_queue"}}
 
 
 def _unread_defaults(role: str) -> dict:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values, zmq_secret
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.config import depends
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.config.engine import NEEDS, EngineConfig
 from kvrelay.shared.config.flags import Flag, build, given
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
@@ -45,6 +46,7 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     # no --model: the flags only give every model its engine settings
     engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
                                                                             (args.model_repo and not args.model)))
+    depends.check_given(engine, NEEDS, given(args))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
     parallel: dict[str, tuple[int, int]] = {}
@@ -68,8 +70,7 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                         quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
             cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype)
-            model_engine = dataclasses.replace(engine, model=model, cache=cache, tensor_parallel_size=sizes[0],
-                                               pipeline_parallel_size=sizes[1])
+            model_engine = dataclasses.replace(engine.with_parallel_sizes(*sizes), model=model, cache=cache)
             # a lazy model too: its group is checked now, not when its first request waits for it
             where = f"{args.config}: models[{i}]"
             _check_group(model_engine, repo.root if m.version and repo is not None else None,

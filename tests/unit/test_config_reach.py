@@ -32,7 +32,11 @@ CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "r
 GROUP = {"--tensor-parallel-size", "--pipeline-parallel-size"}
 DECODE_GROUP = {"--decode-tensor-parallel-size", "--decode-pipeline-parallel-size",  # serve's, disaggregated only
                 "--decode-gpu-sm-percent"}
-SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP, *DECODE_GROUP}
+# A setting that takes effect only under another's value (shared/config/depends.py) is refused beside the other's
+# value here: the batch queue needs a pipeline (GROUP; test_parallel_sizes_reach_every_worker), the prefill cap
+# chunked prefill, which is turned off here (tests/unit/test_role_settings.py walks the cap to every worker)
+NEEDS_ANOTHER = {"--pipeline-batch-queue", "--max-prefill-tokens-with-decodes"}
+SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP, *DECODE_GROUP, *NEEDS_ANOTHER}
 
 
 def types(annotation: typing.Any) -> set:
@@ -162,13 +166,14 @@ def test_every_role_flag_reaches_its_config(command):
 @pytest.mark.parametrize("mode", ["unified", "disaggregated"])
 def test_parallel_sizes_reach_every_worker(mode):
     children = print_config(["serve", "--mode", mode, "--model", "dummy:tiny-llama", "--device", "cpu",
-                             "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"])
+                             "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--pipeline-batch-queue"])
     workers = [c["config"] for c in children.values() if c["command"] != "gateway"]
     assert workers
     flags = [f for f in WORKER_FLAGS if f.option in GROUP]
     assert len(flags) == len(GROUP)
     for flag in flags:
         assert all(resolved(flag.path, config) == 2 for config in workers), flag.option
+    assert all(config["engine"]["pipeline_batch_queue"] for config in workers)
 
 
 def test_the_decode_workers_own_parallel_sizes_reach_it_alone():
