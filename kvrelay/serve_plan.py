@@ -54,6 +54,7 @@ def models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
 
 
 def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) -> list[Child]:
+    _check_state_dir(args)
     repo = args.model_repo
     if args.config and not repo:
         config_repo, _ = load_serve_config(args.config)
@@ -90,7 +91,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             given["gpu_memory_utilization"] = round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4)
         if command == "decode-worker":
             given |= decode_sizes | decode_share
-        given |= _without_pipeline(args, given, decode_sizes)
+        given |= _not_applied(args, given, decode_sizes)
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
@@ -98,6 +99,12 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))
     return children
+
+
+def _check_state_dir(args: argparse.Namespace) -> None:
+    if args.redis_url and "state_dir" in given(args):
+        raise ConfigError("argument --state-dir: only with the embedded Redis (--redis-url, or $KVRELAY_REDIS_URL, "
+                          "names another, which keeps its own data)")
 
 
 def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
@@ -110,14 +117,18 @@ def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
                               f"(--mode {args.mode} starts none)")
 
 
-def _without_pipeline(args: argparse.Namespace, worker: dict, decode_sizes: dict[str, int]) -> dict:
-    """--pipeline-batch-queue for a worker without a pipeline while the other role has one (its own
-    --decode-pipeline-parallel-size): that worker's config holds the default, and its flag counts as not
-    given. With no pipeline in either role the flag stays, for the worker to refuse."""
+def _not_applied(args: argparse.Namespace, worker: dict, decode_sizes: dict[str, int]) -> dict:
+    """A setting serve takes for several processes, which one worker would not apply (shared/config/depends.py):
+    that worker's config holds the default, and its flag counts as not given there. --pipeline-batch-queue is
+    for the role with a pipeline (--decode-pipeline-parallel-size); with none in either it stays, for the worker
+    to refuse. --metrics-tenant-labels is the gateway's too: workers apply it where they serve /metrics."""
+    defaults = {}
     pipelines = max(args.pipeline_parallel_size, decode_sizes.get("pipeline_parallel_size", 1)) > 1
-    if worker["pipeline_parallel_size"] > 1 or not pipelines:
-        return {}
-    return {"pipeline_batch_queue": False, GIVEN: given(args) - {"pipeline_batch_queue"}}
+    if worker["pipeline_parallel_size"] == 1 and pipelines:
+        defaults["pipeline_batch_queue"] = False
+    if worker["worker_monitoring_port"] is None:
+        defaults["metrics_tenant_labels"] = False
+    return defaults | ({GIVEN: given(args) - set(defaults)} if defaults else {})
 
 
 def _unread_defaults(role: str) -> dict:

@@ -53,8 +53,9 @@ class CacheConfig:
                                             "(refused on the CPU: --kv-cache-memory sizes its KV cache)", gt=0, le=1)
     kv_cache_memory: int | None = setting(None, "bytes of KV cache (CPU default: 1 GiB)", ge=1)
     # "gpu" = the device cache, as in vLLM
-    num_gpu_blocks: int | None = setting(None, "KV blocks, overriding both of the above",
-                                         flag="--num-gpu-blocks-override", ge=1)
+    num_gpu_blocks: int | None = setting(None, "KV blocks instead of both of the above (refused beside "
+                                         "--kv-cache-memory, and on a worker of several models, which share one pool "
+                                         "of --kv-cache-memory bytes)", flag="--num-gpu-blocks-override", ge=1)
     swap_space: float = setting(0.0, "GiB of host memory for preempted requests' KV (0: preempt by recompute)",
                                 ge=0)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a prompt's already computed prefix")
@@ -146,6 +147,8 @@ NEEDS = (
     depends.Needs(("scheduler", "max_prefill_tokens_with_decodes"), lambda c: "" if c.scheduler.enable_chunked_prefill
                   else "only with chunked prefill (--no-enable-chunked-prefill runs each prompt whole, which no cap "
                   "can split)"),
+    depends.Needs(("cache", "kv_cache_memory"), lambda c: "" if c.cache.num_gpu_blocks is None else
+                  "not with --num-gpu-blocks-override, which sets the KV cache's size"),
     depends.Needs(("model", "enforce_eager"), _on_cpu),
     depends.Needs(("cache", "gpu_memory_utilization"), _on_cpu),
 )

@@ -41,7 +41,7 @@ class ServeConfig:
         "minus --gpu-sm-percent", ge=1, le=100)
     state_dir: str | None = setting(None, "folder (0700) where the embedded Redis keeps its append-only file, "
                                     "its passwords and its socket, so tenants, API keys and registered models "
-                                    "survive restarts; one kvrelay serve at a time; unused with --redis-url",
+                                    "survive restarts; one kvrelay serve at a time; refused with --redis-url",
                                     min_length=1)
 
 

@@ -111,11 +111,18 @@ def _plan(argv: list[str]) -> dict:
     return serve_children([*TINY, *argv])
 
 
-def test_serve_gives_each_worker_only_the_settings_its_role_reads():
-    children = _plan([a for f in SERVE_ROLED for a in _argv(f)])
+# encrypted KV frames come on the CURVE socket, and a port for the plain one beside them is refused
+# (shared/config/depends.py): each of the two is walked without the other
+APART = ("--encrypt-kv-frames", "--kv-frames-port")
+
+
+@pytest.mark.parametrize("without", APART)
+def test_serve_gives_each_worker_only_the_settings_its_role_reads(without):
+    flags = [f for f in SERVE_ROLED if f.option != without]
+    children = _plan([a for f in flags for a in _argv(f)])
     for i, command in enumerate(("prefill-worker", "decode-worker")):
         config, role = children[command].config, command.removesuffix("-worker")
-        for flag in SERVE_ROLED:
+        for flag in flags:
             want = _value(flag) + i if flag.option == "--worker-port" else _value(flag)  # one port per worker
             got = setting_at(config, flag.path)
             assert got == (want if role_settings.reads(flag.info, role) else flag.default), (command, flag.option)
