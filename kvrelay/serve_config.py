@@ -100,6 +100,8 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
         version = 0
         if entry.path and entry.load == "lazy":
             raise ConfigError(f"{where}.load: a lazily loaded model must come from the model_repo")
+        if entry.path and entry.version is not None:
+            raise ConfigError(f"{where}.version: only for a model from the model_repo (path names its files)")
         if entry.path:
             path = _model_path(entry.path, folder, f"{where}.path")
         elif repo is not None:

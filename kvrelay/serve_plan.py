@@ -54,7 +54,7 @@ def models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
 
 
 def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) -> list[Child]:
-    _check_state_dir(args)
+    _check_serve_own(args)
     repo = args.model_repo
     if args.config and not repo:
         config_repo, _ = load_serve_config(args.config)
@@ -101,10 +101,14 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     return children
 
 
-def _check_state_dir(args: argparse.Namespace) -> None:
+def _check_serve_own(args: argparse.Namespace) -> None:
+    """serve's own settings that another of them leaves without effect, given: one line naming both."""
     if args.redis_url and "state_dir" in given(args):
         raise ConfigError("argument --state-dir: only with the embedded Redis (--redis-url, or $KVRELAY_REDIS_URL, "
                           "names another, which keeps its own data)")
+    if args.max_crashes == 1 and "crash_window" in given(args):
+        raise ConfigError("argument --crash-window: only with --max-crashes 2 or more (1: the first crash stops "
+                          "everything, whenever it comes)")
 
 
 def _check_read(args: argparse.Namespace, roles: list[str]) -> None:

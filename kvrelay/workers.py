@@ -46,8 +46,10 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     if "zmq_secret" not in derived:  # first: a missing secret is said before any model is resolved
         derived["zmq_secret"] = zmq_secret(args)
     # no --model: the flags only give every model its engine settings
-    engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
-                                                                            (args.model_repo and not args.model)))
+    with_model = not (args.config or (args.model_repo and not args.model))
+    if not with_model:
+        _check_no_model_flags(args)
+    engine, name, model_dir = engine_config_from_args(args, with_model=with_model)
     depends.check_given(engine, ENGINE_NEEDS, given(args))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
@@ -90,6 +92,19 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     config = build(WorkerConfig, values, flags)
     depends.check_given(config, WORKER_NEEDS, given(args))
     return config
+
+
+# --model's own: each model of --config (or of the repository) comes with its path, name, tokenizer and format
+MODEL_FLAGS = ("--model", "--served-model-name", "--tokenizer", "--load-format")
+
+
+def _check_no_model_flags(args: argparse.Namespace) -> None:
+    for option in MODEL_FLAGS:
+        if option.removeprefix("--").replace("-", "_") in given(args):
+            raise ConfigError(f"argument {option}: not with --config, which lists each model with its own path and "
+                              "name (its tokenizer and format come with it)" if args.config else
+                              f"argument {option}: only with --model (--model-repo alone starts the worker empty; "
+                              "each model it loads comes with its own)")
 
 
 def _check_group(engine: EngineConfig, root: Path | None, tp_key: str, pp_key: str, model: str = "") -> None:

@@ -134,3 +134,32 @@ def test_serve_gives_tenant_names_to_the_workers_that_serve_metrics():
     assert labels([]) == {"gateway": True, "prefill-worker": False, "decode-worker": False}
     assert labels(["--worker-monitoring-port", "9500"]) == {"gateway": True, "prefill-worker": True,
                                                             "decode-worker": True}
+
+
+@pytest.mark.parametrize("flags", [["--model", "dummy:tiny-llama"], ["--served-model-name", "x"],
+                                   ["--tokenizer", "{repo}"], ["--load-format", "auto"]])
+def test_model_flags_are_refused_where_the_models_come_with_their_own(capsys, tmp_path, flags):
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - {name: a, path: 'dummy:tiny-llama'}\n")
+    flags = _argv(flags, tmp_path)
+    assert main(["unified-worker", "--device", "cpu", "--config", str(models), *flags, "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvrelay unified-worker: error: argument {flags[0]}: not with --config, which lists each model with its own "
+        "path and name (its tokenizer and format come with it)"]
+    with pytest.raises(ConfigError, match=f"^argument {flags[0]}: not with --config"):
+        serve_children(["--device", "cpu", "--config", str(models), *flags])
+    if flags[0] != "--model":  # with --model they are that model's
+        assert main(["unified-worker", "--device", "cpu", "--model-repo", str(tmp_path), *flags, "--print-config"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"kvrelay unified-worker: error: argument {flags[0]}: only with --model (--model-repo alone starts the worker "
+            "empty; each model it loads comes with its own)"]
+        assert main(["unified-worker", *TINY, "--model-repo", str(tmp_path), *flags, "--print-config"]) == 0
+
+
+def test_serve_refuses_a_crash_window_where_the_first_crash_stops_everything():
+    with pytest.raises(ConfigError) as err:
+        serve_children(["--model", "dummy:tiny-llama", "--max-crashes", "1", "--crash-window", "300"])
+    assert str(err.value) == ("argument --crash-window: only with --max-crashes 2 or more (1: the first crash stops "
+                              "everything, whenever it comes)")
+    assert serve_children(["--model", "dummy:tiny-llama", "--max-crashes", "2", "--crash-window", "300"])
+    assert serve_children(["--model", "dummy:tiny-llama", "--max-crashes", "1"])
