@@ -1,6 +1,7 @@
 """The worker's, gateway's and serve's own settings that take effect only under another setting's value
-(shared/config/depends.py), and a models file's per-model device: refused in one line naming both keys where they
-would have none, before anything loads; taken beside the setting that enables them; never tripped by a default."""
+(shared/config/depends.py), --model's flags beside --config, and a models file's per-model device: refused in one
+line naming both keys where they would have none, before anything loads; taken beside the setting that enables
+them; never tripped by a default. (The engine's: test_setting_needs.py.)"""
 
 import json
 import re
