@@ -24,7 +24,8 @@ def run(model_dir: Path, pp: int, tp: int, args: argparse.Namespace, prompts: li
     from kvrelay import LLM, SamplingParams
 
     with LLM(model=str(model_dir), dtype=args.dtype, max_model_len=1024, pipeline_parallel_size=pp,
-             tensor_parallel_size=tp, enforce_eager=True, device=args.device, num_gpu_blocks=args.kv_blocks) as llm:
+             tensor_parallel_size=tp, enforce_eager=args.device != "cpu", device=args.device,
+             num_gpu_blocks=args.kv_blocks) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompts[0][:8]}], params)  # warm
         start = time.perf_counter()

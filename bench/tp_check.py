@@ -55,7 +55,7 @@ def run(model_dir: Path, tp: int, dtype: str, device: str, prompts: list[list[in
     from kvrelay import LLM, SamplingParams
 
     with LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, tensor_parallel_size=tp,
-             enforce_eager=True, device=device) as llm:
+             enforce_eager=device != "cpu", device=device) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         start = time.perf_counter()

@@ -6,11 +6,13 @@ CLI, above the config layer."""
 import argparse
 import os
 
+from kvrelay.shared.config import depends
 from kvrelay.shared.config import zmq_secret as zmq_secrets
 from kvrelay.shared.config.common import REDIS_URL_ENV
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.config.flags import Flag, add_flags, build, flags_of, read
+from kvrelay.shared.config.flags import Flag, add_flags, build, flags_of, given, read
+from kvrelay.shared.config.gateway import NEEDS as GATEWAY_NEEDS
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.serve import WORKER_RENAMES, ModelsConfig, ServeConfig
 from kvrelay.shared.config.worker import WorkerConfig
@@ -51,7 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def gateway_config_from_args(args: argparse.Namespace, **derived) -> GatewayConfig:
     if "zmq_secret" not in derived:
         derived["zmq_secret"] = zmq_secret(args)
-    return build(GatewayConfig, {**read(GATEWAY_FLAGS, args), **derived}, GATEWAY_FLAGS)
+    config = build(GatewayConfig, {**read(GATEWAY_FLAGS, args), **derived}, GATEWAY_FLAGS)
+    depends.check_given(config, GATEWAY_NEEDS, given(args))
+    return config
 
 
 def zmq_secret(args: argparse.Namespace, generate_if_none: bool = False) -> str | None:

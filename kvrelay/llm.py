@@ -2,12 +2,17 @@
 
 from collections.abc import Iterator, Sequence
 
+from pydantic import ValidationError
+
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.shared.config.flags import flag_error, flags_of
 from kvrelay.shared.engine.beam_search import beam_search
 from kvrelay.shared.engine.llm_engine import LLMEngine, PromptType
 from kvrelay.shared.engine.outputs import RequestOutput
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.sampling_params import SamplingParams
+
+ENGINE_FLAGS = flags_of(EngineConfig)
 
 
 class LLM:
@@ -40,21 +45,24 @@ class LLM:
         pipeline_batch_queue: bool = False,
     ):
         resolved = resolve_model(model, load_format)
-        self.engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,
-                              load_format=resolved.load_format, quantization=quantization,
-                              tokenizer=tokenizer, seed=seed,
-                              served_model_name=resolved.served_name, enforce_eager=enforce_eager),
-            cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                              kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
-                              swap_space=swap_space, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
-            device=device, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, pipeline_batch_queue=pipeline_batch_queue,
-        ))
+        try:
+            config = EngineConfig(
+                model=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,
+                                  load_format=resolved.load_format, quantization=quantization,
+                                  tokenizer=tokenizer, seed=seed,
+                                  served_model_name=resolved.served_name, enforce_eager=enforce_eager),
+                cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                                  kv_cache_memory=kv_cache_memory, num_gpu_blocks=num_gpu_blocks,
+                                  swap_space=swap_space, enable_prefix_caching=enable_prefix_caching,
+                                  kv_cache_dtype=kv_cache_dtype),
+                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                          max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
+                                          enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
+                device=device, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size, pipeline_batch_queue=pipeline_batch_queue)
+        except ValidationError as exc:  # one line naming the setting, before anything loads
+            raise flag_error(exc, ENGINE_FLAGS) from None
+        self.engine = LLMEngine(config)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel ranks (processes); the LLM cannot generate afterwards."""

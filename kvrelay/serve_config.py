@@ -6,9 +6,10 @@
       - {name: tiny, path: /models/tiny-hf-dir, precision: float32}  # an HF dir or .gguf, as --model takes
       - {name: big, version: 2, load: lazy, keep_alive_s: 600}  # registered; loaded on its first request
 
-Per model, optional: ``tensor_parallel_size`` / ``pipeline_parallel_size`` (this model's own rank group;
-default: the workers' flags), ``pinned`` (never evicted), ``min_replicas``, ``keep_alive_s`` (unload after that
-long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
+Per model, optional: ``device`` (auto, the default: the workers' ``--device``; any other value must be that
+device, on which every model of a worker runs), ``tensor_parallel_size`` / ``pipeline_parallel_size`` (this
+model's own rank group; default: the workers' flags), ``pinned`` (never evicted), ``min_replicas``,
+``keep_alive_s`` (unload after that long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
 lazy models must come from the repository). Keys are checked strictly: an unknown key or a value of the
 wrong type (``pinned: "no"``, ``version: 2.7``) is an error naming the file and key, never a default.
 A relative ``path`` (of the repository or of a model) is taken from the file's folder, so the file means
@@ -99,6 +100,8 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
         version = 0
         if entry.path and entry.load == "lazy":
             raise ConfigError(f"{where}.load: a lazily loaded model must come from the model_repo")
+        if entry.path and entry.version is not None:
+            raise ConfigError(f"{where}.version: only for a model from the model_repo (path names its files)")
         if entry.path:
             path = _model_path(entry.path, folder, f"{where}.path")
         elif repo is not None:

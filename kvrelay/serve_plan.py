@@ -8,8 +8,9 @@ import dataclasses
 from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_WORKER_FLAGS, gateway_config_from_args, zmq_secret
 from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config import role_settings
+from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.config.flags import given
+from kvrelay.shared.config.flags import GIVEN, given
 from kvrelay.shared.config.gateway import GatewayConfig
 from kvrelay.shared.config.worker import SHARES_SMS, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
@@ -53,6 +54,7 @@ def models_to_serve(args: argparse.Namespace) -> list[ServedModel]:
 
 
 def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) -> list[Child]:
+    _check_serve_own(args)
     repo = args.model_repo
     if args.config and not repo:
         config_repo, _ = load_serve_config(args.config)
@@ -73,19 +75,23 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     _check_read(args, [ROLE_OF[c] for c in commands])
     decode_sizes = _decode_sizes(args)
     decode_share = _decode_sm_percent(args)
+    # --gpu-memory-utilization is a CUDA device's (refused on the CPU): the roles split it only there
+    on_gpu = (auto_device() if args.device == "auto" else args.device) != "cpu"
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
         name = command if (args.config or repo) else f"{command}[{models[0].name}]"
         given = vars(args) | {
             "redis_url": redis_url,
-            "gpu_memory_utilization": round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4),
             "worker_port": args.worker_port + i if args.worker_port else 0,
             "worker_monitoring_port": None if args.worker_monitoring_port is None else args.worker_monitoring_port + i,
             "worker_id": f"{args.worker_id}-{name}" if args.worker_id else None}
         given |= _unread_defaults(ROLE_OF[command])
+        if on_gpu:
+            given["gpu_memory_utilization"] = round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4)
         if command == "decode-worker":
             given |= decode_sizes | decode_share
+        given |= _not_applied(args, given, decode_sizes)
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
         config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
@@ -93,6 +99,16 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))
     return children
+
+
+def _check_serve_own(args: argparse.Namespace) -> None:
+    """serve's own settings that another of them leaves without effect, given: one line naming both."""
+    if args.redis_url and "state_dir" in given(args):
+        raise ConfigError("argument --state-dir: only with the embedded Redis (--redis-url, or $KVRELAY_REDIS_URL, "
+                          "names another, which keeps its own data)")
+    if args.max_crashes == 1 and "crash_window" in given(args):
+        raise ConfigError("argument --crash-window: only with --max-crashes 2 or more (1: the first crash stops "
+                          "everything, whenever it comes)")
 
 
 def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
@@ -103,6 +119,20 @@ def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
         if not read and flag.dest in given(args):
             raise ConfigError(f"argument {flag.option}: {role_settings.who_reads(role_settings.roles_of(flag.info))} "
                               f"(--mode {args.mode} starts none)")
+
+
+def _not_applied(args: argparse.Namespace, worker: dict, decode_sizes: dict[str, int]) -> dict:
+    """A setting serve takes for several processes, which one worker would not apply (shared/config/depends.py):
+    that worker's config holds the default, and its flag counts as not given there. --pipeline-batch-queue is
+    for the role with a pipeline (--decode-pipeline-parallel-size); with none in either it stays, for the worker
+    to refuse. --metrics-tenant-labels is the gateway's too: workers apply it where they serve /metrics."""
+    defaults = {}
+    pipelines = max(args.pipeline_parallel_size, decode_sizes.get("pipeline_parallel_size", 1)) > 1
+    if worker["pipeline_parallel_size"] == 1 and pipelines:
+        defaults["pipeline_batch_queue"] = False
+    if worker["worker_monitoring_port"] is None:
+        defaults["metrics_tenant_labels"] = False
+    return defaults | ({GIVEN: given(args) - set(defaults)} if defaults else {})
 
 
 def _unread_defaults(role: str) -> dict:

@@ -8,9 +8,12 @@ from pathlib import Path
 
 from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values, zmq_secret
 from kvrelay.serve_config import load_serve_config
+from kvrelay.shared.config import depends
 from kvrelay.shared.config.declare import ConfigError
+from kvrelay.shared.config.engine import NEEDS as ENGINE_NEEDS
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.config.flags import Flag, build, given
+from kvrelay.shared.config.worker import NEEDS as WORKER_NEEDS
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.text.progress import label_process
@@ -43,8 +46,11 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     if "zmq_secret" not in derived:  # first: a missing secret is said before any model is resolved
         derived["zmq_secret"] = zmq_secret(args)
     # no --model: the flags only give every model its engine settings
-    engine, name, model_dir = engine_config_from_args(args, with_model=not (args.config or
-                                                                            (args.model_repo and not args.model)))
+    with_model = not (args.config or (args.model_repo and not args.model))
+    if not with_model:
+        _check_no_model_flags(args)
+    engine, name, model_dir = engine_config_from_args(args, with_model=with_model)
+    depends.check_given(engine, ENGINE_NEEDS, given(args))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
     parallel: dict[str, tuple[int, int]] = {}
@@ -68,10 +74,10 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                         quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
             cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype)
-            model_engine = dataclasses.replace(engine, model=model, cache=cache, tensor_parallel_size=sizes[0],
-                                               pipeline_parallel_size=sizes[1])
+            model_engine = dataclasses.replace(engine.with_parallel_sizes(*sizes), model=model, cache=cache)
             # a lazy model too: its group is checked now, not when its first request waits for it
             where = f"{args.config}: models[{i}]"
+            _check_device(m.device, engine.device, f"{where}.device")
             _check_group(model_engine, repo.root if m.version and repo is not None else None,
                          f"{where}.tensor_parallel_size" if m.tensor_parallel_size else "argument --tensor-parallel-size",
                          f"{where}.pipeline_parallel_size" if m.pipeline_parallel_size else
@@ -83,7 +89,22 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
               "parallel_sizes": parallel, "freeze_gc": True, **derived}
-    return build(WorkerConfig, values, flags)
+    config = build(WorkerConfig, values, flags)
+    depends.check_given(config, WORKER_NEEDS, given(args))
+    return config
+
+
+# --model's own: each model of --config (or of the repository) comes with its path, name, tokenizer and format
+MODEL_FLAGS = ("--model", "--served-model-name", "--tokenizer", "--load-format")
+
+
+def _check_no_model_flags(args: argparse.Namespace) -> None:
+    for option in MODEL_FLAGS:
+        if option.removeprefix("--").replace("-", "_") in given(args):
+            raise ConfigError(f"argument {option}: not with --config, which lists each model with its own path and "
+                              "name (its tokenizer and format come with it)" if args.config else
+                              f"argument {option}: only with --model (--model-repo alone starts the worker empty; "
+                              "each model it loads comes with its own)")
 
 
 def _check_group(engine: EngineConfig, root: Path | None, tp_key: str, pp_key: str, model: str = "") -> None:
@@ -100,6 +121,15 @@ def _check_group(engine: EngineConfig, root: Path | None, tp_key: str, pp_key: s
         message = str(exc)
         key = pp_key if "pipeline_parallel_size" in message and "tensor_parallel_size" not in message else tp_key
         raise ConfigError(f"{key}: {model + ': ' if model else ''}{message}") from None
+
+
+def _check_device(model: str, device: str, key: str) -> None:
+    """Every model of a worker runs on the worker's ``device``: a model's own other than it (or auto) is refused."""
+    def index(name: str) -> str:
+        return "cuda:0" if name == "cuda" else name
+
+    if model != "auto" and index(model) != index(device):
+        raise ConfigError(f"{key}: {model}, but this worker runs on {device} (--device), as every model it hosts does")
 
 
 def _tokenizer_dir(path: str) -> str:

@@ -1,11 +1,13 @@
 """Engine configuration as dataclasses; field names follow vLLM's CLI flags (``--max-num-seqs`` is
 ``max_num_seqs``). Importing it needs no torch: the gateway's CLI shares the parser."""
 
+import dataclasses
 from dataclasses import field
 from typing import TYPE_CHECKING, Literal
 
 from pydantic.dataclasses import dataclass
 
+from kvrelay.shared.config import depends
 from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.declare import CONFIG, Device, DType, ExistingDir, ModelName, PowerOfTwo, setting
 
@@ -33,7 +35,8 @@ class ModelConfig:
     tokenizer: ExistingDir | None = setting(None, "tokenizer directory (default: the model's)")
     seed: int = setting(0, "seed of the sampler's generator and of dummy weights")
     served_model_name: str | None = setting(None, "the name clients use (default: from --model)")
-    enforce_eager: bool = setting(False, "CUDA: run decode eagerly, without CUDA graphs (debugging, comparisons)")
+    enforce_eager: bool = setting(False, "CUDA: run decode eagerly, without CUDA graphs (debugging, comparisons); "
+                                  "refused on the CPU, which runs every step eagerly")
 
     def torch_dtype(self, device: str) -> "torch.dtype":
         import torch
@@ -46,12 +49,13 @@ class ModelConfig:
 @dataclass(config=CONFIG)
 class CacheConfig:
     block_size: PowerOfTwo = setting(16, "tokens per KV cache block")
-    gpu_memory_utilization: float = setting(0.9, "CUDA: fraction of device memory for weights + KV cache",
-                                            gt=0, le=1)
+    gpu_memory_utilization: float = setting(0.9, "CUDA: fraction of device memory for weights + KV cache "
+                                            "(refused on the CPU: --kv-cache-memory sizes its KV cache)", gt=0, le=1)
     kv_cache_memory: int | None = setting(None, "bytes of KV cache (CPU default: 1 GiB)", ge=1)
     # "gpu" = the device cache, as in vLLM
-    num_gpu_blocks: int | None = setting(None, "KV blocks, overriding both of the above",
-                                         flag="--num-gpu-blocks-override", ge=1)
+    num_gpu_blocks: int | None = setting(None, "KV blocks instead of both of the above (refused beside "
+                                         "--kv-cache-memory, and on a worker of several models, which share one pool "
+                                         "of --kv-cache-memory bytes)", flag="--num-gpu-blocks-override", ge=1)
     swap_space: float = setting(0.0, "GiB of host memory for preempted requests' KV (0: preempt by recompute)",
                                 ge=0)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a prompt's already computed prefix")
@@ -79,8 +83,9 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int = setting(
         512, "prompt tokens per step at most while requests decode, so decodes never wait behind a whole "
              "chunk (with nothing decoding a step takes --max-num-batched-tokens; 0: no cap; needs chunked "
-             "prefill). Each prompt token costs about a decode row of compute: 512 keep an 8B model's step on "
-             "an H200 near 15 ms, where a 2048-token chunk takes ~37 ms", ge=0, roles=DECODING)
+             "prefill: refused with --no-enable-chunked-prefill). Each prompt token costs about a decode row of "
+             "compute: 512 keep an 8B model's step on an H200 near 15 ms, where a 2048-token chunk takes ~37 ms",
+        ge=0, roles=DECODING)
     policy: Literal["fcfs", "priority"] = setting("fcfs", "admission order (priority: lower value first, then "
                                                   "arrival)", flag="--scheduling-policy")
     # On by default: with one tenant it orders exactly like the plain policy, so only multi-tenant traffic
@@ -113,7 +118,7 @@ class EngineConfig:
     # vLLM V1's batch queue: with M stages, up to M micro-batches of disjoint requests in flight across steps,
     # so the pipeline does not drain at every step (shared/engine/batch_queue.py)
     pipeline_batch_queue: bool = setting(False, "with --pipeline-parallel-size M >= 2, keep up to M micro-batches "
-                                         "of disjoint requests in flight across steps (same outputs; no effect "
+                                         "of disjoint requests in flight across steps (same outputs; refused "
                                          "without a pipeline)")
 
     @property
@@ -123,3 +128,29 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = auto_device()
+        depends.check(self, NEEDS)
+
+    def with_parallel_sizes(self, tensor: int, pipeline: int) -> "EngineConfig":
+        """This engine's settings for a model of its own rank group (a models file's sizes): the batch queue
+        where the model has a pipeline to keep filled."""
+        return dataclasses.replace(self, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
+                                   pipeline_batch_queue=self.pipeline_batch_queue and pipeline > 1)
+
+
+def _on_cpu(config: EngineConfig) -> str:
+    return ("only on a CUDA device (the device here is the CPU: --device cpu, or auto where torch sees no GPU)"
+            if config.device == "cpu" else "")
+
+
+# settings that only another setting's value makes take effect (shared/config/depends.py)
+NEEDS = (
+    depends.Needs(("pipeline_batch_queue",), lambda c: "" if c.pipeline_parallel_size > 1 else
+                  "only with --pipeline-parallel-size 2 or more (with 1 there is no pipeline to keep filled)"),
+    depends.Needs(("scheduler", "max_prefill_tokens_with_decodes"), lambda c: "" if c.scheduler.enable_chunked_prefill
+                  else "only with chunked prefill (--no-enable-chunked-prefill runs each prompt whole, which no cap "
+                  "can split)"),
+    depends.Needs(("cache", "kv_cache_memory"), lambda c: "" if c.cache.num_gpu_blocks is None else
+                  "not with --num-gpu-blocks-override, which sets the KV cache's size"),
+    depends.Needs(("model", "enforce_eager"), _on_cpu),
+    depends.Needs(("cache", "gpu_memory_utilization"), _on_cpu),
+)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic.dataclasses import dataclass
 
-from kvrelay.shared.config import common
+from kvrelay.shared.config import common, depends
 from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
 
@@ -42,7 +42,8 @@ class GatewayConfig:
                                     f"(default: ${ADMIN_KEY_ENV})", secret=True, env=ADMIN_KEY_ENV, min_length=16)
     response_cache_ttl: float = setting(0.0, "seconds a deterministic (temperature 0 or seeded) response is "
                                         "reused (0: off)", ge=0)
-    response_cache_max_bytes: int = setting(1024 * 1024, "larger responses are not cached", ge=0)
+    response_cache_max_bytes: int = setting(1024 * 1024, "larger responses are not cached (with "
+                                              "--response-cache-ttl)", ge=0)
     # vLLM's flag and default: usage.prompt_tokens_details is null unless asked for, as clients written for vLLM
     # expect; with it, {"cached_tokens": N} (OpenAI's shape)
     enable_prompt_tokens_details: bool = setting(False, "report usage.prompt_tokens_details.cached_tokens "
@@ -85,15 +86,15 @@ class GatewayConfig:
     redis_min_replicas: int = setting(0, "replicas that must confirm a request's job writes (Redis WAIT) before it "
                                       "waits for a worker; 0: no wait (README: Redis behind Sentinel)", ge=0)
     redis_replica_wait_ms: int = setting(100, "milliseconds a job write waits for --redis-min-replicas before the "
-                                         "request goes on without them", ge=1)
+                                         "request goes on without them (with --redis-min-replicas)", ge=1)
     # Prefix affinity (gateway/control/routing.py): a prompt goes to the prefill worker that likely caches its
     # first affinity_prefix_tokens, unless that worker has more than affinity_slack requests more than
     # the least-loaded one; then to the shared stream, which the first free worker takes from.
     prefix_affinity: bool = setting(True, "send prompts sharing a prefix to the prefill worker that has it cached")
     affinity_slack: int = setting(8, "requests more than the least-loaded prefill worker past which affinity "
-                                  "yields", ge=0)
+                                  "yields (with prefix affinity)", ge=0)
     affinity_prefix_tokens: int = setting(256, "leading prompt tokens (whole KV blocks) that decide a prompt's "
-                                          "worker", ge=1)
+                                          "worker (with prefix affinity)", ge=1)
     # None: registering models through the API is off. Workers read weights from their own --model-repo.
     model_repo: ExistingDir | None = common.model_repo()
     model_load_timeout: float = setting(120.0, "seconds a request for a registered but unloaded model waits for "
@@ -125,6 +126,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
+        depends.check(self, NEEDS)
 
     @property
     def reply_host(self) -> str:
@@ -133,3 +135,18 @@ class GatewayConfig:
         if self.zmq_host in WILDCARDS:
             raise ValueError("zmq_host is a wildcard: set zmq_advertise_host to an address workers can reach")
         return self.zmq_host
+
+
+def _no_affinity(config: GatewayConfig) -> str:
+    return "" if config.prefix_affinity else "only with prefix affinity (--no-prefix-affinity routes no prompt by it)"
+
+
+# settings that only another setting's value makes take effect (shared/config/depends.py)
+NEEDS = (
+    depends.Needs(("response_cache_max_bytes",), lambda c: "" if c.response_cache_ttl else
+                  "only with --response-cache-ttl above 0 (0: no response is cached)"),
+    depends.Needs(("redis_replica_wait_ms",), lambda c: "" if c.redis_min_replicas else
+                  "only with --redis-min-replicas above 0 (0: no job write waits for replicas)"),
+    depends.Needs(("affinity_slack",), _no_affinity),
+    depends.Needs(("affinity_prefix_tokens",), _no_affinity),
+)

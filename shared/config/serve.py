@@ -25,7 +25,8 @@ class ServeConfig:
     # a restart will not cure, and saying so beats restarting it for ever.
     max_crashes: int = setting(5, "exits of one child (gateway or worker) within --crash-window that stop serve "
                                "(exit 1) instead of another restart; 1: the first crash stops everything", ge=1)
-    crash_window: float = setting(300.0, "seconds over which --max-crashes counts a child's exits", gt=0)
+    crash_window: float = setting(300.0, "seconds over which --max-crashes counts a child's exits (refused with "
+                                  "--max-crashes 1)", gt=0)
     # The embedded Redis holds tenants, API keys, registered models, limits and counters: kept in a folder
     # of the user's (kvrelay/state_dir.py), they survive a restart of Redis and of serve.
     # like SGLang's --disaggregation-decode-tp: a prefill batch wants compute, a decode batch room for KV, so
@@ -41,7 +42,7 @@ class ServeConfig:
         "minus --gpu-sm-percent", ge=1, le=100)
     state_dir: str | None = setting(None, "folder (0700) where the embedded Redis keeps its append-only file, "
                                     "its passwords and its socket, so tenants, API keys and registered models "
-                                    "survive restarts; one kvrelay serve at a time; unused with --redis-url",
+                                    "survive restarts; one kvrelay serve at a time; refused with --redis-url",
                                     min_length=1)
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic.dataclasses import dataclass
 
-from kvrelay.shared.config import common, role_settings
+from kvrelay.shared.config import common, depends, role_settings
 from kvrelay.shared.config.declare import CONFIG, ConfigError, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
@@ -66,9 +66,9 @@ class WorkerConfig:
         False, "decode: host-staged KV frames come encrypted on the CURVE socket (for networks between hosts that "
         "are not trusted; ~1/3 the unencrypted speed on a 16-core host: one core a socket); off, they come on a "
         "plain socket of their own, each frame MAC'd under its grant's fresh key (authenticated, not secret). "
-        "Under --insecure-zmq frames come on the one socket, CRC-checked, either way", roles=DECODE)
+        "Under --insecure-zmq frames come on the one socket, CRC-checked, and this is refused", roles=DECODE)
     kv_frames_port: Port = setting(0, "decode: TCP port of that plain socket for MAC'd KV frames (0: ephemeral; "
-                                   "unused with --encrypt-kv-frames or --insecure-zmq)", roles=DECODE)
+                                   "refused with --encrypt-kv-frames or --insecure-zmq)", roles=DECODE)
     max_handoffs_per_peer: int | None = setting(
         None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
         "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",
@@ -119,10 +119,11 @@ class WorkerConfig:
         "to show, so two models of similar demand do not take turns reloading", ge=0)
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
     model_repo: ExistingDir | None = common.model_repo()
-    weights_memory: int | None = setting(None, "bytes of model weights this worker may hold at once, per device (a "
-                                         "tensor- or pipeline-parallel model counts its largest shard on CUDA, all "
-                                         "of them on the CPU); loads beyond it evict idle models (default: CPU 8 GiB; "
-                                         "CUDA what --gpu-memory-utilization leaves after the KV pool)", ge=1)
+    weights_memory: int | None = setting(None, "a worker of several models: bytes of model weights it may hold at "
+                                         "once, per device (a tensor- or pipeline-parallel model counts its largest "
+                                         "shard on CUDA, all of them on the CPU); loads beyond it evict idle models "
+                                         "(default: CPU 8 GiB; CUDA what --gpu-memory-utilization leaves after the KV "
+                                         "pool)", ge=1)
     verify_checksums: bool = setting(True, "hash a repository model's files against its manifest before loading "
                                      "it (once per file version per host: shared/repo/verified_files.py)")
     skip_warmup: bool = setting(False, "serve without first running each step shape once (on CUDA the first requests "
@@ -143,6 +144,7 @@ class WorkerConfig:
         role_settings.check(self)
         if self.gpu_sm_percent != GPU_SM_PERCENT:
             check_sm_share(self.gpu_share, "--gpu-sm-percent")
+        depends.check(self, NEEDS)
 
     def startup_models(self) -> list[StartupModel]:
         first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []
@@ -152,3 +154,31 @@ class WorkerConfig:
     def multi_model(self) -> bool:
         """Several models, now or later: they share one KV pool and a weights budget."""
         return bool(self.model_repo) or len(self.startup_models()) > 1
+
+
+def _one_model(config: WorkerConfig) -> str:
+    return "" if config.multi_model else ("only on a worker of several models (--config listing two or more, or "
+                                          "--model-repo), which share its memory")
+
+
+def _kv_frames_socket(config: WorkerConfig) -> str:
+    if config.insecure_zmq:
+        return "not with --insecure-zmq (KV frames come on the one ZMQ socket)"
+    return "not with --encrypt-kv-frames (KV frames come on the CURVE socket)" if config.encrypt_kv_frames else ""
+
+
+# settings that only another setting's value makes take effect (shared/config/depends.py)
+NEEDS = (
+    depends.Needs(("kv_frames_port",), _kv_frames_socket),
+    depends.Needs(("encrypt_kv_frames",), lambda c: "not with --insecure-zmq (no CURVE socket to encrypt them on)"
+                  if c.insecure_zmq else ""),
+    depends.Needs(("weights_memory",), _one_model),
+    depends.Needs(("min_residency_s",), _one_model),  # a worker of one model never evicts it
+    depends.Needs(("verify_checksums",), lambda c: "" if c.model_repo else "only with a model repository "
+                  "(--model-repo, or a --config's model_repo): only its models have manifests"),
+    depends.Needs(("metrics_tenant_labels",), lambda c: "" if c.monitoring_port is not None else
+                  "only with --monitoring-port (without it the worker serves no /metrics)"),
+    # several models share one KV pool of --kv-cache-memory bytes (shared/worker/host_budget.py)
+    depends.Needs(("engine", "cache", "num_gpu_blocks"), lambda c: "only on a worker of one model (several share "
+                  "one KV pool of --kv-cache-memory bytes)" if c.multi_model else ""),
+)

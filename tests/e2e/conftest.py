@@ -13,6 +13,9 @@ TINY_VOCAB = 49152  # SmolLM2's tokenizer
 # 4096 blocks (16 MiB of KV here) rather than the 1 GiB CPU default: a worker starts in a fraction of the time
 TINY_ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--served-model-name", "tiny",
                "--num-gpu-blocks-override", "4096"]
+# the same 16 MiB for a worker of several models (--model-repo, --config), which sizes their one KV pool in bytes
+# and refuses --num-gpu-blocks-override
+TINY_POOL_ENGINE = [*TINY_ENGINE[:-2], "--kv-cache-memory", str(16 << 20)]
 
 
 @pytest.fixture(scope="session")

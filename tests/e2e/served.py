@@ -49,7 +49,8 @@ def stop_serve(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
 
 
 class Served:
-    """``kvrelay serve *argv --port P --state-dir D`` with ``KVRELAY_ADMIN_KEY`` set; a context manager.
+    """``kvrelay serve *argv --port P --state-dir D`` (D without --redis-url) with ``KVRELAY_ADMIN_KEY`` set; a
+    context manager.
     ``state_dir``: the embedded Redis's folder (give the same one to start again on its data), else a
     new one beside ``log``: tests running at once never share one."""
 
@@ -63,8 +64,10 @@ class Served:
     def __enter__(self) -> "Served":
         env = dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY)
         with open(self.log, "wb") as out:
+            # an external Redis (--redis-url) keeps its own data: serve refuses --state-dir beside it
+            state = [] if "--redis-url" in self.argv else ["--state-dir", str(self.state_dir)]
             self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", *self.argv,
-                                          "--port", str(self.port), "--state-dir", str(self.state_dir)],
+                                          "--port", str(self.port), *state],
                                          stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, env=env)
         deadline = time.monotonic() + self.timeout
         while b"kvrelay ready" not in self.log.read_bytes():

@@ -16,13 +16,13 @@ from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_cluster import parse
 from tests.e2e.cluster import Cluster, free_port
-from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.conftest import TINY_ENGINE, TINY_POOL_ENGINE
 from tests.e2e.model_variants import PROMPT, variant
 
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "admin-key-for-redis-cluster-tests"
-ENGINE = [a for a in TINY_ENGINE if a not in ("--served-model-name", "tiny")]
+ENGINE = [a for a in TINY_POOL_ENGINE if a not in ("--served-model-name", "tiny")]
 
 
 def admin(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:

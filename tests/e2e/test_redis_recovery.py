@@ -19,7 +19,7 @@ from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster, free_port
-from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.conftest import TINY_ENGINE, TINY_POOL_ENGINE
 from tests.e2e.load_records import Sample, until
 from tests.e2e.restartable_redis import RestartableRedis
 from tests.e2e.served import start_serve, stop_serve, until_ready
@@ -194,7 +194,7 @@ def test_config_models_are_served_again_after_an_empty_restart(tiny_model_dir, t
     cfg.write_text(f"model_repo: {{type: local, path: {repo.root}, versioning: numbered}}\n"
                    "models:\n  - {name: tiny, version: 1, precision: float32}\n")
     port, log = free_port(), tmp_path / "serve.log"
-    flags = [a for a in TINY_ENGINE if a not in ("--served-model-name", "tiny")]
+    flags = [a for a in TINY_POOL_ENGINE if a not in ("--served-model-name", "tiny")]
     proc = start_serve(["--config", str(cfg), "--port", str(port), "--redis-url", redis.url, "--mode", "unified",
                         *flags], log, dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     try:

@@ -20,7 +20,7 @@ import pytest
 from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from tests.e2e.cluster import free_port
-from tests.e2e.conftest import TINY_ENGINE
+from tests.e2e.conftest import TINY_ENGINE, TINY_POOL_ENGINE
 from tests.e2e.served import Served
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_tenants_keys_and_registered_models_survive_a_restart_of_serve(tmp_path,
     repo = ModelRepository(tmp_path / "repo")
     import_model(repo, str(tiny_model_dir), "extra", progress=False)
     state = tmp_path / "state"
-    argv = ["--model", str(tiny_model_dir), *TINY_ENGINE, "--model-repo", str(repo.root)]
+    argv = ["--model", str(tiny_model_dir), *TINY_POOL_ENGINE, "--model-repo", str(repo.root)]
     with Served(argv, tmp_path / "serve-1.log", state_dir=state) as first:
         client = first.client()  # a tenant and its API key, made through the admin API
         status, body = first.admin("POST", "/admin/models", {"name": "extra", "version": 1})

@@ -32,7 +32,16 @@ CHOSEN = {"--model": "dummy:tiny-llama", "--device": "cuda:1", "--redis-url": "r
 GROUP = {"--tensor-parallel-size", "--pipeline-parallel-size"}
 DECODE_GROUP = {"--decode-tensor-parallel-size", "--decode-pipeline-parallel-size",  # serve's, disaggregated only
                 "--decode-gpu-sm-percent"}
-SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", *GROUP, *DECODE_GROUP}
+# A setting that takes effect only under another's value (shared/config/depends.py) is refused beside a value of the
+# other that leaves it none: the batch queue needs a pipeline (GROUP; test_parallel_sizes_reach_every_worker), and
+# the flags that switch others off are walked on their own (test_the_flags_that_switch_others_off_reach_their_child)
+SWITCHES_OFF = {"--enable-chunked-prefill": ["--no-enable-chunked-prefill"],  # --max-prefill-tokens-with-decodes
+                "--prefix-affinity": ["--no-prefix-affinity"],  # --affinity-slack, --affinity-prefix-tokens
+                "--encrypt-kv-frames": ["--encrypt-kv-frames"],  # --kv-frames-port
+                "--num-gpu-blocks-override": ["--num-gpu-blocks-override", "64"],  # --kv-cache-memory, --model-repo
+                "--state-dir": ["--state-dir", "x-state"]}  # --redis-url
+SKIPPED = {"--config", "--zmq-secret-file", "--insecure-zmq", "--pipeline-batch-queue", *GROUP, *DECODE_GROUP,
+           *SWITCHES_OFF}
 
 
 def types(annotation: typing.Any) -> set:
@@ -135,7 +144,7 @@ def test_every_serve_flag_reaches_the_child_that_uses_it(mode):
     assert {n: c["command"] for n, c in children.items()} == {"gateway": "gateway", "gateway-1": "gateway",
                                                              **{w: w for w in workers}}
     # serve's own: children, supervision, the embedded Redis's folder
-    seen = {"--mode", "--api-server-count", "--max-crashes", "--crash-window", "--state-dir"}
+    seen = {"--mode", "--api-server-count", "--max-crashes", "--crash-window"}
     worker_flags = [f for f in WORKER_FLAGS if f.option not in SKIPPED]
     for name, child in children.items():
         command, config = child["command"], child["config"]
@@ -162,13 +171,14 @@ def test_every_role_flag_reaches_its_config(command):
 @pytest.mark.parametrize("mode", ["unified", "disaggregated"])
 def test_parallel_sizes_reach_every_worker(mode):
     children = print_config(["serve", "--mode", mode, "--model", "dummy:tiny-llama", "--device", "cpu",
-                             "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"])
+                             "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--pipeline-batch-queue"])
     workers = [c["config"] for c in children.values() if c["command"] != "gateway"]
     assert workers
     flags = [f for f in WORKER_FLAGS if f.option in GROUP]
     assert len(flags) == len(GROUP)
     for flag in flags:
         assert all(resolved(flag.path, config) == 2 for config in workers), flag.option
+    assert all(config["engine"]["pipeline_batch_queue"] for config in workers)
 
 
 def test_the_decode_workers_own_parallel_sizes_reach_it_alone():
@@ -184,3 +194,14 @@ def test_the_decode_workers_own_parallel_sizes_reach_it_alone():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("kvrelay serve: error: argument --decode-pipeline-parallel-size: "
                                                     "only with --mode disaggregated (a unified worker has one size)")
+
+
+def test_the_flags_that_switch_others_off_reach_their_child():
+    children = print_config(["serve", "--model", "dummy:tiny-llama", "--device", "cpu",
+                             *(a for argv in SWITCHES_OFF.values() for a in argv)])
+    by_command = {c["command"]: c["config"] for c in children.values()}
+    workers = [by_command["prefill-worker"], by_command["decode-worker"]]
+    assert [w["engine"]["scheduler"]["enable_chunked_prefill"] for w in workers] == [False, False]
+    assert [w["engine"]["cache"]["num_gpu_blocks"] for w in workers] == [64, 64]
+    assert [w["encrypt_kv_frames"] for w in workers] == [False, True]  # the decode worker's
+    assert by_command["gateway"]["prefix_affinity"] is False

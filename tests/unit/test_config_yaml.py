@@ -61,6 +61,8 @@ def test_structure_mistakes(tmp_path):
                            "models: names must be unique"),
                           ("models:\n  - {name: a, path: /x, load: lazy}\n",
                            "models[0].load: a lazily loaded model must come from the model_repo"),
+                          ("models:\n  - {name: a, path: 'dummy:tiny-llama', version: 2}\n",  # was ignored
+                           "models[0].version: only for a model from the model_repo (path names its files)"),
                           ("models: [\n", "while parsing")]:
         cfg.write_text(text)
         with pytest.raises(ConfigError, match="^" + str(cfg) + ": ") as exc:

@@ -100,7 +100,7 @@ def test_block_table_cache_extends_and_notices_new_blocks():
 def _static_path_llm(model_dir, **kwargs) -> LLM:
     """A CPU engine whose decode steps go through DecodeGraphs' static buffers (no recording), with
     a 40-token short-context class so that both length classes serve steps."""
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, enforce_eager=True, **kwargs)
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, device="cpu", **kwargs)
     runner = llm.engine.core.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, llm.engine.config.scheduler.max_num_seqs,
                                  runner.max_model_len, runner.block_size, record=False, short_context=40)

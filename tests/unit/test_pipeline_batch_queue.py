@@ -128,7 +128,7 @@ def test_pp2_batch_queue_constrained_outputs_equal_one_process(smollm2_dir):
     got = {}
     for pp in (1, 2):
         with LLM(model=str(smollm2_dir), max_model_len=256, device="cpu", pipeline_parallel_size=pp,
-                 pipeline_batch_queue=True) as llm:
+                 pipeline_batch_queue=pp > 1) as llm:
             got[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             if pp == 2:
                 assert llm.engine.core.stepper.max_in_flight == 2

@@ -11,14 +11,14 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from kvrelay.cli import build_parser, main
+from kvrelay.cli import main
 from kvrelay.cli_args import SERVE_WORKER_FLAGS, WORKER_FLAGS
-from kvrelay.serve_plan import models_to_serve, plan
 from kvrelay.shared.config import handover, role_settings
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.config.flags import is_switch
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig
+from tests.unit.serve_children import serve_children, setting_at
 
 ROLED = [f for f in WORKER_FLAGS if role_settings.roles_of(f.info)]
 SERVE_ROLED = [f for f in SERVE_WORKER_FLAGS if role_settings.roles_of(f.info)]  # --worker-port, ...
@@ -108,24 +108,24 @@ def test_an_engine_setting_its_role_does_not_read_is_refused_in_any_model_of_the
     assert EngineConfig(ModelConfig("m"), async_scheduling=True).async_scheduling  # no role: the offline API
 
 
-def _setting(config, path: tuple[str, ...]):
-    for name in path:
-        config = getattr(config, name)
-    return config
-
-
 def _plan(argv: list[str]) -> dict:
-    args = build_parser().parse_args(["serve", *TINY, *argv])
-    return {c.command: c for c in plan(args, models_to_serve(args), "redis://127.0.0.1:6379/0")}
+    return serve_children([*TINY, *argv])
 
 
-def test_serve_gives_each_worker_only_the_settings_its_role_reads():
-    children = _plan([a for f in SERVE_ROLED for a in _argv(f)])
+# encrypted KV frames come on the CURVE socket, and a port for the plain one beside them is refused
+# (shared/config/depends.py): each of the two is walked without the other
+APART = ("--encrypt-kv-frames", "--kv-frames-port")
+
+
+@pytest.mark.parametrize("without", APART)
+def test_serve_gives_each_worker_only_the_settings_its_role_reads(without):
+    flags = [f for f in SERVE_ROLED if f.option != without]
+    children = _plan([a for f in flags for a in _argv(f)])
     for i, command in enumerate(("prefill-worker", "decode-worker")):
         config, role = children[command].config, command.removesuffix("-worker")
-        for flag in SERVE_ROLED:
+        for flag in flags:
             want = _value(flag) + i if flag.option == "--worker-port" else _value(flag)  # one port per worker
-            got = _setting(config, flag.path)
+            got = setting_at(config, flag.path)
             assert got == (want if role_settings.reads(flag.info, role) else flag.default), (command, flag.option)
         # what the child receives is its config whole, checked again on arrival
         assert handover.receive(WorkerConfig, io.StringIO(handover.encode(config).decode())) == config
