@@ -15,7 +15,15 @@ of CUDA-graph replays over enough weight copies that each replay reads several t
 decode step's cold reads are what is timed), and is printed beside its floor: the weight bytes (scales
 and zero points included) over the copy bandwidth measured in the same process.
 
+``w4_gemv`` (kernels/triton/w4_gemv.py: the same repacked weight through a tensor-core-free GEMV for 1-16 rows,
+split K summed in order), ``w4_gemv_atomic`` (split K by fp32 atomics), ``w4_gemv_shift`` (nibbles shifted
+down, the classic extraction) and ``w4_kmajor`` (kernels/triton/w4_kmajor.py, over a K-major copy of the
+words) are the decode candidates for kernels/triton/w4_decode.py's table; each tries its default (cfg
+``null``) and a few tile shapes at three splits, and the table sets the default's time beside the best.
+
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
+``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic,w4_gemv_shift,w4_kmajor --quick``: the W4
+decode comparison (one shape's weights are drawn once, on the GPU, for all its row counts).
 ``--rows 1,4,16 --formats w4_fast,w4_fast64``: the decode sweep that ``default_config``'s tiles and split
 are to be set from.
 """
@@ -23,6 +31,7 @@ are to be set from.
 import argparse
 import itertools
 import json
+import time
 from importlib import import_module
 
 import torch
@@ -37,22 +46,31 @@ GROUP = 128
 L2_BYTES = 60 << 20
 
 
+# the formats that read the repacked W4 weight; all but these two share one draw of it ("w4_packed")
+W4_PACKED = ("w4_packed", "w4_fast64", "w4_kmajor")
+SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic", "w4_gemv_shift")
+
+
 def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list[dict]:
-    """``copies`` distinct weights of one format on the GPU (distinct so the L2 cannot serve a replay)."""
+    """``copies`` distinct weights of one format on the GPU (distinct so the L2 cannot serve a replay), drawn
+    there (``gen`` a CUDA generator): drawing gate_up's copies on the host took longer than timing them."""
     out = []
     for _ in range(copies):
         if fmt == "bf16":
-            out.append({"w": (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).cuda()})
+            out.append({"w": (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)})
         elif fmt in ("int8", "fp8"):
-            w, s = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, fmt)
-            out.append({"w": w.cuda(), "s": s.cuda()})
+            w, s = quant.quantize_channel(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5, fmt)
+            out.append({"w": w, "s": s})
         else:
-            q = torch.randint(0, 16, (k, n), generator=gen)
-            d = {"w": quant.pack_w4(q).cuda(),
-                 "z": torch.randint(0, 16, (k // GROUP, n), generator=gen).to(torch.uint8).cuda(),
-                 "s": (torch.rand(k // GROUP, n, generator=gen) * 0.5 / k ** 0.5 + 0.01 / k ** 0.5).half().cuda()}
-            if fmt.startswith("w4_fast"):  # the same weight, repacked; "unpacked" is the reference's
+            q = torch.randint(0, 16, (k, n), generator=gen, device="cuda", dtype=torch.int32)
+            d = {"w": quant.pack_w4(q),
+                 "z": torch.randint(0, 16, (k // GROUP, n), generator=gen, device="cuda").to(torch.uint8),
+                 "s": (torch.rand(k // GROUP, n, generator=gen, device="cuda") * 0.5 / k ** 0.5
+                       + 0.01 / k ** 0.5).half()}
+            if fmt in W4_PACKED:  # the same weight, repacked; "unpacked" is the reference's
                 p = repack_w4(d["w"], d["z"], d["s"], GROUP, tile_k=64 if fmt == "w4_fast64" else None)
+                if fmt == "w4_kmajor":
+                    p = import_module("kvrelay.kernels.triton.w4_kmajor").to_kmajor(p)
                 d = {"w": p.qweight, "z": p.zeros, "s": p.scales, "packed": p, "unpacked": d}
             out.append(d)
     return out
@@ -81,6 +99,14 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
     if fmt.endswith("_sk"):
         ns, ks, ws = ((8,), (1024,), (4,)) if quick else ((4, 8, 16), (512, 1024, 2048), (4, 8))
         return list(itertools.product(ns, ks, ws))
+    if fmt in GEMV_CONFIGS:  # (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages); None: the default
+        # SPLIT is an argument, not a compiled constant: each tile shape is tried at the default's split
+        # (0), half and twice it (negative: a divisor of the default, resolved in kernel_call) for one compile
+        if rows > GEMV_SWEEP_ROWS:
+            return [None]
+        tiles = GEMV_CONFIGS[fmt][0 if rows == 1 else 1]
+        tiles = tiles[:2] if quick else tiles
+        return [None] + [(bn, br, sp, w, 1) for bn, br, w in tiles for sp in (0, -2, 2)]
     if fmt.startswith("w4_fast"):  # (BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages); None: the default
         ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
         ns, splits = ((32, 64, 128), (1, 2, 4, 8, 16)) if rows <= 16 else ((64, 128), (1, 2))
@@ -94,6 +120,38 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
     ns, ks, ws, ss = ((64,), (64,), (4,), (3,)) if quick else ((64, 128), (64, 128), (4, 8), (3, 4))
     return [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(ms, ns, ks, ws, ss)
             if not (quick and bm == 128)]
+
+
+# the decode GEMVs' tile shapes (BLOCK_N, BLOCK_R, num_warps), for one row and for more: kernels/triton/w4_gemv.py's
+# want BLOCK_N a multiple of 128 x num_warps (4 columns a thread; 8 with twice that), w4_kmajor's 4 words a
+# thread along K; with more rows, fewer registers a row (ptxas spilled BLOCK_R 16 at 4 rows, 8 columns at 16)
+GEMV_MAX_ROWS = 16  # kernels/triton/w4_gemv.py's MAX_ROWS
+# beyond 4 rows the GEMVs run their default only, and the variants that differ from w4_gemv in the split-K
+# sum or the nibbles not at all: a 16-row build took ptxas 91 s on a busy CPU, and spilled; w4_fast's tensor
+# cores are the 16-row candidate
+GEMV_SWEEP_ROWS = 4
+GEMV_CONFIGS = {
+    "w4_gemv": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4), (512, 8, 2), (256, 16, 2), (2048, 8, 8)],
+                [(512, 4, 4), (512, 8, 4), (256, 4, 2), (256, 8, 2)]),
+    "w4_gemv_atomic": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4)], [(512, 4, 4), (256, 4, 2)]),
+    "w4_gemv_shift": ([(1024, 8, 4), (512, 8, 4)], [(512, 4, 4)]),
+    "w4_kmajor": ([(128, 16, 4), (256, 16, 4), (64, 16, 2), (256, 8, 4)], [(128, 8, 4), (128, 16, 4), (64, 8, 2)]),
+}
+
+
+def gemv_call(fmt: str, x: torch.Tensor, d: dict, cfg: tuple | None):
+    """The decode GEMVs (kernels/triton/w4_gemv.py, w4_kmajor.py); a negative SPLIT divides the default's."""
+    gemv = import_module("kvrelay.kernels.triton.w4_gemv")
+    kmajor = import_module("kvrelay.kernels.triton.w4_kmajor")
+    p = d["packed"]
+    if cfg is not None and cfg[2] != 0:
+        bn, br, sp, *launch = cfg
+        n, k = p.shape
+        auto = gemv.split_for(n, bn, k // 8 // br, x.device)
+        cfg = (bn, br, max(1, auto // -sp) if sp < 0 else auto * sp, *launch)
+    fn = kmajor.w4_kmajor_linear if fmt == "w4_kmajor" else gemv.w4_gemv_linear
+    atomic, shift_free = fmt == "w4_gemv_atomic", fmt != "w4_gemv_shift"
+    return lambda: fn(x, p, atomic=atomic, shift_free=shift_free, cfg=cfg)
 
 
 def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None):
@@ -110,6 +168,8 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
         return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
     if fmt.endswith("_sk"):
         return lambda: skinny.scaled_linear(x, d["w"], d["s"], cfg=cfg)
+    if fmt in GEMV_CONFIGS:
+        return gemv_call(fmt, x, d, cfg)
     if fmt.startswith("w4_fast"):
         return lambda: w4_fast.w4_packed_linear(x, d["packed"], cfg=cfg)
     if fmt == "w4":
@@ -125,22 +185,43 @@ def fp8_mm_forced(x: torch.Tensor, d: dict) -> torch.Tensor:
     return torch._scaled_mm(xq, d["w"].t(), scale_a=x_scale, scale_b=d["s"].view(1, -1), out_dtype=torch.bfloat16)
 
 
+_sets: dict[tuple, tuple[dict, list[dict]]] = {}
+
+
+def weight_sets(store: str, k: int, n: int) -> tuple[dict, list[dict]]:
+    """(one weight, the copies a replay cycles through, that one first), drawn once per format and shape and
+    kept for the other row counts (main runs each shape's row counts together, then drops them)."""
+    if (store, k, n) not in _sets:
+        gen = torch.Generator(device="cuda").manual_seed(k * 7 + n)
+        one = weights(store, k, n, 1, gen)[0]
+        copies = max(1, min(16, 4 * L2_BYTES // nbytes(one) + 1))
+        _sets[store, k, n] = (one, [one] + weights(store, k, n, copies - 1, gen))
+    return _sets[store, k, n]
+
+
+def skipped(fmt: str, rows: int) -> bool:
+    """The skinny loop is for one row, the decode GEMVs for a few."""
+    return ((fmt.endswith("_sk") and rows > 1) or (fmt in GEMV_CONFIGS and rows > GEMV_MAX_ROWS)
+            or (fmt in ("w4_gemv_atomic", "w4_gemv_shift") and rows > GEMV_SWEEP_ROWS))
+
+
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
-    gen = torch.Generator().manual_seed(k * 7 + n + rows)
     store = {"fp8_mm": "fp8", "fp8_wo": "fp8", "fp8_sk": "fp8", "int8_sk": "int8"}.get(fmt, fmt)
-    one = weights(store, k, n, 1, gen)[0]
-    copies = max(1, min(16, 4 * L2_BYTES // nbytes(one) + 1))
-    sets = [one] + weights(store, k, n, copies - 1, gen)
-    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+    store = "w4_packed" if fmt in SHARED_W4 else store
+    one, sets = weight_sets(store, k, n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k * 7 + n + rows)).to(torch.bfloat16).cuda()
     floor_us = nbytes(one) / bandwidth * 1e6
     row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
     expected = reference(fmt if fmt in ("bf16", "fp8_mm") or fmt.startswith("w4") else store, x, one)
-    if fmt.endswith("_sk") and rows > 1:
-        return row  # the skinny loop is for one row
+    if skipped(fmt, rows):
+        return row
     tries = [None] if fmt in ("bf16", "fp8_mm") else configs(fmt, rows, quick)
     if fmt.startswith("w4_fast"):  # what cfg None runs
         w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
         row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)
+    elif fmt in GEMV_CONFIGS:
+        module = import_module("kvrelay.kernels.triton." + ("w4_kmajor" if fmt == "w4_kmajor" else "w4_gemv"))
+        row["default_cfg"] = module.default_config(rows, n, k, one["packed"].tile_k, x.device)
     best = None
     for cfg in tries:
         try:
@@ -176,11 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from kvrelay.bench.gpu_measure import copy_bandwidth
 
+    start = time.monotonic()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows_out = []
-    for rows in (int(r) for r in args.rows.split(",")):
-        for name, (k, n) in SHAPES.items():
+    for name, (k, n) in SHAPES.items():
+        _sets.clear()
+        torch.cuda.empty_cache()
+        for rows in (int(r) for r in args.rows.split(",")):
             base = None
             for fmt in args.formats.split(","):
                 r = measure(fmt, name, k, n, rows, bandwidth, args.quick)
@@ -192,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(r), flush=True)
     print("\n| rows | proj | fmt | us | floor us | of floor | vs bf16 | best cfg | default us | default cfg |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows_out:
-        if r["fmt"].endswith("_sk") and r["rows"] > 1:
+    for r in sorted(rows_out, key=lambda r: r["rows"]):  # stable: shapes in order within a row count
+        if skipped(r["fmt"], r["rows"]):
             continue
         if "us" in r:
             default_us = f"{r['default_us']:.1f}" if "default_us" in r else "-"
@@ -202,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r.get('default_cfg', '-')} |")
         else:
             print(f"| {r['rows']} | {r['proj']} | {r['fmt']} | failed: {r.get('wrong') or r.get('refused')} |")
+    print(f"\nsweep: {time.monotonic() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f)

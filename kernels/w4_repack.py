@@ -96,12 +96,18 @@ def sort_and_interleave(qweight: torch.Tensor, perm: torch.Tensor | None, tile_k
     return interleave_w4(qweight, tile_k)
 
 
-def dequantize_packed(p: W4Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [N, K] weight in input order, read back from the repacked layout alone (the layout's test)."""
+def dequantize_nibbles(p: W4Packed) -> torch.Tensor:
+    """The 4-bit values, int32 [K, N], in the packed layout's row order (act-order's sorted order)."""
     n, k = p.shape
     words = p.qweight.reshape(k // p.tile_k, 1, p.tile_k // PACK, n)
     shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)[None, :, None, None]
-    q = ((words >> shifts) & 0xF).reshape(k, n).float()  # packed row order
+    return ((words >> shifts) & 0xF).reshape(k, n)
+
+
+def dequantize_packed(p: W4Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [N, K] weight in input order, read back from the repacked layout alone (the layout's test)."""
+    k = p.shape[1]
+    q = dequantize_nibbles(p).float()
     g = torch.arange(k, device=q.device) // p.group_size
     w = (q - p.zeros[g].float()) * p.scales[g].float()
     if p.perm is not None:

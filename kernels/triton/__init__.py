@@ -16,7 +16,7 @@ from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
 from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.triton.skinny_linear import linear, rms_norm_linear, silu_mul_linear
-from kvrelay.kernels.triton.w4_fast import w4_packed_linear
+from kvrelay.kernels.triton.w4_decode import w4_packed_linear
 from kvrelay.kernels.triton.w4a16 import int8_linear, w4a16_linear
 from kvrelay.kernels.triton.write_kv import write_kv
 
