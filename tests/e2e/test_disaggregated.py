@@ -11,6 +11,7 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.handoff_metrics import handoffs_settled
@@ -31,6 +32,23 @@ def cluster(tiny_dir, redis_url, tmp_path):
     c.stop()
 
 
+@pytest.fixture(scope="module")
+def default_cluster(tiny_dir, tmp_path_factory):
+    """A gateway, p1 and d1 with default flags, started once for the tests that need nothing else of them
+    (starting the three is most of such a test's time), on a Redis of their own: ``cluster`` flushes the
+    session's between tests."""
+    with EmbeddedRedis() as url:
+        c = Cluster(url, str(tiny_dir), ENGINE + ["--served-model-name", MODEL], tmp_path_factory.mktemp("default"))
+        with c.disaggregated():
+            yield c
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    with LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8, num_gpu_blocks=4096) as llm:
+        yield llm
+
+
 def _client(c: Cluster, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, **kw)
 
@@ -39,15 +57,22 @@ def _aclient(c: Cluster, **kw) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=c.base_url, api_key="none", max_retries=0, **kw)
 
 
-@pytest.mark.parametrize("frames", [[], ["--encrypt-kv-frames"]], ids=["macd-frames", "encrypted-frames"])
-def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir, frames):
-    """Either way the KV frames go (the decode worker's plain bulk socket, each MAC'd, or encrypted on its CURVE
-    socket), the tokens are the offline engine's."""
+def test_greedy_equals_offline_engine_under_concurrency(default_cluster, offline):
+    """The KV frames go over the decode worker's plain bulk socket, each MAC'd."""
+    _check_greedy_under_concurrency(default_cluster, offline)
+
+
+def test_greedy_equals_offline_engine_under_concurrency_with_encrypted_frames(cluster, offline):
+    """The KV frames go encrypted over the decode worker's CURVE socket."""
     cluster.start_worker("prefill", "p1")
-    cluster.start_worker("decode", "d1", extra=frames)
+    cluster.start_worker("decode", "d1", extra=["--encrypt-kv-frames"])
     cluster.wait_ready()
+    _check_greedy_under_concurrency(cluster, offline)
+
+
+def _check_greedy_under_concurrency(cluster: Cluster, offline: LLM) -> None:
+    """Either way the KV frames go, the tokens are the offline engine's."""
     prompts = random_prompts(12, lo=5, hi=80, seed=42)
-    offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)
     expected = [o.outputs[0].token_ids for o in offline.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=16))]
 
@@ -67,7 +92,7 @@ def test_greedy_equals_offline_engine_under_concurrency(cluster, tiny_dir, frame
         assert len(choice.logprobs.tokens) == len(want)
 
 
-def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
+def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, offline):
     """Prompts of several chunks: the prefill worker holds an early grant by the time its last chunk
     runs, so its KV leaves layer by layer during that forward (kvrelay_handoffs_total{streamed="true"});
     greedy tokens still equal the offline engine's."""
@@ -80,7 +105,6 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
     assert _client(cluster).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens
     before = handoffs_settled(port, "streamed", 1)
     prompts = random_prompts(6, lo=100, hi=200, seed=7)
-    offline = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, block_size=8)
     tok = offline.get_tokenizer()
     expected = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in offline.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8))]
@@ -96,10 +120,8 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, tiny_dir):
     assert counts.get("true", 0) >= 1 and sum(counts.values()) == len(prompts), counts
 
 
-def test_64_concurrent_streams_complete(cluster):
-    cluster.start_worker("prefill", "p1")
-    cluster.start_worker("decode", "d1")
-    cluster.wait_ready()
+def test_64_concurrent_streams_complete(default_cluster):
+    cluster = default_cluster
 
     async def run():
         client = _aclient(cluster, timeout=120)
@@ -109,10 +131,8 @@ def test_64_concurrent_streams_complete(cluster):
     assert asyncio.run(run()) == [(20, "length")] * 64
 
 
-def test_client_disconnect_frees_decode_blocks(cluster):
-    cluster.start_worker("prefill", "p1")
-    cluster.start_worker("decode", "d1")
-    cluster.wait_ready()
+def test_client_disconnect_frees_decode_blocks(default_cluster):
+    cluster = default_cluster
     total = cluster.wait_worker("d1").total_blocks
     with httpx.Client(timeout=30) as http:
         body = {"model": MODEL, "prompt": list(range(5, 100)), "max_tokens": 150, "stream": True, "ignore_eos": True}
@@ -220,10 +240,8 @@ def test_killed_decode_worker_ends_streams_cleanly(cluster):
         assert not isinstance(error, openai.APIConnectionError), error
 
 
-def test_bad_inputs_get_clear_errors_and_workers_keep_serving(cluster):
-    cluster.start_worker("prefill", "p1")
-    cluster.start_worker("decode", "d1")
-    cluster.wait_ready()
+def test_bad_inputs_get_clear_errors_and_workers_keep_serving(default_cluster):
+    cluster = default_cluster
     url = f"{cluster.base_url}/completions"
     cases = [
         ({"model": "nope", "prompt": [1, 2]}, 404),

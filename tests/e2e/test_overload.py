@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
 from tests.e2e.openai_stream import streamed_tokens_and_finish
@@ -29,6 +30,23 @@ def cluster(tiny_model_dir, redis_url, tmp_path):
     c.start_gateway()
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="module")
+def short_grants(tiny_model_dir, tmp_path_factory):
+    """A gateway, p1, and d1 of 16 seats whose grants lapse after 0.3 s, started once for both prompt lengths
+    (starting the three is most of such a test's time), on a Redis of their own: ``cluster`` flushes the
+    session's between tests."""
+    with EmbeddedRedis() as url:
+        c = Cluster(url, str(tiny_model_dir), TINY_ENGINE, tmp_path_factory.mktemp("short-grants"))
+        c.start_gateway()
+        c.start_worker("prefill", "p1")
+        c.start_worker("decode", "d1", ["--max-num-seqs", "16", "--handoff-timeout", "0.3"])
+        try:
+            c.wait_ready()
+            yield c
+        finally:
+            c.stop()
 
 
 def _client(c: Cluster) -> openai.AsyncOpenAI:
@@ -52,13 +70,11 @@ def _prefill_metric(port: int, name: str, sample: str) -> float:
 
 
 @pytest.mark.parametrize("prompt_len", [5, 60])
-def test_n_64_and_128_complete_when_a_prefill_step_outlasts_the_grant_ttl(cluster, prompt_len):
+def test_n_64_and_128_complete_when_a_prefill_step_outlasts_the_grant_ttl(short_grants, prompt_len):
     """The decode side's grant TTL (its --handoff-timeout) is shorter here than one prefill step of 128
     prompts, as a 10 s TTL is on a CPU prefilling thousands of SmolLM2 tokens at once: grants were read
     after they had lapsed, and a whole n=128 request failed with 500 "no grant for this request"."""
-    cluster.start_worker("prefill", "p1")
-    cluster.start_worker("decode", "d1", ["--max-num-seqs", "16", "--handoff-timeout", "0.3"])
-    cluster.wait_ready()
+    cluster = short_grants
     prompt = list(range(5, 5 + prompt_len))
 
     async def run():
