@@ -104,4 +104,4 @@ def test_serve_gives_a_groups_decode_worker_async_scheduling_and_its_prefill_wor
                                       "--device", "cpu", "--async-scheduling"])
     engines = {c.command: (c.config.engine.async_scheduling, c.config.engine.tensor_parallel_size)
                for c in plan(args, models_to_serve(args), "redis://x") if not c.is_gateway}
-    assert engines == {"prefill-worker": (False, 2), "decode-worker": (True, 2)}
+    assert engines == {"prefill-worker": (None, 2), "decode-worker": (True, 2)}

@@ -35,3 +35,17 @@ def test_an_ephemeral_range_reaching_low_falls_back_to_the_kernels_pick(monkeypa
     monkeypatch.setattr(loopback_ports, "ephemeral_start", lambda: LOWEST + 10)
     port = free_port()
     assert port >= LOWEST + 10  # from bind(0): in the (pretended) ephemeral range
+
+
+def test_a_block_another_process_claimed_is_skipped_though_nothing_is_bound_yet(monkeypatch, tmp_path):
+    monkeypatch.setattr(loopback_ports, "_CLAIMS", tmp_path)
+    port = free_port()
+    monkeypatch.setattr(loopback_ports, "_next", (port - LOWEST) // BLOCK)
+    assert free_port() == port  # this process's own claim: still its to hand out
+    (claim,) = tmp_path.iterdir()
+    claim.write_text("1")  # now another process's (pid 1), which has not bound the port yet
+    monkeypatch.setattr(loopback_ports, "_next", (port - LOWEST) // BLOCK)
+    assert free_port() != port
+    claim.rename(claim.with_suffix(f".{int(claim.suffix[1:]) - 2}"))  # two windows ago: no longer counts
+    monkeypatch.setattr(loopback_ports, "_next", (port - LOWEST) // BLOCK)
+    assert free_port() == port

@@ -66,7 +66,7 @@ def test_stage_counts_the_model_cannot_split_fail_before_any_process_starts(tiny
     with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers: a stage would "
                                          "hold no layers"):
         _llm(tiny_model_dirs["gpt2"], 3)
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+    with pytest.raises(ValueError, match="argument --pipeline-parallel-size: Input should be greater than or equal to 1"):
         _llm(tiny_model_dirs["llama"], 0)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the attention heads 4"):
         _llm(tiny_model_dirs["llama"], 2, tensor_parallel_size=3)
