@@ -18,7 +18,6 @@ import contextlib
 import os
 import random
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,9 @@ LOWEST = 15000  # above the ports services are commonly configured on (8000s, 90
 BLOCK = 8
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 RESERVE_S = 300  # a claim lasts this window and the next: ample for a child's imports before it binds
-_CLAIMS = Path(tempfile.gettempdir()) / "kvrelay-loopback-ports"
+# a fixed folder, not $TMPDIR: processes of one host with other TMPDIRs (a test's, a benchmark's) must see one
+# another's claims, and a run that must leave its TMPDIR empty finds nothing of ours there
+_CLAIMS = Path("/tmp") / f"kvrelay-loopback-ports-{os.getuid()}"
 _lock = threading.Lock()
 _next: int | None = None
 
