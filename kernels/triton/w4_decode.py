@@ -18,9 +18,9 @@ DECODE_KERNELS = {
     "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, atomic=False),  # split K summed in a fixed order
     "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, atomic=True),  # split K by fp32 atomics
 }
-# H100, 2026-12-05 (bench/quant_kernels.py, Llama-3-8B projections): one row 1.8-2.7x bf16 and 32-62% of the
-# weight-read floor, against w4_fast's 0.85-1.24x and 17-29%; four rows 1.1-1.3x bf16, still ahead of w4_fast.
-# The atomic split-K sum was 4-20% faster than the ordered one; its fp32 sums vary in the last bits run to run
+# the GEMV, not w4_fast's tensor-core tiles, for small row counts: at one row reading the int4 words is the whole
+# cost, which a multiply-and-sum streams at a larger share of the bandwidth (BENCHMARKS.md, W4A16 decode GEMVs).
+# The atomic split-K sum is the faster one; its fp32 sums vary in the last bits from run to run
 DECODE_KERNEL = "w4_gemv_atomic"
 DECODE_MAX_ROWS = 4
 

@@ -45,7 +45,7 @@ MAX_ROWS = 16  # more rows: the weight is reused enough for the tensor cores (w4
 PROGRAMS_PER_SM = 4
 MAGIC = tl.constexpr(8388608.0)  # 2^23, whose mantissa's unit is 1
 # its bits, passed as an argument: a constant would take LOP3's one immediate slot, leaving each nibble's mask
-# to be rematerialized in a register (a MOV per and-or under register pressure, seen in the SASS)
+# to be rematerialized in a register (a MOV per and-or under register pressure)
 MAGIC_BITS = 0x4B000000
 
 
@@ -147,9 +147,8 @@ def default_config(m: int, n: int, k: int, tile_k: int, device: torch.device) ->
     """(BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages): 512 columns of 4 warps (4 a thread, one 16-byte word a
     packed row); one row in chunks of 8 packed rows with K split until twice ``PROGRAMS_PER_SM`` programs per SM
     are in flight, more rows in chunks of 4 (the per-row sums stay in registers) at ``PROGRAMS_PER_SM``. From
-    bench/quant_kernels.py's sweep on an H100 (2026-12-05): at one row (512, 8, twice the split) won for qkv,
-    gate_up and down by 4-20% over (1024, 8, the split), and tied for o; at four rows the default was within 6%
-    of the best."""
+    bench/quant_kernels.py's sweep picks them (BENCHMARKS.md: at one row, 512 columns and twice the split beat
+    1,024 columns); at four rows the default was within a few percent of the best."""
     block_n, block_r, per_sm = (512, 8, 2 * PROGRAMS_PER_SM) if m == 1 else (512, 4, PROGRAMS_PER_SM)
     block_r = min(block_r, tile_k // 8)
     return block_n, block_r, split_for(n, block_n, k // 8 // block_r, device, per_sm), 4, 1

@@ -105,7 +105,7 @@ class EngineConfig:
     # vLLM's flag: sampled ids stay on the device and feed the next step, which is scheduled and launched
     # while this one runs (shared/engine/async_step.py). A prefill step ends at the first token, which the
     # handoff needs at once: nothing to overlap, so a prefill worker refuses it. None (the default, as in
-    # vLLM): on for a decoding engine on CUDA (128 x 2,048 decode 1.25x faster on an H100, BENCHMARKS.md),
+    # vLLM): on for a decoding engine on CUDA (the host's scheduling leaves the step's critical path),
     # off on the CPU, whose host is also the device, so nothing runs while the host schedules.
     async_scheduling: bool | None = setting(None, "schedule and launch the next step while the device runs this "
                                             "one (same outputs; auto: on for CUDA)", roles=DECODING)
