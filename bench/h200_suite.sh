@@ -12,7 +12,8 @@
 # quantized matmuls' tile sweep at Llama-3-8B shapes (bench/quant_kernels.py; QK_ARGS); FP8PROBE=1 first
 # checks the fp8 KV store's rounding against torch's (bench/fp8_cast_probe.py). FP32_COMPILE=1 first times the fp32
 # attention kernels' compile per candidate tiling, each in a fresh Triton cache (bench/triton_fp32_compile.py,
-# <= 4 min; FP32_COMPILE_ARGS: --budget, --jobs, --kernels) into fp32_compile.txt. The suite prints its 15 slowest tests.
+# <= 4 min; FP32_COMPILE_ARGS: --budget, --jobs, --kernels) into fp32_compile.txt. The suite prints its DURATIONS (15)
+# slowest tests and its failures, from gpu_live.txt when the limit cut pytest's own summary.
 set -u
 . bench/h200_setup.sh || exit 1
 if [ "${FP8PROBE:-0}" = 1 ]; then  # does the fp8 KV store round as torch does on this GPU
@@ -29,10 +30,14 @@ start=$(date +%s)
 # several processes, tests dealt out one by one (--dist load): most of the suite's time is Triton compiling
 # kernel specialisations, and tests/kernels/test_triton_gpu.py alone holds most of them, so a whole file per
 # process (loadfile) left one process compiling for over 5 minutes while the others idled
-timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATIONS:-15} -p no:cacheprovider -p no:benchmark \
+# each result also lands in gpu_live.txt as it happens (tests/live_log.py): a suite cut at SUITE_S keeps what ran
+KVRELAY_TEST_LIVE_LOG="$OUT/gpu_live.txt" timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATIONS:-15} -p no:cacheprovider -p no:benchmark \
   -n "${PROCS:-12}" --dist "${DIST:-load}" ${TESTS:-tests} \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
+echo "live log: $(grep -c '^passed' "$OUT/gpu_live.txt") passed, $(grep -c '^failed' "$OUT/gpu_live.txt") failed; slowest:"
+grep -v '^    ' "$OUT/gpu_live.txt" | sort -k2 -n -r | head -"${DURATIONS:-15}"
+grep -A30 '^failed' "$OUT/gpu_live.txt" | head -120
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_S:-240}" python3 -m kvrelay.cli bench gpu --skip-hf --skip-variants ${BENCH_ARGS:-} --json "$OUT/bench.json" \
