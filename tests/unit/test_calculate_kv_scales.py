@@ -4,7 +4,8 @@ F: the model computes exactly what the original does in fp32, but its K/V are F 
 logprobs under ``--kv-cache-dtype fp8`` with scale 1.0 and keeps them with measured scales. The measured
 scales are the amax of the calibration batch's keys and values over vLLM's constants, computed here
 independently through HF transformers; a prefill-role and a decode-role engine measure the same ones (the
-handoff digest agrees); and the flag is refused, in one line naming both flags, without fp8."""
+handoff digest agrees); every attention (rotary or not) measures its own; measured scales replace a
+checkpoint's; and the flag is refused, in one line naming both flags, without fp8 and beside ranks."""
 
 import shutil
 
@@ -149,3 +150,33 @@ def test_calculate_kv_scales_beside_ranks_is_refused_in_one_line(tiny_model_dirs
                                              r"--pipeline-parallel-size above 1"):
             EngineConfig(model=ModelConfig(model=str(tiny_model_dirs["llama"])), device="cpu", **sizes,
                          cache=CacheConfig(kv_cache_dtype="fp8", calculate_kv_scales=True))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "bloom"])
+def test_each_attention_measures_its_scales(tiny_model_dirs, arch):
+    """Llama's attention measures keys after rotary; GPT-2's and BLOOM's fused q|k|v attention has none."""
+    model_dir = tiny_model_dirs[arch]
+    ids = random_prompts(1, lo=40, hi=41, seed=5)[0]
+    exact = _prompt_logprobs(model_dir, ids, kv_cache_dtype="auto")
+    llm, (out,) = _run(model_dir, [ids], kv_cache_dtype="fp8", calculate_kv_scales=True)
+    scales = llm.engine.core.runner.kv_scales.flatten().tolist()
+    assert all(0 < s != 1.0 for s in scales), scales
+    measured = [out.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(measured, exact, strict=True)) <= CALIBRATED_TOL
+
+
+def test_measured_scales_replace_the_checkpoints(tiny_model_dirs, tmp_path):
+    """As in vLLM: with the flag, a checkpoint's KV scales give way to the measured ones (the same as the
+    same weights measure without them)."""
+    src = tiny_model_dirs["llama"]
+    dst = tmp_path / "with-scales"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.37)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.61)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    flagged = LLM(model=str(dst), **ENGINE, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    plain = LLM(model=str(src), **ENGINE, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    assert flagged.engine.core.runner.kv_scales.tolist() == plain.engine.core.runner.kv_scales.tolist()
+    assert flagged.engine.core.runner.kv_scales.tolist() != [[0.37, 0.61]] * 2
