@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_TOKENS = 256  # at most; fewer when one step (--max-num-batched-tokens) or --max-model-len holds fewer
 CALIBRATION_SEED = 0
 CALIBRATION_REQUEST = "kvrelay-kv-scales"
+CALIBRATION_TENANT = "kvrelay-kv-scales"  # its own, as warm-up's: no user tenant's fairness counters see its tokens
 
 
 def calibration_prompt(vocab_size: int, num_tokens: int) -> list[int]:
@@ -60,7 +61,7 @@ def calculate_kv_scales(core) -> list[list[float]]:
         attn.kv_scale_pending = True
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        core.add_request(core.make_request(CALIBRATION_REQUEST, prompt, params))
+        core.add_request(core.make_request(CALIBRATION_REQUEST, prompt, params, tenant=CALIBRATION_TENANT))
         while core.has_unfinished():
             core.step()
         core.scheduler.release_held(CALIBRATION_REQUEST)  # a prefill worker's core holds it for a handoff
