@@ -55,7 +55,8 @@ class HandoffReceiver(KVInbox):
                     f"is {mine}; give both the same --kv-cache-dtype")
         if req.kv_scales and req.kv_scales != core.kv.scales_digest:
             return (f"KV cache scales mismatch: the prefill worker's fp8 KV scales (digest {req.kv_scales}) are not "
-                    f"this decode worker's ({core.kv.scales_digest or 'none'}); load the same checkpoint on both")
+                    f"this decode worker's ({core.kv.scales_digest or 'none'}); load the same checkpoint, with the same "
+                    "--calculate-kv-scales, on both")
         if core.is_running(req.request_id):
             return "duplicate request id"  # a reclaimed job must never stream twice
         if req.num_tokens >= core.max_model_len:

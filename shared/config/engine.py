@@ -64,6 +64,12 @@ class CacheConfig:
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = setting(
         "auto", "KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the bytes of bf16, "
                 "twice the blocks in the same memory; per-layer K/V scales from the checkpoint, else 1.0)")
+    # vLLM's flag: amax of one calibration batch's keys / values per layer, then fixed
+    # (shared/engine/kv_calibration.py says which batch, which constants and why)
+    calculate_kv_scales: bool = setting(
+        False, "fp8 KV cache: compute each layer's K and V scale from a fixed calibration batch run at start "
+               "(amax / 200 for K, amax / 100 for V, as vLLM), before any request, then keep them; they replace "
+               "the scales an FP8 checkpoint carries, as in vLLM. Needs --kv-cache-dtype fp8")
 
 
 @dataclass(config=CONFIG)
@@ -142,6 +148,17 @@ def _on_cpu(config: EngineConfig) -> str:
             if config.device == "cpu" else "")
 
 
+def _kv_scales_inert(config: EngineConfig) -> str:
+    if config.cache.kv_cache_dtype == "auto":
+        return "only with --kv-cache-dtype fp8 (--kv-cache-dtype auto stores K and V unscaled)"
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        # ranks take their scales from rank 0's table as they start (shared/engine/ranks/rank_config.py), and rank 0
+        # alone would see only its own heads or layers of the calibration batch
+        return ("not with --tensor-parallel-size or --pipeline-parallel-size above 1 (each rank computes only its "
+                "own heads or layers)")
+    return ""
+
+
 # settings that only another setting's value makes take effect (shared/config/depends.py)
 NEEDS = (
     depends.Needs(("pipeline_batch_queue",), lambda c: "" if c.pipeline_parallel_size > 1 else
@@ -151,6 +168,7 @@ NEEDS = (
                   "can split)"),
     depends.Needs(("cache", "kv_cache_memory"), lambda c: "" if c.cache.num_gpu_blocks is None else
                   "not with --num-gpu-blocks-override, which sets the KV cache's size"),
+    depends.Needs(("cache", "calculate_kv_scales"), lambda c: _kv_scales_inert(c)),
     depends.Needs(("model", "enforce_eager"), _on_cpu),
     depends.Needs(("cache", "gpu_memory_utilization"), _on_cpu),
 )

@@ -23,6 +23,7 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.batch_queue import BatchQueueStepper
 from kvrelay.shared.engine.block_manager import BlockManager, cdiv
+from kvrelay.shared.engine.kv_calibration import calculate_kv_scales
 from kvrelay.shared.engine.kv_connector import KVLinks, engine_kv
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.model_runner import ModelRunner
@@ -79,6 +80,8 @@ class EngineCore:
             self.stepper = self.new_stepper()
         elif config.async_scheduling is None and runner.device.type == "cuda" and not hold_finished_kv:
             self.stepper = self.new_stepper()
+        if config.cache.calculate_kv_scales:  # before any request can write a block (kv_calibration.py)
+            calculate_kv_scales(self)
 
     def new_stepper(self) -> AsyncStepper:
         """The async-scheduling step of this core (benchmarks switch it on and off between runs); under

@@ -15,6 +15,9 @@ under vLLM's names), else 1.0, as vLLM does when there are none.
   refuses a mismatch of any), and both read the same checkpoint's scales. A process whose weights are
   mapped from another (shared/worker/shared_weights.py) reads them from the checkpoint too: they are not
   weights.
+- ``--calculate-kv-scales`` replaces both by scales measured on one fixed calibration batch at start,
+  before any request writes a block (shared/engine/kv_calibration.py): still fixed for the cache's life,
+  and the same in every process that runs the same batch through the same weights.
 - 1.0 suffices: e4m3 spans 2^-9 .. 448 with 3 mantissa bits, so post-projection K and V (magnitudes
   from ~1e-2 to a few hundred in the models served here) keep ~6% relative precision per element,
   and values past ±448 clamp instead of becoming inf. A checkpoint calibrated its scales on real
@@ -35,6 +38,15 @@ FP8_NAMES = ("fp8", "fp8_e4m3")
 # one ``kv_scale`` for both (AutoFP8). Group 1: the layer index; group 2: which.
 KV_SCALE_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:.*\.)?(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
                            r"v_proj\.output_scale)$")
+
+
+# --calculate-kv-scales divides a layer's measured amax by these, not by e4m3's 448: vLLM's constants
+# (K_SCALE_CONSTANT, V_SCALE_CONSTANT), kept so the same flag means the same scales here. The batch measured is
+# one fixed batch, and later prompts reach past its amax; what lies past 448 * scale clamps (an error without
+# bound), while dividing by 200 rather than 448 costs only values below 2^-6 * scale a bit of precision (e4m3's
+# relative precision is the same from 2^-6 to 448). V's constant is half K's, as in vLLM: twice the headroom.
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -88,3 +100,15 @@ def attach_kv_scales(model: nn.Module, device: torch.device,
         attn = next(m for m in layer.modules() if hasattr(m, "kv_scale"))
         attn.kv_scale = scales[i]
     return scales
+
+
+def measure_kv_scale(kv_scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``--calculate-kv-scales``: set one layer's ``kv_scale`` ([2] float32, in place, so a CUDA graph captured
+    with it reads the new values) from the keys and values of a step about to be written (``k``, ``v``:
+    [T, Hkv, D], keys after rotary, as the cache stores them): amax over the tokens the step stores (slot >= 0)
+    and every head, over ``K_SCALE_RANGE`` / ``V_SCALE_RANGE``. A layer whose keys (or values) were all zero
+    keeps 1.0: a zero scale would divide by zero at every later write."""
+    keep = slot_mapping >= 0
+    amax = torch.stack([k[keep].abs().amax(), v[keep].abs().amax()]).float()
+    ranges = torch.tensor([K_SCALE_RANGE, V_SCALE_RANGE], dtype=torch.float32, device=amax.device)
+    kv_scale.copy_(torch.where(amax > 0, amax / ranges, torch.ones_like(amax)))

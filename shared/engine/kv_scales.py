@@ -10,7 +10,8 @@ Read from the files directly, not with the weights: a process whose weights are 
 loads no tensors of its own, and its cache must read blocks as the other's does. The table travels to
 tensor- and pipeline-parallel ranks in their config (shared/engine/ranks/rank_config.py), and its digest
 in every handoff ask (``HandoffRequest.kv_scales``): blocks written under one set of scales are refused by
-a decode worker holding another, as blocks of another dtype are."""
+a decode worker holding another, as blocks of another dtype are. ``--calculate-kv-scales`` replaces the table
+with scales measured as the engine starts (shared/engine/kv_calibration.py), and the digest with theirs."""
 
 import hashlib
 import logging

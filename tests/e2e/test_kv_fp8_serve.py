@@ -2,7 +2,8 @@
 handoff -> decode) gives the tokens of a unified worker with the same fp8 cache, both served by one
 gateway and driven by the ``openai`` SDK; a prefill worker whose KV is fp8 handing off to a decode
 worker whose KV is not, or is fp8 under another checkpoint's KV scales, gets the decode worker's refusal,
-which names the mismatch, and misreads nothing.
+which names the mismatch, and misreads nothing. With ``--calculate-kv-scales`` each process measures its scales
+on the same calibration batch: a pair that both measure agree and hand off; a pair where one does not is refused.
 
 fp8 rounding can turn a last-bit fp32 difference (batch shapes differ between the two paths) into a
 ~1e-3 logit change, so two runs may part at a near tie: tokens must agree up to the first position
@@ -74,4 +75,31 @@ def test_fp8_kv_under_another_checkpoints_scales_is_refused(cluster, tiny_dir, t
     with pytest.raises(openai.APIError) as err:
         _complete(cluster, "tiny", [5, 6, 7, 8, 9])
     assert "KV cache scales mismatch: the prefill worker's fp8 KV scales (digest " in str(err.value), err.value
-    assert "load the same checkpoint on both" in str(err.value), err.value
+    assert "load the same checkpoint, with the same --calculate-kv-scales, on both" in str(err.value), err.value
+
+
+def test_a_pair_that_both_calculate_kv_scales_hands_off_and_gives_the_unified_tokens(cluster):
+    fp8 = ["--kv-cache-dtype", "fp8", "--calculate-kv-scales"]
+    cluster.start_worker("prefill", "p1", ["--served-model-name", "split", *fp8])
+    cluster.start_worker("decode", "d1", ["--served-model-name", "split", *fp8])
+    cluster.start_worker("unified", "u1", ["--served-model-name", "whole", *fp8])
+    cluster.wait_ready()
+    for prompt in random_prompts(4, lo=5, hi=90, seed=12):
+        split, whole = _complete(cluster, "split", prompt), _complete(cluster, "whole", prompt)
+        a, b = split.logprobs.tokens, whole.logprobs.tokens
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if i is not None:  # only at a near tie of the unified run
+            top = sorted(whole.logprobs.top_logprobs[i].values(), reverse=True)
+            assert top[0] - top[1] < TIE, (prompt, i, a, b)
+    for worker in ("p1", "d1", "u1"):
+        assert "fp8 KV cache scales measured on 32 calibration tokens" in cluster.log(worker)
+
+
+def test_measured_scales_against_unit_scales_are_refused(cluster):
+    fp8 = ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8"]
+    cluster.start_worker("prefill", "p1", [*fp8, "--calculate-kv-scales"])
+    cluster.start_worker("decode", "d1", fp8)
+    cluster.wait_ready()
+    with pytest.raises(openai.APIError) as err:
+        _complete(cluster, "tiny", [5, 6, 7, 8, 9])
+    assert "KV cache scales mismatch" in str(err.value), err.value

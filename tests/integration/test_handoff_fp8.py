@@ -76,7 +76,8 @@ def test_fp8_kv_under_other_scales_is_refused_before_any_byte_moves(prefill, dec
         return
     assert t.state is State.FAILED
     assert (f"KV cache scales mismatch: the prefill worker's fp8 KV scales (digest {rt.core.kv.scales_digest}) are "
-            f"not this decode worker's ({side.rt.core.kv.scales_digest}); load the same checkpoint on both"
+            f"not this decode worker's ({side.rt.core.kv.scales_digest}); load the same checkpoint, with the same "
+            "--calculate-kv-scales, on both"
             ) in t.reason, t.reason
     assert side.receiver.bytes_received == 0 and "r" not in side.admitted
     assert side.rt.core.kv.num_free_blocks == free

@@ -24,6 +24,8 @@ NO_PIPELINE = ("argument --pipeline-batch-queue: only with --pipeline-parallel-s
                "pipeline to keep filled)")
 NOT_CHUNKED = ("argument --max-prefill-tokens-with-decodes: only with chunked prefill (--no-enable-chunked-prefill "
                "runs each prompt whole, which no cap can split)")
+NO_FP8 = ("argument --calculate-kv-scales: only with --kv-cache-dtype fp8 (--kv-cache-dtype auto stores K and V "
+          "unscaled)")
 ON_CPU = "only on a CUDA device (the device here is the CPU: --device cpu, or auto where torch sees no GPU)"
 
 REFUSED = [  # (flags, the line): each given at a value other than its default, and at its default
@@ -31,6 +33,8 @@ REFUSED = [  # (flags, the line): each given at a value other than its default, 
     (["--pipeline-parallel-size", "1", "--no-pipeline-batch-queue"], NO_PIPELINE),
     (["--no-enable-chunked-prefill", "--max-prefill-tokens-with-decodes", "64"], NOT_CHUNKED),
     (["--no-enable-chunked-prefill", "--max-prefill-tokens-with-decodes", "512"], NOT_CHUNKED),
+    (["--calculate-kv-scales"], NO_FP8),
+    (["--kv-cache-dtype", "auto", "--no-calculate-kv-scales"], NO_FP8),
     (["--device", "cpu", "--enforce-eager"], f"argument --enforce-eager: {ON_CPU}"),
     (["--device", "cpu", "--no-enforce-eager"], f"argument --enforce-eager: {ON_CPU}"),
     (["--device", "cpu", "--gpu-memory-utilization", "0.5"], f"argument --gpu-memory-utilization: {ON_CPU}"),
@@ -39,6 +43,7 @@ REFUSED = [  # (flags, the line): each given at a value other than its default, 
 TAKEN = [  # (flags, the setting's path in the engine config, its value there)
     (["--pipeline-parallel-size", "2", "--pipeline-batch-queue"], ("pipeline_batch_queue",), True),
     (["--max-prefill-tokens-with-decodes", "64"], ("scheduler", "max_prefill_tokens_with_decodes"), 64),
+    (["--kv-cache-dtype", "fp8", "--calculate-kv-scales"], ("cache", "calculate_kv_scales"), True),
     (["--device", "cuda", "--enforce-eager"], ("model", "enforce_eager"), True),
     (["--device", "auto", "--gpu-memory-utilization", "0.5"], ("cache", "gpu_memory_utilization"), 0.5),
 ]

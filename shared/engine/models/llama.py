@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.kv_dtype import measure_kv_scale
 from kvrelay.shared.engine.models.layers import (
     CausalLM,
     RMSNorm,
@@ -35,6 +36,8 @@ from kvrelay.shared.engine.quant.config import QuantConfig
 
 class LlamaAttention(nn.Module):
     kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
+    kv_scale_pending: bool = False  # --calculate-kv-scales: the next forward sets kv_scale (kv_calibration.py)
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  qkv_bias: bool, o_bias: bool, dtype: torch.dtype, quant: QuantConfig | None = None,
                  parallel: ParallelState = SINGLE) -> None:
@@ -56,6 +59,13 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.kv_scale_pending:  # the scales come from the keys as stored, after rotary, before their write
+            self.kv_scale_pending = False
+            q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+            measure_kv_scale(self.kv_scale, k, v, meta.slot_mapping)
+            kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
+            out = kernels.paged_attention(q, kv_cache, meta, self.scale, k=k, v=v, kv_scale=self.kv_scale)
+            return self.parallel.all_reduce(project(out.reshape(num_tokens, self.q_size), self.o_proj))
         # rotary, the KV write and attention: one kernel for a decode step, two otherwise (kernels/__init__.py)
         out = kernels.rotary_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta, self.scale,
                                        self.kv_scale)  # [T, H, D]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
+from kvrelay.shared.engine.kv_dtype import measure_kv_scale
 from kvrelay.shared.engine.models.layers import CausalLM, cfg_get, on_the_fly_only
 from kvrelay.shared.engine.parallel import linear as tp
 from kvrelay.shared.engine.parallel.state import SINGLE, ParallelState
@@ -20,6 +21,7 @@ class FusedQKVAttention(nn.Module):
     under its checkpoint's names and passes them to ``attend``."""
 
     kv_scale: torch.Tensor | None = None  # [2] float32 (K, V) of an fp8 KV cache (shared/engine/kv_dtype.py)
+    kv_scale_pending: bool = False  # --calculate-kv-scales: the next forward sets kv_scale (kv_calibration.py)
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, parallel: ParallelState = SINGLE) -> None:
         # num_heads: this rank's; the output projection's bias is rank 0's alone, so the all-reduce adds it once
@@ -32,6 +34,9 @@ class FusedQKVAttention(nn.Module):
                meta: kernels.AttentionMetadata, slopes: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+        if self.kv_scale_pending:
+            self.kv_scale_pending = False
+            measure_kv_scale(self.kv_scale, k, v, meta.slot_mapping)
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, slopes, kv_scale=self.kv_scale)  # [T, H, D]
         return self.parallel.all_reduce(out_proj(out.reshape(num_tokens, self.width)))
