@@ -17,6 +17,10 @@ async def list_models(request: web.Request) -> web.Response:
     and whether it is registered (loaded on demand)."""
     try:
         view = await served(request.app)
+        if view.lacks_startup():
+            # the cached view may predate what another gateway process's /ready said 200 from (each caches its
+            # own reading for --registry-cache-s): a model serve started is read again before it is left out
+            view = await served(request.app, fresh=True)
     except redis.RedisError as exc:
         raise APIError(503, f"model registry unavailable: {exc}", code="registry_unavailable") from None
     tenant = request[TENANT]

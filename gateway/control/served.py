@@ -64,6 +64,11 @@ class Served:
         """What ``/v1/models`` lists before a caller's key narrows it: every name a request is served for."""
         return sorted(name for name in self.known if self.servable(name))
 
+    def lacks_startup(self) -> bool:
+        """A model kvrelay serve started is not listed: served or not, this reading may be older than what another
+        gateway process sharing the port (``--api-server-count``) answered /ready 200 from."""
+        return not self.startup <= set(self.listed())
+
     def ready(self, name: str) -> bool:
         """``/ready``'s test of a model it waits for (``required``): servable, the very test ``listed`` makes,
         and routable workers hold both its phases. So a model /ready counts as served is in /v1/models from the
