@@ -42,7 +42,8 @@ async def ready(request: web.Request) -> web.Response:
     stalled_workers.py): a request sent the moment this says 200 is served. Before any worker registers,
     a deployment started with a model is not ready; nor while the tokenizers of a model with live workers
     still load. The body says which part is missing: the workers counted are the routable ones, and
-    ``stalled`` names the models whose only workers of a phase are stalled, and them."""
+    ``stalled`` names the models whose only workers of a phase are stalled, and them. Each model is judged by
+    ``Served.ready``, which holds ``/v1/models``' own test: what this counts as served, that lists."""
     retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
     config = request.app[CONFIG]
     if request.app[DRAIN].draining:  # shutting down: take this gateway out of every load balancer now
@@ -65,7 +66,7 @@ async def ready(request: web.Request) -> web.Response:
     stalled = {name: why for name in required if (why := registry.stalled_out(view.workers, view.instance(name)))}
     if stalled:
         body["stalled"] = stalled
-    if not missing and all(c.servable for c in required.values()):
+    if not missing and all(view.ready(name) for name in required):
         # The first request must not pay the tokenizer load (seconds for a large vocabulary): each model
         # with live workers has its tokenizers loaded before this gateway says ready.
         loading = sorted(name for name in required if not _tokenizer_ready(request.app, view, name))
@@ -88,7 +89,7 @@ async def scrape(request: web.Request) -> web.Response:
         models = sorted(await registry.models())
         await metrics.queues.refresh(request.app[REDIS], models)
         view = await served(request.app)
-        metrics.vllm.know(name for name in view.known if view.servable(name))
+        metrics.vllm.know(view.listed())
         metrics.engines.workers = metrics.worker_steps.workers = await registry.workers()
         metrics.worker_steps.stalled = set(registry.stalls.ages)
     except redis.RedisError as exc:

@@ -60,6 +60,21 @@ class Served:
         worker gets 503, one only stalled workers hold 503, an unknown name 404."""
         return not self.stalled(name) and (name in self.specs or self.loaded(name))
 
+    def listed(self) -> list[str]:
+        """What ``/v1/models`` lists before a caller's key narrows it: every name a request is served for."""
+        return sorted(name for name in self.known if self.servable(name))
+
+    def lacks_startup(self) -> bool:
+        """A model kvrelay serve started is not listed: served or not, this reading may be older than what another
+        gateway process sharing the port (``--api-server-count``) answered /ready 200 from."""
+        return not self.startup <= set(self.listed())
+
+    def ready(self, name: str) -> bool:
+        """``/ready``'s test of a model it waits for (``required``): servable, the very test ``listed`` makes,
+        and routable workers hold both its phases. So a model /ready counts as served is in /v1/models from the
+        same reading, whatever either test comes to say."""
+        return self.servable(name) and capacity_of(self.routable, self.instance(name)).servable
+
     def required(self) -> dict[str, Capacity]:
         """The names that need live workers before this gateway is ready, and the routable workers they have
         (a stalled one takes no new job, so it serves no request now): those kvrelay serve started, the

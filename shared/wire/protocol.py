@@ -205,9 +205,10 @@ class WorkerInfo:
     kv_cap_bytes: int = field(default=0, metadata=IGNORABLE)
     can_load: bool = False  # has a model repository and takes ControlCommands
     protocol: int = protocol_field()  # the worker's wire protocol version (shared/wire/version.py)
-    # seconds its engine loop has been in one turn (a step) or waiting for one, as of ``heartbeat``; 0 between
-    # turns. The heartbeat does not wait for steps, so this is how a gateway tells a stuck loop from a live one
-    # (gateway/control/stalled_workers.py); a gateway that does not know it routes as before
+    # seconds its engine loop has been in one turn (a step), as of ``heartbeat``; 0 between turns and while the
+    # loop waits for a turn another thread (a model load) holds. The heartbeat does not wait for steps, so this is
+    # how a gateway tells a stuck loop from a live one (gateway/control/stalled_workers.py); a gateway that does
+    # not know it routes as before
     step_age_s: float = field(default=0.0, metadata=IGNORABLE)
 
     @property

@@ -27,9 +27,12 @@ class StepLock:
         self.wait_since: float | None = None  # when the loop began waiting for its turn (another thread holds it)
 
     def turn_age(self) -> float:
-        """Seconds since the loop last ended a turn, while it is in one or waiting for one; 0 between turns. A
-        turn of a working loop ends within a step, an idle one's within its wait for a job (intake.py)."""
-        since = self.wait_since or self.turn_since  # waiting first, then in the turn it waited for
+        """Seconds the loop's turn in progress has run; 0 between turns and while the loop waits for one. A turn
+        of a working loop ends within a step, an idle one's within its wait for a job (intake.py). The wait is left
+        out: the thread the loop waits for holds the lock for work of its own (a model load building its engine or
+        capturing CUDA graphs, a warm-up shape), which says nothing of the loop's steps; one holding it for ever
+        is the stall watch's to end (``wait_since``, shared/worker/stall_watch.py)."""
+        since = self.turn_since
         return 0.0 if since is None else max(time.monotonic() - since, 0.0)
 
     def acquire(self) -> bool:

@@ -1,10 +1,11 @@
 """``kvrelay serve`` started as a user starts it, for tests: one real process tree (its own embedded Redis
-unless the flags name one, keeping its data in a state folder of the test's, never the user's), up once it
-prints its ready line, stopped with Ctrl-C's signal; plus the
-admin API and a tenant's openai client against it."""
+unless the flags name one, keeping its data in a state folder of the test's, never the user's; its workers
+sharing weights among themselves alone), up once it prints its ready line, stopped with Ctrl-C's signal; plus
+the admin API and a tenant's openai client against it, and what it says of itself when a test fails."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from kvrelay.shared.config.handover import module_argv
 from tests.e2e.cluster import free_port
 
 ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def start_serve(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -52,7 +54,11 @@ class Served:
     """``kvrelay serve *argv --port P --state-dir D`` (D without --redis-url) with ``KVRELAY_ADMIN_KEY`` set; a
     context manager.
     ``state_dir``: the embedded Redis's folder (give the same one to start again on its data), else a
-    new one beside ``log``: tests running at once never share one."""
+    new one beside ``log``: tests running at once never share one.
+    Its workers share weights in a folder of this stack's own (``KVRELAY_SHARE_WEIGHTS_DIR``), as a Cluster's
+    do: in the host-wide default, a stack's workers map the weights of whichever stack of a test running
+    alongside loaded the model first, and on a GPU they exit when that stack stops (its CUDA memory goes with
+    its exporter: shared/worker/shared_weights.py), taking this stack's models out of /ready and /v1/models."""
 
     def __init__(self, argv: list[str], log: Path, cwd: Path | None = None, timeout: float = 180.0,
                  state_dir: Path | None = None):
@@ -60,9 +66,17 @@ class Served:
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="state-", dir=log.parent))
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
+        self.share_dir: Path | None = None
+
+    def env(self) -> dict[str, str]:
+        """The environment serve starts in (its workers inherit it)."""
+        if self.share_dir is None:
+            self.share_dir = Path(tempfile.mkdtemp(prefix="kvrelay-test-weights-", dir=_SHM))
+        return dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY,
+                    KVRELAY_SHARE_WEIGHTS_DIR=str(self.share_dir))
 
     def __enter__(self) -> "Served":
-        env = dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY)
+        env = self.env()
         with open(self.log, "wb") as out:
             # an external Redis (--redis-url) keeps its own data: serve refuses --state-dir beside it
             state = [] if "--redis-url" in self.argv else ["--state-dir", str(self.state_dir)]
@@ -79,6 +93,8 @@ class Served:
 
     def __exit__(self, *_exc) -> None:
         stop_serve(self.proc)
+        if self.share_dir is not None:  # its workers left the registry there as they exited
+            shutil.rmtree(self.share_dir, ignore_errors=True)
 
     def admin(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
@@ -99,6 +115,29 @@ class Served:
         assert status == 201, body
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=body["key"], max_retries=0,
                              timeout=timeout)
+
+    def state(self) -> str:
+        """What the stack says of itself now, for a failing test's message: /ready's answer, each worker as the
+        gateway sees it (``GET /admin/models``: live, its step's age, stalled) and the end of serve's log, where a
+        worker that exited says why and serve says it restarted it."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=30) as resp:
+                ready = f"{resp.status} {resp.read().decode(errors='replace')}"
+        except urllib.error.HTTPError as exc:
+            ready = f"{exc.code} {exc.read().decode(errors='replace')}"
+        except OSError as exc:
+            ready = f"no answer: {exc}"
+        try:
+            status, body = self.admin("GET", "/admin/models")
+            workers = json.dumps({"status": status, "workers": body.get("workers"),
+                                  "refused_workers": body.get("refused_workers"),
+                                  "models": [{k: m.get(k) for k in ("name", "instances")} for m in body.get("data", [])]})
+        except OSError as exc:
+            workers = f"no answer: {exc}"
+        lines = self.log.read_text(errors="replace").splitlines()
+        # the access log's lines would push out what matters: the workers' and serve's own
+        tail = [line for line in lines if "aiohttp.access" not in line][-60:]
+        return f"GET /ready: {ready}\nGET /admin/models: {workers}\nserve log (access lines left out):\n" + "\n".join(tail)
 
     def models(self) -> dict[str, dict]:
         """``GET /admin/models`` by name."""

@@ -27,9 +27,9 @@ def greedy(mode: str, tmp_path) -> list[str]:
                 timeout=300) as served:
         client = served.client()
         listed = client.models.list().data
-        # ready means a request for the model is served, so it must be listed; if not, the log tells a worker
-        # judged stalled from a stale view of the workers
-        assert listed, f"/v1/models empty after ready; the serve log ends:\n{served.log.read_text(errors='replace')[-3000:]}"
+        # ready means a request for the model is served, so it must be listed; if not, /ready, the workers as the
+        # gateway sees them and serve's log say which went: a worker that exited, one judged stalled, ...
+        assert listed, f"/v1/models empty after ready; now:\n{served.state()}"
         model = listed[0].id
         return [client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0.0).choices[0].text
                 for p in PROMPTS]

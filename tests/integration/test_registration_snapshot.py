@@ -4,8 +4,10 @@ through changing, with how long the step in progress has run. The host is the wo
 config is what a registration reads of it."""
 
 import threading
+import time
 from types import SimpleNamespace
 
+from kvrelay.gateway.control.stalled_workers import Stalls
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.protocol import WorkerInfo
@@ -63,6 +65,47 @@ def test_a_beat_during_a_step_publishes_the_last_turn_s_counts_without_waiting_f
     reg._beat()
     assert (_published(reg).running, _published(reg).free_blocks) == (3, 40)  # the snapshot of the turn's end
     assert _published(reg).step_age_s == 0  # between turns
+
+
+def test_a_loop_waiting_behind_a_load_is_not_stalled_and_a_stuck_step_is(redis_url):
+    reg, _ = _registration(redis_url)
+    reg.heartbeat()
+    stalls = Stalls(timeout_s=60)  # the gateway's judgement, of what the beats publish
+    lock = reg.host.lock
+    load_holds, load_done, in_turn, turn_done = (threading.Event() for _ in range(4))
+
+    def load() -> None:  # a model load building its engine under the lock, as on CUDA
+        with lock:
+            load_holds.set()
+            load_done.wait(60)
+
+    def loop() -> None:
+        with lock.turn():
+            in_turn.set()
+            turn_done.wait(60)
+            reg.advert.turn_ended()
+
+    threads = [threading.Thread(target=load), threading.Thread(target=loop)]
+    threads[0].start()
+    load_holds.wait(60)
+    threads[1].start()
+    while lock.wait_since is None:
+        time.sleep(0.001)
+    lock.wait_since -= 600  # the loop has waited ten minutes for the load: no step of its own ran that long
+    reg._beat()
+    waiting = _published(reg)
+    stalls.update([waiting])
+    assert waiting.step_age_s == 0 and stalls.routable([waiting]) == [waiting]
+    load_done.set()
+    in_turn.wait(60)
+    lock.turn_since -= 600  # its own step, stuck for ten minutes
+    reg._beat()
+    stuck = _published(reg)
+    stalls.update([stuck])
+    turn_done.set()
+    for t in threads:
+        t.join(60)
+    assert stuck.step_age_s >= 600 and stalls.routable([stuck]) == []
 
 
 def test_no_beat_brings_back_the_record_unregister_deleted(redis_url):
