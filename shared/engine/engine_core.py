@@ -301,6 +301,13 @@ class EngineCore:
         """Fraction of this model's blocks in use (1 = full)."""
         return self.block_manager.usage
 
+    def prompt_budget(self) -> tuple[int | None, tuple[float, float, float, float] | None]:
+        """The prompt-token cap of the last step that had decodes (None before any), and the step-cost fit that
+        --target-step-ms follows (seconds fixed, per decode row, per context token, per prompt token; None when
+        off or not yet warm)."""
+        fit = self.scheduler.step_cost
+        return self.scheduler.last_prefill_cap, fit.coefficients() if fit is not None and fit.warm else None
+
     def prefix_cache_stats(self) -> tuple[int, int]:
         """Lifetime prompt tokens looked up in the prefix cache, and those found."""
         return self.block_manager.prefix_queries, self.block_manager.prefix_hits

@@ -51,7 +51,7 @@ class Scheduler(Admission):
         self._held: dict[str, Request] = {}
         self._busy: frozenset[str] = frozenset()  # this schedule's requests still in flight (batch_queue.py)
         self.step_cost = StepCost() if config.target_step_ms else None
-        self.prefill_cap: int | None = None  # the last step's prompt-token cap (None: nothing decoded)
+        self.last_prefill_cap: int | None = None  # the prompt-token cap of the last step that had decodes
 
     # ---- queues ----
 
@@ -153,7 +153,8 @@ class Scheduler(Admission):
         self._admit_waiting(out, budget, room)
         out.num_batched_tokens = budget.used
         out.shape = budget.shape
-        self.prefill_cap = budget.cap
+        if budget.cap is not None:
+            self.last_prefill_cap = budget.cap
         return out
 
     def record_step(self, out: SchedulerOutput, seconds: float) -> None:

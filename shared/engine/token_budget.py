@@ -54,7 +54,7 @@ class StepBudget:
         # Without chunking a prompt cannot be split to fit a cap, so it would only wait.
         self.cap = None  # the step's prompt-token cap, None where nothing caps it
         if self.reserve and self.chunked:
-            self.cap = config.max_prefill_tokens_with_decodes or total
+            self.cap = min(config.max_prefill_tokens_with_decodes or total, total)
             if config.target_step_ms and cost is not None:
                 self.cap = cost.prompt_tokens_within(config.target_step_ms / 1000, self.reserve,
                                                      sum(r.num_computed_tokens for r in decodes), floor, self.cap)
