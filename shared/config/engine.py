@@ -92,9 +92,11 @@ class SchedulerConfig:
     # tokens to what the target leaves, at most --max-prefill-tokens-with-decodes (0 there: the step's whole
     # budget). Off by default until GPU runs show it meets the inter-token SLO where the fixed cap does not
     # (bench/h200_prefill_budget.sh): it changes every step's shape, and its fit has been checked on the CPU only.
+    # The prediction is of a typical step, and steps scatter around it, so a p99 SLO wants a target below it.
     target_step_ms: float = setting(
         0.0, "while requests decode, cap a step's prompt tokens so that its duration, predicted from this "
-             "engine's measured steps, stays within this many ms (at least one KV block of prompt tokens a step, "
+             "engine's measured steps, stays within this many ms (a typical step: set it below a p99 inter-token "
+             "SLO, e.g. 20 for 25; at least one KV block of prompt tokens a step, "
              "at most --max-prefill-tokens-with-decodes, or --max-num-batched-tokens where that is 0; needs chunked "
              "prefill; 0: off, the fixed cap alone, the default until GPU runs show it beats that cap)",
         ge=0, roles=DECODING)
