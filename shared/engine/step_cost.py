@@ -10,12 +10,13 @@ async scheduling without a profiling run, and move when they change (a co-reside
 The fit is exponentially weighted least squares (older steps fade with ``half_life`` steps), solved from its
 running sums, with:
 - a small ridge on the slopes, so the solve stays well posed where features move together (every decode at
-  one context: rows and context tokens in proportion) or one never moved (every step with the same prompt
-  tokens, or none): such a direction gets a slope of about 0, the intercept takes the cost, and the
-  predictions the cap uses stay right. A prompt-token slope of 0 or less leaves the cap at its ceiling, the
-  fixed cap's behaviour, until the steps say what a prompt token costs;
-- residuals clipped at a few times their running mean (Huber-like), so one step stalled by the host (garbage
-  collection, a compile, another process) moves the fit by a bounded amount instead of by its whole outlier.
+  one context: rows and context tokens in proportion; the ridge splits their cost between them) or one never
+  moved (every step with the same prompt tokens, or none: the intercept takes its cost, its slope is about 0),
+  and the predictions the cap uses stay right. A prompt-token slope of 0 or less leaves the cap at its
+  ceiling, the fixed cap's behaviour, until the steps say what a prompt token costs;
+- residuals clipped at a few times their running mean, and never below a fifth of the prediction (Huber-like),
+  so one step stalled by the host (garbage collection, a compile, another process) moves the fit by a bounded
+  amount instead of by its whole outlier, while a real change of cost still moves it within a few half-lives.
 The features are scaled to about 1 for a typical step, so that ridge is the same small pull on each slope.
 """
 
