@@ -28,6 +28,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         max_prefill_tokens_with_decodes: int = 512,
+        target_step_ms: float = 0.0,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         num_gpu_blocks: int | None = None,
@@ -58,6 +59,7 @@ class LLM:
                                   kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
+                                          target_step_ms=target_step_ms,
                                           enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy),
                 device=device, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size, pipeline_batch_queue=pipeline_batch_queue)

@@ -92,6 +92,20 @@ class SchedulerConfig:
              "prefill: refused with --no-enable-chunked-prefill). Each prompt token costs about a decode row of "
              "compute: 512 keep an 8B model's step on an H200 near 15 ms, where a 2048-token chunk takes ~37 ms",
         ge=0, roles=DECODING)
+    # Sarathi-Serve derives the prompt-token budget from the inter-token SLO by profiling; a fixed count cannot
+    # know what a step costs on this GPU, model and batch. This fits step time to decode rows, their context
+    # and prompt tokens from the engine's own steps (shared/engine/step_cost.py) and caps each step's prompt
+    # tokens to what the target leaves, at most --max-prefill-tokens-with-decodes (0 there: the step's whole
+    # budget). Off by default until GPU runs show it meets the inter-token SLO where the fixed cap does not
+    # (bench/h200_prefill_budget.sh): it changes every step's shape, and its fit has been checked on the CPU only.
+    # The prediction is of a typical step, and steps scatter around it, so a p99 SLO wants a target below it.
+    target_step_ms: float = setting(
+        0.0, "while requests decode, cap a step's prompt tokens so that its duration, predicted from this "
+             "engine's measured steps, stays within this many ms (a typical step: set it below a p99 inter-token "
+             "SLO, e.g. 20 for 25; at least one KV block of prompt tokens a step, "
+             "at most --max-prefill-tokens-with-decodes, or --max-num-batched-tokens where that is 0; needs chunked "
+             "prefill; 0: off, the fixed cap alone, the default until GPU runs show it beats that cap)",
+        ge=0, roles=DECODING)
     policy: Literal["fcfs", "priority"] = setting("fcfs", "admission order (priority: lower value first, then "
                                                   "arrival)", flag="--scheduling-policy")
     # On by default: with one tenant it orders exactly like the plain policy, so only multi-tenant traffic
@@ -166,6 +180,9 @@ NEEDS = (
     depends.Needs(("scheduler", "max_prefill_tokens_with_decodes"), lambda c: "" if c.scheduler.enable_chunked_prefill
                   else "only with chunked prefill (--no-enable-chunked-prefill runs each prompt whole, which no cap "
                   "can split)"),
+    depends.Needs(("scheduler", "target_step_ms"), lambda c: "" if c.scheduler.enable_chunked_prefill
+                  else "only with chunked prefill (--no-enable-chunked-prefill runs each prompt whole, which no "
+                  "step-time target can split)"),
     depends.Needs(("cache", "kv_cache_memory"), lambda c: "" if c.cache.num_gpu_blocks is None else
                   "not with --num-gpu-blocks-override, which sets the KV cache's size"),
     depends.Needs(("cache", "calculate_kv_scales"), lambda c: _kv_scales_inert(c)),

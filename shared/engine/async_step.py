@@ -112,6 +112,7 @@ class AsyncStepper:
         self.output, self.prompt_logprobs, self.observer = output, prompt_logprobs, observer
         self.inflight: LaunchedStep | None = None
         self.num_fed = 0  # decode tokens fed on the device (tests check the path is really taken)
+        self.last_read = 0.0  # unix time the host last read a step's tokens
 
     @property
     def busy(self) -> bool:
@@ -163,6 +164,12 @@ class AsyncStepper:
     def _finish(self, step: LaunchedStep) -> list[EngineCoreOutput]:
         """Read a launched step and turn it into outputs, as the synchronous step does."""
         sampled = step.read()
+        # A step's time for the step-cost fit: from its launch, or from the host's read of the step before it if
+        # that is later (the device runs steps in order, so this one's work starts about then), to its tokens on
+        # the host: the gap between two steps' outputs that inter-token latency sees, device and host alike.
+        read = time.time()
+        self.scheduler.record_step(step.out, read - max(step.started, self.last_read))
+        self.last_read = read
         # requests that ended after this step was launched: their rows ran for nothing
         live = [s for s in step.out.scheduled if not s.request.status.finished]
         finished = {r.request_id: r for r in self._apply(step.out, {rid: s.token_id for rid, s in sampled.items()})}

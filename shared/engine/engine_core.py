@@ -204,6 +204,7 @@ class EngineCore:
         for rid, (pos0, chunk) in result.prompt_logprobs.items():
             self._prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
         finished = {r.request_id: r for r in self.scheduler.update_from_output(out, sampled)}
+        self.scheduler.record_step(out, time.time() - started)
         if self.observer is not None:
             self.observer.on_step(started, out, list(finished.values()))
         outputs = []
@@ -302,6 +303,13 @@ class EngineCore:
     def kv_usage(self) -> float:
         """Fraction of this model's blocks in use (1 = full)."""
         return self.block_manager.usage
+
+    def prompt_budget(self) -> tuple[int | None, tuple[float, float, float, float] | None]:
+        """The prompt-token cap of the last step that had decodes (None before any), and the step-cost fit that
+        --target-step-ms follows (seconds fixed, per decode row, per context token, per prompt token; None when
+        off or not yet warm)."""
+        fit = self.scheduler.step_cost
+        return self.scheduler.last_prefill_cap, fit.coefficients() if fit is not None and fit.warm else None
 
     def prefix_cache_stats(self) -> tuple[int, int]:
         """Lifetime prompt tokens looked up in the prefix cache, and those found."""

@@ -10,6 +10,8 @@ The scheduler only moves block ids (scheduler_output.py); the runner executes th
 One step of an engine: ``out = schedule()``; run ``out`` (swap_out copies, then swap_in copies, then
 the forward pass); ``update_from_output(out, sampled)``, also for an empty output. With async scheduling
 ``advance(out)`` when it is launched instead, and ``apply_sampled`` once its tokens are read, a step later.
+With ``target_step_ms`` the engine also reports each step's wall time (``record_step``), which the prompt-token
+cap of later steps follows (token_budget.py, step_cost.py).
 """
 
 from kvrelay.shared.config.engine import SchedulerConfig
@@ -18,6 +20,7 @@ from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.fair_queue import FairWaitingQueue
 from kvrelay.shared.engine.request import Request, RequestStatus
 from kvrelay.shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvrelay.shared.engine.step_cost import StepCost
 from kvrelay.shared.engine.swap import HostBlockPool
 from kvrelay.shared.engine.token_budget import StepBudget, is_decode, max_batched_tokens
 
@@ -47,6 +50,8 @@ class Scheduler(Admission):
         self._requests: dict[str, Request] = {}  # running + waiting
         self._held: dict[str, Request] = {}
         self._busy: frozenset[str] = frozenset()  # this schedule's requests still in flight (batch_queue.py)
+        self.step_cost = StepCost() if config.target_step_ms else None
+        self.last_prefill_cap: int | None = None  # the prompt-token cap of the last step that had decodes
 
     # ---- queues ----
 
@@ -111,7 +116,7 @@ class Scheduler(Admission):
         self._busy = busy
         budget = StepBudget(self.max_num_batched_tokens,
                             [r for r in self._running if r.request_id not in busy] if busy else self._running,
-                            self.config)
+                            self.config, self.step_cost, floor=self.block_manager.block_size)
         # a pool can only shrink between steps (a co-resident model takes chunks back), not during one
         capacity = self.block_manager.capacity
         room = self.config.max_num_seqs if max_seqs is None else max_seqs
@@ -142,12 +147,20 @@ class Scheduler(Admission):
             if self._allocate_or_preempt(req, n, out):
                 out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
                 self._waiting.charge(req.tenant, n)
-                budget.take(n, decode)
+                budget.take(n, decode, req.num_computed_tokens)
             i += 1  # if req preempted itself it was the tail, and the loop ends here
 
         self._admit_waiting(out, budget, room)
         out.num_batched_tokens = budget.used
+        out.shape = budget.shape
+        if budget.cap is not None:
+            self.last_prefill_cap = budget.cap
         return out
+
+    def record_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The wall time of the step ``out``, for the prompt-token cap of later ones (only a target reads it)."""
+        if self.step_cost is not None:
+            self.step_cost.observe(out.shape, seconds)
 
     # ---- results and endings ----
 

@@ -5,6 +5,7 @@ and block tables, the swap copies, the preempted and the aborted. The runner tur
 from dataclasses import dataclass, field
 
 from kvrelay.shared.engine.request import Request
+from kvrelay.shared.engine.step_cost import StepShape
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     aborted: list[Request] = field(default_factory=list)  # ended by the scheduler: can never fit
+    shape: StepShape = field(default_factory=StepShape)  # its decode rows and prompt tokens (step_cost.py)
 
     @property
     def empty(self) -> bool:

@@ -128,6 +128,8 @@ def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True,
     if bm.num_used:
         raise RuntimeError(f"warm-up left {bm.num_used} KV blocks allocated")
     bm.prefix_queries, bm.prefix_hits = counters
+    if core.scheduler.step_cost is not None:  # warm-up's step times are compiles, not what traffic will see
+        core.scheduler.step_cost.forget()
     core.runner.sampler.restart_shared_stream()
     log.info("warm-up done: %d shapes in %.2fs%s", ran, time.monotonic() - started,
              "" if compiles else " (nothing compiles on this device)")

@@ -35,6 +35,7 @@ from kvrelay.shared.engine import SchedulerOutput
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.engine_stats import ITERATION_TOKENS_BUCKETS, RELAYED_HISTOGRAMS, EngineStats, HistogramCounts
 from kvrelay.shared.worker.host_stats import HostCollector, nvml_for
+from kvrelay.shared.worker.prompt_budget_metrics import PromptBudgetCollector
 from kvrelay.shared.worker.quota_metrics import QuotaMetrics
 
 # vLLM's buckets, with finer steps below 10 ms for GPU decode and around the 500 ms e2e alert threshold.
@@ -167,6 +168,8 @@ class WorkerMetrics:
                 rank_bytes.labels(model_name, str(rank)).set_function(
                     lambda rank=rank: core.kv.rank_bytes_received.get(rank, 0))
         r.register(_PrefixCacheCollector(core, model_name))
+        if self.later_tokens_here:  # a prefill worker's requests never decode: nothing caps its prompts
+            r.register(PromptBudgetCollector(core, model_name))
         if process_collectors:
             r.register(HostCollector(*nvml_for(device)))
             ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds

@@ -35,7 +35,8 @@ DECODE_GROUP = {"--decode-tensor-parallel-size", "--decode-pipeline-parallel-siz
 # A setting that takes effect only under another's value (shared/config/depends.py) is refused beside a value of the
 # other that leaves it none: the batch queue needs a pipeline (GROUP; test_parallel_sizes_reach_every_worker), and
 # the flags that switch others off are walked on their own (test_the_flags_that_switch_others_off_reach_their_child)
-SWITCHES_OFF = {"--enable-chunked-prefill": ["--no-enable-chunked-prefill"],  # --max-prefill-tokens-with-decodes
+SWITCHES_OFF = {"--enable-chunked-prefill": ["--no-enable-chunked-prefill"],  # --max-prefill-tokens-with-decodes,
+                # --target-step-ms
                 "--prefix-affinity": ["--no-prefix-affinity"],  # --affinity-slack, --affinity-prefix-tokens
                 "--encrypt-kv-frames": ["--encrypt-kv-frames"],  # --kv-frames-port
                 "--num-gpu-blocks-override": ["--num-gpu-blocks-override", "64"],  # --kv-cache-memory, --model-repo

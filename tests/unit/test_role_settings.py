@@ -46,7 +46,8 @@ def test_the_settings_that_only_some_roles_read():
         "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
         "--reclaim-idle-ms": ("prefill", "unified"),
         # engine settings of decode steps: a prefill worker's requests end at their first token
-        "--async-scheduling": ("decode", "unified"), "--max-prefill-tokens-with-decodes": ("decode", "unified")}
+        "--async-scheduling": ("decode", "unified"), "--max-prefill-tokens-with-decodes": ("decode", "unified"),
+        "--target-step-ms": ("decode", "unified")}
 
 
 @pytest.mark.parametrize("role,flag", [(r, f) for f in ROLED for r in role_settings.ROLES

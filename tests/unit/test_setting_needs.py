@@ -26,6 +26,8 @@ NOT_CHUNKED = ("argument --max-prefill-tokens-with-decodes: only with chunked pr
                "runs each prompt whole, which no cap can split)")
 NO_FP8 = ("argument --calculate-kv-scales: only with --kv-cache-dtype fp8 (--kv-cache-dtype auto stores K and V "
           "unscaled)")
+TARGET_NOT_CHUNKED = ("argument --target-step-ms: only with chunked prefill (--no-enable-chunked-prefill runs each "
+                      "prompt whole, which no step-time target can split)")
 ON_CPU = "only on a CUDA device (the device here is the CPU: --device cpu, or auto where torch sees no GPU)"
 
 REFUSED = [  # (flags, the line): each given at a value other than its default, and at its default
@@ -35,6 +37,8 @@ REFUSED = [  # (flags, the line): each given at a value other than its default, 
     (["--no-enable-chunked-prefill", "--max-prefill-tokens-with-decodes", "512"], NOT_CHUNKED),
     (["--calculate-kv-scales"], NO_FP8),
     (["--kv-cache-dtype", "auto", "--no-calculate-kv-scales"], NO_FP8),
+    (["--no-enable-chunked-prefill", "--target-step-ms", "20"], TARGET_NOT_CHUNKED),
+    (["--no-enable-chunked-prefill", "--target-step-ms", "0"], TARGET_NOT_CHUNKED),
     (["--device", "cpu", "--enforce-eager"], f"argument --enforce-eager: {ON_CPU}"),
     (["--device", "cpu", "--no-enforce-eager"], f"argument --enforce-eager: {ON_CPU}"),
     (["--device", "cpu", "--gpu-memory-utilization", "0.5"], f"argument --gpu-memory-utilization: {ON_CPU}"),
@@ -44,6 +48,9 @@ TAKEN = [  # (flags, the setting's path in the engine config, its value there)
     (["--pipeline-parallel-size", "2", "--pipeline-batch-queue"], ("pipeline_batch_queue",), True),
     (["--max-prefill-tokens-with-decodes", "64"], ("scheduler", "max_prefill_tokens_with_decodes"), 64),
     (["--kv-cache-dtype", "fp8", "--calculate-kv-scales"], ("cache", "calculate_kv_scales"), True),
+    (["--target-step-ms", "20"], ("scheduler", "target_step_ms"), 20.0),
+    # no fixed cap: the target alone caps, up to the step's whole budget
+    (["--max-prefill-tokens-with-decodes", "0", "--target-step-ms", "12.5"], ("scheduler", "target_step_ms"), 12.5),
     (["--device", "cuda", "--enforce-eager"], ("model", "enforce_eager"), True),
     (["--device", "auto", "--gpu-memory-utilization", "0.5"], ("cache", "gpu_memory_utilization"), 0.5),
 ]
@@ -123,6 +130,10 @@ CONFIGS = [  # a config built whole: a value other than the default where it has
     (dict(scheduler=SchedulerConfig(enable_chunked_prefill=False, max_prefill_tokens_with_decodes=0)),
      ('"enable_chunked_prefill":true,"max_prefill_tokens_with_decodes":512',
       '"enable_chunked_prefill":false,"max_prefill_tokens_with_decodes":0'), NOT_CHUNKED),
+    (dict(scheduler=SchedulerConfig(enable_chunked_prefill=False, target_step_ms=20)),
+     ('"enable_chunked_prefill":true,"max_prefill_tokens_with_decodes":512,"target_step_ms":0.0',
+      '"enable_chunked_prefill":false,"max_prefill_tokens_with_decodes":512,"target_step_ms":20.0'),
+     TARGET_NOT_CHUNKED),
     (dict(model=ModelConfig("m", enforce_eager=True)), ('"enforce_eager":false', '"enforce_eager":true'),
      f"argument --enforce-eager: {ON_CPU}"),
     (dict(cache=CacheConfig(gpu_memory_utilization=0.8)),
@@ -145,6 +156,7 @@ def test_a_config_built_or_handed_over_with_a_setting_that_has_no_effect_is_refu
 @pytest.mark.parametrize("kwargs,said", [
     (dict(pipeline_batch_queue=True), NO_PIPELINE),
     (dict(enable_chunked_prefill=False, max_prefill_tokens_with_decodes=64), NOT_CHUNKED),
+    (dict(enable_chunked_prefill=False, target_step_ms=20), TARGET_NOT_CHUNKED),
     (dict(device="cpu", enforce_eager=True), f"argument --enforce-eager: {ON_CPU}"),
     (dict(gpu_memory_utilization=0.5), f"argument --gpu-memory-utilization: {ON_CPU}"),  # auto: the CPU here
 ])

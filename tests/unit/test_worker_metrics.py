@@ -61,6 +61,9 @@ class Engine:
     def prefix_cache_stats(self) -> tuple[int, int]:
         return self.block_manager.prefix_queries, self.block_manager.prefix_hits
 
+    def prompt_budget(self) -> tuple[int | None, None]:
+        return self.scheduler.last_prefill_cap, None  # no --target-step-ms here
+
     def step(self) -> list[Request]:
         started = time.time()
         out, finished = self.runner.step()
