@@ -35,6 +35,10 @@ test: $(STAMP)
 	# Triton kernels run under its CPU interpreter here; it reads TRITON_INTERPRET at first import.
 	# PYTHONSAFEPATH: no process of the run (pytest, the servers it starts) puts this folder first on sys.path,
 	# where kernels/ would shadow the Hugging Face `kernels` package that transformers imports.
+	# Bytecode is cached (under the venv, so the checkout stays clean) even where PYTHONDONTWRITEBYTECODE is
+	# set: make install byte-compiles nothing, so with it every process the suite starts (hundreds of servers
+	# and workers) would compile torch, transformers and ours from source again (BENCHMARKS.md, "Bytecode").
+	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 PYTHONSAFEPATH=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 # ruff, then the architecture: the import contracts in pyproject.toml and no import cycles

@@ -34,8 +34,9 @@ from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode, module_argv
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.redacted_url import redact
 from kvrelay.shared.wire.redis_acl import ROLE_OF_COMMAND
-from kvrelay.shared.wire.redis_conn import EmbeddedRedis, redact, sync_client
+from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from kvrelay.shared.wire.startup_report import FATAL, READY
 from kvrelay.shared.worker.directory import live_workers
 from kvrelay.shared.worker.gpu_share import MPS_MODES

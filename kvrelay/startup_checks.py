@@ -7,14 +7,12 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import redis
-
 from kvrelay.serve_config import ServedModel
 from kvrelay.serve_plan import Child
 from kvrelay.shared.engine.quant.config import choose
 from kvrelay.shared.wire import redis_sentinel
+from kvrelay.shared.wire.redacted_url import redact
 from kvrelay.shared.wire.redis_cluster import is_cluster_url
-from kvrelay.shared.wire.redis_conn import redact, sync_client
 
 REDIS_CHECK_TIMEOUT_S = 3.0
 
@@ -76,13 +74,20 @@ def check_quantization(models: list[ServedModel], flag: str | None, config_file:
 def check_redis(url: str) -> None:
     """One PING, password included, with a short timeout: an external Redis that is down, or refuses the
     credentials, is said at once instead of by every child in turn."""
+    # here, not at the top: every process kvrelay starts imports this module (kvrelay/cli.py), and one that
+    # only reads a config (--help, --print-config) has no use for redis-py
+    import redis
+
+    from kvrelay.shared.wire import redis_sentinel_client
+    from kvrelay.shared.wire.redis_conn import sync_client
+
     timeouts = {"socket_connect_timeout": REDIS_CHECK_TIMEOUT_S, "socket_timeout": REDIS_CHECK_TIMEOUT_S}
     try:
         # a cluster client reads the slot map as it is made: an unreachable cluster fails here
         if is_cluster_url(url):
             client = sync_client(url)
         elif redis_sentinel.is_sentinel_url(url):  # the sentinels name the master, then the master answers
-            client = redis_sentinel.sync_client(url, **timeouts)
+            client = redis_sentinel_client.sync_client(url, **timeouts)
         else:
             client = redis.Redis.from_url(url, **timeouts)
     except redis.RedisError as exc:

@@ -17,7 +17,7 @@ from pydantic_core import PydanticUndefined
 
 from kvrelay.shared.config import role_settings
 from kvrelay.shared.config.declare import CONFIG, ConfigError
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redacted_url import redact
 
 GIVEN = "given_flags"  # the namespace attribute holding the destinations of the flags a command line gave
 

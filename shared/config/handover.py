@@ -10,7 +10,7 @@ from typing import IO, Any
 from pydantic import TypeAdapter, ValidationError
 
 from kvrelay.shared.config.declare import ConfigError
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redacted_url import redact
 
 CONFIG_FROM_STDIN = "--config-from-stdin"
 

@@ -2,9 +2,10 @@
 
 Clients return bytes (``decode_responses=False``): stream entries and keys hold msgpack payloads. A URL
 carries its credentials (``redis://USER:PASSWORD@host:port/0``) and, for TLS (``rediss://``), redis-py's
-options as query parameters (``?ssl_ca_certs=/ca.pem&ssl_certfile=...&ssl_keyfile=...``); ``redact``
-it before it is logged. A ``redis+sentinel://`` URL is a master behind Sentinel (``redis_sentinel.py``):
-the same clients, with the same resilience, that follow it through a failover.
+options as query parameters (``?ssl_ca_certs=/ca.pem&ssl_certfile=...&ssl_keyfile=...``);
+``redacted_url.py`` hides its passwords before it is logged. A ``redis+sentinel://`` URL is a master behind
+Sentinel (``redis_sentinel.py``, ``redis_sentinel_client.py``): the same clients, with the same resilience, that
+follow it through a failover.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -27,7 +27,13 @@ import redis.asyncio.retry
 import redis.retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from kvrelay.shared.wire import redis_acl, redis_cluster, redis_sentinel
+from kvrelay.shared.wire import (
+    redis_acl,
+    redis_cluster,
+    redis_cluster_client,
+    redis_sentinel,
+    redis_sentinel_client,
+)
 from kvrelay.shared.wire.loopback_ports import free_port
 
 # Connects fail fast (a dead Redis is an error now, not a hang); replies get longer, since the slowest
@@ -65,45 +71,30 @@ def _resilience(retry_cls: type) -> dict:
 
 def sync_client(redis_url: str) -> redis.Redis:
     if redis_sentinel.is_sentinel_url(redis_url):
-        return redis_sentinel.sync_client(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                          socket_timeout=REPLY_TIMEOUT_S, **_resilience(redis.retry.Retry))
+        return redis_sentinel_client.sync_client(redis_url, decode_responses=False,
+                                                 socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                                 socket_timeout=REPLY_TIMEOUT_S, **_resilience(redis.retry.Retry))
     if redis_cluster.is_cluster_url(redis_url):
-        return redis_cluster.sync_cluster_client(redis_url, CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, RETRIES, _backoff())
+        return redis_cluster_client.sync_cluster_client(redis_url, CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, RETRIES,
+                                                        _backoff())
     return redis.Redis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                 socket_timeout=REPLY_TIMEOUT_S, **_resilience(redis.retry.Retry))
 
 
 def async_client(redis_url: str, pool_size: int = ASYNC_POOL_SIZE) -> redis.asyncio.Redis:
     if redis_sentinel.is_sentinel_url(redis_url):
-        return redis_sentinel.async_client(
+        return redis_sentinel_client.async_client(
             redis_url, max_connections=pool_size, timeout=POOL_WAIT_S, decode_responses=False,
             socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,
             **_resilience(redis.asyncio.retry.Retry))
     if redis_cluster.is_cluster_url(redis_url):
-        return redis_cluster.async_cluster_client(redis_url, CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, RETRIES, _backoff(),
-                                                  HEALTH_CHECK_S, RETRY_ON)
+        return redis_cluster_client.async_cluster_client(redis_url, CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, RETRIES,
+                                                         _backoff(), HEALTH_CHECK_S, RETRY_ON)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         redis_url, max_connections=pool_size, timeout=POOL_WAIT_S, decode_responses=False,
         socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,
         **_resilience(redis.asyncio.retry.Retry))
     return redis.asyncio.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
-
-
-def redact(url: str) -> str:
-    """The URL without its passwords, for logs: ``redis://gateway:***@host:6379/0``; a query option
-    naming a password (a Sentinel URL's ``sentinel_password``) is hidden too."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # not a URL we can take apart: it may still hold a password
-        return "<unparsable URL>"
-    if password is not None:
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
-    if "password" in parts.query.lower():
-        parts = parts._replace(query="&".join(
-            f"{name}=***" if "password" in name.lower() else f"{name}{sep}{value}"
-            for name, sep, value in (item.partition("=") for item in parts.query.split("&"))))
-    return urlunsplit(parts)
 
 
 def redis_server_executable() -> str:

@@ -14,7 +14,8 @@ from kvrelay.shared.config.declare import RedisUrl
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV
 from kvrelay.shared.wire import redis_acl
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.redis_conn import async_client, redact
+from kvrelay.shared.wire.redacted_url import redact
+from kvrelay.shared.wire.redis_conn import async_client
 from tests.zmq_secret import SECRET
 
 # every key a worker touches, by the name redis_keys.py gives its family

@@ -13,7 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 from kvrelay.shared.config.declare import RedisUrl
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV
 from kvrelay.shared.wire import redis_conn, redis_sentinel
-from kvrelay.shared.wire.redis_conn import redact
+from kvrelay.shared.wire.redacted_url import redact
 from tests.zmq_secret import SECRET
 
 
