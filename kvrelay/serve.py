@@ -28,6 +28,7 @@ import urllib.request
 
 import redis
 
+from kvrelay import weight_scope
 from kvrelay.mps_daemon import MpsDaemon
 from kvrelay.serve_plan import Child, models_to_serve, plan
 from kvrelay.shared.config.auto_device import auto_device
@@ -117,6 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         state = stack.enter_context(state_dir) if state_dir else None
         check_quantization(models, args.quantization, args.config)
         check_ports(children)
+        weight_scope.scope([c.config for c in children if not c.is_gateway], stack)
         if args.redis_url:
             check_redis(args.redis_url)
         signal.signal(signal.SIGTERM, on_signal)

@@ -132,7 +132,9 @@ class WorkerConfig:
                                   "copy of its weights (shared memory on CPU, CUDA IPC on a GPU) instead of "
                                   "each loading its own (shared/worker/shared_weights.py)", shared=True)
     share_weights_dir: str | None = setting(None, "where shared weights and their registry live (default: "
-                                            "/dev/shm/kvrelay-weights-<uid>); workers that share must agree",
+                                            "/dev/shm/kvrelay-weights-<uid>; under kvrelay serve, a folder of "
+                                            "its deployment's own: kvrelay/weight_scope.py); workers that share "
+                                            "must agree",
                                             shared=True, env="KVRELAY_SHARE_WEIGHTS_DIR")
     register: list[ModelSpec] = field(default_factory=list)  # registry entries to create if absent
     # name -> (tensor_parallel_size, pipeline_parallel_size) of each model of --config (lazy ones too): every

@@ -48,9 +48,10 @@ from kvrelay.shared.worker.metrics_server import MergedMetrics
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.registration import Registration
-from kvrelay.shared.worker.shared_weights import SharedWeights, default_dir
+from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.stall_watch import StallWatch
 from kvrelay.shared.worker.turn_snapshot import TurnSnapshot
+from kvrelay.shared.worker.weight_registry import default_dir
 
 log = logging.getLogger(__name__)
 

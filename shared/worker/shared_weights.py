@@ -54,18 +54,13 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.worker.weight_registry import Entry, Proc, WeightRegistry
+from kvrelay.shared.worker.weight_registry import Entry, Proc, WeightRegistry, default_dir
 
 log = logging.getLogger(__name__)
 
 EXPORT_WAIT_S = 600.0  # how long an importer waits for another process's export before loading its own
 _POLL_S = 0.1
 _segments = count()
-
-
-def default_dir() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"kvrelay-weights-{os.getuid()}"
 
 
 def device_name(device: str | torch.device) -> str:

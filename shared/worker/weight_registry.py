@@ -25,6 +25,13 @@ REGISTRY = "registry.json"
 LOCK = "registry.lock"
 
 
+def default_dir() -> Path:
+    """The host-wide shared-weights folder (``--share-weights-dir``'s default): in /dev/shm, where CPU arenas
+    are memory, not disk."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"kvrelay-weights-{os.getuid()}"
+
+
 @dataclass(frozen=True)
 class Proc:
     pid: int

@@ -5,7 +5,6 @@ the admin API and a tenant's openai client against it, and what it says of itsel
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from kvrelay.shared.config.handover import module_argv
 from tests.e2e.cluster import free_port
 
 ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
-_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def start_serve(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -55,10 +53,9 @@ class Served:
     context manager.
     ``state_dir``: the embedded Redis's folder (give the same one to start again on its data), else a
     new one beside ``log``: tests running at once never share one.
-    Its workers share weights in a folder of this stack's own (``KVRELAY_SHARE_WEIGHTS_DIR``), as a Cluster's
-    do: in the host-wide default, a stack's workers map the weights of whichever stack of a test running
-    alongside loaded the model first, and on a GPU they exit when that stack stops (its CUDA memory goes with
-    its exporter: shared/worker/shared_weights.py), taking this stack's models out of /ready and /v1/models."""
+    Its workers share weights in the folder serve gives its own deployment (kvrelay/weight_scope.py), never
+    one named in the test run's environment: across stacks, a stack's workers would map the weights of whichever
+    stack of a test running alongside loaded the model first, and on a GPU exit when that stack stops."""
 
     def __init__(self, argv: list[str], log: Path, cwd: Path | None = None, timeout: float = 180.0,
                  state_dir: Path | None = None):
@@ -66,14 +63,12 @@ class Served:
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="state-", dir=log.parent))
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
-        self.share_dir: Path | None = None
 
     def env(self) -> dict[str, str]:
         """The environment serve starts in (its workers inherit it)."""
-        if self.share_dir is None:
-            self.share_dir = Path(tempfile.mkdtemp(prefix="kvrelay-test-weights-", dir=_SHM))
-        return dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY,
-                    KVRELAY_SHARE_WEIGHTS_DIR=str(self.share_dir))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", KVRELAY_ADMIN_KEY=ADMIN_KEY)
+        env.pop("KVRELAY_SHARE_WEIGHTS_DIR", None)
+        return env
 
     def __enter__(self) -> "Served":
         env = self.env()
@@ -93,8 +88,6 @@ class Served:
 
     def __exit__(self, *_exc) -> None:
         stop_serve(self.proc)
-        if self.share_dir is not None:  # its workers left the registry there as they exited
-            shutil.rmtree(self.share_dir, ignore_errors=True)
 
     def admin(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
