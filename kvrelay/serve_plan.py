@@ -94,7 +94,11 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         given |= _not_applied(args, given, decode_sizes, models)
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
-        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
+        # the other role's pipeline size: a models file's key for the pipeline a model has in that role alone
+        other = {"prefill-worker": decode_sizes.get("pipeline_parallel_size", args.pipeline_parallel_size),
+                 "decode-worker": args.pipeline_parallel_size}.get(command, 1)
+        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret,
+                               other_pipeline=other)
         gpu_share.check(config)
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))

@@ -36,11 +36,13 @@ def run_worker(config: WorkerConfig) -> int:
     return 0
 
 
-def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS, **derived) -> WorkerConfig:
+def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS, *, other_pipeline: int = 1,
+                  **derived) -> WorkerConfig:
     """``--model`` (default SmolLM2) is the worker's one model, unless ``--config`` lists its models or
     ``--model-repo`` alone starts it empty, to be loaded through the admin API. ``flags``: the command
     line's names for the worker's settings (kvrelay serve renames some); ``derived``: what the launcher
-    decided (kvrelay serve's ZMQ secret)."""
+    decided (kvrelay serve's ZMQ secret). ``other_pipeline``: kvrelay serve's other role's pipeline size, where a
+    model of --config of no size of its own has the pipeline its pipeline_batch_queue is for."""
     if "gpu_sm_percent" in given(args):  # its default too: a share given is one applied, or refused
         check_sm_share(args.gpu_share, "--gpu-sm-percent")
     if "zmq_secret" not in derived:  # first: a missing secret is said before any model is resolved
@@ -70,7 +72,8 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                      m.pipeline_parallel_size or engine.pipeline_parallel_size)
             parallel[m.name] = sizes
             where = f"{args.config}: models[{i}]"
-            queues[m.name] = _batch_queue(m, sizes[1], queue_flag, f"{where}.pipeline_batch_queue")
+            queues[m.name] = _batch_queue(m, sizes[1], m.pipeline_parallel_size or other_pipeline, queue_flag,
+                                          f"{where}.pipeline_batch_queue")
             specs.append(ModelSpec(name=m.name, version=m.version, path="" if m.version else m.path,
                                    dtype=m.dtype, quantization=m.quantization, kv_cache_dtype=m.kv_cache_dtype,
                                    pinned=m.pinned, min_replicas=m.min_replicas,
@@ -110,15 +113,16 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
 MODEL_FLAGS = ("--model", "--served-model-name", "--tokenizer", "--load-format")
 
 
-def _batch_queue(model: ServedModel, pipeline: int, flag: bool, key: str) -> bool:
-    """Whether ``model`` of a models file keeps the pipeline batch queue: its own key, which a model of one stage
-    is refused (given at all, as a flag is), else the flag's, which takes every model that has a pipeline."""
+def _batch_queue(model: ServedModel, pipeline: int, other: int, flag: bool, key: str) -> bool:
+    """Whether ``model`` of a models file keeps the pipeline batch queue in a worker where its pipeline size is
+    ``pipeline`` (``other`` in serve's other role): its own key, which a model of one stage in both is refused
+    (given at all, as a flag is), else the flag's, which takes every model that has a pipeline."""
     if model.pipeline_batch_queue is None:
         return flag and pipeline > 1
-    if pipeline == 1:
+    if pipeline == 1 and other == 1:
         raise ConfigError(f"{key}: {model.name}: only with a pipeline_parallel_size of 2 or more (this model's is 1: "
                           "no pipeline to keep filled)")
-    return model.pipeline_batch_queue
+    return model.pipeline_batch_queue and pipeline > 1
 
 
 def _check_no_model_flags(args: argparse.Namespace) -> None:

@@ -110,3 +110,13 @@ def test_a_model_of_its_own_queue_without_a_pipeline_is_refused_as_the_flag_is()
     with pytest.raises(ValueError, match="argument --pipeline-batch-queue: only with --pipeline-parallel-size 2"):
         base.with_parallel_sizes(1, 1, True)
     assert base.with_parallel_sizes(1, 2, True).pipeline_batch_queue
+
+
+def test_serve_takes_a_models_key_for_the_role_where_the_model_has_a_pipeline(tmp_path):
+    cfg = _models(tmp_path, "piped, path: 'dummy:tiny-llama', pipeline_batch_queue: true",
+                  "other, path: 'dummy:tiny-llama'")
+    children = serve_children(["--config", str(cfg), "--device", "cpu", "--decode-pipeline-parallel-size", "2"])
+    assert {m.name: m.engine.pipeline_batch_queue for m in children["decode-worker"].config.more_models} == \
+        {"piped": True, "other": False}
+    assert {m.name: m.engine.pipeline_batch_queue for m in children["prefill-worker"].config.more_models} == \
+        {"piped": False, "other": False}  # one stage here
