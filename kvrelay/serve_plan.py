@@ -91,10 +91,14 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             given["gpu_memory_utilization"] = round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4)
         if command == "decode-worker":
             given |= decode_sizes | decode_share
-        given |= _not_applied(args, given, decode_sizes)
+        given |= _not_applied(args, given, decode_sizes, models)
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
-        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret)
+        # the other role's pipeline size: a models file's key for the pipeline a model has in that role alone
+        other = {"prefill-worker": decode_sizes.get("pipeline_parallel_size", args.pipeline_parallel_size),
+                 "decode-worker": args.pipeline_parallel_size}.get(command, 1)
+        config = worker_config(ROLE_OF[command], argparse.Namespace(**given), SERVE_WORKER_FLAGS, zmq_secret=secret,
+                               other_pipeline=other)
         gpu_share.check(config)
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))
@@ -121,14 +125,18 @@ def _check_read(args: argparse.Namespace, roles: list[str]) -> None:
                               f"(--mode {args.mode} starts none)")
 
 
-def _not_applied(args: argparse.Namespace, worker: dict, decode_sizes: dict[str, int]) -> dict:
+def _not_applied(args: argparse.Namespace, worker: dict, decode_sizes: dict[str, int],
+                 models: list[ServedModel]) -> dict:
     """A setting serve takes for several processes, which one worker would not apply (shared/config/depends.py):
     that worker's config holds the default, and its flag counts as not given there. --pipeline-batch-queue is
-    for the role with a pipeline (--decode-pipeline-parallel-size); with none in either it stays, for the worker
-    to refuse. --metrics-tenant-labels is the gateway's too: workers apply it where they serve /metrics."""
+    for the role with a pipeline (--decode-pipeline-parallel-size; a --config model's own pipeline_parallel_size
+    gives both roles one, and each worker takes the flag for the models that pipeline); with none in either it
+    stays, for the worker to refuse. --metrics-tenant-labels is the gateway's too: workers apply it where they
+    serve /metrics."""
     defaults = {}
-    pipelines = max(args.pipeline_parallel_size, decode_sizes.get("pipeline_parallel_size", 1)) > 1
-    if worker["pipeline_parallel_size"] == 1 and pipelines:
+    own = any(m.pipeline_parallel_size > 1 for m in models)
+    pipelines = own or max(args.pipeline_parallel_size, decode_sizes.get("pipeline_parallel_size", 1)) > 1
+    if worker["pipeline_parallel_size"] == 1 and not own and pipelines:
         defaults["pipeline_batch_queue"] = False
     if worker["worker_monitoring_port"] is None:
         defaults["metrics_tenant_labels"] = False

@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 from kvrelay.cli_args import WORKER_FLAGS, engine_config_from_args, worker_values, zmq_secret
-from kvrelay.serve_config import load_serve_config
+from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config import depends
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.engine import NEEDS as ENGINE_NEEDS
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.config.flags import Flag, build, given
+from kvrelay.shared.config.flags import GIVEN, Flag, build, given
 from kvrelay.shared.config.worker import NEEDS as WORKER_NEEDS
 from kvrelay.shared.config.worker import StartupModel, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
@@ -36,11 +36,13 @@ def run_worker(config: WorkerConfig) -> int:
     return 0
 
 
-def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS, **derived) -> WorkerConfig:
+def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKER_FLAGS, *, other_pipeline: int = 1,
+                  **derived) -> WorkerConfig:
     """``--model`` (default SmolLM2) is the worker's one model, unless ``--config`` lists its models or
     ``--model-repo`` alone starts it empty, to be loaded through the admin API. ``flags``: the command
     line's names for the worker's settings (kvrelay serve renames some); ``derived``: what the launcher
-    decided (kvrelay serve's ZMQ secret)."""
+    decided (kvrelay serve's ZMQ secret). ``other_pipeline``: kvrelay serve's other role's pipeline size, where a
+    model of --config of no size of its own has the pipeline its pipeline_batch_queue is for."""
     if "gpu_sm_percent" in given(args):  # its default too: a share given is one applied, or refused
         check_sm_share(args.gpu_share, "--gpu-sm-percent")
     if "zmq_secret" not in derived:  # first: a missing secret is said before any model is resolved
@@ -49,11 +51,16 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     with_model = not (args.config or (args.model_repo and not args.model))
     if not with_model:
         _check_no_model_flags(args)
+    queue_flag, queue_given = args.pipeline_batch_queue, "pipeline_batch_queue" in given(args)
+    if args.config:  # the flag is for the models that pipeline, judged once the file gives each its size
+        args = argparse.Namespace(**vars(args) | {
+            "pipeline_batch_queue": queue_flag and args.pipeline_parallel_size > 1, GIVEN: given(args) - {"pipeline_batch_queue"}})
     engine, name, model_dir = engine_config_from_args(args, with_model=with_model)
     depends.check_given(engine, ENGINE_NEEDS, given(args))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
     parallel: dict[str, tuple[int, int]] = {}
+    queues: dict[str, bool] = {}
     model_repo = args.model_repo
     if name:
         _check_group(engine, None, "argument --tensor-parallel-size", "argument --pipeline-parallel-size")
@@ -64,6 +71,9 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
             sizes = (m.tensor_parallel_size or engine.tensor_parallel_size,
                      m.pipeline_parallel_size or engine.pipeline_parallel_size)
             parallel[m.name] = sizes
+            where = f"{args.config}: models[{i}]"
+            queues[m.name] = _batch_queue(m, sizes[1], m.pipeline_parallel_size or other_pipeline, queue_flag,
+                                          f"{where}.pipeline_batch_queue")
             specs.append(ModelSpec(name=m.name, version=m.version, path="" if m.version else m.path,
                                    dtype=m.dtype, quantization=m.quantization, kv_cache_dtype=m.kv_cache_dtype,
                                    pinned=m.pinned, min_replicas=m.min_replicas,
@@ -74,9 +84,9 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                         quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
             cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype)
-            model_engine = dataclasses.replace(engine.with_parallel_sizes(*sizes), model=model, cache=cache)
+            model_engine = dataclasses.replace(engine.with_parallel_sizes(*sizes, queues[m.name]), model=model,
+                                               cache=cache)
             # a lazy model too: its group is checked now, not when its first request waits for it
-            where = f"{args.config}: models[{i}]"
             _check_device(m.device, engine.device, f"{where}.device")
             _check_group(model_engine, repo.root if m.version and repo is not None else None,
                          f"{where}.tensor_parallel_size" if m.tensor_parallel_size else "argument --tensor-parallel-size",
@@ -86,9 +96,14 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                 continue
             more.append(StartupModel(m.name, model_engine, _tokenizer_dir(m.path),
                                      version=m.version, pinned=m.pinned, keep_alive_s=m.keep_alive_s))
+        if queue_given and engine.pipeline_parallel_size == 1 and \
+                all(pipeline == 1 for _tensor, pipeline in parallel.values()):
+            raise ConfigError(f"argument --pipeline-batch-queue: only with --pipeline-parallel-size 2 or more, or a "
+                              f"model of {args.config} with a pipeline_parallel_size of 2 or more (with 1 there is no "
+                              "pipeline to keep filled)")
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
-              "parallel_sizes": parallel, "freeze_gc": True, **derived}
+              "parallel_sizes": parallel, "batch_queues": queues, "freeze_gc": True, **derived}
     config = build(WorkerConfig, values, flags)
     depends.check_given(config, WORKER_NEEDS, given(args))
     return config
@@ -96,6 +111,18 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
 
 # --model's own: each model of --config (or of the repository) comes with its path, name, tokenizer and format
 MODEL_FLAGS = ("--model", "--served-model-name", "--tokenizer", "--load-format")
+
+
+def _batch_queue(model: ServedModel, pipeline: int, other: int, flag: bool, key: str) -> bool:
+    """Whether ``model`` of a models file keeps the pipeline batch queue in a worker where its pipeline size is
+    ``pipeline`` (``other`` in serve's other role): its own key, which a model of one stage in both is refused
+    (given at all, as a flag is), else the flag's, which takes every model that has a pipeline."""
+    if model.pipeline_batch_queue is None:
+        return flag and pipeline > 1
+    if pipeline == 1 and other == 1:
+        raise ConfigError(f"{key}: {model.name}: only with a pipeline_parallel_size of 2 or more (this model's is 1: "
+                          "no pipeline to keep filled)")
+    return model.pipeline_batch_queue and pipeline > 1
 
 
 def _check_no_model_flags(args: argparse.Namespace) -> None:

@@ -5,6 +5,10 @@ each; registration changes show up within that delay. Live workers whose engine 
 live all the same, but not ``routable`` (stalled_workers.py). Whoever waits for a change it caused (a model
 load) reads with ``fresh=True``. Model names here are instance keys ("name@3"); the client-facing
 names live in ``model_registry.py``.
+
+Reads of different requests overlap in the one event loop and may finish out of order: each is numbered as it
+starts, and only one started after what the cache holds replaces it (and is judged for stalls), so an older
+read finishing last never brings back a view a newer one replaced; its caller still gets its own read.
 """
 
 import logging
@@ -70,6 +74,8 @@ class WorkerRegistry:
         self.stalls = Stalls(stalled_step_timeout_s)
         self._models: tuple[float, dict[str, ModelInfo]] | None = None
         self._workers: tuple[float, list[WorkerInfo]] | None = None
+        self._started = 0  # reads started so far: each read's number, the order they started in
+        self._newest = {"models": 0, "workers": 0}  # the number of the newest read taken, of each kind
         self.refused: dict[str, str] = {}  # worker id -> why its heartbeat is not taken, as of the last read
         self._noted: dict[str, str] = {}  # worker id -> what was last logged of it: once per worker, not per read
 
@@ -78,13 +84,28 @@ class WorkerRegistry:
 
     def invalidate(self) -> None:
         self._models = self._workers = None
+        # a read started before this sees what the caller invalidates for: it is not cached when it ends
+        self._newest = dict.fromkeys(self._newest, self._started)
+
+    def _start(self) -> int:
+        self._started += 1
+        return self._started
+
+    def _newer(self, kind: str, number: int) -> bool:
+        """Whether read ``number`` of ``kind`` started after the one the cache holds; if so, it is now that one."""
+        if number <= self._newest[kind]:
+            return False
+        self._newest[kind] = number
+        return True
 
     async def models(self, fresh: bool = False) -> dict[str, ModelInfo]:
         if not fresh and self._fresh(self._models):
             return self._models[1]
+        number, started = self._start(), time.monotonic()
         # indexed but unpublished (or deleted): not servable
         models = await read_indexed(self._redis, keys.MODELS_INDEX, keys.model_key, ModelInfo)
-        self._models = (time.monotonic(), models)
+        if self._newer("models", number):
+            self._models = (started, models)
         return models
 
     async def model(self, name: str, fresh: bool = False) -> ModelInfo | None:
@@ -94,6 +115,7 @@ class WorkerRegistry:
         """Workers whose heartbeat record has not expired (nor gone stale, should its TTL be missing)."""
         if not fresh and self._fresh(self._workers):
             return self._workers[1]
+        number, started = self._start(), time.monotonic()
         ids = sorted(w.decode() for w in await self._redis.smembers(keys.WORKERS_INDEX))
         raw = await self._redis.mget([keys.worker_key(w) for w in ids]) if ids else []
         now = time.time()
@@ -115,12 +137,14 @@ class WorkerRegistry:
                 noted[worker_id] = (f"worker {worker_id!r} speaks wire protocol {info.protocol}, this gateway "
                                     f"{PROTOCOL_VERSION}: one version apart, served")
             workers.append(info)
+        if not self._newer("workers", number):
+            return workers  # a newer read was taken while this one waited: judging this after it would undo it
         for worker_id, line in noted.items():
             if self._noted.get(worker_id) != line:
                 (log.warning if worker_id in refused else log.info)("%s", line)
         self.refused, self._noted = refused, noted
         self.stalls.update(workers)
-        self._workers = (time.monotonic(), workers)
+        self._workers = (started, workers)
         return workers
 
     async def routable(self, fresh: bool = False) -> list[WorkerInfo]:

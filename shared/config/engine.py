@@ -137,9 +137,15 @@ class EngineConfig:
                                           "device each on CUDA), run one after the other", ge=1)
     # vLLM V1's batch queue: with M stages, up to M micro-batches of disjoint requests in flight across steps,
     # so the pipeline does not drain at every step (shared/engine/batch_queue.py)
+    # As vLLM keeps its batch queue wherever there is a pipeline, the flag is for every model of a worker that has
+    # one: a models file may mix models of a pipeline with models of one stage, and a flag that refused the mix
+    # would leave no way to ask for the queue on all the pipelined ones at once.
     pipeline_batch_queue: bool = setting(False, "with --pipeline-parallel-size M >= 2, keep up to M micro-batches "
-                                         "of disjoint requests in flight across steps (same outputs; refused "
-                                         "without a pipeline)")
+                                         "of disjoint requests in flight across steps (same outputs). For every "
+                                         "model of the worker that has a pipeline (--pipeline-parallel-size, or a "
+                                         "--config model's own pipeline_parallel_size) and not for those of one "
+                                         "stage; a --config model may set its own pipeline_batch_queue; refused "
+                                         "where no model has a pipeline")
 
     @property
     def uses_batch_queue(self) -> bool:
@@ -150,11 +156,13 @@ class EngineConfig:
             self.device = auto_device()
         depends.check(self, NEEDS)
 
-    def with_parallel_sizes(self, tensor: int, pipeline: int) -> "EngineConfig":
+    def with_parallel_sizes(self, tensor: int, pipeline: int, batch_queue: bool | None = None) -> "EngineConfig":
         """This engine's settings for a model of its own rank group (a models file's sizes): the batch queue
-        where the model has a pipeline to keep filled."""
+        where the model has a pipeline to keep filled, or ``batch_queue`` where the model sets its own (True
+        without a pipeline is refused, as the flag is)."""
+        queue = self.pipeline_batch_queue and pipeline > 1 if batch_queue is None else batch_queue
         return dataclasses.replace(self, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
-                                   pipeline_batch_queue=self.pipeline_batch_queue and pipeline > 1)
+                                   pipeline_batch_queue=queue)
 
 
 def _on_cpu(config: EngineConfig) -> str:

@@ -140,6 +140,9 @@ class WorkerConfig:
     # name -> (tensor_parallel_size, pipeline_parallel_size) of each model of --config (lazy ones too): every
     # load of it, at startup or later, is its own rank group of that size; other models take ``engine``'s
     parallel_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # name -> whether each model of --config keeps the pipeline batch queue (its own key, else the flag where it
+    # has a pipeline), for every load of it as for ``parallel_sizes``; other models take ``engine``'s
+    batch_queues: dict[str, bool] = field(default_factory=dict)
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 
     def __post_init__(self) -> None:

@@ -65,6 +65,7 @@ class ModelLoads:
     repo: ModelRepository | None
     configured_paths: dict[str, str]
     parallel_sizes: dict[str, tuple[int, int]]
+    batch_queues: dict[str, bool]
     verify_checksums: bool
     freeze_gc: bool
     skip_warmup: bool
@@ -105,7 +106,8 @@ class ModelLoads:
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
         cache = dataclasses.replace(self.base.cache, kv_cache_dtype=cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype)
         tp, pp = self.parallel_sizes.get(cmd.name, (self.base.tensor_parallel_size, self.base.pipeline_parallel_size))
-        engine = dataclasses.replace(self.base.with_parallel_sizes(tp, pp), model=model, cache=cache)
+        engine = dataclasses.replace(self.base.with_parallel_sizes(tp, pp, self.batch_queues.get(cmd.name)),
+                                     model=model, cache=cache)
         check_device(cache.kv_cache_dtype, torch.device(engine.device))  # before any weight is read
         return self._sized(ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
                                      keep_alive_s=cmd.keep_alive_s, verify=verify, root=root))
