@@ -10,7 +10,8 @@ Per model, optional: ``device`` (auto, the default: the workers' ``--device``; a
 device, on which every model of a worker runs), ``tensor_parallel_size`` / ``pipeline_parallel_size`` (this
 model's own rank group; default: the workers' flags), ``pipeline_batch_queue`` (this model's own
 ``--pipeline-batch-queue``, only for a model of pipeline size 2 or more; default: the flag's, which takes every
-model that has a pipeline), ``pinned`` (never evicted), ``min_replicas``,
+model that has a pipeline), ``calculate_kv_scales`` (this model's own ``--calculate-kv-scales``, only for a
+model whose KV cache is fp8; default: the flag's, which takes every such model), ``pinned`` (never evicted), ``min_replicas``,
 ``keep_alive_s`` (unload after that long idle), ``load`` (``startup``, the default, or ``lazy``: registered only, loaded on first request;
 lazy models must come from the repository). Keys are checked strictly: an unknown key or a value of the
 wrong type (``pinned: "no"``, ``version: 2.7``) is an error naming the file and key, never a default.
@@ -52,6 +53,7 @@ class ModelEntry(BaseModel):
     tensor_parallel_size: int | None = Field(None, ge=1)
     pipeline_parallel_size: int | None = Field(None, ge=1)
     pipeline_batch_queue: bool | None = None  # None: --pipeline-batch-queue, where the model has a pipeline
+    calculate_kv_scales: bool | None = None  # None: --calculate-kv-scales, where the model's KV is fp8
     pinned: bool = False
     min_replicas: int = Field(0, ge=0)
     keep_alive_s: float = Field(0.0, ge=0)
@@ -79,6 +81,7 @@ class ServedModel:
     tensor_parallel_size: int = 0  # 0: the worker's --tensor-parallel-size
     pipeline_parallel_size: int = 0  # 0: the worker's --pipeline-parallel-size
     pipeline_batch_queue: bool | None = None  # None: the worker's --pipeline-batch-queue
+    calculate_kv_scales: bool | None = None  # None: the worker's --calculate-kv-scales
     version: int = 0  # from the repository; 0 for a path
     pinned: bool = False
     min_replicas: int = 0
@@ -121,6 +124,7 @@ def load_serve_config(file: str | Path) -> tuple[ModelRepository | None, list[Se
                                   tensor_parallel_size=entry.tensor_parallel_size or 0,
                                   pipeline_parallel_size=entry.pipeline_parallel_size or 0,
                                   pipeline_batch_queue=entry.pipeline_batch_queue,
+                                  calculate_kv_scales=entry.calculate_kv_scales,
                                   version=version, pinned=entry.pinned, min_replicas=entry.min_replicas,
                                   keep_alive_s=entry.keep_alive_s, lazy=entry.load == "lazy"))
     return repo, models

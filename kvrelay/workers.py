@@ -52,15 +52,21 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
     if not with_model:
         _check_no_model_flags(args)
     queue_flag, queue_given = args.pipeline_batch_queue, "pipeline_batch_queue" in given(args)
-    if args.config:  # the flag is for the models that pipeline, judged once the file gives each its size
+    scales_flag, scales_given = args.calculate_kv_scales, "calculate_kv_scales" in given(args)
+    if args.config:  # the flags are for the models that pipeline / whose KV is fp8, judged once the file gives each
         args = argparse.Namespace(**vars(args) | {
-            "pipeline_batch_queue": queue_flag and args.pipeline_parallel_size > 1, GIVEN: given(args) - {"pipeline_batch_queue"}})
+            "pipeline_batch_queue": queue_flag and args.pipeline_parallel_size > 1, "calculate_kv_scales": False,
+            GIVEN: given(args) - {"pipeline_batch_queue", "calculate_kv_scales"}})
     engine, name, model_dir = engine_config_from_args(args, with_model=with_model)
     depends.check_given(engine, ENGINE_NEEDS, given(args))
+    if args.config and scales_flag and engine.cache.kv_cache_dtype != "auto" and \
+            engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:  # for the models loaded later
+        engine = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, calculate_kv_scales=True))
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
     parallel: dict[str, tuple[int, int]] = {}
     queues: dict[str, bool] = {}
+    scales: dict[str, bool] = {}
     model_repo = args.model_repo
     if name:
         _check_group(engine, None, "argument --tensor-parallel-size", "argument --pipeline-parallel-size")
@@ -83,9 +89,13 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                                         dtype=m.dtype if m.dtype != "auto" else engine.model.dtype,
                                         quantization=m.quantization or engine.model.quantization,
                                         load_format="dummy" if m.path.startswith("dummy:") else "auto")
-            cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype)
-            model_engine = dataclasses.replace(engine.with_parallel_sizes(*sizes, queues[m.name]), model=model,
-                                               cache=cache)
+            cache = dataclasses.replace(engine.cache, kv_cache_dtype=m.kv_cache_dtype or engine.cache.kv_cache_dtype,
+                                        calculate_kv_scales=False)
+            scales[m.name] = _kv_scales(m, cache.kv_cache_dtype, sizes, scales_flag, where)
+            cache = dataclasses.replace(cache, calculate_kv_scales=scales[m.name])
+            # its cache first: the worker's calculated scales would be refused beside the model's own ranks
+            model_engine = dataclasses.replace(engine, model=model, cache=cache).with_parallel_sizes(*sizes,
+                                                                                                     queues[m.name])
             # a lazy model too: its group is checked now, not when its first request waits for it
             _check_device(m.device, engine.device, f"{where}.device")
             _check_group(model_engine, repo.root if m.version and repo is not None else None,
@@ -101,9 +111,14 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
             raise ConfigError(f"argument --pipeline-batch-queue: only with --pipeline-parallel-size 2 or more, or a "
                               f"model of {args.config} with a pipeline_parallel_size of 2 or more (with 1 there is no "
                               "pipeline to keep filled)")
+        fp8 = [m.name for m in served if (m.kv_cache_dtype or engine.cache.kv_cache_dtype) != "auto"]
+        if scales_given and not fp8 and (engine.cache.kv_cache_dtype == "auto" or model_repo is None):
+            raise ConfigError(f"argument --calculate-kv-scales: only with a model whose KV cache is fp8 (--kv-cache-dtype "
+                              f"fp8, or a model of {args.config} with a kv_cache_dtype of fp8; auto stores K and V "
+                              "unscaled)")
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
-              "parallel_sizes": parallel, "batch_queues": queues, "freeze_gc": True, **derived}
+              "parallel_sizes": parallel, "batch_queues": queues, "calculated_kv_scales": scales, "freeze_gc": True, **derived}
     config = build(WorkerConfig, values, flags)
     depends.check_given(config, WORKER_NEEDS, given(args))
     return config
@@ -123,6 +138,26 @@ def _batch_queue(model: ServedModel, pipeline: int, other: int, flag: bool, key:
         raise ConfigError(f"{key}: {model.name}: only with a pipeline_parallel_size of 2 or more (this model's is 1: "
                           "no pipeline to keep filled)")
     return model.pipeline_batch_queue and pipeline > 1
+
+
+def _kv_scales(model: ServedModel, kv_cache_dtype: str, sizes: tuple[int, int], flag: bool, where: str) -> bool:
+    """Whether ``model`` of a models file calculates its KV scales: its own key, which a model of an unscaled KV
+    cache is refused (given at all, as a flag is), else the flag's, which takes every model whose KV is fp8. Either
+    is refused for a model of several ranks, whose rank 0 alone would see only its own heads or layers; under serve
+    the decode worker's sizes may give a model ranks there alone, refused there rather than measured on one side."""
+    key = f"{where}.calculate_kv_scales"
+    if model.calculate_kv_scales is not None and kv_cache_dtype == "auto":
+        raise ConfigError(f"{key}: {model.name}: only with a kv_cache_dtype of fp8 (this model's is auto: K and V "
+                          "are stored unscaled)")
+    calculate = model.calculate_kv_scales if model.calculate_kv_scales is not None else \
+        flag and kv_cache_dtype != "auto"
+    if calculate and sizes[0] * sizes[1] > 1:
+        who, out = (key, "") if model.calculate_kv_scales else \
+            (f"argument --calculate-kv-scales: {where}", "; calculate_kv_scales: false keeps it out of the flag")
+        raise ConfigError(f"{who}: {model.name}: not with a tensor_parallel_size or pipeline_parallel_size above 1 "
+                          f"(this model's are {sizes[0]} and {sizes[1]}: each rank computes only its own heads or "
+                          f"layers{out})")
+    return calculate
 
 
 def _check_no_model_flags(args: argparse.Namespace) -> None:

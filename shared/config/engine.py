@@ -65,11 +65,16 @@ class CacheConfig:
         "auto", "KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the bytes of bf16, "
                 "twice the blocks in the same memory; per-layer K/V scales from the checkpoint, else 1.0)")
     # vLLM's flag: amax of one calibration batch's keys / values per layer, then fixed
-    # (shared/engine/kv_calibration.py says which batch, which constants and why)
+    # (shared/engine/kv_calibration.py says which batch, which constants and why). As the batch queue is for the
+    # models that pipeline, it is for a worker's models whose KV is fp8: a models file may mix fp8 and unscaled
+    # caches, and a flag that refused the mix would leave no way to calculate the scales of the fp8 ones.
     calculate_kv_scales: bool = setting(
         False, "fp8 KV cache: compute each layer's K and V scale from a fixed calibration batch run at start "
                "(amax / 200 for K, amax / 100 for V, as vLLM), before any request, then keep them; they replace "
-               "the scales an FP8 checkpoint carries, as in vLLM. Needs --kv-cache-dtype fp8")
+               "the scales an FP8 checkpoint carries, as in vLLM. For every model of the worker whose KV cache is "
+               "fp8 (--kv-cache-dtype fp8, or a --config model's own kv_cache_dtype) and not for those of an "
+               "unscaled cache (auto), which run without it; a --config model may set its own calculate_kv_scales; "
+               "refused where no model's KV cache is fp8, and beside tensor or pipeline parallelism")
 
 
 @dataclass(config=CONFIG)

@@ -143,6 +143,9 @@ class WorkerConfig:
     # name -> whether each model of --config keeps the pipeline batch queue (its own key, else the flag where it
     # has a pipeline), for every load of it as for ``parallel_sizes``; other models take ``engine``'s
     batch_queues: dict[str, bool] = field(default_factory=dict)
+    # name -> whether each model of --config calculates its fp8 KV scales (its own key, else the flag where its KV
+    # is fp8), for every load of it as for ``parallel_sizes``; other models take ``engine``'s where their KV is fp8
+    calculated_kv_scales: dict[str, bool] = field(default_factory=dict)
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 
     def __post_init__(self) -> None:

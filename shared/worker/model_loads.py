@@ -66,6 +66,7 @@ class ModelLoads:
     configured_paths: dict[str, str]
     parallel_sizes: dict[str, tuple[int, int]]
     batch_queues: dict[str, bool]
+    calculated_kv_scales: dict[str, bool]
     verify_checksums: bool
     freeze_gc: bool
     skip_warmup: bool
@@ -104,10 +105,14 @@ class ModelLoads:
                                     quantization=cmd.quantization or self.base.model.quantization,
                                     max_model_len=cmd.max_model_len or self.base.model.max_model_len,
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
-        cache = dataclasses.replace(self.base.cache, kv_cache_dtype=cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype)
+        kv_dtype = cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype
+        # a model of the config file: its own choice; another: the flag's, where its KV is fp8
+        scales = self.calculated_kv_scales.get(cmd.name, self.base.cache.calculate_kv_scales and kv_dtype != "auto")
+        cache = dataclasses.replace(self.base.cache, kv_cache_dtype=kv_dtype, calculate_kv_scales=scales)
         tp, pp = self.parallel_sizes.get(cmd.name, (self.base.tensor_parallel_size, self.base.pipeline_parallel_size))
-        engine = dataclasses.replace(self.base.with_parallel_sizes(tp, pp, self.batch_queues.get(cmd.name)),
-                                     model=model, cache=cache)
+        # its cache first: the worker's calculated scales would be refused beside the model's own ranks
+        engine = dataclasses.replace(self.base, model=model, cache=cache).with_parallel_sizes(
+            tp, pp, self.batch_queues.get(cmd.name))
         check_device(cache.kv_cache_dtype, torch.device(engine.device))  # before any weight is read
         return self._sized(ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
                                      keep_alive_s=cmd.keep_alive_s, verify=verify, root=root))
