@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tests.zmq_secret  # noqa: F401  (sets $KVRELAY_ZMQ_SECRET before any process starts)
-from tests.live_log import pytest_runtest_logreport  # noqa: F401  (a hook: found by its name here)
+from tests.live_log import pytest_configure, pytest_runtest_logreport  # noqa: F401  (hooks: found by name here)
 
 # A bare `python -m pytest` in the checkout puts it first on sys.path, where kernels/ shadows the Hugging
 # Face `kernels` package that transformers imports: the root goes last (it stays importable for `tests.*`),

@@ -7,13 +7,14 @@ import json
 import os
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
 from kvrelay.shared.wire import redis_keys as keys
-from kvrelay.shared.wire.redis_conn import PASSWORDS_NAME, EmbeddedRedis, sync_client
+from kvrelay.shared.wire.redis_conn import AOF_NAME, PASSWORDS_NAME, EmbeddedRedis, sync_client
 
 
 def _folder(tmp_path: Path) -> Path:
@@ -32,6 +33,17 @@ def _write(client: redis.Redis) -> dict:
     return _read(client)
 
 
+def _until_in_file(state_dir: Path) -> None:
+    """Until the append-only file holds the last write of ``_write``. Under ``appendfsync everysec`` Redis
+    appends a write to the file before it replies, except while an fsync is still running (a busy disk): then
+    it replies and postpones the append by up to 2 s, the second of writes everysec may lose to a kill -9."""
+    aof = state_dir / AOF_NAME
+    deadline = time.monotonic() + 10
+    while not (aof.exists() and b"\x00\x01payload" in aof.read_bytes()):
+        assert time.monotonic() < deadline, "the last write never reached the append-only file"
+        time.sleep(0.05)
+
+
 def _read(client: redis.Redis) -> dict:
     return {"tenant": client.hgetall(f"{keys.PREFIX}:tenant:acme"),
             "index": client.smembers(f"{keys.PREFIX}:tenants"),
@@ -45,8 +57,9 @@ def test_a_server_killed_with_9_comes_back_from_its_file_at_the_same_address(tmp
     try:
         gateway_url = server.role_url("gateway")
         client = sync_client(url)
-        written = _write(client)  # no pause before the kill: Redis appends to its file before it replies
+        written = _write(client)
         assert written["usage"] == b"12345" and len(written["jobs"]) == 1
+        _until_in_file(server.state_dir)
         killed = server.process
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait(10)
@@ -73,6 +86,7 @@ def test_a_folder_too_deep_for_a_unix_socket_puts_the_socket_in_a_short_private_
         assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
         client = sync_client(url)
         written = _write(client)
+        _until_in_file(deep)
         os.kill(server.pid, signal.SIGKILL)
         server.process.wait(10)
         server.spawn()  # the supervisor's restart: the same socket
