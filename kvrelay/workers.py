@@ -57,11 +57,12 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
         args = argparse.Namespace(**vars(args) | {
             "pipeline_batch_queue": queue_flag and args.pipeline_parallel_size > 1, "calculate_kv_scales": False,
             GIVEN: given(args) - {"pipeline_batch_queue", "calculate_kv_scales"}})
+    elif not with_model:  # --model-repo alone: the flag is for the models the admin API loads whose KV is fp8
+        args = argparse.Namespace(**vars(args) | {"calculate_kv_scales": False,
+                                                  GIVEN: given(args) - {"calculate_kv_scales"}})
     engine, name, model_dir = engine_config_from_args(args, with_model=with_model)
     depends.check_given(engine, ENGINE_NEEDS, given(args))
-    if args.config and scales_flag and engine.cache.kv_cache_dtype != "auto" and \
-            engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:  # for the models loaded later
-        engine = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, calculate_kv_scales=True))
+    later_kv_scales = scales_flag and not with_model and _scales_for_later_loads(engine, strict=not args.config)
     more: list[StartupModel] = []
     specs: list[ModelSpec] = []  # registered (if absent) so evicted or lazy models can be loaded again
     parallel: dict[str, tuple[int, int]] = {}
@@ -118,7 +119,8 @@ def worker_config(role: str, args: argparse.Namespace, flags: list[Flag] = WORKE
                               "unscaled)")
     values = {**worker_values(args, flags), "role": role, "engine": engine, "model_name": name,
               "model_path": model_dir, "more_models": more, "model_repo": model_repo, "register": specs,
-              "parallel_sizes": parallel, "batch_queues": queues, "calculated_kv_scales": scales, "freeze_gc": True, **derived}
+              "parallel_sizes": parallel, "batch_queues": queues, "calculated_kv_scales": scales,
+              "later_kv_scales": later_kv_scales, "freeze_gc": True, **derived}
     config = build(WorkerConfig, values, flags)
     depends.check_given(config, WORKER_NEEDS, given(args))
     return config
@@ -138,6 +140,20 @@ def _batch_queue(model: ServedModel, pipeline: int, other: int, flag: bool, key:
         raise ConfigError(f"{key}: {model.name}: only with a pipeline_parallel_size of 2 or more (this model's is 1: "
                           "no pipeline to keep filled)")
     return model.pipeline_batch_queue and pipeline > 1
+
+
+def _scales_for_later_loads(engine: EngineConfig, strict: bool) -> bool:
+    """Whether --calculate-kv-scales reaches the models loaded after the worker starts that no models file lists
+    (the admin API's): each whose KV is fp8 calculates its scales, one of an unscaled cache runs without
+    (model_loads.py), whatever the worker's own --kv-cache-dtype, since a registered model may bring its own. Not
+    beside the worker's tensor or pipeline parallelism, where those models would have ranks: refused with
+    --model-repo alone (``strict``), left out with a models file, whose models the flag may still reach."""
+    if engine.tensor_parallel_size * engine.pipeline_parallel_size == 1:
+        return True
+    if strict:
+        raise ConfigError("argument --calculate-kv-scales: not with --tensor-parallel-size or "
+                          "--pipeline-parallel-size above 1 (each rank computes only its own heads or layers)")
+    return False
 
 
 def _kv_scales(model: ServedModel, kv_cache_dtype: str, sizes: tuple[int, int], flag: bool, where: str) -> bool:

@@ -74,7 +74,8 @@ class CacheConfig:
                "the scales an FP8 checkpoint carries, as in vLLM. For every model of the worker whose KV cache is "
                "fp8 (--kv-cache-dtype fp8, or a --config model's own kv_cache_dtype) and not for those of an "
                "unscaled cache (auto), which run without it; a --config model may set its own calculate_kv_scales; "
-               "refused where no model's KV cache is fp8, and beside tensor or pipeline parallelism")
+               "refused where no model's KV cache is fp8 (a worker of a model repository alone takes it for the "
+               "models it loads later), and beside tensor or pipeline parallelism")
 
 
 @dataclass(config=CONFIG)

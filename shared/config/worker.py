@@ -146,6 +146,9 @@ class WorkerConfig:
     # name -> whether each model of --config calculates its fp8 KV scales (its own key, else the flag where its KV
     # is fp8), for every load of it as for ``parallel_sizes``; other models take ``engine``'s where their KV is fp8
     calculated_kv_scales: dict[str, bool] = field(default_factory=dict)
+    # --calculate-kv-scales for the models of no --config entry loaded later (the admin API's) whose KV is fp8, on
+    # a worker started without a model of its own: such a model may bring an fp8 KV where the worker's is auto
+    later_kv_scales: bool = False
     freeze_gc: bool = False  # a worker process of its own: see shared/worker/gc_freeze.py
 
     def __post_init__(self) -> None:

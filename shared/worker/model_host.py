@@ -65,7 +65,8 @@ class ModelHost(ModelLoads, LoadRoom):
                  skip_warmup: bool = False, shared: SharedWeights | None = None,
                  drain_timeout_s: float = DRAIN_TIMEOUT_S, parallel_sizes: dict[str, tuple[int, int]] | None = None,
                  kv_links: KVLinks | None = None, min_residency_s: float = MIN_RESIDENCY_S,
-                 batch_queues: dict[str, bool] | None = None, calculated_kv_scales: dict[str, bool] | None = None):
+                 batch_queues: dict[str, bool] | None = None, calculated_kv_scales: dict[str, bool] | None = None,
+                 later_kv_scales: bool = False):
         """``eos_ids(core, path)`` gives an instance's stop ids; ``report(ControlResult)`` answers a command;
         ``min_replicas(name)`` reads the registry (keep-alive never unloads a model kept at a minimum).
         ``freeze_gc``: this process is a worker, so loaded models may leave the garbage collector's view
@@ -76,7 +77,8 @@ class ModelHost(ModelLoads, LoadRoom):
         SIGTERM drain gives a worker's (--drain-timeout). ``parallel_sizes``: name -> (tensor_parallel_size,
         pipeline_parallel_size) of the models the config file gives their own; the others take ``base``'s.
         ``batch_queues``: name -> whether that model of the config file keeps the pipeline batch queue;
-        ``calculated_kv_scales``: whether it calculates its fp8 KV scales (--calculate-kv-scales).
+        ``calculated_kv_scales``: whether it calculates its fp8 KV scales (--calculate-kv-scales);
+        ``later_kv_scales``: whether the other models whose KV is fp8 do, as ``base``'s own cache says otherwise.
         ``kv_links``: the ranks of a model split over processes send their own parts of its KV to decode
         workers with these (the worker's CURVE keys). ``min_residency_s``: how long a model just loaded keeps
         its place against a load not far above its demand (--min-residency-s, shared/worker/eviction.py)."""
@@ -92,6 +94,7 @@ class ModelHost(ModelLoads, LoadRoom):
         self.parallel_sizes = dict(parallel_sizes or {})
         self.batch_queues = dict(batch_queues or {})
         self.calculated_kv_scales = dict(calculated_kv_scales or {})
+        self.later_kv_scales = later_kv_scales
         self.verify_checksums = verify_checksums
         self.freeze_gc = freeze_gc
         self.skip_warmup = skip_warmup

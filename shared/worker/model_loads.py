@@ -67,6 +67,7 @@ class ModelLoads:
     parallel_sizes: dict[str, tuple[int, int]]
     batch_queues: dict[str, bool]
     calculated_kv_scales: dict[str, bool]
+    later_kv_scales: bool
     verify_checksums: bool
     freeze_gc: bool
     skip_warmup: bool
@@ -107,7 +108,8 @@ class ModelLoads:
                                     load_format="dummy" if path.startswith("dummy:") else "auto")
         kv_dtype = cmd.kv_cache_dtype or self.base.cache.kv_cache_dtype
         # a model of the config file: its own choice; another: the flag's, where its KV is fp8
-        scales = self.calculated_kv_scales.get(cmd.name, self.base.cache.calculate_kv_scales and kv_dtype != "auto")
+        scales = self.calculated_kv_scales.get(
+            cmd.name, (self.base.cache.calculate_kv_scales or self.later_kv_scales) and kv_dtype != "auto")
         cache = dataclasses.replace(self.base.cache, kv_cache_dtype=kv_dtype, calculate_kv_scales=scales)
         tp, pp = self.parallel_sizes.get(cmd.name, (self.base.tensor_parallel_size, self.base.pipeline_parallel_size))
         # its cache first: the worker's calculated scales would be refused beside the model's own ranks

@@ -76,6 +76,7 @@ class WorkerRuntime:
             min_replicas=self.control.min_replicas, freeze_gc=config.freeze_gc, skip_warmup=config.skip_warmup,
             shared=_shared_weights(config), parallel_sizes=config.parallel_sizes,
             batch_queues=config.batch_queues, calculated_kv_scales=config.calculated_kv_scales,
+            later_kv_scales=config.later_kv_scales,
             # a prefill worker's ranks send their own parts of a prompt's KV, a decode worker's take their own
             # shares of it on sockets of their own (beside the worker's), authenticated as the worker is
             kv_links=(KVLinks.of(self.curve) if hold_finished_kv

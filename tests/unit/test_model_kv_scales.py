@@ -118,7 +118,8 @@ def _lazy_host(tmp_path, entries: str, argv: list[str]):
         ["unified-worker", "--config", str(cfg), "--device", "cpu", "--redis-url", "redis://127.0.0.1:1/0", *argv]))
     host = ModelHost(config.engine, hold_finished_kv=False, pool=None, weights_budget=1 << 30,
                      repo=ModelRepository(config.model_repo), parallel_sizes=config.parallel_sizes,
-                     calculated_kv_scales=config.calculated_kv_scales, verify_checksums=False)
+                     calculated_kv_scales=config.calculated_kv_scales, later_kv_scales=config.later_kv_scales,
+                     verify_checksums=False)
     return config, host
 
 
@@ -155,3 +156,25 @@ def test_serve_refuses_a_choice_one_role_of_the_model_could_not_make(tmp_path, c
         f"kvrelay serve: error: argument --calculate-kv-scales: {cfg}: models[0]: scaled: not with a "
         "tensor_parallel_size or pipeline_parallel_size above 1 (this model's are 1 and 2: each rank computes only "
         "its own heads or layers; calculate_kv_scales: false keeps it out of the flag)"]
+
+
+def test_a_model_the_admin_api_registers_with_an_fp8_kv_gets_the_flag_on_a_worker_whose_own_kv_is_auto(tmp_path):
+    # the flag is accepted beside a model repository whatever the worker's own KV, so it must reach a model that
+    # arrives later with a kv_cache_dtype of its own, and leave one of an unscaled cache alone
+    config, host = _lazy_host(tmp_path, "  - {name: lazy, load: lazy, kv_cache_dtype: fp8}\n", ["--calculate-kv-scales"])
+    assert config.engine.cache.kv_cache_dtype == "auto"
+    cache = _load(host, "plain", kv_cache_dtype="fp8")  # not in the models file: as the admin API registers it
+    assert (cache.kv_cache_dtype, cache.calculate_kv_scales) == ("fp8", True)
+    cache = _load(host, "staged")
+    assert (cache.kv_cache_dtype, cache.calculate_kv_scales) == ("auto", False)
+
+
+def test_a_worker_of_a_repository_alone_takes_the_flag_for_the_models_it_loads_later(tmp_path, capsys):
+    (tmp_path / "repo").mkdir()
+    argv = ["unified-worker", "--device", "cpu", "--model-repo", str(tmp_path / "repo"), "--calculate-kv-scales"]
+    assert main([*argv, "--print-config"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["later_kv_scales"]
+    assert main([*argv, "--pipeline-parallel-size", "2", "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "argument --calculate-kv-scales: not with --tensor-parallel-size or --pipeline-parallel-size above 1 (each "
+        "rank computes only its own heads or layers)")
