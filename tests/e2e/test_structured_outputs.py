@@ -198,13 +198,14 @@ def test_disaggregated_serving_keeps_the_constraint_across_the_handoff(smollm2_d
     with Served(argv, tmp_path / "serve.log", timeout=300) as served:
         client = served.client()
         fmt = {"type": "json_schema", "json_schema": {"name": "weather_report", "schema": WEATHER_REPORT}}
-        out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=16, temperature=1.0,
-                                             seed=7, max_tokens=160)
+        out, streamed = _at_once(
+            lambda: client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=16,
+                                                   temperature=1.0, seed=7, max_tokens=160),
+            lambda: _streamed_calls(client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", n=4, temperature=1.0,
+                seed=8, max_tokens=200, stream=True)))
         for c in out.choices:
             jsonschema.validate(json.loads(c.message.content), WEATHER_REPORT)
-        streamed = _streamed_calls(client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", n=4, temperature=1.0, seed=8,
-            max_tokens=200, stream=True))
         for calls, finish, _ in streamed.values():
             assert finish == "tool_calls"
             _check_calls(calls, set(TOOLS))
