@@ -24,6 +24,10 @@ _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 
+# How often a wait for a process to come up looks again: every start of a stack waits out half of it on average,
+# and the suite starts a few hundred; a look is a file read, a Redis GET or one local HTTP request.
+UP_POLL_S = 0.05
+
 _RUN_CLI = "\nimport sys\nfrom kvrelay.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
@@ -104,7 +108,7 @@ class Cluster:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited early:\n{self.log(name)}")
             if not self._listening(port):  # another server's /ready on that port must not pass for ours
-                time.sleep(0.3)
+                time.sleep(UP_POLL_S)
                 continue
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
@@ -112,7 +116,7 @@ class Cluster:
                         return
             except OSError:
                 pass
-            time.sleep(0.3)
+            time.sleep(UP_POLL_S)
         raise TimeoutError(f"not ready after {timeout}s:\n" + "\n".join(self.log(n)[-2000:] for n in self.procs))
 
     def _listening(self, port: int) -> bool:
@@ -128,7 +132,7 @@ class Cluster:
                 return info
             if self.procs[worker_id].poll() is not None:
                 raise RuntimeError(f"{worker_id} exited early:\n{self.log(worker_id)}")
-            time.sleep(0.2)
+            time.sleep(UP_POLL_S)
         raise TimeoutError(f"{worker_id} never registered")
 
     def worker(self, worker_id: str) -> WorkerInfo | None:

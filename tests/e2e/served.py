@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 
 from kvrelay.shared.config.handover import module_argv
-from tests.e2e.cluster import free_port
+from tests.e2e.cluster import UP_POLL_S, free_port
 
 ADMIN_KEY = "admin-key-for-serve-tests-0123456789"
 
@@ -34,7 +34,7 @@ def until_ready(proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> No
     deadline = time.monotonic() + timeout
     while b"kvrelay ready" not in log.read_bytes():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+        time.sleep(UP_POLL_S)
 
 
 def stop_serve(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
@@ -83,7 +83,7 @@ class Served:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
                 raise RuntimeError(f"kvrelay serve did not come up:\n{self.log.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.3)
+            time.sleep(UP_POLL_S)
         return self
 
     def __exit__(self, *_exc) -> None:

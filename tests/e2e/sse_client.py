@@ -1,10 +1,11 @@
-"""A small streaming client for load and failure tests: one completion over SSE with httpx, reduced to
-what the tests check (status, tokens, finish reason, error). Every failure is captured, never raised,
+"""A small streaming client for load and failure tests: one completion over SSE with httpx (or, for hundreds
+of streams at once, aiohttp), reduced to what the tests check (status, tokens, finish reason, error). Every failure is captured, never raised,
 so one test can count outcomes across hundreds of requests."""
 
 import json
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 
@@ -37,27 +38,63 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, fir
                 _error_body(out, await resp.aread())
                 return out
             async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    out.done = True
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    out.error, out.code = obj["error"].get("message"), obj["error"].get("code")
-                    continue
-                if obj.get("usage"):
-                    out.completion_tokens = obj["usage"]["completion_tokens"]
-                for choice in obj.get("choices", []):
-                    out.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    out.chunks += 1
-                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
+                _take_line(out, line)
                 if first_chunk is not None and out.chunks >= min_chunks:
                     first_chunk.set()
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         out.error = out.error or f"{type(exc).__name__}: {exc}"
     return out
+
+
+def many_streams_session(connections: int, timeout_s: float) -> aiohttp.ClientSession:
+    """An aiohttp session for a test that holds hundreds of streams at once: at most ``connections`` open, the
+    other requests queued in the client, as a load generator's are. Not httpx there: its connection pool looks
+    over every queued request and open connection at each event, so a thousand requests behind a few hundred
+    connections cost the test's own process more CPU than the servers spend answering them. ``timeout_s`` bounds
+    connecting and each read (a hang), not a request's wait in the queue."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=timeout_s, sock_read=timeout_s))
+
+
+async def stream_completion_on(session: aiohttp.ClientSession, url: str, body: dict, first_chunk=None,
+                               min_chunks: int = 1) -> Outcome:
+    """``stream_completion`` on a ``many_streams_session``: the same request, the same Outcome, the same
+    ``first_chunk``."""
+    out = Outcome()
+    try:
+        async with session.post(url, json={**body, "stream": True}) as resp:
+            out.status, out.headers = resp.status, dict(resp.headers)
+            if resp.status != 200:
+                _error_body(out, await resp.read())
+                return out
+            async for raw in resp.content:  # line by line
+                _take_line(out, raw.decode().rstrip("\r\n"))
+                if first_chunk is not None and out.chunks >= min_chunks:
+                    first_chunk.set()
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+        out.error = out.error or f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _take_line(out: Outcome, line: str) -> None:
+    """One line of an SSE body into ``out``."""
+    if not line.startswith("data: "):
+        return
+    data = line[6:]
+    if data == "[DONE]":
+        out.done = True
+        return
+    obj = json.loads(data)
+    if "error" in obj:
+        out.error, out.code = obj["error"].get("message"), obj["error"].get("code")
+        return
+    if obj.get("usage"):
+        out.completion_tokens = obj["usage"]["completion_tokens"]
+    for choice in obj.get("choices", []):
+        out.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        out.chunks += 1
+        out.finish_reason = choice.get("finish_reason") or out.finish_reason
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:

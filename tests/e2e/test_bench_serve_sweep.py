@@ -12,7 +12,7 @@ from kvrelay.cli import main
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--num-gpu-blocks-override", "4096"]
-REQUESTS, INPUT_LEN, OUTPUT_LEN, START, TRIALS = 6, 24, 8, 2.0, 3
+REQUESTS, INPUT_LEN, OUTPUT_LEN, START, TRIALS = 6, 24, 8, 8.0, 3
 MODES = ("disaggregated", "unified")
 
 

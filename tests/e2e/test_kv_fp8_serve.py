@@ -20,6 +20,10 @@ from tests.kv_scale_checkpoint import self_attn_scales, with_kv_scales
 pytestmark = pytest.mark.slow
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "8", "--max-num-batched-tokens", "32"]
 TIE = 0.05
+# A prefill worker keeps asking the decode workers that refused it, in case one that takes its KV registers, until
+# its handoff budget ends; the refusal's reason is its request's error then. A short budget for the refusal tests:
+# the reason is what they check, not how long the prefill worker keeps asking.
+REFUSED_WITHIN = ["--handoff-timeout", "3"]
 
 
 @pytest.fixture()
@@ -61,7 +65,7 @@ def test_disaggregated_fp8_gives_the_unified_fp8_tokens(cluster, flags, logged, 
 
 
 def test_a_kv_dtype_mismatch_across_the_handoff_is_refused(cluster):
-    cluster.start_worker("prefill", "p1", ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8"])
+    cluster.start_worker("prefill", "p1", ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8", *REFUSED_WITHIN])
     cluster.start_worker("decode", "d1", ["--served-model-name", "tiny"])
     cluster.wait_ready()
     with pytest.raises(openai.APIError) as err:
@@ -75,7 +79,7 @@ def test_fp8_kv_under_another_checkpoints_scales_is_refused(cluster, tiny_dir, t
     without: the same fp8 bytes mean other values on each side."""
     scaled = with_kv_scales(tiny_dir, tmp_path / "scaled", self_attn_scales({0: (0.37, 1.9), 1: (2.3, 0.53)}))
     fp8 = ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8"]
-    cluster.start_worker("prefill", "p1", [*fp8, "--model", str(scaled)])
+    cluster.start_worker("prefill", "p1", [*fp8, "--model", str(scaled), *REFUSED_WITHIN])
     cluster.start_worker("decode", "d1", fp8)
     cluster.wait_ready()
     with pytest.raises(openai.APIError) as err:
@@ -86,7 +90,7 @@ def test_fp8_kv_under_another_checkpoints_scales_is_refused(cluster, tiny_dir, t
 
 def test_measured_scales_against_unit_scales_are_refused(cluster):
     fp8 = ["--served-model-name", "tiny", "--kv-cache-dtype", "fp8"]
-    cluster.start_worker("prefill", "p1", [*fp8, "--calculate-kv-scales"])
+    cluster.start_worker("prefill", "p1", [*fp8, "--calculate-kv-scales", *REFUSED_WITHIN])
     cluster.start_worker("decode", "d1", fp8)
     cluster.wait_ready()
     with pytest.raises(openai.APIError) as err:

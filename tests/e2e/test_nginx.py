@@ -21,7 +21,7 @@ from kvrelay.nginx import loopback_nginx
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.e2e.cluster import Cluster, free_port
 from tests.e2e.conftest import TINY_ENGINE
-from tests.e2e.sse_client import stream_completion
+from tests.e2e.sse_client import many_streams_session, stream_completion_on
 
 pytestmark = pytest.mark.slow
 CONCURRENT = 1000
@@ -74,12 +74,6 @@ def body(i: int, max_tokens: int) -> dict:
             "ignore_eos": True, "logprobs": 0, "stream_options": {"include_usage": True}}
 
 
-def client(limit: int) -> httpx.AsyncClient:
-    # a connection limit like a real load generator's: the 1,000 requests queue in the client beyond it
-    return httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=limit,
-                                                                           max_keepalive_connections=limit))
-
-
 def served_by(port: int) -> int:
     """Completions a gateway answered 200, from its own /metrics."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -92,8 +86,9 @@ def test_nginx_streams_1000_concurrent_requests_without_error(stack):
     before = [served_by(p) for p in ports]
 
     async def run():
-        async with client(250) as http:
-            return await asyncio.gather(*(stream_completion(http, f"{base}/v1/completions", body(i, 4))
+        # a connection limit like a real load generator's: the 1,000 requests queue in the client beyond it
+        async with many_streams_session(250, CLIENT_TIMEOUT_S) as session:
+            return await asyncio.gather(*(stream_completion_on(session, f"{base}/v1/completions", body(i, 4))
                                           for i in range(CONCURRENT)))
 
     results = asyncio.run(run())
@@ -118,15 +113,15 @@ def test_killing_a_gateway_under_load_fails_over(stack):
     url = f"{base}/v1/completions"
 
     async def run():
-        async with client(200) as http:
+        async with many_streams_session(200, CLIENT_TIMEOUT_S) as http:
             started = [asyncio.Event() for _ in range(200)]
-            before = [asyncio.create_task(stream_completion(http, url, body(i, 40), first_chunk=e))
+            before = [asyncio.create_task(stream_completion_on(http, url, body(i, 40), first_chunk=e))
                       for i, e in enumerate(started)]
             async with asyncio.timeout(60):
                 while sum(e.is_set() for e in started) < 60:  # under load: many streams mid-generation
                     await asyncio.sleep(0.02)
             c.kill("g1")
-            after = [asyncio.create_task(stream_completion(http, url, body(i, 8))) for i in range(200)]
+            after = [asyncio.create_task(stream_completion_on(http, url, body(i, 8))) for i in range(200)]
             return await asyncio.gather(*before), await asyncio.gather(*after)
 
     before, after = asyncio.run(run())

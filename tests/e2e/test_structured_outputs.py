@@ -95,6 +95,13 @@ def test_json_schema_at_temperature_one_validates_in_every_sample(client):
     assert len({c.message.content for c in choices}) > 1  # sampled, not one answer repeated
 
 
+def _at_once(*calls):
+    """Each call's result, the calls made at once: the engine batches their requests, where one after another
+    each would take its own steps."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
     assert calls
     for name, arguments in calls:
@@ -122,13 +129,13 @@ def _streamed_calls(stream) -> dict[int, tuple[list[tuple[str, str]], str | None
 def test_required_always_gives_parseable_calls(client, parallel):
     body = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", n=8, temperature=1.0,
                 seed=3, max_tokens=200, parallel_tool_calls=parallel)
-    out = client.chat.completions.create(**body)
+    out, streamed = _at_once(lambda: client.chat.completions.create(**body),
+                             lambda: _streamed_calls(client.chat.completions.create(**body, stream=True)))
     for c in out.choices:
         assert c.finish_reason == "tool_calls" and c.message.content is None, c
         calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
         _check_calls(calls, set(TOOLS))
         assert parallel or len(calls) == 1
-    streamed = _streamed_calls(client.chat.completions.create(**body, stream=True))
     assert len(streamed) == 8
     for calls, finish, content in streamed.values():
         assert finish == "tool_calls" and content == ""
@@ -139,11 +146,13 @@ def test_required_always_gives_parseable_calls(client, parallel):
 def test_a_named_function_always_gives_its_call(client):
     body = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], n=8, temperature=1.0, seed=4, max_tokens=120,
                 tool_choice={"type": "function", "function": {"name": "get_time"}})
-    for c in client.chat.completions.create(**body).choices:
+    out, streamed = _at_once(lambda: client.chat.completions.create(**body),
+                             lambda: _streamed_calls(client.chat.completions.create(**body, stream=True)))
+    for c in out.choices:
         assert c.finish_reason == "stop" and c.message.content is None, c
         (call,) = c.message.tool_calls
         _check_calls([(call.function.name, call.function.arguments)], {"get_time"})
-    for calls, finish, content in _streamed_calls(client.chat.completions.create(**body, stream=True)).values():
+    for calls, finish, content in streamed.values():
         assert finish == "stop" and content == "" and len(calls) == 1
         _check_calls(calls, {"get_time"})
 
@@ -171,10 +180,12 @@ def test_choice_regex_grammar_and_json_object_hold(client, endpoint):
 def test_json_has_no_free_whitespace_whichever_is_asked(client):
     """The engine's JSON grammar allows no free whitespace (vLLM's disable_any_whitespace): a small model at
     temperature 1 cannot spend max_tokens on newlines, and true or false, the output has one fixed layout."""
-    for disable in (True, False):
-        out = client.chat.completions.create(
+    def ask(disable: bool):
+        return client.chat.completions.create(
             model=MODEL, messages=ASK, n=4, temperature=1.0, seed=6, max_tokens=160,
             extra_body={"structured_outputs": {"json": WEATHER_REPORT, "disable_any_whitespace": disable}})
+
+    for out in _at_once(lambda: ask(True), lambda: ask(False)):
         for c in out.choices:  # one layout: the grammar places every separator's space, the model none
             value = json.loads(c.message.content)
             assert c.message.content in (json.dumps(value), json.dumps(value, separators=(",", ":"))), c.message
@@ -187,13 +198,14 @@ def test_disaggregated_serving_keeps_the_constraint_across_the_handoff(smollm2_d
     with Served(argv, tmp_path / "serve.log", timeout=300) as served:
         client = served.client()
         fmt = {"type": "json_schema", "json_schema": {"name": "weather_report", "schema": WEATHER_REPORT}}
-        out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=16, temperature=1.0,
-                                             seed=7, max_tokens=160)
+        out, streamed = _at_once(
+            lambda: client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=16,
+                                                   temperature=1.0, seed=7, max_tokens=160),
+            lambda: _streamed_calls(client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", n=4, temperature=1.0,
+                seed=8, max_tokens=200, stream=True)))
         for c in out.choices:
             jsonschema.validate(json.loads(c.message.content), WEATHER_REPORT)
-        streamed = _streamed_calls(client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", n=4, temperature=1.0, seed=8,
-            max_tokens=200, stream=True))
         for calls, finish, _ in streamed.values():
             assert finish == "tool_calls"
             _check_calls(calls, set(TOOLS))

@@ -15,6 +15,10 @@ from kvrelay.shared.handoff.frames import Frames
 from tests.integration.handoff_harness import BLOCK, SHAPE, hand_off_tiny, wait_for
 
 FP8 = torch.float8_e4m3fn
+# A refused transfer asks again until its handoff budget ends (a decode worker that takes it may register), and
+# fails then with the refusal's reason, which is what these tests check: a short budget, still many times the
+# decode side's answer (it polls every 20 ms).
+REFUSED_WITHIN_S = 1.5
 
 
 def _fp8_prefill(rt) -> None:
@@ -47,7 +51,7 @@ def test_a_kv_dtype_mismatch_is_refused_before_any_byte_moves(prefill, decode_si
     if prefill_dtype == FP8:
         _fp8_prefill(rt)
     side = decode_side(dtype=decode_dtype)
-    manager = make(side.addr)
+    manager = make(side.addr, timeout_s=REFUSED_WITHIN_S)
     free = side.rt.core.kv.num_free_blocks
     t, _ = hand_off_tiny(manager, rt, "r", 3 * BLOCK)
     assert t.state is State.FAILED
@@ -68,7 +72,7 @@ def test_fp8_kv_under_other_scales_is_refused_before_any_byte_moves(prefill, dec
     side = decode_side(dtype=FP8)
     other = {"same": calibrated, "unit": [], "other": [[0.37, 1.9]] * (layers - 1) + [[0.37, 1.8]]}[decode_scales]
     side.rt.core.kv.scales_digest = scales_digest(other, layers)
-    manager = make(side.addr)
+    manager = make(side.addr) if decode_scales == "same" else make(side.addr, timeout_s=REFUSED_WITHIN_S)
     free = side.rt.core.kv.num_free_blocks
     t, _ = hand_off_tiny(manager, rt, "r", 3 * BLOCK)
     if decode_scales == "same":
