@@ -70,18 +70,14 @@ def gather_blocks(kv_cache: torch.Tensor, layers: range, index: torch.Tensor,
     CPU through numpy: single-threaded and free of the GIL, where torch's index ops fan out to OpenMP
     and were measured stalling ~30 ms a call when the cores are busy."""
     src = kv_cache[layers.start:layers.stop]
-    shape = src.shape[:2] + (len(index),) + src.shape[3:]
+    if out is None:
+        out = src.new_empty(src.shape[:2] + (len(index),) + src.shape[3:])
     if src.is_cuda:
-        out = src.new_empty(shape) if out is None else out
         torch.index_select(wide(src), 2, index, out=wide(out))
         return out
     # fancy indexing, not np.take: take first makes a C-contiguous copy of a strided source, which for
-    # a pooled (block-major) cache is the whole pool on every transfer. Without ``out`` the array it
-    # builds is the result: copying it into a fresh tensor would be a second pass over the bytes
-    rows = _block_rows(src)[:, :, index.numpy()]
-    if out is None:
-        return torch.from_numpy(rows).view(src.dtype).view(shape)
-    _block_rows(out)[...] = rows
+    # a pooled (block-major) cache is the whole pool on every transfer
+    _block_rows(out)[...] = _block_rows(src)[:, :, index.numpy()]
     return out
 
 
