@@ -42,6 +42,18 @@ def _phase_table(title: str, move: str, phases: dict[int, list[float]]) -> None:
         print(f"| {kv_bytes(num_tokens) / 2**20:.0f} MiB | {grant:.3f} | {out:.3f} | {ack:.3f} |", flush=True)
 
 
+def _cpu_table(title: str, by_mode: dict[str, tuple]) -> None:
+    """Each mode's GB/s beside the CPU seconds each side spent per GB moved: on a shared, loaded box the GB/s
+    swing with the load, the CPU seconds much less, so a change that removes work shows there on any box."""
+    print(f"\n{title}: CPU seconds per GB moved (this process = prefill side, every thread; the peer = decode side)\n"
+          "| KV size | frames | GB/s | prefill CPU s/GB | decode CPU s/GB |\n| --- | --- | --- | --- | --- |")
+    for mode, (secs, _, cpu) in by_mode.items():
+        for num_tokens, s in secs.items():
+            send, recv = cpu[num_tokens]
+            print(f"| {kv_bytes(num_tokens) / 2**20:.0f} MiB | {FRAME_LABELS[mode]} | {kv_bytes(num_tokens) / s / 1e9:,.2f} | "
+                  f"{send:.3f} | {recv:.3f} |", flush=True)
+
+
 def _table(title: str, ours: str, mine: dict[int, float], *baselines: tuple[str, dict[int, float]]) -> None:
     head = " | ".join(f"{name} GB/s | ratio" for name, _ in baselines)
     print(f"\n{title}\n| KV size | tokens | {ours} GB/s | {head} |\n|" + " --- |" * (3 + 2 * len(baselines)))
@@ -74,6 +86,7 @@ def _cpu_frames(transport: str, tokens: list[int], repeats: int, modes: list[str
            ("raw ZMQ, 4 MiB messages", raw4))
     for mode in modes:
         _phase_table(f"{title} ({FRAME_LABELS[mode]})", "grant -> last frame queued", by_mode[mode][1])
+    _cpu_table(title, by_mode)
     if len(modes) > 1:
         _table(f"{title}: how the frames are protected (ratio: first column over each)", FRAME_LABELS[modes[0]],
                by_mode[modes[0]][0], *((FRAME_LABELS[m], by_mode[m][0]) for m in modes[1:]))

@@ -32,20 +32,23 @@ class Handoffs:
                          dtype=torch.bfloat16, device=device)
         self.rt = endpoint(kv, "bench-prefill", MODEL, scatter_seed=2 if scatter else None)
         self.ctx = zmq.Context()
-        self.ipc, self.n = ipc, 0
+        self.ipc, self.n, self.peer = ipc, 0, peer
         # without CUDA IPC among its transports the sender offers nothing to map: the host-staged frames
         self.manager = HandoffManager(self.ctx, self.rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],
                                       transports=None if ipc else [Frames()], curve=peer.keys)
 
-    def one(self, num_tokens: int) -> tuple[float, list[float]]:
-        """Seconds of one whole handoff, and its phases (s): request -> grant, grant -> KV out, -> ack."""
+    def one(self, num_tokens: int) -> tuple[float, list[float], tuple[float, float]]:
+        """Seconds of one whole handoff, its phases (s): request -> grant, grant -> KV out, -> ack, and the CPU
+        seconds it took (this process's, every thread; the peer process's)."""
         self.n += 1
+        cpu0, peer0 = time.process_time(), self.peer.cpu_s()
         t0 = time.perf_counter()
         t, _ = hand_off(self.manager, self.rt, f"r{self.n}", num_tokens, MODEL)
         secs = time.perf_counter() - t0
+        cpu = (time.process_time() - cpu0, self.peer.cpu_s() - peer0)
         if t.state is not State.DONE or t.transport != ("ipc" if self.ipc else "layers"):
             raise RuntimeError(f"handoff ended {t.state.value} over {t.transport!r}: {t.reason}")
-        return secs, [t.granted - t.started, t.sent - t.granted, t.ended - t.sent]
+        return secs, [t.granted - t.started, t.sent - t.granted, t.ended - t.sent], cpu
 
     def close(self) -> None:
         self.manager.close()
@@ -56,14 +59,16 @@ def protocol(device: str, peer: Peer, tokens: list[int], repeats: int, ipc: bool
               scatter: bool = True) -> tuple[dict[int, float], dict[int, list[float]]]:
     """Median seconds of one whole handoff per size, and the median of each phase (ms): request ->
     grant, grant -> KV out (copied, or the last frame queued), -> ack."""
-    return interleaved({"": Handoffs(device, peer, max(tokens), ipc, scatter)}, tokens, repeats)[""]
+    return interleaved({"": Handoffs(device, peer, max(tokens), ipc, scatter)}, tokens, repeats)[""][:2]
 
 
 def interleaved(handoffs: dict[str, Handoffs], tokens: list[int], repeats: int
-                ) -> dict[str, tuple[dict[int, float], dict[int, list[float]]]]:
+                ) -> dict[str, tuple[dict[int, float], dict[int, list[float]], dict[int, tuple[float, float]]]]:
     """``protocol`` for each of ``handoffs``, taking turns transfer by transfer, so a box whose load changes
-    during the run weighs on each alike; closes them."""
-    out = {name: ({}, {}) for name in handoffs}
+    during the run weighs on each alike, with the CPU seconds per GB (1e9 bytes) moved of each side (this
+    process's, the peer's), summed over the timed transfers: CPU time, unlike wall time, hardly moves with
+    what else runs on the box. Closes them."""
+    out = {name: ({}, {}, {}) for name in handoffs}
     try:
         for num_tokens in tokens:
             for h in handoffs.values():  # warm-up: connections, first use of each kernel, pinned pools, IPC maps
@@ -74,8 +79,10 @@ def interleaved(handoffs: dict[str, Handoffs], tokens: list[int], repeats: int
                 for name, h in handoffs.items():
                     runs[name].append(h.one(num_tokens))
             for name, seen in runs.items():
-                out[name][0][num_tokens] = statistics.median(secs for secs, _ in seen)
-                out[name][1][num_tokens] = [statistics.median(p) * 1e3 for p in zip(*(ph for _, ph in seen), strict=True)]
+                out[name][0][num_tokens] = statistics.median(secs for secs, _, _ in seen)
+                out[name][1][num_tokens] = [statistics.median(p) * 1e3 for p in zip(*(ph for _, ph, _ in seen), strict=True)]
+                gb = kv_bytes(num_tokens) * len(seen) / 1e9
+                out[name][2][num_tokens] = tuple(sum(side) / gb for side in zip(*(c for _, _, c in seen), strict=True))
     finally:
         for h in handoffs.values():
             h.close()

@@ -98,6 +98,15 @@ class Peer:
         self.push.connect(self.raw)
         self.pull.connect(self.ack)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the peer process used so far, every thread (Linux's /proc; NaN elsewhere)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     def close(self) -> None:
         self.push.send(b"")
         self.proc.wait(30)

@@ -132,3 +132,9 @@ def test_the_benchmark_prints_macd_encrypted_and_insecure_frames_side_by_side():
     assert "| KV size | tokens | MAC'd frames, plain bulk socket GB/s | CURVE-encrypted frames GB/s | ratio | " \
            "--insecure-zmq frames GB/s | ratio |" in out
     assert [line.count("|") for line in out if line.startswith("| 1 MiB | 8 |")] == [8]
+    # each mode's CPU seconds per GB moved, each side: numbers, and the decode side's its own process's
+    cpu = proc.stdout.split("CPU seconds per GB moved")[1].split("\n\n")[0].splitlines()
+    assert "| KV size | frames | GB/s | prefill CPU s/GB | decode CPU s/GB |" in cpu
+    rows = [line.split(" | ") for line in cpu if line.startswith("| 1 MiB |")]
+    assert [r[1] for r in rows] == ["MAC'd frames, plain bulk socket", "CURVE-encrypted frames", "--insecure-zmq frames"]
+    assert all(float(r[3]) > 0 and float(r[4].rstrip(" |")) >= 0 for r in rows), rows
