@@ -12,7 +12,8 @@ tenant the policy's order holds. With ``tenant_kv_quota`` a tenant's request is 
 blocks of its whole known sequence fit under that share of the pool together with what the tenant
 holds; otherwise it waits, and other tenants are admitted past it. Running requests still grow by
 their decode tokens, and a tenant holding no blocks can always start one request, so a quota never
-makes a request unservable. A decode worker applies the same rule (``over_tenant_quota``) to the requests
+makes a request unservable. A request whose prompt another running request is computing right now waits
+too, and starts from that request's cached blocks a step later (prompt_sharing.py: ``n > 1`` siblings). A decode worker applies the same rule (``over_tenant_quota``) to the requests
 handed to it (decode_worker/tenant_quota.py), which enter the running set without passing admission.
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.block_manager import BlockManager, cdiv
 from kvrelay.shared.engine.fair_queue import FairWaitingQueue
+from kvrelay.shared.engine.prompt_sharing import SharedPrompts
 from kvrelay.shared.engine.request import Request, RequestStatus
 from kvrelay.shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvrelay.shared.engine.swap import HostBlockPool
@@ -48,6 +50,7 @@ class Admission:
     _waiting: FairWaitingQueue
     _held: dict[str, Request]
     _busy: frozenset[str]
+    shared_prompts: SharedPrompts
 
     def _order(self, req: Request) -> tuple[int, float]:
         return (req.priority, req.arrival_time)
@@ -78,11 +81,15 @@ class Admission:
         # After a preemption blocks are short: admitting more would only thrash.
         held = self.tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
+        passed: set[str] = set()
         while (not out.preempted and budget.for_waiting > 0 and len(self._running) < self.config.max_num_seqs
                and len(out.scheduled) < room):
-            req = self._waiting.pick(skip=over_quota)
+            req = self._waiting.pick(skip=over_quota, passed=passed)
             if req is None:
                 break
+            if self.shared_prompts.must_wait(req):
+                passed.add(req.request_id)  # its prompt is being computed: it starts from the cache later
+                continue
             reason = self._never_fits(req)
             if reason:
                 self._waiting.remove(req)
@@ -98,6 +105,7 @@ class Admission:
             self._waiting.remove(req)
             self._waiting.charge(req.tenant, n)
             budget.take(n, decode=False)
+            self.shared_prompts.admitted(req)
 
     def _admit(self, req: Request, budget: StepBudget, out: SchedulerOutput, held: dict[str, int]) -> int:
         """Give a waiting request its first blocks; the number of tokens scheduled, 0 if it must wait,

@@ -64,15 +64,20 @@ class FairWaitingQueue:
             del self._queues[req.tenant]
         del self._seq[req.request_id]
 
-    def pick(self, skip: set[str] | frozenset[str] = frozenset()) -> Request | None:
-        """The request admission should try next, ignoring tenants in ``skip`` (over their KV quota)."""
+    def pick(self, skip: set[str] | frozenset[str] = frozenset(),
+             passed: set[str] | frozenset[str] = frozenset()) -> Request | None:
+        """The request admission should try next, ignoring tenants in ``skip`` (over their KV quota) and
+        requests whose ids are in ``passed`` (held back this step: the next of their tenant stands in)."""
         best, best_key = None, None
         for tenant, q in self._queues.items():
             if tenant in skip:
                 continue
-            key = self._pick_key(tenant, q[0])
+            head = next((r for r in q if r.request_id not in passed), None) if passed else q[0]
+            if head is None:
+                continue
+            key = self._pick_key(tenant, head)
             if best_key is None or key < best_key:
-                best, best_key = q[0], key
+                best, best_key = head, key
         return best
 
     def _pick_key(self, tenant: str, head: Request) -> tuple:

@@ -18,6 +18,7 @@ from kvrelay.shared.config.engine import SchedulerConfig
 from kvrelay.shared.engine.admission import Admission
 from kvrelay.shared.engine.block_manager import BlockManager
 from kvrelay.shared.engine.fair_queue import FairWaitingQueue
+from kvrelay.shared.engine.prompt_sharing import SharedPrompts
 from kvrelay.shared.engine.request import Request, RequestStatus
 from kvrelay.shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvrelay.shared.engine.step_cost import StepCost
@@ -47,6 +48,7 @@ class Scheduler(Admission):
         self.hold_finished_kv = hold_finished_kv
         self._running: list[Request] = []
         self._waiting = FairWaitingQueue(config.policy, config.tenant_fairness)
+        self.shared_prompts = SharedPrompts(block_manager.block_size, self.enable_prefix_caching)
         self._requests: dict[str, Request] = {}  # running + waiting
         self._held: dict[str, Request] = {}
         self._busy: frozenset[str] = frozenset()  # this schedule's requests still in flight (batch_queue.py)
@@ -243,6 +245,7 @@ class Scheduler(Admission):
             req.stop_reason = reason
         del self._requests[req.request_id]
         self._waiting.leave(req.tenant)
+        self.shared_prompts.ended(req)
         if req.swapped_blocks is not None:
             self.host_pool.free(req.swapped_blocks)
             req.swapped_blocks = None

@@ -10,7 +10,7 @@ from tests.unit.scheduler_runner import FakeRunner, assert_clean, batch, make, r
 def test_budget_and_chunked_prefill_split():
     s = make(budget=16)
     for i in range(3):
-        s.add_request(rq(f"r{i}", 30, max_tokens=2))
+        s.add_request(rq(f"r{i}", 30, max_tokens=2, base=10 + i))  # distinct prompts: none waits for another
     runner = FakeRunner(s)
     out, _ = runner.step()
     assert [(x.request.request_id, x.num_new_tokens, x.sample) for x in out.scheduled] == [("r0", 16, False)]
@@ -68,7 +68,7 @@ def test_chunked_off_never_splits_a_running_request():
 def test_max_num_seqs():
     s = make(max_seqs=2)
     for i in range(5):
-        s.add_request(rq(f"r{i}", 5, max_tokens=3))
+        s.add_request(rq(f"r{i}", 5, max_tokens=3, base=10 + i))
     runner = FakeRunner(s)
     out, _ = runner.step()
     assert [x.request.request_id for x in out.scheduled] == ["r0", "r1"] and s.num_waiting == 3
