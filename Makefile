@@ -26,9 +26,6 @@ serve: $(STAMP)
 # Test files run in parallel, a whole file per process (loadfile: a module's shared cluster starts once).
 # Two by default: an end-to-end test waits on its processes much of the time, so one at a time left ~40%
 # of a 2-core machine idle. TEST_JOBS=0 runs everything in this process.
-# Files in collection order (--no-loadscope-reorder), not xdist's default of the files with the most tests first:
-# that put the end-to-end files, a few long tests each, last, so one process ran the suite's tail alone; in
-# collection order tests/e2e comes first and the short unit files fill in at the end.
 # One math-library thread per process: two test files at once already fill both cores, and each process's
 # OpenMP threads spinning beside the other's cost a third of the suite's CPU (engine-vs-HF files, -n 2:
 # 129 vs 89 CPU-s). `kvrelay serve` keeps a thread count it is given (serve.py, _cpu_threads_per_worker).
@@ -42,7 +39,7 @@ test: $(STAMP)
 	# set: make install byte-compiles nothing, so with it every process the suite starts (hundreds of servers
 	# and workers) would compile torch, transformers and ours from source again (BENCHMARKS.md, "Bytecode").
 	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 PYTHONSAFEPATH=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(ARGS)
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 PYTHONSAFEPATH=1 $(PY) -m pytest -q -ra --durations=15 --timeout=600 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 # ruff, then the architecture: the import contracts in pyproject.toml and no import cycles
 lint: $(STAMP)
