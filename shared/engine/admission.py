@@ -13,8 +13,9 @@ blocks of its whole known sequence fit under that share of the pool together wit
 holds; otherwise it waits, and other tenants are admitted past it. Running requests still grow by
 their decode tokens, and a tenant holding no blocks can always start one request, so a quota never
 makes a request unservable. A request whose prompt another running request is computing right now waits
-too, and starts from that request's cached blocks a step later (prompt_sharing.py: ``n > 1`` siblings). A decode worker applies the same rule (``over_tenant_quota``) to the requests
-handed to it (decode_worker/tenant_quota.py), which enter the running set without passing admission.
+too, and starts from that request's cached blocks a step later (prompt_sharing.py: ``n > 1`` siblings). A
+decode worker applies the same rule (``over_tenant_quota``) to the requests handed to it
+(decode_worker/tenant_quota.py), which enter the running set without passing admission.
 """
 
 import bisect
@@ -81,14 +82,14 @@ class Admission:
         # After a preemption blocks are short: admitting more would only thrash.
         held = self.tenant_blocks() if self.config.tenant_kv_quota is not None and self._waiting else {}
         over_quota: set[str] = set()
-        passed: set[str] = set()
+        passed: dict[str, int] = {}  # tenant -> requests at its queue's head held back this step
         while (not out.preempted and budget.for_waiting > 0 and len(self._running) < self.config.max_num_seqs
                and len(out.scheduled) < room):
             req = self._waiting.pick(skip=over_quota, passed=passed)
             if req is None:
                 break
             if self.shared_prompts.must_wait(req):
-                passed.add(req.request_id)  # its prompt is being computed: it starts from the cache later
+                passed[req.tenant] = passed.get(req.tenant, 0) + 1  # it starts from the cache later
                 continue
             reason = self._never_fits(req)
             if reason:

@@ -64,17 +64,19 @@ class FairWaitingQueue:
             del self._queues[req.tenant]
         del self._seq[req.request_id]
 
-    def pick(self, skip: set[str] | frozenset[str] = frozenset(),
-             passed: set[str] | frozenset[str] = frozenset()) -> Request | None:
-        """The request admission should try next, ignoring tenants in ``skip`` (over their KV quota) and
-        requests whose ids are in ``passed`` (held back this step: the next of their tenant stands in)."""
+    def pick(self, skip: set[str] | frozenset[str] = frozenset(), passed: dict[str, int] | None = None
+             ) -> Request | None:
+        """The request admission should try next, ignoring tenants in ``skip`` (over their KV quota) and, per
+        tenant, the ``passed[tenant]`` requests at the head of its queue (held back this step: the next stands
+        in). Those are always a prefix of the queue, since admission holds back only what pick gave it."""
         best, best_key = None, None
         for tenant, q in self._queues.items():
             if tenant in skip:
                 continue
-            head = next((r for r in q if r.request_id not in passed), None) if passed else q[0]
-            if head is None:
+            held = passed.get(tenant, 0) if passed else 0
+            if held >= len(q):
                 continue
+            head = q[held]
             key = self._pick_key(tenant, head)
             if best_key is None or key < best_key:
                 best, best_key = head, key

@@ -40,6 +40,15 @@ def siblings(n: int, n_prompt: int, **kw) -> list:
     return [rq(f"p-{i}", n_prompt, max_tokens=3, base=10, **kw) for i in range(n)]
 
 
+def queued_siblings(n: int, n_prompt: int) -> tuple:
+    """A scheduler whose steps admit 8 prompt tokens, its runner, and ``n`` siblings queued in it."""
+    s = make(num_blocks=96, max_model_len=64, budget=8)
+    sibs = siblings(n, n_prompt)
+    for r in sibs:
+        s.add_request(r)
+    return s, FakeRunner(s), sibs
+
+
 def test_siblings_compute_the_prompt_once_and_others_pass_them():
     s = make(num_blocks=64)
     runner = FakeRunner(s)
@@ -65,11 +74,7 @@ def test_siblings_compute_the_prompt_once_and_others_pass_them():
 
 
 def test_chunked_long_prompt_siblings_wait_for_every_chunk():
-    s = make(num_blocks=96, max_model_len=64, budget=8)
-    runner = FakeRunner(s)
-    sibs = siblings(8, 30)  # 7 full blocks and 2 tokens, 4 chunks of the budget
-    for r in sibs:
-        s.add_request(r)
+    s, runner, sibs = queued_siblings(8, 30)  # 7 full blocks and 2 tokens, 4 chunks of the budget
     computed, done = run_counting(runner)
     assert len(done) == 8
     assert computed == 30 + 7 * 2
@@ -77,11 +82,7 @@ def test_chunked_long_prompt_siblings_wait_for_every_chunk():
 
 
 def test_leader_aborted_mid_prefill_releases_the_others():
-    s = make(num_blocks=96, max_model_len=64, budget=8)
-    runner = FakeRunner(s)
-    sibs = siblings(4, 30)
-    for r in sibs:
-        s.add_request(r)
+    s, runner, sibs = queued_siblings(4, 30)
     out, _ = runner.step()
     assert [x.request.request_id for x in out.scheduled] == ["p-0"]
     s.abort_request("p-0")
@@ -94,11 +95,7 @@ def test_leader_aborted_mid_prefill_releases_the_others():
 
 
 def test_leader_preempted_releases_the_others():
-    s = make(num_blocks=96, max_model_len=64, budget=8)
-    runner = FakeRunner(s)
-    sibs = siblings(3, 30)
-    for r in sibs:
-        s.add_request(r)
+    s, runner, sibs = queued_siblings(3, 30)
     runner.step()
     out = SchedulerOutput()
     s._running.remove(sibs[0])
