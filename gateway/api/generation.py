@@ -193,19 +193,18 @@ class Generation:
         # a job queued for nobody would cost a worker a prefill until the abort reaches it.
         if client_hung_up(self._request.transport):
             raise ClientGone()
-        router = self.app[ROUTER]
+        routed = self.app[ROUTER].route_choices(self.prepared.prompts, self.prepared.params.n, model,
+                                                self.prepared.model.block_size, self.prepared.tenant,
+                                                self.prepared.cache_salt, workers, backlog)
         pipe = self.app[REDIS].pipeline(transaction=False)
         streams: list[str | None] = []  # per choice: its stream, or None where the script says which
-        for choice in self.choices:
+        for choice, worker in zip(self.choices, routed, strict=True):
             job = self._job(choice)
-            worker = router.route(choice.prompt_token_ids, model, self.prepared.model.block_size,
-                                  self.prepared.tenant, self.prepared.cache_salt, workers, backlog)
             if worker is None:
                 pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen,
                           approximate=True)
                 streams.append(keys.prefill_stream(model))
                 continue
-            backlog[worker] += 1  # the next choice of this request sees it (n > 1 share a prompt)
             pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
             streams.append(None)

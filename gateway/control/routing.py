@@ -65,25 +65,30 @@ def load(worker: WorkerInfo, backlog: dict[str, int]) -> int:
 
 
 def pick_worker(key: bytes | None, workers: list[WorkerInfo], backlog: dict[str, int], policy: Policy,
-                blocks_needed: int = 1, known: str | None = None) -> str | None:
+                blocks_needed: int = 1, known: str | None = None, siblings: int = 1) -> str | None:
     """The worker whose private stream should get the job, or None for the shared stream. ``known``: the
     worker this gateway last sent the prompt's longest already-seen prefix to (PrefixIndex), which beats
-    the rendezvous choice when it is still a candidate."""
+    the rendezvous choice when it is still a candidate. ``siblings`` > 1: the job is one of that many
+    choices of one prompt (``n``), which must meet on one worker to compute the prompt once (its scheduler
+    holds the others until the first has cached it), so where affinity yields they go to the least-loaded
+    worker with room rather than to the shared stream, whose first free workers would each compute it."""
     if not policy.enabled or key is None or len(workers) < 2:
         return None  # one worker takes everything from the shared stream anyway
     preferred = next((w for w in workers if w.worker_id == known), None) or max(
         workers, key=lambda w: _weight(key, w.worker_id))
-    if preferred.free_blocks < max(blocks_needed, 1):
-        return None  # draining, or it would have to wait for KV: let whoever has room take it
-    least = min(load(w, backlog) for w in workers if w.free_blocks > 0)
-    if load(preferred, backlog) - least > policy.slack:
-        return None
-    return preferred.worker_id
+    roomy = [w for w in workers if w.free_blocks >= max(blocks_needed, 1)]
+    if preferred in roomy:  # else draining, or it would have to wait for KV: let whoever has room take it
+        least = min(load(w, backlog) for w in workers if w.free_blocks > 0)
+        if load(preferred, backlog) - least <= policy.slack:
+            return preferred.worker_id
+    if siblings > 1 and roomy:
+        return min(roomy, key=lambda w: (load(w, backlog), w.worker_id)).worker_id
+    return None
 
 
 def route(prompt: Sequence[int], model: str, block_size: int, tenant: str, cache_salt: str | None,
           workers: list[WorkerInfo], backlog: dict[str, int], policy: Policy,
-          index: "PrefixIndex | None" = None) -> str | None:
+          index: "PrefixIndex | None" = None, siblings: int = 1) -> str | None:
     """``pick_worker`` for one prompt; ``workers`` are the model's ``candidates``. With an ``index``, a
     prompt whose leading blocks this gateway already routed goes where the longest of them went (a
     shared document or system prompt shorter than ``prefix_tokens`` followed by different questions
@@ -94,7 +99,8 @@ def route(prompt: Sequence[int], model: str, block_size: int, tenant: str, cache
     chain = block_chain(block_size, prompt, tenant, cache_salt, limit)
     key = affinity_key(model, block_size, prompt, tenant, cache_salt, policy.prefix_tokens, chain)
     known = index.lookup(model, chain, {w.worker_id for w in workers}) if index is not None else None
-    worker = pick_worker(key, workers, backlog, policy, blocks_needed=-(-len(prompt) // block_size), known=known)
+    worker = pick_worker(key, workers, backlog, policy, blocks_needed=-(-len(prompt) // block_size), known=known,
+                         siblings=siblings)
     if worker is not None and index is not None:
         index.record(model, chain, worker)
     return worker
@@ -141,6 +147,20 @@ class Router:
     def route(self, prompt: Sequence[int], model: str, block_size: int, tenant: str, cache_salt: str | None,
               workers: list[WorkerInfo], backlog: dict[str, int]) -> str | None:
         return route(prompt, model, block_size, tenant, cache_salt, workers, backlog, self.policy, self.index)
+
+    def route_choices(self, prompts: Sequence[Sequence[int]], n: int, model: str, block_size: int, tenant: str,
+                      cache_salt: str | None, workers: list[WorkerInfo], backlog: dict[str, int]) -> list[str | None]:
+        """Each choice's worker (None: the shared stream), prompt-major with ``n`` choices per prompt as the
+        request numbers them. A prompt's ``n`` choices go together and count once in ``backlog`` (updated
+        in place, so the next prompt sees them): their worker computes the prompt once."""
+        routed: list[str | None] = []
+        for prompt in prompts:
+            worker = route(prompt, model, block_size, tenant, cache_salt, workers, backlog, self.policy, self.index,
+                           siblings=n)
+            if worker is not None:
+                backlog[worker] = backlog.get(worker, 0) + 1
+            routed += [worker] * n
+        return routed
 
 
 ROUTER = web.AppKey("router", Router)

@@ -133,3 +133,28 @@ def test_the_index_yields_to_load_dead_workers_tenants_and_its_capacity():
     for i in range(40):
         route(prompt(1000 + i, 80), "m", BS, "default", None, WORKERS, {}, POLICY, index)
     assert len(index) <= 64
+
+
+def test_the_choices_of_one_prompt_meet_on_one_worker_and_count_once():
+    """n > 1: the prompt's choices must share a worker for its scheduler to compute the prompt once. Where
+    affinity yields (the preferred worker overloaded or out of KV) they go together to the least-loaded
+    worker with room, not to the shared stream; a lone choice still goes to the shared stream."""
+    from kvrelay.gateway.control.routing import Router
+
+    router = Router(POLICY)
+    p, q = prompt(3), prompt(4)
+    preferred = pick(p, WORKERS)
+    routed = router.route_choices([p], 5, "m", BS, "default", None, WORKERS, backlog := {})
+    assert routed == [preferred] * 5 and backlog == {preferred: 1}
+    overloaded = {preferred: POLICY.slack + 1}
+    assert pick(p, WORKERS, backlog=dict(overloaded)) is None
+    others = [w.worker_id for w in WORKERS if w.worker_id != preferred]
+    routed = router.route_choices([p], 5, "m", BS, "default", None, WORKERS, dict(overloaded))
+    assert routed == [others[0]] * 5  # the least loaded, ties by id
+    full = [worker(w.worker_id, free_blocks=3 if w.worker_id == others[0] else 1000) for w in WORKERS]
+    routed = Router(POLICY).route_choices([p], 2, "m", BS, "default", None, full, dict(overloaded))
+    assert routed == [others[1]] * 2  # room for the prompt (7 blocks) decides first
+    assert Router(POLICY).route_choices([p], 1, "m", BS, "default", None, WORKERS, dict(overloaded)) == [None]
+    both = Router(POLICY).route_choices([p, q], 3, "m", BS, "default", None, WORKERS, backlog := {})
+    assert both[:3] == [preferred] * 3 and len(set(both[3:])) == 1 and sum(backlog.values()) == 2
+    assert Router(Policy(enabled=False)).route_choices([p], 4, "m", BS, "default", None, WORKERS, {}) == [None] * 4
