@@ -12,7 +12,8 @@ tenant the policy's order holds. With ``tenant_kv_quota`` a tenant's request is 
 blocks of its whole known sequence fit under that share of the pool together with what the tenant
 holds; otherwise it waits, and other tenants are admitted past it. Running requests still grow by
 their decode tokens, and a tenant holding no blocks can always start one request, so a quota never
-makes a request unservable. A request whose prompt another running request is computing right now waits
+makes a request unservable; but when blocks run out, a tenant holding more than its share is preempted
+before any other. A request whose prompt another running request is computing right now waits
 too, and starts from that request's cached blocks a step later (prompt_sharing.py: ``n > 1`` siblings). A
 decode worker applies the same rule (``over_tenant_quota``) to the requests handed to it
 (decode_worker/tenant_quota.py), which enter the running set without passing admission.
@@ -159,18 +160,31 @@ class Admission:
 
     # ---- preemption ----
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        # Victims come from the tail, which the running loop has not reached yet, so a request that is
-        # already scheduled this step is never preempted; nor is one in flight (busy), whose blocks its
-        # micro-batch still writes and whose token is not sampled yet: req itself is the last resort.
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput, at: int) -> bool:
+        """Blocks for ``n`` more tokens of ``req`` (``self._running[at]``), preempting until they fit; False
+        if ``req`` itself was preempted (and removed from the running list)."""
         while not self.block_manager.allocate_slots(req, n):
-            at = next(j for j in range(len(self._running) - 1, -1, -1)
-                      if self._running[j].request_id not in self._busy)
-            victim = self._running.pop(at)
+            victim = self._running.pop(self._victim(at))
             self._preempt(victim, out)
             if victim is req:
                 return False
         return True
+
+    def _victim(self, at: int) -> int:
+        """The index of the running request to preempt for the one at ``at``. Only it and those after it, which
+        the running loop has not reached yet, may go, so a request already scheduled this step is never
+        preempted; nor is one in flight (busy), whose blocks its micro-batch still writes and whose token is
+        not sampled yet. The tail goes first (the lowest priority under ``priority``), except that under a KV
+        quota the tail-most request of a tenant holding more than its share goes before anyone else's: its
+        requests grew past the quota by their decode tokens, and that growth should cost its own tenant, not
+        one within its share."""
+        order = [j for j in range(len(self._running) - 1, at - 1, -1) if self._running[j].request_id not in self._busy]
+        if self.config.tenant_kv_quota is not None and len(order) > 1:
+            held = self.tenant_blocks()
+            over = next((j for j in order if self.over_quota(held.get(self._running[j].tenant, 0), 0)), None)
+            if over is not None:
+                return over
+        return order[0]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         out.preempted.append(req.request_id)

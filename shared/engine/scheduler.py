@@ -146,11 +146,12 @@ class Scheduler(Admission):
             if n <= 0:  # nothing left to compute, no budget left for it, or (chunking off) it would be split
                 i += 1
                 continue
-            if self._allocate_or_preempt(req, n, out):
-                out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
-                self._waiting.charge(req.tenant, n)
-                budget.take(n, decode, req.num_computed_tokens)
-            i += 1  # if req preempted itself it was the tail, and the loop ends here
+            if not self._allocate_or_preempt(req, n, out, i):
+                continue  # req preempted itself: the next request is at i now
+            out.scheduled.append(ScheduledRequest(req, n, self.block_manager.block_ids(req.request_id)))
+            self._waiting.charge(req.tenant, n)
+            budget.take(n, decode, req.num_computed_tokens)
+            i += 1
 
         self._admit_waiting(out, budget, room)
         out.num_batched_tokens = budget.used

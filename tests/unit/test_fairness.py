@@ -224,6 +224,28 @@ def test_kv_quota_never_makes_a_request_unservable():
     assert_clean(s)
 
 
+@pytest.mark.parametrize("prompts", [(20, 52, 20), (24, 50, 17)], ids=["its-own-growth", "another-tenants-growth"])
+def test_when_blocks_run_out_a_tenant_past_its_quota_is_preempted_first(prompts):
+    """Running [b, a1, c], a1's tenant past its half of 24 blocks (13: a tenant holding none may start one),
+    the pool full. Whoever needs a block first, a1 itself or b, a1 goes, not c at the tail: growth past a quota
+    costs its own tenant. In the first case a1 preempts itself from the middle of the list, and c, behind it,
+    is still scheduled in that step."""
+    pb, pa, pc = prompts  # block 4: 5 + 13 + 5 blocks (a1 needs a 14th first), or 6 + 13 + 5 (b needs a 7th)
+    s = make(quota=0.5, num_blocks=24, budget=128, max_seqs=8)
+    for r in (rq("b", "b", n_prompt=pb, max_tokens=40), rq("a1", "a", n_prompt=pa, max_tokens=40),
+              rq("c", "c", n_prompt=pc, max_tokens=40)):
+        s.add_request(r)
+    runner = FakeRunner(s)
+    runner.step()
+    assert [r.request_id for r in s.running] == ["b", "a1", "c"] and s.tenant_blocks()["a"] == 13
+    out, _ = runner.step()
+    assert out.preempted == ["a1"]
+    assert {x.request.request_id for x in out.scheduled} == {"b", "c"}
+    done = runner.run(max_steps=2000)
+    assert sorted(r.request_id for r in done) == ["a1", "b", "c"]
+    assert_clean(s)
+
+
 def test_handed_off_requests_count_against_the_quota_as_admission_counts_it():
     """What a decode worker asks before granting a handoff (EngineCore.tenant_kv_blocks, over_tenant_kv_quota):
     handed-off requests enter the running set without admission, and still count."""
