@@ -18,14 +18,23 @@ running sums, with:
   so one step stalled by the host (garbage collection, a compile, another process) moves the fit by a bounded
   amount instead of by its whole outlier, while a real change of cost still moves it within a few half-lives.
 The features are scaled to about 1 for a typical step, so that ridge is the same small pull on each slope.
+
+A saturated queue fills every step to the same prompt-token cap, and steps that all hold the same prompt tokens
+cannot price one: the intercept takes their cost, the slope stays about 0 and the cap stays at its ceiling,
+however far over the target the steps run. So while the steps' prompt tokens barely vary and a step at the
+ceiling is predicted over the target, one step in ``_PROBE_EVERY`` takes half the prompt tokens the steps have
+been holding: a few such steps price the token, and the cap then comes from the fit.
 """
 
 import dataclasses
+import math
 
 # scales that make each feature about 1 in a busy step; only the conditioning of the solve depends on them
 _SCALES = (1.0, 64.0, 65536.0, 512.0)
 _RIDGE = 1e-5  # times the running weight (~half_life / ln 2 steps): felt only where the data says nothing
 _CLIP = 4.0  # residuals beyond this many running mean absolute residuals are clipped
+_SPREAD_MIN = 0.1  # prompt tokens varying less than this (std / mean) across the fit's steps cannot be priced
+_PROBE_EVERY = 4  # steps: while they cannot be, one step in this many takes half the prompt tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,7 @@ class StepCost:
         self._spread = 0.0  # running mean absolute residual, seconds
         self._coef: list[float] | None = None
         self.steps = 0
+        self._asks = 0  # prompt_tokens_within's calls that would have probed: every _PROBE_EVERY-th does
 
     @property
     def warm(self) -> bool:
@@ -105,15 +115,32 @@ class StepCost:
                              floor: int, ceiling: int) -> int:
         """Prompt tokens a step of these decodes may add and still be predicted within ``target_s``: at least
         ``floor`` (prompts never starve), at most ``ceiling``; ``ceiling`` until the fit is warm, and while it
-        says prompt tokens cost nothing."""
+        says prompt tokens cost nothing; a probe's half of the usual prompt tokens while the fit cannot price
+        one and the ceiling is predicted over the target (see the module's docstring)."""
         floor = min(floor, ceiling)
         if not self.warm:
             return ceiling
         per_token = self.coefficients()[3]
-        if per_token <= 0:
-            return ceiling
-        left = target_s - self.seconds(StepShape(decode_rows, decode_context))
-        return max(floor, min(ceiling, int(left / per_token)))
+        tokens = ceiling
+        if per_token > 0:
+            left = target_s - self.seconds(StepShape(decode_rows, decode_context))
+            tokens = max(floor, min(ceiling, int(left / per_token)))
+        if (tokens == ceiling and self.prompt_spread() < _SPREAD_MIN
+                and self.seconds(StepShape(decode_rows, decode_context, ceiling)) > target_s):
+            self._asks += 1
+            if self._asks % _PROBE_EVERY == 0:
+                usual = self._xx[0][3] / self._weight * _SCALES[3]
+                return max(floor, int(min(ceiling, usual)) // 2)
+        return tokens
+
+    def prompt_spread(self) -> float:
+        """How much the prompt tokens of the fit's steps vary: their weighted standard deviation over their
+        mean (0 with none)."""
+        if not self._weight:
+            return 0.0
+        mean = self._xx[0][3] / self._weight
+        square = self._xx[3][3] / self._weight
+        return math.sqrt(max(square - mean * mean, 0.0)) / mean if mean > 0 else 0.0
 
     def _predict(self, x: tuple[float, ...]) -> float:
         return sum(c * v for c, v in zip(self._solve(), x, strict=True))

@@ -135,3 +135,27 @@ def test_the_engine_times_its_steps_for_the_target_and_outputs_stay_the_same(tin
             assert scheduler.step_cost.steps == 0
         llm.shutdown()
     assert outputs[0.0] == outputs[1e-3] and all(len(t) == 12 for t in outputs[0.0])
+
+
+def test_a_saturated_queue_still_gets_the_targets_cap():
+    """Three long decodes and a queue of prompts that fill every step to the fixed cap from the first step the fit
+    sees: without probing, the fit never sees two prompt sizes, cannot price a token and leaves the cap at 32,
+    each step 22.7 ms against a 20 ms target. With it, the steps settle at the target's 22-23 tokens."""
+    cost = linear(10.1e-3, 1e-3, 0.3e-3)
+    s = make()
+    for i in range(3):
+        s.add_request(rq(f"d{i}", 4 + 3 * i, max_tokens=400, base=10 + i))
+    runner = FakeRunner(s)
+    for _ in range(3):
+        runner.step()  # the decodes start; warm-up's steps would be forgotten likewise
+    for j in range(60):
+        s.add_request(rq(f"p{j}", 6 * CAP, max_tokens=1, base=1000 + 300 * j))  # 6 chunks of the cap each
+    seen = []
+    for _ in range(120):
+        out, _ = runner.step()
+        s.record_step(out, cost(out.shape))
+        seen.append((out.shape.decode_rows, out.shape.prompt_tokens))
+    assert seen[:16] == [(3, CAP)] * 16  # not yet warm: the fixed cap
+    assert {p for _, p in seen[60:]} <= {22, 23}
+    runner.run(max_steps=2000)
+    assert_clean(s)

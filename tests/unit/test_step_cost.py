@@ -102,3 +102,24 @@ def test_decodes_all_at_one_context_still_price_a_prompt_token():
     assert fit.seconds(StepShape(32, 32_000)) == pytest.approx(cost(StepShape(32, 32_000)), rel=0.02)
     want = (15e-3 - cost(StepShape(32, 32_000))) / TRUE[3]
     assert fit.prompt_tokens_within(15e-3, 32, 32_000, floor=16, ceiling=2048) == pytest.approx(want, rel=0.03)
+
+
+def test_steps_all_at_one_prompt_size_are_probed_until_a_prompt_token_is_priced():
+    """A saturated queue fills every step to the cap, so no two steps differ in prompt tokens and the fit alone
+    cannot price one (the intercept takes it): the cap would stay at its ceiling, every step over the target.
+    While that lasts, one step in four takes half the usual prompt tokens; a few such steps price the token and
+    the cap comes from the fit. Steps within the target at the ceiling are never probed."""
+    def run(coef, target_s, steps=80):
+        fit, asked = StepCost(), []
+        for _ in range(steps):
+            tokens = fit.prompt_tokens_within(target_s, 32, 32_000, floor=16, ceiling=512)
+            asked.append(tokens)
+            fit.observe(StepShape(32, 32_000, tokens), cost(StepShape(32, 32_000, tokens), coef))
+        return asked
+
+    want = (15e-3 - cost(StepShape(32, 32_000))) / TRUE[3]  # 376 of the ceiling's 512
+    asked = run(TRUE, 15e-3)
+    assert asked[:16] == [512] * 16  # not yet warm
+    assert 256 in asked[16:24]  # a probe: half the usual
+    assert all(abs(t - want) <= 0.02 * want for t in asked[-40:])
+    assert run(TRUE, 30e-3) == [512] * 80  # the ceiling is within the target: nothing to find out
