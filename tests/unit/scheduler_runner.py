@@ -82,9 +82,11 @@ def make(
     host=0,
     prefix=True,
     hold=False,
+    quota=None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy,
+        tenant_kv_quota=quota,
     )
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix)
     return Scheduler(cfg, bm, max_model_len, num_host_blocks=host, enable_prefix_caching=prefix, hold_finished_kv=hold)

@@ -1,5 +1,7 @@
 """The scheduler's KV bookkeeping: prefix-cache reuse (and prompt logprobs opting out of it), and random
-workloads that must keep every computed position's KV right and leak no block."""
+workloads that must keep every computed position's KV right and leak no block: shared prefixes, repeated whole
+prompts (prompt sharing holds the repeats), aborts, preemption by swap and by recompute, and tenants under a KV
+quota (whose preemption picks a tenant past its share first)."""
 
 import random
 
@@ -26,10 +28,11 @@ def test_prefix_cache_reuse_and_prompt_logprobs_opt_out():
     assert_clean(s)
 
 
+@pytest.mark.parametrize("quota", [None, 0.4])
 @pytest.mark.parametrize("host", [0, 6])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_workload_keeps_kv_consistent_and_leaks_nothing(seed, chunked, host):
+def test_random_workload_keeps_kv_consistent_and_leaks_nothing(seed, chunked, host, quota):
     rng = random.Random(seed)
     s = make(
         num_blocks=12,
@@ -38,14 +41,19 @@ def test_random_workload_keeps_kv_consistent_and_leaks_nothing(seed, chunked, ho
         max_seqs=5,
         host=host,
         policy=rng.choice(["fcfs", "priority"]),
+        quota=quota,
     )
     runner = FakeRunner(s, token=lambda r: rng.choice([EOS, 3, 4, 5, 6]))
     shared = [rng.randrange(3, 100) for _ in range(12)]
     live: list[str] = []
+    prompts: list[list[int]] = []
     for i in range(60):
         if rng.random() < 0.6:
             n = rng.randrange(1, 20)
             prompt = (shared[: rng.randrange(0, 12)] + [rng.randrange(3, 100) for _ in range(n)])[:30]
+            if prompts and rng.random() < 0.3:
+                prompt = list(rng.choice(prompts))  # a repeat: n > 1 siblings, or the same prompt again
+            prompts.append(prompt)
             r = Request(
                 f"r{i}",
                 prompt,
@@ -54,6 +62,7 @@ def test_random_workload_keeps_kv_consistent_and_leaks_nothing(seed, chunked, ho
                 max_tokens=rng.randrange(1, 10),
                 priority=rng.randrange(3),
                 cache_salt=rng.choice([None, None, "t"]),
+                tenant=rng.choice(["a", "a", "b", "c"]),
             )
             s.add_request(r)
             live.append(r.request_id)
