@@ -104,6 +104,10 @@ def _finish(served: str, model: ModelInfo, tokenizer: ModelTokenizer, prompts: l
     check_token_ids(params.allowed_token_ids or [], model, "allowed_token_ids")
     _check_logprobs(params, body, model, max_logprobs)
     _check_jobs(len(prompts), params)
+    if body.priority and model.scheduling_policy != "priority":
+        # vLLM's answer too: under first-come-first-served the field would be accepted and ignored
+        raise bad_request(f"priority {body.priority} needs workers started with --scheduling-policy priority; "
+                          f"model {served!r} is served first come, first served", "priority")
     if params.use_beam_search:
         check_beam_search(body, params, len(model.eos_token_ids))
     return Prepared(model=model, tokenizer=tokenizer, prompts=prompts, params=params, tenant=tenant.name,

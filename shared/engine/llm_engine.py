@@ -49,6 +49,10 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> str:
         """Validates everything before touching the engine: a bad request leaves no trace."""
+        if priority and self.core.config.scheduler.policy != "priority":
+            # as vLLM: accepted under first-come-first-served, it would be ignored
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine's is "
+                             f"{self.core.config.scheduler.policy!r})")
         request_id = request_id or str(next(self._ids))
         text, token_ids = self.tokenize(prompt)
         params.validate()

@@ -19,6 +19,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 WORKER_ROLES = ("prefill", "decode", "unified")
 INSTANCE_STATES = ("loading", "ready", "draining", "failed")
 CONTROL_OPS = ("load", "unload")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # --scheduling-policy
 KV_CACHE_DTYPES = ("", "auto", "fp8", "fp8_e4m3")  # ModelSpec.kv_cache_dtype ("": the worker's --kv-cache-dtype)
 # TokenEvent.first_token_times: the job read from its stream, the start of the engine step that sampled
 # the first token, that token sampled, and its event sent at the end of the worker's loop
@@ -235,6 +236,9 @@ class ModelInfo:
 
     served_name: str = field(default="", metadata=_ID)  # the client-facing name; "" = ``name``
     version: int = 0
+    # the worker's --scheduling-policy: a request's ``priority`` orders admission only under "priority", so the
+    # gateway refuses one elsewhere instead of accepting and ignoring it; a gateway predating it drops it
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES, **IGNORABLE})
 
     def check(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:

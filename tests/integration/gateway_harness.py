@@ -91,6 +91,7 @@ class FakeWorker:
     model: str = MODEL
     worker_id: str = "fake-unified-0"
     max_model_len: int = MAX_MODEL_LEN
+    scheduling_policy: str = "fcfs"  # what it publishes as its --scheduling-policy
     jobs: list[Job] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
 
@@ -116,7 +117,8 @@ class FakeWorker:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.model, path=str(self.tokenizer_dir), max_model_len=self.max_model_len,
-                         vocab_size=len(self.tokenizer), eos_token_ids=[self.eos], block_size=16, dtype="float32")
+                         vocab_size=len(self.tokenizer), eos_token_ids=[self.eos], block_size=16, dtype="float32",
+                         scheduling_policy=self.scheduling_policy)
 
     def start(self) -> "FakeWorker":
         r = sync_client(self.redis_url)
@@ -356,10 +358,10 @@ def post(stack: Stack, body: dict) -> httpx.Response:
 
 @contextlib.contextmanager
 def running_stack(tmp_dir: Path, chat_template: str = CHAT_TEMPLATE, max_model_len: int = MAX_MODEL_LEN,
-                  extra_special: tuple[str, ...] = (), **config) -> Iterator[Stack]:
+                  extra_special: tuple[str, ...] = (), scheduling_policy: str = "fcfs", **config) -> Iterator[Stack]:
     tokenizer_dir = build_tokenizer(tmp_dir / "tokenizer", chat_template, extra_special)
     with EmbeddedRedis() as url:
-        worker = FakeWorker(url, tokenizer_dir, max_model_len=max_model_len).start()
+        worker = FakeWorker(url, tokenizer_dir, max_model_len=max_model_len, scheduling_policy=scheduling_policy).start()
         server = GatewayServer(gateway_config(url, **config)).start()
         try:
             yield Stack(url, worker, server)

@@ -268,6 +268,19 @@ def test_an_unknown_field_is_a_400_naming_it(stack):
     assert r.status_code == 200, r.text
 
 
+def test_a_priority_is_refused_where_the_workers_serve_first_come_first_served(stack):
+    """The fake worker publishes --scheduling-policy fcfs, as a real worker does by default: its engine would
+    ignore the field, so the gateway refuses it (vLLM's answer too), for completions and chat alike; 0 is the
+    default and always passes. Where a worker publishes "priority" (test_tenants.py) the field reaches its job."""
+    for path, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": [
+            {"role": "user", "content": "hi"}]})):
+        r = requests.post(f"{stack.url}/v1/{path}", json={"model": MODEL, "max_tokens": 1, "priority": -2, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "priority" and "--scheduling-policy priority" in r.text
+        r = requests.post(f"{stack.url}/v1/{path}", json={"model": MODEL, "max_tokens": 1, "priority": 0, **body})
+        assert r.status_code == 200, r.text
+
+
 def test_tokenize_detokenize(stack):
     r = requests.post(f"{stack.url}/tokenize", json={"model": MODEL, "prompt": "hello there"})
     body = r.json()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("tenants"), admin_key=ADMIN_KEY) as s:
+    with running_stack(tmp_path_factory.mktemp("tenants"), admin_key=ADMIN_KEY, scheduling_policy="priority") as s:
         yield s
 
 
@@ -184,7 +184,7 @@ def test_jobs_carry_tenant_priority_and_salt(stack, admin):
 
 
 def test_open_mode_until_a_tenant_exists(tmp_path):
-    with running_stack(tmp_path) as s:
+    with running_stack(tmp_path, scheduling_policy="priority") as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="anything", max_retries=0)
         out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": -3,
                                                                                             "cache_salt": "x"})

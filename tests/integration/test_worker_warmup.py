@@ -68,3 +68,22 @@ def test_skip_warmup_skips_it(redis_url, watch):
     rt = _runtime(redis_url, name, "--skip-warmup")
     rt.shutdown()
     assert handler.seen == []
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_model_record_names_the_scheduling_policy(redis_url, policy):
+    """What the gateway reads to refuse a request's ``priority`` where the workers would ignore it."""
+    from kvrelay.shared.wire.codec import decode
+    from kvrelay.shared.wire.protocol import ModelInfo
+    from kvrelay.shared.wire.redis_conn import sync_client
+
+    name = f"policy-{uuid.uuid4().hex[:8]}"
+    rt = _runtime(redis_url, name, "--skip-warmup", "--scheduling-policy", policy)
+    r = sync_client(redis_url)
+    try:
+        (slot,) = rt.slots.values()
+        rt.registration.publish_model(slot)
+        assert decode(r.get(keys.model_key(slot.instance)), ModelInfo).scheduling_policy == policy
+    finally:
+        rt.shutdown()
+        r.close()

@@ -163,3 +163,12 @@ def test_priority_policy_runs_urgent_requests_first(tiny_model_dirs):
     while llm.engine.has_unfinished():
         finished_order += [o.request_id for o in llm.engine.step() if o.finished]
     assert finished_order == [ids[3], ids[1], ids[2], ids[0]]
+
+
+def test_a_priority_under_first_come_first_served_is_refused(tiny_model_dirs):
+    """Under the default policy a priority would be accepted and ignored: refused, as vLLM does, before any work."""
+    llm = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=64, block_size=8)
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate(_ids(random_prompts(2, seed=3)), SamplingParams(max_tokens=2), priority=[0, 1])
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate(_ids(random_prompts(2, seed=3)), SamplingParams(max_tokens=2), priority=[0, 0])) == 2
