@@ -6,7 +6,9 @@ Scheduler side (which blocks hold what):
   - ``reserve``: a request whose KV is computed elsewhere gets its blocks before the KV arrives (the
     decode side pre-allocates, the prefill side writes); ``EngineCore.add_remote_prefilled`` admits it
     once the KV landed; ``free`` gives back a reservation whose KV never came; ``park`` keeps one out
-    of use under another owner key while a peer may still write it.
+    of use under another owner key while a peer may still write it. ``reserve_prefix`` reuses the leading
+    blocks the prefix cache already holds (vLLM's decode-side ``get_num_new_matched_tokens``), so only the
+    rest arrives; ``holds_prefix`` checks them against the prompt before it is admitted.
   - A finished request's KV outlives it while a transfer reads it (``EngineCore(hold_finished_kv=True)``,
     vLLM's ``request_finished`` answering "hold"); ``release_held`` frees it once handed off.
 Worker side (where the KV is):
