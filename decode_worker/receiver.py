@@ -9,7 +9,7 @@ from kvrelay.decode_worker.tenant_quota import TenantQuota
 from kvrelay.shared.engine import EngineCore
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.blocks import DTYPE_NAMES
-from kvrelay.shared.handoff.grants import Busy
+from kvrelay.shared.handoff.grants import Busy, Reservation
 from kvrelay.shared.handoff.receiver import KVInbox
 from kvrelay.shared.wire.handoff import HandoffRequest
 from kvrelay.shared.wire.version import version_refusal
@@ -33,13 +33,13 @@ class HandoffReceiver(KVInbox):
         self.quota.new_round()
         return super().poll(timeout_ms, admit)
 
-    def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
+    def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> Reservation | str:
         answer = self._reserve(req, pending, from_peer)
         if isinstance(answer, str) and not isinstance(answer, Busy):
             self.quota.leave(req)  # refused for good: it will not ask here again
         return answer
 
-    def _reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
+    def _reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> Reservation | str:
         if not self.accepting:
             return "decode worker is draining"
         if refusal := version_refusal(req.protocol, "the prefill worker"):
@@ -69,8 +69,11 @@ class HandoffReceiver(KVInbox):
             return Busy(f"this prefill worker already holds {from_peer} handoffs here (--max-handoffs-per-peer)")
         if core.num_running + pending >= core.max_num_seqs:
             return Busy("running batch is full (max_num_seqs)")
-        blocks = core.kv.reserve(req.request_id, req.num_tokens)
-        if blocks is None:
+        # the prompt's leading blocks this worker holds already (an n > 1 sibling's, an earlier turn's, a shared
+        # system prompt's) are reused; only the rest is granted and sent
+        reserved = core.kv.reserve_prefix(req.request_id, req.num_tokens, req.block_hashes)
+        if reserved is None:
             return Busy("no free KV blocks")
+        blocks, cached = reserved
         self.quota.granted(core, req, blocks, self.tenant_blocks)
-        return blocks
+        return Reservation(fresh=blocks[cached:], reused=blocks[:cached])

@@ -176,6 +176,8 @@ class DecodeWorker:
             return  # acked all the same: the prefill side is done with it
         req = engine_request(slot, job)
         slot.core.add_remote_prefilled(req, h.first_token_id, h.num_cached_tokens)
+        if slot.metrics is not None:
+            slot.metrics.handoff_landed(h.nbytes, h.cached_blocks)
         self.inflight.track(InFlight(request_id=job.request_id, instance=job.model, reply_addr=job.reply_addr,
                                      deadline=job.deadline, arrival=job.arrival, max_tokens=req.max_tokens, sent=1))
         # Tell the gateway who holds the request now, before the ack lets the prefill side drop the job:

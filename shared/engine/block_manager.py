@@ -235,6 +235,44 @@ class BlockManager:
         blocks = self.req_blocks[request_id] = [self._take_free() for _ in range(need)]
         return list(blocks)
 
+    def allocate_with_prefix(self, request_id: str, num_tokens: int,
+                             block_hashes: list[int]) -> tuple[list[int], int] | None:
+        """``allocate_for_tokens`` for KV arriving from elsewhere whose leading full blocks hash (in the request's
+        namespace) to ``block_hashes``: the longest run of them cached here is reused, referenced at once so
+        nothing evicts it before the rest arrives, and fresh blocks follow for the rest. At least one block stays
+        fresh (a transfer always moves some KV, and its header proves which prompt it is). Returns (the request's
+        blocks in order, how many lead reused), or None when too few are free. A hit is matched by hash only: the
+        caller compares ``holds_prefix`` against the tokens before using it."""
+        if request_id in self.req_blocks:
+            raise ValueError(f"request {request_id} already owns blocks")
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            for h in block_hashes[:(num_tokens - 1) // self.block_size]:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                hits.append(block)
+        need = cdiv(num_tokens, self.block_size) - len(hits)
+        reclaimed = sum(1 for b in hits if self.ref_cnt[b] == 0)  # as allocate_slots: a hit in the free queue
+        self._grow(need - (self.num_free_blocks - reclaimed))
+        if need > self.num_free_blocks - reclaimed:
+            return None
+        for b in hits:
+            self._ref(b)
+        blocks = self.req_blocks[request_id] = hits + [self._take_free() for _ in range(need)]
+        return list(blocks), len(hits)
+
+    def holds_prefix(self, blocks: list[int], tokens: list[int], tenant: str, cache_salt: str | None) -> bool:
+        """Whether ``blocks`` are cached as the leading full blocks of ``tokens`` in that tenant's namespace, key by
+        key (parent hash, tokens, namespace), as ``get_computed_blocks`` checks a hit."""
+        salt, parent = cache_namespace(tenant, cache_salt), None
+        for i, block in enumerate(blocks):
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            if len(block_tokens) < self.block_size or self.block_key[block] != (parent, block_tokens, salt):
+                return False
+            parent = self.block_hash[block]
+        return True
+
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -6,7 +6,9 @@ Scheduler side (which blocks hold what):
   - ``reserve``: a request whose KV is computed elsewhere gets its blocks before the KV arrives (the
     decode side pre-allocates, the prefill side writes); ``EngineCore.add_remote_prefilled`` admits it
     once the KV landed; ``free`` gives back a reservation whose KV never came; ``park`` keeps one out
-    of use under another owner key while a peer may still write it.
+    of use under another owner key while a peer may still write it. ``reserve_prefix`` reuses the leading
+    blocks the prefix cache already holds (vLLM's decode-side ``get_num_new_matched_tokens``), so only the
+    rest arrives; ``holds_prefix`` checks them against the prompt before it is admitted.
   - A finished request's KV outlives it while a transfer reads it (``EngineCore(hold_finished_kv=True)``,
     vLLM's ``request_finished`` answering "hold"); ``release_held`` frees it once handed off.
 Worker side (where the KV is):
@@ -108,6 +110,24 @@ class EngineKV:
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for the KV of ``num_tokens`` tokens computed elsewhere, or None when too few are free."""
         return self._blocks.allocate_for_tokens(request_id, num_tokens)
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether ``reserve_prefix`` may reuse cached blocks: prefix caching on, one process holding the whole
+        KV (a sharded cache's ranks would each have to hold the same blocks, which nothing checks)."""
+        return self._blocks.enable_prefix_caching and not self.sharded
+
+    def reserve_prefix(self, request_id: str, num_tokens: int,
+                       block_hashes: list[int]) -> tuple[list[int], int] | None:
+        """``reserve``, reusing the longest run of ``block_hashes`` cached here (when ``reuses_prefix``): (the
+        request's blocks, how many lead reused), or None when too few are free. The reused blocks are matched by
+        hash only until ``holds_prefix`` has compared them with the prompt's tokens."""
+        return self._blocks.allocate_with_prefix(request_id, num_tokens,
+                                                 block_hashes if self.reuses_prefix else [])
+
+    def holds_prefix(self, blocks: list[int], tokens: list[int], tenant: str, cache_salt: str | None) -> bool:
+        """Whether ``blocks`` are cached here as the leading full blocks of ``tokens`` (tenant, salt)."""
+        return self._blocks.holds_prefix(blocks, tokens, tenant, cache_salt)
 
     def free(self, request_id: str) -> None:
         """Give back the blocks reserved under ``request_id`` (or ``park``'s key)."""
@@ -222,12 +242,13 @@ class EngineKV:
         self._import(block_ids, blocks)
 
 
-def detached_kv(kv_cache: torch.Tensor, scatter_seed: int | None = None) -> EngineKV:
+def detached_kv(kv_cache: torch.Tensor, scatter_seed: int | None = None, prefix_caching: bool = False) -> EngineKV:
     """A KV cache and its blocks without a model (the handoff's benchmark and tests): every block is a
     held prefill block or a reservation. ``scatter_seed``: hand out blocks in a shuffled order, as the
-    free list of a long-running worker does."""
+    free list of a long-running worker does. ``prefix_caching``: a reservation may reuse cached blocks
+    (what a decode worker's engine registered; here whoever drives the block manager)."""
     num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     if scatter_seed is not None:
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(scatter_seed)).tolist()
         blocks.free_queue = OrderedDict.fromkeys(order)

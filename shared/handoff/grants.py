@@ -35,6 +35,16 @@ class OverQuota(Busy):
 
 
 @dataclass
+class Reservation:
+    """What the decode role reserved for an ask: ``fresh`` blocks the sender fills, after the ``reused`` ones that
+    already hold the prompt's leading blocks here (HandoffGrant.cached_blocks), checked against the header's
+    prompt before the request is admitted."""
+
+    fresh: list[int]
+    reused: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Grant:
     peer: bytes  # the asker's ZMQ identity
     requester: str  # its worker id (HandoffRequest.requester), for asking whether it still lives
@@ -48,6 +58,7 @@ class Grant:
     offered: bool = False  # a direct-write handle went out with it
     frames_key: bytes = field(default=b"", repr=False)  # HandoffGrant.frames_key: its frames' MACs are under it
     tenant: str = ""  # HandoffRequest.tenant: whose KV quota its blocks count against
+    reused: list[int] = field(default_factory=list)  # Reservation.reused: held here already, not sent
 
 
 class GrantBook:
@@ -70,8 +81,9 @@ class GrantBook:
     def has_model(self, model: str) -> bool:
         return any(g.model == model for g in self.grants.values()) or any(q[1] == model for q in self.quarantine)
 
-    def add(self, peer: bytes, req: HandoffRequest, blocks: list[int]) -> HandoffGrant:
-        """Grant ``blocks`` (reserved for ``req``) to the asker at ``peer``."""
+    def add(self, peer: bytes, req: HandoffRequest, reserved: Reservation) -> HandoffGrant:
+        """Grant ``reserved`` (for ``req``) to the asker at ``peer``: it fills the fresh blocks."""
+        blocks = reserved.fresh
         engine_kv = self.core_for(req.model).kv
         # a sharded cache takes frames only (sharded.py): nothing to offer for direct writes
         offer = None if engine_kv.sharded else next(
@@ -83,12 +95,13 @@ class GrantBook:
         # travels in the grant, over CURVE) can make one
         key = secrets.token_bytes(FRAME_KEY_BYTES) if self.frames_addr else b""
         self.grants[req.request_id] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl,
-                                            now, epoch, offered=offer is not None, frames_key=key, tenant=req.tenant)
+                                            now, epoch, offered=offer is not None, frames_key=key, tenant=req.tenant,
+                                            reused=reserved.reused)
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
         targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,
                             targets=targets, epoch=epoch, frames_addr=self.frames_addr, frames_key=key,
-                            ask=req.ask)
+                            ask=req.ask, cached_blocks=len(reserved.reused))
 
     def release(self, rid: str) -> None:
         """Give a grant's blocks back: at once, or after the quarantine when they were offered for direct writes."""

@@ -3,7 +3,7 @@
 carries the first token, checked against the grant and the cache's layout."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.shared.engine.kv_connector import EngineKV
 from kvrelay.shared.handoff.base import KVReceiver, Transport
@@ -29,11 +29,12 @@ class Incoming:
     epoch: int  # its grant's: KV of any other grant of the request is dropped
     header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
     tenant: str = ""  # its grant's: whose KV quota its blocks count against
+    reused: list[int] = field(default_factory=list)  # its grant's: the prompt's leading blocks held here already
 
     @classmethod
     def of(cls, grant: Grant, transport: str, receiver: KVReceiver, now: float) -> "Incoming":
         return cls(grant.peer, grant.requester, grant.model, grant.block_ids, grant.num_tokens, transport, receiver,
-                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch, tenant=grant.tenant)
+                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch, tenant=grant.tenant, reused=grant.reused)
 
 
 def receiver_for(kv: EngineKV, rid: str, grant: Grant, transport: str, by_name: dict[str, Transport],
@@ -61,4 +62,11 @@ def check_header(header: KVHeader, payload: list, inc: Incoming, kv: EngineKV) -
         raise ValueError(f"a {header.transport!r} header after {inc.transport!r} KV")
     if len(header.job.prompt_token_ids) != inc.num_tokens:
         raise ValueError("prompt length differs from the granted one")
+    if header.cached_blocks != len(inc.reused):
+        raise ValueError(f"the header says {header.cached_blocks} blocks were held here, the grant {len(inc.reused)}")
+    # the reused blocks were matched by a 64-bit hash of the ask, which anyone may forge or a collision may meet:
+    # they are this prompt's only if their stored tokens are the header's, or the request would decode on another's KV
+    job = header.job
+    if inc.reused and not kv.holds_prefix(inc.reused, job.prompt_token_ids, job.tenant, job.cache_salt):
+        raise ValueError("the blocks held here for the prompt's leading KV hold another prompt's")
     check_layout(kv.kv_cache, header, kv.num_kv_heads, kv.num_layers)

@@ -8,7 +8,7 @@ import time
 from abc import abstractmethod
 
 from kvrelay.shared.handoff.layer_stream import LayerStream
-from kvrelay.shared.handoff.outbound import header_for, sender_for
+from kvrelay.shared.handoff.outbound import header_for, sender_for, source_blocks
 from kvrelay.shared.handoff.sender_io import SenderIO
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import Transfer
@@ -29,11 +29,12 @@ class KVOut(SenderIO):
         return LayerStream(self._begin_stream, self._pump, instance)
 
     def _on_grant(self, t: Transfer, grant: HandoffGrant) -> None:
-        src_blocks = self.core_for(t.job.model).kv.block_ids(t.job.request_id)[: len(grant.block_ids)]
-        if len(src_blocks) != len(grant.block_ids):
-            self._fail(t, f"grant has {len(grant.block_ids)} blocks, the prompt uses {len(src_blocks)}")
+        t.grant = grant
+        src_blocks = source_blocks(t, self.core_for(t.job.model).kv.block_ids(t.job.request_id))
+        if isinstance(src_blocks, str):
+            self._fail(t, src_blocks)
             return
-        t.grant, t.granted = grant, time.perf_counter()
+        t.granted = time.perf_counter()
         t.seat_found()
         if not self._open_sender(t, src_blocks, deferred=False):
             return
@@ -51,8 +52,8 @@ class KVOut(SenderIO):
         kv = self.core_for(instance).kv
         if kv.sharded or kv.sends_parts_to(t.grant.targets):  # parts (or rank 0's gather) go between steps
             return None  # (sharded.py); complete() sends them once the prompt's last chunk ran
-        src = blocks[: len(t.grant.block_ids)]
-        if len(src) != len(t.grant.block_ids):
+        src = source_blocks(t, blocks)
+        if isinstance(src, str):
             return None  # complete() sends it the plain way, which reports the mismatch
         if not self._open_sender(t, src, deferred=True):
             return None

@@ -11,7 +11,8 @@ from kvrelay.shared.handoff.blocks import DTYPE_NAMES, layout_of
 from kvrelay.shared.handoff.rank_parts import RankPartsSender
 from kvrelay.shared.handoff.sharded import exported, frames_only
 from kvrelay.shared.handoff.transfer import Transfer
-from kvrelay.shared.wire.handoff import HandoffRequest, KVHeader
+from kvrelay.shared.wire.block_hash import block_hash_chain, cache_namespace
+from kvrelay.shared.wire.handoff import MAX_BLOCK_HASHES, HandoffRequest, KVHeader
 
 
 def request_for(t: Transfer, kv: EngineKV, transports: list[Transport], requester: str,
@@ -20,10 +21,35 @@ def request_for(t: Transfer, kv: EngineKV, transports: list[Transport], requeste
     worker: its KV leaves through frames only)."""
     transports = frames_only(transports) if kv.sharded else transports
     locality = next((place for tr in transports if (place := tr.locality(kv.kv_cache))), "")
+    if t.block_hashes is None:
+        t.block_hashes = offered_hashes(t, kv)
     return HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
                           block_size=kv.block_size, kv_dtype=DTYPE_NAMES[kv.kv_cache.dtype], device_uuid=locality,
                           requester=requester, hold_s=hold_s, kv_scales=kv.scales_digest, ask=t.ask,
-                          tenant=t.job.tenant, early=not t.computed)
+                          tenant=t.job.tenant, early=not t.computed, block_hashes=t.block_hashes)
+
+
+def offered_hashes(t: Transfer, kv: EngineKV) -> list[int]:
+    """The hash chain of ``t``'s prompt's full blocks, hashed as every block manager hashes them, so the decode
+    worker can reuse those it holds. None from a sharded worker: its KV leaves by ranks and parts, a path kept
+    whole, every block sent."""
+    if kv.sharded:
+        return []
+    job = t.job
+    return block_hash_chain(job.prompt_token_ids, kv.block_size, cache_namespace(job.tenant, job.cache_salt),
+                            MAX_BLOCK_HASHES)
+
+
+def source_blocks(t: Transfer, blocks: list[int]) -> list[int] | str:
+    """Our blocks of ``blocks`` (the prompt's) that fill ``t``'s grant: those past the ones the decode worker holds
+    already (HandoffGrant.cached_blocks), one per granted block; or why the grant cannot be served."""
+    grant, cached = t.grant, t.grant.cached_blocks
+    if cached > len(t.block_hashes or ()):
+        return f"the grant reuses {cached} blocks, {len(t.block_hashes or ())} were offered"
+    src = blocks[cached:cached + len(grant.block_ids)]
+    if len(src) != len(grant.block_ids):
+        return f"grant has {cached} held and {len(grant.block_ids)} new blocks, the prompt uses {len(blocks)}"
+    return src
 
 
 def sender_for(t: Transfer, engine_kv: EngineKV, transports: list[Transport], src_blocks: list[int],
@@ -48,5 +74,5 @@ def header_for(t: Transfer, kv: EngineKV) -> KVHeader:
         job=t.job, **layout_of(kv.kv_cache, kv.num_kv_heads, kv.num_layers), transport=t.transport,
         num_blocks=len(grant.block_ids), block_ids=grant.block_ids, nbytes=t.nbytes, first_token_id=first.token_id,
         first_logprob=first.logprob, first_top_logprobs=first.top_logprobs, prompt_logprobs=None,
-        num_cached_tokens=first.num_cached_tokens, epoch=grant.epoch,
+        num_cached_tokens=first.num_cached_tokens, epoch=grant.epoch, cached_blocks=grant.cached_blocks,
     )

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from kvrelay.shared.handoff.base import Transport
-from kvrelay.shared.handoff.grants import Busy, Grant, GrantBook, OverQuota
+from kvrelay.shared.handoff.grants import Busy, Grant, GrantBook, OverQuota, Reservation
 from kvrelay.shared.handoff.inbox_socket import InboxSocket
 from kvrelay.shared.handoff.incoming import Incoming, receiver_for
 from kvrelay.shared.handoff.rank_parts import RankParts
@@ -34,8 +34,9 @@ class Seats(ABC):
         self.stale = 0  # KV, headers and cancels of an earlier grant of a request id granted again, dropped
 
     @abstractmethod
-    def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | str:
-        """The decode role's admission: the blocks allocated for ``req``, or why not (a ``Busy`` reason when
+    def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> list[int] | Reservation | str:
+        """The decode role's admission: the blocks allocated for ``req`` (a ``Reservation`` when some already hold
+        its prompt's leading KV here), or why not (a ``Busy`` reason when
         only room is missing, so the asker waits instead of failing). ``pending``:
         transfers of its model granted or arriving here, which will join the batch; ``from_peer``: those
         of them its asker holds."""
@@ -53,7 +54,8 @@ class Seats(ABC):
     def tenant_blocks(self, model: str, tenant: str) -> int:
         """Blocks of ``model`` granted here to ``tenant``'s requests, or holding their arriving KV."""
         held = [*self.grants.values(), *self.incoming.values()]
-        return sum(len(h.block_ids) for h in held if h.model == model and h.tenant == tenant)
+        # reused blocks count too: once the request runs, the engine counts every block it holds
+        return sum(len(h.block_ids) + len(h.reused) for h in held if h.model == model and h.tenant == tenant)
 
     def has_model(self, model: str) -> bool:
         return self.book.has_model(model) or any(i.model == model for i in self.incoming.values())
@@ -76,7 +78,7 @@ class Seats(ABC):
         if isinstance(blocks, str):
             return HandoffGrant(request_id=rid, accepted=False, reason=str(blocks), busy=isinstance(blocks, Busy),
                                 over_quota=isinstance(blocks, OverQuota), ask=req.ask)
-        return self.book.add(peer, req, blocks)
+        return self.book.add(peer, req, blocks if isinstance(blocks, Reservation) else Reservation(blocks))
 
     def _open(self, peer: bytes, rid: str, transport: str) -> Incoming | None:
         """The grant's KV starts arriving: from here the sender is done writing blocks itself, so a

@@ -43,10 +43,13 @@ class DetachedCore:
         return over_tenant_quota(self.tenant_kv_quota, tenant_blocks, need, self.num_total_blocks)
 
 
-def endpoint(kv_cache: torch.Tensor, worker_id: str, model: str, scatter_seed: int | None = None):
+def endpoint(kv_cache: torch.Tensor, worker_id: str, model: str, scatter_seed: int | None = None,
+             prefix_caching: bool = False):
     """What the handoff reads of a worker (``runtime``): its engine core (a ``DetachedCore``) and its id.
-    ``scatter_seed``: hand out blocks in a shuffled order, as the free list of a long-running worker does."""
-    core = DetachedCore(detached_kv(kv_cache, scatter_seed), max_model_len=kv_cache.shape[2] * kv_cache.shape[3] + 1)
+    ``scatter_seed``: hand out blocks in a shuffled order, as the free list of a long-running worker does;
+    ``prefix_caching``: its reservations may reuse cached blocks (``detached_kv``)."""
+    core = DetachedCore(detached_kv(kv_cache, scatter_seed, prefix_caching),
+                        max_model_len=kv_cache.shape[2] * kv_cache.shape[3] + 1)
     return SimpleNamespace(core=core, zmq_addr="", redis=None,
                            config=SimpleNamespace(worker_id=worker_id, model_name=model))
 

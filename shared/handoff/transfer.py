@@ -38,6 +38,8 @@ class Transfer:
     grant: HandoffGrant | None = None
     ask: int = 0  # the number of its latest HandoffRequest (HandoffRequest.ask): only its answer is taken
     asked_at: float = 0.0  # monotonic time of the last HandoffRequest
+    # the hash chain its asks offer (HandoffRequest.block_hashes), worked out once for all its asks; None: not yet
+    block_hashes: list[int] | None = None
     deadline: float = 0.0
     sender: KVSender | None = None  # while the KV moves
     header: KVHeader | None = None  # once the first token is known and the KV moves

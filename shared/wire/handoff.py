@@ -30,6 +30,9 @@ from kvrelay.shared.wire.protocol import _ID, Job, TopLogprobs
 from kvrelay.shared.wire.version import protocol_field
 
 _IGNORABLE_ID = {**_ID, **IGNORABLE}
+# block hashes an ask carries at most (its prompt's leading blocks past them are granted as usual): a step's
+# MAX_ASKS asks then stay far inside MAX_MESSAGE_BYTES (a hash packs in 9 bytes)
+MAX_BLOCK_HASHES = 4096
 
 
 @dataclass
@@ -69,11 +72,20 @@ class HandoffRequest:
     # it and asks again once prefilled, so until then it takes no place in its tenant's quota line there.
     # Ignorable: such an ask is refused like any other
     early: bool = field(default=False, metadata=IGNORABLE)
+    # the hash chain (shared/wire/block_hash.py) of the prompt's leading full blocks in its cache namespace: the
+    # decode worker grants only the blocks past those it already holds (HandoffGrant.cached_blocks). Sent only
+    # by an unsharded sender. Ignorable: a decode worker that does not reuse KV grants every block, as ever
+    block_hashes: list[int] = field(default_factory=list, metadata=IGNORABLE)
     protocol: int = protocol_field()  # the asker's wire protocol version: one too far apart is refused
 
     def check(self) -> None:
         if self.num_tokens < 1 or self.block_size < 1:
             raise ValueError("HandoffRequest.num_tokens and block_size must be positive")
+        if len(self.block_hashes) > min(MAX_BLOCK_HASHES, self.num_tokens // self.block_size):
+            raise ValueError("HandoffRequest.block_hashes: more hashes than the prompt has full blocks (or "
+                             f"over {MAX_BLOCK_HASHES})")
+        if any(not 0 <= h < 1 << 64 for h in self.block_hashes):
+            raise ValueError("HandoffRequest.block_hashes must be 64-bit unsigned")
         if not 0.0 <= self.hold_s < float("inf"):
             raise ValueError("HandoffRequest.hold_s must be a finite number of seconds >= 0")
 
@@ -176,9 +188,15 @@ class HandoffGrant:
     # the ask answered (HandoffRequest.ask, echoed; 0 from a decode worker that does not echo it: the asker then
     # takes it for the answer to its latest ask of this decode worker, as it did before asks were numbered)
     ask: int = field(default=0, metadata=IGNORABLE)
+    # the prompt's leading blocks whose KV the decode worker already holds (matched by HandoffRequest.block_hashes):
+    # ``block_ids`` are the blocks for the prompt's blocks cached_blocks.., which alone the sender fills. Must be
+    # understood (KV sent from block 0 would land in the wrong blocks); only nonzero for an ask carrying hashes
+    cached_blocks: int = 0
     protocol: int = protocol_field()  # the decode worker's wire protocol version
 
     def check(self) -> None:
+        if self.cached_blocks < 0 or (self.cached_blocks and not (self.accepted and self.block_ids)):
+            raise ValueError("HandoffGrant.cached_blocks must be >= 0, and only with blocks granted to fill")
         if len(self.targets) > MAX_TARGETS:
             raise ValueError(f"HandoffGrant carries at most {MAX_TARGETS} targets")
         if bool(self.frames_addr) != bool(self.frames_key) or len(self.frames_key) not in (0, FRAME_KEY_BYTES):
@@ -229,6 +247,9 @@ class KVHeader:
     prompt_logprobs: list[TopLogprobs | None] | None
     num_cached_tokens: int
     epoch: int = 0  # the grant's (HandoffGrant.epoch): a header of another grant of the request is not this one's
+    # the grant's (HandoffGrant.cached_blocks): the prompt's leading blocks the decode worker held already, before
+    # ``block_ids``. Must be understood; only sent to a decode worker that granted it
+    cached_blocks: int = 0
 
     @property
     def request_id(self) -> str:
@@ -243,7 +264,9 @@ class KVHeader:
             raise ValueError("KVHeader layout fields must be positive")
         if len(self.block_ids) != self.num_blocks:
             raise ValueError(f"KVHeader.block_ids has {len(self.block_ids)} ids for {self.num_blocks} blocks")
-        if self.num_blocks * self.block_size < len(self.job.prompt_token_ids):
+        if self.cached_blocks < 0:
+            raise ValueError("KVHeader.cached_blocks must be non-negative")
+        if (self.cached_blocks + self.num_blocks) * self.block_size < len(self.job.prompt_token_ids):
             raise ValueError("KVHeader: blocks cannot hold the prompt")
         if self.nbytes < 0:
             raise ValueError("KVHeader.nbytes must be non-negative")

@@ -156,6 +156,12 @@ class WorkerMetrics:
               "worker the asks in line there", m, registry=r).labels(model_name).set_function(
                   lambda: self.quota_waiting())
         self.quota = QuotaMetrics(r, model_name, tenant_label) if role == "decode" else None
+        # a decode worker's side of its handoffs: what arrived, and the prompt blocks it held already (not sent)
+        self.handoff_received_bytes = Counter("kvrelay_handoff_received_bytes", "KV bytes of handoffs admitted "
+                                              "here", m, registry=r).labels(model_name)
+        self.handoff_reused_blocks = Counter("kvrelay_handoff_reused_blocks", "Prompt KV blocks of handoffs admitted "
+                                             "here that this worker held already (prefix cache), so were not sent",
+                                             m, registry=r).labels(model_name)
         self._handoffs = Counter("kvrelay_handoffs", "Handoffs that landed, by transport (ipc, layers, rank_layers: "
                                  "sent by each rank of a sharded worker) and by "
                                  "whether the KV streamed out layer by layer during the prompt's last chunk",
@@ -266,6 +272,11 @@ class WorkerMetrics:
             self._handoffs.labels(self.model, transport, str(streamed).lower()).inc()
         else:
             self.handoff_failures.inc()
+
+    def handoff_landed(self, nbytes: int, reused_blocks: int) -> None:
+        """A decode worker admitted a handoff: ``nbytes`` of KV arrived, ``reused_blocks`` were held here."""
+        self.handoff_received_bytes.inc(nbytes)
+        self.handoff_reused_blocks.inc(reused_blocks)
 
 
 def _counts(name: str, parent: Histogram, model: str) -> HistogramCounts:

@@ -14,7 +14,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis
 from tests.conftest import random_prompts
 from tests.e2e.cluster import Cluster, free_port
-from tests.e2e.handoff_metrics import handoffs_settled
+from tests.e2e.handoff_metrics import by_label, handoffs_settled
 from tests.e2e.openai_stream import streamed_tokens_and_finish
 
 pytestmark = pytest.mark.slow
@@ -118,6 +118,33 @@ def test_kv_streamed_layer_by_layer_during_the_last_chunk(cluster, offline):
     after = handoffs_settled(port, "streamed", sum(before.values()) + len(prompts))
     counts = {k: v - before.get(k, 0) for k, v in after.items()}
     assert counts.get("true", 0) >= 1 and sum(counts.values()) == len(prompts), counts
+
+
+def test_decode_worker_reuses_prompt_kv_it_holds_and_is_sent_only_the_rest(cluster, offline):
+    """The same prompt of five full blocks twice: the decode worker caches the first handoff's blocks once it runs
+    the request, so the second handoff reuses five of its six blocks (kvrelay_handoff_reused_blocks_total) and
+    moves one block's KV; greedy tokens are the offline engine's both times."""
+    port = free_port()
+    cluster.start_worker("prefill", "p1")
+    cluster.start_worker("decode", "d1", extra=["--monitoring-port", str(port)])
+    cluster.wait_ready()
+
+    def counters() -> tuple[float, float]:
+        return (sum(by_label(port, "kvrelay_handoff_reused_blocks_total", "model_name").values()),
+                sum(by_label(port, "kvrelay_handoff_received_bytes_total", "model_name").values()))
+
+    prompt = random_prompts(1, lo=41, hi=41, seed=11)[0]  # block size 8: five full blocks and one token
+    tok = offline.get_tokenizer()
+    expected = tok.decode(offline.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=8))[0].outputs[0].token_ids, skip_special_tokens=True)
+    seen = [counters()]
+    for _ in range(2):
+        resp = _client(cluster).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.0)
+        assert resp.choices[0].text == expected
+        seen.append(counters())  # the decode worker counts a handoff as it admits it, before its first token
+    (reused0, bytes0), (reused1, bytes1), (reused2, bytes2) = seen
+    assert reused1 - reused0 == 0 and reused2 - reused1 == 5
+    assert 0 < bytes2 - bytes1 and (bytes2 - bytes1) * 6 == bytes1 - bytes0  # one block's KV, of six
 
 
 def test_64_concurrent_streams_complete(default_cluster):

@@ -25,8 +25,10 @@ BLOCK = SHAPE[3]
 class DecodeSide:
     """A decode worker's handoff half on its own thread; admitted requests keep their blocks."""
 
-    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None, bulk: bool = False):
-        """``bulk``: with a plain bulk socket, as a decode worker under CURVE has: frames come there MAC'd."""
+    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None, bulk: bool = False,
+                 prefix_caching: bool = False):
+        """``bulk``: with a plain bulk socket, as a decode worker under CURVE has: frames come there MAC'd.
+        ``prefix_caching``: grants may reuse blocks cached here (a test caches them through ``rt.core.kv``)."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -39,7 +41,7 @@ class DecodeSide:
             self.bulk.setsockopt(zmq.LINGER, 0)
             self.bulk.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))
             self.bulk_addr = f"tcp://127.0.0.1:{self.bulk.bind_to_random_port('tcp://127.0.0.1')}"
-        self.rt = endpoint(kv, "d1", MODEL)
+        self.rt = endpoint(kv, "d1", MODEL, prefix_caching=prefix_caching)
         self.receiver = HandoffReceiver(self.sock, serves(MODEL, self.rt.core), ttl_s, transports=transports,
                                         asker_alive=asker_alive,
                                         bulk=(self.bulk, self.bulk_addr) if bulk else None)
