@@ -108,6 +108,9 @@ class Scheduler(Admission):
         self._requests[req.request_id] = req
         self._waiting.enter(req.tenant)
         self._insert_running(req)
+        # its prompt's KV has landed: cached now, not at its first step here, so the handoff of a sibling or a
+        # later turn granted before then reuses it (decode_worker/receiver.py) instead of receiving it again
+        self.block_manager.cache_blocks(req, req.num_computed_tokens)
 
     # ---- scheduling ----
 

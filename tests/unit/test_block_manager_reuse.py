@@ -105,3 +105,19 @@ def test_holds_prefix_compares_tokens_and_namespace_not_only_hashes():
     assert not bm.holds_prefix(old[:3], prompt, "acme", None)
     assert not bm.holds_prefix([old[1], old[0]], prompt, "acme", "s")  # the chain's order (parent hashes)
     assert not bm.holds_prefix(old[:3], prompt[:10], "acme", "s")  # not a full block of this prompt
+
+
+def test_a_handed_off_prompt_is_reusable_from_its_admission_not_its_first_step():
+    """An n > 1 sibling's (or a later turn's) ask granted between a handed-off request's admission and its first
+    decode step here already finds the prompt's blocks: admission caches them, the KV having landed."""
+    from kvrelay.shared.config.engine import SchedulerConfig
+    from kvrelay.shared.engine.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(), BlockManager(32, BS), max_model_len=64)
+    tokens = list(range(10, 31))  # 21 tokens: 5 full blocks and one partial
+    first = Request("first", tokens, SamplingParams(), max_tokens=4)
+    assert s.block_manager.allocate_with_prefix("first", len(tokens), chain(tokens)) is not None
+    first.output_token_ids, first.num_computed_tokens = [7], len(tokens)
+    s.add_prefilled_request(first)
+    blocks, reused = s.block_manager.allocate_with_prefix("sibling", len(tokens), chain(tokens))
+    assert reused == 5 and blocks[:5] == s.block_manager.block_ids("first")[:5]
