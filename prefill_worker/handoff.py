@@ -3,7 +3,9 @@ transfer itself (grants, streaming during the last chunk, retries, cancels, the 
 worker XACK the job) is shared/handoff/sender.py's.
 
 A decode worker is chosen among the live ones registered in Redis that serve the model, most free KV
-blocks first, then the lightest batch: that spreads load and avoids a grant refusal. One refused or
+blocks first, then the lightest batch: that spreads load and avoids a grant refusal. The one that last took a
+prompt sharing this one's prefix goes first while it has room and is not much busier (decode_affinity.py):
+it holds those blocks, and is sent only the rest. One refused or
 silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again, after a wait that doubles each
 round up to 2 s, while the handoff timeout allows: a full decode batch is backpressure, not failure).
 
@@ -31,7 +33,9 @@ import time
 import redis
 import zmq
 
+from kvrelay.prefill_worker.decode_affinity import SLACK, DecodeAffinity
 from kvrelay.shared.handoff.base import Transport
+from kvrelay.shared.handoff.outbound import offered_hashes
 from kvrelay.shared.handoff.sender import HandoffSender
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
@@ -69,6 +73,7 @@ class HandoffManager(HandoffSender):
         self._workers_at = 0.0
         self._missing: dict[str, float] = {}  # decode worker address -> since when it is not registered
         self._stalled: set[str] = set()  # decode workers skipped as stalled, as of the last read
+        self.affinity = DecodeAffinity()  # where each prompt prefix's KV went: the next one sharing it goes there
 
     def start_early(self, job: Job, entry_id: bytes) -> Transfer:
         """Ask for a grant before the prompt is prefilled, so its KV can stream during the last chunk."""
@@ -143,12 +148,26 @@ class HandoffManager(HandoffSender):
             log.info("decode worker %r steps again: KV is handed to it again", worker_id)
         self._stalled = set(ages)
 
-    def _pick_decode_worker(self, exclude: set[str], model: str) -> WorkerInfo | None:
+    def _pick_decode_worker(self, t: Transfer) -> WorkerInfo | None:
         self._refresh()
+        model = t.job.model
         live = [w for w in self._serving(model)
-                if w.worker_id not in exclude and not stalled(w, self.stalled_step_timeout_s)]
+                if w.worker_id not in t.tried and not stalled(w, self.stalled_step_timeout_s)]
+        if not live:
+            return None
         live.sort(key=lambda w: (-_free_kv(w, model), _load(w, model)))
-        return live[0] if live else None
+        if t.block_hashes is None:  # worked out once, for every ask of the transfer (outbound.request_for)
+            t.block_hashes = offered_hashes(t, self.core_for(model).kv)
+        chosen = live[0]
+        known = self.affinity.lookup(model, t.block_hashes, {w.worker_id for w in live})
+        if known is not None:
+            w = next(w for w in live if w.worker_id == known)
+            need = -(-len(t.job.prompt_token_ids) // self.core_for(model).kv.block_size)
+            least = min(_load(c, model) for c in live)
+            if _free_kv(w, model) >= need and _load(w, model) - least <= SLACK:
+                chosen = w
+        self.affinity.record(model, t.block_hashes, chosen.worker_id)
+        return chosen
 
     def skipped(self, model: str) -> str:
         """The stalled decode workers of ``model`` (as of the last read), and why: for a failed transfer's reason."""

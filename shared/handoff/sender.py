@@ -51,7 +51,7 @@ def reask_wait_s(rounds: int) -> float:
     return min(NO_WORKER_RETRY_S * 2 ** min(rounds, 16), MAX_NO_WORKER_RETRY_S)
 
 
-Pick = Callable[[set[str], str], WorkerInfo | None]  # (worker ids tried, model) -> a decode worker to ask
+Pick = Callable[[Transfer], WorkerInfo | None]  # a transfer (its job, the worker ids it tried) -> whom to ask
 
 
 class HandoffSender(KVOut):
@@ -150,7 +150,7 @@ class HandoffSender(KVOut):
 
     # -- transitions ----------------------------------------------------------------------------
     def _send_request(self, t: Transfer, after: str = "") -> None:
-        target = self.pick(t.tried, t.job.model)
+        target = self.pick(t)
         if target is None and not t.computed:
             t.target = ""
             t.to(Event.PARK)

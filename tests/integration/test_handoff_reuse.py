@@ -5,6 +5,7 @@ there; a reuse the header's prompt does not match is refused. Real ZMQ, real Han
 
 import torch
 
+from kvrelay.prefill_worker import handoff
 from kvrelay.prefill_worker.handoff import FirstToken, State
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.handoff import outbound
@@ -100,7 +101,8 @@ def test_a_reuse_the_header_s_prompt_does_not_match_is_refused_and_its_blocks_fr
     cache_on_decode_side(side, "other", other)
     free = side.rt.core.kv.num_free_blocks
     forged = block_hash_chain(other, BLOCK, cache_namespace("bench", None), 64)
-    monkeypatch.setattr(outbound, "offered_hashes", lambda t, kv: forged)  # the job's prompt is [1] * NUM_TOKENS
+    for where in (outbound, handoff):  # the job's prompt is [1] * NUM_TOKENS; the pick works the hashes out first
+        monkeypatch.setattr(where, "offered_hashes", lambda t, kv: forged)
 
     t, _ = hand_off_tiny(manager, rt, "forged", NUM_TOKENS)
     assert t.state is State.FAILED and "another prompt's" in t.reason, t.reason  # the decode side's nack
