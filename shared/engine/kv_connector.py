@@ -125,6 +125,11 @@ class EngineKV:
         return self._blocks.allocate_with_prefix(request_id, num_tokens,
                                                  block_hashes if self.reuses_prefix else [])
 
+    def prompt_hashes(self, request_id: str) -> list[int]:
+        """The hash chain of ``request_id``'s blocks as far as this engine's prefix cache has hashed them (empty
+        with prefix caching off): a prefill side's offer to the decode worker without hashing the prompt again."""
+        return list(self._blocks.req_hashes.get(request_id, ()))
+
     def holds_prefix(self, blocks: list[int], tokens: list[int], tenant: str, cache_salt: str | None) -> bool:
         """Whether ``blocks`` are cached here as the leading full blocks of ``tokens`` (tenant, salt)."""
         return self._blocks.holds_prefix(blocks, tokens, tenant, cache_salt)

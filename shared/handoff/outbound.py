@@ -36,6 +36,10 @@ def offered_hashes(t: Transfer, kv: EngineKV) -> list[int]:
     if kv.sharded:
         return []
     job = t.job
+    full = min(len(job.prompt_token_ids) // kv.block_size, MAX_BLOCK_HASHES)
+    known = kv.prompt_hashes(job.request_id)  # its prefill hashed them for its own cache, in the same namespace
+    if len(known) >= full:
+        return known[:full]
     return block_hash_chain(job.prompt_token_ids, kv.block_size, cache_namespace(job.tenant, job.cache_salt),
                             MAX_BLOCK_HASHES)
 

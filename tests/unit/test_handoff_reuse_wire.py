@@ -56,6 +56,23 @@ def test_the_sender_offers_its_prompt_s_full_blocks_hashed_as_block_managers_has
     assert kv._blocks._hashes(req, 2) == hashes  # the decode side's block manager's own chain
 
 
+def test_a_prompt_its_prefill_hashed_already_is_not_hashed_again(monkeypatch):
+    """The prefill engine's prefix cache hashed the prompt's blocks as it computed them: the offer takes that chain
+    (hashing costs the prefill loop a few microseconds a block); one it has not hashed in full is hashed here."""
+    from kvrelay.shared.handoff import outbound
+
+    kv = detached_kv(torch.zeros(1, 2, 8, BS, 1, 2))
+    job = dataclasses.replace(synthetic_job("r", 11, "m"), prompt_token_ids=list(range(11)), cache_salt="s")
+    want = block_hash_chain(list(range(11)), BS, cache_namespace("bench", "s"), 99)
+    req = Request("r", list(range(11)), SamplingParams(), cache_salt="s", tenant="bench")
+    kv._blocks._hashes(req, 1)  # a chunk's worth: one block of two
+    calls = []
+    monkeypatch.setattr(outbound, "block_hash_chain", lambda *a: calls.append(a) or block_hash_chain(*a))
+    assert offered_hashes(Transfer(job=job, entry_id=b"r"), kv) == want and len(calls) == 1
+    kv._blocks._hashes(req, 2)  # the whole prompt computed
+    assert offered_hashes(Transfer(job=job, entry_id=b"r"), kv) == want and len(calls) == 1
+
+
 def _cached(kv, tokens: list[int], tenant: str = "bench") -> list[int]:
     kv.reserve("old", len(tokens))
     req = Request("old", tokens, SamplingParams(), tenant=tenant)
