@@ -357,6 +357,11 @@ class EngineCore:
         """Blocks this model owns now."""
         return self.block_manager.num_blocks
 
+    @property
+    def scheduling_policy(self) -> str:
+        """--scheduling-policy: a request's ``priority`` orders admission only under "priority"."""
+        return self.config.scheduler.policy
+
     # -- tenant KV quota (--tenant-kv-quota), for a decode worker's grants ------------------------
     @property
     def tenant_kv_quota(self) -> float | None:

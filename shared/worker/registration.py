@@ -90,7 +90,7 @@ class Registration:
                          max_model_len=core.max_model_len, vocab_size=core.vocab_size,
                          eos_token_ids=slot.eos_ids, block_size=core.block_size,
                          dtype=str(core.dtype).removeprefix("torch."), served_name=slot.name,
-                         version=slot.version, scheduling_policy=core.config.scheduler.policy)
+                         version=slot.version, scheduling_policy=core.scheduling_policy)
 
     def _publish_model(self, info: ModelInfo) -> None:
         self.redis.set(keys.model_key(info.name), encode(info), ex=keys.MODEL_TTL_S)

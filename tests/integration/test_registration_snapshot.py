@@ -22,7 +22,7 @@ def _registration(redis_url: str) -> tuple[Registration, SimpleNamespace]:
     redis = sync_client(redis_url)
     redis.flushall()
     core = SimpleNamespace(num_free_blocks=64, num_total_blocks=64, num_running=0, num_waiting=0, max_model_len=256,
-                           vocab_size=100, block_size=8, dtype="float32")
+                           vocab_size=100, block_size=8, dtype="float32", scheduling_policy="fcfs")
     slot = SimpleNamespace(instance="m", name="m", version=0, path="/m", eos_ids=[2], core=core)
     host = SimpleNamespace(lock=StepLock(), slots={"m": slot}, pool=None, status=lambda: [], weights_budget=0,
                            weights_used=0)
