@@ -18,12 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not FP8_GPU, reason="needs CUD
 TOL = 2e-2  # nats: GPU fp32 sums in another order than the CPU reference (tests/gpu/test_fp8_kv_gpu.py)
 
 
+# 64-token steps put whole prompts beside decodes; 16-token ones chunk every prompt (as test_fp8_kv_gpu.py's)
+@pytest.mark.parametrize("batched", [16, 64])
 @pytest.mark.parametrize("eager", [False, True])
-def test_graph_decode_reads_the_measured_scales(tiny_model_dirs, tmp_path, eager):
+def test_graph_decode_reads_the_measured_scales(tiny_model_dirs, tmp_path, eager, batched):
     model_dir = str(_rescaled(tiny_model_dirs["llama"], tmp_path / "outsized", 1000.0))
     prompts = random_prompts(6, lo=20, hi=60, seed=3)
     llm = LLM(model=model_dir, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True, num_gpu_blocks=256,
-              max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16, enforce_eager=eager, device="cuda")
+              max_model_len=128, max_num_batched_tokens=batched, max_num_seqs=16, enforce_eager=eager, device="cuda")
     scales = llm.engine.core.runner.kv_scales.tolist()
     assert all(s > 1.0 for row in scales for s in row), scales  # amax ~4000 over 200 / 100
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -36,4 +38,4 @@ def test_graph_decode_reads_the_measured_scales(tiny_model_dirs, tmp_path, eager
         rounded = _reference(model_dir, ids, True, dict(enumerate(scales)))
         for pos, tok, lp in _logprobs(prompt, out):
             worst = max(worst, abs(lp - rounded[pos, tok].item()))
-    assert worst <= TOL, (eager, worst)
+    assert worst <= TOL, (eager, batched, worst)
