@@ -4,6 +4,7 @@ with. Unlike ``kvrelay serve`` it starts any mix (two prefill workers, two gatew
 own flags, and says when everything is up."""
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -11,11 +12,15 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvrelay import weight_scope
 from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.loopback_ports import free_port
 from kvrelay.shared.wire.redis_conn import sync_client
+from kvrelay.shared.worker.weight_registry import Proc
+
+SHARE_WEIGHTS_ENV = "KVRELAY_SHARE_WEIGHTS_DIR"  # --share-weights-dir's: a folder the caller chose is left as given
 
 
 class LocalCluster:
@@ -29,15 +34,28 @@ class LocalCluster:
         self.workers: list[str] = []
         # one deployment: its processes admit each other's ZMQ sockets and nobody else's
         self.zmq_secret = os.environ.get(ZMQ_SECRET_ENV) or generate()
+        # and map each other's weights, never another stack's on this host (as serve's, kvrelay/weight_scope.py):
+        # an importer's workers exit to reload when the exporter's stack stops, so a stack that turned ready beside
+        # another one's stop would list no model for that moment
+        self.share_dir: Path | None = None
+        if SHARE_WEIGHTS_ENV not in os.environ:
+            weight_scope.sweep()
+            self.share_dir = weight_scope.deployment_dir(Proc.me())
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def env(self) -> dict[str, str]:
+        """The environment its processes start in."""
         # processes sharing a few cores: one math thread each avoids oversubscription stalls
         # the URL holds a password: the environment, not argv, which every local user can read
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVRELAY_REDIS_URL=self.redis_url,
                    **{ZMQ_SECRET_ENV: self.zmq_secret})
+        if self.share_dir is not None:
+            env[SHARE_WEIGHTS_ENV] = str(self.share_dir)
+        return env
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen([*module_argv("kvrelay.cli"), *self.cli_flags, *argv],
-                                                stdout=log, stderr=subprocess.STDOUT, env=env)
+                                                stdout=log, stderr=subprocess.STDOUT, env=self.env())
 
     def start_gateway(self, name: str = "gateway", extra: Sequence[str] = ()) -> int:
         port = free_port()
@@ -93,6 +111,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.share_dir is not None:  # after its workers: nothing maps it any more
+            shutil.rmtree(self.share_dir, ignore_errors=True)
 
 
 def _answers(url: str) -> bool:

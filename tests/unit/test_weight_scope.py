@@ -53,3 +53,22 @@ def test_the_folders_of_gone_deployments_are_swept_and_others_kept():
                 f.unlink()
             if folder.exists():
                 folder.rmdir()
+
+
+def test_a_benchmark_stack_shares_weights_in_a_folder_of_its_own_unless_one_is_given(tmp_path, monkeypatch):
+    """kvrelay/local_cluster.py, what the multi-process benchmarks start: as serve's, its workers share weights
+    only with each other, so a stack never maps another stack's on this host (one stopping would make the
+    other's workers exit to reload); the folder goes when the stack stops; a folder named in the environment is
+    every process's, as given."""
+    from kvrelay.local_cluster import SHARE_WEIGHTS_ENV, LocalCluster
+
+    monkeypatch.delenv(SHARE_WEIGHTS_ENV, raising=False)
+    cluster = LocalCluster("redis://127.0.0.1:1", tmp_path)
+    assert cluster.share_dir == weight_scope.deployment_dir(Proc.me()) != default_dir()
+    assert cluster.env()[SHARE_WEIGHTS_ENV] == str(cluster.share_dir)
+    cluster.share_dir.mkdir(parents=True)
+    cluster.stop()
+    assert not cluster.share_dir.exists()
+    monkeypatch.setenv(SHARE_WEIGHTS_ENV, str(tmp_path / "chosen"))
+    chosen = LocalCluster("redis://127.0.0.1:1", tmp_path)
+    assert chosen.share_dir is None and chosen.env()[SHARE_WEIGHTS_ENV] == str(tmp_path / "chosen")
