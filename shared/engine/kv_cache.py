@@ -14,6 +14,7 @@ import torch
 
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.activation_peak import free_kv_blocks
+from kvrelay.shared.engine.kv_calibration import calibration_length
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.ranks.group import RankGroup
@@ -96,6 +97,8 @@ class RunnerKVCache:
         # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
+        if cache.calculate_kv_scales:  # its calibration batch is one step even above the budget
+            num_tokens = max(num_tokens, calibration_length(self.max_model_len))
         rows = min(num_tokens, sched.max_num_seqs)
         if self.ranks is not None:  # every rank profiles its own device; the group keeps what fits on all
             self.ranks.send(RankProfile(num_tokens, rows))

@@ -10,8 +10,14 @@ Which batch is a choice, made so that:
   of device and dtype, measures the same scales. That is what a disaggregated pair needs: the decode worker reads
   the prefill worker's blocks with its own scales, and both measured them on the same batch. Nothing else is
   agreed: the digest of the scales in every handoff ask (shared/engine/kv_scales.py) still refuses blocks from a
-  worker that measured others (another device kind, another dtype, a budget that cut the batch shorter, no
-  ``--calculate-kv-scales``), before any byte moves, instead of misreading them.
+  worker that measured others (another device kind, another dtype, another ``--max-model-len`` short enough to
+  cut the batch, no ``--calculate-kv-scales``), before any byte moves, instead of misreading them.
+- The scales do not depend on ``--max-num-batched-tokens``: the batch runs in one step even where the budget is
+  smaller (``calibrate_in_one_step``). A batch cut to the budget would give every budget scales of its own, and
+  with them other fp8 values for every K/V and other logprobs for the same prompt; split across steps, its first
+  step would set each layer's scales before the later tokens were seen. One step of at most
+  ``CALIBRATION_TOKENS``, once at start, is small beside the steps a budget exists for, and a GPU's KV profile
+  counts it (kv_cache.py).
 - No request ever writes a block under a scale that changes afterwards: the batch runs inside the engine's
   construction, before any request can arrive, and before warm-up.
 - CUDA graphs need nothing of their own: the decode graphs, captured as the runner starts, read each layer's
@@ -24,6 +30,7 @@ the engine lends it (a pool shared with other models included) and is freed afte
 
 import logging
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -32,7 +39,7 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_TOKENS = 256  # at most; fewer when one step (--max-num-batched-tokens) or --max-model-len holds fewer
+CALIBRATION_TOKENS = 256  # at most; fewer when --max-model-len holds fewer
 CALIBRATION_SEED = 0
 CALIBRATION_REQUEST = "kvrelay-kv-scales"
 CALIBRATION_TENANT = "kvrelay-kv-scales"  # its own, as warm-up's: no user tenant's fairness counters see its tokens
@@ -44,9 +51,23 @@ def calibration_prompt(vocab_size: int, num_tokens: int) -> list[int]:
     return torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist()
 
 
-def calibration_length(core) -> int:
-    """Tokens of the calibration prompt: one step runs all of them, so every layer measures the whole batch."""
-    return min(CALIBRATION_TOKENS, core.scheduler.max_num_batched_tokens, core.max_model_len - 1)
+def calibration_length(max_model_len: int) -> int:
+    """Tokens of the calibration prompt: one step runs all of them, so every layer measures the whole batch;
+    the prompt leaves room for the one token it samples."""
+    return min(CALIBRATION_TOKENS, max_model_len - 1)
+
+
+@contextmanager
+def calibrate_in_one_step(scheduler, num_tokens: int):
+    """The scheduler's token budget raised to ``num_tokens`` while the calibration batch runs, so the whole
+    batch is one step whatever ``--max-num-batched-tokens`` is; nothing else runs then (the engine is still
+    being built), and the budget is back as it was before the first request."""
+    budget = scheduler.max_num_batched_tokens
+    scheduler.max_num_batched_tokens = max(budget, num_tokens)
+    try:
+        yield
+    finally:
+        scheduler.max_num_batched_tokens = budget
 
 
 def calculate_kv_scales(core) -> list[list[float]]:
@@ -56,14 +77,15 @@ def calculate_kv_scales(core) -> list[list[float]]:
     attns = [next(m for m in layer.modules() if hasattr(m, "kv_scale")) for _, layer in runner.model.held_layers()]
     bm = core.block_manager
     counters = bm.prefix_queries, bm.prefix_hits
-    prompt = calibration_prompt(core.vocab_size, calibration_length(core))
+    prompt = calibration_prompt(core.vocab_size, calibration_length(core.max_model_len))
     for attn in attns:
         attn.kv_scale_pending = True
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         core.add_request(core.make_request(CALIBRATION_REQUEST, prompt, params, tenant=CALIBRATION_TENANT))
-        while core.has_unfinished():
-            core.step()
+        with calibrate_in_one_step(core.scheduler, len(prompt)):
+            while core.has_unfinished():
+                core.step()
         core.scheduler.release_held(CALIBRATION_REQUEST)  # a prefill worker's core holds it for a handoff
         bm.reset_prefix_cache()
         bm.prefix_queries, bm.prefix_hits = counters

@@ -42,8 +42,9 @@ def _complete(c: Cluster, model: str, prompt: list[int]):
 
 @pytest.mark.parametrize(("flags", "logged", "prompts"), [
     ([], "float8_e4m3fn", random_prompts(8, lo=5, hi=90, seed=11)),  # each logged its KV cache as fp8
-    # both sides measure their scales on the same calibration batch, so they agree
-    (["--calculate-kv-scales"], "fp8 KV cache scales measured on 32 calibration tokens",
+    # both sides measure their scales on the same calibration batch (min(256, 255), whatever the 32-token budget),
+    # so they agree
+    (["--calculate-kv-scales"], "fp8 KV cache scales measured on 255 calibration tokens",
      random_prompts(4, lo=5, hi=90, seed=12)),
 ], ids=["checkpoint-scales", "calculated-scales"])
 def test_disaggregated_fp8_gives_the_unified_fp8_tokens(cluster, flags, logged, prompts):

@@ -5,7 +5,8 @@ logprobs under ``--kv-cache-dtype fp8`` with scale 1.0 and keeps them with measu
 scales are the amax of the calibration batch's keys and values over vLLM's constants, computed here
 independently through HF transformers; a prefill-role and a decode-role engine measure the same ones (the
 handoff digest agrees); every attention (rotary or not) measures its own; measured scales replace a
-checkpoint's; and the flag is refused, in one line naming both flags, without fp8 and beside ranks."""
+checkpoint's; the step budget changes neither the scales nor the logprobs; and the flag is refused, in one line
+naming both flags, without fp8 and beside ranks."""
 
 import shutil
 
@@ -16,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from kvrelay import LLM, SamplingParams
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.shared.engine.engine_core import EngineCore
-from kvrelay.shared.engine.kv_calibration import calibration_prompt
+from kvrelay.shared.engine.kv_calibration import calibration_length, calibration_prompt
 from kvrelay.shared.engine.kv_dtype import K_SCALE_RANGE, V_SCALE_RANGE
 from kvrelay.shared.engine.kv_scales import scales_digest
 from tests.conftest import random_prompts
+from tests.unit.test_kv_fp8_models import TOL, _logprobs, _reference
 
 MAX_NEW = 8
 # nats, worst over every position: measured scales vs the fp32 cache is e4m3's rounding alone (observed 0.25,
@@ -28,6 +30,8 @@ MAX_NEW = 8
 CALIBRATED_TOL = 0.5
 UNIT_SCALE_OFF = 2.0
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=64, enable_prefix_caching=False)
+# nats: the same prompts at two step budgets, engine against engine (observed 3e-6)
+BUDGET_TOL = 1e-4
 
 
 def _rescaled(src, dst, factor: float):
@@ -115,7 +119,7 @@ def test_measured_scales_are_the_calibration_batchs_amax(outsized):
     model_dir, _ = outsized
     llm = LLM(model=str(model_dir), **ENGINE, kv_cache_dtype="fp8", calculate_kv_scales=True)
     scales = llm.engine.core.runner.kv_scales.tolist()
-    ids = calibration_prompt(llm.engine.core.vocab_size, 64)  # min(256, the 64-token budget, 127)
+    ids = calibration_prompt(llm.engine.core.vocab_size, calibration_length(128))  # min(256, 127)
     amax = _hf_amax(model_dir, ids, scales)
     assert len(scales) == len(amax) == 2
     for (k_scale, v_scale), (k_amax, v_amax) in zip(scales, amax, strict=True):
@@ -123,6 +127,37 @@ def test_measured_scales_are_the_calibration_batchs_amax(outsized):
         assert v_scale == pytest.approx(v_amax / V_SCALE_RANGE, rel=1e-4)
     assert llm.engine.core.kv.scales_digest == scales_digest(scales, 2)
     assert llm.engine.core.num_free_blocks == llm.engine.core.num_total_blocks  # the batch's blocks are back
+
+
+def test_the_step_budget_changes_neither_the_scales_nor_the_logprobs(outsized):
+    """64-token steps run these prompts whole beside other requests' decodes; 16-token ones chunk every prompt, so
+    most of its attention reads K/V back from the fp8 cache. Both measure the same scales (the calibration batch
+    is one step whatever the budget, kv_calibration.py), give the same tokens and logprobs, and meet HF
+    transformers with a cache that rounds K/V through fp8 under those scales. A budget that cut the calibration
+    batch gave each budget scales of its own, and logprobs apart by far more than BUDGET_TOL."""
+    model_dir, factor = outsized
+    prompts = random_prompts(6, lo=20, hi=60, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, prompt_logprobs=0)
+    runs = {}
+    for batched in (64, 16):
+        llm = LLM(model=str(model_dir), **{**ENGINE, "max_num_batched_tokens": batched}, max_num_seqs=16,
+                  kv_cache_dtype="fp8", calculate_kv_scales=True)
+        assert llm.engine.core.max_num_batched_tokens == batched  # the calibration step's budget is not kept
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[batched] = (llm.engine.core.runner.kv_scales.tolist(),
+                         [_logprobs(p, out) for p, out in zip(prompts, outs, strict=True)])
+    (scales, whole), (chunked_scales, chunked) = runs[64], runs[16]
+    assert scales == chunked_scales, (factor, scales, chunked_scales)
+    apart = from_reference = 0.0
+    for prompt, rows, chunked_rows in zip(prompts, whole, chunked, strict=True):
+        assert [r[:2] for r in rows] == [r[:2] for r in chunked_rows], factor  # the same tokens
+        apart = max(apart, *(abs(a[2] - b[2]) for a, b in zip(rows, chunked_rows, strict=True)))
+        ids = prompt + [tok for pos, tok, _ in rows[len(prompt) - 1:]]
+        rounded = _reference(str(model_dir), ids, True, dict(enumerate(scales)))
+        from_reference = max(from_reference, *(abs(lp - rounded[pos, tok].item()) for pos, tok, lp in rows))
+    print(f"factor {factor}: budgets 64 vs 16 {apart:.2e} nats apart, {from_reference:.2e} from the reference")
+    assert apart <= BUDGET_TOL, (factor, apart)
+    assert from_reference <= TOL, (factor, from_reference)
 
 
 def test_prefill_and_decode_engines_measure_the_same_scales(tiny_model_dirs):
