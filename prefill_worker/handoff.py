@@ -4,10 +4,12 @@ worker XACK the job) is shared/handoff/sender.py's.
 
 A decode worker is chosen among the live ones registered in Redis that serve the model, most free KV
 blocks first, then the lightest batch: that spreads load and avoids a grant refusal. The one that last took a
-prompt sharing this one's prefix goes first while it has room and is not much busier (decode_affinity.py):
-it holds those blocks, and is sent only the rest. One refused or
-silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again, after a wait that doubles each
-round up to 2 s, while the handoff timeout allows: a full decode batch is backpressure, not failure).
+prompt sharing this one's prefix (an n > 1 sibling, the next turn of a chat, a shared system prompt) goes first
+while it has the free blocks the prompt needs and its batch is within ``SLACK`` requests of the least loaded
+one: it reuses the prompt blocks it holds and is sent only the rest (decode_worker/receiver.py), which no other
+can; where each prefix went is remembered by its first MAX_PREFIX_BLOCKS blocks (shared/wire/prefix_affinity.py).
+One refused or silent is skipped for the next (up to MAX_ATTEMPTS, then all of them again, after a wait that
+doubles each round up to 2 s, while the handoff timeout allows: a full decode batch is backpressure, not failure).
 
 A decode worker that leaves the registry for good (its rank was killed and took it down, or it stopped)
 while it holds a transfer owes no answer: the transfer goes to another one at once when only asked or
@@ -33,13 +35,13 @@ import time
 import redis
 import zmq
 
-from kvrelay.prefill_worker.decode_affinity import SLACK, DecodeAffinity
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.outbound import offered_hashes
 from kvrelay.shared.handoff.sender import HandoffSender
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.prefix_affinity import MAX_PREFIX_BLOCKS, PrefixAffinity
 from kvrelay.shared.wire.protocol import Job, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.wire.step_stall import stalled, why_stalled
@@ -51,6 +53,8 @@ __all__ = ["FirstToken", "HandoffManager", "State", "Transfer"]
 log = logging.getLogger(__name__)
 
 WORKER_CACHE_S = 0.5
+SLACK = 8  # requests: how much busier than the least-loaded candidate the remembered worker may be
+AFFINITY_CAPACITY = 100_000  # (model, block hash) entries
 GONE_AFTER_S = 2 * keys.HEARTBEAT_INTERVAL_S  # a live worker re-registers within a heartbeat of Redis losing it
 # the states in which a decode worker holds something of a transfer (its ask, a grant, KV) and owes an answer
 HELD_BY_TARGET = (State.GRANT_WAIT, State.GRANTED, State.STREAMING, State.SENDING, State.ACK_WAIT)
@@ -73,7 +77,8 @@ class HandoffManager(HandoffSender):
         self._workers_at = 0.0
         self._missing: dict[str, float] = {}  # decode worker address -> since when it is not registered
         self._stalled: set[str] = set()  # decode workers skipped as stalled, as of the last read
-        self.affinity = DecodeAffinity()  # where each prompt prefix's KV went: the next one sharing it goes there
+        # where each prompt prefix's KV went: the next one sharing it goes there
+        self.affinity = PrefixAffinity(AFFINITY_CAPACITY)
 
     def start_early(self, job: Job, entry_id: bytes) -> Transfer:
         """Ask for a grant before the prompt is prefilled, so its KV can stream during the last chunk."""
@@ -158,15 +163,15 @@ class HandoffManager(HandoffSender):
         live.sort(key=lambda w: (-_free_kv(w, model), _load(w, model)))
         if t.block_hashes is None:  # worked out once, for every ask of the transfer (outbound.request_for)
             t.block_hashes = offered_hashes(t, self.core_for(model).kv)
-        chosen = live[0]
-        known = self.affinity.lookup(model, t.block_hashes, {w.worker_id for w in live})
+        chosen, prefix = live[0], t.block_hashes[:MAX_PREFIX_BLOCKS]
+        known = self.affinity.lookup(model, prefix, {w.worker_id for w in live})
         if known is not None:
             w = next(w for w in live if w.worker_id == known)
             need = -(-len(t.job.prompt_token_ids) // self.core_for(model).kv.block_size)
             least = min(_load(c, model) for c in live)
             if _free_kv(w, model) >= need and _load(w, model) - least <= SLACK:
                 chosen = w
-        self.affinity.record(model, t.block_hashes, chosen.worker_id)
+        self.affinity.record(model, prefix, chosen.worker_id)
         return chosen
 
     def skipped(self, model: str) -> str:

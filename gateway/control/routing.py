@@ -9,18 +9,18 @@ keeps its worker while workers come and go, and only the keys of a departed work
 to load: a preferred worker more than ``slack`` requests busier than the least-loaded candidate, or
 without free KV blocks for the prompt (a draining worker advertises none), gets nothing routed; the
 shared stream then balances.
-Each gateway also remembers where it routed every prefix block (PrefixIndex): a prompt whose leading
-blocks it has seen goes where the longest of them went, even when the rest of its key differs.
+Each gateway also remembers where it routed every prefix block (shared/wire/prefix_affinity.py): a prompt
+whose leading blocks it has seen goes where the longest of them went, even when the rest of its key differs.
 """
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from kvrelay.shared.wire.block_hash import block_hash_chain, cache_namespace
+from kvrelay.shared.wire.prefix_affinity import MAX_PREFIX_BLOCKS, PrefixAffinity
 from kvrelay.shared.wire.protocol import WorkerInfo
 
 
@@ -67,7 +67,7 @@ def load(worker: WorkerInfo, backlog: dict[str, int]) -> int:
 def pick_worker(key: bytes | None, workers: list[WorkerInfo], backlog: dict[str, int], policy: Policy,
                 blocks_needed: int = 1, known: str | None = None, siblings: int = 1) -> str | None:
     """The worker whose private stream should get the job, or None for the shared stream. ``known``: the
-    worker this gateway last sent the prompt's longest already-seen prefix to (PrefixIndex), which beats
+    worker this gateway last sent the prompt's longest already-seen prefix to (PrefixAffinity), which beats
     the rendezvous choice when it is still a candidate. ``siblings`` > 1: the job is one of that many
     choices of one prompt (``n``), which must meet on one worker to compute the prompt once (its scheduler
     holds the others until the first has cached it), so where affinity yields they go to the least-loaded
@@ -88,14 +88,14 @@ def pick_worker(key: bytes | None, workers: list[WorkerInfo], backlog: dict[str,
 
 def route(prompt: Sequence[int], model: str, block_size: int, tenant: str, cache_salt: str | None,
           workers: list[WorkerInfo], backlog: dict[str, int], policy: Policy,
-          index: "PrefixIndex | None" = None, siblings: int = 1) -> str | None:
+          index: PrefixAffinity | None = None, siblings: int = 1) -> str | None:
     """``pick_worker`` for one prompt; ``workers`` are the model's ``candidates``. With an ``index``, a
     prompt whose leading blocks this gateway already routed goes where the longest of them went (a
     shared document or system prompt shorter than ``prefix_tokens`` followed by different questions
     meets its cache), and every private routing is remembered."""
     if not policy.enabled or len(workers) < 2:
         return None
-    limit = max(policy.prefix_tokens // block_size, INDEX_MAX_BLOCKS if index is not None else 0)
+    limit = max(policy.prefix_tokens // block_size, MAX_PREFIX_BLOCKS if index is not None else 0)
     chain = block_chain(block_size, prompt, tenant, cache_salt, limit)
     key = affinity_key(model, block_size, prompt, tenant, cache_salt, policy.prefix_tokens, chain)
     known = index.lookup(model, chain, {w.worker_id for w in workers}) if index is not None else None
@@ -106,43 +106,15 @@ def route(prompt: Sequence[int], model: str, block_size: int, tenant: str, cache
     return worker
 
 
-INDEX_MAX_BLOCKS = 128  # prefix blocks a prompt is indexed by: enough for long shared documents, cheap to hash
-
-
-class PrefixIndex:
-    """Where this gateway last sent each prompt prefix: block hash -> prefill worker, LRU-bounded. An
-    approximation of the workers' caches (they evict, other gateways route too), as SGLang's router keeps;
-    a wrong guess costs a cache miss, never a wrong answer."""
-
-    def __init__(self, capacity: int = 200_000):
-        self.capacity = capacity
-        self._where: OrderedDict[tuple[str, int], str] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def lookup(self, model: str, chain: list[int], live: set[str]) -> str | None:
-        """The live worker the longest indexed prefix of ``chain`` went to, if any."""
-        for h in reversed(chain):
-            worker = self._where.get((model, h))
-            if worker is not None and worker in live:
-                return worker
-        return None
-
-    def record(self, model: str, chain: list[int], worker: str) -> None:
-        for h in chain:
-            self._where[(model, h)] = worker
-            self._where.move_to_end((model, h))
-        while len(self._where) > self.capacity:
-            self._where.popitem(last=False)
+INDEX_CAPACITY = 200_000  # (model, block hash) entries a gateway remembers
 
 
 class Router:
-    """The gateway's routing: its policy, built once from the config, and its PrefixIndex."""
+    """The gateway's routing: its policy, built once from the config, and where it sent each prefix."""
 
-    def __init__(self, policy: Policy, index: PrefixIndex | None = None):
+    def __init__(self, policy: Policy, index: PrefixAffinity | None = None):
         self.policy = policy
-        self.index = index if index is not None else PrefixIndex()
+        self.index = index if index is not None else PrefixAffinity(INDEX_CAPACITY)
 
     def route(self, prompt: Sequence[int], model: str, block_size: int, tenant: str, cache_salt: str | None,
               workers: list[WorkerInfo], backlog: dict[str, int]) -> str | None:

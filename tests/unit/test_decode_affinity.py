@@ -1,15 +1,16 @@
-"""The prefill side's choice of decode worker (prefill_worker/handoff.py, decode_affinity.py): a prompt sharing
-a prefix with one handed off before goes where that one went (its blocks are reused there), while that worker
-has room and is not much busier; otherwise, and for a new prompt, the one with the most free KV."""
+"""The prefill side's choice of decode worker (prefill_worker/handoff.py): a prompt sharing a prefix with one
+handed off before goes where that one went (its blocks are reused there), while that worker has room and is not
+much busier; otherwise, and for a new prompt, the one with the most free KV. What it remembers is
+shared/wire/prefix_affinity.py's, tested in test_prefix_affinity.py."""
 
 import dataclasses
 
 import torch
 import zmq
 
-from kvrelay.prefill_worker.decode_affinity import SLACK, DecodeAffinity
-from kvrelay.prefill_worker.handoff import HandoffManager, Transfer
+from kvrelay.prefill_worker.handoff import SLACK, HandoffManager, Transfer
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, synthetic_job
+from kvrelay.shared.wire.prefix_affinity import MAX_PREFIX_BLOCKS
 from tests.zmq_secret import CURVE
 
 MODEL = "m"
@@ -61,12 +62,15 @@ def test_a_shared_prefix_goes_where_it_went_while_that_worker_has_room_and_is_no
         ctx.destroy(linger=0)
 
 
-def test_the_index_is_bounded_and_per_model():
-    index = DecodeAffinity(capacity=10)
-    index.record("m", [1, 2, 3], "d1")
-    assert index.lookup("m", [1, 2, 9], {"d1"}) == "d1"  # the longest remembered prefix: block 2
-    assert index.lookup("other", [1, 2, 3], {"d1"}) is None
-    assert index.lookup("m", [1, 2, 3], {"d2"}) is None  # d1 is not live
-    for i in range(20):
-        index.record("m", [100 + i], "d2")
-    assert len(index) == 10 and index.lookup("m", [1], {"d1"}) is None
+def test_a_long_prompt_is_remembered_by_its_first_blocks_only():
+    ctx = zmq.Context()
+    rt = endpoint(torch.zeros(SHAPE), "p1", MODEL)
+    manager = HandoffManager(ctx, rt, 5.0, workers=lambda: [decode("d1", free=40)], curve=CURVE)
+    try:
+        long = transfer("long", prompt(100, n=4 * (MAX_PREFIX_BLOCKS + 50)))  # 4 tokens a block
+        assert manager._pick_decode_worker(long).worker_id == "d1"
+        assert len(long.block_hashes) == MAX_PREFIX_BLOCKS + 50
+        assert len(manager.affinity) == MAX_PREFIX_BLOCKS
+    finally:
+        manager.close()
+        ctx.destroy(linger=0)

@@ -5,7 +5,8 @@ policy go to the shared stream."""
 import random
 from collections import Counter
 
-from kvrelay.gateway.control.routing import Policy, affinity_key, candidates, route
+from kvrelay.gateway.control.routing import Policy, affinity_key, block_chain, candidates, route
+from kvrelay.shared.wire.prefix_affinity import MAX_PREFIX_BLOCKS, PrefixAffinity
 from kvrelay.shared.wire.protocol import WorkerInfo
 
 BS = 16
@@ -105,9 +106,7 @@ def test_the_index_sends_a_short_shared_prefix_where_it_went_before():
     """A shared 3-block document (48 tokens, shorter than the 64-token key) followed by different
     questions: the rendezvous key differs per question, the index still sends every one to the worker
     that computed the document."""
-    from kvrelay.gateway.control.routing import PrefixIndex
-
-    index, doc = PrefixIndex(), prompt(7, 48)
+    index, doc = PrefixAffinity(capacity=1000), prompt(7, 48)
     first = route(doc + prompt(500, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)
     assert first is not None
     without = {pick(doc + prompt(600 + i, 40), WORKERS) for i in range(30)}
@@ -117,10 +116,8 @@ def test_the_index_sends_a_short_shared_prefix_where_it_went_before():
     assert with_index == {first}
 
 
-def test_the_index_yields_to_load_dead_workers_tenants_and_its_capacity():
-    from kvrelay.gateway.control.routing import PrefixIndex, block_chain
-
-    index, doc = PrefixIndex(capacity=64), prompt(8, 48)
+def test_the_index_yields_to_load_dead_workers_and_tenants():
+    index, doc = PrefixAffinity(capacity=1000), prompt(8, 48)
     first = route(doc + prompt(1, 40), "m", BS, "default", None, WORKERS, {}, POLICY, index)
     busy = {first: POLICY.slack + 1}
     assert route(doc + prompt(2, 40), "m", BS, "default", None, WORKERS, busy, POLICY, index) is None
@@ -130,9 +127,6 @@ def test_the_index_yields_to_load_dead_workers_tenants_and_its_capacity():
     assert route(doc + prompt(4, 40), "m", BS, "default", None, alive, {}, POLICY, index) == moved  # re-learned
     other = block_chain(BS, doc, "tenant-b", None, 8)
     assert index.lookup("m", other, {w.worker_id for w in WORKERS}) is None  # namespaces never share
-    for i in range(40):
-        route(prompt(1000 + i, 80), "m", BS, "default", None, WORKERS, {}, POLICY, index)
-    assert len(index) <= 64
 
 
 def test_the_choices_of_one_prompt_meet_on_one_worker_and_count_once():
@@ -158,3 +152,13 @@ def test_the_choices_of_one_prompt_meet_on_one_worker_and_count_once():
     both = Router(POLICY).route_choices([p, q], 3, "m", BS, "default", None, WORKERS, backlog := {})
     assert both[:3] == [preferred] * 3 and len(set(both[3:])) == 1 and sum(backlog.values()) == 2
     assert Router(Policy(enabled=False)).route_choices([p], 4, "m", BS, "default", None, WORKERS, {}) == [None] * 4
+
+
+def test_the_index_remembers_a_prompt_by_as_many_leading_blocks_as_the_key_or_more():
+    """At least MAX_PREFIX_BLOCKS, so that a long shared document is still found, and more where the policy's
+    key covers more."""
+    long = prompt(9, BS * (MAX_PREFIX_BLOCKS + 50))
+    for prefix_tokens, remembered in ((64, MAX_PREFIX_BLOCKS), (BS * (MAX_PREFIX_BLOCKS + 20), MAX_PREFIX_BLOCKS + 20)):
+        index = PrefixAffinity(capacity=1000)
+        assert route(long, "m", BS, "default", None, WORKERS, {}, Policy(prefix_tokens=prefix_tokens), index)
+        assert len(index) == remembered
