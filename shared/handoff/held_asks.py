@@ -97,9 +97,14 @@ class HeldAsks:
     def __bool__(self) -> bool:
         return bool(self.asks)
 
-    def hold(self, peer: bytes, req: HandoffRequest, in_flight: Iterable[tuple[str, list[int]]], cached: int) -> bool:
-        """Hold ``req`` if an in-flight transfer brings more of its prefix than ``cached``; whether it was held."""
-        found = best_provider(req, in_flight, cached)
+    def hold(self, peer: bytes, req: HandoffRequest, in_flight: list[tuple[str, list[int]]],
+             cached: Callable[[], int]) -> bool:
+        """Hold ``req`` if an in-flight transfer brings more of its prefix than ``cached()`` blocks, which the cache
+        holds now (counted only when some transfer starts as ``req`` does); whether it was held."""
+        first = req.block_hashes[:1]
+        if not first or not any(hashes[:1] == first for _, hashes in in_flight):
+            return False
+        found = best_provider(req, in_flight, cached())
         if found is None:
             return False
         self.asks[req.request_id] = HeldAsk(peer, req, time.monotonic() + self.wait_s, *found)

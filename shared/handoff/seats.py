@@ -74,7 +74,7 @@ class Seats(ABC):
             return self._grant(peer, req)
         core = self.core_for(req.model) if req.block_hashes else None
         if core is not None and core.kv.reuses_prefix and self.held.hold(
-                peer, req, self._in_flight(req.model), core.kv.cached_prefix(req.num_tokens, req.block_hashes)):
+                peer, req, self._in_flight(req.model), lambda: core.kv.cached_prefix(req.num_tokens, req.block_hashes)):
             log.debug("held the ask for %s until a sibling's KV lands here", req.request_id)
             return None
         return self._grant(peer, req)

@@ -34,7 +34,7 @@ def test_the_provider_is_the_transfer_bringing_most_past_what_is_cached():
 def test_a_held_ask_is_answered_ready_once_its_transfer_landed_and_its_blocks_are_cached():
     held = HeldAsks(grant_ttl_s=10.0)
     flying = {"m": [("a", [1, 2, 3])]}
-    assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], cached=0)
+    assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], lambda: 0)
     assert not list(held.due(flying.get, lambda req: 0))  # still in flight
     flying["m"] = []  # landed: its blocks are cached
     (due,) = held.due(flying.get, lambda req: 3)
@@ -44,7 +44,7 @@ def test_a_held_ask_is_answered_ready_once_its_transfer_landed_and_its_blocks_ar
 def test_a_held_ask_whose_transfer_failed_waits_for_another_in_flight_else_goes_unblocked():
     held = HeldAsks(grant_ttl_s=10.0)
     flying = {"m": [("a", [1, 2, 3])]}
-    assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], cached=0)
+    assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], lambda: 0)
     flying["m"] = [("c", [1, 2])]  # a failed; c, granted since, brings two blocks
     assert not list(held.due(flying.get, lambda req: 0)) and held.asks["b"].provider == "c"
     flying["m"] = []  # c failed too
@@ -56,13 +56,13 @@ def test_no_ask_is_held_past_its_bound_nor_twice_and_its_asker_may_cancel_it():
     held = HeldAsks(grant_ttl_s=8.0)
     flying = {"m": [("a", [1, 2, 3])]}
     before = time.monotonic()
-    assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], cached=0)
+    assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], lambda: 0)
     assert before + 2.0 <= held.asks["b"].until <= time.monotonic() + 2.0  # a quarter of the grant TTL
     held.asks["b"].until = time.monotonic() - 1  # its bound passed, its transfer still in flight
     (due,) = held.due(flying.get, lambda req: 0)
     assert due.state is HoldState.UNBLOCKED
-    assert held.hold(b"p", ask("c", [1, 2, 3]), flying["m"], cached=0)
+    assert held.hold(b"p", ask("c", [1, 2, 3]), flying["m"], lambda: 0)
     assert held.asked_again("c") and not held and not held.asked_again("c")
-    assert held.hold(b"p", ask("d", [1, 2, 3]), flying["m"], cached=0)
+    assert held.hold(b"p", ask("d", [1, 2, 3]), flying["m"], lambda: 0)
     assert not held.cancel(b"other", "d") and held.cancel(b"p", "d") and not held
     assert held.outcomes == {HoldState.HELD: 3, HoldState.UNBLOCKED: 1, HoldState.DROPPED: 2}
