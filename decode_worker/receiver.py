@@ -33,6 +33,11 @@ class HandoffReceiver(KVInbox):
         self.quota.new_round()
         return super().poll(timeout_ms, admit)
 
+    def _answer_held(self) -> None:
+        if self.held:  # KV that landed since the round began is its engine's now: count its tenants' blocks again
+            self.quota.new_round()
+        super()._answer_held()
+
     def reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> Reservation | str:
         answer = self._reserve(req, pending, from_peer)
         if isinstance(answer, str) and not isinstance(answer, Busy):

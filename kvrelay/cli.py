@@ -156,6 +156,9 @@ BENCHES = {
               "SLOs (goodput), as a fraction of the offline engine's req/s"),
     "handoff": ("kvrelay.bench.handoff", "run", "KV handoff between two processes: GB/s of frames against raw "
                 "ZMQ, and of CUDA IPC against an in-process device copy, with where the time goes"),
+    "chat-handoff": ("kvrelay.bench.chat_handoff", "run", "KV handoff bytes of a multi-turn chat load through a "
+                     "disaggregated stack, per turn: received bytes and reused prompt blocks with the decode worker's "
+                     "reuse on and off (--no-enable-prefix-caching there), in the same call, and the ratio"),
     "rank-handoff": ("kvrelay.bench.rank_handoff", "run", "a tensor-parallel prefill's KV handoff: GB/s with each "
                      "rank sending its own KV heads against rank 0 gathering them first, in the same run"),
     "arbitration": ("kvrelay.bench.kv_arbitration", "run", "two co-resident models: tok/s of one KV pool "

@@ -245,13 +245,7 @@ class BlockManager:
         caller compares ``holds_prefix`` against the tokens before using it."""
         if request_id in self.req_blocks:
             raise ValueError(f"request {request_id} already owns blocks")
-        hits: list[int] = []
-        if self.enable_prefix_caching:
-            for h in block_hashes[:(num_tokens - 1) // self.block_size]:
-                block = self.cached.get(h)
-                if block is None:
-                    break
-                hits.append(block)
+        hits = self._prefix_hits(num_tokens, block_hashes)
         need = cdiv(num_tokens, self.block_size) - len(hits)
         reclaimed = sum(1 for b in hits if self.ref_cnt[b] == 0)  # as allocate_slots: a hit in the free queue
         self._grow(need - (self.num_free_blocks - reclaimed))
@@ -261,6 +255,22 @@ class BlockManager:
             self._ref(b)
         blocks = self.req_blocks[request_id] = hits + [self._take_free() for _ in range(need)]
         return list(blocks), len(hits)
+
+    def cached_prefix(self, num_tokens: int, block_hashes: list[int]) -> int:
+        """How many blocks ``allocate_with_prefix`` would reuse now for the same arguments (nothing is taken)."""
+        return len(self._prefix_hits(num_tokens, block_hashes))
+
+    def _prefix_hits(self, num_tokens: int, block_hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest leading run of ``block_hashes``, leaving the prompt's last token's
+        block fresh (see ``allocate_with_prefix``)."""
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            for h in block_hashes[:(num_tokens - 1) // self.block_size]:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                hits.append(block)
+        return hits
 
     def holds_prefix(self, blocks: list[int], tokens: list[int], tenant: str, cache_salt: str | None) -> bool:
         """Whether ``blocks`` are cached as the leading full blocks of ``tokens`` in that tenant's namespace, key by

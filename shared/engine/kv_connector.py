@@ -125,6 +125,10 @@ class EngineKV:
         return self._blocks.allocate_with_prefix(request_id, num_tokens,
                                                  block_hashes if self.reuses_prefix else [])
 
+    def cached_prefix(self, num_tokens: int, block_hashes: list[int]) -> int:
+        """How many leading blocks ``reserve_prefix`` would reuse now (0 unless ``reuses_prefix``); takes nothing."""
+        return self._blocks.cached_prefix(num_tokens, block_hashes) if self.reuses_prefix else 0
+
     def prompt_hashes(self, request_id: str) -> list[int]:
         """The hash chain of ``request_id``'s blocks as far as this engine's prefix cache has hashed them (empty
         with prefix caching off): a prefill side's offer to the decode worker without hashing the prompt again."""

@@ -59,6 +59,9 @@ class Grant:
     frames_key: bytes = field(default=b"", repr=False)  # HandoffGrant.frames_key: its frames' MACs are under it
     tenant: str = ""  # HandoffRequest.tenant: whose KV quota its blocks count against
     reused: list[int] = field(default_factory=list)  # Reservation.reused: held here already, not sent
+    # its ask's (HandoffRequest.block_hashes): the blocks cached here once its KV lands, which a sibling's ask may
+    # wait for (held_asks.py)
+    block_hashes: list[int] = field(default_factory=list, repr=False)
 
 
 class GrantBook:
@@ -96,7 +99,7 @@ class GrantBook:
         key = secrets.token_bytes(FRAME_KEY_BYTES) if self.frames_addr else b""
         self.grants[req.request_id] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl,
                                             now, epoch, offered=offer is not None, frames_key=key, tenant=req.tenant,
-                                            reused=reserved.reused)
+                                            reused=reserved.reused, block_hashes=req.block_hashes)
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
         targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,

@@ -30,11 +30,13 @@ class Incoming:
     header: KVHeader | None = None  # the last message: once here and the receiver complete, it lands
     tenant: str = ""  # its grant's: whose KV quota its blocks count against
     reused: list[int] = field(default_factory=list)  # its grant's: the prompt's leading blocks held here already
+    block_hashes: list[int] = field(default_factory=list, repr=False)  # its grant's: cached here once it lands
 
     @classmethod
     def of(cls, grant: Grant, transport: str, receiver: KVReceiver, now: float) -> "Incoming":
         return cls(grant.peer, grant.requester, grant.model, grant.block_ids, grant.num_tokens, transport, receiver,
-                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch, tenant=grant.tenant, reused=grant.reused)
+                   grant.ttl_s, now + grant.ttl_s, grant.since, grant.epoch, tenant=grant.tenant, reused=grant.reused,
+                   block_hashes=grant.block_hashes)
 
 
 def receiver_for(kv: EngineKV, rid: str, grant: Grant, transport: str, by_name: dict[str, Transport],

@@ -7,7 +7,8 @@ Per request: HandoffRequest (or one of a step's HandoffRequests, answered by one
 (blocks reserved, expiry armed; a direct-write offer when the asker shares our device) -> the transfer's first
 KVLayers message, or a header saying the KV was written directly, opens a ``KVReceiver`` (base.py) -> the
 header, which comes last and carries the first token, must match the grant and our layout -> once the receiver
-is complete: admitted and acked. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
+is complete: admitted and acked. An ask whose prompt prefix a transfer in flight here brings is held until that
+one lands (or fails, or a bound passes: held_asks.py), then granted past the blocks it brought. A bad layer, a bad header, or no progress for the grant's TTL frees the blocks
 and nacks (while its asker still heartbeats, only MAX_GRANT_HOLD_S does). HandoffCancel frees a grant (or a
 transfer's blocks) the sender gave up on, when it comes from the peer the grant was made to. An ask that does not
 decode (a newer asker's must-understand field) is refused with the codec's line (unreadable.py); in a step of
@@ -81,6 +82,7 @@ class KVInbox(Seats):
                 self._on_message(frames)
         self._advance(admit)
         self._expire()
+        self._answer_held()  # after both: a transfer that landed or failed here is one a held ask waits for no more
         return handled
 
     def _on_message(self, frames: list) -> None:
@@ -94,8 +96,7 @@ class KVInbox(Seats):
             if answers := asks_one_by_one(frames[1].bytes):  # a step of asks: only those unreadable are refused
                 log.warning("refused %d of a step's %d handoff asks: %s",
                             sum(isinstance(a, HandoffGrant) for a in answers), len(answers), exc)
-                self._reply(peer, HandoffGrants([a if isinstance(a, HandoffGrant) else self._grant(peer, a)
-                                                 for a in answers]))
+                self._reply_all(peer, [a if isinstance(a, HandoffGrant) else self._answer(peer, a) for a in answers])
                 return
             # a newer asker's ask (a field it must have understood) is refused at once: no wait for a timeout there
             asks = unread_asks(frames[1].bytes)
@@ -104,15 +105,21 @@ class KVInbox(Seats):
                 self._reply(peer, refusal(asks, str(exc)))
             return
         if isinstance(msg, HandoffRequest):
-            self._reply(peer, self._grant(peer, msg))
-        elif isinstance(msg, HandoffRequests):  # one step's asks: answered together
-            self._reply(peer, HandoffGrants([self._grant(peer, req) for req in msg.requests]))
+            self._reply_all(peer, [self._answer(peer, msg)])
+        elif isinstance(msg, HandoffRequests):  # one step's asks: answered together, but for those held
+            self._reply_all(peer, [self._answer(peer, req) for req in msg.requests])
         elif isinstance(msg, HandoffCancel):
             self._on_cancel(peer, msg)
         elif isinstance(msg, KVLayers):
             self._on_layer(peer, msg, payload)
         else:
             self._on_header(peer, msg, payload)
+
+    def _reply_all(self, peer: bytes, answers: list[HandoffGrant | None]) -> None:
+        """One message of the ``answers`` given now (None: an ask held, answered on its own later)."""
+        given = [a for a in answers if a is not None]
+        if given:
+            self._reply(peer, given[0] if len(given) == 1 else HandoffGrants(given))
 
     def _on_bulk(self, frames: list) -> None:
         """A message on the plain bulk socket, where anyone can send: a MAC'd frame goes on to be checked,

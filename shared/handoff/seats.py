@@ -3,7 +3,8 @@ made (grants.py), each of a request the decode role admitted (``reserve``), and 
 (incoming.py), by request id. A request id granted again supersedes what was held for it; what comes for an
 earlier grant of it is told apart by its epoch and dropped (``stale``); only the peer a grant was made to may
 give it up (HandoffCancel). A grant whose KV never comes expires (grants.py); a transfer that makes no progress
-for its TTL is freed and nacked."""
+for its TTL is freed and nacked. An ask whose prompt prefix a transfer in flight here brings is held until that
+one's KV lands, then granted past the blocks it brought (held_asks.py)."""
 
 import logging
 import time
@@ -12,11 +13,12 @@ from collections.abc import Callable
 
 from kvrelay.shared.handoff.base import Transport
 from kvrelay.shared.handoff.grants import Busy, Grant, GrantBook, OverQuota, Reservation
+from kvrelay.shared.handoff.held_asks import HeldAsks
 from kvrelay.shared.handoff.inbox_socket import InboxSocket
 from kvrelay.shared.handoff.incoming import Incoming, receiver_for
 from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.transports import default_transports
-from kvrelay.shared.wire.handoff import HandoffAck, HandoffCancel, HandoffGrant, HandoffRequest
+from kvrelay.shared.wire.handoff import MAX_ASKS, HandoffAck, HandoffCancel, HandoffGrant, HandoffGrants, HandoffRequest
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class Seats(ABC):
         self._by_name.setdefault(RankParts.name, RankParts())
         self.book = GrantBook(core_for, grant_ttl_s, self.transports, asker_alive, frames_addr)
         self.incoming: dict[str, Incoming] = {}
+        self.held = HeldAsks(grant_ttl_s)  # asks waiting for a sibling's KV in flight here (held_asks.py)
         self.stale = 0  # KV, headers and cancels of an earlier grant of a request id granted again, dropped
 
     @abstractmethod
@@ -63,6 +66,40 @@ class Seats(ABC):
     def forget_model(self, model: str) -> None:
         for transport in self.transports:
             transport.forget(model)
+
+    def _answer(self, peer: bytes, req: HandoffRequest) -> HandoffGrant | None:
+        """The answer to an ask now, or None when it is held for a sibling's KV in flight here (answered later, by
+        ``_answer_held``)."""
+        if self.held.asked_again(req.request_id):  # never held twice: a held ask is answered within one bound
+            return self._grant(peer, req)
+        core = self.core_for(req.model) if req.block_hashes else None
+        if core is not None and core.kv.reuses_prefix and self.held.hold(
+                peer, req, self._in_flight(req.model), lambda: core.kv.cached_prefix(req.num_tokens, req.block_hashes)):
+            log.debug("held the ask for %s until a sibling's KV lands here", req.request_id)
+            return None
+        return self._grant(peer, req)
+
+    def _in_flight(self, model: str) -> list[tuple[str, list[int]]]:
+        """``model``'s transfers granted or arriving here: (request id, the hashes of the blocks cached once it lands)."""
+        return [(rid, h.block_hashes) for held in (self.grants, self.incoming) for rid, h in held.items()
+                if h.model == model and h.block_hashes]
+
+    def _answer_held(self) -> None:
+        """Grant (or refuse) the held asks whose wait is over, one reply per asker."""
+        if not self.held:
+            return
+        replies: dict[bytes, list[HandoffGrant]] = {}
+
+        def cached(req: HandoffRequest) -> int:
+            core = self.core_for(req.model)
+            return 0 if core is None else core.kv.cached_prefix(req.num_tokens, req.block_hashes)
+
+        for ask in self.held.due(self._in_flight, cached):
+            replies.setdefault(ask.peer, []).append(self._grant(ask.peer, ask.req))
+        for peer, grants in replies.items():
+            for i in range(0, len(grants), MAX_ASKS):
+                batch = grants[i:i + MAX_ASKS]
+                self._reply(peer, batch[0] if len(batch) == 1 else HandoffGrants(batch))
 
     def _grant(self, peer: bytes, req: HandoffRequest) -> HandoffGrant:
         rid = req.request_id
@@ -120,6 +157,9 @@ class Seats(ABC):
         if msg.epoch and self._is_stale("a cancel", rid, msg.epoch):
             return
         inc, grant = self.incoming.get(rid), self.grants.get(rid)
+        if not msg.epoch and self.held.cancel(peer, rid):  # naming no grant: its ask, held here
+            log.debug("held ask of %s cancelled by its sender: %s", rid, msg.reason)
+            return
         if inc is not None and inc.peer == peer:
             inc = self.incoming.pop(rid)
             inc.receiver.abandon()

@@ -207,7 +207,8 @@ class HandoffGrant:
 
 @dataclass
 class HandoffGrants:
-    """Decode -> prefill: the answers to one HandoffRequests, in its order."""
+    """Decode -> prefill: the answers to one HandoffRequests, in its order; an ask the decode worker holds for a
+    sibling's KV on its way there (shared/handoff/held_asks.py) is left out and answered later, on its own."""
 
     TAG: ClassVar[str] = "handoff_grants"
     grants: list[HandoffGrant]
