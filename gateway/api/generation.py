@@ -178,9 +178,8 @@ class Generation:
         try:
             workers = candidates(await self.app[WORKER_REGISTRY].routable(), model)  # none stalled
             # Workers delete the entries they ACK, so the lengths are what is queued or being prefilled,
-            # shared stream and the live workers' private ones alike; a dead worker's leftovers are its
-            # peers' to adopt within seconds and are not counted.
-            # Every priority band counts toward the one bound on the model's queue.
+            # shared stream (every priority band's) and the live workers' private ones alike; a dead
+            # worker's leftovers are its peers' to adopt within seconds and are not counted.
             shared = shared_streams(model) if self._banded else [keys.prefill_stream(model)]
             pipe = self.app[REDIS].pipeline(transaction=False)
             for stream in shared + [keys.prefill_worker_stream(model, w.worker_id) for w in workers]:
