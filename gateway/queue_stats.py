@@ -9,9 +9,11 @@ as the group's ``lag``; on Redis 6.2 it is counted with ``XRANGE`` after the gro
 up to ``_COUNT_CAP`` (the gauge then reads "at least that many"). The oldest such entry's age comes
 from its id, which is the Redis server's clock at ``XADD``, compared with the same clock's ``TIME``.
 
-Workers' private streams (prefix affinity, gateway/control/routing.py) count toward their model too. Every
-worker registers in the shared stream's group as a consumer, so that list names them, dead ones not yet
-adopted included; their entries are all queued or in progress (ACKed ones are deleted), so ``XLEN`` is
+A model served under ``--scheduling-policy priority`` queues in one stream per priority band
+(shared/wire/priority_bands.py); each band's counts as the shared stream does, and a model's gauges sum
+them. Workers' private streams (prefix affinity, gateway/control/routing.py) count toward their model too.
+Every worker registers in the shared stream's group as a consumer, so that list names them, dead ones not
+yet adopted included; their entries are all queued or in progress (ACKed ones are deleted), so ``XLEN`` is
 their depth and their first entry the oldest.
 """
 
@@ -23,6 +25,7 @@ import redis.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.priority_bands import shared_streams
 
 _COUNT_CAP = 1000
 _NOW = "return redis.call('TIME')"  # [seconds, microseconds]
@@ -55,22 +58,46 @@ class QueueStats:
         self._at = time.monotonic()
 
     async def _read(self, client: redis.asyncio.Redis, model: str) -> QueueSnapshot:
-        stream = keys.prefill_stream(model)
+        streams = shared_streams(model)  # the shared stream, then the other priority bands'
         pipe = client.pipeline(transaction=False)
         # the clock of the node that holds the stream (its entry ids are that clock's), through a script: a
         # Redis Cluster refuses a keyless command (TIME) in a pipeline
-        pipe.eval(_NOW, 1, stream)
-        pipe.xlen(stream)
+        pipe.eval(_NOW, 1, streams[0])
         pipe.xlen(keys.dead_letter_stream(model))
-        pipe.xinfo_groups(stream)
-        pipe.xpending(stream, keys.PREFILL_GROUP)
-        (now_s, now_us), length, dead, groups, pending = await pipe.execute(raise_on_error=False)
-        if isinstance(length, Exception) or isinstance(dead, Exception):
-            raise length if isinstance(length, Exception) else dead
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+            pipe.xpending(stream, keys.PREFILL_GROUP)
+        (now_s, now_us), dead, *replies = await pipe.execute(raise_on_error=False)
+        if isinstance(dead, Exception):
+            raise dead
+        oldest: list[int] = []
+        undelivered = pending_count = 0
+        for i, stream in enumerate(streams):
+            length, groups, pending = replies[3 * i:3 * i + 3]
+            if isinstance(length, Exception):
+                raise length
+            if i and not length:
+                continue  # a band no job waits in (every band of a first come, first served model but 0)
+            waiting, delivered = await self._read_shared(client, stream, length, groups, pending, oldest)
+            undelivered += waiting
+            pending_count += delivered
+        private, private_pending = await self._read_private(client, model, oldest)
+        undelivered += private - private_pending
+        pending_count += private_pending
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        age = max(now_ms - min(oldest), 0) / 1000 if oldest and undelivered + pending_count else 0.0
+        return QueueSnapshot(depth=undelivered + pending_count, pending=pending_count, oldest_age_s=age,
+                             dead_letters=dead)
+
+    @staticmethod
+    async def _read_shared(client: redis.asyncio.Redis, stream: str, length: int, groups, pending,
+                           oldest: list[int]) -> tuple[int, int]:
+        """(undelivered, pending) of one stream the model's workers share, from its XLEN, XINFO GROUPS and
+        XPENDING replies (an exception where the stream or group is missing); its oldest id goes to ``oldest``."""
         group = None
         if not isinstance(groups, Exception):
             group = next((g for g in groups if g["name"] == keys.PREFILL_GROUP.encode()), None)
-        oldest: list[int] = []
         if group is None:  # no worker made the group yet: every entry is still waiting
             undelivered, pending_count = length, 0
             first = await client.xrange(stream, count=1)
@@ -88,13 +115,7 @@ class QueueStats:
                 undelivered, first = len(entries), entries[:1]
         if first:
             oldest.append(_id_ms(first[0][0]))
-        private, private_pending = await self._read_private(client, model, oldest)
-        undelivered += private - private_pending
-        pending_count += private_pending
-        now_ms = int(now_s) * 1000 + int(now_us) // 1000
-        age = max(now_ms - min(oldest), 0) / 1000 if oldest and undelivered + pending_count else 0.0
-        return QueueSnapshot(depth=undelivered + pending_count, pending=pending_count, oldest_age_s=age,
-                             dead_letters=dead)
+        return undelivered, pending_count
 
     @staticmethod
     async def _read_private(client: redis.asyncio.Redis, model: str, oldest: list[int]) -> tuple[int, int]:

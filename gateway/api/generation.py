@@ -33,6 +33,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire import rerun
 from kvrelay.shared.wire.codec import encode
 from kvrelay.shared.wire.job_queue import replayable
+from kvrelay.shared.wire.priority_bands import job_stream, shared_streams
 from kvrelay.shared.wire.protocol import Abort, Job, TokenEvent
 
 log = logging.getLogger("kvrelay.gateway")
@@ -99,6 +100,11 @@ class Generation:
         self._queued: QueuedRequest | None = None
         # its model leaving every worker while the jobs wait reloads it, and the request waits for that load
         self._reload = ReloadWatch(app, prepared.model.name, prepared.model_name, self.deadline)
+        model = prepared.model
+        self._banded = model.scheduling_policy == "priority"
+        # where the jobs queue unless routed to a worker's stream: the shared stream, or under the priority
+        # policy the stream of the priority's band (shared/wire/priority_bands.py)
+        self._stream = job_stream(model.name, prepared.priority, model.scheduling_policy)
 
     @property
     def model_name(self) -> str:
@@ -172,17 +178,18 @@ class Generation:
         try:
             workers = candidates(await self.app[WORKER_REGISTRY].routable(), model)  # none stalled
             # Workers delete the entries they ACK, so the lengths are what is queued or being prefilled,
-            # shared stream and the live workers' private ones alike; a dead worker's leftovers are its
-            # peers' to adopt within seconds and are not counted.
+            # shared stream (every priority band's) and the live workers' private ones alike; a dead
+            # worker's leftovers are its peers' to adopt within seconds and are not counted.
+            shared = shared_streams(model) if self._banded else [keys.prefill_stream(model)]
             pipe = self.app[REDIS].pipeline(transaction=False)
-            for stream in [keys.prefill_stream(model)] + [keys.prefill_worker_stream(model, w.worker_id)
-                                                         for w in workers]:
+            for stream in shared + [keys.prefill_worker_stream(model, w.worker_id) for w in workers]:
                 pipe.xlen(stream)
-            shared_len, *private_lens = await pipe.execute()
+            lengths = await pipe.execute()
         except redis.RedisError:
             raise unavailable from None
+        private_lens = lengths[len(shared):]
         backlog = {w.worker_id: n for w, n in zip(workers, private_lens, strict=True)}
-        depth = shared_len + sum(private_lens)
+        depth = sum(lengths)
         # Checked before the XADD, not atomically with it: several gateways may overshoot by a few
         # requests each, which a soft bound tolerates.
         if config.max_queue_depth and depth + len(self.choices) > config.max_queue_depth:
@@ -193,17 +200,19 @@ class Generation:
         # a job queued for nobody would cost a worker a prefill until the abort reaches it.
         if client_hung_up(self._request.transport):
             raise ClientGone()
-        routed = self.app[ROUTER].route_choices(self.prepared.prompts, self.prepared.params.n, model,
-                                                self.prepared.model.block_size, self.prepared.tenant,
-                                                self.prepared.cache_salt, workers, backlog)
+        if self._stream == keys.prefill_stream(model):
+            routed = self.app[ROUTER].route_choices(self.prepared.prompts, self.prepared.params.n, model,
+                                                    self.prepared.model.block_size, self.prepared.tenant,
+                                                    self.prepared.cache_salt, workers, backlog)
+        else:  # a private stream is read ahead of band 0 only, so no band but 0 may wait in one
+            routed = [None] * len(self.choices)
         pipe = self.app[REDIS].pipeline(transaction=False)
         streams: list[str | None] = []  # per choice: its stream, or None where the script says which
         for choice, worker in zip(self.choices, routed, strict=True):
             job = self._job(choice)
             if worker is None:
-                pipe.xadd(keys.prefill_stream(model), {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen,
-                          approximate=True)
-                streams.append(keys.prefill_stream(model))
+                pipe.xadd(self._stream, {keys.JOB_FIELD: encode(job)}, maxlen=config.stream_maxlen, approximate=True)
+                streams.append(self._stream)
                 continue
             pipe.eval(_XADD_PRIVATE, 2, keys.prefill_worker_stream(model, worker), keys.prefill_stream(model),
                       config.stream_maxlen, keys.JOB_FIELD, encode(job))
@@ -311,8 +320,8 @@ class Generation:
         for choice in lost:
             del self._holders[choice.job_id]
             self._enqueued[choice.job_id].append(now)
-            pipe.xadd(keys.prefill_stream(self.prepared.model.name), {keys.JOB_FIELD: encode(self._job(choice))},
-                      maxlen=config.stream_maxlen, approximate=True)
+            pipe.xadd(self._stream, {keys.JOB_FIELD: encode(self._job(choice))}, maxlen=config.stream_maxlen,
+                      approximate=True)
         try:
             await pipe.execute()
         except redis.RedisError as exc:

@@ -1,9 +1,10 @@
 """The admin API's model handlers (admin key only, ``tenancy/auth.py``; routed in ``routes.py`` beside the rooms):
 
     GET    /admin/models                 per model, instance and worker: state, version, memory, KV use,
-                                         queue depth (XLEN of the instance's stream); plus the workers
-                                         (with their wire protocol versions, and whether their engine
-                                         loop is stalled: stalled_workers.py) and those refused
+                                         queue depth (XLEN of the instance's streams, each priority
+                                         band's); plus the workers (with their wire protocol versions,
+                                         and whether their engine loop is stalled: stalled_workers.py)
+                                         and those refused
     POST   /admin/models                 register {name, version?, dtype, quantization?, kv_cache_dtype?,
                                          max_model_len, pinned, min_replicas, keep_alive_s}: 201, or 200
                                          when updating hints;
@@ -33,7 +34,7 @@ from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.errors import APIError, bad_request
 from kvrelay.gateway.state import CONFIG, REDIS, spawn
 from kvrelay.shared.repo.model_repo import NAME_RE, ModelRepository, ModelVersion, RepositoryError
-from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.priority_bands import shared_streams
 from kvrelay.shared.wire.protocol import InstanceStatus, ModelSpec, WorkerInfo, instance_key
 from kvrelay.shared.wire.version import PROTOCOL_VERSION
 
@@ -247,10 +248,13 @@ async def list_models(request: web.Request) -> web.Response:
                 {"worker_id": worker.worker_id, "role": worker.role, **row})
     rows = [i for e in entries.values() for i in e["instances"].values()]
     pipe = request.app[REDIS].pipeline(transaction=False)
+    streams = {row["instance"]: shared_streams(row["instance"]) for row in rows}  # every priority band's
     for row in rows:
-        pipe.xlen(keys.prefill_stream(row["instance"]))
-    for row, depth in zip(rows, await pipe.execute(), strict=True):
-        row["queue_depth"] = depth
+        for stream in streams[row["instance"]]:
+            pipe.xlen(stream)
+    lengths = iter(await pipe.execute())
+    for row in rows:
+        row["queue_depth"] = sum(next(lengths) for _ in streams[row["instance"]])
     data = []
     for name in sorted(entries):
         e = entries[name]

@@ -29,6 +29,7 @@ from kvrelay.gateway.control.model_registry import ModelRegistry, SpecConflict
 from kvrelay.gateway.control.worker_registry import WorkerRegistry
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
+from kvrelay.shared.wire.priority_bands import shared_streams
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, ModelSpec, WorkerInfo, instance_key
 
 log = logging.getLogger("kvrelay.gateway")
@@ -242,10 +243,11 @@ class Placement:
         await self._wait_ready(instance, replicas, placed, deadline)
 
     async def _waiting(self, instance: str, workers: list[WorkerInfo]) -> int:
-        """Requests waiting for ``instance``'s load: ours, and its jobs queued in Redis (shared stream and
-        the workers' private ones)."""
+        """Requests waiting for ``instance``'s load: ours, and its jobs queued in Redis (shared stream, every
+        priority band's, and the workers' private ones)."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.xlen(keys.prefill_stream(instance))
+        for stream in shared_streams(instance):
+            pipe.xlen(stream)
         for w in workers:
             pipe.xlen(keys.prefill_worker_stream(instance, w.worker_id))
         return self._waiters.get(instance, 0) + sum(await pipe.execute())

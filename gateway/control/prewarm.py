@@ -34,6 +34,7 @@ from kvrelay.gateway.control.placement import LoadError, Placement, instance_sta
 from kvrelay.gateway.control.worker_registry import WorkerRegistry
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.priority_bands import shared_streams
 from kvrelay.shared.wire.protocol import Job, ModelSpec, WorkerInfo
 from kvrelay.shared.wire.redis_health import RedisHealth
 
@@ -87,7 +88,7 @@ class Prewarmer:
         if not cold:
             return []
         pipe = self._redis.pipeline(transaction=False)
-        streams = {s.instance: [keys.prefill_stream(s.instance),
+        streams = {s.instance: [*shared_streams(s.instance),
                                 *(keys.prefill_worker_stream(s.instance, w.worker_id) for w in workers)]
                    for s in cold}
         for spec in cold:

@@ -37,6 +37,13 @@ ADOPT_EVERY_S = keys.HEARTBEAT_INTERVAL_S
 FORGET_AFTER_S = 60.0
 # Deletes a private stream only while it is empty, atomically with any XADD the gateway may be making.
 _DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
+# Removes consumer ARGV[2] from group ARGV[1] of stream KEYS[1] only while it holds no pending entry there (a
+# DELCONSUMER drops those), so a pending job of a dead peer in a band stream is left for XAUTOCLAIM.
+_DELETE_CONSUMER_IF_IDLE = """
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if type(pending) ~= 'table' or pending.err or #pending > 0 then return 0 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
 
 # take(peer's private stream, count, pending): up to ``count`` of its undelivered entries, after its pending ones
 # when ``pending``, as the consumer's own (tagged, fields) entries
@@ -44,15 +51,18 @@ Take = Callable[[str, int, bool], list]
 
 
 class PeerAdoption:
-    def __init__(self, client: redis.Redis, model: str, consumer: str, stalled_step_timeout_s: float, take: Take):
+    def __init__(self, client: redis.Redis, model: str, consumer: str, stalled_step_timeout_s: float, take: Take,
+                 bands: list[str] | None = None):
         """``stalled_step_timeout_s``: a live peer in one step for longer has its undelivered private jobs taken
-        (0: never)."""
+        (0: never). ``bands``: the model's priority band streams besides the shared one, where a forgotten peer's
+        consumer entry goes too."""
         self.redis = client
         self.model = model
         self.stream = keys.prefill_stream(model)
         self.consumer = consumer
         self.stalled_step_timeout_s = stalled_step_timeout_s
         self._take = take
+        self.bands = bands or []
         self._gone_since: dict[str, float] = {}  # dead peer -> when we first saw its heartbeat missing
         self._stalled_peers: set[str] = set()  # as of the last adopt pass: said once per stall
 
@@ -94,5 +104,7 @@ class PeerAdoption:
         if self.redis.eval(_DELETE_IF_EMPTY, 1, stream) or not self.redis.exists(stream):
             # only once nothing of its is left anywhere; a pending shared entry would die with the consumer
             self.redis.xgroup_delconsumer(self.stream, keys.PREFILL_GROUP, name)
+            for band in self.bands:
+                self.redis.eval(_DELETE_CONSUMER_IF_IDLE, 1, band, keys.PREFILL_GROUP, name)
             self._gone_since.pop(name, None)
             log.info("forgot dead peer %s", name)

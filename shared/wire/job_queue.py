@@ -7,6 +7,12 @@ stream, where the gateway routes jobs whose prompt prefix this worker likely has
 affinity, gateway/control/routing.py). Private jobs are read first. The private stream of a dead peer, and
 what a stalled one has not read of its, the others adopt (job_adoption.py).
 
+A model served under ``--scheduling-policy priority`` has a stream per priority band (priority_bands.py),
+the shared stream being band 0. They are read best band first: the better bands, then the private stream
+(which holds band-0 jobs only), then band 0, then the worse bands. The other bands are shared streams like
+band 0 in every other respect: a dead worker's pending jobs in any of them are reclaimed by whoever reads
+next, and a hand-back leaves them there for the next reclaim.
+
 A job stays pending (un-ACKed) until the caller says it is done, which for a prefill worker means the
 decode side confirmed it holds the KV: a worker killed at any point before that leaves the job to be
 reclaimed by a peer once it has been idle ``reclaim_idle_ms``. A draining worker need not wait for
@@ -31,6 +37,7 @@ import redis
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, peek_strings
 from kvrelay.shared.wire.job_adoption import ADOPT_EVERY_S, PeerAdoption
+from kvrelay.shared.wire.priority_bands import BANDS
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_health import RedisHealth
 from kvrelay.shared.wire.version import version_refusal
@@ -42,8 +49,8 @@ RECLAIM_EVERY_S = 1.0
 PRIOR_FIELD = b"deliveries"
 _SEP = b"@"
 # XREADGROUP of KEYS in turn (no BLOCK: allowed in a script) until ARGV[3] entries: exactly ``count`` from
-# both streams, where one XREADGROUP over both could deliver twice that (its COUNT is per stream).
-_READ_BOTH = """
+# all the streams, where one XREADGROUP over them could deliver that many from each (its COUNT is per stream).
+_READ_IN_ORDER = """
 local want, out = tonumber(ARGV[3]), {}
 for _, key in ipairs(KEYS) do
   if want <= 0 then break end
@@ -79,19 +86,27 @@ class JobQueue:
     def __init__(self, client: redis.Redis, model: str, consumer: str, reclaim_idle_ms: int,
                  max_deliveries: int = keys.MAX_DELIVERIES,
                  on_dead: Callable[[str, str, str], None] | None = None,
-                 health: RedisHealth | None = None, stalled_step_timeout_s: float = 0.0):
+                 health: RedisHealth | None = None, stalled_step_timeout_s: float = 0.0, priority_bands: bool = False):
         """``stalled_step_timeout_s``: a live peer in one step for longer has its undelivered private jobs taken
-        (0: never)."""
+        (0: never). ``priority_bands``: the model is served under --scheduling-policy priority, so its band
+        streams are read as well, best band first."""
         self.redis = client
         self.health = health or RedisHealth(log)  # where a failed ACK reports an outage
         self.model = model
         self.stream = keys.prefill_stream(model)
         self.private = keys.prefill_worker_stream(model, consumer)
         self.dead = keys.dead_letter_stream(model)
+        # the band streams other than band 0 (the shared stream); none for a first come, first served model
+        better = [keys.prefill_band_stream(model, b) for b in BANDS if b < 0] if priority_bands else []
+        worse = [keys.prefill_band_stream(model, b) for b in BANDS if b > 0] if priority_bands else []
+        self.bands = better + worse
+        # what a read takes from, in turn: private jobs are band 0's, so they go after the better bands
+        self.order = [*better, self.private, self.stream, *worse]
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_deliveries = max_deliveries
-        self.adoption = PeerAdoption(client, model, consumer, stalled_step_timeout_s, self._take_from_peer)
+        self.adoption = PeerAdoption(client, model, consumer, stalled_step_timeout_s, self._take_from_peer,
+                                     self.bands)
         # on_dead(request id, reply address, why): tells the job's client why it will get no answer
         self.on_dead = on_dead
         self._last_reclaim = 0.0
@@ -106,7 +121,7 @@ class JobQueue:
     def ensure_group(self) -> None:
         """Our streams, their consumer group and our consumer in it, whichever are missing (XGROUP CREATE
         MKSTREAM): at start, and again when Redis restarted without them."""
-        for stream in (self.stream, self.private):
+        for stream in (self.stream, self.private, *self.bands):
             try:  # id "0": jobs queued before the first worker started are still delivered
                 self.redis.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -116,8 +131,8 @@ class JobQueue:
         self.redis.xgroup_createconsumer(self.stream, keys.PREFILL_GROUP, self.consumer)
 
     def fetch(self, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
-        """Up to ``count`` jobs: reclaimed and adopted ones first, then new private ones, then new shared
-        ones (blocking up to block_ms if none)."""
+        """Up to ``count`` jobs: reclaimed and adopted ones first, then new ones in ``order`` (private, then
+        shared, for a first come, first served model), blocking up to block_ms if none."""
         if self._unacked:
             self.ack()
         try:
@@ -139,26 +154,28 @@ class JobQueue:
         now = time.monotonic()
         if now - self._last_reclaim >= RECLAIM_EVERY_S:
             self._last_reclaim = now
-            entries += self._reclaim(self.private, count)
-            entries += self._reclaim(self.stream, count - len(entries))
+            for stream in self.order:
+                entries += self._reclaim(stream, count - len(entries))
         if now - self._last_adopt >= ADOPT_EVERY_S:
             self._last_adopt = now
             entries += self.adoption.adopt(count - len(entries))
         if len(entries) < count and block_ms > 0 and not entries:
-            # one call blocks on both streams; COUNT is per stream, so a rare double answer leaves a surplus
-            got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, {self.private: ">", self.stream: ">"},
+            if self.bands and (entries := self._new_all(count)):
+                return entries  # a backlog in several bands would answer the blocking read with count from each
+            # one call blocks on every stream; COUNT is per stream, so a rare double answer leaves a surplus
+            got = self.redis.xreadgroup(keys.PREFILL_GROUP, self.consumer, dict.fromkeys(self.order, ">"),
                                         count=count, block=block_ms)
             for stream, items in got or []:
                 entries += [(self._tag(stream, eid), fields) for eid, fields in items]
             entries, self._surplus = entries[:count], entries[count:]
         elif len(entries) < count:
-            entries += self._new_both(count - len(entries))
+            entries += self._new_all(count - len(entries))
         return entries
 
-    def _new_both(self, count: int) -> list:
-        """Without blocking: private first, shared for the rest, in one round trip. A busy worker reads
-        every engine step, and a round trip per stream was a tenth of a CPU unified worker's step."""
-        got = self.redis.eval(_READ_BOTH, 2, self.private, self.stream, keys.PREFILL_GROUP, self.consumer, count)
+    def _new_all(self, count: int) -> list:
+        """Without blocking: each stream of ``order`` in turn, in one round trip. A busy worker reads every
+        engine step, and a round trip per stream was a tenth of a CPU unified worker's step."""
+        got = self.redis.eval(_READ_IN_ORDER, len(self.order), *self.order, keys.PREFILL_GROUP, self.consumer, count)
         return [(self._tag(stream, eid), dict(zip(flat[::2], flat[1::2], strict=True)))
                 for stream, items in got for eid, flat in items]
 
@@ -299,8 +316,8 @@ class JobQueue:
         return groups
 
     def hand_back(self, entry_ids: list[bytes]) -> None:
-        """Give our pending jobs up without finishing them. Shared-stream jobs stay pending (nothing is
-        lost if we die here) but look idle for a day, so the next reclaim pass of any worker takes them;
+        """Give our pending jobs up without finishing them. Shared-stream jobs (any band's) stay pending (nothing
+        is lost if we die here) but look idle for a day, so the next reclaim pass of any worker takes them;
         JUSTID keeps their delivery count, so a hand-back does not push a job toward the dead-letter
         stream. Private ones, and whatever our private stream still holds undelivered, move to the shared
         stream (peers read a live worker's private stream only while it is stalled), their delivery count carried
@@ -308,8 +325,8 @@ class JobQueue:
         entry_ids = [*entry_ids, *(eid for eid, _ in self._surplus)]
         self._surplus = []
         for stream, ids in self._by_stream(entry_ids).items():
-            if stream == self.stream:
-                self.redis.xclaim(self.stream, keys.PREFILL_GROUP, self.consumer, 0, ids,
+            if stream == self.stream or stream in self.bands:
+                self.redis.xclaim(stream, keys.PREFILL_GROUP, self.consumer, 0, ids,
                                   idle=HAND_BACK_IDLE_MS, justid=True)
             else:
                 self._move_to_shared(stream, ids, delivered=True)
@@ -317,7 +334,8 @@ class JobQueue:
             self._move_to_shared(self.private, [self._where(t)[1] for t, _ in undelivered], delivered=False)
 
     def _move_to_shared(self, stream: str, ids: list[bytes], delivered: bool) -> None:
-        """Re-XADD our pending ``ids`` of ``stream`` to the shared stream, then ACK and delete them there.
+        """Re-XADD our pending ``ids`` of ``stream`` to the shared stream, then ACK and delete them there. A
+        private stream holds band-0 jobs only (the gateway routes no other band there), so band 0 it is.
         A delivery that really happened still counts toward the dead letter (as JUSTID keeps it on the
         shared stream); our read of an undelivered entry, only made to move it, does not."""
         pipe = self.redis.pipeline(transaction=False)

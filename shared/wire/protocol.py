@@ -32,8 +32,9 @@ TopLogprobs = list[tuple[int, float]]
 
 @dataclass
 class Job:
-    """Gateway -> prefill stream ``kvrelay:prefill:{model}`` (field ``data``). Always n=1: the gateway
-    fans ``n`` out into ``{rid}-{i}`` jobs before they reach a worker."""
+    """Gateway -> prefill stream ``kvrelay:prefill:{model}`` (field ``data``), or under the priority policy its
+    priority band's (priority_bands.py). Always n=1: the gateway fans ``n`` out into ``{rid}-{i}`` jobs before
+    they reach a worker."""
 
     TAG: ClassVar[str] = "job"
     request_id: str = field(metadata=_ID)

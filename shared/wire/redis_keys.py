@@ -4,6 +4,9 @@ with them. Values stored under these keys are ``shared.wire.protocol`` messages 
     prefill_stream(model)     stream; gateway XADDs {JOB_FIELD: encode(Job)}; prefill workers read it
                               through consumer group PREFILL_GROUP (create it with id "0" + MKSTREAM so
                               jobs queued before the first worker are not skipped)
+    prefill_band_stream(m, b) stream; like prefill_stream, for the jobs of priority band b != 0 of a model
+                              served under --scheduling-policy priority (priority_bands.py); band 0 is
+                              prefill_stream itself. Read through PREFILL_GROUP, best band first
     prefill_worker_stream(m, w) stream; like prefill_stream but routed to one worker (prefix affinity); read
                               by it through PREFILL_GROUP, adopted by peers once its worker_key is gone
     dead_letter_stream(model) stream; jobs delivered more than MAX_DELIVERIES times, same field
@@ -117,6 +120,11 @@ def prefill_stream(model: str) -> str:
     return f"{PREFIX}:prefill:{_tag(model)}"
 
 
+def prefill_band_stream(model: str, band: int) -> str:
+    # after the tag, so a band stream shares its model's slot and no model's name can spell it
+    return f"{prefill_stream(model)}:band:{band}"
+
+
 def prefill_worker_stream(model: str, worker_id: str) -> str:
     # the tag ends where the model's name does, so (model, worker) pairs stay apart when either holds a ":"
     return f"{PREFIX}:prefill-worker:{_tag(model)}:{worker_id}"
@@ -175,7 +183,7 @@ def response_cache_key(tenant: str, digest: str) -> str:
 # function's first one; a constant stands alone). tests/unit/test_redis_slots.py checks that each group
 # maps to one slot and that every family is declared here or in SINGLE_KEY.
 SLOT_GROUPS: dict[str, tuple] = {
-    "instance streams": (prefill_stream, prefill_worker_stream, dead_letter_stream),
+    "instance streams": (prefill_stream, prefill_band_stream, prefill_worker_stream, dead_letter_stream),
     "workers": (WORKERS_INDEX, worker_key),
     "models": (MODELS_INDEX, model_key),
     "registry": (REGISTRY_INDEX, registry_key),

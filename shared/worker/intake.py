@@ -20,6 +20,7 @@ from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.job_queue import JobQueue
+from kvrelay.shared.wire.priority_bands import shared_streams
 from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.worker.lifecycle import InFlight, Lifecycle, engine_request
 from kvrelay.shared.worker.model_slot import ModelSlot
@@ -61,7 +62,8 @@ class JobIntake:
         c = self.config
         self.queues[slot.instance] = JobQueue(self.runtime.redis, slot.instance, c.worker_id, c.reclaim_idle_ms,
                                               c.max_deliveries, on_dead=self._dead_job, health=self.runtime.health,
-                                              stalled_step_timeout_s=c.stalled_step_timeout_s)
+                                              stalled_step_timeout_s=c.stalled_step_timeout_s,
+                                              priority_bands=slot.core.scheduling_policy == "priority")
 
     def restore(self) -> None:
         """Redis restarted (the heartbeat thread calls this): our consumer groups again, where it lost
@@ -74,8 +76,10 @@ class JobIntake:
         self.queues.pop(slot.instance, None)
 
     def idle(self, slot: ModelSlot) -> bool:
+        queue = self.queues.get(slot.instance)
         return (not self.inflight.holds(slot.instance)
-                and queued(self.runtime.redis, slot.instance, self.config.worker_id) == 0)
+                and queued(self.runtime.redis, slot.instance, self.config.worker_id,
+                           banded=queue is not None and bool(queue.bands)) == 0)
 
     def busy(self, slot: ModelSlot) -> bool:
         return self.inflight.holds(slot.instance)
@@ -190,10 +194,12 @@ class JobIntake:
         self.runtime.events.add(reply_addr, TokenEvent(request_id=request_id, finish_reason="error", error=why))
 
 
-def queued(r, instance: str, worker_id: str) -> int:
+def queued(r, instance: str, worker_id: str, banded: bool = False) -> int:
     """Jobs of ``instance`` still in Redis that this worker could be the one to serve: its shared stream
-    and this worker's private stream (entries are deleted when ACKed, so pending ones count too)."""
+    (every priority band's, where ``banded``) and this worker's private stream (entries are deleted when
+    ACKed, so pending ones count too)."""
     pipe = r.pipeline(transaction=False)
-    pipe.xlen(keys.prefill_stream(instance))
+    for stream in shared_streams(instance) if banded else [keys.prefill_stream(instance)]:
+        pipe.xlen(stream)
     pipe.xlen(keys.prefill_worker_stream(instance, worker_id))
     return sum(pipe.execute())

@@ -35,6 +35,7 @@ from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.loopback_ports import free_port
+from kvrelay.shared.wire.priority_bands import band_streams
 from kvrelay.shared.wire.protocol import FIRST_TOKEN_STAMPS, Abort, Job, ModelInfo, TokenBatch, TokenEvent, WorkerInfo
 from kvrelay.shared.wire.redis_conn import EmbeddedRedis, sync_client
 from tests.zmq_secret import CURVE, SECRET
@@ -115,6 +116,13 @@ class FakeWorker:
         with self._lock:
             return set(self._aborted)
 
+    @property
+    def streams(self) -> list[str]:
+        """What it reads, in turn: the shared stream, or under the priority policy every band's, best first."""
+        if self.scheduling_policy == "priority":
+            return band_streams(self.model)
+        return [keys.prefill_stream(self.model)]
+
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.model, path=str(self.tokenizer_dir), max_model_len=self.max_model_len,
                          vocab_size=len(self.tokenizer), eos_token_ids=[self.eos], block_size=16, dtype="float32",
@@ -124,10 +132,11 @@ class FakeWorker:
         r = sync_client(self.redis_url)
         r.set(keys.model_key(self.model), encode(self.model_info()))
         r.sadd(keys.MODELS_INDEX, self.model)
-        try:
-            r.xgroup_create(keys.prefill_stream(self.model), keys.PREFILL_GROUP, id="0", mkstream=True)
-        except Exception as exc:  # BUSYGROUP: a previous worker made it
-            assert "BUSYGROUP" in str(exc)
+        for stream in self.streams:
+            try:
+                r.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
+            except Exception as exc:  # BUSYGROUP: a previous worker made it
+                assert "BUSYGROUP" in str(exc)
         self._heartbeat(r)
         r.close()
         pubsub_ready = threading.Event()
@@ -239,12 +248,12 @@ class FakeWorker:
         sockets: dict[str, zmq.Socket] = {}
         active: dict[str, _Seq] = {}
         held: dict[str, TokenEvent] = {}  # [reverse]: an event waiting to go out after its successor
-        stream = keys.prefill_stream(self.model)
+        streams = dict.fromkeys(self.streams, ">")
         try:
             while not self._stop.is_set():
-                got = r.xreadgroup(keys.PREFILL_GROUP, self.worker_id, {stream: ">"}, count=64,
+                got = r.xreadgroup(keys.PREFILL_GROUP, self.worker_id, streams, count=64,
                                    block=None if active else 50)
-                for _, entries in got or []:
+                for stream, entries in got or []:
                     for entry_id, fields in entries:
                         job = decode(fields[keys.JOB_FIELD.encode()], Job)
                         r.xack(stream, keys.PREFILL_GROUP, entry_id)

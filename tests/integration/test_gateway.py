@@ -10,6 +10,7 @@ import requests
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
+from kvrelay.shared.wire.priority_bands import BANDS, band_stream
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.redis_conn import sync_client
 from tests.integration.gateway_harness import MAX_MODEL_LEN, MODEL, REPLY, ready_after_tokenizers, running_stack
@@ -271,7 +272,8 @@ def test_an_unknown_field_is_a_400_naming_it(stack):
 def test_a_priority_is_refused_where_the_workers_serve_first_come_first_served(stack):
     """The fake worker publishes --scheduling-policy fcfs, as a real worker does by default: its engine would
     ignore the field, so the gateway refuses it (vLLM's answer too), for completions and chat alike; 0 is the
-    default and always passes. Where a worker publishes "priority" (test_tenants.py) the field reaches its job."""
+    default and always passes. Where a worker publishes "priority" (test_tenants.py) the field reaches its job,
+    queued in its band's stream (test_gateway_priority_bands.py)."""
     for path, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": [
             {"role": "user", "content": "hi"}]})):
         r = requests.post(f"{stack.url}/v1/{path}", json={"model": MODEL, "max_tokens": 1, "priority": -2, **body})
@@ -279,6 +281,10 @@ def test_a_priority_is_refused_where_the_workers_serve_first_come_first_served(s
         assert r.json()["error"]["param"] == "priority" and "--scheduling-policy priority" in r.text
         r = requests.post(f"{stack.url}/v1/{path}", json={"model": MODEL, "max_tokens": 1, "priority": 0, **body})
         assert r.status_code == 200, r.text
+    # its jobs went to the shared stream, as ever: no priority band stream exists for a first come, first served model
+    redis = sync_client(stack.redis_url)
+    assert not any(redis.exists(band_stream(MODEL, band)) for band in BANDS if band)
+    redis.close()
 
 
 def test_tokenize_detokenize(stack):

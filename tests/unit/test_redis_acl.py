@@ -19,7 +19,7 @@ from kvrelay.shared.wire.redis_conn import async_client
 from tests.zmq_secret import SECRET
 
 # every key a worker touches, by the name redis_keys.py gives its family
-WORKER_FAMILIES = {"prefill_stream", "prefill_worker_stream", "dead_letter_stream", "worker_key", "WORKERS_INDEX",
+WORKER_FAMILIES = {"prefill_stream", "prefill_band_stream", "prefill_worker_stream", "dead_letter_stream", "worker_key", "WORKERS_INDEX",
                    "model_key", "MODELS_INDEX", "registry_key", "REGISTRY_INDEX", "control_key", "control_result_key",
                    "gateway_key", "METRICS_SALT", "rerun_key"}
 GATEWAY_ONLY = {"tenant_key", "api_key_key", "limit_key", "usage_key", "usage_models_key", "response_cache_key",
