@@ -245,16 +245,27 @@ class EngineCore:
         self._prompt_logprobs.pop(request_id, None)
         self.runner.free_request(request_id)
 
+    def abort_all(self) -> list[Request]:
+        """Abort every unfinished request and free the KV held for handoffs: what an unload after a failure
+        (a load whose warm-up raised, a benchmark's error mid-run) does first, so that ``release_kv``
+        succeeds and the failure, not the release's refusal, is what is reported."""
+        return self.abort([r.request_id for r in self.scheduling_order()] + self.scheduler.held_ids)
+
     def release_kv(self) -> None:
-        """Give this model's KV memory back to its pool (on unload). Refused while requests are
-        unfinished or hold blocks; the core must not be stepped afterwards."""
+        """Unload: give this model's KV memory back to its pool, then let go of its weights, decode graphs
+        and buffers. Refused while requests are unfinished or hold blocks; the core must not be stepped
+        afterwards. The memory is free once this returns (and the caching allocator is emptied) even while
+        something still holds the core: with async scheduling the core is in a reference cycle (its stepper
+        calls back into it), so a reference left in some frame when the unloader collects garbage would
+        otherwise keep every weight alive until the collector next reaches that generation."""
         bm = self.block_manager
         if self.scheduler.has_unfinished() or bm.num_used or not bm.release_free_blocks(list(bm.owned)):
             raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
                                "abort or finish them before releasing the KV cache")
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
         self.structured.close()  # its compile thread and compiled grammars go with the model
-        self.runner.close()  # and its tensor-parallel ranks
+        self.stepper = None  # its launched step's device tensors
+        self.runner.release()  # its tensor-parallel ranks, weights, graphs and buffers
 
     def shutdown(self) -> None:
         """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
