@@ -353,6 +353,15 @@ class EngineCore:
         """This process's weights: rank 0's shard (stage) alone when the model is tensor- or pipeline-parallel."""
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
 
+    @property
+    def model_bytes(self) -> int:
+        """This process's bytes of the model's own tensors besides its KV: weights and buffers (rotary tables),
+        each storage once (tied embeddings share one)."""
+        model = self.runner.model
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *model.buffers())}
+        return sum(storages.values())
+
     def rank_processes(self) -> list[tuple[int, int, str]]:
         """(rank, pid, device) of each process of this model, rank 0 (this one) first."""
         pids = [os.getpid(), *(self.runner.ranks.pids if self.runner.ranks is not None else ())]
