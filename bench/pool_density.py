@@ -125,7 +125,6 @@ class Models:
         return core
 
 
-
 class Run:
     """One mode's pass over the workload: engines stepped in turn, token times recorded per request."""
 
