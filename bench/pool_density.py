@@ -3,7 +3,8 @@ shared memory pool against a static split of the same memory, in the same call.
 
 N models (``--model``, dummy weights, each its own seed: distinct weights of one shape) get a Zipf-like
 share of the requests (model i ∝ 1/(i+1)^``--zipf``), which arrive as a Poisson process
-(``--request-rate``). One memory budget (``--memory``: weights plus KV) is used two ways:
+(``--request-rate``). One memory budget is used two ways, planned from what a model was measured to take on
+this device (bench/pool_memory.py: ``--gpu-memory-utilization`` of the device, or ``--memory``):
 
 * **pool** (what a kvrelay worker does, shared/worker/model_host.py): as many models resident as fit
   over ONE KV pool arbitrated by demand (shared/engine/kv_pool.py), where each model is guaranteed only
@@ -19,7 +20,8 @@ share of the requests (model i ∝ 1/(i+1)^``--zipf``), which arrive as a Poisso
   the best static split serves the most requested models that fit, 1/k each, and requests for the
   rest fail.
 
-Both run in this one process, models stepped in turn on one thread as a worker steps its models. A cold
+Both run in this one process, models stepped in turn on one thread as a worker steps its models, with async
+scheduling as a worker's engines have it (on CUDA; ``--async-scheduling`` either way). A cold
 load runs on a side thread as a worker's does: weights read while the others step, the engine built and
 warmed up (shared/engine/warmup.py) under the step lock, shape by shape. On the CPU a new engine's first
 steps also pay a first-call cost per shape that warm-up does not run there, which errs against the pool.
@@ -32,13 +34,14 @@ and TPOT (p50, p99), aggregate output tok/s, the cold loads, goodput (requests w
 import argparse
 import contextlib
 import dataclasses
-import gc
+import logging
 import random
 import threading
 import time
 
 import torch
 
+from kvrelay.bench import pool_memory
 from kvrelay.bench.pool_report import ratio, report, size
 from kvrelay.bench.pool_workload import Arrival, Outcome, percentile, workload
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -50,18 +53,18 @@ from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.wire.sampling_params import SamplingParams
 from kvrelay.shared.worker.eviction import Candidate, DemandRate, Incoming, choose_victims
 from kvrelay.shared.worker.load_room import IDLE_GRACE_S
-from kvrelay.shared.worker.model_memory import estimate_weight_bytes, kv_floor_bytes
+from kvrelay.shared.worker.model_memory import kv_floor_bytes
 
-ACTIVATION_RESERVE = 4 << 30  # CUDA: as shared/worker/host_budget.py keeps for activations and graphs
+log = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dummy:tiny-llama", help="dummy:<preset> (each model its own seed)")
     p.add_argument("--load-format", default="dummy", choices=["dummy"], help="weights: random, of the shape")
     p.add_argument("--num-models", type=int, default=4, help="N distinct models")
-    p.add_argument("--memory", type=int, default=0,
-                   help="bytes for weights and KV together (0: CUDA 90%% of the device less 4 GiB; "
-                        "CPU room for half the models' weights)")
+    pool_memory.add_memory_args(p)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engines' async scheduling (default: on for CUDA, as a worker's)")
     p.add_argument("--min-kv-seqs", type=int, default=4,
                    help="max-length sequences of KV a model needs beside its weights to count as fitting")
     p.add_argument("--num-requests", type=int, default=64)
@@ -89,6 +92,10 @@ class Models:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.path = resolve_model(args.model, args.load_format).path
+        self.memory = pool_memory.DeviceMemory(torch.device(self.config(0, None).device))
+        # frees an engine and checks it is gone (bench/pool_memory.py): the caller passes its last reference,
+        # so no wrapper frame of ours may stand between
+        self.free = self.memory.free
         self.loads: list[float] = []  # seconds of every load, warm-up included
 
     def config(self, i: int, kv_bytes: int | None) -> EngineConfig:
@@ -98,7 +105,7 @@ class Models:
                               seed=a.seed + i),
             cache=CacheConfig(block_size=a.block_size, kv_cache_memory=kv_bytes),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
-            device=a.device)
+            device=a.device, async_scheduling=a.async_scheduling)
 
     def load(self, i: int, kv_bytes: int | None = None, pool: KVPool | None = None,
              lock: contextlib.AbstractContextManager | None = None) -> EngineCore:
@@ -107,6 +114,7 @@ class Models:
         t0 = time.perf_counter()
         config = self.config(i, kv_bytes)
         loaded = load_model(config.model, config.device, progress=False)
+        self.memory.load_transient = self.memory.transient()
         cuda = torch.device(config.device).type == "cuda"
         with lock or contextlib.nullcontext():
             core = EngineCore(config, kv_pool=pool, kv_pool_key=f"model-{i}" if pool else None, loaded=loaded)
@@ -115,21 +123,6 @@ class Models:
             torch.cuda.synchronize()
         self.loads.append(time.perf_counter() - t0)
         return core
-
-    @staticmethod
-    def free(core: EngineCore) -> None:
-        core.release_kv()
-        del core
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-def measure_shape(models: Models) -> tuple[int, int, torch.device]:
-    """(weight bytes, KV bytes of one max-length sequence, device) of one model, from its shape alone, as a
-    worker estimates a load before it starts (shared/worker/model_memory.py)."""
-    config = models.config(0, None)
-    return estimate_weight_bytes(config), kv_floor_bytes(config), torch.device(config.device)
 
 
 class Run:
@@ -169,29 +162,46 @@ class Run:
                 self.arrive(nxt)
                 nxt += 1
             self.between_steps()
-            busy = False
-            for i, core in list(self.cores.items()):
-                if not core.has_unfinished():
-                    continue
-                busy = True
-                with self.lock:
-                    outs = core.step()
-                for out in outs:
-                    o = self._by_id[out.request_id]
-                    if out.new_token_ids:
-                        t = time.perf_counter()
-                        o.first = o.first or t
-                        o.last, o.tokens = t, o.tokens + len(out.new_token_ids)
-                self.last_used[i] = time.perf_counter()
+            busy = self.step_all()
             if nxt >= len(self.arrivals) and not busy and not any(self.waiting.values()):
                 return time.perf_counter() - self.t0
             if not busy:  # the next arrival, or a load finishing
                 wait = self.arrivals[nxt].at - (time.perf_counter() - self.t0) if nxt < len(self.arrivals) else 0.01
                 time.sleep(max(0.0, min(0.01, wait)))
 
-    def close(self) -> None:
+    def step_all(self) -> bool:
+        """One step of each model that has work, in turn; whether any had. A frame of its own: a loop variable
+        left in ``execute`` would hold the last core it stepped through ``between_steps``, which may evict it."""
+        busy = False
         for i in list(self.cores):
-            self.models.free(self.cores.pop(i))
+            if not self.cores[i].has_unfinished():
+                continue
+            busy = True
+            with self.lock:
+                outs = self.cores[i].step()
+            for out in outs:
+                o = self._by_id[out.request_id]
+                if out.new_token_ids:
+                    t = time.perf_counter()
+                    o.first = o.first or t
+                    o.last, o.tokens = t, o.tokens + len(out.new_token_ids)
+            self.last_used[i] = time.perf_counter()
+        return busy
+
+    def close(self, failed: bool = False) -> None:
+        """Free every engine. ``failed``: after an error mid-run, which is the one to report: what runs is
+        aborted first (a release refuses while requests hold KV), the release is not checked (the error's
+        traceback holds the frames that stepped the engines), and what still goes wrong is logged, not raised."""
+        for i in list(self.cores):
+            if not failed:
+                self.models.free(self.cores.pop(i))
+                continue
+            try:
+                self.cores[i].abort_all()
+                self.models.free(self.cores.pop(i), checked=False)
+            except Exception as exc:
+                log.warning("model %d not freed after the run's error: %s", i, exc)
+                self.cores.pop(i, None)
 
 
 class StaticRun(Run):
@@ -237,10 +247,14 @@ class PoolRun(Run):
                 return
             self._loading = None
             if isinstance(result.get("error"), KVPoolFull):
-                return  # the others' KV was in use; tried again next time round
+                # the others' KV was in use; tried again next time round. The error's traceback holds the
+                # frames of the load, and so its weights, in a cycle with ``result``: broken, and collected
+                result.pop("error").__traceback__ = None
+                self.models.memory.settle()
+                return
             if "error" in result:
                 raise result["error"]
-            self.cores[m] = result["core"]
+            self.cores[m] = result.pop("core")  # the only reference: it may be evicted in this very call
             self.loaded_at[m] = time.perf_counter()
             self.cold_loads.append(result["seconds"])
             for k in self.waiting.pop(m):
@@ -267,12 +281,16 @@ class PoolRun(Run):
             result["error"] = exc
         result["seconds"] = time.perf_counter() - t0
 
-    def close(self) -> None:
-        super().close()
+    def close(self, failed: bool = False) -> None:
+        if self._loading is not None:  # a load in flight when the run failed: it ends, then goes too
+            m, thread, result = self._loading
+            self._loading = None
+            thread.join()
+            if "core" in result:
+                self.cores[m] = result.pop("core")
+        super().close(failed)
         self.pool = None  # its buffer too, before the static split's engines take the same memory
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.models.memory.settle()
 
     def _evict_one(self, m: int) -> bool:
         """Room for ``m``'s load, as the worker chooses its victim (shared/worker/eviction.py): an idle one is
@@ -296,64 +314,50 @@ class PoolRun(Run):
         return True
 
 
-def plan(args: argparse.Namespace, weights: int, seq_kv: int, device: torch.device) -> dict:
-    """How the memory is used each way: resident models and pool bytes; static models and KV each."""
-    n, need_kv = args.num_models, args.min_kv_seqs * seq_kv
-    memory = args.memory
-    if not memory:
-        if device.type == "cuda":
-            memory = int(torch.cuda.get_device_properties(device).total_memory * 0.9) - ACTIVATION_RESERVE
-        else:  # the tiny CPU models: room for all but one of them
-            memory = (n - 1) * (weights + seq_kv) + need_kv
-    # pool: every resident model's floor, plus the serving room one busy model grows into
-    resident = max((r for r in range(n + 1) if memory - r * weights >= r * seq_kv + need_kv - seq_kv), default=0)
-    static = max((k for k in range(1, n + 1) if memory // k >= weights + need_kv), default=0)
-    return {"memory": memory, "resident": resident, "pool_bytes": memory - resident * weights,
-            "static_models": static, "static_kv": (memory // static - weights) if static else 0}
-
-
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = Models(args)
-    weights, seq_kv, device = measure_shape(models)
-    p = plan(args, weights, seq_kv, device)
+    memory, device = models.memory, models.memory.device
+    pool_memory.check_memory_args(args, device)
+    seq_kv = kv_floor_bytes(models.config(0, None))
+    measured = pool_memory.probe(lambda kv: models.load(0, kv_bytes=kv), memory, args.min_kv_seqs * seq_kv)
+    total, headroom, how = pool_memory.budget(args, memory, measured, seq_kv)
+    p = pool_memory.plan(args, measured, seq_kv, total, headroom)
     if p["resident"] == 0:
-        raise SystemExit(f"--memory {p['memory']} holds not even one model ({weights} bytes of weights and "
-                         f"{args.min_kv_seqs} x {seq_kv} bytes of KV)")
+        raise SystemExit(f"a budget of {size(total)} ({how}) holds not even one model ({size(measured.model_bytes)}, "
+                         f"temporaries {size(measured.peak_bytes)}, headroom {size(headroom)} and "
+                         f"{args.min_kv_seqs} x {size(seq_kv)} of KV)")
     arrivals = workload(args, random.Random(args.seed), models_vocab(models))
-    print(f"{args.num_models} x {args.model} ({size(weights)} of weights each, {size(seq_kv)} of KV per "
+    print(f"{args.num_models} x {args.model} ({size(measured.weight_bytes)} of weights each, {size(seq_kv)} of KV per "
           f"{args.max_model_len}-token sequence), {size(p['memory'])} in all; {len(arrivals)} requests, "
           f"Poisson {args.request_rate:g}/s, Zipf {args.zipf:g}, {args.input_len} in / {args.output_len} out")
+    print(pool_memory.describe(measured, p, how))
     print(f"models that fit: pool {p['resident']} resident of {args.num_models} (one KV pool of "
           f"{size(p['pool_bytes'])}, the rest loaded on demand); static split {p['static_models']} of "
-          f"{args.num_models} ({size(p['memory'] // max(1, p['static_models']))} each, "
+          f"{args.num_models} ({size(p['room'] // max(1, p['static_models']))} each, "
           f"{size(p['static_kv'])} of it KV)")
     by_demand = sorted(range(args.num_models))  # model i is the i-th most requested
-    result: dict = {"plan": p, "weight_bytes": weights}
+    result: dict = {"plan": p, "weight_bytes": measured.weight_bytes}
+    frees = len(memory.frees)
     pool = PoolRun(args, models, arrivals, by_demand[:p["resident"]], p["pool_bytes"], device)
-    try:
-        print("pool (one KV pool, eviction and cold loads by demand):")
-        result["pool"] = report("pool", args, pool, pool.execute())
-        result["pool"].update(evictions=pool.evictions, cold_loads=pool.cold_loads)
-    finally:
-        pool.close()
+    print("pool (one KV pool, eviction and cold loads by demand):")
+    result["pool"] = report("pool", args, pool, execute(pool))
+    result["pool"].update(evictions=pool.evictions, cold_loads=pool.cold_loads)
+    print(pool_memory.frees_line(memory, frees, pool.evictions))
     cold = pool.cold_loads or _cold_load(models, device, seq_kv)
     print(f"  cold load of an evicted model: median {percentile(cold, 50):.2f} s, max {max(cold):.2f} s over "
           f"{len(cold)} load(s); {pool.evictions} eviction(s) during the run")
     result["cold_load_s"] = percentile(cold, 50)
     if p["static_models"]:
         static = StaticRun(args, models, arrivals, by_demand[:p["static_models"]], p["static_kv"])
-        try:
-            print(f"static split ({p['static_models']} engines, a fixed share each):")
-            result["static"] = report("static", args, static, static.execute())
-        finally:
-            static.close()
+        print(f"static split ({p['static_models']} engines, a fixed share each):")
+        result["static"] = report("static", args, static, execute(static))
     else:
         print("static split: no model fits in any share of the memory")
         result["static"] = {"tok_s": 0.0, "goodput_rps": 0.0}
     if args.single_baseline:
-        result["single_tok_s"] = _single(args, models, arrivals, p["memory"] - weights)
+        result["single_tok_s"] = _single(args, models, arrivals, p["room"] - p["model_bytes"])
         print(f"one model alone (the same arrivals, all the memory): {result['single_tok_s']:.1f} tok/s; the pool's "
               f"aggregate is {ratio(result['pool']['tok_s'], result['single_tok_s']):.0%} of it")
     ratios = {k: ratio(result["pool"][k], result["static"][k]) for k in ("tok_s", "goodput_rps")}
@@ -363,13 +367,22 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def execute(mode: Run) -> float:
+    """Run one mode and free its engines. An error mid-run is what surfaces: the engines are freed after
+    aborting what runs, unchecked (bench/pool_memory.py), rather than refusing and replacing it."""
+    try:
+        seconds = mode.execute()
+    except BaseException:
+        mode.close(failed=True)
+        raise
+    mode.close()
+    return seconds
+
+
 def _single(args: argparse.Namespace, models: Models, arrivals: list[Arrival], kv_bytes: int) -> float:
     """Output tok/s of model 0 alone taking every request: what the pool's aggregate is measured against."""
     alone = StaticRun(args, models, [dataclasses.replace(a, model=0) for a in arrivals], [0], kv_bytes)
-    try:
-        seconds = alone.execute()
-    finally:
-        alone.close()
+    seconds = execute(alone)
     return sum(o.tokens for o in alone.outcomes) / seconds
 
 
@@ -380,12 +393,11 @@ def models_vocab(models: Models) -> int:
 
 
 def _cold_load(models: Models, device: torch.device, seq_kv: int) -> list[float]:
-    """No eviction happened during the run: one model loaded and freed, then loaded again and timed."""
+    """No eviction happened during the run: one model loaded (not the process's first: the probe was) and
+    freed, timed."""
     pool = KVPool(2 * seq_kv, device)
-    models.free(models.load(0, pool=pool))
     before = len(models.loads)
-    core = models.load(0, pool=pool)
-    models.free(core)
+    models.free(models.load(0, pool=pool))
     return models.loads[before:]
 
 

@@ -245,16 +245,27 @@ class EngineCore:
         self._prompt_logprobs.pop(request_id, None)
         self.runner.free_request(request_id)
 
+    def abort_all(self) -> list[Request]:
+        """Abort every unfinished request and free the KV held for handoffs: what an unload after a failure
+        (a load whose warm-up raised, a benchmark's error mid-run) does first, so that ``release_kv``
+        succeeds and the failure, not the release's refusal, is what is reported."""
+        return self.abort([r.request_id for r in self.scheduling_order()] + self.scheduler.held_ids)
+
     def release_kv(self) -> None:
-        """Give this model's KV memory back to its pool (on unload). Refused while requests are
-        unfinished or hold blocks; the core must not be stepped afterwards."""
+        """Unload: give this model's KV memory back to its pool, then let go of its weights, decode graphs
+        and buffers. Refused while requests are unfinished or hold blocks; the core must not be stepped
+        afterwards. The memory is free once this returns (and the caching allocator is emptied) even while
+        something still holds the core: with async scheduling the core is in a reference cycle (its stepper
+        calls back into it), so a reference left in some frame when the unloader collects garbage would
+        otherwise keep every weight alive until the collector next reaches that generation."""
         bm = self.block_manager
         if self.scheduler.has_unfinished() or bm.num_used or not bm.release_free_blocks(list(bm.owned)):
             raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
                                "abort or finish them before releasing the KV cache")
         self.runner.kv_pool.detach(self.runner.kv_pool_key)
         self.structured.close()  # its compile thread and compiled grammars go with the model
-        self.runner.close()  # and its tensor-parallel ranks
+        self.stepper = None  # its launched step's device tensors
+        self.runner.release()  # its tensor-parallel ranks, weights, graphs and buffers
 
     def shutdown(self) -> None:
         """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
@@ -341,6 +352,15 @@ class EngineCore:
     def weight_bytes(self) -> int:
         """This process's weights: rank 0's shard (stage) alone when the model is tensor- or pipeline-parallel."""
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    @property
+    def model_bytes(self) -> int:
+        """This process's bytes of the model's own tensors besides its KV: weights and buffers (rotary tables),
+        each storage once (tied embeddings share one)."""
+        model = self.runner.model
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *model.buffers())}
+        return sum(storages.values())
 
     def rank_processes(self) -> list[tuple[int, int, str]]:
         """(rank, pid, device) of each process of this model, rank 0 (this one) first."""

@@ -336,6 +336,15 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         (ranks/group.py ``abandon``). False without a group, or when it is down already."""
         return self.ranks is not None and self.ranks.abandon(waited_s)
 
+    def release(self) -> None:
+        """Unload: stop the ranks, then drop every tensor this runner holds (weights, the decode graphs and
+        their memory pool, the KV view, the swap space), so the memory goes with this call, not with the last
+        reference to the runner."""
+        self.close()
+        self.model = self.graphs = self.inlets = None
+        self.kv_cache = self.host_cache = self.kv_scales = None
+        self.sampler, self._tables = Sampler(), BlockTableCache()
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (the runner cannot step afterwards)."""
         if self.ranks is not None:

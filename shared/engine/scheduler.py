@@ -287,3 +287,8 @@ class Scheduler(Admission):
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+    @property
+    def held_ids(self) -> list[str]:
+        """Finished requests whose KV is held for a handoff (hold_finished_kv)."""
+        return list(self._held)

@@ -163,6 +163,7 @@ class ModelLoads:
             if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
                 warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
         except BaseException:
+            core.abort_all()  # a shape's requests were in flight: else the release's refusal hides the failure
             core.release_kv()
             if self.shared is not None:
                 self.shared.release(plan.instance)

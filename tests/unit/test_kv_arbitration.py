@@ -2,6 +2,9 @@
 its standalone greedy tokens while the other grows into and is robbed of pool memory, and under a
 skewed load the busy model runs more sequences at once than a static half split would allow."""
 
+import gc
+import weakref
+
 import pytest
 
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -158,6 +161,38 @@ def test_release_kv_returns_the_memory(dirs):
     submit(a, "a", random_prompts(10, lo=24, hi=24, seed=6), 16)
     run([a], {})
     assert ta.preempted == 0 and ta.peak_blocks >= 50 > 48  # 10 sequences of 5 blocks: b's old chunks too
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_release_kv_frees_the_weights_while_the_core_is_still_referenced(dirs, async_scheduling):
+    # an unloader's caller may still hold the core (a loop variable, a metrics collector); with async
+    # scheduling the core is in a reference cycle, which no refcount frees: the weights must go anyway
+    gc.disable()
+    try:
+        pool = KVPool(16 * CHUNK, "cpu", chunk_bytes=CHUNK)
+        a = engine(dirs[0], pool, async_scheduling=async_scheduling)
+        weight = weakref.ref(next(a.runner.model.parameters()))
+        submit(a, "a", random_prompts(2, lo=10, hi=10, seed=3), 4)
+        run([a], {})  # served: the runner's buffers and the sampler's state are those of a used model
+        held = a  # noqa: F841 (the stale reference)
+        a.release_kv()
+        assert weight() is None, "the released model's weights are still alive"
+        assert list(pool.members) == [] and pool.free_bytes == 16 * CHUNK
+    finally:
+        gc.enable()
+
+
+def test_abort_all_lets_a_core_mid_run_release_its_kv(dirs):
+    pool = KVPool(16 * CHUNK, "cpu", chunk_bytes=CHUNK)
+    a = engine(dirs[0], pool, async_scheduling=True)
+    submit(a, "a", random_prompts(3, lo=10, hi=10, seed=4), 8)
+    a.step()
+    a.step()  # running, and (async) a step in flight
+    with pytest.raises(RuntimeError, match="still hold KV blocks"):
+        a.release_kv()
+    assert sorted(r.request_id for r in a.abort_all()) == ["a0", "a1", "a2"]
+    a.release_kv()
+    assert list(pool.members) == []
 
 
 def shrunk_under(model_dirs, async_scheduling: bool) -> tuple[list[int], str | None]:

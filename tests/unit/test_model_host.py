@@ -13,6 +13,7 @@ from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand
+from kvrelay.shared.worker import model_loads
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes
 from tests.conftest import make_tiny_model
@@ -285,3 +286,16 @@ def test_a_load_waits_for_room_as_long_as_the_minimum_residency_holds_it(repo):
     run(host)
     c = next(r for r in results if r.instance == "c@1")
     assert c.ok and c.evicted == ["b@1"], c
+
+
+def test_a_load_whose_warm_up_fails_mid_shape_reports_that_failure(repo, monkeypatch):
+    def warm_up_failing_mid_shape(core, **kw):  # as a CUDA out-of-memory error in a warm-up step would
+        core.add_request(core.make_request("w", [3, 5, 7], SamplingParams(temperature=0.0, max_tokens=4)))
+        core.step()
+        raise RuntimeError("out of memory in a warm-up step")
+
+    monkeypatch.setattr(model_loads, "warm_up", warm_up_failing_mid_shape)
+    host, results = make_host(repo)
+    run(host, load("a"))
+    assert not results[-1].ok and "out of memory in a warm-up step" in results[-1].error, results[-1].error
+    assert "a@1" in host.failed and host.pool.members == {}  # its KV back in the pool
