@@ -79,15 +79,9 @@ def check_w4_packed(kernel, device: str, rows: int, k: int, n: int, group: int, 
 
 
 def w4_gemv_variant(name: str):
-    """A stand-in module whose ``w4_packed_linear`` (what ``check_w4_packed`` calls) is one of the W4 decode
-    GEMVs: "gemv", "atomic" (split K by atomics), "shift" (nibbles shifted down) of kernels/triton/w4_gemv.py,
-    or "kmajor" (kernels/triton/w4_kmajor.py, over the weight's K-major copy)."""
-    from kvrelay.kernels.triton import w4_gemv, w4_kmajor
+    """A stand-in module whose ``w4_packed_linear`` (what ``check_w4_packed`` calls) is one of kernels/triton/
+    w4_gemv.py's split-K sums: "gemv" (in order) or "atomic" (by fp32 atomics)."""
+    from kvrelay.kernels.triton import w4_gemv
 
-    if name == "kmajor":
-        def run(x, p, bias=None, cfg=None, **kw):
-            return w4_kmajor.w4_kmajor_linear(x, w4_kmajor.to_kmajor(p), bias, cfg=cfg, **kw)
-    else:
-        run = w4_gemv.w4_gemv_linear
-    kw = {"gemv": {}, "atomic": {"atomic": True}, "shift": {"shift_free": False}, "kmajor": {}}[name]
-    return type("Variant", (), {"w4_packed_linear": staticmethod(functools.partial(run, **kw))})
+    run = functools.partial(w4_gemv.w4_gemv_linear, atomic={"gemv": False, "atomic": True}[name])
+    return type("Variant", (), {"w4_packed_linear": staticmethod(run)})
