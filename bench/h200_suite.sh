@@ -30,9 +30,17 @@ start=$(date +%s)
 # several processes, tests dealt out one by one (--dist load): most of the suite's time is Triton compiling
 # kernel specialisations, and tests/kernels/test_triton_gpu.py alone holds most of them, so a whole file per
 # process (loadfile) left one process compiling for over 5 minutes while the others idled
-# each result also lands in gpu_live.txt as it happens (tests/live_log.py): a suite cut at SUITE_S keeps what ran
-KVRELAY_TEST_LIVE_LOG="$OUT/gpu_live.txt" timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATIONS:-15} -p no:cacheprovider -p no:benchmark \
-  -n "${PROCS:-12}" --dist "${DIST:-load}" ${TESTS:-tests} \
+# each result also lands in gpu_live.txt as it happens (tests/live_log.py): a suite cut at SUITE_S keeps what ran.
+# Torch threads: the host's cores shared among the processes, at least one each. Each process otherwise starts a
+# thread per core for its CPU work (HF references, quantized weights drawn and dequantized on the host): 12 x 16
+# threads on 16 cores, whose parallel regions wait on each other's time slices.
+# SCHEDCHUNK=N adds xdist's --maxschedchunk N: the load scheduler otherwise hands out runs of consecutive tests,
+# so one file's slow tests (tests/gpu/test_gpu_share_gpu.py's serves) can queue on one process.
+procs=${PROCS:-12}
+threads=$(( $(nproc) / procs )); [ "$threads" -ge 1 ] || threads=1
+KVRELAY_TEST_LIVE_LOG="$OUT/gpu_live.txt" OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads} \
+  timeout "${SUITE_S:-420}" python3 -m pytest -m gpu -q -rf --durations=${DURATIONS:-15} -p no:cacheprovider -p no:benchmark \
+  -n "$procs" --dist "${DIST:-load}" ${SCHEDCHUNK:+--maxschedchunk "$SCHEDCHUNK"} ${TESTS:-tests} \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 echo "suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
 echo "live log: $(grep -c '^passed' "$OUT/gpu_live.txt") passed, $(grep -c '^failed' "$OUT/gpu_live.txt") failed; slowest:"

@@ -16,13 +16,12 @@ decode step's cold reads are what is timed), and is printed beside its floor: th
 and zero points included) over the copy bandwidth measured in the same process.
 
 ``w4_gemv`` (kernels/triton/w4_gemv.py: the same repacked weight through a tensor-core-free GEMV for 1-16 rows,
-split K summed in order), ``w4_gemv_atomic`` (split K by fp32 atomics), ``w4_gemv_shift`` (nibbles shifted
-down, the classic extraction) and ``w4_kmajor`` (kernels/triton/w4_kmajor.py, over a K-major copy of the
-words) are the decode candidates for kernels/triton/w4_decode.py's table; each tries its default (cfg
-``null``) and a few tile shapes at three splits, and the table sets the default's time beside the best.
+split K summed in order) and ``w4_gemv_atomic`` (split K by fp32 atomics) are the decode candidates for
+kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at three
+splits, and the table sets the default's time beside the best.
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
-``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic,w4_gemv_shift,w4_kmajor --quick``: the W4
+``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic --quick``: the W4
 decode comparison (one shape's weights are drawn once, on the GPU, for all its row counts).
 ``--rows 1,4,16 --formats w4_fast,w4_fast64``: the decode sweep that ``default_config``'s tiles and split
 are to be set from.
@@ -46,9 +45,9 @@ GROUP = 128
 L2_BYTES = 60 << 20
 
 
-# the formats that read the repacked W4 weight; all but these two share one draw of it ("w4_packed")
-W4_PACKED = ("w4_packed", "w4_fast64", "w4_kmajor")
-SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic", "w4_gemv_shift")
+# the formats that read the repacked W4 weight; all but w4_fast64 (K tiles of 64) share one draw of it ("w4_packed")
+W4_PACKED = ("w4_packed", "w4_fast64")
+SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic")
 
 
 def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list[dict]:
@@ -69,8 +68,6 @@ def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list
                        + 0.01 / k ** 0.5).half()}
             if fmt in W4_PACKED:  # the same weight, repacked; "unpacked" is the reference's
                 p = repack_w4(d["w"], d["z"], d["s"], GROUP, tile_k=64 if fmt == "w4_fast64" else None)
-                if fmt == "w4_kmajor":
-                    p = import_module("kvrelay.kernels.triton.w4_kmajor").to_kmajor(p)
                 d = {"w": p.qweight, "z": p.zeros, "s": p.scales, "packed": p, "unpacked": d}
             out.append(d)
     return out
@@ -123,35 +120,31 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
 
 
 # the decode GEMVs' tile shapes (BLOCK_N, BLOCK_R, num_warps), for one row and for more: kernels/triton/w4_gemv.py's
-# want BLOCK_N a multiple of 128 x num_warps (4 columns a thread; 8 with twice that), w4_kmajor's 4 words a
-# thread along K; with more rows, fewer registers a row (ptxas spilled BLOCK_R 16 at 4 rows, 8 columns at 16)
+# want BLOCK_N a multiple of 128 x num_warps (4 columns a thread; 8 with twice that); with more rows, fewer
+# registers a row (ptxas spilled BLOCK_R 16 at 4 rows, 8 columns at 16)
 GEMV_MAX_ROWS = 16  # kernels/triton/w4_gemv.py's MAX_ROWS
-# beyond 4 rows the GEMVs run their default only, and the variants that differ from w4_gemv in the split-K
-# sum or the nibbles not at all: a 16-row build took ptxas 91 s on a busy CPU, and spilled; w4_fast's tensor
-# cores are the 16-row candidate
+# beyond 4 rows the GEMVs run their default only, and w4_gemv_atomic, which differs from w4_gemv in the split-K
+# sum only, not at all: a 16-row build took ptxas 91 s on a busy CPU, and spilled; w4_fast's tensor cores are
+# the 16-row candidate
 GEMV_SWEEP_ROWS = 4
 GEMV_CONFIGS = {
     "w4_gemv": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4), (512, 8, 2), (256, 16, 2), (2048, 8, 8)],
                 [(512, 4, 4), (512, 8, 4), (256, 4, 2), (256, 8, 2)]),
     "w4_gemv_atomic": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4)], [(512, 4, 4), (256, 4, 2)]),
-    "w4_gemv_shift": ([(1024, 8, 4), (512, 8, 4)], [(512, 4, 4)]),
-    "w4_kmajor": ([(128, 16, 4), (256, 16, 4), (64, 16, 2), (256, 8, 4)], [(128, 8, 4), (128, 16, 4), (64, 8, 2)]),
 }
 
 
 def gemv_call(fmt: str, x: torch.Tensor, d: dict, cfg: tuple | None):
-    """The decode GEMVs (kernels/triton/w4_gemv.py, w4_kmajor.py); a negative SPLIT divides the default's."""
+    """The decode GEMVs (kernels/triton/w4_gemv.py); a negative SPLIT divides the default's."""
     gemv = import_module("kvrelay.kernels.triton.w4_gemv")
-    kmajor = import_module("kvrelay.kernels.triton.w4_kmajor")
     p = d["packed"]
     if cfg is not None and cfg[2] != 0:
         bn, br, sp, *launch = cfg
         n, k = p.shape
         auto = gemv.split_for(n, bn, k // 8 // br, x.device)
         cfg = (bn, br, max(1, auto // -sp) if sp < 0 else auto * sp, *launch)
-    fn = kmajor.w4_kmajor_linear if fmt == "w4_kmajor" else gemv.w4_gemv_linear
-    atomic, shift_free = fmt == "w4_gemv_atomic", fmt != "w4_gemv_shift"
-    return lambda: fn(x, p, atomic=atomic, shift_free=shift_free, cfg=cfg)
+    atomic = fmt == "w4_gemv_atomic"
+    return lambda: gemv.w4_gemv_linear(x, p, atomic=atomic, cfg=cfg)
 
 
 def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None):
@@ -202,7 +195,7 @@ def weight_sets(store: str, k: int, n: int) -> tuple[dict, list[dict]]:
 def skipped(fmt: str, rows: int) -> bool:
     """The skinny loop is for one row, the decode GEMVs for a few."""
     return ((fmt.endswith("_sk") and rows > 1) or (fmt in GEMV_CONFIGS and rows > GEMV_MAX_ROWS)
-            or (fmt in ("w4_gemv_atomic", "w4_gemv_shift") and rows > GEMV_SWEEP_ROWS))
+            or (fmt == "w4_gemv_atomic" and rows > GEMV_SWEEP_ROWS))
 
 
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
@@ -220,7 +213,7 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
         w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
         row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)
     elif fmt in GEMV_CONFIGS:
-        module = import_module("kvrelay.kernels.triton." + ("w4_kmajor" if fmt == "w4_kmajor" else "w4_gemv"))
+        module = import_module("kvrelay.kernels.triton.w4_gemv")
         row["default_cfg"] = module.default_config(rows, n, k, one["packed"].tile_k, x.device)
     best = None
     for cfg in tries:

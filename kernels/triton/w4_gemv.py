@@ -9,14 +9,15 @@ the thread's registers (no shuffle, no shared memory) whenever ``BLOCK_N`` is 12
 row keeps a partial sum per weight and adds them once per chunk; more rows add each slab's products per
 row (registers per row would spill), so they cost an FMUL and an FADD a weight and row, not one FFMA.
 
-Per packed word (eight 4-bit weights) the arithmetic is, with ``SHIFT_FREE``: one shift, eight and-or's
-(a nibble masked in place and OR'd into the mantissa of fp32 2^23, one LOP3 each), eight subtractions
-and eight FMAs. Nibble j in place is worth q * 16^j: ``bits - (2^23 + z * 16^j)`` is (q - z) * 16^j
-exactly (integers below 2^24), and the activation it multiplies is pre-scaled by 16^-j (exact: a power of
-two), so the product rounds as (q - z) * x would. Nibbles 5-7 would reach the exponent, so they come from
-the word shifted right by 20 once. Without ``SHIFT_FREE`` every nibble is shifted down first (the
-classic form, one more integer op per weight, activations as they are). The scale multiplies once per
-column and chunk of ``BLOCK_R`` rows (a chunk never straddles a group: K tiles divide the group size).
+Per packed word (eight 4-bit weights) the arithmetic is one shift, eight and-or's (a nibble masked in
+place and OR'd into the mantissa of fp32 2^23, one LOP3 each), eight subtractions and eight FMAs. Nibble j
+in place is worth q * 16^j: ``bits - (2^23 + z * 16^j)`` is (q - z) * 16^j exactly (integers below 2^24),
+and the activation it multiplies is pre-scaled by 16^-j (exact: a power of two), so the product rounds as
+(q - z) * x would. Nibbles 5-7 would reach the exponent, so they come from the word shifted right by 20
+once. The classic extraction (every nibble shifted down first: one more integer op per weight) and a
+K-major copy of the words were tried and lost at every Llama-3-8B shape (BENCHMARKS.md, "The W4 decode
+GEMV variants"). The scale multiplies once per column and chunk of ``BLOCK_R`` rows (a chunk never
+straddles a group: K tiles divide the group size).
 Compiled offline for sm_90 (triton 3.9's ptxas), one row at (BLOCK_N, BLOCK_R, warps) = (1024, 8, 4): 4.45
 instructions a weight in the loop (LOP3, FADD, FFMA each 1; shifts, conversions of the activations and
 addressing the rest), no shared memory, no spills at 255 registers; (512, 8, 4): 5.1 at 128 registers;
@@ -50,19 +51,15 @@ MAGIC_BITS = 0x4B000000
 
 
 @triton.jit
-def nibble_slab(words, z, j: tl.constexpr, magic_bits, SHIFT_FREE: tl.constexpr):
-    """Nibble j of each packed word as fp32 (q - z) * 16^(j % 5) (``SHIFT_FREE``) or q - z; ``z`` the zero
-    points broadcast to the words' shape. Nibbles 5-7 come from the words shifted right by 20 once (the
-    compiler merges the three shifts)."""
-    if SHIFT_FREE:
-        if j < 5:
-            bits = (words & (15 << (4 * j))) | magic_bits
-        else:
-            high = (words.to(tl.uint32, bitcast=True) >> 20).to(tl.int32, bitcast=True)
-            bits = (high & (15 << (4 * (j - 5)))) | magic_bits
-        return bits.to(tl.float32, bitcast=True) - (MAGIC + z * 16.0 ** (j % 5))
-    bits = ((words >> (4 * j)) & 15) | magic_bits
-    return bits.to(tl.float32, bitcast=True) - (MAGIC + z)
+def nibble_slab(words, z, j: tl.constexpr, magic_bits):
+    """Nibble j of each packed word as fp32 (q - z) * 16^(j % 5); ``z`` the zero points broadcast to the words'
+    shape. Nibbles 5-7 come from the words shifted right by 20 once (the compiler merges the three shifts)."""
+    if j < 5:
+        bits = (words & (15 << (4 * j))) | magic_bits
+    else:
+        high = (words.to(tl.uint32, bitcast=True) >> 20).to(tl.int32, bitcast=True)
+        bits = (high & (15 << (4 * (j - 5)))) | magic_bits
+    return bits.to(tl.float32, bitcast=True) - (MAGIC + z * 16.0 ** (j % 5))
 
 
 @triton.jit
@@ -76,16 +73,13 @@ def chunk_groups(s_ptr, z_ptr, c, G, N, rn, n_mask, TILE_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j: tl.constexpr, HAS_PERM: tl.constexpr,
-                     SHIFT_FREE: tl.constexpr):
+def slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j: tl.constexpr, HAS_PERM: tl.constexpr):
     """Row m's activations at inputs ``rk`` (act-order: gathered through ``perm``) in fp32, scaled for nibble
-    j's slab by 16^-(j % 5) where ``nibble_slab`` leaves it so (powers of two: exact)."""
+    j's slab by 16^-(j % 5), as ``nibble_slab`` leaves it (powers of two: exact)."""
     if HAS_PERM:
         rk = tl.load(p_ptr + rk)
     x = tl.load(x_ptr + m * stride_x + rk, mask=(rk * 0 + m) < M, other=0.0).to(tl.float32)
-    if SHIFT_FREE:
-        x = x * 0.0625 ** (j % 5)
-    return x
+    return x * 0.0625 ** (j % 5)
 
 
 @triton.jit
@@ -106,7 +100,7 @@ def store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, 
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_SPLIT"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, M, N, G, stride_x, stride_y, stride_split,
                     CHUNKS_PER_SPLIT, N_CHUNKS, magic_bits, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ATOMIC: tl.constexpr, SHIFT_FREE: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ATOMIC: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -128,9 +122,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, M, N, G, st
         chunk = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for j in tl.static_range(8):
             rk = t * TILE_K + j * (TILE_K // 8) + r0 + rr  # slab j: the tile's j-th run of tile_k / 8 inputs
-            v = nibble_slab(words, z[None, :], j, magic_bits, SHIFT_FREE)
+            v = nibble_slab(words, z[None, :], j, magic_bits)
             for m in tl.static_range(BLOCK_M):
-                x = slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j, HAS_PERM, SHIFT_FREE)
+                x = slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j, HAS_PERM)
                 if BLOCK_M == 1 and j == 0:  # not a sum onto zeros: spares the zeroing of the registers
                     part = v * x[:, None]
                 elif BLOCK_M == 1:
@@ -163,17 +157,14 @@ def split_for(n: int, block_n: int, n_chunks: int, device: torch.device, per_sm:
 
 
 def w4_gemv_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None, *, atomic: bool = False,
-                   shift_free: bool = True, cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+                   cfg: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [..., K] (at most ``MAX_ROWS`` rows) @ the repacked W4 weight -> [..., N]. ``cfg``: (BLOCK_N, BLOCK_R,
     SPLIT, num_warps, num_stages), SPLIT 0 for ``split_for``'s; BLOCK_R must divide tile_k / 8."""
-    return launch(_w4_gemv_kernel, x, p, bias, atomic, shift_free,
-                  cfg or default_config(x.numel() // x.shape[-1], *p.shape, p.tile_k, x.device))
+    return launch(x, p, bias, atomic, cfg or default_config(x.numel() // x.shape[-1], *p.shape, p.tile_k, x.device))
 
 
-def launch(kernel, x: torch.Tensor, p, bias: torch.Tensor | None, atomic: bool, shift_free: bool,
-           cfg: tuple[int, ...]) -> torch.Tensor:
-    """Runs ``kernel`` (this module's or kernels/triton/w4_kmajor.py's: the same arguments) over ``p``, a
-    W4Packed or its K-major copy, with the split-K reduction ``atomic`` asks for."""
+def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool, cfg: tuple[int, ...]) -> torch.Tensor:
+    """Runs the GEMV over ``p`` with the split-K reduction ``atomic`` asks for."""
     n, k = p.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the W4 weight {k}")
@@ -197,11 +188,11 @@ def launch(kernel, x: torch.Tensor, p, bias: torch.Tensor | None, atomic: bool, 
     else:  # every slot written by its split: no zeroing
         out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_or_any = bias if bias is not None else p.scales
-    kernel[(triton.cdiv(n, block_n), split)](
+    _w4_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales, bias_or_any, out, m, n,
         p.group_size, x2.stride(0), n, 0 if atomic else m * n, per_split, n_chunks, MAGIC_BITS,
         HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and split == 1, ATOMIC=atomic and split > 1,
-        SHIFT_FREE=shift_free, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
+        TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
         num_warps=warps, num_stages=stages)
     if split > 1 and atomic:
         y = out.to(x.dtype) if bias is None else (out + bias.float()).to(x.dtype)

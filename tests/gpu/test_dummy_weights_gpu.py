@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvrelay.shared.config.engine import ModelConfig
+from kvrelay.shared.engine import dummy_weights
 from kvrelay.shared.engine.dummy_weights import fill_bits_, fill_normal_
 from kvrelay.shared.engine.loader import load_model
 
@@ -27,8 +28,12 @@ def test_a_dummy_model_on_cuda_is_the_cpu_model(preset, dtype):
 
 
 def test_chunked_fills_on_cuda_are_the_cpus():
-    n = (1 << 22) + 7
-    on_cuda = fill_normal_(torch.empty(n, device="cuda"), 0, "w", 0.02, chunk=1 << 21).cpu()
+    # three whole chunks and a ragged 7-element one on one side, one chunk on the other (n is below CPU_CHUNK
+    # and DEVICE_CHUNK): the point is the chunk boundaries, not the size, which only made the CPU's hashing slow
+    chunk = 1 << 14
+    n = 3 * chunk + 7
+    assert n < min(dummy_weights.CPU_CHUNK, dummy_weights.DEVICE_CHUNK)
+    on_cuda = fill_normal_(torch.empty(n, device="cuda"), 0, "w", 0.02, chunk=chunk).cpu()
     assert torch.equal(on_cuda, fill_normal_(torch.empty(n), 0, "w", 0.02))
     bits = fill_bits_(torch.empty(n, dtype=torch.int32, device="cuda"), 0, "q").cpu()
-    assert torch.equal(bits, fill_bits_(torch.empty(n, dtype=torch.int32), 0, "q"))
+    assert torch.equal(bits, fill_bits_(torch.empty(n, dtype=torch.int32), 0, "q", chunk=chunk))

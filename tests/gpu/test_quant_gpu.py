@@ -134,7 +134,10 @@ def test_models_generate_the_cpu_references_tokens(tiny_model_dirs, tmp_path, me
     if method == "fp8":
         monkeypatch.setattr(reference, "fp8_linear", quant.fp8_linear_w8a8)
     cpu_llm = LLM(model=str(ckpt), device="cpu", dtype="float32")
-    gpu = LLM(model=str(ckpt), device="cuda", dtype="float32", num_gpu_blocks=256).generate(prompts, params)
+    # two prompts: graphs for batches 1, 2 and 4 are all the decode steps take (the default 256 would capture,
+    # and compile the quantized kernels for, 23 batch sizes that never run here)
+    gpu = LLM(model=str(ckpt), device="cuda", dtype="float32", num_gpu_blocks=256,
+              max_num_seqs=4).generate(prompts, params)
     if method != "fp8":
         cpu = cpu_llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
@@ -156,12 +159,20 @@ def test_models_generate_the_cpu_references_tokens(tiny_model_dirs, tmp_path, me
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8", "awq"])
-def test_dummy_llama_3_8b_shape_runs(method):
+def test_dummy_llama_3_8b_shape_runs(method, monkeypatch):
     from kvrelay import LLM, SamplingParams
+    from kvrelay.shared.config import presets
 
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability 8.9")
-    llm = LLM(model="dummy:llama-3-8b", quantization=method, max_model_len=1024, num_gpu_blocks=512)
+    # every layer of Llama-3-8B has the same shapes, so two of them run each quantized projection at its real
+    # shape (with the real vocabulary and heads): the other 30 only repeated them. Eight sequences at most, not
+    # 256: the decode graphs of batches 1, 2, 4 and 8 (for awq both its decode GEMV and w4_fast), not 23 buckets
+    real = presets.PRESETS["llama-3-8b"]
+    monkeypatch.setitem(presets.PRESETS, "llama-3-8b-2-layers", {**real, "num_hidden_layers": 2})
+    llm = LLM(model="dummy:llama-3-8b-2-layers", quantization=method, max_model_len=1024, num_gpu_blocks=512,
+              max_num_seqs=8)
+    assert llm.engine.core.runner.model.num_layers == 2
     out = llm.generate([{"prompt_token_ids": list(range(100, 600))}] * 3,
                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
