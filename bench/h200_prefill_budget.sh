@@ -13,9 +13,14 @@
 # histograms of step time by kind and of prompt tokens per step with decodes, and its ITL histogram, cumulative over
 # the server's rates so far), <run>-<rate>.steps (bench/step_metrics.py: what that rate added, per step kind), and
 # summary.txt (a line per run: TTFT p50 p99, ITL p50 p99 in ms, then the rate's .steps lines). With STEP_KINDS=1 the
-# call ends with bench/step_kinds.py (each step kind timed alone on one engine) into step_kinds.txt, if time is left.
+# call first runs bench/step_kinds.py (each step kind timed alone on one engine, up to STEP_KINDS_S, default 150 s)
+# into step_kinds.txt; the servers' START_BY still counts from the call's start.
 set -u
 . bench/h200_setup.sh || exit 1
+if [ "${STEP_KINDS:-0}" = 1 ]; then  # first, on an idle GPU: what each step kind costs alone
+  timeout "${STEP_KINDS_S:-150}" python3 -m kvrelay.bench.step_kinds > "$OUT/step_kinds.txt" 2>&1
+  echo "step_kinds rc $?"; tail -12 "$OUT/step_kinds.txt"
+fi
 for run in ${RUNS:-cap512 target20 cap0 cap256}; do
   case $run in
     cap*) flags=(--max-prefill-tokens-with-decodes "${run#cap}") ;;
@@ -45,7 +50,3 @@ for run in ${RUNS:-cap512 target20 cap0 cap256}; do
   done
   kill "$server"; wait "$server"
 done
-if [ "${STEP_KINDS:-0}" = 1 ] && [ "$SECONDS" -lt "${STEP_KINDS_BY:-400}" ]; then
-  timeout "${STEP_KINDS_S:-150}" python3 -m kvrelay.bench.step_kinds > "$OUT/step_kinds.txt" 2>&1
-  echo "step_kinds rc $?"; tail -12 "$OUT/step_kinds.txt"
-fi
