@@ -132,7 +132,7 @@ class AsyncStepper:
             # forward queued on the device, before the mask is filled and the step sampled
             nonlocal outputs, read_early
             if prev is not None:
-                outputs += self._finish(prev)
+                outputs += self._finish(prev, out)
                 read_early = True
 
         cur = self.runner.launch(out, prev.fed if prev is not None else None, read_prev)
@@ -144,7 +144,7 @@ class AsyncStepper:
             for rid, (pos0, chunk) in cur.prompt_logprobs.items():
                 self.prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
         if prev is not None and not read_early:
-            outputs += self._finish(prev)  # the device runs cur meanwhile
+            outputs += self._finish(prev, out)  # the device runs cur meanwhile
         if cur is not None:
             for s in out.scheduled:  # every id of these blocks is known now that prev is read
                 if s.request.status is RequestStatus.RUNNING:
@@ -161,22 +161,25 @@ class AsyncStepper:
         """The read tokens of ``out`` into the scheduler (advanced when launched); the requests they finish."""
         return self.scheduler.apply_sampled(out, sampled)
 
-    def _finish(self, step: LaunchedStep) -> list[EngineCoreOutput]:
-        """Read a launched step and turn it into outputs, as the synchronous step does."""
+    def _finish(self, step: LaunchedStep, launched: SchedulerOutput | None = None) -> list[EngineCoreOutput]:
+        """Read a launched step and turn it into outputs, as the synchronous step does. ``launched``: the step
+        queued since (its host launch ran before this read, so inside this step's time)."""
         sampled = step.read()
         # A step's time for the step-cost fit: from its launch, or from the host's read of the step before it if
         # that is later (the device runs steps in order, so this one's work starts about then), to its tokens on
         # the host: the gap between two steps' outputs that inter-token latency sees, device and host alike.
         read = time.time()
-        self.scheduler.record_step(step.out, read - max(step.started, self.last_read))
+        seconds = read - max(step.started, self.last_read)
+        self.scheduler.record_step(step.out, seconds)
         self.last_read = read
         # requests that ended after this step was launched: their rows ran for nothing
         live = [s for s in step.out.scheduled if not s.request.status.finished]
         finished = {r.request_id: r for r in self._apply(step.out, {rid: s.token_id for rid, s in sampled.items()})}
         observer = self.observer()
         if observer is not None:
-            observer.on_step(step.started, dataclasses.replace(step.out, scheduled=live, aborted=[]),
-                             list(finished.values()))
+            beside = launched.shape if launched is not None and launched.scheduled else None
+            observer.on_step(step.started, dataclasses.replace(step.out, scheduled=live, aborted=[], seconds=seconds,
+                                                               beside=beside), list(finished.values()))
         outputs = []
         for sr in live:
             rid = sr.request.request_id

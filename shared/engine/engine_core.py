@@ -204,7 +204,8 @@ class EngineCore:
         for rid, (pos0, chunk) in result.prompt_logprobs.items():
             self._prompt_logprobs[rid][pos0 + 1:pos0 + 1 + len(chunk)] = chunk
         finished = {r.request_id: r for r in self.scheduler.update_from_output(out, sampled)}
-        self.scheduler.record_step(out, time.time() - started)
+        out.seconds = time.time() - started
+        self.scheduler.record_step(out, out.seconds)
         if self.observer is not None:
             self.observer.on_step(started, out, list(finished.values()))
         outputs = []

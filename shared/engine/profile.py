@@ -18,10 +18,12 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 
 def phase_points(core: EngineCore) -> dict[str, tuple[object, str]]:
     """Phase name -> (object, attribute) of the callable that runs it; "replay" only when decode is
-    graph-captured. "execute" contains "build inputs", "sampler" and "replay"."""
+    graph-captured. "execute" contains "build inputs", "sampler" and "replay" or "forward" (the eager
+    model forward of a step that is not a graph replay: prefill and mixed steps)."""
     runner, sched = core.runner, core.scheduler
     points = {"schedule": (sched, "schedule"), "update": (sched, "update_from_output"),
-              "execute": (runner, "execute"), "build inputs": (runner, "_build"), "sampler": (runner, "sampler")}
+              "execute": (runner, "execute"), "build inputs": (runner, "_build"), "sampler": (runner, "sampler"),
+              "forward": (runner, "_forward")}
     if runner.graphs is not None:
         points["replay"] = (runner.graphs, "run")
     return points

@@ -31,6 +31,12 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     aborted: list[Request] = field(default_factory=list)  # ended by the scheduler: can never fit
     shape: StepShape = field(default_factory=StepShape)  # its decode rows and prompt tokens (step_cost.py)
+    # Set when its tokens are read, for observers: the seconds its requests waited for them (from its launch, or
+    # the read of the step before if that is later: the gap inter-token latency sees), and with async scheduling
+    # the shape of the step launched before that read, whose host launch (eager, when it holds prompt tokens)
+    # is inside those seconds.
+    seconds: float | None = None
+    beside: StepShape | None = None
 
     @property
     def empty(self) -> bool:

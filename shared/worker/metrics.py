@@ -45,6 +45,10 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# engine steps: fine between 2 and 50 ms, where a graph-replayed decode step and an eager one with prompt tokens lie
+STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.075,
+                0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+PROMPT_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192)
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 ROLES = ("prefill", "decode", "unified")
@@ -94,6 +98,18 @@ class WorkerMetrics:
         steps = Counter("kvrelay_engine_steps", "Engine steps by kind: decode (one token per sequence), "
                         "prefill (prompt chunks only) or mixed", m + ["kind"], registry=r)
         self._steps = {kind: steps.labels(model_name, kind) for kind in ("decode", "prefill", "mixed")}
+        # what a decoding request waits between two tokens, by whether a step with prompt tokens (eager) ran in
+        # the gap: with async scheduling the next step's launch is inside it, so its prompt tokens count too
+        step_seconds = Histogram("kvrelay_engine_step_seconds", "Engine step time as its requests waited for its "
+                                 "tokens (from the read of the step before, or its launch if later, to its read): "
+                                 "decode (no prompt tokens in the gap), mixed (prompt tokens beside decode rows) or "
+                                 "prefill (prompt tokens only); with async scheduling the step launched before the "
+                                 "read is in the gap", m + ["kind"], buckets=STEP_BUCKETS, registry=r)
+        self._step_seconds = {kind: step_seconds.labels(model_name, kind) for kind in ("decode", "prefill", "mixed")}
+        self.prompt_beside_decodes = Histogram(
+            "kvrelay_engine_step_prompt_tokens", "Prompt tokens of each step that had decode rows (0: decode only): "
+            "what --max-prefill-tokens-with-decodes or --target-step-ms let in beside them", m,
+            buckets=PROMPT_TOKEN_BUCKETS, registry=r).labels(model_name)
         self._success = Counter("vllm:request_success", "Requests ended here, by finish reason",
                                 m + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "From the request's arrival to its first token",
@@ -195,6 +211,7 @@ class WorkerMetrics:
             self.iteration_tokens.observe(sum(
                 (s.request.num_prompt_tokens if s.request.num_output_tokens == 1 else 0) + 1
                 for s in out.scheduled if s.sample))
+            self._observe_shape(out)
         per_tenant: dict[str, int] = {}
         for s in out.scheduled:
             req = s.request
@@ -225,6 +242,18 @@ class WorkerMetrics:
             if self.role != "prefill":
                 self.request_done(req.status.value, req.arrival_wall, now)
                 self._phases_done(req.status.value, seen)
+
+    def _observe_shape(self, out: SchedulerOutput) -> None:
+        if out.shape.decode_rows:
+            self.prompt_beside_decodes.observe(out.shape.prompt_tokens)
+        if out.seconds is None:
+            return
+        shapes = [out.shape] if out.beside is None else [out.shape, out.beside]
+        if not any(s.prompt_tokens for s in shapes):
+            kind = "decode"
+        else:
+            kind = "mixed" if any(s.decode_rows for s in shapes) else "prefill"
+        self._step_seconds[kind].observe(out.seconds)
 
     def on_removed(self, requests: list[Request]) -> None:
         now = time.time()
