@@ -64,6 +64,7 @@ class DecodeWorker:
                                         max_per_peer=config.max_handoffs_per_peer, asker_alive=self._asker_alive,
                                         bulk=self.bulk)
         self.receiver.quota.on_wait, self.receiver.quota.on_grant = self._quota_wait, self._quota_grant
+        self.receiver.held.on_end = self._held_ask_ended
         self._live_askers: tuple[float, set[str]] = (0.0, set())
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 
@@ -99,17 +100,21 @@ class DecodeWorker:
         if slot.metrics is not None:
             slot.metrics.quota_waiting = lambda instance=slot.instance: self.receiver.quota.waiting(instance)
 
-    def _quota_metrics(self, model: str):
+    def _metrics(self, model: str):
         slot = self.runtime.slots.get(model)
-        return None if slot is None or slot.metrics is None else slot.metrics.quota
+        return None if slot is None else slot.metrics
 
     def _quota_wait(self, model: str, tenant: str) -> None:
-        if (metrics := self._quota_metrics(model)) is not None:
-            metrics.waited(tenant)
+        if (metrics := self._metrics(model)) is not None:
+            metrics.quota.waited(tenant)
 
     def _quota_grant(self, model: str, tenant: str, blocks_held: int) -> None:
-        if (metrics := self._quota_metrics(model)) is not None:
-            metrics.granted(tenant, blocks_held)
+        if (metrics := self._metrics(model)) is not None:
+            metrics.quota.granted(tenant, blocks_held)
+
+    def _held_ask_ended(self, model: str, outcome: str, held_s: float) -> None:
+        if (metrics := self._metrics(model)) is not None:
+            metrics.held_asks.ended(outcome, held_s)
 
     def detach(self, slot: ModelSlot) -> None:
         self.receiver.forget_model(slot.instance)

@@ -2,7 +2,7 @@
 over its engine. Workers run one sequence per job, so each step queues one job per live beam (its prompt
 the beam's text so far, one greedy token, the best ``keep`` logprobs); the prefix cache makes a beam's
 re-sent prefix nearly free. Which candidates survive a step, and when the search ends, is
-shared/beam_scoring.py's, which the offline engine's search uses too. The ``n`` best hypotheses are the
+shared/text/beam_scoring.py's, which the offline engine's search uses too. The ``n`` best hypotheses are the
 choices, with each token's logprob and best alternatives when the request asks for logprobs (the step
 fetches them anyway); streamed, each choice is one chunk once the search ends (no beam is final before).
 
@@ -20,7 +20,7 @@ from kvrelay.gateway.api.choice import TokenLogprob
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.prompts import Prepared
 from kvrelay.gateway.state import METRICS
-from kvrelay.shared.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
+from kvrelay.shared.text.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 

@@ -2,13 +2,13 @@
 
 Each step asks the engine for one token of every live beam with its top-k logprobs; the prefix
 cache makes a beam's re-submitted prefix nearly free. Which candidates survive a step, and when the
-search ends, is shared/beam_scoring.py's, which the API's search (gateway/api/beam_search.py) uses too.
+search ends, is shared/text/beam_scoring.py's, which the API's search (gateway/api/beam_search.py) uses too.
 """
 
 from dataclasses import dataclass
 
-from kvrelay.shared.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
 from kvrelay.shared.engine.outputs import CompletionOutput, RequestOutput
+from kvrelay.shared.text.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
 from kvrelay.shared.wire.sampling_params import MAX_LOGPROBS, SamplingParams
 
 

@@ -51,6 +51,7 @@ class HoldState(enum.Enum):
 class HeldAsk:
     peer: bytes  # the asker's ZMQ identity
     req: HandoffRequest
+    since: float  # monotonic time it was held
     until: float  # monotonic time past which it is held no longer
     provider: str  # the request id of the in-flight transfer whose KV it waits for
     waits_for: int  # how many of its leading blocks that transfer brings
@@ -93,6 +94,9 @@ class HeldAsks:
         self.wait_s = grant_ttl_s * HOLD_SHARE_OF_TTL
         self.asks: dict[str, HeldAsk] = {}  # by request id, in the order they came
         self.outcomes: Counter[HoldState] = Counter()  # how held asks ended (HELD: how many were held)
+        # told of each held ask as it ends: its model, how it ended (a HoldState's value) and how long it was held;
+        # the decode worker's Prometheus series (shared/worker/held_ask_metrics.py)
+        self.on_end: Callable[[str, str, float], None] = lambda model, outcome, held_s: None
 
     def __bool__(self) -> bool:
         return bool(self.asks)
@@ -107,7 +111,8 @@ class HeldAsks:
         found = best_provider(req, in_flight, cached())
         if found is None:
             return False
-        self.asks[req.request_id] = HeldAsk(peer, req, time.monotonic() + self.wait_s, *found)
+        now = time.monotonic()
+        self.asks[req.request_id] = HeldAsk(peer, req, now, now + self.wait_s, *found)
         self.outcomes[HoldState.HELD] += 1
         return True
 
@@ -151,3 +156,4 @@ class HeldAsks:
         ask.state = state
         self.outcomes[state] += 1
         del self.asks[ask.req.request_id]
+        self.on_end(ask.req.model, state.value, time.monotonic() - ask.since)

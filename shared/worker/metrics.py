@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily
 from kvrelay.shared.engine import SchedulerOutput
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.wire.engine_stats import ITERATION_TOKENS_BUCKETS, RELAYED_HISTOGRAMS, EngineStats, HistogramCounts
+from kvrelay.shared.worker.held_ask_metrics import HeldAskMetrics
 from kvrelay.shared.worker.host_stats import HostCollector, nvml_for
 from kvrelay.shared.worker.prompt_budget_metrics import PromptBudgetCollector
 from kvrelay.shared.worker.quota_metrics import QuotaMetrics
@@ -172,6 +173,7 @@ class WorkerMetrics:
               "worker the asks in line there", m, registry=r).labels(model_name).set_function(
                   lambda: self.quota_waiting())
         self.quota = QuotaMetrics(r, model_name, tenant_label) if role == "decode" else None
+        self.held_asks = HeldAskMetrics(r, model_name) if role == "decode" else None
         # a decode worker's side of its handoffs: what arrived, and the prompt blocks it held already (not sent)
         self.handoff_received_bytes = Counter("kvrelay_handoff_received_bytes", "KV bytes of handoffs admitted "
                                               "here", m, registry=r).labels(model_name)

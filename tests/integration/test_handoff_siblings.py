@@ -5,12 +5,15 @@ transfer fails instead (its asker cancels it, or dies), the held ask is granted 
 
 Real tiny-llama engines on both sides (the prefill one holding finished prompts' KV for the handoff; the decode one
 admitting handed-off requests, which caches their prompt blocks), a real HandoffReceiver and real HandoffManagers
-over real CURVE ZMQ sockets, all polled from the test's thread (shared/handoff/held_asks.py is what is tested)."""
+over real CURVE ZMQ sockets, all polled from the test's thread (shared/handoff/held_asks.py is what is tested), the
+decode side's held asks counted into a real decode WorkerMetrics as the decode worker wires them."""
 
 from types import SimpleNamespace
 
 import pytest
 import zmq
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
 from kvrelay.prefill_worker.handoff import FirstToken, HandoffManager, State, Transfer
@@ -23,6 +26,7 @@ from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.block_hash import DEFAULT_TENANT
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.sampling_params import SamplingParams
+from kvrelay.shared.worker.metrics import WorkerMetrics
 from tests.zmq_secret import CURVE
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -59,6 +63,10 @@ class Pair:
         zmq_auth.serve(sock, CURVE)
         self.addr = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.receiver = HandoffReceiver(sock, serves(MODEL, self.decode), grant_ttl_s, transports=[Frames()])
+        # as decode_worker/worker.py wires them: each model's held asks into that model's series
+        metrics = {MODEL: WorkerMetrics(self.decode, MODEL, "decode", "d1", process_collectors=False)}
+        self.receiver.held.on_end = lambda model, outcome, held_s: metrics[model].held_asks.ended(outcome, held_s)
+        self.registry = metrics[MODEL].registry
         self.managers: list[HandoffManager] = []
         self.ended: dict[str, Transfer] = {}
         self.firsts: dict[str, int] = {}
@@ -105,6 +113,18 @@ class Pair:
                 tokens[out.request_id] += out.new_token_ids
         return tokens
 
+    def held_series(self) -> dict[str, float]:
+        """The decode side's held-ask series as scraped: each outcome's kvrelay_handoff_held_asks_total, and the
+        held-time histogram's count as "seconds_count"."""
+        found = {}
+        for family in text_string_to_metric_families(generate_latest(self.registry).decode()):
+            for s in family.samples:
+                if s.name == "kvrelay_handoff_held_asks_total":
+                    found[s.labels["outcome"]] = s.value
+                elif s.name == "kvrelay_handoff_held_ask_seconds_count":
+                    found["seconds_count"] = s.value
+        return found
+
     def close(self) -> None:
         for m in self.managers:
             m.close()
@@ -135,6 +155,7 @@ def without_reuse(tiny_model_dirs):
     pair, tokens = _siblings_in_one_round(tiny_model_dirs["llama"], reuse=False)
     pair.close()
     assert not pair.receiver.held.outcomes
+    assert pair.held_series() == {"ready": 0, "unblocked": 0, "dropped": 0, "seconds_count": 0}
     return {r: (pair.ended[r].grant.cached_blocks, pair.ended[r].nbytes) for r in "ab"}, tokens
 
 
@@ -147,6 +168,7 @@ def test_a_sibling_asking_with_the_first_is_held_then_sent_only_what_the_first_d
         a, b = pair.ended["a"], pair.ended["b"]
         assert a.grant.cached_blocks == 0 and b.grant.cached_blocks == 5 and len(b.grant.block_ids) == 1
         assert pair.receiver.held.outcomes == {HoldState.HELD: 1, HoldState.READY: 1}
+        assert pair.held_series() == {"ready": 1, "unblocked": 0, "dropped": 0, "seconds_count": 1}
         assert a.nbytes == full["a"][1] and b.nbytes * 6 == a.nbytes  # one block's KV, of six
         assert pair.receiver.bytes_received == a.nbytes + b.nbytes
         assert tokens == full_tokens and len(tokens["b"]) == MAX_NEW
@@ -180,6 +202,7 @@ def test_a_sibling_held_for_a_transfer_that_fails_is_granted_in_full_and_complet
         b = pair.ended["b"]
         assert b.state is State.DONE and b.grant.cached_blocks == 0, b.reason
         assert pair.receiver.held.outcomes[HoldState.UNBLOCKED] == 1 and not pair.receiver.held
+        assert pair.held_series() == {"ready": 0, "unblocked": 1, "dropped": 0, "seconds_count": 1}
         assert pair.decoded() == {"b": full_tokens["b"]}
     finally:
         pair.close()

@@ -6,6 +6,7 @@ import time
 
 from kvrelay.shared.handoff.held_asks import HeldAsks, HoldState, best_provider, shared_blocks
 from kvrelay.shared.wire.handoff import HandoffRequest
+from kvrelay.shared.worker.held_ask_metrics import OUTCOMES
 
 BLOCK = 4
 
@@ -54,6 +55,8 @@ def test_a_held_ask_whose_transfer_failed_waits_for_another_in_flight_else_goes_
 
 def test_no_ask_is_held_past_its_bound_nor_twice_and_its_asker_may_cancel_it():
     held = HeldAsks(grant_ttl_s=8.0)
+    ended = []
+    held.on_end = lambda model, outcome, held_s: ended.append((model, outcome, held_s))
     flying = {"m": [("a", [1, 2, 3])]}
     before = time.monotonic()
     assert held.hold(b"p", ask("b", [1, 2, 3]), flying["m"], lambda: 0)
@@ -66,3 +69,10 @@ def test_no_ask_is_held_past_its_bound_nor_twice_and_its_asker_may_cancel_it():
     assert held.hold(b"p", ask("d", [1, 2, 3]), flying["m"], lambda: 0)
     assert not held.cancel(b"other", "d") and held.cancel(b"p", "d") and not held
     assert held.outcomes == {HoldState.HELD: 3, HoldState.UNBLOCKED: 1, HoldState.DROPPED: 2}
+    # each told as it ended, in order, with how long it was held
+    assert [(model, outcome) for model, outcome, _ in ended] == [("m", "unblocked"), ("m", "dropped"), ("m", "dropped")]
+    assert all(0 <= held_s <= time.monotonic() - before for _, _, held_s in ended)
+
+
+def test_the_metrics_label_every_state_a_held_ask_ends_in_and_no_other():
+    assert set(OUTCOMES) == {s.value for s in HoldState if s is not HoldState.HELD}

@@ -5,6 +5,7 @@ Benchmarks and tests, outside the package, never import each other."""
 import ast
 import importlib.util
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,24 @@ def test_a_new_import_across_a_line_fails_with_the_contracts_name(staged: Path, 
     result = contracts.lint(staged)
     assert result.returncode != 0
     assert verdict(result.stdout, contract) == "BROKEN"
+
+
+def _layer_packages() -> list[str]:
+    """The modules and packages named by the architecture's layers contract (the one over the whole package)."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in declared if c["type"] == "layers" and c["name"].startswith("layers:")]
+    return [name.strip(" ()") for layer in layers for name in re.split(r"[:|]", layer)]
+
+
+def test_every_module_under_shared_belongs_to_a_declared_layer(staged: Path):
+    # a module outside every layer is held by no layers contract: it may import anything, and anything may import it
+    packages = _layer_packages()
+    outside = []
+    for path in sorted((staged / "kvrelay" / "shared").rglob("*.py")):
+        module = ".".join(path.relative_to(staged).with_suffix("").parts).removesuffix(".__init__")
+        if module != "kvrelay.shared" and not any(module == p or module.startswith(p + ".") for p in packages):
+            outside.append(module)
+    assert outside == []
 
 
 def test_no_module_is_part_of_an_import_cycle(staged: Path):

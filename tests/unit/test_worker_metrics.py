@@ -167,6 +167,22 @@ def test_decode_role_counts_quota_waits_and_the_most_a_tenant_held_at_a_grant():
     assert Engine("prefill").metrics.quota is None  # a prefill worker shows only how many of its handoffs wait
 
 
+def test_decode_role_counts_held_asks_by_outcome_from_zero_and_how_long_they_were_held():
+    e = Engine("decode")
+    snap = samples(e.metrics.registry)
+    assert [snap.get(("kvrelay_handoff_held_asks_total", (("model_name", "tiny"), ("outcome", o))))
+            for o in ("ready", "unblocked", "dropped")] == [0, 0, 0]  # present before any ask is held
+    for outcome, held_s in (("ready", 0.02), ("ready", 0.004), ("unblocked", 2.5), ("dropped", 0.3)):
+        e.metrics.held_asks.ended(outcome, held_s)
+    snap = samples(e.metrics.registry)
+    assert [value(snap, "kvrelay_handoff_held_asks_total", model_name="tiny", outcome=o)
+            for o in ("ready", "unblocked", "dropped")] == [2, 1, 1]
+    assert value(snap, "kvrelay_handoff_held_ask_seconds_count", model_name="tiny") == 4
+    assert value(snap, "kvrelay_handoff_held_ask_seconds_sum", model_name="tiny") == pytest.approx(2.824)
+    assert value(snap, "kvrelay_handoff_held_ask_seconds_bucket", model_name="tiny", le="0.005") == 1
+    assert Engine("prefill").metrics.held_asks is None and Engine("unified").metrics.held_asks is None
+
+
 def test_unified_role_records_both_sides():
     e = Engine("unified")
     e.scheduler.add_request(req("u", "a", max_tokens=4))
