@@ -1,5 +1,6 @@
 """The architecture's import contracts (pyproject.toml, [tool.importlinter]) hold, and breaking one fails
-with the contract's name; no module takes part in an import cycle, counting imports inside functions.
+with the contract's name; every module of the package sits in a layer, and every gateway module in a room;
+no module takes part in an import cycle, counting imports inside functions.
 Benchmarks and tests, outside the package, never import each other."""
 
 import ast
@@ -50,6 +51,7 @@ def test_the_staged_copy_holds_every_room(staged: Path):
     ("shared/handoff/__init__.py", "from kvrelay.shared.engine import scheduler", "only the engine names"),
     ("gateway/tenancy/__init__.py", "def f():\n    from kvrelay.gateway.api import generation", "gateway rooms:"),
     ("gateway/errors.py", "from kvrelay.gateway.control import routing", "gateway rooms:"),
+    ("shared/wire/__init__.py", "from kvrelay import rate_search", "layers:"),
 ])
 def test_a_new_import_across_a_line_fails_with_the_contracts_name(staged: Path, module: str, line: str, contract: str):
     assert verdict(contracts.lint(staged).stdout, contract) == "KEPT"
@@ -60,22 +62,63 @@ def test_a_new_import_across_a_line_fails_with_the_contracts_name(staged: Path, 
     assert verdict(result.stdout, contract) == "BROKEN"
 
 
-def _layer_packages() -> list[str]:
-    """The modules and packages named by the architecture's layers contract (the one over the whole package)."""
+def _layers(contract_prefix: str) -> list[str]:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    (layers,) = [c["layers"] for c in declared if c["type"] == "layers" and c["name"].startswith("layers:")]
-    return [name.strip(" ()") for layer in layers for name in re.split(r"[:|]", layer)]
+    (layers,) = [c["layers"] for c in declared if c["type"] == "layers" and c["name"].startswith(contract_prefix)]
+    return layers
 
 
-def test_every_module_under_shared_belongs_to_a_declared_layer(staged: Path):
+def _named(layers: list[str], container: str = "") -> list[str]:
+    """The modules and packages a layers contract names, in full (a contained layer's names are relative
+    to its container)."""
+    names = [name.strip(" ()") for layer in layers for name in re.split(r"[:|]", layer)]
+    return [f"{container}.{name}" if container else name for name in names]
+
+
+def _modules(staged: Path, package: str) -> list[str]:
+    """Every module of ``package`` as installed (the staged copy is laid out as a wheel), the package's
+    own ``__init__`` left out: a contract cannot place the package that contains its layers."""
+    folder = staged.joinpath(*package.split("."))
+    modules = [".".join(path.relative_to(staged).with_suffix("").parts).removesuffix(".__init__")
+               for path in sorted(folder.rglob("*.py"))]
+    return [module for module in modules if module != package]
+
+
+def _holds_layers(module: str, named: list[str]) -> bool:
+    return any(n.startswith(module + ".") for n in named)
+
+
+def _outside(modules: list[str], named: list[str]) -> list[str]:
+    """The modules neither in a named layer nor a package whose subpackages are layers (``kvrelay.shared``)."""
+    return [module for module in modules if not _holds_layers(module, named)
+            and not any(module == n or module.startswith(n + ".") for n in named)]
+
+
+def test_every_module_of_the_package_belongs_to_a_declared_layer(staged: Path):
     # a module outside every layer is held by no layers contract: it may import anything, and anything may import it
-    packages = _layer_packages()
-    outside = []
-    for path in sorted((staged / "kvrelay" / "shared").rglob("*.py")):
-        module = ".".join(path.relative_to(staged).with_suffix("").parts).removesuffix(".__init__")
-        if module != "kvrelay.shared" and not any(module == p or module.startswith(p + ".") for p in packages):
-            outside.append(module)
-    assert outside == []
+    named = _named(_layers("layers:"))
+    assert _outside(_modules(staged, "kvrelay"), named) == []
+    # a package whose subpackages are layers is in none itself, so its own __init__ imports nothing
+    holders = [m for m in _modules(staged, "kvrelay") if _holds_layers(m, named)]
+    assert holders == ["kvrelay.shared"]
+    for holder in holders:
+        tree = ast.parse(staged.joinpath(*holder.split("."), "__init__.py").read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)], holder
+
+
+def test_every_module_of_the_gateway_belongs_to_one_of_its_rooms(staged: Path):
+    # the same, one level in: a gateway module in no room may import any room and be imported by any
+    named = _named(_layers("gateway rooms:"), container="kvrelay.gateway")
+    assert _outside(_modules(staged, "kvrelay.gateway"), named) == []
+
+
+def test_a_new_module_outside_every_layer_is_found(staged: Path):
+    # the check above reads the staged tree, not a list: a module added anywhere in the package is seen
+    (staged / "kvrelay" / "stray.py").write_text("")
+    (staged / "kvrelay" / "gateway" / "stray.py").write_text("")
+    assert _outside(_modules(staged, "kvrelay"), _named(_layers("layers:"))) == ["kvrelay.stray"]
+    gateway_rooms = _named(_layers("gateway rooms:"), container="kvrelay.gateway")
+    assert _outside(_modules(staged, "kvrelay.gateway"), gateway_rooms) == ["kvrelay.gateway.stray"]
 
 
 def test_no_module_is_part_of_an_import_cycle(staged: Path):
