@@ -8,7 +8,7 @@ time (its step lock), so a worker holds one step peak back, the largest of its m
 
 The tensors the engine holds are counted (CPU and CUDA alike). On CUDA the graphs' private pools are read from
 the caching allocator besides: every private pool's whole segments (a captured graph's pool keeps them
-reserved where the capture freed its intermediates), before and after the engine's build and its warm-up. The
+reserved where the capture freed its intermediates), across the engine's build and within each warm-up shape. The
 ordinary pool's growth over those spans is not taken: a worker reads another model's weights into it on
 another thread meanwhile (shared/worker/model_loads.py), which would count as this model's; what that leaves
 out (sampler and stepper state, library workspaces) is small and shared, the worker's allocator slack
@@ -75,15 +75,14 @@ class ResidentMeter:
 
     def warming(self, hold: AbstractContextManager | None) -> "ShapePeaks":
         """The context warm-up enters around each shape (inside ``hold``, the worker's step lock)."""
-        self._before = self._resident()
         return ShapePeaks(self, hold)
 
     def warmed(self, peaks: "ShapePeaks") -> None:
-        """After warm-up: graph memory its shapes captured joins the overhead; its largest shape's peak is the
-        step peak."""
+        """After warm-up: graph memory its shapes captured joins the overhead (read inside each shape: between
+        them another model's build may capture its own); its largest shape's peak is the step peak."""
         if not self.cuda:
             return
-        self.overhead_bytes += max(0, self._resident() - self._before)
+        self.overhead_bytes += peaks.captured
         self.step_peak_bytes = peaks.peak
         self.peak_measured = peaks.shapes > 0
 
@@ -96,7 +95,8 @@ class ShapePeaks(AbstractContextManager):
         self.hold = hold or nullcontext()
         self.peak = 0
         self.shapes = 0
-        self._start = 0
+        self.captured = 0  # private pool bytes the shapes added
+        self._start = self._private = 0
 
     def __enter__(self):
         self.hold.__enter__()
@@ -104,6 +104,7 @@ class ShapePeaks(AbstractContextManager):
             torch.cuda.synchronize(self.meter.device)
             torch.cuda.reset_peak_memory_stats(self.meter.device)
             self._start = torch.cuda.memory_allocated(self.meter.device)
+            self._private = private_pool_bytes(self.meter.device)
         return self
 
     def __exit__(self, *exc):
@@ -113,6 +114,7 @@ class ShapePeaks(AbstractContextManager):
                 end = torch.cuda.memory_allocated(self.meter.device)
                 peak = torch.cuda.max_memory_allocated(self.meter.device) - max(self._start, end)
                 self.peak = max(self.peak, peak)
+                self.captured += max(0, private_pool_bytes(self.meter.device) - self._private)
                 self.shapes += 1
             except BaseException:
                 self.hold.__exit__(*exc)
