@@ -262,7 +262,8 @@ async def list_models(request: web.Request) -> web.Response:
         e["instances"] = [{**i, "active": i["instance"] == active} for _, i in sorted(e["instances"].items())]
         data.append({"object": "model", **e})
     pool = [{"worker_id": w.worker_id, "role": w.role, "host": w.host, "can_load": w.can_load,
-             "weights_budget": w.weights_budget, "weights_used": w.weights_used, "kv_pool_bytes": w.kv_pool_bytes,
+             "weights_budget": w.weights_budget, "weights_used": w.weights_used, "overhead_used": w.overhead_used,
+             "kv_pool_bytes": w.kv_pool_bytes,
              "kv_committed_bytes": w.kv_committed_bytes, "kv_cap_bytes": w.kv_cap_bytes,
              "kv_free_bytes": w.kv_free_bytes, "free_blocks": w.free_blocks, "total_blocks": w.total_blocks,
              "running": w.running, "waiting": w.waiting, "protocol": w.protocol, "step_age_s": w.step_age_s,

@@ -63,8 +63,10 @@ def serves_role(worker: WorkerInfo, role: str) -> bool:
 
 
 def _preference(worker: WorkerInfo) -> tuple[int, int]:
-    # most free weights budget first, then the fewest co-resident instances (least KV contention)
-    return -(worker.weights_budget - worker.weights_used), len(worker.instances) or len(worker.models)
+    # most free budget first (its models' weights, their measured overheads and its step reserve taken out),
+    # then the fewest co-resident instances (least KV contention)
+    free = worker.weights_budget - worker.weights_used - worker.overhead_used
+    return -free, len(worker.instances) or len(worker.models)
 
 
 def load_command(spec: ModelSpec, prefer_evict: list[str] = (), waiting: int = 0) -> ControlCommand:

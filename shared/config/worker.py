@@ -119,11 +119,13 @@ class WorkerConfig:
         "to show, so two models of similar demand do not take turns reloading", ge=0)
     more_models: list[StartupModel] = field(default_factory=list)  # loaded at startup besides ``engine``'s
     model_repo: ExistingDir | None = common.model_repo()
-    weights_memory: int | None = setting(None, "a worker of several models: bytes of model weights it may hold at "
-                                         "once, per device (a tensor- or pipeline-parallel model counts its largest "
-                                         "shard on CUDA, all of them on the CPU); loads beyond it evict idle models "
+    weights_memory: int | None = setting(None, "a worker of several models: bytes its models may take besides "
+                                         "their KV at once, per device: their weights (a tensor- or pipeline-parallel "
+                                         "model counts its largest shard on CUDA, all of them on the CPU), what each "
+                                         "keeps beside them (CUDA graphs, buffers: measured once loaded) and the "
+                                         "largest step's activations, once; loads beyond it evict idle models "
                                          "(default: CPU 8 GiB; CUDA what --gpu-memory-utilization leaves after the KV "
-                                         "pool)", ge=1)
+                                         "pool, less 1 GiB of allocator slack)", ge=1)
     verify_checksums: bool = setting(True, "hash a repository model's files against its manifest before loading "
                                      "it (once per file version per host: shared/repo/verified_files.py)")
     skip_warmup: bool = setting(False, "serve without first running each step shape once (on CUDA the first requests "

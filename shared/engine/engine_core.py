@@ -32,6 +32,7 @@ from kvrelay.shared.engine.outputs import EngineCoreOutput, PositionLogprobs
 from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from kvrelay.shared.engine.request_checks import check_request
+from kvrelay.shared.engine.resident_memory import ResidentMeter
 from kvrelay.shared.engine.scheduler import Scheduler
 from kvrelay.shared.engine.structured.compiling import CompilingRequests
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager, structured_tokenizer
@@ -49,6 +50,7 @@ class EngineCore:
         them itself (``loaded`` not given). ``kv_links``: a tensor- or pipeline-parallel engine's ranks send
         their own parts of handed-off KV with these (EngineKV.send_parts); without, rank 0 gathers it."""
         self.config = config
+        self.memory = ResidentMeter(torch.device(config.device))  # what the model keeps besides weights and KV
         self.runner = runner = ModelRunner(config, kv_pool, kv_floor_blocks, kv_pool_key, loaded, model_root,
                                            kv_links)
         self.max_model_len = runner.max_model_len
@@ -82,6 +84,7 @@ class EngineCore:
             self.stepper = self.new_stepper()
         if config.cache.calculate_kv_scales:  # before any request can write a block (kv_calibration.py)
             calculate_kv_scales(self)
+        self.memory.built(runner)
 
     def new_stepper(self) -> AsyncStepper:
         """The async-scheduling step of this core (benchmarks switch it on and off between runs); under
@@ -353,6 +356,16 @@ class EngineCore:
     def weight_bytes(self) -> int:
         """This process's weights: rank 0's shard (stage) alone when the model is tensor- or pipeline-parallel."""
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    @property
+    def resident_overhead_bytes(self) -> int:
+        """Memory this model keeps while loaded besides its weights and KV (shared/engine/resident_memory.py)."""
+        return self.memory.overhead_bytes
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Its largest step's temporaries above what is resident, as warm-up measured them (CUDA; else 0)."""
+        return self.memory.step_peak_bytes
 
     @property
     def model_bytes(self) -> int:

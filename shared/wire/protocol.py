@@ -175,6 +175,10 @@ class InstanceStatus:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     ranks: list[RankStatus] = field(default_factory=list, metadata=IGNORABLE)  # rank 0 (this worker's process) first
+    # what it keeps besides weights and KV while loaded (graphs, buffers), and its largest step's temporaries: the
+    # worker counts both against its budget (shared/worker/load_room.py); a gateway predating them drops them
+    overhead_bytes: int = field(default=0, metadata=IGNORABLE)
+    step_peak_bytes: int = field(default=0, metadata=IGNORABLE)
 
 
 @dataclass
@@ -195,8 +199,12 @@ class WorkerInfo:
     started: float  # unix seconds
     heartbeat: float  # unix seconds of this record
     instances: list[InstanceStatus] = field(default_factory=list)
-    weights_budget: int = 0  # bytes this worker may hold in model weights (0: unknown / no loading)
-    weights_used: int = 0
+    weights_budget: int = 0  # bytes this worker's models may take besides KV (0: unknown / no loading)
+    weights_used: int = 0  # of it, by their weights
+    # of it, by the rest: each model's resident overhead and one step peak held back. Placement ranks workers by
+    # what is left after both; a gateway predating it ranks by weights alone (the worker still refuses what
+    # does not fit)
+    overhead_used: int = field(default=0, metadata=IGNORABLE)
     # the KV pool's bytes, shown by /admin/models only: a gateway that does not know one may ignore it
     kv_pool_bytes: int = field(default=0, metadata=IGNORABLE)  # the pool's configured size (--kv-cache-memory)
     # not owned by any model, or free and above a model's floor (reclaimable)

@@ -1,6 +1,11 @@
 """Room for a load in a worker's weights budget and KV pool: what the weights use, what the pool may
 commit (``_kv_cap``), and the victims a load evicts (shared/worker/eviction.py chooses them).
 
+The budget (--weights-memory) holds each model's weights and what it keeps beside them while loaded (its
+resident overhead: decode graphs, buffers), measured once it is loaded and estimated before
+(shared/worker/model_overhead.py), plus ONE step peak, the largest of the hosted models': their steps run one
+at a time under the step lock, so their activations never coexist.
+
 The KV pool may commit its own size plus whatever of the weights budget no weights use: an unload raises
 its cap (its models grow into the freed memory as they need it), and a load's room is made before its
 weights are read: ``make_room`` counts the KV the pool could give back under the lower cap, and the build
@@ -57,6 +62,23 @@ class LoadRoom:
                 + sum(ld.plan.weight_bytes for ld in self.loading.values()
                       if ld.command is None and not self._on_device(ld.plan)))
 
+    @property
+    def step_reserve(self) -> int:
+        """The largest step peak of the models hosted or committed to load: held back once."""
+        plans = [ld.plan for ld in self.loading.values() if ld.command is None]
+        return max((x.step_peak_bytes for x in (*self.slots.values(), *plans)), default=0)
+
+    @property
+    def overhead_used(self) -> int:
+        """The budget taken besides weights: each model's resident overhead, and the step reserve."""
+        return (sum(s.overhead_bytes for s in self.slots.values())
+                + sum(ld.plan.overhead_bytes for ld in self.loading.values() if ld.command is None)
+                + self.step_reserve)
+
+    @property
+    def budget_used(self) -> int:
+        return self.weights_used + self.overhead_used
+
     def _on_device(self, plan: ModelPlan) -> bool:
         """``plan``'s weights are already shared on this device (loading it maps them: no new memory). Never
         a tensor- or pipeline-parallel group's: its ranks each load their own shard."""
@@ -69,10 +91,13 @@ class LoadRoom:
         what runs for them finished (the load waits for that). ``waiting``: requests waiting for this load.
         Raises ValueError (nothing evicted) when even every eligible victim would not be enough."""
         weights = 0 if self._on_device(plan) else plan.weight_bytes
-        need = weights - (self.weights_budget - self.weights_used)
+        # its graphs and buffers are its own even where its weights are shared; its step peak only above the reserve
+        beside = plan.overhead_bytes + max(0, plan.step_peak_bytes - self.step_reserve)
+        free = self.weights_budget - self.budget_used
+        need = weights + beside - free
         floor = self._floor_bytes(plan)
         # the KV pool gives back what it borrowed of the weights budget (kv_cap), keeping what is in use
-        cap = self._kv_cap(weights)
+        cap = self._kv_cap(weights + beside)
         # a group's KV stays within the pool's own size (its other ranks' caches mirror it: engine/kv_cache.py)
         within = plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1
         kv_short = 0 if self.pool is None else floor - self.pool.reclaimable_bytes(cap, within)
@@ -80,7 +105,9 @@ class LoadRoom:
             return []
         now = time.monotonic()
         load = Incoming(self.demand_of(plan.instance, now) + waiting_demand(waiting), waiting)
-        candidates = [Candidate(instance=s.instance, weight_bytes=s.weight_bytes, kv_bytes=self._owned_bytes(s),
+        # a victim frees its weights and its overhead (its step peak too, if the largest: not counted on)
+        candidates = [Candidate(instance=s.instance, weight_bytes=s.weight_bytes + s.overhead_bytes,
+                                kv_bytes=self._owned_bytes(s),
                                 reload_s=s.load_s, demand=s.demand.rate(now), resident_s=now - s.loaded_at,
                                 idle=self._evictable(s), pinned=s.pinned, ready=s.state == "ready" and s.reading,
                                 preferred=s.instance in prefer, idle_s=s.idle_s)
@@ -92,7 +119,9 @@ class LoadRoom:
                 f"not enough memory to load {plan.instance}: needs {plan.weight_bytes / gib:.2f} GiB of weights "
                 + (f"({group_size_name(plan.engine)}: its {'largest shard' if plan.engine.device.startswith('cuda') else 'shards'}) "
                    if plan.rank_weight_bytes else "")
-                + f"(free {(self.weights_budget - self.weights_used) / gib:.2f} of {self.weights_budget / gib:.2f} GiB)"
+                + f"(free {free / gib:.2f} of {self.weights_budget / gib:.2f} GiB; it also needs {beside / gib:.2f} GiB "
+                  f"beside its weights: graphs, buffers, its step peak above the {self.step_reserve / gib:.2f} GiB "
+                  "held back)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
                    f"{self.pool.reclaimable_bytes(cap, within) / gib:.3f} GiB)")
                 + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"
@@ -110,9 +139,9 @@ class LoadRoom:
         return [c.instance for c in chosen]
 
     def _kv_cap(self, loading: int = 0) -> int:
-        """What the KV pool may commit: its own size plus the weights budget no model's weights use (nor
-        ``loading`` more bytes of them), so KV grows into what unloaded models free and gives it back to loads."""
-        return self.pool.base_bytes + max(0, self.weights_budget - self.weights_used - loading)
+        """What the KV pool may commit: its own size plus the weights budget no model uses (nor ``loading``
+        more bytes of it), so KV grows into what unloaded models free and gives it back to loads."""
+        return self.pool.base_bytes + max(0, self.weights_budget - self.budget_used - loading)
 
     def _sync_cap(self) -> bool:
         """Move the pool's cap to ``_kv_cap``: False while blocks in use keep it above (shared/engine/kv_pool.py)."""

@@ -88,6 +88,12 @@ class WorkerMetrics:
               registry=r).labels(model_name).set_function(lambda: core.num_waiting)
         Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)", m,
               registry=r).labels(model_name).set_function(lambda: core.kv_usage)
+        Gauge("kvrelay_model_overhead_bytes", "Memory this model keeps while loaded besides its weights and KV (CUDA "
+              "graphs, buffers), as measured after its load", m,
+              registry=r).labels(model_name).set_function(lambda: core.resident_overhead_bytes)
+        Gauge("kvrelay_model_step_peak_bytes", "This model's largest step's temporaries above what it keeps, as "
+              "warm-up measured them (CUDA; 0 elsewhere)", m,
+              registry=r).labels(model_name).set_function(lambda: core.step_peak_bytes)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests prefilled here", m,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated here", m,

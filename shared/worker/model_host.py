@@ -44,6 +44,7 @@ from kvrelay.shared.wire.protocol import ControlCommand, ControlResult, Instance
 from kvrelay.shared.worker.eviction import DemandRate
 from kvrelay.shared.worker.load_room import LoadRoom
 from kvrelay.shared.worker.model_loads import Loading, ModelLoads, release_memory
+from kvrelay.shared.worker.model_overhead import CostMemo
 from kvrelay.shared.worker.model_slot import ModelSlot, RoleHooks
 from kvrelay.shared.worker.model_status import instance_statuses
 from kvrelay.shared.worker.shared_weights import SharedWeights
@@ -112,6 +113,7 @@ class ModelHost(ModelLoads, LoadRoom):
         self._checked_keep_alive = 0.0
         self._demand: dict[str, DemandRate] = {}  # instance -> its rate while it was here (a reload's demand)
         self._deferred: list[ControlCommand] = []  # loads of an instance still draining out for an eviction
+        self.costs = CostMemo()  # each model shape's measured overhead and step peak, for the next load's plan
 
     # -- unloading ------------------------------------------------------------------------------
     def unload_now(self, instance: str) -> None:

@@ -23,7 +23,7 @@ from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.warmup import warm_up
+from kvrelay.shared.engine.measured_warmup import warm_up_measured
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult
@@ -31,6 +31,7 @@ from kvrelay.shared.worker import gpu_share
 from kvrelay.shared.worker.eviction import DemandRate, room_wait_s
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
 from kvrelay.shared.worker.model_memory import plan_weight_bytes
+from kvrelay.shared.worker.model_overhead import CostMemo
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.shared_weights import SharedWeights
 from kvrelay.shared.worker.step_lock import LockedPool, StepLock
@@ -62,6 +63,7 @@ class ModelLoads:
     hold_finished_kv: bool
     kv_links: KVLinks | None
     pool: KVPool | None
+    weights_budget: int
     repo: ModelRepository | None
     configured_paths: dict[str, str]
     parallel_sizes: dict[str, tuple[int, int]]
@@ -83,6 +85,7 @@ class ModelLoads:
     _report: Callable[[ControlResult], None]
     _demand: dict[str, DemandRate]
     _deferred: list[ControlCommand]
+    costs: CostMemo
     make_room: Callable[..., list[str]]
     demand_of: Callable[[str, float], float]
     _sync_cap: Callable[[], bool]
@@ -119,10 +122,11 @@ class ModelLoads:
         return self._sized(ModelPlan(name=cmd.name, version=cmd.version, path=path, engine=engine, pinned=cmd.pinned,
                                      keep_alive_s=cmd.keep_alive_s, verify=verify, root=root))
 
-    @staticmethod
-    def _sized(plan: ModelPlan) -> ModelPlan:
-        """``plan`` with its weights estimated (a group checked first and counted as model_memory says)."""
+    def _sized(self, plan: ModelPlan) -> ModelPlan:
+        """``plan`` with its weights estimated (a group checked first and counted as model_memory says), and
+        what it will keep beside them and its step peak (model_overhead.py)."""
         plan.weight_bytes, plan.rank_weight_bytes = plan_weight_bytes(plan.engine, plan.root)
+        plan.overhead_bytes, plan.step_peak_bytes = self.costs.costs(plan.engine, plan.root)
         return plan
 
     # -- loading --------------------------------------------------------------------------------
@@ -130,6 +134,8 @@ class ModelLoads:
         """Synchronous load (models configured at startup); raises on failure."""
         if plan.engine.tensor_parallel_size * plan.engine.pipeline_parallel_size > 1 and not plan.rank_weight_bytes:
             plan = self._sized(plan)  # checked, and its shards sized for the budget and the status
+        elif self.weights_budget and not plan.overhead_bytes:  # a step peak warm-up does not measure is estimated
+            plan.overhead_bytes, plan.step_peak_bytes = self.costs.costs(plan.engine, plan.root)
         slot = self._build(plan)
         self._ready(slot)
         return slot
@@ -161,7 +167,8 @@ class ModelLoads:
                               kv_links=self.kv_links)
         try:
             if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
-                warm_up(core, decode=not self.hold_finished_kv, compiles=cuda, hold=self.lock if cuda else None)
+                warm_up_measured(core, decode=not self.hold_finished_kv, compiles=cuda,
+                                 hold=self.lock if cuda else None)
         except BaseException:
             core.abort_all()  # a shape's requests were in flight: else the release's refusal hides the failure
             core.release_kv()
@@ -171,12 +178,16 @@ class ModelLoads:
         # a group counts every device it occupies (model_memory.group_weight_bytes), this process holds rank 0's
         # shard alone; the estimate is each rank's model built on the meta device, the same shapes it loaded
         weight_bytes = core.weight_bytes if tp * pp == 1 else plan.weight_bytes
+        # measured; a step peak warm-up did not measure (skipped, the CPU) stays the plan's
+        overhead, peak = core.resident_overhead_bytes, core.step_peak_bytes if core.memory.peak_measured else plan.step_peak_bytes
+        self.costs.note(plan.engine, plan.root, overhead, peak)
         log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, how,
                  t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,
-                         weight_bytes=weight_bytes, rank_weight_bytes=plan.rank_weight_bytes)
+                         weight_bytes=weight_bytes, rank_weight_bytes=plan.rank_weight_bytes,
+                         overhead_bytes=overhead, step_peak_bytes=peak)
 
     def _ready(self, slot: ModelSlot) -> None:
         if self.freeze_gc:
@@ -187,7 +198,8 @@ class ModelLoads:
         self.failed.pop(slot.instance, None)
         if self.hooks is not None:
             self.hooks.attach(slot)
-        log.info("%s ready (%.1f GiB of weights, loaded in %.2fs)", slot.instance, slot.weight_bytes / 2**30,
+        log.info("%s ready (%.2f GiB of weights, %.3f GiB kept beside them, step peak %.3f GiB; loaded in %.2fs)",
+                 slot.instance, slot.weight_bytes / 2**30, slot.overhead_bytes / 2**30, slot.step_peak_bytes / 2**30,
                  slot.load_s)
 
     def _start_load(self, cmd: ControlCommand) -> None:

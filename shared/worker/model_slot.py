@@ -48,6 +48,8 @@ class ModelSlot:
     load_s: float = 0.0
     weight_bytes: int = 0  # what it counts against the weights budget (a group: model_memory.group_weight_bytes)
     rank_weight_bytes: list[int] = field(default_factory=list)  # a group's shard on each rank, rank order
+    overhead_bytes: int = 0  # kept besides weights and KV while loaded (shared/engine/resident_memory.py)
+    step_peak_bytes: int = 0  # its largest step's temporaries: the worker holds the largest of these back once
     state: str = "ready"  # ready | draining
     last_used: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics | None = None  # set once the worker serves it
@@ -79,6 +81,8 @@ class ModelPlan:
     pinned: bool = False
     keep_alive_s: float = 0.0
     weight_bytes: int = 0  # the estimate
+    overhead_bytes: int = 0  # estimated, or measured on a model of the same shape (shared/worker/model_overhead.py)
+    step_peak_bytes: int = 0
     rank_weight_bytes: list[int] = field(default_factory=list)  # a tensor- or pipeline-parallel group's, per rank
     verify: Callable[[], None] | None = None  # raises RepositoryError on a corrupt copy; runs on the loading thread
     root: Path | None = None  # a repository version's: every file it opens must resolve inside

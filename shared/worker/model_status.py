@@ -17,12 +17,14 @@ def instance_statuses(pool: KVPool | None, slots: dict[str, ModelSlot], loading:
                                   kv_free_blocks=s.core.num_free_blocks + lendable // s.core.block_bytes,
                                   running=s.core.num_running,
                                   waiting=s.core.num_waiting, idle_s=round(s.idle_s, 3), pinned=s.pinned,
-                                  load_s=round(s.load_s, 3),
+                                  load_s=round(s.load_s, 3), overhead_bytes=s.overhead_bytes,
+                                  step_peak_bytes=s.step_peak_bytes,
                                   engine=s.metrics.engine_stats() if s.metrics is not None else None,
                                   **group_status(s.core.config, s.core.rank_processes(), s.rank_weight_bytes or [s.weight_bytes])))
     for inst, ld in loading.items():
         out.append(InstanceStatus(instance=inst, name=ld.plan.name, version=ld.plan.version, state="loading",
                                   weight_bytes=ld.plan.weight_bytes, pinned=ld.plan.pinned,
+                                  overhead_bytes=ld.plan.overhead_bytes, step_peak_bytes=ld.plan.step_peak_bytes,
                                   **group_status(ld.plan.engine, [], ld.plan.rank_weight_bytes)))
     for inst, (error, name, version, _) in failed.items():
         if inst not in slots and inst not in loading:

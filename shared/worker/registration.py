@@ -123,7 +123,7 @@ class Registration:
                           waiting=sum(s.core.num_waiting for s in slots), pid=os.getpid(),
                           host=socket.gethostname(), started=self.started, heartbeat=time.time(),
                           instances=self.host.status(), weights_budget=self.host.weights_budget,
-                          weights_used=self.host.weights_used,
+                          weights_used=self.host.weights_used, overhead_used=self.host.overhead_used,
                           kv_pool_bytes=pool.base_bytes if pool is not None else 0,
                           kv_committed_bytes=pool.committed_bytes if pool is not None else 0,
                           kv_cap_bytes=pool.cap if pool is not None else 0,

@@ -146,10 +146,11 @@ models:
     assert llama["instance"] == "tiny-llama@1" and llama["active"] and llama["queue_depth"] == 0
     assert sorted(w["role"] for w in llama["workers"]) == ["decode", "prefill"]
     assert all(w["state"] == "ready" and w["weight_bytes"] > 0 and w["kv_blocks"] > 0 for w in llama["workers"])
+    assert all(w["overhead_bytes"] > 0 for w in llama["workers"])  # its rotary table, measured by its engine
     assert all(w["weights_used"] > 0 and w["kv_pool_bytes"] == 48 << 20 for w in body["workers"])
-    # the pool may grow into the weights budget its models leave unused, and backs only what it committed
+    # the pool may grow into the budget its models leave unused, and backs only what it committed
     assert all(0 < w["kv_committed_bytes"] <= w["kv_cap_bytes"] == w["kv_pool_bytes"] + w["weights_budget"]
-               - w["weights_used"] for w in body["workers"]), body["workers"]
+               - w["weights_used"] - w["overhead_used"] for w in body["workers"]), body["workers"]
 
 
 def until(done, what: str) -> None:

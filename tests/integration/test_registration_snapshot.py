@@ -25,7 +25,7 @@ def _registration(redis_url: str) -> tuple[Registration, SimpleNamespace]:
                            vocab_size=100, block_size=8, dtype="float32", scheduling_policy="fcfs")
     slot = SimpleNamespace(instance="m", name="m", version=0, path="/m", eos_ids=[2], core=core)
     host = SimpleNamespace(lock=StepLock(), slots={"m": slot}, pool=None, status=lambda: [], weights_budget=0,
-                           weights_used=0)
+                           weights_used=0, overhead_used=0)
     config = SimpleNamespace(worker_id=WORKER, role="unified", model_repo=None, register=[])
     return Registration(redis, config, host, draining=lambda: False), core
 

@@ -294,7 +294,7 @@ def test_a_load_whose_warm_up_fails_mid_shape_reports_that_failure(repo, monkeyp
         core.step()
         raise RuntimeError("out of memory in a warm-up step")
 
-    monkeypatch.setattr(model_loads, "warm_up", warm_up_failing_mid_shape)
+    monkeypatch.setattr(model_loads, "warm_up_measured", warm_up_failing_mid_shape)
     host, results = make_host(repo)
     run(host, load("a"))
     assert not results[-1].ok and "out of memory in a warm-up step" in results[-1].error, results[-1].error

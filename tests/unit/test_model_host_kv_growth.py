@@ -15,6 +15,7 @@ from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes
+from kvrelay.shared.worker.model_overhead import estimate_costs
 from tests.conftest import make_tiny_model
 from tests.unit.model_host_requests import serve_greedy
 
@@ -54,8 +55,10 @@ class EngineHooks:
 def make_host(repo: ModelRepository) -> ModelHost:
     base = EngineConfig(model=ModelConfig(model="", dtype="float32", max_model_len=64),
                         cache=CacheConfig(block_size=8), device="cpu")
-    weights = 2 * estimate_weight_bytes(EngineConfig(model=ModelConfig(model=repo.get("a", 1).path, dtype="float32"),
-                                                     device="cpu"))
+    one = EngineConfig(model=ModelConfig(model=repo.get("a", 1).path, dtype="float32", max_model_len=64),
+                       cache=CacheConfig(block_size=8), device="cpu")
+    # two models' weights and what each keeps beside them (its rotary table: on the CPU the estimate is the count)
+    weights = 2 * (estimate_weight_bytes(one) + estimate_costs(one, None)[0])
     kv = BASE_BLOCKS * BLOCK
     pool = KVPool(kv, "cpu", chunk_bytes=PAGE, max_bytes=kv + weights)  # as host_budget makes it
     results = []

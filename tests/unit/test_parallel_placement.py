@@ -16,6 +16,7 @@ from kvrelay.shared.engine.ranks.group import rank_device
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes, group_weight_bytes, kv_floor_bytes
+from kvrelay.shared.worker.model_overhead import estimate_costs
 from tests.conftest import make_tiny_model
 from tests.unit.parallel_ranks import children
 from tests.unit.test_model_host import Hooks, generate, run
@@ -66,15 +67,21 @@ def groups_share_a_worker_as_one_placement_each(llama: str, device: str) -> None
     whole = estimate_weight_bytes(_engine(llama, device=device))
     shards = rank_weight_bytes(_engine(llama, tp=2, device=device))
     counted = group_weight_bytes(shards, device)
+    # room for what each keeps beside its weights and one step peak (the estimates, twice over); once both are
+    # loaded the budget is narrowed to what they measured to take, so that it is full
+    overhead, step_peak = estimate_costs(_engine(llama, device=device), None)
+    beside = 2 * (2 * overhead + step_peak)
     results = []
     host = ModelHost(_engine("", device=device), hold_finished_kv=False, pool=KVPool(4 << 20, device),
-                     weights_budget=whole + counted, configured_paths={n: llama for n in ("one", "tp", "pp", "odd")},
+                     weights_budget=whole + counted + beside, configured_paths={n: llama for n in ("one", "tp", "pp", "odd")},
                      report=results.append, parallel_sizes={"tp": (2, 1), "pp": (1, 2), "odd": (3, 1)})
     host.hooks = Hooks()
     try:
         run(host, _load("one"), _load("tp"))
         assert all(r.ok and not r.evicted for r in results), results
-        assert host.weights_used == whole + counted == host.weights_budget
+        assert host.weights_used == whole + counted and host.budget_used <= host.weights_budget
+        assert host.overhead_used == sum(s.overhead_bytes for s in host.slots.values()) + host.step_reserve > 0
+        host.weights_budget = host.budget_used
         want = generate(host, "one")
         assert generate(host, "tp") == want
         status = {s.instance: s for s in host.status()}["tp"]

@@ -41,6 +41,7 @@ class Engine:
         self.block_manager = BlockManager(64, BS)
         self.config = SimpleNamespace(cache=CacheConfig(block_size=BS), tensor_parallel_size=1, pipeline_parallel_size=1)
         self.block_size, self.dtype, self.kv_dtype, self.num_total_blocks = BS, "float32", "float32", 64
+        self.resident_overhead_bytes, self.step_peak_bytes = 0, 0  # what a loaded engine measured (none here)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), self.block_manager, 64,
                                    hold_finished_kv=hold)
         self.metrics = WorkerMetrics(self, "tiny", role, "w1")
