@@ -3,13 +3,15 @@ the sampler, and holds the paged KV cache (plus the host swap space) of one mode
 swap copies are kv_cache.py's, what a KV handoff asks of it handoff_hooks.py's (both mixed in here).
 
 On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
-(shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
+(shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly, or under
+``--cudagraph-mode FULL_AND_PIECEWISE`` in captured pieces around eager attention (piecewise_graphs.py). Either way a
 step's integer inputs travel in one pinned non-blocking copy (shared/engine/step_inputs.py) and the only
 host sync is the sampler reading back the sampled ids. With async scheduling ``launch`` replaces
 ``execute``: the sampled ids stay on the device, feed the next step's decode rows there, and the host
 reads them later (shared/engine/async_step.py).
 """
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
+from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, piecewise_tokens, unsupported
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_frame, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
@@ -47,6 +50,8 @@ from kvrelay.shared.engine.scheduler_output import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, device_inputs, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -108,11 +113,25 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         # read every step, so a benchmark may flip it to time eager decode on the same loaded model
         self.enforce_eager = config.model.enforce_eager
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not self.enforce_eager and self.ranks is None:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
                                   self.block_size)
             if graphs.capture():
                 self.graphs = graphs
+            if config.model.graph_mode == "FULL_AND_PIECEWISE":
+                self.piecewise = self._capture_piecewise()
+
+    def _capture_piecewise(self) -> PiecewiseGraphs | None:
+        # as vLLM does where a backend lacks a mode, a model the pieces do not cover keeps decode graphs, said
+        # in the log: one worker's models share the setting, and refusing would refuse the whole worker
+        why = unsupported(self.model)
+        if why:
+            log.warning("--cudagraph-mode FULL_AND_PIECEWISE: steps with prompt tokens of %s run eagerly (%s); "
+                        "decode steps replay graphs as in FULL_DECODE_ONLY", self.config.model.model, why)
+            return None
+        pieces = PiecewiseGraphs(self.model, self.kv_cache, piecewise_tokens(self.config, self.max_model_len))
+        return pieces if pieces.capture() else None
 
     # -- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -262,7 +281,11 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             if fill is not None:  # the ranks take the fed ids from this device, never from the frame
                 self.ranks.state.broadcast_from_driver(fill[1])
         t, meta = device_inputs(batch, self.device, filled, fill)
-        hidden = self._forward(out, t, meta)  # [T, hidden]
+        pieces = self.piecewise
+        if pieces is not None and not self.enforce_eager and self.kv_stream is None and pieces.fits(batch.num_tokens):
+            hidden = pieces.run(t.input_ids, t.positions, meta)  # [T, hidden]; layer streaming needs the eager layers
+        else:
+            hidden = self._forward(out, t, meta)  # [T, hidden]
         if self.ranks is not None:
             return group_logits(self.model, hidden, batch, t.sample_rows, mode)
 
@@ -341,7 +364,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         their memory pool, the KV view, the swap space), so the memory goes with this call, not with the last
         reference to the runner."""
         self.close()
-        self.model = self.graphs = self.inlets = None
+        self.model = self.graphs = self.piecewise = self.inlets = None
         self.kv_cache = self.host_cache = self.kv_scales = None
         self.sampler, self._tables = Sampler(), BlockTableCache()
 
