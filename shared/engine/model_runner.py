@@ -111,9 +111,10 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         self._allocate_kv_cache(kv_pool, kv_floor_blocks, kv_pool_key)
         self._tables = BlockTableCache()
         # read every step, so a benchmark may flip it to time eager decode on the same loaded model
-        self.enforce_eager = config.model.enforce_eager
+        self.enforce_eager = config.model.graph_mode == "NONE"  # --enforce-eager or --cudagraph-mode NONE
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.piecewise_on = True  # read every step, as enforce_eager is: a benchmark compares eager mixed steps
         if self.device.type == "cuda" and not self.enforce_eager and self.ranks is None:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
                                   self.block_size)
@@ -281,9 +282,8 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             if fill is not None:  # the ranks take the fed ids from this device, never from the frame
                 self.ranks.state.broadcast_from_driver(fill[1])
         t, meta = device_inputs(batch, self.device, filled, fill)
-        pieces = self.piecewise
-        if pieces is not None and not self.enforce_eager and self.kv_stream is None and pieces.fits(batch.num_tokens):
-            hidden = pieces.run(t.input_ids, t.positions, meta)  # [T, hidden]; layer streaming needs the eager layers
+        if self._takes_pieces(batch):
+            hidden = self.piecewise.run(t.input_ids, t.positions, meta)  # [T, hidden]
         else:
             hidden = self._forward(out, t, meta)  # [T, hidden]
         if self.ranks is not None:
@@ -297,6 +297,12 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
             sample_logits = self.model.compute_logits(chosen)  # [R, V]
         return sample_logits, logits_of
+
+    def _takes_pieces(self, batch: StepBatch) -> bool:
+        # layer-by-layer KV streaming reports each eager layer as it ends, which the pieces do not
+        pieces = self.piecewise
+        return (pieces is not None and self.piecewise_on and not self.enforce_eager and self.kv_stream is None
+                and pieces.fits(batch.num_tokens))
 
     def _prompt_logprobs(self, prompt_rows, logits_of) -> dict[str, tuple[int, list[PositionLogprobs]]]:
         found = {}

@@ -72,6 +72,13 @@ def unsupported(model: nn.Module) -> str:
     return ""
 
 
+def static_bytes(model: LlamaForCausalLM, max_tokens: int) -> int:
+    """What PiecewiseGraphs' static buffers hold for ``model`` at ``max_tokens`` rows (the KV profile counts it)."""
+    attn = model.held_layers()[0][1].self_attn
+    width = 2 * model.hidden_size + 2 * attn.q_size + 2 * attn.kv_size  # residual, hidden, attn, qkv
+    return max_tokens * (4 + width * model.compute_dtype.itemsize)
+
+
 class PiecewiseGraphs:
     """Static-buffer piecewise forward of one Llama-family model over its KV cache."""
 

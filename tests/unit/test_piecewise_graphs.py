@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unsupported
+from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, static_bytes, token_buckets, unsupported
 from tests.conftest import random_prompts
 
 SIZES = [4, 8, 16, 24]  # under a 32-token step budget: steps of 25..32 tokens run eagerly; 4: a full decode batch
@@ -113,3 +113,10 @@ def test_other_architectures_are_not_covered(tiny_model_dirs):
         assert "not of the Llama family" in unsupported(runner.model)
     runner = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", max_model_len=64).engine.core.runner
     assert unsupported(runner.model) == ""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_kv_profile_counts_the_static_buffers_the_pieces_hold(tiny_model_dirs, arch):
+    runner = LLM(model=str(tiny_model_dirs[arch]), dtype="float32", max_model_len=64).engine.core.runner
+    pieces = PiecewiseGraphs(runner.model, runner.kv_cache, 40, record=False)
+    assert static_bytes(runner.model, 40) == pieces.static_bytes > 0
