@@ -45,16 +45,18 @@ MAX_TOKENS = 2048
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
-    """8, 16, 24, 32, 48, 64, 96, ...: powers of two and their 1.5x, up to and including ``max_tokens``.
+    """8, 12, 16, 24, ... 384, 512 (powers of two and their 1.5x), then every 128, up to and including ``max_tokens``.
 
-    A step pads by at most a third of its tokens, while the graph count (L + 1 per bucket) stays near
-    2 log2(max_tokens) buckets, which bounds capture time and the graphs' memory."""
+    Up to a few hundred tokens a step reads the weights in the time it computes, so padding rows cost little
+    and coarse buckets keep the graph count (L + 1 per bucket) and capture time down; past 512 the GEMMs are
+    compute-bound and a padding row costs as much as a real one, so the buckets step by a fixed 128."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     sizes, p = [], smallest
-    while p <= max_tokens:
+    while p <= 512:
         sizes += [p, p * 3 // 2]
         p *= 2
+    sizes += range(640, max_tokens + 1, 128)
     return sorted({s for s in sizes if s <= max_tokens} | {max_tokens})
 
 

@@ -25,11 +25,12 @@ MODES = {
 
 
 def test_token_buckets():
-    assert token_buckets(2048) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_buckets(2048) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, *range(640, 2049, 128)]
     assert token_buckets(40) == [8, 12, 16, 24, 32, 40]
+    assert token_buckets(700) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 700]
     assert token_buckets(5) == [5]
     sizes = token_buckets(4096)
-    assert all(b <= math.ceil(a * 1.5) for a, b in zip(sizes, sizes[1:], strict=False))  # pads by < half
+    assert all(b - a <= max(a // 2, 128) for a, b in zip(sizes, sizes[1:], strict=False))  # bounded padding
     with pytest.raises(ValueError):
         token_buckets(0)
 
