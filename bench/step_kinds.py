@@ -18,7 +18,7 @@ import torch
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.bench.gpu_measure import random_prompts
-from kvrelay.shared.engine.profile import phase_points, set_async_scheduling, set_eager, set_piecewise
+from kvrelay.shared.engine.profile import on_cuda, phase_points, set_async_scheduling, set_eager, set_piecewise
 
 
 class StepProbe:
@@ -36,7 +36,7 @@ class StepProbe:
         self.pieces = set_piecewise(self.core, True)
 
     def _timer(self, forward):
-        cuda = self.core.runner.device.type == "cuda"
+        cuda = on_cuda(self.core)
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         for prompt in prompts:
             row = probe.sync_row(batch, prompt, args.reps)
             alone = probe.sync_row(0, prompt, args.reps)
-            gaps = probe.async_gaps(batch, prompt) if probe.core.runner.device.type == "cuda" else []
+            gaps = probe.async_gaps(batch, prompt) if on_cuda(probe.core) else []
             pw = [row.get(k, float("nan")) for k in ("pw mixed", "pw launch", "pw tail")]
             print(f"{batch:>4} {prompt:>5} {row['decode']:8.2f} {row['eager decode']:9.2f} {row['mixed']:8.2f} "
                   f"{row['launch']:8.2f} {row['tail']:8.2f} {pw[0]:8.2f} {pw[1]:9.2f} {pw[2]:8.2f} "

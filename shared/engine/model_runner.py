@@ -11,7 +11,6 @@ host sync is the sampler reading back the sampled ids. With async scheduling ``l
 reads them later (shared/engine/async_step.py).
 """
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
-from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, piecewise_tokens, unsupported
+from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, capture_piecewise
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_frame, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
@@ -50,8 +49,6 @@ from kvrelay.shared.engine.scheduler_output import SchedulerOutput
 from kvrelay.shared.engine.step_inputs import BlockTableCache, StepBatch, device_inputs, to_device_ints, to_host
 from kvrelay.shared.engine.structured.manager import StructuredOutputManager
 from kvrelay.shared.repo.model_shape import max_model_len as model_max_len
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,18 +118,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             if graphs.capture():
                 self.graphs = graphs
             if config.model.graph_mode == "FULL_AND_PIECEWISE":
-                self.piecewise = self._capture_piecewise()
-
-    def _capture_piecewise(self) -> PiecewiseGraphs | None:
-        # as vLLM does where a backend lacks a mode, a model the pieces do not cover keeps decode graphs, said
-        # in the log: one worker's models share the setting, and refusing would refuse the whole worker
-        why = unsupported(self.model)
-        if why:
-            log.warning("--cudagraph-mode FULL_AND_PIECEWISE: steps with prompt tokens of %s run eagerly (%s); "
-                        "decode steps replay graphs as in FULL_DECODE_ONLY", self.config.model.model, why)
-            return None
-        pieces = PiecewiseGraphs(self.model, self.kv_cache, piecewise_tokens(self.config, self.max_model_len))
-        return pieces if pieces.capture() else None
+                self.piecewise = capture_piecewise(self.model, self.kv_cache, config, self.max_model_len)
 
     # -- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:

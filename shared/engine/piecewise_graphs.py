@@ -74,6 +74,21 @@ def unsupported(model: nn.Module) -> str:
     return ""
 
 
+def capture_piecewise(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, max_model_len: int
+                      ) -> "PiecewiseGraphs | None":
+    """The captured pieces of ``model`` (FULL_AND_PIECEWISE); None, said in the log, where they cannot be had.
+
+    As vLLM downgrades a mode an attention backend lacks, a model the pieces do not cover keeps its decode
+    graphs: one worker's models share the setting, and refusing it would refuse the whole worker."""
+    why = unsupported(model)
+    if why:
+        log.warning("--cudagraph-mode FULL_AND_PIECEWISE: steps with prompt tokens of %s run eagerly (%s); "
+                    "decode steps replay graphs as in FULL_DECODE_ONLY", config.model.model, why)
+        return None
+    pieces = PiecewiseGraphs(model, kv_cache, piecewise_tokens(config, max_model_len))
+    return pieces if pieces.capture() else None
+
+
 def static_bytes(model: LlamaForCausalLM, max_tokens: int) -> int:
     """What PiecewiseGraphs' static buffers hold for ``model`` at ``max_tokens`` rows (the KV profile counts it)."""
     attn = model.held_layers()[0][1].self_attn

@@ -31,6 +31,11 @@ def phase_points(core: EngineCore) -> dict[str, tuple[object, str]]:
     return points
 
 
+def on_cuda(core: EngineCore) -> bool:
+    """Whether the engine runs on a CUDA device (a benchmark times the GPU's tail there)."""
+    return core.runner.device.type == "cuda"
+
+
 def set_piecewise(core: EngineCore, on: bool) -> bool:
     """Run steps with prompt tokens through the captured pieces (True) or eagerly (False) from the next step on;
     False when there are no pieces (not captured: CPU, a model they do not cover, another cudagraph mode)."""

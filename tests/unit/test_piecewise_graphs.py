@@ -4,13 +4,20 @@ steps of chunked prompts beside decodes, prefix-cache hits, several buckets, ste
 tokens and steps past the largest bucket (eager). tests/gpu/test_piecewise_graphs_gpu.py covers capture
 and replay on CUDA."""
 
+import logging
 import math
 from collections import Counter
 
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, static_bytes, token_buckets, unsupported
+from kvrelay.shared.engine.piecewise_graphs import (
+    PiecewiseGraphs,
+    capture_piecewise,
+    static_bytes,
+    token_buckets,
+    unsupported,
+)
 from tests.conftest import random_prompts
 
 SIZES = [4, 8, 16, 24]  # under a 32-token step budget: steps of 25..32 tokens run eagerly; 4: a full decode batch
@@ -111,10 +118,14 @@ def test_pieces_on_padded_buffers_equal_the_eager_engine(tiny_model_dirs, mode):
     assert eager and all(n > SIZES[-1] for n in eager), eager  # past the largest bucket: the eager forward
 
 
-def test_other_architectures_are_not_covered(tiny_model_dirs):
+def test_other_architectures_keep_decode_graphs_and_say_so(tiny_model_dirs, caplog):
     for arch in ("gpt2", "bloom"):
-        runner = LLM(model=str(tiny_model_dirs[arch]), dtype="float32", max_model_len=64).engine.core.runner
+        llm = LLM(model=str(tiny_model_dirs[arch]), dtype="float32", max_model_len=64)
+        runner = llm.engine.core.runner
         assert "not of the Llama family" in unsupported(runner.model)
+        with caplog.at_level(logging.WARNING):
+            assert capture_piecewise(runner.model, runner.kv_cache, llm.engine.config, 64) is None
+        assert f"steps with prompt tokens of {llm.engine.config.model.model} run eagerly" in caplog.text
     runner = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", max_model_len=64).engine.core.runner
     assert unsupported(runner.model) == ""
 
