@@ -11,8 +11,9 @@ rows (a step pads up to its bucket; padding rows compute finite garbage nobody r
     piece i + 1:  o_proj + residual + norm + MLP, then layer i+1's norm + qkv (the last piece: the final
                   norm)                                                  -> qkv, residual (or hidden)
 
-Rotary and the KV write stay with attention: one fused kernel does both (kernels/__init__.py
-``rotary_attention``), it takes the real rows only, so padding rows write no KV without a slot buffer.
+Rotary and the KV write stay with attention (kernels/__init__.py ``rotary_attention``: one kernel rotates and
+writes, then attention reads): they are one launch per layer, on the real rows only, so padding rows write no
+KV and no static slot or position buffer is needed.
 The LM head is left to the runner, as on the eager path: which rows need logits varies per step.
 
 A step's launch cost is thus L + 1 replays plus L attention calls. Piece outputs are copied into the
