@@ -37,6 +37,17 @@ class ModelConfig:
     served_model_name: str | None = setting(None, "the name clients use (default: from --model)")
     enforce_eager: bool = setting(False, "CUDA: run decode eagerly, without CUDA graphs (debugging, comparisons); "
                                   "refused on the CPU, which runs every step eagerly")
+    # vLLM's flag and names (its compilation config's cudagraph_mode); --enforce-eager is NONE
+    cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"] = setting(
+        "FULL_DECODE_ONLY", "CUDA: which steps replay CUDA graphs. FULL_DECODE_ONLY: decode-only steps, whole; "
+        "FULL_AND_PIECEWISE: those, and steps holding prompt tokens in pieces per token-count bucket with attention "
+        "run eagerly between them (Llama-family models on one GPU; any other model keeps FULL_DECODE_ONLY, said in "
+        "the log); NONE: no graphs (as --enforce-eager). Refused on the CPU")
+
+    @property
+    def graph_mode(self) -> str:
+        """The cudagraph mode in force: NONE under --enforce-eager."""
+        return "NONE" if self.enforce_eager else self.cudagraph_mode
 
     def torch_dtype(self, device: str) -> "torch.dtype":
         import torch
@@ -201,5 +212,8 @@ NEEDS = (
                   "not with --num-gpu-blocks-override, which sets the KV cache's size"),
     depends.Needs(("cache", "calculate_kv_scales"), lambda c: _kv_scales_inert(c)),
     depends.Needs(("model", "enforce_eager"), _on_cpu),
+    depends.Needs(("model", "cudagraph_mode"), lambda c: _on_cpu(c) or (
+        "not with --enforce-eager, which is --cudagraph-mode NONE"
+        if c.model.enforce_eager and c.model.cudagraph_mode != "NONE" else "")),
     depends.Needs(("cache", "gpu_memory_utilization"), _on_cpu),
 )

@@ -36,11 +36,17 @@ def peak_forward(model, num_tokens: int, num_rows: int, block_size: int, dtype: 
 
 
 def free_kv_blocks(model, num_tokens: int, num_rows: int, block_size: int, dtype: torch.dtype,
-                   device: torch.device, utilization: float, block_bytes: int) -> int:
-    """KV blocks that fit in ``utilization`` of the device after the weights and the activation peak."""
+                   device: torch.device, utilization: float, block_bytes: int, graph_reserve: int | None = None) -> int:
+    """KV blocks that fit in ``utilization`` of the device after the weights and the activation peak.
+    ``graph_reserve``: bytes of static buffers that piecewise CUDA graphs (piecewise_graphs.py) will hold; their
+    private graph pool is counted as one more activation peak, since each piece's intermediates are a subset
+    of one forward's and the pieces of every bucket share that pool."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
     peak_forward(model, num_tokens, num_rows, block_size, dtype, device)
     peak = torch.cuda.max_memory_allocated(device)
+    if graph_reserve is not None:
+        peak += (peak - base) + graph_reserve
     total = torch.cuda.get_device_properties(device).total_memory
     return max(0, int((total * utilization - peak) // block_bytes))

@@ -57,7 +57,7 @@ def bucket_for(sizes: list[int], batch: int) -> int | None:
 
 
 @contextmanager
-def _syncs_raise() -> Iterator[None]:
+def syncs_raise() -> Iterator[None]:
     # a kernel that syncs with the host (data-dependent shapes, .item()) cannot be captured; this
     # makes such an op raise in an ordinary run instead of corrupting a capture
     previous = torch.cuda.get_sync_debug_mode()
@@ -131,7 +131,7 @@ class DecodeGraphs:
             return True
         self._write_idle_inputs()
         try:
-            with _syncs_raise():
+            with syncs_raise():
                 self._forward(self.max_batch, self.max_model_len)
         except RuntimeError as e:
             if "synchroniz" not in str(e):

@@ -17,6 +17,7 @@ from kvrelay.shared.engine.activation_peak import free_kv_blocks
 from kvrelay.shared.engine.kv_calibration import calibration_length
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.parallel.state import SINGLE
+from kvrelay.shared.engine.piecewise_graphs import piecewise_tokens, static_bytes, unsupported
 from kvrelay.shared.engine.ranks.group import RankGroup
 from kvrelay.shared.engine.scheduler_output import SchedulerOutput
 from kvrelay.shared.wire.rank_step import RankAlloc, RankProfile, RankSwap
@@ -103,8 +104,14 @@ class RunnerKVCache:
         if self.ranks is not None:  # every rank profiles its own device; the group keeps what fits on all
             self.ranks.send(RankProfile(num_tokens, rows))
         blocks = free_kv_blocks(self.model, num_tokens, rows, self.block_size, self.kv_dtype, self.device,
-                                cache.gpu_memory_utilization, self.block_bytes)
+                                cache.gpu_memory_utilization, self.block_bytes, self._piecewise_reserve())
         return (self.ranks.state if self.ranks is not None else SINGLE).min_int(blocks)
+
+    def _piecewise_reserve(self) -> int | None:
+        """The static buffers' bytes of the piecewise graphs this runner will capture; None when it captures none."""
+        if self.config.model.graph_mode != "FULL_AND_PIECEWISE" or self.ranks is not None or unsupported(self.model):
+            return None
+        return static_bytes(self.model, piecewise_tokens(self.config, self.max_model_len))
 
     # -- swap -----------------------------------------------------------------------------------
     def _swap(self, out: SchedulerOutput) -> None:

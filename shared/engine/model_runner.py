@@ -3,7 +3,8 @@ the sampler, and holds the paged KV cache (plus the host swap space) of one mode
 swap copies are kv_cache.py's, what a KV handoff asks of it handoff_hooks.py's (both mixed in here).
 
 On CUDA a decode-only step (one new token per scheduled request) replays a captured CUDA graph
-(shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly. Either way a
+(shared/engine/cuda_graphs.py) unless ``enforce_eager``; prefill and mixed steps run eagerly, or under
+``--cudagraph-mode FULL_AND_PIECEWISE`` in captured pieces around eager attention (piecewise_graphs.py). Either way a
 step's integer inputs travel in one pinned non-blocking copy (shared/engine/step_inputs.py) and the only
 host sync is the sampler reading back the sampled ids. With async scheduling ``launch`` replaces
 ``execute``: the sampled ids stay on the device, feed the next step's decode rows there, and the host
@@ -30,6 +31,7 @@ from kvrelay.shared.engine.logits_processors import penalized
 from kvrelay.shared.engine.logprobs import prompt_logprobs
 from kvrelay.shared.engine.outputs import PositionLogprobs
 from kvrelay.shared.engine.parallel.state import SINGLE
+from kvrelay.shared.engine.piecewise_graphs import PiecewiseGraphs, capture_piecewise
 from kvrelay.shared.engine.ranks.driver_step import group_logits, logits_mode, step_frame, step_message
 from kvrelay.shared.engine.ranks.group import RankGroup, TensorParallelError, start_ranks
 from kvrelay.shared.engine.ranks.kv_inlet import InletDriver
@@ -106,13 +108,17 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         self._allocate_kv_cache(kv_pool, kv_floor_blocks, kv_pool_key)
         self._tables = BlockTableCache()
         # read every step, so a benchmark may flip it to time eager decode on the same loaded model
-        self.enforce_eager = config.model.enforce_eager
+        self.enforce_eager = config.model.graph_mode == "NONE"  # --enforce-eager or --cudagraph-mode NONE
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        self.piecewise_on = True  # read every step, as enforce_eager is: a benchmark compares eager mixed steps
         if self.device.type == "cuda" and not self.enforce_eager and self.ranks is None:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len,
                                   self.block_size)
             if graphs.capture():
                 self.graphs = graphs
+            if config.model.graph_mode == "FULL_AND_PIECEWISE":
+                self.piecewise = capture_piecewise(self.model, self.kv_cache, config, self.max_model_len)
 
     # -- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -262,7 +268,10 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             if fill is not None:  # the ranks take the fed ids from this device, never from the frame
                 self.ranks.state.broadcast_from_driver(fill[1])
         t, meta = device_inputs(batch, self.device, filled, fill)
-        hidden = self._forward(out, t, meta)  # [T, hidden]
+        if self._takes_pieces(batch):
+            hidden = self.piecewise.run(t.input_ids, t.positions, meta)  # [T, hidden]
+        else:
+            hidden = self._forward(out, t, meta)  # [T, hidden]
         if self.ranks is not None:
             return group_logits(self.model, hidden, batch, t.sample_rows, mode)
 
@@ -274,6 +283,12 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
             chosen = hidden if batch.samples_every_row else hidden.index_select(0, t.sample_rows)
             sample_logits = self.model.compute_logits(chosen)  # [R, V]
         return sample_logits, logits_of
+
+    def _takes_pieces(self, batch: StepBatch) -> bool:
+        # layer-by-layer KV streaming reports each eager layer as it ends, which the pieces do not
+        pieces = self.piecewise
+        return (pieces is not None and self.piecewise_on and not self.enforce_eager and self.kv_stream is None
+                and pieces.fits(batch.num_tokens))
 
     def _prompt_logprobs(self, prompt_rows, logits_of) -> dict[str, tuple[int, list[PositionLogprobs]]]:
         found = {}
@@ -341,7 +356,7 @@ class ModelRunner(RunnerKVCache, HandoffHooks):
         their memory pool, the KV view, the swap space), so the memory goes with this call, not with the last
         reference to the runner."""
         self.close()
-        self.model = self.graphs = self.inlets = None
+        self.model = self.graphs = self.piecewise = self.inlets = None
         self.kv_cache = self.host_cache = self.kv_scales = None
         self.sampler, self._tables = Sampler(), BlockTableCache()
 

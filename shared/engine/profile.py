@@ -18,15 +18,29 @@ from kvrelay.shared.wire.sampling_params import SamplingParams
 
 def phase_points(core: EngineCore) -> dict[str, tuple[object, str]]:
     """Phase name -> (object, attribute) of the callable that runs it; "replay" only when decode is
-    graph-captured. "execute" contains "build inputs", "sampler" and "replay" or "forward" (the eager
-    model forward of a step that is not a graph replay: prefill and mixed steps)."""
+    graph-captured. "execute" contains "build inputs", "sampler" and "replay", "pieces" (a step with prompt tokens
+    under FULL_AND_PIECEWISE) or "forward" (the eager model forward of any other step)."""
     runner, sched = core.runner, core.scheduler
     points = {"schedule": (sched, "schedule"), "update": (sched, "update_from_output"),
               "execute": (runner, "execute"), "build inputs": (runner, "_build"), "sampler": (runner, "sampler"),
               "forward": (runner, "_forward")}
     if runner.graphs is not None:
         points["replay"] = (runner.graphs, "run")
+    if runner.piecewise is not None:  # the forward of a step with prompt tokens under FULL_AND_PIECEWISE
+        points["pieces"] = (runner.piecewise, "run")
     return points
+
+
+def on_cuda(core: EngineCore) -> bool:
+    """Whether the engine runs on a CUDA device (a benchmark times the GPU's tail there)."""
+    return core.runner.device.type == "cuda"
+
+
+def set_piecewise(core: EngineCore, on: bool) -> bool:
+    """Run steps with prompt tokens through the captured pieces (True) or eagerly (False) from the next step on;
+    False when there are no pieces (not captured: CPU, a model they do not cover, another cudagraph mode)."""
+    core.runner.piecewise_on = on
+    return core.runner.piecewise is not None
 
 
 def decode_graphs(core: EngineCore) -> DecodeGraphs | None:

@@ -39,7 +39,7 @@ def compiled_variants() -> dict[str, int]:
     return counts
 
 
-def probe(preset: str, eager: bool, device: str = "cuda") -> None:
+def probe(preset: str, eager: bool, device: str = "cuda", mode: str = "FULL_DECODE_ONLY") -> None:
     """Runs in the child: warm up, then serve the workload; prints what each phase compiled/captured."""
     import dataclasses
     import random
@@ -51,15 +51,17 @@ def probe(preset: str, eager: bool, device: str = "cuda") -> None:
 
     config = EngineConfig(
         model=ModelConfig(model=f"dummy:{preset}", load_format="dummy", dtype="bfloat16", max_model_len=MAX_LEN[preset],
-                          enforce_eager=eager),
+                          enforce_eager=eager, cudagraph_mode=mode),
         cache=CacheConfig(num_gpu_blocks=4096),
         scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=512), device=device)
     core = EngineCore(config)
-    graphs = core.runner.graphs
+    graphs, pieces = core.runner.graphs, core.runner.piecewise
+    assert (pieces is not None) == (mode == "FULL_AND_PIECEWISE")
     before = compiled_variants()
     shapes = warm_up(core)
     warmed = compiled_variants()
-    captured = 0 if graphs is None else len(graphs._graphs)
+    captured = (0 if graphs is None else len(graphs._graphs)) + (0 if pieces is None else len(pieces._graphs))
+    replayed = 0 if pieces is None else pieces.num_replays
 
     rng = random.Random(0)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.8),
@@ -84,16 +86,24 @@ def probe(preset: str, eager: bool, device: str = "cuda") -> None:
     print(json.dumps({
         "shapes": shapes, "warmup_compiled": sum(warmed.values()) - sum(before.values()),
         "new_after_warmup": {k: after[k] - warmed.get(k, 0) for k in after if after[k] != warmed.get(k, 0)},
-        "graphs_at_warmup": captured, "graphs_after": 0 if graphs is None else len(graphs._graphs),
+        "graphs_at_warmup": captured,
+        "graphs_after": (0 if graphs is None else len(graphs._graphs)) + (0 if pieces is None else len(pieces._graphs)),
+        "piecewise_replays_serving": 0 if pieces is None else pieces.num_replays - replayed,
     }))
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("preset", ["tiny-llama", "smollm2-135m"])
-def test_nothing_compiles_or_captures_after_warmup(preset, eager):
+# piecewise on the tiny model only: its attention calls are the eager path's own (same kernels, same
+# shapes), so what it adds to check is the pieces' capture before warm-up ends, which one preset shows
+CASES = [(preset, eager, "FULL_DECODE_ONLY") for preset in ("tiny-llama", "smollm2-135m") for eager in (False, True)]
+CASES.append(("tiny-llama", False, "FULL_AND_PIECEWISE"))
+
+
+@pytest.mark.parametrize("preset, eager, mode", CASES, ids=[
+    f"{p}-{'piecewise' if m == 'FULL_AND_PIECEWISE' else 'eager' if e else 'graphs'}" for p, e, m in CASES])
+def test_nothing_compiles_or_captures_after_warmup(preset, eager, mode):
     # the checkout goes last on sys.path (the children of the suite run under PYTHONSAFEPATH: tests/conftest.py)
     code = (f"import sys; sys.path.append({str(Path(__file__).resolve().parents[2])!r}); "
-            f"from tests.gpu.test_warmup_gpu import probe; probe({preset!r}, {eager})")
+            f"from tests.gpu.test_warmup_gpu import probe; probe({preset!r}, {eager}, mode={mode!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -101,3 +111,5 @@ def test_nothing_compiles_or_captures_after_warmup(preset, eager):
     assert result["warmup_compiled"] > 0, "warm-up compiled nothing: it cannot have covered anything"
     assert result["new_after_warmup"] == {}, f"compiled while serving, after warm-up: {result}"
     assert result["graphs_after"] == result["graphs_at_warmup"]
+    if mode == "FULL_AND_PIECEWISE":  # the served steps with prompt tokens really took the pieces
+        assert result["piecewise_replays_serving"] > 0

@@ -42,6 +42,10 @@ REFUSED = [  # (flags, the line): each given at a value other than its default, 
     (["--device", "cpu", "--enforce-eager"], f"argument --enforce-eager: {ON_CPU}"),
     (["--device", "cpu", "--no-enforce-eager"], f"argument --enforce-eager: {ON_CPU}"),
     (["--device", "cpu", "--gpu-memory-utilization", "0.5"], f"argument --gpu-memory-utilization: {ON_CPU}"),
+    (["--device", "cpu", "--cudagraph-mode", "FULL_AND_PIECEWISE"], f"argument --cudagraph-mode: {ON_CPU}"),
+    (["--device", "cpu", "--cudagraph-mode", "FULL_DECODE_ONLY"], f"argument --cudagraph-mode: {ON_CPU}"),
+    (["--device", "cuda", "--enforce-eager", "--cudagraph-mode", "FULL_AND_PIECEWISE"],
+     "argument --cudagraph-mode: not with --enforce-eager, which is --cudagraph-mode NONE"),
     (["--device", "auto", "--gpu-memory-utilization", "0.9"], f"argument --gpu-memory-utilization: {ON_CPU}"),
 ]
 TAKEN = [  # (flags, the setting's path in the engine config, its value there)
@@ -52,6 +56,8 @@ TAKEN = [  # (flags, the setting's path in the engine config, its value there)
     # no fixed cap: the target alone caps, up to the step's whole budget
     (["--max-prefill-tokens-with-decodes", "0", "--target-step-ms", "12.5"], ("scheduler", "target_step_ms"), 12.5),
     (["--device", "cuda", "--enforce-eager"], ("model", "enforce_eager"), True),
+    (["--device", "cuda", "--cudagraph-mode", "FULL_AND_PIECEWISE"], ("model", "cudagraph_mode"), "FULL_AND_PIECEWISE"),
+    (["--device", "cuda", "--enforce-eager", "--cudagraph-mode", "NONE"], ("model", "cudagraph_mode"), "NONE"),
     (["--device", "auto", "--gpu-memory-utilization", "0.5"], ("cache", "gpu_memory_utilization"), 0.5),
 ]
 
