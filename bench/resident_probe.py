@@ -49,7 +49,7 @@ def main() -> None:
     t1 = time.perf_counter()
     warm_up_measured(core)
     t2 = time.perf_counter()
-    kv = core.runner.kv_pool.nbytes
+    kv = core.kv_pool_bytes
     device = used() - base - kv - core.weight_bytes
     print(f"{args.model} max_num_seqs={args.max_num_seqs} tokens={core.max_num_batched_tokens} "
           f"max_len={core.max_model_len}: weights {core.weight_bytes / GIB:.3f} GiB, KV {kv / GIB:.3f} GiB")

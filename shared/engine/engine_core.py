@@ -353,6 +353,11 @@ class EngineCore:
         return self.runner.hf_config
 
     @property
+    def kv_pool_bytes(self) -> int:
+        """The KV pool this engine draws its blocks from, whole: co-resident models share it."""
+        return self.runner.kv_pool.nbytes
+
+    @property
     def weight_bytes(self) -> int:
         """This process's weights: rank 0's shard (stage) alone when the model is tensor- or pipeline-parallel."""
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
