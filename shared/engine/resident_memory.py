@@ -59,7 +59,9 @@ class ResidentMeter:
     """Measures one engine's resident overhead and step peak; ``EngineCore`` holds one (``memory``)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        # without a CUDA device the runner's build refuses the config with its own one-line error; reading the
+        # allocator here first would raise torch's instead
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self.device = device
         self.overhead_bytes = 0
         self.step_peak_bytes = 0
