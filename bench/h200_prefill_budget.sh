@@ -4,7 +4,8 @@
 # "cap512 target20 cap0 cap256") names one server each: capN = --max-prefill-tokens-with-decodes N (0 = no cap,
 # the old behaviour; 512 the default), targetM = the default cap 512 with --target-step-ms M (the cap each step
 # follows from the engine's fit of its own step times), pwN = capN with --cudagraph-mode FULL_AND_PIECEWISE (steps
-# holding prompt tokens replay captured pieces around eager attention). Today's default and the target come first, so they are
+# holding prompt tokens replay captured pieces around eager attention; the default mode), fdN = capN with
+# FULL_DECODE_ONLY (those steps launched eagerly). Today's default and the target come first, so they are
 # measured even if the call runs short: a run whose server would start past START_BY (default 420) s is skipped
 # and said so. Each server, unified `kvrelay serve` on the Llama-3-8B shape with dummy weights, takes Poisson
 # arrivals of 1,024 -> 128 at each rate in RATES (default "8 16 24" req/s, 200 requests each, ~200 / r s a run)
@@ -27,7 +28,8 @@ for run in ${RUNS:-cap512 target20 cap0 cap256}; do
     cap*) flags=(--max-prefill-tokens-with-decodes "${run#cap}") ;;
     target*) flags=(--max-prefill-tokens-with-decodes 512 --target-step-ms "${run#target}") ;;
     pw*) flags=(--max-prefill-tokens-with-decodes "${run#pw}" --cudagraph-mode FULL_AND_PIECEWISE) ;;
-    *) echo "unknown run $run (capN, targetM or pwN)" | tee -a "$OUT/summary.txt"; continue ;;
+    fd*) flags=(--max-prefill-tokens-with-decodes "${run#fd}" --cudagraph-mode FULL_DECODE_ONLY) ;;
+    *) echo "unknown run $run (capN, targetM, pwN or fdN)" | tee -a "$OUT/summary.txt"; continue ;;
   esac
   if [ "$SECONDS" -gt "${START_BY:-420}" ]; then
     echo "$run skipped: ${SECONDS}s into the call" | tee -a "$OUT/summary.txt"; continue

@@ -41,7 +41,7 @@ class LLM:
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         enforce_eager: bool = False,
-        cudagraph_mode: str = "FULL_DECODE_ONLY",
+        cudagraph_mode: str = "FULL_AND_PIECEWISE",
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,

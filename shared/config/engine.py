@@ -37,12 +37,14 @@ class ModelConfig:
     served_model_name: str | None = setting(None, "the name clients use (default: from --model)")
     enforce_eager: bool = setting(False, "CUDA: run decode eagerly, without CUDA graphs (debugging, comparisons); "
                                   "refused on the CPU, which runs every step eagerly")
-    # vLLM's flag and names (its compilation config's cudagraph_mode); --enforce-eager is NONE
+    # vLLM's flag, names and default (its compilation config's cudagraph_mode); --enforce-eager is NONE. Pieces are
+    # the default because a step holding prompt tokens launched eagerly costs more host time than its GPU work,
+    # and the decodes riding in it wait for that (BENCHMARKS.md: unified mode's inter-token latency).
     cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"] = setting(
-        "FULL_DECODE_ONLY", "CUDA: which steps replay CUDA graphs. FULL_DECODE_ONLY: decode-only steps, whole; "
-        "FULL_AND_PIECEWISE: those, and steps holding prompt tokens in pieces per token-count bucket with attention "
-        "run eagerly between them (Llama-family models on one GPU; any other model keeps FULL_DECODE_ONLY, said in "
-        "the log); NONE: no graphs (as --enforce-eager). Refused on the CPU")
+        "FULL_AND_PIECEWISE", "CUDA: which steps replay CUDA graphs. FULL_AND_PIECEWISE: decode-only steps whole, "
+        "and steps holding prompt tokens in pieces per token-count bucket with attention run eagerly between them "
+        "(Llama-family models on one GPU; any other model keeps FULL_DECODE_ONLY, said in the log); "
+        "FULL_DECODE_ONLY: decode-only steps only; NONE: no graphs (as --enforce-eager). Refused on the CPU")
 
     @property
     def graph_mode(self) -> str:

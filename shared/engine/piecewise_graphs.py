@@ -82,9 +82,9 @@ def capture_piecewise(model: nn.Module, kv_cache: torch.Tensor, config: EngineCo
     As vLLM downgrades a mode an attention backend lacks, a model the pieces do not cover keeps its decode
     graphs: one worker's models share the setting, and refusing it would refuse the whole worker."""
     why = unsupported(model)
-    if why:
-        log.warning("--cudagraph-mode FULL_AND_PIECEWISE: steps with prompt tokens of %s run eagerly (%s); "
-                    "decode steps replay graphs as in FULL_DECODE_ONLY", config.model.model, why)
+    if why:  # info, not a warning: the mode is the default, and every other family lands here
+        log.info("--cudagraph-mode FULL_AND_PIECEWISE: steps with prompt tokens of %s run eagerly (%s); "
+                 "decode steps replay graphs as in FULL_DECODE_ONLY", config.model.model, why)
         return None
     pieces = PiecewiseGraphs(model, kv_cache, piecewise_tokens(config, max_model_len))
     return pieces if pieces.capture() else None
