@@ -83,7 +83,7 @@ def test_a_mixed_step_syncs_once(tiny_model_dirs):
 def test_a_model_the_pieces_do_not_cover_keeps_decode_graphs(tiny_model_dirs, caplog):
     prompts = random_prompts(6, lo=3, hi=40, seed=4)
     expected = hf_greedy(str(tiny_model_dirs["gpt2"]), tuple(map(tuple, prompts)), MAX_NEW)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger="kvrelay.shared.engine.piecewise_graphs"):
         llm = _llm(tiny_model_dirs["gpt2"], "FULL_AND_PIECEWISE", **MIXED)
     assert "run eagerly (GPT2LMHeadModel is not of the Llama family)" in caplog.text
     runner = llm.engine.core.runner

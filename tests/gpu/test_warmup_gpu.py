@@ -94,7 +94,8 @@ def probe(preset: str, eager: bool, device: str = "cuda", mode: str = "FULL_DECO
 
 # piecewise on the tiny model only: its attention calls are the eager path's own (same kernels, same
 # shapes), so what it adds to check is the pieces' capture before warm-up ends, which one preset shows
-CASES = [(preset, eager, "FULL_DECODE_ONLY") for preset in ("tiny-llama", "smollm2-135m") for eager in (False, True)]
+CASES = [(preset, eager, "NONE" if eager else "FULL_DECODE_ONLY") for preset in ("tiny-llama", "smollm2-135m")
+         for eager in (False, True)]
 CASES.append(("tiny-llama", False, "FULL_AND_PIECEWISE"))
 
 
