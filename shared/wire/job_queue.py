@@ -100,6 +100,10 @@ class JobQueue:
         better = [keys.prefill_band_stream(model, b) for b in BANDS if b < 0] if priority_bands else []
         worse = [keys.prefill_band_stream(model, b) for b in BANDS if b > 0] if priority_bands else []
         self.bands = better + worse
+        # a first come, first served model's band streams: empty unless its policy was priority before a swap
+        # left jobs there, which no gateway adds to any more and which are older than anything in the shared
+        # stream, so they are taken as soon as seen (_stranded), not left to their deadline
+        self.stranded = [] if priority_bands else [keys.prefill_band_stream(model, b) for b in BANDS if b]
         # what a read takes from, in turn: private jobs are band 0's, so they go after the better bands
         self.order = [*better, self.private, self.stream, *worse]
         self.consumer = consumer
@@ -122,11 +126,7 @@ class JobQueue:
         """Our streams, their consumer group and our consumer in it, whichever are missing (XGROUP CREATE
         MKSTREAM): at start, and again when Redis restarted without them."""
         for stream in (self.stream, self.private, *self.bands):
-            try:  # id "0": jobs queued before the first worker started are still delivered
-                self.redis.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            self._join(stream, mkstream=True)
         # listed in the shared group before any gateway can route to us: how peers find our private stream
         self.redis.xgroup_createconsumer(self.stream, keys.PREFILL_GROUP, self.consumer)
 
@@ -156,6 +156,7 @@ class JobQueue:
             self._last_reclaim = now
             for stream in self.order:
                 entries += self._reclaim(stream, count - len(entries))
+            entries += self._stranded(count - len(entries))
         if now - self._last_adopt >= ADOPT_EVERY_S:
             self._last_adopt = now
             entries += self.adoption.adopt(count - len(entries))
@@ -178,6 +179,30 @@ class JobQueue:
         got = self.redis.eval(_READ_IN_ORDER, len(self.order), *self.order, keys.PREFILL_GROUP, self.consumer, count)
         return [(self._tag(stream, eid), dict(zip(flat[::2], flat[1::2], strict=True)))
                 for stream, items in got for eid, flat in items]
+
+    def _stranded(self, count: int) -> list:
+        """Jobs left in the band streams of a model now served first come, first served (with a dead taker's
+        pending ones): an XLEN per band at the reclaim pace, so a model that never had bands pays one round
+        trip a second and reads nothing more."""
+        if not self.stranded or count <= 0:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self.stranded:
+            pipe.xlen(stream)
+        found = []
+        for stream, length in zip(self.stranded, pipe.execute(), strict=True):
+            if length and len(found) < count:
+                self._join(stream)
+                found += self._reclaim(stream, count - len(found))
+                found += self._new(stream, count - len(found))
+        return found
+
+    def _join(self, stream: str, mkstream: bool = False) -> None:
+        try:  # id "0": jobs queued before the first worker started are still delivered
+            self.redis.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=mkstream)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
     def _new(self, stream: str, count: int) -> list:
         if count <= 0:

@@ -16,6 +16,9 @@ come, first served, whose path stays exactly as it was, and the only band the ga
 private stream (prefix affinity): a job of another band goes to its band's stream, since a private stream is
 read ahead of band 0 but must not be read ahead of a better band.
 
+A model swapped from priority to first come, first served leaves its band backlog where it was: its workers
+find it by an XLEN per band once a second (job_queue.py) and take it, in arrival order within each band.
+
 Starvation: strict, as vLLM's own priority policy is. A worse band is read only while every better band is
 empty, so under a sustained overload of better jobs a worse job may wait until its deadline: its client
 then gets the gateway's timeout, and a worker that takes the job later drops it unrun (its deadline has

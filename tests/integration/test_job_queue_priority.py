@@ -111,6 +111,29 @@ def test_a_forgotten_peer_leaves_the_band_groups_but_not_its_pending_jobs(r, mon
     assert r.xpending(band_stream(MODEL, 2), keys.PREFILL_GROUP)["pending"] == 1
 
 
+def test_a_model_switched_to_first_come_first_served_still_serves_its_band_backlog(r):
+    """Jobs queued under the priority policy stay in the band streams when the model is swapped to first come,
+    first served: its workers take them (no gateway adds more), not leave them to time out."""
+    submit(r, "low", 3)
+    submit(r, "high", -1)
+    submit(r, "default", 0)
+    fcfs = make_queue(r, "a", idle_ms=60_000)  # a worker of the model after the swap
+    got = fcfs.fetch(5, block_ms=0)  # its first read runs the once-a-second pass that finds them
+    assert sorted(ids(got)) == ["default", "high", "low"]
+    fcfs.ack(*(entry for entry, _ in got))
+    assert all(r.xlen(band_stream(MODEL, band)) == 0 for band in (-1, 0, 2))
+
+
+def test_a_first_come_first_served_worker_reclaims_a_dead_peers_stranded_band_job(r):
+    submit(r, "low", 4)
+    dead = make_queue(r, "dead", idle_ms=60_000)
+    assert ids(dead.fetch(1, block_ms=0)) == ["low"]  # taken, never ACKed: its worker is killed
+    peer = make_queue(r, "peer", idle_ms=0)
+    assert ids(peer.fetch(1, block_ms=0)) == ["low"]
+    (pending,) = r.xpending_range(band_stream(MODEL, 2), keys.PREFILL_GROUP, "-", "+", 10)
+    assert (pending["consumer"], pending["times_delivered"]) == (b"peer", 2)
+
+
 def test_queue_gauges_count_every_band(r, redis_url):
     from kvrelay.gateway.queue_stats import QueueStats
     from kvrelay.shared.wire.redis_conn import async_client
