@@ -1,7 +1,7 @@
 """Where a step's GPU time goes, kernel by kernel, from the profiler: a batch-N decode step (one CUDA-graph
 replay) or a prefill step of whole prompts (eager, as prefill runs).
 
-    python -m kvrelay.bench.step_timeline [--model dummy:llama-3-8b] [--batch 1] [--prefill 2x4096]
+    python -m kvrelay.bench.step_timeline [--model dummy:llama-3-8b] [--batch 1] [--context 32] [--prefill 2x4096]
 """
 
 import argparse
@@ -29,8 +29,8 @@ def kernel_table(prof, repeats: int, top: int, wall_ms: float, label: str) -> No
         print(f"{us / repeats / 1e3:8.3f} ms  {count[name] / repeats:5.0f}x  {name[:110]}")
 
 
-def decode(llm: LLM, batch: int, replays: int, top: int) -> None:
-    step = decode_step_ms(llm, batch, 32, 50)
+def decode(llm: LLM, batch: int, context: int, replays: int, top: int) -> None:
+    step = decode_step_ms(llm, batch, context, 50)
     replay = replay_ms(llm)
     graphs = decode_graphs(llm.engine.core)
     graph = graphs.graph(*graphs.last_replayed)
@@ -60,15 +60,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="dummy:llama-3-8b")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=32, help="prompt tokens of each decoding request (issue #22's "
+                   "batch-128 row: 1024)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--prefill", default="2x4096", help="prompts x tokens of the profiled prefill step ('' skips)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
     num, length = (int(v) for v in args.prefill.split("x")) if args.prefill else (0, 0)
-    llm = LLM(model=args.model, load_format="dummy", max_model_len=max(2048, length + 8), num_gpu_blocks=4096,
+    # blocks for every decoding request's context and its 50 timed steps, beside the 4,096 a prefill step wants
+    blocks = max(4096, args.batch * -(-(args.context + 128) // 16))
+    llm = LLM(model=args.model, load_format="dummy", max_model_len=max(2048, length + 8, args.context + 256),
+              num_gpu_blocks=blocks,
               max_num_seqs=max(16, args.batch), max_num_batched_tokens=max(8192, num * length))
     llm.generate([{"prompt_token_ids": [5] * 32}], SamplingParams(max_tokens=8, ignore_eos=True))
-    decode(llm, args.batch, args.replays, args.top)
+    decode(llm, args.batch, args.context, args.replays, args.top)
     if num:
         prefill(llm, num, length, args.top)
 
