@@ -13,7 +13,7 @@ PACKAGES = ["gateway", "shared", "prefill_worker", "decode_worker", "unified_wor
 ENGINE = ROOT / "shared" / "engine"
 INTERNAL_MODULES = {"scheduler", "block_manager", "model_runner", "swap", "fair_queue", "step_inputs",
                     "cuda_graphs", "weight_upload", "sampler", "async_step", "scheduler_output", "admission",
-                    "token_budget", "kv_cache", "handoff_hooks", "piecewise_graphs"}
+                    "token_budget", "kv_cache", "handoff_hooks", "piecewise_graphs", "core_memory"}
 INTERNAL_ATTRIBUTES = {"scheduler", "block_manager", "runner"}
 
 
