@@ -53,10 +53,10 @@ class ModelConfig:
         return "NONE" if self.enforce_eager else self.cudagraph_mode
 
     def torch_dtype(self, device: str) -> "torch.dtype":
-        return torch_dtype(self.dtype, device)
+        return resolve_dtype(self.dtype, device)
 
 
-def torch_dtype(dtype: str, device: str) -> "torch.dtype":
+def resolve_dtype(dtype: str, device: str) -> "torch.dtype":
     """``--dtype`` on a device of type ``device`` ("cpu", "cuda")."""
     import torch
 
@@ -220,7 +220,7 @@ class MemoryKnobs:
     def torch_dtype(self) -> "torch.dtype":
         import torch
 
-        return torch_dtype(self.dtype, torch.device(self.device).type)
+        return resolve_dtype(self.dtype, torch.device(self.device).type)
 
     def step_tokens(self, max_len: int) -> int:
         """The tokens one step may compute, for a model whose longest sequence is ``max_len``."""
