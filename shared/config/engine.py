@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DEFAULT_STEP_TOKENS = 2048  # a step's token budget under chunked prefill where --max-num-batched-tokens is unset
 # the worker roles whose requests decode (shared/config/role_settings.py): a prefill worker's end at their first
 # token, so a setting of decode steps is refused there; the offline LLM API has no role and takes every setting
 DECODING = ("decode", "unified")
@@ -52,11 +53,16 @@ class ModelConfig:
         return "NONE" if self.enforce_eager else self.cudagraph_mode
 
     def torch_dtype(self, device: str) -> "torch.dtype":
-        import torch
+        return resolve_dtype(self.dtype, device)
 
-        if self.dtype == "auto":
-            return torch.float32 if device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)
+
+def resolve_dtype(dtype: str, device: str) -> "torch.dtype":
+    """``--dtype`` on a device of type ``device`` ("cpu", "cuda")."""
+    import torch
+
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
 
 
 @dataclass(config=CONFIG)
@@ -170,6 +176,15 @@ class EngineConfig:
     def uses_batch_queue(self) -> bool:
         return self.pipeline_batch_queue and self.pipeline_parallel_size > 1
 
+    def memory_knobs(self) -> "MemoryKnobs":
+        m, c, s = self.model, self.cache, self.scheduler
+        return MemoryKnobs(dtype=m.dtype, quantization=m.quantization, max_model_len=m.max_model_len,
+                           enforce_eager=m.enforce_eager, block_size=c.block_size, kv_cache_dtype=c.kv_cache_dtype,
+                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                           enable_chunked_prefill=s.enable_chunked_prefill, device=self.device,
+                           tensor_parallel_size=self.tensor_parallel_size,
+                           pipeline_parallel_size=self.pipeline_parallel_size)
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = auto_device()
@@ -182,6 +197,36 @@ class EngineConfig:
         queue = self.pipeline_batch_queue and pipeline > 1 if batch_queue is None else batch_queue
         return dataclasses.replace(self, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
                                    pipeline_batch_queue=queue)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryKnobs:
+    """The settings that what a model keeps beside its weights and KV, and its step peak, scale with: what a
+    worker estimates a model's memory from before loading it (shared/worker/model_overhead.py), so that it
+    reads no section of the engine's settings itself."""
+    dtype: str  # --dtype as set ("auto" unresolved); torch_dtype() resolves it
+    quantization: str | None
+    max_model_len: int | None  # None: the model's own
+    enforce_eager: bool
+    block_size: int
+    kv_cache_dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int | None  # None: step_tokens() resolves the default
+    enable_chunked_prefill: bool
+    device: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return resolve_dtype(self.dtype, torch.device(self.device).type)
+
+    def step_tokens(self, max_len: int) -> int:
+        """The tokens one step may compute, for a model whose longest sequence is ``max_len``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_STEP_TOKENS if self.enable_chunked_prefill else max_len
 
 
 def _on_cpu(config: EngineConfig) -> str:

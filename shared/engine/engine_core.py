@@ -9,7 +9,8 @@ A request whose prompt KV was computed elsewhere: blocks reserved through ``kv``
 KV written into them, then add_remote_prefilled (RUNNING, its first token already out).
 
 This class is the engine's one public surface: workers, the handoff and benchmarks use it (and ``kv``)
-and never its scheduler, block manager or runner.
+and never its scheduler, block manager or runner. What it holds in memory and its unload (``release_kv``) it
+inherits from core_memory.py.
 """
 
 import os
@@ -23,6 +24,7 @@ from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.engine.async_step import AsyncStepper
 from kvrelay.shared.engine.batch_queue import BatchQueueStepper
 from kvrelay.shared.engine.block_manager import BlockManager, cdiv
+from kvrelay.shared.engine.core_memory import CoreMemory
 from kvrelay.shared.engine.kv_calibration import calculate_kv_scales
 from kvrelay.shared.engine.kv_connector import KVLinks, engine_kv
 from kvrelay.shared.engine.kv_pool import KVPool
@@ -39,7 +41,7 @@ from kvrelay.shared.engine.structured.manager import StructuredOutputManager, st
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
 
-class EngineCore:
+class EngineCore(CoreMemory):
     def __init__(self, config: EngineConfig, hold_finished_kv: bool = False, kv_pool: KVPool | None = None,
                  kv_floor_blocks: int | None = None, kv_pool_key: str | None = None, loaded: tuple | None = None,
                  model_root: Path | None = None, kv_links: KVLinks | None = None):
@@ -255,22 +257,6 @@ class EngineCore:
         succeeds and the failure, not the release's refusal, is what is reported."""
         return self.abort([r.request_id for r in self.scheduling_order()] + self.scheduler.held_ids)
 
-    def release_kv(self) -> None:
-        """Unload: give this model's KV memory back to its pool, then let go of its weights, decode graphs
-        and buffers. Refused while requests are unfinished or hold blocks; the core must not be stepped
-        afterwards. The memory is free once this returns (and the caching allocator is emptied) even while
-        something still holds the core: with async scheduling the core is in a reference cycle (its stepper
-        calls back into it), so a reference left in some frame when the unloader collects garbage would
-        otherwise keep every weight alive until the collector next reaches that generation."""
-        bm = self.block_manager
-        if self.scheduler.has_unfinished() or bm.num_used or not bm.release_free_blocks(list(bm.owned)):
-            raise RuntimeError(f"{self.runner.kv_pool_key}: requests still hold KV blocks; "
-                               "abort or finish them before releasing the KV cache")
-        self.runner.kv_pool.detach(self.runner.kv_pool_key)
-        self.structured.close()  # its compile thread and compiled grammars go with the model
-        self.stepper = None  # its launched step's device tensors
-        self.runner.release()  # its tensor-parallel ranks, weights, graphs and buffers
-
     def shutdown(self) -> None:
         """Stop what runs beside this core (tensor-parallel ranks); it cannot step afterwards."""
         self.runner.close()
@@ -335,11 +321,6 @@ class EngineCore:
         return self.block_manager.block_size
 
     @property
-    def block_bytes(self) -> int:
-        """KV bytes of one block, all layers."""
-        return self.runner.block_bytes
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
 
@@ -351,35 +332,6 @@ class EngineCore:
     @property
     def hf_config(self) -> dict:
         return self.runner.hf_config
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        """The KV pool this engine draws its blocks from, whole: co-resident models share it."""
-        return self.runner.kv_pool.nbytes
-
-    @property
-    def weight_bytes(self) -> int:
-        """This process's weights: rank 0's shard (stage) alone when the model is tensor- or pipeline-parallel."""
-        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
-
-    @property
-    def resident_overhead_bytes(self) -> int:
-        """Memory this model keeps while loaded besides its weights and KV (shared/engine/resident_memory.py)."""
-        return self.memory.overhead_bytes
-
-    @property
-    def step_peak_bytes(self) -> int:
-        """Its largest step's temporaries above what is resident, as warm-up measured them (CUDA; else 0)."""
-        return self.memory.step_peak_bytes
-
-    @property
-    def model_bytes(self) -> int:
-        """This process's bytes of the model's own tensors besides its KV: weights and buffers (rotary tables),
-        each storage once (tied embeddings share one)."""
-        model = self.runner.model
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (*model.parameters(), *model.buffers())}
-        return sum(storages.values())
 
     def rank_processes(self) -> list[tuple[int, int, str]]:
         """(rank, pid, device) of each process of this model, rank 0 (this one) first."""

@@ -18,7 +18,6 @@ import torch
 from kvrelay.shared.config.engine import EngineConfig
 
 ESTIMATE_MARGIN = 1.5
-DEFAULT_STEP_TOKENS = 2048  # the engine's default step budget under chunked prefill
 SPLITS = 64  # the decode attention kernel's most splits of a long context: its partials scale with it
 
 
@@ -40,32 +39,31 @@ def _shape(engine: EngineConfig, root: Path | None) -> dict:
 def shape_key(engine: EngineConfig, root: Path | None) -> str:
     """What the measurement of one model stands for: its shape and the settings its graphs and steps scale
     with, not which weights it holds."""
-    s, m, c, sched = _shape(engine, root), engine.model, engine.cache, engine.scheduler
-    return json.dumps([s, m.dtype, m.quantization, m.max_model_len, m.enforce_eager, c.block_size, c.kv_cache_dtype,
-                       sched.max_num_seqs, sched.max_num_batched_tokens, engine.device,
-                       engine.tensor_parallel_size, engine.pipeline_parallel_size], sort_keys=True, default=str)
+    s, k = _shape(engine, root), engine.memory_knobs()
+    return json.dumps([s, k.dtype, k.quantization, k.max_model_len, k.enforce_eager, k.block_size, k.kv_cache_dtype,
+                       k.max_num_seqs, k.max_num_batched_tokens, k.device,
+                       k.tensor_parallel_size, k.pipeline_parallel_size], sort_keys=True, default=str)
 
 
 def estimate_costs(engine: EngineConfig, root: Path | None) -> tuple[int, int]:
     """(resident overhead, step peak) in bytes, from the config alone."""
-    s = _shape(engine, root)
-    device = torch.device(engine.device)
-    itemsize = engine.model.torch_dtype(device.type).itemsize
+    s, k = _shape(engine, root), engine.memory_knobs()
+    device = torch.device(k.device)
+    itemsize = k.torch_dtype().itemsize
     rotary = s["positions"] * s["head_dim"] * 4 if s["rotary"] else 0
     own = rotary + s["layers"] * 2 * 4  # the rotary table (fp32), the KV scales
     if device.type != "cuda":
         return own, 0
-    max_len = engine.model.max_model_len or s["max_len"]
-    batch = engine.scheduler.max_num_seqs
-    width = -(-max_len // engine.cache.block_size)
+    max_len = k.max_model_len or s["max_len"]
+    batch = k.max_num_seqs
+    width = -(-max_len // k.block_size)
     qkv = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
     graphs = (2 * batch * s["vocab"] * 4  # the static logits, and the graph's own before they are copied
               + batch * (4 + width) * 4  # the static inputs
               + batch * (4 * s["hidden"] + qkv + 3 * s["inter"]) * itemsize  # one layer's working set
               + batch * s["heads"] * SPLITS * (s["head_dim"] + 2) * 4)  # split attention partials
-    overhead = own + (0 if engine.model.enforce_eager else graphs)
-    sched = engine.scheduler  # its step's token budget as shared/engine/token_budget.py resolves it
-    tokens = sched.max_num_batched_tokens or (DEFAULT_STEP_TOKENS if sched.enable_chunked_prefill else max_len)
+    overhead = own + (0 if k.enforce_eager else graphs)
+    tokens = k.step_tokens(max_len)  # its step's token budget as shared/engine/token_budget.py resolves it
     rows = min(tokens, batch)
     step = (tokens * (4 * s["hidden"] + qkv + 3 * s["inter"]) * itemsize + 3 * tokens * s["heads"] * s["head_dim"]
             * itemsize + 3 * rows * s["vocab"] * 4)  # activations, prompt attention, sampled logits and copies
