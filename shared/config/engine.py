@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DEFAULT_STEP_TOKENS = 2048  # a step's token budget under chunked prefill where --max-num-batched-tokens is unset
+# FULL_AND_PIECEWISE's largest bucket: past it a step's GPU work outweighs launching it eagerly, and each bucket adds
+# a graph per layer and its share of capture time, so larger steps run eagerly (shared/engine/piecewise_graphs.py)
+PIECEWISE_MAX_TOKENS = 2048
 # the worker roles whose requests decode (shared/config/role_settings.py): a prefill worker's end at their first
 # token, so a setting of decode steps is refused there; the offline LLM API has no role and takes every setting
 DECODING = ("decode", "unified")
@@ -179,7 +182,7 @@ class EngineConfig:
     def memory_knobs(self) -> "MemoryKnobs":
         m, c, s = self.model, self.cache, self.scheduler
         return MemoryKnobs(dtype=m.dtype, quantization=m.quantization, max_model_len=m.max_model_len,
-                           enforce_eager=m.enforce_eager, block_size=c.block_size, kv_cache_dtype=c.kv_cache_dtype,
+                           graph_mode=m.graph_mode, block_size=c.block_size, kv_cache_dtype=c.kv_cache_dtype,
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                            enable_chunked_prefill=s.enable_chunked_prefill, device=self.device,
                            tensor_parallel_size=self.tensor_parallel_size,
@@ -207,7 +210,7 @@ class MemoryKnobs:
     dtype: str  # --dtype as set ("auto" unresolved); torch_dtype() resolves it
     quantization: str | None
     max_model_len: int | None  # None: the model's own
-    enforce_eager: bool
+    graph_mode: str  # the cudagraph mode in force (NONE under --enforce-eager)
     block_size: int
     kv_cache_dtype: str
     max_num_seqs: int
@@ -227,6 +230,10 @@ class MemoryKnobs:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return DEFAULT_STEP_TOKENS if self.enable_chunked_prefill else max_len
+
+    def piecewise_tokens(self, max_len: int) -> int:
+        """The rows FULL_AND_PIECEWISE's static buffers and largest piece hold (0 in any other mode)."""
+        return min(self.step_tokens(max_len), PIECEWISE_MAX_TOKENS) if self.graph_mode == "FULL_AND_PIECEWISE" else 0
 
 
 def _on_cpu(config: EngineConfig) -> str:

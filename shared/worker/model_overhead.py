@@ -40,8 +40,8 @@ def shape_key(engine: EngineConfig, root: Path | None) -> str:
     """What the measurement of one model stands for: its shape and the settings its graphs and steps scale
     with, not which weights it holds."""
     s, k = _shape(engine, root), engine.memory_knobs()
-    return json.dumps([s, k.dtype, k.quantization, k.max_model_len, k.enforce_eager, k.block_size, k.kv_cache_dtype,
-                       k.max_num_seqs, k.max_num_batched_tokens, k.device,
+    return json.dumps([s, k.dtype, k.quantization, k.max_model_len, k.graph_mode, k.block_size, k.kv_cache_dtype,
+                       k.max_num_seqs, k.max_num_batched_tokens, k.enable_chunked_prefill, k.device,
                        k.tensor_parallel_size, k.pipeline_parallel_size], sort_keys=True, default=str)
 
 
@@ -62,7 +62,12 @@ def estimate_costs(engine: EngineConfig, root: Path | None) -> tuple[int, int]:
               + batch * (4 + width) * 4  # the static inputs
               + batch * (4 * s["hidden"] + qkv + 3 * s["inter"]) * itemsize  # one layer's working set
               + batch * s["heads"] * SPLITS * (s["head_dim"] + 2) * 4)  # split attention partials
-    overhead = own + (0 if k.enforce_eager else graphs)
+    layer = (4 * s["hidden"] + qkv + 3 * s["inter"]) * itemsize  # one layer's working set, a row
+    # FULL_AND_PIECEWISE: the pieces' static buffers (residual, hidden, attention, qkv) and the graph pool keeping
+    # the largest piece's working set; a family the pieces do not cover holds none, which this overcounts
+    pieces = k.piecewise_tokens(max_len) * (4 + (2 * s["hidden"] + 2 * s["heads"] * s["head_dim"] + qkv) * itemsize
+                                            + layer)
+    overhead = own + (0 if k.graph_mode == "NONE" else graphs + pieces)
     tokens = k.step_tokens(max_len)  # its step's token budget as shared/engine/token_budget.py resolves it
     rows = min(tokens, batch)
     step = (tokens * (4 * s["hidden"] + qkv + 3 * s["inter"]) * itemsize + 3 * tokens * s["heads"] * s["head_dim"]

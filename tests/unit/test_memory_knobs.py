@@ -20,7 +20,7 @@ SETTINGS = {
     "dtype": ("model", "dtype", "float16"),
     "quantization": ("model", "quantization", "int8"),
     "max_model_len": ("model", "max_model_len", 300),
-    "enforce_eager": ("model", "enforce_eager", True),
+    "graph_mode": ("model", "cudagraph_mode", "FULL_DECODE_ONLY"),
     "block_size": ("cache", "block_size", 32),
     "kv_cache_dtype": ("cache", "kv_cache_dtype", "fp8"),
     "max_num_seqs": ("scheduler", "max_num_seqs", 7),
@@ -40,8 +40,6 @@ def engine(section: str = "", name: str = "", value=None) -> EngineConfig:
         parts[section][name] = value
     if name == "enable_chunked_prefill":  # a setting that only chunked prefill takes effect under
         parts["scheduler"]["max_prefill_tokens_with_decodes"] = 512
-    if name == "enforce_eager":  # --enforce-eager is --cudagraph-mode NONE
-        parts["model"]["cudagraph_mode"] = "NONE"
     return EngineConfig(model=ModelConfig(**parts["model"]), cache=CacheConfig(**parts["cache"]),
                         scheduler=SchedulerConfig(**parts["scheduler"]), **parts[""])
 
@@ -69,3 +67,13 @@ def test_the_dtype_resolves_on_the_knobs_device():
     assert engine("model", "dtype", "float16").memory_knobs().torch_dtype() == torch.float16
     cpu = EngineConfig(model=ModelConfig(model="dummy:tiny-llama"), device="cpu")
     assert cpu.memory_knobs().torch_dtype() == torch.float32 == cpu.model.torch_dtype("cpu")
+
+
+def test_the_pieces_rows_follow_the_graph_mode_and_the_step_budget():
+    assert engine().memory_knobs().piecewise_tokens(4096) == DEFAULT_STEP_TOKENS  # FULL_AND_PIECEWISE, the default
+    assert engine("scheduler", "max_num_batched_tokens", 999).memory_knobs().piecewise_tokens(4096) == 999
+    assert engine("scheduler", "max_num_batched_tokens", 8192).memory_knobs().piecewise_tokens(4096) == 2048
+    assert engine("model", "cudagraph_mode", "FULL_DECODE_ONLY").memory_knobs().piecewise_tokens(4096) == 0
+    eager = EngineConfig(model=ModelConfig(model="dummy:tiny-llama", enforce_eager=True, cudagraph_mode="NONE"),
+                         device="cuda:0")
+    assert eager.memory_knobs().graph_mode == "NONE" and eager.memory_knobs().piecewise_tokens(4096) == 0

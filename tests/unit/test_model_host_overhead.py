@@ -151,3 +151,19 @@ def test_placement_takes_the_measured_overhead_out_of_a_workers_free_budget():
     assert "overhead_used" in msgpack.unpackb(raw, raw=False)[codec.IGNORABLE_KEY]  # an older gateway drops it
     status = InstanceStatus(instance="m", name="m", version=0, state="ready", overhead_bytes=5, step_peak_bytes=7)
     assert codec.decode(codec.encode(status), InstanceStatus) == status
+
+
+def test_the_estimate_before_a_first_load_counts_the_graphs_of_the_mode_in_force():
+    """A CUDA model's resident overhead grows with what its graph mode captures (none, decode graphs, decode
+    graphs and pieces); its step peak does not; and a measurement under one mode is not reused for another."""
+    from kvrelay.shared.worker.model_overhead import estimate_costs, shape_key
+
+    def config(mode: str) -> EngineConfig:
+        return EngineConfig(model=ModelConfig(model="dummy:tiny-llama", cudagraph_mode=mode,
+                                              enforce_eager=mode == "NONE"), device="cuda:0")
+
+    modes = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+    costs = [estimate_costs(config(mode), None) for mode in modes]
+    assert costs[0][0] < costs[1][0] < costs[2][0]
+    assert costs[0][1] == costs[1][1] == costs[2][1]
+    assert len({shape_key(config(mode), None) for mode in modes}) == 3
