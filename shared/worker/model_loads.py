@@ -39,6 +39,11 @@ from kvrelay.shared.worker.step_lock import HoldTimes, LockedPool, StepLock
 
 log = logging.getLogger(__name__)
 
+# one engine build at a time in the process: a build reads its resident overhead as the graph pools the caching
+# allocator (the process's) gained over it (shared/engine/resident_memory.py), which another load's captures,
+# interleaved with its own since neither holds the step lock throughout, would add to
+_BUILDS = threading.Lock()
+
 
 @dataclass
 class Loading:
@@ -165,7 +170,7 @@ class ModelLoads:
         cuda = plan.engine.device.startswith("cuda")
         holds = HoldTimes(self.lock)
         pool = LockedPool(self.pool, holds.hold("engine build")) if self.pool is not None else None
-        with holds.hold("engine build") if cuda and pool is None else contextlib.nullcontext():
+        with _BUILDS, holds.hold("engine build") if cuda and pool is None else contextlib.nullcontext():
             core = build_engine(lambda: EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv, kv_pool=pool,
                                                    kv_pool_key=plan.instance, loaded=loaded, model_root=plan.root,
                                                    kv_links=self.kv_links),
