@@ -166,8 +166,8 @@ class PiecewiseGraphs:
     # -- capture and replay -------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> bool:
-        """Record every piece of every bucket, each under the load's hold on its own as the decode graphs are
-        (cuda_graphs.py ``record``); False (and a warning) when a kernel cannot be captured. ``record=False``
+        """Record every piece of every bucket, each bucket under the load's hold on its own as each decode graph
+        is (cuda_graphs.py ``record``); False (and a warning) when a kernel cannot be captured. ``record=False``
         walks the same sequence, each piece run eagerly where it would be recorded."""
         hold = capture_hold()
         try:
@@ -187,16 +187,17 @@ class PiecewiseGraphs:
         pool = torch.cuda.graph_pool_handle() if self.record else None
         stream = capture_stream(device) if self.record else None
         for bucket in reversed(self.sizes):  # largest first: smaller buckets reuse its pool memory
-            for i in range(self.num_pieces):
-                def piece(bucket=bucket, i=i) -> None:
-                    self._piece(bucket, i)
-
-                piece()  # compiles this shape's Triton specialisations outside the capture and the hold
-                with hold:
+            for i in range(self.num_pieces):  # compiles this shape's Triton specialisations outside the capture
+                self._piece(bucket, i)
+            # one hold per bucket, its L + 1 pieces: each piece is a fraction of a forward pass, and a hold apiece
+            # would be hundreds per load, each a turn of the engine loop the load waits for
+            with hold:
+                for i in range(self.num_pieces):
                     if self.record:
-                        self._graphs[bucket, i] = record(piece, pool, stream)
+                        self._graphs[bucket, i] = record(lambda bucket=bucket, i=i: self._piece(bucket, i), pool,
+                                                         stream)
                     else:
-                        piece()
+                        self._piece(bucket, i)
         if self.record:  # this thread's work alone, as cuda_graphs.py says
             torch.cuda.current_stream(device).synchronize()
             log.info("captured %d piecewise CUDA graphs (%d pieces x token buckets %s)", len(self._graphs),

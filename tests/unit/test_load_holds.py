@@ -1,8 +1,8 @@
 """A model load beside serving models (a worker's, ``kvrelay bench pool``'s) takes the step lock in pieces, and
 the engine loop steps between them (issue #26): the lock hands a loop that waited through a load's piece its
-turn before the load's next piece; the warm-up takes it once per shape; a CUDA graph capture once per graph
-(walked on the CPU through ``record=False``); the holds are timed per load and phase (HoldTimes). Counts and
-order only, never seconds."""
+turn before the load's next piece; the warm-up takes it once per shape; CUDA graph capture once per decode
+graph and once per piecewise bucket (walked on the CPU through ``record=False``); the holds are timed per load
+and phase (HoldTimes). Counts and order only, never seconds."""
 
 import threading
 import time
@@ -143,10 +143,11 @@ def test_each_graph_is_captured_under_its_own_hold_and_the_loop_steps_between():
         with graphs_held(Piece(holds.hold("graph capture"), lock, events, "graph")):
             assert decode.capture() and pieces.capture()
         holds.done()
-    graphs = len(decode.sizes) * len(decode.len_classes) + len(pieces.sizes) * pieces.num_pieces
-    assert graphs == 3 * 2 + 3 * 3
-    # one hold more for each: its first forward under the sync check, which is the process's setting
-    assert events.count("graph") == len(holds.holds) == graphs + 2
+    # a hold per decode graph, per piecewise bucket (its L + 1 pieces), and one more for each: its first
+    # forward under the sync check, which is the process's setting
+    captures = len(decode.sizes) * len(decode.len_classes) + len(pieces.sizes)
+    assert captures == 3 * 2 + 3
+    assert events.count("graph") == len(holds.holds) == captures + 2
     assert min(_steps_between(events, "graph")) >= 1
 
 
