@@ -20,11 +20,15 @@ this device (bench/pool_memory.py: ``--gpu-memory-utilization`` of the device, o
   the best static split serves the most requested models that fit, 1/k each, and requests for the
   rest fail.
 
-Both run in this one process, models stepped in turn on one thread as a worker steps its models, with async
-scheduling as a worker's engines have it (on CUDA; ``--async-scheduling`` either way). A cold
-load runs on a side thread as a worker's does: weights read while the others step, the engine built and
-warmed up (shared/engine/warmup.py) under the step lock, shape by shape. On the CPU a new engine's first
-steps also pay a first-call cost per shape that warm-up does not run there, which errs against the pool.
+Both run in this one process, models stepped in turn on one thread as a worker steps its models
+(bench/pool_steps.py), with async scheduling as a worker's engines have it (on CUDA; ``--async-scheduling``
+either way). A cold load runs on a side thread as a worker's does (bench/pool_models.py): weights read while the
+others step, then the engine built and warmed up (shared/engine/warmup.py) taking the step lock in pieces: the
+pool attach, each CUDA graph's capture, each warm-up shape; the others step between pieces. Each hold is timed,
+and the report says how long the loads held the lock, by phase, and how the resident models' steps fared
+meanwhile (bench/pool_holds.py). On the CPU a new engine's first steps also pay a first-call cost per shape that
+warm-up does not run there, which errs against the pool. The pool mode is bench/pool_shared.py, the static
+split bench/pool_static.py.
 Unless ``--no-single-baseline``, one model alone then takes every request with all the memory: the
 throughput the pool's aggregate is measured against. Prints how many models fit each way, per model TTFT
 and TPOT (p50, p99), aggregate output tok/s, the cold loads, goodput (requests with TTFT ≤
@@ -32,30 +36,22 @@ and TPOT (p50, p99), aggregate output tok/s, the cold loads, goodput (requests w
 """
 
 import argparse
-import contextlib
 import dataclasses
-import logging
 import random
-import threading
-import time
 
 import torch
 
 from kvrelay.bench import pool_memory
+from kvrelay.bench.pool_holds import holds_lines, steps_line
+from kvrelay.bench.pool_models import Models
 from kvrelay.bench.pool_report import ratio, report, size
-from kvrelay.bench.pool_workload import Arrival, Outcome, percentile, workload
-from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvrelay.shared.engine import EngineCore, KVPool
-from kvrelay.shared.engine.kv_pool import KVPoolFull
-from kvrelay.shared.engine.loader import load_model
-from kvrelay.shared.engine.warmup import warm_up
-from kvrelay.shared.repo.model_source import resolve_model
-from kvrelay.shared.wire.sampling_params import SamplingParams
-from kvrelay.shared.worker.eviction import Candidate, DemandRate, Incoming, choose_victims
-from kvrelay.shared.worker.load_room import IDLE_GRACE_S
+from kvrelay.bench.pool_shared import PoolRun
+from kvrelay.bench.pool_static import StaticRun
+from kvrelay.bench.pool_steps import Run
+from kvrelay.bench.pool_workload import Arrival, percentile, workload
+from kvrelay.shared.engine import KVPool
 from kvrelay.shared.worker.model_memory import kv_floor_bytes
-
-log = logging.getLogger(__name__)
+from kvrelay.shared.worker.step_lock import HoldTimes, StepLock
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -84,234 +80,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-class Models:
-    """Builds and frees the N models' engines: model i is ``--model`` with dummy weights of seed ``seed+i``."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.path = resolve_model(args.model, args.load_format).path
-        self.memory = pool_memory.DeviceMemory(torch.device(self.config(0, None).device))
-        # frees an engine and checks it is gone (bench/pool_memory.py): the caller passes its last reference,
-        # so no wrapper frame of ours may stand between
-        self.free = self.memory.free
-        self.loads: list[float] = []  # seconds of every load, warm-up included
-
-    def config(self, i: int, kv_bytes: int | None) -> EngineConfig:
-        a = self.args
-        return EngineConfig(
-            model=ModelConfig(self.path, dtype=a.dtype, max_model_len=a.max_model_len, load_format="dummy",
-                              seed=a.seed + i),
-            cache=CacheConfig(block_size=a.block_size, kv_cache_memory=kv_bytes),
-            scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
-            device=a.device, async_scheduling=a.async_scheduling)
-
-    def load(self, i: int, kv_bytes: int | None = None, pool: KVPool | None = None,
-             lock: contextlib.AbstractContextManager | None = None) -> EngineCore:
-        """Weights first, then (holding ``lock``, the step lock, as a worker does) the engine and its KV, and
-        the warm-up shape by shape."""
-        t0 = time.perf_counter()
-        config = self.config(i, kv_bytes)
-        loaded = load_model(config.model, config.device, progress=False)
-        self.memory.load_transient = self.memory.transient()
-        cuda = torch.device(config.device).type == "cuda"
-        with lock or contextlib.nullcontext():
-            core = EngineCore(config, kv_pool=pool, kv_pool_key=f"model-{i}" if pool else None, loaded=loaded)
-        warm_up(core, compiles=cuda, hold=lock)
-        if cuda:
-            torch.cuda.synchronize()
-        self.loads.append(time.perf_counter() - t0)
-        return core
-
-
-class Run:
-    """One mode's pass over the workload: engines stepped in turn, token times recorded per request."""
-
-    def __init__(self, args: argparse.Namespace, models: Models, arrivals: list[Arrival]):
-        self.args, self.models, self.arrivals = args, models, arrivals
-        self.cores: dict[int, EngineCore] = {}
-        self.outcomes = [Outcome(a) for a in arrivals]
-        self._by_id = {f"r{k}": o for k, o in enumerate(self.outcomes)}
-        self.waiting: dict[int, list[int]] = {}  # model -> request indexes waiting for its load
-        self.last_used: dict[int, float] = {}
-        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        self.t0 = 0.0
-        self.lock = threading.Lock()  # the step lock: a side thread's load takes it between steps
-
-    def submit(self, k: int) -> None:
-        a = self.arrivals[k]
-        core = self.cores[a.model]
-        core.add_request(core.make_request(f"r{k}", a.prompt, self.params))
-        self.last_used[a.model] = time.perf_counter()
-
-    def arrive(self, k: int) -> None:  # the mode's admission: subclasses
-        raise NotImplementedError
-
-    def between_steps(self) -> None:
-        pass
-
-    def execute(self) -> float:
-        self.t0 = time.perf_counter()
-        self.last_used = dict.fromkeys(self.cores, self.t0)  # the preloaded models start the run just used
-        nxt = 0
-        while True:
-            now = time.perf_counter() - self.t0
-            while nxt < len(self.arrivals) and self.arrivals[nxt].at <= now:
-                self.outcomes[nxt].arrived = self.t0 + self.arrivals[nxt].at
-                self.arrive(nxt)
-                nxt += 1
-            self.between_steps()
-            busy = self.step_all()
-            if nxt >= len(self.arrivals) and not busy and not any(self.waiting.values()):
-                return time.perf_counter() - self.t0
-            if not busy:  # the next arrival, or a load finishing
-                wait = self.arrivals[nxt].at - (time.perf_counter() - self.t0) if nxt < len(self.arrivals) else 0.01
-                time.sleep(max(0.0, min(0.01, wait)))
-
-    def step_all(self) -> bool:
-        """One step of each model that has work, in turn; whether any had. A frame of its own: a loop variable
-        left in ``execute`` would hold the last core it stepped through ``between_steps``, which may evict it."""
-        busy = False
-        for i in list(self.cores):
-            if not self.cores[i].has_unfinished():
-                continue
-            busy = True
-            with self.lock:
-                outs = self.cores[i].step()
-            for out in outs:
-                o = self._by_id[out.request_id]
-                if out.new_token_ids:
-                    t = time.perf_counter()
-                    o.first = o.first or t
-                    o.last, o.tokens = t, o.tokens + len(out.new_token_ids)
-            self.last_used[i] = time.perf_counter()
-        return busy
-
-    def close(self, failed: bool = False) -> None:
-        """Free every engine. ``failed``: after an error mid-run, which is the one to report: what runs is
-        aborted first (a release refuses while requests hold KV), the release is not checked (the error's
-        traceback holds the frames that stepped the engines), and what still goes wrong is logged, not raised."""
-        for i in list(self.cores):
-            if not failed:
-                self.models.free(self.cores.pop(i))
-                continue
-            try:
-                self.cores[i].abort_all()
-                self.models.free(self.cores.pop(i), checked=False)
-            except Exception as exc:
-                log.warning("model %d not freed after the run's error: %s", i, exc)
-                self.cores.pop(i, None)
-
-
-class StaticRun(Run):
-    def __init__(self, args, models, arrivals, served: list[int], kv_bytes: int):
-        super().__init__(args, models, arrivals)
-        for i in served:
-            self.cores[i] = models.load(i, kv_bytes=kv_bytes)
-
-    def arrive(self, k: int) -> None:
-        if self.arrivals[k].model in self.cores:
-            self.submit(k)
-        else:
-            self.outcomes[k].failed = True  # no engine for it: the split had no room
-
-
-class PoolRun(Run):
-    def __init__(self, args, models, arrivals, resident: list[int], pool_bytes: int, device: torch.device):
-        super().__init__(args, models, arrivals)
-        self.slots = len(resident)
-        self.pool = KVPool(pool_bytes, device)
-        self.evictions = 0
-        self.cold_loads: list[float] = []  # loads during the run: an evicted model coming back
-        self._loading: tuple[int, threading.Thread, dict] | None = None  # model, its loading thread, result
-        self.rates = {i: DemandRate() for i in range(args.num_models)}  # arrivals per second, decayed
-        self.loaded_at: dict[int, float] = {}
-        self.draining: set[int] = set()  # evicted while busy: no new request, freed once what runs finished
-        for i in resident:
-            self.cores[i] = models.load(i, pool=self.pool)
-            self.loaded_at[i] = time.perf_counter()
-
-    def arrive(self, k: int) -> None:
-        m = self.arrivals[k].model
-        self.rates[m].note(time.perf_counter())
-        if m in self.cores and m not in self.draining:
-            self.submit(k)
-        else:
-            self.waiting.setdefault(m, []).append(k)
-
-    def between_steps(self) -> None:
-        if self._loading is not None:
-            m, thread, result = self._loading
-            if thread.is_alive():
-                return
-            self._loading = None
-            if isinstance(result.get("error"), KVPoolFull):
-                # the others' KV was in use; tried again next time round. The error's traceback holds the
-                # frames of the load, and so its weights, in a cycle with ``result``: broken, and collected
-                result.pop("error").__traceback__ = None
-                self.models.memory.settle()
-                return
-            if "error" in result:
-                raise result["error"]
-            self.cores[m] = result.pop("core")  # the only reference: it may be evicted in this very call
-            self.loaded_at[m] = time.perf_counter()
-            self.cold_loads.append(result["seconds"])
-            for k in self.waiting.pop(m):
-                self.submit(k)
-        for d in [d for d in self.draining if not self.cores[d].has_unfinished()]:
-            self.draining.discard(d)
-            self.models.free(self.cores.pop(d))  # what arrived while it drained waits for its reload
-        waiting = sorted((m for m, ks in self.waiting.items() if ks and m not in self.cores),
-                         key=lambda m: self.waiting[m][0])
-        if not waiting or self.draining or (len(self.cores) >= self.slots and not self._evict_one(waiting[0])):
-            return  # nothing to load, a victim still draining, or no resident model may go yet
-        if len(self.cores) >= self.slots:
-            return  # the victim drains first
-        m, result = waiting[0], {}
-        thread = threading.Thread(target=self._load, args=(m, result), daemon=True, name=f"load-{m}")
-        self._loading = (m, thread, result)
-        thread.start()
-
-    def _load(self, m: int, result: dict) -> None:
-        t0 = time.perf_counter()
-        try:
-            result["core"] = self.models.load(m, pool=self.pool, lock=self.lock)
-        except Exception as exc:  # handed to the stepping thread, which raises it
-            result["error"] = exc
-        result["seconds"] = time.perf_counter() - t0
-
-    def close(self, failed: bool = False) -> None:
-        if self._loading is not None:  # a load in flight when the run failed: it ends, then goes too
-            m, thread, result = self._loading
-            self._loading = None
-            thread.join()
-            if "core" in result:
-                self.cores[m] = result.pop("core")
-        super().close(failed)
-        self.pool = None  # its buffer too, before the static split's engines take the same memory
-        self.models.memory.settle()
-
-    def _evict_one(self, m: int) -> bool:
-        """Room for ``m``'s load, as the worker chooses its victim (shared/worker/eviction.py): an idle one is
-        freed now, a busy one starts draining. False: none may go (yet)."""
-        now = time.perf_counter()
-        reload_s = percentile(self.models.loads, 50) if self.models.loads else 1.0
-        candidates = [Candidate(instance=str(i), weight_bytes=1, kv_bytes=0, reload_s=reload_s,
-                                demand=self.rates[i].rate(now), resident_s=now - self.loaded_at.get(i, now),
-                                idle=not c.has_unfinished() and now - self.last_used.get(i, 0.0) > IDLE_GRACE_S,
-                                idle_s=now - self.last_used.get(i, 0.0), ready=i not in self.draining)
-                      for i, c in self.cores.items()]
-        chosen = choose_victims(candidates, 1, 0, Incoming(self.rates[m].rate(now), len(self.waiting[m])))
-        if not chosen:
-            return False
-        victim = int(chosen[0].instance)
-        self.evictions += 1
-        if chosen[0].idle:
-            self.models.free(self.cores.pop(victim))
-        else:
-            self.draining.add(victim)
-        return True
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -345,10 +113,18 @@ def run(args: argparse.Namespace) -> dict:
     result["pool"] = report("pool", args, pool, execute(pool))
     result["pool"].update(evictions=pool.evictions, cold_loads=pool.cold_loads)
     print(pool_memory.frees_line(memory, frees, pool.evictions))
-    cold = pool.cold_loads or _cold_load(models, device, seq_kv)
+    holds, phases = pool.load_holds, pool.load_phases
+    cold = pool.cold_loads or _cold_load(models, device, seq_kv, holds, phases)
     print(f"  cold load of an evicted model: median {percentile(cold, 50):.2f} s, max {max(cold):.2f} s over "
-          f"{len(cold)} load(s); {pool.evictions} eviction(s) during the run")
+          f"{len(cold)} load(s); {pool.evictions} eviction(s) during the run"
+          + ("" if pool.cold_loads else " (none: one load timed after it, alone)"))
+    for line in holds_lines(holds, phases):
+        print(line)
+    print(steps_line(pool.lock_waits, pool.steps))
     result["cold_load_s"] = percentile(cold, 50)
+    result["pool"]["holds"] = {"longest_s": max((h.longest()[1] for h in holds), default=0.0),
+                               "total_s": percentile([h.total() for h in holds], 50),
+                               "lock_wait_s": max(pool.lock_waits, default=0.0)}
     if p["static_models"]:
         static = StaticRun(args, models, arrivals, by_demand[:p["static_models"]], p["static_kv"])
         print(f"static split ({p['static_models']} engines, a fixed share each):")
@@ -392,12 +168,15 @@ def models_vocab(models: Models) -> int:
     return int(get_preset(models.path.removeprefix("dummy:"))["vocab_size"])
 
 
-def _cold_load(models: Models, device: torch.device, seq_kv: int) -> list[float]:
+def _cold_load(models: Models, device: torch.device, seq_kv: int, holds: list[HoldTimes],
+               phases: list[dict[str, float]]) -> list[float]:
     """No eviction happened during the run: one model loaded (not the process's first: the probe was) and
-    freed, timed."""
+    freed, timed, its holds of a step lock no one else wants too."""
     pool = KVPool(2 * seq_kv, device)
     before = len(models.loads)
-    models.free(models.load(0, pool=pool))
+    holds.append(HoldTimes(StepLock()))
+    phases.append({})
+    models.free(models.load(0, pool=pool, holds=holds[-1], phases=phases[-1]))
     return models.loads[before:]
 
 

@@ -18,15 +18,21 @@ merge pass over 64 partials per layer. Graphs are captured at start-up, largest 
 memory pool (intermediates of one graph are reused by the next; replays never overlap). Their logits
 land in one shared buffer, valid until the next replay.
 
+A model loaded into a worker beside others is captured while they serve: each graph is recorded holding
+the load's hold (``graphs_held``: the worker's step lock) on its own, so the others step between graphs,
+and ``record`` below says why nothing else of a capture may stall them.
+
 The graphs hold the KV cache's address: write into that tensor, never replace it.
 """
 
 import bisect
+import contextlib
 import logging
 import math
+import threading
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -57,15 +63,86 @@ def bucket_for(sizes: list[int], batch: int) -> int | None:
 
 
 @contextmanager
-def syncs_raise() -> Iterator[None]:
+def syncs_raise(on: bool = True) -> Iterator[None]:
     # a kernel that syncs with the host (data-dependent shapes, .item()) cannot be captured; this
-    # makes such an op raise in an ordinary run instead of corrupting a capture
+    # makes such an op raise in an ordinary run instead of corrupting a capture. The setting is the
+    # process's: entered under the load's hold, so no other model's step (which may sync) runs meanwhile
+    if not on:
+        yield
+        return
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+_held = threading.local()
+
+
+@contextmanager
+def graphs_held(hold: AbstractContextManager | None) -> Iterator[None]:
+    """Graphs this thread captures meanwhile (decode and piecewise) each take ``hold`` on their own, where
+    an engine's build (shared/engine/warmup.py ``build_engine``) holds it throughout otherwise: a worker's
+    step lock, so its other models step between one graph and the next."""
+    previous = getattr(_held, "hold", None)
+    _held.hold = hold
+    try:
+        yield
+    finally:
+        _held.hold = previous
+
+
+def capture_hold() -> AbstractContextManager:
+    """What each graph capture of this thread holds (``graphs_held``); nothing by default."""
+    return getattr(_held, "hold", None) or nullcontext()
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """Where a capture records: the thread's current stream (a worker's compute stream, shared/worker/
+    gpu_share.py, so the graphs are its kernels), or where that is the default stream, which cannot capture,
+    one side stream of the device's for every capture of the process, as torch.cuda.graph keeps one (library
+    state kept per stream, cuBLAS workspaces, is then made once)."""
+    current = torch.cuda.current_stream(device)
+    if current != torch.cuda.default_stream(device):
+        return current
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(index)
+    return _side_streams[index]
+
+
+def record(run: Callable[[], None], pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """``run`` recorded into a new graph on ``stream``, its memory from the graph pool ``pool``.
+
+    Not through ``torch.cuda.graph``, whose entry synchronizes the device and empties the caching allocators,
+    device and pinned host, every time: per graph a wait for every stream's work and the next step of every
+    co-resident model allocating its buffers afresh (cudaMalloc, cudaHostAlloc). Recording executes nothing,
+    so work in flight on any stream, this one included, is no hazard to it.
+
+    ``thread_local`` capture mode: only this thread's CUDA calls are checked against the capture. In the
+    default ``global`` mode a call that may sync or allocate (cudaMalloc, an event query) from ANY thread
+    during the capture fails and invalidates it, so every other thread would have to stop its CUDA work
+    while a model loads: the threads that never take the step lock (another model's weights being read,
+    a KV transfer) could not be stopped at all. Their work is safe to overlap: it goes to their own
+    streams, not to the one recorded (torch's side streams do not synchronize with the legacy default
+    stream). The one stream others also launch on is a worker's compute stream, the engine loop's: the
+    capture holds the step lock (``capture_hold``), so no step launches onto it mid-capture."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            run()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the capture's own failure; ``run``'s is the one to tell
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    return graph
 
 
 class DecodeGraphs:
@@ -126,36 +203,42 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> bool:
-        """Record every bucket; False (and a warning) when the model's kernels cannot be captured."""
-        if not self.record:
-            return True
+        """Record every bucket, each graph under the load's hold on its own (``graphs_held``); False (and a
+        warning) when the model's kernels cannot be captured. ``record=False`` walks the same sequence, each
+        graph's forward run eagerly where it would be recorded."""
+        hold = capture_hold()
         self._write_idle_inputs()
         try:
-            with syncs_raise():
-                self._forward(self.max_batch, self.max_model_len)
+            with hold:
+                if self.record:
+                    # a capture cannot take memory the ordinary pool caches (the caching allocator frees none
+                    # while one runs): given back once here, not per graph
+                    torch.cuda.empty_cache()
+                with syncs_raise(self.record):
+                    self._forward(self.max_batch, self.max_model_len)
         except RuntimeError as e:
             if "synchroniz" not in str(e):
                 raise
             log.warning("decode runs eagerly: a kernel of this model syncs with the host (%s), which a "
                         "CUDA graph cannot hold (the torch reference write_kv, for one)", e)
             return False
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        # recorded on the worker's compute stream when it has one of its own (--gpu-share priority or green:
-        # shared/worker/gpu_share.py), so the graphs are its kernels; the default stream cannot capture, and
-        # torch then records on a side stream of its own
-        current = torch.cuda.current_stream(self.device)
-        stream = None if current == torch.cuda.default_stream(self.device) else current
+        pool = torch.cuda.graph_pool_handle() if self.record else None
+        stream = capture_stream(self.device) if self.record else None
         for batch in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             for max_len in self.len_classes:
-                self._forward(batch, max_len)  # compiles any Triton specialisation outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                def forward(batch=batch, max_len=max_len) -> None:
                     self._forward(batch, max_len)
-                self._graphs[batch, max_len] = graph
-        torch.cuda.synchronize(self.device)
-        log.info("captured %d decode CUDA graphs (batch sizes %s, max lengths %s)", len(self._graphs), self.sizes,
-                 self.len_classes)
+
+                forward()  # compiles any Triton specialisation outside the capture, and outside the hold
+                with hold:
+                    if self.record:
+                        self._graphs[batch, max_len] = record(forward, pool, stream)
+                    else:
+                        forward()
+        if self.record:  # this thread's work alone: a device-wide sync would wait for the other models' steps too
+            torch.cuda.current_stream(self.device).synchronize()
+            log.info("captured %d decode CUDA graphs (batch sizes %s, max lengths %s)", len(self._graphs),
+                     self.sizes, self.len_classes)
         return True
 
     def fits(self, batch: StepBatch) -> bool:

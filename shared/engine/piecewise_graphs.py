@@ -33,7 +33,7 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.shared.config.engine import EngineConfig
-from kvrelay.shared.engine.cuda_graphs import syncs_raise
+from kvrelay.shared.engine.cuda_graphs import capture_hold, capture_stream, record, syncs_raise
 from kvrelay.shared.engine.models.layers import norm_project, project
 from kvrelay.shared.engine.models.llama import LlamaForCausalLM
 from kvrelay.shared.engine.token_budget import max_batched_tokens
@@ -166,13 +166,17 @@ class PiecewiseGraphs:
     # -- capture and replay -------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> bool:
-        """Record every piece of every bucket; False (and a warning) when a kernel cannot be captured."""
-        if not self.record:
-            return True
+        """Record every piece of every bucket, each bucket under the load's hold on its own as each decode graph
+        is (cuda_graphs.py ``record``); False (and a warning) when a kernel cannot be captured. ``record=False``
+        walks the same sequence, each piece run eagerly where it would be recorded."""
+        hold = capture_hold()
         try:
-            with syncs_raise():
-                for i in range(self.num_pieces):
-                    self._piece(self.max_tokens, i)
+            with hold:
+                if self.record:  # the ordinary pool's cache given back once, as cuda_graphs.py says
+                    torch.cuda.empty_cache()
+                with syncs_raise(self.record):
+                    for i in range(self.num_pieces):
+                        self._piece(self.max_tokens, i)
         except RuntimeError as e:
             if "synchroniz" not in str(e):
                 raise
@@ -180,20 +184,24 @@ class PiecewiseGraphs:
                         "which a CUDA graph cannot hold", e)
             return False
         device = self.kv_cache.device
-        torch.cuda.synchronize(device)
-        pool = torch.cuda.graph_pool_handle()
-        current = torch.cuda.current_stream(device)  # the worker's compute stream, as cuda_graphs.py says
-        stream = None if current == torch.cuda.default_stream(device) else current
+        pool = torch.cuda.graph_pool_handle() if self.record else None
+        stream = capture_stream(device) if self.record else None
         for bucket in reversed(self.sizes):  # largest first: smaller buckets reuse its pool memory
-            for i in range(self.num_pieces):
-                self._piece(bucket, i)  # compiles this shape's Triton specialisations outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._piece(bucket, i)
-                self._graphs[bucket, i] = graph
-        torch.cuda.synchronize(device)
-        log.info("captured %d piecewise CUDA graphs (%d pieces x token buckets %s)", len(self._graphs),
-                 self.num_pieces, self.sizes)
+            for i in range(self.num_pieces):  # compiles this shape's Triton specialisations outside the capture
+                self._piece(bucket, i)
+            # one hold per bucket, its L + 1 pieces: each piece is a fraction of a forward pass, and a hold apiece
+            # would be hundreds per load, each a turn of the engine loop the load waits for
+            with hold:
+                for i in range(self.num_pieces):
+                    if self.record:
+                        self._graphs[bucket, i] = record(lambda bucket=bucket, i=i: self._piece(bucket, i), pool,
+                                                         stream)
+                    else:
+                        self._piece(bucket, i)
+        if self.record:  # this thread's work alone, as cuda_graphs.py says
+            torch.cuda.current_stream(device).synchronize()
+            log.info("captured %d piecewise CUDA graphs (%d pieces x token buckets %s)", len(self._graphs),
+                     self.num_pieces, self.sizes)
         return True
 
     def bucket(self, num_tokens: int) -> int | None:

@@ -13,6 +13,10 @@ It drives the engine core with ordinary requests, so the shapes are the schedule
 them. Afterwards the engine is as it was: every block free, the prefix cache empty of warm-up prompts,
 its hit counters, the tenants' fairness counters and the sampler's --seed stream as they were.
 
+A model loaded beside others that keep serving (a worker's, ``kvrelay bench pool``'s) is built and warmed
+up in pieces under the worker's step lock, so they step between pieces: ``build_engine`` has the runner take
+it per CUDA graph it captures (cuda_graphs.py), ``warm_up`` per shape. Its weights are read holding nothing.
+
 On the CPU nothing compiles, and no shape runs (``compiles=False``): even a 16-token prefill plus a
 decode step costs a worker hundreds of milliseconds of CPU and leaves the first real request as slow as
 without it, since the CPU's first-call cost is per shape.
@@ -21,13 +25,14 @@ without it, since the CPU's first-call cost is per shape.
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 import torch
 
 from kvrelay import kernels
-from kvrelay.shared.engine.cuda_graphs import capture_sizes
+from kvrelay.shared.engine.cuda_graphs import capture_sizes, graphs_held
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -98,6 +103,15 @@ def plan(core: EngineCore, decode: bool = True) -> list[Shape]:
         # each split count is a kernel variant, which captured graphs would have compiled at capture
         shapes += [Shape(f"decode after {n} tokens", (n,)) for n in (128 << k for k in range(7)) if n <= longest]
     return shapes
+
+
+def build_engine(build: Callable[[], EngineCore], hold: AbstractContextManager | None) -> EngineCore:
+    """``build()``, an EngineCore's construction, with each CUDA graph its runner captures taking ``hold`` (the
+    step lock) on its own, not the build holding it throughout: graph by graph, as warm-up goes shape by shape.
+    What else of the build touches state the other models share, their KV pool, the caller's pool takes the
+    lock for (shared/worker/step_lock.py LockedPool)."""
+    with graphs_held(hold):
+        return build()
 
 
 def warm_up(core: EngineCore, decode: bool = True, compiles: bool = True,

@@ -24,6 +24,7 @@ from kvrelay.shared.engine.kv_dtype import check_device
 from kvrelay.shared.engine.kv_pool import KVPool
 from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.engine.measured_warmup import warm_up_measured
+from kvrelay.shared.engine.warmup import build_engine
 from kvrelay.shared.repo.model_repo import ModelRepository, RepositoryError
 from kvrelay.shared.repo.verified_files import verify_parallel
 from kvrelay.shared.wire.protocol import ControlCommand, ControlResult
@@ -34,9 +35,14 @@ from kvrelay.shared.worker.model_memory import plan_weight_bytes
 from kvrelay.shared.worker.model_overhead import CostMemo
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
 from kvrelay.shared.worker.shared_weights import SharedWeights
-from kvrelay.shared.worker.step_lock import LockedPool, StepLock
+from kvrelay.shared.worker.step_lock import HoldTimes, LockedPool, StepLock
 
 log = logging.getLogger(__name__)
+
+# one engine build at a time in the process: a build reads its resident overhead as the graph pools the caching
+# allocator (the process's) gained over it (shared/engine/resident_memory.py), which another load's captures,
+# interleaved with its own since neither holds the step lock throughout, would add to
+_BUILDS = threading.Lock()
 
 
 @dataclass
@@ -147,10 +153,12 @@ class ModelLoads:
         if plan.verify is not None:
             plan.verify()
         log.info("loading %s from %s", plan.instance, plan.path)
-        # weights are read here while the other models keep serving; the engine around them is built
-        # under the lock on CUDA, where capturing CUDA graphs (and the sync checks around it) must not
-        # race another thread's kernels, and warmed up taking it shape by shape, so the co-resident
-        # models step between shapes. On CPU only the pool attach takes the lock (LockedPool).
+        # weights are read here holding nothing, while the other models keep serving; the engine is built and
+        # warmed up taking the step lock in pieces (HoldTimes: each hold timed, for the log): the pool attach,
+        # each CUDA graph's capture, each warm-up shape, so the co-resident models step between pieces. Without
+        # a shared pool on CUDA the build holds it throughout: the engine sizes its own KV from the allocator's
+        # peak over a forward pass, which another model's step would add to. On CPU nothing is captured or
+        # warmed up: only the pool attach takes the lock (LockedPool).
         tp, pp = plan.engine.tensor_parallel_size, plan.engine.pipeline_parallel_size
         if tp * pp > 1:  # each rank process loads its own shard (or stage): the engine starts them and loads
             loaded, how = None, (f"loaded as {tp} tensor-parallel shards" if pp == 1 else f"loaded as {pp} pipeline stages")
@@ -160,29 +168,34 @@ class ModelLoads:
             loaded, how = self.shared.load(plan.engine, plan.instance, plan.root)
         t_weights = time.perf_counter()
         cuda = plan.engine.device.startswith("cuda")
-        with self.lock if cuda else contextlib.nullcontext():
-            core = EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv,
-                              kv_pool=LockedPool(self.pool, self.lock) if self.pool is not None else None,
-                              kv_pool_key=plan.instance, loaded=loaded, model_root=plan.root,
-                              kv_links=self.kv_links)
+        holds = HoldTimes(self.lock)
+        pool = LockedPool(self.pool, holds.hold("engine build")) if self.pool is not None else None
+        with _BUILDS, holds.hold("engine build") if cuda and pool is None else contextlib.nullcontext():
+            core = build_engine(lambda: EngineCore(plan.engine, hold_finished_kv=self.hold_finished_kv, kv_pool=pool,
+                                                   kv_pool_key=plan.instance, loaded=loaded, model_root=plan.root,
+                                                   kv_links=self.kv_links),
+                                holds.hold("graph capture") if cuda else None)
         try:
             if not self.skip_warmup:  # before ready: the first requests must not pay for compiles
                 warm_up_measured(core, decode=not self.hold_finished_kv, compiles=cuda,
-                                 hold=self.lock if cuda else None)
+                                 hold=holds.hold("warm-up") if cuda else None)
         except BaseException:
             core.abort_all()  # a shape's requests were in flight: else the release's refusal hides the failure
             core.release_kv()
             if self.shared is not None:
                 self.shared.release(plan.instance)
             raise
+        finally:
+            holds.done()
         # a group counts every device it occupies (model_memory.group_weight_bytes), this process holds rank 0's
         # shard alone; the estimate is each rank's model built on the meta device, the same shapes it loaded
         weight_bytes = core.weight_bytes if tp * pp == 1 else plan.weight_bytes
         # measured; a step peak warm-up did not measure (skipped, the CPU) stays the plan's
         overhead, peak = core.resident_overhead_bytes, core.step_peak_bytes if core.memory.peak_measured else plan.step_peak_bytes
         self.costs.note(plan.engine, plan.root, overhead, peak)
-        log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs", plan.instance, how,
-                 t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights)
+        log.info("%s: weights %s in %.2fs, engine (KV attach, graphs%s) in %.2fs; held the step lock: %s", plan.instance,
+                 how, t_weights - t0, "" if self.skip_warmup else ", warm-up", time.perf_counter() - t_weights,
+                 holds.describe())
         return ModelSlot(instance=plan.instance, name=plan.name, version=plan.version, path=plan.path, core=core,
                          eos_ids=self._eos_ids(core, plan.path), pinned=plan.pinned,
                          keep_alive_s=plan.keep_alive_s, load_s=time.perf_counter() - t0,
@@ -269,7 +282,7 @@ class ModelLoads:
         ld.thread.start()
 
     def _load_thread(self, ld: Loading) -> None:
-        gpu_share.enter()  # its warm-up captures the decode graphs: on the worker's compute stream
+        gpu_share.enter()  # its graphs are captured and warmed up on the worker's compute stream
         try:
             ld.slot = self._build(ld.plan)
         except Exception as exc:  # any failure to load is this instance's, never the worker's
