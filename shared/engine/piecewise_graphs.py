@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from kvrelay import kernels
-from kvrelay.shared.config.engine import EngineConfig
+from kvrelay.shared.config.engine import PIECEWISE_MAX_TOKENS, EngineConfig
 from kvrelay.shared.engine.cuda_graphs import capture_hold, capture_stream, record, syncs_raise
 from kvrelay.shared.engine.models.layers import norm_project, project
 from kvrelay.shared.engine.models.llama import LlamaForCausalLM
@@ -40,9 +40,7 @@ from kvrelay.shared.engine.token_budget import max_batched_tokens
 
 log = logging.getLogger(__name__)
 
-# past this many tokens a step's GPU work outweighs launching it eagerly, and each bucket adds L + 1
-# graphs and its share of capture time, so larger steps run eagerly
-MAX_TOKENS = 2048
+MAX_TOKENS = PIECEWISE_MAX_TOKENS  # why this many: shared/config/engine.py
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:

@@ -123,7 +123,7 @@ def test_other_architectures_keep_decode_graphs_and_say_so(tiny_model_dirs, capl
         llm = LLM(model=str(tiny_model_dirs[arch]), dtype="float32", max_model_len=64)
         runner = llm.engine.core.runner
         assert "not of the Llama family" in unsupported(runner.model)
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.INFO, logger="kvrelay.shared.engine.piecewise_graphs"):
             assert capture_piecewise(runner.model, runner.kv_cache, llm.engine.config, 64) is None
         assert f"steps with prompt tokens of {llm.engine.config.model.model} run eagerly" in caplog.text
     runner = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", max_model_len=64).engine.core.runner
