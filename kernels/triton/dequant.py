@@ -32,14 +32,16 @@ CHANNEL_TILE = (32, 256)  # per-channel weights: (rows, inputs) per program, the
 
 @triton.jit
 def _rounded(w, dtype: tl.constexpr, BY_BITS: tl.constexpr):
-    # fp32 -> the output dtype, to nearest even. BY_BITS (the interpreter, whose fp32 -> bf16 cast truncates)
-    # rounds a bf16 by hand: add half a unit of bf16's last place (less one ulp where that place is even, so a
-    # tie goes to even), then drop the low 16 bits. The compiled cast rounds to nearest even itself
-    if BY_BITS and dtype == tl.bfloat16:
+    # fp32 -> the output dtype, to nearest even. BY_BITS (bf16 under the interpreter, whose fp32 -> bf16 cast
+    # truncates) rounds by hand: add half a unit of bf16's last place (less one ulp where that place is even,
+    # so a tie goes to even), then drop the low 16 bits. The compiled cast rounds to nearest even itself
+    if BY_BITS:
         bits = w.to(tl.uint32, bitcast=True)
         bits += 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return w.to(dtype)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = w.to(dtype)
+    return y
 
 
 @triton.jit
@@ -104,6 +106,10 @@ def _channel_kernel(w_ptr, s_ptr, out_ptr, N, K, BY_BITS: tl.constexpr, BLOCK_N:
     tl.store(out_ptr + offs, _rounded(q * s[:, None], out_ptr.dtype.element_ty, BY_BITS), mask=mask)
 
 
+def _by_bits(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and interpreting()
+
+
 def _out(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -120,7 +126,7 @@ def dequantize_w4_packed(p: W4Packed, dtype: torch.dtype, out: torch.Tensor | No
     perm = p.perm if p.perm is not None else p.scales  # any pointer: HAS_PERM False never reads it
     grid = (k // p.tile_k, triton.cdiv(n, BLOCK_N))
     _w4_packed_kernel[grid](p.qweight, p.scales, p.zeros, perm, out, n, p.group_size, HAS_PERM=p.perm is not None,
-                            BY_BITS=interpreting(), TILE_K=p.tile_k, BLOCK_N=BLOCK_N)
+                            BY_BITS=_by_bits(dtype), TILE_K=p.tile_k, BLOCK_N=BLOCK_N)
     return out
 
 
@@ -132,7 +138,7 @@ def dequantize_w4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tens
     out = _out((k, n), dtype, qweight.device, out)
     grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))
     _w4_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else scales, out, n, k, group_size,
-                     HAS_GIDX=g_idx is not None, BY_BITS=interpreting(), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
+                     HAS_GIDX=g_idx is not None, BY_BITS=_by_bits(dtype), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
     return out
 
 
@@ -143,6 +149,6 @@ def dequantize_channel(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     n, k = weight.shape
     out = _out((n, k), dtype, weight.device, out)
     rows, cols = CHANNEL_TILE
-    _channel_kernel[(triton.cdiv(n, rows), triton.cdiv(k, cols))](weight, scale, out, n, k, BY_BITS=interpreting(),
+    _channel_kernel[(triton.cdiv(n, rows), triton.cdiv(k, cols))](weight, scale, out, n, k, BY_BITS=_by_bits(dtype),
                                                                   BLOCK_N=rows, BLOCK_K=cols)
     return out

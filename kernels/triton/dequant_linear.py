@@ -12,13 +12,14 @@ kept: every layer's call reuses it, with no allocation per call. One buffer is e
 forwards on a device are issued in order on one stream (CUDA-graph replays included): each layer's matmul
 has read it before the next layer's dequantization writes it.
 
-CUDA graphs: a capture reuses the buffer as it stands (the engine runs each graph's shape eagerly before
-capturing it, so the buffer is already large enough), and the buffer is then marked captured: a graph
-replays into its address, so when a later eager call needs a larger one, a captured buffer is kept alive
-(``_retired``), never freed for the allocator to hand out. A capture that finds the buffer too small, and
-the buffer must not grow inside a capture (that would tie the scratch to the graph's pool), takes a plain
-``torch.empty`` per call: under capture the caching allocator serves it from the graph's private pool,
-which stays reserved for that graph's replays, so no eager tensor can ever share its memory.
+CUDA graphs: a capture uses the buffer as it stands (the engine runs each graph's shapes eagerly before
+capturing them, so the buffer is large enough by then) and marks it captured, since a graph replays into
+that address: when a later eager call needs a larger buffer, a captured one is kept alive (``_retired``),
+never freed for the allocator to hand to another tensor. A capture that finds the buffer too small does not
+grow it (a buffer allocated under capture belongs to that graph's private pool); it takes a plain
+``torch.empty`` for the call, which the caching allocator serves from the graph's pool: memory reserved for
+that graph's replays, shared with no eager tensor, and reused by the capture's later allocations only in
+the order the replay runs them.
 """
 
 import os
@@ -57,6 +58,9 @@ def scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
             return torch.empty(shape, dtype=dtype, device=device)
         if buf is not None and device in _captured:
             _retired.append(buf)
+        elif buf is not None and device.type == "cuda":
+            # freed once the work queued on this stream has read it, whichever stream allocated it
+            buf.record_stream(torch.cuda.current_stream(device))
         _captured.discard(device)
         buf = _scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if capturing:

@@ -32,8 +32,19 @@ class Layer:
     n: int
 
 
+def kernel_modules():
+    """(dequant, dequant_linear) as imported now: an interpreted test module's collection drops every
+    kvrelay.kernels.triton module (tests/kernels/interpreted.py), so a spy must patch the modules that
+    ``layer``'s ops, imported at run time, call."""
+    from kvrelay.kernels.triton import dequant, dequant_linear
+
+    return dequant, dequant_linear
+
+
 def layer(layout: str, device: str, k: int, n: int, group: int = 64, act_order: bool = False) -> Layer:
-    from kvrelay.kernels.triton import dequant, dequant_linear, w4_decode, w4a16
+    from kvrelay.kernels.triton import w4_decode, w4a16
+
+    dequant, dequant_linear = kernel_modules()
 
     if layout == "int8":
         gen = torch.Generator().manual_seed(k + n)

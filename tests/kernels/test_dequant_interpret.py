@@ -9,7 +9,6 @@ import torch
 from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/gpu/test_dequant_gpu.py")
-from kvrelay.kernels.triton import dequant, dequant_linear  # noqa: E402
 from tests.kernels.dequant_cases import (  # noqa: E402
     DEQUANT_FN,
     LAYOUTS,
@@ -17,6 +16,7 @@ from tests.kernels.dequant_cases import (  # noqa: E402
     check_few_rows,
     check_many_rows,
     count_calls,
+    kernel_modules,
     layer,
 )
 
@@ -44,6 +44,7 @@ def test_int8_dequantized_equals_the_reference(dtype):
 def test_fp8_weight_dequantizes_in_the_same_kernel():
     from kvrelay.kernels import quant
 
+    dequant, _ = kernel_modules()
     w, s = quant.quantize_channel(torch.randn(37, 290, generator=torch.Generator().manual_seed(3)), "fp8")
     assert torch.equal(dequant.dequantize_channel(w, s, torch.bfloat16), quant.dequantize_channel(w, s, torch.bfloat16))
 
@@ -52,6 +53,7 @@ def test_bf16_rounds_to_nearest_even():
     # products exactly halfway between two bf16 values (u: a bf16 unit at 1.0): 1 + u/2 goes down to 1,
     # 1 + 3u/2 up to 1 + 2u, the even neighbours, as torch's cast rounds (a truncating cast gives 1 + u for
     # the second, rounding half up 1 + u for the first)
+    dequant, _ = kernel_modules()
     u = 2.0 ** -7
     w = torch.tensor([[1], [1], [-1], [-1]], dtype=torch.int8)
     scale = torch.tensor([1 + u / 2, 1 + 3 * u / 2] * 2, dtype=torch.float32)
@@ -62,6 +64,7 @@ def test_bf16_rounds_to_nearest_even():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_many_rows_take_the_dequantized_weight(layout, monkeypatch):
     # at the threshold exactly: one dequantization, and the reference linear's result
+    dequant, dequant_linear = kernel_modules()
     rows = dequant_linear.DEQUANT_MIN_ROWS
     assert rows == 256  # the default, vLLM's for AWQ
     calls = count_calls(monkeypatch, dequant, DEQUANT_FN[layout])
@@ -72,6 +75,7 @@ def test_many_rows_take_the_dequantized_weight(layout, monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fewer_rows_take_the_fused_kernel(layout, monkeypatch):
     # one row below the threshold: nothing dequantized, the fused kernel's bits
+    dequant, dequant_linear = kernel_modules()
     calls = count_calls(monkeypatch, dequant, DEQUANT_FN[layout])
     check_few_rows(layer(layout, "cpu", 64, 24, 32), dequant_linear.DEQUANT_MIN_ROWS - 1, 64, torch.bfloat16, "cpu")
     assert calls == []
@@ -81,6 +85,7 @@ def test_fewer_rows_take_the_fused_kernel(layout, monkeypatch):
 def test_threshold_is_read_at_call_time(layout, monkeypatch):
     # a lowered threshold (a benchmark's KVRELAY_DEQUANT_MIN_ROWS) sends a decode-sized batch down the
     # dequantized path; 3-D activations [batch, tokens, K] count their rows across both
+    dequant, dequant_linear = kernel_modules()
     monkeypatch.setattr(dequant_linear, "DEQUANT_MIN_ROWS", 6)
     calls = count_calls(monkeypatch, dequant, DEQUANT_FN[layout])
     lay = layer(layout, "cpu", 64, 24, 32)
@@ -92,6 +97,7 @@ def test_threshold_is_read_at_call_time(layout, monkeypatch):
 
 
 def test_scratch_is_reused_and_grows():
+    _, dequant_linear = kernel_modules()
     device = torch.device("cpu")
     dequant_linear._scratch.pop(device, None)
     a = dequant_linear.scratch((64, 32), torch.bfloat16, device)
@@ -103,6 +109,7 @@ def test_scratch_is_reused_and_grows():
 
 
 def test_malformed_threshold_names_the_variable(monkeypatch):
+    _, dequant_linear = kernel_modules()
     monkeypatch.setenv("KVRELAY_DEQUANT_MIN_ROWS", "many")
     with pytest.raises(ValueError, match="KVRELAY_DEQUANT_MIN_ROWS"):
         dequant_linear._min_rows()
