@@ -291,7 +291,7 @@ def crossover(rows_list: list[int]) -> list[dict]:
     cols = [(fmt, path) for fmt in CROSSOVER_FORMATS for path in ("fused", "deq")]
     print("\n| rows | proj | bf16 us | " + " | ".join(f"{f} {p} vs bf16" for f, p in cols) + " |")
     print("| --- " * (3 + len(cols)) + "|")
-    for (rows, name), r in table.items():
+    for (rows, name), r in sorted(table.items(), key=lambda item: item[0][0]):  # shapes in order within a count
         print(f"| {rows} | {name} | {r['bf16'] * 1e6:.1f} | " + " | ".join(f"{r['bf16'] / r[c]:.2f}x" for c in cols) + " |")
     # per format: the smallest row count from which dequantizing is faster at every shape and every larger count
     cut = {}

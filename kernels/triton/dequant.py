@@ -25,9 +25,11 @@ from kvrelay.kernels.quant import PACK
 from kvrelay.kernels.triton.utils import interpreting
 from kvrelay.kernels.w4_repack import W4Packed
 
-BLOCK_N = 128  # the W4 layouts' outputs per program (contiguous in memory)
-BLOCK_K = 64  # the plain W4 layout's K tile (a multiple of 8: whole words)
-CHANNEL_TILE = (32, 256)  # per-channel weights: (rows, inputs) per program, the inputs contiguous
+# tiles and warps: ~16 values a thread, so that ptxas (sm_90) keeps each kernel near 64 registers, unspilled, and
+# many warps are in flight on every SM: all three are memory-bound copies with a little arithmetic
+PACKED_TILE = (64, 16)  # the repacked W4 layout: (outputs, warps) per program, over one K tile (the layout's)
+PLAIN_TILE = (32, 128, 8)  # the plain W4 layout: (inputs, a multiple of 8: whole words; outputs; warps)
+CHANNEL_TILE = (8, 512, 8)  # per-channel weights: (rows, inputs, contiguous; warps)
 
 
 @triton.jit
@@ -124,9 +126,10 @@ def dequantize_w4_packed(p: W4Packed, dtype: torch.dtype, out: torch.Tensor | No
     n, k = p.shape
     out = _out((k, n), dtype, p.qweight.device, out)
     perm = p.perm if p.perm is not None else p.scales  # any pointer: HAS_PERM False never reads it
-    grid = (k // p.tile_k, triton.cdiv(n, BLOCK_N))
-    _w4_packed_kernel[grid](p.qweight, p.scales, p.zeros, perm, out, n, p.group_size, HAS_PERM=p.perm is not None,
-                            BY_BITS=_by_bits(dtype), TILE_K=p.tile_k, BLOCK_N=BLOCK_N)
+    block_n, warps = PACKED_TILE
+    _w4_packed_kernel[(k // p.tile_k, triton.cdiv(n, block_n))](
+        p.qweight, p.scales, p.zeros, perm, out, n, p.group_size, HAS_PERM=p.perm is not None,
+        BY_BITS=_by_bits(dtype), TILE_K=p.tile_k, BLOCK_N=block_n, num_warps=warps)
     return out
 
 
@@ -136,9 +139,10 @@ def dequantize_w4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tens
     ``quant.dequantize_w4(..., dtype)``."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     out = _out((k, n), dtype, qweight.device, out)
-    grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))
-    _w4_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else scales, out, n, k, group_size,
-                     HAS_GIDX=g_idx is not None, BY_BITS=_by_bits(dtype), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
+    block_k, block_n, warps = PLAIN_TILE
+    _w4_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
+        qweight, scales, zeros, g_idx if g_idx is not None else scales, out, n, k, group_size,
+        HAS_GIDX=g_idx is not None, BY_BITS=_by_bits(dtype), BLOCK_K=block_k, BLOCK_N=block_n, num_warps=warps)
     return out
 
 
@@ -148,7 +152,7 @@ def dequantize_channel(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     ``quant.dequantize_channel(weight, scale, dtype)``."""
     n, k = weight.shape
     out = _out((n, k), dtype, weight.device, out)
-    rows, cols = CHANNEL_TILE
-    _channel_kernel[(triton.cdiv(n, rows), triton.cdiv(k, cols))](weight, scale, out, n, k, BY_BITS=_by_bits(dtype),
-                                                                  BLOCK_N=rows, BLOCK_K=cols)
+    rows, cols, warps = CHANNEL_TILE
+    _channel_kernel[(triton.cdiv(n, rows), triton.cdiv(k, cols))](
+        weight, scale, out, n, k, BY_BITS=_by_bits(dtype), BLOCK_N=rows, BLOCK_K=cols, num_warps=warps)
     return out
