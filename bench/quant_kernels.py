@@ -245,7 +245,7 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     return row
 
 
-CROSSOVER_ROWS = "32,64,128,256,512,2048,8192"
+CROSSOVER_ROWS = "32,64,128,256,512,1024,2048,8192"
 # int8 per channel; "w4_fast": AWQ / GPTQ repacked at load (kernels/w4_decode.py below the threshold); "w4": the
 # plain W4 layout, GPTQ act-order's whose g_idx scatters groups (kernels/triton/w4a16.py)
 CROSSOVER_FORMATS = ("int8", "w4_fast", "w4")
