@@ -39,8 +39,11 @@ def _min_rows() -> int:
     return int(raw)
 
 
-# vLLM's AWQ cut-over (256 tokens): below it the fused kernels' 4- or 8-bit reads win, above it cuBLAS on the
-# dequantized weight does. bench/quant_kernels.py --crossover measures both paths at each row count to set it
+# Rows from which a weight is dequantized whole. Few rows are bound by reading the weight, where the fused kernels
+# read 4 or 8 bits a weight and the dequantized path reads the packed weight, writes 16 bits and reads them again;
+# many rows are bound by the matmul's arithmetic, where cuBLAS's tiles beat the fused ones and that fixed cost
+# fades. 256 is vLLM's cut-over for AWQ, the starting value: bench/quant_kernels.py --crossover times both
+# paths at each row count and Llama-3-8B shape, which is what to set it from
 DEQUANT_MIN_ROWS = _min_rows()
 
 _scratch: dict[torch.device, torch.Tensor] = {}  # bytes, per device
