@@ -7,6 +7,7 @@ imports. Tests call the module functions directly (also on CPU under ``TRITON_IN
 from kvrelay.kernels import sdpa_prefill
 from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
+from kvrelay.kernels.triton.dequant_linear import int8_linear, w4_packed_linear, w4a16_linear
 from kvrelay.kernels.triton.fp8_linear import fp8_linear
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
@@ -16,8 +17,6 @@ from kvrelay.kernels.triton.rotary import rotary_embedding, rotary_write_kv
 from kvrelay.kernels.triton.sampling import filter_logits, sample_from_logits
 from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.triton.skinny_linear import linear, rms_norm_linear, silu_mul_linear
-from kvrelay.kernels.triton.w4_decode import w4_packed_linear
-from kvrelay.kernels.triton.w4a16 import int8_linear, w4a16_linear
 from kvrelay.kernels.triton.write_kv import write_kv
 
 OPS = {
@@ -35,6 +34,7 @@ OPS = {
     "rms_norm_linear": rms_norm_linear,
     "silu_mul_linear": silu_mul_linear,
     "warm_up_prefill_attention": sdpa_prefill.warm_up,
+    # the weight-only matmuls: fused kernels for few rows, dequantize + cuBLAS for many (dequant_linear.py)
     "w4a16_linear": w4a16_linear,
     "w4_packed_linear": w4_packed_linear,
     "int8_linear": int8_linear,

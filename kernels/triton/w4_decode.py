@@ -3,7 +3,8 @@ to change when the GPU's numbers say so (bench/quant_kernels.py, formats w4_fast
 
 ``DECODE_KERNEL`` names the kernel for up to ``DECODE_MAX_ROWS`` rows (decode steps of a small batch); more
 rows, and "w4_fast", take kernels/triton/w4_fast.py (tensor cores). Every entry reads the same weight
-bytes: switching needs no change to the loading.
+bytes: switching needs no change to the loading. From kernels/triton/dequant_linear.py's ``DEQUANT_MIN_ROWS`` rows
+on, the registered op comes here no more: it dequantizes the weight and calls cuBLAS.
 """
 
 import functools

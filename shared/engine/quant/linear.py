@@ -1,6 +1,8 @@
 """Quantized linear layers: each holds its weight in a kernel layout (kernels/quant.py), routes the
 checkpoint's tensors into it (converting published layouts, or quantizing full-precision weights as they
-arrive), and runs its matmul through ``kernels``.
+arrive), and runs its matmul through ``kernels`` (on CUDA the weight-only ones take their fused kernels for a
+few rows and, from kernels/triton/dequant_linear.py's ``DEQUANT_MIN_ROWS`` rows, the weight dequantized whole
+and cuBLAS; fp8 its tensor-core path).
 
 Fused projections (q|k|v, gate|up) load part by part as the plain layers do: every parameter records
 which of its dimensions is the output one (``output_dim``), so a part's rows land in the right slice of
