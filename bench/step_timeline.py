@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
     num, length = (int(v) for v in args.prefill.split("x")) if args.prefill else (0, 0)
-    # blocks for every decoding request's context and its 50 timed steps, beside the 4,096 a prefill step wants
-    blocks = max(4096, args.batch * -(-(args.context + 128) // 16))
-    llm = LLM(model=args.model, load_format="dummy", max_model_len=max(2048, length + 8, args.context + 256),
-              num_gpu_blocks=blocks,
+    # a long context gets the KV cache sized from free memory, as `bench gpu`'s batch-128 row has it: a cache
+    # sized to the batch's blocks alone ended requests inside the timed steps (H100, --batch 128 --context 1024)
+    blocks = {"num_gpu_blocks": 4096} if args.context <= 256 else {}
+    llm = LLM(model=args.model, load_format="dummy", max_model_len=max(2048, length + 8, args.context + 256), **blocks,
               max_num_seqs=max(16, args.batch), max_num_batched_tokens=max(8192, num * length))
     llm.generate([{"prompt_token_ids": [5] * 32}], SamplingParams(max_tokens=8, ignore_eos=True))
     decode(llm, args.batch, args.context, args.replays, args.top)
