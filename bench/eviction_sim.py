@@ -96,7 +96,7 @@ class PoolSim:
         cands = candidates(now, self.args.load_s, self.rates, busy, self.last_used,
                            {i: h.loaded_at for i, h in self.hosted.items()}, self.draining)
         ks = self.waiting[m]
-        chosen = choose_victims(cands, 1, 0, incoming(now, m, self.rates, len(ks)))
+        chosen = choose_victims(cands, 1, 0, incoming(now, m, self.rates, len(ks), self.arrivals[ks[0]].at))
         if not chosen:
             return False
         victim = int(chosen[0].instance)

@@ -111,7 +111,7 @@ class PoolRun(Run):
         busy = {i: c.has_unfinished() for i, c in self.cores.items()}
         cands = candidates(now, reload_s, self.rates, busy, self.last_used, self.loaded_at, self.draining)
         ks = self.waiting[m]
-        chosen = choose_victims(cands, 1, 0, incoming(now, m, self.rates, len(ks)))
+        chosen = choose_victims(cands, 1, 0, incoming(now, m, self.rates, len(ks), self.outcomes[ks[0]].arrived))
         if not chosen:
             return False
         victim = int(chosen[0].instance)
@@ -134,7 +134,7 @@ def candidates(now: float, reload_s: float, rates: dict[int, DemandRate], busy: 
             for i, b in busy.items()]
 
 
-def incoming(now: float, m: int, rates: dict[int, DemandRate], waiting: int) -> Incoming:
-    """``m``'s load, ``waiting`` requests for it: every arrival is noted as it comes (``PoolRun.arrive``), so
-    its rate holds them already."""
-    return Incoming(rates[m].rate(now), waiting)
+def incoming(now: float, m: int, rates: dict[int, DemandRate], waiting: int, oldest: float) -> Incoming:
+    """``m``'s load, ``waiting`` requests for it since ``oldest``: every arrival is noted as it comes
+    (``PoolRun.arrive``), so its rate holds them already."""
+    return Incoming(rates[m].rate(now), waiting, now - oldest)
