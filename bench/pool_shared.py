@@ -108,12 +108,10 @@ class PoolRun(Run):
         freed now, a busy one starts draining. False: none may go (yet)."""
         now = time.perf_counter()
         reload_s = percentile(self.models.loads, 50) if self.models.loads else 1.0
-        candidates = [Candidate(instance=str(i), weight_bytes=1, kv_bytes=0, reload_s=reload_s,
-                                demand=self.rates[i].rate(now), resident_s=now - self.loaded_at.get(i, now),
-                                idle=not c.has_unfinished() and now - self.last_used.get(i, 0.0) > IDLE_GRACE_S,
-                                idle_s=now - self.last_used.get(i, 0.0), ready=i not in self.draining)
-                      for i, c in self.cores.items()]
-        chosen = choose_victims(candidates, 1, 0, Incoming(self.rates[m].rate(now), len(self.waiting[m])))
+        busy = {i: c.has_unfinished() for i, c in self.cores.items()}
+        cands = candidates(now, reload_s, self.rates, busy, self.last_used, self.loaded_at, self.draining)
+        ks = self.waiting[m]
+        chosen = choose_victims(cands, 1, 0, incoming(now, m, self.rates, len(ks), self.outcomes[ks[0]].arrived))
         if not chosen:
             return False
         victim = int(chosen[0].instance)
@@ -123,3 +121,20 @@ class PoolRun(Run):
         else:
             self.draining.add(victim)
         return True
+
+
+def candidates(now: float, reload_s: float, rates: dict[int, DemandRate], busy: dict[int, bool],
+               last_used: dict[int, float], loaded_at: dict[int, float], draining: set[int]) -> list[Candidate]:
+    """The resident models (``busy``: whether each has work) as the worker sees its slots (load_room.py): also
+    what bench/eviction_sim.py hands the policy."""
+    return [Candidate(instance=str(i), weight_bytes=1, kv_bytes=0, reload_s=reload_s, demand=rates[i].rate(now),
+                      resident_s=now - loaded_at.get(i, now),
+                      idle=not b and now - last_used.get(i, 0.0) > IDLE_GRACE_S,
+                      idle_s=now - last_used.get(i, 0.0), ready=i not in draining)
+            for i, b in busy.items()]
+
+
+def incoming(now: float, m: int, rates: dict[int, DemandRate], waiting: int, oldest: float) -> Incoming:
+    """``m``'s load, ``waiting`` requests for it since ``oldest``: every arrival is noted as it comes
+    (``PoolRun.arrive``), so its rate holds them already."""
+    return Incoming(rates[m].rate(now), waiting, now - oldest)

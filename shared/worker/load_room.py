@@ -104,7 +104,9 @@ class LoadRoom:
         if need <= 0 and kv_short <= 0:
             return []
         now = time.monotonic()
-        load = Incoming(self.demand_of(plan.instance, now) + waiting_demand(waiting), waiting)
+        ld = self.loading.get(plan.instance)  # registered before its room is made: since when its requests wait
+        waited = time.perf_counter() - ld.started if ld is not None and waiting > 0 else 0.0
+        load = Incoming(self.demand_of(plan.instance, now) + waiting_demand(waiting), waiting, waited)
         # a victim frees its weights and its overhead (its step peak too, if the largest: not counted on)
         candidates = [Candidate(instance=s.instance, weight_bytes=s.weight_bytes + s.overhead_bytes,
                                 kv_bytes=self._owned_bytes(s),
@@ -124,7 +126,8 @@ class LoadRoom:
                   "held back)"
                 + ("" if self.pool is None else f" and {floor / gib:.3f} GiB of KV (reclaimable "
                    f"{self.pool.reclaimable_bytes(cap, within) / gib:.3f} GiB)")
-                + ("; no idle unpinned model, nor a busy one in lower demand (eviction.py), frees enough"
+                + ("; no unpinned model in lower demand, nor the cheapest once it waited a minimum residency "
+                   "(eviction.py), frees enough"
                    if evict else "; eviction not allowed"))
         for c in chosen:
             s = self.slots[c.instance]

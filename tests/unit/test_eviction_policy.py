@@ -4,6 +4,7 @@ load, nothing evicted when the load's demand is lower; and the decayed rate it r
 
 from kvrelay.shared.worker.eviction import (
     DEMAND_HALF_LIFE_S,
+    UNSEEN_S,
     Candidate,
     DemandRate,
     Incoming,
@@ -35,10 +36,11 @@ def test_victims_go_by_demand_times_reload_cost():
     assert names(choose_victims(cands, 3 * GB, 0, load)) == ["cheap", "hot", "slow-to-reload"]
 
 
-def test_idle_models_go_before_busy_ones_and_nothing_is_evicted_when_nothing_is_needed():
+def test_idle_models_go_before_busy_ones_only_at_equal_cost_and_nothing_is_evicted_when_nothing_is_needed():
     load = Incoming(demand=10.0, waiting=1)
-    cands = [cand("busy-cold", 0.1), cand("idle-warm", 2.0, idle=True)]
-    assert names(choose_victims(cands, GB, 0, load)) == ["idle-warm"]
+    assert names(choose_victims([cand("busy", 0.5), cand("idle", 0.5, idle=True)], GB, 0, load)) == ["idle"]
+    cands = [cand("busy-cold", 0.1), cand("idle-warm", 2.0, idle=True)]  # idleness is no licence: cost decides
+    assert names(choose_victims(cands, GB, 0, load)) == ["busy-cold"]
     assert choose_victims(cands, 0, 0, load) == []
 
 
@@ -62,12 +64,14 @@ def test_nothing_busy_is_evicted_for_a_load_of_lower_or_equal_demand_or_one_nobo
 
 
 def test_minimum_residency_protects_a_model_just_loaded_unless_the_load_is_in_far_higher_demand():
-    young = min_residency_s(1.0) / 2
+    young = (UNSEEN_S + min_residency_s(1.0)) / 2  # its rate has seen a half-life of its traffic, no more
     assert min_residency_s(1.0) >= DEMAND_HALF_LIFE_S and min_residency_s(10.0) >= 50.0
     just_loaded = [cand("new", 1.0, resident_s=young)]
     assert choose_victims(just_loaded, GB, 0, Incoming(demand=1.5, waiting=1)) is None
     assert names(choose_victims([cand("new", 1.0)], GB, 0, Incoming(demand=1.5, waiting=1))) == ["new"]  # once old
     assert names(choose_victims(just_loaded, GB, 0, Incoming(demand=5.0, waiting=1))) == ["new"]
+    unseen = [cand("new", 1.0, resident_s=UNSEEN_S / 2)]  # before a half-life: no demand evicts it
+    assert choose_victims(unseen, GB, 0, Incoming(demand=50.0, waiting=9)) is None
 
 
 def test_the_other_roles_victims_come_first():

@@ -14,6 +14,7 @@ from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire.protocol import ControlCommand
 from kvrelay.shared.worker import model_loads
+from kvrelay.shared.worker.eviction import UNSEEN_S
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes
 from tests.conftest import make_tiny_model
@@ -202,6 +203,7 @@ def test_a_busy_low_demand_model_is_drained_and_evicted_for_a_load_requests_wait
     run(host, load("a"), load("b"))
     _demand(host, "a@1", 50)
     _demand(host, "b@1", 1)
+    host.slots["b@1"].loaded_at -= UNSEEN_S  # its rate has seen its traffic; still within its minimum residency
     host.hooks.in_use = host.hooks.running = {"a@1", "b@1"}  # both serving
     host.commands.put(load("c", waiting=20))
     host.tick()
