@@ -12,8 +12,10 @@ prefill batching, KV. The GPU bench is what measures; this says which models a p
 """
 
 import argparse
+import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvrelay.bench.pool_shared import candidates, incoming
 from kvrelay.bench.pool_workload import percentile, workload
@@ -148,13 +150,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tick-s", type=float, default=0.01, help="simulated seconds between two rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-s", type=float, default=3600.0, help="simulated seconds before a starved load is given up")
+    p.add_argument("--json", default=None, help="write the per-model TTFTs, loads and evictions here")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(parser)
     args = parser.parse_args()
-    result = PoolSim(args).run()
+    sim = PoolSim(args)
+    result = sim.run()
     print(f"simulated: {args.num_models} models, {args.slots} slots, {args.num_requests} requests at "
           f"{args.request_rate:g}/s over {result.seconds:.1f} s, loads of {args.load_s:g} s, service "
           f"{args.prefill_s + args.output_len * args.tpot:.2f} s; {sum(result.loads.values())} loads, "
@@ -162,6 +166,11 @@ def main() -> None:
     for line in table(args, result):
         print(line)
     print("evictions (s: victim -> for): " + ", ".join(f"{t:.1f}: {v}->{m}" for t, v, m in result.order))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "ttft": {str(m): v for m, v in result.ttft.items()}, "requests": {str(m): v for m, v in result.requests.items()},
+            "loads": {str(m): v for m, v in result.loads.items()}, "evictions": result.order,
+            "last_arrival": sim.arrivals[-1].at}))
 
 
 if __name__ == "__main__":

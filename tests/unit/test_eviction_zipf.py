@@ -1,12 +1,9 @@
-"""Issue #26's pathology, in the policy (shared/worker/eviction.py) and in its simulator (bench/eviction_sim.py):
-under a Zipf mix the third most requested model was evicted while a model in less demand stayed, because an
+"""Issue #26's pathology in the policy (shared/worker/eviction.py; its simulator's run is
+tests/e2e/test_eviction_sim.py): under a Zipf mix the third most requested model was evicted while a model in less demand stayed, because an
 idle model went first whatever its demand and every rate starts at 0. Simulated time only: no wall clock."""
 
-import argparse
 import dataclasses
 
-from kvrelay.bench.eviction_sim import PoolSim, add_args
-from kvrelay.bench.pool_workload import percentile
 from kvrelay.shared.worker.eviction import (
     UNSEEN_S,
     Candidate,
@@ -60,25 +57,3 @@ def test_rates_that_have_not_seen_their_traffic_evict_nothing():
     assert victim(preloaded, Incoming(demand=waiting_demand(3), waiting=3)) is None
     seen = [dataclasses.replace(c, resident_s=UNSEEN_S) for c in preloaded]  # a half-life on, still not asked
     assert victim(seen, Incoming(demand=waiting_demand(3), waiting=3)) == "2"
-
-
-def sim_args(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_args(p)
-    args = p.parse_args([])  # bench pool's issue #26 run: 8 models, 4 slots, 320 requests at 8/s, 6 s loads
-    vars(args).update(kw)
-    return args
-
-
-def test_the_simulated_zipf_mix_keeps_the_three_most_requested_models_resident():
-    sim = PoolSim(sim_args(seed=0))
-    result = sim.run()
-    assert all(len(result.ttft[m]) == result.requests[m] for m in range(8))  # every request served: no starvation
-    top = [percentile(result.ttft[m], 99) for m in range(3)]
-    tail = [percentile(result.ttft[m], 50) for m in range(4, 8)]
-    assert max(top) < 1.0 < min(tail), (top, tail)  # simulated seconds
-    assert sum(result.loads[m] for m in range(3)) == 0, result.loads
-    # the tail takes the loads, each at most a couple of times (no two models taking turns on a slot)
-    assert all(result.loads[m] >= 1 for m in range(4, 8)) and max(result.loads.values()) <= 2, result.loads
-    while_asked = {victim for t, victim, _ in result.order if t <= sim.arrivals[-1].at}  # after: their rates decay
-    assert while_asked and while_asked.isdisjoint({0, 1, 2}), result.order
