@@ -78,6 +78,26 @@ def syncs_raise(on: bool = True) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def capturable(forward: Callable[[], None], record: bool, fallback: str, example: str = "") -> bool:
+    """Run ``forward`` once, under the load's hold, with host syncs raising: False (and a warning opening with
+    ``fallback``) when one of its kernels syncs with the host, which a CUDA graph cannot hold."""
+    try:
+        with capture_hold():
+            if record:
+                # a capture cannot take memory the ordinary pool caches (the caching allocator frees none while
+                # one runs): given back once here, not per graph
+                torch.cuda.empty_cache()
+            with syncs_raise(record):
+                forward()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        log.warning("%s: a kernel of this model syncs with the host (%s), which a CUDA graph cannot hold%s",
+                    fallback, e, example)
+        return False
+    return True
+
+
 _held = threading.local()
 
 
@@ -206,21 +226,10 @@ class DecodeGraphs:
         """Record every bucket, each graph under the load's hold on its own (``graphs_held``); False (and a
         warning) when the model's kernels cannot be captured. ``record=False`` walks the same sequence, each
         graph's forward run eagerly where it would be recorded."""
-        hold = capture_hold()
+        hold = capture_hold()  # each graph's own hold, below
         self._write_idle_inputs()
-        try:
-            with hold:
-                if self.record:
-                    # a capture cannot take memory the ordinary pool caches (the caching allocator frees none
-                    # while one runs): given back once here, not per graph
-                    torch.cuda.empty_cache()
-                with syncs_raise(self.record):
-                    self._forward(self.max_batch, self.max_model_len)
-        except RuntimeError as e:
-            if "synchroniz" not in str(e):
-                raise
-            log.warning("decode runs eagerly: a kernel of this model syncs with the host (%s), which a "
-                        "CUDA graph cannot hold (the torch reference write_kv, for one)", e)
+        if not capturable(lambda: self._forward(self.max_batch, self.max_model_len), self.record,
+                          "decode runs eagerly", " (the torch reference write_kv, for one)"):
             return False
         pool = torch.cuda.graph_pool_handle() if self.record else None
         stream = capture_stream(self.device) if self.record else None

@@ -33,7 +33,7 @@ from torch import nn
 
 from kvrelay import kernels
 from kvrelay.shared.config.engine import PIECEWISE_MAX_TOKENS, EngineConfig
-from kvrelay.shared.engine.cuda_graphs import capture_hold, capture_stream, record, syncs_raise
+from kvrelay.shared.engine.cuda_graphs import capturable, capture_hold, capture_stream, record
 from kvrelay.shared.engine.models.layers import norm_project, project
 from kvrelay.shared.engine.models.llama import LlamaForCausalLM
 from kvrelay.shared.engine.token_budget import max_batched_tokens
@@ -167,19 +167,13 @@ class PiecewiseGraphs:
         """Record every piece of every bucket, each bucket under the load's hold on its own as each decode graph
         is (cuda_graphs.py ``record``); False (and a warning) when a kernel cannot be captured. ``record=False``
         walks the same sequence, each piece run eagerly where it would be recorded."""
-        hold = capture_hold()
-        try:
-            with hold:
-                if self.record:  # the ordinary pool's cache given back once, as cuda_graphs.py says
-                    torch.cuda.empty_cache()
-                with syncs_raise(self.record):
-                    for i in range(self.num_pieces):
-                        self._piece(self.max_tokens, i)
-        except RuntimeError as e:
-            if "synchroniz" not in str(e):
-                raise
-            log.warning("steps with prompt tokens run eagerly: a kernel of this model syncs with the host (%s), "
-                        "which a CUDA graph cannot hold", e)
+        hold = capture_hold()  # each bucket's own hold, below
+
+        def every_piece() -> None:
+            for i in range(self.num_pieces):
+                self._piece(self.max_tokens, i)
+
+        if not capturable(every_piece, self.record, "steps with prompt tokens run eagerly"):
             return False
         device = self.kv_cache.device
         pool = torch.cuda.graph_pool_handle() if self.record else None
