@@ -3,6 +3,7 @@ they come, the engines stepped in turn on this one thread under the step lock (o
 loop takes one per step of its models), token times recorded per request, and how long the rounds waited for
 the lock and each step took, apart for the steps taken while a load ran."""
 
+import abc
 import argparse
 import logging
 import time
@@ -16,7 +17,7 @@ from kvrelay.shared.worker.step_lock import StepLock
 log = logging.getLogger(__name__)
 
 
-class Run:
+class Run(abc.ABC):
     def __init__(self, args: argparse.Namespace, models: Models, arrivals: list[Arrival]):
         self.args, self.models, self.arrivals = args, models, arrivals
         self.cores: dict[int, EngineCore] = {}
@@ -36,10 +37,11 @@ class Run:
         core.add_request(core.make_request(f"r{k}", a.prompt, self.params))
         self.last_used[a.model] = time.perf_counter()
 
-    def arrive(self, k: int) -> None:  # the mode's admission: subclasses
-        raise NotImplementedError
+    @abc.abstractmethod
+    def arrive(self, k: int) -> None:
+        """The mode's admission of arrival ``k``."""
 
-    def between_steps(self) -> None:
+    def between_steps(self) -> None:  # noqa: B027 (a hook: the static split does nothing between rounds)
         pass
 
     def loading(self) -> bool:
