@@ -2,7 +2,6 @@
 the engine, counted per model in a worker's budget with one step peak held back, advertised to placement, shown
 as a metric (issue #26). CPU: the engine's persistent tensors are counted (the rotary table, the KV scales)."""
 
-import time
 
 import msgpack
 import pytest
@@ -18,11 +17,12 @@ from kvrelay.shared.engine.loader import load_model
 from kvrelay.shared.repo.model_import import import_model
 from kvrelay.shared.repo.model_repo import ModelRepository
 from kvrelay.shared.wire import codec
-from kvrelay.shared.wire.protocol import ControlCommand, InstanceStatus, WorkerInfo
+from kvrelay.shared.wire.protocol import InstanceStatus, WorkerInfo
 from kvrelay.shared.worker.metrics import WorkerMetrics
 from kvrelay.shared.worker.model_host import ModelHost
 from kvrelay.shared.worker.model_memory import estimate_weight_bytes
 from tests.conftest import make_tiny_model
+from tests.unit.test_model_host import load, run
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +62,6 @@ def make_host(repo: ModelRepository, budget: int):
                      report=results.append)
     host.hooks = Hooks()
     return host, results
-
-
-def run(host: ModelHost, cmd: ControlCommand) -> None:
-    host.commands.put(cmd)
-    host.tick()
-    deadline = time.monotonic() + 60
-    while host.loading and time.monotonic() < deadline:
-        time.sleep(0.02)
-        host.tick()
-    assert not host.loading
-
-
-def load(name: str, **kw) -> ControlCommand:
-    return ControlCommand(command_id=f"load-{name}-{time.monotonic_ns()}", op="load", name=name, version=1, **kw)
 
 
 def one_model_bytes(repo: ModelRepository) -> int:
