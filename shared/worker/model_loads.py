@@ -31,6 +31,7 @@ from kvrelay.shared.wire.protocol import ControlCommand, ControlResult
 from kvrelay.shared.worker import gpu_share
 from kvrelay.shared.worker.eviction import DemandRate, room_wait_s
 from kvrelay.shared.worker.gc_freeze import collect_all, freeze_long_lived
+from kvrelay.shared.worker.gil_switch import short_switches
 from kvrelay.shared.worker.model_memory import plan_weight_bytes
 from kvrelay.shared.worker.model_overhead import CostMemo
 from kvrelay.shared.worker.model_slot import ModelPlan, ModelSlot, RoleHooks
@@ -284,7 +285,8 @@ class ModelLoads:
     def _load_thread(self, ld: Loading) -> None:
         gpu_share.enter()  # its graphs are captured and warmed up on the worker's compute stream
         try:
-            ld.slot = self._build(ld.plan)
+            with short_switches():  # the serving loop is not kept waiting for the GIL behind the load's Python
+                ld.slot = self._build(ld.plan)
         except Exception as exc:  # any failure to load is this instance's, never the worker's
             log.warning("loading %s failed: %s", ld.plan.instance, exc, exc_info=True)
             ld.error = f"loading {ld.plan.instance} failed: {exc}"
