@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = argparse.ArgumentParser()
 ARGS.add_argument("--smoke", action="store_true")
 ARGS.add_argument("--sweep", action="store_true")
+ARGS.add_argument("--decode-shapes", default=None, metavar="BxCTX,...",
+                  help="only the decode sweep, on these batch x context shapes (e.g. 128x1024,1x2048)")
 ARGS.add_argument("--prefill", action="store_true", help="only the prefill attention tiling sweep vs SDPA")
 ARGS.add_argument("--old-prefill", default=None, help="path of an earlier prefill_attention.py to time beside")
 OPTS = ARGS.parse_args()
@@ -120,10 +122,12 @@ def bench_decode(copy_bw: float) -> None:
         sweep(cache, heads, kv_heads, head_dim, gen, copy_bw, batches, contexts)
 
 
-def sweep(cache, heads, kv_heads, head_dim, gen, copy_bw, batches, contexts) -> None:
+def sweep(cache, heads, kv_heads, head_dim, gen, copy_bw, batches, contexts, shapes=None) -> None:
     """Tile / warps / stages and split-count alternatives on a few shapes (defaults come from here)."""
-    shapes = [(batches[0], contexts[-1]), (batches[-1], contexts[1]), (batches[1], contexts[-1])]
+    shapes = shapes or [(batches[0], contexts[-1]), (batches[-1], contexts[1]), (batches[1], contexts[-1])]
     configs = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 2, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3)]
+    if OPTS.decode_shapes:  # the wider search behind a change of defaults
+        configs += [(64, 2, 3), (64, 2, 4), (32, 4, 4), (32, 2, 5), (64, 4, 5), (128, 8, 2), (128, 4, 2), (64, 8, 4)]
     if DEV == "cpu":
         configs = configs[:2]
     default = (da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES)
@@ -140,10 +144,24 @@ def sweep(cache, heads, kv_heads, head_dim, gen, copy_bw, batches, contexts) -> 
     print("\ndecode split count at (batch, ctx): % of copy bandwidth")
     for b, c in shapes:
         cells = []
-        for s in (1, 4, 16, 32, 64):
+        for s in (1, 2, 4, 16, 32, 64):
             t, nbytes = decode_case(cache, b, c, heads, kv_heads, head_dim, gen, num_splits=s)
             cells.append(f"s{s}={100 * nbytes / t / copy_bw:.0f}%")
         print(f"  b{b}/{c}: " + " ".join(cells))
+
+
+def decode_sweep_only(copy_bw: float) -> None:
+    heads, kv_heads, head_dim, page = 32, 8, 128, 16  # Llama-3-8B, bf16
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in OPTS.decode_shapes.split(",")]
+    max_tokens = max(b * (-(-c // page) * page) for b, c in shapes) * (4 if DEV == "cuda" else 1)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, max_tokens // page, page, kv_heads, head_dim, device=DEV).to(torch.bfloat16)
+    for b, c in shapes:
+        splits = da.choose_num_splits(b, kv_heads, c, torch.device(DEV))
+        t, nbytes = decode_case(cache, b, c, heads, kv_heads, head_dim, gen)
+        print(f"default b{b}/{c}: splits {splits}, {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s, "
+              f"{100 * nbytes / t / copy_bw:.1f}% of copy")
+    sweep(cache, heads, kv_heads, head_dim, gen, copy_bw, [], [], shapes)
 
 
 def bench_norm_and_act() -> None:
@@ -275,6 +293,9 @@ def main() -> None:
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     copy_bw = copy_bandwidth()
     print(f"HBM copy (read + write): {copy_bw / 1e9:.0f} GB/s")
+    if OPTS.decode_shapes:
+        decode_sweep_only(copy_bw)
+        return
     bench_decode(copy_bw)
     bench_norm_and_act()
     print(f"HBM copy again at the end: {copy_bandwidth() / 1e9:.0f} GB/s")
