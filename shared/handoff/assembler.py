@@ -1,6 +1,11 @@
 """What the receivers of host-staged frames share (frames.py's whole layers, rank_parts.py's parts by layer
 and head): each frame, sized and placed on arrival by the subclass, is CRC-checked and written into the
-granted blocks by a pool thread (pool.py); on CUDA the writes queue on the side stream."""
+granted blocks by a pool thread (pool.py); on CUDA the writes queue on the side stream.
+
+Nothing here blocks the host on the device by a call torch's sync-debug mode counts (a blocking copy, a
+stream synchronize): a model load's capture check turns that mode to "error" for the whole process while
+it runs, and these threads do not take the step lock that check holds. Copies up are asynchronous (from
+pageable memory CUDA returns once the source was read) and the end waits on an event."""
 
 from abc import abstractmethod
 from collections.abc import Callable
@@ -21,7 +26,10 @@ class FrameAssembler(KVReceiver):
         self.num_blocks = len(block_ids)
         self.inline = nbytes <= INLINE_BYTES
         self.stream = side_stream(kv_cache.device) if kv_cache.is_cuda else None
-        self.index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+        self.index = torch.tensor(block_ids, dtype=torch.long)
+        if self.stream is not None:  # on the stream the writes that index with it queue on
+            with torch.cuda.stream(self.stream):
+                self.index = self.index.to(kv_cache.device, non_blocking=True)
         self.futures: list[Future] = []
         self.on_done = on_done
 
@@ -42,7 +50,7 @@ class FrameAssembler(KVReceiver):
             write(frame)
             return
         with torch.cuda.stream(self.stream):
-            write(frame.to(self.kv_cache.device))
+            write(frame.to(self.kv_cache.device, non_blocking=True))
 
     def error(self) -> Exception | None:
         for f in self.futures:
@@ -56,7 +64,9 @@ class FrameAssembler(KVReceiver):
 
     def finish(self) -> None:
         if self.stream is not None:
-            self.stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()
 
     def abandon(self) -> None:
         wait(self.futures)

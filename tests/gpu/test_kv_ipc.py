@@ -105,6 +105,24 @@ def test_frames_carry_gpu_caches_when_ipc_is_not_asked_for(decode_side):
     manager.close()
 
 
+def test_frames_land_while_host_syncs_raise(decode_side):
+    # a model load's capture check turns torch's sync-debug mode to "error" for the whole process
+    # (cuda_graphs.syncs_raise) while the handoff's threads run on: a frame copied up, or a transfer finished,
+    # by blocking the host would then raise and fail the transfer
+    rt, manager = _in_process_prefill(decode_side.addr, transports=[Frames()])
+    ended = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for rid, num_tokens in CASES:
+            ended.append((rid, *_hand_off(manager, rt, rid, num_tokens)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for rid, t, src in ended:
+        assert t.state is State.DONE and t.transport == "layers", t.reason
+        _check_landed(decode_side, rt, rid, src)
+    manager.close()
+
+
 def test_falls_back_to_frames_when_the_ipc_handle_cannot_be_mapped(decode_side):
     rt, manager = _in_process_prefill(decode_side.addr)
     direct = decode_side.receiver.transports[0]
