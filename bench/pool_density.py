@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
           + ("" if pool.cold_loads else " (none: one load timed after it, alone)"))
     for line in holds_lines(holds, phases):
         print(line)
-    print(steps_line(pool.lock_waits, pool.steps))
+    print(steps_line(pool.lock_waits, pool.steps, pool.phase_steps))
     result["cold_load_s"] = percentile(cold, 50)
     result["pool"]["holds"] = {"longest_s": max((h.longest()[1] for h in holds), default=0.0),
                                "total_s": percentile([h.total() for h in holds], 50),

@@ -35,13 +35,16 @@ def holds_lines(holds: list[HoldTimes], phases: list[dict[str, float]]) -> list[
     return lines
 
 
-def steps_line(lock_waits: list[float], steps: dict[bool, list[float]]) -> str:
-    """The resident models' side: their rounds' waits for the lock and their steps, while a load ran and not."""
+def steps_line(lock_waits: list[float], steps: dict[bool, list[float]], by_phase: dict[str, list[float]]) -> str:
+    """The resident models' side: their rounds' waits for the lock and their steps, while a load ran and not, and
+    while a load ran by the phase it was in."""
     during, other = steps[True], steps[False]
     if not during:
         return "  resident steps while a load ran: none"
+    phases = "; ".join(f"{phase or 'starting'} p50 {percentile(s, 50) * 1000:.1f} / p99 {percentile(s, 99) * 1000:.1f} ms "
+                       f"({len(s)})" for phase, s in by_phase.items())
     return (f"  resident steps while a load ran: a round waited for the step lock at most {max(lock_waits, default=0.0):.3f} s "
             f"(p99 {percentile(lock_waits, 99):.3f} s); a step p50 {percentile(during, 50) * 1000:.1f} ms, p99 "
             f"{percentile(during, 99) * 1000:.1f} ms, max {max(during) * 1000:.1f} ms over {len(during)} (without a "
             f"load: p50 {percentile(other, 50) * 1000:.1f} ms, p99 {percentile(other, 99) * 1000:.1f} ms, max "
-            f"{max(other, default=float('nan')) * 1000:.1f} ms)")
+            f"{max(other, default=float('nan')) * 1000:.1f} ms)\n    resident steps by the load's phase: {phases}")

@@ -42,10 +42,13 @@ class Models:
             device=a.device, async_scheduling=a.async_scheduling)
 
     def load(self, i: int, kv_bytes: int | None = None, pool: KVPool | None = None, holds: HoldTimes | None = None,
-             phases: dict[str, float] | None = None) -> EngineCore:
+             phases: dict[str, float] | None = None, on_phase=None) -> EngineCore:
         """Weights first, holding nothing; then the engine (its KV attached to ``pool``, its CUDA graphs captured)
         and its warm-up, taking the step lock through ``holds`` in pieces as a worker's load does: the pool
-        attach, each graph, each warm-up shape, every hold timed. ``phases``: each phase's wall seconds."""
+        attach, each graph, each warm-up shape, every hold timed. ``phases``: each phase's wall seconds; ``on_phase``:
+        called with each phase's name (PHASES) as it starts."""
+        enter = on_phase or (lambda phase: None)
+        enter(PHASES[0])
         t0 = time.perf_counter()
         config = self.config(i, kv_bytes)
         loaded = load_model(config.model, config.device, progress=False)
@@ -57,10 +60,12 @@ class Models:
         def hold(phase: str):
             return holds.hold(phase) if holds is not None else None
 
+        enter(PHASES[1])
         kv_pool = LockedPool(pool, hold("engine build")) if pool is not None and holds is not None else pool
         core = build_engine(lambda: EngineCore(config, kv_pool=kv_pool, kv_pool_key=f"model-{i}" if pool else None,
                                                loaded=loaded), hold("graph capture"))
         t_engine = time.perf_counter()
+        enter(PHASES[2])
         warm_up(core, compiles=cuda, hold=hold("warm-up"))
         if cuda:  # this thread's work done; a device-wide sync would wait for the other models' steps too
             torch.cuda.current_stream(device).synchronize()

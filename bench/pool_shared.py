@@ -15,6 +15,7 @@ from kvrelay.bench.pool_workload import Arrival, percentile
 from kvrelay.shared.engine import KVPool
 from kvrelay.shared.engine.kv_pool import KVPoolFull
 from kvrelay.shared.worker.eviction import Candidate, DemandRate, Incoming, choose_victims
+from kvrelay.shared.worker.gil_switch import short_switches
 from kvrelay.shared.worker.load_room import IDLE_GRACE_S
 from kvrelay.shared.worker.step_lock import HoldTimes
 
@@ -87,7 +88,9 @@ class PoolRun(Run):
         t0 = time.perf_counter()
         result["holds"], result["phases"] = HoldTimes(self.lock), {}  # timed on this thread, the load's
         try:
-            result["core"] = self.models.load(m, pool=self.pool, holds=result["holds"], phases=result["phases"])
+            with short_switches():  # as a worker's load thread runs (shared/worker/model_loads.py)
+                result["core"] = self.models.load(m, pool=self.pool, holds=result["holds"], phases=result["phases"],
+                                                  on_phase=lambda phase: setattr(self, "load_phase", phase))
         except Exception as exc:  # handed to the stepping thread, which raises it
             result["error"] = exc
         result["seconds"] = time.perf_counter() - t0

@@ -30,6 +30,8 @@ class Run(abc.ABC):
         self.lock = StepLock()  # a side thread's load takes it in pieces, between rounds of steps
         self.lock_waits: list[float] = []  # seconds each round waited for its turn while a load ran
         self.steps: dict[bool, list[float]] = {False: [], True: []}  # seconds of each step, by whether a load ran
+        self.load_phase = ""  # the running load's phase (pool_models.PHASES), set by its thread
+        self.phase_steps: dict[str, list[float]] = {}  # seconds of each step taken while a load ran, by its phase
 
     def submit(self, k: int) -> None:
         a = self.arrivals[k]
@@ -82,6 +84,8 @@ class Run(abc.ABC):
                 t = time.perf_counter()
                 outs = self.cores[i].step()
                 self.steps[loading].append(time.perf_counter() - t)
+                if loading:
+                    self.phase_steps.setdefault(self.load_phase, []).append(self.steps[True][-1])
                 for out in outs:
                     o = self._by_id[out.request_id]
                     if out.new_token_ids:

@@ -39,6 +39,9 @@ def test_bench_pool_reports_both_modes_on_the_cpu():
     rows = re.findall(r"^\s+(\d)\s+[\d.]+%\s+\d+ ", out, re.M)
     assert rows == ["0", "1", "2", "3"] * 2, out  # a TTFT/TPOT row per model, each mode
     assert re.search(r"cold load of an evicted model: median [\d.]+ s", out), out
+    # the resident steps a load ran beside, told apart by the load's phase (what to blame for a slow one)
+    assert re.search(r"resident steps while a load ran: (none|a round .*\n    resident steps by the load's phase: "
+                     r"(weights|engine build|warm-up) p50 [\d.]+ / p99 [\d.]+ ms \(\d+\))", out), out
     assert re.search(r"one model alone \(the same arrivals, all the memory\): [\d.]+ tok/s; the pool's aggregate "
                      r"is \d+% of it", out), out
     assert re.search(r"pool / static: models 3/\d, output tok/s [\d.]+x, goodput \(TTFT <= 1 s, TPOT <= 50 ms\) "
