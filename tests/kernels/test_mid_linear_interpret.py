@@ -44,12 +44,13 @@ def test_every_named_config(name, dtype, bias):
     check(20, 40, 200, dtype, name, bias)
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 3, 5])
 @pytest.mark.parametrize("variant", ml.VARIANTS)
-def test_forced_splits(variant, split):
+def test_forced_splits(variant, split, tma):
     # 7 K tiles of 64: 3 splits of 3 leave the last one a single tile; persistent: `split` programs walk
     # 2 x 2 tiles x 7 K tiles = 28 iterations, 3 and 5 of them ending ranges inside a tile
-    cfg = ml.MidConfig(variant, 32, 32, 64, 4, 2, split)
+    cfg = ml.MidConfig(variant, 32, 32, 64, 4, 2, split, tma)
     check(40, 50, 448, torch.bfloat16, cfg)
 
 
@@ -88,7 +89,7 @@ def test_default_config_is_a_named_one():
 
 @pytest.mark.parametrize("what, match", [
     ("fp32", "fp16 or bf16"), ("mixed", "fp16 or bf16"), ("k", "features"), ("strided", "contiguous"),
-    ("variant", "unknown mid_linear variant"),
+    ("variant", "unknown mid_linear variant"), ("tma_k", "K a multiple of 8"),
 ])
 def test_refusals(what, match):
     x, w, _ = case(4, 24, 64, torch.bfloat16, False)
@@ -101,6 +102,8 @@ def test_refusals(what, match):
         x = x[:, :32]
     elif what == "strided":
         w = torch.randn(64, 24).to(torch.bfloat16).t()
+    elif what == "tma_k":  # a tensor descriptor's row stride must be a multiple of 16 bytes
+        x, w, cfg = x[:, :60], w[:, :60].contiguous(), "split_n128_k64_tma"
     else:
         cfg = replace(ml.CONFIGS["split_n64_k128"], variant="splitk")
     with pytest.raises(ValueError, match=match):
