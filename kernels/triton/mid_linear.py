@@ -5,8 +5,9 @@ scheduling: output tiles that fill the SMs in 1.7 waves (gate|up's 224 tiles of 
 split-K whose reduction is a launch of its own. Three schedules of the same K loop (``_tile_dot``):
 
 - ``split``: ``SPLIT`` programs share the K loop of one output tile, SPLIT chosen so that the programs fill
-  whole waves of the SMs without more partial sums than that saves weight time (``_choose_split``); fp32 partials go to a [SPLIT, M, N] scratch that w4_fast's ``_split_sum_kernel``
-  adds in a fixed order (the same bits every run); one split stores the output directly.
+  whole waves of the SMs without more partial-sum traffic than that saves (``_choose_split``); fp32
+  partials go to a [SPLIT, M, N] scratch that w4_fast's ``_split_sum_kernel`` adds in a fixed order (the
+  same bits every run); one split stores the output directly.
 - ``atomic``: the same grid, partials ``atomic_add``-ed into a zeroed fp32 [M, N] (a memset, the kernel, a
   cast): no scratch of SPLIT x the output, but the order of the additions (and so the bits) may vary.
 - ``persistent``: stream-K. One program per resident slot walks a contiguous range of the flattened
@@ -43,7 +44,7 @@ MAX_SPLIT = 16
 class MidConfig:
     """One schedule. ``block_m`` caps the row tile (fewer rows take a smaller power of two, at least 16);
     ``split``: K splits per output tile (split, atomic) or programs in all (persistent); 0 picks it from
-    the SM count. ``tma``: load the tiles through Hopper tensor descriptors (the copy engine computes the
+    the SM count. ``tma``: load the tiles through Hopper tensor descriptors (the TMA unit computes the
     addresses and zero-fills past the edges) instead of pointer arithmetic; needs K a multiple of 8."""
 
     variant: str
