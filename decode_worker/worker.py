@@ -56,10 +56,11 @@ class DecodeWorker:
         self.runtime = WorkerRuntime(config, receives_kv=True)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
                                            config.advertise_host, curve=self.runtime.curve)
-        self.bulk = None  # (plain socket, address) where frames come MAC'd; without, on self.sock with CRCs
+        self.bulk = None  # (plain socket, address) each, where frames come MAC'd; without, on self.sock with CRCs
         if self.runtime.curve is not None and not config.encrypt_kv_frames:
-            self.bulk = bind_router(self.runtime.ctx, config.host, config.kv_frames_port, self._max_frame(),
-                                    config.advertise_host, curve=None)
+            ports = [config.kv_frames_port + i if config.kv_frames_port else 0 for i in range(config.kv_frame_streams)]
+            self.bulk = [bind_router(self.runtime.ctx, config.host, port, self._max_frame(), config.advertise_host,
+                                     curve=None) for port in ports]
         self.receiver = HandoffReceiver(self.sock, self._core_for, config.handoff_timeout_s,
                                         max_per_peer=config.max_handoffs_per_peer, asker_alive=self._asker_alive,
                                         bulk=self.bulk)
@@ -92,8 +93,8 @@ class DecodeWorker:
                                        abandon=self._abandon)
         finally:
             self.sock.close(linger=0)
-            if self.bulk is not None:
-                self.bulk[0].close(linger=0)
+            for sock, _ in self.bulk or ():
+                sock.close(linger=0)
 
     # -- RoleHooks ----------------------------------------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:

@@ -1,7 +1,8 @@
 """The prefill side's sockets to decode workers: one DEALER a decode worker, dialled on first use, polled
 together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle; and one
-plain DEALER a decode worker's bulk socket (HandoffGrant.frames_addr), which only sends: MAC'd frames, each
-authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py)."""
+plain DEALER for each of a decode worker's bulk sockets (HandoffGrant.frames_addrs), which only sends: MAC'd
+frames, each authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py). Each is its own
+connection, which libzmq gives the least busy of the context's I/O threads."""
 
 from collections.abc import Iterator
 
