@@ -38,6 +38,7 @@ def _peer(args: argparse.Namespace) -> None:
     # as a decode worker's bulk sockets (--kv-frame-streams)
     bulk = [ctx.socket(zmq.ROUTER) for _ in range(args.frame_streams)] if keys is not None and args.frames == "mac" else []
     for i, sock in enumerate((router, pull, ack, *bulk)):
+        sock.setsockopt(zmq.AFFINITY, 1 << max(0, i - 2))  # the bulk sockets a thread each, as a decode worker's
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, frame_max * (LAYERS if sock is pull else 1))  # pull: raw, 1 message
         if args.transport == "tcp":

@@ -2,8 +2,10 @@
 together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle; and one
 plain DEALER for each of a decode worker's bulk sockets (HandoffGrant.frames_addrs), which only sends: MAC'd
 frames, each authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py). Each is its own
-connection, which libzmq gives the least busy of the context's I/O threads."""
+connection, and the bulk ones take the context's I/O threads but the first in turn: libzmq would give each the least busy
+thread as it connects, but a transfer opens its sockets all at once, before any is busy, and they would share."""
 
+import itertools
 from collections.abc import Iterator
 
 import zmq
@@ -21,6 +23,8 @@ class PeerSockets:
         self.ctx, self.curve = ctx, curve
         self.sockets: dict[str, zmq.Socket] = {}
         self.bulk: dict[str, zmq.Socket] = {}
+        self._io_threads = ctx.get(zmq.IO_THREADS)
+        self._bulk_opened = itertools.count()
         self.addr_of: dict[zmq.Socket, str] = {}  # a polled socket's decode worker: whose reply it carries
         self.poller = zmq.Poller()
         self.waker = Waker()
@@ -59,6 +63,7 @@ class PeerSockets:
         sock = sockets.get(addr)
         if sock is None:
             sock = sockets[addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.AFFINITY, 1 << self._io_thread(bulk))
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
@@ -68,3 +73,10 @@ class PeerSockets:
                 self.addr_of[sock] = addr
             sock.connect(addr)
         return sock
+
+    def _io_thread(self, bulk: bool) -> int:
+        """Thread 0 carries the control connections; the bulk ones take the others in turn (all of them share
+        thread 0 in a context of one)."""
+        if not bulk or self._io_threads == 1:
+            return 0
+        return 1 + next(self._bulk_opened) % (self._io_threads - 1)

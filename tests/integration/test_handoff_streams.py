@@ -1,7 +1,7 @@
 """Host-staged frames dealt across a decode worker's several plain bulk sockets (--kv-frame-streams), over real ZMQ
 sockets: a transfer spread over them lands intact, frames that arrive out of order across them assemble, and a
 frame with a bad MAC on any one of them fails the transfer before that frame's bytes land, while the worker goes
-on serving."""
+on serving; and the sender's bulk connections are spread over the I/O threads."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import zmq
 
 from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.handoff.frames import StagedKV
+from kvrelay.shared.handoff.peer_sockets import PeerSockets
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant
 from tests.integration.handoff_harness import BLOCK, hand_off_tiny, wait_for
@@ -96,3 +97,19 @@ def test_a_bad_mac_on_any_bulk_socket_fails_the_transfer_before_its_bytes_land(p
     assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("good")], kv[:, :, src])
     for sock in (control, *bulk):
         sock.close()
+
+
+def test_a_senders_bulk_connections_each_take_an_io_thread_of_their_own():
+    """libzmq would give each connection the least busy I/O thread as it opens, but a transfer opens its bulk
+    sockets all at once, before any is busy: they would share one and move their bytes on it, one at a time."""
+    ctx = zmq.Context(io_threads=1 + STREAMS)
+    peers = PeerSockets(ctx, curve=None)
+    try:
+        for i in range(STREAMS + 1):  # the next one, of a decode worker's next stream, wraps around
+            peers.send(f"tcp://127.0.0.1:{40001 + i}", [b"x"], bulk=True)
+        peers.send("tcp://127.0.0.1:40000", [b"x"])
+        assert [s.getsockopt(zmq.AFFINITY) for s in peers.bulk.values()] == [0b10, 0b100, 0b1000, 0b10]
+        assert [s.getsockopt(zmq.AFFINITY) for s in peers.sockets.values()] == [0b1]  # control: thread 0
+    finally:
+        peers.close()
+        ctx.destroy(linger=0)
