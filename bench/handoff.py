@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                    ("in-process d2d copy_", copy))
             _phase_table(title, "grant -> copied + header out", ipc_phases)
             if scatter:
-                _table(f"GPU caches, host-staged layer frames over tcp ({_label(('mac', streams[0]))})", "kvrelay frames", staged,
+                how = _label(("insecure", 1) if args.insecure_zmq else ("mac", streams[0]))
+                _table(f"GPU caches, host-staged layer frames over tcp ({how})", "kvrelay frames", staged,
                        ("raw ZMQ host bytes, 1 message", raw), ("raw ZMQ, 4 MiB messages", raw4))
                 _phase_table("GPU caches, host-staged layer frames", "grant -> last frame queued", staged_phases)
     return 0
@@ -178,7 +179,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "insecure (--insecure-zmq)")
     p.add_argument("--frame-streams", default=str(DEFAULT_STREAMS),
                    help="bulk sockets the CPU section's MAC'd frames are dealt across, a list to compare side by side "
-                   "(a decode worker's --kv-frame-streams)")
+                   "(a decode worker's --kv-frame-streams); the CUDA section's frames take the first")
 
 
 if __name__ == "__main__":  # `kvrelay bench handoff`

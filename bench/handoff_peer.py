@@ -36,7 +36,8 @@ def _peer(args: argparse.Namespace) -> None:
     keys = curve()
     zmq_auth.serve(router, keys)
     # as a decode worker's bulk sockets (--kv-frame-streams)
-    bulk = [ctx.socket(zmq.ROUTER) for _ in range(args.frame_streams)] if keys is not None and args.frames == "mac" else []
+    macd = keys is not None and args.frames == "mac"
+    bulk = [ctx.socket(zmq.ROUTER) for _ in range(args.frame_streams)] if macd else []
     for i, sock in enumerate((router, pull, ack, *bulk)):
         sock.setsockopt(zmq.AFFINITY, 1 << max(0, i - 2))  # the bulk sockets a thread each, as a decode worker's
         sock.setsockopt(zmq.LINGER, 0)

@@ -2,8 +2,9 @@
 together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle; and one
 plain DEALER for each of a decode worker's bulk sockets (HandoffGrant.frames_addrs), which only sends: MAC'd
 frames, each authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py). Each is its own
-connection, and the bulk ones take the context's I/O threads but the first in turn: libzmq would give each the least busy
-thread as it connects, but a transfer opens its sockets all at once, before any is busy, and they would share."""
+connection, and the bulk ones take the context's I/O threads but the first in turn: libzmq would give each the
+least busy thread as it connects, but a transfer opens its sockets all at once, before any is busy, and they
+would share one."""
 
 import itertools
 from collections.abc import Iterator

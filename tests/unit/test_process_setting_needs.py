@@ -107,7 +107,8 @@ def test_a_kv_frame_stream_count_out_of_range_is_one_line_before_anything_loads(
     with pytest.raises(SystemExit) as exc:
         main(["decode-worker", *TINY, "--kv-frame-streams", value, "--print-config"])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [f"kvrelay decode-worker: error: argument --kv-frame-streams: {said}"]
+    said = f"kvrelay decode-worker: error: argument --kv-frame-streams: {said}"
+    assert capsys.readouterr().err.splitlines() == [said]
 
 
 def test_a_config_built_whole_refuses_a_value_that_would_have_no_effect():
