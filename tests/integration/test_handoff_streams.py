@@ -3,6 +3,8 @@ sockets: a transfer spread over them lands intact, frames that arrive out of ord
 frame with a bad MAC on any one of them fails the transfer before that frame's bytes land, while the worker goes
 on serving; and the sender's bulk connections are spread over the I/O threads."""
 
+import dataclasses
+
 import pytest
 import torch
 import zmq
@@ -69,6 +71,28 @@ def test_frames_arriving_out_of_order_across_the_sockets_assemble(prefill, decod
     assert torch.equal(side.rt.core.kv.kv_cache[:, :, grant.block_ids], kv[:, :, SRC])
     for sock in (control, *bulk):
         sock.close()
+
+
+def test_an_asker_that_drops_the_other_bulk_sockets_sends_every_frame_to_the_first(prefill, decode_side):
+    """The premise of HandoffGrant.more_frames_addrs being ignorable, checked: a prefill worker that does not know it
+    (dropped from the grant it reads) still hands off, bit-exact, every frame on the one socket it knows."""
+    rt, make = prefill
+    side = decode_side(bulk=STREAMS)
+    manager = make(side.addr)
+    on_answer, spread = manager._on_answer, []
+
+    def as_older_asker(peer, msg):
+        if isinstance(msg, HandoffGrant) and msg.more_frames_addrs:
+            spread.append(msg.request_id)
+            msg = dataclasses.replace(msg, more_frames_addrs=[])
+        on_answer(peer, msg)
+
+    manager._on_answer = as_older_asker
+    t, src = hand_off_tiny(manager, rt, "older", NUM_TOKENS)
+    assert t.state is State.DONE and t.transport == "layers" and spread == ["older"], t.reason
+    wait_for(lambda: "older" in side.admitted, "admission")
+    assert torch.equal(side.rt.core.kv.kv_cache[:, :, side.blocks("older")], rt.core.kv.kv_cache[:, :, src])
+    assert len(side.receiver.kv_bytes_by_sender) == 1 and _taken(side) == t.nbytes
 
 
 @pytest.mark.parametrize("stream", range(STREAMS))

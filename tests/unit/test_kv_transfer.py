@@ -4,6 +4,7 @@ form bit for bit, and every way a transfer can be wrong is refused before a byte
 import dataclasses
 from concurrent.futures import wait
 
+import msgpack
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from kvrelay.shared.handoff.direct import Exporter, IpcError
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader, KVIpcHandle, KVLayers
+from kvrelay.shared.wire.limits import IGNORABLE_KEY
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -206,6 +208,8 @@ def test_a_grant_names_more_bulk_sockets_only_beside_the_first():
     grant = HandoffGrant(request_id="r", accepted=True, frames_addr="tcp://h:1", frames_key=bytes(32),
                          more_frames_addrs=["tcp://h:2", "ipc:///tmp/b3"])
     assert decode(encode(grant), HandoffGrant).frames_addrs == ["tcp://h:1", "tcp://h:2", "ipc:///tmp/b3"]
+    # an asker that predates it may drop it (and sends every frame to frames_addr, one of the same sockets)
+    assert "more_frames_addrs" in msgpack.unpackb(encode(grant))[IGNORABLE_KEY]
     for over in (dict(frames_addr="", frames_key=b""), dict(more_frames_addrs=["h:2"]),
                  dict(more_frames_addrs=[f"tcp://h:{i}" for i in range(2, 18)])):
         with pytest.raises(ValueError, match="more_frames_addrs"):
