@@ -175,7 +175,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-zmq", action="store_true", help="our sockets without CURVE (default: with, as served)")
     p.add_argument("--frame-modes", default=",".join(FRAME_MODES),
                    help="how the CPU section's frames go, the first against raw ZMQ and against each other: mac (plain "
-                   "bulk socket, a MAC a frame: the default served), curve (encrypted: --encrypt-kv-frames), "
+                   "bulk sockets, a MAC a frame: the default served), curve (encrypted: --encrypt-kv-frames), "
                    "insecure (--insecure-zmq)")
     p.add_argument("--frame-streams", default=str(DEFAULT_STREAMS),
                    help="bulk sockets the CPU section's MAC'd frames are dealt across, a list to compare side by side "

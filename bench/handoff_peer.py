@@ -72,7 +72,7 @@ def curve() -> CurveKeys | None:
 
 
 
-# how the frames travel: "mac", on the peer's plain bulk socket, each MAC'd (a CURVE deployment's default);
+# how the frames travel: "mac", on the peer's plain bulk sockets, each MAC'd (a CURVE deployment's default);
 # "curve", encrypted on its CURVE socket with CRCs (--encrypt-kv-frames); "insecure", every socket without
 # CURVE, CRCs (--insecure-zmq). Without a secret in the environment every mode is "insecure"
 FRAME_MODES = ("mac", "curve", "insecure")

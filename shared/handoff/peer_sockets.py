@@ -51,7 +51,7 @@ class PeerSockets:
                 yield self.addr_of[sock], frames
 
     def send(self, addr: str, parts: list, bulk: bool = False) -> bool:
-        """Queue one message for the decode worker at ``addr`` (``bulk``: its plain bulk socket there); False
+        """Queue one message for the decode worker at ``addr`` (``bulk``: its plain bulk socket at ``addr``); False
         when its queue is full."""
         try:
             self._socket(addr, bulk).send_multipart(parts, zmq.NOBLOCK, copy=False)

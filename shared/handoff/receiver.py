@@ -123,7 +123,7 @@ class KVInbox(Seats):
             self._reply(peer, given[0] if len(given) == 1 else HandoffGrants(given))
 
     def _on_bulk(self, frames: list) -> None:
-        """A message on the plain bulk socket, where anyone can send: a MAC'd frame goes on to be checked,
+        """A message on one of the plain bulk sockets, where anyone can send: a MAC'd frame goes on to be checked,
         anything else is counted and dropped (logged only at debug: no stranger fills our log)."""
         try:
             msg = decode_any(frames[1].bytes, KVLayers) if len(frames) >= 2 else None
@@ -131,12 +131,12 @@ class KVInbox(Seats):
             msg = None
         if msg is None or not msg.mac:
             self.refused_bulk += 1
-            log.debug("dropped a message on the bulk socket that is no MAC'd KV frame (%d so far)", self.refused_bulk)
+            log.debug("dropped a message on a bulk socket that is no MAC'd KV frame (%d so far)", self.refused_bulk)
             return
         self._on_layer(frames[0].bytes, msg, frames[2:], bulk=True)
 
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list, bulk: bool = False) -> None:
-        """``bulk``: it came on the bulk socket, from whoever holds its grant's key (the MAC, checked before
+        """``bulk``: it came on a bulk socket, from whoever holds its grant's key (the MAC, checked before
         the frame lands, says who), not from the grant's connection."""
         rid = msg.request_id
         if self._is_stale("a KV part" if msg.is_part else "KV layers", rid, msg.epoch):

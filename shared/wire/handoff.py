@@ -182,9 +182,9 @@ class HandoffGrant:
     targets: list[KVTarget] = field(default_factory=list)
     # which grant of ``request_id`` this is (>= 1 when accepted): its KV, header and ack carry it
     epoch: int = 0
-    # host-staged frames go to the decode worker's plain bulk socket at ``frames_addr``, each MAC'd under
-    # ``frames_key``, this grant's own random key (it travels only here, on the CURVE channel); "": frames go
-    # to the grant's socket with CRCs. Ignorable (both go together): an asker that does not know them sends
+    # host-staged frames go to the decode worker's plain bulk socket at ``frames_addr`` (and its others, below),
+    # each MAC'd under ``frames_key``, this grant's own random key (it travels only here, on the CURVE channel); "":
+    # frames go to the grant's socket with CRCs. Ignorable (both go together): an asker that does not know them sends
     # its frames to the grant's socket with CRCs, which the decode worker takes for any grant
     frames_addr: str = field(default="", metadata={"max_len": 1024, **IGNORABLE})
     frames_key: bytes = field(default=b"", repr=False, metadata=IGNORABLE)
