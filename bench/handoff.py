@@ -15,9 +15,10 @@ ack round trips count. Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf1
   against raw ZMQ of the same bytes from host memory.
 Every number is the median of ``--repeats`` timed transfers after one warm-up; GB/s = 1e9 bytes/s.
 Our sockets authenticate and encrypt (CURVE) as a deployment's do, with a secret generated per run, and the
-frames go as a deployment's do by default: on the decode side's plain bulk socket, each MAC'd. The CPU section
-also runs them as ``--frame-modes`` lists (``curve``: encrypted on the CURVE socket, ``--encrypt-kv-frames``;
-``insecure``: no CURVE anywhere, ``--insecure-zmq``) and prints them side by side with ratios.
+frames go as a deployment's do by default: dealt across the decode side's plain bulk sockets, each MAC'd. The CPU
+section also runs them as ``--frame-modes`` lists (``curve``: encrypted on the CURVE socket, ``--encrypt-kv-frames``;
+``insecure``: no CURVE anywhere, ``--insecure-zmq``), the MAC'd ones over each of ``--frame-streams`` bulk socket
+counts (``--kv-frame-streams``), and prints them side by side with ratios.
 ``--insecure-zmq`` measures every section without CURVE. The raw ZMQ baselines are plain sockets either way.
 """
 
@@ -31,8 +32,12 @@ from kvrelay.bench.handoff_copy import copy_paths, device_copy, use_copy
 from kvrelay.bench.handoff_measure import Handoffs, interleaved, kv_bytes, protocol, raw_zmq
 from kvrelay.bench.handoff_overlap import overlap
 from kvrelay.bench.handoff_peer import BLOCK, FRAME_MODES, HEAD_DIM, KV_HEADS, LAYERS, Peer
+from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.handoff.frames import MESSAGE_TARGET
+from kvrelay.shared.wire.handoff import MAX_FRAME_STREAMS
+
+DEFAULT_STREAMS = WorkerConfig.__pydantic_fields__["kv_frame_streams"].default  # a decode worker's
 
 
 def _phase_table(title: str, move: str, phases: dict[int, list[float]]) -> None:
@@ -50,7 +55,7 @@ def _cpu_table(title: str, by_mode: dict[str, tuple]) -> None:
     for mode, (secs, _, cpu) in by_mode.items():
         for num_tokens, s in secs.items():
             send, recv = cpu[num_tokens]
-            print(f"| {kv_bytes(num_tokens) / 2**20:.0f} MiB | {FRAME_LABELS[mode]} | {kv_bytes(num_tokens) / s / 1e9:,.2f} | "
+            print(f"| {kv_bytes(num_tokens) / 2**20:.0f} MiB | {_label(mode)} | {kv_bytes(num_tokens) / s / 1e9:,.2f} | "
                   f"{send:.3f} | {recv:.3f} |", flush=True)
 
 
@@ -64,36 +69,47 @@ def _table(title: str, ours: str, mine: dict[int, float], *baselines: tuple[str,
         print(f"| {nbytes / 2**20:.0f} MiB | {num_tokens} | {a:,.2f} | " + " | ".join(cells) + " |", flush=True)
 
 
-FRAME_LABELS = {"mac": "MAC'd frames, plain bulk socket", "curve": "CURVE-encrypted frames",
-                "insecure": "--insecure-zmq frames"}
+FRAME_LABELS = {"mac": "MAC'd frames", "curve": "CURVE-encrypted frames", "insecure": "--insecure-zmq frames"}
 
 
-def _cpu_frames(transport: str, tokens: list[int], repeats: int, modes: list[str]) -> None:
-    """The first of ``modes`` against raw ZMQ; each mode's phases; the first against the others (their transfers
-    take turns: ``interleaved``)."""
+def _label(variant: tuple[str, int]) -> str:
+    mode, streams = variant
+    if mode != "mac":
+        return FRAME_LABELS[mode]
+    return f"{FRAME_LABELS[mode]}, {streams} plain bulk socket{'s' if streams > 1 else ''}"
+
+
+def _cpu_frames(transport: str, tokens: list[int], repeats: int, modes: list[str], streams: list[int]) -> None:
+    """The first of ``modes`` (MAC'd frames: over each of ``streams`` bulk sockets) against raw ZMQ; each one's
+    phases; the first against the others (their transfers take turns: ``interleaved``)."""
     peers = {}
     try:
         for mode in modes:
-            peers[mode] = Peer("cpu", transport, max(tokens), scatter=True, frames=mode)
+            for n in streams if mode == "mac" else [1]:
+                peers[mode, n] = Peer("cpu", transport, max(tokens), scatter=True, frames=mode, streams=n)
         by_mode = interleaved({m: Handoffs("cpu", peer, max(tokens), ipc=False) for m, peer in peers.items()},
                               tokens, repeats)
-        raw, raw4 = raw_zmq(peers[modes[0]], tokens, repeats), raw_zmq(peers[modes[0]], tokens, repeats, MESSAGE_TARGET)
+        first, *others = peers
+        raw, raw4 = raw_zmq(peers[first], tokens, repeats), raw_zmq(peers[first], tokens, repeats, MESSAGE_TARGET)
     finally:
         for peer in peers.values():
             peer.close()
     title = f"CPU caches, layer frames over {transport}"
-    _table(f"{title} ({FRAME_LABELS[modes[0]]})", "kvrelay frames", by_mode[modes[0]][0], ("raw ZMQ, 1 message", raw),
+    _table(f"{title} ({_label(first)})", "kvrelay frames", by_mode[first][0], ("raw ZMQ, 1 message", raw),
            ("raw ZMQ, 4 MiB messages", raw4))
-    for mode in modes:
-        _phase_table(f"{title} ({FRAME_LABELS[mode]})", "grant -> last frame queued", by_mode[mode][1])
+    for variant in peers:
+        _phase_table(f"{title} ({_label(variant)})", "grant -> last frame queued", by_mode[variant][1])
     _cpu_table(title, by_mode)
-    if len(modes) > 1:
-        _table(f"{title}: how the frames are protected (ratio: first column over each)", FRAME_LABELS[modes[0]],
-               by_mode[modes[0]][0], *((FRAME_LABELS[m], by_mode[m][0]) for m in modes[1:]))
+    if others:
+        _table(f"{title}: how the frames are protected and spread (ratio: first column over each)", _label(first),
+               by_mode[first][0], *((_label(v), by_mode[v][0]) for v in others))
 
 
 def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
+    streams = [int(n) for n in args.frame_streams.split(",") if n.strip().isdigit()]
+    if len(streams) != len(args.frame_streams.split(",")) or not all(1 <= n <= MAX_FRAME_STREAMS for n in streams):
+        raise SystemExit(f"--frame-streams: a list of socket counts, 1..{MAX_FRAME_STREAMS}")
     os.environ.pop(ZMQ_SECRET_ENV, None)
     if not args.insecure_zmq:
         os.environ[ZMQ_SECRET_ENV] = generate()
@@ -105,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if not modes or not set(modes) <= set(FRAME_MODES):
             raise SystemExit(f"--frame-modes: a list of {', '.join(FRAME_MODES)}")
         for transport in args.transports.split(","):
-            _cpu_frames(transport, tokens, args.repeats, modes)
+            _cpu_frames(transport, tokens, args.repeats, modes, streams)
     if "overlap" in args.sections.split(","):
         model = args.overlap_model or ("dummy:llama-3-8b" if device == "cuda" else "dummy:smollm2-135m")
         overlap(device, model, [int(t) for t in args.overlap_tokens.split(",")], args.repeats)
@@ -118,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                paths["kernel, 1 run"], ("strided slices (the handoff's path for <= 8 runs)", paths["slices, 1 run"]),
                ("d2d copy_", copy))
         for scatter in (True, False):
-            peer = Peer("cuda", "tcp", max(tokens), scatter=scatter)
+            peer = Peer("cuda", "tcp", max(tokens), scatter=scatter, streams=streams[0])
             try:
                 ipc, ipc_phases = protocol("cuda", peer, tokens, args.repeats, ipc=True, scatter=scatter)
                 old, old_phases = {}, {}
@@ -140,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                    ("in-process d2d copy_", copy))
             _phase_table(title, "grant -> copied + header out", ipc_phases)
             if scatter:
-                _table("GPU caches, host-staged layer frames over tcp", "kvrelay frames", staged,
+                how = _label(("insecure", 1) if args.insecure_zmq else ("mac", streams[0]))
+                _table(f"GPU caches, host-staged layer frames over tcp ({how})", "kvrelay frames", staged,
                        ("raw ZMQ host bytes, 1 message", raw), ("raw ZMQ, 4 MiB messages", raw4))
                 _phase_table("GPU caches, host-staged layer frames", "grant -> last frame queued", staged_phases)
     return 0
@@ -158,8 +175,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-zmq", action="store_true", help="our sockets without CURVE (default: with, as served)")
     p.add_argument("--frame-modes", default=",".join(FRAME_MODES),
                    help="how the CPU section's frames go, the first against raw ZMQ and against each other: mac (plain "
-                   "bulk socket, a MAC a frame: the default served), curve (encrypted: --encrypt-kv-frames), "
+                   "bulk sockets, a MAC a frame: the default served), curve (encrypted: --encrypt-kv-frames), "
                    "insecure (--insecure-zmq)")
+    p.add_argument("--frame-streams", default=str(DEFAULT_STREAMS),
+                   help="bulk sockets the CPU section's MAC'd frames are dealt across, a list to compare side by side "
+                   "(a decode worker's --kv-frame-streams); the CUDA section's frames take the first")
 
 
 if __name__ == "__main__":  # `kvrelay bench handoff`

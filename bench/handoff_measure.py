@@ -31,7 +31,7 @@ class Handoffs:
         kv = torch.randn((LAYERS, 2, 2 * (max_tokens // BLOCK) + 8, BLOCK, KV_HEADS, HEAD_DIM),
                          dtype=torch.bfloat16, device=device)
         self.rt = endpoint(kv, "bench-prefill", MODEL, scatter_seed=2 if scatter else None)
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(io_threads=1 + peer.streams)  # one for each bulk connection, as a prefill worker has
         self.ipc, self.n, self.peer = ipc, 0, peer
         # without CUDA IPC among its transports the sender offers nothing to map: the host-staged frames
         self.manager = HandoffManager(self.ctx, self.rt, timeout_s=60.0, workers=lambda: [decode_info(peer.router, MODEL)],

@@ -29,16 +29,17 @@ def _peer(args: argparse.Namespace) -> None:
     layers, heads, head_dim = (int(x) for x in args.kv_shape.split(","))
     kv = torch.zeros((layers, 2, args.blocks, BLOCK, heads, head_dim), dtype=DTYPES[args.dtype], device=args.device)
     rt = endpoint(kv, "bench-decode", MODEL, scatter_seed=1 if args.scatter else None)
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads=1 + args.frame_streams)  # as a decode worker's (shared/worker/runtime.py)
     frame_max = max_message_bytes(kv, args.blocks)
     router, pull, ack = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     addrs = []
     keys = curve()
     zmq_auth.serve(router, keys)
-    bulk = ctx.socket(zmq.ROUTER) if keys is not None and args.frames == "mac" else None  # as a decode worker's
-    for i, sock in enumerate((router, pull, ack, bulk)):
-        if sock is None:
-            continue
+    # as a decode worker's bulk sockets (--kv-frame-streams)
+    macd = keys is not None and args.frames == "mac"
+    bulk = [ctx.socket(zmq.ROUTER) for _ in range(args.frame_streams)] if macd else []
+    for i, sock in enumerate((router, pull, ack, *bulk)):
+        sock.setsockopt(zmq.AFFINITY, 1 << max(0, i - 2))  # the bulk sockets a thread each, as a decode worker's
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, frame_max * (LAYERS if sock is pull else 1))  # pull: raw, 1 message
         if args.transport == "tcp":
@@ -47,7 +48,7 @@ def _peer(args: argparse.Namespace) -> None:
             addrs.append(f"ipc:///tmp/kvrelay-bench-{args.tag}-{i}")
             sock.bind(addrs[-1])
     receiver = HandoffReceiver(router, serves(MODEL, rt.core), grant_ttl_s=60.0,
-                               bulk=(bulk, addrs[3]) if bulk is not None else None)
+                               bulk=list(zip(bulk, addrs[3:], strict=True)) or None)
     stop = threading.Event()
 
     def raw_echo():  # the baseline: take the bytes, say so, nothing else
@@ -71,7 +72,7 @@ def curve() -> CurveKeys | None:
 
 
 
-# how the frames travel: "mac", on the peer's plain bulk socket, each MAC'd (a CURVE deployment's default);
+# how the frames travel: "mac", on the peer's plain bulk sockets, each MAC'd (a CURVE deployment's default);
 # "curve", encrypted on its CURVE socket with CRCs (--encrypt-kv-frames); "insecure", every socket without
 # CURVE, CRCs (--insecure-zmq). Without a secret in the environment every mode is "insecure"
 FRAME_MODES = ("mac", "curve", "insecure")
@@ -80,11 +81,14 @@ FRAME_MODES = ("mac", "curve", "insecure")
 class Peer:
     def __init__(self, device: str, transport: str, max_tokens: int, scatter: bool,
                  kv_shape: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM), dtype: str = "bfloat16",
-                 frames: str = "mac"):
+                 frames: str = "mac", streams: int = 1):
+        """``streams``: the bulk sockets MAC'd frames come on (--kv-frame-streams)."""
+        self.streams = streams
         blocks = 2 * (max_tokens // BLOCK) + 8
         argv = [*module_argv("kvrelay.bench.handoff_peer"), "--device", device, "--transport", transport,
                 "--blocks", str(blocks), "--tag", f"{id(self)}-{time.monotonic_ns()}",
-                "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype, "--frames", frames]
+                "--kv-shape", ",".join(map(str, kv_shape)), "--dtype", dtype, "--frames", frames,
+                "--frame-streams", str(streams)]
         env = {k: v for k, v in os.environ.items() if k != ZMQ_SECRET_ENV or frames != "insecure"}
         self.keys = curve() if frames != "insecure" else None  # this side's, as the peer's
         self.proc = subprocess.Popen(argv + (["--scatter"] if scatter else []), stdout=subprocess.PIPE, text=True,
@@ -124,6 +128,7 @@ def _peer_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-shape", default=f"{LAYERS},{KV_HEADS},{HEAD_DIM}", help="layers,KV heads,head dim")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--frames", default="mac", choices=FRAME_MODES)
+    parser.add_argument("--frame-streams", type=int, default=1)
     return parser.parse_args(argv)
 
 

@@ -55,11 +55,14 @@ class DecodeWorker:
         self.config = config
         self.runtime = WorkerRuntime(config, receives_kv=True)
         self.sock, self.addr = bind_router(self.runtime.ctx, config.host, config.port, self._max_frame(),
-                                           config.advertise_host, curve=self.runtime.curve)
-        self.bulk = None  # (plain socket, address) where frames come MAC'd; without, on self.sock with CRCs
+                                           config.advertise_host, curve=self.runtime.curve, io_thread=0)
+        self.bulk = None  # (plain socket, address) each, where frames come MAC'd; without, on self.sock with CRCs
         if self.runtime.curve is not None and not config.encrypt_kv_frames:
-            self.bulk = bind_router(self.runtime.ctx, config.host, config.kv_frames_port, self._max_frame(),
-                                    config.advertise_host, curve=None)
+            ports = [config.kv_frames_port + i if config.kv_frames_port else 0 for i in range(config.kv_frame_streams)]
+            # a thread each (the context has one a stream besides thread 0): the least busy one, which libzmq picks
+            # by default, is decided as each connection opens, and a sender's come all at once, before any is busy
+            self.bulk = [bind_router(self.runtime.ctx, config.host, port, self._max_frame(), config.advertise_host,
+                                     curve=None, io_thread=1 + i) for i, port in enumerate(ports)]
         self.receiver = HandoffReceiver(self.sock, self._core_for, config.handoff_timeout_s,
                                         max_per_peer=config.max_handoffs_per_peer, asker_alive=self._asker_alive,
                                         bulk=self.bulk)
@@ -92,8 +95,8 @@ class DecodeWorker:
                                        abandon=self._abandon)
         finally:
             self.sock.close(linger=0)
-            if self.bulk is not None:
-                self.bulk[0].close(linger=0)
+            for sock, _ in self.bulk or ():
+                sock.close(linger=0)
 
     # -- RoleHooks ----------------------------------------------------------------------------------
     def attach(self, slot: ModelSlot) -> None:
@@ -214,13 +217,16 @@ def _hold_for_test(marker: str) -> None:
 
 
 def bind_router(ctx: zmq.Context, host: str, port: int, max_msg_size: int, advertise_host: str | None = None, *,
-                curve: CurveKeys | None) -> tuple[zmq.Socket, str]:
+                curve: CurveKeys | None, io_thread: int | None = None) -> tuple[zmq.Socket, str]:
     """A ROUTER socket on host:port (0 = ephemeral) and the address peers should dial; with ``curve``,
-    only the deployment's processes get through its handshake."""
+    only the deployment's processes get through its handshake. ``io_thread``: the one of the context's libzmq I/O
+    threads that carries its connections (None: the least busy when each connects)."""
     if advertise_host is None and host in ("0.0.0.0", "*", "::"):
         raise ValueError("--host is a wildcard: set --advertise-host to an address prefill workers can reach")
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    if io_thread is not None:
+        sock.setsockopt(zmq.AFFINITY, 1 << io_thread)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     zmq_auth.serve(sock, curve)
     if port:

@@ -13,6 +13,7 @@ from kvrelay.shared.config import common, depends, role_settings
 from kvrelay.shared.config.declare import CONFIG, ConfigError, ExistingDir, Port, RedisUrl, setting
 from kvrelay.shared.config.engine import EngineConfig
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.handoff import MAX_FRAME_STREAMS
 from kvrelay.shared.wire.protocol import ModelSpec
 
 MIN_RESIDENCY_S = 15.0
@@ -69,6 +70,12 @@ class WorkerConfig:
         "Under --insecure-zmq frames come on the one socket, CRC-checked, and this is refused", roles=DECODE)
     kv_frames_port: Port = setting(0, "decode: TCP port of that plain socket for MAC'd KV frames (0: ephemeral; "
                                    "refused with --encrypt-kv-frames or --insecure-zmq)", roles=DECODE)
+    # one connection's bytes move on one libzmq I/O thread, which one stream of frames saturates: more sockets, more
+    # threads; a few, not one a core, since each side's pool threads MAC and write the frames besides
+    kv_frame_streams: int = setting(
+        4, "decode: plain sockets that MAC'd KV frames come on, each its own connection and I/O thread; a prefill "
+        "worker deals a transfer's frames across them (with --kv-frames-port P: ports P .. P+N-1; refused with "
+        "--encrypt-kv-frames or --insecure-zmq)", ge=1, le=MAX_FRAME_STREAMS, roles=DECODE)
     max_handoffs_per_peer: int | None = setting(
         None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
         "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",
@@ -158,6 +165,9 @@ class WorkerConfig:
         if self.gpu_sm_percent != GPU_SM_PERCENT:
             check_sm_share(self.gpu_share, "--gpu-sm-percent")
         depends.check(self, NEEDS)
+        if self.kv_frames_port and self.kv_frames_port + self.kv_frame_streams - 1 > 65535:
+            raise ConfigError(f"argument --kv-frames-port: {self.kv_frame_streams} sockets (--kv-frame-streams) from "
+                              f"port {self.kv_frames_port} run past 65535")
 
     def startup_models(self) -> list[StartupModel]:
         first = [StartupModel(self.model_name, self.engine, self.model_path)] if self.model_name else []
@@ -183,6 +193,7 @@ def _kv_frames_socket(config: WorkerConfig) -> str:
 # settings that only another setting's value makes take effect (shared/config/depends.py)
 NEEDS = (
     depends.Needs(("kv_frames_port",), _kv_frames_socket),
+    depends.Needs(("kv_frame_streams",), _kv_frames_socket),
     depends.Needs(("encrypt_kv_frames",), lambda c: "not with --insecure-zmq (no CURVE socket to encrypt them on)"
                   if c.insecure_zmq else ""),
     depends.Needs(("weights_memory",), _one_model),

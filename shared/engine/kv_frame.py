@@ -3,7 +3,7 @@ frame with one MAC under its grant's key. Written by the senders (shared/handoff
 rank's kv_parts.py) and checked by every receiver (shared/handoff/assembler.py's, a decode rank's kv_share.py).
 
 The MAC is HMAC-SHA256 (OpenSSL; SHA-NI makes it ~2 GB/s a core on AMD EPYC, against ~1.4 for keyed BLAKE2b,
-and it releases the GIL as zlib does): frames sent on the decode worker's plain bulk socket are not
+and it releases the GIL as zlib does): frames sent on the decode worker's plain bulk sockets are not
 encrypted, and the MAC is what tells the grant's holder from anyone else who reaches that socket."""
 
 import hmac

@@ -12,14 +12,18 @@ never look at which transport they hold; a worker picks its transports once, in 
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import zmq
 
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest, KVIpcHandle, KVLayers
 
-Send = Callable[[list], bool]  # queue one multipart message to the transfer's peer; False when its queue is full
+
+class Send(Protocol):
+    def __call__(self, parts: list, stream: int = 0) -> bool:
+        """Queue one multipart message to the transfer's peer (on its ``stream``-th of ``KVSender.to``, where the
+        sender has those); False when that queue is full."""
 
 
 class KVSender(ABC):
@@ -28,8 +32,8 @@ class KVSender(ABC):
     transport: ClassVar[str]  # KVHeader.transport
     nbytes: int  # of KV, all layers
     num_layers: int
-    # where its messages go: the grant's plain bulk socket (HandoffGrant.frames_addr); "": the grant's own
-    to: str = ""
+    # where its messages go: the grant's plain bulk sockets (HandoffGrant.frames_addrs); none: the grant's own
+    to: tuple[str, ...] = ()
 
     @abstractmethod
     def stage_through(self, layer: int) -> None:

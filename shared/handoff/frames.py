@@ -6,12 +6,14 @@ gather on CPU), then the KVHeader. Staging, the CRC, the wire and the receiver's
 layers overlap instead of running back to back. The receiver sizes every frame against its own layout
 and checks every CRC before a byte lands in the granted blocks.
 
-A grant that names a bulk socket (``HandoffGrant.frames_addr``, a CURVE deployment's default) takes its
-frames there instead: a plain socket, so the frames are NOT secret on the wire (CURVE, which encrypts on one
-libzmq I/O thread a socket, cut them to a third), but each carries a MAC under the grant's own random key
+A grant that names bulk sockets (``HandoffGrant.frames_addrs``, a CURVE deployment's default) takes its
+frames there instead: plain sockets, so the frames are NOT secret on the wire (CURVE, which encrypts on one
+libzmq I/O thread a connection, cut them to a third), but each carries a MAC under the grant's own random key
 in place of the CRCs, checked before any byte lands: only the peer the grant went to (over CURVE) can make
-one, and no frame passes for another grant's or another layer's. ``--encrypt-kv-frames`` keeps them on
-the CURVE socket, for networks between hosts that are not trusted.
+one, and no frame passes for another grant's or another layer's. Group ``g`` goes to bulk socket ``g % N``:
+one connection's bytes move on one I/O thread, so N connections move them on N, and the receiver places each
+frame by the layers it names, in whatever order the sockets deliver them. ``--encrypt-kv-frames`` keeps them
+on the CURVE socket, for networks between hosts that are not trusted.
 
 Frames reach ZMQ zero-copy (memoryviews over the staging buffer); the receiver is bounded by ZMQ's
 MAXMSGSIZE (``max_message_bytes``). Gathers, CRCs or MACs and writes run on a small thread pool (numpy, torch,
@@ -41,7 +43,7 @@ class Frames(Transport):
     def sender(self, model: str, kv_cache: torch.Tensor, src_blocks: list[int], grant: HandoffGrant, peer: str,
                grant_age_s: float, deferred: bool, on_ready: Callable[..., None]) -> KVSender:
         return StagedKV(kv_cache, src_blocks, on_ready=on_ready, deferred=deferred, epoch=grant.epoch,
-                        key=grant.frames_key, to=grant.frames_addr)
+                        key=grant.frames_key, to=tuple(grant.frames_addrs))
 
     def receiver(self, kv_cache: torch.Tensor, block_ids: list[int], offered: bool,
                  on_done: Callable[..., None], frames_key: bytes = b"") -> KVReceiver:
@@ -82,7 +84,7 @@ class StagedKV(KVSender):
     transport = Frames.name
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_ready=None, deferred: bool = False,
-                 epoch: int = 0, key: bytes = b"", to: str = ""):
+                 epoch: int = 0, key: bytes = b"", to: tuple[str, ...] = ()):
         self.kv_cache, self.epoch = kv_cache, epoch  # the grant's, stamped on every message
         self.key, self.to = key, to
         self.num_layers = kv_cache.shape[0]
@@ -145,7 +147,7 @@ class StagedKV(KVSender):
 
     def pump(self, request_id: str, send: Send) -> bool:
         while self.sent < self.num_messages and self.ready(self.sent):
-            if not send(self.message(request_id, self.sent)):
+            if not send(self.message(request_id, self.sent), self.sent % max(len(self.to), 1)):
                 return False  # the peer's queue is full: again on the next poll, until the deadline
             self.sent += 1
         return self.sent == self.num_messages
@@ -178,16 +180,18 @@ class StagedKV(KVSender):
 
 
 class LayerAssembler(FrameAssembler):
-    """One incoming transfer: each KVLayers message's frame is counted and sized on arrival against
+    """One incoming transfer: each KVLayers message's frame is counted, sized and placed on arrival against
     this cache's layout, then CRC-checked (or, its grant having a ``key``, MAC-checked) and written into
-    the granted blocks by a pool thread. The header, which comes last, must describe the same layout
-    (``check_layout``)."""
+    the granted blocks by a pool thread. Frames dealt across several bulk sockets arrive in any order: each
+    names its layers, and a layer that came already, or past the last, fails the transfer. The header, which
+    comes last, must describe the same layout (``check_layout``)."""
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], on_done=None, key: bytes = b""):
         self.num_layers = kv_cache.shape[0]
         self.layer_nbytes = frame_nbytes(kv_cache, len(block_ids))
         super().__init__(kv_cache, block_ids, self.layer_nbytes * self.num_layers, on_done)
         self.key = key
+        self.taken = [False] * self.num_layers  # each layer's frame arrived
         self.arrived = 0  # layers
 
     def add(self, msg: KVLayers, frames: list) -> None:
@@ -197,13 +201,14 @@ class LayerAssembler(FrameAssembler):
             raise ValueError("a MAC'd KV frame for a grant that gave no key")
         size = memoryview(frames[0]).nbytes
         count = len(msg.checksums) or size // max(msg.nbytes, 1)
-        if msg.first != self.arrived or self.arrived + count > self.num_layers:
-            raise ValueError(f"KV layers {msg.first}..{msg.first + count - 1} arrived where layer {self.arrived} "
-                             f"of {self.num_layers} was due")
+        if msg.first + count > self.num_layers or any(self.taken[msg.first:msg.first + count]):
+            raise ValueError(f"KV layers {msg.first}..{msg.first + count - 1} arrived again or past the "
+                             f"{self.num_layers} layers")
         if msg.nbytes != self.layer_nbytes or size != count * self.layer_nbytes or count < 1:
             raise ValueError(f"KV layers frame of {size} bytes for {count} layers of {msg.nbytes}, expected "
                              f"{count} x {self.layer_nbytes}")
         self._write(self._check_and_write, msg, count, frames[0])
+        self.taken[msg.first:msg.first + count] = [True] * count
         self.arrived += count
 
     @property

@@ -68,11 +68,11 @@ class GrantBook:
     """The grants whose KV has not started arriving, by request id, and the quarantined blocks."""
 
     def __init__(self, core_for, grant_ttl_s: float, transports: list[Transport],
-                 asker_alive: Callable[[str], bool] | None, frames_addr: str = ""):
-        """``frames_addr``: our plain bulk socket, where each grant's frames go MAC'd under a key of its own
-        ("": frames come to the grant's socket, CRC-checked)."""
+                 asker_alive: Callable[[str], bool] | None, frames_addrs: list[str] | None = None):
+        """``frames_addrs``: our plain bulk sockets, where each grant's frames go MAC'd under a key of its own
+        (none: frames come to the grant's socket, CRC-checked)."""
         self.core_for, self.grant_ttl_s, self.transports = core_for, grant_ttl_s, transports
-        self.frames_addr = frames_addr
+        self.frames_addrs = frames_addrs or []
         self.asker_alive = asker_alive
         self.grants: dict[str, Grant] = {}
         self.quarantine: list[tuple[float, str, str]] = []  # (release time, model, owner key of parked blocks)
@@ -96,14 +96,15 @@ class GrantBook:
         ttl, now, epoch = max(self.grant_ttl_s, min(req.hold_s, MAX_GRANT_HOLD_S)), time.monotonic(), next(self._epochs)
         # fresh per grant: a frame MAC'd for one grant is nothing to any other, and only its asker (it
         # travels in the grant, over CURVE) can make one
-        key = secrets.token_bytes(FRAME_KEY_BYTES) if self.frames_addr else b""
+        key = secrets.token_bytes(FRAME_KEY_BYTES) if self.frames_addrs else b""
         self.grants[req.request_id] = Grant(peer, req.requester, req.model, blocks, req.num_tokens, now + ttl, ttl,
                                             now, epoch, offered=offer is not None, frames_key=key, tenant=req.tenant,
                                             reused=reserved.reused, block_hashes=req.block_hashes)
         # a sharded cache whose ranks each take their own share: where the sender's ranks send each one's
         targets = engine_kv.part_targets(req.request_id, req.requester, epoch, blocks) if engine_kv.sharded else []
         return HandoffGrant(request_id=req.request_id, accepted=True, block_ids=blocks, ipc=offer, ttl_s=ttl,
-                            targets=targets, epoch=epoch, frames_addr=self.frames_addr, frames_key=key,
+                            targets=targets, epoch=epoch, frames_addr=self.frames_addrs[0] if key else "",
+                            more_frames_addrs=self.frames_addrs[1:], frames_key=key,
                             ask=req.ask, cached_blocks=len(reserved.reused))
 
     def release(self, rid: str) -> None:

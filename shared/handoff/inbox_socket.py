@@ -1,8 +1,8 @@
 """The decode side's socket: the ROUTER that prefill workers' asks, KV and cancels arrive on and replies leave
 from, polled together with a ``Waker`` and the sockets the transfers in flight wait on (``KVReceiver.wakes_on``:
 a sharded worker's ranks' reports), so writes finished by pool threads and shares taken by other ranks are
-acked at once even when the loop is idle. With a bulk socket (plain: host-staged frames MAC'd under their grant's
-key arrive there, frames.py) that one is polled too."""
+acked at once even when the loop is idle. With bulk sockets (plain: host-staged frames MAC'd under their grant's
+key arrive there, frames.py) those are polled too."""
 
 from collections.abc import Iterator
 
@@ -13,13 +13,12 @@ from kvrelay.shared.wire.codec import encode
 
 
 class InboxSocket:
-    def __init__(self, sock: zmq.Socket, bulk: zmq.Socket | None = None):
-        self.sock, self.bulk = sock, bulk
+    def __init__(self, sock: zmq.Socket, bulk: list[zmq.Socket] | None = None):
+        self.sock, self.bulk = sock, list(bulk or ())
         self.waker = Waker()
         self.poller = zmq.Poller()
-        self.poller.register(sock, zmq.POLLIN)
-        if bulk is not None:
-            self.poller.register(bulk, zmq.POLLIN)
+        for s in (sock, *self.bulk):
+            self.poller.register(s, zmq.POLLIN)
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self._watched: set[zmq.Socket] = set()
 
@@ -33,14 +32,14 @@ class InboxSocket:
 
     def messages(self, timeout_ms: int) -> Iterator[tuple[list, bool]]:
         """Every message that arrives within ``timeout_ms`` (or a wake-up, or a watched socket's message, ends
-        the wait), one at a time, each with whether it came on the bulk socket."""
+        the wait), one at a time, each with whether it came on a bulk socket."""
         ready = dict(self.poller.poll(timeout_ms))
         if self.waker.fd in ready:
             self.waker.drain()
-        for sock in (self.sock, self.bulk):
-            while sock is not None and sock in ready:
+        for sock in (self.sock, *self.bulk):
+            while sock in ready:
                 try:
-                    yield sock.recv_multipart(zmq.NOBLOCK, copy=False), sock is self.bulk
+                    yield sock.recv_multipart(zmq.NOBLOCK, copy=False), sock is not self.sock
                 except zmq.Again:
                     break
 

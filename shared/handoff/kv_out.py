@@ -73,8 +73,12 @@ class KVOut(SenderIO):
     def _pump(self, t: Transfer) -> None:
         """Move a SENDING (or STREAMING) transfer as far as it goes without blocking; the header, which
         carries the first token, follows the KV (never before it: it must not promise KV not there)."""
-        to = t.sender.to  # its grant's bulk socket, or the grant's own
-        out = t.sender.pump(t.job.request_id, lambda parts: self.peers.send(to or t.target, parts, bulk=bool(to)))
+        to = t.sender.to  # its grant's bulk sockets, or the grant's own
+
+        def send(parts: list, stream: int = 0) -> bool:
+            return self.peers.send(to[stream] if to else t.target, parts, bulk=bool(to))
+
+        out = t.sender.pump(t.job.request_id, send)
         if t.holds_source and t.sender.source_free():
             self._release_source(t)
         if out and t.state is State.SENDING and self.peers.send(t.target, [encode(t.header)]):

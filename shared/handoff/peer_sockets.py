@@ -1,8 +1,12 @@
 """The prefill side's sockets to decode workers: one DEALER a decode worker, dialled on first use, polled
 together with a ``Waker`` so layers staged by pool threads go out at once even when the loop is idle; and one
-plain DEALER a decode worker's bulk socket (HandoffGrant.frames_addr), which only sends: MAC'd frames, each
-authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py)."""
+plain DEALER for each of a decode worker's bulk sockets (HandoffGrant.frames_addrs), which only sends: MAC'd
+frames, each authenticated by its grant's key rather than by CURVE (shared/handoff/frames.py). Each is its own
+connection, and the bulk ones take the context's I/O threads but the first in turn: libzmq would give each the
+least busy thread as it connects, but a transfer opens its sockets all at once, before any is busy, and they
+would share one."""
 
+import itertools
 from collections.abc import Iterator
 
 import zmq
@@ -20,6 +24,8 @@ class PeerSockets:
         self.ctx, self.curve = ctx, curve
         self.sockets: dict[str, zmq.Socket] = {}
         self.bulk: dict[str, zmq.Socket] = {}
+        self._io_threads = ctx.get(zmq.IO_THREADS)
+        self._bulk_opened = itertools.count()
         self.addr_of: dict[zmq.Socket, str] = {}  # a polled socket's decode worker: whose reply it carries
         self.poller = zmq.Poller()
         self.waker = Waker()
@@ -45,7 +51,7 @@ class PeerSockets:
                 yield self.addr_of[sock], frames
 
     def send(self, addr: str, parts: list, bulk: bool = False) -> bool:
-        """Queue one message for the decode worker at ``addr`` (``bulk``: its plain bulk socket there); False
+        """Queue one message for the decode worker at ``addr`` (``bulk``: its plain bulk socket at ``addr``); False
         when its queue is full."""
         try:
             self._socket(addr, bulk).send_multipart(parts, zmq.NOBLOCK, copy=False)
@@ -58,6 +64,7 @@ class PeerSockets:
         sock = sockets.get(addr)
         if sock is None:
             sock = sockets[addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.AFFINITY, 1 << self._io_thread(bulk))
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # replies are control messages only
@@ -67,3 +74,10 @@ class PeerSockets:
                 self.addr_of[sock] = addr
             sock.connect(addr)
         return sock
+
+    def _io_thread(self, bulk: bool) -> int:
+        """Thread 0 carries the control connections; the bulk ones take the others in turn (all of them share
+        thread 0 in a context of one)."""
+        if not bulk or self._io_threads == 1:
+            return 0
+        return 1 + next(self._bulk_opened) % (self._io_threads - 1)

@@ -16,9 +16,10 @@ asks, only that ask: the others are granted as ever. Every grant has its
 epoch (grants.py), which its KV, header, ack and cancel carry: a request id granted again has a new one, and what
 comes for the old grant is dropped (``stale``).
 
-With a bulk socket (plain, no CURVE: ``bulk``), every grant names it and carries a fresh key, and the frames come
-there, each MAC'd under its grant's key (frames.py). Anyone who reaches that socket can send to it, so only MAC'd
-frames of a frames transfer are taken from it, and a bad MAC fails the transfer before a byte lands.
+With bulk sockets (plain, no CURVE: ``bulk``), every grant names them and carries a fresh key, and the frames come
+there, each MAC'd under its grant's key (frames.py), dealt across the sockets in any order. Anyone who reaches those
+sockets can send to them, so only MAC'd frames of a frames transfer are taken from them, and a bad MAC fails the
+transfer before a byte of that frame lands.
 """
 
 import logging
@@ -54,19 +55,19 @@ MAX_SENDERS_COUNTED = 1024  # sending sockets whose KV bytes ``kv_bytes_by_sende
 
 class KVInbox(Seats):
     def __init__(self, sock: zmq.Socket, core_for, grant_ttl_s: float, transports: list[Transport] | None = None,
-                 asker_alive: Callable[[str], bool] | None = None, bulk: tuple[zmq.Socket, str] | None = None):
+                 asker_alive: Callable[[str], bool] | None = None, bulk: list[tuple[zmq.Socket, str]] | None = None):
         """``core_for(model)``: the EngineCore serving that model instance here, or None; the inbox works
         on its KV only through ``core.kv`` (shared/engine/kv_connector.py). ``asker_alive(worker_id)``:
         whether that prefill worker still heartbeats; its grants and stalled transfers then outlive their
         TTL (up to MAX_GRANT_HOLD_S): it reads our replies only between its engine steps, and one step
         can be longer than the TTL. None: every grant lapses at its TTL. ``bulk``: (a plain socket, the
-        address senders dial it at) for MAC'd frames; None: frames come on ``sock`` with CRCs."""
-        super().__init__(InboxSocket(sock, bulk[0] if bulk else None), core_for, grant_ttl_s, transports, asker_alive,
-                         bulk[1] if bulk else "")
+        address senders dial it at) for each stream of MAC'd frames; None: frames come on ``sock`` with CRCs."""
+        super().__init__(InboxSocket(sock, [s for s, _ in bulk or ()]), core_for, grant_ttl_s, transports, asker_alive,
+                         [a for _, a in bulk or ()])
         self.bytes_received = 0
         # KV bytes taken per sending socket: a sharded prefill worker's ranks each send from their own
         self.kv_bytes_by_sender: dict[bytes, int] = {}
-        self.refused_bulk = 0  # messages on the bulk socket that were no MAC'd frames
+        self.refused_bulk = 0  # messages on the bulk sockets that were no MAC'd frames
 
     def poll(self, timeout_ms: int, admit) -> int:
         """Handle every waiting message; ``admit(header)`` adds an arrived request to the batch.
@@ -122,7 +123,7 @@ class KVInbox(Seats):
             self._reply(peer, given[0] if len(given) == 1 else HandoffGrants(given))
 
     def _on_bulk(self, frames: list) -> None:
-        """A message on the plain bulk socket, where anyone can send: a MAC'd frame goes on to be checked,
+        """A message on one of the plain bulk sockets, where anyone can send: a MAC'd frame goes on to be checked,
         anything else is counted and dropped (logged only at debug: no stranger fills our log)."""
         try:
             msg = decode_any(frames[1].bytes, KVLayers) if len(frames) >= 2 else None
@@ -130,12 +131,12 @@ class KVInbox(Seats):
             msg = None
         if msg is None or not msg.mac:
             self.refused_bulk += 1
-            log.debug("dropped a message on the bulk socket that is no MAC'd KV frame (%d so far)", self.refused_bulk)
+            log.debug("dropped a message on a bulk socket that is no MAC'd KV frame (%d so far)", self.refused_bulk)
             return
         self._on_layer(frames[0].bytes, msg, frames[2:], bulk=True)
 
     def _on_layer(self, peer: bytes, msg: KVLayers, payload: list, bulk: bool = False) -> None:
-        """``bulk``: it came on the bulk socket, from whoever holds its grant's key (the MAC, checked before
+        """``bulk``: it came on a bulk socket, from whoever holds its grant's key (the MAC, checked before
         the frame lands, says who), not from the grant's connection."""
         rid = msg.request_id
         if self._is_stale("a KV part" if msg.is_part else "KV layers", rid, msg.epoch):

@@ -25,13 +25,13 @@ log = logging.getLogger(__name__)
 
 class Seats(ABC):
     def __init__(self, socket: InboxSocket, core_for, grant_ttl_s: float, transports: list[Transport] | None,
-                 asker_alive: Callable[[str], bool] | None, frames_addr: str):
+                 asker_alive: Callable[[str], bool] | None, frames_addrs: list[str]):
         self.socket, self.core_for = socket, core_for
         self.transports = default_transports() if transports is None else transports
         self._by_name = {t.name: t for t in self.transports}
         # a sharded prefill worker's ranks send their parts themselves: taken whatever the transports chosen
         self._by_name.setdefault(RankParts.name, RankParts())
-        self.book = GrantBook(core_for, grant_ttl_s, self.transports, asker_alive, frames_addr)
+        self.book = GrantBook(core_for, grant_ttl_s, self.transports, asker_alive, frames_addrs)
         self.incoming: dict[str, Incoming] = {}
         self.held = HeldAsks(grant_ttl_s)  # asks waiting for a sibling's KV in flight here (held_asks.py)
         self.stale = 0  # KV, headers and cancels of an earlier grant of a request id granted again, dropped

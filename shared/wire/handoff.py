@@ -154,6 +154,9 @@ class KVTarget:
             raise ValueError("KVTarget.heads must be [first, count] with count >= 1")
 
 
+# bulk sockets a grant names at most (--kv-frame-streams): past a few, more sockets only add I/O threads idle for
+# want of cores
+MAX_FRAME_STREAMS = 16
 MAX_TARGETS = 64  # decode ranks a grant names: a tensor- times pipeline-parallel group's world
 
 
@@ -179,12 +182,16 @@ class HandoffGrant:
     targets: list[KVTarget] = field(default_factory=list)
     # which grant of ``request_id`` this is (>= 1 when accepted): its KV, header and ack carry it
     epoch: int = 0
-    # host-staged frames go to the decode worker's plain bulk socket at ``frames_addr``, each MAC'd under
-    # ``frames_key``, this grant's own random key (it travels only here, on the CURVE channel); "": frames go
-    # to the grant's socket with CRCs. Ignorable (both go together): an asker that does not know them sends
+    # host-staged frames go to the decode worker's plain bulk socket at ``frames_addr`` (and its others, below),
+    # each MAC'd under ``frames_key``, this grant's own random key (it travels only here, on the CURVE channel); "":
+    # frames go to the grant's socket with CRCs. Ignorable (both go together): an asker that does not know them sends
     # its frames to the grant's socket with CRCs, which the decode worker takes for any grant
     frames_addr: str = field(default="", metadata={"max_len": 1024, **IGNORABLE})
     frames_key: bytes = field(default=b"", repr=False, metadata=IGNORABLE)
+    # the decode worker's other bulk sockets (--kv-frame-streams), each taking frames under the same key: a sender
+    # deals a transfer's frames across all of ``frames_addrs``, since one socket's connection moves its bytes on one
+    # libzmq I/O thread. Ignorable: an asker that does not know it sends every frame to ``frames_addr``, as ever
+    more_frames_addrs: list[str] = field(default_factory=list, metadata=IGNORABLE)
     # the ask answered (HandoffRequest.ask, echoed; 0 from a decode worker that does not echo it: the asker then
     # takes it for the answer to its latest ask of this decode worker, as it did before asks were numbered)
     ask: int = field(default=0, metadata=IGNORABLE)
@@ -201,8 +208,15 @@ class HandoffGrant:
             raise ValueError(f"HandoffGrant carries at most {MAX_TARGETS} targets")
         if bool(self.frames_addr) != bool(self.frames_key) or len(self.frames_key) not in (0, FRAME_KEY_BYTES):
             raise ValueError(f"HandoffGrant.frames_addr needs a frames_key of {FRAME_KEY_BYTES} bytes, and only it")
-        if self.frames_addr and not self.frames_addr.startswith(("tcp://", "ipc://")):
-            raise ValueError("HandoffGrant.frames_addr must be a tcp:// or ipc:// address")
+        if self.more_frames_addrs and not self.frames_addr or len(self.more_frames_addrs) >= MAX_FRAME_STREAMS:
+            raise ValueError(f"HandoffGrant.more_frames_addrs: only beside a frames_addr, {MAX_FRAME_STREAMS} in all")
+        if any(not a.startswith(("tcp://", "ipc://")) or len(a) > 1024 for a in self.frames_addrs):
+            raise ValueError("HandoffGrant.frames_addr and more_frames_addrs must be tcp:// or ipc:// addresses")
+
+    @property
+    def frames_addrs(self) -> list[str]:
+        """Every bulk socket this grant's frames may go to (none: they go to the grant's socket with CRCs)."""
+        return [self.frames_addr, *self.more_frames_addrs] if self.frames_addr else []
 
 
 @dataclass

@@ -18,6 +18,7 @@ left); a second signal stops at once. Either way the worker unregisters before i
 """
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.engine_core import EngineCore
 from kvrelay.shared.engine.kv_connector import KVLinks
 from kvrelay.shared.repo.model_repo import ModelRepository
+from kvrelay.shared.wire.handoff import MAX_FRAME_STREAMS
 from kvrelay.shared.wire.protocol import instance_key
 from kvrelay.shared.wire.redis_conn import sync_client
 from kvrelay.shared.wire.redis_health import RedisHealth
@@ -54,6 +56,15 @@ from kvrelay.shared.worker.turn_snapshot import TurnSnapshot
 from kvrelay.shared.worker.weight_registry import default_dir
 
 log = logging.getLogger(__name__)
+
+
+def _io_threads(config: WorkerConfig, sends_kv: bool, receives_kv: bool) -> int:
+    """libzmq I/O threads of the worker's context: a connection's bytes move on one, so host-staged KV frames
+    dealt over several bulk sockets (--kv-frame-streams) need one each, beside one for everything else. A prefill
+    worker does not know how many streams its decode workers take: up to one a core, which stay idle unless used."""
+    if receives_kv:  # its bulk sockets are bound only where frames come MAC'd (decode_worker/worker.py)
+        return 1 + (config.kv_frame_streams if not (config.insecure_zmq or config.encrypt_kv_frames) else 0)
+    return 1 + min(MAX_FRAME_STREAMS, os.cpu_count() or 1) if sends_kv else 1
 
 
 class WorkerRuntime:
@@ -86,7 +97,7 @@ class WorkerRuntime:
         # what threads that must not wait for a step read: the loop takes each at the end of a turn, if asked
         self.turn_snapshots: list[TurnSnapshot] = [self.registration.advert]
         self.role_threads: dict[str, Callable[[threading.Event], None]] = {}  # a role's own, started with ours
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(io_threads=_io_threads(config, hold_finished_kv, receives_kv))
         self.events = EventSink(self.ctx, curve=self.curve)
         self.aborts = AbortListener(self.redis, self.health)
         self.gateways = GatewayWatch(self.redis, self.health)

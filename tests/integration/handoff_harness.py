@@ -25,26 +25,27 @@ BLOCK = SHAPE[3]
 class DecodeSide:
     """A decode worker's handoff half on its own thread; admitted requests keep their blocks."""
 
-    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None, bulk: bool = False,
+    def __init__(self, kv: torch.Tensor, ttl_s: float = 5.0, transports=None, asker_alive=None, bulk: int = 0,
                  prefix_caching: bool = False):
-        """``bulk``: with a plain bulk socket, as a decode worker under CURVE has: frames come there MAC'd.
-        ``prefix_caching``: grants may reuse blocks cached here (a test caches them through ``rt.core.kv``)."""
-        self.ctx = zmq.Context()
+        """``bulk``: with that many plain bulk sockets (True: one), as a decode worker under CURVE has: frames
+        come there MAC'd. ``prefix_caching``: grants may reuse blocks cached here (a test caches them through
+        ``rt.core.kv``)."""
+        self.ctx = zmq.Context(io_threads=1 + int(bulk))
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))  # as the decode worker
         zmq_auth.serve(self.sock, CURVE)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.bulk = None
-        if bulk:
-            self.bulk = self.ctx.socket(zmq.ROUTER)
-            self.bulk.setsockopt(zmq.LINGER, 0)
-            self.bulk.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))
-            self.bulk_addr = f"tcp://127.0.0.1:{self.bulk.bind_to_random_port('tcp://127.0.0.1')}"
+        self.bulk = []  # (socket, address) each
+        for _ in range(int(bulk)):
+            sock = self.ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(kv, kv.shape[2]))
+            self.bulk.append((sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"))
+        self.bulk_addr = self.bulk[0][1] if self.bulk else ""
         self.rt = endpoint(kv, "d1", MODEL, prefix_caching=prefix_caching)
         self.receiver = HandoffReceiver(self.sock, serves(MODEL, self.rt.core), ttl_s, transports=transports,
-                                        asker_alive=asker_alive,
-                                        bulk=(self.bulk, self.bulk_addr) if bulk else None)
+                                        asker_alive=asker_alive, bulk=self.bulk or None)
         self.admitted: dict[str, KVHeader] = {}
         self.paused, self.resting = threading.Event(), threading.Event()  # see pause()
         self.stop = threading.Event()

@@ -124,17 +124,20 @@ def test_crc_frames_on_the_bulk_socket_are_dropped_unopened(prefill, decode_side
 
 def test_the_benchmark_prints_macd_encrypted_and_insecure_frames_side_by_side():
     """``kvrelay bench handoff --sections cpu`` at a toy size, as its own process: one call, each of the three ways
-    the frames go (the benchmark raises unless each transfer ended DONE over frames)."""
+    the frames go, the MAC'd ones over 1 and over 2 bulk sockets (the benchmark raises unless each transfer ended
+    DONE over frames)."""
     proc = subprocess.run([*module_argv("kvrelay.bench.handoff"), "--sections", "cpu", "--transports",
-                           "tcp", "--tokens", "8", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+                           "tcp", "--tokens", "8", "--repeats", "1", "--frame-streams", "1,2"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout.split("how the frames are protected")[1].splitlines()
-    assert "| KV size | tokens | MAC'd frames, plain bulk socket GB/s | CURVE-encrypted frames GB/s | ratio | " \
-           "--insecure-zmq frames GB/s | ratio |" in out
-    assert [line.count("|") for line in out if line.startswith("| 1 MiB | 8 |")] == [8]
-    # each mode's CPU seconds per GB moved, each side: numbers, and the decode side's its own process's
+    out = proc.stdout.split("how the frames are protected and spread")[1].splitlines()
+    assert "| KV size | tokens | MAC'd frames, 1 plain bulk socket GB/s | MAC'd frames, 2 plain bulk sockets GB/s | " \
+           "ratio | CURVE-encrypted frames GB/s | ratio | --insecure-zmq frames GB/s | ratio |" in out
+    assert [line.count("|") for line in out if line.startswith("| 1 MiB | 8 |")] == [10]
+    # each way's CPU seconds per GB moved, each side: numbers, and the decode side's its own process's
     cpu = proc.stdout.split("CPU seconds per GB moved")[1].split("\n\n")[0].splitlines()
     assert "| KV size | frames | GB/s | prefill CPU s/GB | decode CPU s/GB |" in cpu
     rows = [line.split(" | ") for line in cpu if line.startswith("| 1 MiB |")]
-    assert [r[1] for r in rows] == ["MAC'd frames, plain bulk socket", "CURVE-encrypted frames", "--insecure-zmq frames"]
+    assert [r[1] for r in rows] == ["MAC'd frames, 1 plain bulk socket", "MAC'd frames, 2 plain bulk sockets",
+                                    "CURVE-encrypted frames", "--insecure-zmq frames"]
     assert all(float(r[3]) > 0 and float(r[4].rstrip(" |")) >= 0 for r in rows), rows

@@ -4,6 +4,7 @@ form bit for bit, and every way a transfer can be wrong is refused before a byte
 import dataclasses
 from concurrent.futures import wait
 
+import msgpack
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from kvrelay.shared.handoff.direct import Exporter, IpcError
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader, KVIpcHandle, KVLayers
+from kvrelay.shared.wire.limits import IGNORABLE_KEY
 from kvrelay.shared.wire.protocol import Job
 from kvrelay.shared.wire.sampling_params import SamplingParams
 
@@ -116,7 +118,7 @@ def test_layer_assembler_refuses_bad_layers():
     def fresh():
         return kt.LayerAssembler(torch.zeros(SHAPE), DST_BLOCKS)
 
-    with pytest.raises(ValueError, match="arrived where layer 0"):
+    with pytest.raises(ValueError, match="KV layers 1..3 arrived again or past the 3 layers"):
         fresh().add(dataclasses.replace(msg, first=1), [frame])
     with pytest.raises(ValueError, match="2 frames, not 1"):
         fresh().add(msg, [frame, frame])
@@ -124,7 +126,7 @@ def test_layer_assembler_refuses_bad_layers():
         fresh().add(dataclasses.replace(msg, nbytes=msg.nbytes - 1), [frame])
     with pytest.raises(ValueError, match="expected"):
         fresh().add(msg, [bytes(frame)[:-1]])
-    with pytest.raises(ValueError, match="of 3 was due"):
+    with pytest.raises(ValueError, match="past the 3 layers"):
         fresh().add(dataclasses.replace(msg, checksums=msg.checksums * 2), [bytes(frame) * 2])
     asm = fresh()  # a corrupt layer: noticed by the writer, reported through error(), nothing read
     corrupt = bytearray(frame)
@@ -159,6 +161,30 @@ def test_macd_layers_round_trip_and_a_frame_under_another_key_lands_nothing():
         kt.LayerAssembler(other, [8, 0, 1, 6]).add(msgs[0], [frames[0]])
 
 
+def test_layers_assemble_in_any_order_but_a_layer_only_once():
+    """Frames dealt across several bulk sockets arrive in whatever order the sockets deliver them: each is placed by
+    the layers it names; one naming a layer already taken fails the transfer."""
+    shape = (24, 2, 10, 16, 32, 64)  # 512 KiB a layer of 4 blocks: 3 messages of 8 layers
+    src, key = _cache(5, torch.bfloat16, shape), bytes(range(32))
+    staged = kt.StagedKV(src, [5, 2, 9, 3], key=key)
+    msgs = [decode(staged.message("r", g)[0], KVLayers) for g in range(staged.num_messages)]
+    frames = [staged.result(g)[0] for g in range(staged.num_messages)]
+    assert len(msgs) > 2
+    dst = torch.zeros(shape, dtype=torch.bfloat16)
+    asm = kt.LayerAssembler(dst, [8, 0, 1, 6], key=key)
+    order = [len(msgs) - 1, 0, *range(len(msgs) - 2, 0, -1)]  # the last first, then the first, then backwards
+    for g in order:
+        assert not asm.all_arrived
+        asm.add(msgs[g], [frames[g]])
+    wait(asm.futures)
+    assert asm.complete and asm.error() is None
+    assert torch.equal(_blocks(dst, [8, 0, 1, 6]), _blocks(src, [5, 2, 9, 3]))
+    asm = kt.LayerAssembler(torch.zeros(shape, dtype=torch.bfloat16), [8, 0, 1, 6], key=key)
+    asm.add(msgs[1], [frames[1]])
+    with pytest.raises(ValueError, match=f"KV layers {msgs[1].first}..{msgs[2].first - 1} arrived again"):
+        asm.add(msgs[1], [frames[1]])
+
+
 @pytest.mark.parametrize("over", [dict(checksums=[1]), dict(mac=b"short"), dict(heads=[0, 1], requester="p")],
                          ids=["and checksums", "short", "a part"])
 def test_a_mac_is_32_bytes_for_whole_layers_instead_of_checksums(over):
@@ -175,6 +201,18 @@ def test_a_grant_names_a_bulk_socket_with_its_key_or_neither():
     assert decode(encode(grant), HandoffGrant).frames_key == bytes(32) and "frames_key" not in repr(grant)
     for over in (dict(frames_key=b""), dict(frames_addr=""), dict(frames_key=bytes(16)), dict(frames_addr="h:1")):
         with pytest.raises(ValueError, match="frames_"):
+            decode(encode(dataclasses.replace(grant, **over)), HandoffGrant)
+
+
+def test_a_grant_names_more_bulk_sockets_only_beside_the_first():
+    grant = HandoffGrant(request_id="r", accepted=True, frames_addr="tcp://h:1", frames_key=bytes(32),
+                         more_frames_addrs=["tcp://h:2", "ipc:///tmp/b3"])
+    assert decode(encode(grant), HandoffGrant).frames_addrs == ["tcp://h:1", "tcp://h:2", "ipc:///tmp/b3"]
+    # an asker that predates it may drop it (and sends every frame to frames_addr, one of the same sockets)
+    assert "more_frames_addrs" in msgpack.unpackb(encode(grant))[IGNORABLE_KEY]
+    for over in (dict(frames_addr="", frames_key=b""), dict(more_frames_addrs=["h:2"]),
+                 dict(more_frames_addrs=[f"tcp://h:{i}" for i in range(2, 18)])):
+        with pytest.raises(ValueError, match="more_frames_addrs"):
             decode(encode(dataclasses.replace(grant, **over)), HandoffGrant)
 
 

@@ -25,6 +25,10 @@ NO_AFFINITY = "only with prefix affinity (--no-prefix-affinity routes no prompt 
 WORKER_REFUSED = [  # (command line, the line)
     (["decode-worker", *TINY, "--encrypt-kv-frames", "--kv-frames-port", "5601"],
      "argument --kv-frames-port: not with --encrypt-kv-frames (KV frames come on the CURVE socket)"),
+    (["decode-worker", *TINY, "--encrypt-kv-frames", "--kv-frame-streams", "2"],
+     "argument --kv-frame-streams: not with --encrypt-kv-frames (KV frames come on the CURVE socket)"),
+    (["decode-worker", *TINY, "--kv-frames-port", "65530", "--kv-frame-streams", "8"],
+     "argument --kv-frames-port: 8 sockets (--kv-frame-streams) from port 65530 run past 65535"),
     (["decode-worker", *TINY, "--weights-memory", "1000000"], f"argument --weights-memory: {ONE_MODEL}"),
     (["decode-worker", *TINY, "--min-residency-s", "15"], f"argument --min-residency-s: {ONE_MODEL}"),
     (["decode-worker", *TINY, "--no-verify-checksums"], "argument --verify-checksums: only with a model repository "
@@ -45,6 +49,7 @@ WORKER_REFUSED = [  # (command line, the line)
 ]
 TAKEN = [  # (command line, the setting's path in the printed config, its value there)
     (["decode-worker", *TINY, "--kv-frames-port", "5601"], ("kv_frames_port",), 5601),
+    (["decode-worker", *TINY, "--kv-frames-port", "5601", "--kv-frame-streams", "3"], ("kv_frame_streams",), 3),
     (["decode-worker", *TINY, "--model-repo", "{repo}", "--weights-memory", "1000000"], ("weights_memory",), 1000000),
     (["decode-worker", *TINY, "--model-repo", "{repo}", "--min-residency-s", "3"], ("min_residency_s",), 3),
     (["decode-worker", *TINY, "--model-repo", "{repo}", "--no-verify-checksums"], ("verify_checksums",), False),
@@ -92,6 +97,18 @@ def test_insecure_zmq_refuses_encrypted_kv_frames_and_their_port(monkeypatch, ca
                                                     "come on the one ZMQ socket)")):
         assert main(["decode-worker", *TINY, "--insecure-zmq", *flags, "--print-config"]) == 2
         assert capsys.readouterr().err.splitlines() == [f"kvrelay decode-worker: error: {said}"]
+
+
+@pytest.mark.parametrize("value,said", [("0", "Input should be greater than or equal to 1 (got '0')"),
+                                        ("17", "Input should be less than or equal to 16 (got '17')"),
+                                        ("four", "Input should be a valid integer, unable to parse string as an "
+                                                 "integer (got 'four')")])
+def test_a_kv_frame_stream_count_out_of_range_is_one_line_before_anything_loads(capsys, value, said):
+    with pytest.raises(SystemExit) as exc:
+        main(["decode-worker", *TINY, "--kv-frame-streams", value, "--print-config"])
+    assert exc.value.code == 2
+    said = f"kvrelay decode-worker: error: argument --kv-frame-streams: {said}"
+    assert capsys.readouterr().err.splitlines() == [said]
 
 
 def test_a_config_built_whole_refuses_a_value_that_would_have_no_effect():

@@ -41,7 +41,7 @@ def _argv(flag) -> list[str]:
 def test_the_settings_that_only_some_roles_read():
     assert {f.option: role_settings.roles_of(f.info) for f in ROLED} == {
         "--port": ("decode",), "--advertise-host": ("decode",), "--encrypt-kv-frames": ("decode",),
-        "--kv-frames-port": ("decode",), "--max-handoffs-per-peer": ("decode",),
+        "--kv-frames-port": ("decode",), "--kv-frame-streams": ("decode",), "--max-handoffs-per-peer": ("decode",),
         "--handoff-timeout": ("prefill", "decode"), "--stalled-step-timeout-s": ("prefill", "unified"),
         "--kv-stream-layers": ("prefill",), "--max-deliveries": ("prefill", "unified"),
         "--reclaim-idle-ms": ("prefill", "unified"),
@@ -113,14 +113,14 @@ def _plan(argv: list[str]) -> dict:
     return serve_children([*TINY, *argv])
 
 
-# encrypted KV frames come on the CURVE socket, and a port for the plain one beside them is refused
-# (shared/config/depends.py): each of the two is walked without the other
-APART = ("--encrypt-kv-frames", "--kv-frames-port")
+# encrypted KV frames come on the CURVE socket, and a port or a count for the plain ones beside it is refused
+# (shared/config/depends.py): each side is walked without the other
+APART = (("--encrypt-kv-frames",), ("--kv-frames-port", "--kv-frame-streams"))
 
 
-@pytest.mark.parametrize("without", APART)
+@pytest.mark.parametrize("without", APART, ids=lambda w: w[0])
 def test_serve_gives_each_worker_only_the_settings_its_role_reads(without):
-    flags = [f for f in SERVE_ROLED if f.option != without]
+    flags = [f for f in SERVE_ROLED if f.option not in without]
     children = _plan([a for f in flags for a in _argv(f)])
     for i, command in enumerate(("prefill-worker", "decode-worker")):
         config, role = children[command].config, command.removesuffix("-worker")
