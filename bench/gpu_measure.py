@@ -33,6 +33,19 @@ def copy_bandwidth(gib: float = 1.0, reps: int = 20) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
+def call_seconds(calls: list, cuda: bool, reps: int = 15) -> float:
+    """Seconds per call: ``graph_seconds`` on CUDA; on the CPU (a bench's smoke run through the Triton
+    interpreter, where only the script is checked) one warm pass, then one timed pass on the host clock."""
+    if cuda:
+        return graph_seconds(calls, reps)
+    for c in calls:
+        c()
+    t0 = time.perf_counter()
+    for c in calls:
+        c()
+    return (time.perf_counter() - t0) / len(calls)
+
+
 def graph_seconds(calls: list, reps: int = 20) -> float:
     """Median seconds of one call: ``calls`` (each run once eagerly first, to compile and warm up) captured
     in one CUDA graph, replayed ``reps`` times and timed with CUDA events."""

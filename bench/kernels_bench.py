@@ -31,7 +31,7 @@ if OPTS.smoke:
 
 from importlib import import_module  # noqa: E402
 
-from kvrelay.bench.gpu_measure import graph_seconds  # noqa: E402
+from kvrelay.bench.gpu_measure import call_seconds  # noqa: E402
 from kvrelay.kernels import reference  # noqa: E402
 from kvrelay.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -43,14 +43,7 @@ ROTATE_BYTES = (1 << 30) if DEV == "cuda" else 1 << 12  # each graph touches >= 
 
 def time_calls(calls: list, reps: int = 15) -> float:
     """Median seconds per call over graph replays of all ``calls`` (host timer in smoke mode)."""
-    if DEV == "cpu":
-        for c in calls:
-            c()  # compile + warm up
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t0) / len(calls)
-    return graph_seconds(calls, reps)
+    return call_seconds(calls, DEV == "cuda", reps)
 
 
 def n_sets(set_bytes: int, cap: int = 64) -> int:

@@ -32,6 +32,7 @@ if OPTS.smoke:  # before triton's first import: it decides interpreted or compil
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kvrelay.bench.gpu_measure import call_seconds  # noqa: E402
 from kvrelay.kernels.triton import mid_linear as ml  # noqa: E402
 
 DEV = "cpu" if OPTS.smoke else "cuda"
@@ -46,16 +47,7 @@ LAYERS = 32  # Llama-3-8B: per-step sum of the four layer GEMMs x 32, plus the L
 
 
 def seconds_per_call(calls: list, reps: int = 15) -> float:
-    if DEV == "cpu":
-        for c in calls:
-            c()  # compile + warm up
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t0) / len(calls)
-    from kvrelay.bench.gpu_measure import graph_seconds
-
-    return graph_seconds(calls, reps)
+    return call_seconds(calls, DEV == "cuda", reps)
 
 
 def copy_bandwidth() -> float:
