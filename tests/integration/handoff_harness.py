@@ -2,9 +2,10 @@
 a decode side (a real HandoffReceiver on its own thread) and a prefill side (real HandoffManagers in
 the test's thread)."""
 
+import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import zmq
@@ -14,7 +15,7 @@ from kvrelay.prefill_worker.handoff import HandoffManager, Transfer
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.handoff.standalone import decode_info, endpoint, hand_off, serves, synthetic_job
 from kvrelay.shared.wire import zmq_auth
-from kvrelay.shared.wire.handoff import KVHeader
+from kvrelay.shared.wire.handoff import HandoffGrant, KVHeader
 from tests.zmq_secret import CURVE
 
 MODEL = "tiny"
@@ -110,6 +111,22 @@ def decode_sides() -> Iterator:
 
 def hand_off_tiny(manager: HandoffManager, rt, rid: str, num_tokens: int) -> tuple[Transfer, list[int]]:
     return hand_off(manager, rt, rid, num_tokens, MODEL, timeout_s=30)
+
+
+def read_as_older_asker(manager: HandoffManager, sent: Callable[[HandoffGrant], bool], **dropped) -> list[str]:
+    """``manager`` reads its grants as a prefill worker that does not know some ignorable fields: where ``sent(grant)``,
+    those fields take their ``dropped`` values before it sees them. The request ids of the grants so read, as they
+    come."""
+    on_answer, stripped = manager._on_answer, []
+
+    def as_older_asker(peer, msg):
+        if isinstance(msg, HandoffGrant) and sent(msg):
+            stripped.append(msg.request_id)
+            msg = dataclasses.replace(msg, **dropped)
+        on_answer(peer, msg)
+
+    manager._on_answer = as_older_asker
+    return stripped
 
 
 def peer_router() -> tuple[zmq.Socket, str]:

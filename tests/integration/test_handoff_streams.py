@@ -3,7 +3,6 @@ sockets: a transfer spread over them lands intact, frames that arrive out of ord
 frame with a bad MAC on any one of them fails the transfer before that frame's bytes land, while the worker goes
 on serving; and the sender's bulk connections are spread over the I/O threads."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from kvrelay.shared.handoff.frames import StagedKV
 from kvrelay.shared.handoff.peer_sockets import PeerSockets
 from kvrelay.shared.wire.codec import decode, encode
 from kvrelay.shared.wire.handoff import HandoffAck, HandoffGrant
-from tests.integration.handoff_harness import BLOCK, hand_off_tiny, wait_for
+from tests.integration.handoff_harness import BLOCK, hand_off_tiny, read_as_older_asker, wait_for
 from tests.integration.test_handoff import _ask, _dealer, _header
 
 STREAMS = 3
@@ -79,15 +78,7 @@ def test_an_asker_that_drops_the_other_bulk_sockets_sends_every_frame_to_the_fir
     rt, make = prefill
     side = decode_side(bulk=STREAMS)
     manager = make(side.addr)
-    on_answer, spread = manager._on_answer, []
-
-    def as_older_asker(peer, msg):
-        if isinstance(msg, HandoffGrant) and msg.more_frames_addrs:
-            spread.append(msg.request_id)
-            msg = dataclasses.replace(msg, more_frames_addrs=[])
-        on_answer(peer, msg)
-
-    manager._on_answer = as_older_asker
+    spread = read_as_older_asker(manager, lambda grant: bool(grant.more_frames_addrs), more_frames_addrs=[])
     t, src = hand_off_tiny(manager, rt, "older", NUM_TOKENS)
     assert t.state is State.DONE and t.transport == "layers" and spread == ["older"], t.reason
     wait_for(lambda: "older" in side.admitted, "admission")

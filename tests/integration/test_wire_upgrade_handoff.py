@@ -5,7 +5,6 @@ ask; a protocol more than one version apart is
 refused with the reason. And the grant's MAC'd-frames fields are safe to ignore: an asker that does not know
 them sends its frames to the grant's socket with CRCs, which the decode worker takes."""
 
-import dataclasses
 
 import msgpack
 import zmq
@@ -14,7 +13,7 @@ from kvrelay.prefill_worker.handoff import State
 from kvrelay.shared.wire.codec import IGNORABLE_KEY, decode, encode
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffGrants, HandoffRequest, HandoffRequests
 from kvrelay.shared.wire.version import PROTOCOL_VERSION
-from tests.integration.handoff_harness import BLOCK, MODEL, hand_off_tiny, wait_for
+from tests.integration.handoff_harness import BLOCK, MODEL, hand_off_tiny, read_as_older_asker, wait_for
 from tests.integration.test_handoff import _dealer
 
 
@@ -102,15 +101,7 @@ def test_an_asker_that_ignores_the_frames_fields_falls_back_to_crc_frames(prefil
     rt, make = prefill
     side = decode_side(bulk=True)
     manager = make(side.addr)
-    on_answer, keyed = manager._on_answer, []
-
-    def as_older_asker(peer, msg):
-        if isinstance(msg, HandoffGrant) and msg.frames_key:
-            keyed.append(msg.request_id)
-            msg = dataclasses.replace(msg, frames_addr="", frames_key=b"")
-        on_answer(peer, msg)
-
-    manager._on_answer = as_older_asker
+    keyed = read_as_older_asker(manager, lambda grant: bool(grant.frames_key), frames_addr="", frames_key=b"")
     t, src = hand_off_tiny(manager, rt, "older", 30 * BLOCK)
     assert t.state is State.DONE and t.transport == "layers" and keyed == ["older"], t.reason
     wait_for(lambda: "older" in side.admitted, "admission")
