@@ -83,9 +83,10 @@ class Run(abc.ABC):
             for i in todo:
                 t = time.perf_counter()
                 outs = self.cores[i].step()
-                self.steps[loading].append(time.perf_counter() - t)
+                took = time.perf_counter() - t
+                self.steps[loading].append(took)
                 if loading:
-                    self.phase_steps.setdefault(self.load_phase, []).append(self.steps[True][-1])
+                    self.phase_steps.setdefault(self.load_phase, []).append(took)
                 for out in outs:
                     o = self._by_id[out.request_id]
                     if out.new_token_ids:
