@@ -1,0 +1,50 @@
+#!/bin/bash
+# One device call (`run` tool, carry .whl as bench/h200_suite.sh says), under 9 minutes: issue #23 item 3,
+# disaggregated serving with the decode loop paced while a prompt is prefilled for it (--decode-step-pace-ms,
+# decode_worker/step_pace.py). RUNS (default "0 16 24") names one server each: PACE or PACE/TOKENS, TOKENS being
+# --max-num-batched-tokens (the prefill step's budget). Each server (`kvrelay serve --mode disaggregated`,
+# Llama-3-8B shape, dummy weights) takes Poisson arrivals of 1,024 -> 128 at each rate in RATES (default "15 18"
+# req/s, REQUESTS = 150 each) through `kvrelay bench serve` (p99 TTFT <= 300 ms and p99 ITL <= 25 ms is the SLO).
+# After each rate both workers' /metrics are scraped: what the rate added to the decode worker's paced seconds
+# and step times by kind, and the prefill worker's step times (bench/step_metrics.py). A run that would start past
+# START_BY (default 420) s is skipped and said so.
+# Results land in $OUT: gpu.txt, <run>-<rate>.txt (vLLM-style tables), <run>-<rate>.{decode,prefill}.metrics,
+# serve-<run>.log, summary.txt (a line per rate: TTFT p50 p99, ITL p50 p99 in ms, paced s, then the step lines).
+set -u
+. bench/h200_setup.sh || exit 1
+scrape() {  # port -> the worker's step, pace and ITL series
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$1/metrics').read().decode())" \
+    2> /dev/null | grep -E '^(kvrelay_(engine_step|decode_paced)|vllm:inter_token_latency)'
+}
+for run in ${RUNS:-0 16 24}; do
+  pace=${run%%/*}; flags=(--decode-step-pace-ms "$pace")
+  [ "$run" != "$pace" ] && flags+=(--max-num-batched-tokens "${run#*/}")
+  name=pace${run//\//-}
+  if [ "$SECONDS" -gt "${START_BY:-420}" ]; then echo "$name skipped: ${SECONDS}s into the call" | tee -a "$OUT/summary.txt"; continue; fi
+  python3 -m kvrelay.cli serve --mode disaggregated --port 8011 --worker-monitoring-port 9311 \
+    --model ${MODEL:-dummy:llama-3-8b} --load-format dummy --max-model-len 2048 --max-num-seqs 128 "${flags[@]}" \
+    > "$OUT/serve-$name.log" 2>&1 &
+  server=$!
+  for _ in $(seq 240); do kill -0 "$server" 2> /dev/null || break; python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/ready')" 2> /dev/null && break; sleep 1; done
+  before_d=""; before_p=""
+  for rate in ${RATES:-15 18}; do
+    timeout 100 python3 -m kvrelay.cli --log-level WARNING bench serve --base-url http://127.0.0.1:8011/v1 \
+      --input-len 1024 --output-len 128 --num-prompts "${REQUESTS:-150}" --request-rate "$rate" --cold-cache \
+      --json "$OUT/$name-$rate.json" > "$OUT/$name-$rate.txt" 2>&1
+    rc=$?
+    scrape 9312 > "$OUT/$name-$rate.decode.metrics"; scrape 9311 > "$OUT/$name-$rate.prefill.metrics"
+    paced=$(python3 -c "
+import sys
+def v(p):
+    try: return sum(float(l.split()[-1]) for l in open(p) if l.startswith('kvrelay_decode_paced_seconds_total'))
+    except OSError: return 0.0
+print(round(v('$OUT/$name-$rate.decode.metrics') - v('${before_d:-/nonexistent}'), 2))")
+    echo "$name rate $rate rc $rc TTFT/ITL p50 p99 (ms): $(grep -E '^(Median|P99) (TTFT|ITL) \(ms\)' \
+      "$OUT/$name-$rate.txt" | awk '{print $NF}' | xargs); paced ${paced} s" | tee -a "$OUT/summary.txt"
+    { echo "  decode:"; python3 -m kvrelay.bench.step_metrics "$OUT/$name-$rate.decode.metrics" $before_d
+      echo "  prefill:"; python3 -m kvrelay.bench.step_metrics "$OUT/$name-$rate.prefill.metrics" $before_p
+    } 2>&1 | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+    before_d="$OUT/$name-$rate.decode.metrics"; before_p="$OUT/$name-$rate.prefill.metrics"
+  done
+  kill "$server"; wait "$server"
+done
