@@ -1,9 +1,11 @@
 #!/bin/bash
 # One device call (`run` tool, carry .whl as bench/h200_suite.sh says), under 9 minutes: issue #23 item 3,
 # disaggregated serving with the decode loop paced while a prompt is prefilled for it (--decode-step-pace-ms,
-# decode_worker/step_pace.py). RUNS (default "0 16 24") names one server each: PACE or PACE/TOKENS, TOKENS being
-# --max-num-batched-tokens (the prefill step's budget). Each server (`kvrelay serve --mode disaggregated`,
-# Llama-3-8B shape, dummy weights) takes Poisson arrivals of 1,024 -> 128 at each rate in RATES (default "15 18"
+# decode_worker/step_pace.py), and with the two processes under CUDA MPS, decode's stream above prefill's. RUNS
+# (default "pace0 pace20 mps0 mps12") names one server each: paceN = --decode-step-pace-ms N under the default
+# --gpu-share timeslice; mpsN = the same pace under --gpu-share mps-priority with both workers allowed every SM
+# (--gpu-sm-percent 100 --decode-gpu-sm-percent 100: the priority, not a split, orders them). Each server
+# (`kvrelay serve --mode disaggregated`, Llama-3-8B shape, dummy weights) takes Poisson arrivals of 1,024 -> 128 at each rate in RATES (default "15 18 21"
 # req/s, REQUESTS = 150 each) through `kvrelay bench serve` (p99 TTFT <= 300 ms and p99 ITL <= 25 ms is the SLO).
 # After each rate both workers' /metrics are scraped: what the rate added to the decode worker's paced seconds
 # and step times by kind, and the prefill worker's step times (bench/step_metrics.py). A run that would start past
@@ -16,10 +18,13 @@ scrape() {  # port -> the worker's step, pace and ITL series
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$1/metrics').read().decode())" \
     2> /dev/null | grep -E '^(kvrelay_(engine_step|decode_paced)|vllm:inter_token_latency)'
 }
-for run in ${RUNS:-0 16 24}; do
-  pace=${run%%/*}; flags=(--decode-step-pace-ms "$pace")
-  [ "$run" != "$pace" ] && flags+=(--max-num-batched-tokens "${run#*/}")
-  name=pace${run//\//-}
+for name in ${RUNS:-pace0 pace20 mps0 mps12}; do
+  case $name in
+    pace*) flags=(--decode-step-pace-ms "${name#pace}") ;;
+    mps*) flags=(--decode-step-pace-ms "${name#mps}" --gpu-share mps-priority --gpu-sm-percent 100
+                 --decode-gpu-sm-percent 100) ;;
+    *) echo "unknown run $name (paceN or mpsN)" | tee -a "$OUT/summary.txt"; continue ;;
+  esac
   if [ "$SECONDS" -gt "${START_BY:-420}" ]; then echo "$name skipped: ${SECONDS}s into the call" | tee -a "$OUT/summary.txt"; continue; fi
   python3 -m kvrelay.cli serve --mode disaggregated --port 8011 --worker-monitoring-port 9311 \
     --model ${MODEL:-dummy:llama-3-8b} --load-format dummy --max-model-len 2048 --max-num-seqs 128 "${flags[@]}" \
@@ -27,7 +32,7 @@ for run in ${RUNS:-0 16 24}; do
   server=$!
   for _ in $(seq 240); do kill -0 "$server" 2> /dev/null || break; python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/ready')" 2> /dev/null && break; sleep 1; done
   before_d=""; before_p=""
-  for rate in ${RATES:-15 18}; do
+  for rate in ${RATES:-15 18 21}; do
     timeout 100 python3 -m kvrelay.cli --log-level WARNING bench serve --base-url http://127.0.0.1:8011/v1 \
       --input-len 1024 --output-len 128 --num-prompts "${REQUESTS:-150}" --request-rate "$rate" --cold-cache \
       --json "$OUT/$name-$rate.json" > "$OUT/$name-$rate.txt" 2>&1
