@@ -4,7 +4,8 @@
 # decode_worker/step_pace.py), and with the two processes under CUDA MPS, decode's stream above prefill's. RUNS
 # (default "pace0 pace20 mps0 mps12") names one server each: paceN = --decode-step-pace-ms N under the default
 # --gpu-share timeslice; mpsN = the same pace under --gpu-share mps-priority with both workers allowed every SM
-# (--gpu-sm-percent 100 --decode-gpu-sm-percent 100: the priority, not a split, orders them). Each server
+# (--gpu-sm-percent 100 --decode-gpu-sm-percent 100: the priority, not a split, orders them); wholeN = paceN with
+# --no-kv-stream-layers (each prompt's KV leaves after its prefill, not layer by layer during it). Each server
 # (`kvrelay serve --mode disaggregated`, Llama-3-8B shape, dummy weights) takes Poisson arrivals of 1,024 -> 128 at each rate in RATES (default "15 18 21"
 # req/s, REQUESTS = 150 each) through `kvrelay bench serve` (p99 TTFT <= 300 ms and p99 ITL <= 25 ms is the SLO).
 # After each rate both workers' /metrics are scraped: what the rate added to the decode worker's paced seconds
@@ -23,7 +24,8 @@ for name in ${RUNS:-pace0 pace20 mps0 mps12}; do
     pace*) flags=(--decode-step-pace-ms "${name#pace}") ;;
     mps*) flags=(--decode-step-pace-ms "${name#mps}" --gpu-share mps-priority --gpu-sm-percent 100
                  --decode-gpu-sm-percent 100) ;;
-    *) echo "unknown run $name (paceN or mpsN)" | tee -a "$OUT/summary.txt"; continue ;;
+    whole*) flags=(--decode-step-pace-ms "${name#whole}" --no-kv-stream-layers) ;;
+    *) echo "unknown run $name (paceN, mpsN or wholeN)" | tee -a "$OUT/summary.txt"; continue ;;
   esac
   if [ "$SECONDS" -gt "${START_BY:-420}" ]; then echo "$name skipped: ${SECONDS}s into the call" | tee -a "$OUT/summary.txt"; continue; fi
   python3 -m kvrelay.cli serve --mode disaggregated --port 8011 --worker-monitoring-port 9311 \
