@@ -11,10 +11,11 @@
 # After each rate both workers' /metrics are scraped: what the rate added to the decode worker's paced seconds
 # and step times by kind, and the prefill worker's step times (bench/step_metrics.py). A run that would start past
 # START_BY (default 420) s is skipped and said so.
-# Results land in $OUT: gpu.txt, <run>-<rate>.txt (vLLM-style tables), <run>-<rate>.{decode,prefill}.metrics,
-# serve-<run>.log, summary.txt (a line per rate: TTFT p50 p99, ITL p50 p99 in ms, paced s, then the step lines).
+# Results land in $OUT: gpu.txt, <run>-<rate>.txt (vLLM-style tables), serve-<run>.log, summary.txt (a line per
+# rate: TTFT p50 p99, ITL p50 p99 in ms, paced s, then the step lines).
 set -u
 . bench/h200_setup.sh || exit 1
+work=/tmp/decode-pace; mkdir -p "$work"  # the scrapes and per-request JSON: the device returns only so many files
 scrape() {  # port -> the worker's step, pace and ITL series
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$1/metrics').read().decode())" \
     2> /dev/null | grep -E '^(kvrelay_(engine_step|decode_paced)|vllm:inter_token_latency)'
@@ -37,21 +38,21 @@ for name in ${RUNS:-pace0 pace20 mps0 mps12}; do
   for rate in ${RATES:-15 18 21}; do
     timeout 100 python3 -m kvrelay.cli --log-level WARNING bench serve --base-url http://127.0.0.1:8011/v1 \
       --input-len 1024 --output-len 128 --num-prompts "${REQUESTS:-150}" --request-rate "$rate" --cold-cache \
-      --json "$OUT/$name-$rate.json" > "$OUT/$name-$rate.txt" 2>&1
+      --json "$work/$name-$rate.json" > "$OUT/$name-$rate.txt" 2>&1
     rc=$?
-    scrape 9312 > "$OUT/$name-$rate.decode.metrics"; scrape 9311 > "$OUT/$name-$rate.prefill.metrics"
+    scrape 9312 > "$work/$name-$rate.decode.metrics"; scrape 9311 > "$work/$name-$rate.prefill.metrics"
     paced=$(python3 -c "
 import sys
 def v(p):
     try: return sum(float(l.split()[-1]) for l in open(p) if l.startswith('kvrelay_decode_paced_seconds_total'))
     except OSError: return 0.0
-print(round(v('$OUT/$name-$rate.decode.metrics') - v('${before_d:-/nonexistent}'), 2))")
+print(round(v('$work/$name-$rate.decode.metrics') - v('${before_d:-/nonexistent}'), 2))")
     echo "$name rate $rate rc $rc TTFT/ITL p50 p99 (ms): $(grep -E '^(Median|P99) (TTFT|ITL) \(ms\)' \
       "$OUT/$name-$rate.txt" | awk '{print $NF}' | xargs); paced ${paced} s" | tee -a "$OUT/summary.txt"
-    { echo "  decode:"; python3 -m kvrelay.bench.step_metrics "$OUT/$name-$rate.decode.metrics" $before_d
-      echo "  prefill:"; python3 -m kvrelay.bench.step_metrics "$OUT/$name-$rate.prefill.metrics" $before_p
+    { echo "  decode:"; python3 -m kvrelay.bench.step_metrics "$work/$name-$rate.decode.metrics" $before_d
+      echo "  prefill:"; python3 -m kvrelay.bench.step_metrics "$work/$name-$rate.prefill.metrics" $before_p
     } 2>&1 | sed 's/^/    /' | tee -a "$OUT/summary.txt"
-    before_d="$OUT/$name-$rate.decode.metrics"; before_p="$OUT/$name-$rate.prefill.metrics"
+    before_d="$work/$name-$rate.decode.metrics"; before_p="$work/$name-$rate.prefill.metrics"
   done
   kill "$server"; wait "$server"
 done
