@@ -4,7 +4,8 @@
 # decode_worker/step_pace.py), and with the two processes under CUDA MPS, decode's stream above prefill's. RUNS
 # (default "pace0 pace20 mps0 mps12") names one server each: paceN = --decode-step-pace-ms N under the default
 # --gpu-share timeslice; mpsN = the same pace under --gpu-share mps-priority with both workers allowed every SM
-# (--gpu-sm-percent 100 --decode-gpu-sm-percent 100: the priority, not a split, orders them); wholeN = paceN with
+# (--gpu-sm-percent 100 --decode-gpu-sm-percent 100: the priority, not a split, orders them); mpsNsP the same with
+# the prefill worker held to P% of the SMs (decode keeps 100%: some SMs always free for its kernels); wholeN = paceN with
 # --no-kv-stream-layers (each prompt's KV leaves after its prefill, not layer by layer during it). Each server
 # (`kvrelay serve --mode disaggregated`, Llama-3-8B shape, dummy weights) takes Poisson arrivals of 1,024 -> 128 at each rate in RATES (default "15 18 21"
 # req/s, REQUESTS = 150 each) through `kvrelay bench serve` (p99 TTFT <= 300 ms and p99 ITL <= 25 ms is the SLO).
@@ -23,10 +24,12 @@ scrape() {  # port -> the worker's step, pace and ITL series
 for name in ${RUNS:-pace0 pace20 mps0 mps12}; do
   case $name in
     pace*) flags=(--decode-step-pace-ms "${name#pace}") ;;
+    mps*s*) pace=${name#mps}; flags=(--decode-step-pace-ms "${pace%s*}" --gpu-share mps-priority
+                                      --gpu-sm-percent "${name##*s}" --decode-gpu-sm-percent 100) ;;
     mps*) flags=(--decode-step-pace-ms "${name#mps}" --gpu-share mps-priority --gpu-sm-percent 100
                  --decode-gpu-sm-percent 100) ;;
     whole*) flags=(--decode-step-pace-ms "${name#whole}" --no-kv-stream-layers) ;;
-    *) echo "unknown run $name (paceN, mpsN or wholeN)" | tee -a "$OUT/summary.txt"; continue ;;
+    *) echo "unknown run $name (paceN, mpsN, mpsNsP or wholeN)" | tee -a "$OUT/summary.txt"; continue ;;
   esac
   if [ "$SECONDS" -gt "${START_BY:-420}" ]; then echo "$name skipped: ${SECONDS}s into the call" | tee -a "$OUT/summary.txt"; continue; fi
   python3 -m kvrelay.cli serve --mode disaggregated --port 8011 --worker-monitoring-port 9311 \
