@@ -29,7 +29,6 @@ import redis
 import zmq
 
 from kvrelay.decode_worker.receiver import HandoffReceiver
-from kvrelay.decode_worker.step_pace import StepPace
 from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.handoff.frames import max_message_bytes
 from kvrelay.shared.wire import zmq_auth
@@ -71,7 +70,6 @@ class DecodeWorker:
         self.receiver.held.on_end = self._held_ask_ended
         self._live_askers: tuple[float, set[str]] = (0.0, set())
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
-        self.pace = StepPace(config.decode_step_pace_ms / 1000)
 
     def _max_frame(self) -> int:
         """A KV frame holds at most ~4 MiB of layers, or one layer of the longest prompt; bigger is hostile.
@@ -161,8 +159,6 @@ class DecodeWorker:
         slots = list(self.runtime.slots.values())
         busy = any(s.core.has_unfinished() for s in slots)
         self.receiver.poll(0 if busy else 20, self._admit)
-        if busy:
-            self._paced_wait(slots)
         self.inflight.sweep()
         for slot in slots:
             if not slot.core.has_unfinished():
@@ -178,20 +174,6 @@ class DecodeWorker:
                 else:
                     self.inflight.send(rec, event)
         self.runtime.events.flush()
-
-    def _paced_wait(self, slots: list[ModelSlot]) -> None:
-        """Wait out --decode-step-pace-ms, taking handoffs as they come so KV lands no later for it."""
-        began = time.monotonic()
-        paced = False
-        while (at := self.pace.start_at(self.receiver.busy)) is not None:
-            paced = True
-            self.receiver.poll(math.ceil((at - time.monotonic()) * 1000), self._admit)
-        self.pace.started()
-        if paced:
-            waited = time.monotonic() - began
-            for slot in slots:
-                if slot.metrics is not None and slot.core.has_unfinished():
-                    slot.metrics.paced_seconds.inc(waited)
 
     def _admit(self, h: KVHeader) -> None:
         slot = self.runtime.slots[h.model]  # the receiver only grants instances we hold

@@ -76,11 +76,6 @@ class WorkerConfig:
         4, "decode: plain sockets that MAC'd KV frames come on, each its own connection and I/O thread; a prefill "
         "worker deals a transfer's frames across them (with --kv-frames-port P: ports P .. P+N-1; refused with "
         "--encrypt-kv-frames or --insecure-zmq)", ge=1, le=MAX_FRAME_STREAMS, roles=DECODE)
-    decode_step_pace_ms: float = setting(
-        0.0, "decode: while KV is on its way here (a prefill worker computing a prompt for this worker), start a "
-        "decode step at most every N ms, so a prefill process on the same GPU gets the gaps: its steps, and so time "
-        "to first token, shorten while inter-token latency stays near N (decode_worker/step_pace.py); 0: step at once",
-        ge=0, le=1000, roles=DECODE)
     max_handoffs_per_peer: int | None = setting(
         None, "decode: KV handoffs one prefill worker may have granted and not yet landed here, per model; past it "
         "its asks are refused (it retries), so no one peer can take every seat (default: half of --max-num-seqs)",

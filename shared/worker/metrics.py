@@ -183,10 +183,6 @@ class WorkerMetrics:
         # a decode worker's side of its handoffs: what arrived, and the prompt blocks it held already (not sent)
         self.handoff_received_bytes = Counter("kvrelay_handoff_received_bytes", "KV bytes of handoffs admitted "
                                               "here", m, registry=r).labels(model_name)
-        self.paced_seconds = Counter("kvrelay_decode_paced_seconds", "Seconds this model's running requests waited "
-                                     "before a decode step so the prefill process on the GPU could compute "
-                                     "(--decode-step-pace-ms)", m, registry=r).labels(model_name) \
-            if role == "decode" else None
         self.handoff_reused_blocks = Counter("kvrelay_handoff_reused_blocks", "Prompt KV blocks of handoffs admitted "
                                              "here that this worker held already (prefix cache), so were not sent",
                                              m, registry=r).labels(model_name)
