@@ -8,12 +8,15 @@
 # 1,024 -> 128 at each rate in RATES (default "15 18 21" req/s, REQUESTS = 150 each) through `kvrelay bench serve`
 # (the SLO: p99 TTFT <= 300 ms, p99 ITL <= 25 ms). After each rate both workers' /metrics are scraped and what the
 # rate added to their step times printed (bench/step_metrics.py). bench/h200_gpu_share.sh searches each mode's
-# highest rate instead. A run that would start past START_BY (default 420) s is skipped and said so.
-# Results land in $OUT: gpu.txt, <run>-<rate>.txt (vLLM-style tables), serve-<run>.log, summary.txt (a line per
-# rate: TTFT p50 p99, ITL p50 p99 in ms, then the step lines).
+# highest rate instead. A run that would start past START_BY (default 420) s is skipped and said so. Last, with
+# OFFLINE=1 (the default), the offline engine takes the same 150 prompts all at once (`bench serve --offline-only`):
+# its req/s is the capacity each rate is a fraction of.
+# Results land in $OUT: gpu.txt, <run>-<rate>.txt (vLLM-style tables), serve-<run>.log, offline.txt, summary.txt
+# (a line per rate: TTFT p50 p99, ITL p50 p99 in ms, then the step lines; the offline engine's req/s).
 set -u
 . bench/h200_setup.sh || exit 1
 work=/tmp/share-steps; mkdir -p "$work"  # the scrapes and per-request JSON: the device returns only so many files
+engine=(--model "${MODEL:-dummy:llama-3-8b}" --load-format dummy --max-model-len 2048 --max-num-seqs 128)
 scrape() {  # port -> the worker's step series
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$1/metrics').read().decode())" \
     2> /dev/null | grep -E '^(kvrelay_engine_step|vllm:inter_token_latency)'
@@ -28,7 +31,7 @@ for name in ${RUNS:-timeslice mps-priority_100_100 mps-priority_75_100}; do
   [ -n "$decode_pct" ] && flags+=(--decode-gpu-sm-percent "$decode_pct")
   if [ "$SECONDS" -gt "${START_BY:-420}" ]; then echo "$name skipped: ${SECONDS}s into the call" | tee -a "$OUT/summary.txt"; continue; fi
   python3 -m kvrelay.cli serve --mode disaggregated --port 8011 --worker-monitoring-port 9311 \
-    --model ${MODEL:-dummy:llama-3-8b} --load-format dummy --max-model-len 2048 --max-num-seqs 128 "${flags[@]}" \
+    "${engine[@]}" "${flags[@]}" \
     > "$OUT/serve-$name.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do kill -0 "$server" 2> /dev/null || break; python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/ready')" 2> /dev/null && break; sleep 1; done
@@ -48,3 +51,9 @@ for name in ${RUNS:-timeslice mps-priority_100_100 mps-priority_75_100}; do
   done
   kill "$server"; wait "$server"
 done
+if [ "${OFFLINE:-1}" = 1 ]; then
+  timeout "${OFFLINE_S:-150}" python3 -m kvrelay.cli --log-level WARNING bench serve --offline-only --input-len 1024 \
+    --output-len 128 --num-prompts "${REQUESTS:-150}" -- "${engine[@]}" > "$OUT/offline.txt" 2>&1
+  echo "offline engine, the same prompts all at once: rc $?, $(grep -m1 'Request throughput' "$OUT/offline.txt")" \
+    | tee -a "$OUT/summary.txt"
+fi

@@ -65,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="start `kvrelay serve --mode M` with the engine args after --, run, stop; modes run in turn")
     p.add_argument("--compare-offline", action="store_true",
                    help="also run the prompts through kvrelay.LLM with the engine args after -- and print ratios")
+    p.add_argument("--offline-only", action="store_true",
+                   help="load no server: run only the offline engine (the engine args after --) on the prompts and "
+                        "schedule a served run with these flags would send, for scripts that load servers of their own")
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a --base-url that is not a loopback address (the default refuses, so a typo "
                         "cannot aim a load test at someone else's server)")
@@ -120,6 +123,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--request-rate must be positive (inf: all at once)")
     if args.launch and args.base_url:
         raise SystemExit("--launch starts its own server; drop --base-url")
+    if args.offline_only and (args.launch or args.base_url or args.sweep or args.compare_offline):
+        raise SystemExit("--offline-only loads no server: drop --launch, --base-url, --sweep and --compare-offline")
+    if args.offline_only and not args.engine_args:
+        raise SystemExit("--offline-only runs the engine args after --: give them (e.g. -- --model smollm2)")
 
 
 def _check_sweep_args(args: argparse.Namespace) -> None:
@@ -254,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         return _run_sweep(args, prompts, warmup)
     offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+    if args.offline_only:
+        return _run_offline_only(args, prompts, warmup, offsets)
     print(f"{args.num_prompts} prompts ({args.dataset}, {args.input_len if args.dataset == 'random' else 'text'} in / "
           f"{args.output_len} out), request rate {args.request_rate}, max concurrency {args.max_concurrency}, "
           f"endpoint {args.endpoint}; load average {os.getloadavg()}", flush=True)
@@ -281,6 +290,19 @@ def run(args: argparse.Namespace) -> int:
 
     _save(args, {"runs": served, "offline": offline, "comparison": rows})
     return 0 if all(m["failed"] == 0 for m in served) else 1
+
+
+def _run_offline_only(args: argparse.Namespace, prompts: list, warmup, offsets: list[float]) -> int:
+    from kvrelay.bench.serve_metrics import print_result, summarize
+    from kvrelay.bench.serve_offline import run_offline
+
+    passes = run_offline(args.engine_args, prompts, warmup, args.endpoint, args.output_len, args.ignore_eos,
+                         offsets, args.max_concurrency, logprobs=args.token_timing == "logprobs")
+    offline = {name: summarize(name, results, duration) for name, (results, duration) in passes.items()}
+    for name, m in offline.items():
+        print_result(m, f"Offline engine ({name.removeprefix('offline, ')})")
+    _save(args, {"runs": [], "offline": offline, "comparison": []})
+    return 0 if all(m["failed"] == 0 for m in offline.values()) else 1
 
 
 def _targets(args: argparse.Namespace) -> Iterator[tuple[str, str]]:

@@ -60,3 +60,28 @@ def test_bench_serve_counts_every_token(cluster, tiny_dir, tmp_path, capsys):
 def test_bench_serve_refuses_a_remote_target(capsys):
     with pytest.raises(SystemExit, match="not a loopback address"):
         main(["bench", "serve", "--base-url", "http://192.0.2.1:8000/v1", "--num-prompts", "1"])
+
+
+def test_offline_only_runs_the_engine_on_the_served_prompts_and_schedule(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    args = ["--log-level", "WARNING", "bench", "serve", "--num-prompts", str(NUM_PROMPTS), "--input-len", str(INPUT_LEN),
+            "--output-len", str(OUTPUT_LEN), "--request-rate", "50", "--offline-only", "--save-result", str(out)]
+    assert main([*args, "--", "--model", str(tiny_dir), *ENGINE]) == 0, capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Serving Benchmark Result" not in printed  # no server loaded
+    doc = json.loads(out.read_text())
+    assert doc["runs"] == []
+    # a served run at a finite rate is paced: so is the offline engine's second pass, beside all-at-once
+    assert set(doc["offline"]) == {"offline, all at once", "offline, same schedule"}
+    for offline in doc["offline"].values():
+        assert (offline["completed"], offline["failed"]) == (NUM_PROMPTS, 0)
+        assert offline["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+        assert offline["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+
+
+@pytest.mark.parametrize("extra", [["--base-url", "http://127.0.0.1:8000/v1"], ["--compare-offline"], []])
+def test_offline_only_refuses_a_server_or_no_engine(extra, capsys):
+    engine = [] if not extra else ["--", "--model", "smollm2"]
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--offline-only", *extra, *engine])
+    assert "--offline-only" in str(exc.value)
