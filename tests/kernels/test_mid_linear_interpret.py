@@ -64,16 +64,9 @@ def test_one_row_and_a_row_batch_of_leading_dims(variant):
     assert torch.equal(got.view(6, 24), ml.mid_linear(x, w, b, config=cfg))
 
 
-def test_split_scratch_needs_no_zeroing(monkeypatch):
-    # the split slots (and the output) come unzeroed from torch.empty: poisoned with NaN here, any element
+def test_split_scratch_needs_no_zeroing(unzeroed_empty):
+    # the split slots (and the output) come unzeroed from torch.empty, which the fixture fills with NaN: any element
     # the kernels left unwritten would reach the output
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
     for variant in ml.VARIANTS:
         check(40, 50, 448, torch.bfloat16, ml.MidConfig(variant, 32, 32, 64, 4, 2, 3))
 

@@ -67,16 +67,9 @@ def test_split_k_dtypes_and_bias(dtype, split, bias):
     check_w4_packed(kernel, "cpu", 2, 256, 40, 64, dtype, "w4_act_order", bias=bias, cfg=(16, 32, split))
 
 
-def test_split_k_scratch_needs_no_zeroing(monkeypatch):
-    # the split slots come unzeroed from torch.empty: poisoned with NaN here, any slot the kernel left
+def test_split_k_scratch_needs_no_zeroing(unzeroed_empty):
+    # the split slots come unzeroed from torch.empty, which the fixture fills with NaN: any slot the kernel left
     # unwritten would reach the output
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
     check_w4_packed(kernel, "cpu", 3, 256, 40, 32, torch.bfloat16, "awq", bias=True, cfg=(16, 16, 3))
 
 

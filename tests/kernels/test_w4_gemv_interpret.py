@@ -55,15 +55,8 @@ def test_split_k(name, source, split):
                     cfg=(16, 4, split, 1, 1))
 
 
-def test_split_k_scratch_needs_no_zeroing(monkeypatch):
-    # the in-order splits' slots come unzeroed from torch.empty: poisoned with NaN here
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+def test_split_k_scratch_needs_no_zeroing(unzeroed_empty):
+    # the in-order splits' slots come unzeroed from torch.empty, which the fixture fills with NaN
     check_w4_packed(w4_gemv_variant("gemv"), "cpu", 3, 256, 40, 32, torch.bfloat16, "awq", bias=True, cfg=(16, 4, 3, 1, 1))
 
 
