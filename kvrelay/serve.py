@@ -30,8 +30,9 @@ import redis
 
 from kvrelay import weight_scope
 from kvrelay.mps_daemon import MpsDaemon
-from kvrelay.serve_plan import Child, models_to_serve, plan
+from kvrelay.serve_plan import Child, models_to_serve, plan, timesliced
 from kvrelay.shared.config.auto_device import auto_device
+from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.gateway import ADMIN_KEY_ENV
 from kvrelay.shared.config.handover import CONFIG_FROM_STDIN, encode, module_argv
 from kvrelay.shared.wire import redis_keys as keys
@@ -138,11 +139,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             redis_url = args.redis_url
         if any(getattr(c.config, "gpu_share", None) in MPS_MODES for c in children):
-            daemon = MpsDaemon().start()  # a daemon that cannot start is one line, before any worker starts
-            stack.callback(daemon.stop)  # after every worker stopped (the stack unwinds after _stop_all)
-            for child in children:
-                if not child.is_gateway:
-                    child.env |= daemon.env
+            _start_mps(args, children, stack)
         for child in children:  # on the embedded Redis, each child gets its role's least-privilege user
             url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
             child.config = dataclasses.replace(child.config, redis_url=url)
@@ -165,6 +162,26 @@ def serve(args: argparse.Namespace) -> int:
             return _supervise(supervisor, lambda: stopping, f"http://{args.host}:{args.port}", names, gateways)
         finally:  # a StartupError is said by the CLI once everything stopped; Redis after the rest
             _stop_all(procs, args.drain_timeout + STOP_GRACE_S)
+
+
+def _start_mps(args: argparse.Namespace, children: list[Child], stack: contextlib.ExitStack) -> None:
+    """The MPS daemon the workers become clients of. One asked for by name that cannot start is one line, before
+    any worker starts; one that --gpu-share auto chose leaves the workers timesliced, said in the log."""
+    try:
+        daemon = MpsDaemon().start()
+    except ConfigError as exc:
+        if args.gpu_share != "auto":
+            raise
+        log.warning("--gpu-share auto: timeslice, as the MPS daemon did not start (%s)", exc)
+        timesliced(children)
+        return
+    stack.callback(daemon.stop)  # after every worker stopped (the stack unwinds after _stop_all)
+    for child in children:
+        if not child.is_gateway:
+            child.env |= daemon.env
+    shares = ", ".join(f"{c.command} {c.config.gpu_share} on {c.config.gpu_sm_percent}% of the SMs"
+                       for c in children if not c.is_gateway)
+    log.info("GPU share: %s (--gpu-share %s)", shares, args.gpu_share)
 
 
 def _start_store(embedded: EmbeddedRedis, status_fd: int) -> subprocess.Popen:

@@ -4,7 +4,9 @@ the child whole (shared/config/handover.py), so no flag is lost between serve an
 
 import argparse
 import dataclasses
+import shutil
 
+from kvrelay import mps_daemon
 from kvrelay.cli_args import GATEWAY_FLAGS, SERVE_WORKER_FLAGS, gateway_config_from_args, zmq_secret
 from kvrelay.serve_config import ServedModel, load_serve_config
 from kvrelay.shared.config import role_settings
@@ -12,7 +14,7 @@ from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.flags import GIVEN, given
 from kvrelay.shared.config.gateway import GatewayConfig
-from kvrelay.shared.config.worker import SHARES_SMS, WorkerConfig, check_sm_share
+from kvrelay.shared.config.worker import GPU_SM_PERCENT, SHARES_SMS, WorkerConfig, check_sm_share
 from kvrelay.shared.repo.model_source import resolve_model
 from kvrelay.shared.worker import gpu_share
 from kvrelay.workers import worker_config
@@ -22,6 +24,11 @@ from kvrelay.workers import worker_config
 # request's context.
 ROLE_MEMORY_SHARE = {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}
 ROLE_OF = {"prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
+# --gpu-share auto where both roles share one GPU under MPS: the split that met both latency SLOs at the
+# highest rate (BENCHMARKS.md, "One GPU, two processes"). Prefill on every SM starves decode steps of SMs
+# (p99 ITL over 25 ms); on 75% or less its chunks run so long that TTFT misses; decode keeps all of them
+# and its high-priority stream runs its steps first.
+AUTO_SHARE = {"prefill-worker": 90, "decode-worker": 100}
 
 
 @dataclasses.dataclass
@@ -77,6 +84,7 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     decode_share = _decode_sm_percent(args)
     # --gpu-memory-utilization is a CUDA device's (refused on the CPU): the roles split it only there
     on_gpu = (auto_device() if args.device == "auto" else args.device) != "cpu"
+    shared_gpu = args.gpu_share == "auto" and _auto_mps(args, models, decode_sizes)
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
@@ -91,6 +99,9 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
             given["gpu_memory_utilization"] = round(args.gpu_memory_utilization * ROLE_MEMORY_SHARE[command], 4)
         if command == "decode-worker":
             given |= decode_sizes | decode_share
+        if args.gpu_share == "auto":  # each worker's config says what it runs
+            given |= ({"gpu_share": "mps-priority", "gpu_sm_percent": AUTO_SHARE[command]} if shared_gpu
+                      else {"gpu_share": "timeslice"})
         given |= _not_applied(args, given, decode_sizes, models)
         if not args.config:
             given |= {"model": models[0].path, "served_model_name": models[0].name}
@@ -103,6 +114,28 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))
     return children
+
+
+def _auto_mps(args: argparse.Namespace, models: list[ServedModel], decode_sizes: dict[str, int]) -> bool:
+    """Whether --gpu-share auto puts the two roles under MPS: disaggregated, every model on one CUDA device, one
+    process per role (a rank group's processes are not what the measured split is for), and the MPS control
+    program here. Anything else, timeslice: the mode that runs everywhere."""
+    if args.mode != "disaggregated" or shutil.which(mps_daemon.CONTROL) is None:
+        return False
+    devices = {m.device if m.device != "auto" else args.device for m in models} if args.config else {args.device}
+    devices = {auto_device() if d == "auto" else d for d in devices}
+    sizes = [args.tensor_parallel_size, args.pipeline_parallel_size, *decode_sizes.values(),
+             *(m.tensor_parallel_size for m in models), *(m.pipeline_parallel_size for m in models)]
+    return len(devices) == 1 and next(iter(devices)).startswith("cuda") and max(sizes) <= 1
+
+
+def timesliced(children: list[Child]) -> None:
+    """--gpu-share auto where the MPS daemon would not start (no permission for its folders, a GPU that refuses
+    MPS): every worker falls back to timeslice, the mode auto takes where MPS is not on offer."""
+    for child in children:
+        if not child.is_gateway and child.config.gpu_share in gpu_share.MPS_MODES:
+            child.config = dataclasses.replace(child.config, gpu_share="timeslice", gpu_sm_percent=GPU_SM_PERCENT)
+            child.env = {k: v for k, v in child.env.items() if k != gpu_share.MPS_SHARE_ENV}
 
 
 def _check_serve_own(args: argparse.Namespace) -> None:

@@ -27,8 +27,9 @@ SHARES_SMS = ("mps", "mps-priority", "green")  # the --gpu-share modes that give
 def check_sm_share(gpu_share: str, option: str) -> None:
     """A share of the SMs (``option``) is only for the modes that apply it: one line naming both flags."""
     if gpu_share not in SHARES_SMS:
+        why = "chooses the shares itself" if gpu_share == "auto" else "gives no worker a share of the SMs"
         raise ConfigError(f"argument {option}: only with --gpu-share {', '.join(SHARES_SMS[:-1])} or "
-                          f"{SHARES_SMS[-1]} (--gpu-share {gpu_share} gives no worker a share of the SMs)")
+                          f"{SHARES_SMS[-1]} (--gpu-share {gpu_share} {why})")
 
 
 def _worker_id() -> str:
@@ -108,12 +109,15 @@ class WorkerConfig:
         "registered (0: no watch)",
         flag="--step-timeout", shared=True, ge=0)
     # how this worker's kernels share the GPU with the other role's process on it (shared/worker/gpu_share.py)
-    gpu_share: Literal["timeslice", "priority", "mps", "mps-priority", "green"] = setting(
-        "timeslice", "how the prefill and decode processes on one GPU share it: timeslice (the driver alternates "
-        "them), priority (decode computes on a high-priority CUDA stream, prefill on a low-priority one), mps "
-        "(CUDA MPS, each process limited to --gpu-sm-percent of the SMs; kvrelay serve runs the daemon), "
-        "mps-priority (both: under MPS the two processes' streams are ordered against each other), green "
-        "(a CUDA green context of --gpu-sm-percent of the SMs; torch >= 2.9, CUDA >= 12.8)")
+    gpu_share: Literal["auto", "timeslice", "priority", "mps", "mps-priority", "green"] = setting(
+        "auto", "how the prefill and decode processes on one GPU share it: auto (kvrelay serve --mode "
+        "disaggregated on one CUDA GPU, one process per role, where nvidia-cuda-mps-control runs: mps-priority "
+        "with prefill on 90 percent of the SMs and decode on all of them, the split measured best; else, and for a "
+        "worker started on its own, timeslice), timeslice (the driver alternates them), priority (decode computes "
+        "on a high-priority CUDA stream, prefill on a low-priority one), mps (CUDA MPS, each process limited to "
+        "--gpu-sm-percent of the SMs; kvrelay serve runs the daemon), mps-priority (both: under MPS the two "
+        "processes' streams are ordered against each other), green (a CUDA green context of --gpu-sm-percent of "
+        "the SMs; torch >= 2.9, CUDA >= 12.8)")
     gpu_sm_percent: int = setting(GPU_SM_PERCENT, "--gpu-share mps, mps-priority or green: percent of the GPU's SMs "
                                   "this worker's kernels may use; refused with the other modes (kvrelay serve: the "
                                   "prefill worker's; the decode worker's is --decode-gpu-sm-percent)", ge=1, le=100)

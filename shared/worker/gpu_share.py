@@ -1,5 +1,7 @@
 """How a worker's kernels share one GPU with the other role's process on it (``--gpu-share``).
 
+* ``auto``: what ``kvrelay serve`` resolves before it starts the workers (kvrelay/serve_plan.py); a worker
+  started on its own, with no launcher to run an MPS daemon for it, computes as under ``timeslice``.
 * ``timeslice``: each process computes on its default stream; the driver alternates the two contexts.
 * ``priority``: the decode worker computes on a CUDA stream of the highest priority, the prefill worker on one
   of the lowest, so a decode step's kernels are scheduled ahead of a prefill chunk's waiting ones. Priorities
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # kvrelay serve checks configs with this module and imports n
 FLAG = "argument --gpu-share"
 PRIORITY_MODES = ("priority", "mps-priority")
 MPS_MODES = ("mps", "mps-priority")
+MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 # CUDA maps a priority beyond its range to the nearest end: 0 is the lowest (every default stream's),
 # a large negative number the highest the device has
 PRIORITY = {"decode": -(1 << 20), "prefill": 0}
@@ -41,7 +44,7 @@ _keep: list[object] = []  # the green context its stream belongs to lives as lon
 def check(config: WorkerConfig) -> None:
     """A mode this worker cannot run is one line naming the flag, before anything loads; never a fallback."""
     mode = config.gpu_share
-    if mode == "timeslice":
+    if mode in ("auto", "timeslice"):
         return
     if not config.engine.device.startswith("cuda"):
         raise ConfigError(f"{FLAG}: {mode} needs a CUDA device (--device {config.engine.device}); on the CPU only "
@@ -59,7 +62,7 @@ def check(config: WorkerConfig) -> None:
 
 def child_env(config: WorkerConfig) -> dict[str, str]:
     """What a launcher sets in this worker's environment (the MPS daemon's folders come from the launcher)."""
-    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(config.gpu_sm_percent)} if config.gpu_share in MPS_MODES else {}
+    return {MPS_SHARE_ENV: str(config.gpu_sm_percent)} if config.gpu_share in MPS_MODES else {}
 
 
 def green_supported() -> bool:

@@ -2,9 +2,11 @@
 ``kvrelay serve --mode disaggregated`` starts under it and answers greedy prompts with timeslice's tokens
 (CUDA graphs captured and replayed on the mode's compute stream), and the priority streams are what each role
 asks for. A mode this machine cannot run (no MPS control program, a torch without green contexts) is a skip
-that says why; serve itself refuses it in one line (tests/unit/test_gpu_share.py)."""
+that says why; serve itself refuses it in one line (tests/unit/test_gpu_share.py). ``auto``, the default, is
+mps-priority with the measured split where the MPS control program is here."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ ENGINE = ["--model", "dummy:smollm2-135m", "--load-format", "dummy", "--device",
 
 
 def greedy(mode: str, tmp_path) -> list[str]:
-    with Served(["--mode", "disaggregated", *ENGINE, "--gpu-share", mode], tmp_path / f"serve-{mode}.log",
+    with Served(["--mode", "disaggregated", *ENGINE, "--gpu-share", mode], serve_log(mode, tmp_path),
                 timeout=300) as served:
         client = served.client()
         listed = client.models.list().data
@@ -35,6 +37,10 @@ def greedy(mode: str, tmp_path) -> list[str]:
         model = listed[0].id
         return [client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0.0).choices[0].text
                 for p in PROMPTS]
+
+
+def serve_log(mode: str, tmp_path) -> Path:
+    return tmp_path / f"serve-{mode}.log"
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +55,16 @@ def test_each_mode_serves_timeslices_greedy_tokens(mode, timesliced, tmp_path):
     if mode == "green" and not gpu_share.green_supported():
         pytest.skip(f"torch {torch.__version__} has no CUDA green contexts")
     assert greedy(mode, tmp_path) == timesliced
+
+
+def test_auto_serves_timeslices_greedy_tokens_under_the_measured_split(timesliced, tmp_path):
+    assert greedy("auto", tmp_path) == timesliced
+    chosen = [line for line in serve_log("auto", tmp_path).read_text().splitlines() if "GPU share:" in line]
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        assert not chosen, chosen  # no daemon: timeslice, nothing to say
+    else:  # the daemon started: a fallback to timeslice on this machine would leave auto never tried
+        assert any(("prefill-worker mps-priority on 90% of the SMs, decode-worker mps-priority on 100% of the SMs"
+                    in line) for line in chosen), serve_log("auto", tmp_path).read_text()[-4000:]
 
 
 def test_decode_computes_on_a_higher_priority_stream_than_prefill():

@@ -35,19 +35,24 @@ def test_commit_takes_device_memory_and_a_lower_cap_gives_it_back():
     kv, ids = pool.attach("m", 32, 16, 8, 128, torch.bfloat16, floor_blocks=8)
     bm = BlockManager(kv.shape[2], 16, owned=ids, grow=lambda n: pool.grow("m", n))
     pool.bind("m", bm)
-    assert pool.set_cap(4 * GIB)
-    start = free_bytes()
-    bm.add_blocks(pool.grow("m", 2000))
-    assert pool.committed_bytes > 3 * GIB
-    grown = free_bytes()
-    assert start - grown > 3 * GIB - 64 * MIB  # the commit is real device memory
-    top = max(bm.owned)
-    kv[:, :, top] = 1.5  # the highest block, in the last chunk committed: mapped and writable
-    assert kv[:, :, top].float().mean().item() == 1.5
-    assert pool.set_cap(256 * MIB)  # every block is free: all but what the floor needs goes back
-    assert pool.committed_bytes <= 256 * MIB and bm.num_blocks >= 8
-    assert free_bytes() - grown > 3 * GIB - 320 * MIB
-
+    took, gave = [], []
+    # mem_get_info is the device's: other test processes allocating and freeing meanwhile move it either way,
+    # so the pool commits and gives back three times and the largest swings are judged
+    for _ in range(3):
+        assert pool.set_cap(4 * GIB)
+        start = free_bytes()
+        bm.add_blocks(pool.grow("m", 2000))
+        assert pool.committed_bytes > 3 * GIB
+        grown = free_bytes()
+        top = max(bm.owned)
+        kv[:, :, top] = 1.5  # the highest block, in the last chunk committed: mapped and writable
+        assert kv[:, :, top].float().mean().item() == 1.5
+        assert pool.set_cap(256 * MIB)  # every block is free: all but what the floor needs goes back
+        assert pool.committed_bytes <= 256 * MIB and bm.num_blocks >= 8
+        took.append(start - grown)
+        gave.append(free_bytes() - grown)
+    assert max(took) > 3 * GIB - 64 * MIB, took  # the commit is real device memory
+    assert max(gave) > 3 * GIB - 320 * MIB, gave
 
 def greedy(core: EngineCore, prompts: list[list[int]]) -> tuple[list[list[int]], set[int]]:
     """Each prompt's greedy tokens, all in one batch, and the block ids they used."""

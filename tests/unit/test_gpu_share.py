@@ -2,6 +2,7 @@
 of the SMs, and under mps the environment that makes it an MPS client), refused in one line where a mode cannot
 run (a CPU device, a unified worker's priority), and the compute stream each mode picks."""
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -14,7 +15,7 @@ import pytest
 
 from kvrelay.cli import build_parser
 from kvrelay.mps_daemon import MpsDaemon
-from kvrelay.serve import _env
+from kvrelay.serve import _env, _start_mps
 from kvrelay.serve_plan import models_to_serve, plan
 from kvrelay.shared.config.declare import ConfigError
 from kvrelay.shared.config.handover import module_argv
@@ -59,10 +60,89 @@ def test_serve_gives_each_role_its_share_and_mps_its_environment():
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in _env(children["prefill-worker"], None)  # no MPS, no share
 
 
-def test_timeslice_is_the_default_and_sets_nothing():
+def stand_in_control(folder: Path, script: str) -> Path:
+    """An nvidia-cuda-mps-control of ours (no MPS on this machine; the GPU suite runs the real one)."""
+    program = folder / "nvidia-cuda-mps-control"
+    program.parent.mkdir(exist_ok=True)
+    program.write_text(f"#!/bin/sh\n{script}\n")
+    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    return program
+
+
+@pytest.fixture
+def mps_control(monkeypatch, tmp_path) -> Path:
+    program = stand_in_control(tmp_path / "bin", "cat > /dev/null")
+    monkeypatch.setenv("PATH", f"{program.parent}{os.pathsep}{os.environ['PATH']}")
+    return program
+
+
+def shares(children) -> dict[str, tuple[str, int, str | None]]:
+    return {c.command: (c.config.gpu_share, c.config.gpu_sm_percent, c.env.get(gpu_share.MPS_SHARE_ENV))
+            for c in children.values() if not c.is_gateway}
+
+
+def test_auto_is_the_default_and_on_the_cpu_timeslice_that_sets_nothing(mps_control):
     children = serve_plan(["--device", "cpu"])
     assert {c.config.gpu_share for c in children.values() if not c.is_gateway} == {"timeslice"}
     assert all(not c.env for c in children.values())
+
+
+def test_auto_on_one_gpu_is_mps_priority_with_prefill_on_90_percent(mps_control):
+    assert shares(serve_plan(["--device", "cuda"])) == {"prefill-worker": ("mps-priority", 90, "90"),
+                                                        "decode-worker": ("mps-priority", 100, "100")}
+    assert shares(serve_plan(["--device", "cuda:0", "--gpu-share", "auto"]))["prefill-worker"][0] == "mps-priority"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--mode", "unified"],  # one process: nothing to share
+    ["--tensor-parallel-size", "2"],  # a rank group: not what the measured split is for
+    ["--decode-pipeline-parallel-size", "2"],
+])
+def test_auto_is_timeslice_beyond_one_process_per_role_on_one_gpu(mps_control, monkeypatch, argv):
+    monkeypatch.setattr("kvrelay.workers._check_group", lambda *a, **k: None)  # its check needs that many GPUs
+    assert {mode for mode, _, env in shares(serve_plan(["--device", "cuda", *argv])).values()} == {"timeslice"}
+
+
+def test_auto_is_timeslice_without_the_mps_control_program(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shares(serve_plan(["--device", "cuda"])) == {"prefill-worker": ("timeslice", 50, None),
+                                                        "decode-worker": ("timeslice", 50, None)}
+
+
+@pytest.mark.parametrize("option", ["--gpu-sm-percent", "--decode-gpu-sm-percent"])
+def test_auto_refuses_a_share_of_the_sms(mps_control, option):
+    with pytest.raises(ConfigError) as err:
+        serve_plan(["--device", "cuda", option, "70"])
+    assert str(err.value) == (f"argument {option}: only with --gpu-share mps, mps-priority or green (--gpu-share auto "
+                              "chooses the shares itself)")
+
+
+def test_auto_whose_mps_daemon_does_not_start_serves_timesliced(monkeypatch, tmp_path, caplog):
+    stand_in_control(tmp_path / "bin", "echo 'cannot open the pipe folder' >&2\nexit 1")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    for argv in (["--gpu-share", "mps-priority"], []):  # by name, one line; chosen by auto, a fallback said
+        children = serve_plan(["--device", "cuda", *argv])
+        with contextlib.ExitStack() as stack:
+            if argv:
+                with pytest.raises(ConfigError, match="^argument --gpu-share: nvidia-cuda-mps-control -d failed"):
+                    _start_mps(build_parser().parse_args(["serve", *argv]), list(children.values()), stack)
+                continue
+            with caplog.at_level("WARNING", logger="kvrelay.serve"):
+                _start_mps(build_parser().parse_args(["serve"]), list(children.values()), stack)
+    assert shares(children) == {"prefill-worker": ("timeslice", 50, None), "decode-worker": ("timeslice", 50, None)}
+    assert caplog.messages == ["--gpu-share auto: timeslice, as the MPS daemon did not start (argument --gpu-share: "
+                               "nvidia-cuda-mps-control -d failed (exit 1): cannot open the pipe folder)"]
+
+
+def test_auto_whose_mps_daemon_starts_makes_each_worker_its_client(mps_control, caplog):
+    children = serve_plan(["--device", "cuda"])
+    with contextlib.ExitStack() as stack, caplog.at_level("INFO", logger="kvrelay.serve"):
+        _start_mps(build_parser().parse_args(["serve"]), list(children.values()), stack)
+        pipes = {c.env.get("CUDA_MPS_PIPE_DIRECTORY") for c in children.values() if not c.is_gateway}
+        assert len(pipes) == 1 and Path(pipes.pop()).is_dir()
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in children["gateway"].env
+    assert caplog.messages == ["GPU share: prefill-worker mps-priority on 90% of the SMs, decode-worker mps-priority "
+                               "on 100% of the SMs (--gpu-share auto)"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -98,9 +178,9 @@ def test_serve_refuses_a_share_of_the_sms_that_its_mode_would_not_apply(mode, op
 def test_a_worker_refuses_a_share_of_the_sms_that_its_mode_would_not_apply(argv):
     proc = cli(["decode-worker", "--model", "dummy:tiny-llama", "--device", "cuda", *argv, "--print-config"])
     assert proc.returncode == 2
-    mode = argv[1] if argv[0] == "--gpu-share" else "timeslice"
-    assert proc.stderr.strip().splitlines()[-1] == (f"kvrelay decode-worker: error: argument --gpu-sm-percent: "
-                                                    f"{NO_SHARE.format(mode)}")
+    said = NO_SHARE.format("priority") if argv[0] == "--gpu-share" else NO_SHARE.format("auto").replace(
+        "gives no worker a share of the SMs", "chooses the shares itself")
+    assert proc.stderr.strip().splitlines()[-1] == f"kvrelay decode-worker: error: argument --gpu-sm-percent: {said}"
 
 
 def test_a_config_with_a_share_of_the_sms_its_mode_would_not_apply_is_refused():
@@ -156,12 +236,9 @@ def test_mps_without_its_control_program_is_one_line(monkeypatch, tmp_path):
 
 
 def test_mps_daemon_runs_in_its_own_folders_and_quits(monkeypatch, tmp_path):
-    # a stand-in control program that logs how it was called (no MPS on this machine); the GPU bench runs the real one
+    # a stand-in that logs how it was called
     log = tmp_path / "calls"
-    program = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    program.parent.mkdir()
-    program.write_text(f'#!/bin/sh\necho "$* $(cat) $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> {log}\n')
-    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    program = stand_in_control(tmp_path / "bin", f'echo "$* $(cat) $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> {log}')
     monkeypatch.setenv("PATH", f"{program.parent}{os.pathsep}{os.environ['PATH']}")
     daemon = MpsDaemon(str(tmp_path / "mps")).start()
     dirs = f"{tmp_path}/mps/pipe {tmp_path}/mps/log"
@@ -172,9 +249,7 @@ def test_mps_daemon_runs_in_its_own_folders_and_quits(monkeypatch, tmp_path):
 
 
 def test_mps_daemon_that_fails_says_why(monkeypatch, tmp_path):
-    program = tmp_path / "nvidia-cuda-mps-control"
-    program.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 1\n")
-    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    stand_in_control(tmp_path, "echo 'An instance of this daemon is already running' >&2\nexit 1")
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(ConfigError) as err:
         MpsDaemon(str(tmp_path / "mps")).start()
