@@ -8,7 +8,8 @@ the other) and replays the same workload through the offline engine for a same-r
     kvrelay bench serve --launch disaggregated unified --sweep --compare-offline -- --model smollm2
 
 Each run also prints the TTFT of its first --cold-requests requests beside the rest's; with --cold-start
-they are the first requests after /ready, which shows what a fresh server left unprepared (compiles).
+they are the first requests after /ready, which shows what a fresh server left unprepared (compiles). Under
+each run's table, the server's own split of its requests' TTFT into stages (bench/ttft_stages.py).
 With --sweep it searches each server's goodput instead (bench/serve_sweep.py).
 """
 
@@ -238,11 +239,15 @@ async def _bench_server(args: argparse.Namespace, base_url: str, label: str, pro
                         offsets: list[float]) -> dict:
     from kvrelay.bench.serve_client import run_load
     from kvrelay.bench.serve_metrics import cold_vs_steady, summarize
+    from kvrelay.bench.ttft_stages import scrape
+    from kvrelay.ttft_readout import breakdown, diff
 
     spec = await _request_spec(args, base_url, warmup)
     load_before = _load()
+    before = await scrape(base_url)  # after the warm-up: the stages are the run's requests' alone
     results, duration = await run_load(base_url, spec, prompts, offsets, args.max_concurrency, args.request_timeout)
     m = summarize(label, results, duration)
+    m["ttft_stages"] = breakdown(diff(before, await scrape(base_url)))
     m["cold_start"] = {**cold_vs_steady(results, args.cold_requests), "from_ready": args.cold_start}
     m.update(base_url=base_url, model_id=spec.model, load_avg_1m_before=load_before, load_avg_1m_after=_load())
     return m
@@ -251,6 +256,7 @@ async def _bench_server(args: argparse.Namespace, base_url: str, label: str, pro
 def run(args: argparse.Namespace) -> int:
     from kvrelay.bench.serve_client import arrival_offsets, make_prompts
     from kvrelay.bench.serve_metrics import compare, print_comparison, print_result
+    from kvrelay.bench.ttft_stages import print_breakdown
 
     _check_args(args)
     if args.sweep:
@@ -272,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         for label, base_url in targets:
             served.append(asyncio.run(_bench_server(args, base_url, label, prompts, warmup, offsets)))
             print_result(served[-1], f"Serving Benchmark Result ({label})" if args.launch else "Serving Benchmark Result")
+            print_breakdown(served[-1]["ttft_stages"], indent=0)
 
     offline: dict[str, dict] = {}
     rows: list[dict] = []

@@ -50,6 +50,12 @@ def test_bench_serve_counts_every_token(cluster, tiny_dir, tmp_path, capsys):
         assert cold[f"{stat}_ttft_first_ms"] == pytest.approx(fn(ms[:COLD]))
         assert cold[f"{stat}_ttft_rest_ms"] == pytest.approx(fn(ms[COLD:]))
         assert cold[f"{stat}_ttft_ratio"] == pytest.approx(fn(ms[:COLD]) / fn(ms[COLD:]))
+    # the server's own TTFT split covers this run's requests alone (scraped after the warm-up, if any) and tiles
+    # the gateway's TTFT
+    stages = run["ttft_stages"]
+    assert "TTFT stages (ms, server)" in printed
+    assert (stages["requests"], stages["unsplit"]) == (NUM_PROMPTS, 0)
+    assert sum(s["mean_ms"] for s in stages["stages"].values()) == pytest.approx(stages["ttft_mean_ms"], rel=0.02)
     assert set(doc["offline"]) == {"offline, all at once", "offline, same schedule"}
     for offline in doc["offline"].values():
         assert offline["completed"] == NUM_PROMPTS
