@@ -8,7 +8,8 @@ Lifecycle of one job here:
      forward writes it.
   3. The engine core prefills it with other prompts under the token budget (chunked prefill) and
      samples the first token; the core keeps its KV blocks (hold_finished_kv).
-  4. The first token goes straight to the gateway (TTFT does not wait for the handoff).
+  4. The first token goes straight to the gateway: a step's first tokens are sent before any of its
+     handoffs starts (TTFT waits for neither the handoff nor a batch's other handoffs to set up).
   5. Finished already (EOS, a stop id, max_tokens=1, context full): the early grant is cancelled,
      XACK, free the blocks. Otherwise the transfer completes (or starts, without an early grant) and
      moves the KV to a decode worker; its ack means the decode side holds the request, and only then
@@ -41,7 +42,7 @@ from kvrelay.shared.config.worker import WorkerConfig
 from kvrelay.shared.engine.outputs import EngineCoreOutput
 from kvrelay.shared.wire import rerun
 from kvrelay.shared.wire.job_queue import replayable
-from kvrelay.shared.wire.protocol import TokenEvent
+from kvrelay.shared.wire.protocol import Job, TokenEvent
 from kvrelay.shared.worker.intake import IDLE_BLOCK_MS, IDLE_SLEEP_S, JobIntake
 from kvrelay.shared.worker.model_slot import ModelSlot
 from kvrelay.shared.worker.runtime import WorkerRuntime
@@ -121,12 +122,17 @@ class PrefillWorker:
             for t in self.handoff.poll(timeout_ms=0):
                 self._on_transfer_end(t)
         stepped = False
+        prefilled: list[tuple[Job, bytes, FirstToken]] = []
         for slot in slots:
             if slot.core.has_unfinished():
                 stepped = True
                 step_started = time.time()
                 for out in slot.core.step():
-                    self._on_output(slot, out, step_started)
+                    self._on_output(slot, out, step_started, prefilled)
+        if prefilled:  # the step's first tokens leave before its handoffs start: a batch's TTFT never waits on them
+            self.runtime.events.flush()
+        for job, entry_id, first in prefilled:
+            self.handoff.prefilled(job, entry_id, first)
         for t in self.handoff.poll(timeout_ms=0 if stepped else 5):
             self._on_transfer_end(t)
         self.runtime.events.flush()
@@ -192,7 +198,10 @@ class PrefillWorker:
             self.handoff.start_early(rec.job, rec.entry_id)
 
     # -- results --------------------------------------------------------------------------------
-    def _on_output(self, slot: ModelSlot, out: EngineCoreOutput, step_started: float) -> None:
+    def _on_output(self, slot: ModelSlot, out: EngineCoreOutput, step_started: float,
+                   prefilled: list[tuple[Job, bytes, FirstToken]]) -> None:
+        """Its first token queued for the gateway; a request that goes on to decode joins ``prefilled``, whose
+        handoffs start once the step's first tokens are sent."""
         rid = out.request_id
         rec = self.inflight.get(rid)
         if rec is None or rec.job is None:
@@ -216,9 +225,9 @@ class PrefillWorker:
         event.finish_reason = None  # the prefill cap is ours, not the request's
         self.inflight.send(rec, event)
         self.inflight.hand_over(rid)
-        self.handoff.prefilled(job, rec.entry_id, FirstToken(
+        prefilled.append((job, rec.entry_id, FirstToken(
             out.new_token_ids[0], event.logprobs[0] if event.logprobs else None,
-            event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens))
+            event.top_logprobs[0] if event.top_logprobs else None, out.num_cached_tokens)))
 
     def _on_transfer_end(self, t: Transfer) -> None:
         slot = self.runtime.slots.get(t.job.model)
