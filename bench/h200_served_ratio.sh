@@ -6,7 +6,9 @@
 # - nocap: the same load on unified with --max-prefill-tokens-with-decodes 0, no prompt-token cap beside
 #   decodes (nocap.txt): does the cap stagger the waves?
 # - long: 256 x (1,024 -> 128), 64 in flight, both modes and the offline engine (long.txt);
-# - batch1: 8 x (32 -> 256), one in flight: batch-1 TPOT served against the engine's (batch1.txt).
+# - batch1: 8 x (32 -> 256), one in flight: batch-1 TPOT served against the engine's (batch1.txt);
+# - MODE@N (e.g. disaggregated@1, unified@4): the short load on MODE with --api-server-count N gateways, the
+#   offline engine beside it only for N = 1 (MODE_gwN.txt): is one gateway process what holds the stream back?
 # EXTRA: more engine flags for every run. Each run's table and comparison are printed; the files land in $OUT.
 set -u
 . bench/h200_setup.sh || exit 1
@@ -30,6 +32,9 @@ for load in ${LOADS:-short batch1}; do
             --output-len 128 --max-concurrency 64 -- "${engine[@]}" ;;
     batch1) bench batch1 200 --launch disaggregated unified --compare-offline --num-prompts 8 --input-len 32 \
               --output-len 256 --max-concurrency 1 -- "${engine[@]}" ;;
+    *@*) mode=${load%@*} gateways=${load#*@}; offline=(); [ "$gateways" = 1 ] && offline=(--compare-offline)
+         bench "${mode}_gw$gateways" 200 --launch "$mode" "${offline[@]}" --num-prompts 256 --input-len 32 --output-len 256 \
+           --max-concurrency 128 -- "${engine[@]}" --api-server-count "$gateways" ;;
     *) echo "unknown load $load" ;;
   esac
 done
