@@ -4,6 +4,7 @@ our own, aiohttp's (404, 405, 413) and unexpected exceptions alike — and the `
 
 import logging
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -31,6 +32,9 @@ _TYPES = {
 REQUEST_ID_HEADER = "X-Request-Id"
 _CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, bounded: it is echoed back
 REQUEST_ID = web.RequestKey("request_id", str)
+# unix seconds the request reached the gateway's handlers: its TTFT and deadline count from here, so the time
+# its body takes to read, its key to check and its prompt to prepare is in them (a busy loop shows there)
+ARRIVAL = web.RequestKey("arrival", float)
 
 
 class APIError(Exception):
@@ -83,7 +87,8 @@ def _from_http_exception(exc: web.HTTPException) -> APIError:
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Assign the request id, then turn whatever a handler raises into an OpenAI error body."""
+    """Stamp the arrival, assign the request id, then turn whatever a handler raises into an OpenAI error body."""
+    request[ARRIVAL] = time.time()
     client_id = request.headers.get(REQUEST_ID_HEADER, "")
     request[REQUEST_ID] = client_id if _CLIENT_ID.match(client_id) else uuid.uuid4().hex
     try:

@@ -3,7 +3,8 @@
 A request is one job, as in the gateway's TTFT histograms: each choice of ``n`` has its own first token. The
 stages tile the gateway's TTFT (arrival here to the first token here) without gap or overlap:
 
-- ``gateway``: arrival to its job first sent to Redis (limits, routing)
+- ``gateway``: arrival (the request reaching the gateway's handlers, errors.ARRIVAL) to its job first sent to
+  Redis: reading its body, checking its key, preparing its prompt, limits, routing
 - ``requeue``: that to the enqueue the first token came from: 0 unless the gateway queued the job again
   (its decode worker died holding it, generation.py), when it is the first run's time in Redis, on its
   workers and until the holder was seen dead

@@ -19,6 +19,7 @@ from aiohttp import web
 from kvrelay.gateway.api.choice import TokenLogprob
 from kvrelay.gateway.api.generation import Generation
 from kvrelay.gateway.api.prompts import Prepared
+from kvrelay.gateway.errors import ARRIVAL
 from kvrelay.gateway.state import METRICS
 from kvrelay.shared.text.beam_scoring import BeamState, Candidate, advance, best_candidates, keep_for
 from kvrelay.shared.wire.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ class BeamSearch:
         self._request = request
         self.prepared = prepared
         self.request_id = request_id
-        self.arrival = time.time()
+        self.arrival = request.get(ARRIVAL, time.time())
         self.first_token_at: float | None = None
         self.choices: list[BeamChoice] = []
         params = prepared.params

@@ -25,7 +25,7 @@ from kvrelay.gateway.control.reload_wait import ReloadWatch
 from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN, draining_error
-from kvrelay.gateway.errors import REQUEST_ID, APIError, ClientGone
+from kvrelay.gateway.errors import ARRIVAL, REQUEST_ID, APIError, ClientGone
 from kvrelay.gateway.queued_jobs import QueuedRequest
 from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
@@ -74,7 +74,8 @@ class Generation:
         self._request = request
         config = app[CONFIG]
         self._poll_s = config.disconnect_poll_s
-        self.arrival = time.time()
+        # a beam search's step starts now; a whole request when the gateway first saw it (errors.ARRIVAL)
+        self.arrival = request.get(ARRIVAL, time.time()) if whole_request else time.time()
         self.deadline = self.arrival + config.request_timeout
         self.first_token_at: float | None = None  # unix seconds; arrival to here is the client's TTFT
         # job id -> unix seconds its job went to Redis, first to last (a requeue adds one): TTFT's stages

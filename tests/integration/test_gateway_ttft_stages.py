@@ -6,6 +6,7 @@ instant: only the gateway's stages take time here. The TTFT histograms count a f
 not when its request ends."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -83,3 +84,23 @@ def test_a_first_token_is_in_the_ttft_histograms_while_its_stream_is_still_open(
     for name, labels in (("kvrelay_ttft_seconds_count", {"model": MODEL}),
                          ("vllm:time_to_first_token_seconds_count", {"model_name": MODEL})):
         assert sample(during, name, **labels) - sample(before, name, **labels) == 1, name
+
+
+def test_a_request_whose_body_is_slow_to_arrive_counts_that_time_in_its_gateway_stage(stack):
+    # the TTFT runs from the request reaching the gateway's handlers, before its body is read: time the client or a
+    # busy event loop takes there is in the gateway stage, not outside every histogram
+    pause_s = 0.3
+    body = json.dumps({"model": MODEL, "prompt": "[stamped] hello there", "max_tokens": 32}).encode()
+
+    def slowly():
+        yield body[:10]
+        time.sleep(pause_s)
+        yield body[10:]
+
+    before = _scrape(stack)
+    out = requests.post(f"{stack.url}/v1/completions", data=slowly(), timeout=60,
+                        headers={"Content-Type": "application/json"})  # a generator: sent chunked
+    assert out.status_code == 200, out.text
+    b = breakdown(diff(before, _scrape(stack)))
+    assert (b["requests"], b["unsplit"]) == (1, 0)
+    assert b["stages"]["gateway"]["mean_ms"] >= pause_s * 1000
