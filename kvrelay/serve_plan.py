@@ -25,7 +25,7 @@ from kvrelay.workers import worker_config
 ROLE_MEMORY_SHARE = {"prefill-worker": 0.3, "decode-worker": 0.7, "unified-worker": 1.0}
 ROLE_OF = {"prefill-worker": "prefill", "decode-worker": "decode", "unified-worker": "unified"}
 # --gpu-share auto where both roles share one GPU under MPS: the split that met both latency SLOs at the
-# highest rate (BENCHMARKS.md, "One GPU, two processes"). Prefill on every SM starves decode steps of SMs
+# highest rate (README's "One GPU, two processes"; the runs in BENCHMARKS.md). Prefill on every SM starves decode steps of SMs
 # (p99 ITL over 25 ms); on 75% or less its chunks run so long that TTFT misses; decode keeps all of them
 # and its high-priority stream runs its steps first.
 AUTO_SHARE = {"prefill-worker": 90, "decode-worker": 100}
@@ -83,8 +83,9 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     decode_sizes = _decode_sizes(args)
     decode_share = _decode_sm_percent(args)
     # --gpu-memory-utilization is a CUDA device's (refused on the CPU): the roles split it only there
-    on_gpu = (auto_device() if args.device == "auto" else args.device) != "cpu"
-    shared_gpu = args.gpu_share == "auto" and _auto_mps(args, models, decode_sizes)
+    device = auto_device() if args.device == "auto" else args.device
+    on_gpu = device != "cpu"
+    shared_gpu = args.gpu_share == "auto" and _auto_mps(args, device, models, decode_sizes)
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
         # weights budget, and models load, unload and swap without restarting anything
@@ -116,14 +117,14 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     return children
 
 
-def _auto_mps(args: argparse.Namespace, models: list[ServedModel], decode_sizes: dict[str, int]) -> bool:
+def _auto_mps(args: argparse.Namespace, device: str, models: list[ServedModel], decode_sizes: dict[str, int]) -> bool:
     """Whether --gpu-share auto puts the two roles under MPS: disaggregated, every model on one CUDA device, one
     process per role (a rank group's processes are not what the measured split is for), and the MPS control
-    program here. Anything else, timeslice: the mode that runs everywhere."""
+    program here. Anything else, timeslice: the mode that runs everywhere. ``device``: --device, resolved."""
     if args.mode != "disaggregated" or shutil.which(mps_daemon.CONTROL) is None:
         return False
-    devices = {m.device if m.device != "auto" else args.device for m in models} if args.config else {args.device}
-    devices = {auto_device() if d == "auto" else d for d in devices}
+    # each model of --config on the device its entry names, else on --device's
+    devices = {m.device if m.device != "auto" else device for m in models} if args.config else {device}
     sizes = [args.tensor_parallel_size, args.pipeline_parallel_size, *decode_sizes.values(),
              *(m.tensor_parallel_size for m in models), *(m.pipeline_parallel_size for m in models)]
     return len(devices) == 1 and next(iter(devices)).startswith("cuda") and max(sizes) <= 1
