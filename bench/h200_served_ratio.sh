@@ -18,7 +18,7 @@ bench() {  # name, timeout, bench serve args...
   echo "== $name: $*"
   timeout "$limit" python3 -m kvrelay.cli --log-level WARNING bench serve "$@" > "$OUT/$name.txt" 2>&1
   echo "rc $?"
-  grep -E "^(launched|TTFT stages|p50 |p99 |mean |gateway TTFT|slowest)|Output token throughput|Median TPOT|P99 TTFT" \
+  grep -E "^(launched|TTFT stages|p50 |p99 |mean |gateway TTFT|slowest)|Output token throughput|Median TPOT|P99 TTFT|Client CPU" \
     "$OUT/$name.txt"
   sed -n '/Served vs offline engine/,$p' "$OUT/$name.txt"
 }

@@ -245,8 +245,13 @@ async def _bench_server(args: argparse.Namespace, base_url: str, label: str, pro
     spec = await _request_spec(args, base_url, warmup)
     load_before = _load()
     before = await scrape(base_url)  # after the warm-up: the stages are the run's requests' alone
+    cpu0 = time.process_time()
     results, duration = await run_load(base_url, spec, prompts, offsets, args.max_concurrency, args.request_timeout)
+    # the client's own CPU over the run: near one core, the client (one event loop) and not the server may be
+    # what sets the throughput and the TTFT measured
+    client_cpu = (time.process_time() - cpu0) / duration
     m = summarize(label, results, duration)
+    m["client_cpu_share"] = client_cpu
     m["ttft_stages"] = breakdown(diff(before, await scrape(base_url)))
     m["cold_start"] = {**cold_vs_steady(results, args.cold_requests), "from_ready": args.cold_start}
     m.update(base_url=base_url, model_id=spec.model, load_avg_1m_before=load_before, load_avg_1m_after=_load())

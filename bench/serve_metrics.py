@@ -78,6 +78,8 @@ def print_result(m: dict, title: str = "Serving Benchmark Result") -> None:
         _row(f"Mean {short} (ms):", m[f"mean_{key}_ms"], "<10.2f")
         _row(f"Median {short} (ms):", m[f"median_{key}_ms"], "<10.2f")
         _row(f"P99 {short} (ms):", m[f"p99_{key}_ms"], "<10.2f")
+    if "client_cpu_share" in m:
+        _row("Client CPU (share of one core):", f"{m['client_cpu_share']:.0%}")
     if "cold_start" in m:
         _print_cold_start(m["cold_start"])
     print("=" * WIDTH)

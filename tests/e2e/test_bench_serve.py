@@ -43,6 +43,8 @@ def test_bench_serve_counts_every_token(cluster, tiny_dir, tmp_path, capsys):
     assert run["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: exactly output_len each
     assert run["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
     assert all(t > 0 for t in run["ttfts"])
+    # the client's own CPU over the run, printed: what tells a client-bound run from a server-bound one
+    assert run["client_cpu_share"] > 0 and "Client CPU (share of one core):" in printed
     # the split is the per-request TTFTs of this same run, in send order: first COLD, then the rest
     cold, ms = run["cold_start"], np.asarray(run["ttfts"]) * 1000.0
     assert (cold["first"], cold["rest"], cold["from_ready"]) == (COLD, NUM_PROMPTS - COLD, True)
