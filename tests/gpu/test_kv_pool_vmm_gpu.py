@@ -24,20 +24,24 @@ def free_bytes() -> int:
 
 def test_commit_takes_device_memory_and_a_lower_cap_gives_it_back():
     torch.zeros(1 << 20, device="cuda").fill_(1.0)  # CUDA's context and the zeroing kernel's module, loaded now
-    before = free_bytes()
-    pool = KVPool(256 * MIB, "cuda", max_bytes=8 * GIB)
-    assert pool.memory.growable, pool.memory.why_fixed
-    taken = before - free_bytes()
-    # its own size is backed, not the 8 GiB of address space (the margin: lazily loaded kernel modules, and
-    # other test processes on the device, which mem_get_info counts too)
-    assert 256 * MIB <= taken < 1 * GIB
+    # mem_get_info is the device's: other test processes allocating and freeing meanwhile move it either way,
+    # so three pools are made and each bound is judged on the reading most in its favour: another process's
+    # allocation inflates a reading, its free shrinks one, but not all three alike
+    taken, pools = [], []
+    for _ in range(3):
+        before = free_bytes()
+        pools.append(KVPool(256 * MIB, "cuda", max_bytes=8 * GIB))
+        assert pools[-1].memory.growable, pools[-1].memory.why_fixed
+        taken.append(before - free_bytes())
+    # its own size is backed, not the 8 GiB of address space (the margin: lazily loaded kernel modules)
+    assert max(taken) >= 256 * MIB and min(taken) < 1 * GIB, taken
+    pool = pools.pop()
     # an 8B model's geometry: 2 MiB blocks (32 layers, K/V, 16 tokens, 8 heads of 128, bf16)
     kv, ids = pool.attach("m", 32, 16, 8, 128, torch.bfloat16, floor_blocks=8)
     bm = BlockManager(kv.shape[2], 16, owned=ids, grow=lambda n: pool.grow("m", n))
     pool.bind("m", bm)
     took, gave = [], []
-    # mem_get_info is the device's: other test processes allocating and freeing meanwhile move it either way,
-    # so the pool commits and gives back three times and the largest swings are judged
+    # likewise the pool commits and gives back three times and the largest swings are judged
     for _ in range(3):
         assert pool.set_cap(4 * GIB)
         start = free_bytes()
