@@ -1,6 +1,12 @@
 """The gateway's Prometheus metrics, in a registry of its own per app (two apps in one process, as the
 tests run them, never share counters), served at ``GET /metrics``.
 
+Several gateways on one port (``kvrelay serve --api-server-count N``) answer a scrape each by the kernel's draw,
+so serve gives them one folder for prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, as
+vLLM's API servers share theirs): whichever gateway is scraped sums every gateway's counters and histograms,
+and the live ones' gauges. The collectors that read Redis (queues, the workers' engines and steps) say the same
+in every gateway and are read once; the process_* series, one process's each, are left out there.
+
 The ``kvrelay_*`` ones only the front door sees: HTTP traffic, time to first token as the client
 experiences it (queueing included), rate-limit rejections, tokens per tenant, response-cache hits,
 requests in flight, the queues (``queue_stats.py``) and the workers' engine loops (``worker_steps.py``).
@@ -10,17 +16,20 @@ gateway.
 """
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvrelay.gateway.engine_metrics import EngineMetrics
 from kvrelay.gateway.queue_stats import QueueStats
 from kvrelay.gateway.request_metrics import TTFT_BUCKETS, VllmRequestMetrics
 from kvrelay.gateway.ttft_stages import TtftStages
 from kvrelay.gateway.worker_steps import WorkerSteps
+from kvrelay.shared.config.gateway import METRICS_DIR_ENV
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 UNMATCHED_ROUTE = "unmatched"  # 404s keep their own label: raw paths would make label values unbounded
@@ -63,7 +72,7 @@ class GatewayMetrics:
                                                "--redis-min-replicas confirmed within --redis-replica-wait-ms",
                                                registry=registry)
         self.in_flight = Gauge("kvrelay_requests_in_flight", "Generation requests admitted and not finished",
-                               ["model"], registry=registry)
+                               ["model"], multiprocess_mode="livesum", registry=registry)
         self.queues = QueueStats(queue_cache_s)
         registry.register(self.queues)
         self.vllm = VllmRequestMetrics(registry)
@@ -73,9 +82,15 @@ class GatewayMetrics:
         self.worker_steps = WorkerSteps()  # renewed with the engines'
         registry.register(self.worker_steps)
         ProcessCollector(registry=registry)  # process_* (CPU, RSS, open fds), as the default registry has
+        self.shared = None  # what a scrape renders where gateways share their metrics: see the docstring
+        if folder := os.environ.get(METRICS_DIR_ENV):
+            self.shared = CollectorRegistry()
+            MultiProcessCollector(self.shared, path=folder)
+            for collector in (self.queues, self.engines, self.worker_steps):
+                self.shared.register(collector)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.shared if self.shared is not None else self.registry)
 
     @web.middleware
     async def middleware(self, request: web.Request,

@@ -8,8 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # vLLM's TTFT buckets, so dashboards can put the gateway's view next to the engine's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -61,6 +60,7 @@ class RequestView(Protocol):
 class _Clock:
     first: float | None = None  # unix time of the choice's first token here
     last: float | None = None
+    ended: bool = False  # out of the running and waiting gauges
 
 
 @dataclass
@@ -76,8 +76,9 @@ class VllmRequestMetrics:
     include the Redis queue, the handoff and the way back. Workers serve the same names for their own
     part (``shared/worker/metrics.py``): a query summing both counts every request twice (README).
 
-    Running and waiting are this gateway's own requests, so they add up across gateways: waiting until
-    the first token (in the Redis stream, or being prefilled), running from then until they end."""
+    Running and waiting count this gateway's own requests as they move (waiting until the first token, in the
+    Redis stream or being prefilled; running from then until they end), as gauges that sum over the live
+    gateways sharing the port (gateway/metrics.py's multiprocess mode)."""
 
     def __init__(self, registry: CollectorRegistry):
         m = ["model_name"]
@@ -109,18 +110,23 @@ class VllmRequestMetrics:
         self.max_generation_tokens = Histogram("vllm:request_max_num_generation_tokens", "The most tokens any "
                                                "choice of a prompt generated, per prompt whose choices all ended",
                                                m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "This gateway's requests with a first token and not yet "
+                             "ended", m, multiprocess_mode="livesum", registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "This gateway's requests waiting for their first token (in "
+                             "the Redis stream or being prefilled)", m, multiprocess_mode="livesum", registry=registry)
         self._live: dict[str, _Live] = {}  # by request id: requests queued and not yet ended
-        self._models: set[str] = set()  # every model served or servable so far: its gauges read 0 when idle
-        registry.register(_RequestStates(self))
 
     def know(self, models: Iterable[str]) -> None:
         """Models a request may name: their gauges show (at 0) before their first request, as vLLM's do from
         start-up, so a dashboard's series exist and an alert on them does not start as "no data"."""
-        self._models.update(models)
+        for model in models:
+            self.running.labels(model)
+            self.waiting.labels(model)
 
     def start(self, request: RequestView) -> None:
         """The request's jobs are queued."""
-        self._models.add(request.model_name)
+        self.waiting.labels(request.model_name).inc(len(request.choices))
+        self.running.labels(request.model_name)
         per_prompt: dict[int, int] = {}
         for choice in request.choices:
             per_prompt[choice.prompt_index] = per_prompt.get(choice.prompt_index, 0) + 1
@@ -136,6 +142,9 @@ class VllmRequestMetrics:
             self.generation_tokens.labels(model).inc(new_tokens)
             if clock.first is None:
                 clock.first = now
+                if not clock.ended:
+                    self.waiting.labels(model).dec()
+                    self.running.labels(model).inc()
                 self.ttft.labels(model).observe(max(0.0, now - request.arrival))
                 self.prompt_tokens.labels(model).inc(len(choice.prompt_token_ids))
             else:
@@ -143,6 +152,7 @@ class VllmRequestMetrics:
                 self.tpot.labels(model).observe(max(0.0, now - clock.last))
             clock.last = now
         if choice.finished:
+            self._end(model, clock)
             self.success.labels(model, choice.finish_reason).inc()
             if choice.params.max_tokens:
                 self.params_max_tokens.labels(model).observe(choice.params.max_tokens)
@@ -153,7 +163,9 @@ class VllmRequestMetrics:
 
     def finish(self, request: RequestView) -> None:
         """The request left the gateway; choices that had not ended were aborted."""
-        self._live.pop(request.request_id, None)
+        live = self._live.pop(request.request_id, None)
+        for clock in live.clocks.values() if live is not None else ():
+            self._end(request.model_name, clock)
         longest: dict[int, int | None] = {}  # per prompt; None once a choice of it was aborted
         for choice in request.choices:
             if not choice.finished:
@@ -166,29 +178,8 @@ class VllmRequestMetrics:
             if tokens is not None:
                 self.max_generation_tokens.labels(request.model_name).observe(tokens)
 
-    def states(self) -> dict[str, tuple[int, int]]:
-        """(running, waiting) per model."""
-        counts = {model: [0, 0] for model in self._models}
-        for live in self._live.values():
-            request = live.request
-            for choice in request.choices:
-                if not choice.finished:
-                    counts[request.model_name][live.clocks[choice.job_id].first is None] += 1
-        return {model: (running, waiting) for model, (running, waiting) in counts.items()}
-
-
-class _RequestStates:
-    """``vllm:num_requests_running`` and ``_waiting``, counted from the live requests when scraped."""
-
-    def __init__(self, metrics: VllmRequestMetrics):
-        self._metrics = metrics
-
-    def collect(self):
-        running = GaugeMetricFamily("vllm:num_requests_running", "This gateway's requests with a first token and "
-                                    "not yet ended", labels=["model_name"])
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "This gateway's requests waiting for their first "
-                                    "token (in the Redis stream or being prefilled)", labels=["model_name"])
-        for model, (run, wait) in sorted(self._metrics.states().items()):
-            running.add_metric([model], run)
-            waiting.add_metric([model], wait)
-        yield from (running, waiting)
+    def _end(self, model: str, clock: _Clock) -> None:
+        """The choice leaves the gauges, once: where it ended, or when its request left unfinished."""
+        if not clock.ended:
+            clock.ended = True
+            (self.waiting if clock.first is None else self.running).labels(model).dec()

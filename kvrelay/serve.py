@@ -29,6 +29,7 @@ import urllib.request
 import redis
 
 from kvrelay import weight_scope
+from kvrelay.metrics_dir import MetricsDir
 from kvrelay.mps_daemon import MpsDaemon
 from kvrelay.serve_plan import Child, models_to_serve, plan, timesliced
 from kvrelay.shared.config.auto_device import auto_device
@@ -140,6 +141,7 @@ def serve(args: argparse.Namespace) -> int:
             redis_url = args.redis_url
         if any(getattr(c.config, "gpu_share", None) in MPS_MODES for c in children):
             _start_mps(args, children, stack)
+        gateway_metrics = _share_gateway_metrics(children, stack)
         for child in children:  # on the embedded Redis, each child gets its role's least-privilege user
             url = embedded.role_url(ROLE_OF_COMMAND[child.command]) if embedded else redis_url
             child.config = dataclasses.replace(child.config, redis_url=url)
@@ -149,6 +151,8 @@ def serve(args: argparse.Namespace) -> int:
         def on_exit(name: str, proc: subprocess.Popen) -> None:
             if name != STORE:
                 _unregister_worker(redis_url, proc.pid)
+            if gateway_metrics is not None and name in gateway_metrics.names:
+                gateway_metrics.gone(proc.pid)
 
         supervisor = Supervisor(starts, args.max_crashes, args.crash_window, on_exit=on_exit,
                                 backoff_start={STORE: STORE_BACKOFF_S})
@@ -182,6 +186,18 @@ def _start_mps(args: argparse.Namespace, children: list[Child], stack: contextli
     shares = ", ".join(f"{c.command} {c.config.gpu_share} on {c.config.gpu_sm_percent}% of the SMs"
                        for c in children if not c.is_gateway)
     log.info("GPU share: %s (--gpu-share %s)", shares, args.gpu_share)
+
+
+def _share_gateway_metrics(children: list[Child], stack: contextlib.ExitStack) -> MetricsDir | None:
+    """Gateways sharing the port write their metrics into one folder, so /metrics sums them whichever answers."""
+    gateways = [c for c in children if c.is_gateway]
+    if len(gateways) < 2:
+        return None
+    folder = MetricsDir({c.name for c in gateways})
+    stack.callback(folder.remove)  # after every gateway stopped (the stack unwinds after _stop_all)
+    for child in gateways:
+        child.env |= folder.env
+    return folder
 
 
 def _start_store(embedded: EmbeddedRedis, status_fd: int) -> subprocess.Popen:

@@ -11,6 +11,9 @@ from kvrelay.shared.config.declare import CONFIG, ExistingDir, Port, RedisUrl, s
 from kvrelay.shared.wire.redis_keys import STREAM_MAXLEN
 
 ADMIN_KEY_ENV = "KVRELAY_ADMIN_KEY"
+# prometheus_client's own variable: set before it is imported, every value lives in a file of that folder, which
+# gateways sharing a port read together (gateway/metrics.py; kvrelay/metrics_dir.py makes it)
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MAX_TOKENS_DEFAULT = 1024
 WILDCARDS = ("0.0.0.0", "*", "::")
 

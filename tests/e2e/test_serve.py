@@ -11,6 +11,7 @@ import time
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import sync_client
@@ -134,6 +135,22 @@ def test_api_server_count_runs_gateways_that_share_the_port(tmp_path, redis_url)
             with urllib.request.urlopen(req, timeout=60) as resp:
                 texts.add(json.load(resp)["choices"][0]["text"])
         assert len(texts) == 1  # greedy: the same answer whichever gateway took it
+        # /metrics sums both gateways, whichever answers the scrape: each of 8 scrapes, on a connection of its own
+        # (the kernel's draw of a gateway, as for the requests), counts all 8 requests, and none in flight
+        done = {("vllm:request_success_total", frozenset({"model_name": model, "finished_reason": "length"}.items())),
+                ("kvrelay_http_requests_total", frozenset({"route": "/v1/completions", "status": "200"}.items()))}
+        live = {(name, frozenset({label: model}.items())) for name, label in (
+            ("vllm:num_requests_running", "model_name"), ("vllm:num_requests_waiting", "model_name"),
+            ("kvrelay_requests_in_flight", "model"))}
+        for _ in range(8):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            samples = {(s.name, frozenset(s.labels.items())): s.value
+                       for family in text_string_to_metric_families(text) for s in family.samples}
+            assert {key: samples.get(key) for key in done} == dict.fromkeys(done, 8.0)
+            assert {key: samples.get(key) for key in live} == dict.fromkeys(live, 0.0)
+            assert text.count("# TYPE kvrelay_queue_depth gauge") == 1  # the collectors reading Redis, once
+            assert "process_cpu_seconds_total" not in text  # one process's series would jump between scrapes
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
