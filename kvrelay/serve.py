@@ -159,9 +159,9 @@ def serve(args: argparse.Namespace) -> int:
         procs = supervisor.procs
         supervisor.start_all()
         names = [m.name for m in models]
-        log.info("serving %s on http://%s:%d (redis %s, %s mode)", names, args.host, args.port, redact(redis_url),
-                 args.mode)
         gateways = [c.name for c in children if c.is_gateway]
+        log.info("serving %s on http://%s:%d (redis %s, %s mode, %d gateway process(es))", names, args.host,
+                 args.port, redact(redis_url), args.mode, len(gateways))
         try:
             return _supervise(supervisor, lambda: stopping, f"http://{args.host}:{args.port}", names, gateways)
         finally:  # a StartupError is said by the CLI once everything stopped; Redis after the rest

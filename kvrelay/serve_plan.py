@@ -4,6 +4,7 @@ the child whole (shared/config/handover.py), so no flag is lost between serve an
 
 import argparse
 import dataclasses
+import os
 import shutil
 
 from kvrelay import mps_daemon
@@ -29,6 +30,7 @@ ROLE_OF = {"prefill-worker": "prefill", "decode-worker": "decode", "unified-work
 # (p99 ITL over 25 ms); on 75% or less its chunks run so long that TTFT misses; decode keeps all of them
 # and its high-priority stream runs its steps first.
 AUTO_SHARE = {"prefill-worker": 90, "decode-worker": 100}
+MAX_DEFAULT_GATEWAYS, CORES_PER_GATEWAY = 4, 4  # --api-server-count's default on a GPU host: default_gateways
 
 
 @dataclasses.dataclass
@@ -68,8 +70,12 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         repo = str(config_repo.root) if config_repo is not None else None
     # one secret per start, in every child's config (stdin): the deployment's processes admit only each other
     secret = zmq_secret(args, generate_if_none=True)
+    # --gpu-memory-utilization is a CUDA device's (refused on the CPU): the roles split it only there
+    device = auto_device() if args.device == "auto" else args.device
+    on_gpu = device != "cpu"
+    gateways = args.api_server_count or default_gateways(on_gpu)
     gateway = gateway_config_from_args(args, redis_url=redis_url, model_repo=repo, zmq_secret=secret,
-                                       reuse_port=args.reuse_port or args.api_server_count > 1,
+                                       reuse_port=args.reuse_port or gateways > 1,
                                        startup_models=[m.name for m in models if not m.lazy],
                                        lazy_models=[m.name for m in models if m.lazy])
     # like vLLM's --api-server-count: one gateway process streams ~10k tokens/s at most, so several share
@@ -77,14 +83,11 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
     # registry) lives in Redis, and each has its own token-event socket
     children = [Child("gateway" if i == 0 else f"gateway-{i}", "gateway",
                       dataclasses.replace(gateway, zmq_port=gateway.zmq_port + i if gateway.zmq_port else 0))
-                for i in range(args.api_server_count)]
+                for i in range(gateways)]
     commands = ["unified-worker"] if args.mode == "unified" else ["prefill-worker", "decode-worker"]
     _check_read(args, [ROLE_OF[c] for c in commands])
     decode_sizes = _decode_sizes(args)
     decode_share = _decode_sm_percent(args)
-    # --gpu-memory-utilization is a CUDA device's (refused on the CPU): the roles split it only there
-    device = auto_device() if args.device == "auto" else args.device
-    on_gpu = device != "cpu"
     shared_gpu = args.gpu_share == "auto" and _auto_mps(args, device, models, decode_sizes)
     for i, command in enumerate(commands):
         # one worker per role hosts every model: they share its KV pool (arbitrated by demand) and its
@@ -115,6 +118,17 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
         children.append(Child(name, command, config, set() if args.worker_id else {"worker_id"},
                               gpu_share.child_env(config)))
     return children
+
+
+def default_gateways(on_gpu: bool) -> int:
+    """--api-server-count when not given. A GPU's workers take a few of the host's cores and leave the rest
+    idle, while one gateway admits a burst of requests one at a time and streams every token of its share
+    (BENCHMARKS.md: four gateways took 128 streams of 32 -> 256 from 0.78x to 0.89x of the offline engine on an
+    H100 host of 16 cores, their admission stage halved): a gateway per CORES_PER_GATEWAY cores, at most
+    MAX_DEFAULT_GATEWAYS. CPU workers need every core for their own math: one gateway there."""
+    if not on_gpu:
+        return 1
+    return max(1, min(MAX_DEFAULT_GATEWAYS, (os.cpu_count() or 1) // CORES_PER_GATEWAY))
 
 
 def _auto_mps(args: argparse.Namespace, device: str, models: list[ServedModel], decode_sizes: dict[str, int]) -> bool:

@@ -19,8 +19,9 @@ class ModelsConfig:
 class ServeConfig:
     mode: Literal["disaggregated", "unified"] = setting(
         "disaggregated", "a prefill and a decode worker handing KV over, or one unified worker (no handoff)")
-    api_server_count: int = setting(1, "gateway processes sharing --port (SO_REUSEPORT): one Python process tops "
-                                    "out near 10k streamed tokens/s", ge=1)
+    api_server_count: int | None = setting(
+        None, "gateway processes sharing --port (SO_REUSEPORT); default: on a GPU host one per 4 cores, at most 4 "
+        "(one Python process admits a burst of requests one at a time and streams ~10-15k tokens/s), else 1", ge=1)
     # A crashed child is restarted with backoff (kvrelay/supervisor.py); one that keeps crashing is a fault
     # a restart will not cure, and saying so beats restarting it for ever.
     max_crashes: int = setting(5, "exits of one child (gateway or worker) within --crash-window that stop serve "
