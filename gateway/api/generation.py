@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis
 from aiohttp import web
@@ -74,6 +74,9 @@ class Generation:
         self._request = request
         config = app[CONFIG]
         self._poll_s = config.disconnect_poll_s
+        # set by a stream that holds its chunks while events are waiting here (api/sse.py), to write them
+        # before this waits for the next one
+        self.before_wait: Callable[[], Awaitable[None]] | None = None
         # a beam search's step starts now; a whole request when the gateway first saw it (errors.ARRIVAL)
         self.arrival = request.get(ARRIVAL, time.time()) if whole_request else time.time()
         self.deadline = self.arrival + config.request_timeout
@@ -245,6 +248,10 @@ class Generation:
         while True:
             if not self._queue.empty():
                 return self._queue.get_nowait()
+            if self.before_wait is not None:
+                await self.before_wait()  # what its stream holds goes out now, before this waits for more
+                if not self._queue.empty():
+                    continue
             if self._is_disconnected():
                 raise ClientGone()
             if self.app[DRAIN].expired:  # the gateway's drain deadline passed: end cleanly, now

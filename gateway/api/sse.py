@@ -9,6 +9,8 @@ from aiohttp import web
 from kvrelay.gateway.errors import APIError, ClientGone
 from kvrelay.gateway.metrics import STREAM_COMPLETE
 
+HELD_MAX_BYTES = 64 * 1024  # a stream far behind still writes in pieces of this much
+
 
 def dumps(obj: object) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -40,18 +42,38 @@ async def send_done(response: web.StreamResponse) -> None:
 async def stream(request: web.Request, deltas: AsyncIterable, head: Iterable[dict],
                  chunks: Callable[[object], Iterable[dict]], tail: Callable[[], Iterable[dict]]) -> web.StreamResponse:
     """Write ``head``, then ``chunks(delta)`` per delta, then ``tail()``; an APIError raised by the
-    deltas becomes an error event. A client that went away just ends the stream (the caller aborts)."""
+    deltas becomes an error event. A client that went away just ends the stream (the caller aborts).
+
+    Deltas that say when they are about to wait (a ``before_wait`` hook, api/generation.py) have their chunks
+    held while more events wait and written together before the wait: a gateway that keeps up writes each
+    delta as it comes, one that fell behind catches up with one write per request instead of one per token (a
+    write is a system call, the largest cost of a streamed token)."""
     response = await open_stream(request)
+    held = bytearray()
+
+    async def write_held() -> None:
+        if held:
+            data = bytes(held)
+            held.clear()
+            await response.write(data)
+
+    holds = hasattr(deltas, "before_wait")
+    if holds:
+        deltas.before_wait = write_held
     try:
         try:
             for obj in head:
                 await send(response, obj)
             async for delta in deltas:
                 for obj in chunks(delta):
-                    await send(response, obj)
+                    held += f"data: {dumps(obj)}\n\n".encode()
+                if not holds or len(held) >= HELD_MAX_BYTES:
+                    await write_held()
+            await write_held()
             for obj in tail():
                 await send(response, obj)
         except APIError as exc:
+            await write_held()  # what the client was owed before the error
             await send_error(response, exc)
         await send_done(response)
         request[STREAM_COMPLETE] = response.status

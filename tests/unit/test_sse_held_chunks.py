@@ -1,0 +1,76 @@
+"""api/sse.py's stream over deltas that say when they are about to wait (as a Generation does): chunks of deltas
+that came while more were waiting go out in one write, each delta's chunks go out before the next wait, and the
+client reads every chunk in order either way. A real aiohttp server and client on loopback."""
+
+import asyncio
+import json
+
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+
+from kvrelay.gateway.api import sse
+
+
+class Burst:
+    """Deltas 0..n-1: the first ``burst`` were waiting at once, the rest come one at a time, with a wait before
+    each as a Generation's queue runs empty."""
+
+    def __init__(self, n: int, burst: int):
+        self.n, self.burst = n, burst
+        self.before_wait = None
+
+    async def __aiter__(self):
+        for i in range(self.n):
+            if i >= self.burst and self.before_wait is not None:
+                await self.before_wait()
+                await asyncio.sleep(0.01)
+            yield i
+
+
+async def serve_and_read(deltas) -> tuple[list[str], int]:
+    writes = 0
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        nonlocal writes
+        original = web.StreamResponse.write
+
+        async def counted(self, data):
+            nonlocal writes
+            writes += 1
+            return await original(self, data)
+
+        web.StreamResponse.write = counted
+        try:
+            return await sse.stream(request, deltas, head=[{"head": True}], chunks=lambda d: [{"i": d}],
+                                    tail=lambda: [{"tail": True}])
+        finally:
+            web.StreamResponse.write = original
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestServer(app) as server, ClientSession() as session, session.get(server.make_url("/")) as resp:
+        lines = [line.decode().strip() async for line in resp.content if line.strip()]
+    return lines, writes
+
+
+def expected(n: int) -> list[str]:
+    return ([f"data: {json.dumps({'head': True}, separators=(',', ':'))}"]
+            + [f"data: {json.dumps({'i': i}, separators=(',', ':'))}" for i in range(n)]
+            + [f"data: {json.dumps({'tail': True}, separators=(',', ':'))}", "data: [DONE]"])
+
+
+async def test_deltas_that_waited_together_go_out_in_one_write():
+    lines, writes = await serve_and_read(Burst(n=10, burst=6))
+    assert lines == expected(10)
+    # head, the six waiting deltas in one write, then each of the other four, tail, [DONE] (and its end)
+    assert writes == 1 + 1 + 4 + 1 + 1
+
+
+async def test_plain_deltas_go_out_one_write_each():
+    async def plain():
+        for i in range(5):
+            yield i
+
+    lines, writes = await serve_and_read(plain())
+    assert lines == expected(5)
+    assert writes == 1 + 5 + 1 + 1
