@@ -14,6 +14,7 @@ gateway before it exits (``drain.py``).
 """
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -158,7 +159,19 @@ def create_app(config: GatewayConfig) -> web.Application:
     return app
 
 
+async def freeze_long_lived(_app: web.Application) -> None:
+    """Every streamed token allocates a few short-lived objects, so a busy gateway runs a full collection every
+    few seconds, and one walks every object its imports made: ~100 ms on the CPU of the tests, ~280 ms on an H100
+    host, during which no stream moves (a client saw 276 ms gaps at p99). As the workers do (shared/worker/
+    gc_freeze.py), what exists once the app has started goes to the permanent generation. Only in a gateway
+    process of its own: a frozen object that later dies in a reference cycle is never collected."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_gateway(config: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain (what ``kvrelay gateway`` calls)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(create_app(config), config.host, config.port, config.drain_timeout, config.reuse_port))
+    app = create_app(config)
+    app.on_startup.append(freeze_long_lived)  # after every cleanup context has started
+    asyncio.run(serve(app, config.host, config.port, config.drain_timeout, config.reuse_port))
