@@ -9,6 +9,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
 from kvrelay.gateway.api import sse
+from kvrelay.gateway.errors import APIError
 
 
 class Burst:
@@ -74,3 +75,16 @@ async def test_plain_deltas_go_out_one_write_each():
     lines, writes = await serve_and_read(plain())
     assert lines == expected(5)
     assert writes == 1 + 5 + 1 + 1
+
+
+async def test_held_chunks_go_out_before_an_error_event():
+    class FailsAfterThree(Burst):
+        async def __aiter__(self):
+            for i in range(3):
+                yield i  # all waiting at once: held, no wait between them
+            raise APIError(503, "the worker serving this request stopped", code="worker_lost")
+
+    lines, _ = await serve_and_read(FailsAfterThree(n=3, burst=3))
+    assert lines[:4] == expected(3)[:4]  # head, then the three held deltas, in order
+    assert json.loads(lines[4].removeprefix("data: "))["error"]["code"] == "worker_lost"
+    assert lines[5:] == ["data: [DONE]"]  # and no tail: the stream ended in error
