@@ -161,8 +161,7 @@ def create_app(config: GatewayConfig) -> web.Application:
 
 async def freeze_long_lived(_app: web.Application) -> None:
     """Every streamed token allocates a few short-lived objects, so a busy gateway runs a full collection every
-    few seconds, and one walks every object its imports made: ~100 ms on the CPU of the tests, ~280 ms on an H100
-    host, during which no stream moves (a client saw 276 ms gaps at p99). As the workers do (shared/worker/
+    few seconds, and one walks every object its imports made, during which no stream moves. As the workers do (shared/worker/
     gc_freeze.py), what exists once the app has started goes to the permanent generation. Only in a gateway
     process of its own: a frozen object that later dies in a reference cycle is never collected."""
     gc.collect()

@@ -123,8 +123,8 @@ def plan(args: argparse.Namespace, models: list[ServedModel], redis_url: str) ->
 def default_gateways(on_gpu: bool) -> int:
     """--api-server-count when not given. A GPU's workers take a few of the host's cores and leave the rest
     idle, while one gateway admits a burst of requests one at a time and streams every token of its share
-    (BENCHMARKS.md: four gateways took 128 streams of 32 -> 256 from 0.78x to 0.89x of the offline engine on an
-    H100 host of 16 cores, their admission stage halved): a gateway per CORES_PER_GATEWAY cores, at most
+    (BENCHMARKS.md: through one, a GPU's token stream reaches clients in clumps): a gateway per CORES_PER_GATEWAY
+    cores, at most
     MAX_DEFAULT_GATEWAYS. CPU workers need every core for their own math: one gateway there."""
     if not on_gpu:
         return 1

@@ -30,7 +30,7 @@ def test_kvrelay_serve_on_the_cluster(redis_cluster, tmp_path):
         status, body = admin(port, "POST", "/admin/keys", {"tenant": "serve-tests"})
         assert status == 201, body
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=body["key"], max_retries=0, timeout=60)
-        # ignore_eos: random weights may pick the end token first (a CI run's did), which says nothing of the cluster
+        # ignore_eos: a model of random weights may pick the end token first, which says nothing of the cluster
         done = client.completions.create(model="serve-tiny", prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 4
     finally:
