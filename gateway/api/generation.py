@@ -26,6 +26,7 @@ from kvrelay.gateway.control.routing import ROUTER, candidates
 from kvrelay.gateway.control.worker_registry import WORKER_REGISTRY
 from kvrelay.gateway.drain import DRAIN, draining_error
 from kvrelay.gateway.errors import ARRIVAL, REQUEST_ID, APIError, ClientGone
+from kvrelay.gateway.queue_lengths import QUEUE_LENGTHS
 from kvrelay.gateway.queued_jobs import QueuedRequest
 from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, DISPATCHER, METRICS, REDIS, spawn
@@ -181,19 +182,13 @@ class Generation:
         unavailable = APIError(503, "the request queue is unavailable", code="queue_unavailable", headers=retry)
         try:
             workers = candidates(await self.app[WORKER_REGISTRY].routable(), model)  # none stalled
-            # Workers delete the entries they ACK, so the lengths are what is queued or being prefilled,
-            # shared stream (every priority band's) and the live workers' private ones alike; a dead
-            # worker's leftovers are its peers' to adopt within seconds and are not counted.
+            # the live workers' private streams are counted; a dead worker's leftovers are its peers' to
+            # adopt within seconds and are not
             shared = shared_streams(model) if self._banded else [keys.prefill_stream(model)]
-            pipe = self.app[REDIS].pipeline(transaction=False)
-            for stream in shared + [keys.prefill_worker_stream(model, w.worker_id) for w in workers]:
-                pipe.xlen(stream)
-            lengths = await pipe.execute()
+            lengths = await self.app[QUEUE_LENGTHS].read(model, shared, [w.worker_id for w in workers])
         except redis.RedisError:
             raise unavailable from None
-        private_lens = lengths[len(shared):]
-        backlog = {w.worker_id: n for w, n in zip(workers, private_lens, strict=True)}
-        depth = sum(lengths)
+        depth = lengths.depth
         # Checked before the XADD, not atomically with it: several gateways may overshoot by a few
         # requests each, which a soft bound tolerates.
         if config.max_queue_depth and depth + len(self.choices) > config.max_queue_depth:
@@ -205,11 +200,13 @@ class Generation:
         if client_hung_up(self._request.transport):
             raise ClientGone()
         if self._stream == keys.prefill_stream(model):
+            # routing adds what it sends each worker to the lengths this burst's requests share
             routed = self.app[ROUTER].route_choices(self.prepared.prompts, self.prepared.params.n, model,
                                                     self.prepared.model.block_size, self.prepared.tenant,
-                                                    self.prepared.cache_salt, workers, backlog)
+                                                    self.prepared.cache_salt, workers, lengths.private)
         else:  # a private stream is read ahead of band 0 only, so no band but 0 may wait in one
             routed = [None] * len(self.choices)
+        lengths.shared += routed.count(None)
         pipe = self.app[REDIS].pipeline(transaction=False)
         streams: list[str | None] = []  # per choice: its stream, or None where the script says which
         for choice, worker in zip(self.choices, routed, strict=True):

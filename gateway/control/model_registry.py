@@ -25,6 +25,7 @@ import redis
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.coalesced import Coalesced
 from kvrelay.gateway.control.worker_registry import read_indexed
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode, encode
@@ -52,19 +53,27 @@ class ModelRegistry:
         self._cache_s = cache_s
         self._specs: tuple[float, dict[str, ModelSpec]] | None = None
         self._known: tuple[str | None, dict[str, ModelSpec]] = (None, {})  # run_id of the server read, view
+        self._specs_read = Coalesced(self._read_specs)  # a burst past the cache shares its reads
+        self._invalidations = 0
 
     def invalidate(self) -> None:
         self._specs = None
+        self._invalidations += 1  # a read in flight now answers its callers but is not cached
 
     async def specs(self, fresh: bool = False) -> dict[str, ModelSpec]:
         # Cached like the worker view: one request burst costs one round trip. Swaps wait out this
         # cache before draining the old version (placement.py), so a stale read still finds it serving.
         if not fresh and self._specs is not None and time.monotonic() - self._specs[0] < self._cache_s:
             return self._specs[1]
+        return await self._specs_read()
+
+    async def _read_specs(self) -> dict[str, ModelSpec]:
+        invalidations = self._invalidations
         run_id = _run_id(await self._redis.info("server"))
         await self.republish(run_id)
         specs = await read_indexed(self._redis, keys.REGISTRY_INDEX, keys.registry_key, ModelSpec)
-        self._specs = (time.monotonic(), specs)
+        if invalidations == self._invalidations:
+            self._specs = (time.monotonic(), specs)
         self._known = (run_id, dict(specs))
         return specs
 

@@ -6,9 +6,9 @@ live all the same, but not ``routable`` (stalled_workers.py). Whoever waits for 
 load) reads with ``fresh=True``. Model names here are instance keys ("name@3"); the client-facing
 names live in ``model_registry.py``.
 
-Reads of different requests overlap in the one event loop and may finish out of order: each is numbered as it
-starts, and only one started after what the cache holds replaces it (and is judged for stalls), so an older
-read finishing last never brings back a view a newer one replaced; its caller still gets its own read.
+The requests that find a view stale share one read of it, sent after they asked (``coalesced.py``): reads of
+one kind never overlap, so none finishes after a newer one. A read in flight when the view is invalidated
+answers its callers but is not cached: it may predate what the invalidating caller knows changed.
 """
 
 import logging
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.coalesced import Coalesced
 from kvrelay.gateway.control.stalled_workers import Stalls
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.codec import decode
@@ -74,37 +75,30 @@ class WorkerRegistry:
         self.stalls = Stalls(stalled_step_timeout_s)
         self._models: tuple[float, dict[str, ModelInfo]] | None = None
         self._workers: tuple[float, list[WorkerInfo]] | None = None
-        self._started = 0  # reads started so far: each read's number, the order they started in
-        self._newest = {"models": 0, "workers": 0}  # the number of the newest read taken, of each kind
+        self._invalidations = 0  # a read caches its view only if none came while it was in flight
         self.refused: dict[str, str] = {}  # worker id -> why its heartbeat is not taken, as of the last read
         self._noted: dict[str, str] = {}  # worker id -> what was last logged of it: once per worker, not per read
+        # a burst that finds the cache stale shares its reads instead of sending one each
+        self._models_read = Coalesced(self._read_models)
+        self._workers_read = Coalesced(self._read_workers)
 
     def _fresh(self, entry: tuple[float, object] | None) -> bool:
         return entry is not None and time.monotonic() - entry[0] < self._cache_s
 
     def invalidate(self) -> None:
         self._models = self._workers = None
-        # a read started before this sees what the caller invalidates for: it is not cached when it ends
-        self._newest = dict.fromkeys(self._newest, self._started)
-
-    def _start(self) -> int:
-        self._started += 1
-        return self._started
-
-    def _newer(self, kind: str, number: int) -> bool:
-        """Whether read ``number`` of ``kind`` started after the one the cache holds; if so, it is now that one."""
-        if number <= self._newest[kind]:
-            return False
-        self._newest[kind] = number
-        return True
+        self._invalidations += 1
 
     async def models(self, fresh: bool = False) -> dict[str, ModelInfo]:
         if not fresh and self._fresh(self._models):
             return self._models[1]
-        number, started = self._start(), time.monotonic()
+        return await self._models_read()
+
+    async def _read_models(self) -> dict[str, ModelInfo]:
+        invalidations, started = self._invalidations, time.monotonic()
         # indexed but unpublished (or deleted): not servable
         models = await read_indexed(self._redis, keys.MODELS_INDEX, keys.model_key, ModelInfo)
-        if self._newer("models", number):
+        if invalidations == self._invalidations:
             self._models = (started, models)
         return models
 
@@ -115,7 +109,10 @@ class WorkerRegistry:
         """Workers whose heartbeat record has not expired (nor gone stale, should its TTL be missing)."""
         if not fresh and self._fresh(self._workers):
             return self._workers[1]
-        number, started = self._start(), time.monotonic()
+        return await self._workers_read()
+
+    async def _read_workers(self) -> list[WorkerInfo]:
+        invalidations, started = self._invalidations, time.monotonic()
         ids = sorted(w.decode() for w in await self._redis.smembers(keys.WORKERS_INDEX))
         raw = await self._redis.mget([keys.worker_key(w) for w in ids]) if ids else []
         now = time.time()
@@ -137,8 +134,8 @@ class WorkerRegistry:
                 noted[worker_id] = (f"worker {worker_id!r} speaks wire protocol {info.protocol}, this gateway "
                                     f"{PROTOCOL_VERSION}: one version apart, served")
             workers.append(info)
-        if not self._newer("workers", number):
-            return workers  # a newer read was taken while this one waited: judging this after it would undo it
+        if invalidations != self._invalidations:
+            return workers  # the next read (the invalidation emptied the cache) judges what it finds
         for worker_id, line in noted.items():
             if self._noted.get(worker_id) != line:
                 (log.warning if worker_id in refused else log.info)("%s", line)

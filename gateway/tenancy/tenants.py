@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.coalesced import Coalesced
 from kvrelay.shared.wire import redis_keys as keys
 
 KEY_PREFIX = "kvr-"
@@ -91,8 +92,10 @@ def digest(key: str) -> str:
 class TenantStore:
     def __init__(self, client: redis.asyncio.Redis):
         self._redis = client
+        # asked on every request: a burst shares its reads, each still sent after its callers arrived
+        self.enforced = Coalesced(self._enforced)
 
-    async def enforced(self) -> bool:
+    async def _enforced(self) -> bool:
         """Keys are required once any tenant exists (keys belong to tenants)."""
         return await self._redis.scard(keys.TENANTS_INDEX) > 0
 

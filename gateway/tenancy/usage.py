@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import redis.asyncio
 from aiohttp import web
 
+from kvrelay.gateway.coalesced import Coalesced
 from kvrelay.shared.wire import redis_keys as keys
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cache_hits")
@@ -37,22 +38,35 @@ class UsageLedger:
     def __init__(self, client: redis.asyncio.Redis, retention_s: int):
         self._redis = client
         self.retention_s = retention_s
+        # (tenant, model, minute) -> field -> what finished requests added since the last write: a burst of
+        # finished requests goes out in one pipeline, summed per bucket, instead of one pipeline each
+        self._pending: dict[tuple[str, str, int], dict[str, int]] = {}
+        self._write = Coalesced(self._write_pending)
 
     async def record(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int,
                      cache_hit: bool = False, now: float | None = None) -> None:
+        """Returns once Redis holds this request's counts (with every other request's queued beside them)."""
         minute = int((time.time() if now is None else now) // 60)
-        key = keys.usage_key(tenant, model, minute)
+        bucket = self._pending.setdefault((tenant, model, minute), dict.fromkeys(FIELDS, 0))
+        bucket["requests"] += 1
+        bucket["prompt_tokens"] += prompt_tokens
+        bucket["completion_tokens"] += completion_tokens
+        bucket["cache_hits"] += cache_hit
+        await self._write()
+
+    async def _write_pending(self) -> None:
+        pending, self._pending = self._pending, {}
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hincrby(key, "requests", 1)
-        if prompt_tokens:
-            pipe.hincrby(key, "prompt_tokens", prompt_tokens)
-        if completion_tokens:
-            pipe.hincrby(key, "completion_tokens", completion_tokens)
-        if cache_hit:
-            pipe.hincrby(key, "cache_hits", 1)
-        pipe.expire(key, self.retention_s + 60)
-        pipe.sadd(keys.USAGE_TENANTS, tenant)
-        pipe.sadd(keys.usage_models_key(tenant), model)
+        for (tenant, model, minute), counts in pending.items():
+            key = keys.usage_key(tenant, model, minute)
+            for field_name, n in counts.items():
+                if n:
+                    pipe.hincrby(key, field_name, n)
+            pipe.expire(key, self.retention_s + 60)
+        for tenant in {t for t, _, _ in pending}:
+            pipe.sadd(keys.USAGE_TENANTS, tenant)
+        for tenant, model in {(t, m) for t, m, _ in pending}:
+            pipe.sadd(keys.usage_models_key(tenant), model)
         await pipe.execute()
 
     async def query(self, tenant: str | None, model: str | None, start: float, end: float) -> list[Usage]:

@@ -1,9 +1,9 @@
-"""Two reads of the gateway's registry that overlap in its one event loop and finish out of order: the one that
-started first, finishing last, never replaces the newer one in the cache, nor is it judged for stalls after it;
-its caller still gets its own read. A real Redis answers every read; only when the first one returns is held."""
+"""Reads of the gateway's registry asked for while one is in flight: they share the next read, sent after they
+asked, so they see what changed meanwhile and an older read never replaces a newer one in the cache; a read
+in flight when the view is invalidated is not cached. A real Redis answers every read; only when the first
+one returns is held."""
 
 import asyncio
-import logging
 import time
 
 import pytest
@@ -26,15 +26,15 @@ class FirstReadHeld:
 
     def __init__(self, client):
         self._client = client
-        self._calls = 0
+        self.calls = 0
         self.answered, self.release = asyncio.Event(), asyncio.Event()
 
     def __getattr__(self, name):
         return getattr(self._client, name)
 
     async def mget(self, names):
-        self._calls += 1
-        first = self._calls == 1
+        self.calls += 1
+        first = self.calls == 1
         raw = await self._client.mget(names)
         if first:
             self.answered.set()
@@ -64,29 +64,46 @@ async def _publish(client, info: WorkerInfo) -> None:
     await client.sadd(keys.WORKERS_INDEX, info.worker_id)
 
 
-async def test_an_older_read_of_the_workers_finishing_last_neither_replaces_the_newer_nor_is_judged_after_it(
-        client, caplog):
+async def test_a_read_asked_for_while_one_is_in_flight_gets_the_next_and_the_older_never_replaces_it(client):
     await _publish(client, _worker("order-old", TIMEOUT_S + 1))  # stalled as the first read sees it
     held = FirstReadHeld(client)
     registry = WorkerRegistry(held, cache_s=3600.0, stalled_step_timeout_s=TIMEOUT_S)
-    with caplog.at_level(logging.INFO, logger="kvrelay.gateway"):
-        first = asyncio.create_task(registry.workers(fresh=True))
-        await held.answered.wait()
-        # while the first read's answer is on its way: the worker steps again and another registers
-        await _publish(client, _worker("order-old"))
-        await _publish(client, _worker("order-new"))
-        newer = await registry.workers(fresh=True)
-        held.release.set()
-        older = await first
-    assert [w.worker_id for w in newer if w.worker_id in WORKERS] == ["order-new", "order-old"]
+    first = asyncio.create_task(registry.workers(fresh=True))
+    await held.answered.wait()
+    # while the first read's answer is on its way: the worker steps again and another registers
+    await _publish(client, _worker("order-old"))
+    await _publish(client, _worker("order-new"))
+    second = asyncio.create_task(registry.workers(fresh=True))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # it waits for a read sent after it asked, not for the one on its way
+    held.release.set()
+    older, newer = await first, await second
     assert [w.worker_id for w in older if w.worker_id in WORKERS] == ["order-old"]  # its caller's own read
+    assert [w.worker_id for w in newer if w.worker_id in WORKERS] == ["order-new", "order-old"]
+    assert held.calls == 2
     cached = await registry.workers()
     assert [w.worker_id for w in cached if w.worker_id in WORKERS] == ["order-new", "order-old"]
+    # judged last, the newer read's steps stand: the worker stalled in the older read is routable again
     assert [w.worker_id for w in await registry.routable() if w.worker_id in WORKERS] == ["order-new", "order-old"]
-    assert not any("stalled" in r.getMessage() or "steps again" in r.getMessage() for r in caplog.records)
 
 
-async def test_an_older_read_of_the_models_finishing_last_does_not_replace_the_newer(client):
+async def test_a_burst_past_the_cache_shares_its_reads(client):
+    await _publish(client, _worker("order-old"))
+    held = FirstReadHeld(client)
+    registry = WorkerRegistry(held, cache_s=3600.0)
+    first = asyncio.create_task(registry.workers())
+    await held.answered.wait()
+    await _publish(client, _worker("order-new"))
+    burst = [asyncio.create_task(registry.workers()) for _ in range(20)]
+    await asyncio.sleep(0.05)
+    held.release.set()
+    await first
+    views = await asyncio.gather(*burst)
+    assert held.calls == 2  # one read for the first caller, one for the 20 that came while it was in flight
+    assert all([w.worker_id for w in view if w.worker_id in WORKERS] == ["order-new", "order-old"] for view in views)
+
+
+async def test_a_read_of_the_models_asked_for_while_one_is_in_flight_sees_what_changed(client):
     def model(name: str) -> ModelInfo:
         return ModelInfo(name=name, path="/m", max_model_len=64, vocab_size=32, eos_token_ids=[0], block_size=8,
                          dtype="float32")
@@ -99,9 +116,11 @@ async def test_an_older_read_of_the_models_finishing_last_does_not_replace_the_n
     await held.answered.wait()
     await client.set(keys.model_key("order-m@2"), encode(model("order-m@2")))
     await client.sadd(keys.MODELS_INDEX, "order-m@2")
-    assert {"order-m@1", "order-m@2"} <= (await registry.models(fresh=True)).keys()
+    second = asyncio.create_task(registry.models(fresh=True))
+    await asyncio.sleep(0.05)
     held.release.set()
     assert "order-m@2" not in await first
+    assert {"order-m@1", "order-m@2"} <= (await second).keys()
     assert {"order-m@1", "order-m@2"} <= (await registry.models()).keys()
 
 
