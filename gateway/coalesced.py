@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 class Coalesced(Generic[T]):
@@ -55,3 +56,22 @@ def _retrieve(future: asyncio.Future) -> None:
     """Marks a failed round trip's exception as seen: every caller may have gone before it came back."""
     if not future.cancelled():
         future.exception()
+
+
+class CoalescedByKey(Generic[K, T]):
+    """A ``Coalesced`` round trip per key (a model's streams, an API key): callers share only what they all
+    asked for. Past ``max_keys`` keys (workers and keys come and go) the idle ones are forgotten; one in
+    flight still answers those waiting for it."""
+
+    def __init__(self, round_trip: Callable[[K], Awaitable[T]], max_keys: int = 256):
+        self._round_trip = round_trip
+        self._max_keys = max_keys
+        self._by_key: dict[K, Coalesced[T]] = {}
+
+    async def __call__(self, key: K) -> T:
+        shared = self._by_key.get(key)
+        if shared is None:
+            if len(self._by_key) >= self._max_keys:
+                self._by_key.clear()
+            shared = self._by_key[key] = Coalesced(lambda: self._round_trip(key))
+        return await shared()

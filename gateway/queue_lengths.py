@@ -10,12 +10,8 @@ from dataclasses import dataclass, field
 import redis.asyncio
 from aiohttp import web
 
-from kvrelay.gateway.coalesced import Coalesced
+from kvrelay.gateway.coalesced import CoalescedByKey
 from kvrelay.shared.wire import redis_keys as keys
-
-# the stream sets read lately, each with its shared read; past this many (workers come and go) they are
-# dropped, and a read in flight still answers those waiting for it
-_MAX_READS = 256
 
 
 @dataclass
@@ -31,21 +27,16 @@ class Lengths:
 class QueueLengths:
     def __init__(self, client: redis.asyncio.Redis):
         self._redis = client
-        self._reads: dict[tuple[str, tuple[str, ...], tuple[str, ...]], Coalesced[Lengths]] = {}
+        self._reads = CoalescedByKey(self._read)
 
     async def read(self, model: str, shared: list[str], worker_ids: list[str]) -> Lengths:
         """The lengths of ``shared`` (a model's shared streams) and of each worker's private stream for
         ``model``, shared with every request of the burst that asks the same (mutate them to count what
         you queue). Raises redis.RedisError."""
-        key = (model, tuple(shared), tuple(worker_ids))
-        read = self._reads.get(key)
-        if read is None:
-            if len(self._reads) >= _MAX_READS:
-                self._reads.clear()
-            read = self._reads[key] = Coalesced(lambda: self._read(*key))
-        return await read()
+        return await self._reads((model, tuple(shared), tuple(worker_ids)))
 
-    async def _read(self, model: str, shared: tuple[str, ...], worker_ids: tuple[str, ...]) -> Lengths:
+    async def _read(self, key: tuple[str, tuple[str, ...], tuple[str, ...]]) -> Lengths:
+        model, shared, worker_ids = key
         pipe = self._redis.pipeline(transaction=False)
         for stream in shared + tuple(keys.prefill_worker_stream(model, w) for w in worker_ids):
             pipe.xlen(stream)

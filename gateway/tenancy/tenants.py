@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import redis.asyncio
 from aiohttp import web
 
-from kvrelay.gateway.coalesced import Coalesced
+from kvrelay.gateway.coalesced import Coalesced, CoalescedByKey
 from kvrelay.shared.wire import redis_keys as keys
 
 KEY_PREFIX = "kvr-"
@@ -94,6 +94,7 @@ class TenantStore:
         self._redis = client
         # asked on every request: a burst shares its reads, each still sent after its callers arrived
         self.enforced = Coalesced(self._enforced)
+        self._authenticate = CoalescedByKey(self._owner)  # by key digest: one tenant's burst looks its key up once
 
     async def _enforced(self) -> bool:
         """Keys are required once any tenant exists (keys belong to tenants)."""
@@ -103,7 +104,9 @@ class TenantStore:
         """The tenant owning ``key``, or None for an unknown or revoked key (or one whose tenant is gone)."""
         if not key.startswith(KEY_PREFIX) or len(key) > 128:
             return None
-        wanted = digest(key)
+        return await self._authenticate(digest(key))
+
+    async def _owner(self, wanted: str) -> Tenant | None:
         record = await self._redis.hgetall(keys.api_key_key(wanted))
         stored = record.get(b"digest", b"").decode()
         # The lookup already matched on the digest; comparing it again in constant time guards against a

@@ -1,12 +1,14 @@
 """Callers that ask while a round trip is in flight share the next one, sent after they asked; one caller
 cancelled leaves the others their answer; a failure reaches every caller waiting for it. Then the usage
-ledger over a real Redis: a burst of finished requests lands in a few pipelines, every count intact."""
+ledger and the API key lookup over a real Redis: a burst of finished requests lands in a few pipelines, every
+count intact; a tenant's burst looks its key up once, and a key revoked before a request is refused."""
 
 import asyncio
 
 import pytest
 
 from kvrelay.gateway.coalesced import Coalesced
+from kvrelay.gateway.tenancy.tenants import Tenant, TenantStore
 from kvrelay.gateway.tenancy.usage import UsageLedger
 from kvrelay.shared.wire import redis_keys as keys
 from kvrelay.shared.wire.redis_conn import async_client
@@ -115,3 +117,33 @@ async def test_a_burst_of_finished_requests_lands_in_few_pipelines_with_every_co
             "cache_hits": sum(1 for i in mine if i % 5 == 0)}
     assert totals[("t0", "other")]["prompt_tokens"] == 7
     assert await client.ttl(keys.usage_key("t0", "other", int((now + 60) // 60))) > 3600
+
+
+class CountedHgetall:
+    """The Redis client, counting HGETALLs."""
+
+    def __init__(self, client):
+        self._client = client
+        self.hgetalls = 0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    async def hgetall(self, name):
+        self.hgetalls += 1
+        return await self._client.hgetall(name)
+
+
+async def test_a_tenants_burst_looks_its_key_up_once_and_a_revoked_key_is_refused_at_once(client):
+    counted = CountedHgetall(client)
+    store = TenantStore(counted)
+    await store.put_tenant(Tenant(name="burst"))
+    record, key = await store.issue_key("burst")
+    _, other = await store.issue_key("burst")
+    counted.hgetalls = 0
+    found = await asyncio.gather(*(store.authenticate(k) for k in [key] * 20 + [other] * 5))
+    assert [t.name for t in found] == ["burst"] * 25
+    assert counted.hgetalls == 4  # per key: its record, then its tenant, once for the whole burst
+    assert await store.revoke_key(record.id)
+    assert await store.authenticate(key) is None  # asked after the revocation: a read sent after it
+    assert (await store.authenticate(other)).name == "burst"
