@@ -9,7 +9,8 @@
 # - batch1: 8 x (32 -> 256), one in flight: batch-1 TPOT served against the engine's (batch1.txt);
 # - MODE@N (e.g. disaggregated@1, unified@4): the short load on MODE with --api-server-count N gateways, the
 #   offline engine beside it only for N = 1 (MODE_gwN.txt): is one gateway process what holds the stream back?
-# EXTRA: more engine flags for every run. Each run's table and comparison are printed; the files land in $OUT.
+# EXTRA: more engine flags for every run. Each run's table and comparison are printed; the files land in $OUT, with
+# each run's serve and Redis logs in $OUT/NAME_logs.
 set -u
 . bench/h200_setup.sh || exit 1
 engine=(--model "${MODEL:-dummy:llama-3-8b}" --load-format dummy --max-model-len 2048 --max-num-seqs 128 ${EXTRA:-})
@@ -21,6 +22,16 @@ bench() {  # name, timeout, bench serve args...
   grep -E "^(launched|TTFT stages|p50 |p99 |mean |gateway TTFT|slowest)|Output token throughput|Median TPOT|P99 TTFT|Client CPU" \
     "$OUT/$name.txt"
   sed -n '/Served vs offline engine/,$p' "$OUT/$name.txt"
+  # each launch's serve log (its last 2 MB) and its embedded Redis's log, whose AOF lines say whether a slow
+  # disk held Redis up (a stall inside the server's `gateway` or `redis` stage)
+  for dir in $(grep -o "(log /tmp/kvrelay-bench-serve-[^/]*" "$OUT/$name.txt" | cut -c6- | sort -u); do
+    mkdir -p "$OUT/${name}_logs"
+    for log in "$dir"/serve-*.log; do [ -f "$log" ] && tail -c 2000000 "$log" > "$OUT/${name}_logs/$(basename "$log")"; done
+    for log in "$dir"/state-*/redis.log; do
+      [ -f "$log" ] && cp "$log" "$OUT/${name}_logs/redis-$(basename "$(dirname "$log")").log"
+    done
+  done
+  grep -h -i "fsync\|aof\|latency" "$OUT/${name}_logs"/redis-*.log 2>/dev/null | tail -5
 }
 for load in ${LOADS:-short batch1}; do
   case $load in
