@@ -1,6 +1,7 @@
 """The control room on the app: its cleanup context puts the view of what workers published, the model
-registry, placement, the queue lengths requests read before queueing, the router (its policy built once from the config) and, with ``--model-repo``, the
-model repository under their keys; the registry is published again when Redis comes back without it.
+registry, placement, the queue lengths requests read before queueing, the router (its policy built once
+from the config) and, with ``--model-repo``, the model repository under their keys; the registry is
+published again when Redis comes back without it.
 The reconciler has a context of its own (``reconciler.py``): it must stop before the background tasks
 it spawns are drained."""
 
