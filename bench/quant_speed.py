@@ -7,6 +7,7 @@ a batch-1 decode step (those bytes / the device's copy bandwidth, bench/gpu_meas
 (CUDA graphs, async scheduling) and its share of the floor; prefill tok/s of PROMPTS x LEN; with
 ``--throughput``, output tok/s of 128 x (32 -> 2,048). Targets (issue 27): fp8 step <= 2.25 ms and >= 1.9x
 bf16, prefill >= 1.5x bf16, 128 x (32 -> 2,048) >= 16,000 tok/s; awq step >= 70% of its floor.
+A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows.
 """
 
 import argparse
@@ -26,7 +27,14 @@ def child(args: argparse.Namespace) -> dict:
     from kvrelay import LLM
     from kvrelay.bench.gpu_measure import copy_bandwidth, decode_step_ms, generate_seconds, random_prompts
 
-    quant = None if args.variant == "bf16" else args.variant
+    method, _, decode_kernel = args.variant.partition("@")
+    if decode_kernel:  # "awq@w4_gemv_last": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
+        from kvrelay.kernels.triton import w4_decode
+
+        if decode_kernel not in w4_decode.DECODE_KERNELS:
+            raise SystemExit(f"unknown W4 decode kernel {decode_kernel!r}: {', '.join(w4_decode.DECODE_KERNELS)}")
+        w4_decode.DECODE_KERNEL = decode_kernel
+    quant = None if method == "bf16" else method
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", quantization=quant,
               max_model_len=args.len + 8, max_num_seqs=max(128, args.prompts),
               max_num_batched_tokens=16384, async_scheduling=True)

@@ -65,12 +65,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--prefill", default="2x4096", help="prompts x tokens of the profiled prefill step ('' skips)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--quantization", default=None, help="as LLM's quantization (fp8, int8, awq, ...)")
+    p.add_argument("--w4-decode", default=None, help="the W4 decode kernel (kernels/triton/w4_decode.py's table)")
     args = p.parse_args(argv)
+    if args.w4_decode:
+        from kvrelay.kernels.triton import w4_decode
+
+        w4_decode.DECODE_KERNELS[args.w4_decode]  # noqa: B018  # an unknown name fails here, before the load
+        w4_decode.DECODE_KERNEL = args.w4_decode
     num, length = (int(v) for v in args.prefill.split("x")) if args.prefill else (0, 0)
     # a long context gets the KV cache sized from free memory, as `bench gpu`'s batch-128 row has it: a cache
     # sized to the batch's blocks alone ended requests inside the timed steps (H100, --batch 128 --context 1024)
     blocks = {"num_gpu_blocks": 4096} if args.context <= 256 else {}
-    llm = LLM(model=args.model, load_format="dummy", max_model_len=max(2048, length + 8, args.context + 256), **blocks,
+    llm = LLM(model=args.model, load_format="dummy", quantization=args.quantization,
+              max_model_len=max(2048, length + 8, args.context + 256), **blocks,
               max_num_seqs=max(16, args.batch), max_num_batched_tokens=max(8192, num * length))
     llm.generate([{"prompt_token_ids": [5] * 32}], SamplingParams(max_tokens=8, ignore_eos=True))
     decode(llm, args.batch, args.context, args.replays, args.top)

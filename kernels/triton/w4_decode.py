@@ -16,8 +16,9 @@ from kvrelay.kernels.w4_repack import W4Packed
 
 DECODE_KERNELS = {
     "w4_fast": None,
-    "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, atomic=False),  # split K summed in a fixed order
-    "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, atomic=True),  # split K by fp32 atomics
+    "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, reduce="order"),  # split K summed in a fixed order
+    "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, reduce="atomic"),  # split K by fp32 atomics
+    "w4_gemv_last": functools.partial(w4_gemv.w4_gemv_linear, reduce="last"),  # atomics, one launch
 }
 # the GEMV, not w4_fast's tensor-core tiles, for small row counts: at one row reading the int4 words is the whole
 # cost, which a multiply-and-sum streams at a larger share of the bandwidth (BENCHMARKS.md, W4A16 decode GEMVs).

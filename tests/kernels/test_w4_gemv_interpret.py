@@ -1,7 +1,8 @@
 """The decode GEMV over the repacked W4 layout (kernels/triton/w4_gemv.py) and the table that picks it
 (kernels/triton/w4_decode.py) against dequantize-then-matmul of the published weights, through Triton's CPU
 interpreter: AWQ, GPTQ with and without act-order, groups of 32, 64 and 128, output counts no tile divides,
-1 to 16 rows, split K summed in order and by atomics.
+1 to 16 rows, split K summed in order, by atomics, and by atomics into a per-weight workspace whose last
+split stores the output (left zeroed for the next call).
 """
 
 import functools
@@ -12,11 +13,12 @@ import torch
 from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/gpu/test_w4_gemv_gpu.py")
+from kvrelay.kernels import quant  # noqa: E402
 from kvrelay.kernels.triton import w4_decode, w4_gemv  # noqa: E402
 from tests.kernels.quant_cases import check_w4_packed, w4_gemv_variant  # noqa: E402
 
 SOURCES = ["awq", "gptq", "gptq_act_order"]
-VARIANTS = ["gemv", "atomic"]
+VARIANTS = ["gemv", "atomic", "last"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -53,6 +55,39 @@ def test_split_k(name, source, split):
     # 256 inputs in chunks of 4 packed rows: 8 chunks, so 3 splits leave the last one short; the bias once
     check_w4_packed(w4_gemv_variant(name), "cpu", 3, 256, 40, 32, torch.bfloat16, source, bias=True,
                     cfg=(16, 4, split, 1, 1))
+
+
+def test_the_last_split_leaves_the_workspace_zeroed_for_the_next_call():
+    from kvrelay.kernels.w4_repack import repack_w4
+    from tests.kernels.quant_cases import w4_case
+
+    q, zeros, scales, _, x, b = w4_case(3, 256, 40, 32, torch.bfloat16, False, True)
+    packed = repack_w4(quant.pack_w4(q), zeros, scales, 32)
+    reference = w4_gemv.w4_gemv_linear(x, packed, b, reduce="order", cfg=(16, 4, 3, 1, 1))
+    for _ in range(3):  # a counter or a sum left behind would corrupt the next call
+        got = w4_gemv.w4_gemv_linear(x, packed, b, reduce="last", cfg=(16, 4, 3, 1, 1))
+        torch.testing.assert_close(got, reference, rtol=1e-2, atol=1e-2)
+        space = w4_gemv._workspaces[packed.qweight]  # made by the call: "last" ran
+        assert not space.sums.any() and not space.locks.any()
+        assert space.sums.shape == (w4_gemv.LAST_ROWS, 40)
+
+
+def test_the_last_split_runs_as_atomic_beyond_its_workspace_rows():
+    from kvrelay.kernels.w4_repack import repack_w4
+    from tests.kernels.quant_cases import w4_case
+
+    q, zeros, scales, _, x, _ = w4_case(w4_gemv.LAST_ROWS + 1, 256, 40, 32, torch.bfloat16, False, False)
+    packed = repack_w4(quant.pack_w4(q), zeros, scales, 32)
+    got = w4_gemv.w4_gemv_linear(x, packed, reduce="last", cfg=(16, 4, 3, 1, 1))
+    torch.testing.assert_close(got, w4_gemv.w4_gemv_linear(x, packed, reduce="order", cfg=(16, 4, 3, 1, 1)),
+                               rtol=1e-2, atol=1e-2)
+    assert packed.qweight not in w4_gemv._workspaces  # never asked for: "atomic" ran
+
+
+def test_an_unknown_reduce_is_refused():
+    with pytest.raises(ValueError, match="reduce must be one of order, atomic, last"):
+        check_w4_packed(type("V", (), {"w4_packed_linear": staticmethod(
+            functools.partial(w4_gemv.w4_gemv_linear, reduce="sum"))}), "cpu", 1, 128, 40, 32, torch.bfloat16, "awq")
 
 
 def test_split_k_scratch_needs_no_zeroing(unzeroed_empty):
