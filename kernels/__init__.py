@@ -91,6 +91,15 @@ def w4_packed_linear(x, packed, bias=None):
     return implementation("w4_packed_linear", x)(x, packed, bias)
 
 
+def w4_packed_silu_linear(x, packed, bias=None):
+    # w4_packed_linear(silu(gate) * up) of x = gate | up; on GPU the decode GEMV forms the input as it streams
+    # the weight (kernels/triton/w4_decode.py)
+    kernel = fused("w4_packed_silu_linear", x)
+    if kernel is not None:
+        return kernel(x, packed, bias)
+    return w4_packed_linear(silu_mul(x), packed, bias)
+
+
 def int8_linear(x, weight, scale, bias=None):
     # int8 [N, K] weight, fp32 per-output-channel scale [N]; activations stay in x's dtype
     return implementation("int8_linear", x)(x, weight, scale, bias)
@@ -115,7 +124,8 @@ def gelu(x, approximate="tanh"):
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
-    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "int8_linear",
+    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "w4_packed_silu_linear",
+    "int8_linear",
     "fp8_linear",
 ]
 

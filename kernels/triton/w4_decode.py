@@ -12,6 +12,7 @@ import functools
 import torch
 
 from kvrelay.kernels.triton import w4_fast, w4_gemv
+from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.w4_repack import W4Packed
 
 DECODE_KERNELS = {
@@ -27,8 +28,18 @@ DECODE_KERNEL = "w4_gemv_atomic"
 DECODE_MAX_ROWS = 4
 
 
-def w4_packed_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _decode_kernel(x: torch.Tensor):
     decode = DECODE_KERNELS[DECODE_KERNEL]
-    if decode is not None and 0 < x.numel() // x.shape[-1] <= min(DECODE_MAX_ROWS, w4_gemv.MAX_ROWS):
-        return decode(x, p, bias)
-    return w4_fast.w4_packed_linear(x, p, bias)
+    return decode if decode is not None and 0 < x.numel() // x.shape[-1] <= min(DECODE_MAX_ROWS, w4_gemv.MAX_ROWS) else None
+
+
+def w4_packed_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    decode = _decode_kernel(x)
+    return decode(x, p, bias) if decode is not None else w4_fast.w4_packed_linear(x, p, bias)
+
+
+def w4_packed_silu_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x = gate | up: a decode GEMV forms silu(gate) * up as it streams the weight (one launch less a layer);
+    w4_fast gets it from silu_mul."""
+    decode = _decode_kernel(x)
+    return decode(x, p, bias, silu=True) if decode is not None else w4_fast.w4_packed_linear(silu_mul(x), p, bias)

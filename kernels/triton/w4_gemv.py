@@ -86,13 +86,22 @@ def chunk_groups(s_ptr, z_ptr, c, G, N, rn, n_mask, TILE_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j: tl.constexpr, HAS_PERM: tl.constexpr):
+def slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, K, j: tl.constexpr, HAS_PERM: tl.constexpr,
+                     SILU: tl.constexpr):
     """Row m's activations at inputs ``rk`` (act-order: gathered through ``perm``) in fp32, scaled for nibble
-    j's slab by 16^-(j % 5), as ``nibble_slab`` leaves it (powers of two: exact)."""
+    j's slab by 16^-(j % 5), as ``nibble_slab`` leaves it (powers of two: exact). ``SILU``: the row is
+    gate | up (2K wide) and the input silu(gate) * up, rounded to x's dtype at each step as the unfused
+    ops (kernels/triton/silu_mul.py) round it."""
     if HAS_PERM:
         rk = tl.load(p_ptr + rk)
-    x = tl.load(x_ptr + m * stride_x + rk, mask=(rk * 0 + m) < M, other=0.0).to(tl.float32)
-    return x * 0.0625 ** (j % 5)
+    row_mask = (rk * 0 + m) < M
+    x = tl.load(x_ptr + m * stride_x + rk, mask=row_mask, other=0.0)
+    if SILU:
+        dtype = x_ptr.dtype.element_ty
+        up = tl.load(x_ptr + m * stride_x + K + rk, mask=row_mask, other=0.0).to(tl.float32)
+        gate = x.to(tl.float32)
+        x = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+    return x.to(tl.float32) * 0.0625 ** (j % 5)
 
 
 @triton.jit
@@ -134,8 +143,8 @@ def add_and_finish_last(acc, y_ptr, b_ptr, sum_ptr, lock_ptr, rm, rn, M, N, pid_
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_SPLIT", "n_split"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, sum_ptr, lock_ptr, M, N, G, stride_x, stride_y,
                     stride_split, CHUNKS_PER_SPLIT, N_CHUNKS, n_split, magic_bits, HAS_PERM: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, LAST: tl.constexpr, TILE_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, LAST: tl.constexpr, SILU: tl.constexpr,
+                    TILE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,7 +167,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, sum_ptr, lo
             rk = t * TILE_K + j * (TILE_K // 8) + r0 + rr  # slab j: the tile's j-th run of tile_k / 8 inputs
             v = nibble_slab(words, z[None, :], j, magic_bits)
             for m in tl.static_range(BLOCK_M):
-                x = slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j, HAS_PERM)
+                x = slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, N_CHUNKS * BLOCK_R * 8, j, HAS_PERM, SILU)
                 if BLOCK_M == 1 and j == 0:  # not a sum onto zeros: spares the zeroing of the registers
                     part = v * x[:, None]
                 elif BLOCK_M == 1:
@@ -217,20 +226,23 @@ def workspace(p: W4Packed) -> Workspace | None:
 
 
 def w4_gemv_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None, *, reduce: str = "order",
-                   cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+                   cfg: tuple[int, ...] | None = None, silu: bool = False) -> torch.Tensor:
     """x [..., K] (at most ``MAX_ROWS`` rows) @ the repacked W4 weight -> [..., N], split K summed as ``reduce``
-    says (``REDUCES``). ``cfg``: (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages), SPLIT 0 for ``split_for``'s;
-    BLOCK_R must divide tile_k / 8."""
-    return launch(x, p, bias, reduce, cfg or default_config(x.numel() // x.shape[-1], *p.shape, p.tile_k, x.device))
+    says (``REDUCES``). ``silu``: x is [..., 2K] gate | up and the input silu(gate) * up, formed as the weight
+    streams (no launch of its own). ``cfg``: (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages), SPLIT 0 for
+    ``split_for``'s; BLOCK_R must divide tile_k / 8."""
+    cfg = cfg or default_config(x.numel() // x.shape[-1], *p.shape, p.tile_k, x.device)
+    return launch(x, p, bias, reduce, cfg, silu)
 
 
-def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, reduce: str, cfg: tuple[int, ...]) -> torch.Tensor:
+def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, reduce: str, cfg: tuple[int, ...],
+           silu: bool = False) -> torch.Tensor:
     """Runs the GEMV over ``p`` with the split-K reduction ``reduce`` names."""
     if reduce not in REDUCES:
         raise ValueError(f"reduce must be one of {', '.join(REDUCES)}; got {reduce!r}")
     n, k = p.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the W4 weight {k}")
+    if x.shape[-1] != (2 * k if silu else k):
+        raise ValueError(f"input has {x.shape[-1]} features, the W4 weight {k}" + (" (x2: gate | up)" if silu else ""))
     x2 = rows_view(x)
     m = x2.shape[0]
     if m > MAX_ROWS:
@@ -260,7 +272,7 @@ def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, reduce: str,
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales, bias_or_any, out, sums, locks,
         m, n, p.group_size, x2.stride(0), n, 0 if atomic else m * n, per_split, n_chunks, split, MAGIC_BITS,
         HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and (split == 1 or space is not None),
-        ATOMIC=atomic, LAST=space is not None, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n,
+        ATOMIC=atomic, LAST=space is not None, SILU=silu, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n,
         BLOCK_R=block_r, num_warps=warps, num_stages=stages)
     if atomic:
         y = out.to(x.dtype) if bias is None else (out + bias.float()).to(x.dtype)

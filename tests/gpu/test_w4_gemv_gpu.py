@@ -55,6 +55,23 @@ def test_split_k_in_order_gives_the_same_bits_every_call():
         assert torch.equal(run(x.cuda(), packed), first)
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_silu_input_formed_in_the_kernel(name, rows):
+    # down's shape: x = gate | up [rows, 2 x 14336], against silu_mul then the same GEMV
+    from kvrelay.kernels.triton import w4_gemv
+    from kvrelay.kernels.triton.silu_mul import silu_mul
+    from kvrelay.kernels.w4_repack import repack_w4
+
+    q, zeros, scales, _, _, _ = w4_case(rows, 14336, 4096, 128, torch.bfloat16, False, False)
+    packed = repack_w4(quant.pack_w4(q).cuda(), zeros.cuda(), scales.cuda(), 128)
+    gate_up = torch.randn(rows, 2 * 14336, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).cuda()
+    reduce = {"gemv": "order", "atomic": "atomic", "last": "last"}[name]
+    got = w4_gemv.w4_gemv_linear(gate_up, packed, reduce=reduce, silu=True)
+    expected = w4_gemv.w4_gemv_linear(silu_mul(gate_up), packed, reduce="order")
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())
+
+
 def test_the_last_split_under_cuda_graphs():
     """A graph captured before the weight's first eager call has no workspace to point at (it would come from
     the graph's pool) and runs "atomic"; after one, the graph's single launch replays correctly every time,

@@ -125,3 +125,41 @@ def test_each_decode_kernel_the_table_names(kernel, rows, monkeypatch):
         lambda x, p, bias=None, cfg=None: w4_decode.w4_packed_linear(x, p, bias))})
     check_w4_packed(dispatch, "cpu", rows, 256, 40, 64, torch.bfloat16, "gptq", bias=True)
     assert calls == ["w4_gemv" if kernel != "w4_fast" and rows <= 4 else "w4_fast"]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("rows, dtype", [(1, torch.bfloat16), (3, torch.float16)])
+def test_the_silu_input_formed_in_the_kernel(name, rows, dtype):
+    # x = gate | up: the kernel's silu(gate) * up, rounded as silu_mul rounds it, against silu_mul then the GEMV
+    from kvrelay.kernels import reference
+    from kvrelay.kernels.w4_repack import repack_w4
+    from tests.kernels.quant_cases import w4_case
+
+    q, zeros, scales, _, _, b = w4_case(rows, 128, 40, 32, dtype, False, True)
+    gate_up = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
+    packed = repack_w4(quant.pack_w4(q), zeros, scales, 32)
+    reduce = {"gemv": "order", "atomic": "atomic", "last": "last"}[name]
+    got = w4_gemv.w4_gemv_linear(gate_up, packed, b, reduce=reduce, cfg=(16, 4, 2, 1, 1), silu=True)
+    expected = w4_gemv.w4_gemv_linear(reference.silu_mul(gate_up), packed, b, reduce="order", cfg=(16, 4, 2, 1, 1))
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    # an input rounded one way or the other moves an output by an ulp of the largest (|y| ~ 10: 0.0625 in bf16)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    with pytest.raises(ValueError, match=r"the W4 weight 128 \(x2: gate \| up\)"):
+        w4_gemv.w4_gemv_linear(gate_up[:, :128], packed, b, silu=True)
+
+
+@pytest.mark.parametrize("kernel", sorted(w4_decode.DECODE_KERNELS))
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_silu_entry_point_whichever_decode_kernel(kernel, rows, monkeypatch):
+    # up to DECODE_MAX_ROWS rows a GEMV forms the input, more (and w4_fast) take silu_mul first: the same result
+    from kvrelay.kernels import reference
+    from kvrelay.kernels.w4_repack import repack_w4
+    from tests.kernels.quant_cases import w4_case
+
+    monkeypatch.setattr(w4_decode, "DECODE_KERNEL", kernel)
+    q, zeros, scales, _, _, b = w4_case(rows, 128, 40, 32, torch.bfloat16, False, True)
+    gate_up = torch.randn(rows, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    packed = repack_w4(quant.pack_w4(q), zeros, scales, 32)
+    got = w4_decode.w4_packed_silu_linear(gate_up, packed, b)
+    expected = reference.w4_packed_linear(reference.silu_mul(gate_up), packed, b)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())

@@ -99,9 +99,9 @@ def norm_project(x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm"
 
 
 def silu_project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-    """proj(silu(gate) * up) of x = gate | up."""
+    """proj(silu(gate) * up) of x = gate | up: fused where the projection's kernel can form the input."""
     if isinstance(proj, QuantLinear):
-        return proj(kernels.silu_mul(x))
+        return proj.silu_forward(x)
     return kernels.silu_mul_linear(x, proj.weight, proj.bias)
 
 

@@ -69,6 +69,10 @@ class QuantLinear(nn.Module):
             return self.bias, rows, pre
         return None
 
+    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of x = gate | up; a layer whose kernel forms that input itself overrides it."""
+        return self(kernels.silu_mul(x))
+
     def init_dummy(self, seed: int, prefix: str) -> None:
         """Dummy weights for the layer named ``prefix``, from shared/engine/dummy_weights.py's streams."""
         raise NotImplementedError
@@ -188,6 +192,13 @@ class W4Linear(QuantLinear):
         if self.tile_k is None:
             return None
         return W4Packed(self.qweight, self.scales, self.qzeros, self.perm, self.quant.group_size, self.tile_k)
+
+    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of x = gate | up, the repacked layout's decode kernel forming the input."""
+        packed = self.packed()
+        if packed is not None:
+            return kernels.w4_packed_silu_linear(x, packed, self.bias)
+        return self(kernels.silu_mul(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed()
