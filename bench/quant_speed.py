@@ -7,8 +7,7 @@ a batch-1 decode step (those bytes / the device's copy bandwidth, bench/gpu_meas
 (CUDA graphs, async scheduling) and its share of the floor; prefill tok/s of PROMPTS x LEN; with
 ``--throughput``, output tok/s of 128 x (32 -> 2,048). Targets (issue 27): fp8 step <= 2.25 ms and >= 1.9x
 bf16, prefill >= 1.5x bf16, 128 x (32 -> 2,048) >= 16,000 tok/s; awq step >= 70% of its floor.
-A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows;
-``METHOD@unfused`` runs a projection's norm and SiLU*mul as launches of their own (the baseline for fusing them).
+A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows.
 """
 
 import argparse
@@ -20,8 +19,6 @@ import sys
 from kvrelay.shared.config.handover import module_argv
 
 VARIANTS = ("bf16", "fp8", "int8", "awq")
-# the composites that fuse a quantized projection's input op into its kernel (kernels/__init__.py)
-FUSED_INPUT_OPS = ("w4_packed_silu_linear", "rms_norm_channel_linear", "silu_mul_channel_linear")
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -31,12 +28,7 @@ def child(args: argparse.Namespace) -> dict:
     from kvrelay.bench.gpu_measure import copy_bandwidth, decode_step_ms, generate_seconds, random_prompts
 
     method, _, decode_kernel = args.variant.partition("@")
-    if decode_kernel == "unfused":  # the projections' input ops (norm, SiLU*mul) as launches of their own
-        from kvrelay.kernels.registry import unregister  # importing the package registers its kernels first
-
-        for name in FUSED_INPUT_OPS:
-            unregister(name)
-    elif decode_kernel:  # "awq@w4_gemv_last": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
+    if decode_kernel:  # "awq@w4_gemv_last": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
         from kvrelay.kernels.triton import w4_decode
 
         if decode_kernel not in w4_decode.DECODE_KERNELS:

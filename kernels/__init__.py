@@ -91,39 +91,6 @@ def w4_packed_linear(x, packed, bias=None):
     return implementation("w4_packed_linear", x)(x, packed, bias)
 
 
-def _channel_linear(x, weight, scale, bias=None):
-    return (int8_linear if weight.dtype == torch.int8 else fp8_linear)(x, weight, scale, bias)
-
-
-def rms_norm_channel_linear(x, residual, norm_weight, eps, weight, scale, bias=None):
-    # rms_norm_linear for an int8 / fp8 weight with per-channel scales (int8_linear / fp8_linear by its dtype):
-    # one kernel for a one-row step on GPU (kernels/triton/channel_prologue.py)
-    kernel = fused("rms_norm_channel_linear", x)
-    if kernel is not None:
-        return kernel(x, residual, norm_weight, eps, weight, scale, bias)
-    if residual is None:
-        return _channel_linear(rms_norm(x, norm_weight, eps), weight, scale, bias), x
-    normed, residual = rms_norm(x, norm_weight, eps, residual)
-    return _channel_linear(normed, weight, scale, bias), residual
-
-
-def silu_mul_channel_linear(x, weight, scale, bias=None):
-    # silu_mul_linear for an int8 / fp8 weight with per-channel scales, likewise
-    kernel = fused("silu_mul_channel_linear", x)
-    if kernel is not None:
-        return kernel(x, weight, scale, bias)
-    return _channel_linear(silu_mul(x), weight, scale, bias)
-
-
-def w4_packed_silu_linear(x, packed, bias=None):
-    # w4_packed_linear(silu(gate) * up) of x = gate | up; on GPU the decode GEMV forms the input as it streams
-    # the weight (kernels/triton/w4_decode.py)
-    kernel = fused("w4_packed_silu_linear", x)
-    if kernel is not None:
-        return kernel(x, packed, bias)
-    return w4_packed_linear(silu_mul(x), packed, bias)
-
-
 def int8_linear(x, weight, scale, bias=None):
     # int8 [N, K] weight, fp32 per-output-channel scale [N]; activations stay in x's dtype
     return implementation("int8_linear", x)(x, weight, scale, bias)
@@ -148,8 +115,7 @@ def gelu(x, approximate="tanh"):
 __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
-    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "w4_packed_silu_linear",
-    "int8_linear", "rms_norm_channel_linear", "silu_mul_channel_linear",
+    "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "int8_linear",
     "fp8_linear",
 ]
 

@@ -21,11 +21,6 @@ def register(name: str, fn: Callable) -> None:
     _cuda_impls[name] = fn
 
 
-def unregister(name: str) -> None:
-    """Back to the reference (a composite: to its ops run apart), for a benchmark's same-call baseline."""
-    _cuda_impls.pop(name, None)
-
-
 def fused(name: str, x: torch.Tensor) -> Callable | None:
     """The kernel registered for a composite op (one that is, by definition, other ops in turn), or None."""
     return _cuda_impls.get(name) if x.is_cuda else None

@@ -6,9 +6,8 @@ imports. Tests call the module functions directly (also on CPU under ``TRITON_IN
 
 from kvrelay.kernels import sdpa_prefill
 from kvrelay.kernels.registry import register
-from kvrelay.kernels.triton.channel_prologue import rms_norm_channel_linear, silu_mul_channel_linear
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
-from kvrelay.kernels.triton.dequant_linear import int8_linear, w4_packed_linear, w4_packed_silu_linear, w4a16_linear
+from kvrelay.kernels.triton.dequant_linear import int8_linear, w4_packed_linear, w4a16_linear
 from kvrelay.kernels.triton.fp8_linear import fp8_linear
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
@@ -38,10 +37,6 @@ OPS = {
     # the weight-only matmuls: fused kernels for few rows, dequantize + cuBLAS for many (dequant_linear.py)
     "w4a16_linear": w4a16_linear,
     "w4_packed_linear": w4_packed_linear,
-    # composites, registered for the GPU only (kernels.fused): the projection's input formed in its kernel
-    "w4_packed_silu_linear": w4_packed_silu_linear,
-    "rms_norm_channel_linear": rms_norm_channel_linear,
-    "silu_mul_channel_linear": silu_mul_channel_linear,
     "int8_linear": int8_linear,
     "fp8_linear": fp8_linear,  # per-token quantization here, the matmul cuBLASLt's through torch
 }
@@ -55,6 +50,5 @@ def register_all() -> None:
 __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
     "rotary_write_kv", "rotary_attention", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
-    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "w4_packed_linear", "w4_packed_silu_linear", "int8_linear",
-    "fp8_linear", "rms_norm_channel_linear", "silu_mul_channel_linear",
+    "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "w4_packed_linear", "int8_linear", "fp8_linear",
 ]

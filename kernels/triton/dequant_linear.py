@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.kernels.triton import dequant, w4_decode, w4a16
-from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.w4_repack import W4Packed
 
 
@@ -82,13 +81,6 @@ def w4_packed_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = N
     n, k = p.shape
     w = dequant.dequantize_w4_packed(p, x.dtype, scratch((k, n), x.dtype, x.device))
     return F.linear(x, w.t(), bias)
-
-
-def w4_packed_silu_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """w4_packed_linear(silu(gate) * up) of x = gate | up: the decode GEMV's fused input for a few rows."""
-    if _rows(x) < DEQUANT_MIN_ROWS:
-        return w4_decode.w4_packed_silu_linear(x, p, bias)
-    return w4_packed_linear(silu_mul(x), p, bias)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,

@@ -12,14 +12,12 @@ import functools
 import torch
 
 from kvrelay.kernels.triton import w4_fast, w4_gemv
-from kvrelay.kernels.triton.silu_mul import silu_mul
 from kvrelay.kernels.w4_repack import W4Packed
 
 DECODE_KERNELS = {
     "w4_fast": None,
-    "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, reduce="order"),  # split K summed in a fixed order
-    "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, reduce="atomic"),  # split K by fp32 atomics
-    "w4_gemv_last": functools.partial(w4_gemv.w4_gemv_linear, reduce="last"),  # atomics, one launch
+    "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, atomic=False),  # split K summed in a fixed order
+    "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, atomic=True),  # split K by fp32 atomics
 }
 # the GEMV, not w4_fast's tensor-core tiles, for small row counts: at one row reading the int4 words is the whole
 # cost, which a multiply-and-sum streams at a larger share of the bandwidth (BENCHMARKS.md, W4A16 decode GEMVs).
@@ -28,18 +26,8 @@ DECODE_KERNEL = "w4_gemv_atomic"
 DECODE_MAX_ROWS = 4
 
 
-def _decode_kernel(x: torch.Tensor):
-    decode = DECODE_KERNELS[DECODE_KERNEL]
-    return decode if decode is not None and 0 < x.numel() // x.shape[-1] <= min(DECODE_MAX_ROWS, w4_gemv.MAX_ROWS) else None
-
-
 def w4_packed_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    decode = _decode_kernel(x)
-    return decode(x, p, bias) if decode is not None else w4_fast.w4_packed_linear(x, p, bias)
-
-
-def w4_packed_silu_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x = gate | up: a decode GEMV forms silu(gate) * up as it streams the weight (one launch less a layer);
-    w4_fast gets it from silu_mul."""
-    decode = _decode_kernel(x)
-    return decode(x, p, bias, silu=True) if decode is not None else w4_fast.w4_packed_linear(silu_mul(x), p, bias)
+    decode = DECODE_KERNELS[DECODE_KERNEL]
+    if decode is not None and 0 < x.numel() // x.shape[-1] <= min(DECODE_MAX_ROWS, w4_gemv.MAX_ROWS):
+        return decode(x, p, bias)
+    return w4_fast.w4_packed_linear(x, p, bias)

@@ -1,8 +1,7 @@
 """Weight quantization on a GPU (``pytest -m gpu tests/gpu/test_quant_gpu.py``): the W4A16 / W8A16 Triton
 kernels at Llama-3-8B projection shapes against dequantize-then-matmul, the FP8 matmul (per-token
 activations, torch._scaled_mm) against the dequantized reference, and whole models in each quantization
-generating the CPU reference's tokens; the repacked W4 kernel (kernels/triton/w4_fast.py) the same way; one
-row of an int8 / fp8 layer with its norm or SiLU*mul fused in (kernels/triton/channel_prologue.py).
+generating the CPU reference's tokens; the repacked W4 kernel (kernels/triton/w4_fast.py) the same way.
 tests/kernels/test_quant_interpret.py and test_w4_fast_interpret.py run the kernel checks at small shapes
 on CPU.
 """
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from kvrelay.kernels import quant
-from tests.kernels.quant_cases import check_channel_prologue, check_int8, check_w4, check_w4_packed, w4_case
+from tests.kernels.quant_cases import check_int8, check_w4, check_w4_packed, w4_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 # Llama-3-8B: qkv, o, gate|up, down (K, N)
@@ -24,13 +23,6 @@ def kernel():
     from kvrelay.kernels.triton import w4a16
 
     return w4a16
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("op, k, n", [("add_norm", 4096, 6144), ("norm", 4096, 6144), ("silu", 14336, 4096),
-                                      ("add_norm", 4096, 28672)])  # gate|up: wider than the fused kernel takes
-def test_one_row_of_a_channel_layer_with_its_input_op(kind, op, k, n):
-    check_channel_prologue("cuda", kind, op, k, n, torch.bfloat16)
 
 
 @pytest.mark.parametrize("k, n", SHAPES)

@@ -80,43 +80,6 @@ def check_int8(kernel, device: str, rows: int, k: int, n: int, dtype: torch.dtyp
     _release(device)
 
 
-def check_channel_prologue(device: str, kind: str, op: str, k: int, n: int, dtype: torch.dtype, fused=None) -> None:
-    """One row against an int8 / fp8 channel weight with its input op fused (kernels/triton/channel_prologue.py,
-    or ``fused(x, residual, norm_weight, weight, scale, bias)`` when given: the kernel itself) against the
-    reference ops run apart: "norm", "add_norm" (the residual stream too) or "silu"."""
-    from kvrelay.kernels import reference
-    from kvrelay.kernels.triton import channel_prologue
-
-    gen = torch.Generator().manual_seed(k + n)
-    weight, scale = quant.quantize_channel(torch.randn(n, k, generator=gen) / k ** 0.5, kind)
-    x = torch.randn(1, 2 * k if op == "silu" else k, generator=gen).to(dtype)
-    res = torch.randn(1, k, generator=gen).to(dtype)
-    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
-    b = (0.1 * torch.randn(n, generator=gen)).to(dtype)
-    weight, scale, x, res, nw, b = _on(device, weight, scale, x, res, nw, b)
-    residual = res if op == "add_norm" else None
-    if fused is not None:
-        got = fused(x, residual, nw, weight, scale, b)
-    elif op == "silu":
-        got = channel_prologue.silu_mul_channel_linear(x, weight, scale, b)
-    else:
-        got = channel_prologue.rms_norm_channel_linear(x, residual, nw, 1e-5, weight, scale, b)
-    linear = reference.int8_linear if kind == "int8" else reference.fp8_linear
-    if op == "silu":
-        want = linear(reference.silu_mul(x), weight, scale, b)
-    else:
-        normed = reference.rms_norm(x, nw, 1e-5, residual)
-        normed, want_res = normed if residual is not None else (normed, x)
-        want = linear(normed, weight, scale, b)
-        got, got_res = got
-        assert_close(got_res, want_res, dtype, scale=0.5)
-    assert got.shape == want.shape and got.dtype == dtype
-    # the input is rounded as the reference rounds it; the sums' order differs (and the interpreter's bf16 casts
-    # truncate)
-    assert_close(got, want, dtype, scale=1.0)
-    _release(device)
-
-
 def check_w4_packed(kernel, device: str, rows: int, k: int, n: int, group: int, dtype: torch.dtype,
                     source: str, bias: bool = False, cfg: tuple[int, ...] | None = None) -> None:
     """A W4 weight published as ``source`` ("awq", "gptq", "gptq_act_order"; "w4_act_order": kernels/quant.py's
@@ -148,9 +111,8 @@ def check_w4_packed(kernel, device: str, rows: int, k: int, n: int, group: int, 
 
 def w4_gemv_variant(name: str):
     """A stand-in module whose ``w4_packed_linear`` (what ``check_w4_packed`` calls) is one of kernels/triton/
-    w4_gemv.py's split-K sums: "gemv" (in order), "atomic" (by fp32 atomics) or "last" (atomics into a
-    per-weight workspace, the last split storing the output)."""
+    w4_gemv.py's split-K sums: "gemv" (in order) or "atomic" (by fp32 atomics)."""
     from kvrelay.kernels.triton import w4_gemv
 
-    run = functools.partial(w4_gemv.w4_gemv_linear, reduce={"gemv": "order", "atomic": "atomic", "last": "last"}[name])
+    run = functools.partial(w4_gemv.w4_gemv_linear, atomic={"gemv": False, "atomic": True}[name])
     return type("Variant", (), {"w4_packed_linear": staticmethod(run)})

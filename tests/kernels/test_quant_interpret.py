@@ -12,7 +12,7 @@ from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/gpu/test_quant_gpu.py")
 from kvrelay.kernels.triton import w4a16 as kernel  # noqa: E402
-from tests.kernels.quant_cases import check_channel_prologue, check_int8, check_w4  # noqa: E402
+from tests.kernels.quant_cases import check_int8, check_w4  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,25 +47,3 @@ def test_one_row_through_the_skinny_loop(kind):
         return skinny_linear.scaled_linear(x, w, s, cfg=(8, 64, 4))
 
     check_int8(kernel, "cpu", 1, 200, 44, torch.bfloat16, kind=kind, op=op)
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("op", ["norm", "add_norm", "silu"])
-def test_one_row_with_its_input_op_through_the_skinny_loop(kind, op):
-    # the prologue over an 8-bit weight (kernels/triton/skinny_linear.py's SCALED with NORM / ADD_NORM / SILU),
-    # called directly: its dispatcher (channel_prologue.py) takes it for CUDA tensors only
-    from kvrelay.kernels.triton import skinny_linear
-
-    prologue = {"norm": skinny_linear.NORM, "add_norm": skinny_linear.ADD_NORM, "silu": skinny_linear.SILU}[op]
-
-    def fused(x, residual, nw, weight, scale, b):
-        y = skinny_linear.skinny_linear(x, weight, b, prologue=prologue, residual=residual, norm_weight=nw, eps=1e-5,
-                                        scale=scale, cfg=(8, 64, 4))
-        return (y, x) if op == "norm" else y
-
-    check_channel_prologue("cpu", kind, op, 200, 44, torch.bfloat16, fused=fused)
-
-
-@pytest.mark.parametrize("op", ["norm", "add_norm", "silu"])
-def test_the_channel_prologue_dispatch_off_the_gpu_runs_the_ops_apart(op):
-    check_channel_prologue("cpu", "fp8", op, 64, 24, torch.float32)

@@ -88,17 +88,20 @@ def project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
 
 def norm_project(x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm",
                  proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(proj(rms_norm(x [+ residual])), the residual stream): fused for a plain projection and an int8 / fp8
-    one; a 4-bit one runs the norm first, then its own matmul."""
-    if isinstance(proj, QuantLinear):
-        return proj.norm_forward(x, residual, norm)
-    return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    """(proj(rms_norm(x [+ residual])), the residual stream): fused for a plain projection; a quantized
+    one runs the norm first, then its own matmul."""
+    if not isinstance(proj, QuantLinear):
+        return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    if residual is None:
+        return proj(kernels.rms_norm(x, norm.weight, norm.eps)), x
+    normed, residual = kernels.rms_norm(x, norm.weight, norm.eps, residual)
+    return proj(normed), residual
 
 
 def silu_project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-    """proj(silu(gate) * up) of x = gate | up: fused where the projection's kernel can form the input."""
+    """proj(silu(gate) * up) of x = gate | up."""
     if isinstance(proj, QuantLinear):
-        return proj.silu_forward(x)
+        return proj(kernels.silu_mul(x))
     return kernels.silu_mul_linear(x, proj.weight, proj.bias)
 
 

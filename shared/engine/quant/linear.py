@@ -69,18 +69,6 @@ class QuantLinear(nn.Module):
             return self.bias, rows, pre
         return None
 
-    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) of x = gate | up; a layer whose kernel forms that input itself overrides it."""
-        return self(kernels.silu_mul(x))
-
-    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(rms_norm(x [+ residual])), the residual stream); overridden likewise."""
-        if residual is None:
-            return self(kernels.rms_norm(x, norm.weight, norm.eps)), x
-        normed, residual = kernels.rms_norm(x, norm.weight, norm.eps, residual)
-        return self(normed), residual
-
     def init_dummy(self, seed: int, prefix: str) -> None:
         """Dummy weights for the layer named ``prefix``, from shared/engine/dummy_weights.py's streams."""
         raise NotImplementedError
@@ -120,14 +108,6 @@ class ChannelLinear(QuantLinear):
                 return flat if pre is None else pre(flat)
             return self.weight_scale, rows, scales
         return super().route(suffix, rows, pre)
-
-    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.silu_mul_channel_linear(x, self.weight, self.weight_scale, self.bias)
-
-    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm_channel_linear(x, residual, norm.weight, norm.eps, self.weight, self.weight_scale,
-                                               self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = kernels.int8_linear if self.quant.method == "int8" else kernels.fp8_linear
@@ -208,13 +188,6 @@ class W4Linear(QuantLinear):
         if self.tile_k is None:
             return None
         return W4Packed(self.qweight, self.scales, self.qzeros, self.perm, self.quant.group_size, self.tile_k)
-
-    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) of x = gate | up, the repacked layout's decode kernel forming the input."""
-        packed = self.packed()
-        if packed is not None:
-            return kernels.w4_packed_silu_linear(x, packed, self.bias)
-        return self(kernels.silu_mul(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed()
