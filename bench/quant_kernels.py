@@ -102,12 +102,15 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
         return list(itertools.product(ns, ks, ws))
     if fmt in GEMV_CONFIGS:  # (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages); None: the default
         # SPLIT is an argument, not a compiled constant: each tile shape is tried at the default's split
-        # (0), half and twice it (negative: a divisor of the default, resolved in kernel_call) for one compile
+        # (0), a half, a quarter and twice it (negative: a divisor of the default, resolved in kernel_call) for
+        # one compile. num_stages 3 lets Triton keep the next chunks' words in flight while this one is summed,
+        # which only a split of several chunks a program has to gain from (the default gives one row's
+        # programs one or two chunks each)
         if rows > GEMV_SWEEP_ROWS:
             return [None]
         tiles = GEMV_CONFIGS[fmt][0 if rows == 1 else 1]
         tiles = tiles[:2] if quick else tiles
-        return [None] + [(bn, br, sp, w, 1) for bn, br, w in tiles for sp in (0, -2, 2)]
+        return [None] + [(bn, br, sp, w, st) for bn, br, w in tiles for st in GEMV_STAGES for sp in (0, -2, -4, 2)]
     if fmt.startswith("w4_fast"):  # (BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages); None: the default
         ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
         ns, splits = ((32, 64, 128), (1, 2, 4, 8, 16)) if rows <= 16 else ((64, 128), (1, 2))
@@ -131,6 +134,7 @@ GEMV_MAX_ROWS = 16  # kernels/triton/w4_gemv.py's MAX_ROWS
 # sum only, not at all: a 16-row build took ptxas 91 s on a busy CPU, and spilled; w4_fast's tensor cores are
 # the 16-row candidate
 GEMV_SWEEP_ROWS = 4
+GEMV_STAGES = (1, 3)
 GEMV_CONFIGS = {
     "w4_gemv": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4), (512, 8, 2), (256, 16, 2), (2048, 8, 8)],
                 [(512, 4, 4), (512, 8, 4), (256, 4, 2), (256, 8, 2)]),
