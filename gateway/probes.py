@@ -4,6 +4,7 @@ and ``GET /metrics`` (the gateway's Prometheus registry, with the queue gauges a
 series renewed from Redis first)."""
 
 import logging
+import os
 
 import redis
 from aiohttp import web
@@ -59,7 +60,9 @@ async def ready(request: web.Request) -> web.Response:
     missing = {name: {"prefill_workers": 0, "decode_workers": 0}
                for name in [*config.startup_models, *config.lazy_models] if name not in view.known}
     required = view.required()
-    body = {"status": "ready", "redis": True,
+    # which gateway process answered: several share one port (--api-server-count), and kvrelay serve says
+    # ready only once each of them has said 200 (each loads its own tokenizers)
+    body = {"status": "ready", "redis": True, "gateway_pid": os.getpid(),
             "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
                           for name, c in required.items()}, **missing}}
     registry = request.app[WORKER_REGISTRY]

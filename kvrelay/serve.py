@@ -7,7 +7,7 @@ state folder another serve holds, a fixed port in use or an external Redis that 
 before anything starts (kvrelay/startup_checks.py), and a child that
 exits before it was ever ready (a setting its model refuses, too little memory) stops everything with the
 cause it reported, never restarted. "kvrelay ready" is printed once our own gateways said they listen and
-/ready answers 200. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
+each of them answered /ready with 200. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
 Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
 embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left behind (children also get
 SIGTERM from the kernel if this process is killed outright)."""
@@ -240,13 +240,19 @@ def _supervise(supervisor: Supervisor, stopping, base_url: str, models: list[str
     ready line needs our own gateways listening (they said so over their status pipes): another server's
     /ready on the same port must not pass for ours."""
     announced = False
+    answered: set[int] = set()  # the gateway processes whose /ready said 200
     while not stopping():
         if reason := supervisor.check():
             log.error("%s", reason)
             return 1
-        if not announced and all(supervisor.ready(g) for g in gateways) and _ready(base_url):
-            announced = True
-            print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
+        if not announced and all(supervisor.ready(g) for g in gateways) and (pid := _ready(base_url)) is not None:
+            answered.add(pid)
+            # each gateway loads its own tokenizers when its /ready is asked: one that never was would make its
+            # first requests wait for the load. Each poll is a new connection, which the kernel hands to any
+            # of the gateways sharing the port, so every one of them is asked within a few polls
+            if {supervisor.procs[g].pid for g in gateways} <= answered:
+                announced = True
+                print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
         time.sleep(READY_POLL_S if not announced else SUPERVISE_POLL_S)
     return 0
 
@@ -268,14 +274,17 @@ def _unregister_worker(redis_url: str, pid: int) -> None:
         client.close()
 
 
-def _ready(base_url: str) -> bool:
-    """The gateway was given the models serve started (its config's startup_models and lazy_models):
-    its /ready says 200 only once a request for each would be served."""
+def _ready(base_url: str) -> int | None:
+    """The process id of the gateway whose /ready said 200, or None. The gateway was given the models serve
+    started (its config's startup_models and lazy_models): its /ready says 200 only once a request for each
+    would be served."""
     try:
         with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as resp:
-            return resp.status == 200
+            return int(json.load(resp)["gateway_pid"]) if resp.status == 200 else None
     except OSError:  # refused while the gateway starts, 503 (HTTPError) until the models are up
-        return False
+        return None
+    except (ValueError, KeyError, TypeError):  # not our gateway's body: another server on the port
+        return None
 
 
 def _signal_all(procs: dict[str, subprocess.Popen]) -> None:
