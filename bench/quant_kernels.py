@@ -16,8 +16,7 @@ decode step's cold reads are what is timed), and is printed beside its floor: th
 and zero points included) over the copy bandwidth measured in the same process.
 
 ``w4_gemv`` (kernels/triton/w4_gemv.py: the same repacked weight through a tensor-core-free GEMV for 1-16 rows,
-split K summed in order), ``w4_gemv_atomic`` (split K by fp32 atomics) and ``w4_gemv_prefetch`` (the atomic
-one asking for a chunk's words one loop step ahead) are the decode candidates for
+split K summed in order) and ``w4_gemv_atomic`` (split K by fp32 atomics) are the decode candidates for
 kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at three
 splits, and the table sets the default's time beside the best.
 
@@ -52,7 +51,7 @@ L2_BYTES = 60 << 20
 
 # the formats that read the repacked W4 weight; all but w4_fast64 (K tiles of 64) share one draw of it ("w4_packed")
 W4_PACKED = ("w4_packed", "w4_fast64")
-SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic", "w4_gemv_prefetch")
+SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic")
 
 
 def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list[dict]:
@@ -140,7 +139,6 @@ GEMV_CONFIGS = {
     "w4_gemv": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4), (512, 8, 2), (256, 16, 2), (2048, 8, 8)],
                 [(512, 4, 4), (512, 8, 4), (256, 4, 2), (256, 8, 2)]),
     "w4_gemv_atomic": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4)], [(512, 4, 4), (256, 4, 2)]),
-    "w4_gemv_prefetch": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4)], [(512, 4, 4), (256, 4, 2)]),
 }
 
 
@@ -153,8 +151,8 @@ def gemv_call(fmt: str, x: torch.Tensor, d: dict, cfg: tuple | None):
         n, k = p.shape
         auto = gemv.split_for(n, bn, k // 8 // br, x.device)
         cfg = (bn, br, max(1, auto // -sp) if sp < 0 else auto * sp, *launch)
-    atomic, prefetch = fmt in ("w4_gemv_atomic", "w4_gemv_prefetch"), fmt == "w4_gemv_prefetch"
-    return lambda: gemv.w4_gemv_linear(x, p, atomic=atomic, cfg=cfg, prefetch=prefetch)
+    atomic = fmt == "w4_gemv_atomic"
+    return lambda: gemv.w4_gemv_linear(x, p, atomic=atomic, cfg=cfg)
 
 
 def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None):
@@ -205,7 +203,7 @@ def weight_sets(store: str, k: int, n: int) -> tuple[dict, list[dict]]:
 def skipped(fmt: str, rows: int) -> bool:
     """The skinny loop is for one row, the decode GEMVs for a few."""
     return ((fmt.endswith("_sk") and rows > 1) or (fmt in GEMV_CONFIGS and rows > GEMV_MAX_ROWS)
-            or (fmt in ("w4_gemv_atomic", "w4_gemv_prefetch") and rows > GEMV_SWEEP_ROWS))
+            or (fmt == "w4_gemv_atomic" and rows > GEMV_SWEEP_ROWS))
 
 
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:

@@ -100,7 +100,7 @@ def store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, 
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_SPLIT"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, M, N, G, stride_x, stride_y, stride_split,
                     CHUNKS_PER_SPLIT, N_CHUNKS, magic_bits, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ATOMIC: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -113,18 +113,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, M, N, G, st
     rn_4 = rn // 4 * 4 + rn % 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     c_end = tl.minimum((pid_k + 1) * CHUNKS_PER_SPLIT, N_CHUNKS)
-    c_start = pid_k * CHUNKS_PER_SPLIT
-    if PREFETCH:  # the first chunk's words; each iteration then asks for the next before summing its own
-        ahead = tl.load(w_ptr + (c_start * BLOCK_R + rr)[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=n_mask[None, :], other=0)
-    for c in range(c_start, c_end):
-        if PREFETCH:
-            words = ahead
-            ahead = tl.load(w_ptr + ((c + 1) * BLOCK_R + rr)[:, None].to(tl.int64) * N + rn[None, :],
-                            mask=((rr * 0 + c + 1) < c_end)[:, None] & n_mask[None, :], other=0)
-        else:
-            words = tl.load(w_ptr + (c * BLOCK_R + rr)[:, None].to(tl.int64) * N + rn[None, :],
-                            mask=n_mask[None, :], other=0)  # [BLOCK_R, BLOCK_N]
+    for c in range(pid_k * CHUNKS_PER_SPLIT, c_end):
+        words = tl.load(w_ptr + (c * BLOCK_R + rr)[:, None].to(tl.int64) * N + rn[None, :], mask=n_mask[None, :],
+                        other=0)  # [BLOCK_R, BLOCK_N]
         t, r0, s, z = chunk_groups(s_ptr, z_ptr, c, G, N, rn_4, n_mask, TILE_K, BLOCK_R)
         # one row: products summed per element, over the chunk's rows once; more: summed per slab and row
         part = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
@@ -166,17 +157,13 @@ def split_for(n: int, block_n: int, n_chunks: int, device: torch.device, per_sm:
 
 
 def w4_gemv_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None, *, atomic: bool = False,
-                   cfg: tuple[int, ...] | None = None, prefetch: bool = False) -> torch.Tensor:
+                   cfg: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [..., K] (at most ``MAX_ROWS`` rows) @ the repacked W4 weight -> [..., N]. ``cfg``: (BLOCK_N, BLOCK_R,
-    SPLIT, num_warps, num_stages), SPLIT 0 for ``split_for``'s; BLOCK_R must divide tile_k / 8. ``prefetch``:
-    each chunk's loop step first asks for the next chunk's words, so a program of several chunks keeps a load
-    in flight while it sums (a candidate for bench/quant_kernels.py, beside Triton's own num_stages)."""
-    cfg = cfg or default_config(x.numel() // x.shape[-1], *p.shape, p.tile_k, x.device)
-    return launch(x, p, bias, atomic, cfg, prefetch)
+    SPLIT, num_warps, num_stages), SPLIT 0 for ``split_for``'s; BLOCK_R must divide tile_k / 8."""
+    return launch(x, p, bias, atomic, cfg or default_config(x.numel() // x.shape[-1], *p.shape, p.tile_k, x.device))
 
 
-def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool, cfg: tuple[int, ...],
-           prefetch: bool = False) -> torch.Tensor:
+def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool, cfg: tuple[int, ...]) -> torch.Tensor:
     """Runs the GEMV over ``p`` with the split-K reduction ``atomic`` asks for."""
     n, k = p.shape
     if x.shape[-1] != k:
@@ -205,7 +192,6 @@ def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales, bias_or_any, out, m, n,
         p.group_size, x2.stride(0), n, 0 if atomic else m * n, per_split, n_chunks, MAGIC_BITS,
         HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and split == 1, ATOMIC=atomic and split > 1,
-        PREFETCH=prefetch,
         TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
         num_warps=warps, num_stages=stages)
     if split > 1 and atomic:

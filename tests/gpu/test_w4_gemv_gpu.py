@@ -13,7 +13,7 @@ from tests.kernels.quant_cases import check_w4_packed, w4_case, w4_gemv_variant
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # Llama-3-8B: qkv, o, gate|up, down (K, N)
-VARIANTS = ["gemv", "atomic", "prefetch"]
+VARIANTS = ["gemv", "atomic"]
 
 
 @pytest.mark.parametrize("name, rows", [(name, rows) for name in VARIANTS for rows in (1, 4)])

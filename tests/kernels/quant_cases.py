@@ -111,9 +111,8 @@ def check_w4_packed(kernel, device: str, rows: int, k: int, n: int, group: int, 
 
 def w4_gemv_variant(name: str):
     """A stand-in module whose ``w4_packed_linear`` (what ``check_w4_packed`` calls) is one of kernels/triton/
-    w4_gemv.py's split-K sums: "gemv" (in order), "atomic" (by fp32 atomics) or "prefetch" (atomic, each
-    chunk's words asked for one loop step ahead)."""
+    w4_gemv.py's split-K sums: "gemv" (in order) or "atomic" (by fp32 atomics)."""
     from kvrelay.kernels.triton import w4_gemv
 
-    run = functools.partial(w4_gemv.w4_gemv_linear, atomic=name != "gemv", prefetch=name == "prefetch")
+    run = functools.partial(w4_gemv.w4_gemv_linear, atomic={"gemv": False, "atomic": True}[name])
     return type("Variant", (), {"w4_packed_linear": staticmethod(run)})

@@ -1,7 +1,7 @@
 """The decode GEMV over the repacked W4 layout (kernels/triton/w4_gemv.py) and the table that picks it
 (kernels/triton/w4_decode.py) against dequantize-then-matmul of the published weights, through Triton's CPU
 interpreter: AWQ, GPTQ with and without act-order, groups of 32, 64 and 128, output counts no tile divides,
-1 to 16 rows, split K summed in order and by atomics, and the loads asked for a chunk ahead.
+1 to 16 rows, split K summed in order and by atomics.
 """
 
 import functools
@@ -16,7 +16,7 @@ from kvrelay.kernels.triton import w4_decode, w4_gemv  # noqa: E402
 from tests.kernels.quant_cases import check_w4_packed, w4_gemv_variant  # noqa: E402
 
 SOURCES = ["awq", "gptq", "gptq_act_order"]
-VARIANTS = ["gemv", "atomic", "prefetch"]
+VARIANTS = ["gemv", "atomic"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)
