@@ -31,6 +31,7 @@ from kvrelay.gateway.drain import DRAIN, Drain, make_drain_middleware, serve
 from kvrelay.gateway.errors import add_request_id, error_middleware
 from kvrelay.gateway.heartbeat import heartbeat_ctx
 from kvrelay.gateway.metrics import GatewayMetrics
+from kvrelay.gateway.probes import warm_tokenizers_ctx
 from kvrelay.gateway.redis_watch import REDIS_WATCH, RedisWatch
 from kvrelay.gateway.routes import ROUTES
 from kvrelay.gateway.state import BACKGROUND, CONFIG, DISPATCHER, METRICS, REDIS
@@ -153,7 +154,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     # Cleanup runs in reverse: the reconciler stops first, then background tasks (abort publishes, model
     # loads) drain, while Redis is still open.
     app.cleanup_ctx.extend([redis_ctx, tenancy_ctx, control_ctx, api_ctx, dispatcher_ctx, heartbeat_ctx,
-                            background_ctx, reconciler_ctx])
+                            background_ctx, warm_tokenizers_ctx, reconciler_ctx])
     app.on_response_prepare.append(add_request_id)
     app.add_routes(ROUTES)
     return app

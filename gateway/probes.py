@@ -1,10 +1,13 @@
 """What orchestrators and scrapers ask, open to them without a tenant key and answered while draining:
 ``GET /health`` (the process answers and reaches its store), ``GET /ready`` (can requests be served)
 and ``GET /metrics`` (the gateway's Prometheus registry, with the queue gauges and the workers' engine
-series renewed from Redis first)."""
+series renewed from Redis first). Beside them, each gateway loads the tokenizers /ready waits for on its own
+(``warm_tokenizers_ctx``)."""
 
+import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 
 import redis
 from aiohttp import web
@@ -17,8 +20,10 @@ from kvrelay.gateway.drain import DRAIN
 from kvrelay.gateway.errors import APIError
 from kvrelay.gateway.redis_watch import REDIS_WATCH, redis_failed
 from kvrelay.gateway.state import CONFIG, METRICS, REDIS
+from kvrelay.gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("kvrelay.gateway")
+WARM_TOKENIZERS_EVERY_S = 1.0
 
 
 async def health(request: web.Request) -> web.Response:
@@ -83,6 +88,27 @@ async def ready(request: web.Request) -> web.Response:
 def _tokenizer_ready(app: web.Application, view: Served, name: str) -> bool:
     info = view.info(name)
     return info is None or app[TOKENIZERS].prefetch(info)
+
+
+async def warm_tokenizers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Each gateway starts loading the tokenizers of the models with live workers as they come up, whether its
+    /ready is asked or not: gateways sharing a port (--api-server-count), or one restarted behind a load
+    balancer, may take requests before anyone asked theirs, and those would wait for the load."""
+    task = asyncio.create_task(_warm_tokenizers(app))
+    yield
+    await cancel_and_wait(task)
+
+
+async def _warm_tokenizers(app: web.Application) -> None:
+    while True:
+        try:
+            view = await served(app)
+            for name in view.required():
+                if view.ready(name):
+                    _tokenizer_ready(app, view, name)
+        except redis.RedisError:
+            pass  # /ready and the requests say so; this only starts loads early
+        await asyncio.sleep(WARM_TOKENIZERS_EVERY_S)
 
 
 async def scrape(request: web.Request) -> web.Response:

@@ -1,7 +1,8 @@
 """``/ready`` says 200 only once the tokenizers of every model with live workers are loaded, so the first
 request after it does not pay the load (seconds for a large vocabulary: on the H200 the first requests
 after ready took ~1.9 s against a 37 ms median before this). A tokenizer that fails to load does not hold
-readiness back, nor make it flap: its requests get the load's error. Real Redis, real gateway, fake worker."""
+readiness back, nor make it flap: its requests get the load's error. A gateway whose /ready nobody asks (one of
+several sharing a port) loads them all the same. Real Redis, real gateway, fake worker."""
 
 import threading
 import time
@@ -70,3 +71,13 @@ def test_a_tokenizer_that_cannot_load_neither_blocks_nor_flaps_readiness(tmp_pat
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
         assert "cannot load the tokenizer" in err.value.message
+
+
+def test_a_gateway_nobody_asks_loads_the_tokenizers_of_live_models_itself(tmp_path):
+    with running_stack(tmp_path) as stack:
+        pool = stack.server.app[TOKENIZERS]
+        deadline = time.monotonic() + 20
+        while not pool._loaded:  # no /ready, no request: only the gateway's own warm-up loads it
+            assert time.monotonic() < deadline, "the tokenizer never loaded"
+            time.sleep(0.05)
+        assert [name for name, _ in pool._loaded] == [MODEL]
