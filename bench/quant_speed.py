@@ -28,7 +28,7 @@ def child(args: argparse.Namespace) -> dict:
     from kvrelay.bench.gpu_measure import copy_bandwidth, decode_step_ms, generate_seconds, random_prompts
 
     method, _, decode_kernel = args.variant.partition("@")
-    if decode_kernel:  # "awq@w4_gemv_last": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
+    if decode_kernel:  # "awq@w4_gemv": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
         from kvrelay.kernels.triton import w4_decode
 
         if decode_kernel not in w4_decode.DECODE_KERNELS:

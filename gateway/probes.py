@@ -65,8 +65,8 @@ async def ready(request: web.Request) -> web.Response:
     missing = {name: {"prefill_workers": 0, "decode_workers": 0}
                for name in [*config.startup_models, *config.lazy_models] if name not in view.known}
     required = view.required()
-    # which gateway process answered: several share one port (--api-server-count), and kvrelay serve says
-    # ready only once each of them has said 200 (each loads its own tokenizers)
+    # which gateway process answered: several share one port (--api-server-count), each with tokenizers of its
+    # own, and kvrelay serve says ready only once each of them has said 200
     body = {"status": "ready", "redis": True, "gateway_pid": os.getpid(),
             "models": {**{name: {"prefill_workers": c.prefill, "decode_workers": c.decode}
                           for name, c in required.items()}, **missing}}

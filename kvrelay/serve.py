@@ -7,10 +7,10 @@ state folder another serve holds, a fixed port in use or an external Redis that 
 before anything starts (kvrelay/startup_checks.py), and a child that
 exits before it was ever ready (a setting its model refuses, too little memory) stops everything with the
 cause it reported, never restarted. "kvrelay ready" is printed once our own gateways said they listen and
-each of them answered /ready with 200. Every child runs in a session of its own, so a terminal's Ctrl-C reaches this process alone:
-Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone (unregistered) does the
-embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left behind (children also get
-SIGTERM from the kernel if this process is killed outright)."""
+each of them answered /ready with 200. Every child runs in a session of its own, so a terminal's Ctrl-C
+reaches this process alone: Ctrl-C or SIGTERM drains the gateways and workers, and only once they are gone
+(unregistered) does the embedded Redis stop; a second Ctrl-C ends the workers' drain at once. Nothing is left
+behind (children also get SIGTERM from the kernel if this process is killed outright)."""
 
 import argparse
 import contextlib
@@ -247,9 +247,9 @@ def _supervise(supervisor: Supervisor, stopping, base_url: str, models: list[str
             return 1
         if not announced and all(supervisor.ready(g) for g in gateways) and (pid := _ready(base_url)) is not None:
             answered.add(pid)
-            # each gateway loads its own tokenizers when its /ready is asked: one that never was would make its
-            # first requests wait for the load. Each poll is a new connection, which the kernel hands to any
-            # of the gateways sharing the port, so every one of them is asked within a few polls
+            # each gateway loads its own tokenizers, and says 200 only once they are in: one that has not would
+            # make its first requests wait for the load. Each poll is a new connection, which the kernel hands to
+            # any of the gateways sharing the port, so every one of them is asked within a few polls
             if {supervisor.procs[g].pid for g in gateways} <= answered:
                 announced = True
                 print(f"kvrelay ready: {base_url}/v1 serving {', '.join(models)}", flush=True)
