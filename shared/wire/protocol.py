@@ -55,7 +55,7 @@ class Job:
     def check(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("Job.prompt_token_ids must not be empty")
-        if any(t < 0 for t in self.prompt_token_ids):
+        if min(self.prompt_token_ids) < 0:
             raise ValueError("Job.prompt_token_ids must be non-negative")
         if self.sampling.n != 1:
             raise ValueError("Job.sampling.n must be 1 (the gateway fans out n)")
