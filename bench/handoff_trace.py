@@ -92,15 +92,24 @@ def _transfers(stamps: list[tuple[float, str]]) -> list[list[tuple[float, str]]]
 
 
 def report(stamps: list[tuple[float, str]], label: str) -> None:
+    """Each stamp's median offset from its transfer's start, the n-th of a kind told apart ("#n": frames and their
+    arrivals interleave differently from one transfer to the next), in the order of those medians; stamps seen in
+    fewer than half the transfers are left out."""
     runs = _transfers(stamps)
-    shape = [w for _, w in runs[0]]
-    same = [r for r in runs if [w for _, w in r] == shape]  # a transfer whose stamps came in another order: left out
-    print(f"\n{label}: {len(same)} of {len(runs)} transfers with the same sequence; median ms\n"
-          "| stamp | from start | from the one before |\n| --- | --- | --- |")
-    for i, what in enumerate(shape):
-        at = statistics.median((r[i][0] - r[0][0]) * 1e3 for r in same)
-        gap = statistics.median((r[i][0] - r[i - 1][0]) * 1e3 for r in same) if i else 0.0
-        print(f"| {what} | {at:.3f} | {gap:.3f} |", flush=True)
+    offsets: dict[str, list[float]] = {}
+    for run in runs:
+        seen: dict[str, int] = {}
+        for t, what in run:
+            seen[what] = seen.get(what, 0) + 1
+            key = what if seen[what] == 1 else f"{what} #{seen[what]}"
+            offsets.setdefault(key, []).append((t - run[0][0]) * 1e3)
+    rows = sorted((statistics.median(v), key, len(v)) for key, v in offsets.items() if len(v) * 2 >= len(runs))
+    print(f"\n{label}: {len(runs)} transfers; median ms\n| stamp | from start | from the row before | transfers |\n"
+          "| --- | --- | --- | --- |")
+    before = 0.0
+    for at, key, n in rows:
+        print(f"| {key} | {at:.3f} | {at - before:.3f} | {n} |", flush=True)
+        before = at
 
 
 def run(args: argparse.Namespace) -> int:
