@@ -59,6 +59,7 @@ def _trace_decode_side() -> None:
 
 
 def _trace_prefill_side() -> None:
+    from kvrelay.shared.handoff.blocks import BlockCopy
     from kvrelay.shared.handoff.direct import DeviceCopy, DirectWrite
     from kvrelay.shared.handoff.frames import Frames
     from kvrelay.shared.handoff.peer_sockets import PeerSockets
@@ -69,6 +70,8 @@ def _trace_prefill_side() -> None:
     _wrap(SenderIO, "_on_reply", before="prefill: reply in")
     for transport in (DirectWrite, Frames):
         _wrap(transport, "sender", before="prefill: opening the sender", after="prefill: sender opened")
+    _wrap(BlockCopy, "__init__", after="prefill: copy planned (block ids sent to the device)")
+    _wrap(BlockCopy, "__call__", after="prefill: copy launched")
     _wrap(DeviceCopy, "wait", before="prefill: waiting for the copy", after="prefill: copy done")
 
 
