@@ -1,10 +1,10 @@
 #!/bin/bash
 # A device call that may get either card. On an H200 (>= 100 GiB) the pool density run (issue #26, which needs
-# its memory). Otherwise the SECTIONS asked for (default "handoff w4"):
-#   handoff: the handoff trace (issue #23 item 4) and `bench handoff --sections cuda` on the same sizes, so the
-#            trace sits beside the table it explains (~3 min);
-#   w4:      the one-row W4 GEMVs (issue #27): their GPU tests, the sweep of the split-K and the whole-column
-#            kernels at one row, and `bench quant` of AWQ under each (~7 min).
+# its memory). Otherwise the SECTIONS asked for (default "w4 handoff"):
+#   w4:      the one-row W4 GEMVs (issue #27): the whole-column kernel's GPU tests, `bench quant` of AWQ under it
+#            and under the split-K default, then the sweep of both at one row (SWEEP_S, ~7 min in all);
+#   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
+#            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
 . bench/h200_setup.sh || exit 1
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "${mem:-0}" -ge 100000 ] && [ -z "${NO_POOL:-}" ]; then
@@ -14,23 +14,24 @@ if [ "${mem:-0}" -ge 100000 ] && [ -z "${NO_POOL:-}" ]; then
   echo "pool rc $?"; tail -60 "$OUT/pool.txt"
   exit 0
 fi
-for section in ${SECTIONS:-handoff w4}; do
+for section in ${SECTIONS:-w4 handoff}; do
   case $section in
   handoff)
-    timeout 150 python3 -m kvrelay.bench.handoff_trace --device cuda --tokens 8,256,2048 --repeats 20 \
-      > "$OUT/trace.txt" 2>&1
+    timeout "${TRACE_S:-150}" python3 -m kvrelay.bench.handoff_trace --device cuda --tokens ${TRACE_TOKENS:-8,256,2048} \
+      --repeats 20 > "$OUT/trace.txt" 2>&1
     echo "trace rc $?"; grep -v "^$" "$OUT/trace.txt" | tail -80
+    [ "${HANDOFF:-1}" = 1 ] || continue
     timeout 150 python3 -m kvrelay.bench.handoff --sections cuda --tokens 256,2048 --repeats 5 > "$OUT/handoff.txt" 2>&1
     echo "handoff rc $?"; grep -v "^$" "$OUT/handoff.txt" | tail -45 ;;
   w4)
-    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_w4_gemv_gpu.py -k "cols or columns" \
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_w4_gemv_gpu.py -k "columns" \
       > "$OUT/w4_tests.txt" 2>&1
     echo "w4 tests rc $?"; tail -5 "$OUT/w4_tests.txt"
-    timeout 240 python3 -m kvrelay.bench.quant_kernels --rows 1 --formats bf16,w4_gemv_atomic,w4_gemv_cols \
-      --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1
-    echo "sweep rc $?"; grep '^|\|sweep\|copy' "$OUT/quant_kernels.txt" | tail -20
-    timeout 200 python3 -m kvrelay.cli bench quant --variants awq@w4_gemv_atomic,awq@w4_gemv_cols --prompts 4 \
+    timeout 200 python3 -m kvrelay.cli bench quant --variants awq@w4_gemv_atomic,awq@w4_gemv_cols --prompts 2 \
       --len 1024 > "$OUT/quant.txt" 2>&1
-    echo "quant rc $?"; tail -6 "$OUT/quant.txt" ;;
+    echo "quant rc $?"; tail -6 "$OUT/quant.txt"
+    timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats w4_gemv_atomic,w4_gemv_cols \
+      --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1
+    echo "sweep rc $?"; grep '^|\|sweep\|copy\|"fmt"' "$OUT/quant_kernels.txt" | cut -c1-400 | tail -24 ;;
   esac
 done
