@@ -1,8 +1,9 @@
 #!/bin/bash
 # A device call that may get either card. On an H200 (>= 100 GiB) the pool density run (issue #26, which needs
-# its memory). Otherwise the SECTIONS asked for (default "w4 handoff"):
+# its memory). Otherwise the SECTIONS asked for (default "w4 sweep handoff"):
 #   w4:      the one-row W4 GEMVs (issue #27): the whole-column kernel's GPU tests, `bench quant` of AWQ under it
-#            and under the split-K default, then the sweep of both at one row (SWEEP_S, ~7 min in all);
+#            and under the split-K default (~4 min);
+#   sweep:   both kernels' tile sweep at one row (SWEEP_S, ~2-3 min);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
 . bench/h200_setup.sh || exit 1
@@ -14,7 +15,7 @@ if [ "${mem:-0}" -ge 100000 ] && [ -z "${NO_POOL:-}" ]; then
   echo "pool rc $?"; tail -60 "$OUT/pool.txt"
   exit 0
 fi
-for section in ${SECTIONS:-w4 handoff}; do
+for section in ${SECTIONS:-w4 sweep handoff}; do
   case $section in
   handoff)
     timeout "${TRACE_S:-150}" python3 -m kvrelay.bench.handoff_trace --device cuda --tokens ${TRACE_TOKENS:-8,256,2048} \
@@ -29,7 +30,8 @@ for section in ${SECTIONS:-w4 handoff}; do
     echo "w4 tests rc $?"; tail -5 "$OUT/w4_tests.txt"
     timeout 200 python3 -m kvrelay.cli bench quant --variants awq@w4_gemv_atomic,awq@w4_gemv_cols --prompts 2 \
       --len 1024 > "$OUT/quant.txt" 2>&1
-    echo "quant rc $?"; tail -6 "$OUT/quant.txt"
+    echo "quant rc $?"; tail -6 "$OUT/quant.txt" ;;
+  sweep)
     timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats w4_gemv_atomic,w4_gemv_cols \
       --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1
     echo "sweep rc $?"; grep '^|\|sweep\|copy\|"fmt"' "$OUT/quant_kernels.txt" | cut -c1-400 | tail -24 ;;
