@@ -234,7 +234,7 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
         row["default_cfg"] = module.default_config(rows, n, k, one["packed"].tile_k, x.device)
     elif fmt == "w4_gemv_cols":
         module = import_module("kvrelay.kernels.triton.w4_gemv_cols")
-        row["default_cfg"] = module.default_config(n, k, one["packed"].tile_k)
+        row["default_cfg"] = module.default_config(n, k, one["packed"].tile_k, x.device)
     best = None
     for cfg in tries:
         try:

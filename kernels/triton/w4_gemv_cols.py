@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrelay.kernels.triton.utils import rows_view
+from kvrelay.kernels.triton.utils import num_sms, rows_view
 from kvrelay.kernels.triton.w4_gemv import MAGIC_BITS, nibble_slab, w4_gemv_linear
 from kvrelay.kernels.w4_repack import W4Packed
 
@@ -58,10 +58,13 @@ def _w4_cols_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, N, G, N_TIL
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def default_config(n: int, k: int, tile_k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, TILES, num_warps, num_stages): 32 columns a program, 8 K tiles (64 KiB of int4 words at tile_k
-    128) a step, 4 warps. A placeholder until bench/quant_kernels.py's sweep says better."""
-    return 32, max(1, min(8, k // tile_k)), 4, 1
+def default_config(n: int, k: int, tile_k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, TILES, num_warps, num_stages): 32 columns a program where that still makes two programs an SM,
+    else 16 (Llama-3-8B's qkv, o and down have 4,096-6,144 outputs: 32 columns would leave one program an SM);
+    each step ~16 KiB of words a program (8 K tiles of 128 at 32 columns, 16 at 16), 4 warps. Set before any
+    sweep: bench/quant_kernels.py's says better."""
+    block_n = 32 if n // 32 >= 2 * num_sms(device) else 16
+    return block_n, max(1, min(8 * 32 // block_n, triton.next_power_of_2(k // tile_k))), 4, 1
 
 
 def w4_cols_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None,
@@ -74,7 +77,7 @@ def w4_cols_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = Non
     x2 = rows_view(x)
     if x2.shape[0] != 1:
         raise ValueError(f"the column GEMV takes one row, not {x2.shape[0]}")
-    block_n, tiles, warps, stages = cfg or default_config(n, k, p.tile_k)
+    block_n, tiles, warps, stages = cfg or default_config(n, k, p.tile_k, x.device)
     if tiles & (tiles - 1):
         raise ValueError(f"TILES must be a power of two, not {tiles}")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
