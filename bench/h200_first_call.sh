@@ -2,7 +2,7 @@
 # A device call that may get either card. On an H200 (>= 100 GiB) the pool density run (issue #26, which needs
 # its memory). Otherwise the SECTIONS asked for (default "w4 sweep handoff"):
 #   w4:      the one-row W4 GEMVs (issue #27): the whole-column kernel's GPU tests, `bench quant` of AWQ under it
-#            and under the split-K default (~4 min);
+#            and under the split-K default (~4 min; "quant": that step alone, ~3 min);
 #   sweep:   both kernels' tile sweep at one row (SWEEP_S, ~2-3 min);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
@@ -27,7 +27,8 @@ for section in ${SECTIONS:-w4 sweep handoff}; do
   w4)
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_w4_gemv_gpu.py -k "columns" \
       > "$OUT/w4_tests.txt" 2>&1
-    echo "w4 tests rc $?"; tail -5 "$OUT/w4_tests.txt"
+    echo "w4 tests rc $?"; tail -5 "$OUT/w4_tests.txt" ;&
+  quant)
     timeout 200 python3 -m kvrelay.cli bench quant --variants awq@w4_gemv_atomic,awq@w4_gemv_cols --prompts 2 \
       --len 1024 > "$OUT/quant.txt" 2>&1
     echo "quant rc $?"; tail -6 "$OUT/quant.txt" ;;
