@@ -1,6 +1,9 @@
 """W4A16 GEMV for one decode row, each program a few output columns over the whole K: one launch, no split-K
-partials to zero, add or cast (kernels/triton/w4_gemv.py's split K costs three launches by atomics, two in
-order, which at one row are a third or more of a small projection's time).
+partials to zero, add or cast. kernels/triton/w4_gemv.py splits K until the programs fill the GPU, so each reads
+one or two chunks of words and ends, and its splits meet in fp32 atomics on the same outputs; here a program
+streams its columns' words down the whole K, its loads one step after another. Which reads the weight at a larger
+share of the bandwidth is for the GPU to say (bench/quant_kernels.py's sweep, ``bench quant --variants
+awq@w4_gemv_cols``): a candidate of kernels/triton/w4_decode.py's table, not its default.
 
 The weight is the repacked layout (kernels/w4_repack.py), nibbles interleaved per K tile. A program takes
 ``BLOCK_N`` columns and walks K ``TILES`` K tiles at a time: the words are a [TILES, tile_k / 8, BLOCK_N] block
