@@ -75,11 +75,16 @@ def _trace_prefill_side() -> None:
     _wrap(DeviceCopy, "wait", before="prefill: waiting for the copy", after="prefill: copy done")
 
 
+def _write_stamps(path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(STAMPS, f)
+
+
 def _peer_main(argv: list[str]) -> None:
     from kvrelay.bench import handoff_peer
 
     _trace_decode_side()
-    atexit.register(lambda: json.dump(STAMPS, open(os.environ[_OUT_ENV], "w")))
+    atexit.register(_write_stamps, os.environ[_OUT_ENV])
     handoff_peer._peer(handoff_peer._peer_args(argv))
 
 
