@@ -1,9 +1,8 @@
 #!/bin/bash
 # A device call that may get either card. On an H200 (>= 100 GiB) the pool density run (issue #26, which needs
-# its memory). Otherwise the SECTIONS asked for (default "w4 sweep handoff"):
-#   w4:      the one-row W4 GEMVs (issue #27): the whole-column kernel's GPU tests, `bench quant` of AWQ under it
-#            and under the split-K default (~4 min; "quant": that step alone, ~3 min);
-#   sweep:   both kernels' tile sweep at one row (SWEEP_S, ~2-3 min);
+# its memory). Otherwise the SECTIONS asked for (default "quant handoff"):
+#   quant:   `bench quant` of AWQ (issue #27) under kernels/triton/w4_decode.py's default decode kernel, ~2 min;
+#   sweep:   w4_gemv_atomic's tile sweep at one row (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
 . bench/h200_setup.sh || exit 1
@@ -15,7 +14,7 @@ if [ "${mem:-0}" -ge 100000 ] && [ -z "${NO_POOL:-}" ]; then
   echo "pool rc $?"; tail -60 "$OUT/pool.txt"
   exit 0
 fi
-for section in ${SECTIONS:-w4 sweep handoff}; do
+for section in ${SECTIONS:-quant handoff}; do
   case $section in
   handoff)
     timeout "${TRACE_S:-150}" python3 -m kvrelay.bench.handoff_trace --device cuda --tokens ${TRACE_TOKENS:-8,256,2048} \
@@ -24,16 +23,12 @@ for section in ${SECTIONS:-w4 sweep handoff}; do
     [ "${HANDOFF:-1}" = 1 ] || continue
     timeout 150 python3 -m kvrelay.bench.handoff --sections cuda --tokens 256,2048 --repeats 5 > "$OUT/handoff.txt" 2>&1
     echo "handoff rc $?"; grep -v "^$" "$OUT/handoff.txt" | tail -45 ;;
-  w4)
-    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_w4_gemv_gpu.py -k "columns" \
-      > "$OUT/w4_tests.txt" 2>&1
-    echo "w4 tests rc $?"; tail -5 "$OUT/w4_tests.txt" ;&
   quant)
-    timeout 200 python3 -m kvrelay.cli bench quant --variants awq@w4_gemv_atomic,awq@w4_gemv_cols --prompts 2 \
+    timeout 200 python3 -m kvrelay.cli bench quant --variants awq --prompts 2 \
       --len 1024 > "$OUT/quant.txt" 2>&1
     echo "quant rc $?"; tail -6 "$OUT/quant.txt" ;;
   sweep)
-    timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats w4_gemv_atomic,w4_gemv_cols \
+    timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats w4_gemv_atomic \
       --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1
     echo "sweep rc $?"; grep '^|\|sweep\|copy\|"fmt"' "$OUT/quant_kernels.txt" | cut -c1-400 | tail -24 ;;
   esac

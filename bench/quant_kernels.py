@@ -16,8 +16,7 @@ decode step's cold reads are what is timed), and is printed beside its floor: th
 and zero points included) over the copy bandwidth measured in the same process.
 
 ``w4_gemv`` (kernels/triton/w4_gemv.py: the same repacked weight through a tensor-core-free GEMV for 1-16 rows,
-split K summed in order), ``w4_gemv_atomic`` (split K by fp32 atomics) and, for one row, ``w4_gemv_cols``
-(kernels/triton/w4_gemv_cols.py: a few columns a program over the whole K, one launch) are the decode candidates for
+split K summed in order) and ``w4_gemv_atomic`` (split K by fp32 atomics) are the decode candidates for
 kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at three
 splits, and the table sets the default's time beside the best.
 
@@ -52,7 +51,7 @@ L2_BYTES = 60 << 20
 
 # the formats that read the repacked W4 weight; all but w4_fast64 (K tiles of 64) share one draw of it ("w4_packed")
 W4_PACKED = ("w4_packed", "w4_fast64")
-SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic", "w4_gemv_cols")
+SHARED_W4 = ("w4_fast", "w4_gemv", "w4_gemv_atomic")
 
 
 def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list[dict]:
@@ -101,10 +100,6 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
     if fmt.endswith("_sk"):
         ns, ks, ws = ((8,), (1024,), (4,)) if quick else ((4, 8, 16), (512, 1024, 2048), (4, 8))
         return list(itertools.product(ns, ks, ws))
-    if fmt == "w4_gemv_cols":  # (BLOCK_N, TILES, num_warps, num_stages); None: the default
-        shapes = [(bn, t, 4, st) for bn in (16, 32, 64) for t in (2, 4, 8) for st in (1, 3)]
-        shapes += [(32, 8, 8, 1), (64, 8, 8, 1), (16, 4, 2, 1), (32, 16, 4, 1), (128, 4, 4, 1)]
-        return [None] + (shapes[:4] if quick else shapes)
     if fmt in GEMV_CONFIGS:  # (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages); None: the default
         # SPLIT is an argument, not a compiled constant: each tile shape is tried at the default's split
         # (0), a half, a quarter and twice it (negative: a divisor of the default, resolved in kernel_call) for
@@ -176,9 +171,6 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
         return lambda: skinny.scaled_linear(x, d["w"], d["s"], cfg=cfg)
     if fmt in GEMV_CONFIGS:
         return gemv_call(fmt, x, d, cfg)
-    if fmt == "w4_gemv_cols":
-        cols = import_module("kvrelay.kernels.triton.w4_gemv_cols")
-        return lambda: cols.w4_cols_linear(x, d["packed"], cfg=cfg)
     if fmt.startswith("w4_fast"):
         return lambda: w4_fast.w4_packed_linear(x, d["packed"], cfg=cfg)
     if fmt == "w4":
@@ -211,7 +203,6 @@ def weight_sets(store: str, k: int, n: int) -> tuple[dict, list[dict]]:
 def skipped(fmt: str, rows: int) -> bool:
     """The skinny loop is for one row, the decode GEMVs for a few."""
     return ((fmt.endswith("_sk") and rows > 1) or (fmt in GEMV_CONFIGS and rows > GEMV_MAX_ROWS)
-            or (fmt == "w4_gemv_cols" and rows > 1)
             or (fmt == "w4_gemv_atomic" and rows > GEMV_SWEEP_ROWS))
 
 
@@ -232,9 +223,6 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     elif fmt in GEMV_CONFIGS:
         module = import_module("kvrelay.kernels.triton.w4_gemv")
         row["default_cfg"] = module.default_config(rows, n, k, one["packed"].tile_k, x.device)
-    elif fmt == "w4_gemv_cols":
-        module = import_module("kvrelay.kernels.triton.w4_gemv_cols")
-        row["default_cfg"] = module.default_config(n, k, one["packed"].tile_k, x.device)
     best = None
     for cfg in tries:
         try:

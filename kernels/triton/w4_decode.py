@@ -11,15 +11,13 @@ import functools
 
 import torch
 
-from kvrelay.kernels.triton import w4_fast, w4_gemv, w4_gemv_cols
+from kvrelay.kernels.triton import w4_fast, w4_gemv
 from kvrelay.kernels.w4_repack import W4Packed
 
 DECODE_KERNELS = {
     "w4_fast": None,
     "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, atomic=False),  # split K summed in a fixed order
     "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, atomic=True),  # split K by fp32 atomics
-    # one row: whole columns a program, one launch (kernels/triton/w4_gemv_cols.py); more: split K by atomics
-    "w4_gemv_cols": functools.partial(w4_gemv_cols.w4_cols_or_gemv, atomic=True),
 }
 # the GEMV, not w4_fast's tensor-core tiles, for small row counts: at one row reading the int4 words is the whole
 # cost, which a multiply-and-sum streams at a larger share of the bandwidth (BENCHMARKS.md, W4A16 decode GEMVs).

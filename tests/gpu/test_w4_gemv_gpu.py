@@ -1,5 +1,5 @@
 """The W4 decode GEMV on a GPU (``pytest -m gpu tests/gpu/test_w4_gemv_gpu.py``): kernels/triton/w4_gemv.py
-(split K in order and by atomics) and, for one row, kernels/triton/w4_gemv_cols.py at Llama-3-8B projection shapes against dequantize-then-matmul, act-order,
+(split K in order and by atomics) at Llama-3-8B projection shapes against dequantize-then-matmul, act-order,
 the same bits every call, and a quantized model under each entry of kernels/triton/w4_decode.py's table
 generating the CPU reference's tokens.
 tests/kernels/test_w4_gemv_interpret.py runs the kernel checks at small shapes on CPU.
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvrelay.kernels import quant
-from kvrelay.kernels.triton.w4_gemv_cols import w4_cols_linear
 from tests.kernels.quant_cases import check_w4_packed, w4_case, w4_gemv_variant
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,21 +21,6 @@ VARIANTS = ["gemv", "atomic"]
 def test_real_shapes(name, k, n, rows):
     # the default configurations split K at every one of these shapes
     check_w4_packed(w4_gemv_variant(name), "cuda", rows, k, n, 128, torch.bfloat16, "awq")
-
-
-COLS = type("Cols", (), {"w4_packed_linear": staticmethod(w4_cols_linear)})
-
-
-@pytest.mark.parametrize("cfg", [None, (16, 2, 4, 3), (64, 8, 8, 1)])
-@pytest.mark.parametrize("k, n", SHAPES)
-def test_one_row_through_whole_columns_at_real_shapes(k, n, cfg):
-    # the same bits every call too: no split, no atomics
-    check_w4_packed(COLS, "cuda", 1, k, n, 128, torch.bfloat16, "awq", cfg=cfg)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_whole_columns_act_order(dtype):
-    check_w4_packed(COLS, "cuda", 1, 4096, 4096, 128, dtype, "gptq_act_order", bias=True)
 
 
 def test_sixteen_rows():
@@ -70,7 +54,7 @@ def test_split_k_in_order_gives_the_same_bits_every_call():
         assert torch.equal(run(x.cuda(), packed), first)
 
 
-@pytest.mark.parametrize("kernel", ["w4_fast", "w4_gemv", "w4_gemv_atomic", "w4_gemv_cols"])
+@pytest.mark.parametrize("kernel", ["w4_fast", "w4_gemv", "w4_gemv_atomic"])
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_models_generate_the_cpu_references_tokens_whichever_decode_kernel(tiny_model_dirs, tmp_path, method, kernel,
                                                                            monkeypatch):

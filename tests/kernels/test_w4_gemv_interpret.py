@@ -1,8 +1,7 @@
 """The decode GEMV over the repacked W4 layout (kernels/triton/w4_gemv.py) and the table that picks it
 (kernels/triton/w4_decode.py) against dequantize-then-matmul of the published weights, through Triton's CPU
 interpreter: AWQ, GPTQ with and without act-order, groups of 32, 64 and 128, output counts no tile divides,
-1 to 16 rows, split K summed in order and by atomics; one row through whole columns a program
-(kernels/triton/w4_gemv_cols.py), ragged K included.
+1 to 16 rows, split K summed in order and by atomics.
 """
 
 import functools
@@ -13,7 +12,7 @@ import torch
 from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/gpu/test_w4_gemv_gpu.py")
-from kvrelay.kernels.triton import w4_decode, w4_gemv, w4_gemv_cols  # noqa: E402
+from kvrelay.kernels.triton import w4_decode, w4_gemv  # noqa: E402
 from tests.kernels.quant_cases import check_w4_packed, w4_gemv_variant  # noqa: E402
 
 SOURCES = ["awq", "gptq", "gptq_act_order"]
@@ -82,42 +81,12 @@ def test_each_decode_kernel_the_table_names(kernel, rows, monkeypatch):
 
     gemv = spy("w4_gemv", w4_gemv.w4_gemv_linear)
     monkeypatch.setattr(w4_decode.w4_fast, "w4_packed_linear", spy("w4_fast", w4_decode.w4_fast.w4_packed_linear))
-    monkeypatch.setattr(w4_gemv_cols, "w4_gemv_linear", gemv)
-    monkeypatch.setattr(w4_gemv_cols, "w4_cols_linear", spy("w4_gemv_cols", w4_gemv_cols.w4_cols_linear))
     monkeypatch.setattr(w4_decode, "DECODE_KERNELS", {
-        name: functools.partial(gemv, **entry.keywords) if entry is not None and entry.func is w4_gemv.w4_gemv_linear
-        else entry for name, entry in w4_decode.DECODE_KERNELS.items()})
+        name: None if entry is None else functools.partial(gemv, **entry.keywords)
+        for name, entry in w4_decode.DECODE_KERNELS.items()})
     monkeypatch.setattr(w4_decode, "DECODE_KERNEL", kernel)
     monkeypatch.setattr(w4_decode, "DECODE_MAX_ROWS", 4)
     dispatch = type("Dispatch", (), {"w4_packed_linear": staticmethod(
         lambda x, p, bias=None, cfg=None: w4_decode.w4_packed_linear(x, p, bias))})
     check_w4_packed(dispatch, "cpu", rows, 256, 40, 64, torch.bfloat16, "gptq", bias=True)
-    if kernel == "w4_fast" or rows > 4:
-        assert calls == ["w4_fast"]
-    else:
-        assert calls == ["w4_gemv_cols" if kernel == "w4_gemv_cols" and rows == 1 else "w4_gemv"]
-
-
-COLS = type("Cols", (), {"w4_packed_linear": staticmethod(w4_gemv_cols.w4_cols_linear)})
-
-
-@pytest.mark.parametrize("source", SOURCES + ["w4_act_order"])
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("cfg", [(16, 2, 1, 1), None])
-def test_one_row_through_whole_columns(source, group, cfg):
-    # 37 outputs where the layout allows: no column tile divides them
-    n = 37 if source == "w4_act_order" else 40
-    check_w4_packed(COLS, "cpu", 1, 256, n, group, torch.bfloat16, source, bias=True, cfg=cfg)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_whole_columns_when_the_tiles_do_not_divide_k(dtype):
-    # 3 K tiles of 128 taken 2 at a time: the second step's other tile is masked off
-    check_w4_packed(COLS, "cpu", 1, 384, 40, 128, dtype, "awq", cfg=(16, 2, 1, 1))
-
-
-def test_whole_columns_refuse_more_rows_and_odd_tile_counts():
-    with pytest.raises(ValueError, match="one row"):
-        check_w4_packed(COLS, "cpu", 2, 128, 40, 32, torch.bfloat16, "awq")
-    with pytest.raises(ValueError, match="power of two"):
-        check_w4_packed(COLS, "cpu", 1, 128, 40, 32, torch.bfloat16, "awq", cfg=(16, 3, 1, 1))
+    assert calls == ["w4_gemv" if kernel != "w4_fast" and rows <= 4 else "w4_fast"]
