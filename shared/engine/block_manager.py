@@ -182,12 +182,19 @@ class BlockManager:
             self.block_hash[block] = None
             self.block_key[block] = None
 
-    def _take_free(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
-        self._evict(block)  # the block is about to be overwritten
-        self.ref_cnt[block] = 1
-        self.num_used += 1
-        return block
+    def _take_free(self, n: int) -> list[int]:
+        """``n`` blocks off the free queue's head, each referenced once and out of the prefix cache (about to
+        be overwritten). One loop over locals: a long prompt takes hundreds of blocks at once."""
+        pop, ref_cnt, block_hash = self.free_queue.popitem, self.ref_cnt, self.block_hash
+        blocks = []
+        for _ in range(n):
+            block = pop(last=False)[0]
+            if block_hash[block] is not None:
+                self._evict(block)
+            ref_cnt[block] = 1
+            blocks.append(block)
+        self.num_used += len(blocks)
+        return blocks
 
     def _ref(self, block: int) -> None:
         if self.ref_cnt[block] == 0:
@@ -221,7 +228,7 @@ class BlockManager:
         for b in computed:
             self._ref(b)
         blocks.extend(computed)
-        blocks.extend(self._take_free() for _ in range(max(need, 0)))
+        blocks.extend(self._take_free(max(need, 0)))
         return True
 
     def allocate_for_tokens(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -232,7 +239,7 @@ class BlockManager:
         self._grow(need - self.num_free_blocks)
         if need > self.num_free_blocks:
             return None
-        blocks = self.req_blocks[request_id] = [self._take_free() for _ in range(need)]
+        blocks = self.req_blocks[request_id] = self._take_free(need)
         return list(blocks)
 
     def allocate_with_prefix(self, request_id: str, num_tokens: int,
@@ -253,7 +260,7 @@ class BlockManager:
             return None
         for b in hits:
             self._ref(b)
-        blocks = self.req_blocks[request_id] = hits + [self._take_free() for _ in range(need)]
+        blocks = self.req_blocks[request_id] = hits + self._take_free(need)
         return list(blocks), len(hits)
 
     def cached_prefix(self, num_tokens: int, block_hashes: list[int]) -> int:
@@ -318,13 +325,14 @@ class BlockManager:
         worth keeping and go to the head, to be reused before any cached block is evicted."""
         self.req_hashes.pop(request_id, None)
         self.req_cache_done.pop(request_id, None)
+        ref_cnt, block_hash, free_queue = self.ref_cnt, self.block_hash, self.free_queue
         for block in reversed(self.req_blocks.pop(request_id, [])):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
+            ref_cnt[block] -= 1
+            if ref_cnt[block] == 0:
                 self.num_used -= 1
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+                free_queue[block] = None
+                if block_hash[block] is None:
+                    free_queue.move_to_end(block, last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after a weight swap). Refused while any block is in use,

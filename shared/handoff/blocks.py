@@ -6,6 +6,8 @@ shared/engine/kv_pool.py); a layer's bytes in a transfer are its blocks, ``kv_ca
 made contiguous: ``[2, n_blocks, bs, Hkv, D]``.
 """
 
+from array import array
+
 import torch
 
 from kvrelay import kernels
@@ -56,7 +58,7 @@ def check_layout(kv_cache: torch.Tensor, header: KVHeader, num_kv_heads: int | N
     if mine != theirs:
         diff = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
         raise ValueError(f"KV layout mismatch (sent, expected): {diff}")
-    if any(not 0 <= b < kv_cache.shape[2] for b in header.block_ids):
+    if header.block_ids and not 0 <= min(header.block_ids) <= max(header.block_ids) < kv_cache.shape[2]:
         raise ValueError("KV destination block id out of range")
     want = header.num_layers * frame_nbytes(kv_cache, header.num_blocks, num_kv_heads)
     if header.nbytes != want:
@@ -127,10 +129,11 @@ class BlockCopy:
             if blocks and not 0 <= min(blocks) <= max(blocks) < kv.shape[2]:
                 raise ValueError("KV block id out of range")
         self.src, self.dst = src, dst
-        self.runs = block_runs(src_blocks, dst_blocks)
+        self.runs = block_runs(src_blocks, dst_blocks, _RUNS_AS_SLICES)
         self.ids = None
-        if len(self.runs) > _RUNS_AS_SLICES:
-            ids = torch.tensor([src_blocks, dst_blocks], dtype=torch.int32)
+        if self.runs is None:
+            # packed by array, not torch.tensor(list): the per-element conversion was most of a plan's cost
+            ids = torch.frombuffer(array("i", src_blocks + dst_blocks), dtype=torch.int32).view(2, -1)
             # pinned, so the copy is queued on the stream instead of waiting for the device
             self.ids = ids.pin_memory().to(src.device, non_blocking=True) if src.is_cuda else ids
 
@@ -153,12 +156,18 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
     BlockCopy(src, src_blocks, dst, dst_blocks)(range(src.shape[0]) if layers is None else layers)
 
 
-def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the maximal runs where both sides are consecutive."""
+def block_runs(src_blocks: list[int], dst_blocks: list[int],
+               limit: int | None = None) -> list[tuple[int, int, int]] | None:
+    """(src start, dst start, length) of the maximal runs where both sides are consecutive; None once there
+    are more than ``limit`` (a scattered transfer is known as one after ``limit`` + 1 runs, not a whole pass)."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_blocks, dst_blocks, strict=True):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        elif limit is not None and len(runs) == limit:
+            return None
         else:
             runs.append((s, d, 1))
     return runs

@@ -198,7 +198,7 @@ class DeviceCopy(KVSender):
                  deferred: bool = False):
         if len(src_blocks) != len(dst_blocks):
             raise IpcError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
-        if any(not 0 <= b < dst.shape[2] for b in dst_blocks):
+        if dst_blocks and not 0 <= min(dst_blocks) <= max(dst_blocks) < dst.shape[2]:
             raise IpcError("destination block id out of the peer's range")
         self.src = src
         self.copy = BlockCopy(src, src_blocks, dst, dst_blocks)  # the block ids go to the device once

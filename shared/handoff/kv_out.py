@@ -78,13 +78,15 @@ class KVOut(SenderIO):
         def send(parts: list, stream: int = 0) -> bool:
             return self.peers.send(to[stream] if to else t.target, parts, bulk=bool(to))
 
-        out = t.sender.pump(t.job.request_id, send)
-        if t.holds_source and t.sender.source_free():
-            self._release_source(t)
+        sender = t.sender
+        out = sender.pump(t.job.request_id, send)
         if out and t.state is State.SENDING and self.peers.send(t.target, [encode(t.header)]):
             t.sent, t.deadline = time.perf_counter(), time.monotonic() + self.timeout_s
             t.to(Event.KV_OUT)
             t.sender = None  # ZMQ keeps the frames it still has to send alive by itself
+        # after the header: the decode side waits for it, and freeing a long prompt's blocks takes a while
+        if t.holds_source and sender.source_free():
+            self._release_source(t)
 
     def _check_ranks(self, t: Transfer) -> None:
         """A transfer whose parts the ranks send: a rank that died may never send its part. The group's

@@ -22,11 +22,20 @@ def hash_block_tokens(parent: int | None, tokens: tuple[int, ...], salt: str | N
     sha256 rather than ``hash()``: Python salts ``str`` hashes per process, and block hashes are
     meant to be comparable across processes (the gateway routes by them).
     """
-    h = hashlib.sha256()
-    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-    h.update(array("q", tokens).tobytes())
-    h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
-    return int.from_bytes(h.digest()[:8], "little")
+    return _digest(_parent_bytes(parent), array("q", tokens).tobytes(), _salt_bytes(salt))
+
+
+def _digest(parent: bytes, tokens: bytes, salt: bytes) -> int:
+    # one sha256 call over the joined bytes: the same digest as three updates, a third of the calls
+    return int.from_bytes(hashlib.sha256(parent + tokens + salt).digest()[:8], "little")
+
+
+def _parent_bytes(parent: int | None) -> bytes:
+    return b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little")
+
+
+def _salt_bytes(salt: str | None) -> bytes:
+    return b"\x00" if salt is None else b"\x01" + salt.encode()
 
 
 def cache_namespace(tenant: str, cache_salt: str | None) -> str | None:
@@ -43,10 +52,13 @@ def cache_namespace(tenant: str, cache_salt: str | None) -> str | None:
 
 
 def block_hash_chain(tokens: Sequence[int], block_size: int, salt: str | None, max_blocks: int) -> list[int]:
-    """The hash chain of the leading full blocks of ``tokens`` (at most ``max_blocks``)."""
+    """The hash chain of the leading full blocks of ``tokens`` (at most ``max_blocks``): ``hash_block_tokens``
+    block after block, over one packing of the prompt's tokens sliced per block."""
+    n = min(len(tokens) // block_size, max_blocks)
+    data, step, tail = array("q", tokens[:n * block_size]).tobytes(), 8 * block_size, _salt_bytes(salt)
     chain: list[int] = []
     parent = None
-    for b in range(min(len(tokens) // block_size, max_blocks)):
-        parent = hash_block_tokens(parent, tuple(tokens[b * block_size:(b + 1) * block_size]), salt)
+    for off in range(0, n * step, step):
+        parent = _digest(_parent_bytes(parent), data[off:off + step], tail)
         chain.append(parent)
     return chain

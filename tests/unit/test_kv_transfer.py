@@ -266,6 +266,12 @@ def test_waker_wakes_a_poller():
 # -- kv_ipc, CPU side -----------------------------------------------------------------------------------
 def test_block_runs_and_copy_blocks_match_indexing():
     assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    # with a limit: the runs while there are at most that many, None past it (the plan copies by id then)
+    assert block_runs([4, 5, 6, 9], [0, 1, 2, 3], limit=2) == [(4, 0, 3), (9, 3, 1)]
+    assert block_runs([4, 5, 6, 9, 11], [0, 1, 2, 3, 4], limit=2) is None
+    assert block_runs([], [], limit=0) == []
+    with pytest.raises(ValueError, match="3 source blocks for 2"):
+        block_runs([1, 2, 3], [1, 2])
     src = _cache(3, shape=(3, 2, 40, 4, 2, 8))
     for src_ids, dst_ids in [([4, 5, 6, 9], [0, 1, 2, 3]), (list(range(0, 40, 2)), list(range(39, 19, -1)))]:
         dst = torch.zeros_like(src)
