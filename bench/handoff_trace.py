@@ -48,8 +48,8 @@ def _trace_decode_side() -> None:
 
     messages = InboxSocket.messages
 
-    def stamped(self, timeout_ms):
-        for m in messages(self, timeout_ms):
+    def stamped(self, timeout_ms, spin_s=0.0):
+        for m in messages(self, timeout_ms, spin_s):
             stamp("decode: message in")
             yield m
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import zmq
 
+from kvrelay.shared.handoff import spin_poll
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire.codec import encode
 
@@ -30,10 +31,11 @@ class InboxSocket:
             self.poller.register(sock, zmq.POLLIN)
         self._watched = sockets
 
-    def messages(self, timeout_ms: int) -> Iterator[tuple[list, bool]]:
+    def messages(self, timeout_ms: int, spin_s: float = 0.0) -> Iterator[tuple[list, bool]]:
         """Every message that arrives within ``timeout_ms`` (or a wake-up, or a watched socket's message, ends
-        the wait), one at a time, each with whether it came on a bulk socket."""
-        ready = dict(self.poller.poll(timeout_ms))
+        the wait), one at a time, each with whether it came on a bulk socket; the first ``spin_s`` of the wait
+        spin (spin_poll.py)."""
+        ready = dict(spin_poll.poll(self.poller, timeout_ms, spin_s))
         if self.waker.fd in ready:
             self.waker.drain()
         for sock in (self.sock, *self.bulk):

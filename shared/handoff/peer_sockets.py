@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import zmq
 
+from kvrelay.shared.handoff import spin_poll
 from kvrelay.shared.handoff.waker import Waker
 from kvrelay.shared.wire import zmq_auth
 from kvrelay.shared.wire.limits import MAX_MESSAGE_BYTES
@@ -36,10 +37,10 @@ class PeerSockets:
             sock.close(linger=0)
         self.waker.close()
 
-    def replies(self, timeout_ms: int) -> Iterator[tuple[str, list[bytes]]]:
+    def replies(self, timeout_ms: int, spin_s: float = 0.0) -> Iterator[tuple[str, list[bytes]]]:
         """Every reply that arrives within ``timeout_ms`` (or a wake-up ends the wait), one at a time, with the
-        address of the decode worker that sent it."""
-        for sock, _ in self.poller.poll(timeout_ms):
+        address of the decode worker that sent it; the first ``spin_s`` of the wait spin (spin_poll.py)."""
+        for sock, _ in spin_poll.poll(self.poller, timeout_ms, spin_s):
             if sock == self.waker.fd:
                 self.waker.drain()
                 continue

@@ -35,6 +35,7 @@ from kvrelay.shared.handoff.incoming import Incoming, check_header
 from kvrelay.shared.handoff.rank_parts import RankParts
 from kvrelay.shared.handoff.seats import Seats
 from kvrelay.shared.handoff.sharded import WorkerDown
+from kvrelay.shared.handoff.spin_poll import REPLY_SPIN_S
 from kvrelay.shared.handoff.unreadable import asks_one_by_one, refusal, unread_asks
 from kvrelay.shared.wire.codec import decode_any
 from kvrelay.shared.wire.handoff import (
@@ -75,7 +76,8 @@ class KVInbox(Seats):
         handled = 0
         # every transfer's receiver reads its socket in _advance (or the transfer ends): none stays ready
         self.socket.watch({s for inc in self.incoming.values() if (s := inc.receiver.wakes_on) is not None})
-        for frames, bulk in self.socket.messages(timeout_ms):
+        # a granted transfer's KV or header is on its way (or its prompt is still being computed): spin_poll.py
+        for frames, bulk in self.socket.messages(timeout_ms, REPLY_SPIN_S if self.grants or self.incoming else 0.0):
             handled += 1
             if bulk:
                 self._on_bulk(frames)

@@ -28,6 +28,7 @@ from kvrelay.shared.handoff.grant_hold import GrantHold
 from kvrelay.shared.handoff.kv_out import KVOut
 from kvrelay.shared.handoff.outbound import header_for, request_for
 from kvrelay.shared.handoff.rank_parts import RankParts
+from kvrelay.shared.handoff.spin_poll import REPLY_SPIN_S
 from kvrelay.shared.handoff.states import Event, State
 from kvrelay.shared.handoff.transfer import FirstToken, Transfer
 from kvrelay.shared.handoff.unreadable import Unread
@@ -119,7 +120,7 @@ class HandoffSender(KVOut):
         DONE or FAILED."""
         self.hold.polled()
         self._send_asks()
-        for peer, frames in self.peers.replies(timeout_ms):
+        for peer, frames in self.peers.replies(timeout_ms, REPLY_SPIN_S if self._reply_due() else 0.0):
             self._on_reply(peer, frames)
         now = time.monotonic()
         for t in list(self.transfers.values()):
@@ -147,6 +148,11 @@ class HandoffSender(KVOut):
             t.ended = time.perf_counter()
             del self.transfers[t.job.request_id]
         return ended
+
+    def _reply_due(self) -> bool:
+        """Whether an answer to an ask or an ack of a header is on its way (spin_poll.py)."""
+        return any(t.state is State.ACK_WAIT or (t.state is State.GRANT_WAIT and t.target)
+                   for t in self.transfers.values())
 
     # -- transitions ----------------------------------------------------------------------------
     def _send_request(self, t: Transfer, after: str = "") -> None:
