@@ -40,8 +40,9 @@ def offered_hashes(t: Transfer, kv: EngineKV) -> list[int]:
     known = kv.prompt_hashes(job.request_id)  # its prefill hashed them for its own cache, in the same namespace
     if len(known) >= full:
         return known[:full]
+    # a prompt ending on a block boundary: its prefill hashed all blocks but the last (it keeps one token to compute)
     return block_hash_chain(job.prompt_token_ids, kv.block_size, cache_namespace(job.tenant, job.cache_salt),
-                            MAX_BLOCK_HASHES)
+                            MAX_BLOCK_HASHES, known)
 
 
 def source_blocks(t: Transfer, blocks: list[int]) -> list[int] | str:

@@ -51,14 +51,19 @@ def cache_namespace(tenant: str, cache_salt: str | None) -> str | None:
     return f"{_NS_MARK}tenant:{len(tenant)}:{tenant}{salt}"
 
 
-def block_hash_chain(tokens: Sequence[int], block_size: int, salt: str | None, max_blocks: int) -> list[int]:
+def block_hash_chain(tokens: Sequence[int], block_size: int, salt: str | None, max_blocks: int,
+                     known: Sequence[int] = ()) -> list[int]:
     """The hash chain of the leading full blocks of ``tokens`` (at most ``max_blocks``): ``hash_block_tokens``
-    block after block, over one packing of the prompt's tokens sliced per block."""
+    block after block, over one packing of the prompt's tokens sliced per block. ``known``: the chain's leading
+    hashes, already computed (a prefill's prefix cache has all but, for a prompt that ends on a block boundary,
+    the last): only the blocks past them are hashed."""
     n = min(len(tokens) // block_size, max_blocks)
-    data, step, tail = array("q", tokens[:n * block_size]).tobytes(), 8 * block_size, _salt_bytes(salt)
-    chain: list[int] = []
-    parent = None
-    for off in range(0, n * step, step):
+    start = min(len(known), n)
+    chain = list(known[:start])
+    data = array("q", tokens[start * block_size:n * block_size]).tobytes()
+    step, tail = 8 * block_size, _salt_bytes(salt)
+    parent = chain[-1] if chain else None
+    for off in range(0, len(data), step):
         parent = _digest(_parent_bytes(parent), data[off:off + step], tail)
         chain.append(parent)
     return chain

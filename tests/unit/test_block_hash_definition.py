@@ -30,3 +30,17 @@ def test_chain_and_block_hash_follow_the_definition():
         assert block_hash_chain(tokens[:7], 8, salt, 100) == []
         assert [hash_block_tokens(p, tuple(tokens[8 * b:8 * b + 8]), salt)
                 for b, p in enumerate([None] + want[:-1])] == want
+
+
+def test_a_known_leading_chain_is_extended_not_recomputed():
+    rng = random.Random(1)
+    tokens = [rng.randrange(50_000) for _ in range(8 * 6)]  # ends on a block boundary
+    whole = block_hash_chain(tokens, 8, "s", 100)
+    assert block_hash_chain(tokens, 8, "s", 100, known=whole[:5]) == whole
+    assert block_hash_chain(tokens, 8, "s", 4, known=whole) == whole[:4]  # never past max_blocks
+    # the known hashes are taken as they are: only the blocks past them are hashed, chained to the last known one
+    want, parent = [7, 8], 8
+    for b in range(2, 6):
+        parent = _by_definition(parent, tokens[8 * b:8 * b + 8], "s")
+        want.append(parent)
+    assert block_hash_chain(tokens, 8, "s", 100, known=[7, 8]) == want

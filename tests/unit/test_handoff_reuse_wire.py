@@ -58,7 +58,8 @@ def test_the_sender_offers_its_prompt_s_full_blocks_hashed_as_block_managers_has
 
 def test_a_prompt_its_prefill_hashed_already_is_not_hashed_again(monkeypatch):
     """The prefill engine's prefix cache hashed the prompt's blocks as it computed them: the offer takes that chain
-    (hashing costs the prefill loop a few microseconds a block); one it has not hashed in full is hashed here."""
+    (hashing costs the prefill loop a few microseconds a block); one it has not hashed in full is hashed here from
+    where that chain ends."""
     from kvrelay.shared.handoff import outbound
 
     kv = detached_kv(torch.zeros(1, 2, 8, BS, 1, 2))
@@ -69,6 +70,7 @@ def test_a_prompt_its_prefill_hashed_already_is_not_hashed_again(monkeypatch):
     calls = []
     monkeypatch.setattr(outbound, "block_hash_chain", lambda *a: calls.append(a) or block_hash_chain(*a))
     assert offered_hashes(Transfer(job=job, entry_id=b"r"), kv) == want and len(calls) == 1
+    assert calls[0][4] == want[:1]  # the prefill's block is not hashed again
     kv._blocks._hashes(req, 2)  # the whole prompt computed
     assert offered_hashes(Transfer(job=job, entry_id=b"r"), kv) == want and len(calls) == 1
 
