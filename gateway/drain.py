@@ -97,12 +97,17 @@ def make_drain_middleware(retry_after: int):
     return drain_middleware
 
 
+def access_log(config) -> dict:
+    """The runner's access-log argument: none with --disable-uvicorn-access-log, aiohttp's logger otherwise."""
+    return {"access_log": None} if config.disable_uvicorn_access_log else {}
+
+
 async def serve(app: web.Application, host: str, port: int, drain_timeout: float, reuse_port: bool = False) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain it as described above."""
     # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its jobs.
     # shutdown_timeout is short because the drain already waited for handlers.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_FINISH_GRACE_S,
-                           keepalive_timeout=app[CONFIG].timeout_keep_alive)
+                           keepalive_timeout=app[CONFIG].timeout_keep_alive, **access_log(app[CONFIG]))
     await runner.setup()
     # a deep backlog: behind nginx a burst of new upstream connections must queue, not be refused
     # reuse_port: the kernel spreads new connections over every gateway process bound to the port

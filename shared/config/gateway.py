@@ -67,6 +67,9 @@ class GatewayConfig:
                                        gt=0)
     drain_timeout: float = common.drain_timeout()
     reuse_port: bool = setting(False, "bind with SO_REUSEPORT, so several gateway processes serve one port")
+    # vLLM's flag, kept by name so its deployments' command lines carry over (the server here is aiohttp): behind
+    # nginx, which logs every request itself, the gateway's own line per request is CPU spent twice
+    disable_uvicorn_access_log: bool = setting(False, "no access log line per HTTP request")
     # Slow clients (gateway/connection_guard.py). The keep-alive default outlasts clients' pools (httpx 5 s,
     # nginx 60 s), so a reused connection is not closed under a request already on its way.
     timeout_keep_alive: float = setting(75.0, "seconds an idle keep-alive connection stays open", gt=0)
