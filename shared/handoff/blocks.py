@@ -58,11 +58,16 @@ def check_layout(kv_cache: torch.Tensor, header: KVHeader, num_kv_heads: int | N
     if mine != theirs:
         diff = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
         raise ValueError(f"KV layout mismatch (sent, expected): {diff}")
-    if header.block_ids and not 0 <= min(header.block_ids) <= max(header.block_ids) < kv_cache.shape[2]:
+    if not ids_within(header.block_ids, kv_cache.shape[2]):
         raise ValueError("KV destination block id out of range")
     want = header.num_layers * frame_nbytes(kv_cache, header.num_blocks, num_kv_heads)
     if header.nbytes != want:
         raise ValueError(f"KV header promises {header.nbytes} bytes, {header.num_blocks} blocks are {want}")
+
+
+def ids_within(ids: list[int], n: int) -> bool:
+    """Every id in [0, n) (an empty list too): by ``min`` and ``max``, not a Python pass per id."""
+    return not ids or 0 <= min(ids) <= max(ids) < n
 
 
 def gather_blocks(kv_cache: torch.Tensor, layers: range, index: torch.Tensor,
@@ -126,7 +131,7 @@ class BlockCopy:
 
     def __init__(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]):
         for blocks, kv in ((src_blocks, src), (dst_blocks, dst)):  # the kernel trusts its ids
-            if blocks and not 0 <= min(blocks) <= max(blocks) < kv.shape[2]:
+            if not ids_within(blocks, kv.shape[2]):
                 raise ValueError("KV block id out of range")
         self.src, self.dst = src, dst
         self.runs = block_runs(src_blocks, dst_blocks, _RUNS_AS_SLICES)

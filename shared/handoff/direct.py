@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvrelay.shared.handoff.base import KVReceiver, KVSender, Send, Transport
-from kvrelay.shared.handoff.blocks import DTYPE_NAMES, BlockCopy, kv_strides, side_stream
+from kvrelay.shared.handoff.blocks import DTYPE_NAMES, BlockCopy, ids_within, kv_strides, side_stream
 from kvrelay.shared.wire.handoff import HandoffGrant, HandoffRequest, KVIpcHandle, KVLayers
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class DeviceCopy(KVSender):
                  deferred: bool = False):
         if len(src_blocks) != len(dst_blocks):
             raise IpcError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
-        if dst_blocks and not 0 <= min(dst_blocks) <= max(dst_blocks) < dst.shape[2]:
+        if not ids_within(dst_blocks, dst.shape[2]):
             raise IpcError("destination block id out of the peer's range")
         self.src = src
         self.copy = BlockCopy(src, src_blocks, dst, dst_blocks)  # the block ids go to the device once

@@ -40,7 +40,8 @@ def offered_hashes(t: Transfer, kv: EngineKV) -> list[int]:
     known = kv.prompt_hashes(job.request_id)  # its prefill hashed them for its own cache, in the same namespace
     if len(known) >= full:
         return known[:full]
-    # a prompt ending on a block boundary: its prefill hashed all blocks but the last (it keeps one token to compute)
+    # what its prefill has not hashed: all of it with prefix caching off; the last block of a prompt that ends on a
+    # block boundary (the prefill keeps one token to compute)
     return block_hash_chain(job.prompt_token_ids, kv.block_size, cache_namespace(job.tenant, job.cache_salt),
                             MAX_BLOCK_HASHES, known)
 
