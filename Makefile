@@ -3,6 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# A dropped connection mid-download (torch and triton are hundreds of MB) resumes instead of failing the
+# install, and with it CI; pip releases before --resume-retries ignore the variable.
+export PIP_RETRIES := 10
+export PIP_RESUME_RETRIES := 20
 
 .PHONY: serve test lint install
 
