@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvrelay.gateway.engine_metrics import EngineMetrics
+from kvrelay.gateway.metric_children import remember_children
 from kvrelay.gateway.queue_stats import QueueStats
 from kvrelay.gateway.request_metrics import TTFT_BUCKETS, VllmRequestMetrics
 from kvrelay.gateway.ttft_stages import TtftStages
@@ -82,6 +83,7 @@ class GatewayMetrics:
         self.worker_steps = WorkerSteps()  # renewed with the engines'
         registry.register(self.worker_steps)
         ProcessCollector(registry=registry)  # process_* (CPU, RSS, open fds), as the default registry has
+        remember_children(self, self.vllm, self.ttft_stages)
         self.shared = None  # what a scrape renders where gateways share their metrics: see the docstring
         if folder := os.environ.get(METRICS_DIR_ENV):
             self.shared = CollectorRegistry()

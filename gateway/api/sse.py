@@ -27,16 +27,14 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def send(response: web.StreamResponse, obj: object) -> None:
-    await response.write(f"data: {dumps(obj)}\n\n".encode())
+    await response.write(event(obj))
 
 
-async def send_error(response: web.StreamResponse, error: APIError) -> None:
-    await send(response, error.body())
+def event(obj: object) -> bytes:
+    return f"data: {dumps(obj)}\n\n".encode()
 
 
-async def send_done(response: web.StreamResponse) -> None:
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+DONE = b"data: [DONE]\n\n"
 
 
 async def stream(request: web.Request, deltas: AsyncIterable, head: Iterable[dict],
@@ -47,7 +45,8 @@ async def stream(request: web.Request, deltas: AsyncIterable, head: Iterable[dic
     Deltas that say when they are about to wait (a ``before_wait`` hook, api/generation.py) have their chunks
     held while more events wait and written together before the wait: a gateway that keeps up writes each
     delta as it comes, one that fell behind catches up with one write per request instead of one per token (a
-    write is a system call, the largest cost of a streamed token)."""
+    write is a system call, the largest cost of a streamed token). What is left once the deltas end (the last
+    held chunks, the tail, an error event, ``[DONE]``) goes out in one write with the stream's end."""
     response = await open_stream(request)
     held = bytearray()
 
@@ -66,16 +65,14 @@ async def stream(request: web.Request, deltas: AsyncIterable, head: Iterable[dic
                 await send(response, obj)
             async for delta in deltas:
                 for obj in chunks(delta):
-                    held += f"data: {dumps(obj)}\n\n".encode()
+                    held += event(obj)
                 if not holds or len(held) >= HELD_MAX_BYTES:
                     await write_held()
-            await write_held()
             for obj in tail():
-                await send(response, obj)
+                held += event(obj)
         except APIError as exc:
-            await write_held()  # what the client was owed before the error
-            await send_error(response, exc)
-        await send_done(response)
+            held += event(exc.body())  # after what the client was owed before the error
+        await response.write_eof(bytes(held + DONE))
         request[STREAM_COMPLETE] = response.status
     except (ClientGone, ConnectionResetError):
         pass

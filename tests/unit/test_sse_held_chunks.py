@@ -33,19 +33,24 @@ async def serve_and_read(deltas) -> tuple[list[str], int]:
 
     async def handler(request: web.Request) -> web.StreamResponse:
         nonlocal writes
-        original = web.StreamResponse.write
+        original, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
 
         async def counted(self, data):
             nonlocal writes
             writes += 1
             return await original(self, data)
 
-        web.StreamResponse.write = counted
+        async def counted_eof(self, data=b""):
+            nonlocal writes
+            writes += 1
+            return await original_eof(self, data)
+
+        web.StreamResponse.write, web.StreamResponse.write_eof = counted, counted_eof
         try:
             return await sse.stream(request, deltas, head=[{"head": True}], chunks=lambda d: [{"i": d}],
                                     tail=lambda: [{"tail": True}])
         finally:
-            web.StreamResponse.write = original
+            web.StreamResponse.write, web.StreamResponse.write_eof = original, original_eof
 
     app = web.Application()
     app.router.add_get("/", handler)
@@ -63,8 +68,9 @@ def expected(n: int) -> list[str]:
 async def test_deltas_that_waited_together_go_out_in_one_write():
     lines, writes = await serve_and_read(Burst(n=10, burst=6))
     assert lines == expected(10)
-    # head, the six waiting deltas in one write, then each of the other four, tail, [DONE] (and its end)
-    assert writes == 1 + 1 + 4 + 1 + 1
+    # head, the six waiting deltas in one write, then each of the next three before its wait, and the last one
+    # with the tail, [DONE] and the stream's end in the final write
+    assert writes == 1 + 1 + 3 + 1
 
 
 async def test_plain_deltas_go_out_one_write_each():
@@ -74,7 +80,7 @@ async def test_plain_deltas_go_out_one_write_each():
 
     lines, writes = await serve_and_read(plain())
     assert lines == expected(5)
-    assert writes == 1 + 5 + 1 + 1
+    assert writes == 1 + 5 + 1  # head, each delta, then the tail, [DONE] and the end together
 
 
 async def test_held_chunks_go_out_before_an_error_event():
@@ -84,7 +90,8 @@ async def test_held_chunks_go_out_before_an_error_event():
                 yield i  # all waiting at once: held, no wait between them
             raise APIError(503, "the worker serving this request stopped", code="worker_lost")
 
-    lines, _ = await serve_and_read(FailsAfterThree(n=3, burst=3))
+    lines, writes = await serve_and_read(FailsAfterThree(n=3, burst=3))
+    assert writes == 1 + 1  # the head; then the held deltas, the error, [DONE] and the end in one write
     assert lines[:4] == expected(3)[:4]  # head, then the three held deltas, in order
     assert json.loads(lines[4].removeprefix("data: "))["error"]["code"] == "worker_lost"
     assert lines[5:] == ["data: [DONE]"]  # and no tail: the stream ended in error
