@@ -7,7 +7,9 @@ a batch-1 decode step (those bytes / the device's copy bandwidth, bench/gpu_meas
 (CUDA graphs, async scheduling) and its share of the floor; prefill tok/s of PROMPTS x LEN; with
 ``--throughput``, output tok/s of 128 x (32 -> 2,048). Targets (issue 27): fp8 step <= 2.25 ms and >= 1.9x
 bf16, prefill >= 1.5x bf16, 128 x (32 -> 2,048) >= 16,000 tok/s; awq step >= 70% of its floor.
-A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows.
+A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows;
+``fp8@unfused`` runs fp8 with its activations quantized after the norm and SiLU*mul, not by them
+(kernels/triton/fp8_prologue.py).
 """
 
 import argparse
@@ -25,10 +27,20 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     from kvrelay import LLM
-    from kvrelay.bench.gpu_measure import copy_bandwidth, decode_step_ms, generate_seconds, random_prompts
+    from kvrelay.bench.gpu_measure import (
+        copy_bandwidth,
+        decode_step_ms,
+        generate_seconds,
+        prefill_tok_s,
+        random_prompts,
+    )
 
     method, _, decode_kernel = args.variant.partition("@")
-    if decode_kernel:  # "awq@w4_gemv": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
+    if method == "fp8" and decode_kernel == "unfused":  # the norm and SiLU*mul write bf16, quantized after
+        from kvrelay.kernels.triton import fp8_prologue
+
+        fp8_prologue.fits = lambda x, cols: False
+    elif decode_kernel:  # "awq@w4_gemv": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
         from kvrelay.kernels.triton import w4_decode
 
         if decode_kernel not in w4_decode.DECODE_KERNELS:
@@ -45,9 +57,9 @@ def child(args: argparse.Namespace) -> dict:
     out["b1_ms"] = min(decode_step_ms(llm, 1, 32, 100) for _ in range(3))
     out["of_floor"] = out["floor_ms"] / out["b1_ms"]
     vocab = llm.engine.core.vocab_size
-    prompts = random_prompts(args.prompts, args.len, vocab, seed=1)
-    generate_seconds(llm, prompts[:2], 1)  # warm the prefill shapes
-    out["prefill_tok_s"] = args.prompts * args.len / generate_seconds(llm, prompts, 1)
+    generate_seconds(llm, random_prompts(2, args.len, vocab, seed=100), 1)  # warm the prefill shapes
+    out["prefill_tok_s"], runs = prefill_tok_s(llm, args.prompts, args.len, vocab, seed=10)  # seeds 10, 11: unused
+    out["prefill_runs"] = " / ".join(f"{x:,.0f}" for x in runs)
     if args.throughput:
         short = random_prompts(128, 32, vocab, seed=2)
         out["b128_out_tok_s"] = 128 * 2048 / generate_seconds(llm, short, 2048)

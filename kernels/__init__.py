@@ -101,6 +101,17 @@ def fp8_linear(x, weight, scale, bias=None):
     return implementation("fp8_linear", x)(x, weight, scale, bias)
 
 
+def rms_norm_fp8_linear(x, residual, norm_weight, eps, weight, scale, bias=None):
+    # fp8_linear(rms_norm(x + residual)) and the new residual stream: on GPU the norm writes the e4m3 rows the
+    # FP8 matmul reads (kernels/triton/fp8_prologue.py)
+    return implementation("rms_norm_fp8_linear", x)(x, residual, norm_weight, eps, weight, scale, bias)
+
+
+def silu_mul_fp8_linear(x, weight, scale, bias=None):
+    # fp8_linear(silu(gate) * up) of x = gate | up, the product quantized where it is formed on GPU
+    return implementation("silu_mul_fp8_linear", x)(x, weight, scale, bias)
+
+
 def warm_up_prefill_attention(q_like, num_kv_heads, max_len, max_tokens):
     # runs once what the first prompts of each length up to max_len, in steps of at most max_tokens, would
     # otherwise wait for (cuDNN's per-shape plans, kernels/sdpa_prefill.py); returns how many shapes, 0 where
@@ -116,7 +127,7 @@ __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
     "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "int8_linear",
-    "fp8_linear",
+    "fp8_linear", "rms_norm_fp8_linear", "silu_mul_fp8_linear",
 ]
 
 

@@ -176,6 +176,20 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return F.linear(silu_mul(x), weight, bias)
 
 
+def rms_norm_fp8_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        return fp8_linear(rms_norm(x, norm_weight, eps), weight, scale, bias), x
+    normed, residual = rms_norm(x, norm_weight, eps, residual)
+    return fp8_linear(normed, weight, scale, bias), residual
+
+
+def silu_mul_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    return fp8_linear(silu_mul(x), weight, scale, bias)
+
+
 def warm_up_prefill_attention(q_like: torch.Tensor, num_kv_heads: int, max_len: int, max_tokens: int) -> int:
     return 0  # nothing here builds per-shape state on first use
 

@@ -11,8 +11,10 @@ not a multiple of 16) take the dequantizing reference.
 import torch
 
 from kvrelay.kernels import quant
-from kvrelay.kernels.triton import skinny_linear
+from kvrelay.kernels.triton import fp8_prologue, skinny_linear
 from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
+from kvrelay.kernels.triton.rms_norm import rms_norm
+from kvrelay.kernels.triton.silu_mul import silu_mul
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -27,12 +29,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         return skinny_linear.scaled_linear(x, weight, scale, bias)
     if not supported(x, weight):
         return quant.fp8_linear(x, weight, scale, bias)
-    k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_per_token_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return scaled_mm(xq, x_scale, weight, scale, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 rows xq [M, K] with their fp32 scales [M, 1] @ the e4m3 weight [N, K] (scales [N]) -> [M, N] in ``dtype``."""
+    n = weight.shape[0]
     # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt wants
-    if x.dtype == torch.float32:
-        one = torch.ones((), device=x.device, dtype=torch.float32)
+    if dtype == torch.float32:
+        one = torch.ones((), device=xq.device, dtype=torch.float32)
         y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         y = y * x_scale * scale.view(1, n).float()  # [M, N] * [M, 1] * [1, N]
     else:
@@ -40,4 +48,36 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
                              out_dtype=torch.bfloat16)
     if bias is not None:  # row-wise scaling takes no bias in every torch version: added here
         y = y + bias.to(y.dtype)
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return y.to(dtype)
+
+
+# -- with the op before the matmul quantizing its own output (kernels/triton/fp8_prologue.py) -------------
+def _prologue_fits(x: torch.Tensor, weight: torch.Tensor, cols: int) -> bool:
+    # one row keeps the weight-only loop (no activation quantization to fuse); fp32 models keep the unfused ops
+    return (not skinny_linear.supports_scaled(x, weight) and fp8_prologue.fits(x, cols) and weight.shape[1] == cols
+            and supported(x[..., :cols], weight))
+
+
+def rms_norm_fp8_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_linear(rms_norm(x [+ residual])), the residual stream), the norm writing e4m3 rows for the matmul."""
+    k = x.shape[-1]
+    same = norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    if not (same and _prologue_fits(x, weight, k)):
+        if residual is None:
+            return fp8_linear(rms_norm(x, norm_weight, eps), weight, scale, bias), x
+        normed, residual = rms_norm(x, norm_weight, eps, residual)
+        return fp8_linear(normed, weight, scale, bias), residual
+    xq, x_scale, residual = fp8_prologue.rms_norm_fp8(x, norm_weight, eps, residual)
+    return scaled_mm(xq, x_scale, weight, scale, bias, x.dtype).view(*x.shape[:-1], weight.shape[0]), residual
+
+
+def silu_mul_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear(SiLU(gate) * up) of x = gate | up, the product written as e4m3 rows for the matmul."""
+    k = x.shape[-1] // 2
+    if not _prologue_fits(x, weight, k):
+        return fp8_linear(silu_mul(x), weight, scale, bias)
+    xq, x_scale = fp8_prologue.silu_mul_fp8(x)
+    return scaled_mm(xq, x_scale, weight, scale, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])

@@ -97,10 +97,13 @@ MAX_FEATURES = 8192
 
 
 def config(n: int, k: int, elem_bytes: int = 2) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): about a thousand programs, 8-16 KB of weight per loop step (an
-    8-bit weight takes K tiles twice as wide for the same bytes)."""
-    wide = 2 // elem_bytes
-    return (4, 1024 * wide, 4) if k > 8192 else (8, 512 * wide, 4)
+    """(BLOCK_N, BLOCK_K, num_warps): for 16-bit weights about a thousand programs, 8-16 KB of weight per
+    loop step. An 8-bit weight (fp8, int8) converts every element before its FMA, so its programs are
+    small (2 KB a step, 2 warps) and many, to keep more loads in flight per SM: at one row on an H100 the
+    16-bit shapes doubled in width ran gate_up 20% slower (bench/quant_kernels.py, BENCHMARKS.md)."""
+    if elem_bytes == 1:
+        return (2, 2048, 4) if k > 8192 else (4, 512, 2)
+    return (4, 1024, 4) if k > 8192 else (8, 512, 4)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

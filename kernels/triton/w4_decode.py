@@ -11,18 +11,21 @@ import functools
 
 import torch
 
-from kvrelay.kernels.triton import w4_fast, w4_gemv
+from kvrelay.kernels.triton import w4_fast, w4_gemv, w4_gemv_h2
 from kvrelay.kernels.w4_repack import W4Packed
 
 DECODE_KERNELS = {
     "w4_fast": None,
     "w4_gemv": functools.partial(w4_gemv.w4_gemv_linear, atomic=False),  # split K summed in a fixed order
     "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, atomic=True),  # split K by fp32 atomics
+    # one row in fp16 pairs on a GPU (split K by atomics); more rows, or off CUDA: w4_gemv_atomic
+    "w4_gemv_h2": w4_gemv_h2.w4_gemv_h2_linear,
 }
 # the GEMV, not w4_fast's tensor-core tiles, for small row counts: at one row reading the int4 words is the whole
 # cost, which a multiply-and-sum streams at a larger share of the bandwidth (BENCHMARKS.md, W4A16 decode GEMVs).
-# The atomic split-K sum is the faster one; its fp32 sums vary in the last bits from run to run
-DECODE_KERNEL = "w4_gemv_atomic"
+# The atomic split-K sum is the faster one; its fp32 sums vary in the last bits from run to run. One row in fp16
+# pairs (half the instructions a weight) made the AWQ batch-1 step 4% shorter than the atomic GEMV alone
+DECODE_KERNEL = "w4_gemv_h2"
 DECODE_MAX_ROWS = 4
 
 

@@ -165,39 +165,59 @@ def w4_gemv_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = Non
 
 def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool, cfg: tuple[int, ...]) -> torch.Tensor:
     """Runs the GEMV over ``p`` with the split-K reduction ``atomic`` asks for."""
+    n = p.shape[0]
+    x2, n_chunks, split, per_split = plan(x, p, cfg)
+    m = x2.shape[0]
+    if m == 0:
+        return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    block_n, block_r, _, warps, stages = cfg
+    out = split_output(m, n, split, atomic, x)
+    _w4_gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales,
+        bias if bias is not None else p.scales, out, m, n, p.group_size, x2.stride(0), n, 0 if atomic else m * n,
+        per_split, n_chunks, MAGIC_BITS, HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and split == 1,
+        ATOMIC=atomic and split > 1, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=warps, num_stages=stages)
+    return split_result(out, bias, split, atomic, x.dtype).view(*x.shape[:-1], n)
+
+
+def plan(x: torch.Tensor, p: W4Packed, cfg: tuple[int, ...]) -> tuple[torch.Tensor, int, int, int]:
+    """(x as [M, K] rows, chunks of BLOCK_R packed rows, SPLIT, chunks a split takes) for ``cfg``, the shapes
+    checked: its SPLIT 0 takes ``split_for``'s, and no split is left without a chunk."""
     n, k = p.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the W4 weight {k}")
     x2 = rows_view(x)
-    m = x2.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"the W4 GEMV takes at most {MAX_ROWS} rows, not {m}")
-    if m == 0:
-        return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    block_n, block_r, split, warps, stages = cfg
+    if x2.shape[0] > MAX_ROWS:
+        raise ValueError(f"the W4 GEMV takes at most {MAX_ROWS} rows, not {x2.shape[0]}")
+    block_n, block_r, split = cfg[:3]
     if (p.tile_k // 8) % block_r:
         raise ValueError(f"BLOCK_R {block_r} does not divide a K tile's {p.tile_k // 8} packed rows")
     n_chunks = k // 8 // block_r
-    split = split or split_for(n, block_n, n_chunks, x.device)
-    per_split = triton.cdiv(n_chunks, split)
-    split = triton.cdiv(n_chunks, per_split)  # no program without a chunk
+    per_split = triton.cdiv(n_chunks, split or split_for(n, block_n, n_chunks, x.device))
+    return x2, n_chunks, triton.cdiv(n_chunks, per_split), per_split
+
+
+def split_output(m: int, n: int, split: int, atomic: bool, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel writes: the [M, N] output itself (one split), a zeroed fp32 [M, N] the splits add into
+    (atomic), or each split's fp32 slot of a [SPLIT, M, N] scratch, every slot written (no zeroing)."""
     if split == 1:
-        out = y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif atomic:
-        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    else:  # every slot written by its split: no zeroing
-        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    bias_or_any = bias if bias is not None else p.scales
-    _w4_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales, bias_or_any, out, m, n,
-        p.group_size, x2.stride(0), n, 0 if atomic else m * n, per_split, n_chunks, MAGIC_BITS,
-        HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and split == 1, ATOMIC=atomic and split > 1,
-        TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
-        num_warps=warps, num_stages=stages)
-    if split > 1 and atomic:
-        y = out.to(x.dtype) if bias is None else (out + bias.float()).to(x.dtype)
-    elif split > 1:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](out, bias_or_any, y, m * n, n, split,
-                                                            HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)
-    return y.view(*x.shape[:-1], n)
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if atomic:
+        return torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    return torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+
+
+def split_result(out: torch.Tensor, bias: torch.Tensor | None, split: int, atomic: bool,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The [M, N] output from ``split_output``'s tensor, written: split sums get the bias here (atomic: a cast
+    after; in order: w4_fast's ``_split_sum_kernel`` adds the slots in a fixed order)."""
+    if split == 1:
+        return out
+    if atomic:
+        return out.to(dtype) if bias is None else (out + bias.float()).to(dtype)
+    m, n = out.shape[1:]
+    y = torch.empty((m, n), dtype=dtype, device=out.device)
+    _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](out, bias if bias is not None else out, y, m * n, n, split,
+                                                        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)
+    return y

@@ -176,3 +176,60 @@ def test_dummy_llama_3_8b_shape_runs(method, monkeypatch):
     out = llm.generate([{"prompt_token_ids": list(range(100, 600))}] * 3,
                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+@pytest.mark.parametrize("k, rows", [(4096, 300), (14336, 37)])
+def test_fp8_prologues_write_the_unfused_bytes(k, rows):
+    # the norm and SiLU*mul that quantize their own rows (kernels/triton/fp8_prologue.py) against the kernels they
+    # fuse, one after the other: the same e4m3 bytes and scales; the matmuls behind them then give the same bits
+    from kvrelay.kernels.triton import fp8_prologue
+    from kvrelay.kernels.triton.fp8_linear import fp8_linear, rms_norm_fp8_linear, silu_mul_fp8_linear
+    from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
+    from kvrelay.kernels.triton.rms_norm import rms_norm
+    from kvrelay.kernels.triton.silu_mul import silu_mul
+
+    gen = torch.Generator().manual_seed(k + rows)
+    x, res, gate_up = (torch.randn(rows, n, generator=gen).mul(torch.logspace(-2, 2, rows)[:, None])
+                       .to(torch.bfloat16).cuda() for n in (k, k, 2 * k))
+    norm_w = (1 + torch.randn(k, generator=gen) / 4).to(torch.bfloat16).cuda()
+    weight, scale = quant.quantize_channel(torch.randn(512, k, generator=gen).cuda() / k ** 0.5, "fp8")
+    q, s, r = fp8_prologue.rms_norm_fp8(x, norm_w, 1e-5, res)
+    normed, r_ref = rms_norm(x, norm_w, 1e-5, res)
+    q_ref, s_ref = quantize_per_token_fp8(normed)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(r, r_ref)
+    q, s = fp8_prologue.silu_mul_fp8(gate_up[:, :2 * k])
+    q_ref, s_ref = quantize_per_token_fp8(silu_mul(gate_up[:, :2 * k]))
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    y, r = rms_norm_fp8_linear(x, res, norm_w, 1e-5, weight, scale)
+    assert torch.equal(y, fp8_linear(normed, weight, scale)) and torch.equal(r, r_ref)
+    w2, s2 = quant.quantize_channel(torch.randn(512, k, generator=gen).cuda() / k ** 0.5, "fp8")
+    assert torch.equal(silu_mul_fp8_linear(gate_up, w2, s2), fp8_linear(silu_mul(gate_up), w2, s2))
+
+
+def test_fp8_model_runs_the_fused_prologues(monkeypatch):
+    # a bf16 model in fp8: its prefill and its batched decode steps take the quantizing norm and SiLU*mul, and
+    # generate what the unfused ops generate. Eager, so the second run's steps are not graphs captured fused
+    # (test_dummy_llama_3_8b_shape_runs runs them under graphs)
+    from kvrelay import LLM, SamplingParams
+    from kvrelay.kernels.triton import fp8_prologue
+    from kvrelay.shared.config import presets
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    real = presets.PRESETS["llama-3-8b"]
+    monkeypatch.setitem(presets.PRESETS, "llama-3-8b-2-layers", {**real, "num_hidden_layers": 2})
+    calls = {"norm": 0, "silu": 0}
+    for name, op in (("norm", fp8_prologue.rms_norm_fp8), ("silu", fp8_prologue.silu_mul_fp8)):
+        def counted(*a, _op=op, _name=name, **kw):
+            calls[_name] += 1
+            return _op(*a, **kw)
+        monkeypatch.setattr(fp8_prologue, {"norm": "rms_norm_fp8", "silu": "silu_mul_fp8"}[name], counted)
+    llm = LLM(model="dummy:llama-3-8b-2-layers", quantization="fp8", max_model_len=1024, num_gpu_blocks=512,
+              max_num_seqs=4, enforce_eager=True)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 400 + 37 * i))} for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    fused = llm.generate(prompts, params)
+    assert calls["norm"] and calls["silu"]
+    monkeypatch.setattr(fp8_prologue, "fits", lambda x, cols: False)
+    unfused = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in unfused]

@@ -47,3 +47,15 @@ def test_one_row_through_the_skinny_loop(kind):
         return skinny_linear.scaled_linear(x, w, s, cfg=(8, 64, 4))
 
     check_int8(kernel, "cpu", 1, 200, 44, torch.bfloat16, kind=kind, op=op)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("k", [600, 8200])
+def test_one_row_through_the_skinny_loops_own_tiles(kind, k):
+    # the tiles skinny_linear.config picks for 8-bit weights, on either side of its K threshold: K past a tile,
+    # N not a multiple of the rows a program takes
+    from kvrelay.kernels.triton import skinny_linear
+
+    assert skinny_linear.config(7, k, 1)[1] < k
+    check_int8(kernel, "cpu", 1, k, 7, torch.bfloat16, kind=kind,
+               op=lambda x, w, s: skinny_linear.scaled_linear(x, w, s))

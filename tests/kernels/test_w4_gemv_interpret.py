@@ -4,7 +4,6 @@ interpreter: AWQ, GPTQ with and without act-order, groups of 32, 64 and 128, out
 1 to 16 rows, split K summed in order and by atomics.
 """
 
-import functools
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from tests.kernels.interpreted import interpret_triton_kernels
 
 interpret_triton_kernels("tests/gpu/test_w4_gemv_gpu.py")
-from kvrelay.kernels.triton import w4_decode, w4_gemv  # noqa: E402
+from kvrelay.kernels.triton import w4_decode  # noqa: E402
 from tests.kernels.quant_cases import check_w4_packed, w4_gemv_variant  # noqa: E402
 
 SOURCES = ["awq", "gptq", "gptq_act_order"]
@@ -79,14 +78,12 @@ def test_each_decode_kernel_the_table_names(kernel, rows, monkeypatch):
     def spy(name, real):
         return lambda *args, **kwargs: calls.append(name) or real(*args, **kwargs)
 
-    gemv = spy("w4_gemv", w4_gemv.w4_gemv_linear)
     monkeypatch.setattr(w4_decode.w4_fast, "w4_packed_linear", spy("w4_fast", w4_decode.w4_fast.w4_packed_linear))
     monkeypatch.setattr(w4_decode, "DECODE_KERNELS", {
-        name: None if entry is None else functools.partial(gemv, **entry.keywords)
-        for name, entry in w4_decode.DECODE_KERNELS.items()})
+        name: None if entry is None else spy("decode", entry) for name, entry in w4_decode.DECODE_KERNELS.items()})
     monkeypatch.setattr(w4_decode, "DECODE_KERNEL", kernel)
     monkeypatch.setattr(w4_decode, "DECODE_MAX_ROWS", 4)
     dispatch = type("Dispatch", (), {"w4_packed_linear": staticmethod(
         lambda x, p, bias=None, cfg=None: w4_decode.w4_packed_linear(x, p, bias))})
     check_w4_packed(dispatch, "cpu", rows, 256, 40, 64, torch.bfloat16, "gptq", bias=True)
-    assert calls == ["w4_gemv" if kernel != "w4_fast" and rows <= 4 else "w4_fast"]
+    assert calls == ["decode" if kernel != "w4_fast" and rows <= 4 else "w4_fast"]

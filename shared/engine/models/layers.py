@@ -88,20 +88,17 @@ def project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
 
 def norm_project(x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm",
                  proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(proj(rms_norm(x [+ residual])), the residual stream): fused for a plain projection; a quantized
-    one runs the norm first, then its own matmul."""
-    if not isinstance(proj, QuantLinear):
-        return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-    if residual is None:
-        return proj(kernels.rms_norm(x, norm.weight, norm.eps)), x
-    normed, residual = kernels.rms_norm(x, norm.weight, norm.eps, residual)
-    return proj(normed), residual
+    """(proj(rms_norm(x [+ residual])), the residual stream): fused for a plain projection; a quantized one
+    as its format fuses it."""
+    if isinstance(proj, QuantLinear):
+        return proj.norm_forward(x, residual, norm.weight, norm.eps)
+    return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
 def silu_project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
     """proj(silu(gate) * up) of x = gate | up."""
     if isinstance(proj, QuantLinear):
-        return proj(kernels.silu_mul(x))
+        return proj.silu_forward(x)
     return kernels.silu_mul_linear(x, proj.weight, proj.bias)
 
 

@@ -73,6 +73,18 @@ class QuantLinear(nn.Module):
         """Dummy weights for the layer named ``prefix``, from shared/engine/dummy_weights.py's streams."""
         raise NotImplementedError
 
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(rms_norm(x [+ residual])), the residual stream); a format may fuse the norm into its matmul."""
+        if residual is None:
+            return self(kernels.rms_norm(x, norm_weight, eps)), x
+        normed, residual = kernels.rms_norm(x, norm_weight, eps, residual)
+        return self(normed), residual
+
+    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of x = gate | up; a format may fuse the product into its matmul."""
+        return self(kernels.silu_mul(x))
+
 
 class ChannelLinear(QuantLinear):
     """int8 (W8A16) or fp8 (e4m3) weight [N, K] with one fp32 scale per output channel."""
@@ -112,6 +124,17 @@ class ChannelLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = kernels.int8_linear if self.quant.method == "int8" else kernels.fp8_linear
         return op(x, self.weight, self.weight_scale, self.bias)
+
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.quant.method == "int8":  # W8A16: the activations stay in the model's dtype, nothing to fuse
+            return super().norm_forward(x, residual, norm_weight, eps)
+        return kernels.rms_norm_fp8_linear(x, residual, norm_weight, eps, self.weight, self.weight_scale, self.bias)
+
+    def silu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant.method == "int8":
+            return super().silu_forward(x)
+        return kernels.silu_mul_fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     @torch.no_grad()
     def init_dummy(self, seed: int, prefix: str) -> None:
