@@ -38,7 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=2048)
     p.add_argument("--prefill-prompts", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step budget (default: the offline engine's, vLLM's LLM-class default for this GPU)")
     p.add_argument("--variant-batches", default="1,64", help="fused-vs-unfused decode batches")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine of every row schedules asynchronously (the batch-N on/off rows compare both)")
@@ -174,14 +175,14 @@ def run(args: argparse.Namespace) -> dict:
         r["tput_async_tok_s"] = args.batch * args.output_len / secs
         print(f"decode throughput, async scheduling: {r['tput_async_tok_s']:,.0f} output tok/s ({secs:.1f} s)")
 
-    m.generate_seconds(llm, m.random_prompts(1, args.prefill_len, core.vocab_size, 5), 1)  # warm-up
-    prompts = m.random_prompts(args.prefill_prompts, args.prefill_len, core.vocab_size, 4)
-    secs = m.generate_seconds(llm, prompts, 1)
-    r["prefill_tok_s"] = args.prefill_prompts * args.prefill_len / secs
+    m.generate_seconds(llm, m.random_prompts(1, args.prefill_len, core.vocab_size, 5), 1)  # warm-up (seed 5: its own)
+    r["prefill_tok_s"], runs = m.prefill_tok_s(llm, args.prefill_prompts, args.prefill_len, core.vocab_size, 40)
     layers, heads, head_dim = shape["num_layers"], shape["num_heads"], shape["head_dim"]
     attn_flops_tok = 4 * (args.prefill_len / 2) * heads * head_dim * layers  # QK^T and PV, causal average
     r["prefill_floor_tok_s"] = r["matmul_flops"] / (flops_tok + attn_flops_tok)
-    print(f"prefill: {r['prefill_tok_s']:,.0f} tok/s ({secs:.1f} s)")
+    r["step_tokens"] = core.max_num_batched_tokens
+    print(f"prefill: {r['prefill_tok_s']:,.0f} tok/s (runs: {', '.join(f'{x:,.0f}' for x in runs)}; steps of up to "
+          f"{r['step_tokens']} tokens)")
     ours, paged, sdpa = m.prefill_attention(2, args.prefill_len, heads, shape["num_kv_heads"], head_dim)
     attn_flops = 2 * 4 * (args.prefill_len ** 2 / 2) * heads * head_dim  # 2 prompts, causal, one layer
     r["prefill_attn_ms"], r["paged_prefill_attn_ms"], r["sdpa_attn_ms"] = ours, paged, sdpa

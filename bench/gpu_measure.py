@@ -86,6 +86,8 @@ def matmul_flops(n: int = 8192, reps: int = 10) -> float:
 
 # -- our engine ---------------------------------------------------------------------------------------
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` ids from ``seed``'s stream. One seed gives the same leading ids at any length, so
+    timed prompts take a seed of their own (generate_seconds refuses a timing that hit the prefix cache)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
@@ -284,7 +286,19 @@ def generate_seconds(llm: LLM, prompts: list[list[int]], output_len: int) -> flo
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    if cached:  # a prompt seen before (a warm-up's) would be timed at the prefix cache's speed, not the prefill's
+        raise RuntimeError(f"{cached} prompt tokens came from the prefix cache: time prompts not run before")
     return elapsed
+
+
+def prefill_tok_s(llm: LLM, count: int, length: int, vocab: int, seed: int, runs: int = 2) -> tuple[float, list[float]]:
+    """The best of ``runs`` timings of ``count`` fresh prompts of ``length`` tokens (one output token each),
+    and every run's tok/s: a first run has paid for what the warm-up did not reach (a kernel compiled for a new
+    shape, the allocator growing) and has measured at half speed."""
+    rates = [count * length / generate_seconds(llm, random_prompts(count, length, vocab, seed + i), 1)
+             for i in range(runs)]
+    return max(rates), rates
 
 
 # -- HF transformers baseline -------------------------------------------------------------------------

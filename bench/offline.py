@@ -73,17 +73,19 @@ def _check_lengths(who: str, outputs: list[list[int]], output_len: int) -> None:
 def run_throughput(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, device=args.device,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    prompts = _prompts(llm, args.num_prompts, args.input_len, args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))  # warm-up
+    warm = _prompts(llm, 2, args.input_len, args.seed - 1)  # prompts of their own: a timed one would be cached
+    llm.generate([{"prompt_token_ids": warm[0]}], SamplingParams(max_tokens=2))
     hf = None
     if args.baseline in ("hf", "hf-batch"):
         hf = _hf_model(llm)
-        _hf_generate(hf, prompts[:2], 2)
+        _hf_generate(hf, warm, 2)
     new_tokens = args.num_prompts * args.output_len
     result: dict = {"repeats": []}
     # engine and padded batch alternate, so a load change on a shared machine hits both sides of a ratio
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        # new prompts each repeat: the prefix cache holds the last repeat's, which would skip their prefill
+        prompts = _prompts(llm, args.num_prompts, args.input_len, args.seed + repeat)
         start, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu

@@ -17,6 +17,7 @@ from collections import deque
 from kvrelay import LLM, SamplingParams
 from kvrelay.bench.serve_client import Prompt, RequestResult
 from kvrelay.cli_args import add_engine_args
+from kvrelay.shared.config.engine import DEFAULT_STEP_TOKENS
 from kvrelay.shared.worker.gc_freeze import freeze_long_lived
 
 
@@ -27,6 +28,9 @@ def build_llm(engine_args: list[str]) -> LLM:
     ns, _ = p.parse_known_args(engine_args)
     accepted = inspect.signature(LLM).parameters
     given = vars(ns) | {"num_gpu_blocks": ns.num_gpu_blocks_override}
+    if ns.max_num_batched_tokens is None and ns.enable_chunked_prefill:
+        # the workers' step budget, not the offline class's larger default: the same engine as the one served
+        given["max_num_batched_tokens"] = DEFAULT_STEP_TOKENS
     llm = LLM(**{k: v for k, v in given.items() if k in accepted})
     freeze_long_lived()  # as the served path's workers do (shared/worker/gc_freeze.py): the same footing
     return llm

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> dict:
         tokenizer = resolve_model("smollm2").path
     llm = LLM(model=args.model, load_format=args.load_format, tokenizer=tokenizer, dtype=args.dtype,
               max_num_seqs=args.batch, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling,
+              enable_prefix_caching=False)  # both runs time the same prompts: each computes them
     vocab = llm.engine.core.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, min(vocab, 32000) - 1) for _ in range(args.input_len)] for _ in range(args.batch)]

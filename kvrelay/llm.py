@@ -4,8 +4,10 @@ from collections.abc import Iterator, Sequence
 
 from pydantic import ValidationError
 
+from kvrelay.shared.config.auto_device import auto_device
 from kvrelay.shared.config.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.shared.config.flags import flag_error, flags_of
+from kvrelay.shared.config.offline_step import offline_batched_tokens
 from kvrelay.shared.engine.beam_search import beam_search
 from kvrelay.shared.engine.llm_engine import LLMEngine, PromptType
 from kvrelay.shared.engine.outputs import RequestOutput
@@ -48,6 +50,8 @@ class LLM:
         pipeline_batch_queue: bool = False,
     ):
         resolved = resolve_model(model, load_format)
+        if max_num_batched_tokens is None and enable_chunked_prefill:
+            max_num_batched_tokens = offline_batched_tokens(auto_device() if device == "auto" else device)
         try:
             config = EngineConfig(
                 model=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,

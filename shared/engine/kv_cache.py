@@ -20,6 +20,7 @@ from kvrelay.shared.engine.parallel.state import SINGLE
 from kvrelay.shared.engine.piecewise_graphs import piecewise_tokens, static_bytes, unsupported
 from kvrelay.shared.engine.ranks.group import RankGroup
 from kvrelay.shared.engine.scheduler_output import SchedulerOutput
+from kvrelay.shared.engine.token_budget import max_batched_tokens
 from kvrelay.shared.wire.rank_step import RankAlloc, RankProfile, RankSwap
 
 log = logging.getLogger(__name__)
@@ -97,21 +98,24 @@ class RunnerKVCache:
             return CPU_DEFAULT_KV_BYTES // self.block_bytes
         # GPU: what gpu_memory_utilization leaves after the weights and a profiled activation peak
         sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens or 2048, self.max_model_len)
+        num_tokens = max_batched_tokens(sched, self.max_model_len)  # over several prompts where it passes max_model_len
         if cache.calculate_kv_scales:  # its calibration batch is one step even above the budget
             num_tokens = max(num_tokens, calibration_length(self.max_model_len))
         rows = min(num_tokens, sched.max_num_seqs)
         if self.ranks is not None:  # every rank profiles its own device; the group keeps what fits on all
-            self.ranks.send(RankProfile(num_tokens, rows))
+            self.ranks.send(RankProfile(num_tokens, rows, self.max_model_len))
+        graph_tokens = self._piecewise_tokens()
         blocks = free_kv_blocks(self.model, num_tokens, rows, self.block_size, self.kv_dtype, self.device,
-                                cache.gpu_memory_utilization, self.block_bytes, self._piecewise_reserve())
+                                cache.gpu_memory_utilization, self.block_bytes,
+                                static_bytes(self.model, graph_tokens) if graph_tokens else None, self.max_model_len,
+                                graph_tokens)
         return (self.ranks.state if self.ranks is not None else SINGLE).min_int(blocks)
 
-    def _piecewise_reserve(self) -> int | None:
-        """The static buffers' bytes of the piecewise graphs this runner will capture; None when it captures none."""
+    def _piecewise_tokens(self) -> int:
+        """The largest step the piecewise graphs this runner will capture hold; 0 when it captures none."""
         if self.config.model.graph_mode != "FULL_AND_PIECEWISE" or self.ranks is not None or unsupported(self.model):
-            return None
-        return static_bytes(self.model, piecewise_tokens(self.config, self.max_model_len))
+            return 0
+        return piecewise_tokens(self.config, self.max_model_len)
 
     # -- swap -----------------------------------------------------------------------------------
     def _swap(self, out: SchedulerOutput) -> None:

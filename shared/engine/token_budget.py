@@ -10,7 +10,7 @@ measured steps (step_cost.py) predicts the target leaves beside this step's deco
 (prompts never starve) and ``max_prefill_tokens_with_decodes`` (0 there: the whole budget).
 """
 
-from kvrelay.shared.config.engine import SchedulerConfig
+from kvrelay.shared.config.engine import DEFAULT_STEP_TOKENS, SchedulerConfig
 from kvrelay.shared.engine.request import Request
 from kvrelay.shared.engine.step_cost import StepCost, StepShape
 
@@ -19,7 +19,7 @@ def max_batched_tokens(config: SchedulerConfig, max_model_len: int) -> int:
     """The tokens one step may compute: ``max_num_batched_tokens``, or its default."""
     budget = config.max_num_batched_tokens
     if budget is None:
-        budget = 2048 if config.enable_chunked_prefill else max_model_len
+        budget = DEFAULT_STEP_TOKENS if config.enable_chunked_prefill else max_model_len
     if budget < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {budget}")
     if not config.enable_chunked_prefill and budget < max_model_len:

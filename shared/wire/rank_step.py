@@ -41,6 +41,7 @@ class RankProfile:
     TAG: ClassVar[str] = "rank_profile"
     num_tokens: int
     num_rows: int  # rows whose logits are computed
+    max_len: int = 0  # the longest prompt the forward may hold (the model's max_model_len); 0: one prompt
 
     def check(self) -> None:
         if min(self.num_tokens, self.num_rows) < 1:

@@ -117,7 +117,7 @@ class ShardRunner:
             m = self.model
             block_bytes = m.kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
             blocks = free_kv_blocks(m, msg.num_tokens, msg.num_rows, self.block_size, self.dtype, self.device,
-                                    self.config.cache.gpu_memory_utilization, block_bytes)
+                                    self.config.cache.gpu_memory_utilization, block_bytes, max_len=msg.max_len)
             self.state.min_int(blocks)
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
