@@ -3,6 +3,7 @@ runs them, against a Redis the caller provides: what the multi-process benchmark
 with. Unlike ``kvrelay serve`` it starts any mix (two prefill workers, two gateways, ...), each with its
 own flags, and says when everything is up."""
 
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,9 @@ from kvrelay import weight_scope
 from kvrelay.shared.config.handover import module_argv
 from kvrelay.shared.config.zmq_secret import ZMQ_SECRET_ENV, generate
 from kvrelay.shared.wire import redis_keys as keys
+from kvrelay.shared.wire.codec import decode
 from kvrelay.shared.wire.loopback_ports import free_port
+from kvrelay.shared.wire.protocol import WorkerInfo
 from kvrelay.shared.wire.redis_conn import sync_client
 from kvrelay.shared.worker.weight_registry import Proc
 
@@ -81,24 +84,33 @@ class LocalCluster:
                 raise RuntimeError(f"{name} exited early:\n{self.log(name)[-4000:]}")
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Every worker registered in Redis and every gateway answering /ready."""
+        """Every worker registered in Redis with its models loaded, and every gateway's /ready saying 200 for
+        those models. A gateway started without models is ready as soon as Redis answers, and reads the
+        workers through a cache (--registry-cache-s), so its 200 alone may come from a reading before the
+        workers: /v1/models would list nothing then."""
         deadline = time.monotonic() + timeout
         redis = sync_client(self.redis_url)
         try:
-            waiting = set(self.workers)
-            while waiting:
+            published: dict[str, list[str]] = {}
+            while len(published) < len(self.workers):
                 self._check_alive()
-                waiting = {w for w in waiting if not redis.exists(keys.worker_key(w))}
+                for w in set(self.workers) - set(published):
+                    raw = redis.get(keys.worker_key(w))
+                    if raw and (models := decode(raw, WorkerInfo).models):
+                        published[w] = models
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers {sorted(waiting)} not registered after {timeout} s")
+                    raise TimeoutError(f"workers {sorted(set(self.workers) - set(published))} have no model "
+                                       f"loaded after {timeout} s")
                 time.sleep(0.2)
         finally:
             redis.close()
+        # a worker started with --model publishes the name clients use, the name /ready counts it under
+        models = {m for ms in published.values() for m in ms}
         for port in self.gateway_ports.values():
-            while not _answers(f"http://127.0.0.1:{port}/ready"):
+            while not models <= _ready_models(f"http://127.0.0.1:{port}/ready"):
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the gateway on :{port} is not ready after {timeout} s")
+                    raise TimeoutError(f"the gateway on :{port} is not ready for {sorted(models)} after {timeout} s")
                 time.sleep(0.2)
 
     def stop(self, grace: float = 20.0) -> None:
@@ -115,9 +127,10 @@ class LocalCluster:
             shutil.rmtree(self.share_dir, ignore_errors=True)
 
 
-def _answers(url: str) -> bool:
+def _ready_models(url: str) -> set[str]:
+    """The models a gateway's /ready counts as served, none unless it says 200."""
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+            return set(json.load(resp).get("models", {})) if resp.status == 200 else set()
+    except (OSError, ValueError):
+        return set()
