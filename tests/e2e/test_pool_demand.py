@@ -69,6 +69,19 @@ def _complete(client: openai.OpenAI, model: str) -> str:
     return got.choices[0].text
 
 
+def _complete_retrying_504(client: openai.OpenAI, model: str, attempts: int = 4) -> str:
+    """``_complete`` for a request whose deadline is not what the test is about: a gateway's short
+    --request-timeout is for the request under test, and on a loaded 2-core host a model's first requests
+    have outrun it (504), so a 504 is retried, at most a few times."""
+    for _ in range(attempts - 1):
+        try:
+            return _complete(client, model)
+        except openai.InternalServerError as exc:
+            if exc.status_code != 504:
+                raise
+    return _complete(client, model)
+
+
 @pytest.fixture()
 def cluster(redis_url, tmp_path):
     c = Cluster(redis_url, "", [], tmp_path)
@@ -101,7 +114,7 @@ models:
                                          "--model-load-timeout", str(WAIT_S), "--reconcile-interval-s", "0"])
     _wait(lambda: all(_held(cluster, i) == {"p1": "ready", "d1": "ready"} for i in ("hot@1", "cold@1")))
     want = offline_text(dirs["cold"])
-    assert _complete(client, "cold") == want  # the gateway has seen cold@1 served
+    assert _complete_retrying_504(client, "cold") == want  # the gateway has seen cold@1 served
     for wid in ("p1", "d1"):  # another gateway unloads it behind this one's back
         cmd = ControlCommand(command_id=uuid.uuid4().hex, op="unload", name="cold", version=1, drain=False)
         cluster.redis.lpush(keys.control_key(wid), encode(cmd))
@@ -111,7 +124,7 @@ models:
     assert _complete(client, "cold") == want
     assert _held(cluster, "cold@1") == {"p1": "ready", "d1": "ready"}
     assert "loading it again" in cluster.log("gateway")
-    assert _complete(client, "hot") == offline_text(dirs["hot"])
+    assert _complete_retrying_504(client, "hot") == offline_text(dirs["hot"])
 
 
 def test_a_queue_for_a_model_no_worker_holds_prewarms_it_and_an_idle_model_stays_cold(cluster, models, tmp_path):
