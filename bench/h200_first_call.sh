@@ -2,6 +2,8 @@
 # A device call that may get either card. On an H200 (>= 100 GiB) the pool density run (issue #26, which needs
 # its memory). Otherwise the SECTIONS asked for (default "quant handoff"):
 #   quant:   `bench quant` of AWQ (issue #27) under kernels/triton/w4_decode.py's default decode kernel, ~2 min;
+#   fp8:     the fp8 one-row skinny loop's tile sweep (bench/quant_kernels.py), the fp8 batch-1 step's kernels
+#            (bench/step_timeline.py) and `bench quant` of FP8_VARIANTS (default bf16,fp8), ~6 min;
 #   sweep:   w4_gemv_atomic's tile sweep at one row (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
@@ -27,6 +29,15 @@ for section in ${SECTIONS:-quant handoff}; do
     timeout 200 python3 -m kvrelay.cli bench quant --variants awq --prompts 2 \
       --len 1024 > "$OUT/quant.txt" 2>&1
     echo "quant rc $?"; tail -6 "$OUT/quant.txt" ;;
+  fp8)
+    timeout "${FP8_SWEEP_S:-240}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats fp8_sk \
+      --json "$OUT/fp8_sk.json" > "$OUT/fp8_sk.txt" 2>&1
+    echo "fp8 sweep rc $?"; grep '^|\|sweep\|copy' "$OUT/fp8_sk.txt" | cut -c1-300 | tail -12
+    timeout 120 python3 -m kvrelay.bench.step_timeline --quantization fp8 --prefill '' > "$OUT/fp8_timeline.txt" 2>&1
+    echo "fp8 timeline rc $?"; tail -30 "$OUT/fp8_timeline.txt"
+    timeout 200 python3 -m kvrelay.cli bench quant --variants ${FP8_VARIANTS:-bf16,fp8} --prompts 2 --len 1024 \
+      > "$OUT/fp8_quant.txt" 2>&1
+    echo "fp8 quant rc $?"; tail -6 "$OUT/fp8_quant.txt" ;;
   sweep)
     timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats w4_gemv_atomic \
       --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1
