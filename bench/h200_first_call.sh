@@ -4,7 +4,7 @@
 #   quant:   `bench quant` of AWQ (issue #27) under kernels/triton/w4_decode.py's default decode kernel, ~2 min;
 #   fp8:     the fp8 one-row skinny loop's tile sweep (bench/quant_kernels.py), the fp8 batch-1 step's kernels
 #            (bench/step_timeline.py) and `bench quant` of FP8_VARIANTS (default bf16,fp8), ~6 min;
-#   sweep:   w4_gemv_atomic's tile sweep at one row (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
+#   sweep:   the one-row W4 GEMVs' tile sweep (SWEEP_FORMATS, default w4_gemv_atomic,w4_gemv_h2) (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
 . bench/h200_setup.sh || exit 1
@@ -39,7 +39,7 @@ for section in ${SECTIONS:-quant handoff}; do
       > "$OUT/fp8_quant.txt" 2>&1
     echo "fp8 quant rc $?"; tail -6 "$OUT/fp8_quant.txt" ;;
   sweep)
-    timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats w4_gemv_atomic \
+    timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats ${SWEEP_FORMATS:-w4_gemv_atomic,w4_gemv_h2} \
       --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1
     echo "sweep rc $?"; grep '^|\|sweep\|copy\|"fmt"' "$OUT/quant_kernels.txt" | cut -c1-400 | tail -24 ;;
   esac

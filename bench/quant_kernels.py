@@ -105,7 +105,7 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
         return [None] + [(bn, bk, w) for bn, bk, w in itertools.product(ns, ks, ws) if bn * bk <= 64 * 32 * w]
     if fmt in GEMV_CONFIGS:  # (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages); None: the default
         # SPLIT is an argument, not a compiled constant: each tile shape is tried at the default's split
-        # (0), a half, a quarter and twice it (negative: a divisor of the default, resolved in kernel_call) for
+        # (0), a half, a quarter, twice and four times it (negative: a divisor of the default, resolved in kernel_call) for
         # one compile. num_stages 3 lets Triton keep the next chunks' words in flight while this one is summed,
         # which only a split of several chunks a program has to gain from (the default gives one row's
         # programs one or two chunks each)
@@ -113,7 +113,7 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
             return [None]
         tiles = GEMV_CONFIGS[fmt][0 if rows == 1 else 1]
         tiles = tiles[:2] if quick else tiles
-        return [None] + [(bn, br, sp, w, st) for bn, br, w in tiles for st in GEMV_STAGES for sp in (0, -2, -4, 2)]
+        return [None] + [(bn, br, sp, w, st) for bn, br, w in tiles for st in GEMV_STAGES for sp in (0, -2, -4, 2, 4)]
     if fmt.startswith("w4_fast"):  # (BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages); None: the default
         ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
         ns, splits = ((32, 64, 128), (1, 2, 4, 8, 16)) if rows <= 16 else ((64, 128), (1, 2))
@@ -143,7 +143,8 @@ GEMV_CONFIGS = {
                 [(512, 4, 4), (512, 8, 4), (256, 4, 2), (256, 8, 2)]),
     "w4_gemv_atomic": ([(1024, 8, 4), (512, 8, 4), (512, 16, 4)], [(512, 4, 4), (256, 4, 2)]),
     # one row only (more take w4_gemv_atomic): more columns a thread share its activation pairs among more words
-    "w4_gemv_h2": ([(1024, 8, 4), (512, 8, 4), (2048, 8, 4), (1024, 16, 4), (1024, 8, 2)], []),
+    "w4_gemv_h2": ([(1024, 8, 4), (512, 8, 4), (2048, 8, 4), (1024, 16, 4), (1024, 8, 2), (1024, 16, 2), (512, 8, 2)],
+                   []),
 }
 
 

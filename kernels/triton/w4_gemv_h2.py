@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrelay.kernels.triton import w4_gemv
+from kvrelay.kernels.triton import split_arrival, w4_gemv
 from kvrelay.kernels.triton.utils import interpreting
 from kvrelay.kernels.triton.w4_gemv import PROGRAMS_PER_SM, chunk_groups, slab_activations, split_for, store_split
 from kvrelay.kernels.w4_repack import W4Packed
@@ -98,7 +98,7 @@ def activation_pairs(x_ptr, p_ptr, rk, i: tl.constexpr, TILE_K: tl.constexpr, HA
 
 # the chunks a split takes vary with the shape and split: compiled once, not per value
 @triton.jit(do_not_specialize=["CHUNKS_PER_SPLIT"])
-def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, N, G, CHUNKS_PER_SPLIT, N_CHUNKS,
+def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, G, CHUNKS_PER_SPLIT, N_CHUNKS,
                        HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, EVEN_N: tl.constexpr,
                        TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -129,19 +129,33 @@ def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, N, G, CH
             dtype=tl.float32, is_pure=True, pack=1)  # [BLOCK_R / 2, BLOCK_N]
         acc += tl.sum(sums, axis=0) * s
     # rn_4 again: a bf16 output's wider vectors would move every chunk's sums through shared memory into theirs
-    store_split((acc * (1.0 / X_SCALE))[None, :], y_ptr, b_ptr, tl.arange(0, 1), rn_4, 1, N, pid_k, 0, N, HAS_BIAS,
-                ATOMIC)
+    if ATOMIC:
+        split_arrival.add_and_finish(acc * (1.0 / X_SCALE), rn_4, n_mask, ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n,
+                                     HAS_BIAS)
+    else:
+        store_split((acc * (1.0 / X_SCALE))[None, :], y_ptr, b_ptr, tl.arange(0, 1), rn_4, 1, N, pid_k, 0, N,
+                    HAS_BIAS, False)
 
 
 def default_config(n: int, k: int, tile_k: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages), by bench/quant_kernels.py's one-row sweep at Llama-3-8B's
-    shapes on an H100: wide projections (gate_up) in 1,024 columns of chunks of 16 packed rows; a long K (down)
-    the same with twice the split; the small ones (qkv, o) 512 columns of 8-row chunks at twice the split. Three
-    stages keep a program's next chunks' words in flight while this one is summed."""
-    block_n, block_r, per_sm = (1024, 16, PROGRAMS_PER_SM) if n >= 16384 else (
-        (1024, 16, 2 * PROGRAMS_PER_SM) if k > 8192 else (512, 8, 2 * PROGRAMS_PER_SM))
+    shapes on an H100 with the splits reduced in the launch (split_arrival.py), where a split costs one atomic add
+    a column: wide projections (gate_up) in 1,024 columns of chunks of 16 packed rows, three stages keeping a
+    program's next chunks' words in flight; a long K (down) one chunk a program (14.8 us against 18.3 at two
+    chunks of three stages); the small ones 8-row chunks at twice the split, qkv's 6,144 columns in tiles of
+    1,024 on two warps (8.8 us against 10.5 in tiles of 512 on four), o's 4,096 in 512 on four."""
+    if n >= 16384:
+        block_n, block_r, per_sm, warps, stages = 1024, 16, PROGRAMS_PER_SM, 4, 3
+    elif k > 8192:
+        block_n, block_r, per_sm, warps, stages = 1024, 16, None, 4, 1
+    elif n > 4096:
+        block_n, block_r, per_sm, warps, stages = 1024, 8, 2 * PROGRAMS_PER_SM, 2, 3
+    else:
+        block_n, block_r, per_sm, warps, stages = 512, 8, 2 * PROGRAMS_PER_SM, 4, 3
     block_r = min(block_r, tile_k // 8)
-    return block_n, block_r, split_for(n, block_n, k // 8 // block_r, device, per_sm), 4, 3
+    n_chunks = k // 8 // block_r
+    split = n_chunks if per_sm is None else split_for(n, block_n, n_chunks, device, per_sm)
+    return block_n, block_r, split, warps, stages
 
 
 def w4_gemv_h2_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None, *,
@@ -164,10 +178,12 @@ def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, cfg: tuple[i
         raise ValueError(f"the half2 GEMV takes one row, not {x2.shape[0]}")
     if block_r % 2:
         raise ValueError(f"BLOCK_R {block_r} is odd: a chunk's packed rows go in two halves")
-    out = w4_gemv.split_output(1, n, split, True, x)
-    _w4_gemv_h2_kernel[(triton.cdiv(n, block_n), split)](
+    tiles = triton.cdiv(n, block_n)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)  # every column written by one program or its tile's last
+    ws, counters = split_arrival.scratch(x.device, n, tiles) if split > 1 else (out, out)
+    _w4_gemv_h2_kernel[(tiles, split)](
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales,
-        bias if bias is not None else p.scales, out, n, p.group_size, per_split, n_chunks,
-        HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and split == 1, ATOMIC=split > 1,
+        bias if bias is not None else p.scales, out, ws, counters, n, p.group_size, per_split, n_chunks,
+        HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None, ATOMIC=split > 1,
         EVEN_N=n % block_n == 0, TILE_K=p.tile_k, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=warps, num_stages=stages)
-    return w4_gemv.split_result(out, bias, split, True, x.dtype).view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], n)

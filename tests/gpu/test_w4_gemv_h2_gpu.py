@@ -117,6 +117,36 @@ def test_a_cuda_graph_replays_it(h2):
                                rtol=TOL[torch.bfloat16])
 
 
+def test_split_sums_back_to_back_and_replayed_each_start_from_a_zeroed_scratch(h2):
+    # every split launch reduces in itself (kernels/triton/split_arrival.py): its last split per tile writes the
+    # output and zeroes the scratch the next launch adds into. Two weights of one N share that scratch: launches
+    # alternating between them with fresh inputs, eager and replayed, each equal their own reference, and the
+    # scratch is zero after. A dirty scratch or a last split reading before the others' adds landed fails this.
+    from kvrelay.kernels.triton import split_arrival
+
+    cases = [packed_case(4096, 6144, bias=True), packed_case(4096, 6144, group=64)]
+    xs = [torch.randn(1, 4096, device="cuda").to(torch.bfloat16) for _ in cases]
+    for (p, _, _, _, b), x in zip(cases, xs, strict=True):
+        h2.w4_packed_linear(x, p, b)  # compiled and the scratch made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = [h2.w4_packed_linear(x, p, b) for (p, _, _, _, b), x in zip(cases, xs, strict=True)]
+    for step in range(40):
+        for x in xs:
+            x.copy_(torch.randn_like(x))
+        if step % 2:
+            graph.replay()
+            got = ys
+        else:
+            got = [h2.w4_packed_linear(x, p, b) for (p, _, _, _, b), x in zip(cases, xs, strict=True)]
+        torch.cuda.synchronize()
+        for y, (_, q, zeros, scales, b), x, group in zip(got, cases, xs, (128, 64), strict=True):
+            torch.testing.assert_close(y.float(), reference(x, q, zeros, scales, b, group),
+                                       atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert not any(t.any() for key, pair in split_arrival._scratch.items() if key[1] == 6144 for t in pair)
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_a_model_decoding_one_row_at_a_time_generates_the_fp32_gemvs_tokens(tiny_model_dirs, tmp_path, method,
                                                                              monkeypatch):

@@ -82,3 +82,36 @@ def test_an_odd_chunk_and_more_rows_are_refused():
         check_w4_packed(H2, "cpu", 1, 128, 40, 64, torch.bfloat16, "awq", cfg=(16, 1, 1, 1, 1))
     with pytest.raises(ValueError, match="one row"):
         check_w4_packed(H2, "cpu", 2, 128, 40, 64, torch.bfloat16, "awq", cfg=(16, 4, 1, 1, 1))
+
+
+def test_split_sums_leave_the_scratch_zeroed_for_the_next_launch():
+    # the last split of each tile writes the output and zeroes what the splits added into: the next launch, at the
+    # same N (the same scratch) but other weights, inputs and bias, starts from zero. A scratch left dirty would
+    # add the first launch's sums into the second's output.
+    from kvrelay.kernels import quant
+    from kvrelay.kernels.triton import split_arrival
+    from kvrelay.kernels.w4_repack import repack_w4
+
+    cfg = (16, 4, 4, 1, 1)  # 3 column tiles (the last ragged), 4 splits
+    with emulated_ptx():
+        for seed_rows in (1, 2):
+            q, zeros, scales, _, x, b = w4_case(seed_rows, 256, 40, 64, torch.bfloat16, False, True)
+            x = x[-1:]
+            p = repack_w4(quant.pack_w4(q), zeros, scales, 64)
+            got = w4_gemv_h2.launch(x, p, b, cfg)
+            expected = quant.w4a16_linear(x.float(), quant.pack_w4(q), zeros, scales, 64, None, b.float())
+            torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+            sums, counters = split_arrival.scratch(x.device, 40, 3)
+            assert not sums.any() and not counters.any()
+
+
+def test_one_split_writes_the_output_without_the_scratch():
+    from kvrelay.kernels import quant
+    from kvrelay.kernels.triton import split_arrival
+    from kvrelay.kernels.w4_repack import repack_w4
+
+    before = set(split_arrival._scratch)
+    q, zeros, scales, _, x, b = w4_case(1, 128, 24, 64, torch.bfloat16, False, True)
+    with emulated_ptx():
+        w4_gemv_h2.launch(x, repack_w4(quant.pack_w4(q), zeros, scales, 64), b, (16, 4, 1, 1, 1))
+    assert set(split_arrival._scratch) == before
