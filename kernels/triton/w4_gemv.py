@@ -28,8 +28,8 @@ The packed layout interleaves nibbles per K tile (slab j of a tile is the j-th c
 ``tile_k / 8`` inputs), so the activations a slab multiplies are a contiguous run too; act-order gathers
 them through ``perm``.
 
-Split K: with ``ATOMIC`` every split adds its fp32 partial sums into a zeroed fp32 output (torch.zeros,
-then a cast: three launches, order-dependent bits); without it each split writes its slot of a
+Split K: with ``ATOMIC`` every split adds its fp32 partial sums into a scratch and the last to arrive writes
+the output (kernels/triton/split_arrival.py: one launch, order-dependent bits); without it each split writes its slot of a
 [SPLIT, M, N] scratch that w4_fast's ``_split_sum_kernel`` adds in a fixed order (two launches, the same
 bits every run), the trade described in kernels/triton/w4_fast.py.
 """
@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels.triton import split_arrival
 from kvrelay.kernels.triton.utils import num_sms, pow2, rows_view
 from kvrelay.kernels.triton.w4_fast import SUM_BLOCK, _split_sum_kernel
 from kvrelay.kernels.w4_repack import W4Packed
@@ -83,22 +84,19 @@ def slab_activations(x_ptr, p_ptr, rk, m, stride_x, M, j: tl.constexpr, HAS_PERM
 
 
 @triton.jit
-def store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, HAS_BIAS: tl.constexpr,
-                ATOMIC: tl.constexpr):
-    """A split's [BLOCK_M, BLOCK_N] sums: stored (the output, or its fp32 slot) or added to the fp32 output."""
+def store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, HAS_BIAS: tl.constexpr):
+    """A split's [BLOCK_M, BLOCK_N] sums stored: the output (one split), or the split's fp32 slot."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     if HAS_BIAS:  # one split only: split partials get theirs where they are summed
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     y_offsets = y_ptr + pid_k.to(tl.int64) * stride_split + rm[:, None] * stride_y + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_offsets, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(y_offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # the row count and the chunks a split takes vary with the shape and split: compiled once, not per value
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_SPLIT"])
-def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, M, N, G, stride_x, stride_y, stride_split,
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, G, stride_x, stride_y,
+                    stride_split,
                     CHUNKS_PER_SPLIT, N_CHUNKS, magic_bits, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ATOMIC: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -134,7 +132,11 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, M, N, G, st
         if BLOCK_M == 1:
             chunk = tl.sum(part, axis=0)[None, :]
         acc += chunk * s[None, :]
-    store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, HAS_BIAS, ATOMIC)
+    if ATOMIC:
+        split_arrival.add_and_finish(acc, rm[:, None] * N + rn[None, :], rn[None, :],
+                                     (rm < M)[:, None] & n_mask[None, :], ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n, HAS_BIAS)
+    else:
+        store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, HAS_BIAS)
 
 
 def default_config(m: int, n: int, k: int, tile_k: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -171,12 +173,15 @@ def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool
     if m == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     block_n, block_r, _, warps, stages = cfg
+    tiles = triton.cdiv(n, block_n)
+    atomic = atomic and split > 1
     out = split_output(m, n, split, atomic, x)
-    _w4_gemv_kernel[(triton.cdiv(n, block_n), split)](
+    ws, counters = split_arrival.scratch(x.device, m * n, tiles) if atomic else (out, out)
+    _w4_gemv_kernel[(tiles, split)](
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales,
-        bias if bias is not None else p.scales, out, m, n, p.group_size, x2.stride(0), n, 0 if atomic else m * n,
-        per_split, n_chunks, MAGIC_BITS, HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and split == 1,
-        ATOMIC=atomic and split > 1, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
+        bias if bias is not None else p.scales, out, ws, counters, m, n, p.group_size, x2.stride(0), n, m * n,
+        per_split, n_chunks, MAGIC_BITS, HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and (split == 1 or atomic),
+        ATOMIC=atomic, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
         num_warps=warps, num_stages=stages)
     return split_result(out, bias, split, atomic, x.dtype).view(*x.shape[:-1], n)
 
@@ -199,23 +204,19 @@ def plan(x: torch.Tensor, p: W4Packed, cfg: tuple[int, ...]) -> tuple[torch.Tens
 
 
 def split_output(m: int, n: int, split: int, atomic: bool, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel writes: the [M, N] output itself (one split), a zeroed fp32 [M, N] the splits add into
-    (atomic), or each split's fp32 slot of a [SPLIT, M, N] scratch, every slot written (no zeroing)."""
-    if split == 1:
+    """What the kernel writes: the [M, N] output itself (one split, or atomic: the last split to arrive writes it,
+    split_arrival.py), or each split's fp32 slot of a [SPLIT, M, N] scratch, every slot written (no zeroing)."""
+    if split == 1 or atomic:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if atomic:
-        return torch.zeros((m, n), dtype=torch.float32, device=x.device)
     return torch.empty((split, m, n), dtype=torch.float32, device=x.device)
 
 
 def split_result(out: torch.Tensor, bias: torch.Tensor | None, split: int, atomic: bool,
                  dtype: torch.dtype) -> torch.Tensor:
-    """The [M, N] output from ``split_output``'s tensor, written: split sums get the bias here (atomic: a cast
-    after; in order: w4_fast's ``_split_sum_kernel`` adds the slots in a fixed order)."""
-    if split == 1:
+    """The [M, N] output from ``split_output``'s tensor, written: slots in order get the bias as w4_fast's
+    ``_split_sum_kernel`` adds them in a fixed order; the other two are the output already."""
+    if split == 1 or atomic:
         return out
-    if atomic:
-        return out.to(dtype) if bias is None else (out + bias.float()).to(dtype)
     m, n = out.shape[1:]
     y = torch.empty((m, n), dtype=dtype, device=out.device)
     _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](out, bias if bias is not None else out, y, m * n, n, split,

@@ -130,11 +130,11 @@ def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, 
         acc += tl.sum(sums, axis=0) * s
     # rn_4 again: a bf16 output's wider vectors would move every chunk's sums through shared memory into theirs
     if ATOMIC:
-        split_arrival.add_and_finish(acc * (1.0 / X_SCALE), rn_4, n_mask, ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n,
-                                     HAS_BIAS)
+        split_arrival.add_and_finish((acc * (1.0 / X_SCALE))[None, :], rn_4[None, :], rn_4[None, :],
+                                     n_mask[None, :], ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n, HAS_BIAS)
     else:
         store_split((acc * (1.0 / X_SCALE))[None, :], y_ptr, b_ptr, tl.arange(0, 1), rn_4, 1, N, pid_k, 0, N,
-                    HAS_BIAS, False)
+                    HAS_BIAS)
 
 
 def default_config(n: int, k: int, tile_k: int, device: torch.device) -> tuple[int, int, int, int, int]:

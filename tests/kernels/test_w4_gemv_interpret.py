@@ -59,6 +59,18 @@ def test_split_k_scratch_needs_no_zeroing(unzeroed_empty):
     check_w4_packed(w4_gemv_variant("gemv"), "cpu", 3, 256, 40, 32, torch.bfloat16, "awq", bias=True, cfg=(16, 4, 3, 1, 1))
 
 
+def test_atomic_splits_write_every_output_and_hand_on_a_zeroed_scratch(unzeroed_empty):
+    # the output comes NaN-filled from torch.empty: each tile's last split to arrive must write all of it; the
+    # second weight (another group size, other values) adds into the scratch the first left, which must be zero
+    from kvrelay.kernels.triton import split_arrival
+
+    for group in (32, 64):
+        check_w4_packed(w4_gemv_variant("atomic"), "cpu", 3, 256, 40, group, torch.bfloat16, "awq", bias=True,
+                        cfg=(16, 4, 3, 1, 1))
+    sums, counters = split_arrival.scratch(torch.device("cpu"), 3 * 40, 3)
+    assert not sums.any() and not counters.any()
+
+
 def test_a_chunk_that_does_not_divide_the_tile_is_refused():
     with pytest.raises(ValueError, match="does not divide a K tile"):
         check_w4_packed(w4_gemv_variant("gemv"), "cpu", 1, 128, 40, 32, torch.bfloat16, "awq", cfg=(16, 8, 1, 1, 1))
