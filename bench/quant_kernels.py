@@ -16,10 +16,12 @@ decode step's cold reads are what is timed), and is printed beside its floor: th
 and zero points included) over the copy bandwidth measured in the same process.
 
 ``w4_gemv`` (kernels/triton/w4_gemv.py: the same repacked weight through a tensor-core-free GEMV for 1-16 rows,
-split K summed in order), ``w4_gemv_atomic`` (split K by fp32 atomics) and ``w4_gemv_h2`` (kernels/triton/
-w4_gemv_h2.py: one row, the weights dequantized and multiplied in fp16 pairs, split K by atomics) are the decode
-candidates for kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes
-at three splits, and the table sets the default's time beside the best.
+split K summed in order), ``w4_gemv_atomic`` (split K by fp32 atomics, the last split of a tile writing the
+output: kernels/triton/split_arrival.py) and ``w4_gemv_h2`` (kernels/triton/w4_gemv_h2.py: one row, the weights
+dequantized and multiplied in fp16 pairs, split K the same way) are the decode candidates for
+kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at five splits,
+and the table sets the default's time beside the best. ``fp8_gemm`` and ``fp8_gemm_tensor``: cuBLASLt's fp8 GEMM
+alone, row-wise against scalar scales (``--rows 4096,16384 --formats bf16,fp8_gemm,fp8_gemm_tensor``).
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
 ``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic --quick``: the W4
@@ -176,6 +178,8 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
         return lambda: F.linear(x, d["w"])
     if fmt == "fp8_mm":  # the tensor-core path, whatever the row count
         return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
+    if fmt in FP8_GEMM_ALONE:
+        return fp8_gemm_alone(fmt, x, d)
     if fmt.endswith("_sk"):
         return lambda: skinny.scaled_linear(x, d["w"], d["s"], cfg=cfg)
     if fmt in GEMV_CONFIGS:
@@ -185,6 +189,34 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
     if fmt == "w4":
         return lambda: w4a16.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP, gemv=gemv, cfg=cfg)
     return lambda: w4a16.int8_linear(x, d["w"], d["s"], gemv=gemv, cfg=cfg)  # int8, and fp8 weight-only
+
+
+# cuBLASLt's fp8 GEMM alone, the activations quantized per token before the timing: with the row-wise scales the
+# model runs (fp8_gemm), and with both scales one scalar each (fp8_gemm_tensor), which cuBLASLt serves with other
+# kernels than row-wise ("ovscale") ones. Their ratio is what row-wise scaling costs a prefill GEMM; the scalar
+# variant's output is the unscaled product times the scales' products' means, checked against that, not the model.
+FP8_GEMM_ALONE = ("fp8_gemm", "fp8_gemm_tensor")
+
+
+def fp8_gemm_alone(fmt: str, x: torch.Tensor, d: dict):
+    from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
+
+    xq, x_scale = quantize_per_token_fp8(x)
+    if fmt == "fp8_gemm":
+        return lambda: torch._scaled_mm(xq, d["w"].t(), scale_a=x_scale, scale_b=d["s"].view(1, -1).float(),
+                                        out_dtype=torch.bfloat16)
+    sa, sb = x_scale.float().mean().reshape(()), d["s"].float().mean().reshape(())
+    return lambda: torch._scaled_mm(xq, d["w"].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+def fp8_gemm_alone_reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
+    from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
+
+    xq, x_scale = quantize_per_token_fp8(x)
+    product = xq.float() @ d["w"].float().t()
+    if fmt == "fp8_gemm":
+        return product * x_scale.float() * d["s"].float().view(1, -1)
+    return product * x_scale.float().mean() * d["s"].float().mean()
 
 
 def fp8_mm_forced(x: torch.Tensor, d: dict) -> torch.Tensor:
@@ -216,16 +248,18 @@ def skipped(fmt: str, rows: int) -> bool:
 
 
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
-    store = {"fp8_mm": "fp8", "fp8_wo": "fp8", "fp8_sk": "fp8", "int8_sk": "int8"}.get(fmt, fmt)
+    store = {"fp8_mm": "fp8", "fp8_wo": "fp8", "fp8_sk": "fp8", "int8_sk": "int8", "fp8_gemm": "fp8",
+             "fp8_gemm_tensor": "fp8"}.get(fmt, fmt)
     store = "w4_packed" if fmt in SHARED_W4 else store
     one, sets = weight_sets(store, k, n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k * 7 + n + rows)).to(torch.bfloat16).cuda()
     floor_us = nbytes(one) / bandwidth * 1e6
     row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
-    expected = reference(fmt if fmt in ("bf16", "fp8_mm") or fmt.startswith("w4") else store, x, one)
+    expected = (fp8_gemm_alone_reference(fmt, x, one) if fmt in FP8_GEMM_ALONE else
+                reference(fmt if fmt in ("bf16", "fp8_mm") or fmt.startswith("w4") else store, x, one))
     if skipped(fmt, rows):
         return row
-    tries = [None] if fmt in ("bf16", "fp8_mm") else configs(fmt, rows, quick)
+    tries = [None] if fmt in ("bf16", "fp8_mm", *FP8_GEMM_ALONE) else configs(fmt, rows, quick)
     if fmt.startswith("w4_fast"):  # what cfg None runs
         w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
         row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)
