@@ -4,8 +4,8 @@
 #   quant:   `bench quant` of AWQ (issue #27) under kernels/triton/w4_decode.py's default decode kernel, ~2 min;
 #   fp8:     the fp8 one-row skinny loop's tile sweep (bench/quant_kernels.py), the fp8 batch-1 step's kernels
 #            (bench/step_timeline.py) and `bench quant` of FP8_VARIANTS (default bf16,fp8), ~6 min;
-#   fp8gemm: cuBLASLt's fp8 prefill GEMM alone with row-wise scales against scalar ones and bf16 at 4,096 and
-#            16,384 rows (bench/quant_kernels.py, formats fp8_gemm, fp8_gemm_tensor), ~1 min: what row-wise costs;
+#   gemm:    the prefill GEMMs alone at 4,096 and 16,384 rows (bench/quant_kernels.py): cuBLASLt's fp8 with row-wise
+#            scales against scalar ones (what row-wise costs), bf16 weights as [N, K] and as [K, N], ~1 min;
 #   sweep:   the one-row W4 GEMVs' tile sweep (SWEEP_FORMATS, default w4_gemv_atomic,w4_gemv_h2) (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
@@ -40,10 +40,10 @@ for section in ${SECTIONS:-quant handoff}; do
     timeout 200 python3 -m kvrelay.cli bench quant --variants ${FP8_VARIANTS:-bf16,fp8} --prompts 2 --len 1024 \
       > "$OUT/fp8_quant.txt" 2>&1
     echo "fp8 quant rc $?"; tail -6 "$OUT/fp8_quant.txt" ;;
-  fp8gemm)
-    timeout 150 python3 -m kvrelay.bench.quant_kernels --rows 4096,16384 --formats bf16,fp8_gemm,fp8_gemm_tensor \
-      --json "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1
-    echo "fp8gemm rc $?"; grep '^|' "$OUT/fp8_gemm.txt" | cut -c1-200 | tail -30 ;;
+  gemm)
+    timeout 150 python3 -m kvrelay.bench.quant_kernels --rows 4096,16384 --formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor \
+      --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1
+    echo "gemm rc $?"; grep '^|' "$OUT/gemm.txt" | cut -c1-200 | tail -30 ;;
   sweep)
     timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats ${SWEEP_FORMATS:-w4_gemv_atomic,w4_gemv_h2} \
       --json "$OUT/quant_kernels.json" > "$OUT/quant_kernels.txt" 2>&1

@@ -21,7 +21,9 @@ output: kernels/triton/split_arrival.py) and ``w4_gemv_h2`` (kernels/triton/w4_g
 dequantized and multiplied in fp16 pairs, split K the same way) are the decode candidates for
 kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at five splits,
 and the table sets the default's time beside the best. ``fp8_gemm`` and ``fp8_gemm_tensor``: cuBLASLt's fp8 GEMM
-alone, row-wise against scalar scales (``--rows 4096,16384 --formats bf16,fp8_gemm,fp8_gemm_tensor``).
+alone, row-wise against scalar scales; ``bf16_kn``: ``F.linear`` over the bf16 weight stored as [K, N] (a
+transposed view), the layout under which a dequantized W4 weight's prefill GEMMs ran 7-9% faster than bf16's
+(BENCHMARKS.md, 2026-12-07 19:36) (``--rows 4096,16384 --formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor``).
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
 ``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic --quick``: the W4
@@ -63,8 +65,11 @@ def weights(fmt: str, k: int, n: int, copies: int, gen: torch.Generator) -> list
     there (``gen`` a CUDA generator): drawing gate_up's copies on the host took longer than timing them."""
     out = []
     for _ in range(copies):
-        if fmt == "bf16":
-            out.append({"w": (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)})
+        if fmt in ("bf16", "bf16_kn"):
+            w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
+            # bf16_kn: the same [N, K] weight as a view of its [K, N] transpose stored contiguous, the layout a
+            # dequantized W4 weight has (cuBLAS then runs an "NN" GEMM where nn.Linear's weight runs "TN")
+            out.append({"w": w.t().contiguous().t() if fmt == "bf16_kn" else w})
         elif fmt in ("int8", "fp8"):
             w, s = quant.quantize_channel(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5, fmt)
             out.append({"w": w, "s": s})
@@ -90,7 +95,7 @@ def reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
     if fmt == "fp8_mm":
         return quant.fp8_linear_w8a8(x.float(), d["w"], d["s"])
     x = x.float()
-    if fmt == "bf16":
+    if fmt in ("bf16", "bf16_kn"):
         return F.linear(x, d["w"].float())
     if fmt.startswith("w4"):
         d = d.get("unpacked", d)
@@ -174,7 +179,7 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
     w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
 
     gemv = rows <= w4a16.GEMV_MAX_ROWS
-    if fmt == "bf16":
+    if fmt in ("bf16", "bf16_kn"):
         return lambda: F.linear(x, d["w"])
     if fmt == "fp8_mm":  # the tensor-core path, whatever the row count
         return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
@@ -256,10 +261,10 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     floor_us = nbytes(one) / bandwidth * 1e6
     row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
     expected = (fp8_gemm_alone_reference(fmt, x, one) if fmt in FP8_GEMM_ALONE else
-                reference(fmt if fmt in ("bf16", "fp8_mm") or fmt.startswith("w4") else store, x, one))
+                reference(fmt if fmt in ("bf16", "bf16_kn", "fp8_mm") or fmt.startswith("w4") else store, x, one))
     if skipped(fmt, rows):
         return row
-    tries = [None] if fmt in ("bf16", "fp8_mm", *FP8_GEMM_ALONE) else configs(fmt, rows, quick)
+    tries = [None] if fmt in ("bf16", "bf16_kn", "fp8_mm", *FP8_GEMM_ALONE) else configs(fmt, rows, quick)
     if fmt.startswith("w4_fast"):  # what cfg None runs
         w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
         row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)
