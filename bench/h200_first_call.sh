@@ -1,7 +1,8 @@
 #!/bin/bash
 # A device call that may get either card. On an H200 (>= 100 GiB) the pool density run (issue #26, which needs
 # its memory). Otherwise the SECTIONS asked for (default "quant handoff"):
-#   quant:   `bench quant` of AWQ (issue #27) under kernels/triton/w4_decode.py's default decode kernel, ~2 min;
+#   quant:   `bench quant` of AWQ (issue #27), AWQ_VARIANTS (default: the half2 GEMV with its split sums after the
+#            launch, then in it: kernels/triton/w4_decode.py), ~3 min;
 #   fp8:     the fp8 one-row skinny loop's tile sweep (bench/quant_kernels.py), the fp8 batch-1 step's kernels
 #            (bench/step_timeline.py) and `bench quant` of FP8_VARIANTS (default bf16,fp8), ~6 min;
 #   gemm:    the prefill GEMMs alone at 4,096 and 16,384 rows (bench/quant_kernels.py): cuBLASLt's fp8 with row-wise
@@ -28,7 +29,7 @@ for section in ${SECTIONS:-quant handoff}; do
     timeout 150 python3 -m kvrelay.bench.handoff --sections cuda --tokens 256,2048 --repeats 5 > "$OUT/handoff.txt" 2>&1
     echo "handoff rc $?"; grep -v "^$" "$OUT/handoff.txt" | tail -45 ;;
   quant)
-    timeout 200 python3 -m kvrelay.cli bench quant --variants awq --prompts 2 \
+    timeout 240 python3 -m kvrelay.cli bench quant --variants ${AWQ_VARIANTS:-awq@w4_gemv_h2_3launch,awq} --prompts 2 \
       --len 1024 > "$OUT/quant.txt" 2>&1
     echo "quant rc $?"; tail -6 "$OUT/quant.txt" ;;
   fp8)

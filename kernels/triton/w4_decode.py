@@ -20,6 +20,9 @@ DECODE_KERNELS = {
     "w4_gemv_atomic": functools.partial(w4_gemv.w4_gemv_linear, atomic=True),  # split K by fp32 atomics
     # one row in fp16 pairs on a GPU (split K by atomics); more rows, or off CUDA: w4_gemv_atomic
     "w4_gemv_h2": w4_gemv_h2.w4_gemv_h2_linear,
+    # the same with its splits summed after the launch (zeroed fp32 output, kernel, cast): the baseline that
+    # `bench quant --variants awq@w4_gemv_h2_3launch,awq` times the in-launch sum against in one process
+    "w4_gemv_h2_3launch": functools.partial(w4_gemv_h2.w4_gemv_h2_linear, in_launch=False),
 }
 # the GEMV, not w4_fast's tensor-core tiles, for small row counts: at one row reading the int4 words is the whole
 # cost, which a multiply-and-sum streams at a larger share of the bandwidth (BENCHMARKS.md, W4A16 decode GEMVs).

@@ -99,7 +99,8 @@ def activation_pairs(x_ptr, p_ptr, rk, i: tl.constexpr, TILE_K: tl.constexpr, HA
 # the chunks a split takes vary with the shape and split: compiled once, not per value
 @triton.jit(do_not_specialize=["CHUNKS_PER_SPLIT"])
 def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, G, CHUNKS_PER_SPLIT, N_CHUNKS,
-                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, EVEN_N: tl.constexpr,
+                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, IN_LAUNCH: tl.constexpr,
+                       EVEN_N: tl.constexpr,
                        TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,9 +130,11 @@ def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, 
             dtype=tl.float32, is_pure=True, pack=1)  # [BLOCK_R / 2, BLOCK_N]
         acc += tl.sum(sums, axis=0) * s
     # rn_4 again: a bf16 output's wider vectors would move every chunk's sums through shared memory into theirs
-    if ATOMIC:
+    if ATOMIC and IN_LAUNCH:
         split_arrival.add_and_finish((acc * (1.0 / X_SCALE))[None, :], rn_4[None, :], rn_4[None, :],
                                      n_mask[None, :], ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n, HAS_BIAS)
+    elif ATOMIC:  # into the zeroed fp32 output, cast after
+        tl.atomic_add(y_ptr + rn_4, acc * (1.0 / X_SCALE), mask=n_mask, sem="relaxed")
     else:
         store_split((acc * (1.0 / X_SCALE))[None, :], y_ptr, b_ptr, tl.arange(0, 1), rn_4, 1, N, pid_k, 0, N,
                     HAS_BIAS)
@@ -159,17 +162,21 @@ def default_config(n: int, k: int, tile_k: int, device: torch.device) -> tuple[i
 
 
 def w4_gemv_h2_linear(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None = None, *,
-                      cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+                      cfg: tuple[int, ...] | None = None, in_launch: bool = True) -> torch.Tensor:
     """x [..., K] @ the repacked W4 weight -> [..., N]. One fp16 or bf16 row on a GPU runs the half2 kernel; the
     rest runs w4_gemv's atomic GEMV: more rows (up to its ``MAX_ROWS``), a row off CUDA or under the interpreter
     (which runs no PTX), and fp32 activations, whose precision fp16 products would not keep. ``cfg``: (BLOCK_N,
-    BLOCK_R, SPLIT, num_warps, num_stages) as w4_gemv_linear's; the half2 kernel's BLOCK_R even."""
+    BLOCK_R, SPLIT, num_warps, num_stages) as w4_gemv_linear's; the half2 kernel's BLOCK_R even. ``in_launch``
+    False: the splits add into a zeroed fp32 output that a cast (with the bias) turns into the result, three
+    launches where the default's one (split_arrival.py) reduces them: the same-process baseline the decode table's
+    ``w4_gemv_h2_3launch`` entry keeps for ``bench quant``."""
     if x.numel() != x.shape[-1] or not x.is_cuda or interpreting() or x.dtype == torch.float32:
         return w4_gemv.w4_gemv_linear(x, p, bias, atomic=True, cfg=cfg)
-    return launch(x, p, bias, cfg or default_config(*p.shape, p.tile_k, x.device))
+    return launch(x, p, bias, cfg or default_config(*p.shape, p.tile_k, x.device), in_launch)
 
 
-def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, cfg: tuple[int, ...]) -> torch.Tensor:
+def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, cfg: tuple[int, ...],
+           in_launch: bool = True) -> torch.Tensor:
     """Runs the half2 kernel over one row ``x`` [..., K]."""
     n = p.shape[0]
     x2, n_chunks, split, per_split = w4_gemv.plan(x, p, cfg)
@@ -179,11 +186,18 @@ def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, cfg: tuple[i
     if block_r % 2:
         raise ValueError(f"BLOCK_R {block_r} is odd: a chunk's packed rows go in two halves")
     tiles = triton.cdiv(n, block_n)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)  # every column written by one program or its tile's last
-    ws, counters = split_arrival.scratch(x.device, n, tiles) if split > 1 else (out, out)
+    summed_after = split > 1 and not in_launch
+    if summed_after:
+        out = torch.zeros((1, n), dtype=torch.float32, device=x.device)
+    else:  # every column written by its one program or its tile's last split
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    ws, counters = split_arrival.scratch(x.device, n, tiles) if split > 1 and in_launch else (out, out)
     _w4_gemv_h2_kernel[(tiles, split)](
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales,
         bias if bias is not None else p.scales, out, ws, counters, n, p.group_size, per_split, n_chunks,
-        HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None, ATOMIC=split > 1,
-        EVEN_N=n % block_n == 0, TILE_K=p.tile_k, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=warps, num_stages=stages)
+        HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and not summed_after, ATOMIC=split > 1,
+        IN_LAUNCH=in_launch, EVEN_N=n % block_n == 0, TILE_K=p.tile_k, BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=warps, num_stages=stages)
+    if summed_after:
+        out = (out if bias is None else out + bias.float()).to(x.dtype)
     return out.view(*x.shape[:-1], n)

@@ -117,6 +117,15 @@ def test_a_cuda_graph_replays_it(h2):
                                rtol=TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096)])
+def test_the_sum_after_the_launch_at_real_shapes(k, n):
+    # the decode table's w4_gemv_h2_3launch, the baseline bench quant times the in-launch sum against
+    from kvrelay.kernels.triton import w4_decode
+
+    check_w4_packed(type("H2", (), {"w4_packed_linear": staticmethod(w4_decode.DECODE_KERNELS["w4_gemv_h2_3launch"])}),
+                    "cuda", 1, k, n, 128, torch.bfloat16, "awq", bias=True)
+
+
 def test_split_sums_back_to_back_and_replayed_each_start_from_a_zeroed_scratch(h2):
     # every split launch reduces in itself (kernels/triton/split_arrival.py): its last split per tile writes the
     # output and zeroes the scratch the next launch adds into. Two weights of one N share that scratch: launches

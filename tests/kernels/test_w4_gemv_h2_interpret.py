@@ -44,6 +44,8 @@ def test_each_nibble_pair_and_zero_point_gives_q_minus_z_exactly():
 
 def test_the_table_names_it():
     assert w4_decode.DECODE_KERNELS["w4_gemv_h2"] is w4_gemv_h2.w4_gemv_h2_linear
+    baseline = w4_decode.DECODE_KERNELS["w4_gemv_h2_3launch"]
+    assert baseline.func is w4_gemv_h2.w4_gemv_h2_linear and baseline.keywords == {"in_launch": False}
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -75,6 +77,15 @@ H2 = type("H2", (), {"w4_packed_linear": staticmethod(lambda x, p, bias=None, cf
 def test_the_kernel_with_its_ptx_emulated(source, n, group, dtype, cfg):
     with emulated_ptx():
         check_w4_packed(H2, "cpu", 1, 256, n, group, dtype, source, bias=True, cfg=cfg)
+
+
+@pytest.mark.parametrize("cfg", [(32, 8, 2, 1, 1), (16, 4, 3, 1, 1)])
+def test_the_sum_after_the_launch_the_baseline_entry_runs(cfg):
+    # w4_decode's w4_gemv_h2_3launch: splits into a zeroed fp32 output, the bias and the cast after
+    three = type("H2", (), {"w4_packed_linear": staticmethod(
+        lambda x, p, bias=None, cfg=None: w4_gemv_h2.launch(x, p, bias, cfg, in_launch=False))})
+    with emulated_ptx():
+        check_w4_packed(three, "cpu", 1, 256, 40, 64, torch.bfloat16, "awq", bias=True, cfg=cfg)
 
 
 def test_an_odd_chunk_and_more_rows_are_refused():
