@@ -111,10 +111,10 @@ def configs(fmt: str, rows: int, quick: bool) -> list[tuple]:
         # the [BLOCK_N, BLOCK_K] fp32 products stay in registers: at most 64 a thread, or ptxas spills them
         return [None] + [(bn, bk, w) for bn, bk, w in itertools.product(ns, ks, ws) if bn * bk <= 64 * 32 * w]
     if fmt in GEMV_CONFIGS:  # (BLOCK_N, BLOCK_R, SPLIT, num_warps, num_stages); None: the default
-        # SPLIT is an argument, not a compiled constant: each tile shape is tried at the default's split
-        # (0), a half, a quarter, twice and four times it (negative: a divisor of the default, resolved in kernel_call) for
-        # one compile. num_stages 3 lets Triton keep the next chunks' words in flight while this one is summed,
-        # which only a split of several chunks a program has to gain from (the default gives one row's
+        # SPLIT is an argument, not a compiled constant: each tile shape is tried at the default's split (0), a
+        # half, a quarter, twice and four times it (negative: a divisor of the default, resolved in kernel_call)
+        # for one compile. num_stages 3 lets Triton keep the next chunks' words in flight while this one is
+        # summed, which only a split of several chunks a program has to gain from (the default gives one row's
         # programs one or two chunks each)
         if rows > GEMV_SWEEP_ROWS:
             return [None]

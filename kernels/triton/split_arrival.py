@@ -10,9 +10,9 @@ adds, then a barrier, then one release-acquire increment (Triton has one thread 
 what it returned), so the last arrival sees every split's adds; it reads them from L2 (``.cg``: a stale L1 line
 is possible, no atomic there).
 
-The scratch is per process and device, one per (M * N, column tiles): a process's forwards run on one compute stream
-(shared/worker/gpu_share.py), so launches using it never overlap, and each launch hands it on zeroed. Never part of
-the weights: a process mapping another's weights (shared/engine/weight_arena.py) gets its own.
+The scratch is per process and device, one per (M * N, column tiles): a process's forwards run on one compute
+stream (shared/worker/gpu_share.py), so launches using it never overlap, and each launch hands it on zeroed. Never
+part of the weights: a process mapping another's weights (shared/engine/weight_arena.py) gets its own.
 """
 
 import torch
@@ -23,8 +23,9 @@ _scratch: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def scratch(device: torch.device, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 [n] sums: an [M, N] output's M * N, int32 [tiles] arrival counters), zeroed once and kept. Made before a CUDA graph captures the
-    GEMV (the warm-up's eager forwards run it first); where a capture makes it, the graph's pool keeps it."""
+    """(fp32 [n] sums, n an [M, N] output's M * N; int32 [tiles] arrival counters), zeroed once and kept. Made
+    before a CUDA graph captures the GEMV (the warm-up's eager forwards run it first); where a capture makes it,
+    the graph's pool keeps it."""
     key = (device, n, tiles)
     if key not in _scratch:
         _scratch[key] = (torch.zeros(n, dtype=torch.float32, device=device),

@@ -29,8 +29,8 @@ The packed layout interleaves nibbles per K tile (slab j of a tile is the j-th c
 them through ``perm``.
 
 Split K: with ``ATOMIC`` every split adds its fp32 partial sums into a scratch and the last to arrive writes
-the output (kernels/triton/split_arrival.py: one launch, order-dependent bits); without it each split writes its slot of a
-[SPLIT, M, N] scratch that w4_fast's ``_split_sum_kernel`` adds in a fixed order (two launches, the same
+the output (kernels/triton/split_arrival.py: one launch, order-dependent bits); without it each split writes its
+slot of a [SPLIT, M, N] scratch that w4_fast's ``_split_sum_kernel`` adds in a fixed order (two launches, the same
 bits every run), the trade described in kernels/triton/w4_fast.py.
 """
 
@@ -96,9 +96,8 @@ def store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, 
 # the row count and the chunks a split takes vary with the shape and split: compiled once, not per value
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_SPLIT"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, G, stride_x, stride_y,
-                    stride_split,
-                    CHUNKS_PER_SPLIT, N_CHUNKS, magic_bits, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ATOMIC: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    stride_split, CHUNKS_PER_SPLIT, N_CHUNKS, magic_bits, HAS_PERM: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -134,7 +133,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt
         acc += chunk * s[None, :]
     if ATOMIC:
         split_arrival.add_and_finish(acc, rm[:, None] * N + rn[None, :], rn[None, :],
-                                     (rm < M)[:, None] & n_mask[None, :], ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n, HAS_BIAS)
+                                     (rm < M)[:, None] & n_mask[None, :], ws_ptr, cnt_ptr, y_ptr, b_ptr, pid_n,
+                                     HAS_BIAS)
     else:
         store_split(acc, y_ptr, b_ptr, rm, rn, M, N, pid_k, stride_split, stride_y, HAS_BIAS)
 
@@ -180,9 +180,9 @@ def launch(x: torch.Tensor, p: W4Packed, bias: torch.Tensor | None, atomic: bool
     _w4_gemv_kernel[(tiles, split)](
         x2, p.qweight, p.scales, p.zeros, p.perm if p.perm is not None else p.scales,
         bias if bias is not None else p.scales, out, ws, counters, m, n, p.group_size, x2.stride(0), n, m * n,
-        per_split, n_chunks, MAGIC_BITS, HAS_PERM=p.perm is not None, HAS_BIAS=bias is not None and (split == 1 or atomic),
-        ATOMIC=atomic, TILE_K=p.tile_k, BLOCK_M=pow2(m), BLOCK_N=block_n, BLOCK_R=block_r,
-        num_warps=warps, num_stages=stages)
+        per_split, n_chunks, MAGIC_BITS, HAS_PERM=p.perm is not None,
+        HAS_BIAS=bias is not None and (split == 1 or atomic), ATOMIC=atomic, TILE_K=p.tile_k, BLOCK_M=pow2(m),
+        BLOCK_N=block_n, BLOCK_R=block_r, num_warps=warps, num_stages=stages)
     return split_result(out, bias, split, atomic, x.dtype).view(*x.shape[:-1], n)
 
 

@@ -98,10 +98,10 @@ def activation_pairs(x_ptr, p_ptr, rk, i: tl.constexpr, TILE_K: tl.constexpr, HA
 
 # the chunks a split takes vary with the shape and split: compiled once, not per value
 @triton.jit(do_not_specialize=["CHUNKS_PER_SPLIT"])
-def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, G, CHUNKS_PER_SPLIT, N_CHUNKS,
-                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, IN_LAUNCH: tl.constexpr,
-                       EVEN_N: tl.constexpr,
-                       TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _w4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, G, CHUNKS_PER_SPLIT,
+                       N_CHUNKS, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                       IN_LAUNCH: tl.constexpr, EVEN_N: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R // 2)  # a chunk's packed rows in two halves, one word of each per DOT16
