@@ -12,8 +12,8 @@ Lifecycle of one job here:
      handoffs starts (TTFT waits for neither the handoff nor a batch's other handoffs to set up).
   5. Finished already (EOS, a stop id, max_tokens=1, context full): the early grant is cancelled,
      XACK, free the blocks. Otherwise the transfer completes (or starts, without an early grant) and
-     moves the KV to a decode worker; its ack means the decode side holds the request, and only then
-     is the job XACKed.
+     moves the KV to a decode worker; its ack means the decode side holds the request, and only then,
+     after an event naming that worker to the gateway, is the job XACKed.
 Until its first token a job is an InFlight of the worker's Lifecycle (shared/worker/lifecycle.py), which
 ends it on a gateway's abort, its deadline, or its gateway's death; from then on its Transfer holds it,
 and a gateway's abort cancels that.
@@ -239,6 +239,12 @@ class PrefillWorker:
             slot.metrics.handoff_done(t.nbytes, time.perf_counter() - t.started, t.state is State.DONE,
                                       t.transport, t.streamed, t.seat_wait_s)
         if t.state is State.DONE:
+            # Name the decode worker holding the request to its gateway, as that worker did before it acked.
+            # Its own announcement can still be queued there when its ack arrives here (a first event to a
+            # gateway waits for the connection's handshake), and if it dies then, this is what tells the
+            # gateway whose heartbeat to watch instead of leaving the stream open until its deadline.
+            self.runtime.events.add(t.job.reply_addr, TokenEvent(request_id=t.job.request_id, output_index=1,
+                                                                 worker_id=t.target_id))
             self.intake.ack(slot.instance, t.entry_id)
             log.debug("handed off %s (%d bytes) in %.1f ms", t.job.request_id, t.nbytes,
                       (time.perf_counter() - t.started) * 1000)

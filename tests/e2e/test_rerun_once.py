@@ -5,7 +5,12 @@ transfer never acked) see the death, and each would run the request again. Exact
 
 The decode worker is held in that window by its test-only switch (decode_worker/worker.py,
 ``KVRELAY_TEST_HOLD_BEFORE_ACK``); the other has fewer KV blocks, so the prefill worker picks the held one
-first."""
+first.
+
+And one killed after its ack whose own events never reached the gateway (its first event to a gateway waits
+for the connection's handshake; here a prelude drops them all): the prefill worker names it on the ack, so the
+gateway still knows whose death to watch for and re-runs the request, where it would otherwise wait out the
+request's deadline."""
 
 import concurrent.futures
 import re
@@ -16,6 +21,7 @@ import pytest
 
 from kvrelay import SamplingParams
 from kvrelay.decode_worker.worker import TEST_HOLD_BEFORE_ACK_ENV
+from kvrelay.shared.wire import redis_keys as keys
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import TINY_ENGINE
 
@@ -24,6 +30,11 @@ PROMPT = "The capital of France is"
 MAX_TOKENS = 24
 PREFILL_RERUNS = "its job goes back to the stream"
 PREFILL_LEAVES_IT = "its gateway queued it again already"
+# Python run in the decode worker before its CLI: every event it sends a gateway is lost on the way
+EVENTS_LOST = """
+from kvrelay.shared.worker.event_sink import EventSink
+EventSink.flush = lambda self: self.pending.clear()
+"""
 
 
 def test_a_decode_worker_killed_between_announcing_and_acking_is_re_run_once(tiny_model_dir, tiny_offline, redis_url,
@@ -74,3 +85,35 @@ def test_a_decode_worker_killed_between_announcing_and_acking_is_re_run_once(tin
     if by_gateway:  # the prefill worker saw the death too, and left the re-run to the gateway
         assert PREFILL_LEAVES_IT in prefill
     assert "duplicate request id" not in prefill + other
+
+
+def test_a_decode_worker_whose_events_never_left_is_watched_from_the_ack_and_re_run(tiny_model_dir, tiny_offline,
+                                                                                      redis_url, tmp_path):
+    want = tiny_offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                        ignore_eos=True))[0].outputs[0].text
+    cluster = Cluster(redis_url, str(tiny_model_dir), TINY_ENGINE, tmp_path)
+    cluster.redis.flushall()
+    try:
+        cluster.start_gateway()
+        cluster.start_worker("prefill", "p1")
+        cluster.start_worker("decode", "d1", prelude=EVENTS_LOST)
+        cluster.start_worker("decode", "d2", ["--num-gpu-blocks-override", "1024"])  # fewer blocks: d1 goes first
+        cluster.wait_ready(timeout=240)
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
+        stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(stream).choices[0]]  # the first token, from p1
+        # p1 XACKs the job once d1 acked its KV: from then on only the gateway can re-run it
+        stream_key = keys.prefill_stream("tiny")
+        deadline = time.monotonic() + 60
+        while cluster.redis.xpending(stream_key, keys.PREFILL_GROUP)["pending"]:
+            assert time.monotonic() < deadline, cluster.log("p1")[-3000:]
+            time.sleep(0.05)
+        cluster.kill("d1")
+        chunks += [c.choices[0] for c in stream if c.choices]
+        gateway = cluster.log("gateway")
+    finally:
+        cluster.stop()
+    assert "".join(c.text for c in chunks) == want  # the re-run on d2 continued the same text
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    assert "decode worker d1 stopped; 1 job(s) queued again" in gateway, gateway[-3000:]
