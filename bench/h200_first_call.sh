@@ -5,7 +5,8 @@
 #            launch, then in it: kernels/triton/w4_decode.py), ~3 min;
 #   fp8:     the fp8 one-row skinny loop's tile sweep (bench/quant_kernels.py), the fp8 batch-1 step's kernels
 #            (bench/step_timeline.py) and `bench quant` of FP8_VARIANTS (default bf16,fp8), ~6 min;
-#   gemm:    the prefill GEMMs alone at 4,096 and 16,384 rows (bench/quant_kernels.py): cuBLASLt's fp8 with row-wise
+#   tests:   `pytest -m gpu` of GPU_TESTS (default tests/gpu/test_w4_gemv_h2_gpu.py), at most 150 s;
+#   gemm:    the prefill GEMMs alone at GEMM_ROWS (default 4,096 and 16,384) rows (bench/quant_kernels.py): cuBLASLt's fp8 with row-wise
 #            scales against scalar ones (what row-wise costs), bf16 weights as [N, K] and as [K, N], ~1 min;
 #   sweep:   the one-row W4 GEMVs' tile sweep (SWEEP_FORMATS, default w4_gemv_atomic,w4_gemv_h2) (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
@@ -41,8 +42,12 @@ for section in ${SECTIONS:-quant handoff}; do
     timeout 200 python3 -m kvrelay.cli bench quant --variants ${FP8_VARIANTS:-bf16,fp8} --prompts 2 --len 1024 \
       > "$OUT/fp8_quant.txt" 2>&1
     echo "fp8 quant rc $?"; tail -6 "$OUT/fp8_quant.txt" ;;
+  tests)
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_w4_gemv_h2_gpu.py} \
+      > "$OUT/gpu_tests.txt" 2>&1
+    echo "tests rc $?"; tail -8 "$OUT/gpu_tests.txt" ;;
   gemm)
-    timeout 150 python3 -m kvrelay.bench.quant_kernels --rows 4096,16384 --formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor \
+    timeout 150 python3 -m kvrelay.bench.quant_kernels --rows ${GEMM_ROWS:-4096,16384} --formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor \
       --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1
     echo "gemm rc $?"; grep '^|' "$OUT/gemm.txt" | cut -c1-200 | tail -30 ;;
   sweep)
