@@ -233,3 +233,66 @@ def test_fp8_model_runs_the_fused_prologues(monkeypatch):
     monkeypatch.setattr(fp8_prologue, "fits", lambda x, cols: False)
     unfused = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in unfused]
+
+
+@pytest.mark.parametrize("rows", [1500, 300])
+def test_fp8_mlp_applies_gate_ups_scales_in_the_silu_mul(rows, monkeypatch):
+    # at prefill sizes gate_up is computed with unit scales and the SiLU*mul applies its token and channel scales
+    # (kernels/triton/fp8_linear.py rms_norm_fp8_mlp): against the row-wise scaled GEMM, it rounds each product once
+    # more, so its error to an fp32 reference must stay that of the unfused path; below DEFER_MIN_ROWS it is that path
+    from kvrelay.kernels.triton import fp8_linear, fp8_prologue
+    from kvrelay.kernels.triton.rms_norm import rms_norm
+    from kvrelay.kernels.triton.silu_mul import silu_mul
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    k, inter, n = 4096, 14336, 1024
+    gen = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, k, generator=gen).mul(torch.logspace(-1, 1, rows)[:, None]).to(torch.bfloat16).cuda()
+              for _ in range(2))
+    norm_w = (1 + torch.randn(k, generator=gen) / 4).to(torch.bfloat16).cuda()
+    w1, s1 = (t.cuda() for t in quant.quantize_channel(torch.randn(2 * inter, k, generator=gen) / k ** 0.5, "fp8"))
+    w2, s2 = (t.cuda() for t in quant.quantize_channel(torch.randn(n, inter, generator=gen) / inter ** 0.5, "fp8"))
+    deferred = []
+    silu = fp8_prologue.silu_mul_fp8
+    monkeypatch.setattr(fp8_prologue, "silu_mul_fp8", lambda p, *scales: deferred.append(bool(scales)) or silu(p, *scales))
+    got, r = fp8_linear.rms_norm_fp8_mlp(x, res, norm_w, 1e-5, w1, s1, w2, s2)
+    product, r_ref = fp8_linear.rms_norm_fp8_linear(x, res, norm_w, 1e-5, w1, s1)
+    want = fp8_linear.silu_mul_fp8_linear(product, w2, s2)
+    assert deferred[0] == (rows >= fp8_linear.DEFER_MIN_ROWS)
+    assert torch.equal(r, r_ref)
+    if rows < fp8_linear.DEFER_MIN_ROWS:
+        assert torch.equal(got, want)
+        return
+    normed, _ = rms_norm(x, norm_w, 1e-5, res)
+    w1f, w2f = w1.float() * s1[:, None], w2.float() * s2[:, None]
+    exact = silu_mul((normed.float() @ w1f.t()).to(torch.bfloat16)).float() @ w2f.t()  # [rows, n] fp32
+
+    def err(y: torch.Tensor) -> float:
+        return ((y.float() - exact).norm() / exact.norm()).item()
+
+    assert err(got) < 1.05 * err(want) + 1e-4, (err(got), err(want))
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.01
+
+
+def test_fp8_models_mlp_with_deferred_scales_generates_the_scaled_gemms_tokens(monkeypatch):
+    # one prefill step of more than DEFER_MIN_ROWS tokens through the two-layer Llama-3-8B in fp8, with gate_up's
+    # scales applied in the SiLU*mul and with the row-wise scaled GEMM: the same greedy tokens
+    from kvrelay import LLM, SamplingParams
+    from kvrelay.kernels.triton import fp8_linear
+    from kvrelay.shared.config import presets
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    real = presets.PRESETS["llama-3-8b"]
+    monkeypatch.setitem(presets.PRESETS, "llama-3-8b-2-layers", {**real, "num_hidden_layers": 2})
+    # no prefix cache: the second run must prefill the prompts again, not reuse the first run's KV
+    llm = LLM(model="dummy:llama-3-8b-2-layers", quantization="fp8", max_model_len=1024, num_gpu_blocks=1024,
+              max_num_seqs=4, enforce_eager=True, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 700 + 41 * i))} for i in range(3)]  # 1,920 tokens
+    assert sum(len(p["prompt_token_ids"]) for p in prompts) >= fp8_linear.DEFER_MIN_ROWS
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    deferred = llm.generate(prompts, params)
+    monkeypatch.setattr(fp8_linear, "DEFER_MIN_ROWS", 1 << 30)
+    scaled = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in deferred] == [o.outputs[0].token_ids for o in scaled]
