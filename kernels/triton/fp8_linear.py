@@ -96,12 +96,13 @@ def rms_norm_fp8_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     gate_up [M, 2I] is computed unscaled (unit scales, bf16 out: a sum of at most K e4m3 products of <= 448^2
     each stays far inside bf16's range, at its usual relative precision), and the SiLU*mul that reads it applies
     each element's token and channel scales before rounding it as the scaled GEMM would have. Only that rounding
-    differs from the unfused path: a product rounded once more, about half a bf16 step."""
+    differs from the row-wise scaled path: each product is rounded to bf16 twice, at most one bf16 step apart."""
     k, inter = x.shape[-1], down.shape[1]
     rows = x.numel() // k if k else 0
     same = norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
     if not (x.dtype == torch.bfloat16 and same and rows >= DEFER_MIN_ROWS and _prologue_fits(x, gate_up, k)
-            and fp8_prologue.fits(x, inter) and supported(x[..., :inter], down)):
+            and gate_up.shape[0] == 2 * inter and fp8_prologue.fits(x, inter) and inter % 16 == 0
+            and down.shape[0] % 16 == 0):
         product, residual = rms_norm_fp8_linear(x, residual, norm_weight, eps, gate_up, gate_up_scale)
         return silu_mul_fp8_linear(product, down, down_scale), residual
     xq, x_scale, residual = fp8_prologue.rms_norm_fp8(x, norm_weight, eps, residual)
