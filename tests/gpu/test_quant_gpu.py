@@ -272,7 +272,8 @@ def test_fp8_mlp_applies_gate_ups_scales_in_the_silu_mul(rows, monkeypatch):
         return ((y.float() - exact).norm() / exact.norm()).item()
 
     assert err(got) < 1.05 * err(want) + 1e-4, (err(got), err(want))
-    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.01
+    # where the second rounding moved a product across an e4m3 rounding boundary (~1-2% of them), one e4m3 step
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.03
 
 
 def test_fp8_models_mlp_with_deferred_scales_generates_the_scaled_gemms_tokens(monkeypatch):
