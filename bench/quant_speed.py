@@ -9,8 +9,7 @@ a batch-1 decode step (those bytes / the device's copy bandwidth, bench/gpu_meas
 bf16, prefill >= 1.5x bf16, 128 x (32 -> 2,048) >= 16,000 tok/s; awq step >= 70% of its floor.
 A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows;
 ``fp8@unfused`` runs fp8 with its activations quantized after the norm and SiLU*mul, not by them
-(kernels/triton/fp8_prologue.py); ``fp8@scaled`` runs gate_up with cuBLASLt's row-wise scales at every size,
-not unit scales with the SiLU*mul applying them (kernels/triton/fp8_linear.py rms_norm_fp8_mlp).
+(kernels/triton/fp8_prologue.py).
 """
 
 import argparse
@@ -41,10 +40,6 @@ def child(args: argparse.Namespace) -> dict:
         from kvrelay.kernels.triton import fp8_prologue
 
         fp8_prologue.fits = lambda x, cols: False
-    elif method == "fp8" and decode_kernel == "scaled":  # gate_up's scales in the GEMM at every row count
-        from kvrelay.kernels.triton import fp8_linear
-
-        fp8_linear.DEFER_MIN_ROWS = 1 << 62
     elif decode_kernel:  # "awq@w4_gemv": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
         from kvrelay.kernels.triton import w4_decode
 

@@ -112,13 +112,6 @@ def silu_mul_fp8_linear(x, weight, scale, bias=None):
     return implementation("silu_mul_fp8_linear", x)(x, weight, scale, bias)
 
 
-def rms_norm_fp8_mlp(x, residual, norm_weight, eps, gate_up, gate_up_scale, down, down_scale):
-    # (down(silu_mul(gate_up(rms_norm(x + residual)))), the residual stream), both fp8, no biases: on GPU at
-    # prefill sizes gate_up's scales are applied by the SiLU*mul reading its product (kernels/triton/fp8_linear.py)
-    return implementation("rms_norm_fp8_mlp", x)(x, residual, norm_weight, eps, gate_up, gate_up_scale, down,
-                                                 down_scale)
-
-
 def warm_up_prefill_attention(q_like, num_kv_heads, max_len, max_tokens):
     # runs once what the first prompts of each length up to max_len, in steps of at most max_tokens, would
     # otherwise wait for (cuDNN's per-shape plans, kernels/sdpa_prefill.py); returns how many shapes, 0 where
@@ -134,7 +127,7 @@ __all__ = [
     "AttentionMetadata", "register", "write_kv", "paged_attention", "rms_norm", "layer_norm",
     "rotary_embedding", "rotary_write_kv", "rotary_attention", "copy_blocks", "silu_mul", "gelu", "linear", "rms_norm_linear",
     "silu_mul_linear", "warm_up_prefill_attention", "w4a16_linear", "w4_packed_linear", "int8_linear",
-    "fp8_linear", "rms_norm_fp8_linear", "silu_mul_fp8_linear", "rms_norm_fp8_mlp",
+    "fp8_linear", "rms_norm_fp8_linear", "silu_mul_fp8_linear",
 ]
 
 

@@ -190,13 +190,6 @@ def silu_mul_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return fp8_linear(silu_mul(x), weight, scale, bias)
 
 
-def rms_norm_fp8_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    product, residual = rms_norm_fp8_linear(x, residual, norm_weight, eps, gate_up, gate_up_scale)
-    return silu_mul_fp8_linear(product, down, down_scale), residual
-
-
 def warm_up_prefill_attention(q_like: torch.Tensor, num_kv_heads: int, max_len: int, max_tokens: int) -> int:
     return 0  # nothing here builds per-shape state on first use
 

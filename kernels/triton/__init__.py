@@ -8,7 +8,7 @@ from kvrelay.kernels import sdpa_prefill
 from kvrelay.kernels.registry import register
 from kvrelay.kernels.triton.copy_blocks import copy_blocks
 from kvrelay.kernels.triton.dequant_linear import int8_linear, w4_packed_linear, w4a16_linear
-from kvrelay.kernels.triton.fp8_linear import fp8_linear, rms_norm_fp8_linear, rms_norm_fp8_mlp, silu_mul_fp8_linear
+from kvrelay.kernels.triton.fp8_linear import fp8_linear, rms_norm_fp8_linear, silu_mul_fp8_linear
 from kvrelay.kernels.triton.gelu import gelu
 from kvrelay.kernels.triton.layer_norm import layer_norm
 from kvrelay.kernels.triton.paged_attention import paged_attention, rotary_attention
@@ -41,7 +41,6 @@ OPS = {
     "fp8_linear": fp8_linear,  # per-token quantization here, the matmul cuBLASLt's through torch
     "rms_norm_fp8_linear": rms_norm_fp8_linear,  # the same, the norm or SiLU*mul quantizing what it writes
     "silu_mul_fp8_linear": silu_mul_fp8_linear,
-    "rms_norm_fp8_mlp": rms_norm_fp8_mlp,  # gate_up unscaled, its scales applied by the SiLU*mul
 }
 
 
@@ -54,5 +53,5 @@ __all__ = [
     "OPS", "register_all", "write_kv", "paged_attention", "rms_norm", "layer_norm", "rotary_embedding",
     "rotary_write_kv", "rotary_attention", "silu_mul", "gelu", "copy_blocks", "sample_from_logits", "filter_logits", "linear",
     "rms_norm_linear", "silu_mul_linear", "w4a16_linear", "w4_packed_linear", "int8_linear", "fp8_linear",
-    "rms_norm_fp8_linear", "silu_mul_fp8_linear", "rms_norm_fp8_mlp",
+    "rms_norm_fp8_linear", "silu_mul_fp8_linear",
 ]

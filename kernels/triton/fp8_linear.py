@@ -81,32 +81,3 @@ def silu_mul_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
         return fp8_linear(silu_mul(x), weight, scale, bias)
     xq, x_scale = fp8_prologue.silu_mul_fp8(x)
     return scaled_mm(xq, x_scale, weight, scale, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])
-
-
-# -- the MLP's two matmuls, the first one's scales applied by the SiLU*mul that reads its product ----------
-DEFER_MIN_ROWS = 1024  # below, the GEMMs differ by about the launch this path adds (BENCHMARKS.md, 22:06 UTC)
-
-
-def rms_norm_fp8_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(down(SiLU*mul(gate_up(rms_norm(x [+ residual])))), the residual stream), both matmuls in fp8, no biases.
-
-    cuBLASLt's fp8 GEMM with scalar scales runs 1.09-1.18x faster at prefill sizes than with row-wise ones: so
-    gate_up [M, 2I] is computed unscaled (unit scales, bf16 out: a sum of at most K e4m3 products of <= 448^2
-    each stays far inside bf16's range, at its usual relative precision), and the SiLU*mul that reads it applies
-    each element's token and channel scales before rounding it as the scaled GEMM would have. Only that rounding
-    differs from the row-wise scaled path: each product is rounded to bf16 twice, at most one bf16 step apart."""
-    k, inter = x.shape[-1], down.shape[1]
-    rows = x.numel() // k if k else 0
-    same = norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
-    if not (x.dtype == torch.bfloat16 and same and rows >= DEFER_MIN_ROWS and _prologue_fits(x, gate_up, k)
-            and gate_up.shape[0] == 2 * inter and fp8_prologue.fits(x, inter) and inter % 16 == 0
-            and down.shape[0] % 16 == 0):
-        product, residual = rms_norm_fp8_linear(x, residual, norm_weight, eps, gate_up, gate_up_scale)
-        return silu_mul_fp8_linear(product, down, down_scale), residual
-    xq, x_scale, residual = fp8_prologue.rms_norm_fp8(x, norm_weight, eps, residual)
-    one = torch.ones((), device=x.device, dtype=torch.float32)
-    product = torch._scaled_mm(xq, gate_up.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # [M, 2I]
-    hq, h_scale = fp8_prologue.silu_mul_fp8(product, x_scale, gate_up_scale.float())
-    return scaled_mm(hq, h_scale, down, down_scale, None, x.dtype).view(*x.shape[:-1], down.shape[0]), residual

@@ -49,16 +49,12 @@ def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, strid
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(x_ptr, rs_ptr, cs_ptr, q_ptr, s_ptr, stride_x, K, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, K, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0)
-    if SCALED:  # an fp8 product's row and column scales, applied and rounded as a row-wise scaled GEMM's output
-        rs = tl.load(rs_ptr + row)
-        gate = (gate.to(tl.float32) * rs * tl.load(cs_ptr + cols, mask=mask, other=0.0)).to(gate.dtype)
-        up = (up.to(tl.float32) * rs * tl.load(cs_ptr + K + cols, mask=mask, other=0.0)).to(up.dtype)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     _store_fp8_row((act * up.to(tl.float32)).to(gate.dtype).to(tl.float32), q_ptr, s_ptr, row, cols, mask, K)
@@ -92,17 +88,12 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return q, scale, (x if residual is None else res_out.view(x.shape))
 
 
-def silu_mul_fp8(x: torch.Tensor, row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., 2K] (gate | up) -> (SiLU(gate) * up as e4m3 [R, K], fp32 scale [R, 1]). With fp32 ``row_scale`` [R, 1]
-    and ``col_scale`` [2K], x is an fp8 product not yet scaled: each element is first x * row_scale * col_scale,
-    rounded to x's dtype."""
+def silu_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2K] (gate | up) -> (SiLU(gate) * up as e4m3 [R, K], fp32 scale [R, 1])."""
     k = x.shape[-1] // 2
     x2 = rows_view(x)
     q, scale = _outputs(x2.shape[0], k, x.device)
-    scaled = row_scale is not None
     if x2.shape[0]:
         block = pow2(k)
-        _silu_mul_fp8_kernel[(x2.shape[0],)](x2, row_scale if scaled else x2, col_scale if scaled else x2, q, scale,
-                                             x2.stride(0), k, SCALED=scaled, BLOCK=block, num_warps=row_warps(block))
+        _silu_mul_fp8_kernel[(x2.shape[0],)](x2, q, scale, x2.stride(0), k, BLOCK=block, num_warps=row_warps(block))
     return q, scale

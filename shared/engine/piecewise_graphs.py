@@ -133,7 +133,9 @@ class PiecewiseGraphs:
             layer = self.layers[i - 1]
             attn, mlp = layer.self_attn, layer.mlp
             x = attn.parallel.all_reduce(project(self.attn[:rows], attn.o_proj))
-            x, residual = mlp(x, self.residual[:rows], layer.post_attention_layernorm)
+            gate_up, residual = norm_project(x, self.residual[:rows], layer.post_attention_layernorm,
+                                             mlp.gate_up_proj)
+            x = mlp(gate_up)
         if i == len(self.layers):
             hidden, _ = self.model.model.norm(x, residual)
             self.hidden[:rows].copy_(hidden)

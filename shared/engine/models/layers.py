@@ -102,16 +102,6 @@ def silu_project(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
     return kernels.silu_mul_linear(x, proj.weight, proj.bias)
 
 
-def norm_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm", gate_up: nn.Module,
-             down: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(down(silu(gate) * up) of gate | up = gate_up(rms_norm(x [+ residual])), the residual stream); a quantized
-    pair as its format runs it (fp8: the first product's scales applied by the SiLU*mul that reads it)."""
-    if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear):
-        return gate_up.mlp_forward(x, residual, norm.weight, norm.eps, down)
-    product, residual = norm_project(x, residual, norm, gate_up)
-    return silu_project(product, down), residual
-
-
 def linear_route(module: nn.Module, suffix: str, rows: slice | None,
                  convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Route | None":

@@ -21,10 +21,10 @@ from kvrelay.shared.engine.models.layers import (
     linear_names,
     linear_route,
     lm_head,
-    norm_mlp,
     norm_project,
     project,
     quant_linear,
+    silu_project,
     vocab_embedding,
 )
 from kvrelay.shared.engine.models.rope import build_cos_sin_cache
@@ -81,10 +81,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = quant_linear(hidden, 2 * intermediate, bias, dtype, quant)  # rows: gate | up
         self.down_proj = quant_linear(intermediate, hidden, bias, dtype, quant)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, hidden], normed (after adding the residual stream) inside gate_up's projection -> [T, hidden]
-        out, residual = norm_mlp(x, residual, norm, self.gate_up_proj, self.down_proj)
-        return self.parallel.all_reduce(out), residual
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [T, 2I], projected by the layer (which fuses its norm into the projection) -> [T, hidden]
+        return self.parallel.all_reduce(silu_project(gate_up, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,7 +102,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = norm_project(x, residual, norm1, attn.qkv_proj)
         x = attn(positions, qkv, kv_cache, meta, cos_sin_cache)
-        return mlp(x, residual, norm2)
+        gate_up, residual = norm_project(x, residual, norm2, mlp.gate_up_proj)
+        return mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

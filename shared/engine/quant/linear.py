@@ -85,12 +85,6 @@ class QuantLinear(nn.Module):
         """self(silu(gate) * up) of x = gate | up; a format may fuse the product into its matmul."""
         return self(kernels.silu_mul(x))
 
-    def mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    down: "QuantLinear") -> tuple[torch.Tensor, torch.Tensor]:
-        """(down(silu(gate) * up) of gate | up = self(rms_norm(x [+ residual])), the residual stream)."""
-        product, residual = self.norm_forward(x, residual, norm_weight, eps)
-        return down.silu_forward(product), residual
-
 
 class ChannelLinear(QuantLinear):
     """int8 (W8A16) or fp8 (e4m3) weight [N, K] with one fp32 scale per output channel."""
@@ -141,15 +135,6 @@ class ChannelLinear(QuantLinear):
         if self.quant.method == "int8":
             return super().silu_forward(x)
         return kernels.silu_mul_fp8_linear(x, self.weight, self.weight_scale, self.bias)
-
-    def mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    down: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.quant.method == "fp8" and isinstance(down, ChannelLinear) and down.quant.method == "fp8"
-                and self.bias is None and down.bias is None):
-            return super().mlp_forward(x, residual, norm_weight, eps, down)
-        # one op: at prefill sizes this product's scales are applied by the SiLU*mul that reads it
-        return kernels.rms_norm_fp8_mlp(x, residual, norm_weight, eps, self.weight, self.weight_scale, down.weight,
-                                        down.weight_scale)
 
     @torch.no_grad()
     def init_dummy(self, seed: int, prefix: str) -> None:
