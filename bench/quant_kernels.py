@@ -22,8 +22,8 @@ dequantized and multiplied in fp16 pairs, split K the same way) are the decode c
 kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at five splits,
 and the table sets the default's time beside the best. ``fp8_gemm`` and ``fp8_gemm_tensor``: cuBLASLt's fp8 GEMM
 alone, row-wise against scalar scales; ``bf16_kn``: ``F.linear`` over the bf16 weight stored as [K, N] (a
-transposed view), the layout under which a dequantized W4 weight's prefill GEMMs ran 7-9% faster than bf16's
-(BENCHMARKS.md, 2026-12-07 19:36) (``--rows 4096,16384 --formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor``).
+transposed view), which ties with [N, K] at prefill sizes (BENCHMARKS.md, 2026-12-07 22:06) (``--rows 4096,16384
+--formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor``).
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
 ``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic --quick``: the W4
@@ -31,10 +31,8 @@ decode comparison (one shape's weights are drawn once, on the GPU, for all its r
 ``--rows 1 --formats w4_gemv_atomic,w4_gemv_h2``: the one-row GEMVs.
 ``--rows 1,4,16 --formats w4_fast,w4_fast64``: the decode sweep that ``default_config``'s tiles and split
 are to be set from.
-``--crossover`` instead times, per shape and row count (``--rows``, default ``CROSSOVER_ROWS``), each weight-only
-format both ways kernels/triton/dequant_linear.py can run it, the fused kernel and the whole weight dequantized then
-``F.linear``, beside bf16 ``F.linear``, and prints one table of speeds relative to bf16 and, per format, the row
-count from which dequantizing wins at every shape: what ``DEQUANT_MIN_ROWS`` is to be set from.
+bench/quant_crossover.py times the weight-only formats' two paths (fused kernel, or dequantize then ``F.linear``)
+against each other on the weights drawn here.
 """
 
 import argparse
@@ -235,6 +233,12 @@ def fp8_mm_forced(x: torch.Tensor, d: dict) -> torch.Tensor:
 _sets: dict[tuple, tuple[dict, list[dict]]] = {}
 
 
+def forget_weights() -> None:
+    """Drop the drawn weights (before the next shape's: one shape's copies fill a good part of the device)."""
+    _sets.clear()
+    torch.cuda.empty_cache()
+
+
 def weight_sets(store: str, k: int, n: int) -> tuple[dict, list[dict]]:
     """(one weight, the copies a replay cycles through, that one first), drawn once per format and shape and
     kept for the other row counts (main runs each shape's row counts together, then drops them)."""
@@ -310,90 +314,22 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     return row
 
 
-CROSSOVER_ROWS = "32,64,128,256,512,1024,2048,8192"
-# int8 per channel; "w4_fast": AWQ / GPTQ repacked at load (kernels/w4_decode.py below the threshold); "w4": the
-# plain W4 layout, GPTQ act-order's whose g_idx scatters groups (kernels/triton/w4a16.py)
-CROSSOVER_FORMATS = ("int8", "w4_fast", "w4")
-
-
-def dispatched(fmt: str, x: torch.Tensor, d: dict, min_rows: int):
-    """The registered op over one weight, as kernels/triton/dequant_linear.py runs it with ``min_rows`` as its
-    threshold: 0 always dequantizes, a huge one never does."""
-    dl = import_module("kvrelay.kernels.triton.dequant_linear")
-
-    def call():
-        before, dl.DEQUANT_MIN_ROWS = dl.DEQUANT_MIN_ROWS, min_rows
-        try:
-            if fmt == "int8":
-                return dl.int8_linear(x, d["w"], d["s"])
-            if fmt == "w4_fast":
-                return dl.w4_packed_linear(x, d["packed"])
-            return dl.w4a16_linear(x, d["w"], d["z"], d["s"], GROUP)
-        finally:
-            dl.DEQUANT_MIN_ROWS = before
-    return call
-
-
-def crossover(rows_list: list[int]) -> list[dict]:
-    """The fused-vs-dequantized table (module docstring): speeds as bf16's time over the path's."""
-    never, always = 1 << 62, 0
-    table: dict[tuple[int, str], dict] = {}
-    for name, (k, n) in SHAPES.items():
-        _sets.clear()
-        torch.cuda.empty_cache()
-        for rows in rows_list:
-            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)).to(torch.bfloat16).cuda()
-            _, bf16 = weight_sets("bf16", k, n)
-            row = table[rows, name] = {"bf16": graph_seconds([lambda d=d, x=x: F.linear(x, d["w"]) for d in bf16])}
-            for fmt in CROSSOVER_FORMATS:
-                one, sets = weight_sets("w4_packed" if fmt == "w4_fast" else fmt, k, n)
-                fused, deq = dispatched(fmt, x, one, never)().float(), dispatched(fmt, x, one, always)().float()
-                err = ((fused - deq).abs().max() / deq.abs().max().clamp_min(1e-6)).item()
-                if err > 0.02:
-                    raise AssertionError(f"{fmt} {name} {rows} rows: the two paths differ by {err:.3g} (relative)")
-                for path, min_rows in (("fused", never), ("deq", always)):
-                    row[fmt, path] = graph_seconds([dispatched(fmt, x, d, min_rows) for d in sets])
-    cols = [(fmt, path) for fmt in CROSSOVER_FORMATS for path in ("fused", "deq")]
-    print("\n| rows | proj | bf16 us | " + " | ".join(f"{f} {p} vs bf16" for f, p in cols) + " |")
-    print("| --- " * (3 + len(cols)) + "|")
-    for (rows, name), r in sorted(table.items(), key=lambda item: item[0][0]):  # shapes in order within a count
-        print(f"| {rows} | {name} | {r['bf16'] * 1e6:.1f} | " + " | ".join(f"{r['bf16'] / r[c]:.2f}x" for c in cols) + " |")
-    # per format: the smallest row count from which dequantizing is faster at every shape and every larger count
-    cut = {}
-    for fmt in CROSSOVER_FORMATS:
-        wins = {rows: all(table[rows, name][fmt, "deq"] < table[rows, name][fmt, "fused"] for name in SHAPES)
-                for rows in rows_list}
-        cut[fmt] = next((rows for rows in sorted(rows_list) if all(wins[r] for r in rows_list if r >= rows)), None)
-    print("| dequantize from | (rows) | - | " + " | ".join(f"{cut[f]}" if p == "deq" else "-" for f, p in cols) + " |")
-    return [{"rows": rows, "proj": name, **{"_".join(c) if isinstance(c, tuple) else c: t * 1e6 for c, t in r.items()}}
-            for (rows, name), r in table.items()]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
-    p.add_argument("--rows", default=None, help=f"row counts (default 1,128,4096; --crossover: {CROSSOVER_ROWS})")
-    p.add_argument("--crossover", action="store_true", help="fused kernels against dequantize + F.linear, one table")
+    p.add_argument("--rows", default="1,128,4096", help="row counts")
     p.add_argument("--formats", default="bf16,fp8_mm,fp8_sk,int8_sk,fp8_wo,int8,w4,w4_fast,w4_fast64")
     p.add_argument("--json", default=None, help="also write every row here")
     args = p.parse_args(argv)
     from kvrelay.bench.gpu_measure import copy_bandwidth
 
     start = time.monotonic()
-    if args.crossover:  # times in us, keyed "bf16" and "<format>_<path>"
-        rows_out = crossover([int(r) for r in (args.rows or CROSSOVER_ROWS).split(",")])
-        print(f"\ncrossover: {time.monotonic() - start:.0f} s")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows_out, f)
-        return
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows_out = []
     for name, (k, n) in SHAPES.items():
-        _sets.clear()
-        torch.cuda.empty_cache()
-        for rows in (int(r) for r in (args.rows or "1,128,4096").split(",")):
+        forget_weights()
+        for rows in (int(r) for r in args.rows.split(",")):
             base = None
             for fmt in args.formats.split(","):
                 r = measure(fmt, name, k, n, rows, bandwidth, args.quick)

@@ -42,7 +42,7 @@ def _min_rows() -> int:
 # Rows from which a weight is dequantized whole. Few rows are bound by reading the weight, where the fused kernels
 # read 4 or 8 bits a weight and the dequantized path reads the packed weight, writes 16 bits and reads them again;
 # many rows are bound by the matmul's arithmetic, where cuBLAS's tiles beat the fused ones and that fixed cost
-# fades. 256 is vLLM's cut-over for AWQ, the starting value: bench/quant_kernels.py --crossover times both
+# fades. 256 is vLLM's cut-over for AWQ, the starting value: bench/quant_crossover.py times both
 # paths at each row count and Llama-3-8B shape, which is what to set it from
 DEQUANT_MIN_ROWS = _min_rows()
 
