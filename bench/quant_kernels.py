@@ -22,8 +22,9 @@ dequantized and multiplied in fp16 pairs, split K the same way) are the decode c
 kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a few tile shapes at five splits,
 and the table sets the default's time beside the best. ``fp8_gemm`` and ``fp8_gemm_tensor``: cuBLASLt's fp8 GEMM
 alone, row-wise against scalar scales; ``bf16_kn``: ``F.linear`` over the bf16 weight stored as [K, N] (a
-transposed view), which ties with [N, K] at prefill sizes (BENCHMARKS.md, 2026-12-07 22:06) (``--rows 4096,16384
---formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor``).
+transposed view), which ties with [N, K] at prefill sizes (BENCHMARKS.md, 2026-12-07 22:06); ``fp8_triton``: the
+same row-wise product through kernels/triton/fp8_gemm.py, its named tile configs swept (``--rows 4096,16384
+--formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor,fp8_triton``).
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
 ``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic --quick``: the W4
@@ -182,7 +183,7 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
     if fmt == "fp8_mm":  # the tensor-core path, whatever the row count
         return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
     if fmt in FP8_GEMM_ALONE:
-        return fp8_gemm_alone(fmt, x, d)
+        return fp8_gemm_alone(fmt, x, d, cfg)
     if fmt.endswith("_sk"):
         return lambda: skinny.scaled_linear(x, d["w"], d["s"], cfg=cfg)
     if fmt in GEMV_CONFIGS:
@@ -198,13 +199,16 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
 # model runs (fp8_gemm), and with both scales one scalar each (fp8_gemm_tensor), which cuBLASLt serves with other
 # kernels than row-wise ("ovscale") ones. Their ratio is what row-wise scaling costs a prefill GEMM; the scalar
 # variant's output is the unscaled product times the scales' products' means, checked against that, not the model.
-FP8_GEMM_ALONE = ("fp8_gemm", "fp8_gemm_tensor")
+FP8_GEMM_ALONE = ("fp8_gemm", "fp8_gemm_tensor", "fp8_triton")
 
 
-def fp8_gemm_alone(fmt: str, x: torch.Tensor, d: dict):
+def fp8_gemm_alone(fmt: str, x: torch.Tensor, d: dict, cfg: str | None = None):
     from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
 
     xq, x_scale = quantize_per_token_fp8(x)
+    if fmt == "fp8_triton":
+        gemm = import_module("kvrelay.kernels.triton.fp8_gemm")
+        return lambda: gemm.fp8_gemm(xq, x_scale, d["w"], d["s"], config=cfg)
     if fmt == "fp8_gemm":
         return lambda: torch._scaled_mm(xq, d["w"].t(), scale_a=x_scale, scale_b=d["s"].view(1, -1).float(),
                                         out_dtype=torch.bfloat16)
@@ -217,7 +221,7 @@ def fp8_gemm_alone_reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor
 
     xq, x_scale = quantize_per_token_fp8(x)
     product = xq.float() @ d["w"].float().t()
-    if fmt == "fp8_gemm":
+    if fmt in ("fp8_gemm", "fp8_triton"):
         return product * x_scale.float() * d["s"].float().view(1, -1)
     return product * x_scale.float().mean() * d["s"].float().mean()
 
@@ -258,7 +262,7 @@ def skipped(fmt: str, rows: int) -> bool:
 
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
     store = {"fp8_mm": "fp8", "fp8_wo": "fp8", "fp8_sk": "fp8", "int8_sk": "int8", "fp8_gemm": "fp8",
-             "fp8_gemm_tensor": "fp8"}.get(fmt, fmt)
+             "fp8_gemm_tensor": "fp8", "fp8_triton": "fp8"}.get(fmt, fmt)
     store = "w4_packed" if fmt in SHARED_W4 else store
     one, sets = weight_sets(store, k, n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k * 7 + n + rows)).to(torch.bfloat16).cuda()
@@ -269,6 +273,8 @@ def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, qu
     if skipped(fmt, rows):
         return row
     tries = [None] if fmt in ("bf16", "bf16_kn", "fp8_mm", *FP8_GEMM_ALONE) else configs(fmt, rows, quick)
+    if fmt == "fp8_triton":  # None: its default, timed beside the best
+        tries = [None, *import_module("kvrelay.kernels.triton.fp8_gemm").CONFIGS]
     if fmt.startswith("w4_fast"):  # what cfg None runs
         w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
         row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)

@@ -9,7 +9,7 @@ a batch-1 decode step (those bytes / the device's copy bandwidth, bench/gpu_meas
 bf16, prefill >= 1.5x bf16, 128 x (32 -> 2,048) >= 16,000 tok/s; awq step >= 70% of its floor.
 A variant ``awq@KERNEL`` runs AWQ with KERNEL from kernels/triton/w4_decode.py's table for its decode rows;
 ``fp8@unfused`` runs fp8 with its activations quantized after the norm and SiLU*mul, not by them
-(kernels/triton/fp8_prologue.py).
+(kernels/triton/fp8_prologue.py); ``fp8@triton`` runs its prefill GEMMs through kernels/triton/fp8_gemm.py.
 """
 
 import argparse
@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import import_module
 
 from kvrelay.shared.config.handover import module_argv
 
@@ -40,6 +41,8 @@ def child(args: argparse.Namespace) -> dict:
         from kvrelay.kernels.triton import fp8_prologue
 
         fp8_prologue.fits = lambda x, cols: False
+    elif method == "fp8" and decode_kernel == "triton":  # by module path: the package's name is the function
+        import_module("kvrelay.kernels.triton.fp8_linear").PREFILL_GEMM = "triton"
     elif decode_kernel:  # "awq@w4_gemv": the W4 decode kernel of kernels/triton/w4_decode.py's table to run
         from kvrelay.kernels.triton import w4_decode
 

@@ -2,6 +2,11 @@
 
 ``register_all()`` installs them into the dispatcher (kernels/registry.py); call it once on a CUDA machine where ``triton``
 imports. Tests call the module functions directly (also on CPU under ``TRITON_INTERPRET=1``).
+
+The names imported below shadow their modules: ``kvrelay.kernels.triton.rms_norm`` (and fp8_linear, silu_mul,
+layer_norm, gelu, copy_blocks, paged_attention, write_kv) is the function once this package has loaded. Code that
+sets a kernel module's constant must take the module from ``importlib.import_module("kvrelay.kernels.triton.X")``;
+an attribute set on the function changes nothing.
 """
 
 from kvrelay.kernels import sdpa_prefill

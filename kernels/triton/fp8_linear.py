@@ -6,15 +6,20 @@ to bf16 would be a second, larger error than the fp8 one it asked for.
 Compute capability >= 8.9 is
 checked before a model loads (shared/engine/quant/config.py); shapes cuBLASLt's FP8 path refuses (K or N
 not a multiple of 16) take the dequantizing reference.
+
+``PREFILL_GEMM``: who multiplies prefill-sized rows. "cublaslt" (``torch._scaled_mm``) or "triton"
+(kernels/triton/fp8_gemm.py, both scales in its epilogue); ``bench quant --variants fp8,fp8@triton`` compares them.
 """
 
 import torch
 
 from kvrelay.kernels import quant
-from kvrelay.kernels.triton import fp8_prologue, skinny_linear
+from kvrelay.kernels.triton import fp8_gemm, fp8_prologue, skinny_linear
 from kvrelay.kernels.triton.fp8_quant import quantize_per_token_fp8
 from kvrelay.kernels.triton.rms_norm import rms_norm
 from kvrelay.kernels.triton.silu_mul import silu_mul
+
+PREFILL_GEMM = "cublaslt"
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -43,6 +48,8 @@ def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
         one = torch.ones((), device=xq.device, dtype=torch.float32)
         y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         y = y * x_scale * scale.view(1, n).float()  # [M, N] * [M, 1] * [1, N]
+    elif PREFILL_GEMM == "triton" and fp8_gemm.fits(xq, weight):
+        y = fp8_gemm.fp8_gemm(xq, x_scale, weight, scale, dtype)
     else:
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, n).float(),
                              out_dtype=torch.bfloat16)
