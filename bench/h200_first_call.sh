@@ -11,7 +11,8 @@
 #   sweep:   the one-row W4 GEMVs' tile sweep (SWEEP_FORMATS, default w4_gemv_atomic,w4_gemv_h2) (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
 #   fp8gemm: kernels/triton/fp8_gemm.py (issue #27's fp8 prefill): its GPU test, its configs against cuBLASLt's row-wise
 #            and scalar-scale GEMMs at GEMM_ROWS, then `bench quant --variants FP8_GEMM_VARIANTS` (default
-#            fp8,fp8@triton,bf16: the model's prefill with each GEMM, bf16 as the 1.5x target's base), ~6 min;
+#            fp8,fp8@triton,bf16: the model's prefill with each GEMM, bf16 as the 1.5x target's base; FP8_GEMM_ARGS=--throughput
+#            adds 128 x (32 -> 2,048)), ~6 min;
 #   handoff: the handoff trace (issue #23 item 4; TRACE_TOKENS, TRACE_S) and, unless HANDOFF=0, `bench handoff
 #            --sections cuda` on the same sizes, so the trace sits beside the table it explains (~3 min).
 . bench/h200_setup.sh || exit 1
@@ -60,7 +61,7 @@ for section in ${SECTIONS:-quant handoff}; do
       --json "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1
     echo "fp8 gemm rc $?"; grep '^|\|refused\|wrong' "$OUT/fp8_gemm.txt" | cut -c1-220 | tail -30
     timeout 300 python3 -m kvrelay.cli bench quant --variants ${FP8_GEMM_VARIANTS:-fp8,fp8@triton,bf16} --prompts 32 \
-      --len 4096 > "$OUT/fp8_gemm_quant.txt" 2>&1
+      --len 4096 ${FP8_GEMM_ARGS:-} > "$OUT/fp8_gemm_quant.txt" 2>&1
     echo "fp8 gemm quant rc $?"; tail -8 "$OUT/fp8_gemm_quant.txt" ;;
   sweep)
     timeout "${SWEEP_S:-150}" python3 -m kvrelay.bench.quant_kernels --rows 1 --formats ${SWEEP_FORMATS:-w4_gemv_atomic,w4_gemv_h2} \
