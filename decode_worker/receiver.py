@@ -28,6 +28,7 @@ class HandoffReceiver(KVInbox):
         self.max_per_peer = max_per_peer
         self.accepting = True  # False while the worker drains: no new grants, granted KV still taken
         self.quota = TenantQuota()
+        self.on_granted: Callable[[str], None] = lambda reply_addr: None  # the worker opens that gateway's connection
 
     def poll(self, timeout_ms: int, admit) -> int:
         self.quota.new_round()
@@ -42,6 +43,8 @@ class HandoffReceiver(KVInbox):
         answer = self._reserve(req, pending, from_peer)
         if isinstance(answer, str) and not isinstance(answer, Busy):
             self.quota.leave(req)  # refused for good: it will not ask here again
+        elif isinstance(answer, Reservation) and req.reply_addr:
+            self.on_granted(req.reply_addr)
         return answer
 
     def _reserve(self, req: HandoffRequest, pending: int, from_peer: int) -> Reservation | str:

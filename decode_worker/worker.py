@@ -68,6 +68,7 @@ class DecodeWorker:
                                         bulk=self.bulk)
         self.receiver.quota.on_wait, self.receiver.quota.on_grant = self._quota_wait, self._quota_grant
         self.receiver.held.on_end = self._held_ask_ended
+        self.receiver.on_granted = self.runtime.events.dial
         self._live_askers: tuple[float, set[str]] = (0.0, set())
         self.inflight = Lifecycle(self.runtime, worker_id=config.worker_id)
 

@@ -26,7 +26,8 @@ def request_for(t: Transfer, kv: EngineKV, transports: list[Transport], requeste
     return HandoffRequest(request_id=t.job.request_id, model=t.job.model, num_tokens=len(t.job.prompt_token_ids),
                           block_size=kv.block_size, kv_dtype=DTYPE_NAMES[kv.kv_cache.dtype], device_uuid=locality,
                           requester=requester, hold_s=hold_s, kv_scales=kv.scales_digest, ask=t.ask,
-                          tenant=t.job.tenant, early=not t.computed, block_hashes=t.block_hashes)
+                          tenant=t.job.tenant, early=not t.computed, block_hashes=t.block_hashes,
+                          reply_addr=t.job.reply_addr)
 
 
 def offered_hashes(t: Transfer, kv: EngineKV) -> list[int]:

@@ -76,6 +76,10 @@ class HandoffRequest:
     # decode worker grants only the blocks past those it already holds (HandoffGrant.cached_blocks). Sent only
     # by an unsharded sender. Ignorable: a decode worker that does not reuse KV grants every block, as ever
     block_hashes: list[int] = field(default_factory=list, metadata=IGNORABLE)
+    # the job's gateway (Job.reply_addr): the decode worker opens its event connection there when it grants, so
+    # that the first event it sends after the KV lands does not wait on a TCP and CURVE handshake that its ack
+    # does not wait on (shared/wire/rerun.py). Ignorable: the connection opens with the first event, as ever
+    reply_addr: str = field(default="", metadata=_IGNORABLE_ID)
     protocol: int = protocol_field()  # the asker's wire protocol version: one too far apart is refused
 
     def check(self) -> None:

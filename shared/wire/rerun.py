@@ -2,7 +2,7 @@
 
 A decode worker tells the gateway it holds a request (an event naming it) before it acks the KV to the
 prefill worker, and the prefill worker names it again on the ack (the decode worker's event may still be
-queued behind its connection's handshake), so that the gateway knows whose heartbeat to watch should it die
+queued behind its connection's handshake, though it opens that connection when it grants), so that the gateway knows whose heartbeat to watch should it die
 right after the ack. If
 it dies between the two, both sides see it go: the gateway (the holder its events named is gone) queues
 the job again from its prompt, and the prefill worker (its transfer never acked: ``target_lost``) hands

@@ -34,6 +34,11 @@ class EventSink:
     def add(self, reply_addr: str, event: TokenEvent) -> None:
         self.pending.setdefault(reply_addr, []).append(event)
 
+    def dial(self, reply_addr: str) -> None:
+        """Opens the connection to a gateway that events are about to go to, so the first of them does not
+        wait on the handshake while messages on connections already up overtake it."""
+        self._socket(reply_addr)
+
     def flush(self) -> None:
         now = time.time()
         for addr, events in self.pending.items():

@@ -53,3 +53,30 @@ def test_a_gateway_that_never_reads_blocks_no_flush_and_others_get_every_event()
         stuck.close()
         live.close()
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_dial_connects_before_the_first_event():
+    """A decode worker dials a job's gateway when it grants the KV: by the time the first event goes, the
+    handshake is done, so an ack on a connection already up cannot overtake it (shared/wire/rerun.py)."""
+    ctx = zmq.Context()
+    gateway, addr = pull(ctx)
+    sink = EventSink(ctx, curve=CURVE)
+    try:
+        sink.dial(addr)
+        deadline = time.monotonic() + 30
+        while not sink.reached(addr) and time.monotonic() < deadline:
+            sink.take_lost()  # reads the connection's monitor events
+            time.sleep(0.01)
+        assert sink.reached(addr)
+        assert not gateway.poll(0)  # dialing sends nothing
+        sink.add(addr, TokenEvent(request_id="r", token_ids=[7], output_index=1))
+        sink.flush()
+        assert gateway.poll(5000)
+        assert [e.token_ids for e in decode(gateway.recv(), TokenBatch).events] == [[7]]
+        sink.dial(addr)  # already open: the same connection
+        assert len(sink.sockets) == 1
+    finally:
+        sink.close()
+        gateway.close()
+        ctx.term()
