@@ -9,7 +9,7 @@
 #   gemm:    the prefill GEMMs alone at GEMM_ROWS (default 4,096 and 16,384) rows (bench/quant_kernels.py): cuBLASLt's fp8 with row-wise
 #            scales against scalar ones (what row-wise costs), bf16 weights as [N, K] and as [K, N], ~1 min;
 #   sweep:   the one-row W4 GEMVs' tile sweep (SWEEP_FORMATS, default w4_gemv_atomic,w4_gemv_h2) (bench/quant_kernels.py; at most SWEEP_S, default 150 s);
-#   fp8gemm: kernels/triton/fp8_gemm.py (issue #27's fp8 prefill): its GPU test, its configs against cuBLASLt's row-wise
+#   fp8gemm: kernels/triton/fp8_gemm.py (issue #27's fp8 prefill): its GPU test, its configs (and on bf16, against cuBLAS) against cuBLASLt's row-wise
 #            and scalar-scale GEMMs at GEMM_ROWS, then `bench quant --variants FP8_GEMM_VARIANTS` (default
 #            fp8,fp8@triton,bf16: the model's prefill with each GEMM, bf16 as the 1.5x target's base; FP8_GEMM_ARGS=--throughput
 #            adds 128 x (32 -> 2,048)), ~6 min;
@@ -57,7 +57,7 @@ for section in ${SECTIONS:-quant handoff}; do
   fp8gemm)
     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fp8_gemm_gpu.py > "$OUT/fp8_gemm_tests.txt" 2>&1
     echo "fp8 gemm tests rc $?"; tail -4 "$OUT/fp8_gemm_tests.txt"
-    timeout 200 python3 -m kvrelay.bench.quant_kernels --rows ${GEMM_ROWS:-4096,16384} --formats fp8_gemm,fp8_gemm_tensor,fp8_triton \
+    timeout 240 python3 -m kvrelay.bench.quant_kernels --rows ${GEMM_ROWS:-4096,16384} --formats bf16,bf16_triton,fp8_gemm,fp8_gemm_tensor,fp8_triton \
       --json "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1
     echo "fp8 gemm rc $?"; grep '^|\|refused\|wrong' "$OUT/fp8_gemm.txt" | cut -c1-220 | tail -30
     timeout 300 python3 -m kvrelay.cli bench quant --variants ${FP8_GEMM_VARIANTS:-fp8,fp8@triton,bf16} --prompts 32 \

@@ -23,8 +23,10 @@ kernels/triton/w4_decode.py's table; each tries its default (cfg ``null``) and a
 and the table sets the default's time beside the best. ``fp8_gemm`` and ``fp8_gemm_tensor``: cuBLASLt's fp8 GEMM
 alone, row-wise against scalar scales; ``bf16_kn``: ``F.linear`` over the bf16 weight stored as [K, N] (a
 transposed view), which ties with [N, K] at prefill sizes (BENCHMARKS.md, 2026-12-07 22:06); ``fp8_triton``: the
-same row-wise product through kernels/triton/fp8_gemm.py, its named tile configs swept (``--rows 4096,16384
---formats bf16,bf16_kn,fp8_gemm,fp8_gemm_tensor,fp8_triton``).
+same row-wise product through kernels/triton/fp8_gemm.py, its named tile configs swept; ``bf16_triton``: that
+kernel's schedule on the bf16 weight (K tiles halved, unit scales), against cuBLAS's bf16 GEMM: whether a Triton
+GEMM with a fused epilogue could take cuBLAS's place at prefill sizes (``--rows 4096,16384
+--formats bf16,bf16_kn,bf16_triton,fp8_gemm,fp8_gemm_tensor,fp8_triton``).
 
 ``python -m kvrelay.bench.quant_kernels`` on a CUDA machine; ``--quick`` sweeps fewer configurations.
 ``--rows 1,4,16 --formats bf16,w4_fast,w4_gemv,w4_gemv_atomic --quick``: the W4
@@ -40,6 +42,7 @@ import argparse
 import itertools
 import json
 import time
+from dataclasses import replace
 from importlib import import_module
 
 import torch
@@ -94,7 +97,7 @@ def reference(fmt: str, x: torch.Tensor, d: dict) -> torch.Tensor:
     if fmt == "fp8_mm":
         return quant.fp8_linear_w8a8(x.float(), d["w"], d["s"])
     x = x.float()
-    if fmt in ("bf16", "bf16_kn"):
+    if fmt in ("bf16", "bf16_kn", "bf16_triton"):
         return F.linear(x, d["w"].float())
     if fmt.startswith("w4"):
         d = d.get("unpacked", d)
@@ -180,6 +183,11 @@ def kernel_call(fmt: str, x: torch.Tensor, d: dict, rows: int, cfg: tuple | None
     gemv = rows <= w4a16.GEMV_MAX_ROWS
     if fmt in ("bf16", "bf16_kn"):
         return lambda: F.linear(x, d["w"])
+    if fmt == "bf16_triton":
+        gemm = import_module("kvrelay.kernels.triton.fp8_gemm")
+        ones_m = torch.ones(x.shape[0], device=x.device)
+        ones_n = torch.ones(d["w"].shape[0], device=x.device)
+        return lambda: gemm.fp8_gemm(x, ones_m, d["w"], ones_n, config=cfg)
     if fmt == "fp8_mm":  # the tensor-core path, whatever the row count
         return lambda: fp8_linear.fp8_linear(x, d["w"], d["s"]) if rows > 1 else fp8_mm_forced(x, d)
     if fmt in FP8_GEMM_ALONE:
@@ -262,19 +270,23 @@ def skipped(fmt: str, rows: int) -> bool:
 
 def measure(fmt: str, name: str, k: int, n: int, rows: int, bandwidth: float, quick: bool) -> dict:
     store = {"fp8_mm": "fp8", "fp8_wo": "fp8", "fp8_sk": "fp8", "int8_sk": "int8", "fp8_gemm": "fp8",
-             "fp8_gemm_tensor": "fp8", "fp8_triton": "fp8"}.get(fmt, fmt)
+             "fp8_gemm_tensor": "fp8", "fp8_triton": "fp8", "bf16_triton": "bf16"}.get(fmt, fmt)
     store = "w4_packed" if fmt in SHARED_W4 else store
     one, sets = weight_sets(store, k, n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k * 7 + n + rows)).to(torch.bfloat16).cuda()
     floor_us = nbytes(one) / bandwidth * 1e6
     row = {"fmt": fmt, "proj": name, "rows": rows, "weight_mb": nbytes(one) / 1e6, "floor_us": floor_us}
     expected = (fp8_gemm_alone_reference(fmt, x, one) if fmt in FP8_GEMM_ALONE else
-                reference(fmt if fmt in ("bf16", "bf16_kn", "fp8_mm") or fmt.startswith("w4") else store, x, one))
+                reference(fmt if fmt in ("bf16", "bf16_kn", "bf16_triton", "fp8_mm") or fmt.startswith("w4") else store,
+                          x, one))
     if skipped(fmt, rows):
         return row
     tries = [None] if fmt in ("bf16", "bf16_kn", "fp8_mm", *FP8_GEMM_ALONE) else configs(fmt, rows, quick)
     if fmt == "fp8_triton":  # None: its default, timed beside the best
         tries = [None, *import_module("kvrelay.kernels.triton.fp8_gemm").CONFIGS]
+    elif fmt == "bf16_triton":  # two-byte tiles: half the K tile keeps the same shared memory
+        gemm_configs = import_module("kvrelay.kernels.triton.fp8_gemm").CONFIGS.values()
+        tries = list(dict.fromkeys(replace(c, block_k=c.block_k // 2) for c in gemm_configs))
     if fmt.startswith("w4_fast"):  # what cfg None runs
         w4_fast = import_module("kvrelay.kernels.triton.w4_fast")
         row["default_cfg"] = w4_fast.default_config(rows, n, k // one["packed"].tile_k, x.device)

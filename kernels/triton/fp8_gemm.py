@@ -89,7 +89,8 @@ def fits(xq: torch.Tensor, weight: torch.Tensor) -> bool:
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig | str | None = None) -> torch.Tensor:
     """xq [M, K] e4m3 with fp32 row scales x_scale [M, 1] or [M] @ weight [N, K] e4m3 with fp32 scales [N]
-    -> [M, N] in out_dtype (bf16 or fp16)."""
+    -> [M, N] in out_dtype (bf16 or fp16). bf16 operands run the same schedule (bench/quant_kernels.py's
+    ``bf16_triton`` sets it beside cuBLAS's bf16 GEMM), at half the K tile for the same shared memory."""
     m, k = xq.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
